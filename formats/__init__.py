@@ -1,0 +1,1 @@
+"""File formats: KDTR (``formats.kdtr``), its HDF5 bridge (``formats.hdf5``), the inspector."""

@@ -1,0 +1,108 @@
+"""The one place that knows how numba.cuda runs here.  Every kernel module imports it first.
+
+Three jobs (see ../shared/notes/numba-cuda.md):
+
+1. numba-cuda 0.30.4 calls ``np.row_stack`` while compiling, and numpy >= 2.5 removed it.
+   The H200 image ships numpy 2.5, so without the alias below every first kernel compile
+   dies with ``AttributeError``.  The simulator never compiles, so only a GPU run shows it.
+2. Tell the three places code can run apart: a real GPU, the CUDA simulator
+   (``NUMBA_ENABLE_CUDASIM=1``, what CI uses), or neither.
+3. Keep compilation out of import time: ``kernel`` never takes an eager signature, so importing
+   a kernel module on a machine without a GPU cannot raise ``CudaSupportError``; and it drops
+   the ``jit`` options that the simulator rejects with ``TypeError``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls it
+    np.row_stack = np.vstack
+
+from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
+
+__all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_kernels",
+           "kernel", "device_function", "to_device", "is_device_array", "NoDeviceError"]
+
+SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+# jit options the simulator rejects with TypeError (lineinfo, register caps, launch bounds).
+_SIM_UNSUPPORTED = ("lineinfo", "max_registers", "launch_bounds", "cache")
+
+
+class NoDeviceError(RuntimeError):
+    """A numba kernel was called on a machine with neither a GPU nor the CUDA simulator."""
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """True only for a real CUDA device (never under the simulator)."""
+    if SIMULATOR:
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # a broken driver install is "no GPU", not a crash at import
+        return False
+
+
+def kernels_runnable() -> bool:
+    """True where numba kernels can be launched: a GPU or the simulator."""
+    return SIMULATOR or gpu_available()
+
+
+def require_kernels() -> None:
+    if not kernels_runnable():
+        raise NoDeviceError(
+            "numba.cuda kernels need a CUDA GPU; none was found. Use the NumPy reference "
+            "(backend='reference') or set NUMBA_ENABLE_CUDASIM=1 before importing numba "
+            "to run the kernels under the CUDA simulator (slow, tiny shapes only).")
+
+
+def _filter_options(options: dict) -> dict:
+    if SIMULATOR:
+        return {k: v for k, v in options.items() if k not in _SIM_UNSUPPORTED}
+    return options
+
+
+def kernel(fn=None, **options):
+    """``cuda.jit`` for a kernel, always lazily compiled (no signature, nothing at import)."""
+    options.setdefault("fastmath", False)  # the tree builder's bit-exactness depends on it
+    if fn is None:
+        return lambda f: cuda.jit(**_filter_options(options))(f)
+    return cuda.jit(**_filter_options(options))(fn)
+
+
+def device_function(fn=None, **options):
+    """``cuda.jit(device=True)``, inlined where the compiler sees fit."""
+    options["device"] = True
+    return kernel(fn, **options)
+
+
+def is_device_array(x) -> bool:
+    """A numba device array or any object exposing ``__cuda_array_interface__`` (CuPy)."""
+    return cuda.is_cuda_array(x) if not SIMULATOR else cuda.devicearray.is_cuda_ndarray(x)
+
+
+def to_device(x, stream=0):
+    """A numba device view of ``x`` without a host round trip for device inputs.
+
+    NumPy arrays are copied to the device; numba device arrays pass through; CuPy arrays (or any
+    ``__cuda_array_interface__`` object) are wrapped zero-copy.
+    """
+    require_kernels()
+    if SIMULATOR:
+        if cuda.devicearray.is_cuda_ndarray(x):
+            return x
+        return cuda.to_device(np.ascontiguousarray(x), stream=stream)
+    if cuda.devicearray.is_cuda_ndarray(x):
+        return x
+    if cuda.is_cuda_array(x):
+        return cuda.as_cuda_array(x)
+    return cuda.to_device(np.ascontiguousarray(x), stream=stream)
+
+
+def device_empty(shape, dtype, stream=0):
+    require_kernels()
+    return cuda.device_array(shape, dtype=dtype, stream=stream)

@@ -1,0 +1,42 @@
+"""Shared test setup: Hypothesis profiles, the ``gpu`` marker, the simulator switch.
+
+CI runs the suite with ``NUMBA_ENABLE_CUDASIM=1`` so numba kernels execute in the CUDA simulator
+(semantics only, tiny shapes).  Tests marked ``gpu`` need a real device and are skipped otherwise;
+they run on the lent H200 with ``HYPOTHESIS_PROFILE=gpu python -m pytest -m gpu``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from kdtree_numba import compat
+
+# ci: bounded and derandomized, so a red CI is reproducible and CI time is predictable.
+settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("gpu", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if compat.gpu_available():
+        return
+    why = ("no CUDA GPU here (simulator)" if compat.SIMULATOR else "no CUDA GPU here")
+    skip_gpu = pytest.mark.skip(reason=why)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def needs_kernels():
+    """Skip a numba-kernel test where neither a GPU nor the simulator can run it."""
+    if not compat.kernels_runnable():
+        pytest.skip("numba kernels need a GPU or NUMBA_ENABLE_CUDASIM=1")
