@@ -23,7 +23,9 @@ _OTHER_FORMATS = [
     (b"GGUF", "a GGUF file"),
     (b"PK\x03\x04", "a zip archive (a PyTorch checkpoint?)"),
     (b"\x80\x02", "a pickle stream (never loaded)"),
+    (b"\x80\x03", "a pickle stream (never loaded)"),
     (b"\x80\x04", "a pickle stream (never loaded)"),
+    (b"\x80\x05", "a pickle stream (never loaded)"),
     (b"\x93NUMPY", "a NumPy .npy file"),
 ]
 
@@ -59,7 +61,9 @@ def _first(mask: np.ndarray) -> int | None:
 def read_into(file, path: str) -> None:
     """Parse ``path`` into ``file``'s node tables (see ``kdtr.File``)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever);
+        # it changes nothing for a regular file.  O_NOCTTY: a terminal never becomes ours.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except IsADirectoryError:
         raise _error("K058", f"{path!a} is a directory") from None
     try:
@@ -200,19 +204,21 @@ def _check_nodes(nodes: np.ndarray, p: dict) -> None:
     if bad is not None:
         raise _error("K029", f"dims {dims[bad][:ndim[bad]].tolist()} (each <= 2**48, unused "
                              "slots zero)", f"node #{ds[bad]}")
-    # Size arithmetic: an estimate in float64 screens out overflow, exact ints confirm.
-    used = np.where(unused, 1, dims).astype(np.float64)
+    # Size arithmetic: an estimate in float64 screens out overflow, exact ints confirm.  Zero
+    # dims count as 1 and int4 as a byte: NumPy must be able to describe every accepted shape,
+    # empty or not (it rejects an empty shape whose non-zero dims overflow), unpacked or not.
+    used = np.where(unused | (dims == 0), 1, dims).astype(np.float64)
     itemsize = np.array([BY_CODE[int(c)].storage.itemsize for c in range(256) if c in BY_CODE])
     item = np.zeros(256, np.float64)
     item[sorted(BY_CODE)] = itemsize
     est = used.prod(axis=1) * item[codes]
     for k in np.flatnonzero(est > float(L.MAX_TENSOR_BYTES) * 0.5).tolist():
         shape = [int(d) for d in dims[k][:ndim[k]]]
-        exact = BY_CODE[int(codes[k])].nbytes(int(np.prod(shape, dtype=object)))
+        exact = int(np.prod([max(d, 1) for d in shape], dtype=object)) * int(item[codes[k]])
         if exact > L.MAX_TENSOR_BYTES:
             raise _error("K030", f"shape {shape} of {BY_CODE[int(codes[k])].name} needs {exact} "
                                  "bytes", f"node #{ds[k]}")
-    count = used.astype(np.uint64).prod(axis=1)  # every product is now known to fit
+    count = np.where(unused, 1, dims).astype(np.uint64).prod(axis=1)  # known to fit now
     int4 = codes == 16
     if int4.any():
         last = dims[np.arange(ds.size), np.maximum(ndim - 1, 0)]
@@ -295,7 +301,7 @@ def _build_tree(file, nodes: np.ndarray, strings: bytes) -> None:
         check_name(name, path)
         depth[i] = depth[parent] + 1
         if depth[i] > L.MAX_DEPTH or len(path.encode("utf-8")) - 1 > L.MAX_PATH_BYTES:
-            raise _error("K042", f"depth {depth[i]}, {len(path.encode())} bytes", path[:200])
+            raise _error("K042", f"depth {depth[i]}, {len(path.encode()) - 1} bytes", path[:200])
         siblings = children[parent]
         if name in siblings:
             raise _error("K043", f"{name!a} appears twice", path)

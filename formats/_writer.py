@@ -20,11 +20,15 @@ _CHUNK = 64 << 20
 def _check_shape(dt: DType, shape: tuple[int, ...], where: str) -> int:
     if len(shape) > L.MAX_NDIM:
         raise ValueError(f"{where!r}: {len(shape)} dimensions (KDTR allows {L.MAX_NDIM})")
-    count = 1
+    count = nonzero = 1
     for d in shape:
         if not 0 <= d <= L.MAX_DIM:
             raise ValueError(f"{where!r}: dimension {d} outside [0, 2**48]")
         count *= d
+        nonzero *= max(d, 1)
+    if nonzero * dt.storage.itemsize > L.MAX_TENSOR_BYTES:  # the reader's K030
+        raise ValueError(f"{where!r}: shape {shape} exceeds the tensor size limit "
+                         "(zero dims count as 1)")
     if dt.packed and (not shape or shape[-1] % 2):
         raise ValueError(f"{where!r}: int4 needs a last dimension that fills whole bytes (even); "
                          f"got shape {shape}")
@@ -163,7 +167,14 @@ def finish(file) -> None:
     out.flush()
     os.fsync(out.fileno())
     out.close()
-    os.replace(file._tmp_path, file._path)
+    if file._mode == "x":  # link(2) refuses an existing target: no race with another creator
+        try:
+            os.link(file._tmp_path, file._path)
+        except FileExistsError:
+            raise FileExistsError(f"{file._path!r} was created by someone else while writing") from None
+        os.unlink(file._tmp_path)
+    else:
+        os.replace(file._tmp_path, file._path)
     try:  # make the rename itself durable
         dir_fd = os.open(os.path.dirname(os.path.abspath(file._path)), os.O_RDONLY)
         try:

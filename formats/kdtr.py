@@ -44,6 +44,9 @@ class KdtrError(ValueError):
         where = f" at {node!a}" if node is not None else ""
         super().__init__(f"{code} {self.rule}{where}: {detail}")
 
+    def __reduce__(self):  # copy and process pools rebuild exceptions from this
+        return type(self), (self.code, self.detail, self.node)
+
 
 _BAD_NAME_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f/]")
 
@@ -52,7 +55,10 @@ def check_name(name: str, where: str) -> None:
     """The name rules of FORMAT.md (shared by reader and writer, so we never write what we reject)."""
     if not isinstance(name, str):
         raise TypeError(f"names are str, got {type(name).__name__}")
-    raw = name.encode("utf-8", "surrogatepass")
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: not storable as strict UTF-8
+        raise KdtrError("K039", f"name {name!a} is not valid UTF-8: {e.reason}", where) from None
     if name in ("", ".", "..") or _BAD_NAME_CHARS.search(name):
         raise KdtrError("K040", f"name {name!a} is empty, '.', '..', or holds '/' or a "
                                 f"control character", where)
@@ -78,9 +84,9 @@ def _encode_attr(value: Any) -> tuple[int, bytes]:
     if isinstance(value, (float, np.floating)):
         return L.ATTR_FLOAT, struct.pack("<d", float(value))
     if isinstance(value, str):
-        return L.ATTR_STR, value.encode("utf-8")
+        return L.ATTR_STR, _utf8(value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        enc = [v.encode("utf-8") for v in value]
+        enc = [_utf8(v) for v in value]
         return L.ATTR_STRLIST, (struct.pack(f"<I{len(enc)}I", len(enc), *map(len, enc))
                                 + b"".join(enc))
     if isinstance(value, (list, tuple)) and not value:
@@ -94,6 +100,13 @@ def _encode_attr(value: Any) -> tuple[int, bytes]:
     data = np.ascontiguousarray(arr.astype(dt.storage, copy=False)).tobytes()
     head = struct.pack("<BB6x", dt.code, arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape)
     return L.ATTR_ARRAY, head + data
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate has no UTF-8 form
+        raise KdtrError("K055", f"{text!a} cannot be stored as UTF-8: {e.reason}") from None
 
 
 def _decode_attr(kind: int, raw: bytes, where: str) -> Any:
@@ -148,11 +161,14 @@ def _decode_attr(kind: int, raw: bytes, where: str) -> Any:
             raise KdtrError("K050", f"array value of {n} bytes cannot hold {ndim} dims", where)
         shape = struct.unpack_from(f"<{ndim}Q", raw, L.ARRAY_ATTR_HEAD)
         dt = BY_CODE[code]
-        count = 1
+        count = nonzero = 1
         for d in shape:  # bounded: the value is <= 64 KiB, so any real shape is small
             if d > L.MAX_DIM:
                 raise KdtrError("K053", f"dimension {d} out of range", where)
             count *= d
+            nonzero *= max(d, 1)
+        if nonzero * BY_CODE[code].storage.itemsize > L.MAX_TENSOR_BYTES:
+            raise KdtrError("K053", f"shape {shape} cannot be described (even empty)", where)
         if dt.packed:
             raise KdtrError("K053", "packed int4 is not allowed in attributes", where)
         if head + dt.nbytes(count) != n:
@@ -466,7 +482,7 @@ class File(Group):
                  align_log2: int = L.DEFAULT_ALIGN_LOG2):
         self._path = os.fspath(path)
         self._mode = mode
-        self._closed = False
+        self._closed = True  # until fully opened: __del__ must not clean up a half-built File
         self._names: list[str] = [""]
         self._paths: list[str] = ["/"]
         self._parents: list[int] = [L.NO_PARENT]
@@ -493,6 +509,7 @@ class File(Group):
         else:
             raise ValueError(f"mode must be 'r', 'w' or 'x', not {mode!r}")
         super().__init__(self, 0)
+        self._closed = False
 
     # ---- h5py-style housekeeping
     @property
@@ -579,8 +596,8 @@ class File(Group):
         path = (parent_path.rstrip("/") + "/" + name)
         check_name(name, path)
         if len(path.encode("utf-8")) - 1 > L.MAX_PATH_BYTES or path.count("/") > L.MAX_DEPTH:
-            raise KdtrError("K042", f"path of {len(path.encode())} bytes, depth {path.count('/')}",
-                            path)
+            raise KdtrError("K042", f"path of {len(path.encode()) - 1} bytes, depth "
+                                    f"{path.count('/')}", path)
         if len(self._paths) >= L.MAX_NODES:
             raise ValueError(f"a KDTR file holds at most {L.MAX_NODES} nodes")
         index = len(self._paths)
