@@ -167,6 +167,9 @@ def finish(file) -> None:
     out.flush()
     os.fsync(out.fileno())
     out.close()
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file._tmp_path, 0o666 & ~umask)  # mkstemp made it 0600; give it a normal file's mode
     if file._mode == "x":  # link(2) refuses an existing target: no race with another creator
         try:
             os.link(file._tmp_path, file._path)

@@ -289,7 +289,6 @@ class KdtrSource(Source):
         self.file = kdtr.File(path)
         pre = np.fromfile(path, dtype=L.PREAMBLE_DTYPE, count=1)[0]
         self.version = f"{int(pre['major'])}.{int(pre['minor'])}"
-        self.align = 1 << int(pre["align_log2"])
 
     def entries(self) -> list[Entry]:
         """Depth first, each group's members in insertion order.  Reads the node table that
@@ -341,15 +340,16 @@ class Hdf5Source(Source):
         self.version = f"superblock {plist.get_version()[0]}"
 
     def entries(self) -> list[Entry]:
-        from .hdf5 import walk, read_attrs
+        from h5py import h5o
         from .hdf5 import H5Node, walk
         root = self.file["/"]
-        out = [Entry("/", "group", attr_count=_h5_attr_count(root), source=self,
-                     handle=H5Node("/", "group", obj=root))]
+        root_node = H5Node("/", "group", obj=root, num_attrs=h5o.get_info(root.id).num_attrs)
+        out = [Entry("/", "group", attr_count=_h5_attr_count(root_node), source=self,
+                     handle=root_node)]
         for node in walk(self.file, strict=False):
             out.append(Entry(node.path, node.kind, node.type_name,
                              node.shape if node.shape is not None else node.stored_shape,
-                             node.nbytes, _h5_attr_count(node.obj) if node.obj else 0,
+                             node.nbytes, _h5_attr_count(node),
                              target=node.target, source=self, handle=node,
                              decodable=node.kind == "dataset" and node.dtype is not None))
         return out
@@ -371,7 +371,7 @@ class Hdf5Source(Source):
                 skipped += 1
                 continue
             try:
-                for block in e.tensor.blocks(STATS_CHUNK_BYTES):
+                for block in e.tensor.blocks(STATS_CHUNK_BYTES // 8):
                     done += block.nbytes
                     progress(done, total)
             except KdtrError:
@@ -387,10 +387,12 @@ class Hdf5Source(Source):
         self.file.close()
 
 
-def _h5_attr_count(obj) -> int:
+def _h5_attr_count(node) -> int:
+    """Attributes of an HDF5 object, not counting the KDTR mapping's markers."""
     from .hdf5 import _MARKERS
-    names = list(obj.attrs)
-    return sum(1 for n in names if n not in _MARKERS)
+    if node.obj is None:
+        return 0
+    return node.num_attrs - sum(1 for m in _MARKERS if m in node.obj.attrs)
 
 
 class SafetensorsSource(Source):
@@ -406,7 +408,7 @@ class SafetensorsSource(Source):
         out = [Entry("/", "group", attr_count=len(self.file.metadata), source=self)]
         for t in self.file.tensors:
             out.append(Entry("/" + t.name, "dataset", t.dtype.name, t.shape, t.nbytes,
-                             offset=self.file._data_start + t.begin, source=self, handle=t,
+                             offset=self.file.data_start + t.begin, source=self, handle=t,
                              decodable=True))
         return out
 

@@ -555,8 +555,10 @@ def _dataset_info(node: H5Node) -> None:
                                 + "); refusing to read other files", path)
     dtype, shape = _apply_dtype_markers(ds, _le(dt), stored, path)
     node.type_name = dtype.name
-    if node.nbytes > L.MAX_TENSOR_BYTES:
-        raise KdtrError("K030", f"{node.nbytes} bytes", path)
+    nonzero = int(np.prod([max(d, 1) for d in stored], dtype=object)) * dt.itemsize
+    if nonzero > L.MAX_TENSOR_BYTES:   # zero dimensions count as 1, as KDTR's K030 does
+        raise KdtrError("K030", f"shape {list(stored)} of {dt} exceeds 2**62 bytes (zero "
+                                "dimensions count as 1)", path)
     node.dtype, node.shape = dtype, shape   # set last: a dtype means "readable as KDTR"
 
 
@@ -763,7 +765,7 @@ def read_dataset(node: H5Node, tick: Callable[[int], None] = lambda n: None,
 
 
 def decode_stored(stored: np.ndarray, dt: DType, shape: tuple) -> np.ndarray:
-    """Stored HDF5 elements -> the array KDTR's writer takes (bit patterns viewed, int4 unpacked)."""
+    """Stored HDF5 elements -> what the KDTR writer takes (bit patterns viewed, int4 unpacked)."""
     if dt.packed:
         return unpack_int4(stored, shape)
     if dt.name in _BITS:

@@ -18,10 +18,8 @@ earlier file at that path untouched.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import re
-import stat
 import struct
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -30,8 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import layout as L
-from .checksum import crc32c
-from .dtypes import BY_CODE, INT4, DType, dtype_for, pack_int4, unpack_int4
+from .dtypes import BY_CODE, DType, dtype_for, pack_int4, unpack_int4
 
 __all__ = ["File", "Group", "Dataset", "AttributeManager", "KdtrError", "pack_int4", "unpack_int4"]
 
@@ -515,6 +512,11 @@ class File(Group):
     @property
     def filename(self) -> str:
         return self._path
+
+    @property
+    def align_log2(self) -> int:
+        """Tensors start on multiples of ``2 ** align_log2`` bytes."""
+        return self._align_log2
 
     @property
     def mode(self) -> str:

@@ -112,12 +112,14 @@ def _tensor_info(name: str, entry: Any) -> TensorInfo:
         raise KdtrError("K028", f"{len(shape)} dimensions (limit {L.MAX_NDIM})", name)
     if not all(_is_uint(d) and d <= L.MAX_DIM for d in shape):
         raise KdtrError("K029", f"shape {shape!a} (non-negative integers <= 2**48)", name)
-    count = 1
-    for d in shape:
-        count *= d   # Python ints: no overflow; each factor <= 2**48 and at most 8 of them
+    count = nonzero = 1
+    for d in shape:   # Python ints: no overflow; each factor <= 2**48 and at most 8 of them
+        count *= d
+        nonzero *= max(d, 1)
     nbytes = dt.nbytes(count)
-    if nbytes > L.MAX_TENSOR_BYTES:
-        raise KdtrError("K030", f"shape {shape} of {dtype_name} needs {nbytes} bytes", name)
+    if dt.nbytes(nonzero) > L.MAX_TENSOR_BYTES:   # zero dims count as 1, as KDTR's K030 does
+        raise KdtrError("K030", f"shape {shape} of {dtype_name} exceeds 2**62 bytes (zero "
+                                "dimensions count as 1)", name)
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_uint, offsets))
             or offsets[0] > offsets[1]):
         raise KdtrError("K034", f"data_offsets {offsets!a} (need [begin, end], "
@@ -149,6 +151,7 @@ class SafetensorsFile:
     """A validated, memory-mapped .safetensors file.
 
     ``metadata``: the ``__metadata__`` strings; ``tensors``: ``TensorInfo`` in data order;
+    ``data_start``: file offset of the data buffer (tensor offsets are relative to it);
     ``array(name)``: a read-only zero-copy view (bf16/fp8 as ml_dtypes arrays)."""
 
     def __init__(self, path: str | os.PathLike):
@@ -169,13 +172,13 @@ class SafetensorsFile:
                 raise KdtrError("K017", f"header of {n} bytes needs a file of at least "
                                         f"{8 + n} bytes, it has {size}")
             header = _parse_header(os.pread(fd, n, 8))
-            self._data_start = 8 + n
+            self.data_start = 8 + n
             self.metadata = self._metadata(header.pop("__metadata__", {}))
             if len(header) > L.MAX_NODES:
                 raise KdtrError("K012", f"{len(header)} tensors (limit {L.MAX_NODES})")
             infos = [_tensor_info(name, entry) for name, entry in header.items()]
             infos.sort(key=lambda t: (t.begin, t.end))
-            _check_ranges(infos, size - self._data_start)
+            _check_ranges(infos, size - self.data_start)
             self.tensors: list[TensorInfo] = infos
             self._by_name = {t.name: t for t in infos}
             self._map = (mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None)
@@ -198,7 +201,7 @@ class SafetensorsFile:
     def stored(self, name: str) -> np.ndarray:
         """The tensor's elements as stored (uint8 view reinterpreted, no copy)."""
         t = self._by_name[name]
-        start = self._data_start + t.begin
+        start = self.data_start + t.begin
         raw = self._buffer[start:start + t.nbytes]
         return raw.view(t.dtype.storage).reshape(t.shape)
 
