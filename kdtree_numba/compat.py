@@ -99,7 +99,9 @@ def to_device(x, stream=0):
     if cuda.devicearray.is_cuda_ndarray(x):
         return x
     if cuda.is_cuda_array(x):
-        return cuda.as_cuda_array(x)
+        # sync=False: rely on stream order; the default syncs the producing stream, which is
+        # illegal inside a CUDA-graph capture and a needless host wait everywhere else.
+        return cuda.as_cuda_array(x, sync=False)
     return cuda.to_device(np.ascontiguousarray(x), stream=stream)
 
 
