@@ -1,0 +1,187 @@
+"""Absorbed-MLA attention for prefill, decode and DDTree verify: the NumPy reference.
+
+This docstring is the contract; ``kdtree_numba.attention`` implements the same functions on the
+GPU and points here.
+
+Absorbed MLA (DeepSeek-V3 / Kimi-K2, see shared/notes/mla-moe.md) is multi-query attention with
+one latent KV head: the cache holds, per token slot, the compressed latent ``ckv`` (r = 512) and
+the rotated rope key ``kpe`` (dr = 64).  Each query head h carries ``q_abs = W_UK[h]^T q_nope``
+(r wide, see :func:`absorb_q`) and its rotated ``q_pe`` (dr wide).
+
+``mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau) -> u``
+
+=============  ======================  =========================================================
+argument       shape                   meaning
+=============  ======================  =========================================================
+q_abs          [bs, n, H, r]  float32  absorbed queries of the n new tokens of each request
+q_pe           [bs, n, H, dr] float32  rope part of the queries (RoPE already applied)
+ckv            [bs, max_len, r]        latent cache; slots [0, P_b) are the cached prefix, slots
+                                       [P_b, P_b + n) hold the n new latents (already written)
+kpe            [bs, max_len, dr]       rope keys, same slots (RoPE already applied)
+prefix_len     [bs] int                P_b; needs P_b + n <= max_len
+visible        [bs, n, n] bool         visible[b, i, j]: new query i may see new key j
+tau            float                   softmax scale (includes the YaRN factor)
+u (returned)   [bs, n, H, r]  float32  softmax-weighted sum of the visible ckv rows
+=============  ======================  =========================================================
+
+Query i of request b sees every cached slot t < P_b, plus slot P_b + j wherever
+``visible[b, i, j]``.  Its score against slot t is ``tau * (q_abs . ckv[t] + q_pe . kpe[t])``,
+and ``u = sum_t softmax(score)_t * ckv[t]`` over the visible slots only.  The same mask serves
+all H heads of a query.
+
+* ``visible`` = lower-triangular (causal) is prefill, ``n = 1`` is decode, and a DDTree
+  ancestor mask (``visible[i, j]`` iff j is i or an ancestor of i) is tree verification.
+* A query that sees no slot at all (``P_b = 0`` and its ``visible`` row all false; e.g. a padding
+  row of an empty request) gets ``u = 0``: an empty softmax is defined as contributing nothing.
+  Padding rows of a real verify should see their own slot (diagonal-only), never nothing.
+* Positions enter attention only through RoPE, which is applied to ``q_pe`` and ``kpe`` before
+  this function, so the kernel itself never needs positions: a tree node's output equals plain
+  causal attention over the prefix plus its root-to-node path (tested in tests/test_attention.py).
+
+Then ``o = apply_uv(u, kv_b_proj, dv)`` gives the per-head value output [bs, n, H, dv] that
+``o_proj`` consumes.  :func:`naive_mla_attention` is the un-absorbed per-head form (decompress
+k = [W_UK c ; k_pe], v = W_UV c, standard softmax attention) used only as a test oracle.
+
+This reference computes in float64 and returns float32 (u, q_abs, o); ``out_dtype=np.float64``
+keeps the float64 result for oracle tests.  :func:`fp32_error_bound` states how far a float32
+implementation (the numba twin) may differ from it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
+           "visible_slots", "fp32_error_bound"]
+
+UNIT_ROUNDOFF_F32 = 2.0 ** -24
+
+
+def split_kv_b_proj(kv_b_proj: np.ndarray, n_heads: int, dn: int):
+    """``kv_b_proj [H*(dn+dv), r]`` -> ``(W_UK [H, dn, r], W_UV [H, dv, r])``.
+
+    Head h owns rows ``[h*(dn+dv), (h+1)*(dn+dv))``; its first dn rows are W_UK (they make the
+    no-rope key part), the last dv rows W_UV (they make the value), as in HF ``kv_b_proj``.
+    """
+    rows, r = kv_b_proj.shape
+    if rows % n_heads or rows // n_heads <= dn:
+        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={n_heads}, dn={dn}")
+    per_head = kv_b_proj.reshape(n_heads, rows // n_heads, r)
+    return per_head[:, :dn, :], per_head[:, dn:, :]
+
+
+def absorb_q(q_nope: np.ndarray, kv_b_proj: np.ndarray, out_dtype=np.float32) -> np.ndarray:
+    """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]``: [bs, n, H, dn] -> [bs, n, H, r] float32."""
+    n_heads, dn = q_nope.shape[-2], q_nope.shape[-1]
+    w_uk, _ = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, dn)
+    q_abs = np.einsum("...hd,hdr->...hr", np.asarray(q_nope, np.float64), w_uk)
+    return q_abs.astype(out_dtype)
+
+
+def apply_uv(u: np.ndarray, kv_b_proj: np.ndarray, dv: int, out_dtype=np.float32) -> np.ndarray:
+    """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]``: [bs, n, H, r] -> [bs, n, H, dv] float32.
+
+    ``dv`` (v_head_dim) is needed because kv_b_proj's rows only give dn + dv.
+    """
+    n_heads = u.shape[-2]
+    per_head = kv_b_proj.shape[0] // n_heads
+    _, w_uv = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, per_head - dv)
+    o = np.einsum("...hr,hvr->...hv", np.asarray(u, np.float64), w_uv)
+    return o.astype(out_dtype)
+
+
+def visible_slots(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:
+    """Cache slots one query sees: ``[0, P)`` then ``P + j`` for each true ``visible_row[j]``."""
+    new = prefix_len + np.flatnonzero(np.asarray(visible_row, bool))
+    return np.concatenate([np.arange(prefix_len), new]).astype(np.int64)
+
+
+def _softmax_weighted(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``softmax(scores, -1) @ values`` in float64; zero rows for an empty key set."""
+    if scores.shape[-1] == 0:
+        return np.zeros(scores.shape[:-1] + values.shape[-1:], np.float64)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (p @ values) / p.sum(axis=-1, keepdims=True)
+
+
+def _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible):
+    bs, n, _, r = q_abs.shape
+    dr = q_pe.shape[-1]
+    if q_pe.shape[:3] != q_abs.shape[:3] or ckv.shape[::2] != (bs, r) \
+            or kpe.shape != ckv.shape[:2] + (dr,) or visible.shape != (bs, n, n) \
+            or np.shape(prefix_len) != (bs,):
+        raise ValueError("mla_attention shapes disagree: q_abs %s q_pe %s ckv %s kpe %s "
+                         "prefix_len %s visible %s" % (q_abs.shape, q_pe.shape, ckv.shape,
+                                                       kpe.shape, np.shape(prefix_len),
+                                                       visible.shape))
+    p = np.asarray(prefix_len)
+    if np.any(p < 0) or np.any(p + n > ckv.shape[1]):
+        raise ValueError(f"prefix_len + n must lie in [n, max_len={ckv.shape[1]}]: {p}")
+
+
+def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                  out_dtype=np.float32) -> np.ndarray:
+    """Absorbed-MLA attention with a prefix and an n x n new-token mask (contract: module doc)."""
+    q_abs, q_pe, ckv, kpe = (np.asarray(a, np.float64) for a in (q_abs, q_pe, ckv, kpe))
+    visible = np.asarray(visible, bool)
+    _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible)
+    bs, n, n_heads, r = q_abs.shape
+    u = np.zeros((bs, n, n_heads, r), np.float64)
+    for b in range(bs):
+        prefix = int(prefix_len[b])
+        for i in range(n):
+            slots = visible_slots(prefix, visible[b, i])
+            scores = tau * (q_abs[b, i] @ ckv[b, slots].T + q_pe[b, i] @ kpe[b, slots].T)
+            u[b, i] = _softmax_weighted(scores, ckv[b, slots])
+    return u.astype(out_dtype)
+
+
+def naive_mla_attention(q_nope, q_pe, ckv, kpe, kv_b_proj, prefix_len, visible, tau,
+                        dv: int, out_dtype=np.float32) -> np.ndarray:
+    """Oracle: MLA without absorption, head by head, in float64 -> o [bs, n, H, dv] float32.
+
+    Decompresses each visible slot t into a per-head key ``[W_UK[h] c_t ; kpe_t]`` and value
+    ``W_UV[h] c_t``, then runs ordinary softmax attention.  Equal to
+    ``apply_uv(mla_attention(absorb_q(q_nope, kv_b_proj), ...), kv_b_proj, dv)`` up to rounding.
+    """
+    q_nope, q_pe, ckv, kpe = (np.asarray(a, np.float64) for a in (q_nope, q_pe, ckv, kpe))
+    visible = np.asarray(visible, bool)
+    bs, n, n_heads, dn = q_nope.shape
+    w_uk, w_uv = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, dn)
+    if w_uv.shape[1] != dv:
+        raise ValueError(f"kv_b_proj gives dv={w_uv.shape[1]}, caller says {dv}")
+    o = np.zeros((bs, n, n_heads, dv), np.float64)
+    for b in range(bs):
+        prefix = int(prefix_len[b])
+        for i in range(n):
+            slots = visible_slots(prefix, visible[b, i])
+            c = ckv[b, slots]
+            for h in range(n_heads):
+                keys = np.concatenate([c @ w_uk[h].T, kpe[b, slots]], axis=1)
+                query = np.concatenate([q_nope[b, i, h], q_pe[b, i, h]])
+                o[b, i, h] = _softmax_weighted(tau * (keys @ query), c @ w_uv[h].T)
+    return o.astype(out_dtype)
+
+
+def fp32_error_bound(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, safety=4.0) -> float:
+    """Absolute tolerance for a float32 ``mla_attention`` against this float64 reference.
+
+    With u = 2^-24 and D = r + dr, a float32 score carries an error of about
+    ``tau * sqrt(D) * u * |q| |k|`` (a dot product of D terms; sqrt(D) is the statistical
+    growth of rounding errors, Higham ch. 3.5; |q| |k| bounds sum |q_d k_d| by Cauchy-Schwarz).
+    A relative error e on every softmax weight moves the convex combination u by at most
+    2 e max|v|; exp adds ~2u relative, and summing L weighted values ~sqrt(L) u max|v|.
+    Returns ``safety * max|v| * (2 * score_err + 4u + sqrt(L) u)`` over the visible slots.
+    """
+    q_abs, q_pe, ckv, kpe = (np.asarray(a, np.float64) for a in (q_abs, q_pe, ckv, kpe))
+    n = q_abs.shape[1]
+    d = q_abs.shape[-1] + q_pe.shape[-1]
+    q_norm = np.sqrt((q_abs ** 2).sum(-1) + (q_pe ** 2).sum(-1)).max(initial=0.0)
+    worst = 0.0
+    for b in range(q_abs.shape[0]):
+        keys = int(prefix_len[b]) + n
+        k_norm = np.sqrt((ckv[b, :keys] ** 2).sum(-1) + (kpe[b, :keys] ** 2).sum(-1))
+        v_max = np.abs(ckv[b, :keys]).max(initial=0.0)
+        score_err = abs(tau) * np.sqrt(d) * UNIT_ROUNDOFF_F32 * q_norm * k_norm.max(initial=0.0)
+        err = v_max * (2 * score_err + (4 + np.sqrt(keys)) * UNIT_ROUNDOFF_F32)
+        worst = max(worst, err)
+    return float(safety * worst) + 1e-30

@@ -1,0 +1,354 @@
+"""Absorbed-MLA attention: the reference against independent oracles, the numba twin against the
+reference (CUDA simulator, tiny shapes), split planning, a real sm_90 compile, and the committed
+KDTR vectors.  GPU-scale checks live in test_attention_gpu.py.
+
+Positions never appear here: they enter attention only through RoPE, which is applied to q_pe
+and kpe before this kernel.  So random q_pe/kpe stand for already-rotated vectors, and a tree
+node's "sequential positions" oracle below is just attention over the keys of its path.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import attention as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+VECTOR_DIR = ROOT / "tests" / "vectors"
+
+
+# ------------------------------------------------------------------------------ problem makers
+def tree_visible(parents) -> np.ndarray:
+    """DDTree ancestor mask: row i sees j iff j is i or an ancestor (parents[0] = -1)."""
+    n = len(parents)
+    vis = np.zeros((n, n), bool)
+    for i in range(n):
+        if i:
+            vis[i, :i] = vis[parents[i], :i]
+        vis[i, i] = True
+    return vis
+
+
+def path_to(parents, i) -> list[int]:
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@st.composite
+def masks(draw, n: int):
+    """One request's [n, n] mask: causal, a random tree, a tree with padding rows, or random."""
+    kind = draw(st.sampled_from(["causal", "tree", "padded", "random"]))
+    if kind == "causal":
+        return np.tril(np.ones((n, n), bool))
+    if kind == "random":
+        bits = draw(st.lists(st.booleans(), min_size=n * n, max_size=n * n))
+        return np.array(bits, bool).reshape(n, n)
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    vis = tree_visible(parents)
+    if kind == "padded":  # the tree uses the first m rows; the rest see only themselves
+        m = draw(st.integers(1, n))
+        vis[m:] = np.eye(n, dtype=bool)[m:]
+    return vis
+
+
+@st.composite
+def problems(draw, max_bs=2, max_n=5, heads=None, r=None, dr=None, max_prefix=9):
+    """A whole mla_attention input set with ragged prefixes (0 and non-multiples of tiles)."""
+    bs = draw(st.integers(1, max_bs))
+    n = draw(st.integers(1, max_n))
+    heads = heads or draw(st.integers(1, 3))
+    r = r or 4 * draw(st.integers(1, 3))
+    dr = dr or 4 * draw(st.integers(1, 2))
+    prefix = np.array([draw(st.integers(0, max_prefix)) for _ in range(bs)], np.int32)
+    max_len = int(prefix.max()) + n + draw(st.integers(0, 3))
+    visible = np.stack([draw(masks(n)) for _ in range(bs)])
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    return dict(q_abs=rng.standard_normal((bs, n, heads, r)).astype(f32),
+                q_pe=rng.standard_normal((bs, n, heads, dr)).astype(f32),
+                ckv=rng.standard_normal((bs, max_len, r)).astype(f32),
+                kpe=rng.standard_normal((bs, max_len, dr)).astype(f32),
+                prefix_len=prefix, visible=visible, tau=float(rng.uniform(0.05, 0.5)))
+
+
+def plain_attention(q, k, v, tau):
+    """Textbook softmax(tau q k^T) v for one query vector, float64."""
+    s = tau * (k @ q)
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ v
+
+
+# ------------------------------------------------------------------ reference vs oracles
+@given(problems(max_n=6), st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_absorbed_attention_equals_naive_per_head_mla(prob, dn, dv, seed):
+    rng = np.random.default_rng(seed)
+    bs, n, heads, r = prob["q_abs"].shape
+    q_nope = rng.standard_normal((bs, n, heads, dn))
+    kv_b_proj = rng.standard_normal((heads * (dn + dv), r)) / np.sqrt(r)
+    args = (prob["ckv"], prob["kpe"])
+    f64 = np.float64
+    q_abs = ref.absorb_q(q_nope, kv_b_proj, out_dtype=f64)
+    u = ref.mla_attention(q_abs, prob["q_pe"], *args, prob["prefix_len"], prob["visible"],
+                          prob["tau"], out_dtype=f64)
+    absorbed = ref.apply_uv(u, kv_b_proj, dv, out_dtype=f64)
+    naive = ref.naive_mla_attention(q_nope, prob["q_pe"], *args, kv_b_proj, prob["prefix_len"],
+                                    prob["visible"], prob["tau"], dv, out_dtype=f64)
+    np.testing.assert_allclose(absorbed, naive, rtol=1e-10, atol=1e-12)
+
+
+@given(st.integers(1, 9), st.integers(0, 9), st.integers(1, 3), st.data())
+def test_tree_row_equals_causal_attention_over_its_root_to_node_path(n, prefix, heads, data):
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    r, dr, tau = 8, 4, 0.3
+    q_abs = rng.standard_normal((1, n, heads, r))
+    q_pe = rng.standard_normal((1, n, heads, dr))
+    ckv = rng.standard_normal((1, prefix + n, r))
+    kpe = rng.standard_normal((1, prefix + n, dr))
+    u = ref.mla_attention(q_abs, q_pe, ckv, kpe, [prefix], tree_visible(parents)[None], tau,
+                          out_dtype=np.float64)
+    for i in range(n):
+        # the sequence a plain decoder would have seen: prefix, then the path, one per position
+        slots = np.concatenate([np.arange(prefix), prefix + np.array(path_to(parents, i))])
+        keys = np.concatenate([ckv[0, slots], kpe[0, slots]], axis=1)
+        for h in range(heads):
+            q = np.concatenate([q_abs[0, i, h], q_pe[0, i, h]])
+            np.testing.assert_allclose(u[0, i, h], plain_attention(q, keys, ckv[0, slots], tau),
+                                       rtol=1e-10, atol=1e-12)
+
+
+def test_row_that_sees_nothing_outputs_zeros_and_prefix_only_row_sees_prefix():
+    rng = np.random.default_rng(1)
+    q_abs = rng.standard_normal((2, 2, 1, 4))
+    q_pe = rng.standard_normal((2, 2, 1, 4))
+    ckv = rng.standard_normal((2, 5, 4))
+    kpe = rng.standard_normal((2, 5, 4))
+    visible = np.zeros((2, 2, 2), bool)
+    visible[:, 1, 1] = True
+    u = ref.mla_attention(q_abs, q_pe, ckv, kpe, [0, 3], visible, 0.5, out_dtype=np.float64)
+    assert np.all(u[0, 0] == 0.0)  # prefix 0 and an all-false row: defined as zeros
+    np.testing.assert_allclose(u[0, 1, 0], ckv[0, 1], rtol=1e-12)  # sees only its own slot
+    keys = np.concatenate([ckv[1, :3], kpe[1, :3]], axis=1)
+    q = np.concatenate([q_abs[1, 0, 0], q_pe[1, 0, 0]])
+    np.testing.assert_allclose(u[1, 0, 0], plain_attention(q, keys, ckv[1, :3], 0.5),
+                               rtol=1e-12)
+
+
+def test_absorb_q_and_apply_uv_are_per_head_matrix_products():
+    rng = np.random.default_rng(2)
+    heads, dn, dv, r = 3, 2, 5, 4
+    kv_b_proj = rng.standard_normal((heads * (dn + dv), r))
+    q_nope = rng.standard_normal((2, 1, heads, dn))
+    u = rng.standard_normal((2, 1, heads, r))
+    q_abs = ref.absorb_q(q_nope, kv_b_proj, out_dtype=np.float64)
+    o = ref.apply_uv(u, kv_b_proj, dv, out_dtype=np.float64)
+    for h in range(heads):
+        block = kv_b_proj[h * (dn + dv):(h + 1) * (dn + dv)]
+        np.testing.assert_allclose(q_abs[:, :, h], q_nope[:, :, h] @ block[:dn], rtol=1e-12)
+        np.testing.assert_allclose(o[:, :, h], u[:, :, h] @ block[dn:].T, rtol=1e-12)
+
+
+def test_reference_rejects_prefix_past_the_cache_and_bad_kv_b_proj():
+    z = np.zeros
+    with pytest.raises(ValueError):
+        ref.mla_attention(z((1, 2, 1, 4)), z((1, 2, 1, 4)), z((1, 4, 4)), z((1, 4, 4)), [3],
+                          z((1, 2, 2), bool), 1.0)
+    with pytest.raises(ValueError):
+        ref.absorb_q(z((1, 1, 2, 3)), z((5, 4)))
+
+
+def test_fp32_error_bound_covers_a_float32_evaluation_and_is_not_vacuous():
+    """The bound must exceed a genuine float32 run's error, yet stay far below O(1) changes."""
+    rng = np.random.default_rng(3)
+    prob = dict(q_abs=rng.standard_normal((2, 3, 4, 64)).astype(np.float32),
+                q_pe=rng.standard_normal((2, 3, 4, 16)).astype(np.float32),
+                ckv=rng.standard_normal((2, 40, 64)).astype(np.float32),
+                kpe=rng.standard_normal((2, 40, 16)).astype(np.float32),
+                prefix_len=np.array([30, 0]), visible=np.ones((2, 3, 3), bool), tau=0.12)
+    exact = ref.mla_attention(**prob, out_dtype=np.float64)
+    bound = ref.fp32_error_bound(**prob)
+    bs, n, heads, _ = prob["q_abs"].shape
+    err = 0.0
+    for b in range(bs):  # a float32 evaluation, summed in a different order than float64
+        keys = prob["prefix_len"][b] + n
+        k = np.concatenate([prob["ckv"][b, :keys], prob["kpe"][b, :keys]], axis=1)
+        q = np.concatenate([prob["q_abs"][b], prob["q_pe"][b]], axis=-1)
+        s = np.float32(prob["tau"]) * (q @ k.T)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        u32 = (p @ prob["ckv"][b, :keys]) / p.sum(-1, keepdims=True)
+        err = max(err, float(np.abs(u32 - exact[b]).max()))
+    assert err < bound < 0.05 * np.abs(exact).max()
+
+
+# ------------------------------------------------------------------ numba twin (simulator)
+def _numba():
+    """The numba twin, or a skip where neither a GPU nor the simulator can run kernels.
+
+    (A helper rather than the ``needs_kernels`` fixture: Hypothesis rejects function-scoped
+    fixtures on @given tests.)
+    """
+    from kdtree_numba import compat
+    if not compat.kernels_runnable():
+        pytest.skip("numba kernels need a GPU or NUMBA_ENABLE_CUDASIM=1")
+    from kdtree_numba import attention as kernels
+    return kernels
+
+
+def _sim_or_gpu_examples(sim: int, gpu: int) -> int:
+    return sim if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else gpu
+
+
+def _assert_matches_reference(prob, got):
+    want = ref.mla_attention(**prob, out_dtype=np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
+
+
+@settings(max_examples=_sim_or_gpu_examples(14, 150))
+@given(problems(max_bs=2, max_n=5, heads=2, r=8, dr=4, max_prefix=9),
+       st.sampled_from([None, 8]))
+def test_numba_attention_matches_reference(prob, keys_per_split):
+    u = _numba().mla_attention(**prob, keys_per_split=keys_per_split).copy_to_host()
+    _assert_matches_reference(prob, u)
+
+
+def test_numba_attention_split_merge_and_device_prefix(needs_kernels):
+    """Several key splits (merge kernel), a device-resident prefix_len, the empty-row rule."""
+    kernels = _numba()
+    rng = np.random.default_rng(4)
+    n, heads, r, dr = 3, 2, 8, 4
+    visible = np.stack([tree_visible([-1, 0, 0]), np.zeros((n, n), bool)])
+    visible[1, 2, 2] = True
+    prob = dict(q_abs=rng.standard_normal((2, n, heads, r)).astype(np.float32),
+                q_pe=rng.standard_normal((2, n, heads, dr)).astype(np.float32),
+                ckv=rng.standard_normal((2, 21, r)).astype(np.float32),
+                kpe=rng.standard_normal((2, 21, dr)).astype(np.float32),
+                prefix_len=np.array([17, 0], np.int32), visible=visible, tau=0.4)
+    prefix_dev = kernels.to_device(prob["prefix_len"])
+    u = kernels.mla_attention(**{**prob, "prefix_len": prefix_dev},
+                              keys_per_split=8).copy_to_host()
+    _assert_matches_reference(prob, u)
+    assert np.all(u[1, :2] == 0.0)  # prefix 0, rows that see nothing
+    np.testing.assert_allclose(u[1, 2], np.broadcast_to(prob["ckv"][1, 2], (heads, r)),
+                               rtol=1e-6)
+
+
+def test_numba_absorb_q_and_apply_uv_match_reference(needs_kernels):
+    kernels = _numba()
+    rng = np.random.default_rng(5)
+    heads, dn, dv, r = 2, 4, 4, 8
+    kv_b_proj = rng.standard_normal((heads * (dn + dv), r)).astype(np.float32)
+    q_nope = rng.standard_normal((2, 3, heads, dn)).astype(np.float32)
+    u = rng.standard_normal((2, 3, heads, r)).astype(np.float32)
+    # float32 sums of <= 8 products of O(1) terms: error <= 8 * 2^-24 * sum|x y| < 1e-5
+    np.testing.assert_allclose(kernels.absorb_q(q_nope, kv_b_proj).copy_to_host(),
+                               ref.absorb_q(q_nope, kv_b_proj), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(kernels.apply_uv(u, kv_b_proj, dv).copy_to_host(),
+                               ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ planning (pure Python)
+def test_choose_splits_fills_the_gpu_only_when_blocks_are_scarce():
+    from kdtree_numba.attention import choose_splits
+    per_block = 4 * 64 * 514
+    assert choose_splits(16 * 65, 4161, 32, 132, per_block) == 1    # verify: 1040 blocks
+    assert choose_splits(16 * 65, 16449, 32, 132, per_block) == 1
+    assert choose_splits(64, 4097, 32, 132, per_block) == 2         # decode bs=64: 128 blocks
+    assert 16 <= choose_splits(1, 16449, 32, 132, per_block) <= 132  # one request alone
+    assert choose_splits(4, 20, 32, 132, per_block) == 1            # a single tile
+
+
+def test_gpu_tile_config_fits_sm90_shared_memory_and_tiles_evenly():
+    from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
+    cfg = gpu_tile_config(512, 64)
+    assert cfg.smem_bytes() <= MAX_SHARED_BYTES
+    assert (cfg.threads, cfg.rows, cfg.keys, cfg.rv, cfg.cv4) == (256, 64, 32, 8, 4)
+    for r, dr in [(64, 16), (128, 32), (256, 64)]:
+        assert gpu_tile_config(r, dr).smem_bytes() <= MAX_SHARED_BYTES
+
+
+# ------------------------------------------------------------------ a real sm_90 compile
+_COMPILE_CHECK = r"""
+import numba.cuda.dispatcher as dispatcher
+class _Sm90:  # device helpers ask the (absent) driver for the compute capability
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: _Sm90()
+from numba import cuda, types
+from kdtree_numba import attention as A
+f32, i64 = types.float32, types.int64
+a2, a3, a4 = (types.Array(f32, d, "C") for d in (2, 3, 4))
+sig = (a3, a3, a3, a3, types.Array(types.int32, 1, "C"), types.Array(types.boolean, 3, "C"),
+       f32, i64, i64, i64, types.boolean, a3, a4, a4)
+kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64)), sig),
+           (A._merge_kernel(512), (a4, a4, i64, a3))]
+for transposed in (False, True):
+    kernels.append((A._head_gemm_kernel(A._GemmTile(64, 64, 16, 16, 16), transposed),
+                    (a2, i64, a2, i64, i64, a2, i64, i64, i64, i64)))
+for k, s in kernels:
+    ptx, _ = cuda.compile_ptx(k.py_func, s, cc=(9, 0))
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        print("compiled (no nvjitlink: spills unchecked)")
+        continue
+    h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    nvjitlink.add_data(h, nvjitlink.InputType.PTX, ptx.encode(), len(ptx), "k")
+    nvjitlink.complete(h)
+    log = bytearray(nvjitlink.get_info_log_size(h))
+    nvjitlink.get_info_log(h, log)
+    line = [x for x in log.decode().splitlines() if "registers" in x][-1]
+    print(line)
+    assert " 0 bytes lmem" in line, line  # no register spills in any kernel
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Type errors and register spills only show in a real compile (not in the simulator)."""
+    pytest.importorskip("numba.cuda")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr
+                            or "NVRTC" in proc.stderr):
+        pytest.skip("NVVM/NVRTC not installed (numba-cuda[cu13] extra)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ committed KDTR vectors
+def _vector_files():
+    return sorted(VECTOR_DIR.glob("attention_*.kdtr"))
+
+
+def test_committed_attention_vectors_are_reproduced_by_both_twins(needs_kernels):
+    kdtr = pytest.importorskip("formats.kdtr")
+    files = _vector_files()
+    if not files:
+        pytest.skip("no committed attention vectors yet (python tools/vectors_attention.py)")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import vectors_attention as vectors
+    for path in files:
+        for case in vectors.read_cases(path, kdtr):
+            if case["kind"] == "mla_attention":
+                prob = case["inputs"]
+                want = case["outputs"]["u"]
+                np.testing.assert_allclose(ref.mla_attention(**prob), want, rtol=1e-6,
+                                           atol=1e-7)
+                got = _numba().mla_attention(**prob).copy_to_host()
+                np.testing.assert_allclose(got, want, rtol=0,
+                                           atol=ref.fp32_error_bound(**prob) + 1e-6)
+            else:
+                q_nope, w, dv = (case["inputs"][k] for k in ("q_nope", "kv_b_proj", "dv"))
+                np.testing.assert_allclose(ref.absorb_q(q_nope, w), case["outputs"]["q_abs"],
+                                           rtol=1e-6, atol=1e-7)
+                np.testing.assert_allclose(ref.apply_uv(case["inputs"]["u"], w, dv),
+                                           case["outputs"]["o"], rtol=1e-6, atol=1e-7)

@@ -1,0 +1,154 @@
+"""Absorbed-MLA attention on a real GPU at Kimi-K2 widths (H=64, r=512, dr=64).
+
+Run on the lent H200: ``HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -m gpu tests/test_attention_gpu.py``.
+Every comparison is against the float64 reference with ``reference.attention.fp32_error_bound``
+(derivation in its docstring).  To keep the tests sensitive to masking errors despite thousands
+of prefix keys, queries are scaled so prefix scores are ~N(0, 1) and the new (tree) keys get a
++4 score boost through one rope channel: each visible new key then carries a few percent of the
+softmax mass, far above the tolerance (~1e-3 of max|v|).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import attention as ref
+
+pytestmark = pytest.mark.gpu
+
+H, R, DR = 64, 512, 64
+KIMI_TAU = float(np.float32(0.130861))
+
+
+def tree_visible(parents) -> np.ndarray:
+    n = len(parents)
+    vis = np.zeros((n, n), bool)
+    for i in range(n):
+        if i:
+            vis[i, :i] = vis[parents[i], :i]
+        vis[i, i] = True
+    return vis
+
+
+def random_tree_visible(rng, n: int, tree_nodes: int | None = None) -> np.ndarray:
+    """A random tree over the first ``tree_nodes`` rows, diagonal-only padding rows after."""
+    m = n if tree_nodes is None else tree_nodes
+    vis = np.eye(n, dtype=bool)
+    vis[:m, :m] = tree_visible([-1] + [int(rng.integers(0, i)) for i in range(1, m)])
+    return vis
+
+
+def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boost=4.0,
+                 spare=3):
+    prefix = np.asarray(prefix, np.int32)
+    bs, d = len(prefix), r + dr
+    max_len = int(prefix.max()) + n + spare
+    scale = 1.0 / (tau * np.sqrt(d))                  # prefix scores ~ N(0, 1)
+    q_abs = (rng.standard_normal((bs, n, heads, r)) * scale).astype(np.float32)
+    q_pe = (rng.standard_normal((bs, n, heads, dr)) * scale).astype(np.float32)
+    ckv = rng.standard_normal((bs, max_len, r)).astype(np.float32)
+    kpe = rng.standard_normal((bs, max_len, dr)).astype(np.float32)
+    q_pe[..., 0] = 1.0 / tau                          # rope channel 0 carries the boost:
+    kpe[..., 0] = 0.0
+    for b in range(bs):                               # new keys score +boost
+        kpe[b, prefix[b]:prefix[b] + n, 0] = boost
+    return dict(q_abs=q_abs, q_pe=q_pe, ckv=ckv, kpe=kpe, prefix_len=prefix,
+                visible=np.asarray(visible, bool), tau=tau)
+
+
+def check(prob, **kwargs):
+    from kdtree_numba import attention as kernels
+    got = kernels.mla_attention(**prob, **kwargs).copy_to_host()
+    want = ref.mla_attention(**prob, out_dtype=np.float64)
+    tol = ref.fp32_error_bound(**prob)
+    err = np.abs(got - want)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= tol, f"max error {err.max():.3g} > {tol:.3g} at {worst}"
+    return got
+
+
+def test_verify_kimi_dims_bs16_n65_prefix4096_tree_masks():
+    rng = np.random.default_rng(10)
+    n = 65
+    visible = np.stack([random_tree_visible(rng, n, int(rng.integers(1, n + 1)))
+                        for _ in range(16)])
+    check(make_problem(rng, [4096] * 16, n, visible))
+
+
+def test_ragged_prefixes_including_zero_and_tile_non_multiples():
+    rng = np.random.default_rng(11)
+    prefixes = [0, 1, 31, 33, 95, 1000, 4095, 4097]
+    n = 65
+    visible = np.stack([random_tree_visible(rng, n, 40) for _ in prefixes])
+    prob = make_problem(rng, prefixes, n, visible)
+    check(prob)
+    check(prob, keys_per_split=96)  # many splits + merge on the same inputs
+
+
+def test_decode_bs64_prefix4096_uses_key_splits():
+    from kdtree_numba import attention as kernels
+    rng = np.random.default_rng(12)
+    prefixes = 4096 + rng.integers(-40, 40, size=64)
+    prob = make_problem(rng, prefixes, 1, np.ones((64, 1, 1), bool))
+    plan = kernels.MlaAttentionPlan(64, 1, H, R, DR, prob["ckv"].shape[1],
+                                    max_keys=int(prefixes.max()) + 1)
+    assert plan.splits > 1
+    check(prob)
+
+
+def test_single_long_request_is_split_across_the_gpu():
+    rng = np.random.default_rng(13)
+    check(make_problem(rng, [16384], 1, np.ones((1, 1, 1), bool)))
+    check(make_problem(rng, [16383], 5, random_tree_visible(rng, 5)[None]))
+
+
+def test_causal_prefill_padded_rows_and_rows_that_see_nothing():
+    rng = np.random.default_rng(14)
+    n = 33
+    causal = np.tril(np.ones((n, n), bool))
+    empty = np.zeros((n, n), bool)
+    empty[20:, 20:] = np.eye(n - 20, dtype=bool)      # rows 0..19 see nothing at all
+    prob = make_problem(rng, [0, 0, 700], n, np.stack([causal, empty, causal]))
+    u = check(prob)
+    assert np.all(u[1, :20] == 0.0)
+
+
+def test_absorb_q_and_apply_uv_at_kimi_dims():
+    from kdtree_numba import attention as kernels
+    rng = np.random.default_rng(15)
+    dn = dv = 128
+    kv_b_proj = (rng.standard_normal((H * (dn + dv), R)) / np.sqrt(R)).astype(np.float32)
+    q_nope = rng.standard_normal((4, 17, H, dn)).astype(np.float32)
+    u = rng.standard_normal((4, 17, H, R)).astype(np.float32)
+    # float32 dot products of K = 128 (absorb) or 512 (apply) terms, |terms| ~ 1/sqrt(512):
+    # error ~ sqrt(K) * 2^-24 * sum|x y| < 1e-5; allow 1e-4.
+    np.testing.assert_allclose(kernels.absorb_q(q_nope, kv_b_proj).copy_to_host(),
+                               ref.absorb_q(q_nope, kv_b_proj), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(kernels.apply_uv(u, kv_b_proj, dv).copy_to_host(),
+                               ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-4)
+
+
+def test_narrow_latent_configuration():
+    """A non-Kimi width (r=64, dr=16) runs the same kernel with another tile layout."""
+    rng = np.random.default_rng(16)
+    n = 9
+    visible = np.stack([random_tree_visible(rng, n) for _ in range(3)])
+    check(make_problem(rng, [0, 77, 300], n, visible, heads=8, r=64, dr=16, tau=0.2))
+
+
+@settings(deadline=None)
+@given(st.integers(1, 3), st.integers(1, 17), st.sampled_from([1, 2, 64]),
+       st.lists(st.integers(0, 300), min_size=3, max_size=3), st.sampled_from([None, 64]),
+       st.integers(0, 2**32 - 1))
+def test_random_shapes_masks_and_prefixes_match_reference(bs, n, heads, prefixes,
+                                                          keys_per_split, seed):
+    rng = np.random.default_rng(seed)
+    kinds = rng.integers(0, 3, size=bs)
+    visible = np.stack([
+        np.tril(np.ones((n, n), bool)) if k == 0 else
+        random_tree_visible(rng, n, int(rng.integers(1, n + 1))) if k == 1 else
+        rng.random((n, n)) < 0.5 for k in kinds])
+    check(make_problem(rng, prefixes[:bs], n, visible, heads=heads),
+          keys_per_split=keys_per_split)

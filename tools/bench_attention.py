@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Benchmark the numba absorbed-MLA attention against its fp32 roof and a CuPy composition.
+
+    python3 tools/bench_attention.py [--json PATH] [--reps N]
+
+Three shapes at Kimi-K2 widths (H=64, r=512, dr=64, tau=0.130861): DDTree verify bs=16 n=65
+with prefix 4096 and 16384, and decode bs=64 n=1 prefix 4096.  For each it prints the measured
+time (CUDA events after warm-up, median of --reps), the roof max(bytes / 4.1 TB/s,
+FLOPs / 51 TFLOP/s), the CuPy composition (batched fp32 matmul + masked softmax + matmul,
+measured here with TF32 off), and the goals: within 1.5x of the roof and faster than CuPy.
+FLOPs count every (query-head, key slot) pair: 2 * (r + dr) for the score and 2 * r for P V.
+Needs a GPU and CuPy; finishes in well under 3 minutes on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ["CUPY_TF32"] = "0"  # the baseline must be true fp32, like the kernel
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+HBM_BYTES_PER_S = 4.1e12
+FP32_FLOPS = 51e12
+GOAL_ROOF_FACTOR = 1.5
+H, R, DR, TAU = 64, 512, 64, 0.130861
+L2_BYTES = 60e6
+# (name, bs, n, prefix, the brief's CuPy time and roof in ms, for reference)
+SHAPES = [("verify bs16 n65 P4096", 16, 65, 4096, 20.2, 11.8),
+          ("verify bs16 n65 P16384", 16, 65, 16384, 76.6, 46.7),
+          ("decode bs64 n1 P4096", 64, 1, 4096, 2.36, 0.72)]
+
+
+def roof_ms(bs, n, prefix):
+    keys = prefix + n
+    flops = bs * n * H * keys * 2 * ((R + DR) + R)
+    nbytes = 4 * (bs * keys * (R + DR) + 2 * bs * n * H * R + bs * n * H * DR)
+    return 1e3 * max(nbytes / HBM_BYTES_PER_S, flops / FP32_FLOPS), flops, nbytes
+
+
+def tree_masks(rng, bs, n):
+    vis = np.zeros((bs, n, n), bool)
+    for b in range(bs):
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        for i in range(n):
+            if i:
+                vis[b, i, :i] = vis[b, parents[i], :i]
+            vis[b, i, i] = True
+    return vis
+
+
+def make_inputs(cp, rng, bs, n, prefix):
+    """Device inputs; several copies when one set would sit in the 60 MB L2."""
+    max_len = prefix + n
+    one = 4 * (bs * max_len * (R + DR) + bs * n * H * (R + DR))
+    copies = max(1, int(np.ceil(2 * L2_BYTES / one)))
+    gen = cp.random.default_rng(int(rng.integers(2**31)))
+    scale = 1.0 / (TAU * np.sqrt(R + DR))
+    sets = []
+    for _ in range(copies):
+        sets.append(dict(
+            q_abs=gen.standard_normal((bs, n, H, R), dtype=cp.float32) * np.float32(scale),
+            q_pe=gen.standard_normal((bs, n, H, DR), dtype=cp.float32) * np.float32(scale),
+            ckv=gen.standard_normal((bs, max_len, R), dtype=cp.float32),
+            kpe=gen.standard_normal((bs, max_len, DR), dtype=cp.float32),
+            prefix_len=cp.full((bs,), prefix, cp.int32),
+            visible=cp.asarray(tree_masks(rng, bs, n))))
+    return sets
+
+
+def cupy_composition(cp, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, prefix):
+    """The obvious fp32 composition: full score matrix, masked softmax, then P V."""
+    bs, n = q_abs.shape[:2]
+    keys = prefix + n
+    q = q_abs.reshape(bs, n * H, R)
+    s = cp.matmul(q, ckv[:, :keys].transpose(0, 2, 1))
+    s += cp.matmul(q_pe.reshape(bs, n * H, DR), kpe[:, :keys].transpose(0, 2, 1))
+    s *= np.float32(tau)
+    s = s.reshape(bs, n, H, keys)
+    s[..., prefix:] = cp.where(visible[:, :, None, :], s[..., prefix:], -cp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    cp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return cp.matmul(s.reshape(bs, n * H, keys), ckv[:, :keys]).reshape(bs, n, H, R)
+
+
+def time_ms(cp, fn, sets, reps, inner=4):
+    """Median over reps of (time of ``inner`` back-to-back calls) / inner.
+
+    Back-to-back calls keep the GPU queue full, so host launch latency (~50 us for numba)
+    does not count; each call takes the next input set (rotation past the L2).
+    """
+    for k in range(2):
+        fn(sets[k % len(sets)])
+    cp.cuda.Device().synchronize()
+    times = []
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for k in range(reps):
+        start.record()
+        for j in range(inner):
+            fn(sets[(k * inner + j) % len(sets)])
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / inner)
+    return statistics.median(times)
+
+
+def run_shape(cp, kernels, rng, name, bs, n, prefix, brief_cupy, brief_roof, reps):
+    sets = make_inputs(cp, rng, bs, n, prefix)
+    plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n)
+    out = cp.empty((bs, n, H, R), cp.float32)
+    out_view = kernels.to_device(out)
+
+    def ours(a):
+        plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"], TAU,
+             out=out_view)
+
+    def theirs(a):
+        return cupy_composition(cp, a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"],
+                                a["visible"], TAU, prefix)
+
+    ours(sets[0])
+    check = theirs(sets[0])
+    max_diff = float(cp.abs(out - check).max())
+    del check
+    t_ours = time_ms(cp, ours, sets, reps)
+    t_cupy = time_ms(cp, theirs, sets, max(3, reps // 3), inner=2)
+    roof, flops, nbytes = roof_ms(bs, n, prefix)
+    return dict(shape=name, bs=bs, n=n, prefix=prefix, splits=plan.splits, ms=t_ours,
+                tflops=flops / t_ours / 1e9, roof_ms=roof, vs_roof=t_ours / roof,
+                cupy_ms=t_cupy, cupy_ms_brief=brief_cupy, roof_ms_brief=brief_roof,
+                max_abs_diff_vs_cupy=max_diff, flops=flops, bytes=nbytes,
+                goal_roof=t_ours <= GOAL_ROOF_FACTOR * roof, goal_cupy=t_ours < t_cupy)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    try:
+        import cupy as cp
+    except ImportError:
+        print("bench_attention: needs CuPy and a CUDA GPU", file=sys.stderr)
+        return 2
+    from kdtree_numba import attention as kernels
+    from kdtree_numba import compat
+    if not compat.gpu_available():
+        print("bench_attention: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape in SHAPES:
+        rows.append(run_shape(cp, kernels, rng, *shape, reps=args.reps))
+        cp.get_default_memory_pool().free_all_blocks()
+    print("| shape | splits | ours ms | TFLOP/s | roof ms | ours/roof | CuPy ms (brief) "
+          "| max diff vs CuPy | <= 1.5x roof | beats CuPy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['splits']} | {r['ms']:.2f} | {r['tflops']:.1f} "
+              f"| {r['roof_ms']:.2f} | {r['vs_roof']:.2f} | {r['cupy_ms']:.2f} "
+              f"({r['cupy_ms_brief']}) | {r['max_abs_diff_vs_cupy']:.1e} "
+              f"| {'yes' if r['goal_roof'] else 'NO'} | {'yes' if r['goal_cupy'] else 'NO'} |")
+    print(f"\nroof = max(bytes / {HBM_BYTES_PER_S / 1e12} TB/s, FLOPs / "
+          f"{FP32_FLOPS / 1e12:.0f} TFLOP/s); goal: ours <= {GOAL_ROOF_FACTOR}x roof and "
+          "faster than the CuPy fp32 composition.")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"bench": "attention", "results": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

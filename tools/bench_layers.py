@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Benchmark of the non-attention kernels on the GPU (H200), each against its physical roof.
+
+    python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope,sweep]
+
+* skinny linear, M = 1, 8, 65 at 7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32
+  and bf16, against CuPy matmul (cuBLAS SGEMM on fp32 weights: for a bf16 row that is the same
+  matrix widened to fp32, i.e. cuBLAS reads twice the bytes) and against the weight-bytes roof.
+  Goal: >= 0.9x cuBLAS for M <= 16.
+* MoE routing + expert FFN, M = 1 and 65, E = 384, k = 8, D = 7168, Im = Is = 2048, bf16 experts
+  (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof.
+* RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
+* sweep: alternative SkinnyConfigs for two shapes, to retune ``skinny_config``.
+
+Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
+so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
+it); inputs rotate over enough copies to exceed 3x the L2 (60 MB); median of 7 trials.  A row
+marked "host-bound" means the spacer ran out before the calls were queued.  < 3 min on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kdtree_numba.compat import cuda, kernel  # noqa: E402
+
+HBM_BYTES_PER_S = 4.1e12      # measured by a numba read-reduce on the H200 (notes/numba-cuda.md)
+L2_BYTES = 60e6
+BUDGET_S = 170.0              # stop starting new sections after this
+LINEAR_SHAPES = [(7168, 1536), (7168, 576), (2048, 7168), (7168, 163840)]   # (K, N)
+LINEAR_MS = (1, 8, 65)
+MOE_SHAPE = dict(n_experts=384, top_k=8, d=7168, inter=2048)                  # Kimi-K2
+MOE_MS = (1, 65)
+HIDDEN, ROPE_HEADS, ROPE_DIM, NOPE_DIM = 7168, 64, 64, 128
+NORM_MS, ROPE_MS = (1, 65, 1025), (65, 1025)
+SWEEP_SHAPES = ((7168, 1536), (7168, 576))
+
+
+# ============================================================================ timing
+
+@kernel
+def spacer(n_sleeps):
+    """Keeps the GPU busy ~n_sleeps microseconds while the host queues the timed calls."""
+    if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
+        for _ in range(n_sleeps):
+            cuda.nanosleep(1000)
+
+
+class GpuTimer:
+    """Median GPU time per call of a list of callables (one per rotated input copy)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.spacer = spacer
+        spacer[1, 32](10)                      # compile
+        self.ms_per_sleep = self._elapsed_ms(lambda: spacer[1, 32](2000)) / 2000
+
+    def _elapsed_ms(self, fn):
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, end)
+
+    def __call__(self, calls, trials=7, min_ms=2.0):
+        for call in calls:                     # warm-up (and compile)
+            call()
+        self.cp.cuda.Device().synchronize()
+        one = max(self._elapsed_ms(calls[0]), 1e-3)
+        reps = int(min(max(min_ms / one, 3), 60))
+        host_ms = 0.15 * reps                  # first guess: 150 us of host time per call
+        samples = []                           # (ms per call, host-bound?)
+        for _ in range(trials):
+            sleeps = int(max(2.0 * host_ms, 1.0) / max(self.ms_per_sleep, 1e-5))
+            start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+            t0 = time.perf_counter()
+            self.spacer[1, 32](sleeps)
+            start.record()
+            for r in range(reps):
+                calls[r % len(calls)]()
+            end.record()
+            host = (time.perf_counter() - t0) * 1e3
+            end.synchronize()
+            samples.append((self.cp.cuda.get_elapsed_time(start, end) / reps,
+                            host > sleeps * self.ms_per_sleep))
+            host_ms = max(host_ms, host)
+        clean = [t for t, bound in samples if not bound]
+        host_bound = not clean                 # only when no trial hid the launches
+        return statistics.median(clean or [t for t, _ in samples]) * 1e-3, host_bound
+
+
+def copies_for(nbytes: float, cap: int = 8) -> int:
+    """Input copies so that one rotation streams >= 3x L2 (no copy is served from L2)."""
+    return int(min(max(math.ceil(3 * L2_BYTES / max(nbytes, 1)), 1), cap))
+
+
+# ============================================================================ sections
+
+def bench_linear(ctx, results):
+    cp, layers, timer = ctx["cp"], ctx["layers"], ctx["timer"]
+    rng = np.random.default_rng(0)
+    for k, n in LINEAR_SHAPES:
+        f32_bytes = 4.0 * n * k
+        n_copies = copies_for(f32_bytes / 2, cap=16)
+        w32 = [cp.random.standard_normal((n, k), dtype=cp.float32) * cp.float32(0.02)
+               for _ in range(copies_for(f32_bytes, cap=16))]
+        w16 = [(w.view(cp.uint32) >> 16).astype(cp.uint16) for w in
+               (w32 * n_copies)[:n_copies]]                     # bf16 bits (truncated)
+        nb = ctx["cuda"].as_cuda_array
+        w32_nb, w16_nb = [nb(w) for w in w32], [nb(w) for w in w16]
+        for m in LINEAR_MS:
+            x = cp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            y = cp.empty((m, n), cp.float32)
+            x_nb, y_nb = nb(x), nb(y)
+            t_cublas, hb_c = timer([lambda w=w: cp.matmul(x, w.T, out=y) for w in w32])
+            t_bf16_cublas = bf16_cublas_time(cp, timer, x, w16, n)
+            for dtype, ws_nb in (("f32", w32_nb), ("bf16", w16_nb)):
+                t, hb = timer([lambda w=w: layers.linear(x_nb, w, out=y_nb) for w in ws_nb])
+                wbytes = n * k * (4 if dtype == "f32" else 2)
+                cfg = layers.skinny_config(m, n, k, dtype)
+                results.append(dict(
+                    section="linear", K=k, N=n, M=m, weights=dtype, us=t * 1e6,
+                    cublas_f32_us=t_cublas * 1e6, vs_cublas=t_cublas / t,
+                    cublas_bf16_us=None if t_bf16_cublas is None else t_bf16_cublas * 1e6,
+                    roof_us=wbytes / HBM_BYTES_PER_S * 1e6,
+                    roof_frac=wbytes / HBM_BYTES_PER_S / t, gbps=wbytes / t / 1e9,
+                    goal="vs_cublas>=0.9" if m <= 16 else "-",
+                    goal_met=(t_cublas / t >= 0.9) if m <= 16 else None,
+                    config=str(cfg), host_bound=hb or hb_c))
+                print_row(results[-1])
+        del w32, w16, w32_nb, w16_nb
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def bf16_cublas_time(cp, timer, x, w16, n):
+    """CuPy bf16 x bf16 matmul (x rounded to bf16 too), if this CuPy supports it."""
+    try:
+        import ml_dtypes
+        xb = x.astype(cp.float32).view(cp.uint32) >> 16
+        xb = xb.astype(cp.uint16).view(ml_dtypes.bfloat16)
+        wb = [w.view(ml_dtypes.bfloat16) for w in w16]
+        yb = cp.empty((x.shape[0], n), ml_dtypes.bfloat16)
+        t, _ = timer([lambda w=w: cp.matmul(xb, w.T, out=yb) for w in wb], trials=3)
+        return t
+    except Exception:   # noqa: BLE001 -- optional baseline; absent in some CuPy builds
+        return None
+
+
+def bench_moe(ctx, results):
+    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    case = dict(top_k=top_k, n_group=1, topk_group=1, norm_topk_prob=True,
+                routed_scaling_factor=2.827, scoring="sigmoid")
+    rng = np.random.default_rng(1)
+    # 34 GB of experts; the value does not change the timing, so a constant fill is enough.
+    gate_up = cp.full((n_experts, 2 * inter, d), 0x3C00, cp.uint16)     # bf16 0.0078
+    down = cp.full((n_experts, d, inter), 0x3C00, cp.uint16)
+    shared_gu = cp.full((2 * inter, d), 0x3C00, cp.uint16)
+    shared_dn = cp.full((d, inter), 0x3C00, cp.uint16)
+    gates = [cp.asarray((rng.standard_normal((n_experts, d)) * 0.02).astype(np.float32))
+             for _ in range(copies_for(n_experts * d * 4, cap=16))]   # the gate is 11 MB
+    bias = cp.asarray((rng.standard_normal(n_experts) * 0.3).astype(np.float32))
+    nb = cuda.as_cuda_array
+    weights = tuple(map(nb, (gate_up, down, shared_gu, shared_dn)))
+    gates_nb, bias_nb = [nb(g) for g in gates], nb(bias)
+    for m in MOE_MS:
+        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
+        idx, w = nb(cp.empty((m, top_k), cp.int32)), nb(cp.empty((m, top_k), cp.float32))
+        out = nb(cp.empty((m, d), cp.float32))
+        ws = layers.Workspace()
+
+        def route(gate=gates_nb[0]):
+            layers.moe_route(h, gate, bias_nb, out=(idx, w), workspace=ws, **case)
+
+        def ffn():
+            layers.moe_ffn(h, idx, w, *weights, out=out, workspace=ws)
+
+        def step():
+            route()
+            ffn()
+
+        route()
+        n_used = len(np.unique(idx.copy_to_host()))
+        t_route, hb1 = timer([lambda g=g: route(g) for g in gates_nb])
+        t_ffn, hb2 = timer([ffn], trials=5)
+        t_step, hb3 = timer([step], trials=5)
+        expert_bytes = (n_used + 1) * 3 * inter * d * 2      # + the shared expert
+        route_bytes = n_experts * d * 4
+        for part, t, nbytes, hb in (("route", t_route, route_bytes, hb1),
+                                    ("expert_ffn", t_ffn, expert_bytes, hb2),
+                                    ("route+ffn", t_step, expert_bytes + route_bytes, hb3)):
+            results.append(dict(section="moe", part=part, M=m, experts_read=n_used + 1,
+                                us=t * 1e6, weight_bytes=nbytes,
+                                roof_us=nbytes / HBM_BYTES_PER_S * 1e6,
+                                roof_frac=nbytes / HBM_BYTES_PER_S / t, gbps=nbytes / t / 1e9,
+                                host_bound=hb))
+            print_row(results[-1])
+    del gate_up, down
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def bench_norm_rope(ctx, results):
+    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
+    nb = cuda.as_cuda_array
+    rng = np.random.default_rng(2)
+    d = HIDDEN
+    weight = nb(cp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32)))
+    for m in NORM_MS:
+        nbytes = 2 * m * d * 4 + d * 4
+        xs = [nb(cp.random.standard_normal((m, d), dtype=cp.float32))
+              for _ in range(copies_for(nbytes, cap=64))]
+        y = nb(cp.empty((m, d), cp.float32))
+        t, hb = timer([lambda x=x: layers.rmsnorm(x, weight, 1e-6, out=y) for x in xs])
+        results.append(dict(section="rmsnorm", M=m, D=d, us=t * 1e6, bytes=nbytes,
+                            gbps=nbytes / t / 1e9, roof_us=nbytes / HBM_BYTES_PER_S * 1e6,
+                            roof_frac=nbytes / HBM_BYTES_PER_S / t, host_bound=hb))
+        print_row(results[-1])
+    spec = layers.RopeSpec(theta=50000.0, head_dim=ROPE_DIM, interleave=True,
+                           yarn=layers.YarnScaling(32.0, 4096, 1.0, 1.0, 1.0, 1.0))
+    for m in ROPE_MS:
+        nbytes = 2 * m * ROPE_HEADS * ROPE_DIM * 4 + m * 8
+        qs = [cp.random.standard_normal((m, ROPE_HEADS, NOPE_DIM + ROPE_DIM), dtype=cp.float32)
+              for _ in range(copies_for(nbytes, cap=64))]
+        views = [nb(q[:, :, NOPE_DIM:]) for q in qs]
+        pos = nb(cp.asarray(rng.integers(0, 100_000, m)))
+        y = nb(cp.empty((m, ROPE_HEADS, ROPE_DIM), cp.float32))
+        t, hb = timer([lambda v=v: layers.rope(v, pos, spec, out=y) for v in views])
+        results.append(dict(section="rope", M=m, heads=ROPE_HEADS, us=t * 1e6, bytes=nbytes,
+                            gbps=nbytes / t / 1e9, roof_us=nbytes / HBM_BYTES_PER_S * 1e6,
+                            roof_frac=nbytes / HBM_BYTES_PER_S / t, host_bound=hb))
+        print_row(results[-1])
+
+
+SWEEP = [(4, 2, 128, 1), (2, 4, 128, 1), (1, 4, 256, 1), (8, 1, 128, 1), (4, 1, 256, 1),
+         (4, 4, 64, 1), (2, 2, 128, 2), (1, 4, 128, 4)]
+
+
+def bench_sweep(ctx, results, deadline):
+    """Alternative (rows, unroll, threads, splits) for M = 1 at two shapes."""
+    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
+    nb = cuda.as_cuda_array
+    for k, n in SWEEP_SHAPES:
+        for dtype in ("bf16", "f32"):
+            esize = 2 if dtype == "bf16" else 4
+            ws = [cp.random.standard_normal((n, k), dtype=cp.float32)
+                  for _ in range(copies_for(n * k * esize, cap=16))]
+            if dtype == "bf16":
+                ws = [(w.view(cp.uint32) >> 16).astype(cp.uint16) for w in ws]
+            ws = [nb(w) for w in ws]
+            x = nb(cp.random.standard_normal((1, k), dtype=cp.float32))
+            y = nb(cp.empty((1, n), cp.float32))
+            for rows, unroll, threads, splits in SWEEP:
+                if time.perf_counter() > deadline:
+                    return
+                cfg = layers.SkinnyConfig(1, rows, threads, unroll, splits)
+                t, hb = timer([lambda w=w: layers.linear(x, w, out=y, config=cfg) for w in ws],
+                              trials=5)
+                nbytes = n * k * esize
+                results.append(dict(section="sweep", K=k, N=n, M=1, weights=dtype,
+                                    config=str(cfg), us=t * 1e6,
+                                    roof_frac=nbytes / HBM_BYTES_PER_S / t, host_bound=hb))
+                print_row(results[-1])
+
+
+# ============================================================================ output
+
+COLUMNS = {
+    "linear": ["K", "N", "M", "weights", "us", "cublas_f32_us", "vs_cublas", "cublas_bf16_us",
+               "roof_us", "roof_frac", "gbps", "goal", "goal_met", "config", "host_bound"],
+    "moe": ["part", "M", "experts_read", "us", "weight_bytes", "roof_us", "roof_frac", "gbps",
+            "host_bound"],
+    "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
+    "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
+    "sweep": ["K", "N", "M", "weights", "config", "us", "roof_frac", "host_bound"],
+}
+_printed_header = set()
+
+
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return "" if v is None else str(v)
+
+
+def print_row(row):
+    cols = COLUMNS[row["section"]]
+    if row["section"] not in _printed_header:
+        _printed_header.add(row["section"])
+        print(f"\n### {row['section']}\n\n| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+    print("| " + " | ".join(fmt(row.get(c)) for c in cols) + " |", flush=True)
+
+
+def summary(results):
+    lin = [r for r in results if r["section"] == "linear" and r["M"] <= 16]
+    if lin:
+        met = sum(bool(r["goal_met"]) for r in lin)
+        worst = min(lin, key=lambda r: r["vs_cublas"])
+        print(f"\nskinny linear goal (>= 0.9x cuBLAS, M <= 16): {met}/{len(lin)} met; worst "
+              f"{worst['vs_cublas']:.2f}x at {worst['K']}->{worst['N']} M={worst['M']} "
+              f"{worst['weights']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--only", default="linear,moe,norm,rope,sweep",
+                        help="comma-separated sections (default: all)")
+    args = parser.parse_args(argv)
+    sections = set(args.only.split(","))
+    t_start = time.perf_counter()
+    import cupy as cp
+    from kdtree_numba import layers
+    ctx = dict(cp=cp, cuda=cuda, layers=layers, timer=GpuTimer(cp))
+    print(f"# bench_layers on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
+          f"roof {HBM_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU time per call (us)")
+    results = []
+    plan = [("linear", bench_linear), ("moe", bench_moe), ("norm", bench_norm_rope)]
+    for name, fn in plan:
+        if name not in sections and not (name == "norm" and "rope" in sections):
+            continue
+        if time.perf_counter() - t_start > BUDGET_S:
+            print(f"\n(skipped {name}: time budget)")
+            continue
+        try:
+            fn(ctx, results)
+        except Exception as exc:   # noqa: BLE001 -- one shot on the device: report and go on
+            print(f"\n{name} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            results.append(dict(section=name, error=f"{type(exc).__name__}: {exc}"))
+    if "sweep" in sections and time.perf_counter() - t_start < BUDGET_S - 40:
+        try:
+            bench_sweep(ctx, results, deadline=t_start + BUDGET_S)
+        except Exception as exc:   # noqa: BLE001
+            print(f"\nsweep FAILED: {type(exc).__name__}: {exc}", flush=True)
+    summary(results)
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
