@@ -1,0 +1,283 @@
+"""Model bundles: a model's config and weights in one KDTR file.
+
+Layout (docs/ENGINE.md has the full table)::
+
+    /                       attrs  kdtree.bundle = "model" | "block_drafter", kdtree.version = 1
+    /config                 attrs  the ModelConfig fields (None fields left out)
+    /config/rope_scaling    attrs  the YaRN fields, present only with YaRN
+    /model/embed_tokens     [V, D]          HF names, '.' -> '/', no '.weight' suffix
+    /model/layers/{l}/self_attn/{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
+                                 kv_a_layernorm, kv_b_proj, o_proj}
+    /model/layers/{l}/mlp/{gate_proj, up_proj, down_proj}                      (dense layers)
+    /model/layers/{l}/mlp/{gate [E,D], e_score_correction_bias [E],
+                           experts/gate_up_proj [E,2Im,D], experts/down_proj [E,D,Im],
+                           shared_experts/{gate_proj, up_proj, down_proj}}       (MoE layers)
+    /model/norm, /lm_head   (lm_head absent when tie_word_embeddings)
+    /block/...              the BlockDrafter's extra tensors (kdtree.bundle = "block_drafter")
+
+Weights are float32, bfloat16 or float16.  ``read_bundle`` validates everything against the
+config before the model sees it; any problem raises :class:`BundleError` naming the tensor.
+``make_random_bundle`` writes deterministic random models (tiny/small/medium) whose weights are
+O(0.1-1) as shared/notes/mla-moe.md asks, so that routing and attention are not trivial.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from kdtree_numba.model import ModelConfig, weight_shapes
+
+__all__ = ["BundleError", "read_bundle", "write_bundle", "read_bundle_config", "SIZES",
+           "size_config", "drafter_config", "random_weights", "make_random_bundle",
+           "block_drafter_shapes", "BUNDLE_VERSION"]
+
+BUNDLE_VERSION = 1
+BUNDLE_KINDS = ("model", "block_drafter")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class BundleError(ValueError):
+    """A model bundle that is missing tensors, has wrong shapes or contradicts its config."""
+
+
+# ----------------------------------------------------------------------------- configs
+
+# YaRN with a small original context, so its ramp and its softmax factor both matter.
+_TINY_YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+SIZES: dict[str, dict[str, Any]] = {
+    # The tiny config of shared/notes/mla-moe.md (n_group > 1, a dense first layer), plus YaRN.
+    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                 n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                 first_k_dense_replace=1, routed_scaling_factor=2.5, rope_theta=10000.0,
+                 rope_scaling=_TINY_YARN, max_position_embeddings=512),
+    "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                  moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+                  q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+                  n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                  rope_theta=10000.0, rope_scaling=dict(_TINY_YARN, factor=4.0,
+                  original_max_position_embeddings=256), max_position_embeddings=2048),
+    # Kimi-K2's attention geometry (r 512, dr 64, dn/dv 128) at a width a benchmark can afford.
+    "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                   moe_intermediate_size=256, num_hidden_layers=8, num_attention_heads=16,
+                   q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                   v_head_dim=128, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4,
+                   n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.827,
+                   rope_theta=50000.0, rope_scaling=dict(_TINY_YARN, factor=32.0,
+                   original_max_position_embeddings=4096), max_position_embeddings=131072),
+}
+
+
+def size_config(size: str, **overrides) -> ModelConfig:
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    return ModelConfig(**dict(SIZES[size], **overrides))
+
+
+def drafter_config(target: ModelConfig, **overrides) -> ModelConfig:
+    """A one-layer dense drafter of the target's architecture and vocabulary."""
+    base = dict(num_hidden_layers=1, first_k_dense_replace=1,
+                hidden_size=max(32, target.hidden_size // 2),
+                intermediate_size=max(32, target.intermediate_size // 2))
+    return target.replace(**dict(base, **overrides))
+
+
+# ----------------------------------------------------------------------------- random weights
+
+def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """O(0.1-1) weights (mla-moe.md): matrices N(0, (1.2/sqrt(fan_in))^2) (0.15 at fan_in 64),
+    norm weights U[0.5, 1.5], router bias N(0, 0.3^2), embeddings N(0, 1)."""
+    leaf = name.rsplit("/", 1)[-1]
+    if leaf.endswith("layernorm") or leaf == "norm" or name.endswith("/norm"):
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if leaf == "e_score_correction_bias":
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+    if leaf == "embed_tokens":
+        return rng.standard_normal(shape, dtype=np.float32)
+    scale = np.float32(1.2 / np.sqrt(shape[-1]))
+    return rng.standard_normal(shape, dtype=np.float32) * scale
+
+
+def random_weights(config: ModelConfig, seed: int = 0,
+                   shapes: Mapping[str, tuple] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Deterministic random weights, (name, float32 array) one tensor at a time."""
+    rng = np.random.default_rng(seed)
+    for name, shape in (shapes or weight_shapes(config)).items():
+        yield name, _init_tensor(rng, name, shape)
+
+
+def block_drafter_shapes(config: ModelConfig, target_hidden: int) -> dict[str, tuple]:
+    """The BlockDrafter's extra tensors: projection of the target's hidden state and the
+    embedding of the MASK token."""
+    return {"block/target_proj": (config.hidden_size, target_hidden),
+            "block/mask_embedding": (config.hidden_size,)}
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _cast(name: str, array: np.ndarray, dtype: str | None) -> np.ndarray:
+    array = np.asarray(array)
+    if dtype is None:
+        dtype = array.dtype.name if array.dtype.name in WEIGHT_DTYPES else "float32"
+    if dtype not in WEIGHT_DTYPES:
+        raise BundleError(f"tensor {name}: dtype {dtype} is not one of {WEIGHT_DTYPES}")
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return array.astype(ml_dtypes.bfloat16)
+    return array.astype(dtype)
+
+
+def write_bundle(path, config: ModelConfig,
+                 weights: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
+                 dtype: str | None = None, kind: str = "model",
+                 extra_shapes: Mapping[str, tuple] | None = None,
+                 extra_attrs: Mapping[str, Any] | None = None) -> None:
+    """Write a bundle atomically, one tensor at a time (an iterable of (name, array) is
+    consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
+    against the config as they arrive; a missing or extra tensor raises BundleError and leaves
+    no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given)."""
+    from formats import kdtr
+    if kind not in BUNDLE_KINDS:
+        raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
+    expected = dict(weight_shapes(config), **(extra_shapes or {}))
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    seen = set()
+    with kdtr.File(os.fspath(path), "w") as f:
+        f.attrs["kdtree.bundle"] = kind
+        f.attrs["kdtree.version"] = BUNDLE_VERSION
+        for key, value in (extra_attrs or {}).items():
+            f.attrs[key] = value
+        flat, rope_scaling = config.to_attrs()
+        group = f.create_group("config")
+        for key, value in flat.items():
+            group.attrs[key] = value
+        if rope_scaling is not None:
+            sub = f.create_group("config/rope_scaling")
+            for key, value in rope_scaling.items():
+                sub.attrs[key] = value
+        for name, array in items:
+            array = np.asarray(array)
+            _check_tensor(name, tuple(array.shape), expected, config)
+            if name in seen:
+                raise BundleError(f"tensor {name} given twice")
+            seen.add(name)
+            f.create_dataset(name, data=_cast(name, array, dtype))
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            raise BundleError(f"missing tensor {missing[0]} (expected shape "
+                              f"{expected[missing[0]]}; {len(missing)} missing in all)")
+
+
+def _config_summary(cfg: ModelConfig) -> str:
+    return (f"num_hidden_layers={cfg.num_hidden_layers}, first_k_dense_replace="
+            f"{cfg.first_k_dense_replace}, q_lora_rank={cfg.q_lora_rank}, n_shared_experts="
+            f"{cfg.n_shared_experts}, tie_word_embeddings={cfg.tie_word_embeddings}")
+
+
+def _check_tensor(name: str, shape: tuple, expected: Mapping[str, tuple], cfg: ModelConfig):
+    if name not in expected:
+        raise BundleError(f"tensor {name} is not part of a model with this config "
+                          f"({_config_summary(cfg)})")
+    if shape != tuple(expected[name]):
+        raise BundleError(f"tensor {name} has shape {shape}, but the config implies "
+                          f"{tuple(expected[name])} (vocab_size={cfg.vocab_size}, hidden_size="
+                          f"{cfg.hidden_size}, heads={cfg.num_attention_heads}, kv_lora_rank="
+                          f"{cfg.kv_lora_rank}, n_routed_experts={cfg.n_routed_experts})")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _open(path):
+    from formats import kdtr
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model bundle {os.fspath(path)!r} does not exist")
+    try:
+        return kdtr.File(os.fspath(path))
+    except ValueError as e:
+        raise BundleError(f"{os.fspath(path)}: not a readable KDTR file: {e}") from e
+
+
+def _read_config(f, path) -> ModelConfig:
+    if "config" not in f:
+        raise BundleError(f"{path}: no 'config' group (not a model bundle)")
+    try:
+        rope = dict(f["config/rope_scaling"].attrs) if "config/rope_scaling" in f else None
+        return ModelConfig.from_attrs(dict(f["config"].attrs), rope)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"{path}: bad config: {e}") from e
+
+
+def read_bundle_config(path) -> tuple[ModelConfig, dict]:
+    """(config, root attributes) of a bundle, without touching the weights."""
+    with _open(path) as f:
+        return _read_config(f, path), dict(f.attrs)
+
+
+def read_bundle(path, *, extra_shapes=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and weights (read-only memory-mapped arrays) of a validated bundle.
+
+    Every tensor the config implies must be present with its shape and a float dtype, and no
+    other tensor may be present (``extra_shapes`` adds allowed ones, e.g. a BlockDrafter's).
+    """
+    path = os.fspath(path)
+    with _open(path) as f:
+        kind = f.attrs.get("kdtree.bundle", "model")
+        if kind not in BUNDLE_KINDS:
+            raise BundleError(f"{path}: kdtree.bundle attribute {kind!r} is not one of "
+                              f"{BUNDLE_KINDS}")
+        config = _read_config(f, path)
+        expected = dict(weight_shapes(config), **(extra_shapes or {}))
+        present: dict[str, Any] = {}
+
+        def collect(name, node):
+            if hasattr(node, "shape") and not name.startswith("config"):
+                present[name] = node
+        f.visititems(collect)
+        for name in expected:   # in model order, so the first problem reported is the first
+            if name not in present:
+                raise BundleError(f"{path}: missing tensor {name} (expected shape "
+                                  f"{tuple(expected[name])} for {_config_summary(config)})")
+            _check_tensor(name, tuple(present[name].shape), expected, config)
+        weights = {}
+        for name in list(expected) + sorted(set(present) - set(expected)):
+            ds = present[name]
+            _check_tensor(name, tuple(ds.shape), expected, config)
+            if np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
+                raise BundleError(f"tensor {name} has dtype {ds.dtype}; weights must be one of "
+                                  f"{WEIGHT_DTYPES}")
+            weights[name] = ds[...]
+        return config, weights
+
+
+# ----------------------------------------------------------------------------- random bundles
+
+def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "float32", *,
+                       role: str = "target", **config_overrides) -> ModelConfig:
+    """Write a deterministic random bundle and return its config.
+
+    role "target": the ``size`` config; "drafter": a one-layer dense model with the target's
+    vocabulary (for ModelDrafter); "block_drafter": that plus the BlockDrafter tensors.
+    """
+    config = size_config(size, **config_overrides)
+    if role == "target":
+        write_bundle(path, config, random_weights(config, seed), dtype=dtype)
+        return config
+    draft = drafter_config(config)
+    if role == "drafter":
+        write_bundle(path, draft, random_weights(draft, seed + 1), dtype=dtype)
+        return draft
+    if role == "block_drafter":
+        extra = block_drafter_shapes(draft, config.hidden_size)
+        shapes = dict(weight_shapes(draft), **extra)
+        write_bundle(path, draft, random_weights(draft, seed + 2, shapes), dtype=dtype,
+                     kind="block_drafter", extra_shapes=extra,
+                     extra_attrs={"block.target_hidden_size": config.hidden_size,
+                                  "block.block_len": 7})
+        return draft
+    raise ValueError(f"role must be target, drafter or block_drafter, got {role!r}")

@@ -1,0 +1,230 @@
+"""Drafters: what proposes the L future-position distributions a DDTree round builds on.
+
+Every drafter has ``vocab_size``, ``block_len`` (L, the tree's maximum depth), ``name`` and
+
+* ``start(batch, max_len)``: reset for a new batch (max_len bounds its own caches);
+* ``propose(histories) -> logits [bs, L, V]`` float32 on the target's backend, where
+  ``histories[b]`` is request b's whole committed sequence (prompt + generated) and its last
+  token is the root the target verifies from.  Row d is the drafter's distribution for the token
+  at depth d + 1 under the root.
+
+Drafters keep their own state in sync from the histories alone (they compare with what they
+have cached), so the engine never has to tell them what was accepted.
+
+* :class:`ModelDrafter`: any model of this architecture (a bundle) run greedily for L steps
+  with its own KV cache; step d's logits are row d (conditionals along its own greedy chain).
+* :class:`NoisyOracleDrafter`: FOR TESTS AND DEMOS ONLY.  It runs the *target* itself as a
+  ModelDrafter (so it knows the target's greedy future) and replaces each row, with probability
+  ``1 - agreement``, by noise whose top token is never the target's.  It costs L extra target
+  forwards per round: its tokens/s mean nothing.
+* :class:`BlockDrafter`: a DFlash-style block drafter: one forward over [root, MASK x (L)],
+  bidirectional inside the block, conditioned on the target's hidden state at the root's
+  parent through a learned projection (weights in a ``block_drafter`` bundle).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_numba.model import Model
+
+__all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter"]
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class ModelDrafter:
+    """L greedy steps of a small model of the same architecture (module docstring)."""
+
+    def __init__(self, model: Model, block_len: int = 8, name: str = "model"):
+        if block_len < 1:
+            raise ValueError("block_len must be >= 1")
+        self.model, self.block_len, self.name = model, int(block_len), name
+        self.cache = None
+        self.cached: list[np.ndarray] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @classmethod
+    def load(cls, path, backend="auto", block_len: int = 8) -> "ModelDrafter":
+        return cls(Model.load(path, backend), block_len, name=f"model:{path}")
+
+    def start(self, batch: int, max_len: int) -> None:
+        self.cache = self.model.new_cache(batch, max_len)
+        self.cached = [np.zeros(0, np.int64) for _ in range(batch)]
+
+    def _catch_up(self, histories):
+        """Feed each history's tokens not yet cached (at least the root); returns the logits
+        row of each root, [bs, V]."""
+        be, cache = self.model.backend, self.cache
+        bs = len(histories)
+        keep = np.array([min(_common_prefix(self.cached[b], h), h.size - 1)
+                         for b, h in enumerate(histories)], np.int64)
+        cache.truncate(keep)
+        feed = [h[k:] for h, k in zip(histories, keep)]
+        counts = np.array([f.size for f in feed], np.int64)
+        n = int(counts.max())
+        tokens = np.zeros((bs, n), np.int64)
+        for b, f in enumerate(feed):
+            tokens[b, :f.size] = f
+        positions = keep[:, None] + np.arange(n)[None, :]
+        visible = np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n))
+        logits = self.model.forward(tokens, positions, cache, visible)
+        cache.advance(counts)
+        return logits[be.asarray(np.arange(bs)), be.asarray(counts - 1)]
+
+    def propose(self, histories):
+        if self.cache is None or self.cache.batch != len(histories):
+            raise RuntimeError("call start(batch, max_len) before propose")
+        be, ops, xp = self.model.backend, self.model.backend.ops, self.model.backend.xp
+        bs = len(histories)
+        histories = [np.asarray(h, np.int64) for h in histories]
+        rows = [self._catch_up(histories)]
+        drafted = []
+        for _ in range(1, self.block_len):
+            token = np.asarray(be.to_host(ops.argmax(rows[-1])), np.int64)
+            drafted.append(token)
+            logits = self.model.forward(token[:, None], self.cache.lengths[:, None].copy(),
+                                        self.cache, np.ones((bs, 1, 1), bool))
+            self.cache.advance(1)
+            rows.append(xp.ascontiguousarray(logits[:, 0]))
+        chain = np.stack(drafted, axis=1) if drafted else np.zeros((bs, 0), np.int64)
+        self.cached = [np.concatenate([h, chain[b]]) for b, h in enumerate(histories)]
+        return xp.ascontiguousarray(xp.stack(rows, axis=1).astype(np.float32))
+
+
+class NoisyOracleDrafter:
+    """FOR TESTS AND DEMOS: the target's own future logits mixed with noise (module doc).
+
+    Row d is the target's distribution at depth d + 1 along its greedy continuation with
+    probability ``agreement`` (independently per row, from ``seed``), otherwise Gaussian noise
+    logits (``noise_scale``) in which the target's greedy token is pushed to the very bottom.
+    So agreement 1 drafts the target's greedy path exactly and agreement 0 never ranks the
+    target's greedy token first (nor anywhere in a top-K with K < V).  ``sharpness`` multiplies
+    the agreeing rows' logits: > 1 makes the drafter confident, so the best-first tree spends its
+    budget on depth (the target's greedy path) rather than on siblings.
+    """
+
+    def __init__(self, target: Model, block_len: int = 8, agreement: float = 0.8,
+                 seed: int = 0, noise_scale: float = 2.0, sharpness: float = 1.0):
+        if not 0.0 <= agreement <= 1.0:
+            raise ValueError(f"agreement must lie in [0, 1], got {agreement}")
+        if not sharpness > 0:
+            raise ValueError(f"sharpness must be > 0, got {sharpness}")
+        self.oracle = ModelDrafter(target, block_len)
+        self.block_len, self.agreement, self.seed = int(block_len), float(agreement), int(seed)
+        self.noise_scale, self.sharpness = float(noise_scale), float(sharpness)
+        self.name = f"oracle:{agreement:g}"
+        self.rng = np.random.default_rng(self.seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.oracle.vocab_size
+
+    def start(self, batch: int, max_len: int) -> None:
+        self.oracle.start(batch, max_len)
+        self.rng = np.random.default_rng(self.seed)
+
+    def propose(self, histories):
+        be = self.oracle.model.backend
+        exact = np.array(be.to_host(self.oracle.propose(histories)), np.float32)
+        bs, L, V = exact.shape
+        keep = self.rng.random((bs, L)) < self.agreement
+        noise = (self.noise_scale * self.rng.standard_normal((bs, L, V))).astype(np.float32)
+        top = exact.argmax(axis=-1)
+        b_idx, d_idx = np.meshgrid(np.arange(bs), np.arange(L), indexing="ij")
+        noise[b_idx, d_idx, top] = noise.min(axis=-1) - 1.0
+        mixed = np.where(keep[..., None], exact * np.float32(self.sharpness), noise)
+        return be.asarray(np.ascontiguousarray(mixed, np.float32))
+
+
+class BlockDrafter:
+    """DFlash-style block drafter: ONE forward over ``[root, MASK x L]`` per round.
+
+    The block is bidirectional (every slot sees every other), and each slot's input is its
+    embedding (the root token's, or the learned MASK embedding) plus ``target_proj @ h``, where
+    ``h`` [D_target] is the target's final normed hidden state at the position whose logits
+    chose the root (the engine passes it as ``target_hidden``).  That projected feature is the
+    only context the block gets: there is no drafter KV cache across rounds, so the drafter is
+    stateless and never needs to resynchronise.  Output row d (d = 1..L) is the distribution
+    of the token at depth d: DFlash's per-position marginals, as the tree builder expects.
+
+    Weights: a ``block_drafter`` bundle (a model bundle of the target's vocabulary plus
+    ``block/target_proj [D, D_target]`` and ``block/mask_embedding [D]``; attributes
+    ``block.target_hidden_size`` and ``block.block_len``).  ``make_random_bundle(...,
+    role="block_drafter")`` writes an untrained one (correct and lossless, tau ~ 1); training
+    one is outside this project.
+    """
+    needs_target_hidden = True
+
+    def __init__(self, model: Model, target_proj, mask_embedding, block_len: int = 7,
+                 name: str = "block"):
+        if block_len < 1:
+            raise ValueError("block_len must be >= 1")
+        be = model.backend
+        self.model, self.block_len, self.name = model, int(block_len), name
+        self.target_proj = be.asarray(np.asarray(target_proj, np.float32))
+        self.mask_embedding = be.asarray(np.asarray(mask_embedding, np.float32))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def target_hidden_size(self) -> int:
+        return int(self.target_proj.shape[1])
+
+    @classmethod
+    def load(cls, path, backend="auto", block_len: int | None = None) -> "BlockDrafter":
+        from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
+                                         read_bundle_config)
+        config, attrs = read_bundle_config(path)
+        if attrs.get("kdtree.bundle") != "block_drafter":
+            raise BundleError(f"{path} is not a block_drafter bundle")
+        extra = block_drafter_shapes(config, int(attrs["block.target_hidden_size"]))
+        config, weights = read_bundle(path, extra_shapes=extra)
+        model = Model(config, weights, backend)
+        L = block_len or int(attrs.get("block.block_len", 7))
+        return cls(model, weights["block/target_proj"], weights["block/mask_embedding"], L,
+                   name=f"block:{path}")
+
+    def start(self, batch: int, max_len: int) -> None:
+        self.batch = batch
+
+    def propose(self, histories, target_hidden=None):
+        if target_hidden is None:
+            raise ValueError("BlockDrafter.propose needs the target's hidden state")
+        be, ops, xp = self.model.backend, self.model.backend.ops, self.model.backend.xp
+        bs, n = len(histories), self.block_len + 1
+        if tuple(target_hidden.shape) != (bs, self.target_hidden_size):
+            raise ValueError(f"target_hidden must be {(bs, self.target_hidden_size)}, got "
+                             f"{tuple(target_hidden.shape)}")
+        roots = np.array([int(h[-1]) for h in histories], np.int32)
+        x = xp.empty((bs, n, self.model.config.hidden_size), np.float32)
+        x[:, 0] = ops.embedding(be.asarray(roots), self.model.embed)
+        x[:, 1:] = self.mask_embedding
+        x += ops.linear(xp.ascontiguousarray(target_hidden, dtype=np.float32),
+                        self.target_proj)[:, None, :]
+        starts = np.array([len(h) - 1 for h in histories], np.int64)
+        cache = self.model.new_cache(bs, n)          # the block attends only within itself
+        logits = self.model.forward(np.zeros((bs, n), np.int32),
+                                    starts[:, None] + np.arange(n)[None, :], cache,
+                                    np.ones((bs, n, n), bool), embeds=x)
+        return xp.ascontiguousarray(logits[:, 1:])
+
+
+def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0):
+    """A drafter from a CLI spec: a model bundle (ModelDrafter), a block_drafter bundle
+    (BlockDrafter, its own block length), or ``oracle[:AGREEMENT]`` (tests/demos)."""
+    if spec.startswith("oracle"):
+        agreement = float(spec.split(":", 1)[1]) if ":" in spec else 0.8
+        return NoisyOracleDrafter(target, block_len, agreement, seed)
+    from kdtree_numba.bundle import read_bundle_config
+    if read_bundle_config(spec)[1].get("kdtree.bundle") == "block_drafter":
+        return BlockDrafter.load(spec, target.backend)
+    return ModelDrafter.load(spec, target.backend, block_len)

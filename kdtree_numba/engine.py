@@ -1,0 +1,307 @@
+"""Batched generation: autoregressive (AR) and DDTree speculative decoding.
+
+``generate(model, prompts, max_new_tokens, method="ar"|"ddtree", drafter=..., budget=32,
+temperature=0.0, seed=0, eos=None) -> GenerationResult``
+
+Sequence bookkeeping (per request b): ``seq[b]`` = prompt + committed tokens.  The last committed
+token is the *root*: the next token fed to the target.  The target cache always holds
+``len(seq[b]) - 1`` tokens.
+
+* Prefill: one causal forward over the right-padded prompts; the logits at each prompt's last
+  row give the first new token.
+* AR step: one forward of the roots (n = 1), commit 1, choose the next token.
+* DDTree round (shared/notes/ddtree.md): drafter logits [bs, L, V] -> ``topk_logprobs``
+  (k = min(budget, V)) -> ``build_tree`` -> ``compile_tree`` (start = cache lengths) -> ONE
+  target forward over [root + B nodes] with the ancestor mask (KV written at [len, len+B+1)) ->
+  accept (``accept_greedy`` on the target's argmax at T = 0, ``accept_sampled`` at T > 0) ->
+  ``compact_kv`` of the accepted rows -> lengths += acc_len -> the bonus token is the next root.
+  Each round commits the accepted nodes' tokens and the bonus token.
+
+Sampling (T > 0) is lossless *and* reproducible across methods: the token at absolute position p
+of request b is drawn by inverse CDF (``reference.ddtree.sample_targets``' rule) with the uniform
+``U_b[p]`` from ``numpy.random.default_rng([seed, b])``.  AR uses ``U_b[p]`` for its token at p;
+a DDTree node at depth d samples the target's token at position ``start + d + 1`` with
+``U_b[start + d + 1]`` (siblings share it; only one path is ever committed, so every committed
+token uses a fresh uniform and is an exact target sample).  Hence for a fixed seed DDTree and AR
+produce the same tokens at any temperature, up to float rounding of the logits flipping a draw
+that sits on a CDF boundary (probability ~1e-7 per token).
+
+Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
+until every request is finished (their rows are computed and discarded).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from reference.ddtree import DraftTree
+
+__all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
+
+METHODS = ("ar", "ddtree")
+PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction")
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    method: str
+    backend: str
+    batch: int
+    budget: int | None
+    block_len: int | None
+    kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
+    rounds: int = 0                     # AR steps or DDTree rounds after prefill
+    new_tokens: int = 0                 # committed tokens returned, all requests
+    seconds: float = 0.0                # wall time of generate(), prefill included
+    time: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    tau: list = dataclasses.field(default_factory=list)  # per round: acc_len of active requests
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first one per request, over the time after prefill."""
+        t = self.seconds - self.time["prefill"]
+        return max(self.new_tokens - self.batch, 0) / t if t > 0 else 0.0
+
+    @property
+    def mean_tau(self) -> float:
+        flat = [a for r in self.tau for a in r]
+        return float(np.mean(flat)) if flat else 0.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+                 mean_tau=self.mean_tau)
+        return d
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]             # new tokens per prompt (eos included when emitted)
+    stats: GenerationStats
+
+
+def uniform_table(seed: int, request: int, length: int) -> np.ndarray:
+    """``U_b[p]`` for p < length: the uniforms of request b (prefix-stable in ``length``)."""
+    return np.random.default_rng([int(seed), int(request)]).random(length)
+
+
+class _Timer:
+    def __init__(self, backend, stats: GenerationStats):
+        self.backend, self.stats = backend, stats
+        self.last = backend.clock()
+
+    def lap(self, phase: str) -> None:
+        now = self.backend.clock()
+        self.stats.time[phase] += now - self.last
+        self.last = now
+
+
+class _Requests:
+    """Host-side state of the batch: sequences, outputs, finished flags."""
+
+    def __init__(self, prompts, max_new_tokens, eos, keep_hidden: bool = False):
+        self.keep_hidden = keep_hidden
+        self.hidden = None      # target hidden state that chose each root (BlockDrafter input)
+        self.seq = [list(p) for p in prompts]
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.active = np.ones(len(prompts), bool)
+        self.max_new, self.eos = max_new_tokens, eos
+
+    def commit(self, b: int, tokens: Sequence[int]) -> None:
+        """Append committed tokens, stopping at eos or max_new_tokens."""
+        for t in tokens:
+            if not self.active[b]:
+                return
+            self.seq[b].append(int(t))
+            self.out[b].append(int(t))
+            if (self.eos is not None and int(t) == self.eos) or len(self.out[b]) >= self.max_new:
+                self.active[b] = False
+
+    def roots(self) -> np.ndarray:
+        return np.array([s[-1] for s in self.seq], np.int32)
+
+
+def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
+    if len(prompts) == 0:
+        raise ValueError("generate needs at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        p = np.asarray(p, np.int64).reshape(-1)
+        if p.size == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if p.min() < 0 or p.max() >= vocab:
+            raise ValueError(f"prompt {i} holds token ids outside [0, {vocab})")
+        out.append(p)
+    return out
+
+
+def _root_only_tree(bs: int) -> DraftTree:
+    """A 1-slot-budget tree with no nodes: ``sample_targets`` on it samples slot 0 only."""
+    full = lambda v, dt: np.full((bs, 2), v, dt)  # noqa: E731
+    depth = full(-1, np.int32)
+    depth[:, 0] = 0
+    score = full(-np.inf, np.float64)
+    score[:, 0] = 0.0
+    return DraftTree(n_nodes=np.zeros(bs, np.int32), token=full(-1, np.int32),
+                     parent=full(-1, np.int32), depth=depth, rank=full(-1, np.int32),
+                     score=score, max_depth=1)
+
+
+def _choose(model, logits, temperature: float, uniforms: np.ndarray) -> np.ndarray:
+    """Next token per request from logits [bs, V]: argmax at T = 0, else the inverse-CDF rule
+    of ``sample_targets`` (the same kernel DDTree uses) with ``uniforms [bs]``."""
+    be, ops, xp = model.backend, model.backend.ops, model.backend.xp
+    logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
+    if temperature == 0:
+        return np.asarray(be.to_host(ops.argmax(logits)), np.int64)
+    bs = logits.shape[0]
+    pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
+    u = np.stack([uniforms, np.full(bs, 0.5)], axis=1)
+    tokens = ops.sample_targets(_root_only_tree(bs), pair, temperature, u)
+    return np.asarray(be.to_host(tokens), np.int64)[:, 0]
+
+
+def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
+    be = model.backend
+    bs = len(prompts)
+    lens = np.array([p.size for p in prompts], np.int64)
+    n = int(lens.max())
+    tokens = np.zeros((bs, n), np.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, :p.size] = p
+    positions = np.broadcast_to(np.arange(n), (bs, n))
+    visible = np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n))
+    logits = model.forward(tokens, positions, cache, visible, return_hidden=req.keep_hidden)
+    rows = (be.asarray(np.arange(bs)), be.asarray(lens - 1))
+    if req.keep_hidden:
+        logits, hidden = logits
+        req.hidden = hidden[rows]
+    cache.advance(lens)
+    last = logits[rows]
+    u = np.array([tables[b][lens[b]] for b in range(bs)])
+    first = _choose(model, last, temperature, u)
+    for b in range(bs):
+        req.commit(b, [first[b]])
+    timer.lap("prefill")
+
+
+def _ar_step(model, cache, req: _Requests, temperature, tables, timer):
+    bs = cache.batch
+    roots = req.roots()
+    logits = model.forward(roots[:, None], cache.lengths[:, None].copy(), cache,
+                           np.ones((bs, 1, 1), bool))
+    cache.advance(req.active.astype(np.int64))
+    u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)] for b in range(bs)])
+    nxt = _choose(model, logits[:, 0], temperature, u)
+    for b in np.flatnonzero(req.active):
+        req.commit(b, [nxt[b]])
+    timer.lap("decode")
+
+
+def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, tables, timer,
+                  stats):
+    be, ops = model.backend, model.backend.ops
+    bs, V = cache.batch, model.vocab_size
+    histories = [np.asarray(s, np.int64) for s in req.seq]
+    if req.keep_hidden:
+        draft_logits = drafter.propose(histories, target_hidden=req.hidden)
+    else:
+        draft_logits = drafter.propose(histories)
+    timer.lap("draft")
+    lp, ids = ops.topk_logprobs(draft_logits, min(budget, V))
+    tree = ops.build_tree(lp, ids, budget)
+    start = cache.lengths.astype(np.int32)
+    vin = ops.compile_tree(tree, be.asarray(req.roots()), be.asarray(start))
+    timer.lap("tree_build")
+    logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
+                           return_hidden=req.keep_hidden)
+    if req.keep_hidden:
+        logits, hidden = logits
+    timer.lap("verify")
+    if temperature == 0:
+        target = ops.argmax(logits.reshape(bs * (budget + 1), V)).reshape(bs, budget + 1)
+        acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
+    else:
+        depth = np.maximum(np.asarray(be.to_host(tree.depth), np.int64), 0)
+        pos = np.minimum(start[:, None] + depth + 1, len(tables[0]) - 1)
+        u = np.stack([tables[b][pos[b]] for b in range(bs)])
+        acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, be.asarray(u))
+    acc_idx_h, acc_len_h, nxt_h, token_h = (np.asarray(be.to_host(a)) for a in
+                                            (acc_idx, acc_len, nxt, tree.token))
+    if req.keep_hidden:  # the row of the last accepted node chose the next root
+        last = acc_idx_h[np.arange(bs), np.maximum(acc_len_h.astype(np.int64) - 1, 0)]
+        req.hidden = hidden[be.asarray(np.arange(bs)), be.asarray(last.astype(np.int64))]
+    timer.lap("accept")
+    active = req.active.copy()
+    cache.commit_tree(ops, acc_idx, acc_len, active)
+    timer.lap("compaction")
+    stats.tau.append([int(acc_len_h[b]) for b in np.flatnonzero(active)])
+    for b in np.flatnonzero(active):
+        m = int(acc_len_h[b])
+        req.commit(b, [*token_h[b, acc_idx_h[b, 1:m]], nxt_h[b]])
+
+
+def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
+             budget: int = 32, temperature: float = 0.0, seed: int = 0,
+             eos: int | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
+
+    prompts: sequences of token ids (ragged).  method "ddtree" needs a ``drafter``
+    (kdtree_numba/drafter.py) with the target's vocabulary; ``budget`` = tree nodes per round.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if temperature < 0 or not np.isfinite(temperature):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be >= 0")
+    prompts = _check_prompts(prompts, model.vocab_size)
+    bs = len(prompts)
+    block_len = None
+    if method == "ddtree":
+        if drafter is None:
+            raise ValueError("method 'ddtree' needs a drafter")
+        if budget < 1:
+            raise ValueError("budget must be >= 1")
+        if drafter.vocab_size != model.vocab_size:
+            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target "
+                             f"{model.vocab_size}")
+        block_len = drafter.block_len
+    stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
+                            budget=budget if method == "ddtree" else None, block_len=block_len)
+    t0 = time.perf_counter()
+    if max_new_tokens == 0:
+        return GenerationResult([[] for _ in prompts], stats)
+    # Room for the longest sequence, one verify block past it, and the last round's growth
+    # of a request that finishes in it (up to L + 1 accepted tokens) before it stops.
+    longest = max(p.size for p in prompts) + max_new_tokens
+    verify_width = budget + 1 if method == "ddtree" else 1
+    max_len = longest + verify_width + (block_len + 1 if method == "ddtree" else 1)
+    tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
+    cache = model.new_cache(bs, max_len)
+    stats.kv_cache_bytes = cache.nbytes
+    req = _Requests(prompts, max_new_tokens, eos,
+                    keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",
+                                                               False))
+    timer = _Timer(model.backend, stats)
+    if method == "ddtree":
+        drafter.start(bs, max_len + block_len + 1)
+        timer.lap("draft")
+    _prefill(model, cache, prompts, req, temperature, tables, timer)
+    while req.active.any():
+        if method == "ar":
+            _ar_step(model, cache, req, temperature, tables, timer)
+        else:
+            _ddtree_round(model, cache, drafter, req, budget, temperature, tables, timer, stats)
+        stats.rounds += 1
+    model.backend.synchronize()
+    stats.seconds = time.perf_counter() - t0
+    stats.new_tokens = sum(len(o) for o in req.out)
+    return GenerationResult(req.out, stats)

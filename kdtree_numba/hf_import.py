@@ -1,0 +1,257 @@
+"""Import a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint into a model bundle.
+
+``kdtr-import-hf HF_DIR OUT.kdtr [--dtype auto|float32|bfloat16]``
+
+* ``config.json`` (model_type deepseek_v3 or kimi_k2) becomes the bundle's config.
+* Shards (``model.safetensors.index.json``'s weight map, else every ``*.safetensors``) are read
+  with ``formats.safetensors_io`` (validated, memory-mapped) and streamed tensor by tensor into
+  the bundle, so peak memory is about the largest output tensor (a layer's stacked experts).
+* FP8 block-scaled weights are dequantised: ``W = q * S[i // 128, j // 128]`` with
+  ``S = <name>_scale_inv`` (block size from ``quantization_config.weight_block_size``).
+* Per-expert tensors are stacked into ``experts/gate_up_proj [E, 2Im, D]`` (gate rows first)
+  and ``experts/down_proj [E, D, Im]``; transformers 5's fused names are accepted as well.
+* The MTP layer (index ``num_hidden_layers``, DeepSeek-V3) and other unused tensors (rotary
+  buffers) are dropped and counted on stderr.
+
+``--dtype auto`` keeps float32 sources in float32 and writes everything else as bfloat16 (a
+real checkpoint in float32 would be twice its bf16 size); the router is always float32.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+from kdtree_numba.bundle import BundleError, write_bundle
+from kdtree_numba.model import ModelConfig, weight_shapes
+
+__all__ = ["import_hf", "main", "hf_source_names", "dequantize_fp8", "export_hf_checkpoint",
+           "hf_state_dict"]
+
+FP8_BLOCK = 128
+
+
+def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block=(FP8_BLOCK, FP8_BLOCK)):
+    """``W[i, j] = float32(q[i, j]) * scale_inv[i // bi, j // bj]`` for a 2-D weight."""
+    rows, cols = q.shape
+    bi, bj = block
+    need = (-(-rows // bi), -(-cols // bj))
+    if tuple(scale_inv.shape) != need:
+        raise BundleError(f"scale shape {tuple(scale_inv.shape)} does not match a {q.shape} "
+                          f"weight in {bi}x{bj} blocks (expected {need})")
+    s = np.asarray(scale_inv, np.float32)
+    full = np.repeat(np.repeat(s, bi, axis=0), bj, axis=1)[:rows, :cols]
+    return q.astype(np.float32) * full
+
+
+class _Checkpoint:
+    """HF tensor name -> array, over every shard of a checkpoint directory."""
+
+    def __init__(self, hf_dir: str, block):
+        from formats.safetensors_io import SafetensorsFile
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            shard_names = sorted(set(weight_map.values()))
+        else:
+            shard_names = sorted(os.path.basename(p) for p in
+                                 glob.glob(os.path.join(hf_dir, "*.safetensors")))
+            weight_map = None
+        if not shard_names:
+            raise BundleError(f"{hf_dir}: no safetensors shards found")
+        self.files = {s: SafetensorsFile(os.path.join(hf_dir, s)) for s in shard_names}
+        self.where = {}
+        for shard, f in self.files.items():
+            for name in f.keys():
+                self.where[name] = shard
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if self.where.get(name) != shard:
+                    raise BundleError(f"index says {name} is in {shard}, it is not there")
+        self.block = block
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor, float32 if it was FP8 (dequantised), else as stored."""
+        if name not in self.where:
+            raise BundleError(f"the checkpoint has no tensor {name}")
+        self.used.add(name)
+        arr = self.files[self.where[name]].array(name)
+        if arr.dtype.name.startswith("float8"):
+            scale = name + "_scale_inv"
+            if scale not in self.where:
+                raise BundleError(f"{name} is FP8 but {scale} is missing")
+            self.used.add(scale)
+            return dequantize_fp8(arr, self.files[self.where[scale]].array(scale), self.block)
+        return arr
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def hf_source_names(cfg: ModelConfig, bundle_name: str) -> str:
+    """The HF state-dict name of a bundle tensor that maps one-to-one."""
+    if bundle_name.endswith("mlp/e_score_correction_bias"):
+        return bundle_name[:-len("e_score_correction_bias")].replace("/", ".") + \
+            "gate.e_score_correction_bias"
+    return bundle_name.replace("/", ".") + ".weight"
+
+
+def _out_dtype(arr: np.ndarray, dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "float32" if arr.dtype == np.float32 else "bfloat16"
+
+
+def _cast(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return np.asarray(arr).astype(ml_dtypes.bfloat16)
+    return np.asarray(arr).astype(dtype)
+
+
+def _stack_experts(ck: _Checkpoint, prefix: str, E: int, which: str, shape, dtype: str):
+    """[E, 2Im, D] (gate rows, then up rows) or [E, D, Im], filled one expert at a time."""
+    fused = f"{prefix}mlp.experts.{which}"
+    if fused in ck:
+        arr = ck.get(fused)
+        return _cast(arr, _out_dtype(arr, dtype))
+    out = None
+    for e in range(E):
+        if which == "gate_up_proj":
+            gate = ck.get(f"{prefix}mlp.experts.{e}.gate_proj.weight")
+            up = ck.get(f"{prefix}mlp.experts.{e}.up_proj.weight")
+            parts, src = (gate, up), gate
+        else:
+            src = ck.get(f"{prefix}mlp.experts.{e}.down_proj.weight")
+            parts = (src,)
+        if out is None:
+            out = np.empty(shape, _cast(np.zeros(0, src.dtype), _out_dtype(src, dtype)).dtype)
+        out[e] = np.concatenate([_cast(p, out.dtype.name) for p in parts], axis=0)
+    return out
+
+
+def _tensors(ck: _Checkpoint, cfg: ModelConfig, dtype: str,
+             progress) -> Iterator[tuple[str, np.ndarray]]:
+    shapes = weight_shapes(cfg)
+    for i, (name, shape) in enumerate(shapes.items()):
+        layer_prefix = ""
+        if name.startswith("model/layers/"):
+            layer_prefix = "model.layers." + name.split("/")[2] + "."
+        if name.endswith("mlp/experts/gate_up_proj"):
+            arr = _stack_experts(ck, layer_prefix, cfg.n_routed_experts, "gate_up_proj", shape,
+                                 dtype)
+        elif name.endswith("mlp/experts/down_proj"):
+            arr = _stack_experts(ck, layer_prefix, cfg.n_routed_experts, "down_proj", shape,
+                                 dtype)
+        elif name.endswith("mlp/e_score_correction_bias") and \
+                hf_source_names(cfg, name) not in ck and cfg.scoring_func == "softmax":
+            arr = np.zeros(shape, np.float32)       # DeepSeek-V2-style routing has no bias
+        elif name.endswith("mlp/gate") or name.endswith("mlp/e_score_correction_bias"):
+            arr = np.asarray(ck.get(hf_source_names(cfg, name)), np.float32)
+        else:
+            src = ck.get(hf_source_names(cfg, name))
+            arr = _cast(src, _out_dtype(src, dtype))
+        if tuple(arr.shape) != tuple(shape):
+            raise BundleError(f"tensor {name}: the checkpoint gives shape {tuple(arr.shape)}, "
+                              f"config.json implies {tuple(shape)}")
+        progress(i + 1, len(shapes), name, arr)
+        yield name, arr
+
+
+def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False) -> ModelConfig:
+    """Convert ``hf_dir`` (config.json + safetensors) into the bundle ``out_path``."""
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    hf_dir = os.fspath(hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        hf_config = json.load(fh)
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size",
+                                                                    (FP8_BLOCK, FP8_BLOCK)))
+    ck = _Checkpoint(hf_dir, block)
+    t0 = time.perf_counter()
+
+    def progress(i, total, name, arr):
+        if not quiet:
+            print(f"[{i}/{total}] {name} {tuple(arr.shape)} {arr.dtype} "
+                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    try:
+        write_bundle(out_path, cfg, _tensors(ck, cfg, dtype, progress))
+        dropped = sorted(set(ck.where) - ck.used)
+        if dropped and not quiet:
+            mtp = [n for n in dropped if n.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
+            print(f"dropped {len(dropped)} checkpoint tensors not used for inference "
+                  f"({len(mtp)} of them the MTP layer {cfg.num_hidden_layers}), e.g. "
+                  f"{dropped[0]}", file=sys.stderr)
+    finally:
+        ck.close()
+    return cfg
+
+
+def hf_state_dict(cfg: ModelConfig, weights) -> dict[str, np.ndarray]:
+    """Bundle weights -> the state dict ``save_pretrained`` writes (per-expert names)."""
+    out = {}
+    for name in weight_shapes(cfg):
+        arr = np.asarray(weights[name])
+        if name.endswith("mlp/experts/gate_up_proj") or name.endswith("mlp/experts/down_proj"):
+            prefix = name.rsplit("/", 1)[0].replace("/", ".")
+            Im = cfg.moe_intermediate_size
+            for e in range(cfg.n_routed_experts):
+                if name.endswith("gate_up_proj"):
+                    out[f"{prefix}.{e}.gate_proj.weight"] = arr[e, :Im]
+                    out[f"{prefix}.{e}.up_proj.weight"] = arr[e, Im:]
+                else:
+                    out[f"{prefix}.{e}.down_proj.weight"] = arr[e]
+        else:
+            out[hf_source_names(cfg, name)] = arr
+    return out
+
+
+def export_hf_checkpoint(cfg: ModelConfig, weights, out_dir) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (float32) that transformers'
+    ``DeepseekV3ForCausalLM.from_pretrained`` loads: the parity tests and the benchmark run HF
+    on exactly the weights of a bundle."""
+    from safetensors.numpy import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in
+               hf_state_dict(cfg, weights).items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(cfg.to_hf_dict(), fh, indent=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kdtr-import-hf", description="Convert a Hugging Face DeepSeek-V3 / Kimi-K2 "
+        "checkpoint (config.json + safetensors, FP8 dequantised) into a KDTR model bundle.")
+    parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    parser.add_argument("out", help="output bundle (.kdtr)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype (auto: float32 stays float32, the rest bfloat16)")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    args = parser.parse_args(argv)
+    try:
+        cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet)
+    except (BundleError, ValueError, OSError) as e:
+        print(f"kdtr-import-hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

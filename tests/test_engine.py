@@ -1,0 +1,402 @@
+"""The engine: one model forward for prefill/decode/verify, the KV cache, AR and DDTree decoding.
+
+The central property is losslessness: at T = 0 DDTree must emit exactly the AR tokens for any
+model, prompt, drafter and budget; at T > 0 every committed token must be a target sample
+(checked by a chi-square statistic on the first tree-committed token, and, because both methods
+draw the token at position p with the same uniform, by token equality with AR).
+Everything here runs on the NumPy reference backend (exact float64 inside), except one tiny
+case on the numba kernels under the CUDA simulator.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kdtree_numba import compat
+from kdtree_numba.bundle import block_drafter_shapes, random_weights, size_config
+from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
+from kdtree_numba.engine import generate, uniform_table
+from kdtree_numba.kvcache import CacheFullError
+from kdtree_numba.model import Model, causal_mask, weight_shapes
+from reference import ddtree as ref_ddtree
+
+# Engine tests use a two-layer variant of the tiny config (one dense + one MoE layer, YaRN,
+# n_group > 1): every code path at half the cost.
+TINY2 = dict(num_hidden_layers=2)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, **overrides) -> Model:
+    cfg = size_config("tiny", **dict(TINY2, **overrides))
+    return Model(cfg, dict(random_weights(cfg, seed)), "reference")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_drafter_model(seed: int = 0) -> Model:
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=1, hidden_size=32,
+                      intermediate_size=48)
+    return Model(cfg, dict(random_weights(cfg, seed + 100)), "reference")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_block_drafter_parts(seed: int = 0):
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=1, hidden_size=32,
+                      intermediate_size=48)
+    shapes = dict(weight_shapes(cfg), **block_drafter_shapes(cfg, 64))
+    weights = dict(random_weights(cfg, seed + 200, shapes))
+    return (Model(cfg, weights, "reference"), weights["block/target_proj"],
+            weights["block/mask_embedding"])
+
+
+def make_drafter(kind: str, target: Model, block_len: int, seed: int):
+    if kind == "model":
+        return ModelDrafter(tiny_drafter_model(seed), block_len)
+    if kind == "block":
+        return BlockDrafter(*tiny_block_drafter_parts(seed), block_len=block_len)
+    # sharpness 8 puts the budget into depth (chains); 1.5 leaves bushy trees whose accepted
+    # paths skip slots, so compaction really moves rows
+    agreement, sharpness = {"oracle0": (0.0, 8.0), "oracle_half": (0.5, 8.0),
+                            "oracle1": (1.0, 8.0), "oracle_bushy": (0.9, 1.5)}[kind]
+    return NoisyOracleDrafter(target, block_len, agreement, seed=seed, sharpness=sharpness)
+
+
+def path_to(tree, b: int, node: int) -> list[int]:
+    """Slots from the root's first child down to ``node`` (root excluded)."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = int(tree.parent[b, node])
+    return path[::-1]
+
+
+# ----------------------------------------------------------------------------- forward
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                  # q_lora, YaRN, n_group 4, sigmoid
+    {"q_lora_rank": None, "tie_word_embeddings": True, "rope_scaling": None},
+    {"scoring_func": "softmax", "n_group": 1, "topk_group": 1, "rope_interleave": False,
+     "n_shared_experts": 0, "first_k_dense_replace": 0},
+])
+def test_prefill_then_decode_equals_score(overrides):
+    model = tiny_model(1, **overrides)
+    prompts = [np.array([5, 9, 100, 3, 77, 1, 64]), np.array([42, 8, 8])]
+    full = [np.concatenate([p, [11, 12, 13]]) for p in prompts]
+    cache = model.new_cache(2, 16)
+    n = max(p.size for p in prompts)
+    tokens = np.zeros((2, n), np.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, :p.size] = p
+    logits = model.forward(tokens, np.tile(np.arange(n), (2, 1)), cache, causal_mask(n, 2))
+    cache.advance([p.size for p in prompts])
+    rows = [[logits[b, :p.size]] for b, p in enumerate(prompts)]
+    for step in range(3):
+        tok = np.array([[11 + step], [11 + step]])
+        out = model.forward(tok, cache.lengths[:, None].copy(), cache, np.ones((2, 1, 1), bool))
+        cache.advance(1)
+        for b in range(2):
+            rows[b].append(out[b])
+    for b in range(2):
+        want = model.score(full[b])
+        got = np.concatenate(rows[b])
+        # float64 inside, float32 out: only the final rounding of differently shaped sums differs
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+def test_score_leaves_no_state_and_depends_on_prefix():
+    model = tiny_model(2)
+    a = model.score([1, 2, 3, 4])
+    b = model.score([1, 2, 3, 4])
+    np.testing.assert_array_equal(a, b)
+    c = model.score([7, 2, 3, 4])
+    assert np.abs(c[-1] - a[-1]).max() > 1e-3        # attention really sees the prefix
+    assert a.dtype == np.float32 and a.shape == (4, model.vocab_size)
+
+
+def test_verify_rows_equal_sequential_paths_and_compaction_equals_prefill():
+    """The DDTree invariant: row i of one tree-verify forward equals the logits of the plain
+    sequence prefix + root->i; after compaction the cache equals a prefill of the accepted
+    sequence."""
+    model = tiny_model(3)
+    rng = np.random.default_rng(0)
+    prefix = np.array([4, 90, 17, 33, 2])
+    root = 61
+    lp, ids = ref_ddtree.topk_logprobs(rng.normal(size=(1, 3, model.vocab_size))
+                                       .astype(np.float32) * 2, 4)
+    tree = ref_ddtree.build_tree(lp, ids, 9)
+    vin = ref_ddtree.compile_tree(tree, np.array([root]), np.array([prefix.size]))
+    cache = model.new_cache(1, 32)
+    model.forward(prefix[None], np.arange(prefix.size)[None], cache, causal_mask(prefix.size))
+    cache.advance(prefix.size)
+    logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible)
+    for node in range(int(tree.n_nodes[0]) + 1):
+        seq = np.concatenate([prefix, [root], tree.token[0, path_to(tree, 0, node)]])
+        np.testing.assert_allclose(logits[0, node], model.score(seq)[-1], rtol=0, atol=2e-5)
+    deepest = int(np.argmax(tree.depth[0]))
+    acc = [0] + path_to(tree, 0, deepest)
+    acc_idx = np.full((1, tree.max_depth + 1), -1, np.int32)
+    acc_idx[0, :len(acc)] = acc
+    cache.commit_tree(model.backend.ops, acc_idx, np.array([len(acc)], np.int32))
+    seq = np.concatenate([prefix, [root], tree.token[0, acc[1:]]])
+    assert cache.lengths[0] == seq.size
+    fresh = model.new_cache(1, 32)
+    model.forward(seq[None], np.arange(seq.size)[None], fresh, causal_mask(seq.size))
+    np.testing.assert_allclose(cache.c[:, 0, :seq.size], fresh.c[:, 0, :seq.size], atol=1e-6)
+    np.testing.assert_allclose(cache.k_pe[:, 0, :seq.size], fresh.k_pe[:, 0, :seq.size],
+                               atol=1e-6)
+
+
+def test_cache_full_raises_naming_request_and_never_overwrites():
+    model = tiny_model(0)
+    cache = model.new_cache(2, 8)
+    model.forward(np.zeros((2, 3), np.int64), np.tile(np.arange(3), (2, 1)), cache,
+                  causal_mask(3, 2))
+    cache.advance([3, 6])
+    before = (cache.c.copy(), cache.k_pe.copy())
+    with pytest.raises(CacheFullError, match=r"request 1 holds 6 tokens and needs 3 more.*"
+                                             r"max_len is 8"):
+        model.forward(np.ones((2, 3), np.int64), cache.lengths[:, None] + np.arange(3), cache,
+                      causal_mask(3, 2))
+    np.testing.assert_array_equal(cache.c, before[0])
+    np.testing.assert_array_equal(cache.k_pe, before[1])
+    assert cache.nbytes == before[0].nbytes + before[1].nbytes
+    assert cache.bytes_per_token() == 4 * 2 * (32 + 8)   # 2 layers x (r + dr) float32
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+prompt_lists = st.lists(st.lists(st.integers(0, 127), min_size=1, max_size=6),
+                        min_size=1, max_size=2)
+
+
+@settings(max_examples=20)
+@given(seed=st.integers(0, 3), prompts=prompt_lists,
+       drafter=st.sampled_from(["oracle0", "oracle_half", "oracle1", "oracle_bushy", "model",
+                                "block"]),
+       budget=st.sampled_from([1, 3, 8, 24]), block_len=st.integers(1, 4),
+       max_new=st.integers(1, 9))
+def test_ddtree_greedy_equals_ar(seed, prompts, drafter, budget, block_len, max_new):
+    model = tiny_model(seed)
+    ar = generate(model, prompts, max_new)
+    dd = generate(model, prompts, max_new, method="ddtree",
+                  drafter=make_drafter(drafter, model, block_len, seed), budget=budget)
+    assert dd.tokens == ar.tokens
+    assert all(len(t) == max_new for t in dd.tokens)
+    assert all(1 <= a <= block_len + 1 for r in dd.stats.tau for a in r)
+
+
+def test_perfect_and_zero_agreement_acceptance_lengths():
+    model = tiny_model(0)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    L = 4
+    ar = generate(model, prompts, 15)
+    perfect = generate(model, prompts, 15, method="ddtree", budget=8,
+                       drafter=make_drafter("oracle1", model, L, 0))
+    zero = generate(model, prompts, 15, method="ddtree", budget=8,
+                    drafter=make_drafter("oracle0", model, L, 0))
+    assert perfect.tokens == ar.tokens == zero.tokens
+    # perfect: every full round accepts the whole chain (L nodes + bonus); rounds that finish a
+    # request can be cut short only by max_new_tokens
+    assert all(a == L + 1 for a in perfect.stats.tau[0])
+    assert perfect.stats.rounds == math.ceil((15 - 1) / (L + 1))
+    # zero: the target's greedy token is never in the top-8 of a noisy row
+    assert all(a == 1 for r in zero.stats.tau for a in r)
+    assert zero.stats.rounds == 14
+
+
+def test_eos_stops_one_request_while_the_batch_continues():
+    model = tiny_model(1)
+    prompts = [[10, 20, 30], [40, 50]]
+    free = generate(model, prompts, 12).tokens
+    eos = free[0][3]
+    cut = free[0].index(eos) + 1
+    for method, kw in (("ar", {}), ("ddtree", {"drafter": make_drafter("oracle_half", model,
+                                                                       3, 1), "budget": 6})):
+        out = generate(model, prompts, 12, method=method, eos=eos, **kw).tokens
+        assert out[0] == free[0][:cut]
+        want1 = free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1]
+        assert out[1] == want1
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 3), temperature=st.sampled_from([0.5, 1.0, 2.0]),
+       drafter=st.sampled_from(["oracle_half", "oracle1", "model"]))
+def test_sampled_ddtree_equals_sampled_ar_for_one_seed(seed, temperature, drafter):
+    """Both methods draw the token at position p with U_b[p]: same tokens, any temperature."""
+    model = tiny_model(seed)
+    prompts = [[7, 7, 7], [1, 2, 3, 4]]
+    ar = generate(model, prompts, 8, temperature=temperature, seed=seed)
+    dd = generate(model, prompts, 8, method="ddtree", temperature=temperature, seed=seed,
+                  drafter=make_drafter(drafter, model, 3, seed), budget=6)
+    assert dd.tokens == ar.tokens
+    other = generate(model, prompts, 8, temperature=temperature, seed=seed + 1)
+    assert other.tokens != ar.tokens                  # the seed really drives the samples
+
+
+def test_block_drafter_gets_the_hidden_state_that_chose_the_root():
+    """The BlockDrafter's conditioning must be the target's final hidden state at the last
+    committed position (the row whose logits picked the root), after prefill and after every
+    round, whatever was accepted."""
+    model = tiny_model(1)
+    seen = []
+    oracle = NoisyOracleDrafter(model, 3, agreement=0.9, seed=0, sharpness=1.5)
+
+    class Spy(BlockDrafter):
+        """Records the conditioning; drafts with the oracle (bushy, partly accepted trees)."""
+        def start(self, batch, max_len):
+            oracle.start(batch, max_len)
+
+        def propose(self, histories, target_hidden=None):
+            seen.append(([h.copy() for h in histories], np.array(target_hidden)))
+            super().propose(histories, target_hidden)
+            return oracle.propose(histories)
+
+    mixed = Spy(*tiny_block_drafter_parts(0), block_len=3)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
+    res = generate(model, prompts, 10, method="ddtree", drafter=mixed, budget=8)
+    assert res.tokens == generate(model, prompts, 10).tokens
+    assert any(a > 1 for r in res.stats.tau for a in r)
+    for histories, hidden in seen:
+        for b, h in enumerate(histories):
+            if len(h) - len(prompts[b]) >= 10:       # finished: no longer updated
+                continue
+            cache = model.new_cache(1, h.size)
+            _, want = model.forward(h[None, :-1], np.arange(h.size - 1)[None], cache,
+                                    causal_mask(h.size - 1), return_hidden=True)
+            np.testing.assert_allclose(hidden[b], want[0, -1], rtol=0, atol=2e-5)
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic, pooling categories with expected count < 5 into one bin."""
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum() - 1)
+
+
+def _chi_square_critical(df: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.719 is p = 1e-4."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def test_sampled_first_tree_token_follows_the_target_distribution():
+    """Chi-square of the first token committed by a DDTree round (position P + 1) over 600
+    independent requests against the exact target marginal sum_t0 p(t0) p(t1 | t0)."""
+    model = tiny_model(2)
+    T, n_req = 1.0, 600
+    prompt = [12, 5, 77]
+    # a noisy drafter with a sharp greedy chain: trees of depth > 1 and many rejections
+    drafter = NoisyOracleDrafter(model, 3, agreement=0.5, seed=4, sharpness=4.0)
+    res = generate(model, [prompt] * n_req, 2, method="ddtree", drafter=drafter, budget=6,
+                   temperature=T, seed=11)
+    first = np.array([t[1] for t in res.tokens])
+    V = model.vocab_size
+
+    def softmax(x):
+        z = np.exp((x - x.max(-1, keepdims=True)) / T)
+        return z / z.sum(-1, keepdims=True)
+    p0 = softmax(model.score(prompt)[-1].astype(np.float64))
+    p1 = np.zeros(V)
+    for t0 in range(V):
+        p1 += p0[t0] * softmax(model.score(prompt + [t0])[-1].astype(np.float64))
+    counts = np.bincount(first, minlength=V)
+    stat, df = _chi_square(counts, p1)
+    assert stat < _chi_square_critical(df), (stat, df)
+    # the statistic can fail: the same samples against the position-P distribution do
+    wrong, wdf = _chi_square(counts, p0)
+    assert wrong > _chi_square_critical(wdf), (wrong, wdf)
+    assert any(a > 1 for r in res.stats.tau for a in r)   # trees were accepted, not just roots
+
+
+def test_uniform_tables_are_prefix_stable_per_request():
+    a = uniform_table(5, 1, 100)
+    np.testing.assert_array_equal(a[:40], uniform_table(5, 1, 40))
+    assert not np.array_equal(a[:40], uniform_table(5, 0, 40))
+
+
+def test_generate_rejects_bad_input():
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1], []], 3)
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[1, 128]], 3)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(model, [[1]], 3, method="ddtree")
+    with pytest.raises(ValueError, match="method"):
+        generate(model, [[1]], 3, method="beam")
+    wrong_vocab = Model(size_config("tiny", vocab_size=64, num_hidden_layers=1),
+                        dict(random_weights(size_config("tiny", vocab_size=64,
+                                                        num_hidden_layers=1))), "reference")
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(model, [[1]], 3, method="ddtree", drafter=ModelDrafter(wrong_vocab, 2))
+    assert generate(model, [[1, 2]], 0).tokens == [[]]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_run_default_model_json(capsys):
+    from kdtree_numba.cli import run_main
+    assert run_main(["--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json",
+                     "--backend", "reference"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert run_main(["--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json",
+                     "--backend", "reference", "--method", "ddtree", "--budget", "4",
+                     "--block-len", "3"]) == 0
+    dd = json.loads(capsys.readouterr().out)
+    assert len(ar["tokens"][0]) == 5 and dd["tokens"] == ar["tokens"]
+    assert dd["stats"]["method"] == "ddtree" and dd["stats"]["rounds"] >= 1
+
+
+def test_cli_make_model_then_run_with_drafter_bundle(tmp_path, capsys):
+    from kdtree_numba.cli import make_model_main, run_main
+    target, draft = str(tmp_path / "t.kdtr"), str(tmp_path / "d.kdtr")
+    assert make_model_main([target, "--size", "tiny", "--seed", "3"]) == 0
+    assert make_model_main([draft, "--size", "tiny", "--drafter", "--seed", "3"]) == 0
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("1,2,3\n4 5\n")
+    common = ["--model", target, "--prompt-file", str(prompt_file), "--max-new-tokens", "4",
+              "--backend", "reference"]
+    assert run_main(common) == 0
+    ar = capsys.readouterr().out.split()
+    assert run_main(common + ["--method", "ddtree", "--drafter", draft, "--budget", "5"]) == 0
+    assert capsys.readouterr().out.split() == ar and len(ar) == 2
+    block = str(tmp_path / "b.kdtr")
+    assert make_model_main([block, "--size", "tiny", "--block-drafter"]) == 0
+    assert run_main(common + ["--method", "ddtree", "--drafter", block, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [",".join(map(str, t)) for t in out["tokens"]] == ar
+    assert out["stats"]["block_len"] == 7
+    assert run_main(["--model", str(tmp_path / "missing.kdtr")]) == 2
+
+
+# ----------------------------------------------------------------------------- numba backend
+
+@pytest.mark.skipif(not compat.SIMULATOR, reason="the numba backend runs here only in the "
+                    "CUDA simulator (the GPU twin of this test is in test_engine_gpu.py)")
+def test_numba_backend_matches_reference_in_simulator(needs_kernels):
+    """One very tiny model (one MoE layer) through the numba kernels: logits close to the
+    reference, and a DDTree generation (prefill + one verify round) equal to reference AR.
+    ~35 s: the simulator spends ~11 s per forward (mostly moe_ffn), so the drafter is an
+    oracle over the *reference* model (same weights, NumPy arrays either way)."""
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=64,
+                      hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                      q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=8, num_attention_heads=2)
+    weights = dict(random_weights(cfg, 0))
+    ref = Model(cfg, weights, "reference")
+    sim = Model(cfg, weights, "numba")
+    seq = [3, 9, 27, 17]
+    # float32 kernels vs the float64 reference, O(1) logits (measured 8e-7)
+    np.testing.assert_allclose(sim.score(seq), ref.score(seq), rtol=0, atol=1e-4)
+    dd = generate(sim, [seq], 3, method="ddtree", budget=2,
+                  drafter=NoisyOracleDrafter(ref, 2, agreement=1.0, sharpness=8.0))
+    assert dd.tokens == generate(ref, [seq], 3).tokens
+    assert dd.stats.rounds == 1 and dd.stats.tau == [[3]]

@@ -1,0 +1,110 @@
+"""The engine on a real GPU: the numba backend (CuPy glue, numba kernels) against the NumPy
+reference, and DDTree losslessness on the device.  Run on the H200:
+
+    HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -m gpu tests/test_engine_gpu.py
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kdtree_numba.bundle import random_weights, size_config
+from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
+from kdtree_numba.engine import generate
+from kdtree_numba.model import Model
+
+pytestmark = pytest.mark.gpu
+
+
+@functools.lru_cache(maxsize=None)
+def pair(size: str, seed: int = 0, dtype: str = "float32", **overrides):
+    """(reference model, numba-GPU model) on the same weights."""
+    cfg = size_config(size, **overrides)
+    weights = dict(random_weights(cfg, seed))
+    if dtype == "bfloat16":
+        import ml_dtypes
+        weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
+    return Model(cfg, weights, "reference"), Model(cfg, weights, "numba")
+
+
+def test_backend_is_gpu_and_cache_lives_on_device():
+    _, gpu = pair("tiny")
+    import cupy
+    assert gpu.backend.name == "numba" and gpu.backend.on_gpu
+    cache = gpu.new_cache(2, 64)
+    assert isinstance(cache.c, cupy.ndarray)
+    logits = gpu.forward(np.ones((2, 3), np.int64), np.tile(np.arange(3), (2, 1)), cache,
+                         np.tile(np.tri(3, dtype=bool), (2, 1, 1)))
+    assert isinstance(logits, cupy.ndarray) and logits.shape == (2, 3, 128)
+
+
+@pytest.mark.parametrize("size, overrides", [
+    ("tiny", {}),
+    ("tiny", {"q_lora_rank": None, "tie_word_embeddings": True, "rope_interleave": False,
+              "scoring_func": "softmax", "n_group": 1, "topk_group": 1}),
+    ("small", {}),
+    ("medium", {"num_hidden_layers": 2}),
+])
+def test_gpu_logits_match_reference(size, overrides):
+    ref, gpu = pair(size, **overrides)
+    seq = np.random.default_rng(1).integers(0, ref.vocab_size, 40)
+    want = ref.score(seq)
+    got = gpu.score(seq)
+    # float32 kernels (fp32 accumulation over K <= 2816) vs the float64 reference
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 2e-4 * scale, np.abs(got - want).max() / scale
+
+
+def test_gpu_bf16_weights_match_reference():
+    ref, gpu = pair("small", dtype="bfloat16")
+    seq = np.arange(1, 30)
+    want = ref.score(seq)
+    assert np.abs(gpu.score(seq) - want).max() <= 2e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("budget", [8, 32, 64])
+def test_gpu_ddtree_greedy_equals_gpu_ar(size, budget):
+    _, gpu = pair(size)
+    rng = np.random.default_rng(budget)
+    prompts = [rng.integers(0, gpu.vocab_size, n).tolist() for n in (5, 17, 1)]
+    ar = generate(gpu, prompts, 24)
+    drafters = [NoisyOracleDrafter(gpu, 6, agreement=0.7, seed=2, sharpness=3.0),
+                NoisyOracleDrafter(gpu, 4, agreement=0.0, seed=3)]
+    draft_cfg = size_config(size, num_hidden_layers=1, first_k_dense_replace=1)
+    draft = Model(draft_cfg, dict(random_weights(draft_cfg, 9)), "numba")
+    drafters.append(ModelDrafter(draft, 5))
+    for drafter in drafters:
+        dd = generate(gpu, prompts, 24, method="ddtree", drafter=drafter, budget=budget)
+        assert dd.tokens == ar.tokens, drafter.name
+
+
+def test_gpu_greedy_tokens_match_reference():
+    ref, gpu = pair("tiny", seed=4)
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 7]]
+    assert generate(gpu, prompts, 20).tokens == generate(ref, prompts, 20).tokens
+
+
+def test_gpu_sampled_ddtree_equals_sampled_ar():
+    _, gpu = pair("small")
+    prompts = [[10, 20, 30], [40]]
+    ar = generate(gpu, prompts, 20, temperature=0.8, seed=5)
+    dd = generate(gpu, prompts, 20, method="ddtree", temperature=0.8, seed=5, budget=16,
+                  drafter=NoisyOracleDrafter(gpu, 5, agreement=0.8, seed=1, sharpness=3.0))
+    assert dd.tokens == ar.tokens
+
+
+def test_gpu_block_drafter_is_lossless():
+    from kdtree_numba.bundle import block_drafter_shapes
+    from kdtree_numba.model import weight_shapes
+    _, gpu = pair("small")
+    cfg = size_config("small", num_hidden_layers=1, first_k_dense_replace=1, hidden_size=128)
+    shapes = dict(weight_shapes(cfg), **block_drafter_shapes(cfg, gpu.config.hidden_size))
+    w = dict(random_weights(cfg, 3, shapes))
+    drafter = BlockDrafter(Model(cfg, w, "numba"), w["block/target_proj"],
+                           w["block/mask_embedding"], block_len=7)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    assert generate(gpu, prompts, 16, method="ddtree", drafter=drafter,
+                    budget=32).tokens == generate(gpu, prompts, 16).tokens
