@@ -16,7 +16,7 @@ status=0
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
-for bench in ${BENCHES:-tools/bench_ddtree.py tools/bench_layers.py tools/bench_attention.py}; do
+for bench in ${BENCHES:-tools/bench_ddtree.py tools/bench_layers.py tools/bench_attention.py tools/bench_engine.py}; do
   [ -f "$bench" ] || continue
   name=$(basename "$bench" .py)
   timeout "${BENCH_TIMEOUT:-240}" python3 "$bench" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.md"
