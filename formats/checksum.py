@@ -1,8 +1,10 @@
 """CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum KDTR uses.
 
 The ``crc32c`` package uses the CPU's CRC instruction (about 12 GB/s here).  Where it is missing
-(the H200 image does not ship it) a numba-compiled slice-by-8 loop computes the same value,
-slower but with no extra dependency.  Both are tied by a test; crc32c(b"123456789") is 0xE3069283.
+(the H200 image does not ship it) numba computes the same value: on x86-64 with the SSE4.2
+``crc32`` instruction (one 8-byte word per call, ~5 GB/s), elsewhere, or where that does not
+compile, with a slice-by-8 table loop (~1.5 GB/s).  All are tied by a test;
+crc32c(b"123456789") is 0xE3069283.
 """
 from __future__ import annotations
 
@@ -23,6 +25,61 @@ def _tables() -> np.ndarray:
     for k in range(1, 8):
         t[k] = (t[k - 1] >> 8) ^ t[0][t[k - 1] & 0xFF]
     return t
+
+
+def _make_hardware_fallback():
+    """CRC32C with the SSE4.2 ``crc32`` instruction through numba (x86-64 only)."""
+    import platform
+
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ImportError("no SSE4.2 crc32 instruction on " + platform.machine())
+
+    def _llvm_crc(name, width):
+        @intrinsic
+        def crc_step(typingctx, crc, value):
+            def codegen(context, builder, sig, args):
+                acc, item = ir.IntType(width if width == 64 else 32), ir.IntType(width)
+                fn = cgutils.get_or_insert_function(builder.module,
+                                                    ir.FunctionType(acc, [acc, item]), name)
+                return builder.call(fn, args)
+            state = types.uint64 if width == 64 else types.uint32
+            return state(state, types.uint64 if width == 64 else types.uint8), codegen
+        return crc_step
+
+    crc_u64 = _llvm_crc("llvm.x86.sse42.crc32.64.64", 64)
+    crc_u8 = _llvm_crc("llvm.x86.sse42.crc32.32.8", 8)
+
+    @numba.njit(cache=False, nogil=True)
+    def _update(crc, buf):  # buf: uint8[::1]; running (non-inverted) state, as _make_fallback
+        n, i = buf.size, 0
+        while i < n and (buf.ctypes.data + i) % 8 != 0:  # bytes up to an 8-byte boundary
+            crc = crc_u8(crc, buf[i])
+            i += 1
+        words = (n - i) // 8
+        if words:
+            w = buf[i:i + 8 * words].view(np.uint64)
+            wide = np.uint64(crc)
+            for k in range(words):
+                wide = crc_u64(wide, w[k])
+            crc = np.uint32(wide)
+            i += 8 * words
+        while i < n:
+            crc = crc_u8(crc, buf[i])
+            i += 1
+        return crc
+
+    def crc32c_hardware(data, value: int = 0) -> int:
+        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        return int(_update(np.uint32(value ^ 0xFFFFFFFF), buf)) ^ 0xFFFFFFFF
+
+    if crc32c_hardware(b"123456789") != 0xE3069283:  # compiles now; fails loudly if wrong
+        raise ImportError("the SSE4.2 CRC32C path gave a wrong check value")
+    return crc32c_hardware
 
 
 def _make_fallback():
@@ -63,5 +120,9 @@ try:
 
     BACKEND = "crc32c"
 except ImportError:  # pragma: no cover - exercised on machines without the package
-    crc32c = _make_fallback()
-    BACKEND = "numba-slice-by-8"
+    try:
+        crc32c = _make_hardware_fallback()
+        BACKEND = "numba-sse4.2"
+    except Exception:  # not x86-64, or LLVM cannot select the instruction for this CPU target
+        crc32c = _make_fallback()
+        BACKEND = "numba-slice-by-8"

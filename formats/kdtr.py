@@ -300,19 +300,24 @@ class Group(_Node):
     def visit(self, fn: Callable[[str], Any]) -> Any:
         """Call ``fn(relative_path)`` for every member below this group, depth first with the
         members of each group in lexicographic (byte) order, as h5py does; a non-None return stops."""
-        return self.visititems(lambda name, _obj: fn(name))
+        return self._walk(lambda rel, _index: fn(rel))
 
     def visititems(self, fn: Callable[[str, "Group | Dataset"], Any]) -> Any:
-        stack = [(k, i) for k, i in sorted(self._members().items(), key=_name_key, reverse=True)]
+        return self._walk(lambda rel, index: fn(rel, self._file._node(index)))
+
+    def _walk(self, fn: Callable[[str, int], Any]) -> Any:
+        # Sorting str keys orders them by code point, which is UTF-8 byte order; names are
+        # unique, so the node index in each pair is never compared.
+        children_of = self._file._children
+        stack = sorted(self._members().items(), reverse=True)
         while stack:  # explicit stack: depth is bounded by the file, not by Python's recursion
             rel, index = stack.pop()
-            result = fn(rel, self._file._node(index))
+            result = fn(rel, index)
             if result is not None:
                 return result
-            children = self._file._children[index]
+            children = children_of[index]
             if children:
-                stack.extend((f"{rel}/{k}", i) for k, i in
-                             sorted(children.items(), key=_name_key, reverse=True))
+                stack.extend((f"{rel}/{k}", i) for k, i in sorted(children.items(), reverse=True))
         return None
 
     # writing
@@ -373,10 +378,6 @@ class Group(_Node):
 
     def __repr__(self) -> str:
         return f"<KDTR group {self.name!r} ({len(self)} members)>"
-
-
-def _name_key(item: tuple[str, int]) -> bytes:
-    return item[0].encode("utf-8")
 
 
 class Dataset(_Node):
