@@ -2,25 +2,32 @@
 
 The contract (shapes, dtypes, masking, the empty-row rule) is the docstring of
 ``reference/attention.py``; these functions compute the same thing in float32 on the device.
-docs/ATTENTION.md explains the kernel design; the short version:
+docs/ATTENTION.md explains the kernel design and the measured speed; the short version:
 
 * One block owns a tile of ``rows`` flattened query-heads (row = i*H + h) of one request and one
   *split* (a contiguous range of key slots).  All query-heads of a request share the same keys
   (MQA with one latent head), so the block stages its queries in shared memory once and streams
-  key tiles of ``keys`` slots x (r + dr) floats through shared memory.
-* Per key tile: scores are a register-blocked mini-GEMM (each thread an ``as x bs`` block, fed by
-  128-bit shared loads), masked and scaled into a small score tile; one thread per row runs the
-  online softmax in place; then every thread accumulates its ``rv x cv`` block of the
-  ``rows x r`` output from the probabilities and the same key tile (V = the first r columns).
-  The score matrix is never materialised beyond one tile.
+  key tiles of ``keys`` slots x (r + dr) floats through shared memory with ``cp.async``; with
+  two stages the next tile is in flight while the current one is computed.
+* Per key tile: scores are a split-K register-blocked mini-GEMM (each lane an ``8 x 4`` block
+  over a slice of the 576 columns, fed by 128-bit shared loads, reduce-scattered across lanes
+  with shuffles; with ``k_warps = 2`` two warps share an output block and leave two partial
+  tiles).  Then the online softmax: in registers where a warp's block spans whole rows
+  ("fused"), else ``row_threads`` threads per row add the partial tiles from shared memory.
+  Then every thread accumulates its ``rv x 4cv4`` block of the ``rows x r`` output from the
+  probabilities and the same key tile (V = the first r columns).
 * Long prefixes are split across blocks (flash-decoding): each split writes its unnormalised
-  partial output and (max, sum); :func:`_merge_kernel` combines them.  With one split the kernel
-  normalises and writes ``u`` directly.
+  partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one
+  split the kernel normalises and writes ``u`` directly.
+
+Several tile layouts (:data:`VARIANTS`) compile from the one kernel body;
+``tools/bench_attention.py`` times them all, and :data:`DEFAULT_VARIANT` names the one used
+unless a caller asks.
 """
 from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULATOR  # noqa: I001
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -29,22 +36,26 @@ from numba import float32, int32
 from kdtree_numba import compat
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
-           "tile_config", "choose_splits"]
+           "tile_config", "choose_splits", "VARIANTS", "DEFAULT_VARIANT"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
+FULL_MASK = 0xFFFFFFFF
+RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point behind the max
 MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block (227 KiB)
 
 
 # ---------------------------------------------------------------------------------------------
-# 128-bit loads and stores.  On the GPU they are LLVM <4 x float> accesses with align 16, which
-# NVVM turns into ld/st.{shared,global}.v4.f32: the score mini-GEMM needs them, since scalar
-# shared loads would cap it at a third of the FMA rate.  The simulator gets plain Python.
+# Memory primitives.  On the GPU: 128-bit loads/stores as LLVM <4 x float> accesses with align 16
+# (NVVM turns them into ld/st.{shared,global}.v4.f32: the mini-GEMMs need them, since scalar
+# shared loads would cap them at a third of the FMA rate), and ``cp.async`` (sm_80+ PTX, inline
+# asm: global -> shared without registers, so the next key tile can be in flight while the
+# current one is computed).  The simulator gets plain Python copies.
 # Callers guarantee 16-byte alignment: every row offset and stride used with them is a
 # multiple of 4 floats, and device allocations are 256-byte aligned.
 # ---------------------------------------------------------------------------------------------
-def _make_vec4_intrinsics():
+def _make_memory_intrinsics():
     from llvmlite import ir
     from numba import types
     from numba.cuda import cgutils
@@ -57,7 +68,10 @@ def _make_vec4_intrinsics():
             idx_types, idx_vals = (idxty,), (idx,)
         idx_vals = [context.cast(builder, v, t, types.intp) for t, v in zip(idx_types, idx_vals)]
         ary = context.make_array(arrty)(context, builder, value=arr)
-        ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idx_vals, wraparound=False)
+        return cgutils.get_item_pointer(context, builder, arrty, ary, idx_vals, wraparound=False)
+
+    def vec_pointer(context, builder, arrty, arr, idxty, idx):
+        ptr = element_pointer(context, builder, arrty, arr, idxty, idx)
         return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
 
     def check(arr, idx):
@@ -70,7 +84,7 @@ def _make_vec4_intrinsics():
         check(arr, idx)
 
         def codegen(context, builder, sig, args):
-            vptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vptr = vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             vec = builder.load(vptr, align=16)
             vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e))
                     for e in range(4)]
@@ -82,7 +96,7 @@ def _make_vec4_intrinsics():
         check(arr, idx)
 
         def codegen(context, builder, sig, args):
-            vptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vptr = vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             vec = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
             for e in range(4):
                 val = context.cast(builder, args[2 + e], sig.args[2 + e], types.float32)
@@ -90,7 +104,70 @@ def _make_vec4_intrinsics():
             builder.store(vec, vptr, align=16)
         return types.void(arr, idx, x0, x1, x2, x3), codegen
 
-    return load4, store4
+    @intrinsic
+    def cp_async16(typingctx, dst, dst_idx, src, src_idx, nbytes):
+        """16 bytes src[src_idx:+4] -> shared dst[dst_idx:+4]; only ``nbytes`` (0 or 16) are
+        read, the rest is zero-filled (so rows past the end become zeros, never garbage)."""
+        check(dst, dst_idx)
+        check(src, src_idx)
+
+        def codegen(context, builder, sig, args):
+            dptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            sptr = element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            n = context.cast(builder, args[4], sig.args[4], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [dptr.type, sptr.type, ir.IntType(32)])
+            asm = ("{\n\t.reg .u64 %cpa_s64, %cpa_g;\n\t.reg .u32 %cpa_s;\n\t"
+                   "cvta.to.shared.u64 %cpa_s64, $0;\n\tcvt.u32.u64 %cpa_s, %cpa_s64;\n\t"
+                   "cvta.to.global.u64 %cpa_g, $1;\n\t"
+                   "cp.async.cg.shared.global [%cpa_s], [%cpa_g], 16, $2;\n\t}")
+            builder.call(ir.InlineAsm(fnty, asm, "l,l,r,~{memory}", side_effect=True),
+                         [dptr, sptr, n])
+        return types.void(dst, dst_idx, src, src_idx, nbytes), codegen
+
+    def _address_intrinsic(space, bits):
+        @intrinsic
+        def address(typingctx, arr, idx):
+            check(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                ptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                      args[1])
+                fnty = ir.FunctionType(ir.IntType(64), [ptr.type])
+                addr = builder.call(ir.InlineAsm(fnty, f"cvta.to.{space}.u64 $0, $1;", "=l,l"),
+                                    [ptr])
+                if bits == 32:  # shared addresses fit 32 bits; keep int64 arithmetic cheap
+                    addr = builder.zext(builder.trunc(addr, ir.IntType(32)), ir.IntType(64))
+                return addr
+            return types.int64(arr, idx), codegen
+        return address
+
+    @intrinsic
+    def cp_async16_raw(typingctx, saddr, gaddr, nbytes):
+        """cp.async of 16 bytes from a global address to a shared one (both from the address
+        intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled."""
+        def codegen(context, builder, sig, args):
+            s32 = builder.trunc(args[0], ir.IntType(32))
+            n = context.cast(builder, args[2], sig.args[2], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64),
+                                                   ir.IntType(32)])
+            asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+            builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
+                         [s32, args[1], n])
+        return types.void(saddr, gaddr, nbytes), codegen
+
+    def _asm_statement(text):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+            return types.void(), codegen
+        return statement
+
+    cp_async_commit = _asm_statement("cp.async.commit_group;")
+    cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
+    return (load4, store4, cp_async16, cp_async16_raw, _address_intrinsic("shared", 32),
+            _address_intrinsic("global", 64), cp_async_commit, cp_async_wait_all)
 
 
 def _sim_load4(arr, idx):
@@ -110,10 +187,50 @@ def _sim_store4(arr, idx, x0, x1, x2, x3):
         arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3] = x0, x1, x2, x3
 
 
+def _sim_cp_async16(dst, dst_idx, src, src_idx, nbytes):
+    x = _sim_load4(src, src_idx) if nbytes else (ZERO, ZERO, ZERO, ZERO)
+    _sim_store4(dst, dst_idx, *x)
+
+
+def _sim_nothing():
+    pass
+
+
 if SIMULATOR:
-    load4, store4 = _sim_load4, _sim_store4
+    load4, store4, cp_async16 = _sim_load4, _sim_store4, _sim_cp_async16
+    cp_async_commit = cp_async_wait_all = _sim_nothing
 else:
-    load4, store4 = _make_vec4_intrinsics()
+    (load4, store4, cp_async16, cp_async16_raw, shared_address, global_address,
+     cp_async_commit, cp_async_wait_all) = _make_memory_intrinsics()
+
+
+def _inline(fn):
+    """A device function that NVVM must inline (so its local arrays stay in registers)."""
+    return fn if SIMULATOR else device_function(fn, forceinline=True)
+
+
+def _cp_async_strided_fn():
+    """``copy(smem, at, arr, idx, count, step4, nbytes)``: cp.async the float4s
+    ``arr[idx + 4*step4*s]`` -> ``smem[at + 4*step4*s]`` for s < count (idx: a tuple whose last
+    entry is the column).  On the GPU both addresses are formed once, then stepped by a
+    constant, which ptxas folds into the LDGSTS immediate offsets."""
+    if SIMULATOR:
+        def copy(smem, at, arr, idx, count, step4, nbytes):
+            for s in range(count):
+                cp_async16(smem, at + 4 * step4 * s, arr,
+                           idx[:-1] + (idx[-1] + 4 * step4 * s,), nbytes)
+        return copy
+
+    @_inline
+    def copy_gpu(smem, at, arr, idx, count, step4, nbytes):
+        sa = shared_address(smem, at)
+        ga = global_address(arr, idx)
+        for s in range(count):
+            cp_async16_raw(sa + 16 * step4 * s, ga + 16 * step4 * s, nbytes)
+    return copy_gpu
+
+
+cp_async_strided = _cp_async_strided_fn()
 
 
 def _tile_slot_fn(threads: int):
@@ -127,7 +244,7 @@ def _tile_slot_fn(threads: int):
             return tid // width4 + s * (threads // width4), tid % width4
         f = tid + s * threads
         return f // width4, f % width4
-    return device_function(tile_slot) if not SIMULATOR else tile_slot
+    return _inline(tile_slot)
 
 
 def _row_group_reducers(tpr: int, rpw: int, scratch_off: int):
@@ -160,15 +277,68 @@ def _row_group_reducers(tpr: int, rpw: int, scratch_off: int):
     @device_function
     def row_max(x, smem, tid):
         for k in range(steps):
-            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, rpw << k))
+            x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, rpw << k))
         return x
 
     @device_function
     def row_sum(x, smem, tid):
         for k in range(steps):
-            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, rpw << k)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, rpw << k)
         return x
     return row_max, row_sum
+
+
+def _reduce_scatter_fn(values: int, k_lanes: int, scratch_off: int):
+    """``reduce_scatter(sc, ks, own0, smem, tid)``: sum ``sc[0:values]`` over the ``k_lanes``
+    lanes ``lane ^ m`` (m < k_lanes, ``ks = lane % k_lanes``) that hold partial sums of the same
+    block; afterwards the lane holds ``values / k_lanes`` complete sums in ``sc[0:own]``: block
+    entries ``own0 + x``, where ``own0`` (computed by the caller from ks) adds ``values / 2^(s+1)``
+    for every halving step s whose distance bit ``2^s`` is set in ks (that lane keeps the upper
+    half).
+
+    GPU: log2(k_lanes) xor-shuffle halvings, each lane sending the half it gives away.
+    Simulator: a shared scratch of ``values`` floats per thread, fenced by syncthreads.
+    """
+    steps = k_lanes.bit_length() - 1
+    own = values // k_lanes
+    if SIMULATOR:
+        def reduce_scatter(sc, ks, own0, smem, tid):
+            base = scratch_off + tid * values
+            for x in range(values):
+                smem[base + x] = sc[x]
+            cuda.syncthreads()
+            first = scratch_off + (tid - ks) * values + own0
+            for x in range(own):
+                total = ZERO
+                for m in range(k_lanes):
+                    total += smem[first + m * values + x]
+                sc[x] = total
+            cuda.syncthreads()
+        return reduce_scatter
+
+    def make_step(half, dist):
+        @_inline
+        def step(sc, ks):
+            upper = (ks & dist) != 0
+            for i in range(half):
+                send = sc[i] if upper else sc[i + half]
+                keep = sc[i + half] if upper else sc[i]
+                sc[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, dist)
+        return step
+
+    @_inline
+    def no_step(sc, ks):
+        pass
+
+    s1, s2, s3 = [make_step(values >> (k + 1), 1 << k) if k < steps else no_step
+                  for k in range(3)]
+
+    @_inline
+    def reduce_scatter(sc, ks, own0, smem, tid):
+        s1(sc, ks)
+        s2(sc, ks)
+        s3(sc, ks)
+    return reduce_scatter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,9 +348,14 @@ def _row_group_reducers(tpr: int, rpw: int, scratch_off: int):
 class TileConfig:
     """Compile-time shape of one attention block (see docs/ATTENTION.md for the layouts).
 
-    threads = srg * skg (score layout) = rg * cg (output layout).
-    Score phase: thread (rg_i, kg_i) owns rows rg_i + srg*a (a < rows/srg) and keys kg_i + skg*b
-    (b < keys/skg); within a warp, ``score_lane_rows`` consecutive lanes take consecutive rows.
+    Score phase (``rows x keys`` scores per tile, each the dot product of 576 = r + dr columns):
+    lane (ks, gk, gr) = (lane % k_lanes, lane / k_lanes % key_lanes, lane / (k_lanes*key_lanes))
+    of warp w computes a ``lane_rows x lane_keys`` block over the float4 columns
+    ``s + k_splits*j`` with s = ks + k_lanes*(w / warps_per_k); ``k_lanes`` lanes reduce-scatter
+    their partial blocks with shuffles and ``k_warps`` warps leave separate partial tiles that the
+    softmax threads add.  Within a warp block, lane gr's rows are spread by ``8 / row_lanes``
+    so that one 128-bit query load of all gr lanes hits each bank once.
+    Softmax: ``row_threads = threads / rows`` consecutive-key threads per row.
     Output phase: thread (g, c) owns rows rv*g .. rv*g+rv-1 and the float4 columns
     4c + 4*cg*t (t < r/(4*cg)); within a warp ``out_lane_cols`` consecutive lanes take
     consecutive c.
@@ -190,11 +365,18 @@ class TileConfig:
     threads: int
     rows: int              # M: query-heads per block
     keys: int              # N: key slots per tile
-    srg: int
-    skg: int
-    score_lane_rows: int
-    cg: int
+    stages: int            # key-tile buffers: 2 = next tile loads while this one computes
+    lane_rows: int         # score block of one lane: lane_rows x lane_keys
+    lane_keys: int
+    k_lanes: int           # lanes that split one block's columns (reduce-scattered)
+    row_lanes: int         # lanes along rows / keys in a warp's score block
+    key_lanes: int
+    k_warps: int           # warps that split one block's columns (partial tiles in smem)
+    cg: int                # output phase: float4 column groups
+    rv: int                # output phase: rows per thread
     out_lane_cols: int
+    score_unroll: int = 1  # column quads per score-loop iteration (2 spills)
+    score_pad: int = 8     # floats added to a score-tile row (rows + 8: conflict-free softmax)
     scratch: int = 0       # floats of shared scratch (the simulator's stand-in for shuffles)
 
     @property
@@ -202,20 +384,36 @@ class TileConfig:
         return self.r + self.dr
 
     @property
+    def quads(self):       # float4 columns of a key
+        return self.d // 4
+
+    @property
     def row_stride(self):  # floats per staged query/key row; +4 shifts rows by 4 banks
         return self.d + 4
 
     @property
-    def score_stride(self):  # floats per key of the transposed score tile [keys][rows + 4]
-        return self.rows + 4
+    def score_stride(self):  # floats per key of the transposed score tile [keys][rows + pad]
+        return self.rows + self.score_pad
 
     @property
-    def rg(self):
-        return self.threads // self.cg
+    def k_splits(self):
+        return self.k_lanes * self.k_warps
 
     @property
-    def rv(self):
-        return self.rows // self.rg
+    def warp_rows(self):
+        return self.lane_rows * self.row_lanes
+
+    @property
+    def warp_keys(self):
+        return self.lane_keys * self.key_lanes
+
+    @property
+    def row_spread(self):  # row distance between the gr lanes of a warp block
+        return 8 // self.row_lanes if self.row_lanes > 1 else self.lane_rows
+
+    @property
+    def rg(self):          # output row groups
+        return self.rows // self.rv
 
     @property
     def cv4(self):         # float4 column groups per thread
@@ -226,23 +424,32 @@ class TileConfig:
         return self.threads // self.rows
 
     def smem_floats(self):
-        return (self.rows + self.keys) * self.row_stride + self.keys * self.score_stride \
-            + 2 * self.rows + self.scratch
+        return (self.rows + self.stages * self.keys) * self.row_stride \
+            + self.k_warps * self.keys * self.score_stride + 2 * self.rows + self.scratch
 
     def smem_bytes(self):
         return 4 * self.smem_floats()
 
     def validate(self):
+        warps = self.threads // 32
+        pow2 = (1, 2, 4, 8, 16, 32)
+        out_lane_rows = 32 // self.out_lane_cols
+        out_warp_rows = -(-self.rg // out_lane_rows)
         ok = (self.r % 4 == 0 and self.dr % 4 == 0 and self.threads % 32 == 0
-              and self.srg * self.skg == self.threads and self.rows % self.srg == 0
-              and self.keys % self.skg == 0 and self.threads % self.cg == 0
-              and self.rows % self.rg == 0 and self.r % (4 * self.cg) == 0
-              and self.threads % self.rows == 0 and self.keys % self.row_threads == 0
-              and 32 % self.row_threads == 0
-              and 32 % self.score_lane_rows == 0 and self.srg % self.score_lane_rows == 0
-              and self.skg % (32 // self.score_lane_rows) == 0
-              and 32 % self.out_lane_cols == 0 and self.cg % self.out_lane_cols == 0
-              and self.rg % (32 // self.out_lane_cols) == 0
+              and self.stages in (1, 2) and self.score_unroll in (1, 2)
+              and self.k_lanes in pow2[:4] and self.row_lanes in pow2[:4]
+              and self.k_lanes * self.row_lanes * self.key_lanes == 32
+              and warps % self.k_warps == 0 and self.rows % self.warp_rows == 0
+              and self.keys % self.warp_keys == 0
+              and (self.rows // self.warp_rows) * (self.keys // self.warp_keys)
+              == warps // self.k_warps
+              and (self.lane_rows * self.lane_keys) % self.k_lanes == 0
+              and self.lane_rows % self.row_spread == 0
+              and self.threads % self.rows == 0 and self.row_threads in pow2
+              and self.keys % self.row_threads == 0
+              and self.rows % self.rv == 0 and self.r % (4 * self.cg) == 0
+              and self.out_lane_cols in pow2
+              and (warps // out_warp_rows) * self.out_lane_cols >= self.cg
               and self.smem_bytes() <= MAX_SHARED_BYTES)
         if not ok:
             raise ValueError(f"inconsistent attention tile configuration {self}")
@@ -257,45 +464,79 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return p
 
 
-def gpu_tile_config(r: int, dr: int) -> TileConfig:
-    """256 threads, 64 query-heads x 32 keys per tile; 8 x 16 outputs per thread at r = 512.
+# Layouts that compile from the same kernel body (docs/ATTENTION.md compares them).  All stage
+# 64 query-heads per block and give each lane an 8 x 4 (wide16: 4 x 4) score block.
+# pipe16x2: 256 threads, two stages of 16-key tiles; a warp scores a 16 x 16 block over half the
+#           columns, 4 lanes x 2 warps split the columns (fewest shared-memory wavefronts/FMA).
+# pipe16:   256 threads, two stages of 16-key tiles; a warp scores an 8 x 16 block over all
+#           columns, 8 lanes split them, and the softmax runs in registers (one barrier less).
+# tile32:   256 threads, one stage of 32-key tiles (all cp.async issued at once, then waited
+#           on), 16 x 16 warp blocks, 4 lanes split the columns: half the tiles, load exposed.
+# wide16:   512 threads (16 warps: twice the latency hiding) at <= 128 registers each, two
+#           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
+VARIANTS = {
+    "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
+                     key_lanes=4, k_warps=2),
+    "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
+                   key_lanes=4, k_warps=1),
+    "tile32": dict(threads=256, keys=32, stages=1, lane_rows=8, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=1),
+    "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=2),
+}
+DEFAULT_VARIANT = "pipe16"
 
-    Narrow latents (r < 128, tests) get fewer column groups and so more rows per block.
-    """
+
+def gpu_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
+    """64 query-heads per block, ``lane_rows x 4`` score blocks per lane, and (at r = 512,
+    256 threads) 8 rows x 16 columns of output per thread; narrower latents get fewer columns."""
+    v = VARIANTS[variant]
+    threads, rows = v["threads"], 64
     cg = _pow2_divisor(r // 4, 32)
-    rows, keys = max(64, 256 // cg), 32
-    while TileConfig(r, dr, 256, rows, keys, 16, 16, 8, cg, min(cg, 8)).smem_bytes() \
-            > MAX_SHARED_BYTES and keys > 16:
-        keys //= 2
-    return TileConfig(r, dr, threads=256, rows=rows, keys=keys, srg=16, skg=16,
-                      score_lane_rows=8, cg=cg, out_lane_cols=min(cg, 8)).validate()
+    cfg = TileConfig(r, dr, threads=threads, rows=rows, keys=v["keys"], stages=v["stages"],
+                     lane_rows=v["lane_rows"], lane_keys=4, k_lanes=v["k_lanes"],
+                     row_lanes=v["row_lanes"], key_lanes=v["key_lanes"], k_warps=v["k_warps"],
+                     cg=cg, rv=max(1, rows * cg // threads), out_lane_cols=min(cg, 8))
+    if cfg.smem_bytes() > MAX_SHARED_BYTES:
+        cfg = replace(cfg, score_pad=4)
+    return cfg.validate()
 
 
-def sim_tile_config(r: int, dr: int) -> TileConfig:
-    """One warp and tiny tiles: the simulator costs ~30 ms per syncthreads."""
+def sim_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
+    """The same layout with one warp per column split and 4 x 2 (8 x 2) lane blocks: the
+    simulator costs ~30 ms per syncthreads, so blocks stay small."""
+    v = VARIANTS[variant]
+    threads = 32 * v["k_warps"]
+    lane_rows, lane_keys = max(4, v["k_lanes"]), 2  # k_lanes rows keep a fused softmax fused
+    rows, keys = lane_rows * v["row_lanes"], lane_keys * v["key_lanes"]
     cg = _pow2_divisor(r // 4, 8)
-    rows = max(16, 32 // cg)
-    return TileConfig(r, dr, threads=32, rows=rows, keys=8, srg=8, skg=4, score_lane_rows=8,
-                      cg=cg, out_lane_cols=cg, scratch=32).validate()
+    return TileConfig(r, dr, threads=threads, rows=rows, keys=keys, stages=v["stages"],
+                      lane_rows=lane_rows, lane_keys=lane_keys, k_lanes=v["k_lanes"],
+                      row_lanes=v["row_lanes"], key_lanes=v["key_lanes"],
+                      k_warps=v["k_warps"], cg=cg, rv=max(1, rows * cg // threads),
+                      out_lane_cols=min(cg, 8),
+                      scratch=threads * lane_rows * lane_keys).validate()
 
 
-def tile_config(r: int, dr: int) -> TileConfig:
-    """The tile shape used here for latent width r and rope width dr."""
-    return sim_tile_config(r, dr) if SIMULATOR else gpu_tile_config(r, dr)
+def tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
+    """The tile shape used here for latent width r, rope width dr and a score layout."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown attention variant {variant!r}; have {sorted(VARIANTS)}")
+    return sim_tile_config(r, dr, variant) if SIMULATOR else gpu_tile_config(r, dr, variant)
 
 
-BLOCK_OVERHEAD_TILES = 2          # staging queries + writing outputs, in key-tile times
-MERGE_BYTES_PER_TILE_TIME = 37e6  # HBM bytes the whole GPU moves in one key-tile time (~9 us)
+BLOCK_OVERHEAD_KEYS = 64          # staging queries + writing outputs, in key-slot times
+MERGE_BYTES_PER_KEY_TIME = 1.16e6  # HBM bytes the whole GPU moves while a block does one key
 
 
 def choose_splits(blocks_per_split: int, max_keys: int, tile_keys: int, sm_count: int,
                   partial_bytes_per_block: int, max_splits: int = 64) -> int:
     """Number of key splits with the least modelled time, fewest splits on ties.
 
-    One block fits per SM (the tiles take ~226 KiB of shared memory), so a request alone (decode:
-    one row tile) would use one SM per split.  Model, in units of one key tile's time:
-    waves * (tiles per split + per-block overhead) + traffic of the partial outputs (written by
-    the splits, read by the merge).
+    One block fits per SM (the tiles take ~227 KiB of shared memory), so a request alone (decode:
+    one row tile) would use one SM per split.  Model, in units of one key slot's time:
+    waves * (keys per split, rounded up to tiles, + per-block overhead) + traffic of the partial
+    outputs (written by the splits, read by the merge).
     """
     tiles = max(1, -(-max_keys // tile_keys))
     best, best_cost = 1, None
@@ -304,9 +545,9 @@ def choose_splits(blocks_per_split: int, max_keys: int, tile_keys: int, sm_count
         if s > 1 and -(-tiles // tiles_per_split) < s:
             continue  # some split would be empty
         waves = -(-blocks_per_split * s // sm_count)
-        cost = waves * (tiles_per_split + BLOCK_OVERHEAD_TILES)
+        cost = waves * (tiles_per_split * tile_keys + BLOCK_OVERHEAD_KEYS)
         if s > 1:
-            cost += 2 * s * blocks_per_split * partial_bytes_per_block / MERGE_BYTES_PER_TILE_TIME
+            cost += 2 * s * blocks_per_split * partial_bytes_per_block / MERGE_BYTES_PER_KEY_TIME
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -315,38 +556,148 @@ def choose_splits(blocks_per_split: int, max_keys: int, tile_keys: int, sm_count
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
+def _row_tile_copier(cfg: TileConfig, rows: int):
+    """``issue(smem, off, main, rope, b, first, limit, tid)``: cp.async rows ``first + i``
+    (i < rows) of ``[main[b] | rope[b]]`` (widths r and dr) into the tile at smem[off] (row
+    stride ``row_stride``); rows >= limit become zeros (their source row is clamped to
+    limit - 1 >= 0, so no address leaves the array).  The caller commits.
+
+    When the rows divide the threads evenly, thread tid copies row tid / (T/rows), float4
+    columns tid % (T/rows) + (T/rows)*s: one address pair per row and array, the rest are
+    constant offsets.  Otherwise float4 slots are dealt out round-robin.
+    """
+    T, QS = cfg.threads, cfg.row_stride
+    DV4, DR4 = cfg.r // 4, cfg.dr // 4
+    TPR = T // rows if T % rows == 0 else 0     # threads per row
+    if TPR and DV4 % TPR == 0 and DR4 % TPR == 0:
+        @_inline
+        def issue(smem, off, main, rope, b, first, limit, tid):
+            i, quad = tid // TPR, tid % TPR
+            src = min(first + i, limit - 1)
+            nbytes = int32(16) if first + i < limit else int32(0)
+            at = off + i * QS + 4 * quad
+            cp_async_strided(smem, at, main, (b, src, 4 * quad), DV4 // TPR, TPR, nbytes)
+            cp_async_strided(smem, at + DV4 * 4, rope, (b, src, 4 * quad), DR4 // TPR, TPR,
+                             nbytes)
+        return issue
+
+    tile_slot = _tile_slot_fn(T)
+
+    @_inline
+    def issue_any(smem, off, main, rope, b, first, limit, tid):
+        for s in range(-(-rows * DV4 // T)):
+            i, quad = tile_slot(tid, s, DV4)
+            if rows * DV4 % T == 0 or i < rows:
+                nbytes = int32(16) if first + i < limit else int32(0)
+                cp_async16(smem, off + i * QS + 4 * quad, main,
+                           (b, min(first + i, limit - 1), 4 * quad), nbytes)
+        for s in range(-(-rows * DR4 // T)):
+            i, quad = tile_slot(tid, s, DR4)
+            if rows * DR4 % T == 0 or i < rows:
+                nbytes = int32(16) if first + i < limit else int32(0)
+                cp_async16(smem, off + i * QS + 4 * (DV4 + quad), rope,
+                           (b, min(first + i, limit - 1), 4 * quad), nbytes)
+    return issue_any
+
+
+def _jit_options(cfg: TileConfig) -> dict:
+    """Launch bounds past 256 threads, so ptxas keeps to 65536 / threads registers (a launch
+    with more would fail).  Not below: for 256 threads they only made ptxas spill."""
+    return {"launch_bounds": (cfg.threads,)} if cfg.threads > 256 else {}
+
+
 @lru_cache(maxsize=None)
 def _attention_kernel(cfg: TileConfig):
     """Build the tiled attention kernel for one configuration (constants are closed over)."""
-    T, M, N, DV, DR = cfg.threads, cfg.rows, cfg.keys, cfg.r, cfg.dr
-    DV4, DR4 = DV // 4, DR // 4           # float4 columns of the latent and of the rope part
+    T, M, N, STAGES = cfg.threads, cfg.rows, cfg.keys, cfg.stages
+    Q4 = cfg.quads
     QS, ST = cfg.row_stride, cfg.score_stride
-    SRG, SKG, AS, BS = cfg.srg, cfg.skg, cfg.rows // cfg.srg, cfg.keys // cfg.skg
-    RLS = cfg.score_lane_rows
-    KLS, WS = 32 // RLS, cfg.srg // RLS
-    CG, RV, CV4 = cfg.cg, cfg.rv, cfg.cv4
-    CLW = cfg.out_lane_cols
+    # score phase
+    SA, SB, KL, GK, KW = cfg.lane_rows, cfg.lane_keys, cfg.k_lanes, cfg.key_lanes, cfg.k_warps
+    KSP = cfg.k_splits
+    QPS = -(-Q4 // KSP)                   # column quads per split
+    Q_EXACT = Q4 % KSP == 0
+    QU = min(cfg.score_unroll, QPS)       # 1 or 2 quads per loop iteration
+    RSP, GRD = cfg.row_spread, cfg.row_spread * cfg.row_lanes  # a -> a%RSP + (a//RSP)*GRD
+    WPK = T // 32 // KW                   # warps per column split
+    WROWS, WKEYS = cfg.warp_rows, cfg.warp_keys
+    RTILES = M // WROWS
+    SC = SA * SB
+    OWN = SC // KL                        # complete scores a lane holds after reduce-scatter
+    H1, H2, H3 = [(SC >> (k + 1)) if (1 << k) < KL else 0 for k in range(3)]
+    # output phase
+    CG, RV, CV4, CLW = cfg.cg, cfg.rv, cfg.cv4, cfg.out_lane_cols
+    RG = cfg.rg
     RLW = 32 // CLW
-    WR = cfg.rg // RLW
+    WR = -(-RG // RLW)
     P_VEC = RV % 4 == 0                   # a thread's probabilities load as float4s
-    ACC, SC, KF, PF = RV * CV4 * 4, AS * BS, BS * 4, RV  # register (local) array sizes
-    QU = 2 if (DV4 + DR4) % 2 == 0 else 1  # score loop unroll: loads of 2 quads in flight
+    ACC, KF, PF = RV * CV4 * 4, SB * 4, RV  # register (local) array sizes
     PU = 2 if N % 2 == 0 else 1           # P.V loop unroll
-    TPR = cfg.row_threads                 # softmax: TPR threads per row, keys p + TPR*jj
-    RPW = 32 // TPR                       # rows per warp in the softmax layout
-    KPT = N // TPR                        # keys per softmax thread
-    Q_OFF, KV_OFF = 0, M * QS             # smem: queries [M][QS], keys [N][QS],
-    PT_OFF = KV_OFF + N * QS              # scores/probabilities transposed [N][ST],
-    ALPHA_OFF = PT_OFF + N * ST           # per-row rescale factor [M], final sum [M],
-    L_OFF = ALPHA_OFF + M                 # simulator-only reduction scratch [T]
+    # softmax.  Fused: a warp's score block spans whole rows (all N keys, one column split),
+    # so after the reduce-scatter lane (ks, gk) holds row a = own0 / SB, keys gk*SB + bb, and
+    # the softmax runs in registers (row reductions over the GK lanes ks + KL*gk).
+    # Otherwise TPR threads per row take keys part + TPR*jj from the partial tiles in smem.
+    FUSED = KW == 1 and cfg.warp_keys == N and SC // KL == SB and cfg.row_lanes == 1
+    TPR = cfg.row_threads
+    RPW = 32 // TPR                       # rows per warp in the separate softmax layout
+    KPT = SB if FUSED else N // TPR       # keys per softmax thread
+    SK_STEP = 1 if FUSED else TPR         # key distance between them
+    # shared memory: queries [M][QS], key tiles STAGES x [N][QS], partial score tiles
+    # KW x [N][ST] (tile 0 then holds the probabilities), rescale factors [M], sums [M],
+    # simulator-only scratch
+    Q_OFF, KV_OFF = 0, M * QS
+    PS_OFF = KV_OFF + STAGES * N * QS
+    ALPHA_OFF = PS_OFF + KW * N * ST
+    L_OFF = ALPHA_OFF + M
     SCR_OFF = L_OFF + M
-    row_max, row_sum = _row_group_reducers(TPR, RPW, SCR_OFF)
-    # key-tile loads: pass s covers float4 slots tid + s*T of the [N][width/4] tile
-    CKV_PASSES, KPE_PASSES = -(-N * DV4 // T), -(-N * DR4 // T)
-    CKV_EXACT, KPE_EXACT = N * DV4 % T == 0, N * DR4 % T == 0
-    _tile_slot = _tile_slot_fn(T)
+    if FUSED:
+        row_max, row_sum = _row_group_reducers(GK, KL, SCR_OFF)
+    else:
+        row_max, row_sum = _row_group_reducers(TPR, RPW, SCR_OFF)
+    reduce_scatter = _reduce_scatter_fn(SC, KL, SCR_OFF)
+    copy_keys = _row_tile_copier(cfg, N)
+    copy_queries = _row_tile_copier(cfg, M)
 
-    @kernel
+    QSTEP = 4 * KSP                       # floats between a lane's column quads
+
+    @_inline
+    def score_quad(sc, kf, smem, q_at, k_at, col):
+        """sc += the lane's block of q k^T over one column quad (q_at, k_at: its offsets)."""
+        if Q_EXACT or col < 4 * Q4:
+            for bb in range(SB):
+                k0, k1, k2, k3 = load4(smem, k_at + bb * QS)
+                kf[4 * bb], kf[4 * bb + 1], kf[4 * bb + 2], kf[4 * bb + 3] = k0, k1, k2, k3
+            for a in range(SA):
+                q0, q1, q2, q3 = load4(smem, q_at + (a % RSP + a // RSP * GRD) * QS)
+                for bb in range(SB):
+                    v = sc[a * SB + bb]
+                    v += q0 * kf[4 * bb]
+                    v += q1 * kf[4 * bb + 1]
+                    v += q2 * kf[4 * bb + 2]
+                    v += q3 * kf[4 * bb + 3]
+                    sc[a * SB + bb] = v
+
+    @_inline
+    def pv_key(acc, pf, smem, p_at, v_at):
+        """acc += p[rows] v[columns] for one key (p_at, v_at: offsets of the thread's first)."""
+        if P_VEC:
+            for a4 in range(RV // 4):
+                pf[4 * a4], pf[4 * a4 + 1], pf[4 * a4 + 2], pf[4 * a4 + 3] = \
+                    load4(smem, p_at + 4 * a4)
+        else:
+            for a in range(RV):
+                pf[a] = smem[p_at + a]
+        for t in range(CV4):
+            v0, v1, v2, v3 = load4(smem, v_at + 4 * CG * t)
+            for a in range(RV):
+                p = pf[a]
+                x = (a * CV4 + t) * 4
+                acc[x] += p * v0
+                acc[x + 1] += p * v1
+                acc[x + 2] += p * v2
+                acc[x + 3] += p * v3
+
+    @kernel(**_jit_options(cfg))
     def mla_attention_tiles(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
                             direct, out, part_o, part_ml):
         smem = cuda.shared.array(0, float32)
@@ -362,26 +713,33 @@ def _attention_kernel(cfg: TileConfig):
         if split == cuda.gridDim.y - 1:
             kend = prefix + n  # the last split takes the rest, whatever max_keys promised
 
-        # stage this block's query rows [q_abs | q_pe]; rows past the last are zeros
-        for f in range(tid, M * DV4, T):
-            row, quad = f // DV4, f % DV4
-            x0 = x1 = x2 = x3 = ZERO
-            if row0 + row < n_rows:
-                x0, x1, x2, x3 = load4(q_abs, (b, row0 + row, 4 * quad))
-            store4(smem, Q_OFF + row * QS + 4 * quad, x0, x1, x2, x3)
-        for f in range(tid, M * DR4, T):
-            row, quad = f // DR4, f % DR4
-            x0 = x1 = x2 = x3 = ZERO
-            if row0 + row < n_rows:
-                x0, x1, x2, x3 = load4(q_pe, (b, row0 + row, 4 * quad))
-            store4(smem, Q_OFF + row * QS + 4 * (DV4 + quad), x0, x1, x2, x3)
+        copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
+        if STAGES == 2:
+            copy_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)
+        cp_async_commit()
 
-        # score phase: rows rg + SRG*a, keys kg + SKG*bb (lanes spread over rows, then keys)
-        rg = (warp % WS) * RLS + lane % RLS
-        kg = (warp // WS) * KLS + lane // RLS
+        # score phase: lane (ks, gk, gr) of warp (kw, key tile, row tile)
+        ks = lane % KL
+        gk = lane // KL % GK
+        gr = lane // (KL * GK)
+        kw = warp // WPK
+        srow0 = (warp % WPK % RTILES) * WROWS + gr * RSP
+        skey0 = (warp % WPK // RTILES) * WKEYS + gk * SB
+        col0 = 4 * (ks + KL * kw)
+        own0 = (ks & 1) * H1 + ((ks >> 1) & 1) * H2 + ((ks >> 2) & 1) * H3
+        # softmax phase: row srow, keys sk0 + SK_STEP*jj; row_writer: one lane per row
+        if FUSED:
+            srow = srow0 + own0 // SB
+            sk0, row_writer = skey0, gk == 0
+        else:
+            srow = warp * RPW + lane % RPW
+            sk0, row_writer = lane // RPW, lane // RPW == 0
+        srow_ok = row0 + srow < n_rows
+        squery = (row0 + srow) // heads   # the new-token index whose mask row applies
         # output phase: rows RV*g + a, float4 columns c + CG*t
         g = (warp % WR) * RLW + lane // CLW
         c = (warp // WR) * CLW + lane % CLW
+        pv_ok = g < RG and c < CG
 
         acc = cuda.local.array(ACC, float32)
         for x in range(ACC):
@@ -389,136 +747,132 @@ def _attention_kernel(cfg: TileConfig):
         sc = cuda.local.array(SC, float32)
         kf = cuda.local.array(KF, float32)
         pf = cuda.local.array(PF, float32)
+        sv = cuda.local.array(KPT, float32)
         m_run = NEG_INF  # online-softmax state of this thread's softmax row
         l_run = ZERO
 
+        stage = 0
         for t0 in range(kbeg, kend, N):
-            cuda.syncthreads()  # the previous tile's readers are done with keys and scores
-            for s in range(CKV_PASSES):  # key tile [ckv | kpe]; zeros past kend
-                j, quad = _tile_slot(tid, s, DV4)
-                if CKV_EXACT or j < N:
-                    x0 = x1 = x2 = x3 = ZERO
-                    if t0 + j < kend:
-                        x0, x1, x2, x3 = load4(ckv, (b, t0 + j, 4 * quad))
-                    store4(smem, KV_OFF + j * QS + 4 * quad, x0, x1, x2, x3)
-            for s in range(KPE_PASSES):
-                j, quad = _tile_slot(tid, s, DR4)
-                if KPE_EXACT or j < N:
-                    x0 = x1 = x2 = x3 = ZERO
-                    if t0 + j < kend:
-                        x0, x1, x2, x3 = load4(kpe, (b, t0 + j, 4 * quad))
-                    store4(smem, KV_OFF + j * QS + 4 * (DV4 + quad), x0, x1, x2, x3)
-            cuda.syncthreads()
+            kv = KV_OFF + stage * (N * QS)
+            if STAGES == 1:
+                cuda.syncthreads()  # the previous tile's readers are done with it
+                copy_keys(smem, kv, ckv, kpe, b, t0, kend, tid)
+                cp_async_commit()
+            cp_async_wait_all()
+            cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
+            if STAGES == 2:
+                if t0 + N < kend:  # prefetch the next tile into the other buffer
+                    copy_keys(smem, KV_OFF + (1 - stage) * (N * QS), ckv, kpe, b, t0 + N,
+                              kend, tid)
+                    cp_async_commit()
 
-            # scores: sc[a, bb] = q[row a] . k[key bb] over all r + dr columns
+            # scores: sc[a, bb] = q[row a] . k[key bb] over this lane's column quads
             for x in range(SC):
                 sc[x] = ZERO
-            for quad0 in range(0, DV4 + DR4, QU):
-                for u in range(QU):
-                    col = 4 * (quad0 + u)
-                    for bb in range(BS):
-                        k0, k1, k2, k3 = load4(smem, KV_OFF + (kg + SKG * bb) * QS + col)
-                        kf[4 * bb], kf[4 * bb + 1], kf[4 * bb + 2], kf[4 * bb + 3] = \
-                            k0, k1, k2, k3
-                    for a in range(AS):
-                        q0, q1, q2, q3 = load4(smem, Q_OFF + (rg + SRG * a) * QS + col)
-                        for bb in range(BS):
-                            v = sc[a * BS + bb]
-                            v += q0 * kf[4 * bb]
-                            v += q1 * kf[4 * bb + 1]
-                            v += q2 * kf[4 * bb + 2]
-                            v += q3 * kf[4 * bb + 3]
-                            sc[a * BS + bb] = v
-            # scale and mask into the transposed score tile
-            for a in range(AS):
-                row = rg + SRG * a
-                for bb in range(BS):
-                    key = kg + SKG * bb
-                    t = t0 + key
-                    v = tau * sc[a * BS + bb]
-                    if t >= kend:
-                        v = NEG_INF
-                    elif t >= prefix:  # a new token: ask the n x n mask
-                        if row0 + row >= n_rows:
-                            v = NEG_INF
-                        elif not visible[b, (row0 + row) // heads, t - prefix]:
-                            v = NEG_INF
-                    smem[PT_OFF + key * ST + row] = v
-            cuda.syncthreads()
+            q_at = Q_OFF + srow0 * QS + col0
+            k_at = kv + skey0 * QS + col0
+            for j in range(int32(QPS // QU)):
+                score_quad(sc, kf, smem, q_at, k_at, col0 + QSTEP * QU * j)
+                if QU == 2:
+                    score_quad(sc, kf, smem, q_at + QSTEP, k_at + QSTEP,
+                               col0 + QSTEP * (QU * j + 1))
+                q_at += QU * QSTEP
+                k_at += QU * QSTEP
+            if QPS % QU:
+                score_quad(sc, kf, smem, q_at, k_at, col0 + QSTEP * (QPS - 1))
+            reduce_scatter(sc, ks, own0, smem, tid)
+            if FUSED:
+                for jj in range(KPT):
+                    sv[jj] = sc[jj]
+            else:  # leave the partial tile, then gather this thread's row from all of them
+                for x in range(OWN):
+                    a, bb = (own0 + x) // SB, (own0 + x) % SB
+                    row = srow0 + a % RSP + a // RSP * GRD
+                    smem[PS_OFF + kw * (N * ST) + (skey0 + bb) * ST + row] = sc[x]
+                cuda.syncthreads()
+                for jj in range(KPT):
+                    at = PS_OFF + (sk0 + SK_STEP * jj) * ST + srow
+                    s = smem[at]
+                    for w in range(1, KW):
+                        s += smem[at + w * (N * ST)]
+                    sv[jj] = s
 
-            # online softmax: TPR threads per row (keys p, p + TPR, ...), probabilities
-            # overwrite the scores; every thread of a row keeps the same (m_run, l_run)
-            srow = warp * RPW + lane % RPW
-            part = lane // RPW
-            m_new = m_run
+            # online softmax: scale and mask sv; probabilities go to partial tile 0.  The
+            # reference point m_run moves only when a score exceeds it by more than
+            # RESCALE_SLACK, so most tiles skip rescaling the accumulator (p <= e^8 is harmless
+            # in float32); every thread of a row keeps the same (m_run, l_run).
+            m_tile = NEG_INF
             for jj in range(KPT):
-                m_new = max(m_new, smem[PT_OFF + (part + TPR * jj) * ST + srow])
-            m_new = row_max(m_new, smem, tid)
-            m_safe = m_new if m_new > NEG_INF else ZERO  # nothing visible yet: all p = 0
-            alpha = math.exp(m_run - m_safe)
+                s = sv[jj] * tau
+                t = t0 + sk0 + SK_STEP * jj
+                if t >= kend:
+                    s = NEG_INF
+                elif t >= prefix:  # a new token: ask the n x n mask
+                    if not srow_ok:
+                        s = NEG_INF
+                    elif not visible[b, squery, t - prefix]:
+                        s = NEG_INF
+                sv[jj] = s
+                m_tile = max(m_tile, s)
+            m_tile = row_max(m_tile, smem, tid)
+            alpha = ONE
+            if m_tile > m_run + RESCALE_SLACK:  # also the first visible score (m_run = -inf)
+                alpha = math.exp(m_run - m_tile)
+                m_run = m_tile
+            m_safe = m_run if m_run > NEG_INF else ZERO  # nothing visible yet: all p = 0
             total = ZERO
             for jj in range(KPT):
-                at = PT_OFF + (part + TPR * jj) * ST + srow
-                p = math.exp(smem[at] - m_safe)
-                smem[at] = p
+                p = math.exp(sv[jj] - m_safe)
+                smem[PS_OFF + (sk0 + SK_STEP * jj) * ST + srow] = p
                 total += p
             l_run = l_run * alpha + row_sum(total, smem, tid)
-            m_run = m_new
-            if part == 0:
+            if row_writer:
                 smem[ALPHA_OFF + srow] = alpha
-            # the barrier also tells whether any row's max moved (else skip the rescale)
+            # the barrier also tells whether any row's reference moved (else skip the rescale)
             rescale = cuda.syncthreads_or(int32(alpha != ONE))
 
             # acc = alpha * acc + P V for rows RV*g + a, columns of c (V = first DV columns)
-            if rescale:
-                for a in range(RV):
-                    alpha = smem[ALPHA_OFF + RV * g + a]
-                    for x in range(CV4 * 4):
-                        acc[a * CV4 * 4 + x] *= alpha
-            for j0 in range(0, N, PU):
-                for u in range(PU):
-                    j = j0 + u
-                    if P_VEC:
-                        for a4 in range(RV // 4):
-                            pf[4 * a4], pf[4 * a4 + 1], pf[4 * a4 + 2], pf[4 * a4 + 3] = \
-                                load4(smem, PT_OFF + j * ST + RV * g + 4 * a4)
-                    else:
-                        for a in range(RV):
-                            pf[a] = smem[PT_OFF + j * ST + RV * g + a]
-                    for t in range(CV4):
-                        v0, v1, v2, v3 = load4(smem, KV_OFF + j * QS + 4 * (c + CG * t))
-                        for a in range(RV):
-                            p = pf[a]
-                            x = (a * CV4 + t) * 4
-                            acc[x] += p * v0
-                            acc[x + 1] += p * v1
-                            acc[x + 2] += p * v2
-                            acc[x + 3] += p * v3
+            if pv_ok:
+                if rescale:
+                    for a in range(RV):
+                        alpha = smem[ALPHA_OFF + RV * g + a]
+                        for x in range(CV4 * 4):
+                            acc[a * CV4 * 4 + x] *= alpha
+                p_at = PS_OFF + RV * g
+                v_at = kv + 4 * c
+                for j in range(int32(N // PU)):
+                    pv_key(acc, pf, smem, p_at, v_at)
+                    if PU == 2:
+                        pv_key(acc, pf, smem, p_at + ST, v_at + QS)
+                    p_at += PU * ST
+                    v_at += PU * QS
+            stage = 1 - stage if STAGES == 2 else 0
+        cp_async_wait_all()  # nothing may be in flight when the block exits
 
         # epilogue: normalised u (one split) or the split's partial output and (max, sum)
-        srow = warp * RPW + lane % RPW
-        if lane // RPW == 0:
+        if row_writer:
             smem[L_OFF + srow] = l_run
-            if not direct and row0 + srow < n_rows:
+            if not direct and srow_ok:
                 part_ml[b, split, row0 + srow, 0] = m_run
                 part_ml[b, split, row0 + srow, 1] = l_run
         cuda.syncthreads()
-        for a in range(RV):
-            row = RV * g + a
-            if row0 + row < n_rows:
-                scale = ONE
-                if direct:
-                    l_row = smem[L_OFF + row]
-                    scale = ONE / l_row if l_row > ZERO else ZERO  # sees nothing -> zeros
-                for t in range(CV4):
-                    x = (a * CV4 + t) * 4
-                    col = 4 * (c + CG * t)
+        if pv_ok:
+            for a in range(RV):
+                row = RV * g + a
+                if row0 + row < n_rows:
+                    scale = ONE
                     if direct:
-                        store4(out, (b, row0 + row, col), acc[x] * scale, acc[x + 1] * scale,
-                               acc[x + 2] * scale, acc[x + 3] * scale)
-                    else:
-                        store4(part_o, (b, split, row0 + row, col), acc[x], acc[x + 1],
-                               acc[x + 2], acc[x + 3])
+                        l_row = smem[L_OFF + row]
+                        scale = ONE / l_row if l_row > ZERO else ZERO  # sees nothing -> zeros
+                    for t in range(CV4):
+                        x = (a * CV4 + t) * 4
+                        col = 4 * (c + CG * t)
+                        if direct:
+                            store4(out, (b, row0 + row, col), acc[x] * scale,
+                                   acc[x + 1] * scale, acc[x + 2] * scale, acc[x + 3] * scale)
+                        else:
+                            store4(part_o, (b, split, row0 + row, col), acc[x], acc[x + 1],
+                                   acc[x + 2], acc[x + 3])
 
     return mla_attention_tiles
 
@@ -594,14 +948,16 @@ class MlaAttentionPlan:
 
     Reuse one plan per shape in a decode loop: it allocates nothing per call, so its launches
     can also be captured in a CUDA graph.  ``max_keys`` bounds ``prefix_len + n`` and only sets
-    the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests).
+    the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests);
+    ``variant`` picks a tile layout from :data:`VARIANTS`.
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 stream=0):
+                 variant=DEFAULT_VARIANT, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
-        self.cfg = tile_config(r, dr)
+        self.variant = variant
+        self.cfg = tile_config(r, dr, variant)
         self.stream = stream
         self.n_rows = n * heads
         row_tiles = -(-self.n_rows // self.cfg.rows)
@@ -682,24 +1038,26 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 
 
 @lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split):
-    return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split)
+def _cached_plan(shape, max_keys, keys_per_split, variant):
+    return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
+                            variant=variant)
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None):
+                  keys_per_split=None, variant=DEFAULT_VARIANT):
     """Absorbed-MLA attention on the device; contract in ``reference/attention.py``.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
     ``prefix_len`` integer).  Returns a numba device array u [bs, n, H, r] float32 (or ``out``).
     A host ``prefix_len`` sets the split count from its maximum; for a device one pass
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
+    ``variant`` picks a tile layout (:data:`VARIANTS`; all compute the same function).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
-    plan = _cached_plan(shape, max_keys, keys_per_split)
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant)
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out)
 
 

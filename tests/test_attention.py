@@ -213,15 +213,30 @@ def _assert_matches_reference(prob, got):
     np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
 
 
-@settings(max_examples=_sim_or_gpu_examples(14, 150))
+VARIANT_NAMES = ("pipe16x2", "pipe16", "tile32", "wide16")  # attention.VARIANTS, in order
+# Variants whose simulator layouts differ (wide16 differs from pipe16x2 only in its GPU thread
+# count, so the simulator runs the same kernel for both): the per-variant simulator tests.
+SIM_VARIANTS = ("pipe16x2", "pipe16", "tile32")
+
+
+def test_variant_names_here_are_the_modules_variants():
+    from kdtree_numba.attention import DEFAULT_VARIANT, VARIANTS, sim_tile_config
+    assert tuple(VARIANTS) == VARIANT_NAMES and DEFAULT_VARIANT in VARIANTS
+    assert sim_tile_config(8, 4, "wide16") == sim_tile_config(8, 4, "pipe16x2")
+    assert len({sim_tile_config(8, 4, v) for v in SIM_VARIANTS}) == len(SIM_VARIANTS)
+
+
+@settings(max_examples=_sim_or_gpu_examples(15, 150))
 @given(problems(max_bs=2, max_n=5, heads=2, r=8, dr=4, max_prefix=9),
-       st.sampled_from([None, 8]))
-def test_numba_attention_matches_reference(prob, keys_per_split):
-    u = _numba().mla_attention(**prob, keys_per_split=keys_per_split).copy_to_host()
+       st.sampled_from([None, 8]), st.sampled_from(VARIANT_NAMES))
+def test_numba_attention_matches_reference(prob, keys_per_split, variant):
+    u = _numba().mla_attention(**prob, keys_per_split=keys_per_split,
+                               variant=variant).copy_to_host()
     _assert_matches_reference(prob, u)
 
 
-def test_numba_attention_split_merge_and_device_prefix(needs_kernels):
+@pytest.mark.parametrize("variant", SIM_VARIANTS)
+def test_numba_attention_split_merge_and_device_prefix(needs_kernels, variant):
     """Several key splits (merge kernel), a device-resident prefix_len, the empty-row rule."""
     kernels = _numba()
     rng = np.random.default_rng(4)
@@ -234,12 +249,45 @@ def test_numba_attention_split_merge_and_device_prefix(needs_kernels):
                 kpe=rng.standard_normal((2, 21, dr)).astype(np.float32),
                 prefix_len=np.array([17, 0], np.int32), visible=visible, tau=0.4)
     prefix_dev = kernels.to_device(prob["prefix_len"])
-    u = kernels.mla_attention(**{**prob, "prefix_len": prefix_dev},
-                              keys_per_split=8).copy_to_host()
+    u = kernels.mla_attention(**{**prob, "prefix_len": prefix_dev}, keys_per_split=8,
+                              variant=variant).copy_to_host()
     _assert_matches_reference(prob, u)
     assert np.all(u[1, :2] == 0.0)  # prefix 0, rows that see nothing
     np.testing.assert_allclose(u[1, 2], np.broadcast_to(prob["ckv"][1, 2], (heads, r)),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", SIM_VARIANTS)
+def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, variant):
+    """The kernel moves its softmax reference point only when a score exceeds it by more than
+    RESCALE_SLACK (8): scores that rise by 3 per key force many mid-stream rescales, scores
+    that creep up by less than the slack are summed against a stale reference (p up to e^8),
+    and a late spike dwarfs everything before it.  (The rise spans 117 > 88 = ln(FLT_MAX), so
+    a reference that never moved would overflow.)"""
+    kernels = _numba()
+    rng = np.random.default_rng(8)
+    n, heads, r, dr, prefix = 2, 2, 8, 4, 37
+    slots = prefix + n
+    q_abs = rng.standard_normal((3, n, heads, r)).astype(np.float32) * np.float32(0.1)
+    q_pe = np.zeros((3, n, heads, dr), np.float32)
+    q_pe[..., 0] = 1.0                                 # score_t = tau * kpe[t, 0] + small
+    ckv = rng.standard_normal((3, slots, r)).astype(np.float32)
+    kpe = np.zeros((3, slots, dr), np.float32)
+    kpe[0, :, 0] = 3.0 / 0.5 * np.arange(slots)        # rises 3 per key (tau = 0.5)
+    kpe[1, :, 0] = 0.25 / 0.5 * np.arange(slots)       # creeps: 0.25 per key, < slack per tile
+    kpe[2, :, 0] = rng.standard_normal(slots)
+    kpe[2, prefix - 3, 0] = 60.0 / 0.5                 # a late spike of +60
+    prob = dict(q_abs=q_abs, q_pe=q_pe, ckv=ckv, kpe=kpe,
+                prefix_len=np.full(3, prefix, np.int32),
+                visible=np.broadcast_to(np.tril(np.ones((n, n), bool)), (3, n, n)).copy(),
+                tau=0.5)
+    splits = (None, 16) if variant == kernels.DEFAULT_VARIANT else (None,)  # merge: any one
+    for keys_per_split in splits:
+        u = kernels.mla_attention(**prob, keys_per_split=keys_per_split,
+                                  variant=variant).copy_to_host()
+        _assert_matches_reference(prob, u)
+    np.testing.assert_allclose(u[2], np.broadcast_to(ckv[2, prefix - 3], (n, heads, r)),
+                               rtol=1e-5, atol=1e-5)  # the spike takes all the weight
 
 
 def test_numba_absorb_q_and_apply_uv_match_reference(needs_kernels):
@@ -267,13 +315,29 @@ def test_choose_splits_fills_the_gpu_only_when_blocks_are_scarce():
     assert choose_splits(4, 20, 32, 132, per_block) == 1            # a single tile
 
 
-def test_gpu_tile_config_fits_sm90_shared_memory_and_tiles_evenly():
-    from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
-    cfg = gpu_tile_config(512, 64)
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_gpu_tile_config_fits_sm90_shared_memory_and_tiles_evenly(variant):
+    from kdtree_numba.attention import MAX_SHARED_BYTES, VARIANTS, gpu_tile_config
+    cfg = gpu_tile_config(512, 64, variant)
     assert cfg.smem_bytes() <= MAX_SHARED_BYTES
-    assert (cfg.threads, cfg.rows, cfg.keys, cfg.rv, cfg.cv4) == (256, 64, 32, 8, 4)
+    assert (cfg.threads, cfg.rows, cfg.keys) == \
+        (VARIANTS[variant]["threads"], 64, VARIANTS[variant]["keys"])
+    # every output of the block is accumulated by exactly one thread, 64-128 per thread
+    assert cfg.rv * cfg.cv4 * 4 * cfg.threads == cfg.rows * cfg.r
+    assert cfg.rv * cfg.cv4 * 4 == 2 ** 15 // cfg.threads
+    # every (row, key) of a tile is scored by exactly k_splits lanes
+    assert cfg.lane_rows * cfg.lane_keys * cfg.threads == cfg.rows * cfg.keys * cfg.k_splits
+    assert cfg.quads % cfg.k_splits == 0 and cfg.score_stride % 32 == 8  # no ragged columns
     for r, dr in [(64, 16), (128, 32), (256, 64)]:
-        assert gpu_tile_config(r, dr).smem_bytes() <= MAX_SHARED_BYTES
+        assert gpu_tile_config(r, dr, variant).smem_bytes() <= MAX_SHARED_BYTES
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("r, dr", [(4, 4), (8, 4), (12, 8), (32, 16), (512, 64)])
+def test_sim_tile_configs_exist_for_every_width_the_tests_use(variant, r, dr):
+    from kdtree_numba.attention import sim_tile_config
+    cfg = sim_tile_config(r, dr, variant)
+    assert cfg.threads <= 64 and cfg.rows <= 16  # the simulator pays per thread and barrier
 
 
 # ------------------------------------------------------------------ a real sm_90 compile
@@ -288,26 +352,52 @@ f32, i64 = types.float32, types.int64
 a2, a3, a4 = (types.Array(f32, d, "C") for d in (2, 3, 4))
 sig = (a3, a3, a3, a3, types.Array(types.int32, 1, "C"), types.Array(types.boolean, 3, "C"),
        f32, i64, i64, i64, types.boolean, a3, a4, a4)
-kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64)), sig),
-           (A._merge_kernel(512), (a4, a4, i64, a3))]
+from numba.cuda.compiler import compile as compile_numba
+# (kernel, signature, is attention, stack-frame budget in bytes).  The attention budgets allow
+# the few spills ptxas makes outside the inner loops (checked in the SASS when written: the
+# score and P.V loops have no LDL/STL); wide16 runs at <= 128 registers and spills more.
+kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
+            256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.VARIANTS]
+kernels.append((A._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
+kernels.append((A._merge_kernel(512), (a4, a4, i64, a3), False, 0))
 for transposed in (False, True):
     kernels.append((A._head_gemm_kernel(A._GemmTile(64, 64, 16, 16, 16), transposed),
-                    (a2, i64, a2, i64, i64, a2, i64, i64, i64, i64)))
-for k, s in kernels:
-    ptx, _ = cuda.compile_ptx(k.py_func, s, cc=(9, 0))
-    try:
-        from cuda.bindings import nvjitlink
-    except ImportError:
-        print("compiled (no nvjitlink: spills unchecked)")
-        continue
-    h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-    nvjitlink.add_data(h, nvjitlink.InputType.PTX, ptx.encode(), len(ptx), "k")
+                    (a2, i64, a2, i64, i64, a2, i64, i64, i64, i64), False, 0))
+
+
+def nvjitlink_output(ltoir, *options):
+    # link LTO-IR as numba does on the GPU (nvJitLink, -lto): (PTX or cubin handle, log)
+    h = nvjitlink.create(len(options) + 2, ["-arch=sm_90", "-lto", *options])
+    nvjitlink.add_data(h, nvjitlink.InputType.LTOIR, bytes(ltoir), len(ltoir), "k")
     nvjitlink.complete(h)
     log = bytearray(nvjitlink.get_info_log_size(h))
     nvjitlink.get_info_log(h, log)
-    line = [x for x in log.decode().splitlines() if "registers" in x][-1]
-    print(line)
-    assert " 0 bytes lmem" in line, line  # no register spills in any kernel
+    return h, log.decode()
+
+
+for k, s, attention, stack_budget in kernels:
+    opts = {"launch_bounds": k.targetoptions["launch_bounds"]} \
+        if k.targetoptions.get("launch_bounds") else {}
+    ltoir, _ = compile_numba(k.py_func, s, cc=(9, 0), output="ltoir", device=False,
+                             abi="numba", **opts)
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        print("compiled (no nvjitlink: PTX and spills unchecked)")
+        continue
+    if attention:  # the 16-byte paths survived code generation
+        h, _ = nvjitlink_output(ltoir, "-ptx")
+        ptx = bytearray(nvjitlink.get_linked_ptx_size(h))
+        nvjitlink.get_linked_ptx(h, ptx)
+        for op in ("cp.async.cg.shared.global", "cp.async.wait_group", "ld.shared.v4.f32",
+                   "shfl.sync.bfly"):
+            assert op in ptx.decode(), op
+    _, log = nvjitlink_output(ltoir, "-verbose")
+    frame = [x for x in log.splitlines() if "bytes stack frame" in x][-1]
+    line = [x for x in log.splitlines() if "registers" in x][-1]
+    print(line.strip(), "|", frame.strip())
+    stack = int(frame.split("bytes stack frame")[0].split()[-1])
+    assert stack <= stack_budget, (k.py_func.__qualname__, frame)
 """
 
 

@@ -58,14 +58,21 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-def check(prob, **kwargs):
+VARIANTS = ("pipe16x2", "pipe16", "tile32", "wide16")  # every layout of kdtree_numba.attention
+
+
+def check(prob, variants=VARIANTS, **kwargs):
+    """Each variant (and each kwargs set, e.g. a forced split size) against one reference."""
     from kdtree_numba import attention as kernels
-    got = kernels.mla_attention(**prob, **kwargs).copy_to_host()
+    assert set(VARIANTS) == set(kernels.VARIANTS)
     want = ref.mla_attention(**prob, out_dtype=np.float64)
     tol = ref.fp32_error_bound(**prob)
-    err = np.abs(got - want)
-    worst = np.unravel_index(np.argmax(err), err.shape)
-    assert err.max() <= tol, f"max error {err.max():.3g} > {tol:.3g} at {worst}"
+    for variant in variants:
+        got = kernels.mla_attention(**prob, **kwargs, variant=variant).copy_to_host()
+        err = np.abs(got - want)
+        worst = np.unravel_index(np.argmax(err), err.shape)
+        assert err.max() <= tol, \
+            f"{variant}: max error {err.max():.3g} > {tol:.3g} at {worst}"
     return got
 
 
@@ -85,6 +92,7 @@ def test_ragged_prefixes_including_zero_and_tile_non_multiples():
     prob = make_problem(rng, prefixes, n, visible)
     check(prob)
     check(prob, keys_per_split=96)  # many splits + merge on the same inputs
+    check(prob, keys_per_split=40)  # splits that are not a multiple of any tile size
 
 
 def test_decode_bs64_prefix4096_uses_key_splits():
@@ -92,10 +100,26 @@ def test_decode_bs64_prefix4096_uses_key_splits():
     rng = np.random.default_rng(12)
     prefixes = 4096 + rng.integers(-40, 40, size=64)
     prob = make_problem(rng, prefixes, 1, np.ones((64, 1, 1), bool))
-    plan = kernels.MlaAttentionPlan(64, 1, H, R, DR, prob["ckv"].shape[1],
-                                    max_keys=int(prefixes.max()) + 1)
-    assert plan.splits > 1
+    for variant in VARIANTS:
+        plan = kernels.MlaAttentionPlan(64, 1, H, R, DR, prob["ckv"].shape[1],
+                                        max_keys=int(prefixes.max()) + 1, variant=variant)
+        assert plan.splits > 1
     check(prob)
+
+
+def test_scores_far_above_the_running_max_rescale_the_accumulator():
+    """Scores that climb by ~120 over the prefix (more than ln(FLT_MAX) = 88, so a reference
+    point that lagged behind would overflow), a late spike of +40, and ordinary scores: the
+    kernel's lazy rescaling (reference moves only past an 8-nat slack) must stay exact."""
+    rng = np.random.default_rng(17)
+    prefixes, n = [4096, 4096, 1500], 9
+    visible = np.stack([random_tree_visible(rng, n) for _ in prefixes])
+    prob = make_problem(rng, prefixes, n, visible, boost=0.0)
+    kpe = prob["kpe"]  # q_pe[..., 0] = 1/tau, so slot t's score gains exactly kpe[t, 0]
+    kpe[0, :, 0] = np.linspace(0.0, 120.0, kpe.shape[1])
+    kpe[1, 3000, 0] = 40.0
+    check(prob)
+    check(prob, keys_per_split=1000)
 
 
 def test_single_long_request_is_split_across_the_gpu():
@@ -113,6 +137,18 @@ def test_causal_prefill_padded_rows_and_rows_that_see_nothing():
     prob = make_problem(rng, [0, 0, 700], n, np.stack([causal, empty, causal]))
     u = check(prob)
     assert np.all(u[1, :20] == 0.0)
+
+
+def test_small_kimi_problem_for_the_sanitizers():
+    """A few tiles at Kimi widths, every variant, one and several splits: small enough for
+    ``compute-sanitizer --tool memcheck`` / ``--tool racecheck`` (run with ``-k sanitizers``).
+    Prefixes 0 and 37 put zero-filled slots past kend in the first and last tiles."""
+    rng = np.random.default_rng(18)
+    n = 5
+    visible = np.stack([random_tree_visible(rng, n), np.tril(np.ones((n, n), bool))])
+    prob = make_problem(rng, [37, 0], n, visible, spare=0)
+    check(prob)
+    check(prob, keys_per_split=16)
 
 
 def test_absorb_q_and_apply_uv_at_kimi_dims():
@@ -141,14 +177,14 @@ def test_narrow_latent_configuration():
 @settings(deadline=None)
 @given(st.integers(1, 3), st.integers(1, 17), st.sampled_from([1, 2, 64]),
        st.lists(st.integers(0, 300), min_size=3, max_size=3), st.sampled_from([None, 64]),
-       st.integers(0, 2**32 - 1))
+       st.integers(0, 2**32 - 1), st.sampled_from(VARIANTS))
 def test_random_shapes_masks_and_prefixes_match_reference(bs, n, heads, prefixes,
-                                                          keys_per_split, seed):
+                                                          keys_per_split, seed, variant):
     rng = np.random.default_rng(seed)
     kinds = rng.integers(0, 3, size=bs)
     visible = np.stack([
         np.tril(np.ones((n, n), bool)) if k == 0 else
         random_tree_visible(rng, n, int(rng.integers(1, n + 1))) if k == 1 else
         rng.random((n, n)) < 0.5 for k in kinds])
-    check(make_problem(rng, prefixes[:bs], n, visible, heads=heads),
+    check(make_problem(rng, prefixes[:bs], n, visible, heads=heads), variants=(variant,),
           keys_per_split=keys_per_split)

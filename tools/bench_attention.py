@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark the numba absorbed-MLA attention against its fp32 roof and a CuPy composition.
 
-    python3 tools/bench_attention.py [--json PATH] [--reps N]
+    python3 tools/bench_attention.py [--json PATH] [--reps N] [--variants a,b,...]
 
 Three shapes at Kimi-K2 widths (H=64, r=512, dr=64, tau=0.130861): DDTree verify bs=16 n=65
-with prefix 4096 and 16384, and decode bs=64 n=1 prefix 4096.  For each it prints the measured
-time (CUDA events after warm-up, median of --reps), the roof max(bytes / 4.1 TB/s,
-FLOPs / 51 TFLOP/s), the CuPy composition (batched fp32 matmul + masked softmax + matmul,
-measured here with TF32 off), and the goals: within 1.5x of the roof and faster than CuPy.
+with prefix 4096 and 16384, and decode bs=64 n=1 prefix 4096.  Every tile layout in
+``kdtree_numba.attention.VARIANTS`` is timed on every shape (CUDA events after warm-up, median
+of --reps), beside the roof max(bytes / 4.1 TB/s, FLOPs / 51 TFLOP/s), the CuPy composition
+(batched fp32 matmul + masked softmax + matmul, TF32 off) and the goals: within 1.5x of the
+roof and faster than CuPy.  The last lines name the fastest variant per shape and the one to
+make DEFAULT_VARIANT (best worst-case ours/roof).  A variant that fails is reported, not fatal.
 FLOPs count every (query-head, key slot) pair: 2 * (r + dr) for the score and 2 * r for P V.
-Needs a GPU and CuPy; finishes in well under 3 minutes on an H200.
+Needs a GPU and CuPy; finishes in about a minute and a half on an H200.
 """
 from __future__ import annotations
 
@@ -33,10 +35,11 @@ FP32_FLOPS = 51e12
 GOAL_ROOF_FACTOR = 1.5
 H, R, DR, TAU = 64, 512, 64, 0.130861
 L2_BYTES = 60e6
-# (name, bs, n, prefix, the brief's CuPy time and roof in ms, for reference)
-SHAPES = [("verify bs16 n65 P4096", 16, 65, 4096, 20.2, 11.8),
-          ("verify bs16 n65 P16384", 16, 65, 16384, 76.6, 46.7),
-          ("decode bs64 n1 P4096", 64, 1, 4096, 2.36, 0.72)]
+# (name, bs, n, prefix, then the first H200 run's (2026-11-29) CuPy and kernel times in ms,
+# printed beside this run's for reference)
+SHAPES = [("verify bs16 n65 P4096", 16, 65, 4096, 20.30, 24.54),
+          ("verify bs16 n65 P16384", 16, 65, 16384, 76.68, 92.16),
+          ("decode bs64 n1 P4096", 64, 1, 4096, 2.39, 1.95)]
 
 
 def roof_ms(bs, n, prefix):
@@ -113,38 +116,82 @@ def time_ms(cp, fn, sets, reps, inner=4):
     return statistics.median(times)
 
 
-def run_shape(cp, kernels, rng, name, bs, n, prefix, brief_cupy, brief_roof, reps):
+def run_shape(cp, kernels, rng, name, bs, n, prefix, prev_cupy, prev_ours, reps, variants):
+    """Time every variant and the CuPy composition on one shape; one result row per variant."""
     sets = make_inputs(cp, rng, bs, n, prefix)
-    plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n)
     out = cp.empty((bs, n, H, R), cp.float32)
     out_view = kernels.to_device(out)
-
-    def ours(a):
-        plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"], TAU,
-             out=out_view)
 
     def theirs(a):
         return cupy_composition(cp, a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"],
                                 a["visible"], TAU, prefix)
 
-    ours(sets[0])
     check = theirs(sets[0])
-    max_diff = float(cp.abs(out - check).max())
-    del check
-    t_ours = time_ms(cp, ours, sets, reps)
     t_cupy = time_ms(cp, theirs, sets, max(3, reps // 3), inner=2)
     roof, flops, nbytes = roof_ms(bs, n, prefix)
-    return dict(shape=name, bs=bs, n=n, prefix=prefix, splits=plan.splits, ms=t_ours,
-                tflops=flops / t_ours / 1e9, roof_ms=roof, vs_roof=t_ours / roof,
-                cupy_ms=t_cupy, cupy_ms_brief=brief_cupy, roof_ms_brief=brief_roof,
-                max_abs_diff_vs_cupy=max_diff, flops=flops, bytes=nbytes,
-                goal_roof=t_ours <= GOAL_ROOF_FACTOR * roof, goal_cupy=t_ours < t_cupy)
+    rows = []
+    for variant in variants:
+        row = dict(shape=name, variant=variant, bs=bs, n=n, prefix=prefix, roof_ms=roof,
+                   cupy_ms=t_cupy, cupy_ms_prev=prev_cupy, ms_prev=prev_ours,
+                   flops=flops, bytes=nbytes)
+        try:
+            plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
+                                            variant=variant)
+
+            def ours(a, plan=plan):
+                plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"],
+                     TAU, out=out_view)
+
+            out.fill(cp.nan)
+            ours(sets[0])
+            max_diff = float(cp.abs(out - check).max())  # NaN if a row was never written
+            t_ours = time_ms(cp, ours, sets, reps)
+            row.update(splits=plan.splits, ms=t_ours, tflops=flops / t_ours / 1e9,
+                       vs_roof=t_ours / roof, max_abs_diff_vs_cupy=max_diff,
+                       goal_roof=t_ours <= GOAL_ROOF_FACTOR * roof, goal_cupy=t_ours < t_cupy,
+                       ok=bool(max_diff < 1e-3))
+        except Exception as exc:  # report and go on: the other variants still get measured
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        rows.append(row)
+    del check
+    return rows
+
+
+def print_table(rows):
+    print("| shape | variant | splits | ours ms (prev) | TFLOP/s | roof ms | ours/roof "
+          "| CuPy ms (prev) | max diff vs CuPy | <= 1.5x roof | beats CuPy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "ms" not in r:
+            print(f"| {r['shape']} | {r['variant']} | FAILED: {r['error']} |||||||||")
+            continue
+        print(f"| {r['shape']} | {r['variant']} | {r['splits']} | {r['ms']:.2f} "
+              f"({r['ms_prev']}) | {r['tflops']:.1f} | {r['roof_ms']:.2f} | {r['vs_roof']:.2f} "
+              f"| {r['cupy_ms']:.2f} ({r['cupy_ms_prev']}) | {r['max_abs_diff_vs_cupy']:.1e} "
+              f"| {'yes' if r['goal_roof'] else 'NO'} | {'yes' if r['goal_cupy'] else 'NO'} |")
+
+
+def summarize(rows, variants):
+    """Fastest correct variant per shape, and the variant with the best worst-case ours/roof."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    best = {}
+    for shape in shapes:
+        good = [r for r in rows if r["shape"] == shape and r.get("ok")]
+        best[shape] = min(good, key=lambda r: r["ms"])["variant"] if good else None
+    worst = {}
+    for v in variants:
+        mine = [r for r in rows if r["variant"] == v]
+        if len(mine) == len(shapes) and all(r.get("ok") for r in mine):
+            worst[v] = max(r["vs_roof"] for r in mine)
+    default = min(worst, key=worst.get) if worst else None
+    return best, default, worst
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--variants", help="comma-separated subset of VARIANTS (default: all)")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -156,26 +203,27 @@ def main(argv=None) -> int:
     if not compat.gpu_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
+    variants = args.variants.split(",") if args.variants else list(kernels.VARIANTS)
     rng = np.random.default_rng(0)
     rows = []
     for shape in SHAPES:
-        rows.append(run_shape(cp, kernels, rng, *shape, reps=args.reps))
+        rows += run_shape(cp, kernels, rng, *shape, reps=args.reps, variants=variants)
         cp.get_default_memory_pool().free_all_blocks()
-    print("| shape | splits | ours ms | TFLOP/s | roof ms | ours/roof | CuPy ms (brief) "
-          "| max diff vs CuPy | <= 1.5x roof | beats CuPy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['splits']} | {r['ms']:.2f} | {r['tflops']:.1f} "
-              f"| {r['roof_ms']:.2f} | {r['vs_roof']:.2f} | {r['cupy_ms']:.2f} "
-              f"({r['cupy_ms_brief']}) | {r['max_abs_diff_vs_cupy']:.1e} "
-              f"| {'yes' if r['goal_roof'] else 'NO'} | {'yes' if r['goal_cupy'] else 'NO'} |")
+    print_table(rows)
+    best, default, worst = summarize(rows, variants)
     print(f"\nroof = max(bytes / {HBM_BYTES_PER_S / 1e12} TB/s, FLOPs / "
           f"{FP32_FLOPS / 1e12:.0f} TFLOP/s); goal: ours <= {GOAL_ROOF_FACTOR}x roof and "
           "faster than the CuPy fp32 composition.")
+    print("fastest variant per shape: " + "; ".join(f"{k}: {v}" for k, v in best.items()))
+    print("worst ours/roof per variant: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
+    print(f"DEFAULT_VARIANT now {kernels.DEFAULT_VARIANT!r}; best worst-case: {default!r}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"bench": "attention", "results": rows}, indent=2))
-    return 0
+        args.json.write_text(json.dumps({"bench": "attention", "results": rows,
+                                         "fastest_per_shape": best,
+                                         "recommended_default": default}, indent=2))
+    failed = [r for r in rows if not r.get("ok")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
