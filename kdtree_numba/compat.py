@@ -28,6 +28,10 @@ __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_ke
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
+# KDTREE_CUDA_LINEINFO=1 compiles every kernel with source line info, so compute-sanitizer and
+# ncu name the Python line of a fault (code generation is otherwise unchanged).
+LINEINFO: bool = os.environ.get("KDTREE_CUDA_LINEINFO", "0") == "1"
+
 # jit options the simulator rejects with TypeError (lineinfo, register caps, launch bounds).
 _SIM_UNSUPPORTED = ("lineinfo", "max_registers", "launch_bounds", "cache")
 
@@ -69,6 +73,8 @@ def _filter_options(options: dict) -> dict:
 def kernel(fn=None, **options):
     """``cuda.jit`` for a kernel, always lazily compiled (no signature, nothing at import)."""
     options.setdefault("fastmath", False)  # the tree builder's bit-exactness depends on it
+    if LINEINFO:
+        options.setdefault("lineinfo", True)
     if fn is None:
         return lambda f: cuda.jit(**_filter_options(options))(f)
     return cuda.jit(**_filter_options(options))(fn)
@@ -85,6 +91,18 @@ def is_device_array(x) -> bool:
     return cuda.is_cuda_array(x) if not SIMULATOR else cuda.devicearray.is_cuda_ndarray(x)
 
 
+def _host_c_contiguous(x) -> np.ndarray:
+    """``x`` as a C-contiguous host array with canonical strides.  numpy calls an array with
+    length-1 axes contiguous whatever their strides (``a[None]`` has stride 0 there) and
+    ``ascontiguousarray`` keeps them; numba's device-array ``reshape`` then refuses the
+    result ("operation requires copying")."""
+    a = np.ascontiguousarray(x)
+    canonical = a.itemsize * np.cumprod((a.shape[1:] + (1,))[::-1])[::-1]
+    if a.size and tuple(int(s) for s in canonical) != a.strides:
+        a = a.copy(order="C")
+    return a
+
+
 def to_device(x, stream=0):
     """A numba device view of ``x`` without a host round trip for device inputs.
 
@@ -95,14 +113,14 @@ def to_device(x, stream=0):
     if SIMULATOR:
         if cuda.devicearray.is_cuda_ndarray(x):
             return x
-        return cuda.to_device(np.ascontiguousarray(x), stream=stream)
+        return cuda.to_device(_host_c_contiguous(x), stream=stream)
     if cuda.devicearray.is_cuda_ndarray(x):
         return x
     if cuda.is_cuda_array(x):
         # sync=False: rely on stream order; the default syncs the producing stream, which is
         # illegal inside a CUDA-graph capture and a needless host wait everywhere else.
         return cuda.as_cuda_array(x, sync=False)
-    return cuda.to_device(np.ascontiguousarray(x), stream=stream)
+    return cuda.to_device(_host_c_contiguous(x), stream=stream)
 
 
 def device_empty(shape, dtype, stream=0):
