@@ -20,6 +20,7 @@ from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULA
 
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -34,12 +35,11 @@ __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_t
 NEG_INF32 = np.float32(-np.inf)
 NEG_INF64 = np.float64(-np.inf)
 INT32_MAX = np.int32(2 ** 31 - 1)
-MAX_GPU_BUDGET = 1024   # the builder keeps its 2B+1 candidates in static shared memory (48 KB)
-MAX_GPU_TOPK = 2048     # top-K keeps 2 x kpad (logit, id) pairs in static shared memory
+MAX_GPU_BUDGET = 1024   # the builder keeps its <= B+1 candidates in static shared memory
+MAX_GPU_TOPK = 2048     # top-K keeps per-warp lists of k (logit, id) pairs in shared memory
 # Blocks of at least one full warp on the GPU (warp barriers need every lane); the simulator,
 # where warp barriers are block barriers, also runs 1-16 threads so its tests stay fast.
 MIN_THREADS = 1 if SIMULATOR else 32
-TOPK_MAX_REGISTERS = 64   # 2 blocks of 512 threads per SM: 32 KB of loads in flight
 
 
 def _pow2_at_least(n: int) -> int:
@@ -94,36 +94,184 @@ def _tree_is_on_device(tree: DraftTree) -> bool:
                           tree.score)
 
 
-# ----------------------------------------------------------------------------- block helpers
-# Steps whose data stays inside one warp need only a warp barrier on the GPU.  The simulator has
-# no warp intrinsics, so there the same call is a block barrier (correct, slower); callers call
-# it uniformly (every thread of the block), which both forms need.
+# ----------------------------------------------------------------------------- warp primitives
+# On the GPU these are the warp intrinsics.  The simulator has none, so there each simulated warp
+# (WARP = 4 threads, so that tiny simulator blocks hold several warps) exchanges values through a
+# Python barrier of its own lanes: the same kernel bodies then run in both places, warp-divergent
+# control flow included (a syncthreads-based stand-in would need block-uniform calls).  Callers
+# call every primitive with all lanes of the warp, as the full-mask intrinsics require.
+
+# The simulator runs 4-lane warps (fast); KDTREE_SIM_WARP=32 runs the GPU's warp width there, to
+# debug the index arithmetic of the real configuration with bounds-checked arrays.
+WARP = int(os.environ.get("KDTREE_SIM_WARP", "4")) if SIMULATOR else 32
+FULL_MASK = 0xFFFFFFFF
 
 if SIMULATOR:
-    @device_function
-    def _sync_warp():
-        cuda.syncthreads()
+    import threading
+    import weakref
+
+    _SIM_TIMEOUT_S = 600.0   # a deadlocked simulated warp fails loudly instead of hanging
+
+    class _SimWarp:
+        """One simulated warp: a barrier of its lanes and two slot arrays used alternately, so a
+        lane may write call n+1's value while slower lanes still read call n's."""
+
+        def __init__(self, lanes: int):
+            self.barrier = threading.Barrier(lanes)
+            self.slots = ([None] * lanes, [None] * lanes)
+            self.phase = [0] * lanes
+
+    _sim_lock = threading.Lock()
+    _sim_warps = weakref.WeakKeyDictionary()   # block manager -> {warp index: _SimWarp}
+
+    def _sim_warp():
+        thread = threading.current_thread()
+        w, lane = divmod(thread.thread_id, WARP)
+        manager = thread._manager
+        with _sim_lock:
+            warps = _sim_warps.setdefault(manager, {})
+            if w not in warps:
+                total = int(np.prod(manager._block_dim))
+                warps[w] = _SimWarp(min(WARP, total - w * WARP))
+            return warps[w], lane
+
+    def _exchange(value):
+        warp, lane = _sim_warp()
+        slots = warp.slots[warp.phase[lane]]
+        warp.phase[lane] ^= 1
+        slots[lane] = value
+        warp.barrier.wait(_SIM_TIMEOUT_S)
+        return slots, lane
+
+    def _syncwarp():
+        _sim_warp()[0].barrier.wait(_SIM_TIMEOUT_S)
+
+    def _shfl_xor(value, offset):
+        slots, lane = _exchange(value)
+        return slots[lane ^ offset]
+
+    def _shfl_idx(value, src):
+        return _exchange(value)[0][src]
+
+    def _ballot(predicate):
+        return np.int64(sum(1 << i for i, p in enumerate(_exchange(bool(predicate))[0]) if p))
+
+    def _any(predicate):
+        return any(_exchange(bool(predicate))[0])
 else:
     @device_function
-    def _sync_warp():
-        cuda.syncwarp()
+    def _syncwarp():
+        cuda.syncwarp(FULL_MASK)
 
+    @device_function
+    def _shfl_xor(value, offset):
+        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
+
+    @device_function
+    def _shfl_idx(value, src):
+        return cuda.shfl_sync(FULL_MASK, value, src)
+
+    @device_function
+    def _ballot(predicate):
+        # numba-cuda types ballot_sync as int32: lane 31's bit is the sign, and widening it
+        # sign-extends (popc then counts 32 extra bits).  Return the mask as a non-negative int64.
+        return np.int64(cuda.ballot_sync(FULL_MASK, predicate)) & np.int64(0xFFFFFFFF)
+
+    @device_function
+    def _any(predicate):
+        return cuda.any_sync(FULL_MASK, predicate)
+
+
+@device_function
+def _warp_max_f32(value):
+    offset = WARP // 2
+    while offset > 0:
+        value = max(value, _shfl_xor(value, offset))
+        offset //= 2
+    return value
+
+
+@device_function
+def _warp_sum_f64(value):
+    """Butterfly sum; lanes may differ in the last bit (different orders): use one lane's."""
+    offset = WARP // 2
+    while offset > 0:
+        value += _shfl_xor(value, offset)
+        offset //= 2
+    return value
+
+
+@device_function
+def _warp_or(value):
+    offset = WARP // 2
+    while offset > 0:
+        value |= _shfl_xor(value, offset)
+        offset //= 2
+    return value
+
+
+# ----------------------------------------------------------------------------- 16-byte loads
+# ``_load4(a, row, q)`` -> the four float32 a[row, 4q : 4q+4] with one 16-byte load
+# (``ld.global.nc.v4.f32``); the caller guarantees 16-byte alignment (row stride % 4 == 0 and
+# an aligned base).  numba has no vector loads, hence this small intrinsic.
+
+if SIMULATOR:
+    def _load4(array, row, q):
+        j = 4 * q
+        return array[row, j], array[row, j + 1], array[row, j + 2], array[row, j + 3]
+else:
+    from llvmlite import ir as _ir
+    from numba import types as _types
+    from numba.cuda import cgutils as _cgutils
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _load4(typingctx, array, row, q):
+        sig = _types.UniTuple(_types.float32, 4)(array, row, q)
+
+        def codegen(context, builder, sig, args):
+            array_type, row_type, q_type = sig.args
+            data, row_value, q_value = args
+            ary = context.make_array(array_type)(context, builder, value=data)
+            col = builder.mul(context.cast(builder, q_value, q_type, _types.intp),
+                              _ir.Constant(_ir.IntType(64), 4))
+            ptr = _cgutils.get_item_pointer(
+                context, builder, array_type, ary,
+                [context.cast(builder, row_value, row_type, _types.intp), col])
+            vector = _ir.VectorType(_ir.FloatType(), 4)
+            global_ptr = builder.addrspacecast(ptr, _ir.PointerType(_ir.FloatType(), 1))
+            loaded = builder.load(builder.bitcast(global_ptr, _ir.PointerType(vector, 1)),
+                                  align=16)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            parts = [builder.extract_element(loaded, _ir.Constant(_ir.IntType(32), i))
+                     for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+
+def _device_address(array) -> int:
+    return 0 if SIMULATOR else int(array.__cuda_array_interface__["data"][0])
+
+
+# ----------------------------------------------------------------------------- block helpers
 
 @device_function
 def _barrier(span):
     """Barrier after a step whose reads and writes lie within ``span`` consecutive threads'
-    data: a warp barrier when span <= 32, else a block barrier.  span 0 means 'the block'."""
-    if span == 0 or span > 32:
+    data: a warp barrier when span <= WARP, else a block barrier.  span 0 means 'the block'."""
+    if span == 0 or span > WARP:
         cuda.syncthreads()
     else:
-        _sync_warp()
+        _syncwarp()
 
 
 @device_function
 def _stage_barrier(stride, next_stride):
-    """Barrier between two bitonic stages.  With pairs p -> (lo, lo + stride), a warp's 32
-    consecutive pairs stay inside one aligned 64-element segment when stride <= 32, so two
-    such stages in a row only synchronise the warp; next_stride 0 ends the network."""
+    """Barrier between two bitonic stages.  With pairs p -> (lo, lo + stride) and pair p handled
+    by thread p mod threads, a warp's WARP consecutive pairs stay inside one aligned 2*WARP
+    segment when stride <= WARP, so two such stages in a row only synchronise the warp;
+    next_stride 0 ends the network."""
     if next_stride == 0:
         cuda.syncthreads()
     else:
@@ -132,7 +280,7 @@ def _stage_barrier(stride, next_stride):
 
 # Shared-memory tree reductions (``threads`` a power of two).  Level ``stride`` is written by
 # threads < stride and read at the next level by threads < stride / 2: a warp barrier suffices
-# once stride <= 32.  Each ends with a block barrier so the scratch array can be reused.
+# once stride <= WARP.  Each ends with a block barrier so the scratch array can be reused.
 
 @device_function
 def _block_max_f32(red, value, t, threads):
@@ -142,22 +290,6 @@ def _block_max_f32(red, value, t, threads):
     while stride > 0:
         if t < stride:
             red[t] = max(red[t], red[t + stride])
-        _barrier(stride)
-        stride //= 2
-    cuda.syncthreads()
-    result = red[0]
-    cuda.syncthreads()
-    return result
-
-
-@device_function
-def _block_sum_f64(red, value, t, threads):
-    red[t] = value
-    cuda.syncthreads()
-    stride = threads // 2
-    while stride > 0:
-        if t < stride:
-            red[t] = red[t] + red[t + stride]
         _barrier(stride)
         stride //= 2
     cuda.syncthreads()
@@ -179,6 +311,14 @@ def _pair(p, shift):
 
 
 @device_function
+def _log2(n):
+    shift = 0
+    while (1 << shift) < n:
+        shift += 1
+    return shift
+
+
+@device_function
 def _swap(sx, si, a, b):
     x = sx[a]
     i = si[a]
@@ -189,182 +329,489 @@ def _swap(sx, si, a, b):
 
 
 # ----------------------------------------------------------------------------- top-K
+# docs/DDTREE.md, "topk_logprobs", has the design and why.  In short: a row (or a part of it,
+# ``parts`` blocks per row) is streamed once with 16-byte loads by independent warps; each lane
+# keeps an online logsumexp; an element is a candidate only if it can still be in the top k
+# (x >= a block threshold shared in shared memory, and better than the warp's own k-th best);
+# candidates are staged per warp and merged WARP at a time into the warp's sorted list in shared
+# memory; at the end the block merges its warps' lists.  With parts > 1 a second kernel merges
+# the parts of each row.  Lists hold (logit, id) pairs, best first; padding is (-inf, INT32_MAX).
+
+@device_function
+def _warp_sort_desc(x, i, lane):
+    """Bitonic sort of one (x, i) pair per lane across the warp, best pair in lane 0."""
+    size = 2
+    while size <= WARP:
+        stride = size // 2
+        while stride > 0:
+            ox = _shfl_xor(x, stride)
+            oi = _shfl_xor(i, stride)
+            keep_better = ((lane & stride) == 0) == ((lane & size) == 0)
+            if _before(ox, oi, x, i) == keep_better:
+                x = ox
+                i = oi
+            stride //= 2
+        size *= 2
+    return x, i
+
+
+@device_function
+def _count_at_most(r, i):
+    """Number of lanes whose (nondecreasing across lanes) ``r`` is <= this lane's ``i``."""
+    count = 0
+    step = WARP
+    while step > 0:
+        probe = _shfl_idx(r, min(count + step, WARP) - 1)
+        if count + step <= WARP and probe <= i:
+            count += step
+        step //= 2
+    return count
+
+
+@device_function
+def _warp_merge(lx, li, base, kl, n_real, sx, si, sbase, n_valid, k, lane):
+    """Merge the first ``n_valid`` (<= WARP) staged pairs into this warp's sorted list
+    lx/li[base : base + kl] holding ``n_real`` real pairs; keeps the best kl.
+    Returns (k-th best x, its id, new n_real).
+
+    The staged pairs are sorted across the warp (pair j in lane j); r_j = the number of list
+    pairs better than pair j (binary search) is nondecreasing in j.  So pair j lands at j + r_j,
+    and list pair i (i >= r_0) moves up by #{j : r_j <= i}: distinct, increasing destinations.
+    List chunks are moved from the top down (every destination is >= its source), each chunk
+    read before it is written; the staged pairs are written last.
+    """
+    bx = NEG_INF32
+    bi = INT32_MAX
+    if lane < n_valid:
+        bx = sx[sbase + lane]
+        bi = si[sbase + lane]
+    bx, bi = _warp_sort_desc(bx, bi, lane)
+    lo = 0
+    hi = n_real
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _before(lx[base + mid], li[base + mid], bx, bi):
+            lo = mid + 1
+        else:
+            hi = mid
+    r = lo
+    r0 = _shfl_idx(r, 0)
+    chunk = (n_real - 1) // WARP       # -1 for an empty list: no chunk moves
+    while chunk >= 0 and chunk >= r0 // WARP:
+        i = chunk * WARP + lane
+        ax = lx[base + i]
+        ai = li[base + i]
+        up = _count_at_most(r, i)
+        _syncwarp()
+        if r0 <= i < n_real and i + up < kl:
+            lx[base + i + up] = ax
+            li[base + i + up] = ai
+        _syncwarp()
+        chunk -= 1
+    if lane < n_valid and lane + r < kl:
+        lx[base + lane + r] = bx
+        li[base + lane + r] = bi
+    _syncwarp()
+    return lx[base + k - 1], li[base + k - 1], min(kl, n_real + n_valid)
+
+
+@device_function
+def _block_sort_desc(lx, li, n, t, threads):
+    """Bitonic sort (best first) of lx/li[0:n], n a power of two, by the whole block."""
+    size = 2
+    while size <= n:
+        shift = _log2(size) - 1
+        while shift >= 0:
+            stride = 1 << shift
+            for p in range(t, n // 2, threads):
+                lo = _pair(p, shift)
+                if _before(lx[lo + stride], li[lo + stride], lx[lo], li[lo]) == ((lo & size) == 0):
+                    _swap(lx, li, lo, lo + stride)
+            _stage_barrier(stride, stride // 2 if stride > 1 else (size if size < n else 0))
+            shift -= 1
+        size *= 2
+
+
+@device_function
+def _merge_lists(lx, li, n_lists, kl, t, threads):
+    """Merge n_lists (a power of two) sorted lists lx/li[j*kl : (j+1)*kl] pairwise into the
+    best kl, sorted, in list 0.  A pair (A, B): A_i = better(A_i, B_{kl-1-i}) holds the best kl
+    of both as a bitonic sequence; a bitonic merge sorts it.  Ends with a block barrier."""
+    half_kl = kl // 2
+    log_kl = _log2(kl)
+    step = 1
+    while step < n_lists:
+        n_pairs = n_lists // (2 * step)
+        for idx in range(t, n_pairs * kl, threads):
+            g = idx >> log_kl
+            i = idx - (g << log_kl)
+            a = 2 * step * g * kl + i
+            b = (2 * step * g + step) * kl + kl - 1 - i
+            if _before(lx[b], li[b], lx[a], li[a]):
+                lx[a] = lx[b]
+                li[a] = li[b]
+        cuda.syncthreads()
+        shift = log_kl - 1
+        while shift >= 0:
+            stride = 1 << shift
+            for idx in range(t, n_pairs * half_kl, threads):
+                g = idx >> (log_kl - 1)
+                lo = 2 * step * g * kl + _pair(idx - (g << (log_kl - 1)), shift)
+                if _before(lx[lo + stride], li[lo + stride], lx[lo], li[lo]):
+                    _swap(lx, li, lo, lo + stride)
+            cuda.syncthreads()
+            shift -= 1
+        step *= 2
+    cuda.syncthreads()
+
+
+@device_function
+def _raise_threshold(lx, li, base, k, table, w, points, lane):
+    """After warp w's list changed: publish its (ceil((j+1)k/points))-th best x at table[w *
+    points + j], then return the points-th largest of the whole table (one value per lane).
+    That is a valid block threshold: if m_v entries of warp v's row are >= it, warp v holds at
+    least m_v * k / points elements >= it (lists only improve, so stale rows of other warps,
+    read while they change, understate), and the entries >= it number >= points in all.
+    It is the k-th best of the warps' union up to the rounding to k / points."""
+    if lane < points:
+        table[w * points + lane] = lx[base + ((lane + 1) * k + points - 1) // points - 1]
+    _syncwarp()
+    value, _ = _warp_sort_desc(table[lane], lane, lane)
+    return _shfl_idx(value, points - 1)
+
+
+def _topk_registers(vec: int, kl: int) -> int:
+    """Register cap of the top-K kernel, the smallest that keeps the streaming loop free of
+    spills (sm_90 compile): 64 for vec <= 4 and kl <= 64 (4 blocks of 256 threads per SM);
+    longer lists need 80 (k >= 128: 3 blocks of 256 threads, or 6 of 128), vec 8 needs 96."""
+    if vec > 4:
+        return 96
+    return 64 if kl <= 64 else 80
+
+
+def _seed_groups(kl: int, warps: int, per_lane: int) -> int:
+    """Group maxima per lane for the threshold seed: about 2k of them per block, each the max
+    of per_lane / groups consecutive elements, and no more than the lists' shared memory holds."""
+    groups = 1
+    while (groups * warps * WARP < 2 * kl and groups < per_lane
+           and 2 * groups * WARP <= kl):
+        groups *= 2
+    return groups
+
 
 @functools.cache
-def _topk_kernel(threads: int, per_thread: int, kpad: int, new: int):
-    """One block per row, streaming the row once (docs/DDTREE.md, "top-K").
+def _topk_kernel(warps: int, vec: int, kl: int):
+    """Top-k candidates and online logsumexp of one part of one row per block (grid rows x
+    parts).  With one part it writes lp/ids; else each block writes its part's best k pairs
+    and its (max, sum of exps), which ``_topk_merge_kernel`` combines.  ``aligned`` (rows
+    16-byte aligned) enables the 16-byte loads.  Both are run-time arguments, so one compile
+    serves every shape.  docs/DDTREE.md has the scheme."""
+    threads = warps * WARP
+    per_lane = 4 * vec                # elements per lane per iteration
+    warp_span = WARP * vec            # float4 groups per warp per iteration
+    block_span = warps * warp_span    # float4 groups per block per iteration
+    list_size = warps * kl
+    stage_cap = 2 * WARP              # a merge happens once WARP are staged; a ballot adds <= WARP
+    stage_size = warps * stage_cap
+    groups = _seed_groups(kl, warps, per_lane)
+    group_len = per_lane // groups
+    n_seed = threads * groups         # <= list_size: the seed sort borrows the lists' memory
+    points = WARP // warps            # published quantiles per warp list (one table = one warp)
 
-    Shared ``sx/si`` hold [kpad sorted best | new unsorted candidates].  An element enters the
-    candidate region only if it beats theta = the current k-th best, so after the first tiles
-    almost nothing is written.  When the region overflows, the block sorts it and merges it
-    into the best list (a compaction), raises theta and retries the elements that did not fit
-    (still in registers).  The row's logsumexp is accumulated at the same time.
-    """
-    tile = threads * per_thread
-    cap = kpad + new
-
-    @device_function
-    def compact(sx, si, cnt, k, t):
-        """Merge the candidate region into the sorted best list; returns the new theta.
-
-        Loop bounds come from the runtime k (kp == kpad), not from constants: constant bounds
-        let the compiler unroll these networks and nearly double the kernel's registers.
-        """
-        kp = 1
-        kp_shift = -1
-        while kp < k:
-            kp *= 2
-            kp_shift += 1
-        count = min(cnt[0], new)
-        for i in range(count + t, new, threads):
-            sx[kp + i] = NEG_INF32
-            si[kp + i] = INT32_MAX
-        size = kp
-        while size < count:   # only the filled part needs sorting (rest is padding)
-            size *= 2
+    @kernel(max_registers=_topk_registers(vec, kl))
+    def topk_part(logits, k, per_part, aligned, out_x, out_i, part_m, part_s):
+        lx = cuda.shared.array(list_size, np.float32)
+        li = cuda.shared.array(list_size, np.int32)
+        sx = cuda.shared.array(stage_size, np.float32)
+        si = cuda.shared.array(stage_size, np.int32)
+        theta = cuda.shared.array(1, np.float32)     # block threshold: a k-th best x so far
+        table = cuda.shared.array(WARP, np.float32)  # per warp: points quantiles of its list
+        red32 = cuda.shared.array(warps, np.float32)
+        red64 = cuda.shared.array(warps, np.float64)
+        xs = cuda.local.array(per_lane, np.float32)  # constant indices only: registers
+        t = cuda.threadIdx.x
+        w = t // WARP
+        lane = t - w * WARP
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        parts = cuda.gridDim.y
+        vocab = logits.shape[1]
+        n_q = (vocab + 3) // 4        # float4 groups; part p reads [p, p + 1) * per_part of them
+        q_lo = min(n_q, part * per_part)
+        q_hi = min(n_q, q_lo + per_part)
+        e_hi = min(vocab, 4 * q_hi)
+        n_it = (q_hi - q_lo + block_span - 1) // block_span
+        base = w * kl
+        sbase = w * stage_cap
+        m = NEG_INF32                 # this lane's exp reference (>= all its elements)
+        s = np.float64(0.0)           # sum of exp(x - m) over this lane's elements
+        own_x = NEG_INF32             # this warp's k-th best pair (sentinel until k are kept)
+        own_i = INT32_MAX
+        n_real = 0
+        n_stage = 0
+        if n_it > 0:
+            # Seed, from the first tile (read again below, from L1/L2): the k-th best of n_seed
+            # distinct group maxima is a valid threshold (k elements are at least as good), and
+            # the best is every lane's exp reference (later rescales are then rare).
+            qb = q_lo + w * warp_span + lane
+            for g in range(groups):
+                gx = NEG_INF32
+                gi = INT32_MAX
+                for f in range(group_len):
+                    e = g * group_len + f
+                    j = 4 * (qb + (e >> 2) * WARP) + (e & 3)
+                    if j < e_hi:
+                        x = logits[row, j]
+                        if x > gx:   # the first max wins: ids grow with e within a lane
+                            gx = x
+                            gi = j
+                lx[t * groups + g] = gx
+                li[t * groups + g] = gi
+            cuda.syncthreads()
+            _block_sort_desc(lx, li, n_seed, t, threads)
+            seed = lx[k - 1] if k <= n_seed else NEG_INF32
+            m = lx[0]
+            cuda.syncthreads()
+            if t == 0:
+                theta[0] = seed
+        for idx in range(t, list_size, threads):
+            lx[idx] = NEG_INF32
+            li[idx] = INT32_MAX
+        if t < WARP:
+            table[t] = NEG_INF32
         cuda.syncthreads()
-        merge = 2             # bitonic sort of the candidates, best first
-        while merge <= size:
-            shift = 0         # log2(stride): pair index -> position with shifts, no division
-            while (2 << shift) < merge:
-                shift += 1
-            while shift >= 0:
-                stride = 1 << shift
-                for p in range(t, size // 2, threads):
-                    lo = _pair(p, shift)
-                    a, b = kp + lo, kp + lo + stride
-                    if _before(sx[b], si[b], sx[a], si[a]) == ((lo & merge) == 0):
-                        _swap(sx, si, a, b)
-                _stage_barrier(stride, stride // 2 if stride > 1 else
-                               (merge if merge < size else 0))
-                shift -= 1
-            merge *= 2
-        for i in range(t, kp, threads):      # best kpad of both lists: a bitonic sequence
-            j = 2 * kp - 1 - i
-            if _before(sx[j], si[j], sx[i], si[i]):
-                sx[i] = sx[j]
-                si[i] = si[j]
+        for it in range(n_it):
+            qb = q_lo + (it * warps + w) * warp_span + lane
+            if aligned and q_lo + (it * warps + w + 1) * warp_span <= q_hi:
+                for u in range(vec):
+                    x0, x1, x2, x3 = _load4(logits, row, qb + u * WARP)
+                    xs[4 * u] = x0
+                    xs[4 * u + 1] = x1
+                    xs[4 * u + 2] = x2
+                    xs[4 * u + 3] = x3
+            else:
+                for u in range(vec):
+                    for c in range(4):
+                        j = 4 * (qb + u * WARP) + c
+                        xs[4 * u + c] = logits[row, j] if j < e_hi else NEG_INF32
+            mx = xs[0]
+            for e in range(1, per_lane):
+                mx = max(mx, xs[e])
+            if mx > m:
+                s *= math.exp(np.float64(m) - np.float64(mx))
+                m = mx
+            part_sum = np.float32(0.0)
+            for u in range(vec):
+                part_sum += ((math.exp(xs[4 * u] - m) + math.exp(xs[4 * u + 1] - m))
+                             + (math.exp(xs[4 * u + 2] - m) + math.exp(xs[4 * u + 3] - m)))
+            s += np.float64(part_sum)
+            theta_x = theta[0]
+            bound = max(theta_x, own_x)
+            if _any(mx >= bound):
+                cand = 0
+                for e in range(per_lane):
+                    if xs[e] >= bound and xs[e] > NEG_INF32:
+                        cand |= 1 << e
+                pending = _warp_or(cand)
+                while pending != 0:
+                    low = pending & -pending
+                    pending ^= low
+                    e = cuda.popc(low - 1)
+                    j = 4 * (qb + (e >> 2) * WARP) + (e & 3)
+                    x = NEG_INF32
+                    take = False
+                    if cand & low:
+                        x = logits[row, j]    # re-read (L1): xs[e] with a runtime e would
+                        take = x >= theta_x and _before(x, j, own_x, own_i)  # spill xs
+                    mask = _ballot(take)
+                    if mask != 0:
+                        if take:
+                            slot = sbase + n_stage + cuda.popc(mask & ((1 << lane) - 1))
+                            sx[slot] = x
+                            si[slot] = j
+                        n_stage += cuda.popc(mask)
+                        if n_stage >= WARP:
+                            _syncwarp()
+                            own_x, own_i, n_real = _warp_merge(lx, li, base, kl, n_real, sx, si,
+                                                               sbase, WARP, k, lane)
+                            n_stage -= WARP
+                            if lane < n_stage:
+                                sx[sbase + lane] = sx[sbase + WARP + lane]
+                                si[sbase + lane] = si[sbase + WARP + lane]
+                            raised = _raise_threshold(lx, li, base, k, table, w, points, lane)
+                            if lane == 0 and raised > theta[0]:
+                                cuda.atomic.max(theta, 0, raised)
+                            theta_x = theta[0]
+        if n_stage > 0:
+            _syncwarp()
+            own_x, own_i, n_real = _warp_merge(lx, li, base, kl, n_real, sx, si, sbase, n_stage,
+                                               k, lane)
         cuda.syncthreads()
-        shift = kp_shift
-        while shift >= 0:                    # bitonic merge back into order
-            stride = 1 << shift
-            for p in range(t, kp // 2, threads):
-                lo = _pair(p, shift)
-                if _before(sx[lo + stride], si[lo + stride], sx[lo], si[lo]):
-                    _swap(sx, si, lo, lo + stride)
-            _stage_barrier(stride, stride // 2)
-            shift -= 1
-        if t == 0:
-            cnt[0] = 0
+        _merge_lists(lx, li, warps, kl, t, threads)
+        big = _warp_max_f32(m)
+        if lane == 0:
+            red32[w] = big
         cuda.syncthreads()
-        return sx[k - 1], si[k - 1]
+        big = red32[0]
+        for v in range(1, warps):
+            big = max(big, red32[v])
+        mine = np.float64(0.0)
+        if m > NEG_INF32:
+            mine = s * math.exp(np.float64(m) - np.float64(big))
+        mine = _warp_sum_f64(mine)
+        if lane == 0:
+            red64[w] = mine
+        cuda.syncthreads()
+        total = red64[0]
+        for v in range(1, warps):
+            total += red64[v]
+        if parts == 1:
+            lse = np.float64(big) + math.log(total)
+            for i in range(t, k, threads):
+                out_x[row, i] = np.float32(np.float64(lx[i]) - lse)
+                out_i[row, i] = li[i]
+        else:
+            slot = row * parts + part
+            for i in range(t, k, threads):
+                out_x[slot, i] = lx[i]
+                out_i[slot, i] = li[i]
+            if t == 0:
+                part_m[slot] = big
+                part_s[slot] = total
 
-    @kernel(max_registers=TOPK_MAX_REGISTERS)
-    def topk_rows(logits, k, lp_out, ids_out):
-        sx = cuda.shared.array(cap, np.float32)
-        si = cuda.shared.array(cap, np.int32)
-        red32 = cuda.shared.array(threads, np.float32)
-        red64 = cuda.shared.array(threads, np.float64)
-        cnt = cuda.shared.array(1, np.int32)
-        flag = cuda.shared.array(3, np.int32)   # overflow flags, one per round mod 3
-        xs = cuda.local.array(per_thread, np.float32)
+    return topk_part
+
+
+@functools.cache
+def _topk_merge_kernel(parts: int, kl: int, threads: int):
+    """One block per row: merge the rows' ``parts`` sorted candidate lists, combine their
+    (max, sum of exps) into the logsumexp, write lp and ids."""
+    size = parts * kl
+
+    @kernel
+    def topk_merge(cand_x, cand_i, part_m, part_s, k, lp_out, ids_out):
+        lx = cuda.shared.array(size, np.float32)
+        li = cuda.shared.array(size, np.int32)
         t = cuda.threadIdx.x
         row = cuda.blockIdx.x
-        vocab = logits.shape[1]
-        for i in range(t, cap, threads):
-            sx[i] = NEG_INF32
-            si[i] = INT32_MAX
-        if t == 0:
-            cnt[0] = 0
-            flag[0] = 0
-            flag[1] = 0
-            flag[2] = 0
-        theta_x = NEG_INF32
-        theta_i = INT32_MAX
-        m = NEG_INF32          # this thread's exp reference (the row max, once known)
-        s = np.float64(0.0)    # sum of exp(x - m) over this thread's elements
-        rnd = 0
-        n_tiles = (vocab + tile - 1) // tile
+        for idx in range(t, size, threads):
+            p = idx // kl
+            i = idx - p * kl
+            if i < k:
+                lx[idx] = cand_x[row * parts + p, i]
+                li[idx] = cand_i[row * parts + p, i]
+            else:
+                lx[idx] = NEG_INF32
+                li[idx] = INT32_MAX
         cuda.syncthreads()
-        for tile_no in range(n_tiles + 1):   # the extra, empty tile runs the final compaction
-            last = tile_no == n_tiles
-            base = tile_no * tile + t
-            top = NEG_INF32
-            for u in range(per_thread):
-                j = base + u * threads
-                x = logits[row, j] if j < vocab else NEG_INF32
-                xs[u] = x
-                top = max(top, x)
-            if tile_no == 0:   # start every thread at the first tile's max: later rescales are rare
-                top = _block_max_f32(red32, top, t, threads)
-            if top > m:
-                s = s * math.exp(np.float64(m) - np.float64(top))
-                m = top
-            part = np.float32(0.0)
-            pending = 0
-            for u in range(per_thread):
-                part += math.exp(xs[u] - m)
-                if base + u * threads < vocab:
-                    pending |= 1 << u
-            s += np.float64(part)
-            while True:
-                for u in range(per_thread):
-                    if pending & (1 << u):
-                        j = base + u * threads
-                        if _before(xs[u], j, theta_x, theta_i):
-                            slot = cuda.atomic.add(cnt, 0, 1)
-                            if slot < new:
-                                sx[kpad + slot] = xs[u]
-                                si[kpad + slot] = j
-                                pending ^= 1 << u
-                            else:
-                                flag[rnd % 3] = 1
-                        else:
-                            pending ^= 1 << u
-                # flag[(rnd+1)%3] was last read in round rnd-2, before the barrier of rnd-1.
-                if t == 0:
-                    flag[(rnd + 1) % 3] = 0
-                cuda.syncthreads()
-                overflow = flag[rnd % 3] != 0 or last
-                rnd += 1
-                if not overflow:
-                    break
-                theta_x, theta_i = compact(sx, si, cnt, k, t)   # the only call site: inlined once
-                if last:
-                    break
-        big = _block_max_f32(red32, m, t, threads)
-        total = _block_sum_f64(red64, s * math.exp(np.float64(m) - np.float64(big)), t, threads)
+        _merge_lists(lx, li, parts, kl, t, threads)
+        big = part_m[row * parts]
+        for p in range(1, parts):
+            big = max(big, part_m[row * parts + p])
+        total = np.float64(0.0)
+        for p in range(parts):     # every thread sums in the same order: one lse per row
+            mp = part_m[row * parts + p]
+            if mp > NEG_INF32:
+                total += part_s[row * parts + p] * math.exp(np.float64(mp) - np.float64(big))
         lse = np.float64(big) + math.log(total)
         for i in range(t, k, threads):
-            lp_out[row, i] = np.float32(np.float64(sx[i]) - lse)
-            ids_out[row, i] = si[i]
+            lp_out[row, i] = np.float32(np.float64(lx[i]) - lse)
+            ids_out[row, i] = li[i]
 
-    return topk_rows
-
-
-def topk_config(k: int, threads=None, per_thread=None, new=None) -> tuple[int, int, int, int]:
-    """(threads, per_thread, kpad, new) for ``topk_logprobs``; the defaults are the H200 choice."""
-    kpad = _pow2_at_least(k)
-    if threads is None:
-        threads = 8 if SIMULATOR else 512
-    if per_thread is None:
-        per_thread = 2 if SIMULATOR else 8
-    if new is None:
-        new = max(kpad, 8 if SIMULATOR else 512)
-    if (threads & (threads - 1) or not MIN_THREADS <= threads <= 1024 or new & (new - 1)
-            or new < kpad or not 1 <= per_thread <= 30):
-        raise ValueError(f"bad top-K config threads={threads} per_thread={per_thread} "
-                         f"new={new}: powers of two, threads in [{MIN_THREADS}, 1024], "
-                         f"new >= {kpad}, per_thread <= 30")
-    return threads, per_thread, kpad, new
+    return topk_merge
 
 
-def topk_logprobs(logits, k: int, *, stream=0, out=None, threads=None, per_thread=None,
-                  new=None):
+TOPK_SHARED_BYTES = 40 * 1024   # per block, of the 48 KB of static shared memory
+TOPK_MERGE_THREADS = 8 if SIMULATOR else 256
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return 2 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _topk_shared_bytes(warps: int, kl: int) -> int:
+    return warps * (kl + 2 * WARP) * 8 + warps * 12 + 4
+
+
+def topk_config(k: int, rows: int = 1, vocab: int = 1, warps=None, vec=None,
+                parts=None) -> tuple[int, int, int, int]:
+    """(warps, vec, kl, parts) for ``topk_logprobs``: ``warps`` per block, ``vec`` float4
+    groups per lane per iteration (4 * vec elements in flight per lane), kl = list length
+    (k rounded up to a power of two, at least a warp), ``parts`` blocks per row (a power of
+    two; > 1 adds a merge kernel).  Defaults: the H200 choice; parts grows until the grid has
+    ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
+    merge cost about a tile each)."""
+    kl = max(WARP, _pow2_at_least(k))
+    if warps is None:
+        # 4 warps: 293 us against 336 us for 8 at bs 64 x L 15 x V 163,840, k = 64 (H200,
+        # 2026-11-29): fewer lists to merge at the end and more blocks per SM.
+        warps = 2 if SIMULATOR else 4
+        while warps > 1 and _topk_shared_bytes(warps, kl) > TOPK_SHARED_BYTES:
+            warps //= 2
+    if vec is None:
+        vec = 4
+    max_parts = max(1, TOPK_SHARED_BYTES // (8 * kl))
+    if parts is None:
+        parts = 1
+        tile = 4 * warps * WARP * vec
+        while (rows * parts < 4 * _multiprocessors() and 2 * parts <= max_parts
+               and vocab >= 2 * parts * 4 * tile):
+            parts *= 2
+    if (warps & (warps - 1) or not 1 <= warps <= WARP or warps * WARP > 1024
+            or vec not in (1, 2, 4, 8)
+            or parts & (parts - 1) or not 1 <= parts <= max_parts
+            or _topk_shared_bytes(warps, kl) > TOPK_SHARED_BYTES):
+        raise ValueError(f"bad top-K config warps={warps} vec={vec} parts={parts} for k={k}: "
+                         f"powers of two, warps <= {WARP} and warps * {WARP} <= 1024, "
+                         f"vec in 1/2/4/8, parts <= {max_parts}, lists within "
+                         f"{TOPK_SHARED_BYTES} bytes")
+    return warps, vec, kl, parts
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(name: str, shape, dtype, stream):
+    """A device array cached per (name, shape, dtype): allocated on first use, then reused, so
+    calls after the first allocate nothing (CUDA-graph capture).  Calls that share a shape
+    share it: serialise them (one stream), as a decode loop does."""
+    key = (name, tuple(shape), np.dtype(dtype).str)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = cuda.device_array(shape, dtype=dtype, stream=stream)
+    return _SCRATCH[key]
+
+
+def _launch_topk(rows, k, lp, ids, config, stream) -> None:
+    """rows [R, V] float32, lp/ids [R, k] device arrays."""
+    warps, vec, kl, parts = config
+    n_rows, vocab = (int(s) for s in rows.shape)
+    aligned = vocab % 4 == 0 and _device_address(rows) % 16 == 0
+    part_kernel = _topk_kernel(warps, vec, kl)
+    grid = (n_rows, parts)
+    per_part = ((vocab + 3) // 4 + parts - 1) // parts   # on the host: no division in the kernel
+    if parts == 1:
+        dummy_m = _scratch("topk_m", (1,), np.float32, stream)
+        dummy_s = _scratch("topk_s", (1,), np.float64, stream)
+        part_kernel[grid, warps * WARP, stream](rows, k, per_part, aligned, lp, ids, dummy_m,
+                                                dummy_s)
+        return
+    cand_x = _scratch("topk_cx", (n_rows * parts, k), np.float32, stream)
+    cand_i = _scratch("topk_ci", (n_rows * parts, k), np.int32, stream)
+    part_m = _scratch("topk_m", (n_rows * parts,), np.float32, stream)
+    part_s = _scratch("topk_s", (n_rows * parts,), np.float64, stream)
+    part_kernel[grid, warps * WARP, stream](rows, k, per_part, aligned, cand_x, cand_i, part_m,
+                                            part_s)
+    _topk_merge_kernel(parts, kl, TOPK_MERGE_THREADS)[n_rows, TOPK_MERGE_THREADS, stream](
+        cand_x, cand_i, part_m, part_s, k, lp, ids)
+
+
+def topk_logprobs(logits, k: int, *, stream=0, out=None, warps=None, vec=None, parts=None):
     """GPU twin of ``reference.ddtree.topk_logprobs``.  Logits must be finite (checked only for
     NumPy input).  ids equal the reference exactly; lp within LP_ATOL + LP_RTOL*|lp|.
-    k <= MAX_GPU_TOPK.
-    ``out``: optional (lp, ids) device arrays, C-contiguous."""
+    k <= MAX_GPU_TOPK.  ``out``: optional (lp, ids) device arrays, C-contiguous.
+    ``warps/vec/parts``: see ``topk_config``.  With parts > 1 (the default for small batches)
+    the per-part candidates live in a scratch buffer cached per shape (see ``_scratch``)."""
     bs, n_rows, vocab, k = ref.check_topk_args(logits, k)
     if k > MAX_GPU_TOPK:
         raise ValueError(f"k = {k} > {MAX_GPU_TOPK}: the GPU top-K keeps its candidates in "
@@ -373,201 +820,256 @@ def topk_logprobs(logits, k: int, *, stream=0, out=None, threads=None, per_threa
         raise ValueError("logits must be finite")
     host = not _any_on_device(logits) and out is None
     compat.require_kernels()
-    threads, per_thread, kpad, new = topk_config(k, threads, per_thread, new)
+    config = topk_config(k, bs * n_rows, vocab, warps, vec, parts)
     rows = _dev(logits, stream).reshape(bs * n_rows, vocab)
     lp, ids = _outputs(out, [("lp", (bs, n_rows, k), np.float32),
                              ("ids", (bs, n_rows, k), np.int32)], stream)
-    _topk_kernel(threads, per_thread, kpad, new)[bs * n_rows, threads, stream](
-        rows, k, lp.reshape(bs * n_rows, k), ids.reshape(bs * n_rows, k))
+    _launch_topk(rows, k, lp.reshape(bs * n_rows, k), ids.reshape(bs * n_rows, k), config,
+                 stream)
     return _to_host((lp, ids), stream) if host else (lp, ids)
 
 
 # ----------------------------------------------------------------------------- tree builder
+# docs/DDTREE.md, "build_tree", has the design and why.  One block per request; thread 0 runs
+# the contract's pop loop on a 4-ary heap in shared memory (live candidates <= B + 1), with
+# scores float64 and ties broken by rank path; the other threads fill the lp cache before and
+# write the tree after.  A candidate is (score, info) with info packing its parent node, its
+# rank and its depth: parent << 32 | rank << 16 | depth.
+
+LP_CACHE = 2048   # float32 lp values per request cached in shared memory (8 KB)
+
 
 @device_function
-def _node_up(node, n_parent, n_rank, last, last_parent, last_rank):
-    """(parent, rank) of a popped node; the one popped this round may not be in shared yet."""
-    if node == last:
-        return np.int32(last_parent), np.int32(last_rank)
-    return np.int32(n_parent[node]), np.int32(n_rank[node])
+def _pack(parent, rank, depth):
+    return (np.int64(parent) << 32) | (np.int64(rank) << 16) | np.int64(depth)
 
 
 @device_function
-def _better(a, c, c_score, c_parent, c_depth, c_rank, n_parent, n_rank, last, last_par,
-            last_rank):
-    """Candidate slot a pops before slot c: higher score, then smaller rank path.
+def _path_before(ia, ib, n_parent, n_rank):
+    """Candidate ia's rank path is lexicographically smaller than ib's.  A candidate is child
+    ``rank`` of popped node ``parent``; live candidates never prefix one another (a prefix
+    would have been popped, and is not a live candidate), so walking the deeper one up to the
+    other's depth, then both to their lowest common ancestor, the ranks just below it decide.
+    One loop (not three): every comparison site inlines this, so it is kept small."""
+    pa = np.int32(ia >> 32)
+    ra = np.int32((ia >> 16) & 0xFFFF)
+    da = np.int32(ia & 0xFFFF)
+    pb = np.int32(ib >> 32)
+    rb = np.int32((ib >> 16) & 0xFFFF)
+    db = np.int32(ib & 0xFFFF)
+    while pa != pb or da != db:
+        if da >= db:
+            ra = np.int32(n_rank[pa])
+            pa = np.int32(n_parent[pa])
+            da -= 1
+        if db > da:
+            rb = np.int32(n_rank[pb])
+            pb = np.int32(n_parent[pb])
+            db -= 1
+    return ra < rb
 
-    Two live candidates never have one path prefixing the other (the prefix would be popped),
-    so walking both up to their lowest common ancestor and comparing the ranks just below it
-    gives the lexicographic order without storing paths.
-    """
-    sa = c_score[a]
-    sc = c_score[c]
-    if sa != sc:
-        return sa > sc
-    xp, xr, xd = np.int32(c_parent[a]), np.int32(c_rank[a]), np.int32(c_depth[a])
-    yp, yr, yd = np.int32(c_parent[c]), np.int32(c_rank[c]), np.int32(c_depth[c])
-    while xd > yd:
-        xp, xr = _node_up(xp, n_parent, n_rank, last, last_par, last_rank)
-        xd -= 1
-    while yd > xd:
-        yp, yr = _node_up(yp, n_parent, n_rank, last, last_par, last_rank)
-        yd -= 1
-    while xp != yp:
-        xp, xr = _node_up(xp, n_parent, n_rank, last, last_par, last_rank)
-        yp, yr = _node_up(yp, n_parent, n_rank, last, last_par, last_rank)
-    return xr < yr
+
+@device_function
+def _pops_before(sa, ia, sb, ib, n_parent, n_rank):
+    """Candidate a pops before b: higher score, then the smaller rank path.  -inf marks an
+    absent heap child and never wins (scores are finite)."""
+    if sa != sb:
+        return sa > sb
+    if sa == NEG_INF64:
+        return False
+    return _path_before(ia, ib, n_parent, n_rank)
+
+
+@device_function
+def _sift_down(hs, hi, size, x, xi, n_parent, n_rank):
+    """Place (x, xi) at the root of the 4-ary heap hs/hi[0:size] and sift it down."""
+    i = 0
+    while True:
+        c = 4 * i + 1
+        if c >= size:
+            break
+        s0 = hs[c]
+        i0 = hi[c]
+        s1 = hs[c + 1] if c + 1 < size else NEG_INF64
+        i1 = hi[c + 1] if c + 1 < size else np.int64(0)
+        s2 = hs[c + 2] if c + 2 < size else NEG_INF64
+        i2 = hi[c + 2] if c + 2 < size else np.int64(0)
+        s3 = hs[c + 3] if c + 3 < size else NEG_INF64
+        i3 = hi[c + 3] if c + 3 < size else np.int64(0)
+        if _pops_before(s1, i1, s0, i0, n_parent, n_rank):
+            s0, i0, c0 = s1, i1, c + 1
+        else:
+            c0 = c
+        if _pops_before(s3, i3, s2, i2, n_parent, n_rank):
+            s2, i2, c2 = s3, i3, c + 3
+        else:
+            c2 = c + 2
+        if _pops_before(s2, i2, s0, i0, n_parent, n_rank):
+            s0, i0, c0 = s2, i2, c2
+        if not _pops_before(s0, i0, x, xi, n_parent, n_rank):
+            break
+        hs[i] = s0
+        hi[i] = i0
+        i = c0
+    hs[i] = x
+    hi[i] = xi
+
+
+@device_function
+def _heap_push(hs, hi, size, x, xi, n_parent, n_rank):
+    i = size
+    while i > 0:
+        up = (i - 1) >> 2
+        if not _pops_before(x, xi, hs[up], hi[up], n_parent, n_rank):
+            break
+        hs[i] = hs[up]
+        hi[i] = hi[up]
+        i = up
+    hs[i] = x
+    hi[i] = xi
+
+
+@device_function
+def _lp_three(lp, lp_c, cols, shift, b, dep, rk):
+    """(lp[dep-1][rk], lp[dep-1][rk+1], lp[dep][0]) for a node at depth dep and rank rk, from
+    the shared cache (row d at d << shift, its first ``cols`` columns): three independent loads
+    (clamped in bounds; a value past a row's cached columns or past the last row is not used),
+    and the rare ranks past the cached columns from global memory."""
+    k = lp.shape[2]
+    at = ((dep - 1) << shift) + rk
+    here = lp_c[min(at, LP_CACHE - 1)]
+    nxt = lp_c[min(at + 1, LP_CACHE - 1)]
+    kid = lp_c[min(dep << shift, LP_CACHE - 1)]
+    if rk + 1 >= cols:
+        if rk >= cols:
+            here = lp[b, dep - 1, rk]
+        if rk + 1 < k:
+            nxt = lp[b, dep - 1, rk + 1]
+        if cols == 0 and dep < lp.shape[1]:
+            kid = lp[b, dep, 0]
+    return np.float64(here), np.float64(nxt), np.float64(kid)
+
+
+@device_function
+def _pop_loop(lp, lp_c, cols, shift, b, budget, hs, hi, n_parent, n_rank, n_depth, score):
+    """The contract's loop (reference.ddtree._build_one); returns the number of nodes.  Each
+    pop pushes at most two candidates: the better one replaces the popped root (one sift-down),
+    the other is pushed.  Scores use float64 adds in the contract's order (fastmath off)."""
+    n_rows = lp.shape[1]
+    k = lp.shape[2]
+    hs[0] = np.float64(lp[b, 0, 0])
+    hi[0] = _pack(0, 0, 1)
+    size = 1
+    n_parent[0] = -1
+    n_rank[0] = -1
+    n_depth[0] = 0
+    n = 0
+    while size > 0 and n < budget:
+        sc = hs[0]
+        info = hi[0]
+        par = np.int32(info >> 32)
+        rk = np.int32((info >> 16) & 0xFFFF)
+        dep = np.int32(info & 0xFFFF)
+        n += 1
+        n_parent[n] = par
+        n_rank[n] = rk
+        n_depth[n] = dep
+        score[b, n] = sc
+        has_sib = rk + 1 < k
+        has_kid = dep < n_rows
+        lp_here, lp_next, lp_kid = _lp_three(lp, lp_c, cols, shift, b, dep, rk)
+        sib = (sc - lp_here) + lp_next   # next sibling: (score - lp[r]) + lp[r+1], that order
+        kid = sc + lp_kid                # first child
+        sib_info = _pack(par, rk + 1, dep)
+        kid_info = _pack(n, 0, dep + 1)
+        # One call site each for the sift-down and the push keeps the inlined code small.
+        x, xi = sib, sib_info      # replaces the popped root
+        y, yi = kid, kid_info      # pushed, if both exist
+        if has_kid and (not has_sib
+                        or _pops_before(kid, kid_info, sib, sib_info, n_parent, n_rank)):
+            x, xi, y, yi = kid, kid_info, sib, sib_info
+        if not (has_sib or has_kid):
+            size -= 1
+            x = hs[size]
+            xi = hi[size]
+        if size > 0:
+            _sift_down(hs, hi, size, x, xi, n_parent, n_rank)
+        if has_sib and has_kid:
+            _heap_push(hs, hi, size, y, yi, n_parent, n_rank)
+            size += 1
+    return n
 
 
 @functools.cache
 def _build_kernel(threads: int, bcap: int):
-    """One block per request; candidates in a flat array of 2B+1 shared slots (pop n writes
-    slots 2n-1 and 2n); each pop is a block-wide arg-best reduction (docs/DDTREE.md)."""
-    slots = 2 * bcap + 1
+    """One block per request; thread 0 pops, all threads load the lp cache and write the tree."""
+    heap = bcap + 2     # live candidates <= B + 1
     nodes = bcap + 1
-    red_size = 2 * threads   # shared-array sizes must be closure constants, not expressions
-    # The first ranks of the first rows of lp and ids, cached in shared memory: nearly every
-    # pop reads them, and a global load on the critical path of a pop costs ~1 us.
-    cache_rows, cache_cols = 16, 32
-    cache_size = cache_rows * cache_cols
-
-    @device_function
-    def lp_at(lp, lp_c, b, d, r):
-        if d < cache_rows and r < cache_cols:
-            return lp_c[d * cache_cols + r]
-        return lp[b, d, r]
-
-    @device_function
-    def ids_at(ids, ids_c, b, d, r):
-        if d < cache_rows and r < cache_cols:
-            return ids_c[d * cache_cols + r]
-        return ids[b, d, r]
-
-    @device_function
-    def local_best(t, frontier, c_live, c_score, c_parent, c_depth, c_rank, n_parent, n_rank,
-                   last, last_par, last_rank):
-        best = -1
-        for s in range(t, frontier, threads):
-            if c_live[s] != 0 and (best < 0 or _better(s, best, c_score, c_parent, c_depth,
-                                                       c_rank, n_parent, n_rank, last,
-                                                       last_par, last_rank)):
-                best = s
-        return best
 
     @kernel
     def build(lp, ids, budget, n_nodes, token, parent, depth, rank, score):
-        c_score = cuda.shared.array(slots, np.float64)
-        c_parent = cuda.shared.array(slots, np.int16)
-        c_depth = cuda.shared.array(slots, np.int16)
-        c_rank = cuda.shared.array(slots, np.int16)
-        c_live = cuda.shared.array(slots, np.int8)      # read and written by the slot's owner only
+        hs = cuda.shared.array(heap, np.float64)
+        hi = cuda.shared.array(heap, np.int64)
         n_parent = cuda.shared.array(nodes, np.int16)
         n_rank = cuda.shared.array(nodes, np.int16)
-        red = cuda.shared.array(red_size, np.int32)  # double-buffered by pop parity
-        lp_c = cuda.shared.array(cache_size, np.float32)
-        ids_c = cuda.shared.array(cache_size, np.int32)
+        n_depth = cuda.shared.array(nodes, np.int16)
+        lp_c = cuda.shared.array(LP_CACHE, np.float32)
+        count = cuda.shared.array(1, np.int32)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.x
         n_rows = lp.shape[1]
-        k = lp.shape[2]
-        for s in range(t, slots, threads):
-            c_live[s] = 0
-        for i in range(t, cache_size, threads):
-            d = i // cache_cols
-            r = i - d * cache_cols
-            if d < n_rows and r < k:
-                lp_c[i] = lp[b, d, r]
-                ids_c[i] = ids[b, d, r]
-        best = -1
-        if t == 0:   # slot 0 (owned by thread 0): the first child of the root
-            c_score[0] = np.float64(lp[b, 0, 0])
-            c_parent[0] = 0
-            c_depth[0] = 1
-            c_rank[0] = 0
-            c_live[0] = 1
-            n_parent[0] = -1
-            n_rank[0] = -1
-            best = 0
-        n = 0
-        buf = 0
-        while n < budget:
-            red[buf + t] = best
-            cuda.syncthreads()
-            stride = threads // 2
-            while stride > 0:
-                if t < stride:
-                    a = red[buf + t]
-                    c = red[buf + t + stride]
-                    if c >= 0 and (a < 0 or _better(c, a, c_score, c_parent, c_depth, c_rank,
-                                                    n_parent, n_rank, -1, -1, -1)):
-                        red[buf + t] = c
-                _barrier(stride)
-                stride //= 2
-            if threads > 32:
-                cuda.syncthreads()   # the winner was written by warp 0 only
-            w = red[buf]
-            if w < 0:
-                break
-            n += 1
-            sc = c_score[w]
-            par = np.int32(c_parent[w])
-            dep = np.int32(c_depth[w])
-            rk = np.int32(c_rank[w])
-            if t == 0:
-                token[b, n] = ids_at(ids, ids_c, b, dep - 1, rk)
-                parent[b, n] = par
-                depth[b, n] = dep
-                rank[b, n] = rk
-                score[b, n] = sc
-                n_parent[n] = par
-                n_rank[n] = rk
-            changed = False
-            if w % threads == t:
-                c_live[w] = 0
-                changed = True
-            sib = 2 * n - 1
-            if sib % threads == t and rk + 1 < k:   # next sibling, (score - lp[r]) + lp[r+1]
-                c_score[sib] = ((sc - np.float64(lp_at(lp, lp_c, b, dep - 1, rk)))
-                                + np.float64(lp_at(lp, lp_c, b, dep - 1, rk + 1)))
-                c_parent[sib] = par
-                c_depth[sib] = dep
-                c_rank[sib] = rk + 1
-                c_live[sib] = 1
-                changed = True
-            kid = 2 * n
-            if kid % threads == t and dep < n_rows:  # first child
-                c_score[kid] = sc + np.float64(lp_at(lp, lp_c, b, dep, 0))
-                c_parent[kid] = n
-                c_depth[kid] = dep + 1
-                c_rank[kid] = 0
-                c_live[kid] = 1
-                changed = True
-            if changed:
-                best = local_best(t, 2 * n + 1, c_live, c_score, c_parent, c_depth, c_rank,
-                                  n_parent, n_rank, n, par, rk)
-            buf = threads - buf
+        shift = 0                 # cached row d starts at d << shift
+        while n_rows << (shift + 1) <= LP_CACHE:
+            shift += 1
+        cols = min(lp.shape[2], 1 << shift) if n_rows <= LP_CACHE else 0
+        fill = cuda.local.array(4, np.float32)
+        for first in range(t, LP_CACHE, 4 * threads):   # 4 loads in flight per thread
+            for q in range(4):
+                idx = first + q * threads
+                d = idx >> shift
+                r = idx - (d << shift)
+                fill[q] = lp[b, d, r] if d < n_rows and r < cols else np.float32(0.0)
+            for q in range(4):
+                if first + q * threads < LP_CACHE:
+                    lp_c[first + q * threads] = fill[q]
+        cuda.syncthreads()
+        if t == 0:
+            count[0] = _pop_loop(lp, lp_c, cols, shift, b, budget, hs, hi, n_parent, n_rank,
+                                 n_depth, score)
+        cuda.syncthreads()
+        n = count[0]
+        for i in range(t, budget + 1, threads):
+            if i == 0:
+                token[b, 0] = -1
+                parent[b, 0] = -1
+                depth[b, 0] = 0
+                rank[b, 0] = -1
+                score[b, 0] = 0.0
+            elif i <= n:
+                d = np.int32(n_depth[i])
+                r = np.int32(n_rank[i])
+                token[b, i] = ids[b, d - 1, r]
+                parent[b, i] = n_parent[i]
+                depth[b, i] = d
+                rank[b, i] = r
+            else:
+                token[b, i] = -1
+                parent[b, i] = -1
+                depth[b, i] = -1
+                rank[b, i] = -1
+                score[b, i] = NEG_INF64
         if t == 0:
             n_nodes[b] = n
-            token[b, 0] = -1
-            parent[b, 0] = -1
-            depth[b, 0] = 0
-            rank[b, 0] = -1
-            score[b, 0] = 0.0
-        for i in range(n + 1 + t, budget + 1, threads):
-            token[b, i] = -1
-            parent[b, i] = -1
-            depth[b, i] = -1
-            rank[b, i] = -1
-            score[b, i] = NEG_INF64
 
     return build
 
 
 def build_config(budget: int, threads=None) -> tuple[int, int]:
-    """(threads, budget class) for ``build_tree``: about 8 candidate slots per thread."""
+    """(threads, budget class) for ``build_tree``.  The pops are serial (thread 0); the other
+    threads only fill the lp cache and write the tree, so a few warps suffice."""
     bcap = max(8, _pow2_at_least(budget))
     if threads is None:
-        threads = 2 if SIMULATOR else min(256, max(32, bcap // 4))
+        threads = 2 if SIMULATOR else 128
     if threads & (threads - 1) or not MIN_THREADS <= threads <= 1024:
         raise ValueError(f"threads={threads} must be a power of two in [{MIN_THREADS}, 1024]")
     return threads, bcap
@@ -576,12 +1078,15 @@ def build_config(budget: int, threads=None) -> tuple[int, int]:
 def build_tree(lp, ids, budget: int, *, stream=0, out: DraftTree | None = None,
                threads=None) -> DraftTree:
     """GPU twin of ``reference.ddtree.build_tree``, bit-identical.  lp must be finite with
-    non-increasing rows (checked only for NumPy input).  budget <= MAX_GPU_BUDGET.
-    ``out``: an optional DraftTree of device arrays to fill (its max_depth is not read)."""
+    non-increasing rows (checked only for NumPy input).  budget <= MAX_GPU_BUDGET and
+    L < 32768.  ``out``: an optional DraftTree of device arrays to fill (its max_depth is not
+    read)."""
     bs, n_rows, _, budget = ref.check_build_args(lp, ids, budget)
     if budget > MAX_GPU_BUDGET:
-        raise ValueError(f"budget {budget} > {MAX_GPU_BUDGET}: the GPU builder keeps 2B+1 "
+        raise ValueError(f"budget {budget} > {MAX_GPU_BUDGET}: the GPU builder keeps its "
                          f"candidates in shared memory; use reference.ddtree.build_tree")
+    if n_rows >= 2 ** 15:
+        raise ValueError(f"L = {n_rows} must be < 32768 (depths are int16 on the GPU)")
     if not _any_on_device(lp) and (not np.isfinite(lp).all()
                                    or np.any(np.diff(lp, axis=-1) > 0)):
         raise ValueError("lp must be finite with non-increasing rows")

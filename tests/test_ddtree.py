@@ -436,20 +436,49 @@ def few(gpu, threads):
 @SIM_EXAMPLES
 @given(seed=st.integers(0, 2 ** 32 - 1), vocab=st.integers(1, 40), k_frac=st.floats(0, 1),
        mode=st.sampled_from(["normal", "ties", "flat"]),
-       config=st.sampled_from([(None, None, None), (4, 1, None), (2, 3, 16), (8, 2, 8)]))
+       config=st.sampled_from([(None, None, None), (1, 1, 2), (2, 2, 1), (1, 4, 4), (2, 1, 2)]))
 def test_numba_topk_matches_reference(gpu, seed, vocab, k_frac, mode, config):
     """ids exact; lp within LP_ATOL + LP_RTOL*|lp| (the twins sum exps in different orders
-    and precisions).  Small configs force overflowing candidate buffers and compactions."""
+    and precisions).  Configs (warps, vec, parts): one or more warps per block, 16-byte or
+    scalar loads (vocab % 4), one or several blocks per row (merge kernel, empty parts)."""
     logits = make_logits(seed, (1, 2, vocab), mode)
     k = max(1, round(k_frac * vocab))
-    threads, per_thread, new = config
-    if new is not None and new < k:
-        new = 1 << (k - 1).bit_length()
+    warps, vec, parts = config
     lp, ids = ref.topk_logprobs(logits, k)
-    glp, gids = gpu.topk_logprobs(logits, k, threads=few(gpu, threads), per_thread=per_thread,
-                                  new=new)
+    glp, gids = gpu.topk_logprobs(logits, k, warps=warps, vec=vec, parts=parts)
     np.testing.assert_array_equal(gids, ids)
     assert np.all(np.abs(glp - lp) <= ref.LP_ATOL + ref.LP_RTOL * np.abs(lp))
+
+
+@pytest.mark.parametrize("vocab, k, mode, config", [
+    (300, 3, "normal", (2, 1, 1)),     # many tiles: seeded threshold, staged merges, raises
+    (301, 9, "ties", (2, 1, 2)),       # ties on the threshold, scalar loads, two parts
+    (256, 40, "normal", (1, 1, 1)),    # k > the seed's group maxima: no seed
+    (200, 16, "flat", (2, 2, 1)),      # every element ties: ids decide everything
+    (160, 20, "ascending", (2, 1, 1)),  # every element beats the running k-th: merge storms
+])
+def test_numba_topk_streams_many_tiles(gpu, vocab, k, mode, config):
+    """Rows of many block tiles (a simulated tile is 2 warps x 4 lanes x 4 elements), so the
+    seeded threshold, the per-warp staging and merges and the shared threshold all act."""
+    if mode == "ascending":
+        logits = np.linspace(-3, 3, vocab, dtype=np.float32)[None, None]
+    else:
+        logits = make_logits(vocab + k, (1, 1, vocab), mode)
+    warps, vec, parts = config
+    lp, ids = ref.topk_logprobs(logits, k)
+    glp, gids = gpu.topk_logprobs(logits, k, warps=warps, vec=vec, parts=parts)
+    np.testing.assert_array_equal(gids, ids)
+    assert np.all(np.abs(glp - lp) <= ref.LP_ATOL + ref.LP_RTOL * np.abs(lp))
+
+
+def test_numba_topk_config_rules(gpu):
+    assert gpu.topk_config(64, 960, 163840)[3] == 1        # big batch: a row per block
+    warps, vec, kl, parts = gpu.topk_config(3, 1, 1 << 20)
+    assert kl == max(gpu.WARP, 4) and parts > 1            # one row: split across blocks
+    with pytest.raises(ValueError, match="config"):
+        gpu.topk_config(64, warps=3)
+    with pytest.raises(ValueError, match="config"):
+        gpu.topk_config(gpu.MAX_GPU_TOPK, parts=64)
 
 
 @SIM_CHEAP_EXAMPLES
@@ -466,8 +495,7 @@ def test_numba_build_tree_ties_on_dyadic_scores(gpu):
     lp, ids = dyadic_lp(7, 2, 3, 3)
     assert_trees_identical(gpu.build_tree(lp, ids, 12, threads=few(gpu, 4)),
                            ref.build_tree(lp, ids, 12))
-    # A flat first row: all 40 siblings pop before any child, so ranks pass the 32 columns of
-    # lp/ids that the GPU builder caches in shared memory.
+    # A flat first row: all 40 siblings pop before any child (ranks up to 39).
     lp = np.stack([np.zeros(40), np.full(40, -5.0)]).astype(np.float32)[None]
     ids = np.argsort(np.random.default_rng(8).random((1, 2, 40)), axis=-1).astype(np.int32)
     want = ref.build_tree(lp, ids, 45)
@@ -479,6 +507,29 @@ def test_numba_build_tree_refuses_large_budget(gpu):
     lp, ids = dyadic_lp(0, 1, 1, 2)
     with pytest.raises(ValueError, match="budget"):
         gpu.build_tree(lp, ids, gpu.MAX_GPU_BUDGET + 1)
+
+
+def test_numba_build_tree_deep_heap_with_ties(gpu):
+    """Budget 60 on dyadic (tie-heavy) scores: the 4-ary heap is 3 levels deep, and equal
+    scores reach the rank-path tie-break at every level of the sift-down and the push."""
+    lp, ids = dyadic_lp(11, 2, 4, 6)
+    assert_trees_identical(gpu.build_tree(lp, ids, 60, threads=few(gpu, 4)),
+                           ref.build_tree(lp, ids, 60))
+
+
+@pytest.mark.parametrize("n_rows, k, budget", [(64, 40, 45), (2049, 2, 6)])
+def test_numba_build_tree_reads_lp_past_the_shared_cache(gpu, n_rows, k, budget):
+    """The builder caches lp row d at d << shift, at most 2048 values: with L = 64 only 32
+    columns fit (a flat first row pops 40 siblings, ranks past the cache), and with
+    L = 2049 nothing fits (every lp value comes from global memory)."""
+    lp = np.full((1, n_rows, k), -5.0, np.float32)
+    lp[0, 0] = 0.0
+    lp[0, :, 1:] -= np.arange(1, k, dtype=np.float32) / 1024 * (np.arange(n_rows) > 0)[:, None]
+    ids = np.argsort(np.random.default_rng(n_rows).random((1, n_rows, k)), axis=-1)
+    ids = ids.astype(np.int32)
+    want = ref.build_tree(lp, ids, budget)
+    assert want.rank.max() == min(k, budget) - 1
+    assert_trees_identical(gpu.build_tree(lp, ids, budget, threads=few(gpu, 8)), want)
 
 
 @SIM_CHEAP_EXAMPLES
@@ -619,9 +670,11 @@ import numpy as np
 from kdtree_numba import ddtree as G
 f2, i1, i2 = T.float32[:, ::1], T.int32[::1], T.int32[:, ::1]
 f3, i3 = T.float32[:, :, ::1], T.int32[:, :, ::1]
+f1, d1 = T.float32[::1], T.float64[::1]
 jobs = [
-    (G._topk_kernel(512, 8, 64, 512), (f2, T.int64, f2, i2)),
-    (G._build_kernel(256, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
+    (G._topk_kernel(8, 4, 64), (f2, T.int64, T.int64, T.boolean, f2, i2, f1, d1)),
+    (G._topk_merge_kernel(2, 1024, 256), (f2, i2, f1, d1, T.int64, f2, i2)),
+    (G._build_kernel(128, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
     (G._tree_rows, (i1, i2, i2, i2, T.int64[::1], i1, i2, i2, i3)),
     (G._tree_mask, (i1, i2, i3, T.boolean[:, :, ::1])),
     (G._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1)),
@@ -645,7 +698,7 @@ def test_every_kernel_compiles_to_ptx_for_hopper():
     if done.returncode == 77:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "compiled 7" in done.stdout
+    assert "compiled 8" in done.stdout
 
 
 # ----------------------------------------------------------------------------- vectors

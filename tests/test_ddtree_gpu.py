@@ -79,15 +79,42 @@ def test_topk_adversarial_ascending_rows(gpu):
     assert_lp_close(glp, lp)
 
 
-@pytest.mark.parametrize("config", [(256, 16, None), (1024, 4, None), (512, 8, 2048),
-                                    (128, 1, 64)])
+@pytest.mark.parametrize("config", [(8, 2, None), (4, 4, None), (8, 4, 2), (8, 8, None),
+                                    (1, 1, 4), (32, 1, None), (2, 4, 8)])
 def test_topk_other_configs(gpu, config):
-    threads, per_thread, new = config
+    """(warps, vec, parts): the benchmark's variants and the extremes of each knob."""
+    warps, vec, parts = config
     logits = make_logits(9, (3, 4, 50000), "normal")
     lp, ids = ref.topk_logprobs(logits, 64)
-    glp, gids = gpu.topk_logprobs(logits, 64, threads=threads, per_thread=per_thread, new=new)
+    glp, gids = gpu.topk_logprobs(logits, 64, warps=warps, vec=vec, parts=parts)
     np.testing.assert_array_equal(gids, ids)
     assert_lp_close(glp, lp)
+
+
+@pytest.mark.parametrize("bs, vocab, k", [(1, VOCAB, 64), (4, VOCAB, 256), (2, VOCAB - 1, 64),
+                                          (2, VOCAB, 2048)])
+def test_topk_small_batches_split_rows(gpu, bs, vocab, k):
+    """Few rows: the default splits each row over several blocks and merges the parts; an odd
+    vocabulary takes the scalar-load path; k = MAX_GPU_TOPK fits its lists in shared memory."""
+    logits = make_logits(bs + vocab, (bs, L, vocab), "normal")
+    lp, ids = ref.topk_logprobs(logits, k)
+    glp, gids = gpu.topk_logprobs(logits, k)
+    np.testing.assert_array_equal(gids, ids)
+    assert_lp_close(glp, lp)
+
+
+def test_topk_misaligned_device_rows(gpu, cp):
+    """A CuPy view 4 bytes past a 16-byte boundary: rows are not 16-byte aligned even though
+    V % 4 == 0, so the kernel must use scalar loads (16-byte loads would fault)."""
+    logits = make_logits(12, (2, L, 4096), "normal")
+    flat = cp.empty(logits.size + 1, cp.float32)
+    view = flat[1:].reshape(logits.shape)
+    view[...] = cp.asarray(logits)
+    assert view.data.ptr % 16 != 0
+    glp, gids = gpu.topk_logprobs(view, 64)
+    lp, ids = ref.topk_logprobs(logits, 64)
+    np.testing.assert_array_equal(cp.asarray(gids).get(), ids)
+    assert_lp_close(cp.asarray(glp).get(), lp)
 
 
 def test_topk_keeps_cupy_input_on_the_device(gpu, cp):
