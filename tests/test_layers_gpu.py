@@ -7,6 +7,8 @@ Run: ``HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -m gpu tests/test_layers_gpu.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -84,19 +86,58 @@ def test_linear_real_shapes(cp, layers, weights, k, n, bf16):
     x = rng.standard_normal((65, k)).astype(np.float32)
     check = np.sort(rng.choice(n, min(n, 512), replace=False))
     w_rows = rows_to_host(cp, w, check)
+    # the tiled path (M = 65) sums at most K/8 + 12 deep too: >= 8 K slices (tiled_splits)
+    assert layers.tiled_depth(k, layers.tiled_config(65, n, k).splits) <= k // 8 + 12
     for m in (1, 8, 16, 65):
         got = host(layers.linear(x[:m], w))
         want = ref.linear(x[:m], w_rows)
         err = np.abs(got[:, check] - want)
         assert np.all(err <= dot_bound(x[:m], w_rows, k // 8 + 12)), (m, err.max())
         assert np.isfinite(got).all()
-    # batch invariance: rows of the 65-row call equal 1-row calls, bit for bit
+    # batch invariance, bit for bit, within each path: skinny (M <= 16) rows equal 1-row calls;
+    # tiled (M >= 17) rows of the 65-row call equal those of a 17-row call.  Across the two
+    # paths the summation orders differ (docs/LAYERS.md).
+    skinny = host(layers.linear(x[:16], w))
+    for i in (0, 15):
+        assert np.array_equal(host(layers.linear(x[i:i + 1], w)), skinny[i:i + 1]), i
     full = host(layers.linear(x, w))
-    for i in (0, 17, 64):
-        assert np.array_equal(host(layers.linear(x[i:i + 1], w)), full[i:i + 1]), i
+    assert np.array_equal(host(layers.linear(x[48:], w)), full[48:])
     if bf16:   # the bf16 path equals the fp32 path on the same values, bit for bit
-        assert np.array_equal(host(layers.linear(x[:8], widen(cp, w))),
-                              host(layers.linear(x[:8], w)))
+        for m in (8, 65):
+            assert np.array_equal(host(layers.linear(x[:m], widen(cp, w))),
+                                  host(layers.linear(x[:m], w))), m
+
+
+def test_skinny_f32_load_variants_bit_identical(cp, layers):
+    """float32 weights: the xchg loads (two dense half-warp loads + a real xor-16 shuffle; the
+    simulator cannot run shuffles), plain streaming and L1-cached loads give the same bits.
+    K = 7176: 897 chunks for 128 threads, so the last pass has lanes past the end."""
+    k, n = 7176, 512
+    w = device_normal(cp, (n, k), 0.02, seed=11, bf16=False)
+    x = np.random.default_rng(11).standard_normal((16, k)).astype(np.float32)
+    for m in (1, 8):
+        base = layers.skinny_config(m, n, k, "f32")
+        runs = [host(layers.linear(x[:m], w, config=dataclasses.replace(base, f32_load=v)))
+                for v in ("xchg", "stream", "cached")]
+        assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2]), m
+        w_rows = rows_to_host(cp, w, np.arange(n))
+        assert np.all(np.abs(runs[0] - ref.linear(x[:m], w_rows))
+                      <= dot_bound(x[:m], w_rows, k // 8 + 12)), m
+
+
+def test_tiled_alternatives_bit_identical(cp, layers, weights):
+    """Tile shapes, stage depths and register caps change only how the work is laid out: with
+    the same K slices every output is the same sequential sum, so the alternatives that
+    tools/bench_layers.py times all give the default's bits."""
+    k, n = 7168, 1536
+    x = np.random.default_rng(12).standard_normal((65, k)).astype(np.float32)
+    for bf16 in (False, True):
+        w = weights(k, n, bf16)
+        base = layers.tiled_config(65, n, k)
+        want = host(layers.linear(x, w))
+        for name, change in layers.TILED_ALTERNATIVES.items():
+            cfg = dataclasses.replace(base, **change)
+            assert np.array_equal(host(layers.linear(x, w, config=cfg)), want), (name, bf16)
 
 
 def test_linear_tiled_prefill(cp, layers, weights):
@@ -254,13 +295,20 @@ def reference_moe(cp, h, idx, w, gate_up, down, shared_gu, shared_dn):
                        bf16(down[cp.asarray(used)]), bf16(shared_gu), bf16(shared_dn))
 
 
-@pytest.mark.parametrize("m, inter", [(3, IM), (65, 256)], ids=["kimi-M3", "M65-Im256"])
-def test_moe_ffn_kimi_shapes(cp, layers, m, inter):
+@pytest.mark.parametrize("m, inter, popular", [(3, IM, False), (65, 256, False),
+                                                (65, 256, True)],
+                         ids=["kimi-M3", "M65-Im256", "M65-popular-experts"])
+def test_moe_ffn_kimi_shapes(cp, layers, m, inter, popular):
+    """M = 3: the skinny expert path; M = 65: the tiled one (auto), and the skinny one asked
+    for.  ``popular``: every token also picks experts 5 and 200, so those hold 65 tokens
+    (the tiled path's tile then takes them in three chunks of 32)."""
     rng = np.random.default_rng(m)
     n_experts, top_k = 384, 8
     h = rng.standard_normal((m, D)).astype(np.float32)
-    idx = np.sort(np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(m)]),
-                  axis=1).astype(np.int32)
+    others = np.setdiff1d(np.arange(n_experts), [5, 200])
+    idx = np.sort(np.stack([np.concatenate([[5, 200], rng.choice(others, top_k - 2, False)])
+                            if popular else rng.choice(n_experts, top_k, replace=False)
+                            for _ in range(m)]), axis=1).astype(np.int32)
     w = rng.uniform(0.05, 0.5, (m, top_k)).astype(np.float32)
     weights = make_experts(cp, n_experts, inter, idx.ravel(), seed=100 * m)
     got = host(layers.moe_ffn(h, idx, w, *weights))
@@ -268,17 +316,27 @@ def test_moe_ffn_kimi_shapes(cp, layers, m, inter):
     # fp32 GEMMs at K = 7168 / Im: relative ~1e-6 of the magnitudes; the outputs are O(1e-2)
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
-    if m > 1:   # batch invariance
-        one = host(layers.moe_ffn(h[m - 1:], idx[m - 1:], w[m - 1:], *weights))
-        assert np.array_equal(one[0], got[m - 1])
+    if m > layers.SKINNY_MAX_M:
+        skinny = host(layers.moe_ffn(h, idx, w, *weights, method="skinny"))
+        np.testing.assert_allclose(skinny, want, rtol=1e-4, atol=1e-4 * scale)
+    # batch invariance within the path: M = 3 -> a 1-row call; M = 65 -> a 17-row call
+    rows = 1 if m <= layers.SKINNY_MAX_M else layers.SKINNY_MAX_M + 1
+    part = host(layers.moe_ffn(h[m - rows:], idx[m - rows:], w[m - rows:], *weights))
+    assert np.array_equal(part[-1], got[m - 1])
+    if popular:   # the launch plans tools/bench_layers.py compares: same sums, same bits
+        for name, plan in layers.expert_alternatives(m).items():
+            alt = host(layers.moe_ffn(h, idx, w, *weights, configs=plan))
+            assert np.array_equal(alt, got), name
 
 
-def test_moe_step_replays_from_a_cuda_graph(cp, layers):
+@pytest.mark.parametrize("m", [4, 65], ids=["skinny", "tiled"])
+def test_moe_step_replays_from_a_cuda_graph(cp, layers, m):
     """route + expert FFN with a workspace and preallocated outputs: warm up once, capture on a
-    CuPy stream, replay; the replay must equal the eager result (no allocation, no host sync)."""
+    CuPy stream, replay; the replay must equal the eager result (no allocation, no host sync).
+    M = 65 runs the tiled experts, the shared-expert token list and the split-K router."""
     from numba import cuda
     rng = np.random.default_rng(8)
-    m, n_experts, inter = 4, 64, 256
+    n_experts, inter = 64, 256
     h = cp.asarray(rng.standard_normal((m, D)).astype(np.float32))
     gate = cp.asarray((rng.standard_normal((n_experts, D)) * 0.02).astype(np.float32))
     bias = cp.asarray((rng.standard_normal(n_experts) * 0.3).astype(np.float32))

@@ -1,25 +1,37 @@
 #!/usr/bin/env python3
 """Benchmark of the non-attention kernels on the GPU (H200), each against its physical roof.
 
-    python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope,sweep]
+    python3 tools/bench_layers.py [--json PATH] [--only linear,variants,moe,norm,rope,sweep]
 
-* skinny linear, M = 1, 8, 65 at 7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32
-  and bf16, against CuPy matmul (cuBLAS SGEMM on fp32 weights: for a bf16 row that is the same
-  matrix widened to fp32, i.e. cuBLAS reads twice the bytes) and against the weight-bytes roof.
-  Goal: >= 0.9x cuBLAS for M <= 16.
+* linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
+  7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32 and bf16, against CuPy matmul
+  (cuBLAS SGEMM on fp32 weights: for a bf16 row that is the same matrix widened to fp32, i.e.
+  cuBLAS reads twice the bytes) and against the roof max(weight bytes / 4.1 TB/s,
+  2 M N K / 51 TFLOP/s).  Goals: >= 0.9x cuBLAS for M <= 16, >= 0.8x at M = 65.
+* variants (VARIANT_PLAN): at M = 1, fp32 weights, the skinny kernel's float32 load variants
+  (SkinnyConfig.f32_load: xchg = the default, stream = run 1's loads, cached), run 1's config
+  and a neighbouring rows/unroll; at M = 65 layers.TILED_ALTERNATIVES (and half the K slices
+  where there are > 8).  They all give the default's bits (tests/test_layers_gpu.py), so
+  only speed differs; the summary lists every variant that beat its default.
 * MoE routing + expert FFN, M = 1 and 65, E = 384, k = 8, D = 7168, Im = Is = 2048, bf16 experts
   (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof.
+  At M = 65: the tiled experts (auto) with layers.expert_alternatives(65), the skinny ones,
+  and a uniform routing (every token 8 random experts: ~280 experts, memory-bound) beside the
+  router-picked one (a few popular experts: ~50, more compute per byte).
 * RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
-* sweep: alternative SkinnyConfigs for two shapes, to retune ``skinny_config``.
+* sweep: alternative SkinnyConfigs for two shapes, to retune ``skinny_config`` (while time
+  remains).
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
 it); inputs rotate over enough copies to exceed 3x the L2 (60 MB); median of 7 trials.  A row
-marked "host-bound" means the spacer ran out before the calls were queued.  < 3 min on an H200.
+marked "host-bound" means the spacer ran out before the calls were queued.  < 3 min on an H200
+(first compiles included: each generated kernel takes ~1-4 s).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -36,10 +48,12 @@ if str(ROOT) not in sys.path:
 from kdtree_numba.compat import cuda, kernel  # noqa: E402
 
 HBM_BYTES_PER_S = 4.1e12      # measured by a numba read-reduce on the H200 (notes/numba-cuda.md)
+FP32_FLOP_PER_S = 51e12       # cuBLAS SGEMM 8192^3 on the H200 (notes/numba-cuda.md)
 L2_BYTES = 60e6
 BUDGET_S = 170.0              # stop starting new sections after this
-LINEAR_SHAPES = [(7168, 1536), (7168, 576), (2048, 7168), (7168, 163840)]   # (K, N)
+LINEAR_SHAPES = [(7168, 163840), (7168, 1536), (7168, 576), (2048, 7168)]   # (K, N)
 LINEAR_MS = (1, 8, 65)
+GOALS = {1: 0.9, 8: 0.9, 65: 0.8}   # x cuBLAS
 MOE_SHAPE = dict(n_experts=384, top_k=8, d=7168, inter=2048)                  # Kimi-K2
 MOE_MS = (1, 65)
 HIDDEN, ROPE_HEADS, ROPE_DIM, NOPE_DIM = 7168, 64, 64, 128
@@ -101,6 +115,12 @@ class GpuTimer:
         return statistics.median(clean or [t for t, _ in samples]) * 1e-3, host_bound
 
 
+def report_failure(results, section, what, exc):
+    print(f"\n{section} {what} FAILED: {type(exc).__name__}: {exc}", flush=True)
+    results.append(dict(section=section, error=f"{what}: {type(exc).__name__}: {exc}"))
+    _last_section[0] = None      # the next row starts a fresh table
+
+
 def copies_for(nbytes: float, cap: int = 8) -> int:
     """Input copies so that one rotation streams >= 3x L2 (no copy is served from L2)."""
     return int(min(max(math.ceil(3 * L2_BYTES / max(nbytes, 1)), 1), cap))
@@ -108,7 +128,75 @@ def copies_for(nbytes: float, cap: int = 8) -> int:
 
 # ============================================================================ sections
 
-def bench_linear(ctx, results):
+def roofs(m, n, k, wbytes):
+    """(roof seconds, what bounds it): weight bytes at the HBM rate or FMAs at cuBLAS's."""
+    t_mem, t_fma = wbytes / HBM_BYTES_PER_S, 2.0 * m * n * k / FP32_FLOP_PER_S
+    return (t_mem, "hbm") if t_mem >= t_fma else (t_fma, "fma")
+
+
+def linear_row(section, variant, k, n, m, dtype, t, t_cublas, cfg, host_bound):
+    wbytes = n * k * (4 if dtype == "f32" else 2)
+    roof, bound = roofs(m, n, k, wbytes)
+    goal = GOALS.get(m)
+    return dict(section=section, K=k, N=n, M=m, weights=dtype, variant=variant, us=t * 1e6,
+                cublas_f32_us=t_cublas * 1e6, vs_cublas=t_cublas / t, roof_us=roof * 1e6,
+                bound=bound, roof_frac=roof / t, gbps=wbytes / t / 1e9,
+                tflops=2.0 * m * n * k / t / 1e12,
+                goal=f"vs_cublas>={goal}" if goal and variant == "default" else "-",
+                goal_met=(t_cublas / t >= goal) if goal and variant == "default" else None,
+                config=str(cfg), host_bound=host_bound)
+
+
+def default_config(layers, m, n, k, dtype):
+    if m <= layers.SKINNY_MAX_M:
+        return layers.skinny_config(m, n, k, dtype)
+    return layers.tiled_config(m, n, k)
+
+
+# Which variants run where (the compiles cost ~1-4 s each; the run must stay < 3 min): the
+# float32 load variants at the three shapes run 1 missed at M = 1, tile alternatives at M = 65
+# for the vocabulary (both dtypes) and 7168->1536 (fp32: the bf16 kernels are the same code).
+VARIANT_PLAN = {(7168, 163840): {1: "loads+rows+run1", 65: ("f32", "bf16")},
+                (7168, 1536): {1: "loads+rows", 65: ("f32",)},
+                (2048, 7168): {1: "loads"}}
+
+
+def linear_variants(layers, m, n, k):
+    """(name, config, weights dtype) alternatives to the default at this shape."""
+    plan, out = VARIANT_PLAN.get((k, n), {}).get(m), []
+    if plan and m == 1:           # float32 streaming: the load variants, a neighbouring shape
+        base = layers.skinny_config(1, n, k, "f32")
+        out += [("stream", dataclasses.replace(base, f32_load="stream"), "f32"),
+                ("cached", dataclasses.replace(base, f32_load="cached"), "f32")]
+        if "run1" in plan:
+            out.append(("stream, run-1 config", run1_config(layers, n, k), "f32"))
+        if "rows" in plan:
+            rows, unroll = (8, 2) if base.rows == 8 else (base.rows * 2, base.unroll)
+            out.append((f"xchg rows={rows} unroll={unroll}",
+                        dataclasses.replace(base, rows=rows, unroll=unroll), "f32"))
+    elif plan:
+        base = layers.tiled_config(m, n, k)
+        for dtype in plan:
+            for name, change in layers.TILED_ALTERNATIVES.items():
+                out.append((name, dataclasses.replace(base, **change), dtype))
+            if base.splits > 8:
+                out.append((f"splits={base.splits // 2}",
+                            dataclasses.replace(base, splits=base.splits // 2), dtype))
+    return out
+
+
+def run1_config(layers, n, k):
+    """The M = 1 float32 kernel of the 2026-11-29 run: the most rows giving 2 blocks per SM,
+    plain streaming loads."""
+    rows, unroll = layers.ROWS_UNROLL[1][-1]
+    for cand in layers.ROWS_UNROLL[1]:
+        if -(-n // cand[0]) >= 2 * 132:
+            rows, unroll = cand
+            break
+    return layers.SkinnyConfig(1, rows, layers.skinny_threads(k), unroll, f32_load="stream")
+
+
+def bench_linear(ctx, results, sections, deadline):
     cp, layers, timer = ctx["cp"], ctx["layers"], ctx["timer"]
     rng = np.random.default_rng(0)
     for k, n in LINEAR_SHAPES:
@@ -119,28 +207,38 @@ def bench_linear(ctx, results):
         w16 = [(w.view(cp.uint32) >> 16).astype(cp.uint16) for w in
                (w32 * n_copies)[:n_copies]]                     # bf16 bits (truncated)
         nb = ctx["cuda"].as_cuda_array
-        w32_nb, w16_nb = [nb(w) for w in w32], [nb(w) for w in w16]
+        by_dtype = {"f32": [nb(w) for w in w32], "bf16": [nb(w) for w in w16]}
         for m in LINEAR_MS:
             x = cp.asarray(rng.standard_normal((m, k)).astype(np.float32))
             y = cp.empty((m, n), cp.float32)
             x_nb, y_nb = nb(x), nb(y)
+            ws = layers.Workspace()        # the K-slice buffers, allocated once (as in a step)
             t_cublas, hb_c = timer([lambda w=w: cp.matmul(x, w.T, out=y) for w in w32])
             t_bf16_cublas = bf16_cublas_time(cp, timer, x, w16, n)
-            for dtype, ws_nb in (("f32", w32_nb), ("bf16", w16_nb)):
-                t, hb = timer([lambda w=w: layers.linear(x_nb, w, out=y_nb) for w in ws_nb])
-                wbytes = n * k * (4 if dtype == "f32" else 2)
-                cfg = layers.skinny_config(m, n, k, dtype)
-                results.append(dict(
-                    section="linear", K=k, N=n, M=m, weights=dtype, us=t * 1e6,
-                    cublas_f32_us=t_cublas * 1e6, vs_cublas=t_cublas / t,
-                    cublas_bf16_us=None if t_bf16_cublas is None else t_bf16_cublas * 1e6,
-                    roof_us=wbytes / HBM_BYTES_PER_S * 1e6,
-                    roof_frac=wbytes / HBM_BYTES_PER_S / t, gbps=wbytes / t / 1e9,
-                    goal="vs_cublas>=0.9" if m <= 16 else "-",
-                    goal_met=(t_cublas / t >= 0.9) if m <= 16 else None,
-                    config=str(cfg), host_bound=hb or hb_c))
+            for dtype, ws_nb in by_dtype.items():
+                t, hb = timer([lambda w=w: layers.linear(x_nb, w, out=y_nb, workspace=ws)
+                               for w in ws_nb])
+                row = linear_row("linear", "default", k, n, m, dtype, t, t_cublas,
+                                 default_config(layers, m, n, k, dtype), hb or hb_c)
+                row["cublas_bf16_us"] = None if t_bf16_cublas is None else t_bf16_cublas * 1e6
+                results.append(row)
+                print_row(row)
+            if "variants" not in sections:
+                continue
+            for name, cfg, dtype in linear_variants(layers, m, n, k):
+                if time.perf_counter() > deadline:
+                    break
+                try:
+                    t, hb = timer([lambda w=w, c=cfg: layers.linear(x_nb, w, out=y_nb,
+                                                                    config=c, workspace=ws)
+                                   for w in by_dtype[dtype]], trials=5)
+                except Exception as exc:   # noqa: BLE001 -- a variant failing must not end the run
+                    report_failure(results, "variants", f"{k}->{n} M={m} {dtype} {name}", exc)
+                    continue
+                results.append(linear_row("variants", name, k, n, m, dtype, t, t_cublas, cfg,
+                                          hb or hb_c))
                 print_row(results[-1])
-        del w32, w16, w32_nb, w16_nb
+        del w32, w16, by_dtype
         cp.get_default_memory_pool().free_all_blocks()
 
 
@@ -158,7 +256,7 @@ def bf16_cublas_time(cp, timer, x, w16, n):
         return None
 
 
-def bench_moe(ctx, results):
+def bench_moe(ctx, results, deadline):
     cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
     n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
     case = dict(top_k=top_k, n_group=1, topk_group=1, norm_topk_prob=True,
@@ -175,6 +273,7 @@ def bench_moe(ctx, results):
     nb = cuda.as_cuda_array
     weights = tuple(map(nb, (gate_up, down, shared_gu, shared_dn)))
     gates_nb, bias_nb = [nb(g) for g in gates], nb(bias)
+    expert_bytes_each = 3 * inter * d * 2
     for m in MOE_MS:
         h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
         idx, w = nb(cp.empty((m, top_k), cp.int32)), nb(cp.empty((m, top_k), cp.float32))
@@ -184,8 +283,8 @@ def bench_moe(ctx, results):
         def route(gate=gates_nb[0]):
             layers.moe_route(h, gate, bias_nb, out=(idx, w), workspace=ws, **case)
 
-        def ffn():
-            layers.moe_ffn(h, idx, w, *weights, out=out, workspace=ws)
+        def ffn(index=idx, **kw):
+            layers.moe_ffn(h, index, w, *weights, out=out, workspace=ws, **kw)
 
         def step():
             route()
@@ -193,22 +292,50 @@ def bench_moe(ctx, results):
 
         route()
         n_used = len(np.unique(idx.copy_to_host()))
+        uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
+                                                  for _ in range(m)]), axis=1).astype(np.int32)))
+        n_uniform = len(np.unique(uniform.copy_to_host()))
         t_route, hb1 = timer([lambda g=g: route(g) for g in gates_nb])
+        rows = [("route", "-", t_route, 0, n_experts * d * 4, hb1)]
         t_ffn, hb2 = timer([ffn], trials=5)
+        rows.append(("expert_ffn", "default", t_ffn, n_used, (n_used + 1) * expert_bytes_each,
+                     hb2))
         t_step, hb3 = timer([step], trials=5)
-        expert_bytes = (n_used + 1) * 3 * inter * d * 2      # + the shared expert
-        route_bytes = n_experts * d * 4
-        for part, t, nbytes, hb in (("route", t_route, route_bytes, hb1),
-                                    ("expert_ffn", t_ffn, expert_bytes, hb2),
-                                    ("route+ffn", t_step, expert_bytes + route_bytes, hb3)):
-            results.append(dict(section="moe", part=part, M=m, experts_read=n_used + 1,
+        rows.append(("route+ffn", "default", t_step, n_used,
+                     (n_used + 1) * expert_bytes_each + n_experts * d * 4, hb3))
+        for name, kw, index, used in moe_variants(layers, m, uniform, n_uniform, n_used, idx):
+            if time.perf_counter() > deadline:
+                break
+            try:
+                t, hb = timer([lambda kw=kw, index=index: ffn(index, **kw)], trials=5)
+            except Exception as exc:   # noqa: BLE001 -- a variant failing must not end the run
+                report_failure(results, "moe", f"M={m} {name}", exc)
+                continue
+            rows.append(("expert_ffn", name, t, used, (used + 1) * expert_bytes_each, hb))
+        for part, variant, t, used, nbytes, hb in rows:
+            entries = m * top_k if part != "route" else 0
+            fma_s = 2.0 * 3 * inter * d * (entries + m) / FP32_FLOP_PER_S if entries else 0.0
+            roof = max(nbytes / HBM_BYTES_PER_S, fma_s)
+            results.append(dict(section="moe", part=part, M=m, variant=variant,
+                                experts_read=used + 1 if part != "route" else 0,
                                 us=t * 1e6, weight_bytes=nbytes,
-                                roof_us=nbytes / HBM_BYTES_PER_S * 1e6,
-                                roof_frac=nbytes / HBM_BYTES_PER_S / t, gbps=nbytes / t / 1e9,
+                                roof_us=roof * 1e6, roof_frac=roof / t, gbps=nbytes / t / 1e9,
                                 host_bound=hb))
             print_row(results[-1])
     del gate_up, down
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
+    """(name, moe_ffn keywords, expert_idx, experts used) beside the default at this M."""
+    out = []
+    if m > layers.SKINNY_MAX_M:
+        out.append(("uniform routing", {}, uniform, n_uniform))
+        out.append(("skinny", dict(method="skinny"), idx, n_used))
+        for name, plan in layers.expert_alternatives(m).items():
+            out.append((name, dict(configs=plan), idx, n_used))
+        out.append(("uniform routing, skinny", dict(method="skinny"), uniform, n_uniform))
+    return out
 
 
 def bench_norm_rope(ctx, results):
@@ -261,11 +388,13 @@ def bench_sweep(ctx, results, deadline):
             ws = [nb(w) for w in ws]
             x = nb(cp.random.standard_normal((1, k), dtype=cp.float32))
             y = nb(cp.empty((1, n), cp.float32))
+            space = layers.Workspace()     # split-K buffers allocated once, not per call
             for rows, unroll, threads, splits in SWEEP:
                 if time.perf_counter() > deadline:
                     return
                 cfg = layers.SkinnyConfig(1, rows, threads, unroll, splits)
-                t, hb = timer([lambda w=w: layers.linear(x, w, out=y, config=cfg) for w in ws],
+                t, hb = timer([lambda w=w: layers.linear(x, w, out=y, config=cfg, workspace=space)
+                               for w in ws],
                               trials=5)
                 nbytes = n * k * esize
                 results.append(dict(section="sweep", K=k, N=n, M=1, weights=dtype,
@@ -278,14 +407,17 @@ def bench_sweep(ctx, results, deadline):
 
 COLUMNS = {
     "linear": ["K", "N", "M", "weights", "us", "cublas_f32_us", "vs_cublas", "cublas_bf16_us",
-               "roof_us", "roof_frac", "gbps", "goal", "goal_met", "config", "host_bound"],
-    "moe": ["part", "M", "experts_read", "us", "weight_bytes", "roof_us", "roof_frac", "gbps",
-            "host_bound"],
+               "roof_us", "bound", "roof_frac", "gbps", "tflops", "goal", "goal_met", "config",
+               "host_bound"],
+    "variants": ["K", "N", "M", "weights", "variant", "us", "vs_cublas", "roof_frac", "gbps",
+                 "tflops", "config", "host_bound"],
+    "moe": ["part", "M", "variant", "experts_read", "us", "weight_bytes", "roof_us",
+            "roof_frac", "gbps", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "sweep": ["K", "N", "M", "weights", "config", "us", "roof_frac", "host_bound"],
 }
-_printed_header = set()
+_last_section = [None]
 
 
 def fmt(v):
@@ -295,28 +427,51 @@ def fmt(v):
 
 
 def print_row(row):
+    """Print a table row; a new table header whenever the section changes (sections
+    interleave shape by shape, and rows are printed as they come so a crash loses nothing)."""
     cols = COLUMNS[row["section"]]
-    if row["section"] not in _printed_header:
-        _printed_header.add(row["section"])
+    if _last_section[0] != row["section"]:
+        _last_section[0] = row["section"]
         print(f"\n### {row['section']}\n\n| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
     print("| " + " | ".join(fmt(row.get(c)) for c in cols) + " |", flush=True)
 
 
 def summary(results):
-    lin = [r for r in results if r["section"] == "linear" and r["M"] <= 16]
-    if lin:
-        met = sum(bool(r["goal_met"]) for r in lin)
-        worst = min(lin, key=lambda r: r["vs_cublas"])
-        print(f"\nskinny linear goal (>= 0.9x cuBLAS, M <= 16): {met}/{len(lin)} met; worst "
-              f"{worst['vs_cublas']:.2f}x at {worst['K']}->{worst['N']} M={worst['M']} "
-              f"{worst['weights']}")
+    results = [r for r in results if "error" not in r]
+    lin = [r for r in results if r["section"] == "linear"]
+    for label, rows in (("skinny linear (>= 0.9x cuBLAS, M <= 16)", [r for r in lin
+                                                                     if r["M"] <= 16]),
+                        ("tiled linear (>= 0.8x cuBLAS, M = 65)", [r for r in lin
+                                                                   if r["M"] > 16])):
+        if rows:
+            met = sum(bool(r["goal_met"]) for r in rows)
+            worst = min(rows, key=lambda r: r["vs_cublas"])
+            print(f"\n{label}: {met}/{len(rows)} met; worst {worst['vs_cublas']:.2f}x at "
+                  f"{worst['K']}->{worst['N']} M={worst['M']} {worst['weights']}")
+    best = {}                     # fastest of default + variants per (K, N, M, weights)
+    for r in lin + [r for r in results if r["section"] == "variants"]:
+        key = (r["K"], r["N"], r["M"], r["weights"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    picks = [r for r in best.values() if r["variant"] != "default"]
+    if picks:
+        print("\nvariants faster than the default (pick defaults from these):")
+        for r in sorted(picks, key=lambda r: (r["M"], r["K"], r["N"], r["weights"])):
+            default = next((d["us"] for d in lin if (d["K"], d["N"], d["M"], d["weights"])
+                            == (r["K"], r["N"], r["M"], r["weights"])), float("nan"))
+            print(f"  {r['K']}->{r['N']} M={r['M']} {r['weights']}: {r['variant']} "
+                  f"{r['us']:.1f} us vs default {default:.1f} us ({r['config']})")
+    for r in results:
+        if r["section"] == "moe" and r["part"] == "expert_ffn":
+            print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
+                  f"({r['us']:.0f} us, {r['experts_read']} experts)")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", default="linear,moe,norm,rope,sweep",
+    parser.add_argument("--only", default="linear,variants,moe,norm,rope,sweep",
                         help="comma-separated sections (default: all)")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
@@ -327,16 +482,22 @@ def main(argv=None) -> int:
     print(f"# bench_layers on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
           f"roof {HBM_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU time per call (us)")
     results = []
-    plan = [("linear", bench_linear), ("moe", bench_moe), ("norm", bench_norm_rope)]
+    # variant timings stop early so that every section gets its turn
+    plan = [("linear", lambda: bench_linear(ctx, results, sections, t_start + 95)),
+            ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
+            ("norm", lambda: bench_norm_rope(ctx, results))]
     for name, fn in plan:
-        if name not in sections and not (name == "norm" and "rope" in sections):
+        if name not in sections and not (name == "norm" and "rope" in sections) \
+                and not (name == "linear" and "variants" in sections):
             continue
         if time.perf_counter() - t_start > BUDGET_S:
             print(f"\n(skipped {name}: time budget)")
             continue
         try:
-            fn(ctx, results)
+            fn()
         except Exception as exc:   # noqa: BLE001 -- one shot on the device: report and go on
+            import traceback
+            traceback.print_exc()
             print(f"\n{name} FAILED: {type(exc).__name__}: {exc}", flush=True)
             results.append(dict(section=name, error=f"{type(exc).__name__}: {exc}"))
     if "sweep" in sections and time.perf_counter() - t_start < BUDGET_S - 40:
