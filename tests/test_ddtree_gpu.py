@@ -69,6 +69,17 @@ def test_topk_real_shape_with_ties(gpu, mode, k):
     assert_lp_close(glp, lp)
 
 
+@pytest.mark.parametrize("scale", [0.3, 12.0, 40.0])
+def test_topk_logit_scales(gpu, scale):
+    """Near-flat to very peaked rows (an LLM's top logit sits 20-40 above the bulk): the
+    online logsumexp's rescaling and the threshold both see the extremes."""
+    logits = make_logits(5, (8, L, VOCAB), "normal") * np.float32(scale / 3)
+    lp, ids = ref.topk_logprobs(logits, 64)
+    glp, gids = gpu.topk_logprobs(logits, 64)
+    np.testing.assert_array_equal(gids, ids)
+    assert_lp_close(glp, lp)
+
+
 def test_topk_adversarial_ascending_rows(gpu):
     """Every element beats the running k-th best: compaction on every tile."""
     logits = np.broadcast_to(np.linspace(-5, 5, 20000, dtype=np.float32), (2, 3, 20000)).copy()
