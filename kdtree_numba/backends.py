@@ -12,9 +12,17 @@ plus an ``ops`` namespace holding every kernel the model and the engine call, by
 
 ``make_backend("auto")`` is ``numba`` on a machine with a real GPU, else ``reference`` (the
 simulator is ~1e4x too slow to be an automatic choice; ask for ``"numba"`` explicitly).
+
+Host synchronisation (docs/ENGINE.md, "Sync points"): on the GPU the only calls here that make the
+host wait for the device are :meth:`Backend.to_host` (every device-to-host read the engine makes
+goes through it, and it counts them in ``reads``) and :meth:`Backend.synchronize` (counted in
+``syncs``).  Uploads (``asarray`` of host data) are CuPy's pinned, asynchronous copies.  Phase
+timing uses markers (:meth:`Backend.mark`: a CUDA event on the GPU) that are read only once the
+device has passed them, so timing adds no wait.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from types import SimpleNamespace
@@ -36,11 +44,18 @@ DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "s
 
 @dataclasses.dataclass
 class Backend:
-    """``name``: "reference" or "numba"; ``xp``: array module; ``ops``: the kernels."""
+    """``name``: "reference" or "numba"; ``xp``: array module; ``ops``: the kernels.
+
+    ``reads`` / ``syncs`` count the device-to-host reads (:meth:`to_host`) and the full
+    synchronisations (:meth:`synchronize`) made so far: tests assert the engine's sync budget
+    with them."""
     name: str
     xp: object
     ops: SimpleNamespace
     on_gpu: bool
+    reads: int = 0
+    syncs: int = 0
+    _free_events: list = dataclasses.field(default_factory=list, repr=False)
 
     def asarray(self, a, dtype=None):
         """A host (or device) array as an ``xp`` array, on the device for a GPU backend.
@@ -54,18 +69,73 @@ class Backend:
         return self.xp.asarray(a) if dtype is None else self.xp.asarray(a, dtype=dtype)
 
     def to_host(self, a) -> np.ndarray:
+        """A NumPy copy of ``a``: THE device-to-host read (it waits for the device; counted)."""
+        self.reads += 1
         if self.on_gpu:
             return self.xp.asnumpy(a)
         return np.asarray(a)
 
     def synchronize(self) -> None:
+        """Wait until the device has drained (counted in ``syncs``)."""
+        self.syncs += 1
         if self.on_gpu:
             self.xp.cuda.Device().synchronize()
 
-    def clock(self) -> float:
-        """Wall time after the device has drained: honest per-phase timings."""
-        self.synchronize()
-        return time.perf_counter()
+    # ---- markers: timing without waiting
+    def mark(self):
+        """A point in the device's work stream: a recorded CUDA event on the GPU (taken from a
+        small pool, see :meth:`recycle`), ``time.perf_counter()`` on the host, where every op
+        has finished when it returns."""
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = self._free_events.pop() if self._free_events else self.xp.cuda.Event()
+        event.record()
+        return event
+
+    def passed(self, marker) -> bool:
+        """Whether the device has reached ``marker`` (a query, never a wait)."""
+        return True if not self.on_gpu else bool(marker.done)
+
+    def seconds_between(self, start, end) -> float:
+        """Seconds from marker ``start`` to marker ``end``; both must have :meth:`passed`."""
+        if not self.on_gpu:
+            return end - start
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def recycle(self, marker) -> None:
+        """Return a marker that is no longer needed to the pool."""
+        if self.on_gpu:
+            self._free_events.append(marker)
+
+    # ---- numba's frees
+    @contextlib.contextmanager
+    def deferred_frees(self):
+        """Run a block with numba's device frees held back, then free them.
+
+        numba frees its kernel outputs with ``cuMemFree`` (which can wait for the device) in
+        batches of ~10 as they die, so a model step could stall dozens of times.  Inside this
+        block they are queued; on exit (the engine wraps one round, whose last device operation
+        is its one read, so the device is idle by then) the queue is freed at once, waiting
+        for nothing.  Peak memory grows by what the block allocates and drops (numba cannot
+        reclaim it on an out-of-memory error meanwhile).  A no-op off the GPU."""
+        if not (self.on_gpu and self.name == "numba"):
+            yield
+            return
+        from numba import cuda as numba_cuda
+        with numba_cuda.defer_cleanup():
+            yield
+        self.free_deferred()
+
+    def free_deferred(self) -> None:
+        """Free numba's queued device allocations now (numba-cuda 0.30: the memory manager's
+        pending list; skipped if that internal ever moves, numba then frees as usual)."""
+        if not (self.on_gpu and self.name == "numba"):
+            return
+        from numba import cuda as numba_cuda
+        manager = getattr(numba_cuda.current_context(), "memory_manager", None)
+        pending = getattr(manager, "deallocations", None)
+        if pending is not None and len(pending):
+            pending.clear()
 
 
 def _reference_ops() -> SimpleNamespace:
@@ -73,6 +143,12 @@ def _reference_ops() -> SimpleNamespace:
     ops = {name: getattr(layers, name) for name in LAYER_OPS}
     ops.update({name: getattr(attention, name) for name in ATTENTION_OPS})
     ops.update({name: getattr(ddtree, name) for name in DDTREE_OPS})
+
+    def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None):
+        """``reference.attention.mla_attention``; ``max_keys`` (the numba twin's split-plan
+        hint for a device ``prefix_len``) does not change the result, so it is ignored."""
+        return attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau)
+    ops["mla_attention"] = mla_attention
     return SimpleNamespace(**ops)
 
 

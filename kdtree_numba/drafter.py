@@ -9,14 +9,16 @@ Every drafter has ``vocab_size``, ``block_len`` (L, the tree's maximum depth), `
   at depth d + 1 under the root.
 
 Drafters keep their own state in sync from the histories alone (they compare with what they
-have cached), so the engine never has to tell them what was accepted.
+have cached), so the engine never has to tell them what was accepted.  On the GPU a drafter
+must not read the device: the round's one host read is the engine's (docs/ENGINE.md).
 
 * :class:`ModelDrafter`: any model of this architecture (a bundle) run greedily for L steps
   with its own KV cache; step d's logits are row d (conditionals along its own greedy chain).
+  Its greedy tokens stay on the device.
 * :class:`NoisyOracleDrafter`: FOR TESTS AND DEMOS ONLY.  It runs the *target* itself as a
   ModelDrafter (so it knows the target's greedy future) and replaces each row, with probability
   ``1 - agreement``, by noise whose top token is never the target's.  It costs L extra target
-  forwards per round: its tokens/s mean nothing.
+  forwards per round and reads its logits to the host: its tokens/s mean nothing.
 * :class:`BlockDrafter`: a DFlash-style block drafter: one forward over [root, MASK x (L)],
   bidirectional inside the block, conditioned on the target's hidden state at the root's
   parent through a learned projection (weights in a ``block_drafter`` bundle).
@@ -37,7 +39,17 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class ModelDrafter:
-    """L greedy steps of a small model of the same architecture (module docstring)."""
+    """L greedy steps of a small model of the same architecture (module docstring).
+
+    Its KV cache holds, per request, the committed history it was last given (``cached[b]``,
+    host tokens whose KV is exact) followed by the KV of its own drafted chain (speculative,
+    never read back).  ``propose`` truncates to the part of ``cached[b]`` that the new history
+    still starts with (never past the new root) and feeds the rest in one forward: after a
+    round that committed m tokens that is exactly those m tokens (the accepted ones and the
+    bonus, the last being the new root), so the drafted chain's KV is recomputed rather than
+    compared on the host.  On a weight-streaming GPU an m-token forward costs about what a
+    1-token one does.
+    """
 
     def __init__(self, model: Model, block_len: int = 8, name: str = "model"):
         if block_len < 1:
@@ -59,8 +71,8 @@ class ModelDrafter:
         self.cached = [np.zeros(0, np.int64) for _ in range(batch)]
 
     def _catch_up(self, histories):
-        """Feed each history's tokens not yet cached (at least the root); returns the logits
-        row of each root, [bs, V]."""
+        """Feed each history's tokens past its exact cached prefix (at least the root);
+        returns the logits row of each root, [bs, V]."""
         be, cache = self.model.backend, self.cache
         bs = len(histories)
         keep = np.array([min(_common_prefix(self.cached[b], h), h.size - 1)
@@ -76,30 +88,30 @@ class ModelDrafter:
         visible = np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n))
         logits = self.model.forward(tokens, positions, cache, visible)
         cache.advance(counts)
+        self.cached = [h.copy() for h in histories]
         return logits[be.asarray(np.arange(bs)), be.asarray(counts - 1)]
 
     def propose(self, histories):
         if self.cache is None or self.cache.batch != len(histories):
             raise RuntimeError("call start(batch, max_len) before propose")
-        be, ops, xp = self.model.backend, self.model.backend.ops, self.model.backend.xp
+        ops, xp = self.model.backend.ops, self.model.backend.xp
         bs = len(histories)
         histories = [np.asarray(h, np.int64) for h in histories]
         rows = [self._catch_up(histories)]
-        drafted = []
         for _ in range(1, self.block_len):
-            token = np.asarray(be.to_host(ops.argmax(rows[-1])), np.int64)
-            drafted.append(token)
+            token = ops.argmax(rows[-1])          # on the device, fed straight back
             logits = self.model.forward(token[:, None], self.cache.lengths[:, None].copy(),
                                         self.cache, np.ones((bs, 1, 1), bool))
             self.cache.advance(1)
             rows.append(xp.ascontiguousarray(logits[:, 0]))
-        chain = np.stack(drafted, axis=1) if drafted else np.zeros((bs, 0), np.int64)
-        self.cached = [np.concatenate([h, chain[b]]) for b, h in enumerate(histories)]
         return xp.ascontiguousarray(xp.stack(rows, axis=1).astype(np.float32))
 
 
 class NoisyOracleDrafter:
     """FOR TESTS AND DEMOS: the target's own future logits mixed with noise (module doc).
+
+    It mixes on the host, so each ``propose`` reads the oracle's [bs, L, V] logits from the
+    device: one extra sync per round (the engine's one-read-per-round contract excludes it).
 
     Row d is the target's distribution at depth d + 1 along its greedy continuation with
     probability ``agreement`` (independently per row, from ``seed``), otherwise Gaussian noise

@@ -28,9 +28,15 @@ that sits on a CDF boundary (probability ~1e-7 per token).
 
 Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
 until every request is finished (their rows are computed and discarded).
+
+Host synchronisation (docs/ENGINE.md, "Sync points"): on the GPU a round, and an AR step, waits
+for the device exactly once, when it reads the committed tokens (one packed int32 array for a
+DDTree round: acc_len and the committed tokens).  Everything else stays on the device or is
+host bookkeeping (lengths, sequences); phase timings come from markers read after the fact.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Sequence
@@ -92,15 +98,34 @@ def uniform_table(seed: int, request: int, length: int) -> np.ndarray:
     return np.random.default_rng([int(seed), int(request)]).random(length)
 
 
-class _Timer:
+class _PhaseClock:
+    """Phase durations from markers (``Backend.mark``: a CUDA event on the GPU) recorded at
+    each phase boundary.  ``lap(phase)`` charges the time since the previous marker to phase;
+    the sums are resolved only for markers the device has already passed (``settle``, called
+    after each round's read, when all of its earlier markers are), so timing never waits.
+    ``finish`` resolves the rest after the final synchronize.  Markers are recycled: a handful
+    of events serve the whole generation."""
+
     def __init__(self, backend, stats: GenerationStats):
         self.backend, self.stats = backend, stats
-        self.last = backend.clock()
+        self.last = backend.mark()
+        self.pending: collections.deque = collections.deque()
 
     def lap(self, phase: str) -> None:
-        now = self.backend.clock()
-        self.stats.time[phase] += now - self.last
-        self.last = now
+        self.pending.append((phase, self.backend.mark()))
+
+    def settle(self) -> None:
+        be = self.backend
+        while self.pending and be.passed(self.pending[0][1]):
+            phase, marker = self.pending.popleft()
+            self.stats.time[phase] += be.seconds_between(self.last, marker)
+            be.recycle(self.last)
+            self.last = marker
+
+    def finish(self) -> None:
+        """After ``backend.synchronize()``: every marker has been passed."""
+        self.settle()
+        self.backend.recycle(self.last)
 
 
 class _Requests:
@@ -142,30 +167,33 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
     return out
 
 
-def _root_only_tree(bs: int) -> DraftTree:
-    """A 1-slot-budget tree with no nodes: ``sample_targets`` on it samples slot 0 only."""
+def _root_only_tree(be, bs: int) -> DraftTree:
+    """A 1-slot-budget tree with no nodes, on the device: ``sample_targets`` on it samples
+    slot 0 only."""
     full = lambda v, dt: np.full((bs, 2), v, dt)  # noqa: E731
     depth = full(-1, np.int32)
     depth[:, 0] = 0
     score = full(-np.inf, np.float64)
     score[:, 0] = 0.0
-    return DraftTree(n_nodes=np.zeros(bs, np.int32), token=full(-1, np.int32),
-                     parent=full(-1, np.int32), depth=depth, rank=full(-1, np.int32),
-                     score=score, max_depth=1)
+    return DraftTree(n_nodes=be.asarray(np.zeros(bs, np.int32)),
+                     token=be.asarray(full(-1, np.int32)), parent=be.asarray(full(-1, np.int32)),
+                     depth=be.asarray(depth), rank=be.asarray(full(-1, np.int32)),
+                     score=be.asarray(score), max_depth=1)
 
 
 def _choose(model, logits, temperature: float, uniforms: np.ndarray) -> np.ndarray:
     """Next token per request from logits [bs, V]: argmax at T = 0, else the inverse-CDF rule
-    of ``sample_targets`` (the same kernel DDTree uses) with ``uniforms [bs]``."""
+    of ``sample_targets`` (the same kernel DDTree uses) with ``uniforms [bs]``.  The one host
+    read of a prefill or an AR step."""
     be, ops, xp = model.backend, model.backend.ops, model.backend.xp
     logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
     if temperature == 0:
         return np.asarray(be.to_host(ops.argmax(logits)), np.int64)
     bs = logits.shape[0]
     pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
-    u = np.stack([uniforms, np.full(bs, 0.5)], axis=1)
-    tokens = ops.sample_targets(_root_only_tree(bs), pair, temperature, u)
-    return np.asarray(be.to_host(tokens), np.int64)[:, 0]
+    u = be.asarray(np.stack([uniforms, np.full(bs, 0.5)], axis=1))
+    tokens = ops.sample_targets(_root_only_tree(be, bs), pair, temperature, u)
+    return np.asarray(be.to_host(tokens[:, 0]), np.int64)
 
 
 def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
@@ -187,9 +215,9 @@ def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
     last = logits[rows]
     u = np.array([tables[b][lens[b]] for b in range(bs)])
     first = _choose(model, last, temperature, u)
+    timer.lap("prefill")
     for b in range(bs):
         req.commit(b, [first[b]])
-    timer.lap("prefill")
 
 
 def _ar_step(model, cache, req: _Requests, temperature, tables, timer):
@@ -200,14 +228,35 @@ def _ar_step(model, cache, req: _Requests, temperature, tables, timer):
     cache.advance(req.active.astype(np.int64))
     u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)] for b in range(bs)])
     nxt = _choose(model, logits[:, 0], temperature, u)
+    timer.lap("decode")
     for b in np.flatnonzero(req.active):
         req.commit(b, [nxt[b]])
-    timer.lap("decode")
 
 
-def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, tables, timer,
+def _tree_uniforms(xp, table, tree, start):
+    """``U_b[start_b + depth + 1]`` for every slot of the tree, gathered on the device from the
+    uploaded uniform table [bs, W] (padding slots, depth -1, take depth 0's; positions clip at
+    W - 1, as the table covers every position a committed token can have)."""
+    pos = start[:, None] + xp.maximum(tree.depth, 0) + 1
+    return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
+
+
+def _pack_committed(xp, tree, acc_idx, acc_len, next_token):
+    """One int32 array [bs, 1 + (L + 1)] built on the device: column 0 is acc_len m, columns
+    1..m the committed tokens (the accepted nodes after the root, then the bonus token), the
+    rest -1.  Reading it is the round's only host read."""
+    path = xp.take_along_axis(tree.token, xp.maximum(acc_idx[:, 1:], 0), axis=1)   # [bs, L]
+    m = acc_len.astype(np.int32)[:, None]
+    col = xp.arange(acc_idx.shape[1], dtype=np.int32)[None, :]                    # 0..L
+    padded = xp.concatenate([path.astype(np.int32), xp.zeros_like(m)], axis=1)
+    bonus = next_token.astype(np.int32)[:, None]
+    committed = xp.where(col < m - 1, padded, xp.where(col == m - 1, bonus, np.int32(-1)))
+    return xp.concatenate([m, committed.astype(np.int32)], axis=1)
+
+
+def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
                   stats):
-    be, ops = model.backend, model.backend.ops
+    be, ops, xp = model.backend, model.backend.ops, model.backend.xp
     bs, V = cache.batch, model.vocab_size
     histories = [np.asarray(s, np.int64) for s in req.seq]
     if req.keep_hidden:
@@ -217,8 +266,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     timer.lap("draft")
     lp, ids = ops.topk_logprobs(draft_logits, min(budget, V))
     tree = ops.build_tree(lp, ids, budget)
-    start = cache.lengths.astype(np.int32)
-    vin = ops.compile_tree(tree, be.asarray(req.roots()), be.asarray(start))
+    start = be.asarray(cache.lengths.astype(np.int32))
+    vin = ops.compile_tree(tree, be.asarray(req.roots()), start)
     timer.lap("tree_build")
     logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
                            return_hidden=req.keep_hidden)
@@ -229,23 +278,22 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
         target = ops.argmax(logits.reshape(bs * (budget + 1), V)).reshape(bs, budget + 1)
         acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
     else:
-        depth = np.maximum(np.asarray(be.to_host(tree.depth), np.int64), 0)
-        pos = np.minimum(start[:, None] + depth + 1, len(tables[0]) - 1)
-        u = np.stack([tables[b][pos[b]] for b in range(bs)])
-        acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, be.asarray(u))
-    acc_idx_h, acc_len_h, nxt_h, token_h = (np.asarray(be.to_host(a)) for a in
-                                            (acc_idx, acc_len, nxt, tree.token))
+        u = _tree_uniforms(xp, table, tree, start)
+        acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
+    packed = _pack_committed(xp, tree, acc_idx, acc_len, nxt)
     if req.keep_hidden:  # the row of the last accepted node chose the next root
-        last = acc_idx_h[np.arange(bs), np.maximum(acc_len_h.astype(np.int64) - 1, 0)]
-        req.hidden = hidden[be.asarray(np.arange(bs)), be.asarray(last.astype(np.int64))]
+        last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
+                                  axis=1)[:, 0]
+        req.hidden = hidden[xp.arange(bs), last]
     timer.lap("accept")
-    active = req.active.copy()
-    cache.commit_tree(ops, acc_idx, acc_len, active)
+    cache.compact_tree(ops, acc_idx, acc_len)
     timer.lap("compaction")
-    stats.tau.append([int(acc_len_h[b]) for b in np.flatnonzero(active)])
+    packed = be.to_host(packed)                   # THE host read of the round
+    active = req.active.copy()
+    cache.advance(np.where(active, packed[:, 0], 0))
+    stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(active)])
     for b in np.flatnonzero(active):
-        m = int(acc_len_h[b])
-        req.commit(b, [*token_h[b, acc_idx_h[b, 1:m]], nxt_h[b]])
+        req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
 
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
@@ -276,6 +324,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         block_len = drafter.block_len
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=budget if method == "ddtree" else None, block_len=block_len)
+    # Device arrays of earlier work (the last generate()'s final round, dropped when it
+    # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
+    # the device.  Free them here, before the clock starts, not in the middle of a round.
+    model.backend.free_deferred()
     t0 = time.perf_counter()
     if max_new_tokens == 0:
         return GenerationResult([[] for _ in prompts], stats)
@@ -285,23 +337,32 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     verify_width = budget + 1 if method == "ddtree" else 1
     max_len = longest + verify_width + (block_len + 1 if method == "ddtree" else 1)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
+    be = model.backend
+    # DDTree gathers its uniforms on the device: one upload per generate()
+    table = be.asarray(np.stack(tables)) if method == "ddtree" and temperature > 0 else None
     cache = model.new_cache(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
     req = _Requests(prompts, max_new_tokens, eos,
                     keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",
                                                                False))
-    timer = _Timer(model.backend, stats)
-    if method == "ddtree":
-        drafter.start(bs, max_len + block_len + 1)
-        timer.lap("draft")
-    _prefill(model, cache, prompts, req, temperature, tables, timer)
+    timer = _PhaseClock(be, stats)
+    with be.deferred_frees():   # the drafter's old state dies here too
+        if method == "ddtree":
+            drafter.start(bs, max_len + block_len + 1)
+            timer.lap("draft")
+        _prefill(model, cache, prompts, req, temperature, tables, timer)
+    timer.settle()
     while req.active.any():
-        if method == "ar":
-            _ar_step(model, cache, req, temperature, tables, timer)
-        else:
-            _ddtree_round(model, cache, drafter, req, budget, temperature, tables, timer, stats)
+        with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
+            if method == "ar":
+                _ar_step(model, cache, req, temperature, tables, timer)
+            else:
+                _ddtree_round(model, cache, drafter, req, budget, temperature, table, timer,
+                              stats)
+        timer.settle()
         stats.rounds += 1
-    model.backend.synchronize()
+    be.synchronize()
+    timer.finish()
     stats.seconds = time.perf_counter() - t0
     stats.new_tokens = sum(len(o) for o in req.out)
     return GenerationResult(req.out, stats)

@@ -12,16 +12,33 @@ slots ``[0, lengths[b])``.  A forward over n new tokens writes their latents to
 :meth:`advance` (prefill/decode: the real tokens) or :meth:`commit_tree` (DDTree: compact the
 accepted tree rows, then advance).  Slots past ``lengths[b]`` are scratch.  Nothing is ever
 written past ``max_len``: a write that would not fit raises :class:`CacheFullError`.
+
+The lengths live on the host, so no cache operation reads the device: a forward uploads them
+once (:meth:`write_slots`, an asynchronous copy) and every layer reuses that upload.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-__all__ = ["KVCache", "CacheFullError"]
+__all__ = ["KVCache", "CacheFullError", "WriteSlots"]
 
 
 class CacheFullError(RuntimeError):
     """A forward would write past the cache's capacity (the message names request and lengths)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSlots:
+    """Where one forward's n new tokens go, uploaded once and used by every layer:
+    ``batch`` [bs, 1] and ``rows`` [bs, n] (device index arrays of the new slots),
+    ``prefix`` [bs] int32 (device copy of the lengths: attention's prefix) and ``max_keys``
+    (host int, ``max(lengths) + n``: the attention kernels' split-plan hint)."""
+    batch: object
+    rows: object
+    prefix: object
+    max_keys: int
 
 
 class KVCache:
@@ -62,15 +79,23 @@ class KVCache:
                 f"{n_new} more slots, but max_len is {self.max_len} "
                 f"({over.size} request(s) over capacity); allocate a larger cache")
 
-    def write(self, layer: int, c_new, k_pe_new) -> None:
-        """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr], into
-        ``[lengths[b], lengths[b] + n)`` of ``layer`` (not committed)."""
-        bs, n = c_new.shape[:2]
+    def write_slots(self, n: int) -> WriteSlots:
+        """The slots of n new tokens per request (raises :class:`CacheFullError` first)."""
         self.check_room(n)
-        rows = self.backend.asarray(self.lengths[:, None] + np.arange(n)[None, :])
-        batch = self.backend.asarray(np.arange(bs)[:, None])
-        self.c[layer][batch, rows] = c_new
-        self.k_pe[layer][batch, rows] = k_pe_new
+        put = self.backend.asarray
+        return WriteSlots(batch=put(np.arange(self.batch)[:, None]),
+                          rows=put(self.lengths[:, None] + np.arange(n)[None, :]),
+                          prefix=put(self.lengths.astype(np.int32)),
+                          max_keys=int(self.lengths.max()) + n)
+
+    def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
+        """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr], into
+        ``[lengths[b], lengths[b] + n)`` of ``layer`` (not committed).  ``slots``: this
+        forward's :meth:`write_slots` (made here if not given)."""
+        if slots is None:
+            slots = self.write_slots(c_new.shape[1])
+        self.c[layer][slots.batch, slots.rows] = c_new
+        self.k_pe[layer][slots.batch, slots.rows] = k_pe_new
 
     def advance(self, counts) -> None:
         """Commit ``counts[b]`` (scalar or [bs]) newly written tokens per request."""
@@ -89,13 +114,19 @@ class KVCache:
                              f"lengths may only shrink")
         self.lengths = lengths.copy()
 
-    def commit_tree(self, ops, acc_idx, acc_len, active=None) -> None:
+    def compact_tree(self, ops, acc_idx, acc_len) -> None:
         """After a verify forward over a tree written at ``[lengths, lengths + B + 1)``: move
-        the accepted rows (``acc_idx[b, :acc_len[b]]``, host or device) to the front with
-        ``ops.compact_kv`` and commit them.  Requests with ``active[b]`` false do not grow."""
-        past = self.backend.asarray(self.lengths)
-        ops.compact_kv([self.c, self.k_pe], past, acc_idx, acc_len)
-        grow = np.asarray(self.backend.to_host(acc_len), np.int64)
+        the accepted rows (``acc_idx[b, :acc_len[b]]``, device arrays on a GPU) to the front of
+        the tree block with ``ops.compact_kv``, every layer in one call.  Launches only: the
+        lengths do not change until :meth:`advance`."""
+        ops.compact_kv([self.c, self.k_pe], self.backend.asarray(self.lengths), acc_idx, acc_len)
+
+    def commit_tree(self, ops, acc_idx, acc_len, accepted, active=None) -> None:
+        """:meth:`compact_tree`, then commit ``accepted[b]`` rows per request (host ints: the
+        acc_len the caller already read; reading it here would cost a sync).  Requests with
+        ``active[b]`` false do not grow."""
+        self.compact_tree(ops, acc_idx, acc_len)
+        grow = np.asarray(accepted, np.int64)
         if active is not None:
             grow = np.where(np.asarray(active, bool), grow, 0)
         self.advance(grow)

@@ -319,11 +319,14 @@ class Model:
                 embeds=None):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
 
-        tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device).  Writes the
+        tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device: a device
+        ``tokens``, e.g. a drafter's own argmax, is used in place, never read back).  Writes the
         new latents at ``[cache.lengths[b], + n)`` without committing them (module docstring).
         With ``return_hidden`` also returns the final normed hidden states [bs, n, D].
         ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
         shape; the BlockDrafter feeds MASK slots and target features this way).
+        Host inputs are uploaded once per forward (asynchronous copies), so a forward never
+        waits for the device.
         """
         ops, be, cfg = self.backend.ops, self.backend, self.config
         tokens = be.asarray(tokens).astype(np.int32)
@@ -334,7 +337,7 @@ class Model:
         visible = be.asarray(visible).astype(bool)
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
-        cache.check_room(n)
+        slots = cache.write_slots(n)
         if embeds is None:
             x = ops.embedding(tokens.reshape(bs * n), self.embed)
         else:
@@ -342,14 +345,14 @@ class Model:
                                         dtype=np.float32)
         for layer, lw in enumerate(self.layers):
             h = ops.rmsnorm(x, lw.input_norm, cfg.rms_norm_eps)
-            x = x + self._attention(lw, layer, h, positions, cache, visible, bs, n)
+            x = x + self._attention(lw, layer, h, positions, cache, slots, visible, bs, n)
             h = ops.rmsnorm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + self._ffn(lw, h)
         h = ops.rmsnorm(x, self.final_norm, cfg.rms_norm_eps)
         logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
         return (logits, h.reshape(bs, n, -1)) if return_hidden else logits
 
-    def _attention(self, lw, layer, h, positions, cache, visible, bs, n):
+    def _attention(self, lw, layer, h, positions, cache, slots, visible, bs, n):
         """Absorbed MLA of one layer; writes this layer's latents of the n tokens."""
         xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
         M, H = bs * n, cfg.num_attention_heads
@@ -366,10 +369,13 @@ class Model:
         kv = ops.linear(h, lw.kv_a)                                        # [M, r + dr]
         c = ops.rmsnorm(xp.ascontiguousarray(kv[:, :r]), lw.kv_a_norm, LATENT_NORM_EPS)
         k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(M, 1, dr), positions, self.rope)
-        cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr))
+        cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
+        # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths
+        # array would give, so the numbers do not change
         u = ops.mla_attention(q_abs, q_pe.reshape(bs, n, H, dr), cache.c[layer],
-                              cache.k_pe[layer], cache.lengths, visible, self.tau)
+                              cache.k_pe[layer], slots.prefix, visible, self.tau,
+                              max_keys=slots.max_keys)
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 

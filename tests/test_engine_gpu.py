@@ -1,11 +1,14 @@
 """The engine on a real GPU: the numba backend (CuPy glue, numba kernels) against the NumPy
-reference, and DDTree losslessness on the device.  Run on the H200:
+reference, DDTree losslessness on the device, and the sync contract (docs/ENGINE.md, "Sync
+points": a round waits for the device once, when it reads its committed tokens).  Run on the
+H200:
 
     HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -m gpu tests/test_engine_gpu.py
 """
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 import pytest
@@ -16,6 +19,10 @@ from kdtree_numba.engine import generate
 from kdtree_numba.model import Model
 
 pytestmark = pytest.mark.gpu
+
+# numba driver calls that make the host wait for the device (synchronous copies, syncs, frees)
+NUMBA_WAITS = ("cuMemcpyHtoD", "cuMemcpyDtoH", "cuCtxSynchronize", "cuStreamSynchronize",
+               "cuEventSynchronize", "cuMemFree")
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,3 +115,98 @@ def test_gpu_block_drafter_is_lossless():
     prompts = [[1, 2, 3, 4], [5, 6]]
     assert generate(gpu, prompts, 16, method="ddtree", drafter=drafter,
                     budget=32).tokens == generate(gpu, prompts, 16).tokens
+
+
+# ----------------------------------------------------------------------------- sync contract
+
+def sync_case(temperature: float, method: str = "ddtree"):
+    """A small target and a ModelDrafter sharing one backend, and a generate() call on them;
+    the call runs once here (compiling every kernel and upload that later calls reuse)."""
+    _, gpu = pair("small")
+    draft_cfg = size_config("small", num_hidden_layers=1, first_k_dense_replace=1)
+    draft = Model(draft_cfg, dict(random_weights(draft_cfg, 9)), gpu.backend)
+    prompts = [[10, 20, 30, 40, 50], [7, 8]]
+
+    def run():
+        kw = dict(method="ddtree", drafter=ModelDrafter(draft, 5), budget=16) \
+            if method == "ddtree" else {}
+        return generate(gpu, prompts, 24, temperature=temperature, seed=5, **kw)
+    run()
+    return gpu, run
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_round_reads_the_device_once(temperature):
+    gpu, run = sync_case(temperature)
+    be = gpu.backend
+    reads, syncs = be.reads, be.syncs
+    dd = run()
+    reads, syncs = be.reads - reads, be.syncs - syncs
+    assert dd.stats.rounds >= 5
+    assert reads == 1 + dd.stats.rounds and syncs == 1
+    assert dd.tokens == generate(gpu, [[10, 20, 30, 40, 50], [7, 8]], 24,
+                                 temperature=temperature, seed=5).tokens
+    t = dd.stats.time
+    assert all(t[p] > 0 for p in ("prefill", "draft", "tree_build", "verify", "accept",
+                                  "compaction"))
+    assert sum(t.values()) <= dd.stats.seconds
+
+
+@pytest.mark.parametrize("method, temperature", [("ddtree", 0.0), ("ddtree", 0.8),
+                                                 ("ar", 0.8)])
+def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
+    """No numba driver call that waits for the device (a synchronous copy: a NumPy array
+    reaching a kernel, a copy_to_host; a sync; a cuMemFree outside the deferred free at the
+    end of a round) happens during a warmed-up generate()."""
+    from numba.cuda.cudadrv.driver import driver
+    gpu, run = sync_case(temperature, method)
+    be = gpu.backend
+    calls, flushing = [], []
+    for name in NUMBA_WAITS:
+        real = getattr(driver, name)
+
+        def spy(*args, _real=real, _name=name):
+            if not flushing:
+                calls.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(driver, name, spy)
+    real_free = be.free_deferred
+
+    def free_deferred():
+        flushing.append(True)
+        try:
+            real_free()
+        finally:
+            flushing.pop()
+    monkeypatch.setattr(be, "free_deferred", free_deferred)
+    gc.collect()        # no earlier garbage freed mid-run by the cycle collector
+    gc.disable()
+    try:
+        res = run()
+    finally:
+        gc.enable()
+        monkeypatch.undo()
+    assert res.stats.rounds >= 5
+    assert calls == [], sorted(set(calls))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_gpu_rounds_make_no_cupy_syncs(monkeypatch):
+    """CuPy's own sync detector (``cupyx.allow_synchronize``, deprecated; skipped where gone)
+    sees no synchronisation besides ``Backend.to_host`` / ``synchronize``."""
+    import cupyx
+    allow = getattr(cupyx, "allow_synchronize", None)
+    if allow is None:
+        pytest.skip("this CuPy has no cupyx.allow_synchronize")
+    gpu, run = sync_case(0.8)
+    be = gpu.backend
+    for name in ("to_host", "synchronize"):
+        real = getattr(be, name)
+
+        def allowed(*args, _real=real):
+            with allow(True):
+                return _real(*args)
+        monkeypatch.setattr(be, name, allowed)
+    with allow(False):
+        res = run()
+    assert res.stats.rounds >= 5
