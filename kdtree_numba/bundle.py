@@ -129,8 +129,8 @@ def _cast(name: str, array: np.ndarray, dtype: str | None) -> np.ndarray:
         raise BundleError(f"tensor {name}: dtype {dtype} is not one of {WEIGHT_DTYPES}")
     if dtype == "bfloat16":
         import ml_dtypes
-        return array.astype(ml_dtypes.bfloat16)
-    return array.astype(dtype)
+        return array.astype(ml_dtypes.bfloat16, copy=False)
+    return array.astype(dtype, copy=False)   # same dtype: no copy (a mapped source stays mapped)
 
 
 def write_bundle(path, config: ModelConfig,
@@ -168,6 +168,7 @@ def write_bundle(path, config: ModelConfig,
                 raise BundleError(f"tensor {name} given twice")
             seen.add(name)
             f.create_dataset(name, data=_cast(name, array, dtype))
+            del array   # else the loop variable keeps it alive while the next one is made
         missing = [n for n in expected if n not in seen]
         if missing:
             raise BundleError(f"missing tensor {missing[0]} (expected shape "

@@ -115,10 +115,11 @@ def _out_dtype(arr: np.ndarray, dtype: str) -> str:
 
 
 def _cast(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """``arr`` as ``dtype``; no copy when it already is (a mapped shard stays mapped)."""
     if dtype == "bfloat16":
         import ml_dtypes
-        return np.asarray(arr).astype(ml_dtypes.bfloat16)
-    return np.asarray(arr).astype(dtype)
+        return np.asarray(arr).astype(ml_dtypes.bfloat16, copy=False)
+    return np.asarray(arr).astype(dtype, copy=False)
 
 
 def _stack_experts(ck: _Checkpoint, prefix: str, E: int, which: str, shape, dtype: str):
@@ -168,6 +169,7 @@ def _tensors(ck: _Checkpoint, cfg: ModelConfig, dtype: str,
                               f"config.json implies {tuple(shape)}")
         progress(i + 1, len(shapes), name, arr)
         yield name, arr
+        del arr   # before the next tensor is made: peak memory is one tensor, not two
 
 
 def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False) -> ModelConfig:
