@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
-           "visible_slots", "fp32_error_bound"]
+           "visible_slots", "tree_visible", "fp32_error_bound"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
 
@@ -87,6 +87,19 @@ def apply_uv(u: np.ndarray, kv_b_proj: np.ndarray, dv: int, out_dtype=np.float32
     _, w_uv = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, per_head - dv)
     o = np.einsum("...hr,hvr->...hv", np.asarray(u, np.float64), w_uv)
     return o.astype(out_dtype)
+
+
+def tree_visible(parents) -> np.ndarray:
+    """The ``visible`` mask [n, n] of one tree given by parent indices (``parents[0] = -1``
+    is the root, ``parents[i] < i``): row i sees j iff j is i or an ancestor of i.  For
+    tests, vectors and examples; the engine gets the mask from ``compile_tree``."""
+    n = len(parents)
+    vis = np.zeros((n, n), bool)
+    for i in range(n):
+        if i:
+            vis[i, :i] = vis[parents[i], :i]
+        vis[i, i] = True
+    return vis
 
 
 def visible_slots(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:

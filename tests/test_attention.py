@@ -19,23 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference import attention as ref
+from reference.attention import tree_visible
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTOR_DIR = ROOT / "tests" / "vectors"
 
 
 # ------------------------------------------------------------------------------ problem makers
-def tree_visible(parents) -> np.ndarray:
-    """DDTree ancestor mask: row i sees j iff j is i or an ancestor (parents[0] = -1)."""
-    n = len(parents)
-    vis = np.zeros((n, n), bool)
-    for i in range(n):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
-
-
 def path_to(parents, i) -> list[int]:
     path = [i]
     while parents[path[-1]] >= 0:

@@ -15,21 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference import attention as ref
+from reference.attention import tree_visible
 
 pytestmark = pytest.mark.gpu
 
 H, R, DR = 64, 512, 64
 KIMI_TAU = float(np.float32(0.130861))
-
-
-def tree_visible(parents) -> np.ndarray:
-    n = len(parents)
-    vis = np.zeros((n, n), bool)
-    for i in range(n):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
 
 
 def random_tree_visible(rng, n: int, tree_nodes: int | None = None) -> np.ndarray:

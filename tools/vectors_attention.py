@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from formats import kdtr  # noqa: E402
 from reference import attention as ref  # noqa: E402
+from reference.attention import tree_visible  # noqa: E402
 
 SEED = 20260517
 ALIGN_LOG2 = 6          # 64-byte alignment keeps these small files small
@@ -36,17 +37,6 @@ KIMI_TAU = 0.130861     # Kimi-K2's softmax scale (shared/notes/mla-moe.md)
 
 # The DDTree golden tree [[3,2,1,0]]x3, B=8 of shared/notes/ddtree.md: parents of nodes 0..8.
 GOLDEN_PARENTS = (-1, 0, 1, 2, 0, 1, 4, 2, 5)
-
-
-def tree_visible(parents) -> np.ndarray:
-    """vis[i, j] = j is i or an ancestor of i (parents[0] = -1 is the root)."""
-    n = len(parents)
-    vis = np.zeros((n, n), bool)
-    for i in range(n):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
 
 
 def _mla_case(rng, bs, n, heads, r, dr, prefix, visible, tau, note):
