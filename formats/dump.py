@@ -28,7 +28,7 @@ import numpy as np
 
 from . import kdtr
 from . import layout as L
-from .dtypes import BY_CODE, BY_NAME, DType, unpack_int4
+from .dtypes import BY_NAME, DType, unpack_int4
 from .kdtr import KdtrError
 
 SCHEMA_VERSION = 1
@@ -291,27 +291,21 @@ class KdtrSource(Source):
         self.version = f"{int(pre['major'])}.{int(pre['minor'])}"
 
     def entries(self) -> list[Entry]:
-        """Depth first, each group's members in insertion order.  Reads the node table that
-        ``kdtr.File`` validated on open, column-wise: building 100,000 entries one
-        ``Dataset`` property at a time costs several seconds."""
-        f = self.file
-        table = f._datasets._nodes      # package-internal: the validated node table
-        kinds, codes, ndims = (table[c].tolist() for c in ("kind", "dtype", "ndim"))
-        dims, offsets = table["dims"].tolist(), table["data_offset"].tolist()
-        sizes, counts = table["data_size"].tolist(), table["attr_count"].tolist()
-        paths, children, base = f._paths, f._children, f._data_offset
+        """Depth first, each group's members in insertion order, from ``File.node_table()``
+        (column-wise: building 100,000 entries one ``Dataset`` property at a time costs
+        several seconds)."""
+        t = self.file.node_table()
         out: list[Entry] = []
         stack = [0]
         while stack:
             i = stack.pop()
-            if kinds[i] == L.KIND_GROUP:
-                out.append(Entry(paths[i], "group", None, None, None, counts[i], None, None,
-                                 self))
-                stack.extend(reversed(list(children[i].values())))
+            if t.is_group[i]:
+                out.append(Entry(t.paths[i], "group", None, None, None, t.attr_count[i], None,
+                                 None, self))
+                stack.extend(reversed(list(t.children[i].values())))
                 continue
-            out.append(Entry(paths[i], "dataset", BY_CODE[codes[i]].name,
-                             tuple(dims[i][:ndims[i]]), sizes[i], counts[i], base + offsets[i],
-                             None, self, None, True))
+            out.append(Entry(t.paths[i], "dataset", t.dtype[i], t.shape[i], t.nbytes[i],
+                             t.attr_count[i], t.offset[i], None, self, None, True))
         return out
 
     def attrs_of(self, e: Entry) -> dict:

@@ -605,7 +605,7 @@ def _kdtr_align_log2(path: str) -> int:
 
 def _kdtr_node_order(src: kdtr.File) -> list[str]:
     """Paths in KDTR node-table order (the order the writer received them)."""
-    return list(src._paths[1:])  # package-internal: kdtr.File keeps node order here
+    return list(src.node_table().paths[1:])
 
 
 def _preorder(group) -> list[str]:

@@ -566,3 +566,31 @@ def test_non_contiguous_input_stored_in_c_order(tmp_path):
             assert got.flags.c_contiguous and got.shape == v.shape
             assert got.tobytes() == np.ascontiguousarray(v).tobytes()
             assert f[name].checksum == checksum.crc32c(np.ascontiguousarray(v).tobytes())
+
+
+def test_node_table_lists_every_node_in_writer_order(tmp_path):
+    """File.node_table(): the columns kdtr-dump and the HDF5 bridge read, against the h5py-style
+    API of the same file."""
+    path = tmp_path / "t.kdtr"
+    with kdtr.File(path, "w") as f:
+        f.create_dataset("b/x", data=np.arange(6, dtype=np.int16).reshape(2, 3))
+        f.create_group("a").attrs["k"] = 1
+        f["b"].attrs["n"] = 2
+        f.create_dataset("a/y", data=np.float32(1.5))
+    with kdtr.File(path) as f:
+        t = f.node_table()
+        assert t.paths == ("/", "/b", "/b/x", "/a", "/a/y")
+        assert t.is_group == [True, True, False, True, False]
+        assert t.children[0] == {"b": 1, "a": 3} and t.children[2] is None
+        for i, p in enumerate(t.paths):
+            if t.is_group[i]:
+                assert (t.dtype[i], t.shape[i], t.nbytes[i]) == (None, None, 0)
+                continue
+            node = f[p]
+            assert (t.dtype[i], t.shape[i], t.nbytes[i]) == (node.kdtr_dtype, node.shape,
+                                                             node.nbytes)
+            raw = np.fromfile(path, np.uint8, count=t.nbytes[i], offset=t.offset[i])
+            assert raw.tobytes() == node.packed().tobytes()
+        assert t.attr_count == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="mode 'r'"):
+        kdtr.File(tmp_path / "w.kdtr", "w").node_table()
