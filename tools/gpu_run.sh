@@ -23,14 +23,16 @@ fi
 [ -n "${SAN_TESTS:-}" ] && ( KDTREE_CUDA_LINEINFO=1 timeout ${SAN_T:-240} compute-sanitizer --tool memcheck --print-limit 20 \
     python3 -m pytest -q -x -p no:cacheprovider ${SAN_TESTS} > "$OUT/sanitizer.txt" 2>&1;
   echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/sanitizer.txt" ) &
-python3 -m pytest --co -q -p no:cacheprovider ${TEST_FILES} 2>/dev/null | grep '::' | grep -v -F -f <(printf '%s\n' ${DESELECT:-NONE}) > /tmp/ids.txt
-wc -l /tmp/ids.txt > "$OUT/ids_count.txt"
-split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
-for s in /tmp/shard_*; do
-  n=$(basename "$s")
-  ( timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE $(cat "$s") > "$OUT/pytest_$n.txt" 2>&1;
-    echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_$n.txt" ) &
-done
+if [ -n "${TEST_FILES:-}" ]; then
+  python3 -m pytest --co -q -p no:cacheprovider ${TEST_FILES} 2>/dev/null | grep '::' | grep -v -F -f <(printf '%s\n' ${DESELECT:-NONE}) > /tmp/ids.txt
+  wc -l /tmp/ids.txt > "$OUT/ids_count.txt"
+  split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
+  for s in /tmp/shard_*; do
+    n=$(basename "$s")
+    ( timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE $(cat "$s") > "$OUT/pytest_$n.txt" 2>&1;
+      echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_$n.txt" ) &
+  done
+fi
 wait
 IFS=';' read -ra benches <<< "${BENCHES:-}"
 for b in "${benches[@]}"; do
