@@ -108,6 +108,11 @@ def run_main(argv=None) -> int:
         return 2
     _log(f"kdtree-run: backend {model.backend.name}, {len(prompts)} prompt(s), method "
          f"{args.method}, loaded in {time.perf_counter() - t0:.2f} s; generating...")
+    if model.backend.on_gpu:
+        # numba compiles each kernel on its first call (~30 s in all on the H200, run 2): say
+        # so, or a first run looks hung and its tokens/s mean nothing.
+        _log("kdtree-run: the numba kernels compile on first use in this process (about "
+             "30 s on an H200); the timings below include that")
     result = generate(model, prompts, args.max_new_tokens, method=args.method, drafter=drafter,
                       budget=args.budget, temperature=args.temperature, seed=args.seed,
                       eos=args.eos)
