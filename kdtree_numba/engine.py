@@ -327,7 +327,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # Device arrays of earlier work (the last generate()'s final round, dropped when it
     # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
     # the device.  Free them here, before the clock starts, not in the middle of a round.
-    model.backend.free_deferred()
+    be = model.backend
+    be.free_deferred()
     t0 = time.perf_counter()
     if max_new_tokens == 0:
         return GenerationResult([[] for _ in prompts], stats)
@@ -337,7 +338,6 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     verify_width = budget + 1 if method == "ddtree" else 1
     max_len = longest + verify_width + (block_len + 1 if method == "ddtree" else 1)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
-    be = model.backend
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if method == "ddtree" and temperature > 0 else None
     cache = model.new_cache(bs, max_len)

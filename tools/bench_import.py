@@ -36,18 +36,10 @@ MIB = 1 << 20
 
 # Runs in a fresh interpreter: the importer must not inherit the parent's allocations.
 CHILD = r"""
-import json, sys, threading, time
-sys.path.insert(0, sys.argv[3])
+import json, os, sys, threading, time
+sys.path[:0] = [sys.argv[3], os.path.join(sys.argv[3], "tools")]
 from kdtree_numba.hf_import import import_hf
-
-def status():
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+from bench_kdtr import proc_status as status   # RssAnon, RssFile, VmHWM, ... in bytes
 
 base = status()
 peak = dict(base)
