@@ -1,0 +1,89 @@
+"""Where the host time of generation goes: cProfile of warmed-up ``generate()`` calls.
+
+    python3 tools/profile_engine.py [--size small] [--method ar|ddtree] [--tokens 32]
+                                    [--budget 32] [--top 45]
+
+The engine on the GPU is host-bound (docs/BENCHMARKS.md, "Engine"): this prints the functions
+that take the host's time, by own time and by cumulative time, plus the wall time of one
+forward with and without a device synchronisation, so a change to the per-op overhead can be
+measured directly.  The DDTree method uses a replay drafter (no drafter forwards), so its
+profile is the target's verify forward and the tree kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("NUMBA_DISABLE_PERFORMANCE_WARNINGS", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+from kdtree_numba.bundle import random_weights, size_config  # noqa: E402
+from kdtree_numba.engine import generate  # noqa: E402
+from kdtree_numba.model import Model, causal_mask  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--method", default="ar", choices=("ar", "ddtree"))
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--top", type=int, default=45)
+    p.add_argument("--backend", default="numba", help="reference: check the script anywhere")
+    args = p.parse_args(argv)
+
+    cfg = size_config(args.size)
+    model = Model(cfg, dict(random_weights(cfg, 0)), args.backend)
+    be = model.backend
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).tolist()
+    kw = {}
+    if args.method == "ddtree":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_engine import ReplayDrafter
+        ar = generate(model, [prompt], args.tokens + 16)
+        future = prompt + ar.tokens[0] + [0] * 16
+        kw = dict(method="ddtree", budget=args.budget,
+                  drafter=ReplayDrafter(be, cfg.vocab_size, [future], 0.9))
+    t0 = time.perf_counter()
+    generate(model, [prompt], 8, **kw)                      # compiles + warms up
+    print(f"# warm-up (compiles) {time.perf_counter() - t0:.1f} s")
+
+    # one decode-shaped forward: host time to enqueue vs time to finish
+    cache = model.new_cache(1, 64)
+    tok, pos, vis = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), causal_mask(1)
+    for _ in range(3):
+        model.forward(tok, pos, cache, vis)
+    be.synchronize()
+    n = 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        model.forward(tok, pos, cache, vis)
+    t_enqueue = (time.perf_counter() - t0) / n
+    be.synchronize()
+    t_all = (time.perf_counter() - t0) / n
+    print(f"# one decode forward: {1e3 * t_enqueue:.2f} ms to enqueue, "
+          f"{1e3 * t_all:.2f} ms to finish (mean of {n})")
+
+    prof = cProfile.Profile()
+    prof.enable()
+    res = generate(model, [prompt], args.tokens, **kw)
+    prof.disable()
+    st = res.stats
+    print(f"# profiled generate(): {st.new_tokens} tokens, {st.rounds} rounds, "
+          f"{st.tokens_per_s:.1f} tok/s (under cProfile)")
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(args.top)
+        text = s.getvalue()
+        print(f"\n## by {key}\n" + text[text.find("   ncalls"):])
+
+
+if __name__ == "__main__":
+    main()
