@@ -983,10 +983,11 @@ class MlaAttentionPlan:
             self.part_o = cuda.device_array((1, 1, 1, 4), np.float32, stream=stream)
             self.part_ml = cuda.device_array((1, 1, 1, 2), np.float32, stream=stream)
 
-    def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None):
+    def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None):
+        """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's)."""
         bs, n, heads, r, dr, max_len = self.shape
         _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible)
-        st = self.stream
+        st = self.stream if stream is None else stream
         q_abs3 = to_device(q_abs, st).reshape(bs, self.n_rows, r)
         q_pe3 = to_device(q_pe, st).reshape(bs, self.n_rows, dr)
         ckv_d, kpe_d = to_device(ckv, st), to_device(kpe, st)
@@ -1046,7 +1047,7 @@ def _cached_plan(shape, max_keys, keys_per_split, variant):
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None, variant=DEFAULT_VARIANT):
+                  keys_per_split=None, variant=DEFAULT_VARIANT, stream=0):
     """Absorbed-MLA attention on the device; contract in ``reference/attention.py``.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -1060,7 +1061,7 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
     plan = _cached_plan(shape, max_keys, keys_per_split, variant)
-    return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out)
+    return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1133,15 +1134,16 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
     return head_gemm
 
 
-def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads):
+def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
+                   stream=0):
     tile = _gemm_tile()
     grid = (-(-n_out // tile.tn), -(-m // tile.tm), heads)
-    _head_gemm_kernel(tile, b_transposed)[grid, tile.ty * tile.tx](
+    _head_gemm_kernel(tile, b_transposed)[grid, tile.ty * tile.tx, stream](
         a2, np.int64(a_hs), b2, np.int64(b_hs), np.int64(b_off), c2, np.int64(c_hs),
         np.int64(m), np.int64(n_out), np.int64(k))
 
 
-def absorb_q(q_nope, kv_b_proj, *, out=None):
+def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0):
     """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]`` on the device (reference: same name).
 
     q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
@@ -1152,16 +1154,16 @@ def absorb_q(q_nope, kv_b_proj, *, out=None):
     if rows % heads or per_head <= dn:
         raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dn={dn}")
     tokens = bs * n
-    a2 = to_device(_f32(q_nope)).reshape(tokens, heads * dn)
-    w = to_device(_f32(kv_b_proj))
+    a2 = to_device(_f32(q_nope), stream).reshape(tokens, heads * dn)
+    w = to_device(_f32(kv_b_proj), stream)
     if out is None:
-        out = cuda.device_array((bs, n, heads, r), np.float32)
+        out = cuda.device_array((bs, n, heads, r), np.float32, stream=stream)
     _run_head_gemm(a2, dn, w, per_head, 0, False, out.reshape(tokens, heads * r), r,
-                   tokens, r, dn, heads)
+                   tokens, r, dn, heads, stream)
     return out
 
 
-def apply_uv(u, kv_b_proj, dv, *, out=None):
+def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0):
     """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]`` on the device (reference: same name).
 
     u [bs, n, H, r] float32, kv_b_proj [H*(dn+dv), r] float32, dv = v_head_dim
@@ -1173,12 +1175,12 @@ def apply_uv(u, kv_b_proj, dv, *, out=None):
     if rows % heads or per_head <= dv:
         raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dv={dv}")
     tokens = bs * n
-    a2 = to_device(_f32(u)).reshape(tokens, heads * r)
-    w = to_device(_f32(kv_b_proj))
+    a2 = to_device(_f32(u), stream).reshape(tokens, heads * r)
+    w = to_device(_f32(kv_b_proj), stream)
     if out is None:
-        out = cuda.device_array((bs, n, heads, dv), np.float32)
+        out = cuda.device_array((bs, n, heads, dv), np.float32, stream=stream)
     _run_head_gemm(a2, r, w, per_head, per_head - dv, True, out.reshape(tokens, heads * dv),
-                   dv, tokens, dv, r, heads)
+                   dv, tokens, dv, r, heads, stream)
     return out
 
 

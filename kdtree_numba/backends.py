@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from types import SimpleNamespace
 
@@ -56,6 +57,10 @@ class Backend:
     reads: int = 0
     syncs: int = 0
     _free_events: list = dataclasses.field(default_factory=list, repr=False)
+    # the stream every numba op is launched on (None: each op's default, the legacy stream);
+    # shared with the op wrappers, set by :meth:`on_stream`
+    _launch: SimpleNamespace = dataclasses.field(
+        default_factory=lambda: SimpleNamespace(stream=None), repr=False)
 
     def asarray(self, a, dtype=None):
         """A host (or device) array as an ``xp`` array, on the device for a GPU backend.
@@ -107,6 +112,22 @@ class Backend:
         if self.on_gpu:
             self._free_events.append(marker)
 
+    @contextlib.contextmanager
+    def on_stream(self, stream):
+        """Enqueue every op of the block on ``stream`` (a CuPy stream): numba kernels through
+        their ``stream=`` argument, CuPy glue as CuPy's current stream.  This is how a CUDA
+        graph captures a forward (kdtree_numba/graphs.py).  GPU numba backend only."""
+        if not (self.on_gpu and self.name == "numba"):
+            raise RuntimeError("on_stream needs the numba backend on a GPU")
+        from numba import cuda as numba_cuda
+        previous = self._launch.stream
+        self._launch.stream = numba_cuda.external_stream(stream.ptr)
+        try:
+            with stream:
+                yield
+        finally:
+            self._launch.stream = previous
+
     # ---- numba's frees
     @contextlib.contextmanager
     def deferred_frees(self):
@@ -152,6 +173,22 @@ def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(**ops)
 
 
+def _numba_to_cupy(x):
+    """A zero-copy CuPy view of a numba device array that keeps it alive.
+
+    Not ``cupy.asarray``: an array numba allocated with ``stream=s`` exports ``s`` in its
+    ``__cuda_array_interface__``, and CuPy then synchronises ``s``, a host wait (and an error
+    inside a CUDA-graph capture, whose ops all run on ``s``)."""
+    import cupy
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    if x.size == 0 or min(strides, default=0) < 0:
+        return cupy.asarray(x)
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + x.dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(x.device_ctypes_pointer.value, span, x,
+                                  cupy.cuda.Device().id)
+    return cupy.ndarray(shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
+
+
 def _device_result_converter(on_gpu: bool):
     """What a numba device array returned by a kernel becomes: CuPy view or host copy."""
     from numba import cuda as numba_cuda
@@ -160,15 +197,22 @@ def _device_result_converter(on_gpu: bool):
 
         def is_numba_device(x):
             return numba_cuda.is_cuda_array(x) and not isinstance(x, cupy.ndarray)
-        return is_numba_device, cupy.asarray
+        return is_numba_device, _numba_to_cupy
 
     def is_sim_device(x):
         return numba_cuda.devicearray.is_cuda_ndarray(x)
     return is_sim_device, lambda x: x.copy_to_host()
 
 
-def _wrapper(fn, convert):
+def _wrapper(fn, convert, launch):
+    """``fn`` with its device results converted and ``launch.stream``, when set, passed as the
+    ``stream=`` every numba op takes (Backend.on_stream)."""
+    if "stream" not in inspect.signature(fn).parameters:
+        raise TypeError(f"numba op {fn.__name__} takes no stream= argument")
+
     def wrapped(*args, **kwargs):
+        if launch.stream is not None:
+            kwargs.setdefault("stream", launch.stream)
         return convert(fn(*args, **kwargs))
     wrapped.__name__ = getattr(fn, "__name__", "op")
     wrapped.__doc__ = getattr(fn, "__doc__", None)
@@ -176,7 +220,7 @@ def _wrapper(fn, convert):
     return wrapped
 
 
-def _numba_ops(on_gpu: bool) -> SimpleNamespace:
+def _numba_ops(on_gpu: bool, launch: SimpleNamespace) -> SimpleNamespace:
     from kdtree_numba import attention, ddtree, layers
     is_device, to_xp = _device_result_converter(on_gpu)
 
@@ -190,9 +234,10 @@ def _numba_ops(on_gpu: bool) -> SimpleNamespace:
                                              for f in dataclasses.fields(x)})
         return x
 
-    ops = {name: _wrapper(getattr(layers, name), convert) for name in LAYER_OPS}
-    ops.update({name: _wrapper(getattr(attention, name), convert) for name in ATTENTION_OPS})
-    ops.update({name: _wrapper(getattr(ddtree, name), convert) for name in DDTREE_OPS})
+    ops = {name: _wrapper(getattr(module, name), convert, launch)
+           for module, names in ((layers, LAYER_OPS), (attention, ATTENTION_OPS),
+                                 (ddtree, DDTREE_OPS))
+           for name in names}
     return SimpleNamespace(**ops)
 
 
@@ -212,4 +257,5 @@ def make_backend(name: str = "auto") -> Backend:
         import cupy as xp
     else:
         xp = np
-    return Backend("numba", xp, _numba_ops(on_gpu), on_gpu=on_gpu)
+    launch = SimpleNamespace(stream=None)
+    return Backend("numba", xp, _numba_ops(on_gpu, launch), on_gpu=on_gpu, _launch=launch)

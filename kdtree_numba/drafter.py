@@ -67,7 +67,8 @@ class ModelDrafter:
         return cls(Model.load(path, backend), block_len, name=f"model:{path}")
 
     def start(self, batch: int, max_len: int) -> None:
-        self.cache = self.model.new_cache(batch, max_len)
+        # the last generation's cache when it fits: the CUDA graphs of its forwards replay
+        self.cache = self.model.reuse_cache(self.cache, batch, max_len)
         self.cached = [np.zeros(0, np.int64) for _ in range(batch)]
 
     def _catch_up(self, histories):

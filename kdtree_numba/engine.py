@@ -340,7 +340,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if method == "ddtree" and temperature > 0 else None
-    cache = model.new_cache(bs, max_len)
+    # the model's last generation cache is reused when it fits: its CUDA graphs replay
+    cache = model.generation_cache = model.reuse_cache(model.generation_cache, bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
     req = _Requests(prompts, max_new_tokens, eos,
                     keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",

@@ -23,11 +23,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from kdtree_numba.backends import Backend, make_backend
+from kdtree_numba.graphs import ForwardGraphs, ForwardInputs, graphs_enabled
 from kdtree_numba.kvcache import KVCache
 
 __all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "LATENT_NORM_EPS",
            "HF_MODEL_TYPES"]
 
+# generation caches are sized in steps of this many tokens, so that the next generation can reuse
+# one (and the CUDA graphs captured against it): Model.reuse_cache
+CACHE_BUCKET = 256
 # q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (DeepSeek's code).
 LATENT_NORM_EPS = 1e-6
 HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -248,6 +252,13 @@ class Model:
         self.rope = _rope_spec(config)
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights)
+        # CUDA graphs of repeated forward shapes (kdtree_numba/graphs.py); None: every
+        # forward runs eagerly (the reference backend, the simulator, KDTREE_CUDA_GRAPHS=0)
+        self.graphs = None
+        # engine.generate's KV cache, kept for the next generation (reuse_cache)
+        self.generation_cache: KVCache | None = None
+        if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
+            self.graphs = ForwardGraphs(self.backend)
 
     @classmethod
     def load(cls, path, backend="auto") -> "Model":
@@ -315,6 +326,17 @@ class Model:
         return KVCache(self.backend, cfg.num_hidden_layers, batch, max_len, cfg.kv_lora_rank,
                        cfg.qk_rope_head_dim)
 
+    def reuse_cache(self, previous: KVCache | None, batch: int, max_len: int) -> KVCache:
+        """An empty cache for a new generation: ``previous`` emptied when it has ``batch``
+        requests and the same capacity bucket, else a new cache of ``max_len`` rounded up to a
+        multiple of CACHE_BUCKET.  CUDA graphs are captured against a cache's buffers
+        (kdtree_numba/graphs.py), so reusing them lets the next generation replay them."""
+        bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
+        if previous is not None and previous.batch == batch and previous.max_len == bucket:
+            previous.truncate(np.zeros(batch, np.int64))
+            return previous
+        return self.new_cache(batch, bucket)
+
     def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
                 embeds=None):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
@@ -326,18 +348,36 @@ class Model:
         ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
         shape; the BlockDrafter feeds MASK slots and target features this way).
         Host inputs are uploaded once per forward (asynchronous copies), so a forward never
-        waits for the device.
+        waits for the device.  On the GPU a shape seen before replays a CUDA graph
+        (kdtree_numba/graphs.py).
         """
-        ops, be, cfg = self.backend.ops, self.backend, self.config
-        tokens = be.asarray(tokens).astype(np.int32)
+        be = self.backend
+        tokens = tokens if hasattr(tokens, "shape") else np.asarray(tokens)
+        if len(tokens.shape) != 2:
+            raise ValueError(f"tokens must be [batch, n], got shape {tuple(tokens.shape)}")
         bs, n = tokens.shape
         if cache.batch != bs:
             raise ValueError(f"cache holds {cache.batch} requests, tokens {bs}")
-        positions = be.asarray(positions).astype(np.int32).reshape(bs * n)
-        visible = be.asarray(visible).astype(bool)
+        visible = visible if hasattr(visible, "shape") else np.asarray(visible)
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
-        slots = cache.write_slots(n)
+        if self.graphs is not None and embeds is None:
+            out = self.graphs.forward(self, tokens, positions, cache, visible, return_hidden)
+            if out is not None:
+                return out
+        inputs = ForwardInputs(tokens=be.asarray(tokens).astype(np.int32),
+                               positions=be.asarray(positions).astype(np.int32).reshape(bs * n),
+                               visible=be.asarray(visible).astype(bool),
+                               slots=cache.write_slots(n))
+        return self._compute(inputs, cache, return_hidden, embeds)
+
+    def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds):
+        """The forward on device inputs (graphs.ForwardInputs): only device work, so a CUDA
+        graph can capture it."""
+        ops, be, cfg = self.backend.ops, self.backend, self.config
+        tokens, positions, visible, slots = (inputs.tokens, inputs.positions, inputs.visible,
+                                             inputs.slots)
+        bs, n = tokens.shape
         if embeds is None:
             x = ops.embedding(tokens.reshape(bs * n), self.embed)
         else:

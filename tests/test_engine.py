@@ -29,7 +29,7 @@ from kdtree_numba.bundle import block_drafter_shapes, random_weights, size_confi
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate, uniform_table
 from kdtree_numba.kvcache import CacheFullError
-from kdtree_numba.model import Model, causal_mask, weight_shapes
+from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask, weight_shapes
 from reference import ddtree as ref_ddtree
 
 # Engine tests use a two-layer variant of the tiny config (one dense + one MoE layer, YaRN,
@@ -156,6 +156,27 @@ def test_verify_rows_equal_sequential_paths_and_compaction_equals_prefill():
     np.testing.assert_allclose(cache.c[:, 0, :seq.size], fresh.c[:, 0, :seq.size], atol=1e-6)
     np.testing.assert_allclose(cache.k_pe[:, 0, :seq.size], fresh.k_pe[:, 0, :seq.size],
                                atol=1e-6)
+
+
+def test_generation_cache_is_reused_by_the_next_generation():
+    """generate() keeps its cache (capacity in CACHE_BUCKET steps) for the next call of the
+    same batch size and bucket, emptied, so CUDA graphs captured against it replay; the
+    tokens do not depend on it; a ModelDrafter reuses its own cache the same way."""
+    model = tiny_model(0)
+    drafter = ModelDrafter(tiny_model(3), 3)
+    want = generate(model, [[1, 2, 3]], 6).tokens
+    cache = model.generation_cache
+    assert cache.max_len % CACHE_BUCKET == 0 and cache.max_len >= 3 + 6
+    dd = generate(model, [[1, 2, 3]], 6, method="ddtree", drafter=drafter, budget=4)
+    assert dd.tokens == want and model.generation_cache is cache
+    drafter_cache = drafter.cache
+    assert generate(model, [[1, 2, 3]], 6, method="ddtree", drafter=drafter,
+                    budget=4).tokens == want
+    assert model.generation_cache is cache and drafter.cache is drafter_cache
+    generate(model, [[1, 2], [3]], 2)                       # another batch size: a new cache
+    assert model.generation_cache is not cache and model.generation_cache.batch == 2
+    big = generate(model, [[1]], CACHE_BUCKET + 1)       # a larger bucket: a new cache
+    assert model.generation_cache.max_len == 2 * CACHE_BUCKET and len(big.tokens[0]) > 0
 
 
 def test_cache_full_raises_naming_request_and_never_overwrites():

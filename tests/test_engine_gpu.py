@@ -210,3 +210,101 @@ def test_gpu_rounds_make_no_cupy_syncs(monkeypatch):
     with allow(False):
         res = run()
     assert res.stats.rounds >= 5
+
+
+# ---- CUDA graphs (kdtree_numba/graphs.py)
+def _tree_visible(rng, n):
+    """A random tree's ancestor mask over n nodes (node 0 the root)."""
+    from reference.attention import tree_visible
+    return tree_visible([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
+    """Decode (n = 1) and tree-verify (n = 9) forwards: the first call of a shape runs eagerly,
+    the second captures, the rest replay; each step's logits and the cache it wrote equal an
+    eager run fed the same inputs, while tokens, positions and masks change every step."""
+    import cupy
+    from kdtree_numba.graphs import ForwardGraphs
+    _, gpu = pair("small")
+    assert gpu.graphs is not None               # on by default on the GPU
+    graphs = ForwardGraphs(gpu.backend)         # this test's own: counts start at 0
+    monkeypatch.setattr(gpu, "graphs", graphs)
+    rng = np.random.default_rng(n)
+    bs, steps = 2, 5
+    caches = {"graph": gpu.new_cache(bs, 96), "eager": gpu.new_cache(bs, 96)}
+    prompt = rng.integers(0, gpu.vocab_size, (bs, 7))
+    for cache in caches.values():
+        gpu.graphs = None
+        gpu.forward(prompt, np.tile(np.arange(7), (bs, 1)), cache,
+                    np.tile(np.tri(7, dtype=bool), (bs, 1, 1)))
+        cache.advance([7, 5])            # ragged: request 1 keeps 5 of its 7
+    gpu.graphs = graphs
+    try:
+        for step in range(steps):
+            tokens = rng.integers(0, gpu.vocab_size, (bs, n))
+            vis = np.stack([_tree_visible(rng, n) for _ in range(bs)])
+            depth = vis.sum(-1) - 1
+            out = {}
+            for mode, cache in caches.items():
+                gpu.graphs = graphs if mode == "graph" else None
+                pos = cache.lengths[:, None] + depth
+                out[mode] = cupy.asnumpy(gpu.forward(tokens, pos, cache, vis))
+                cache.advance([1, 1 + step % 2])
+            np.testing.assert_allclose(out["graph"], out["eager"], rtol=1e-4, atol=1e-4)
+    finally:
+        gpu.graphs = graphs
+    assert graphs.captures == 1 and graphs.replays == steps - 1
+    g, e = caches["graph"], caches["eager"]
+    np.testing.assert_array_equal(g.lengths, e.lengths)
+    for b in range(bs):
+        L = int(g.lengths[b])
+        np.testing.assert_allclose(cupy.asnumpy(g.c[:, b, :L]), cupy.asnumpy(e.c[:, b, :L]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method):
+    from kdtree_numba.graphs import ForwardGraphs
+    _, gpu = pair("small")
+    monkeypatch.setattr(gpu, "graphs", ForwardGraphs(gpu.backend))
+    kw = {}
+    if method == "ddtree":
+        kw = dict(method="ddtree", budget=16, drafter=NoisyOracleDrafter(gpu, 4, agreement=0.7))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    graphs = gpu.graphs
+    try:
+        gpu.graphs = None
+        want = generate(gpu, prompts, 20, **kw).tokens
+    finally:
+        gpu.graphs = graphs
+    for _ in range(2):                     # the second call replays the first one's captures
+        assert generate(gpu, prompts, 20, **kw).tokens == want
+    assert graphs.failures == 0 and graphs.captures >= 1 and graphs.replays > 10
+
+
+def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
+    """A forward that cannot be captured (here: it raises while capturing) warns once and
+    runs eagerly from then on, with the right logits."""
+    from kdtree_numba.graphs import ForwardGraphs
+    _, gpu = pair("tiny")
+    real_compute = gpu._compute
+
+    def compute(*args, **kw):
+        if gpu.backend._launch.stream is not None:     # inside the capture
+            raise RuntimeError("not capturable")
+        return real_compute(*args, **kw)
+    monkeypatch.setattr(gpu, "_compute", compute)
+    monkeypatch.setattr(gpu, "graphs", ForwardGraphs(gpu.backend))
+    cache = gpu.new_cache(1, 32)
+    tok, vis = np.array([[5]]), np.ones((1, 1, 1), bool)
+    ref, _ = pair("tiny")
+    ref_cache = ref.new_cache(1, 32)
+    with pytest.warns(RuntimeWarning, match="not capturable"):
+        for step in range(4):
+            got = gpu.forward(tok, [[step]], cache, vis)
+            want = ref.forward(tok, [[step]], ref_cache, vis)
+            np.testing.assert_allclose(gpu.backend.to_host(got), want, rtol=1e-4, atol=1e-4)
+            cache.advance(1)
+            ref_cache.advance(1)
+    assert gpu.graphs.failures == 1 and gpu.graphs.captures == 0

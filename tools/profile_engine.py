@@ -55,21 +55,28 @@ def main(argv=None):
     generate(model, [prompt], 8, **kw)                      # compiles + warms up
     print(f"# warm-up (compiles) {time.perf_counter() - t0:.1f} s")
 
-    # one decode-shaped forward: host time to enqueue vs time to finish
-    cache = model.new_cache(1, 64)
-    tok, pos, vis = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), causal_mask(1)
-    for _ in range(3):
-        model.forward(tok, pos, cache, vis)
-    be.synchronize()
-    n = 20
-    t0 = time.perf_counter()
-    for _ in range(n):
-        model.forward(tok, pos, cache, vis)
-    t_enqueue = (time.perf_counter() - t0) / n
-    be.synchronize()
-    t_all = (time.perf_counter() - t0) / n
-    print(f"# one decode forward: {1e3 * t_enqueue:.2f} ms to enqueue, "
-          f"{1e3 * t_all:.2f} ms to finish (mean of {n})")
+    # one decode-shaped forward, eager and replayed from a CUDA graph: host time to enqueue
+    # vs time to finish
+    graphs = model.graphs
+    for label, use in (("eager", None), ("CUDA graph", graphs)):
+        if label != "eager" and use is None:
+            continue
+        model.graphs = use
+        cache = model.new_cache(1, 64)
+        tok, pos, vis = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), causal_mask(1)
+        for _ in range(3):                  # the first call compiles, the second captures
+            model.forward(tok, pos, cache, vis)
+        be.synchronize()
+        n = 20
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model.forward(tok, pos, cache, vis)
+        t_enqueue = (time.perf_counter() - t0) / n
+        be.synchronize()
+        t_all = (time.perf_counter() - t0) / n
+        print(f"# one decode forward, {label}: {1e3 * t_enqueue:.3f} ms to enqueue, "
+              f"{1e3 * t_all:.3f} ms to finish (mean of {n})")
+    model.graphs = graphs
 
     prof = cProfile.Profile()
     prof.enable()
@@ -78,6 +85,9 @@ def main(argv=None):
     st = res.stats
     print(f"# profiled generate(): {st.new_tokens} tokens, {st.rounds} rounds, "
           f"{st.tokens_per_s:.1f} tok/s (under cProfile)")
+    if graphs is not None:
+        print(f"# CUDA graphs: {graphs.captures} captured, {graphs.replays} replays, "
+              f"{graphs.failures} failed captures")
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(args.top)
