@@ -161,13 +161,16 @@ def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
     from numba.cuda.cudadrv.driver import driver
     gpu, run = sync_case(temperature, method)
     be = gpu.backend
-    calls, flushing = [], []
+    import traceback
+    calls, flushing, where = [], [], []
     for name in NUMBA_WAITS:
         real = getattr(driver, name)
 
         def spy(*args, _real=real, _name=name):
             if not flushing:
                 calls.append(_name)
+                if not where:      # the first offender's stack, for the failure message
+                    where.append("".join(traceback.format_stack(limit=14)[:-1]))
             return _real(*args)
         monkeypatch.setattr(driver, name, spy)
     real_free = be.free_deferred
@@ -187,7 +190,7 @@ def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
         gc.enable()
         monkeypatch.undo()
     assert res.stats.rounds >= 5
-    assert calls == [], sorted(set(calls))
+    assert calls == [], f"{sorted(set(calls))} x{len(calls)}, first from:\n{where[0]}"
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -374,31 +374,48 @@ SWEEP = [(4, 2, 128, 1), (2, 4, 128, 1), (1, 4, 256, 1), (8, 1, 128, 1), (4, 1, 
          (4, 4, 64, 1), (2, 2, 128, 2), (1, 4, 128, 4)]
 
 
-def bench_sweep(ctx, results, deadline):
-    """Alternative (rows, unroll, threads, splits) for M = 1 at two shapes."""
+def sweep_grid(layers, k):
+    """Every (rows, unroll) x float32 load kind at the batch-invariant thread count of k."""
+    return [layers.SkinnyConfig(1, rows, layers.skinny_threads(k), unroll, 1, load)
+            for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)
+            for load in ("xchg", "stream", "cached")]
+
+
+def bench_sweep(ctx, results, deadline, shapes=SWEEP_SHAPES, dtypes=("bf16", "f32"),
+                grid=False):
+    """Alternative (rows, unroll, threads, splits) for M = 1 at two shapes; ``grid``: every
+    (rows, unroll, float32 load) at the thread count linear() would use."""
     cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
     nb = cuda.as_cuda_array
-    for k, n in SWEEP_SHAPES:
-        for dtype in ("bf16", "f32"):
+    for k, n in shapes:
+        for dtype in dtypes:
             esize = 2 if dtype == "bf16" else 4
             ws = [cp.random.standard_normal((n, k), dtype=cp.float32)
                   for _ in range(copies_for(n * k * esize, cap=16))]
+            x_cp, y_cp = (cp.random.standard_normal((1, k), dtype=cp.float32),
+                          cp.empty((1, n), cp.float32))
+            # cuBLAS fp32 SGEMM on the same shape, timed beside the sweep (it drifts by run)
+            t_cublas = timer([lambda w=w: cp.matmul(x_cp, w.T, out=y_cp) for w in ws],
+                             trials=5)[0] if dtype == "f32" else None
             if dtype == "bf16":
                 ws = [(w.view(cp.uint32) >> 16).astype(cp.uint16) for w in ws]
             ws = [nb(w) for w in ws]
-            x = nb(cp.random.standard_normal((1, k), dtype=cp.float32))
-            y = nb(cp.empty((1, n), cp.float32))
+            x, y = nb(x_cp), nb(y_cp)
             space = layers.Workspace()     # split-K buffers allocated once, not per call
-            for rows, unroll, threads, splits in SWEEP:
+            configs = sweep_grid(layers, k) if grid else \
+                [layers.SkinnyConfig(1, rows, threads, unroll, splits)
+                 for rows, unroll, threads, splits in SWEEP]
+            for cfg in configs:
                 if time.perf_counter() > deadline:
                     return
-                cfg = layers.SkinnyConfig(1, rows, threads, unroll, splits)
                 t, hb = timer([lambda w=w: layers.linear(x, w, out=y, config=cfg, workspace=space)
                                for w in ws],
                               trials=5)
                 nbytes = n * k * esize
                 results.append(dict(section="sweep", K=k, N=n, M=1, weights=dtype,
                                     config=str(cfg), us=t * 1e6,
+                                    cublas_f32_us=t_cublas and t_cublas * 1e6,
+                                    vs_cublas=t_cublas and t_cublas / t,
                                     roof_frac=nbytes / HBM_BYTES_PER_S / t, host_bound=hb))
                 print_row(results[-1])
 
@@ -415,7 +432,8 @@ COLUMNS = {
             "roof_frac", "gbps", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
-    "sweep": ["K", "N", "M", "weights", "config", "us", "roof_frac", "host_bound"],
+    "sweep": ["K", "N", "M", "weights", "config", "us", "cublas_f32_us", "vs_cublas",
+              "roof_frac", "host_bound"],
 }
 _last_section = [None]
 
@@ -473,8 +491,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--only", default="linear,variants,moe,norm,rope,sweep",
                         help="comma-separated sections (default: all)")
+    parser.add_argument("--sweep-shapes", help="K x N pairs for the sweep, e.g. 7168x1536")
+    parser.add_argument("--sweep-dtypes", default="bf16,f32")
+    parser.add_argument("--sweep-grid", action="store_true",
+                        help="sweep every (rows, unroll, f32 load) at linear()'s thread count")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
+    sweep_shapes = SWEEP_SHAPES if not args.sweep_shapes else tuple(
+        tuple(int(v) for v in pair.split("x")) for pair in args.sweep_shapes.split(","))
     t_start = time.perf_counter()
     import cupy as cp
     from kdtree_numba import layers
@@ -502,7 +526,8 @@ def main(argv=None) -> int:
             results.append(dict(section=name, error=f"{type(exc).__name__}: {exc}"))
     if "sweep" in sections and time.perf_counter() - t_start < BUDGET_S - 40:
         try:
-            bench_sweep(ctx, results, deadline=t_start + BUDGET_S)
+            bench_sweep(ctx, results, deadline=t_start + BUDGET_S, shapes=sweep_shapes,
+                        dtypes=tuple(args.sweep_dtypes.split(",")), grid=args.sweep_grid)
         except Exception as exc:   # noqa: BLE001
             print(f"\nsweep FAILED: {type(exc).__name__}: {exc}", flush=True)
     summary(results)
