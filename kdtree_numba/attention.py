@@ -164,21 +164,10 @@ def _make_memory_intrinsics():
             return types.void(), codegen
         return statement
 
-    @intrinsic
-    def prefetch_l2(typingctx, gaddr):
-        """Ask for the 128-byte line at a global address (from the address intrinsic) to be
-        brought into L2; no result, never faults."""
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            builder.call(ir.InlineAsm(fnty, "prefetch.global.L2 [$0];", "l",
-                                      side_effect=True), [args[0]])
-        return types.void(gaddr), codegen
-
     cp_async_commit = _asm_statement("cp.async.commit_group;")
     cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
     return (load4, store4, cp_async16, cp_async16_raw, _address_intrinsic("shared", 32),
-            _address_intrinsic("global", 64), cp_async_commit, cp_async_wait_all,
-            prefetch_l2)
+            _address_intrinsic("global", 64), cp_async_commit, cp_async_wait_all)
 
 
 def _sim_load4(arr, idx):
@@ -212,33 +201,7 @@ if SIMULATOR:
     cp_async_commit = cp_async_wait_all = _sim_nothing
 else:
     (load4, store4, cp_async16, cp_async16_raw, shared_address, global_address,
-     cp_async_commit, cp_async_wait_all, prefetch_l2) = _make_memory_intrinsics()
-
-
-def _l2_prefetcher(cfg):
-    """``ahead(ckv, kpe, b, key0, tid)``: prefetch into L2 the key tile of rows
-    ``[key0, key0 + keys)``, which the caller keeps inside the arrays.  Its ckv rows are one
-    contiguous run of ``keys * r * 4`` bytes and its kpe rows another; thread tid takes every
-    T-th 128-byte line of each (one line per thread at Kimi widths: few registers, as the
-    prefetch runs while the pipeline's registers are live).  A no-op in the simulator."""
-    if SIMULATOR:
-        def ahead_sim(ckv, kpe, b, key0, tid):
-            pass
-        return ahead_sim
-    T, N = cfg.threads, cfg.keys
-    LINE_BYTES = 128
-    CKV_LINES = -(-N * cfg.r * 4 // LINE_BYTES)
-    KPE_LINES = -(-N * cfg.dr * 4 // LINE_BYTES)
-
-    @_inline
-    def ahead(ckv, kpe, b, key0, tid):
-        base = global_address(ckv, (b, key0, 0))
-        for line in range(tid, CKV_LINES, T):
-            prefetch_l2(base + LINE_BYTES * line)
-        base = global_address(kpe, (b, key0, 0))
-        for line in range(tid, KPE_LINES, T):
-            prefetch_l2(base + LINE_BYTES * line)
-    return ahead
+     cp_async_commit, cp_async_wait_all) = _make_memory_intrinsics()
 
 
 def _inline(fn):
@@ -415,8 +378,6 @@ class TileConfig:
     score_unroll: int = 1  # column quads per score-loop iteration (2 spills)
     score_pad: int = 8     # floats added to a score-tile row (rows + 8: conflict-free softmax)
     scratch: int = 0       # floats of shared scratch (the simulator's stand-in for shuffles)
-    l2_prefetch: int = 0   # tiles ahead to prefetch into L2 (0: none); hides HBM latency when
-    #                        a block's keys are read by no other block (decode)
 
     @property
     def d(self):           # key width r + dr
@@ -523,10 +484,6 @@ VARIANTS = {
     "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
                    key_lanes=4, k_warps=2),
 }
-# pipe16x2 plus an L2 prefetch of the tile 4 ahead: a decode block reads keys no other block
-# reads, from HBM, behind a pipeline only two 16-key tiles deep (the queries fill the rest of
-# shared memory); verify blocks mostly hit L2, where the prefetch costs a few instructions.
-VARIANTS["pipe16x2pf"] = dict(VARIANTS["pipe16x2"], l2_prefetch=4)
 # The best worst case on the H200 (run 3, docs/GPU_RESULTS.md): 1.52x / 1.51x / 1.73x of the
 # roof at verify P4096 / P16384 / decode, against pipe16's 1.53x / 1.51x / 1.76x.
 DEFAULT_VARIANT = "pipe16x2"
@@ -541,8 +498,7 @@ def gpu_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConf
     cfg = TileConfig(r, dr, threads=threads, rows=rows, keys=v["keys"], stages=v["stages"],
                      lane_rows=v["lane_rows"], lane_keys=4, k_lanes=v["k_lanes"],
                      row_lanes=v["row_lanes"], key_lanes=v["key_lanes"], k_warps=v["k_warps"],
-                     cg=cg, rv=max(1, rows * cg // threads), out_lane_cols=min(cg, 8),
-                     l2_prefetch=v.get("l2_prefetch", 0))
+                     cg=cg, rv=max(1, rows * cg // threads), out_lane_cols=min(cg, 8))
     if cfg.smem_bytes() > MAX_SHARED_BYTES:
         cfg = replace(cfg, score_pad=4)
     return cfg.validate()
@@ -561,8 +517,7 @@ def sim_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConf
                       row_lanes=v["row_lanes"], key_lanes=v["key_lanes"],
                       k_warps=v["k_warps"], cg=cg, rv=max(1, rows * cg // threads),
                       out_lane_cols=min(cg, 8),
-                      scratch=threads * lane_rows * lane_keys,
-                      l2_prefetch=v.get("l2_prefetch", 0)).validate()
+                      scratch=threads * lane_rows * lane_keys).validate()
 
 
 def tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
@@ -657,7 +612,6 @@ def _jit_options(cfg: TileConfig) -> dict:
 def _attention_kernel(cfg: TileConfig):
     """Build the tiled attention kernel for one configuration (constants are closed over)."""
     T, M, N, STAGES = cfg.threads, cfg.rows, cfg.keys, cfg.stages
-    L2_AHEAD = cfg.l2_prefetch * cfg.keys      # keys ahead of the tile being computed
     Q4 = cfg.quads
     QS, ST = cfg.row_stride, cfg.score_stride
     # score phase
@@ -705,7 +659,6 @@ def _attention_kernel(cfg: TileConfig):
     reduce_scatter = _reduce_scatter_fn(SC, KL, SCR_OFF)
     copy_keys = _row_tile_copier(cfg, N)
     copy_queries = _row_tile_copier(cfg, M)
-    l2_ahead = _l2_prefetcher(cfg)
 
     QSTEP = 4 * KSP                       # floats between a lane's column quads
 
@@ -814,8 +767,6 @@ def _attention_kernel(cfg: TileConfig):
                     copy_keys(smem, KV_OFF + (1 - stage) * (N * QS), ckv, kpe, b, t0 + N,
                               kend, tid)
                     cp_async_commit()
-            if L2_AHEAD and t0 + L2_AHEAD + N <= kend:   # whole tiles only: in bounds
-                l2_ahead(ckv, kpe, b, t0 + L2_AHEAD, tid)
 
             # scores: sc[a, bb] = q[row a] . k[key bb] over this lane's column quads
             for x in range(SC):

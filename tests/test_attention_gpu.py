@@ -49,7 +49,7 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-VARIANTS = ("pipe16x2", "pipe16", "tile32", "wide16", "pipe16x2pf")  # every layout of kdtree_numba.attention
+VARIANTS = ("pipe16x2", "pipe16", "tile32", "wide16")  # every layout of kdtree_numba.attention
 
 
 def check(prob, variants=VARIANTS, **kwargs):
