@@ -569,9 +569,11 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
         if SIMULATOR or -(-n // cand_rows) >= 4 * GPU_SMS:
             rows, unroll = cand_rows, cand_unroll
             break
-    if wkind == "f32" and mt <= 2 and rows * unroll > 4:
+    if wkind == "f32" and mt <= 2 and rows * unroll > 4 and (mt, rows) != (1, 2):
         # a float32 chunk is 32 bytes, twice bf16's: half the chunks give the same bytes in
-        # flight per thread, and rows * unroll = 16 needed ~200 registers with the exchange
+        # flight per thread, and rows * unroll = 16 needed ~200 registers with the exchange.
+        # Not at one x row and two weight rows: the full sweep of run 13 (7168 -> 1536, the
+        # shape that picks rows = 2) timed unroll 4 at 14.3 us against 15.3 us for 2.
         unroll = max(1, unroll // 2)
     return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k), unroll=unroll, splits=1)
 
