@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import traceback
 
 import numpy as np
 import pytest
@@ -161,7 +162,10 @@ def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
     from numba.cuda.cudadrv.driver import driver
     gpu, run = sync_case(temperature, method)
     be = gpu.backend
-    import traceback
+    # earlier tests' garbage (cycles holding device arrays) is collected and freed now, before
+    # the spies go in: run 13 caught a collection here freeing 22 of them
+    gc.collect()
+    be.free_deferred()
     calls, flushing, where = [], [], []
     for name in NUMBA_WAITS:
         real = getattr(driver, name)
@@ -182,8 +186,7 @@ def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
         finally:
             flushing.pop()
     monkeypatch.setattr(be, "free_deferred", free_deferred)
-    gc.collect()        # no earlier garbage freed mid-run by the cycle collector
-    gc.disable()
+    gc.disable()        # and no collection during the run
     try:
         res = run()
     finally:
