@@ -254,8 +254,61 @@ def _pack_committed(xp, tree, acc_idx, acc_len, next_token):
     return xp.concatenate([m, committed.astype(np.int32)], axis=1)
 
 
+def _device_step(model, key, fn, inputs):
+    """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when it
+    has them (graphs.ForwardGraphs.call: captured on the key's second call), else run eagerly
+    on device copies of ``inputs`` (host or device arrays)."""
+    be = model.backend
+    if model.graphs is not None:
+        specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
+        out = model.graphs.call(key + specs, fn, inputs, specs)
+        if out is not None:
+            return out
+    return fn(*(be.asarray(a) for a in inputs))
+
+
+def _tree_phase(ops, k: int, budget: int):
+    """draft logits, roots, start -> (tree, verify inputs): top-K, build, compile."""
+    def run(draft_logits, roots, start):
+        lp, ids = ops.topk_logprobs(draft_logits, k)
+        tree = ops.build_tree(lp, ids, budget)
+        return tree, ops.compile_tree(tree, roots, start)
+    return run
+
+
+TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")
+
+
+def _accept_phase(ops, xp, temperature: float, max_depth: int):
+    """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
+    committed tokens): the target's choice at every node, the walk, the packing."""
+    def run(logits, *arrays):
+        tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
+        if temperature == 0:
+            bs, n, V = logits.shape
+            target = ops.argmax(logits.reshape(bs * n, V)).reshape(bs, n)
+            acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
+        else:
+            table, start = arrays[len(TREE_ARRAYS):]
+            u = _tree_uniforms(xp, table, tree, start)
+            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
+        return acc_idx, acc_len, _pack_committed(xp, tree, acc_idx, acc_len, nxt)
+    return run
+
+
+def _compaction_phase(ops, cache):
+    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
+    def run(lengths, acc_idx, acc_len):
+        cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
+        return ()
+    return run
+
+
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
                   stats):
+    """One round.  Its three device-only phases (tree, accept, compaction) go through
+    ``_device_step``: on the GPU each is one CUDA-graph launch once its shapes repeat, like the
+    verify forward."""
     be, ops, xp = model.backend, model.backend.ops, model.backend.xp
     bs, V = cache.batch, model.vocab_size
     histories = [np.asarray(s, np.int64) for s in req.seq]
@@ -264,29 +317,29 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     else:
         draft_logits = drafter.propose(histories)
     timer.lap("draft")
-    lp, ids = ops.topk_logprobs(draft_logits, min(budget, V))
-    tree = ops.build_tree(lp, ids, budget)
-    start = be.asarray(cache.lengths.astype(np.int32))
-    vin = ops.compile_tree(tree, be.asarray(req.roots()), start)
+    k = min(budget, V)
+    start = cache.lengths.astype(np.int32)
+    tree, vin = _device_step(model, ("tree", k, budget), _tree_phase(ops, k, budget),
+                             (draft_logits, req.roots(), start))
     timer.lap("tree_build")
     logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
                            return_hidden=req.keep_hidden)
     if req.keep_hidden:
         logits, hidden = logits
     timer.lap("verify")
-    if temperature == 0:
-        target = ops.argmax(logits.reshape(bs * (budget + 1), V)).reshape(bs, budget + 1)
-        acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
-    else:
-        u = _tree_uniforms(xp, table, tree, start)
-        acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
-    packed = _pack_committed(xp, tree, acc_idx, acc_len, nxt)
+    arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
+    if temperature > 0:
+        arrays += (table, start)
+    acc_idx, acc_len, packed = _device_step(
+        model, ("accept", float(temperature), tree.max_depth),
+        _accept_phase(ops, xp, temperature, tree.max_depth), (logits,) + arrays)
     if req.keep_hidden:  # the row of the last accepted node chose the next root
         last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
                                   axis=1)[:, 0]
         req.hidden = hidden[xp.arange(bs), last]
     timer.lap("accept")
-    cache.compact_tree(ops, acc_idx, acc_len)
+    _device_step(model, ("compaction",) + cache.buffer_key(), _compaction_phase(ops, cache),
+                 (cache.lengths, acc_idx, acc_len))
     timer.lap("compaction")
     packed = be.to_host(packed)                   # THE host read of the round
     active = req.active.copy()

@@ -46,9 +46,9 @@ import numpy as np
 
 from kdtree_numba.kvcache import WriteSlots
 
-__all__ = ["ForwardGraphs", "ForwardInputs", "graphs_enabled"]
+__all__ = ["ForwardGraphs", "ForwardInputs", "graphs_enabled", "map_arrays"]
 
-MAX_GRAPHS = 16        # captured shapes kept per model (least recently used dropped)
+MAX_GRAPHS = 24        # captured shapes kept per model (least recently used dropped)
 MAX_SEEN = 256         # keys remembered while waiting for their second call
 
 
@@ -70,8 +70,8 @@ class ForwardInputs:
 @dataclasses.dataclass
 class _Graph:
     graph: object
-    inputs: ForwardInputs          # the static buffers the graph reads
-    outputs: tuple                 # the buffers it writes (logits[, hidden])
+    inputs: tuple                  # the static buffers the graph reads
+    outputs: object                # what it writes (arrays, tuples/dataclasses of arrays)
     keep: list                     # numba allocations made while capturing
 
 
@@ -106,26 +106,46 @@ def _recording_numba_allocations(keep: list):
         del manager.memalloc           # the class's method again
 
 
+def map_arrays(fn, x):
+    """``fn`` applied to every array in ``x`` (an array, a tuple, a dataclass of them, or
+    something else, returned as is)."""
+    if isinstance(x, tuple):
+        return tuple(map_arrays(fn, v) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: map_arrays(fn, getattr(x, f.name))
+                                         for f in dataclasses.fields(x)})
+    if hasattr(x, "__cuda_array_interface__"):
+        return fn(x)
+    return x
+
+
 class ForwardGraphs:
-    """The captured forwards of one model (module docstring).  ``captures``, ``replays`` and
-    ``failures`` count what happened."""
+    """The captured device work of one model (module docstring): its forwards
+    (:meth:`forward`) and any other device-only step (:meth:`call`: the engine's DDTree round
+    phases).  ``captures``, ``replays`` and ``failures`` count what happened."""
 
     def __init__(self, backend):
         import cupy
         self.backend = backend
         self.stream = cupy.cuda.Stream()             # blocking: see the module docstring
-        self.pool = cupy.cuda.MemoryPool()           # the captured forwards' glue memory
+        self.pool = cupy.cuda.MemoryPool()           # the captured work's glue memory
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict = {}
         self._failed: set = set()
         self.captures = self.replays = self.failures = 0
 
-    def forward(self, model, tokens, positions, cache, visible, return_hidden: bool):
-        """The forward of ``model`` (Model.forward's contract) through a graph when its key
-        has one or gets one now; ``None`` when this call must run eagerly."""
-        bs, n = tokens.shape
-        key = (bs, n, bool(return_hidden), cache.c.data.ptr, cache.k_pe.data.ptr,
-               tuple(cache.c.shape), tuple(cache.k_pe.shape))
+    def kinds(self) -> collections.Counter:
+        """How many graphs of each kind (a key's first entry: "forward", "tree", ...) are
+        held now."""
+        return collections.Counter(key[0] for key in self._graphs)
+
+    def call(self, key, fn, inputs, specs):
+        """``fn(*device_inputs)`` through a graph when ``key`` has one or gets one now (its
+        second call), else ``None``: the caller then runs it eagerly.  ``inputs`` (host or
+        device arrays) are written into static buffers of ``specs`` ((shape, dtype) each, in
+        order) before each replay; the outputs (arrays, tuples or dataclasses of them) are
+        copied out.  ``key`` must name everything else ``fn`` depends on: ``fn`` itself is
+        only run while capturing."""
         entry = self._graphs.get(key)
         if entry is None:
             if key in self._failed:
@@ -135,34 +155,39 @@ class ForwardGraphs:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < 2:
                 return None
-            cache.check_room(n)
-            entry = self._capture(model, key, cache, return_hidden)
+            entry = self._capture(key, fn, specs)
             if entry is None:
                 return None
         self._graphs.move_to_end(key)
-        cache.check_room(n)
-        static = entry.inputs
-        _write(static.tokens, tokens)
-        _write(static.positions, positions)
-        _write(static.visible, visible)
-        _write(static.slots.rows, cache.lengths[:, None] + np.arange(n)[None, :])
-        _write(static.slots.prefix, cache.lengths)
+        for buf, src in zip(entry.inputs, inputs):
+            _write(buf, src)
         entry.graph.launch(self.stream)
         self.replays += 1
-        out = tuple(o.copy() for o in entry.outputs)       # on the legacy stream: after it
-        return out if return_hidden else out[0]
+        return map_arrays(lambda a: a.copy(), entry.outputs)   # legacy stream: after it
 
-    def _capture(self, model, key, cache, return_hidden):
+    def forward(self, model, tokens, positions, cache, visible, return_hidden: bool):
+        """The forward of ``model`` (Model.forward's contract) through a graph, or ``None``
+        when this call must run eagerly."""
+        import cupy
+        bs, n = tokens.shape
+        cache.check_room(n)
+        key = ("forward", bs, n, bool(return_hidden)) + cache.buffer_key()
+
+        def run(tok, pos, vis, rows, prefix):
+            # the split plan covers the whole cache, so one graph serves every length
+            slots = WriteSlots(batch=cupy.arange(bs, dtype=np.int64)[:, None], rows=rows,
+                               prefix=prefix, max_keys=cache.max_len)
+            return model._compute(ForwardInputs(tok, pos, vis, slots), cache, return_hidden,
+                                  None)
+        specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
+                 ((bs, n), np.int64), ((bs,), np.int32))
+        rows = cache.lengths[:, None] + np.arange(n)[None, :]
+        return self.call(key, run, (tokens, positions, visible, rows, cache.lengths), specs)
+
+    def _capture(self, key, fn, specs):
         import cupy
         from kdtree_numba import attention
-        bs, n = key[0], key[1]
-        xp = cupy
-        static = ForwardInputs(
-            tokens=xp.zeros((bs, n), np.int32), positions=xp.zeros(bs * n, np.int32),
-            visible=xp.zeros((bs, n, n), bool),
-            slots=WriteSlots(batch=xp.asarray(np.arange(bs)[:, None]),
-                             rows=xp.zeros((bs, n), np.int64), prefix=xp.zeros(bs, np.int32),
-                             max_keys=cache.max_len))
+        static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)
         keep: list = []
         # attention plans hold scratch between calls; rebuilt here, theirs is recorded too
         attention._cached_plan.cache_clear()
@@ -171,7 +196,7 @@ class ForwardGraphs:
                 self.backend.on_stream(self.stream):
             self.stream.begin_capture()
             try:
-                outputs = model._compute(static, cache, return_hidden, None)
+                outputs = fn(*static)
             except Exception as e:     # the capture must be ended whatever happened
                 error = e
             try:
@@ -181,10 +206,9 @@ class ForwardGraphs:
         if error is not None:
             self.failures += 1
             self._failed.add(key)
-            warnings.warn(f"CUDA graph capture of a forward (batch {bs}, {n} tokens) failed, "
-                          f"running it eagerly: {error!r}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"CUDA graph capture of {key[0]} {key[1:3]} failed, running it "
+                          f"eagerly: {error!r}", RuntimeWarning, stacklevel=4)
             return None
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         entry = _Graph(graph, static, outputs, keep)
         self._graphs[key] = entry
         self._seen.pop(key, None)

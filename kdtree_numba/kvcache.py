@@ -114,12 +114,23 @@ class KVCache:
                              f"lengths may only shrink")
         self.lengths = lengths.copy()
 
-    def compact_tree(self, ops, acc_idx, acc_len) -> None:
+    def compact_tree(self, ops, acc_idx, acc_len, lengths=None) -> None:
         """After a verify forward over a tree written at ``[lengths, lengths + B + 1)``: move
         the accepted rows (``acc_idx[b, :acc_len[b]]``, device arrays on a GPU) to the front of
         the tree block with ``ops.compact_kv``, every layer in one call.  Launches only: the
-        lengths do not change until :meth:`advance`."""
-        ops.compact_kv([self.c, self.k_pe], self.backend.asarray(self.lengths), acc_idx, acc_len)
+        lengths do not change until :meth:`advance`.  ``lengths``: a device copy of them
+        (a CUDA graph's input), else they are uploaded."""
+        if lengths is None:
+            lengths = self.backend.asarray(self.lengths)
+        ops.compact_kv([self.c, self.k_pe], lengths, acc_idx, acc_len)
+
+    def buffer_key(self) -> tuple:
+        """Addresses and shapes of the cache arrays: the key of a CUDA graph that reads or
+        writes them (the same buffers, reused by another cache object, replay correctly)."""
+        def address(a):
+            iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+            return int(iface["data"][0])
+        return tuple((address(a), tuple(a.shape)) for a in (self.c, self.k_pe))
 
     def commit_tree(self, ops, acc_idx, acc_len, accepted, active=None) -> None:
         """:meth:`compact_tree`, then commit ``accepted[b]`` rows per request (host ints: the

@@ -269,14 +269,18 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
                                    rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["ar", "ddtree"])
-def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method):
+@pytest.mark.parametrize("method, temperature", [("ar", 0.0), ("ddtree", 0.0),
+                                                 ("ddtree", 0.8)])
+def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature):
+    """Same tokens with and without CUDA graphs; in DDTree the round's tree, accept and
+    compaction phases replay from graphs as well as the forwards."""
     from kdtree_numba.graphs import ForwardGraphs
     _, gpu = pair("small")
     monkeypatch.setattr(gpu, "graphs", ForwardGraphs(gpu.backend))
-    kw = {}
+    kw = dict(temperature=temperature, seed=3)
     if method == "ddtree":
-        kw = dict(method="ddtree", budget=16, drafter=NoisyOracleDrafter(gpu, 4, agreement=0.7))
+        kw.update(method="ddtree", budget=16,
+                  drafter=NoisyOracleDrafter(gpu, 4, agreement=0.7))
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     graphs = gpu.graphs
     try:
@@ -287,6 +291,10 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method):
     for _ in range(2):                     # the second call replays the first one's captures
         assert generate(gpu, prompts, 20, **kw).tokens == want
     assert graphs.failures == 0 and graphs.captures >= 1 and graphs.replays > 10
+    kinds = graphs.kinds()
+    assert kinds["forward"] >= 1
+    if method == "ddtree":
+        assert kinds["tree"] == kinds["accept"] == kinds["compaction"] == 1, kinds
 
 
 def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
