@@ -278,8 +278,8 @@ class Model:
             return put(np.ascontiguousarray(weights[name], dtype=np.float32))
 
         def fused(*names):  # gate rows first, then up rows (the kernels' gate_up layout)
-            return put(np.ascontiguousarray(np.concatenate([np.asarray(weights[n])
-                                                            for n in names], axis=0)))
+            # joined by the backend: on a GPU each part goes up once, no joined host copy
+            return self.backend.xp.concatenate([w(n) for n in names], axis=0)
 
         self.embed = w("model/embed_tokens")
         self.final_norm = w("model/norm")
