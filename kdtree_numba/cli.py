@@ -124,8 +124,10 @@ def run_main(argv=None) -> int:
             print(",".join(str(t) for t in toks))
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
     tau = f", mean tau {stats.mean_tau:.2f}" if args.method == "ddtree" else ""
+    graphs = "" if stats.graph_replays is None else \
+        f"; CUDA graphs: {stats.graph_captures} captured, {stats.graph_replays} replays"
     _log(f"kdtree-run: {stats.new_tokens} tokens in {stats.seconds:.3f} s "
-         f"({stats.tokens_per_s:.1f} tok/s), {stats.rounds} rounds{tau}; {split}")
+         f"({stats.tokens_per_s:.1f} tok/s), {stats.rounds} rounds{tau}; {split}{graphs}")
     return 0
 
 

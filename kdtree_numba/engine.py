@@ -64,6 +64,9 @@ class GenerationStats:
     seconds: float = 0.0                # wall time of generate(), prefill included
     time: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
     tau: list = dataclasses.field(default_factory=list)  # per round: acc_len of active requests
+    # the target model's CUDA graphs during this call (kdtree_numba/graphs.py); None: graphs off
+    graph_captures: int | None = None
+    graph_replays: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -400,6 +403,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                     keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",
                                                                False))
     timer = _PhaseClock(be, stats)
+    graphs = model.graphs
+    graphs_before = (graphs.captures, graphs.replays) if graphs is not None else None
     with be.deferred_frees():   # the drafter's old state dies here too
         if method == "ddtree":
             drafter.start(bs, max_len + block_len + 1)
@@ -418,5 +423,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     be.synchronize()
     timer.finish()
     stats.seconds = time.perf_counter() - t0
+    if graphs_before is not None:
+        stats.graph_captures = graphs.captures - graphs_before[0]
+        stats.graph_replays = graphs.replays - graphs_before[1]
     stats.new_tokens = sum(len(o) for o in req.out)
     return GenerationResult(req.out, stats)

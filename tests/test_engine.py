@@ -169,6 +169,7 @@ def test_generation_cache_is_reused_by_the_next_generation():
     assert cache.max_len % CACHE_BUCKET == 0 and cache.max_len >= 3 + 6
     dd = generate(model, [[1, 2, 3]], 6, method="ddtree", drafter=drafter, budget=4)
     assert dd.tokens == want and model.generation_cache is cache
+    assert dd.stats.graph_replays is None          # no CUDA graphs off the GPU
     drafter_cache = drafter.cache
     assert generate(model, [[1, 2, 3]], 6, method="ddtree", drafter=drafter,
                     budget=4).tokens == want

@@ -289,7 +289,9 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature)
     finally:
         gpu.graphs = graphs
     for _ in range(2):                     # the second call replays the first one's captures
-        assert generate(gpu, prompts, 20, **kw).tokens == want
+        res = generate(gpu, prompts, 20, **kw)
+        assert res.tokens == want
+    assert res.stats.graph_replays > 10     # counted in the stats too
     assert graphs.failures == 0 and graphs.captures >= 1 and graphs.replays > 10
     kinds = graphs.kinds()
     assert kinds["forward"] >= 1
