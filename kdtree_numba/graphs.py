@@ -128,7 +128,17 @@ class ForwardGraphs:
         import cupy
         self.backend = backend
         self.stream = cupy.cuda.Stream()             # blocking: see the module docstring
-        self.pool = cupy.cuda.MemoryPool()           # the captured work's glue memory
+        # The captured work's glue memory.  Blocks a capture freed are still written by its
+        # graph, so they may go only to later captures, never back to the driver: on an
+        # out-of-memory a CuPy pool frees its free blocks (free_all_blocks), so this pool's
+        # allocator holds every allocation as long as the graphs live.
+        self._held: list = []
+
+        def hold(nbytes):
+            memory = cupy.cuda.Memory(nbytes)
+            self._held.append(memory)
+            return cupy.cuda.MemoryPointer(memory, 0)
+        self.pool = cupy.cuda.MemoryPool(hold)
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict = {}
         self._failed: set = set()
@@ -146,6 +156,11 @@ class ForwardGraphs:
         order) before each replay; the outputs (arrays, tuples or dataclasses of them) are
         copied out.  ``key`` must name everything else ``fn`` depends on: ``fn`` itself is
         only run while capturing."""
+        import cupy
+        if cupy.cuda.get_current_stream().ptr != 0:
+            # replays are ordered with the caller's work by the legacy stream's implicit
+            # synchronisation: a caller on another stream runs eagerly
+            return None
         entry = self._graphs.get(key)
         if entry is None:
             if key in self._failed:

@@ -365,10 +365,14 @@ class Model:
             out = self.graphs.forward(self, tokens, positions, cache, visible, return_hidden)
             if out is not None:
                 return out
+        slots = cache.write_slots(n)
+        if self.graphs is not None:
+            # the graphs' split plan (the cache's capacity): eager calls then compile the
+            # kernels a capture will use (the merge), and give the same bits as a replay
+            slots = dataclasses.replace(slots, max_keys=cache.max_len)
         inputs = ForwardInputs(tokens=be.asarray(tokens).astype(np.int32),
                                positions=be.asarray(positions).astype(np.int32).reshape(bs * n),
-                               visible=be.asarray(visible).astype(bool),
-                               slots=cache.write_slots(n))
+                               visible=be.asarray(visible).astype(bool), slots=slots)
         return self._compute(inputs, cache, return_hidden, embeds)
 
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds):
