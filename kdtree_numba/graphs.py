@@ -134,10 +134,10 @@ class ForwardGraphs:
         # allocator holds every allocation as long as the graphs live.
         self._held: list = []
 
-        def hold(nbytes):
-            memory = cupy.cuda.Memory(nbytes)
+        def hold(nbytes):          # CuPy's own _malloc, plus the reference kept
+            memory = cupy.cuda.memory.Memory(nbytes)
             self._held.append(memory)
-            return cupy.cuda.MemoryPointer(memory, 0)
+            return cupy.cuda.memory.MemoryPointer(memory, 0)
         self.pool = cupy.cuda.MemoryPool(hold)
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict = {}
