@@ -21,8 +21,8 @@ every measurement against what the same kind of measurement took last (the first
 always runs); the run stops cleanly, and SIGTERM/SIGINT stop it too, printing the summary table
 of every row measured so far (and the JSON, rewritten after every row).
 
-Timing: wall clock of whole ``generate`` calls after a warm-up of the same shapes (which also
-pays numba's first-call compilation); the per-round split (draft / tree / verify / accept /
+Timing: wall clock of whole ``generate`` calls after a warm-up call identical to the measured
+one (which pays numba's first-call compilation and the CUDA-graph captures); the per-round split (draft / tree / verify / accept /
 compact) comes from the engine's CUDA-event markers, which add no sync (docs/ENGINE.md).  Roof:
 weight-streaming bound of batch-1 decode, bytes of the weights one token touches (attention,
 dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the 4.1 TB/s HBM
@@ -99,7 +99,10 @@ def bytes_per_token(cfg) -> float:
 
 
 def time_generate(model, prompt, n_new, **kw):
-    generate(model, [prompt], min(n_new, 8), **kw)        # warm-up of the same shapes
+    # warm-up: the very same call, so the measured one compiles nothing and captures no CUDA
+    # graph (an 8-token warm-up left some drafter shapes to the measured call: the slow first
+    # model-drafter rows of runs 12-15)
+    generate(model, [prompt], n_new, **kw)
     return generate(model, [prompt], n_new, **kw)
 
 
