@@ -155,7 +155,8 @@ def row(size, method, res, roof, **extra):
     return dict(size=size, method=method, budget=st.budget, tokens=st.new_tokens,
                 seconds=st.seconds, tokens_per_s=st.tokens_per_s,
                 decode_tokens_per_s=st.decode_tokens_per_s, tau=st.mean_tau,
-                rounds=st.rounds, ms_per_round=per_round, roof_tokens_per_s=roof, **extra)
+                rounds=st.rounds, ms_per_round=per_round, roof_tokens_per_s=roof,
+                graph_captures=st.graph_captures, graph_replays=st.graph_replays, **extra)
 
 
 def bench_size(size, args, budget: Budget, out_rows):
