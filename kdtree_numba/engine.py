@@ -33,6 +33,9 @@ Host synchronisation (docs/ENGINE.md, "Sync points"): on the GPU a round, and an
 for the device exactly once, when it reads the committed tokens (one packed int32 array for a
 DDTree round: acc_len and the committed tokens).  Everything else stays on the device or is
 host bookkeeping (lengths, sequences); phase timings come from markers read after the fact.
+
+On the GPU the forwards and a round's device-only phases (tree, accept, compaction) replay
+from CUDA graphs once their shapes repeat (kdtree_numba/graphs.py, docs/ENGINE.md).
 """
 from __future__ import annotations
 
