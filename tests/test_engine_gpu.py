@@ -297,6 +297,8 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature)
     assert kinds["forward"] >= 1
     if method == "ddtree":
         assert kinds["tree"] == kinds["accept"] == kinds["compaction"] == 1, kinds
+    if temperature == 0:
+        assert kinds["argmax"] >= 1, kinds          # the AR step's / prefill's choice
 
 
 def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
