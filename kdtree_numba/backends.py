@@ -32,7 +32,7 @@ import numpy as np
 
 from kdtree_numba import compat
 
-__all__ = ["Backend", "make_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "make_backend", "BACKEND_NAMES", "map_arrays"]
 
 BACKEND_NAMES = ("auto", "reference", "numba")
 
@@ -173,6 +173,23 @@ def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(**ops)
 
 
+def map_arrays(fn, x, is_array=None):
+    """``fn`` applied to every array in ``x``: an array, a tuple or a dataclass of them (a
+    DraftTree, a VerifyInput), anything else returned as is.  Arrays are what ``is_array``
+    accepts (default: device arrays, i.e. objects with ``__cuda_array_interface__``)."""
+    if is_array is None:
+        def is_array(v):
+            return hasattr(v, "__cuda_array_interface__")
+    if is_array(x):
+        return fn(x)
+    if isinstance(x, tuple):
+        return tuple(map_arrays(fn, v, is_array) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: map_arrays(fn, getattr(x, f.name), is_array)
+                                         for f in dataclasses.fields(x)})
+    return x
+
+
 def _numba_to_cupy(x):
     """A zero-copy CuPy view of a numba device array that keeps it alive.
 
@@ -225,14 +242,7 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace) -> SimpleNamespace:
     is_device, to_xp = _device_result_converter(on_gpu)
 
     def convert(x):
-        if is_device(x):
-            return to_xp(x)
-        if isinstance(x, tuple):
-            return tuple(convert(v) for v in x)
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: convert(getattr(x, f.name))
-                                             for f in dataclasses.fields(x)})
-        return x
+        return map_arrays(to_xp, x, is_device)
 
     ops = {name: _wrapper(getattr(module, name), convert, launch)
            for module, names in ((layers, LAYER_OPS), (attention, ATTENTION_OPS),

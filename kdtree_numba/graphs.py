@@ -44,9 +44,10 @@ import warnings
 
 import numpy as np
 
+from kdtree_numba.backends import map_arrays
 from kdtree_numba.kvcache import WriteSlots
 
-__all__ = ["ForwardGraphs", "ForwardInputs", "graphs_enabled", "map_arrays"]
+__all__ = ["ForwardGraphs", "ForwardInputs", "graphs_enabled"]
 
 MAX_GRAPHS = 24        # captured shapes kept per model (least recently used dropped)
 MAX_SEEN = 256         # keys remembered while waiting for their second call
@@ -104,19 +105,6 @@ def _recording_numba_allocations(keep: list):
             yield
     finally:
         del manager.memalloc           # the class's method again
-
-
-def map_arrays(fn, x):
-    """``fn`` applied to every array in ``x`` (an array, a tuple, a dataclass of them, or
-    something else, returned as is)."""
-    if isinstance(x, tuple):
-        return tuple(map_arrays(fn, v) for v in x)
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: map_arrays(fn, getattr(x, f.name))
-                                         for f in dataclasses.fields(x)})
-    if hasattr(x, "__cuda_array_interface__"):
-        return fn(x)
-    return x
 
 
 class ForwardGraphs:
