@@ -201,15 +201,6 @@ def _warp_sum_f64(value):
     return value
 
 
-@device_function
-def _warp_or(value):
-    offset = WARP // 2
-    while offset > 0:
-        value |= _shfl_xor(value, offset)
-        offset //= 2
-    return value
-
-
 # ----------------------------------------------------------------------------- 16-byte loads
 # ``_load4(a, row, q)`` -> the four float32 a[row, 4q : 4q+4] with one 16-byte load
 # (``ld.global.nc.v4.f32``); the caller guarantees 16-byte alignment (row stride % 4 == 0 and
@@ -612,17 +603,24 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                 for e in range(per_lane):
                     if xs[e] >= bound and xs[e] > NEG_INF32:
                         cand |= 1 << e
-                pending = _warp_or(cand)
-                while pending != 0:
-                    low = pending & -pending
-                    pending ^= low
-                    e = cuda.popc(low - 1)
-                    j = 4 * (qb + (e >> 2) * WARP) + (e & 3)
+                # One round stages each lane's next candidate, so the rounds number the most
+                # candidates one lane holds (usually 1-2), not the positions any lane holds.
+                # xs[e] comes from an unrolled select: a runtime index would put xs in local
+                # memory (as would an ``if f == e: x = xs[f]`` loop, which LLVM turns back into
+                # xs[e]), and re-reading the logits was a dependent L2 load per position (the
+                # candidate path then took 37% of the kernel's time on the H200).
+                while _any(cand != 0):
                     x = NEG_INF32
+                    j = 0
                     take = False
-                    if cand & low:
-                        x = logits[row, j]    # re-read (L1): xs[e] with a runtime e would
-                        take = x >= theta_x and _before(x, j, own_x, own_i)  # spill xs
+                    if cand != 0:
+                        low = cand & -cand
+                        cand ^= low
+                        e = cuda.popc(low - 1)
+                        for f in range(per_lane):   # a max of selects, not xs[e]
+                            x = max(x, xs[f] if (low >> f) & 1 else NEG_INF32)
+                        j = 4 * (qb + (e >> 2) * WARP) + (e & 3)
+                        take = x >= theta_x and _before(x, j, own_x, own_i)
                     mask = _ballot(take)
                     if mask != 0:
                         if take:
@@ -830,18 +828,21 @@ def topk_logprobs(logits, k: int, *, stream=0, out=None, warps=None, vec=None, p
 
 
 # ----------------------------------------------------------------------------- tree builder
-# docs/DDTREE.md, "build_tree", has the design and why.  One block per request; thread 0 runs
-# the contract's pop loop on a 4-ary heap in shared memory (live candidates <= B + 1), with
-# scores float64 and ties broken by rank path; the other threads fill the lp cache before and
-# write the tree after.  A candidate is (score, info) with info packing its parent node, its
-# rank and its depth: parent << 32 | rank << 16 | depth.
+# docs/DDTREE.md, "build_tree", has the design and why.  One block per request; warp 0 runs the
+# contract's pop loop over a frontier of candidates spread across its lanes (a warp arg-best per
+# pop instead of a serial heap), with float64 scores and ties broken by rank path; all threads
+# fill the lp cache before and write the tree after.  A candidate is (score, key): the key packs
+# its frontier slot, its parent node, its rank and its depth:
+# slot << 48 | parent << 32 | rank << 16 | depth (slot < 2**15, parent, rank, depth < 2**16).
 
 LP_CACHE = 2048   # float32 lp values per request cached in shared memory (8 KB)
+_KEY_NOT_SLOT = np.int64(0xFFFFFFFFFFFF)   # mask of a key's bits but its slot
 
 
 @device_function
-def _pack(parent, rank, depth):
-    return (np.int64(parent) << 32) | (np.int64(rank) << 16) | np.int64(depth)
+def _pack(slot, parent, rank, depth):
+    return ((np.int64(slot) << 48) | (np.int64(parent) << 32) | (np.int64(rank) << 16)
+            | np.int64(depth))
 
 
 @device_function
@@ -851,10 +852,10 @@ def _path_before(ia, ib, n_parent, n_rank):
     would have been popped, and is not a live candidate), so walking the deeper one up to the
     other's depth, then both to their lowest common ancestor, the ranks just below it decide.
     One loop (not three): every comparison site inlines this, so it is kept small."""
-    pa = np.int32(ia >> 32)
+    pa = np.int32((ia >> 32) & 0xFFFF)
     ra = np.int32((ia >> 16) & 0xFFFF)
     da = np.int32(ia & 0xFFFF)
-    pb = np.int32(ib >> 32)
+    pb = np.int32((ib >> 32) & 0xFFFF)
     rb = np.int32((ib >> 16) & 0xFFFF)
     db = np.int32(ib & 0xFFFF)
     while pa != pb or da != db:
@@ -870,63 +871,58 @@ def _path_before(ia, ib, n_parent, n_rank):
 
 
 @device_function
-def _pops_before(sa, ia, sb, ib, n_parent, n_rank):
-    """Candidate a pops before b: higher score, then the smaller rank path.  -inf marks an
-    absent heap child and never wins (scores are finite)."""
-    if sa != sb:
-        return sa > sb
-    if sa == NEG_INF64:
-        return False
-    return _path_before(ia, ib, n_parent, n_rank)
+def _better(sa, ia, sb, ib, n_parent, n_rank):
+    """Whichever of candidates a and b pops first: the higher score, then the smaller rank
+    path; a if they are one candidate.  -inf marks an empty slot and never wins (scores are
+    finite).  The common case is two compares and a select; only a finite tie walks."""
+    take = sb > sa
+    if sb == sa and sb != NEG_INF64:
+        take = _path_before(ib, ia, n_parent, n_rank)
+    if take:
+        return sb, ib
+    return sa, ia
+
+
+if SIMULATOR:
+    def _shfl_xor4(a, b, c, d, offset):
+        """Four values from lane ``lane ^ offset``: one exchange in the simulator, where each
+        costs a Python barrier (~10 ms), four shuffles on the GPU."""
+        return _shfl_xor((a, b, c, d), offset)
+else:
+    @device_function
+    def _shfl_xor4(a, b, c, d, offset):
+        return (_shfl_xor(a, offset), _shfl_xor(b, offset), _shfl_xor(c, offset),
+                _shfl_xor(d, offset))
 
 
 @device_function
-def _sift_down(hs, hi, size, x, xi, n_parent, n_rank):
-    """Place (x, xi) at the root of the 4-ary heap hs/hi[0:size] and sift it down."""
-    i = 0
-    while True:
-        c = 4 * i + 1
-        if c >= size:
-            break
-        s0 = hs[c]
-        i0 = hi[c]
-        s1 = hs[c + 1] if c + 1 < size else NEG_INF64
-        i1 = hi[c + 1] if c + 1 < size else np.int64(0)
-        s2 = hs[c + 2] if c + 2 < size else NEG_INF64
-        i2 = hi[c + 2] if c + 2 < size else np.int64(0)
-        s3 = hs[c + 3] if c + 3 < size else NEG_INF64
-        i3 = hi[c + 3] if c + 3 < size else np.int64(0)
-        if _pops_before(s1, i1, s0, i0, n_parent, n_rank):
-            s0, i0, c0 = s1, i1, c + 1
-        else:
-            c0 = c
-        if _pops_before(s3, i3, s2, i2, n_parent, n_rank):
-            s2, i2, c2 = s3, i3, c + 3
-        else:
-            c2 = c + 2
-        if _pops_before(s2, i2, s0, i0, n_parent, n_rank):
-            s0, i0, c0 = s2, i2, c2
-        if not _pops_before(s0, i0, x, xi, n_parent, n_rank):
-            break
-        hs[i] = s0
-        hi[i] = i0
-        i = c0
-    hs[i] = x
-    hi[i] = xi
-
-
-@device_function
-def _heap_push(hs, hi, size, x, xi, n_parent, n_rank):
-    i = size
-    while i > 0:
-        up = (i - 1) >> 2
-        if not _pops_before(x, xi, hs[up], hi[up], n_parent, n_rank):
-            break
-        hs[i] = hs[up]
-        hi[i] = hi[up]
-        i = up
-    hs[i] = x
-    hi[i] = xi
+def _warp_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
+    """Two warp arg-bests at once (butterflies over the first ``lanes`` lanes, which all call
+    it): every lane ends with the best of all lanes' a and the best of all lanes' c (the order
+    of ``_better``, strict and total on live candidates, so every lane agrees).  A round issues
+    its eight 32-bit shuffles back to back, then both score compares, then one branch into the
+    tie walks (taken only on equal finite scores), so it costs about one shuffle latency; the
+    walks read shared memory only, after the shuffles, never around them."""
+    offset = lanes // 2
+    while offset > 0:
+        osa, oia, osc, oic = _shfl_xor4(sa, ia, sc, ic, offset)
+        take_a = osa > sa
+        take_c = osc > sc
+        tie_a = osa == sa and sa != NEG_INF64
+        tie_c = osc == sc and sc != NEG_INF64
+        if tie_a or tie_c:
+            if tie_a:
+                take_a = _path_before(oia, ia, n_parent, n_rank)
+            if tie_c:
+                take_c = _path_before(oic, ic, n_parent, n_rank)
+        if take_a:
+            sa = osa
+            ia = oia
+        if take_c:
+            sc = osc
+            ic = oic
+        offset >>= 1
+    return sa, ia, sc, ic
 
 
 @device_function
@@ -951,65 +947,127 @@ def _lp_three(lp, lp_c, cols, shift, b, dep, rk):
 
 
 @device_function
-def _pop_loop(lp, lp_c, cols, shift, b, budget, hs, hi, n_parent, n_rank, n_depth, score):
-    """The contract's loop (reference.ddtree._build_one); returns the number of nodes.  Each
-    pop pushes at most two candidates: the better one replaces the popped root (one sift-down),
-    the other is pushed.  Scores use float64 adds in the contract's order (fastmath off)."""
+def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, cand_k,
+              n_parent, n_rank, n_depth, score):
+    """The contract's loop (reference.ddtree._build_one) on lanes 0..lanes-1 of one warp, which
+    all call it; returns the number of nodes.
+
+    The frontier: lane l owns slots j * lanes + l, j < per_lane, of cand_s/cand_k, filled
+    densely from j = 0 (``mine`` of them; empty slots hold -inf), and keeps the best of them in
+    registers (best_s, best_k), except the *stale* lane: the owner of the last popped slot,
+    whose best is unknown.  A pop: every lane reads the stale lane's slot j = lane (and
+    j + lanes, ... where per_lane > lanes: only in the simulator's narrow warps), then one
+    double butterfly gives both the stale lane's best and the best of the other lanes' bests;
+    the better of the two is the pop, known to every lane.  So a pop costs one warp arg-best
+    (5 shuffle rounds) and one slot read per lane, whatever the budget (a heap's depth, or a
+    lane rescanning its own slots, would grow with it).
+
+    Each pop pushes at most two candidates (the next sibling, the first child), computed by
+    every lane with the contract's float64 adds: the better one replaces the popped slot (its
+    owner writes it), the other goes to lane ``rr % lanes`` (a rotating counter) at its next
+    free slot; with neither, the owner moves its last slot into the hole.  The last pop pushes
+    nothing (nothing pops after it).  Bound: lane l holds at most its first candidate (lane 0)
+    plus the pushes dealt to it, rr = 1, 2, ..., P with P <= budget - 1 <= bcap - 1; lane 0
+    gets 1 + floor(P / lanes), lane l >= 1 gets ceil((P - l + 1) / lanes), both
+    <= (bcap - 1) // lanes + 1 = per_lane (32 at bcap = 1024 with 32 lanes: one slot per lane
+    to read).  Only lane 0 writes the popped nodes' parent/rank/depth (the tie walks read them)
+    and only a slot's owner writes a slot; a warp barrier before the slot writes (other lanes
+    read them at the top of the pop) and one after them (for the next pop's reads and walks)."""
     n_rows = lp.shape[1]
     k = lp.shape[2]
-    hs[0] = np.float64(lp[b, 0, 0])
-    hi[0] = _pack(0, 0, 1)
-    size = 1
-    n_parent[0] = -1
-    n_rank[0] = -1
-    n_depth[0] = 0
+    mine = 1 if lane == 0 else 0     # the kernel put the first candidate in slot 0
+    best_s = NEG_INF64
+    best_k = np.int64(-1)
+    stale = 0
+    rr = 1
     n = 0
-    while size > 0 and n < budget:
-        sc = hs[0]
-        info = hi[0]
-        par = np.int32(info >> 32)
-        rk = np.int32((info >> 16) & 0xFFFF)
-        dep = np.int32(info & 0xFFFF)
+    if lane == 0:
+        n_parent[0] = -1
+        n_rank[0] = -1
+        n_depth[0] = 0
+    while n < budget:
+        sa = NEG_INF64
+        ka = np.int64(-1)
+        if lane < per_lane:
+            at = lane * lanes + stale
+            sa = cand_s[at]
+            ka = cand_k[at]
+        for j in range(lane + lanes, per_lane, lanes):
+            at = j * lanes + stale
+            sa, ka = _better(sa, ka, cand_s[at], cand_k[at], n_parent, n_rank)
+        sc = best_s if lane != stale else NEG_INF64
+        sa, ka, sc, kc = _warp_best2(sa, ka, sc, best_k, lanes, n_parent, n_rank)
+        if lane == stale:
+            best_s = sa
+            best_k = ka
+        sg, kg = _better(sc, kc, sa, ka, n_parent, n_rank)
+        if sg == NEG_INF64:
+            break                      # no candidates left: a tiny vocabulary
         n += 1
-        n_parent[n] = par
-        n_rank[n] = rk
-        n_depth[n] = dep
-        score[b, n] = sc
-        has_sib = rk + 1 < k
-        has_kid = dep < n_rows
-        lp_here, lp_next, lp_kid = _lp_three(lp, lp_c, cols, shift, b, dep, rk)
-        sib = (sc - lp_here) + lp_next   # next sibling: (score - lp[r]) + lp[r+1], that order
-        kid = sc + lp_kid                # first child
-        sib_info = _pack(par, rk + 1, dep)
-        kid_info = _pack(n, 0, dep + 1)
-        # One call site each for the sift-down and the push keeps the inlined code small.
-        x, xi = sib, sib_info      # replaces the popped root
-        y, yi = kid, kid_info      # pushed, if both exist
-        if has_kid and (not has_sib
-                        or _pops_before(kid, kid_info, sib, sib_info, n_parent, n_rank)):
-            x, xi, y, yi = kid, kid_info, sib, sib_info
-        if not (has_sib or has_kid):
-            size -= 1
-            x = hs[size]
-            xi = hi[size]
-        if size > 0:
-            _sift_down(hs, hi, size, x, xi, n_parent, n_rank)
-        if has_sib and has_kid:
-            _heap_push(hs, hi, size, y, yi, n_parent, n_rank)
-            size += 1
+        slot = np.int32(kg >> 48)
+        par = np.int32((kg >> 32) & 0xFFFF)
+        rk = np.int32((kg >> 16) & 0xFFFF)
+        dep = np.int32(kg & 0xFFFF)
+        stale = slot & (lanes - 1)     # the popped slot's owner
+        if lane == 0:
+            n_parent[n] = par
+            n_rank[n] = rk
+            n_depth[n] = dep
+            score[b, n] = sg
+        target = -1
+        y = NEG_INF64
+        yk = np.int64(-1)
+        if n < budget:
+            has_sib = rk + 1 < k
+            has_kid = dep < n_rows
+            lp_here, lp_next, lp_kid = _lp_three(lp, lp_c, cols, shift, b, dep, rk)
+            sib = (sg - lp_here) + lp_next   # next sibling: (score - lp[r]) + lp[r+1], that order
+            kid = sg + lp_kid                # first child
+            sib_k = _pack(0, par, rk + 1, dep)
+            kid_k = _pack(0, n, 0, dep + 1)
+            # On equal scores the child's path (.., r, 0) is below the sibling's (.., r + 1).
+            x, xk, y, yk = sib, sib_k, kid, kid_k    # x replaces the popped slot
+            if has_kid and (not has_sib or kid >= sib):
+                x, xk, y, yk = kid, kid_k, sib, sib_k
+            _syncwarp()   # every lane has read the stale lane's slots: now they may change
+            if lane == stale:
+                if has_sib or has_kid:
+                    cand_s[slot] = x
+                    cand_k[slot] = xk | (np.int64(slot) << 48)
+                else:                  # no successor: the last own slot fills the hole
+                    mine -= 1
+                    last = mine * lanes + lane
+                    cand_s[slot] = cand_s[last]
+                    cand_k[slot] = (cand_k[last] & _KEY_NOT_SLOT) | (np.int64(slot) << 48)
+                    cand_s[last] = NEG_INF64   # last == slot: the hole itself empties
+            if has_sib and has_kid:
+                target = rr & (lanes - 1)
+                rr += 1
+                if lane == target:
+                    at = mine * lanes + lane
+                    yk = yk | (np.int64(at) << 48)
+                    cand_s[at] = y
+                    cand_k[at] = yk
+                    mine += 1
+        _syncwarp()
+        if lane == target and lane != stale:   # the new slot may beat the lane's best
+            best_s, best_k = _better(best_s, best_k, y, yk, n_parent, n_rank)
     return n
 
 
 @functools.cache
 def _build_kernel(threads: int, bcap: int):
-    """One block per request; thread 0 pops, all threads load the lp cache and write the tree."""
-    heap = bcap + 2     # live candidates <= B + 1
+    """One block per request; warp 0 pops (``lanes`` = one warp, or the whole block in the
+    simulator's narrower blocks), all threads load the lp cache and write the tree."""
+    lanes = min(WARP, threads)
+    per_lane = (bcap - 1) // lanes + 1   # frontier slots per lane: the bound at _pop_loop
+    slots = per_lane * lanes
     nodes = bcap + 1
 
     @kernel
     def build(lp, ids, budget, n_nodes, token, parent, depth, rank, score):
-        hs = cuda.shared.array(heap, np.float64)
-        hi = cuda.shared.array(heap, np.int64)
+        cand_s = cuda.shared.array(slots, np.float64)
+        cand_k = cuda.shared.array(slots, np.int64)
         n_parent = cuda.shared.array(nodes, np.int16)
         n_rank = cuda.shared.array(nodes, np.int16)
         n_depth = cuda.shared.array(nodes, np.int16)
@@ -1032,10 +1090,15 @@ def _build_kernel(threads: int, bcap: int):
             for q in range(4):
                 if first + q * threads < LP_CACHE:
                     lp_c[first + q * threads] = fill[q]
+        for i in range(t, slots, threads):   # an empty frontier but the root's first child
+            cand_s[i] = np.float64(lp[b, 0, 0]) if i == 0 else NEG_INF64
+            cand_k[i] = _pack(0, 0, 0, 1) if i == 0 else np.int64(-1)
         cuda.syncthreads()
-        if t == 0:
-            count[0] = _pop_loop(lp, lp_c, cols, shift, b, budget, hs, hi, n_parent, n_rank,
-                                 n_depth, score)
+        if t < lanes:
+            n = _pop_loop(lp, lp_c, cols, shift, b, budget, t, lanes, per_lane, cand_s,
+                          cand_k, n_parent, n_rank, n_depth, score)
+            if t == 0:
+                count[0] = n
         cuda.syncthreads()
         n = count[0]
         for i in range(t, budget + 1, threads):
@@ -1065,8 +1128,8 @@ def _build_kernel(threads: int, bcap: int):
 
 
 def build_config(budget: int, threads=None) -> tuple[int, int]:
-    """(threads, budget class) for ``build_tree``.  The pops are serial (thread 0); the other
-    threads only fill the lp cache and write the tree, so a few warps suffice."""
+    """(threads, budget class) for ``build_tree``.  The pops run on one warp; the other threads
+    only fill the lp cache and write the tree, so a few warps suffice."""
     bcap = max(8, _pow2_at_least(budget))
     if threads is None:
         threads = 2 if SIMULATOR else 128

@@ -509,12 +509,27 @@ def test_numba_build_tree_refuses_large_budget(gpu):
         gpu.build_tree(lp, ids, gpu.MAX_GPU_BUDGET + 1)
 
 
-def test_numba_build_tree_deep_heap_with_ties(gpu):
-    """Budget 60 on dyadic (tie-heavy) scores: the 4-ary heap is 3 levels deep, and equal
-    scores reach the rank-path tie-break at every level of the sift-down and the push."""
+def test_numba_build_tree_many_slots_per_lane_with_ties(gpu):
+    """Budget 60 on dyadic (tie-heavy) scores.  In the simulator's 4-lane warp a lane owns up
+    to 16 frontier slots, so each lane reads 4 of the stale lane's slots per pop (a loop the
+    GPU's 32 lanes never need below budget 1025), and equal scores reach the rank-path walk at
+    every comparison site: that loop, both butterflies, the pick and the new slot's compare
+    (counted by wrapping _path_before: 38 / 320 / 468 / 304 / 7 walks)."""
     lp, ids = dyadic_lp(11, 2, 4, 6)
     assert_trees_identical(gpu.build_tree(lp, ids, 60, threads=few(gpu, 4)),
                            ref.build_tree(lp, ids, 60))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_numba_build_tree_fills_a_lane_to_the_frontier_bound(gpu, threads):
+    """L = K = B = 64: no popped node lacks a child or a sibling, so every pop but the last
+    deals one candidate round-robin to a lane, and lane 0 ends with 1 + 63 // lanes slots:
+    the builder's per-lane bound, (bcap - 1) // lanes + 1, exactly (the simulator's arrays are
+    bounds-checked, so a bound one slot short fails here)."""
+    lp, ids = ref.topk_logprobs(make_logits(3, (1, 64, 64), "normal"), 64)
+    want = ref.build_tree(lp, ids, 64)
+    assert want.n_nodes[0] == 64 and want.rank.max() < 63 and want.depth.max() < 64
+    assert_trees_identical(gpu.build_tree(lp, ids, 64, threads=few(gpu, threads)), want)
 
 
 @pytest.mark.parametrize("n_rows, k, budget", [(64, 40, 45), (2049, 2, 6)])
