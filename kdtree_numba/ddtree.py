@@ -241,6 +241,63 @@ else:
         return sig, codegen
 
 
+
+# ``_redux_max_u32(v)``: the max of v over the warp's lanes in one instruction
+# (``redux.sync.max.u32``, sm_80+; numba exposes no redux).  ``_f64_bits(x)``: the bits of a
+# float64 as an int64.  The tree builder's arg-best per pop uses both (``_warp_best2``).
+# ``_redux_max2``, ``_ballot2`` and ``_pick2`` do two of them at once: one exchange (a Python
+# barrier, ~10 ms) in the simulator, where the builder's tests would otherwise take minutes.
+if SIMULATOR:
+    def _f64_bits(value):
+        return np.float64(value).view(np.int64)
+
+    def _redux_max2(x, y):
+        values = _exchange((int(x), int(y)))[0]
+        return np.uint32(max(v[0] for v in values)), np.uint32(max(v[1] for v in values))
+
+    def _ballot2(p, q):
+        values = _exchange((bool(p), bool(q)))[0]
+        return (np.int64(sum(1 << i for i, v in enumerate(values) if v[0])),
+                np.int64(sum(1 << i for i, v in enumerate(values) if v[1])))
+
+    def _pick2(sa, ia, src_a, sc, ic, src_c):
+        values = _exchange((sa, ia, sc, ic))[0]
+        return values[src_a][0], values[src_a][1], values[src_c][2], values[src_c][3]
+else:
+    @_intrinsic
+    def _redux_max_u32(typingctx, value):
+        sig = _types.uint32(_types.uint32)
+
+        def codegen(context, builder, sig, args):
+            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(32)])
+            redux = _ir.InlineAsm(fnty, "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
+                                  side_effect=True)
+            return builder.call(redux, args)
+
+        return sig, codegen
+
+    @_intrinsic
+    def _f64_bits(typingctx, value):
+        sig = _types.int64(_types.float64)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], _ir.IntType(64))
+
+        return sig, codegen
+
+    @device_function
+    def _redux_max2(x, y):
+        return _redux_max_u32(x), _redux_max_u32(y)
+
+    @device_function
+    def _ballot2(p, q):
+        return _ballot(p), _ballot(q)
+
+    @device_function
+    def _pick2(sa, ia, src_a, sc, ic, src_c):
+        return (_shfl_idx(sa, src_a), _shfl_idx(ia, src_a), _shfl_idx(sc, src_c),
+                _shfl_idx(ic, src_c))
+
 def _device_address(array) -> int:
     return 0 if SIMULATOR else int(array.__cuda_array_interface__["data"][0])
 
@@ -895,14 +952,59 @@ else:
                 _shfl_xor(d, offset))
 
 
+_MIN_INT64 = np.int64(-2 ** 63)
+_NEG_INF_HIGH = np.uint32(0x000FFFFF)   # the order halves of -inf (see _order_halves)
+_NEG_INF_LOW = np.uint32(0xFFFFFFFF)
+
+
+@device_function
+def _order_halves(x):
+    """(high, low) 32-bit halves of a 64-bit unsigned key in x's order (float64, finite or -inf;
+    -0.0 is made +0.0 first, as float compares equate them): a non-negative float's bits with
+    the sign bit set, a negative one's bits flipped."""
+    b = _f64_bits(x + 0.0)
+    u = ~b if b < 0 else b ^ _MIN_INT64
+    return np.uint32((u >> 32) & 0xFFFFFFFF), np.uint32(u & 0xFFFFFFFF)
+
+
 @device_function
 def _warp_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
-    """Two warp arg-bests at once (butterflies over the first ``lanes`` lanes, which all call
-    it): every lane ends with the best of all lanes' a and the best of all lanes' c (the order
-    of ``_better``, strict and total on live candidates, so every lane agrees).  A round issues
-    its eight 32-bit shuffles back to back, then both score compares, then one branch into the
-    tie walks (taken only on equal finite scores), so it costs about one shuffle latency; the
-    walks read shared memory only, after the shuffles, never around them."""
+    """Two warp arg-bests at once over the first ``lanes`` lanes, which all call it: every lane
+    ends with the best of all lanes' a and the best of all lanes' c, in ``_better``'s order.
+
+    The scores' order keys go through two ``redux.sync`` maxima each (high half, then the low
+    half among the lanes that hold the high maximum), one ballot names the winning lane and a
+    shuffle brings its pair: about six dependent warp instructions, the two chains interleaved,
+    against five dependent butterfly rounds.  Equal finite scores in two lanes (the rank paths
+    decide) fall back to the butterfly over the tied lanes; all -inf (no candidate) needs no
+    decision."""
+    ha, la = _order_halves(sa)
+    hc, lc = _order_halves(sc)
+    top_ha, top_hc = _redux_max2(ha, hc)
+    top_la, top_lc = _redux_max2(la if ha == top_ha else np.uint32(0),
+                                 lc if hc == top_hc else np.uint32(0))
+    best_a = ha == top_ha and la == top_la
+    best_c = hc == top_hc and lc == top_lc
+    win_a, win_c = _ballot2(best_a, best_c)
+    tie_a = (win_a & (win_a - 1)) != 0 and not (top_ha == _NEG_INF_HIGH
+                                                 and top_la == _NEG_INF_LOW)
+    tie_c = (win_c & (win_c - 1)) != 0 and not (top_hc == _NEG_INF_HIGH
+                                                 and top_lc == _NEG_INF_LOW)
+    if tie_a or tie_c:                  # warp-uniform: the ballots are
+        return _butterfly_best2(sa if best_a else NEG_INF64, ia, sc if best_c else NEG_INF64,
+                                ic, lanes, n_parent, n_rank)
+    src_a = cuda.popc((win_a & -win_a) - 1)
+    src_c = cuda.popc((win_c & -win_c) - 1)
+    return _pick2(sa, ia, src_a, sc, ic, src_c)
+
+
+@device_function
+def _butterfly_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
+    """``_warp_best2`` by butterflies (the tie fallback): every lane ends with the best of all
+    lanes' a and the best of all lanes' c (the order of ``_better``, strict and total on live
+    candidates, so every lane agrees).  A round issues its eight 32-bit shuffles back to back,
+    then both score compares, then one branch into the tie walks (taken only on equal finite
+    scores); the walks read shared memory only, after the shuffles, never around them."""
     offset = lanes // 2
     while offset > 0:
         osa, oia, osc, oic = _shfl_xor4(sa, ia, sc, ic, offset)
