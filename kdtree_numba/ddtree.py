@@ -648,11 +648,15 @@ def _topk_kernel(warps: int, vec: int, kl: int):
             if mx > m:
                 s *= math.exp(np.float64(m) - np.float64(mx))
                 m = mx
-            part_sum = np.float32(0.0)
+            # Four float32 accumulators, then a pairwise sum: <= 5 roundings per term at any
+            # vec <= 8 (the LP_ATOL derivation in docs/DDTREE.md), not vec + 1.
+            acc = cuda.local.array(4, np.float32)   # constant indices only: registers
+            for q in range(4):
+                acc[q] = np.float32(0.0)
             for u in range(vec):
-                part_sum += ((math.exp(xs[4 * u] - m) + math.exp(xs[4 * u + 1] - m))
-                             + (math.exp(xs[4 * u + 2] - m) + math.exp(xs[4 * u + 3] - m)))
-            s += np.float64(part_sum)
+                acc[u % 4] += ((math.exp(xs[4 * u] - m) + math.exp(xs[4 * u + 1] - m))
+                               + (math.exp(xs[4 * u + 2] - m) + math.exp(xs[4 * u + 3] - m)))
+            s += np.float64((acc[0] + acc[1]) + (acc[2] + acc[3]))
             theta_x = theta[0]
             bound = max(theta_x, own_x)
             if _any(mx >= bound):
@@ -798,14 +802,17 @@ def topk_config(k: int, rows: int = 1, vocab: int = 1, warps=None, vec=None,
     ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
     merge cost about a tile each)."""
     kl = max(WARP, _pow2_at_least(k))
+    # H200 (bs 64 x L 15 x V 163,840, k = 64, docs/GPU_RESULTS.md runs 19-21): 2 warps of 8
+    # float4 groups per lane 253.7 us, 4 warps of 4 groups 266.6 us (8 warps: 288 us): with
+    # short lists, fewer warps to merge and more loads in flight per lane win.  Longer lists
+    # keep 4 warps of 4 (their merges dominate; not re-measured).
+    short = kl <= 64 and not SIMULATOR
     if warps is None:
-        # 4 warps: 293 us against 336 us for 8 at bs 64 x L 15 x V 163,840, k = 64 (H200,
-        # 2026-11-29): fewer lists to merge at the end and more blocks per SM.
-        warps = 2 if SIMULATOR else 4
+        warps = 2 if SIMULATOR or short else 4
         while warps > 1 and _topk_shared_bytes(warps, kl) > TOPK_SHARED_BYTES:
             warps //= 2
     if vec is None:
-        vec = 4
+        vec = 8 if short else 4
     max_parts = max(1, TOPK_SHARED_BYTES // (8 * kl))
     if parts is None:
         parts = 1
@@ -1035,9 +1042,11 @@ def _lp_three(lp, lp_c, cols, shift, b, dep, rk):
     and the rare ranks past the cached columns from global memory."""
     k = lp.shape[2]
     at = ((dep - 1) << shift) + rk
-    here = lp_c[min(at, LP_CACHE - 1)]
-    nxt = lp_c[min(at + 1, LP_CACHE - 1)]
-    kid = lp_c[min(dep << shift, LP_CACHE - 1)]
+    # Unsigned indices: numba adds a negative-index wrap-around (3 instructions) to a signed
+    # one, on the pop's critical path here.
+    here = lp_c[np.uint32(min(at, LP_CACHE - 1))]
+    nxt = lp_c[np.uint32(min(at + 1, LP_CACHE - 1))]
+    kid = lp_c[np.uint32(min(dep << shift, LP_CACHE - 1))]
     if rk + 1 >= cols:
         if rk >= cols:
             here = lp[b, dep - 1, rk]
@@ -1091,7 +1100,7 @@ def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, c
         sa = NEG_INF64
         ka = np.int64(-1)
         if lane < per_lane:
-            at = lane * lanes + stale
+            at = np.uint32(lane * lanes + stale)   # unsigned: no wrap-around (_lp_three)
             sa = cand_s[at]
             ka = cand_k[at]
         for j in range(lane + lanes, per_lane, lanes):

@@ -115,9 +115,9 @@ def row(kernel, shape, measured_us, roof_or_goal, ratio, verdict, **extra):
 # kernel); at bs = 4 (where the default splits each row over 8 blocks) 1 and 4 blocks per row.
 TOPK_CASES = [(BS, 64, None, None, None), (BS, 256, None, None, None),
               (BS, 1024, None, None, None), (4, 64, None, None, None)]
-TOPK_VARIANTS = [(BS, 64, 4, 2, None), (BS, 64, 8, 4, None), (BS, 64, 2, 4, None),
-                 (BS, 64, 4, 4, 2), (BS, 64, 4, 8, None), (4, 64, None, None, 1),
-                 (4, 64, None, None, 4)]
+TOPK_VARIANTS = [(BS, 64, 4, 4, None), (BS, 64, 1, 8, None), (BS, 64, 2, 4, None),
+                 (BS, 64, 8, 4, None), (BS, 64, 4, 8, None), (BS, 64, 2, 8, 2),
+                 (4, 64, None, None, 1), (4, 64, None, None, 4)]
 
 
 def bench_topk(timer: Timer, bandwidth: float, quick: bool) -> list[dict]:
