@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Time the attention kernel per key and per block slot, across batch sizes and split counts.
+
+    python3 tools/probe_attention.py
+
+A diagnostic beside tools/bench_attention.py (whose inputs and timer it uses): for each shape,
+the split count (chosen, or forced through ``keys_per_split``), the blocks and waves on this
+GPU, the time, TFLOP/s, and microseconds per key per block slot (time / waves / keys per
+block), which separates the kernel's own rate from wave quantisation and split merges.
+docs/GPU_RESULTS.md run 18 has its H200 output: decode (bs 64, n 1, P 4096) runs at ~0.59 us
+per key per block slot with two splits, one-wave shapes at ~0.56, DDTree verify at 0.54 (its
+row tiles share their request's keys in L2).  Needs a GPU and CuPy.
+"""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_attention as B  # noqa: E402
+
+# (bs, n, prefix, keys_per_split or None for the plan's choice)
+CASES = [(64, 1, 4096, None), (64, 1, 4096, 4112), (64, 1, 4096, 1040), (64, 1, 4096, 1376),
+         (128, 1, 4096, 4112), (132, 1, 4096, 4112), (64, 1, 8192, None),
+         (16, 65, 4096, None), (2, 65, 4096, None), (1, 65, 4096, None)]
+
+
+def main() -> None:
+    import cupy as cp
+    from kdtree_numba import attention as A
+    rng = np.random.default_rng(0)
+    sms = A._sm_count()
+    print("| bs | n | P | splits | blocks | waves | ms | TFLOP/s | us per key per block slot |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for bs, n, prefix, keys_per_split in CASES:
+        sets = B.make_inputs(cp, rng, bs, n, prefix)
+        out = A.to_device(cp.empty((bs, n, B.H, B.R), cp.float32))
+        plan = A.MlaAttentionPlan(bs, n, B.H, B.R, B.DR, prefix + n, max_keys=prefix + n,
+                                  keys_per_split=keys_per_split)
+
+        def run(a, plan=plan):
+            plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"],
+                 B.TAU, out=out)
+
+        ms = B.time_ms(cp, run, sets, 10)
+        _, flops, _ = B.roof_ms(bs, n, prefix)
+        blocks = plan.grid[0] * plan.grid[1] * plan.grid[2]
+        waves = math.ceil(blocks / sms)
+        per_key = 1e3 * ms / waves / min(plan.chunk, prefix + n)
+        print(f"| {bs} | {n} | {prefix} | {plan.splits} | {blocks} | {waves} | {ms:.3f} "
+              f"| {flops / ms / 1e9:.1f} | {per_key:.4f} |", flush=True)
+        del sets
+
+
+if __name__ == "__main__":
+    main()
