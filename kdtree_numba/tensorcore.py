@@ -1,0 +1,95 @@
+"""Tensor-core building blocks for numba kernels: TF32 conversion and the warp-wide
+``mma.sync.aligned.m16n8k8`` TF32 product, as inline-PTX intrinsics (numba exposes no mma).
+
+They are the first step of the tensor-core attention path of docs/ATTENTION.md ("A TF32 / bf16
+tensor-core path"): the fp32 FFMA attention kernel tops out at 1.5-1.7x its fp32 roof, and
+3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps fp32 accuracy at a fraction
+of the FFMA time.  No production kernel uses them yet; tests/test_tensorcore.py checks a 16 x 8 x
+8 tile against NumPy on the GPU, and that the PTX assembles for sm_90 on any machine.
+
+Fragment layout of ``mma_tf32_m16n8k8`` (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32):
+lane = 4 * g + t (g = lane // 4, t = lane % 4) holds
+  A (16 x 8, row-major): a0 = A[g, t], a1 = A[g + 8, t], a2 = A[g, t + 4], a3 = A[g + 8, t + 4]
+  B (8 x 8, k x n):      b0 = B[t, g], b1 = B[t + 4, g]
+  C, D (16 x 8):         c0 = C[g, 2t], c1 = C[g, 2t + 1], c2 = C[g + 8, 2t], c3 = C[g + 8, 2t + 1]
+A and B are TF32 bit patterns (``to_tf32``), C and D float32.  All 32 lanes of the warp must
+call it together (``.sync.aligned``).
+
+The CUDA simulator has no tensor cores: there ``to_tf32`` / ``tf32_value`` are NumPy bit
+operations and ``mma_tf32_m16n8k8`` raises.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, device_function
+
+__all__ = ["to_tf32", "tf32_value", "split_tf32", "mma_tf32_m16n8k8"]
+
+if SIMULATOR:
+    def to_tf32(x):
+        """float32 -> its TF32 bit pattern (round to nearest, ties away from zero, like
+        ``cvt.rna.tf32.f32``), the low 13 mantissa bits zero."""
+        bits = int(np.float32(x).view(np.uint32))
+        if (bits >> 23) & 0xFF != 0xFF:          # inf and NaN pass through
+            bits = (bits + 0x1000) & 0xFFFFE000
+        return np.uint32(bits)
+
+    def tf32_value(bits):
+        return np.uint32(bits).view(np.float32)
+
+    def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def to_tf32(typingctx, x):
+        """float32 -> its TF32 bit pattern (``cvt.rna.tf32.f32``: round to nearest, ties away
+        from zero; the low 13 mantissa bits zero)."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "cvt.rna.tf32.f32 $0, $1;", "=r,f"), args)
+
+        return sig, codegen
+
+    @intrinsic
+    def tf32_value(typingctx, bits):
+        """A TF32 bit pattern -> the float32 it stands for (a bit cast)."""
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C on one warp's tensor cores; fragments as in the module docstring."""
+        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4),
+                                   [ir.IntType(32)] * 6 + [f32] * 4)
+            mma = ir.InlineAsm(
+                fnty, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
+            result = builder.call(mma, args)
+            parts = [builder.extract_value(result, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+
+@device_function
+def split_tf32(x):
+    """float32 x -> (hi, lo) TF32 bit patterns with hi + lo = x to ~2^-22 relative: the 3xTF32
+    split (hi * hi + hi * lo + lo * hi recovers an fp32-accurate product)."""
+    hi = to_tf32(x)
+    return hi, to_tf32(x - tf32_value(hi))

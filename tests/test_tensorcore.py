@@ -1,0 +1,182 @@
+"""kdtree_numba.tensorcore: the TF32 mma building blocks against NumPy oracles.
+
+On the GPU (marker ``gpu``): a one-warp kernel loads a 16 x 8 x 8 tile into the documented
+fragments and multiplies it with ``mma.sync`` (plain TF32, and 3xTF32); its output must equal
+the product of the TF32-rounded inputs (plain) or the fp32 inputs (3xTF32) within the fp32
+accumulation bound, and a wrong fragment layout fails by O(1).  Anywhere: the kernel compiles to
+PTX for sm_90 and ptxas assembles it; the TF32 rounding oracle is checked on the simulator's
+bit-level fallback.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """The oracle: float32 rounded to TF32 (10 mantissa bits), to nearest, ties away from 0."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    finite = ((bits >> 23) & 0xFF) != 0xFF
+    rounded = np.where(finite, (bits + 0x1000) & 0xFFFFE000, bits)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def test_tf32_oracle_on_known_values():
+    one_ulp = np.float32(2.0 ** -10)            # TF32's ulp at 1.0
+    x = np.array([1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp / 4, -(1.0 + one_ulp / 2),
+                  1.0 + 3 * one_ulp / 4, np.inf, 3.0], np.float32)
+    want = np.array([1.0, 1.0 + one_ulp, 1.0, -(1.0 + one_ulp), 1.0 + one_ulp, np.inf, 3.0],
+                    np.float32)
+    assert tf32_round(x).tobytes() == want.tobytes()
+
+
+def test_simulator_fallback_rounds_like_the_oracle(needs_kernels):
+    from kdtree_numba import compat, tensorcore
+    if not compat.SIMULATOR:
+        pytest.skip("the bit-level fallback exists only under the simulator")
+    x = np.random.default_rng(0).standard_normal(2000).astype(np.float32) * 100
+    got = np.array([tensorcore.tf32_value(tensorcore.to_tf32(v)) for v in x], np.float32)
+    assert got.tobytes() == tf32_round(x).tobytes()
+    hi_lo = [tensorcore.split_tf32(v) for v in x[:200]]
+    recon = np.array([np.float64(tensorcore.tf32_value(h)) + np.float64(tensorcore.tf32_value(lo))
+                      for h, lo in hi_lo])
+    assert np.all(np.abs(recon - x[:200]) <= 2.0 ** -21 * np.abs(x[:200]))
+
+
+def _tile_kernel():
+    from kdtree_numba.compat import cuda, kernel
+    from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32, to_tf32
+
+    @kernel
+    def tile(a, b, c, d, three):
+        """d = a @ b + c for a [16, 8], b [8, 8], c [16, 8], on one warp."""
+        lane = cuda.threadIdx.x
+        g = lane // 4
+        t = lane % 4
+        x0, x1, x2, x3 = a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4]
+        y0, y1 = b[t, g], b[t + 4, g]
+        c0, c1, c2, c3 = c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]
+        if three:
+            h0, l0 = split_tf32(x0)
+            h1, l1 = split_tf32(x1)
+            h2, l2 = split_tf32(x2)
+            h3, l3 = split_tf32(x3)
+            hy0, ly0 = split_tf32(y0)
+            hy1, ly1 = split_tf32(y1)
+            c0, c1, c2, c3 = mma_tf32_m16n8k8(l0, l1, l2, l3, hy0, hy1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma_tf32_m16n8k8(h0, h1, h2, h3, ly0, ly1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma_tf32_m16n8k8(h0, h1, h2, h3, hy0, hy1, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = mma_tf32_m16n8k8(to_tf32(x0), to_tf32(x1), to_tf32(x2),
+                                              to_tf32(x3), to_tf32(y0), to_tf32(y1),
+                                              c0, c1, c2, c3)
+        d[g, 2 * t] = c0
+        d[g, 2 * t + 1] = c1
+        d[g + 8, 2 * t] = c2
+        d[g + 8, 2 * t + 1] = c3
+
+    return tile
+
+
+def _run_tile(a, b, c, three):
+    from numba import cuda
+    d = cuda.device_array((16, 8), np.float32)
+    _tile_kernel()[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d, three)
+    return d.copy_to_host()
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    return a, b, c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_tf32_tile_equals_the_product_of_rounded_inputs(seed):
+    a, b, c = _inputs(seed)
+    got = _run_tile(a, b, c, False)
+    ra, rb = tf32_round(a).astype(np.float64), tf32_round(b).astype(np.float64)
+    want = ra @ rb + c
+    # TF32 products are exact in fp32; 8 fp32 additions (in the hardware's order) remain.
+    bound = 16 * 2.0 ** -24 * (np.abs(ra) @ np.abs(rb) + np.abs(c))
+    assert np.all(np.abs(got - want) <= bound)
+    # ... and the rounding really happened: the exact fp32 product is further off somewhere.
+    exact = a.astype(np.float64) @ b.astype(np.float64) + c
+    assert np.max(np.abs(got - exact)) > 10 * np.max(bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_3xtf32_tile_is_fp32_accurate(seed):
+    a, b, c = _inputs(seed)
+    got = _run_tile(a, b, c, True)
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    # The dropped lo * lo terms are <= 2^-22 of each product; plus fp32 accumulation.
+    bound = (2.0 ** -21 + 16 * 2.0 ** -24) * (np.abs(a) @ np.abs(b) + np.abs(c))
+    assert np.all(np.abs(got - want) <= bound)
+
+
+@pytest.mark.gpu
+def test_gpu_to_tf32_rounds_like_the_oracle():
+    from numba import cuda
+    from kdtree_numba.compat import kernel
+    from kdtree_numba.tensorcore import tf32_value, to_tf32
+
+    @kernel
+    def round_all(x, out):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = tf32_value(to_tf32(x[i]))
+
+    x = np.random.default_rng(1).standard_normal(1 << 16).astype(np.float32) * 1000
+    x[:4] = [1.0 + 2.0 ** -11, -(1.0 + 2.0 ** -11), 1.0 + 2.0 ** -12, np.inf]
+    out = cuda.device_array_like(x)
+    round_all[(x.size + 255) // 256, 256](cuda.to_device(x), out)
+    assert out.copy_to_host().tobytes() == tf32_round(x).tobytes()
+
+
+PTX_SCRIPT = """
+import sys, types
+try:
+    from numba import cuda, types as T
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.bindings import nvjitlink as nj
+    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
+except Exception as error:
+    print("nvvm/nvjitlink unavailable:", error)
+    sys.exit(77)
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+sys.path.insert(0, "tests")
+import test_tensorcore as tc
+f2 = T.float32[:, ::1]
+ptx, _ = cuda.compile_ptx(tc._tile_kernel().py_func, (f2, f2, f2, f2, T.boolean), cc=(9, 0))
+assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 4, "mma count"
+assert "cvt.rna.tf32.f32" in ptx, "no TF32 conversion"   # LLVM may merge the shared ones
+opts = ["-arch=sm_90", "-O3"]
+h = nj.create(len(opts), opts)
+nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "tile.ptx")
+nj.complete(h)
+nj.destroy(h)
+print("assembled")
+"""
+
+
+def test_tile_kernel_assembles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", PTX_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode == 77:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "assembled" in done.stdout
