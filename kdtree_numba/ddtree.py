@@ -241,7 +241,6 @@ else:
         return sig, codegen
 
 
-
 # ``_redux_max_u32(v)``: the max of v over the warp's lanes in one instruction
 # (``redux.sync.max.u32``, sm_80+; numba exposes no redux).  ``_f64_bits(x)``: the bits of a
 # float64 as an int64.  The tree builder's arg-best per pop uses both (``_warp_best2``).
@@ -297,6 +296,7 @@ else:
     def _pick2(sa, ia, src_a, sc, ic, src_c):
         return (_shfl_idx(sa, src_a), _shfl_idx(ia, src_a), _shfl_idx(sc, src_c),
                 _shfl_idx(ic, src_c))
+
 
 def _device_address(array) -> int:
     return 0 if SIMULATOR else int(array.__cuda_array_interface__["data"][0])
@@ -802,10 +802,10 @@ def topk_config(k: int, rows: int = 1, vocab: int = 1, warps=None, vec=None,
     ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
     merge cost about a tile each)."""
     kl = max(WARP, _pow2_at_least(k))
-    # H200 (bs 64 x L 15 x V 163,840, k = 64, docs/GPU_RESULTS.md runs 19-21): 2 warps of 8
-    # float4 groups per lane 253.7 us, 4 warps of 4 groups 266.6 us (8 warps: 288 us): with
-    # short lists, fewer warps to merge and more loads in flight per lane win.  Longer lists
-    # keep 4 warps of 4 (their merges dominate; not re-measured).
+    # H200 (bs 64 x L 15 x V 163,840, k = 64, docs/GPU_RESULTS.md runs 22-24): 2 warps of 8
+    # float4 groups per lane 242-243 us, 4 warps of 4 groups 253-254 us (8 warps of 4: 288 us,
+    # 1 of 8: 336 us): with short lists, fewer warps to merge and more loads in flight per lane
+    # win.  Longer lists keep 4 warps of 4 (their merges dominate; not re-measured).
     short = kl <= 64 and not SIMULATOR
     if warps is None:
         warps = 2 if SIMULATOR or short else 4
@@ -1068,9 +1068,9 @@ def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, c
     registers (best_s, best_k), except the *stale* lane: the owner of the last popped slot,
     whose best is unknown.  A pop: every lane reads the stale lane's slot j = lane (and
     j + lanes, ... where per_lane > lanes: only in the simulator's narrow warps), then one
-    double butterfly gives both the stale lane's best and the best of the other lanes' bests;
-    the better of the two is the pop, known to every lane.  So a pop costs one warp arg-best
-    (5 shuffle rounds) and one slot read per lane, whatever the budget (a heap's depth, or a
+    double warp arg-best (``_warp_best2``) gives both the stale lane's best and the best of the
+    other lanes' bests; the better of the two is the pop, known to every lane.  So a pop costs
+    one warp arg-best and one slot read per lane, whatever the budget (a heap's depth, or a
     lane rescanning its own slots, would grow with it).
 
     Each pop pushes at most two candidates (the next sibling, the first child), computed by
