@@ -22,8 +22,9 @@ always runs); the run stops cleanly, and SIGTERM/SIGINT stop it too, printing th
 of every row measured so far (and the JSON, rewritten after every row).
 
 Timing: wall clock of whole ``generate`` calls after a warm-up call identical to the measured
-one (which pays numba's first-call compilation and the CUDA-graph captures); the per-round split (draft / tree / verify / accept /
-compact) comes from the engine's CUDA-event markers, which add no sync (docs/ENGINE.md).  Roof:
+one (which pays numba's first-call compilation and the CUDA-graph captures); the per-round
+split (draft / tree / verify / accept / compact) comes from the engine's CUDA-event markers,
+which add no sync (docs/ENGINE.md).  Roof:
 weight-streaming bound of batch-1 decode, bytes of the weights one token touches (attention,
 dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the 4.1 TB/s HBM
 rate measured on the H200.  Goal: AR >= transformers; DDTree > AR.

@@ -26,7 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
 from formats import kdtr  # noqa: E402
 from kdtree_numba.bundle import random_weights, size_config  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint  # noqa: E402
