@@ -1,11 +1,10 @@
 """Tensor-core building blocks for numba kernels: TF32 conversion and the warp-wide
 ``mma.sync.aligned.m16n8k8`` TF32 product, as inline-PTX intrinsics (numba exposes no mma).
 
-They are the first step of the tensor-core attention path of docs/ATTENTION.md ("A TF32 / bf16
-tensor-core path"): the fp32 FFMA attention kernel tops out at 1.5-1.7x its fp32 roof, and
-3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps fp32 accuracy at a fraction
-of the FFMA time.  No production kernel uses them yet; tests/test_tensorcore.py checks a 16 x 8 x
-8 tile against NumPy on the GPU, and that the PTX assembles for sm_90 on any machine.
+They carry the tensor-core attention kernel (kdtree_numba/attention_mma.py; docs/ATTENTION.md,
+"A TF32 tensor-core path"): 3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps
+fp32 accuracy at a fraction of the FFMA time.  tests/test_tensorcore.py checks a 16 x 8 x 8
+tile against NumPy on the GPU, and that the PTX assembles for sm_90 on any machine.
 
 Fragment layout of ``mma_tf32_m16n8k8`` (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32):
 lane = 4 * g + t (g = lane // 4, t = lane % 4) holds
@@ -24,7 +23,7 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
 
-__all__ = ["to_tf32", "tf32_value", "split_tf32", "mma_tf32_m16n8k8"]
+__all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8"]
 
 if SIMULATOR:
     def to_tf32(x):
@@ -37,6 +36,14 @@ if SIMULATOR:
 
     def tf32_value(bits):
         return np.uint32(bits).view(np.float32)
+
+    def split_tf32_fast(x):
+        """float32 x -> (hi, lo) bit patterns for 3xTF32 in three integer/float operations:
+        hi = x rounded to TF32 (half-ulp up in magnitude, low 13 bits cleared), lo = x - hi
+        exactly, left at full precision (the tensor core reads only its top 19 bits)."""
+        hi = (int(np.float32(x).view(np.uint32)) + 0x1000) & 0xFFFFE000
+        lo = np.float32(x) - np.uint32(hi).view(np.float32)
+        return np.uint32(hi), np.float32(lo).view(np.uint32)
 
     def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
@@ -64,6 +71,26 @@ else:
 
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def split_tf32_fast(typingctx, x):
+        """float32 x -> (hi, lo) bit patterns for 3xTF32 in three integer/float operations
+        (``cvt.rna`` is several SASS instructions; the attention kernel splits every staged
+        key and probability): hi = x rounded to TF32 (add half an ulp to the magnitude, clear
+        the low 13 bits), lo = x - hi exactly (|lo| <= 2^-11 |x|), left at full precision:
+        the tensor core reads only its top 19 bits, so lo loses <= 2^-10 |lo| <= 2^-21 |x|.
+        Finite |x| below FLT_MAX (1 - 2^-12) only; above, hi overflows to inf."""
+        sig = types.UniTuple(types.uint32, 2)(types.float32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            bits = builder.bitcast(args[0], i32)
+            hi = builder.and_(builder.add(bits, ir.Constant(i32, 0x1000)),
+                              ir.Constant(i32, 0xFFFFE000))
+            lo = builder.fsub(args[0], builder.bitcast(hi, ir.FloatType()))
+            return context.make_tuple(builder, sig.return_type, [hi, builder.bitcast(lo, i32)])
 
         return sig, codegen
 
