@@ -20,9 +20,10 @@ docs/ATTENTION.md explains the kernel design and the measured speed; the short v
   partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one
   split the kernel normalises and writes ``u`` directly.
 
-Several tile layouts (:data:`VARIANTS`) compile from the one kernel body;
-``tools/bench_attention.py`` times them all, and :data:`DEFAULT_VARIANT` names the one used
-unless a caller asks.
+Several tile layouts (:data:`VARIANTS`) compile from the one kernel body; one more,
+``"tf32x3"``, is the tensor-core kernel of :mod:`kdtree_numba.attention_mma` (3xTF32, fp32
+accuracy, GPU only).  ``tools/bench_attention.py`` times them all; :func:`resolve_variant`
+picks :data:`DEFAULT_VARIANT` where it runs and :data:`FALLBACK_VARIANT` elsewhere.
 """
 from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULATOR  # noqa: I001
 
@@ -36,7 +37,8 @@ from numba import float32, int32
 from kdtree_numba import compat
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
-           "tile_config", "choose_splits", "VARIANTS", "DEFAULT_VARIANT"]
+           "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
+           "FALLBACK_VARIANT", "FFMA_VARIANTS"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -474,7 +476,11 @@ def _pow2_divisor(x: int, cap: int) -> int:
 #           on), 16 x 16 warp blocks, 4 lanes split the columns: half the tiles, load exposed.
 # wide16:   512 threads (16 warps: twice the latency hiding) at <= 128 registers each, two
 #           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
+# tf32x3:   the tensor-core kernel of kdtree_numba/attention_mma.py (3xTF32 mma.sync, same
+#           shared-memory layout and 16-key tiles as pipe16x2); GPU only, r and r + dr
+#           multiples of 64.
 VARIANTS = {
+    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True),
     "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
                      key_lanes=4, k_warps=2),
     "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
@@ -484,14 +490,42 @@ VARIANTS = {
     "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
                    key_lanes=4, k_warps=2),
 }
-# The best worst case on the H200 (run 3, docs/GPU_RESULTS.md): 1.52x / 1.51x / 1.73x of the
-# roof at verify P4096 / P16384 / decode, against pipe16's 1.53x / 1.51x / 1.76x.
-DEFAULT_VARIANT = "pipe16x2"
+# DEFAULT_VARIANT runs wherever it can (GPU, widths its tiles fit); elsewhere the best FFMA
+# layout: FALLBACK_VARIANT had the best worst case on the H200 (run 3, docs/GPU_RESULTS.md),
+# 1.52x / 1.51x / 1.73x of the roof at verify P4096 / P16384 / decode.
+DEFAULT_VARIANT = "tf32x3"
+FALLBACK_VARIANT = "pipe16x2"
+FFMA_VARIANTS = tuple(v for v in VARIANTS if not VARIANTS[v].get("tensor_cores"))
 
 
-def gpu_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
+def uses_tensor_cores(variant: str) -> bool:
+    return bool(VARIANTS[variant].get("tensor_cores"))
+
+
+def resolve_variant(variant, r: int, dr: int) -> str:
+    """``variant``, checked; or for None the default where it can run, else the fallback."""
+    if variant is None:
+        if SIMULATOR or not _mma_fits(r, dr):
+            return FALLBACK_VARIANT
+        return DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown attention variant {variant!r}; have {sorted(VARIANTS)}")
+    return variant
+
+
+def _mma_fits(r: int, dr: int) -> bool:
+    from kdtree_numba.attention_mma import mma_fits
+    return mma_fits(r, dr)
+
+
+def gpu_tile_config(r: int, dr: int, variant: str = FALLBACK_VARIANT):
     """64 query-heads per block, ``lane_rows x 4`` score blocks per lane, and (at r = 512,
-    256 threads) 8 rows x 16 columns of output per thread; narrower latents get fewer columns."""
+    256 threads) 8 rows x 16 columns of output per thread; narrower latents get fewer columns.
+    The tensor-core variant has its own fixed layout (:class:`~kdtree_numba.attention_mma.
+    MmaTileConfig`)."""
+    if uses_tensor_cores(variant):
+        from kdtree_numba.attention_mma import MmaTileConfig
+        return MmaTileConfig(r, dr).validate()
     v = VARIANTS[variant]
     threads, rows = v["threads"], 64
     cg = _pow2_divisor(r // 4, 32)
@@ -504,9 +538,12 @@ def gpu_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConf
     return cfg.validate()
 
 
-def sim_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
+def sim_tile_config(r: int, dr: int, variant: str = FALLBACK_VARIANT) -> TileConfig:
     """The same layout with one warp per column split and 4 x 2 (8 x 2) lane blocks: the
-    simulator costs ~30 ms per syncthreads, so blocks stay small."""
+    simulator costs ~30 ms per syncthreads, so blocks stay small.  It has no tensor cores."""
+    if uses_tensor_cores(variant):
+        raise ValueError(f"attention variant {variant!r} needs tensor cores; the CUDA "
+                         f"simulator has none (use one of {FFMA_VARIANTS})")
     v = VARIANTS[variant]
     threads = 32 * v["k_warps"]
     lane_rows, lane_keys = max(4, v["k_lanes"]), 2  # k_lanes rows keep a fused softmax fused
@@ -520,10 +557,10 @@ def sim_tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConf
                       scratch=threads * lane_rows * lane_keys).validate()
 
 
-def tile_config(r: int, dr: int, variant: str = DEFAULT_VARIANT) -> TileConfig:
-    """The tile shape used here for latent width r, rope width dr and a score layout."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown attention variant {variant!r}; have {sorted(VARIANTS)}")
+def tile_config(r: int, dr: int, variant=None):
+    """The tile shape used here for latent width r, rope width dr and a layout (None: the
+    default that runs here, see :func:`resolve_variant`)."""
+    variant = resolve_variant(variant, r, dr)
     return sim_tile_config(r, dr, variant) if SIMULATOR else gpu_tile_config(r, dr, variant)
 
 
@@ -609,8 +646,17 @@ def _jit_options(cfg: TileConfig) -> dict:
 
 
 @lru_cache(maxsize=None)
-def _attention_kernel(cfg: TileConfig):
-    """Build the tiled attention kernel for one configuration (constants are closed over)."""
+def _attention_kernel(cfg):
+    """Build the block kernel for one configuration (constants are closed over): the FFMA
+    kernel below for a TileConfig, the tensor-core one for an MmaTileConfig."""
+    if not isinstance(cfg, TileConfig):
+        from kdtree_numba.attention_mma import build_kernel
+        return build_kernel(cfg)
+    return _ffma_attention_kernel(cfg)
+
+
+def _ffma_attention_kernel(cfg: TileConfig):
+    """The FFMA (CUDA-core) kernel: register-blocked mini-GEMMs, see the module docstring."""
     T, M, N, STAGES = cfg.threads, cfg.rows, cfg.keys, cfg.stages
     Q4 = cfg.quads
     QS, ST = cfg.row_stride, cfg.score_stride
@@ -951,13 +997,14 @@ class MlaAttentionPlan:
     Reuse one plan per shape in a decode loop: it allocates nothing per call, so its launches
     can also be captured in a CUDA graph.  ``max_keys`` bounds ``prefix_len + n`` and only sets
     the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests);
-    ``variant`` picks a tile layout from :data:`VARIANTS`.
+    ``variant`` picks a tile layout from :data:`VARIANTS` (None: :func:`resolve_variant`).
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 variant=DEFAULT_VARIANT, stream=0):
+                 variant=None, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
+        variant = resolve_variant(variant, r, dr)
         self.variant = variant
         self.cfg = tile_config(r, dr, variant)
         self.stream = stream
@@ -1047,14 +1094,15 @@ def _cached_plan(shape, max_keys, keys_per_split, variant):
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None, variant=DEFAULT_VARIANT, stream=0):
+                  keys_per_split=None, variant=None, stream=0):
     """Absorbed-MLA attention on the device; contract in ``reference/attention.py``.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
     ``prefix_len`` integer).  Returns a numba device array u [bs, n, H, r] float32 (or ``out``).
     A host ``prefix_len`` sets the split count from its maximum; for a device one pass
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
-    ``variant`` picks a tile layout (:data:`VARIANTS`; all compute the same function).
+    ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
+    tensor-core one where it runs, see :func:`resolve_variant`).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])

@@ -203,22 +203,42 @@ def _assert_matches_reference(prob, got):
     np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
 
 
-VARIANT_NAMES = ("pipe16x2", "pipe16", "tile32", "wide16")  # attention.VARIANTS, in order
+VARIANT_NAMES = ("tf32x3", "pipe16x2", "pipe16", "tile32", "wide16")  # attention.VARIANTS
+FFMA_NAMES = VARIANT_NAMES[1:]   # the CUDA-core layouts: the only ones the simulator runs
 # Variants whose simulator layouts differ (wide16 differs from pipe16x2 only in its GPU thread
 # count, so the simulator runs the same kernel for both): the per-variant simulator tests.
 SIM_VARIANTS = ("pipe16x2", "pipe16", "tile32")
 
 
 def test_variant_names_here_are_the_modules_variants():
-    from kdtree_numba.attention import DEFAULT_VARIANT, VARIANTS, sim_tile_config
-    assert tuple(VARIANTS) == VARIANT_NAMES and DEFAULT_VARIANT in VARIANTS
+    from kdtree_numba.attention import (DEFAULT_VARIANT, FALLBACK_VARIANT, FFMA_VARIANTS,
+                                        VARIANTS, sim_tile_config)
+    assert tuple(VARIANTS) == VARIANT_NAMES and FFMA_VARIANTS == FFMA_NAMES
+    assert DEFAULT_VARIANT == "tf32x3" and FALLBACK_VARIANT in FFMA_NAMES
     assert sim_tile_config(8, 4, "wide16") == sim_tile_config(8, 4, "pipe16x2")
     assert len({sim_tile_config(8, 4, v) for v in SIM_VARIANTS}) == len(SIM_VARIANTS)
+    with pytest.raises(ValueError, match="tensor cores"):
+        sim_tile_config(512, 64, "tf32x3")
+
+
+def test_default_variant_is_the_tensor_core_kernel_where_its_tiles_fit(monkeypatch):
+    from kdtree_numba import attention as A
+    from kdtree_numba import attention_mma  # noqa: F401 -- imported as it would be on a GPU
+    monkeypatch.setattr(A, "SIMULATOR", False)
+    assert A.resolve_variant(None, 512, 64) == "tf32x3"      # Kimi-K2 / DeepSeek-V3 widths
+    assert A.resolve_variant(None, 128, 64) == "tf32x3"
+    assert A.resolve_variant(None, 64, 16) == A.FALLBACK_VARIANT  # r + dr = 80: no whole halves
+    assert A.resolve_variant(None, 96, 32) == A.FALLBACK_VARIANT  # r = 96: no whole halves
+    assert A.resolve_variant("tile32", 512, 64) == "tile32"
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        A.resolve_variant("tf32", 512, 64)
+    monkeypatch.setattr(A, "SIMULATOR", True)
+    assert A.resolve_variant(None, 512, 64) == A.FALLBACK_VARIANT  # no tensor cores there
 
 
 @settings(max_examples=_sim_or_gpu_examples(15, 150))
 @given(problems(max_bs=2, max_n=5, heads=2, r=8, dr=4, max_prefix=9),
-       st.sampled_from([None, 8]), st.sampled_from(VARIANT_NAMES))
+       st.sampled_from([None, 8]), st.sampled_from(FFMA_NAMES))
 def test_numba_attention_matches_reference(prob, keys_per_split, variant):
     u = _numba().mla_attention(**prob, keys_per_split=keys_per_split,
                                variant=variant).copy_to_host()
@@ -271,7 +291,7 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
                 prefix_len=np.full(3, prefix, np.int32),
                 visible=np.broadcast_to(np.tril(np.ones((n, n), bool)), (3, n, n)).copy(),
                 tau=0.5)
-    splits = (None, 16) if variant == kernels.DEFAULT_VARIANT else (None,)  # merge: any one
+    splits = (None, 16) if variant == kernels.FALLBACK_VARIANT else (None,)  # merge: any one
     for keys_per_split in splits:
         u = kernels.mla_attention(**prob, keys_per_split=keys_per_split,
                                   variant=variant).copy_to_host()
@@ -305,7 +325,19 @@ def test_choose_splits_fills_the_gpu_only_when_blocks_are_scarce():
     assert choose_splits(4, 20, 32, 132, per_block) == 1            # a single tile
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_tensor_core_tile_config_fits_sm90_shared_memory():
+    from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
+    cfg = gpu_tile_config(512, 64, "tf32x3")
+    assert (cfg.threads, cfg.rows, cfg.keys, cfg.stages) == (256, 64, 16, 2)
+    # queries + two key stages (576 + 4 floats a row) + the 8 warps' score exchange
+    assert cfg.smem_bytes() == 4 * ((64 + 2 * 16) * 580 + 8 * 8 * 32) <= MAX_SHARED_BYTES
+    for r, dr in [(64, 64), (128, 64), (256, 64)]:
+        assert gpu_tile_config(r, dr, "tf32x3").smem_bytes() <= MAX_SHARED_BYTES
+    with pytest.raises(ValueError, match="multiples of 64"):
+        gpu_tile_config(64, 16, "tf32x3")
+
+
+@pytest.mark.parametrize("variant", FFMA_NAMES)
 def test_gpu_tile_config_fits_sm90_shared_memory_and_tiles_evenly(variant):
     from kdtree_numba.attention import MAX_SHARED_BYTES, VARIANTS, gpu_tile_config
     cfg = gpu_tile_config(512, 64, variant)
@@ -322,7 +354,7 @@ def test_gpu_tile_config_fits_sm90_shared_memory_and_tiles_evenly(variant):
         assert gpu_tile_config(r, dr, variant).smem_bytes() <= MAX_SHARED_BYTES
 
 
-@pytest.mark.parametrize("variant", VARIANT_NAMES)
+@pytest.mark.parametrize("variant", FFMA_NAMES)
 @pytest.mark.parametrize("r, dr", [(4, 4), (8, 4), (12, 8), (32, 16), (512, 64)])
 def test_sim_tile_configs_exist_for_every_width_the_tests_use(variant, r, dr):
     from kdtree_numba.attention import sim_tile_config
@@ -347,7 +379,9 @@ from numba.cuda.compiler import compile as compile_numba
 # the few spills ptxas makes outside the inner loops (checked in the SASS when written: the
 # score and P.V loops have no LDL/STL); wide16 runs at <= 128 registers and spills more.
 kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
-            256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.VARIANTS]
+            256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.FFMA_VARIANTS]
+# tf32x3: ~10 loop-invariant values spilled before the tile loop, reloaded once per tile
+kernels.append((A._attention_kernel(A.gpu_tile_config(512, 64, "tf32x3")), sig, True, 48))
 kernels.append((A._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
 kernels.append((A._merge_kernel(512), (a4, a4, i64, a3), False, 0))
 for transposed in (False, True):
@@ -382,6 +416,8 @@ for k, s, attention, stack_budget in kernels:
         for op in ("cp.async.cg.shared.global", "cp.async.wait_group", "ld.shared.v4.f32",
                    "shfl.sync.bfly"):
             assert op in ptx.decode(), op
+        if k.py_func.__name__ == "mla_attention_mma":  # 3 mma per product: 3xTF32 survived
+            assert ptx.decode().count("mma.sync.aligned.m16n8k8.row.col.f32.tf32") % 3 == 0
     _, log = nvjitlink_output(ltoir, "-verbose")
     frame = [x for x in log.splitlines() if "bytes stack frame" in x][-1]
     line = [x for x in log.splitlines() if "registers" in x][-1]

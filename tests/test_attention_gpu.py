@@ -49,16 +49,21 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-VARIANTS = ("pipe16x2", "pipe16", "tile32", "wide16")  # every layout of kdtree_numba.attention
+VARIANTS = ("tf32x3", "pipe16x2", "pipe16", "tile32", "wide16")  # every kernel there is
 
 
 def check(prob, variants=VARIANTS, **kwargs):
-    """Each variant (and each kwargs set, e.g. a forced split size) against one reference."""
+    """Each variant (and each kwargs set, e.g. a forced split size) against one reference;
+    the tensor-core one where its tiles fit the widths."""
     from kdtree_numba import attention as kernels
+    from kdtree_numba.attention_mma import mma_fits
     assert set(VARIANTS) == set(kernels.VARIANTS)
     want = ref.mla_attention(**prob, out_dtype=np.float64)
     tol = ref.fp32_error_bound(**prob)
+    r, dr = prob["q_abs"].shape[-1], prob["q_pe"].shape[-1]
     for variant in variants:
+        if kernels.uses_tensor_cores(variant) and not mma_fits(r, dr):
+            continue
         got = kernels.mla_attention(**prob, **kwargs, variant=variant).copy_to_host()
         err = np.abs(got - want)
         worst = np.unravel_index(np.argmax(err), err.shape)
@@ -157,12 +162,24 @@ def test_absorb_q_and_apply_uv_at_kimi_dims():
                                ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-4)
 
 
-def test_narrow_latent_configuration():
-    """A non-Kimi width (r=64, dr=16) runs the same kernel with another tile layout."""
+@pytest.mark.parametrize("r, dr", [(64, 16), (128, 64)])
+def test_narrow_latent_configuration(r, dr):
+    """Non-Kimi widths run the same kernels with other tile layouts: (64, 16) the FFMA ones
+    only (r + dr = 80 has no whole 32-column halves), (128, 64) also the tensor-core one
+    (3-chunk score halves, 2 value column groups)."""
     rng = np.random.default_rng(16)
     n = 9
     visible = np.stack([random_tree_visible(rng, n) for _ in range(3)])
-    check(make_problem(rng, [0, 77, 300], n, visible, heads=8, r=64, dr=16, tau=0.2))
+    check(make_problem(rng, [0, 77, 300], n, visible, heads=8, r=r, dr=dr, tau=0.2))
+    check(make_problem(rng, [0, 77, 300], n, visible, heads=8, r=r, dr=dr, tau=0.2),
+          keys_per_split=48)
+
+
+def test_default_is_the_tensor_core_kernel_at_kimi_widths():
+    from kdtree_numba import attention as kernels
+    plan = kernels.MlaAttentionPlan(2, 3, H, R, DR, 100)
+    assert plan.variant == "tf32x3"
+    assert kernels.MlaAttentionPlan(2, 3, 8, 64, 16, 100).variant == kernels.FALLBACK_VARIANT
 
 
 @settings(deadline=None)

@@ -43,26 +43,45 @@ def test_simulator_fallback_rounds_like_the_oracle(needs_kernels):
     assert np.all(np.abs(recon - x[:200]) <= 2.0 ** -21 * np.abs(x[:200]))
 
 
+def test_simulator_fast_split_is_exact_with_a_tf32_high_part(needs_kernels):
+    """split_tf32_fast: hi is a TF32 value within half a TF32 ulp of x (so |lo| <= 2^-11 |x|)
+    and hi + lo == x exactly (lo keeps full precision; the tensor core truncates it)."""
+    from kdtree_numba import compat, tensorcore
+    if not compat.SIMULATOR:
+        pytest.skip("the bit-level fallback exists only under the simulator")
+    x = np.random.default_rng(2).standard_normal(2000).astype(np.float32) * 100
+    x[:3] = [1.0 + 2.0 ** -11, -(1.0 + 2.0 ** -11), 0.0]
+    for v in x:
+        hi, lo = tensorcore.split_tf32_fast(v)
+        assert int(hi) & 0x1FFF == 0
+        h, low = np.uint32(hi).view(np.float32), np.uint32(lo).view(np.float32)
+        assert np.float64(h) + np.float64(low) == np.float64(v)
+        assert abs(np.float64(low)) <= 2.0 ** -11 * abs(np.float64(v))
+
+
 def _tile_kernel():
     from kdtree_numba.compat import cuda, kernel
-    from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32, to_tf32
+    from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32, split_tf32_fast, to_tf32
 
     @kernel
-    def tile(a, b, c, d, three):
-        """d = a @ b + c for a [16, 8], b [8, 8], c [16, 8], on one warp."""
+    def tile(a, b, c, d, mode):
+        """d = a @ b + c for a [16, 8], b [8, 8], c [16, 8], on one warp: plain TF32 (mode
+        0), 3xTF32 with the cvt.rna split (1) or with split_tf32_fast (2)."""
         lane = cuda.threadIdx.x
         g = lane // 4
         t = lane % 4
         x0, x1, x2, x3 = a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4]
         y0, y1 = b[t, g], b[t + 4, g]
         c0, c1, c2, c3 = c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]
-        if three:
-            h0, l0 = split_tf32(x0)
-            h1, l1 = split_tf32(x1)
-            h2, l2 = split_tf32(x2)
-            h3, l3 = split_tf32(x3)
-            hy0, ly0 = split_tf32(y0)
-            hy1, ly1 = split_tf32(y1)
+        if mode:
+            if mode == 1:
+                h0, l0, h1, l1 = split_tf32(x0) + split_tf32(x1)
+                h2, l2, h3, l3 = split_tf32(x2) + split_tf32(x3)
+                hy0, ly0, hy1, ly1 = split_tf32(y0) + split_tf32(y1)
+            else:
+                h0, l0, h1, l1 = split_tf32_fast(x0) + split_tf32_fast(x1)
+                h2, l2, h3, l3 = split_tf32_fast(x2) + split_tf32_fast(x3)
+                hy0, ly0, hy1, ly1 = split_tf32_fast(y0) + split_tf32_fast(y1)
             c0, c1, c2, c3 = mma_tf32_m16n8k8(l0, l1, l2, l3, hy0, hy1, c0, c1, c2, c3)
             c0, c1, c2, c3 = mma_tf32_m16n8k8(h0, h1, h2, h3, ly0, ly1, c0, c1, c2, c3)
             c0, c1, c2, c3 = mma_tf32_m16n8k8(h0, h1, h2, h3, hy0, hy1, c0, c1, c2, c3)
@@ -78,10 +97,11 @@ def _tile_kernel():
     return tile
 
 
-def _run_tile(a, b, c, three):
+def _run_tile(a, b, c, mode):
     from numba import cuda
     d = cuda.device_array((16, 8), np.float32)
-    _tile_kernel()[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d, three)
+    _tile_kernel()[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d,
+                          np.int64(mode))
     return d.copy_to_host()
 
 
@@ -97,7 +117,7 @@ def _inputs(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_gpu_tf32_tile_equals_the_product_of_rounded_inputs(seed):
     a, b, c = _inputs(seed)
-    got = _run_tile(a, b, c, False)
+    got = _run_tile(a, b, c, 0)
     ra, rb = tf32_round(a).astype(np.float64), tf32_round(b).astype(np.float64)
     want = ra @ rb + c
     # TF32 products are exact in fp32; 8 fp32 additions (in the hardware's order) remain.
@@ -112,11 +132,14 @@ def test_gpu_tf32_tile_equals_the_product_of_rounded_inputs(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_gpu_3xtf32_tile_is_fp32_accurate(seed):
     a, b, c = _inputs(seed)
-    got = _run_tile(a, b, c, True)
     want = a.astype(np.float64) @ b.astype(np.float64) + c
-    # The dropped lo * lo terms are <= 2^-22 of each product; plus fp32 accumulation.
-    bound = (2.0 ** -21 + 16 * 2.0 ** -24) * (np.abs(a) @ np.abs(b) + np.abs(c))
-    assert np.all(np.abs(got - want) <= bound)
+    # cvt.rna split: the dropped lo * lo terms are <= 2^-22 of each product; plus fp32
+    # accumulation.  Fast split: lo enters truncated to TF32 (<= 2^-21 of x, in two of the
+    # three products) and lo * lo is dropped (<= 2^-22).
+    for mode, split_error in ((1, 2.0 ** -21), (2, 2.0 ** -19)):
+        got = _run_tile(a, b, c, mode)
+        bound = (split_error + 16 * 2.0 ** -24) * (np.abs(a) @ np.abs(b) + np.abs(c))
+        assert np.all(np.abs(got - want) <= bound), mode
 
 
 @pytest.mark.gpu
@@ -152,7 +175,7 @@ dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability
 sys.path.insert(0, "tests")
 import test_tensorcore as tc
 f2 = T.float32[:, ::1]
-ptx, _ = cuda.compile_ptx(tc._tile_kernel().py_func, (f2, f2, f2, f2, T.boolean), cc=(9, 0))
+ptx, _ = cuda.compile_ptx(tc._tile_kernel().py_func, (f2, f2, f2, f2, T.int64), cc=(9, 0))
 assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 4, "mma count"
 assert "cvt.rna.tf32.f32" in ptx, "no TF32 conversion"   # LLVM may merge the shared ones
 opts = ["-arch=sm_90", "-O3"]

@@ -1,0 +1,326 @@
+"""Absorbed-MLA attention on tensor cores: 3xTF32 ``mma.sync``, fp32 accuracy.
+
+Same contract, launch plumbing, split planning and merge as :mod:`kdtree_numba.attention`
+(``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` variant); this module holds only
+the block kernel.  docs/ATTENTION.md ("A TF32 tensor-core path") has the design and its
+measurements; in short:
+
+* A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages the
+  queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages, like
+  the FFMA kernel (same shared-memory budget: 64 + 2 x 16 rows of r + dr + 4 floats).
+* Warp w = 4 kh + rg owns query rows 16 rg .. 16 rg + 15.  Scores: it multiplies them with the
+  16 keys over column half kh of the r + dr columns (``m16n8k8`` tiles, two key n-tiles), then
+  adds the partner warp's half through shared memory; both partners then hold identical scores
+  (fp32 addition commutes) and run identical online softmaxes in registers.
+* P V: the probabilities stay in registers.  A score tile's accumulator holds keys 2t, 2t + 1 of
+  its 8 where an ``m16n8k8`` A fragment wants t, t + 4, so the k order of P V is permuted
+  instead: lane t reads value rows 2t and 2t + 1.  The warp accumulates value column half kh
+  (256 of 512 columns: 32 n-tiles, 128 fp32 registers per lane), with n-tile j of a 32-column
+  group taking columns 4g + j, so each lane's B operands are one 128-bit load per key.
+* Every product is 3xTF32: x = hi + lo (``split_tf32_fast``), hi*hi + hi*lo + lo*hi.  Scores
+  keep the three partial sums in separate accumulators (three independent mma chains per
+  n-tile instead of one three times as long).
+
+Tensor cores exist only on the GPU: the simulator runs the FFMA variants instead.
+"""
+from kdtree_numba.compat import cuda, kernel  # noqa: I001
+
+import math
+from dataclasses import dataclass
+
+from numba import float32, uint32
+
+from kdtree_numba.attention import (FULL_MASK, MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK,
+                                    ZERO, _inline, _row_tile_copier, cp_async_commit,
+                                    cp_async_wait_all, load4, store4)
+from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
+
+__all__ = ["MmaTileConfig"]
+
+
+@dataclass(frozen=True)
+class MmaTileConfig:
+    """Compile-time shape of one tensor-core attention block (fixed but for r and dr)."""
+    r: int
+    dr: int
+    threads: int = 256     # 8 warps: 4 row groups of 16 x 2 column halves
+    rows: int = 64         # query-heads per block
+    keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
+    stages: int = 2
+
+    @property
+    def d(self):
+        return self.r + self.dr
+
+    @property
+    def row_stride(self):  # floats per staged row; +4 shifts rows by 4 banks
+        return self.d + 4
+
+    def smem_floats(self):  # queries, key stages, score exchange (8 warps x 8 x 32 lanes)
+        return (self.rows + self.stages * self.keys) * self.row_stride + 8 * 8 * 32
+
+    def smem_bytes(self):
+        return 4 * self.smem_floats()
+
+    def validate(self):
+        # column halves of whole 32-column chunks (scores) and 32-column groups (values)
+        if self.d % 64 or self.r % 64 or self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"the tensor-core tiles need r and r + dr multiples of 64 and "
+                             f"<= {MAX_SHARED_BYTES} bytes of shared memory: {self}")
+        return self
+
+
+def mma_fits(r: int, dr: int) -> bool:
+    try:
+        MmaTileConfig(r, dr).validate()
+    except ValueError:
+        return False
+    return True
+
+
+@_inline
+def _mma_into(acc, o, a0, a1, a2, a3, b0, b1):
+    """acc[o : o + 4] += A B for one m16n8k8 TF32 tile (fragments as in tensorcore.py)."""
+    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_tf32_m16n8k8(
+        a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+
+
+@_inline
+def _split4(hi, lo, at, x0, x1, x2, x3):
+    """hi/lo[at : at + 4] = the 3xTF32 splits of x0..x3."""
+    hi[at], lo[at] = split_tf32_fast(x0)
+    hi[at + 1], lo[at + 1] = split_tf32_fast(x1)
+    hi[at + 2], lo[at + 2] = split_tf32_fast(x2)
+    hi[at + 3], lo[at + 3] = split_tf32_fast(x3)
+
+
+def build_kernel(cfg: MmaTileConfig):
+    """The tensor-core block kernel for one configuration (same arguments as the FFMA one)."""
+    cfg.validate()
+    M, N, QS = cfg.rows, cfg.keys, cfg.row_stride
+    HALF = cfg.d // 2                     # score columns per warp
+    CHUNKS = HALF // 32                   # 32-column chunks: 4 k-steps of 8 each
+    RH = cfg.r // 2                       # value columns per warp
+    GROUPS = RH // 32                     # 32-column groups: 4 n-tiles each
+    NT = N // 8                           # key n-tiles (scores) = k-steps (P V)
+    ACC = GROUPS * 16                     # P V accumulators per lane
+    SN = 4 * NT                           # score accumulators per lane (one set)
+    Q_OFF, KV_OFF = 0, M * QS
+    XCH_OFF = KV_OFF + cfg.stages * N * QS
+    copy_keys = _row_tile_copier(cfg, N)
+    copy_queries = _row_tile_copier(cfg, M)
+
+    @_inline
+    def score_chunk(s_hh, s_hl, s_lh, a_hi, a_lo, b_hi, b_lo, smem, q_at, k_at):
+        """Scores += Q K^T over one 32-column chunk.  Lane (g, t) holds columns 8t .. 8t + 7
+        of rows g, g + 8 (A) and of keys g, 8 + g (B); k-step j takes columns 8t + j (the
+        fragment's k = t) and 8t + 4 + j (k = t + 4).  A index: 8 * (row half) + column."""
+        for h in range(2):
+            x0, x1, x2, x3 = load4(smem, q_at + 8 * h * QS)
+            _split4(a_hi, a_lo, 8 * h, x0, x1, x2, x3)
+            x0, x1, x2, x3 = load4(smem, q_at + 8 * h * QS + 4)
+            _split4(a_hi, a_lo, 8 * h + 4, x0, x1, x2, x3)
+        for nt in range(NT):
+            x0, x1, x2, x3 = load4(smem, k_at + 8 * nt * QS)
+            _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
+            x0, x1, x2, x3 = load4(smem, k_at + 8 * nt * QS + 4)
+            _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
+            for j in range(4):
+                _mma_into(s_hh, 4 * nt, a_hi[j], a_hi[8 + j], a_hi[4 + j], a_hi[12 + j],
+                          b_hi[j], b_hi[4 + j])
+                _mma_into(s_hl, 4 * nt, a_hi[j], a_hi[8 + j], a_hi[4 + j], a_hi[12 + j],
+                          b_lo[j], b_lo[4 + j])
+                _mma_into(s_lh, 4 * nt, a_lo[j], a_lo[8 + j], a_lo[4 + j], a_lo[12 + j],
+                          b_hi[j], b_hi[4 + j])
+
+    @_inline
+    def pv_tile(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
+        """acc += P V over the tile's keys.  P (hi/lo) is the softmaxed score accumulator:
+        p[4 ks + c] = row g + 8 (c // 2), key 8 ks + 2t + c % 2.  k-step ks pairs fragment
+        k = t with key 8 ks + 2t and k = t + 4 with 8 ks + 2t + 1; n-tile j of column group
+        grp is columns 32 grp + 4g + j, whose B operands are element j of one float4."""
+        for grp in range(GROUPS):
+            for ks in range(NT):
+                x0, x1, x2, x3 = load4(smem, v_at + 8 * ks * QS + 32 * grp)
+                _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
+                x0, x1, x2, x3 = load4(smem, v_at + (8 * ks + 1) * QS + 32 * grp)
+                _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
+                p = 4 * ks
+                for j in range(4):
+                    o = 16 * grp + 4 * j
+                    _mma_into(acc, o, p_lo[p], p_lo[p + 2], p_lo[p + 1], p_lo[p + 3],
+                              b_hi[j], b_hi[4 + j])
+                    _mma_into(acc, o, p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3],
+                              b_lo[j], b_lo[4 + j])
+                    _mma_into(acc, o, p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3],
+                              b_hi[j], b_hi[4 + j])
+
+    @_inline
+    def masked_score(s, key, kend, prefix, visible, b, row_ok, query):
+        """-inf where the slot is past the split or a new token the row's query must not see."""
+        if key >= kend:
+            return NEG_INF
+        if key >= prefix:  # a new token: ask the n x n mask
+            if not row_ok:
+                return NEG_INF
+            if not visible[b, query, key - prefix]:
+                return NEG_INF
+        return s
+
+    @_inline
+    def quad_max(x):  # over the 4 lanes t of a fragment row
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+    @_inline
+    def quad_sum(x):
+        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
+
+    @_inline
+    def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
+                   col0, t, writes_ml):
+        """Row g + 8h of the lane's accumulators -> u (normalised; one split) or the split's
+        partial output, and its (max, sum).  In column group grp the lane holds columns
+        col0 + 32 grp + 8t .. + 7 (see pv_tile)."""
+        if row < n_rows:
+            if direct:
+                dst = out[b, row]
+                scale = ONE / l_run if l_run > ZERO else ZERO  # sees nothing -> zeros
+            else:
+                dst = part_o[b, split, row]
+                scale = ONE
+                if writes_ml:
+                    part_ml[b, split, row, 0] = m_run
+                    part_ml[b, split, row, 1] = l_run
+            for grp in range(GROUPS):
+                o = 16 * grp + 2 * h
+                col = col0 + 32 * grp + 8 * t
+                store4(dst, col, acc[o] * scale, acc[o + 4] * scale, acc[o + 8] * scale,
+                       acc[o + 12] * scale)
+                store4(dst, col + 4, acc[o + 1] * scale, acc[o + 5] * scale,
+                       acc[o + 9] * scale, acc[o + 13] * scale)
+
+    @kernel
+    def mla_attention_mma(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
+                          direct, out, part_o, part_ml):
+        smem = cuda.shared.array(0, float32)
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        rg, kh = warp % 4, warp // 4
+        row0 = cuda.blockIdx.x * M
+        split = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        n_rows = n * heads
+        prefix = prefix_len[b]
+        kbeg = split * chunk
+        kend = min(kbeg + chunk, prefix + n)
+        if split == cuda.gridDim.y - 1:
+            kend = prefix + n  # the last split takes the rest, whatever max_keys promised
+
+        copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
+        copy_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)
+        cp_async_commit()
+
+        # the lane's two fragment rows g and g + 8 of the warp's 16
+        row_a = row0 + 16 * rg + g
+        row_b = row_a + 8
+        ok_a, ok_b = row_a < n_rows, row_b < n_rows
+        query_a, query_b = row_a // heads, row_b // heads
+
+        acc = cuda.local.array(ACC, float32)
+        for x in range(ACC):
+            acc[x] = ZERO
+        s_hh = cuda.local.array(SN, float32)
+        s_hl = cuda.local.array(SN, float32)
+        s_lh = cuda.local.array(SN, float32)
+        a_hi = cuda.local.array(16, uint32)
+        a_lo = cuda.local.array(16, uint32)
+        b_hi = cuda.local.array(8, uint32)
+        b_lo = cuda.local.array(8, uint32)
+        p_hi = cuda.local.array(SN, uint32)
+        p_lo = cuda.local.array(SN, uint32)
+        m_a = m_b = NEG_INF  # online-softmax state of rows a and b (same in all 4 lanes t
+        l_a = l_b = ZERO     # and in the partner warp); l: this lane's keys only
+
+        xch_mine = XCH_OFF + warp * 256 + lane
+        xch_partner = XCH_OFF + (warp ^ 4) * 256 + lane
+        stage = 0
+        for t0 in range(kbeg, kend, N):
+            kv = KV_OFF + stage * (N * QS)
+            cp_async_wait_all()
+            cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
+            if t0 + N < kend:   # prefetch the next tile into the other buffer
+                copy_keys(smem, KV_OFF + (1 - stage) * (N * QS), ckv, kpe, b, t0 + N, kend,
+                          tid)
+                cp_async_commit()
+
+            for x in range(SN):
+                s_hh[x] = ZERO
+                s_hl[x] = ZERO
+                s_lh[x] = ZERO
+            q_at = Q_OFF + (16 * rg + g) * QS + kh * HALF + 8 * t
+            k_at = kv + g * QS + kh * HALF + 8 * t
+            for _ in range(CHUNKS):
+                score_chunk(s_hh, s_hl, s_lh, a_hi, a_lo, b_hi, b_lo, smem, q_at, k_at)
+                q_at += 32
+                k_at += 32
+            for x in range(SN):  # leave this half's scores for the partner warp
+                smem[xch_mine + 32 * x] = s_hh[x] + (s_hl[x] + s_lh[x])
+            cuda.syncthreads()
+
+            # online softmax of both halves' sum, identical in the two partner warps.  The
+            # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
+            mt_a = mt_b = NEG_INF
+            for x in range(SN):
+                s = (s_hh[x] + (s_hl[x] + s_lh[x]) + smem[xch_partner + 32 * x]) * tau
+                key = t0 + 8 * (x // 4) + 2 * t + x % 2
+                if x % 4 < 2:
+                    s = masked_score(s, key, kend, prefix, visible, b, ok_a, query_a)
+                    mt_a = max(mt_a, s)
+                else:
+                    s = masked_score(s, key, kend, prefix, visible, b, ok_b, query_b)
+                    mt_b = max(mt_b, s)
+                s_hh[x] = s
+            mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
+            alpha_a = alpha_b = ONE
+            if mt_a > m_a + RESCALE_SLACK:  # also the first visible score (m = -inf)
+                alpha_a = math.exp(m_a - mt_a)
+                m_a = mt_a
+            if mt_b > m_b + RESCALE_SLACK:
+                alpha_b = math.exp(m_b - mt_b)
+                m_b = mt_b
+            if cuda.any_sync(FULL_MASK, alpha_a != ONE or alpha_b != ONE):
+                for x in range(ACC // 4):
+                    acc[4 * x] *= alpha_a
+                    acc[4 * x + 1] *= alpha_a
+                    acc[4 * x + 2] *= alpha_b
+                    acc[4 * x + 3] *= alpha_b
+            ms_a = m_a if m_a > NEG_INF else ZERO  # nothing visible yet: all p = 0
+            ms_b = m_b if m_b > NEG_INF else ZERO
+            sum_a = sum_b = ZERO
+            for x in range(SN):
+                if x % 4 < 2:
+                    p = math.exp(s_hh[x] - ms_a)
+                    sum_a += p
+                else:
+                    p = math.exp(s_hh[x] - ms_b)
+                    sum_b += p
+                p_hi[x], p_lo[x] = split_tf32_fast(p)
+            l_a = l_a * alpha_a + sum_a
+            l_b = l_b * alpha_b + sum_b
+
+            pv_tile(acc, p_hi, p_lo, b_hi, b_lo, smem, kv + 2 * t * QS + kh * RH + 4 * g)
+            stage = 1 - stage
+        cp_async_wait_all()  # nothing may be in flight when the block exits
+
+        # epilogue: normalised u (one split) or the split's partial output and (max, sum)
+        l_a, l_b = quad_sum(l_a), quad_sum(l_b)
+        writes_ml = kh == 0 and t == 0
+        finish_row(out, part_o, part_ml, direct, b, split, row_a, n_rows, m_a, l_a, acc, 0,
+                   kh * RH, t, writes_ml)
+        finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
+                   kh * RH, t, writes_ml)
+
+    return mla_attention_mma
