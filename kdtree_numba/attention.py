@@ -235,6 +235,36 @@ def _cp_async_strided_fn():
 cp_async_strided = _cp_async_strided_fn()
 
 
+# ---------------------------------------------------------------------------------------------
+# Block geometry and masking, shared by the FFMA and the tensor-core kernels
+# ---------------------------------------------------------------------------------------------
+@_inline
+def split_keys(prefix_len, b, n, split, splits, chunk):
+    """(prefix, first, end): request b's cached length and the key slots [first, end) of key
+    split ``split``: ``chunk`` slots from split * chunk, clipped to prefix + n; the last split
+    takes the rest, whatever the plan's max_keys promised."""
+    prefix = prefix_len[b]
+    first = split * chunk
+    end = min(first + chunk, prefix + n)
+    if split == splits - 1:
+        end = prefix + n
+    return prefix, first, end
+
+
+@_inline
+def masked_score(s, key, end, prefix, visible, b, row_ok, query):
+    """Score ``s`` of slot ``key``, or -inf where the slot lies past the split's end or is a new
+    token that the row's query must not see (``visible[b, query, key - prefix]``)."""
+    if key >= end:
+        return NEG_INF
+    if key >= prefix:
+        if not row_ok:
+            return NEG_INF
+        if not visible[b, query, key - prefix]:
+            return NEG_INF
+    return s
+
+
 def _tile_slot_fn(threads: int):
     """(row, float4 column) of slot ``tid + s*threads`` in a tile ``width4`` float4s wide.
 
@@ -755,11 +785,7 @@ def _ffma_attention_kernel(cfg: TileConfig):
         split = cuda.blockIdx.y
         b = cuda.blockIdx.z
         n_rows = n * heads
-        prefix = prefix_len[b]
-        kbeg = split * chunk
-        kend = min(kbeg + chunk, prefix + n)
-        if split == cuda.gridDim.y - 1:
-            kend = prefix + n  # the last split takes the rest, whatever max_keys promised
+        prefix, kbeg, kend = split_keys(prefix_len, b, n, split, cuda.gridDim.y, chunk)
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         if STAGES == 2:
@@ -851,15 +877,8 @@ def _ffma_attention_kernel(cfg: TileConfig):
             # in float32); every thread of a row keeps the same (m_run, l_run).
             m_tile = NEG_INF
             for jj in range(KPT):
-                s = sv[jj] * tau
-                t = t0 + sk0 + SK_STEP * jj
-                if t >= kend:
-                    s = NEG_INF
-                elif t >= prefix:  # a new token: ask the n x n mask
-                    if not srow_ok:
-                        s = NEG_INF
-                    elif not visible[b, squery, t - prefix]:
-                        s = NEG_INF
+                s = masked_score(sv[jj] * tau, t0 + sk0 + SK_STEP * jj, kend, prefix, visible,
+                                 b, srow_ok, squery)
                 sv[jj] = s
                 m_tile = max(m_tile, s)
             m_tile = row_max(m_tile, smem, tid)

@@ -32,7 +32,7 @@ from numba import float32, uint32
 
 from kdtree_numba.attention import (FULL_MASK, MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK,
                                     ZERO, _inline, _row_tile_copier, cp_async_commit,
-                                    cp_async_wait_all, load4, store4)
+                                    cp_async_wait_all, load4, masked_score, split_keys, store4)
 from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
 
 __all__ = ["MmaTileConfig"]
@@ -156,18 +156,6 @@ def build_kernel(cfg: MmaTileConfig):
                               b_hi[j], b_hi[4 + j])
 
     @_inline
-    def masked_score(s, key, kend, prefix, visible, b, row_ok, query):
-        """-inf where the slot is past the split or a new token the row's query must not see."""
-        if key >= kend:
-            return NEG_INF
-        if key >= prefix:  # a new token: ask the n x n mask
-            if not row_ok:
-                return NEG_INF
-            if not visible[b, query, key - prefix]:
-                return NEG_INF
-        return s
-
-    @_inline
     def quad_max(x):  # over the 4 lanes t of a fragment row
         x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
         return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
@@ -213,11 +201,7 @@ def build_kernel(cfg: MmaTileConfig):
         split = cuda.blockIdx.y
         b = cuda.blockIdx.z
         n_rows = n * heads
-        prefix = prefix_len[b]
-        kbeg = split * chunk
-        kend = min(kbeg + chunk, prefix + n)
-        if split == cuda.gridDim.y - 1:
-            kend = prefix + n  # the last split takes the rest, whatever max_keys promised
+        prefix, kbeg, kend = split_keys(prefix_len, b, n, split, cuda.gridDim.y, chunk)
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         copy_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)
