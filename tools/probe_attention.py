@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the attention kernel per key and per block slot, across batch sizes and split counts.
 
-    python3 tools/probe_attention.py
+    python3 tools/probe_attention.py [--variant NAME] [--json PATH]
 
 A diagnostic beside tools/bench_attention.py (whose inputs and timer it uses): for each shape,
 the split count (chosen, or forced through ``keys_per_split``), the blocks and waves on this
@@ -9,8 +9,12 @@ GPU, the time, TFLOP/s, and microseconds per key per block slot (time / waves / 
 block), which separates the kernel's own rate from wave quantisation and split merges.
 docs/GPU_RESULTS.md run 18 has its H200 output: decode (bs 64, n 1, P 4096) runs at ~0.59 us
 per key per block slot with two splits, one-wave shapes at ~0.56, DDTree verify at 0.54 (its
-row tiles share their request's keys in L2).  Needs a GPU and CuPy.
+row tiles share their request's keys in L2); that was the FFMA kernel, now ``--variant
+pipe16x2`` (the default is the kernel ``mla_attention`` picks, the tensor-core one).  Needs a
+GPU and CuPy.
 """
+import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -27,18 +31,25 @@ CASES = [(64, 1, 4096, None), (64, 1, 4096, 4112), (64, 1, 4096, 1040), (64, 1, 
          (16, 65, 4096, None), (2, 65, 4096, None), (1, 65, 4096, None)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", help="a kernel of kdtree_numba.attention.VARIANTS "
+                        "(default: the one mla_attention picks)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
     import cupy as cp
     from kdtree_numba import attention as A
     rng = np.random.default_rng(0)
     sms = A._sm_count()
+    print(f"kernel: {A.resolve_variant(args.variant, B.R, B.DR)}")
     print("| bs | n | P | splits | blocks | waves | ms | TFLOP/s | us per key per block slot |")
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for bs, n, prefix, keys_per_split in CASES:
         sets = B.make_inputs(cp, rng, bs, n, prefix)
         out = A.to_device(cp.empty((bs, n, B.H, B.R), cp.float32))
         plan = A.MlaAttentionPlan(bs, n, B.H, B.R, B.DR, prefix + n, max_keys=prefix + n,
-                                  keys_per_split=keys_per_split)
+                                  keys_per_split=keys_per_split, variant=args.variant)
 
         def run(a, plan=plan):
             plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"],
@@ -51,7 +62,12 @@ def main() -> None:
         per_key = 1e3 * ms / waves / min(plan.chunk, prefix + n)
         print(f"| {bs} | {n} | {prefix} | {plan.splits} | {blocks} | {waves} | {ms:.3f} "
               f"| {flops / ms / 1e9:.1f} | {per_key:.4f} |", flush=True)
+        rows.append(dict(bs=bs, n=n, prefix=prefix, splits=plan.splits, blocks=blocks,
+                         waves=waves, ms=ms, tflops=flops / ms / 1e9, us_per_key=per_key))
         del sets
+    if args.json:
+        args.json.write_text(json.dumps({"probe": "attention", "variant": plan.variant,
+                                         "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
