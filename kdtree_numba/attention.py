@@ -508,9 +508,11 @@ def _pow2_divisor(x: int, cap: int) -> int:
 #           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
 # tf32x3:   the tensor-core kernel of kdtree_numba/attention_mma.py (3xTF32 mma.sync, same
 #           shared-memory layout and 16-key tiles as pipe16x2); GPU only, r and r + dr
-#           multiples of 64.
+#           multiples of 64.  Short mma chains added in fp32 registers.
+# tf32x3fast: the same with mma chains over a whole split (fewer adds, ~10x the error).
 VARIANTS = {
-    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True),
+    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
+    "tf32x3fast": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=False),
     "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
                      key_lanes=4, k_warps=2),
     "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
@@ -555,7 +557,7 @@ def gpu_tile_config(r: int, dr: int, variant: str = FALLBACK_VARIANT):
     MmaTileConfig`)."""
     if uses_tensor_cores(variant):
         from kdtree_numba.attention_mma import MmaTileConfig
-        return MmaTileConfig(r, dr).validate()
+        return MmaTileConfig(r, dr, fp32_sums=VARIANTS[variant]["fp32_sums"]).validate()
     v = VARIANTS[variant]
     threads, rows = v["threads"], 64
     cg = _pow2_divisor(r // 4, 32)

@@ -1,9 +1,9 @@
-"""Absorbed-MLA attention on tensor cores: 3xTF32 ``mma.sync``, fp32 accuracy.
+"""Absorbed-MLA attention on tensor cores: 3xTF32 ``mma.sync`` at fp32 accuracy.
 
 Same contract, launch plumbing, split planning and merge as :mod:`kdtree_numba.attention`
-(``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` variant); this module holds only
-the block kernel.  docs/ATTENTION.md ("A TF32 tensor-core path") has the design and its
-measurements; in short:
+(``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` and ``"tf32x3fast"`` variants);
+this module holds only the block kernel.  docs/ATTENTION.md ("The tensor-core kernel") has the
+design and its measurements; in short:
 
 * A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages the
   queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages, like
@@ -20,6 +20,11 @@ measurements; in short:
 * Every product is 3xTF32: x = hi + lo (``split_tf32_fast``), hi*hi + hi*lo + lo*hi.  Scores
   keep the three partial sums in separate accumulators (three independent mma chains per
   n-tile instead of one three times as long).
+* ``fp32_sums`` (``tf32x3``): the tensor core's fp32 accumulation does not round to nearest,
+  so a long chain of mma into one accumulator drifts (~1e-5 on the benchmark's outputs).  With
+  it, mma chains stop at one 32-column score chunk and at one 8-key P V step, and their results
+  are added to fp32 registers with FADD.  Without it (``tf32x3fast``) the chains run over the
+  whole split.
 
 Tensor cores exist only on the GPU: the simulator runs the FFMA variants instead.
 """
@@ -35,7 +40,7 @@ from kdtree_numba.attention import (FULL_MASK, MAX_SHARED_BYTES, NEG_INF, ONE, R
                                     cp_async_wait_all, load4, masked_score, split_keys, store4)
 from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
 
-__all__ = ["MmaTileConfig"]
+__all__ = ["MmaTileConfig", "mma_fits", "build_kernel"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class MmaTileConfig:
     rows: int = 64         # query-heads per block
     keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
     stages: int = 2
+    fp32_sums: bool = True  # add short mma chains with FADD (module docstring)
 
     @property
     def d(self):
@@ -71,6 +77,7 @@ class MmaTileConfig:
 
 
 def mma_fits(r: int, dr: int) -> bool:
+    """Whether the tensor-core tiles fit latent width r and rope width dr."""
     try:
         MmaTileConfig(r, dr).validate()
     except ValueError:
@@ -94,6 +101,28 @@ def _split4(hi, lo, at, x0, x1, x2, x3):
     hi[at + 3], lo[at + 3] = split_tf32_fast(x3)
 
 
+def _unrolled_groups(pv_group, groups: int):
+    """``pv_tile(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at)``: pv_group for grp = 0 .. groups-1,
+    each call with grp a compile-time constant.  A Python-level unroll: NVVM leaves a loop this
+    large rolled (with fp32_sums it did), and a rolled loop indexes the accumulator array with a
+    variable, which puts all 128 accumulators in local memory."""
+    @_inline
+    def nothing(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
+        pass
+
+    def then(previous, grp):
+        @_inline
+        def step(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
+            previous(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at)
+            pv_group(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at, grp)
+        return step
+
+    pv_tile = nothing
+    for grp in range(groups):
+        pv_tile = then(pv_tile, grp)
+    return pv_tile
+
+
 def build_kernel(cfg: MmaTileConfig):
     """The tensor-core block kernel for one configuration (same arguments as the FFMA one)."""
     cfg.validate()
@@ -105,6 +134,7 @@ def build_kernel(cfg: MmaTileConfig):
     NT = N // 8                           # key n-tiles (scores) = k-steps (P V)
     ACC = GROUPS * 16                     # P V accumulators per lane
     SN = 4 * NT                           # score accumulators per lane (one set)
+    FP32_SUMS = cfg.fp32_sums
     Q_OFF, KV_OFF = 0, M * QS
     XCH_OFF = KV_OFF + cfg.stages * N * QS
     copy_keys = _row_tile_copier(cfg, N)
@@ -134,26 +164,52 @@ def build_kernel(cfg: MmaTileConfig):
                           b_hi[j], b_hi[4 + j])
 
     @_inline
-    def pv_tile(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
-        """acc += P V over the tile's keys.  P (hi/lo) is the softmaxed score accumulator:
+    def pv_group(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at, grp):
+        """acc += P V over the tile's keys, for value column group grp (a compile-time
+        constant, see pv_tile).  P (hi/lo) is the softmaxed score accumulator:
         p[4 ks + c] = row g + 8 (c // 2), key 8 ks + 2t + c % 2.  k-step ks pairs fragment
         k = t with key 8 ks + 2t and k = t + 4 with 8 ks + 2t + 1; n-tile j of column group
         grp is columns 32 grp + 4g + j, whose B operands are element j of one float4."""
-        for grp in range(GROUPS):
-            for ks in range(NT):
-                x0, x1, x2, x3 = load4(smem, v_at + 8 * ks * QS + 32 * grp)
-                _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
-                x0, x1, x2, x3 = load4(smem, v_at + (8 * ks + 1) * QS + 32 * grp)
-                _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
-                p = 4 * ks
-                for j in range(4):
-                    o = 16 * grp + 4 * j
+        for ks in range(NT):
+            x0, x1, x2, x3 = load4(smem, v_at + 8 * ks * QS + 32 * grp)
+            _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
+            x0, x1, x2, x3 = load4(smem, v_at + (8 * ks + 1) * QS + 32 * grp)
+            _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
+            p = 4 * ks
+            for j in range(4):
+                o = 16 * grp + 4 * j
+                if FP32_SUMS:  # this step's three products from zero, then FADD
+                    d0, d1, d2, d3 = mma_tf32_m16n8k8(
+                        p_lo[p], p_lo[p + 2], p_lo[p + 1], p_lo[p + 3], b_hi[j],
+                        b_hi[4 + j], ZERO, ZERO, ZERO, ZERO)
+                    d0, d1, d2, d3 = mma_tf32_m16n8k8(
+                        p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3], b_lo[j],
+                        b_lo[4 + j], d0, d1, d2, d3)
+                    d0, d1, d2, d3 = mma_tf32_m16n8k8(
+                        p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3], b_hi[j],
+                        b_hi[4 + j], d0, d1, d2, d3)
+                    acc[o] += d0
+                    acc[o + 1] += d1
+                    acc[o + 2] += d2
+                    acc[o + 3] += d3
+                else:
                     _mma_into(acc, o, p_lo[p], p_lo[p + 2], p_lo[p + 1], p_lo[p + 3],
                               b_hi[j], b_hi[4 + j])
                     _mma_into(acc, o, p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3],
                               b_lo[j], b_lo[4 + j])
                     _mma_into(acc, o, p_hi[p], p_hi[p + 2], p_hi[p + 1], p_hi[p + 3],
                               b_hi[j], b_hi[4 + j])
+
+    pv_tile = _unrolled_groups(pv_group, GROUPS)
+
+    @_inline
+    def fold_scores(s_sum, s_hh, s_hl, s_lh):
+        """s_sum += the three partial products; they restart from zero."""
+        for x in range(SN):
+            s_sum[x] += s_hh[x] + (s_hl[x] + s_lh[x])
+            s_hh[x] = ZERO
+            s_hl[x] = ZERO
+            s_lh[x] = ZERO
 
     @_inline
     def quad_max(x):  # over the 4 lanes t of a fragment row
@@ -219,6 +275,7 @@ def build_kernel(cfg: MmaTileConfig):
         s_hh = cuda.local.array(SN, float32)
         s_hl = cuda.local.array(SN, float32)
         s_lh = cuda.local.array(SN, float32)
+        s_sum = cuda.local.array(SN, float32)
         a_hi = cuda.local.array(16, uint32)
         a_lo = cuda.local.array(16, uint32)
         b_hi = cuda.local.array(8, uint32)
@@ -244,21 +301,26 @@ def build_kernel(cfg: MmaTileConfig):
                 s_hh[x] = ZERO
                 s_hl[x] = ZERO
                 s_lh[x] = ZERO
+                s_sum[x] = ZERO
             q_at = Q_OFF + (16 * rg + g) * QS + kh * HALF + 8 * t
             k_at = kv + g * QS + kh * HALF + 8 * t
             for _ in range(CHUNKS):
                 score_chunk(s_hh, s_hl, s_lh, a_hi, a_lo, b_hi, b_lo, smem, q_at, k_at)
+                if FP32_SUMS:
+                    fold_scores(s_sum, s_hh, s_hl, s_lh)
                 q_at += 32
                 k_at += 32
+            if not FP32_SUMS:
+                fold_scores(s_sum, s_hh, s_hl, s_lh)
             for x in range(SN):  # leave this half's scores for the partner warp
-                smem[xch_mine + 32 * x] = s_hh[x] + (s_hl[x] + s_lh[x])
+                smem[xch_mine + 32 * x] = s_sum[x]
             cuda.syncthreads()
 
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
             mt_a = mt_b = NEG_INF
             for x in range(SN):
-                s = (s_hh[x] + (s_hl[x] + s_lh[x]) + smem[xch_partner + 32 * x]) * tau
+                s = (s_sum[x] + smem[xch_partner + 32 * x]) * tau
                 key = t0 + 8 * (x // 4) + 2 * t + x % 2
                 if x % 4 < 2:
                     s = masked_score(s, key, kend, prefix, visible, b, ok_a, query_a)
@@ -266,7 +328,7 @@ def build_kernel(cfg: MmaTileConfig):
                 else:
                     s = masked_score(s, key, kend, prefix, visible, b, ok_b, query_b)
                     mt_b = max(mt_b, s)
-                s_hh[x] = s
+                s_sum[x] = s
             mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
             alpha_a = alpha_b = ONE
             if mt_a > m_a + RESCALE_SLACK:  # also the first visible score (m = -inf)
@@ -286,10 +348,10 @@ def build_kernel(cfg: MmaTileConfig):
             sum_a = sum_b = ZERO
             for x in range(SN):
                 if x % 4 < 2:
-                    p = math.exp(s_hh[x] - ms_a)
+                    p = math.exp(s_sum[x] - ms_a)
                     sum_a += p
                 else:
-                    p = math.exp(s_hh[x] - ms_b)
+                    p = math.exp(s_sum[x] - ms_b)
                     sum_b += p
                 p_hi[x], p_lo[x] = split_tf32_fast(p)
             l_a = l_a * alpha_a + sum_a

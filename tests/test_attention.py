@@ -203,8 +203,8 @@ def _assert_matches_reference(prob, got):
     np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
 
 
-VARIANT_NAMES = ("tf32x3", "pipe16x2", "pipe16", "tile32", "wide16")  # attention.VARIANTS
-FFMA_NAMES = VARIANT_NAMES[1:]   # the CUDA-core layouts: the only ones the simulator runs
+VARIANT_NAMES = ("tf32x3", "tf32x3fast", "pipe16x2", "pipe16", "tile32", "wide16")  # VARIANTS
+FFMA_NAMES = VARIANT_NAMES[2:]   # the CUDA-core layouts: the only ones the simulator runs
 # Variants whose simulator layouts differ (wide16 differs from pipe16x2 only in its GPU thread
 # count, so the simulator runs the same kernel for both): the per-variant simulator tests.
 SIM_VARIANTS = ("pipe16x2", "pipe16", "tile32")
@@ -217,8 +217,9 @@ def test_variant_names_here_are_the_modules_variants():
     assert DEFAULT_VARIANT == "tf32x3" and FALLBACK_VARIANT in FFMA_NAMES
     assert sim_tile_config(8, 4, "wide16") == sim_tile_config(8, 4, "pipe16x2")
     assert len({sim_tile_config(8, 4, v) for v in SIM_VARIANTS}) == len(SIM_VARIANTS)
-    with pytest.raises(ValueError, match="tensor cores"):
-        sim_tile_config(512, 64, "tf32x3")
+    for variant in VARIANT_NAMES[:2]:
+        with pytest.raises(ValueError, match="tensor cores"):
+            sim_tile_config(512, 64, variant)
 
 
 def test_default_variant_is_the_tensor_core_kernel_where_its_tiles_fit(monkeypatch):
@@ -329,6 +330,7 @@ def test_tensor_core_tile_config_fits_sm90_shared_memory():
     from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
     cfg = gpu_tile_config(512, 64, "tf32x3")
     assert (cfg.threads, cfg.rows, cfg.keys, cfg.stages) == (256, 64, 16, 2)
+    assert cfg.fp32_sums and not gpu_tile_config(512, 64, "tf32x3fast").fp32_sums
     # queries + two key stages (576 + 4 floats a row) + the 8 warps' score exchange
     assert cfg.smem_bytes() == 4 * ((64 + 2 * 16) * 580 + 8 * 8 * 32) <= MAX_SHARED_BYTES
     for r, dr in [(64, 64), (128, 64), (256, 64)]:
@@ -380,8 +382,10 @@ from numba.cuda.compiler import compile as compile_numba
 # score and P.V loops have no LDL/STL); wide16 runs at <= 128 registers and spills more.
 kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
             256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.FFMA_VARIANTS]
-# tf32x3: ~10 loop-invariant values spilled before the tile loop, reloaded once per tile
-kernels.append((A._attention_kernel(A.gpu_tile_config(512, 64, "tf32x3")), sig, True, 48))
+# tf32x3(fast): loop-invariant values spilled before the tile loop (16 / 40 B), reloaded once
+# per tile, none in the mma loops
+for v in ("tf32x3", "tf32x3fast"):
+    kernels.append((A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((A._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
 kernels.append((A._merge_kernel(512), (a4, a4, i64, a3), False, 0))
 for transposed in (False, True):

@@ -49,7 +49,7 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-VARIANTS = ("tf32x3", "pipe16x2", "pipe16", "tile32", "wide16")  # every kernel there is
+VARIANTS = ("tf32x3", "tf32x3fast", "pipe16x2", "pipe16", "tile32", "wide16")  # all kernels
 
 
 def check(prob, variants=VARIANTS, **kwargs):
@@ -101,6 +101,22 @@ def test_decode_bs64_prefix4096_uses_key_splits():
                                         max_keys=int(prefixes.max()) + 1, variant=variant)
         assert plan.splits > 1
     check(prob)
+
+
+def test_tensor_core_fp32_sums_keep_the_ffma_kernels_accuracy():
+    """tf32x3 stops its mma chains at a 32-column score chunk and an 8-key P V step and adds
+    them in fp32 registers: its error against the float64 reference must stay within a small
+    factor of the FFMA kernel's.  (tf32x3fast, whose chains run over the whole split through
+    the tensor core's own accumulation, is measured beside it for the message.)"""
+    from kdtree_numba import attention as kernels
+    rng = np.random.default_rng(19)
+    n = 65
+    visible = np.stack([random_tree_visible(rng, n) for _ in range(2)])
+    prob = make_problem(rng, [8192, 6000], n, visible)
+    want = ref.mla_attention(**prob, out_dtype=np.float64)
+    err = {v: float(np.abs(kernels.mla_attention(**prob, variant=v).copy_to_host() - want).max())
+           for v in ("pipe16x2", "tf32x3", "tf32x3fast")}
+    assert err["tf32x3"] <= 4 * err["pipe16x2"], err
 
 
 def test_scores_far_above_the_running_max_rescale_the_accumulator():
