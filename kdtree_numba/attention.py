@@ -508,11 +508,13 @@ def _pow2_divisor(x: int, cap: int) -> int:
 #           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
 # tf32x3:   the tensor-core kernel of kdtree_numba/attention_mma.py (3xTF32 mma.sync, same
 #           shared-memory layout and 16-key tiles as pipe16x2); GPU only, r and r + dr
-#           multiples of 64.  Short mma chains added in fp32 registers.
-# tf32x3fast: the same with mma chains over a whole split (fewer adds, ~10x the error).
+#           multiples of 64.  Its mma chains run over a whole split: 5-12x the FFMA error
+#           (within the fp32 bound), 1.06-1.25x of the roof.
+# tf32x3acc: the same with short mma chains added in fp32 registers: the FFMA kernels'
+#           accuracy at 15-17% more time (1.24-1.46x of the roof; docs/ATTENTION.md).
 VARIANTS = {
-    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
-    "tf32x3fast": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=False),
+    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=False),
+    "tf32x3acc": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
     "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
                      key_lanes=4, k_warps=2),
     "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,

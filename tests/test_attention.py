@@ -203,7 +203,7 @@ def _assert_matches_reference(prob, got):
     np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
 
 
-VARIANT_NAMES = ("tf32x3", "tf32x3fast", "pipe16x2", "pipe16", "tile32", "wide16")  # VARIANTS
+VARIANT_NAMES = ("tf32x3", "tf32x3acc", "pipe16x2", "pipe16", "tile32", "wide16")  # VARIANTS
 FFMA_NAMES = VARIANT_NAMES[2:]   # the CUDA-core layouts: the only ones the simulator runs
 # Variants whose simulator layouts differ (wide16 differs from pipe16x2 only in its GPU thread
 # count, so the simulator runs the same kernel for both): the per-variant simulator tests.
@@ -330,7 +330,7 @@ def test_tensor_core_tile_config_fits_sm90_shared_memory():
     from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
     cfg = gpu_tile_config(512, 64, "tf32x3")
     assert (cfg.threads, cfg.rows, cfg.keys, cfg.stages) == (256, 64, 16, 2)
-    assert cfg.fp32_sums and not gpu_tile_config(512, 64, "tf32x3fast").fp32_sums
+    assert not cfg.fp32_sums and gpu_tile_config(512, 64, "tf32x3acc").fp32_sums
     # queries + two key stages (576 + 4 floats a row) + the 8 warps' score exchange
     assert cfg.smem_bytes() == 4 * ((64 + 2 * 16) * 580 + 8 * 8 * 32) <= MAX_SHARED_BYTES
     for r, dr in [(64, 64), (128, 64), (256, 64)]:
@@ -384,7 +384,7 @@ kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
             256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.FFMA_VARIANTS]
 # tf32x3(fast): loop-invariant values spilled before the tile loop (16 / 40 B), reloaded once
 # per tile, none in the mma loops
-for v in ("tf32x3", "tf32x3fast"):
+for v in ("tf32x3", "tf32x3acc"):
     kernels.append((A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((A._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
 kernels.append((A._merge_kernel(512), (a4, a4, i64, a3), False, 0))

@@ -49,7 +49,7 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-VARIANTS = ("tf32x3", "tf32x3fast", "pipe16x2", "pipe16", "tile32", "wide16")  # all kernels
+VARIANTS = ("tf32x3", "tf32x3acc", "pipe16x2", "pipe16", "tile32", "wide16")  # all kernels
 
 
 def check(prob, variants=VARIANTS, **kwargs):
@@ -104,10 +104,11 @@ def test_decode_bs64_prefix4096_uses_key_splits():
 
 
 def test_tensor_core_fp32_sums_keep_the_ffma_kernels_accuracy():
-    """tf32x3 stops its mma chains at a 32-column score chunk and an 8-key P V step and adds
-    them in fp32 registers: its error against the float64 reference must stay within a small
-    factor of the FFMA kernel's.  (tf32x3fast, whose chains run over the whole split through
-    the tensor core's own accumulation, is measured beside it for the message.)"""
+    """tf32x3acc stops its mma chains after three 32-column score chunks and at an 8-key P V
+    step and adds them in fp32 registers: its error against the float64 reference must stay
+    within a small factor of the FFMA kernel's.  (tf32x3, whose chains run over the whole
+    split through the tensor core's own accumulation, is measured beside it for the message;
+    it only has to meet the fp32 bound, as in every other test.)"""
     from kdtree_numba import attention as kernels
     rng = np.random.default_rng(19)
     n = 65
@@ -115,8 +116,8 @@ def test_tensor_core_fp32_sums_keep_the_ffma_kernels_accuracy():
     prob = make_problem(rng, [8192, 6000], n, visible)
     want = ref.mla_attention(**prob, out_dtype=np.float64)
     err = {v: float(np.abs(kernels.mla_attention(**prob, variant=v).copy_to_host() - want).max())
-           for v in ("pipe16x2", "tf32x3", "tf32x3fast")}
-    assert err["tf32x3"] <= 4 * err["pipe16x2"], err
+           for v in ("pipe16x2", "tf32x3acc", "tf32x3")}
+    assert err["tf32x3acc"] <= 4 * err["pipe16x2"], err
 
 
 def test_scores_far_above_the_running_max_rescale_the_accumulator():

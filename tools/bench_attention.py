@@ -5,11 +5,13 @@
 
 Three shapes at Kimi-K2 widths (H=64, r=512, dr=64, tau=0.130861): DDTree verify bs=16 n=65
 with prefix 4096 and 16384, and decode bs=64 n=1 prefix 4096.  Every kernel in
-``kdtree_numba.attention.VARIANTS`` (the 3xTF32 tensor-core one and the FFMA tile layouts) is
-timed on every shape (CUDA events after warm-up, median of --reps), beside the roof max(bytes / 4.1 TB/s, FLOPs / 51 TFLOP/s), the CuPy composition
-(batched fp32 matmul + masked softmax + matmul, TF32 off) and the goals: within 1.5x of the
-roof and faster than CuPy.  The last lines name the fastest variant per shape and the one to
-make DEFAULT_VARIANT (best worst-case ours/roof).  A variant that fails is reported, not fatal.
+``kdtree_numba.attention.VARIANTS`` (the 3xTF32 tensor-core ones and the FFMA tile layouts)
+is timed on every shape (CUDA events after warm-up, median of --reps), beside the roof
+max(bytes / 4.1 TB/s, FLOPs / 51 TFLOP/s), the CuPy composition (batched fp32 matmul + masked
+softmax + matmul, TF32 off) and the goals: within 1.5x of the roof and faster than CuPy.  The
+last lines name the fastest variant per shape and the one with the best worst-case ours/roof.
+The max |difference| from the CuPy result shows each kernel's accuracy.  A variant that fails
+is reported, not fatal.
 FLOPs count every (query-head, key slot) pair: 2 * (r + dr) for the score and 2 * r for P V.
 Needs a GPU and CuPy; finishes in about a minute on an H200.
 """
