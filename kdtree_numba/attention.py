@@ -21,8 +21,8 @@ docs/ATTENTION.md explains the kernel design and the measured speed; the short v
   split the kernel normalises and writes ``u`` directly.
 
 Several tile layouts (:data:`VARIANTS`) compile from the one kernel body; one more,
-``"tf32x3"``, is the tensor-core kernel of :mod:`kdtree_numba.attention_mma` (3xTF32, fp32
-accuracy, GPU only).  ``tools/bench_attention.py`` times them all; :func:`resolve_variant`
+``"tf32x3"`` (with ``"tf32x3acc"``), is the tensor-core kernel of
+:mod:`kdtree_numba.attention_mma` (3xTF32, within the fp32 error bound, GPU only).  ``tools/bench_attention.py`` times them all; :func:`resolve_variant`
 picks :data:`DEFAULT_VARIANT` where it runs and :data:`FALLBACK_VARIANT` elsewhere.
 """
 from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULATOR  # noqa: I001
@@ -239,16 +239,18 @@ cp_async_strided = _cp_async_strided_fn()
 # Block geometry and masking, shared by the FFMA and the tensor-core kernels
 # ---------------------------------------------------------------------------------------------
 @_inline
-def split_keys(prefix_len, b, n, split, splits, chunk):
-    """(prefix, first, end): request b's cached length and the key slots [first, end) of key
-    split ``split``: ``chunk`` slots from split * chunk, clipped to prefix + n; the last split
-    takes the rest, whatever the plan's max_keys promised."""
+def block_keys(prefix_len, n, chunk):
+    """(b, split, prefix, first, end) of this block (grid: row tiles x splits x requests):
+    its request b, key split, the request's cached length, and the key slots [first, end):
+    ``chunk`` slots from split * chunk, clipped to prefix + n; the last split takes the rest,
+    whatever the plan's max_keys promised."""
+    split, b = cuda.blockIdx.y, cuda.blockIdx.z
     prefix = prefix_len[b]
     first = split * chunk
     end = min(first + chunk, prefix + n)
-    if split == splits - 1:
+    if split == cuda.gridDim.y - 1:
         end = prefix + n
-    return prefix, first, end
+    return b, split, prefix, first, end
 
 
 @_inline
@@ -786,10 +788,8 @@ def _ffma_attention_kernel(cfg: TileConfig):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         row0 = cuda.blockIdx.x * M
-        split = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         n_rows = n * heads
-        prefix, kbeg, kend = split_keys(prefix_len, b, n, split, cuda.gridDim.y, chunk)
+        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         if STAGES == 2:

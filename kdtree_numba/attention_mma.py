@@ -38,7 +38,7 @@ from numba import float32, uint32
 
 from kdtree_numba.attention import (FULL_MASK, MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK,
                                     ZERO, _inline, _row_tile_copier, cp_async_commit,
-                                    cp_async_wait_all, load4, masked_score, split_keys, store4)
+                                    cp_async_wait_all, load4, masked_score, block_keys, store4)
 from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
 
 __all__ = ["MmaTileConfig", "mma_fits", "build_kernel"]
@@ -258,10 +258,8 @@ def build_kernel(cfg: MmaTileConfig):
         g, t = lane // 4, lane % 4
         rg, kh = warp % 4, warp // 4
         row0 = cuda.blockIdx.x * M
-        split = cuda.blockIdx.y
-        b = cuda.blockIdx.z
         n_rows = n * heads
-        prefix, kbeg, kend = split_keys(prefix_len, b, n, split, cuda.gridDim.y, chunk)
+        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         copy_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)
@@ -276,10 +274,14 @@ def build_kernel(cfg: MmaTileConfig):
         acc = cuda.local.array(ACC, float32)
         for x in range(ACC):
             acc[x] = ZERO
-        s_hh = cuda.local.array(SN, float32)
+        s_hh = cuda.local.array(SN, float32)  # partial products since the last fold
         s_hl = cuda.local.array(SN, float32)
         s_lh = cuda.local.array(SN, float32)
         s_sum = cuda.local.array(SN, float32)
+        for x in range(SN):  # fold_scores restarts them from zero after every use
+            s_hh[x] = ZERO
+            s_hl[x] = ZERO
+            s_lh[x] = ZERO
         a_hi = cuda.local.array(16, uint32)
         a_lo = cuda.local.array(16, uint32)
         b_hi = cuda.local.array(8, uint32)
@@ -302,9 +304,6 @@ def build_kernel(cfg: MmaTileConfig):
                 cp_async_commit()
 
             for x in range(SN):
-                s_hh[x] = ZERO
-                s_hl[x] = ZERO
-                s_lh[x] = ZERO
                 s_sum[x] = ZERO
             q_at = Q_OFF + (16 * rg + g) * QS + kh * HALF + 8 * t
             k_at = kv + g * QS + kh * HALF + 8 * t

@@ -2,8 +2,8 @@
 ``mma.sync.aligned.m16n8k8`` TF32 product, as inline-PTX intrinsics (numba exposes no mma).
 
 They carry the tensor-core attention kernel (kdtree_numba/attention_mma.py; docs/ATTENTION.md,
-"A TF32 tensor-core path"): 3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps
-fp32 accuracy at a fraction of the FFMA time.  tests/test_tensorcore.py checks a 16 x 8 x 8
+"The tensor-core kernel"): 3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps
+the products fp32-accurate at a fraction of the FFMA time.  tests/test_tensorcore.py checks a 16 x 8 x 8
 tile against NumPy on the GPU, and that the PTX assembles for sm_90 on any machine.
 
 Fragment layout of ``mma_tf32_m16n8k8`` (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32):
