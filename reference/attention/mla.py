@@ -1,12 +1,9 @@
-"""Absorbed-MLA attention for prefill, decode and DDTree verify: the NumPy reference.
+"""Absorbed-MLA attention: the NumPy reference.  This docstring is the contract of
+``mla_attention``; :func:`naive_mla_attention` is its un-absorbed oracle and
+:func:`fp32_error_bound` the tolerance of a float32 implementation.
 
-This docstring is the contract; ``kdtree_numba.attention`` implements the same functions on the
-GPU and points here.
-
-Absorbed MLA (DeepSeek-V3 / Kimi-K2, see shared/notes/mla-moe.md) is multi-query attention with
-one latent KV head: the cache holds, per token slot, the compressed latent ``ckv`` (r = 512) and
-the rotated rope key ``kpe`` (dr = 64).  Each query head h carries ``q_abs = W_UK[h]^T q_nope``
-(r wide, see :func:`absorb_q`) and its rotated ``q_pe`` (dr wide).
+The family's overview (absorbed MLA, float64 inside, float32 results):
+reference/attention/__init__.py.
 
 ``mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau) -> u``
 
@@ -37,69 +34,17 @@ all H heads of a query.
 * Positions enter attention only through RoPE, which is applied to ``q_pe`` and ``kpe`` before
   this function, so the kernel itself never needs positions: a tree node's output equals plain
   causal attention over the prefix plus its root-to-node path (tested in tests/test_attention.py).
-
-Then ``o = apply_uv(u, kv_b_proj, dv)`` gives the per-head value output [bs, n, H, dv] that
-``o_proj`` consumes.  :func:`naive_mla_attention` is the un-absorbed per-head form (decompress
-k = [W_UK c ; k_pe], v = W_UV c, standard softmax attention) used only as a test oracle.
-
-This reference computes in float64 and returns float32 (u, q_abs, o); ``out_dtype=np.float64``
-keeps the float64 result for oracle tests.  :func:`fp32_error_bound` states how far a float32
-implementation (the numba twin) may differ from it.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
-           "visible_slots", "tree_visible", "fp32_error_bound"]
+from .projections import split_kv_b_proj
+
+__all__ = ["mla_attention", "naive_mla_attention", "visible_slots", "fp32_error_bound",
+           "UNIT_ROUNDOFF_F32"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
-
-
-def split_kv_b_proj(kv_b_proj: np.ndarray, n_heads: int, dn: int):
-    """``kv_b_proj [H*(dn+dv), r]`` -> ``(W_UK [H, dn, r], W_UV [H, dv, r])``.
-
-    Head h owns rows ``[h*(dn+dv), (h+1)*(dn+dv))``; its first dn rows are W_UK (they make the
-    no-rope key part), the last dv rows W_UV (they make the value), as in HF ``kv_b_proj``.
-    """
-    rows, r = kv_b_proj.shape
-    if rows % n_heads or rows // n_heads <= dn:
-        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={n_heads}, dn={dn}")
-    per_head = kv_b_proj.reshape(n_heads, rows // n_heads, r)
-    return per_head[:, :dn, :], per_head[:, dn:, :]
-
-
-def absorb_q(q_nope: np.ndarray, kv_b_proj: np.ndarray, out_dtype=np.float32) -> np.ndarray:
-    """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]``: [bs, n, H, dn] -> [bs, n, H, r] float32."""
-    n_heads, dn = q_nope.shape[-2], q_nope.shape[-1]
-    w_uk, _ = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, dn)
-    q_abs = np.einsum("...hd,hdr->...hr", np.asarray(q_nope, np.float64), w_uk)
-    return q_abs.astype(out_dtype)
-
-
-def apply_uv(u: np.ndarray, kv_b_proj: np.ndarray, dv: int, out_dtype=np.float32) -> np.ndarray:
-    """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]``: [bs, n, H, r] -> [bs, n, H, dv] float32.
-
-    ``dv`` (v_head_dim) is needed because kv_b_proj's rows only give dn + dv.
-    """
-    n_heads = u.shape[-2]
-    per_head = kv_b_proj.shape[0] // n_heads
-    _, w_uv = split_kv_b_proj(np.asarray(kv_b_proj, np.float64), n_heads, per_head - dv)
-    o = np.einsum("...hr,hvr->...hv", np.asarray(u, np.float64), w_uv)
-    return o.astype(out_dtype)
-
-
-def tree_visible(parents) -> np.ndarray:
-    """The ``visible`` mask [n, n] of one tree given by parent indices (``parents[0] = -1``
-    is the root, ``parents[i] < i``): row i sees j iff j is i or an ancestor of i.  For
-    tests, vectors and examples; the engine gets the mask from ``compile_tree``."""
-    n = len(parents)
-    vis = np.zeros((n, n), bool)
-    for i in range(n):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
 
 
 def visible_slots(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:

@@ -1,0 +1,85 @@
+"""DDTree acceptance, greedy and sampled: the NumPy reference.  This docstring is the contract
+of ``accept_greedy``, ``sample_targets`` and ``accept_sampled``.
+
+Package conventions (batched over ``bs`` requests, int32 indices, padding -1):
+reference/ddtree/__init__.py.
+
+``accept_greedy(tree, target_tokens) -> (acc_idx, acc_len, next_token)``
+    target_tokens [bs, B+1] int: the target's choice after each slot (padding ignored).
+    Walk: ``cur = 0, nxt = target[0]; while a child c of cur has token[c] == nxt: accept c,
+    cur = c, nxt = target[c]``.  acc_idx [bs, L+1] int32 = accepted slots starting with 0
+    (-1 padded), acc_len [bs] int32 in [1, L+1], next_token [bs] int32 = the first unmatched
+    target token (the next root, the "bonus" token).
+
+``sample_targets(tree, target_logits, temperature, uniforms) -> target_tokens``
+    target_logits [bs, B+1, V] float32 (finite), temperature T > 0, uniforms [bs, B+1]
+    float32/64 in [0, 1).  Slot i <= n_nodes samples softmax(logits/T) by inverse CDF:
+    ``w_j = exp((f64(x_j) - f64(max x)) / T)``, ``token = min{t : sum_{j<=t} w_j > u * sum_j w_j}``
+    (the last token with w_j > 0 if rounding leaves none).  Padding slots get -1.  The twins
+    sum in different orders (both float64), so they agree exactly unless ``u`` lies within
+    ~1e-12 (relative) of a CDF boundary; tests draw u at least 1e-9 away from every boundary.
+
+``accept_sampled(tree, target_logits, temperature, uniforms)``
+    ``= accept_greedy(tree, sample_targets(...))``.  Every committed token is a genuine target
+    sample, so the round is lossless for any tree (no draft probabilities needed).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .checks import check_per_slot, check_sample_args, check_tree
+from .tree import DraftTree
+
+__all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample"]
+
+
+def accept_greedy(tree: DraftTree, target_tokens):
+    """Accepted root-to-node path and the next root token (contract: module docstring)."""
+    bs, budget, max_depth = check_tree(tree)
+    target = np.asarray(check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu"))
+    acc_idx = np.full((bs, max_depth + 1), -1, np.int32)
+    acc_len = np.zeros(bs, np.int32)
+    next_token = np.zeros(bs, np.int32)
+    for b in range(bs):
+        n = int(tree.n_nodes[b])
+        children: dict[int, dict[int, int]] = {}
+        for c in range(1, n + 1):
+            children.setdefault(int(tree.parent[b, c]), {})[int(tree.token[b, c])] = c
+        path, cur, nxt = [0], 0, int(target[b, 0])
+        while nxt in children.get(cur, {}):
+            cur = children[cur][nxt]
+            path.append(cur)
+            nxt = int(target[b, cur])
+        acc_idx[b, :len(path)] = path
+        acc_len[b] = len(path)
+        next_token[b] = nxt
+    return acc_idx, acc_len, next_token
+
+
+def inverse_cdf_sample(row: np.ndarray, temperature: float, u: float) -> int:
+    """One inverse-CDF draw from softmax(row / T) (float64; definition: module docstring)."""
+    x = row.astype(np.float64)
+    w = np.exp((x - x.max()) / temperature)
+    cdf = np.cumsum(w)
+    t = int(np.searchsorted(cdf, u * cdf[-1], side="right"))   # first cdf > u * total
+    return t if t < row.size else int(np.flatnonzero(w > 0)[-1])
+
+
+def sample_targets(tree: DraftTree, target_logits, temperature: float, uniforms):
+    """One target sample at every tree slot, -1 at padding (contract: module docstring)."""
+    bs, budget, _, temperature = check_sample_args(tree, target_logits, temperature, uniforms)
+    target_logits, uniforms = np.asarray(target_logits), np.asarray(uniforms, np.float64)
+    if not np.isfinite(target_logits).all():
+        raise ValueError("target_logits must be finite")
+    if np.any(uniforms < 0) or np.any(uniforms >= 1):
+        raise ValueError("uniforms must lie in [0, 1)")
+    tokens = np.full((bs, budget + 1), -1, np.int32)
+    for b in range(bs):
+        for i in range(int(tree.n_nodes[b]) + 1):
+            tokens[b, i] = inverse_cdf_sample(target_logits[b, i], temperature, uniforms[b, i])
+    return tokens
+
+
+def accept_sampled(tree: DraftTree, target_logits, temperature: float, uniforms):
+    """Sample the target at every node, then walk as greedy (contract: module docstring)."""
+    return accept_greedy(tree, sample_targets(tree, target_logits, temperature, uniforms))

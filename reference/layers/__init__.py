@@ -1,0 +1,53 @@
+"""The model's non-attention kernels (DeepSeek-V3 / Kimi-K2): the NumPy reference.
+
+This docstring and those of its modules are the contract; ``kdtree_numba.layers`` implements the
+same functions on the GPU and points here.  Math, Hugging Face conventions, kernel designs,
+tolerances and the test-vector layout: docs/LAYERS.md.
+
+Conventions.  Activations are float32.  Weights are float32 or bfloat16 (``ml_dtypes.bfloat16``
+arrays: stored bf16, every product accumulated in float32 on the GPU, float64 here).  Weights
+use the Hugging Face layout ``[out, in]`` with ``y = x W^T``.  This reference computes in
+float64 and returns float32 (int32 for indices).
+
+==============================================  ===============================================
+function                                        returns
+==============================================  ===============================================
+rmsnorm(x [M,D], weight [D], eps)               [M,D]  ``weight * x / sqrt(mean(x^2) + eps)``
+rope(x [M,H,dr], positions [M], spec)           [M,H,dr] rotated, halves layout (rope.py)
+RopeSpec.softmax_scale(qk_head_dim)             tau = qk_head_dim^-0.5 * m(factor, mscale_all_dim)^2
+linear(x [M,K], w [N,K])                        [M,N]  ``x w^T``
+embedding(ids [M], table [V,D])                 [M,D]  ``table[ids]`` as float32
+argmax(logits [M,V])                            [M] int32, first maximum (ties: smaller index)
+router_logits(h [M,D], gate_w [E,D])            [M,E]  ``h gate_w^T`` (float64 here)
+route_from_logits(logits [M,E], bias, ...)      (expert_idx [M,k] int32 ascending, weight [M,k])
+moe_route(h, gate_w, bias, ...)                 route_from_logits(router_logits(h, gate_w), ...)
+moe_ffn(h, expert_idx, weight, gate_up, down,   [M,D]  ``sum_j weight[m,j] FFN_{idx[m,j]}(h[m])
+        shared_gate_up, shared_down)                   + FFN_shared(h[m])``
+==============================================  ===============================================
+
+The rules behind the table live with the code: the RoPE layout and YaRN in rope.py, routing and
+the MoE FFN in moe.py.  One module per kernel family (the numba twin mirrors the names): norm.py
+(rmsnorm), rope.py, linear.py, embedding.py, argmax.py, moe.py; common.py holds ``as_float64``.
+
+This namespace also re-exports ``reference.attention`` (one namespace for the whole model).
+"""
+from __future__ import annotations
+
+from .argmax import argmax
+from .common import as_float64
+from .embedding import embedding
+from .linear import linear
+from .moe import check_routing_args, moe_ffn, moe_route, route_from_logits, router_logits, silu
+from .norm import rmsnorm
+from .rope import RopeSpec, YarnScaling, rope, yarn_mscale
+
+__all__ = ["rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear", "embedding",
+           "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "silu",
+           "as_float64", "check_routing_args"]
+
+# Temporary: removed once kdtree_numba.layers imports the public name.
+_check_routing_args = check_routing_args
+
+# The attention references live in reference/attention/; one namespace for the whole model.
+# reference.attention imports nothing from reference.layers, so this makes no import circle.
+from ..attention import *  # noqa: E402,F401,F403

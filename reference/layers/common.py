@@ -1,0 +1,14 @@
+"""Dtype handling shared by the layer references: every one of them computes in float64."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["as_float64"]
+
+
+def as_float64(a) -> np.ndarray:
+    """float32 / bfloat16 / float64 array -> float64 (bf16 widens exactly)."""
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        a = a.astype(np.float32)
+    return a.astype(np.float64)
