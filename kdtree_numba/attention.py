@@ -42,7 +42,7 @@ from kdtree_numba.gpu.reduce import make_reduce_scatter, make_row_group_reducers
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
-           "FALLBACK_VARIANT", "FFMA_VARIANTS"]
+           "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -836,6 +836,12 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 def _cached_plan(shape, max_keys, keys_per_split, variant):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
                             variant=variant)
+
+
+def clear_plan_cache() -> None:
+    """Forget the plans :func:`mla_attention` keeps per shape (and the kernels they hold), e.g.
+    before a CUDA-graph capture that must not reuse plans made outside it."""
+    _cached_plan.cache_clear()
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
