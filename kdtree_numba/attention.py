@@ -25,7 +25,7 @@ Several tile layouts (:data:`VARIANTS`) compile from the one kernel body; one mo
 :mod:`kdtree_numba.attention_mma` (3xTF32, within the fp32 error bound, GPU only).  ``tools/bench_attention.py`` times them all; :func:`resolve_variant`
 picks :data:`DEFAULT_VARIANT` where it runs and :data:`FALLBACK_VARIANT` elsewhere.
 """
-from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULATOR  # noqa: I001
+from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
 
 import math
 from dataclasses import dataclass, replace
@@ -35,210 +35,26 @@ import numpy as np
 from numba import float32, int32
 
 from kdtree_numba import compat
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import (cp_async16, cp_async_commit, cp_async_strided,
+                                     cp_async_wait_all, load_f32x4, store_f32x4)
+from kdtree_numba.gpu.reduce import make_reduce_scatter, make_row_group_reducers
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
-           "FALLBACK_VARIANT", "FFMA_VARIANTS"]
+           "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
-FULL_MASK = 0xFFFFFFFF
 RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point behind the max
 MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block (227 KiB)
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory primitives.  On the GPU: 128-bit loads/stores as LLVM <4 x float> accesses with align 16
-# (NVVM turns them into ld/st.{shared,global}.v4.f32: the mini-GEMMs need them, since scalar
-# shared loads would cap them at a third of the FMA rate), and ``cp.async`` (sm_80+ PTX, inline
-# asm: global -> shared without registers, so the next key tile can be in flight while the
-# current one is computed).  The simulator gets plain Python copies.
-# Callers guarantee 16-byte alignment: every row offset and stride used with them is a
-# multiple of 4 floats, and device allocations are 256-byte aligned.
-# ---------------------------------------------------------------------------------------------
-def _make_memory_intrinsics():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    def element_pointer(context, builder, arrty, arr, idxty, idx):
-        if isinstance(idxty, types.BaseTuple):
-            idx_types, idx_vals = idxty.types, cgutils.unpack_tuple(builder, idx, len(idxty))
-        else:
-            idx_types, idx_vals = (idxty,), (idx,)
-        idx_vals = [context.cast(builder, v, t, types.intp) for t, v in zip(idx_types, idx_vals)]
-        ary = context.make_array(arrty)(context, builder, value=arr)
-        return cgutils.get_item_pointer(context, builder, arrty, ary, idx_vals, wraparound=False)
-
-    def vec_pointer(context, builder, arrty, arr, idxty, idx):
-        ptr = element_pointer(context, builder, arrty, arr, idxty, idx)
-        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
-
-    def check(arr, idx):
-        ndim = len(idx) if isinstance(idx, types.BaseTuple) else 1
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == ndim):
-            raise TypeError(f"vec4 access needs a float32 array of ndim {ndim}, got {arr}")
-
-    @intrinsic
-    def load4(typingctx, arr, idx):
-        check(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            vptr = vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            vec = builder.load(vptr, align=16)
-            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e))
-                    for e in range(4)]
-            return context.make_tuple(builder, sig.return_type, vals)
-        return types.UniTuple(types.float32, 4)(arr, idx), codegen
-
-    @intrinsic
-    def store4(typingctx, arr, idx, x0, x1, x2, x3):
-        check(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            vptr = vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            vec = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
-            for e in range(4):
-                val = context.cast(builder, args[2 + e], sig.args[2 + e], types.float32)
-                vec = builder.insert_element(vec, val, ir.Constant(ir.IntType(32), e))
-            builder.store(vec, vptr, align=16)
-        return types.void(arr, idx, x0, x1, x2, x3), codegen
-
-    @intrinsic
-    def cp_async16(typingctx, dst, dst_idx, src, src_idx, nbytes):
-        """16 bytes src[src_idx:+4] -> shared dst[dst_idx:+4]; only ``nbytes`` (0 or 16) are
-        read, the rest is zero-filled (so rows past the end become zeros, never garbage)."""
-        check(dst, dst_idx)
-        check(src, src_idx)
-
-        def codegen(context, builder, sig, args):
-            dptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            sptr = element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            n = context.cast(builder, args[4], sig.args[4], types.int32)
-            fnty = ir.FunctionType(ir.VoidType(), [dptr.type, sptr.type, ir.IntType(32)])
-            asm = ("{\n\t.reg .u64 %cpa_s64, %cpa_g;\n\t.reg .u32 %cpa_s;\n\t"
-                   "cvta.to.shared.u64 %cpa_s64, $0;\n\tcvt.u32.u64 %cpa_s, %cpa_s64;\n\t"
-                   "cvta.to.global.u64 %cpa_g, $1;\n\t"
-                   "cp.async.cg.shared.global [%cpa_s], [%cpa_g], 16, $2;\n\t}")
-            builder.call(ir.InlineAsm(fnty, asm, "l,l,r,~{memory}", side_effect=True),
-                         [dptr, sptr, n])
-        return types.void(dst, dst_idx, src, src_idx, nbytes), codegen
-
-    def _address_intrinsic(space, bits):
-        @intrinsic
-        def address(typingctx, arr, idx):
-            check(arr, idx)
-
-            def codegen(context, builder, sig, args):
-                ptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
-                                      args[1])
-                fnty = ir.FunctionType(ir.IntType(64), [ptr.type])
-                addr = builder.call(ir.InlineAsm(fnty, f"cvta.to.{space}.u64 $0, $1;", "=l,l"),
-                                    [ptr])
-                if bits == 32:  # shared addresses fit 32 bits; keep int64 arithmetic cheap
-                    addr = builder.zext(builder.trunc(addr, ir.IntType(32)), ir.IntType(64))
-                return addr
-            return types.int64(arr, idx), codegen
-        return address
-
-    @intrinsic
-    def cp_async16_raw(typingctx, saddr, gaddr, nbytes):
-        """cp.async of 16 bytes from a global address to a shared one (both from the address
-        intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled."""
-        def codegen(context, builder, sig, args):
-            s32 = builder.trunc(args[0], ir.IntType(32))
-            n = context.cast(builder, args[2], sig.args[2], types.int32)
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64),
-                                                   ir.IntType(32)])
-            asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
-            builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
-                         [s32, args[1], n])
-        return types.void(saddr, gaddr, nbytes), codegen
-
-    def _asm_statement(text):
-        @intrinsic
-        def statement(typingctx):
-            def codegen(context, builder, sig, args):
-                fnty = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-            return types.void(), codegen
-        return statement
-
-    cp_async_commit = _asm_statement("cp.async.commit_group;")
-    cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
-    return (load4, store4, cp_async16, cp_async16_raw, _address_intrinsic("shared", 32),
-            _address_intrinsic("global", 64), cp_async_commit, cp_async_wait_all)
-
-
-def _sim_load4(arr, idx):
-    if isinstance(idx, tuple):
-        head, k = idx[:-1], idx[-1]
-        return (arr[head + (k,)], arr[head + (k + 1,)], arr[head + (k + 2,)],
-                arr[head + (k + 3,)])
-    return arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3]
-
-
-def _sim_store4(arr, idx, x0, x1, x2, x3):
-    if isinstance(idx, tuple):
-        head, k = idx[:-1], idx[-1]
-        arr[head + (k,)], arr[head + (k + 1,)] = x0, x1
-        arr[head + (k + 2,)], arr[head + (k + 3,)] = x2, x3
-    else:
-        arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3] = x0, x1, x2, x3
-
-
-def _sim_cp_async16(dst, dst_idx, src, src_idx, nbytes):
-    x = _sim_load4(src, src_idx) if nbytes else (ZERO, ZERO, ZERO, ZERO)
-    _sim_store4(dst, dst_idx, *x)
-
-
-def _sim_nothing():
-    pass
-
-
-if SIMULATOR:
-    load4, store4, cp_async16 = _sim_load4, _sim_store4, _sim_cp_async16
-    cp_async_commit = cp_async_wait_all = _sim_nothing
-else:
-    (load4, store4, cp_async16, cp_async16_raw, shared_address, global_address,
-     cp_async_commit, cp_async_wait_all) = _make_memory_intrinsics()
-
-
-def _inline(fn):
-    """A device function that NVVM must inline (so its local arrays stay in registers)."""
-    return fn if SIMULATOR else device_function(fn, forceinline=True)
-
-
-def _cp_async_strided_fn():
-    """``copy(smem, at, arr, idx, count, step4, nbytes)``: cp.async the float4s
-    ``arr[idx + 4*step4*s]`` -> ``smem[at + 4*step4*s]`` for s < count (idx: a tuple whose last
-    entry is the column).  On the GPU both addresses are formed once, then stepped by a
-    constant, which ptxas folds into the LDGSTS immediate offsets."""
-    if SIMULATOR:
-        def copy(smem, at, arr, idx, count, step4, nbytes):
-            for s in range(count):
-                cp_async16(smem, at + 4 * step4 * s, arr,
-                           idx[:-1] + (idx[-1] + 4 * step4 * s,), nbytes)
-        return copy
-
-    @_inline
-    def copy_gpu(smem, at, arr, idx, count, step4, nbytes):
-        sa = shared_address(smem, at)
-        ga = global_address(arr, idx)
-        for s in range(count):
-            cp_async16_raw(sa + 16 * step4 * s, ga + 16 * step4 * s, nbytes)
-    return copy_gpu
-
-
-cp_async_strided = _cp_async_strided_fn()
-
-
-# ---------------------------------------------------------------------------------------------
 # Block geometry and masking, shared by the FFMA and the tensor-core kernels
 # ---------------------------------------------------------------------------------------------
-@_inline
+@inline_device_function
 def block_keys(prefix_len, n, chunk):
     """(b, split, prefix, first, end) of this block (grid: row tiles x splits x requests):
     its request b, key split, the request's cached length, and the key slots [first, end):
@@ -253,7 +69,7 @@ def block_keys(prefix_len, n, chunk):
     return b, split, prefix, first, end
 
 
-@_inline
+@inline_device_function
 def masked_score(s, key, end, prefix, visible, b, row_ok, query):
     """Score ``s`` of slot ``key``, or -inf where the slot lies past the split's end or is a new
     token that the row's query must not see (``visible[b, query, key - prefix]``)."""
@@ -278,101 +94,7 @@ def _tile_slot_fn(threads: int):
             return tid // width4 + s * (threads // width4), tid % width4
         f = tid + s * threads
         return f // width4, f % width4
-    return _inline(tile_slot)
-
-
-def _row_group_reducers(tpr: int, rpw: int, scratch_off: int):
-    """(max, sum) over the ``tpr`` lanes lane % rpw + rpw*k of a warp that share one row.
-
-    On the GPU: xor shuffles.  In the simulator (no warp intrinsics): a shared-memory scratch of
-    one float per thread, fenced by syncthreads, so every thread must call it.
-    """
-    if SIMULATOR:
-        def gather(x, smem, tid, use_max):
-            cuda.syncthreads()
-            smem[scratch_off + tid] = x
-            cuda.syncthreads()
-            first = scratch_off + tid - tid % 32 + tid % rpw
-            r = smem[first]
-            for k in range(1, tpr):
-                v = smem[first + rpw * k]
-                r = max(r, v) if use_max else r + v
-            return r
-
-        def row_max(x, smem, tid):
-            return gather(x, smem, tid, True)
-
-        def row_sum(x, smem, tid):
-            return gather(x, smem, tid, False)
-        return row_max, row_sum
-
-    steps = tpr.bit_length() - 1  # tpr is a power of two
-
-    @device_function
-    def row_max(x, smem, tid):
-        for k in range(steps):
-            x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, rpw << k))
-        return x
-
-    @device_function
-    def row_sum(x, smem, tid):
-        for k in range(steps):
-            x += cuda.shfl_xor_sync(FULL_MASK, x, rpw << k)
-        return x
-    return row_max, row_sum
-
-
-def _reduce_scatter_fn(values: int, k_lanes: int, scratch_off: int):
-    """``reduce_scatter(sc, ks, own0, smem, tid)``: sum ``sc[0:values]`` over the ``k_lanes``
-    lanes ``lane ^ m`` (m < k_lanes, ``ks = lane % k_lanes``) that hold partial sums of the same
-    block; afterwards the lane holds ``values / k_lanes`` complete sums in ``sc[0:own]``: block
-    entries ``own0 + x``, where ``own0`` (computed by the caller from ks) adds ``values / 2^(s+1)``
-    for every halving step s whose distance bit ``2^s`` is set in ks (that lane keeps the upper
-    half).
-
-    GPU: log2(k_lanes) xor-shuffle halvings, each lane sending the half it gives away.
-    Simulator: a shared scratch of ``values`` floats per thread, fenced by syncthreads.
-    """
-    steps = k_lanes.bit_length() - 1
-    own = values // k_lanes
-    if SIMULATOR:
-        def reduce_scatter(sc, ks, own0, smem, tid):
-            base = scratch_off + tid * values
-            for x in range(values):
-                smem[base + x] = sc[x]
-            cuda.syncthreads()
-            first = scratch_off + (tid - ks) * values + own0
-            for x in range(own):
-                total = ZERO
-                for m in range(k_lanes):
-                    total += smem[first + m * values + x]
-                sc[x] = total
-            cuda.syncthreads()
-        return reduce_scatter
-
-    def make_step(half, dist):
-        @_inline
-        def step(sc, ks):
-            upper = (ks & dist) != 0
-            for i in range(half):
-                send = sc[i] if upper else sc[i + half]
-                keep = sc[i + half] if upper else sc[i]
-                sc[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, dist)
-        return step
-
-    @_inline
-    def no_step(sc, ks):
-        pass
-
-    s1, s2, s3 = [make_step(values >> (k + 1), 1 << k) if k < steps else no_step
-                  for k in range(3)]
-
-    @_inline
-    def reduce_scatter(sc, ks, own0, smem, tid):
-        s1(sc, ks)
-        s2(sc, ks)
-        s3(sc, ks)
-    return reduce_scatter
+    return inline_device_function(tile_slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +367,7 @@ def _row_tile_copier(cfg: TileConfig, rows: int):
     DV4, DR4 = cfg.r // 4, cfg.dr // 4
     TPR = T // rows if T % rows == 0 else 0     # threads per row
     if TPR and DV4 % TPR == 0 and DR4 % TPR == 0:
-        @_inline
+        @inline_device_function
         def issue(smem, off, main, rope, b, first, limit, tid):
             i, quad = tid // TPR, tid % TPR
             src = min(first + i, limit - 1)
@@ -658,7 +380,7 @@ def _row_tile_copier(cfg: TileConfig, rows: int):
 
     tile_slot = _tile_slot_fn(T)
 
-    @_inline
+    @inline_device_function
     def issue_any(smem, off, main, rope, b, first, limit, tid):
         for s in range(-(-rows * DV4 // T)):
             i, quad = tile_slot(tid, s, DV4)
@@ -735,24 +457,24 @@ def _ffma_attention_kernel(cfg: TileConfig):
     L_OFF = ALPHA_OFF + M
     SCR_OFF = L_OFF + M
     if FUSED:
-        row_max, row_sum = _row_group_reducers(GK, KL, SCR_OFF)
+        row_max, row_sum = make_row_group_reducers(GK, KL, SCR_OFF)
     else:
-        row_max, row_sum = _row_group_reducers(TPR, RPW, SCR_OFF)
-    reduce_scatter = _reduce_scatter_fn(SC, KL, SCR_OFF)
+        row_max, row_sum = make_row_group_reducers(TPR, RPW, SCR_OFF)
+    reduce_scatter = make_reduce_scatter(SC, KL, SCR_OFF)
     copy_keys = _row_tile_copier(cfg, N)
     copy_queries = _row_tile_copier(cfg, M)
 
     QSTEP = 4 * KSP                       # floats between a lane's column quads
 
-    @_inline
+    @inline_device_function
     def score_quad(sc, kf, smem, q_at, k_at, col):
         """sc += the lane's block of q k^T over one column quad (q_at, k_at: its offsets)."""
         if Q_EXACT or col < 4 * Q4:
             for bb in range(SB):
-                k0, k1, k2, k3 = load4(smem, k_at + bb * QS)
+                k0, k1, k2, k3 = load_f32x4(smem, k_at + bb * QS)
                 kf[4 * bb], kf[4 * bb + 1], kf[4 * bb + 2], kf[4 * bb + 3] = k0, k1, k2, k3
             for a in range(SA):
-                q0, q1, q2, q3 = load4(smem, q_at + (a % RSP + a // RSP * GRD) * QS)
+                q0, q1, q2, q3 = load_f32x4(smem, q_at + (a % RSP + a // RSP * GRD) * QS)
                 for bb in range(SB):
                     v = sc[a * SB + bb]
                     v += q0 * kf[4 * bb]
@@ -761,18 +483,18 @@ def _ffma_attention_kernel(cfg: TileConfig):
                     v += q3 * kf[4 * bb + 3]
                     sc[a * SB + bb] = v
 
-    @_inline
+    @inline_device_function
     def pv_key(acc, pf, smem, p_at, v_at):
         """acc += p[rows] v[columns] for one key (p_at, v_at: offsets of the thread's first)."""
         if P_VEC:
             for a4 in range(RV // 4):
                 pf[4 * a4], pf[4 * a4 + 1], pf[4 * a4 + 2], pf[4 * a4 + 3] = \
-                    load4(smem, p_at + 4 * a4)
+                    load_f32x4(smem, p_at + 4 * a4)
         else:
             for a in range(RV):
                 pf[a] = smem[p_at + a]
         for t in range(CV4):
-            v0, v1, v2, v3 = load4(smem, v_at + 4 * CG * t)
+            v0, v1, v2, v3 = load_f32x4(smem, v_at + 4 * CG * t)
             for a in range(RV):
                 p = pf[a]
                 x = (a * CV4 + t) * 4
@@ -939,10 +661,10 @@ def _ffma_attention_kernel(cfg: TileConfig):
                         x = (a * CV4 + t) * 4
                         col = 4 * (c + CG * t)
                         if direct:
-                            store4(out, (b, row0 + row, col), acc[x] * scale,
+                            store_f32x4(out, (b, row0 + row, col), acc[x] * scale,
                                    acc[x + 1] * scale, acc[x + 2] * scale, acc[x + 3] * scale)
                         else:
-                            store4(part_o, (b, split, row0 + row, col), acc[x], acc[x + 1],
+                            store_f32x4(part_o, (b, split, row0 + row, col), acc[x], acc[x + 1],
                                    acc[x + 2], acc[x + 3])
 
     return mla_attention_tiles
@@ -971,12 +693,12 @@ def _merge_kernel(r: int):
             y0 = y1 = y2 = y3 = ZERO
             for s in range(splits):
                 w = math.exp(part_ml[b, s, row, 0] - m_safe)
-                x0, x1, x2, x3 = load4(part_o, (b, s, row, 4 * quad))
+                x0, x1, x2, x3 = load_f32x4(part_o, (b, s, row, 4 * quad))
                 y0 += w * x0
                 y1 += w * x1
                 y2 += w * x2
                 y3 += w * x3
-            store4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
+            store_f32x4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
 
     return merge_splits
 
@@ -1114,6 +836,12 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 def _cached_plan(shape, max_keys, keys_per_split, variant):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
                             variant=variant)
+
+
+def clear_plan_cache() -> None:
+    """Forget the plans :func:`mla_attention` keeps per shape (and the kernels they hold), e.g.
+    before a CUDA-graph capture that must not reuse plans made outside it."""
+    _cached_plan.cache_clear()
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,

@@ -36,10 +36,12 @@ from dataclasses import dataclass
 
 from numba import float32, uint32
 
-from kdtree_numba.attention import (FULL_MASK, MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK,
-                                    ZERO, _inline, _row_tile_copier, cp_async_commit,
-                                    cp_async_wait_all, load4, masked_score, block_keys, store4)
-from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
+from kdtree_numba.attention import (MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK, ZERO,
+                                    _row_tile_copier, masked_score, block_keys)
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
+from kdtree_numba.gpu.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
+from kdtree_numba.gpu.warp import FULL_MASK
 
 __all__ = ["MmaTileConfig", "mma_fits", "build_kernel"]
 
@@ -86,14 +88,14 @@ def mma_fits(r: int, dr: int) -> bool:
     return True
 
 
-@_inline
+@inline_device_function
 def _mma_into(acc, o, a0, a1, a2, a3, b0, b1):
-    """acc[o : o + 4] += A B for one m16n8k8 TF32 tile (fragments as in tensorcore.py)."""
+    """acc[o : o + 4] += A B for one m16n8k8 TF32 tile (fragments as in gpu/tensorcore.py)."""
     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_tf32_m16n8k8(
         a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
 
 
-@_inline
+@inline_device_function
 def _split4(hi, lo, at, x0, x1, x2, x3):
     """hi/lo[at : at + 4] = the 3xTF32 splits of x0..x3."""
     hi[at], lo[at] = split_tf32_fast(x0)
@@ -107,12 +109,12 @@ def _unrolled_groups(pv_group, groups: int):
     each call with grp a compile-time constant.  A Python-level unroll: NVVM leaves a loop this
     large rolled (with fp32_sums it did), and a rolled loop indexes the accumulator array with a
     variable, which puts all 128 accumulators in local memory."""
-    @_inline
+    @inline_device_function
     def nothing(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
         pass
 
     def then(previous, grp):
-        @_inline
+        @inline_device_function
         def step(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at):
             previous(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at)
             pv_group(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at, grp)
@@ -144,20 +146,20 @@ def build_kernel(cfg: MmaTileConfig):
     copy_keys = _row_tile_copier(cfg, N)
     copy_queries = _row_tile_copier(cfg, M)
 
-    @_inline
+    @inline_device_function
     def score_chunk(s_hh, s_hl, s_lh, a_hi, a_lo, b_hi, b_lo, smem, q_at, k_at):
         """Scores += Q K^T over one 32-column chunk.  Lane (g, t) holds columns 8t .. 8t + 7
         of rows g, g + 8 (A) and of keys g, 8 + g (B); k-step j takes columns 8t + j (the
         fragment's k = t) and 8t + 4 + j (k = t + 4).  A index: 8 * (row half) + column."""
         for h in range(2):
-            x0, x1, x2, x3 = load4(smem, q_at + 8 * h * QS)
+            x0, x1, x2, x3 = load_f32x4(smem, q_at + 8 * h * QS)
             _split4(a_hi, a_lo, 8 * h, x0, x1, x2, x3)
-            x0, x1, x2, x3 = load4(smem, q_at + 8 * h * QS + 4)
+            x0, x1, x2, x3 = load_f32x4(smem, q_at + 8 * h * QS + 4)
             _split4(a_hi, a_lo, 8 * h + 4, x0, x1, x2, x3)
         for nt in range(NT):
-            x0, x1, x2, x3 = load4(smem, k_at + 8 * nt * QS)
+            x0, x1, x2, x3 = load_f32x4(smem, k_at + 8 * nt * QS)
             _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
-            x0, x1, x2, x3 = load4(smem, k_at + 8 * nt * QS + 4)
+            x0, x1, x2, x3 = load_f32x4(smem, k_at + 8 * nt * QS + 4)
             _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
             for j in range(4):
                 _mma_into(s_hh, 4 * nt, a_hi[j], a_hi[8 + j], a_hi[4 + j], a_hi[12 + j],
@@ -167,7 +169,7 @@ def build_kernel(cfg: MmaTileConfig):
                 _mma_into(s_lh, 4 * nt, a_lo[j], a_lo[8 + j], a_lo[4 + j], a_lo[12 + j],
                           b_hi[j], b_hi[4 + j])
 
-    @_inline
+    @inline_device_function
     def pv_group(acc, p_hi, p_lo, b_hi, b_lo, smem, v_at, grp):
         """acc += P V over the tile's keys, for value column group grp (a compile-time
         constant, see pv_tile).  P (hi/lo) is the softmaxed score accumulator:
@@ -175,9 +177,9 @@ def build_kernel(cfg: MmaTileConfig):
         k = t with key 8 ks + 2t and k = t + 4 with 8 ks + 2t + 1; n-tile j of column group
         grp is columns 32 grp + 4g + j, whose B operands are element j of one float4."""
         for ks in range(NT):
-            x0, x1, x2, x3 = load4(smem, v_at + 8 * ks * QS + 32 * grp)
+            x0, x1, x2, x3 = load_f32x4(smem, v_at + 8 * ks * QS + 32 * grp)
             _split4(b_hi, b_lo, 0, x0, x1, x2, x3)
-            x0, x1, x2, x3 = load4(smem, v_at + (8 * ks + 1) * QS + 32 * grp)
+            x0, x1, x2, x3 = load_f32x4(smem, v_at + (8 * ks + 1) * QS + 32 * grp)
             _split4(b_hi, b_lo, 4, x0, x1, x2, x3)
             p = 4 * ks
             for j in range(4):
@@ -206,7 +208,7 @@ def build_kernel(cfg: MmaTileConfig):
 
     pv_tile = _unrolled_groups(pv_group, GROUPS)
 
-    @_inline
+    @inline_device_function
     def fold_scores(s_sum, s_hh, s_hl, s_lh):
         """s_sum += the three partial products; they restart from zero."""
         for x in range(SN):
@@ -215,17 +217,17 @@ def build_kernel(cfg: MmaTileConfig):
             s_hl[x] = ZERO
             s_lh[x] = ZERO
 
-    @_inline
+    @inline_device_function
     def quad_max(x):  # over the 4 lanes t of a fragment row
         x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
         return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
 
-    @_inline
+    @inline_device_function
     def quad_sum(x):
         x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
         return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
 
-    @_inline
+    @inline_device_function
     def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
                    col0, t, writes_ml):
         """Row g + 8h of the lane's accumulators -> u (normalised; one split) or the split's
@@ -244,9 +246,9 @@ def build_kernel(cfg: MmaTileConfig):
             for grp in range(GROUPS):
                 o = 16 * grp + 2 * h
                 col = col0 + 32 * grp + 8 * t
-                store4(dst, col, acc[o] * scale, acc[o + 4] * scale, acc[o + 8] * scale,
+                store_f32x4(dst, col, acc[o] * scale, acc[o + 4] * scale, acc[o + 8] * scale,
                        acc[o + 12] * scale)
-                store4(dst, col + 4, acc[o + 1] * scale, acc[o + 5] * scale,
+                store_f32x4(dst, col + 4, acc[o + 1] * scale, acc[o + 5] * scale,
                        acc[o + 9] * scale, acc[o + 13] * scale)
 
     @kernel

@@ -20,11 +20,16 @@ from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULA
 
 import functools
 import math
-import os
 
 import numpy as np
 
 from kdtree_numba import compat
+from kdtree_numba.gpu.bits import f64_bits
+from kdtree_numba.gpu.memory import device_address, load_global_invariant_f32x4
+from kdtree_numba.gpu.reduce import block_max_f32, stage_barrier
+from kdtree_numba.gpu.warp import (WARP, ballot, ballot2, redux_max2, shfl_idx, shfl_idx_pairs,
+                                   shfl_xor, shfl_xor4, syncwarp, warp_any, warp_max_f32,
+                                   warp_sum_f64)
 from reference import ddtree as ref
 from reference.ddtree import DraftTree, VerifyInput
 
@@ -94,257 +99,7 @@ def _tree_is_on_device(tree: DraftTree) -> bool:
                           tree.score)
 
 
-# ----------------------------------------------------------------------------- warp primitives
-# On the GPU these are the warp intrinsics.  The simulator has none, so there each simulated warp
-# (WARP = 4 threads, so that tiny simulator blocks hold several warps) exchanges values through a
-# Python barrier of its own lanes: the same kernel bodies then run in both places, warp-divergent
-# control flow included (a syncthreads-based stand-in would need block-uniform calls).  Callers
-# call every primitive with all lanes of the warp, as the full-mask intrinsics require.
-
-# The simulator runs 4-lane warps (fast); KDTREE_SIM_WARP=32 runs the GPU's warp width there, to
-# debug the index arithmetic of the real configuration with bounds-checked arrays.
-WARP = int(os.environ.get("KDTREE_SIM_WARP", "4")) if SIMULATOR else 32
-FULL_MASK = 0xFFFFFFFF
-
-if SIMULATOR:
-    import threading
-    import weakref
-
-    _SIM_TIMEOUT_S = 600.0   # a deadlocked simulated warp fails loudly instead of hanging
-
-    class _SimWarp:
-        """One simulated warp: a barrier of its lanes and two slot arrays used alternately, so a
-        lane may write call n+1's value while slower lanes still read call n's."""
-
-        def __init__(self, lanes: int):
-            self.barrier = threading.Barrier(lanes)
-            self.slots = ([None] * lanes, [None] * lanes)
-            self.phase = [0] * lanes
-
-    _sim_lock = threading.Lock()
-    _sim_warps = weakref.WeakKeyDictionary()   # block manager -> {warp index: _SimWarp}
-
-    def _sim_warp():
-        thread = threading.current_thread()
-        w, lane = divmod(thread.thread_id, WARP)
-        manager = thread._manager
-        with _sim_lock:
-            warps = _sim_warps.setdefault(manager, {})
-            if w not in warps:
-                total = int(np.prod(manager._block_dim))
-                warps[w] = _SimWarp(min(WARP, total - w * WARP))
-            return warps[w], lane
-
-    def _exchange(value):
-        warp, lane = _sim_warp()
-        slots = warp.slots[warp.phase[lane]]
-        warp.phase[lane] ^= 1
-        slots[lane] = value
-        warp.barrier.wait(_SIM_TIMEOUT_S)
-        return slots, lane
-
-    def _syncwarp():
-        _sim_warp()[0].barrier.wait(_SIM_TIMEOUT_S)
-
-    def _shfl_xor(value, offset):
-        slots, lane = _exchange(value)
-        return slots[lane ^ offset]
-
-    def _shfl_idx(value, src):
-        return _exchange(value)[0][src]
-
-    def _ballot(predicate):
-        return np.int64(sum(1 << i for i, p in enumerate(_exchange(bool(predicate))[0]) if p))
-
-    def _any(predicate):
-        return any(_exchange(bool(predicate))[0])
-else:
-    @device_function
-    def _syncwarp():
-        cuda.syncwarp(FULL_MASK)
-
-    @device_function
-    def _shfl_xor(value, offset):
-        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
-
-    @device_function
-    def _shfl_idx(value, src):
-        return cuda.shfl_sync(FULL_MASK, value, src)
-
-    @device_function
-    def _ballot(predicate):
-        # numba-cuda types ballot_sync as int32: lane 31's bit is the sign, and widening it
-        # sign-extends (popc then counts 32 extra bits).  Return the mask as a non-negative int64.
-        return np.int64(cuda.ballot_sync(FULL_MASK, predicate)) & np.int64(0xFFFFFFFF)
-
-    @device_function
-    def _any(predicate):
-        return cuda.any_sync(FULL_MASK, predicate)
-
-
-@device_function
-def _warp_max_f32(value):
-    offset = WARP // 2
-    while offset > 0:
-        value = max(value, _shfl_xor(value, offset))
-        offset //= 2
-    return value
-
-
-@device_function
-def _warp_sum_f64(value):
-    """Butterfly sum; lanes may differ in the last bit (different orders): use one lane's."""
-    offset = WARP // 2
-    while offset > 0:
-        value += _shfl_xor(value, offset)
-        offset //= 2
-    return value
-
-
-# ----------------------------------------------------------------------------- 16-byte loads
-# ``_load4(a, row, q)`` -> the four float32 a[row, 4q : 4q+4] with one 16-byte load
-# (``ld.global.nc.v4.f32``); the caller guarantees 16-byte alignment (row stride % 4 == 0 and
-# an aligned base).  numba has no vector loads, hence this small intrinsic.
-
-if SIMULATOR:
-    def _load4(array, row, q):
-        j = 4 * q
-        return array[row, j], array[row, j + 1], array[row, j + 2], array[row, j + 3]
-else:
-    from llvmlite import ir as _ir
-    from numba import types as _types
-    from numba.cuda import cgutils as _cgutils
-    from numba.cuda.extending import intrinsic as _intrinsic
-
-    @_intrinsic
-    def _load4(typingctx, array, row, q):
-        sig = _types.UniTuple(_types.float32, 4)(array, row, q)
-
-        def codegen(context, builder, sig, args):
-            array_type, row_type, q_type = sig.args
-            data, row_value, q_value = args
-            ary = context.make_array(array_type)(context, builder, value=data)
-            col = builder.mul(context.cast(builder, q_value, q_type, _types.intp),
-                              _ir.Constant(_ir.IntType(64), 4))
-            ptr = _cgutils.get_item_pointer(
-                context, builder, array_type, ary,
-                [context.cast(builder, row_value, row_type, _types.intp), col])
-            vector = _ir.VectorType(_ir.FloatType(), 4)
-            global_ptr = builder.addrspacecast(ptr, _ir.PointerType(_ir.FloatType(), 1))
-            loaded = builder.load(builder.bitcast(global_ptr, _ir.PointerType(vector, 1)),
-                                  align=16)
-            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
-            parts = [builder.extract_element(loaded, _ir.Constant(_ir.IntType(32), i))
-                     for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return sig, codegen
-
-
-# ``_redux_max_u32(v)``: the max of v over the warp's lanes in one instruction
-# (``redux.sync.max.u32``, sm_80+; numba exposes no redux).  ``_f64_bits(x)``: the bits of a
-# float64 as an int64.  The tree builder's arg-best per pop uses both (``_warp_best2``).
-# ``_redux_max2``, ``_ballot2`` and ``_pick2`` do two of them at once: one exchange (a Python
-# barrier, ~10 ms) in the simulator, where the builder's tests would otherwise take minutes.
-if SIMULATOR:
-    def _f64_bits(value):
-        return np.float64(value).view(np.int64)
-
-    def _redux_max2(x, y):
-        values = _exchange((int(x), int(y)))[0]
-        return np.uint32(max(v[0] for v in values)), np.uint32(max(v[1] for v in values))
-
-    def _ballot2(p, q):
-        values = _exchange((bool(p), bool(q)))[0]
-        return (np.int64(sum(1 << i for i, v in enumerate(values) if v[0])),
-                np.int64(sum(1 << i for i, v in enumerate(values) if v[1])))
-
-    def _pick2(sa, ia, src_a, sc, ic, src_c):
-        values = _exchange((sa, ia, sc, ic))[0]
-        return values[src_a][0], values[src_a][1], values[src_c][2], values[src_c][3]
-else:
-    @_intrinsic
-    def _redux_max_u32(typingctx, value):
-        sig = _types.uint32(_types.uint32)
-
-        def codegen(context, builder, sig, args):
-            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(32)])
-            redux = _ir.InlineAsm(fnty, "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
-                                  side_effect=True)
-            return builder.call(redux, args)
-
-        return sig, codegen
-
-    @_intrinsic
-    def _f64_bits(typingctx, value):
-        sig = _types.int64(_types.float64)
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], _ir.IntType(64))
-
-        return sig, codegen
-
-    @device_function
-    def _redux_max2(x, y):
-        return _redux_max_u32(x), _redux_max_u32(y)
-
-    @device_function
-    def _ballot2(p, q):
-        return _ballot(p), _ballot(q)
-
-    @device_function
-    def _pick2(sa, ia, src_a, sc, ic, src_c):
-        return (_shfl_idx(sa, src_a), _shfl_idx(ia, src_a), _shfl_idx(sc, src_c),
-                _shfl_idx(ic, src_c))
-
-
-def _device_address(array) -> int:
-    return 0 if SIMULATOR else int(array.__cuda_array_interface__["data"][0])
-
-
-# ----------------------------------------------------------------------------- block helpers
-
-@device_function
-def _barrier(span):
-    """Barrier after a step whose reads and writes lie within ``span`` consecutive threads'
-    data: a warp barrier when span <= WARP, else a block barrier.  span 0 means 'the block'."""
-    if span == 0 or span > WARP:
-        cuda.syncthreads()
-    else:
-        _syncwarp()
-
-
-@device_function
-def _stage_barrier(stride, next_stride):
-    """Barrier between two bitonic stages.  With pairs p -> (lo, lo + stride) and pair p handled
-    by thread p mod threads, a warp's WARP consecutive pairs stay inside one aligned 2*WARP
-    segment when stride <= WARP, so two such stages in a row only synchronise the warp;
-    next_stride 0 ends the network."""
-    if next_stride == 0:
-        cuda.syncthreads()
-    else:
-        _barrier(max(stride, next_stride))
-
-
-# Shared-memory tree reductions (``threads`` a power of two).  Level ``stride`` is written by
-# threads < stride and read at the next level by threads < stride / 2: a warp barrier suffices
-# once stride <= WARP.  Each ends with a block barrier so the scratch array can be reused.
-
-@device_function
-def _block_max_f32(red, value, t, threads):
-    red[t] = value
-    cuda.syncthreads()
-    stride = threads // 2
-    while stride > 0:
-        if t < stride:
-            red[t] = max(red[t], red[t + stride])
-        _barrier(stride)
-        stride //= 2
-    cuda.syncthreads()
-    result = red[0]
-    cuda.syncthreads()
-    return result
-
+# ----------------------------------------------------------------------------- sort helpers
 
 @device_function
 def _before(x1, i1, x2, i2):
@@ -392,8 +147,8 @@ def _warp_sort_desc(x, i, lane):
     while size <= WARP:
         stride = size // 2
         while stride > 0:
-            ox = _shfl_xor(x, stride)
-            oi = _shfl_xor(i, stride)
+            ox = shfl_xor(x, stride)
+            oi = shfl_xor(i, stride)
             keep_better = ((lane & stride) == 0) == ((lane & size) == 0)
             if _before(ox, oi, x, i) == keep_better:
                 x = ox
@@ -409,7 +164,7 @@ def _count_at_most(r, i):
     count = 0
     step = WARP
     while step > 0:
-        probe = _shfl_idx(r, min(count + step, WARP) - 1)
+        probe = shfl_idx(r, min(count + step, WARP) - 1)
         if count + step <= WARP and probe <= i:
             count += step
         step //= 2
@@ -443,23 +198,23 @@ def _warp_merge(lx, li, base, kl, n_real, sx, si, sbase, n_valid, k, lane):
         else:
             hi = mid
     r = lo
-    r0 = _shfl_idx(r, 0)
+    r0 = shfl_idx(r, 0)
     chunk = (n_real - 1) // WARP       # -1 for an empty list: no chunk moves
     while chunk >= 0 and chunk >= r0 // WARP:
         i = chunk * WARP + lane
         ax = lx[base + i]
         ai = li[base + i]
         up = _count_at_most(r, i)
-        _syncwarp()
+        syncwarp()
         if r0 <= i < n_real and i + up < kl:
             lx[base + i + up] = ax
             li[base + i + up] = ai
-        _syncwarp()
+        syncwarp()
         chunk -= 1
     if lane < n_valid and lane + r < kl:
         lx[base + lane + r] = bx
         li[base + lane + r] = bi
-    _syncwarp()
+    syncwarp()
     return lx[base + k - 1], li[base + k - 1], min(kl, n_real + n_valid)
 
 
@@ -475,7 +230,7 @@ def _block_sort_desc(lx, li, n, t, threads):
                 lo = _pair(p, shift)
                 if _before(lx[lo + stride], li[lo + stride], lx[lo], li[lo]) == ((lo & size) == 0):
                     _swap(lx, li, lo, lo + stride)
-            _stage_barrier(stride, stride // 2 if stride > 1 else (size if size < n else 0))
+            stage_barrier(stride, stride // 2 if stride > 1 else (size if size < n else 0))
             shift -= 1
         size *= 2
 
@@ -523,9 +278,9 @@ def _raise_threshold(lx, li, base, k, table, w, points, lane):
     It is the k-th best of the warps' union up to the rounding to k / points."""
     if lane < points:
         table[w * points + lane] = lx[base + ((lane + 1) * k + points - 1) // points - 1]
-    _syncwarp()
+    syncwarp()
     value, _ = _warp_sort_desc(table[lane], lane, lane)
-    return _shfl_idx(value, points - 1)
+    return shfl_idx(value, points - 1)
 
 
 def _topk_registers(vec: int, kl: int) -> int:
@@ -632,7 +387,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
             qb = q_lo + (it * warps + w) * warp_span + lane
             if aligned and q_lo + (it * warps + w + 1) * warp_span <= q_hi:
                 for u in range(vec):
-                    x0, x1, x2, x3 = _load4(logits, row, qb + u * WARP)
+                    x0, x1, x2, x3 = load_global_invariant_f32x4(logits, row, qb + u * WARP)
                     xs[4 * u] = x0
                     xs[4 * u + 1] = x1
                     xs[4 * u + 2] = x2
@@ -659,7 +414,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
             s += np.float64((acc[0] + acc[1]) + (acc[2] + acc[3]))
             theta_x = theta[0]
             bound = max(theta_x, own_x)
-            if _any(mx >= bound):
+            if warp_any(mx >= bound):
                 cand = 0
                 for e in range(per_lane):
                     if xs[e] >= bound and xs[e] > NEG_INF32:
@@ -670,7 +425,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                 # memory (as would an ``if f == e: x = xs[f]`` loop, which LLVM turns back into
                 # xs[e]), and re-reading the logits was a dependent L2 load per position (the
                 # candidate path then took 37% of the kernel's time on the H200).
-                while _any(cand != 0):
+                while warp_any(cand != 0):
                     x = NEG_INF32
                     j = 0
                     take = False
@@ -682,7 +437,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                             x = max(x, xs[f] if (low >> f) & 1 else NEG_INF32)
                         j = 4 * (qb + (e >> 2) * WARP) + (e & 3)
                         take = x >= theta_x and _before(x, j, own_x, own_i)
-                    mask = _ballot(take)
+                    mask = ballot(take)
                     if mask != 0:
                         if take:
                             slot = sbase + n_stage + cuda.popc(mask & ((1 << lane) - 1))
@@ -690,7 +445,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                             si[slot] = j
                         n_stage += cuda.popc(mask)
                         if n_stage >= WARP:
-                            _syncwarp()
+                            syncwarp()
                             own_x, own_i, n_real = _warp_merge(lx, li, base, kl, n_real, sx, si,
                                                                sbase, WARP, k, lane)
                             n_stage -= WARP
@@ -702,12 +457,12 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                                 cuda.atomic.max(theta, 0, raised)
                             theta_x = theta[0]
         if n_stage > 0:
-            _syncwarp()
+            syncwarp()
             own_x, own_i, n_real = _warp_merge(lx, li, base, kl, n_real, sx, si, sbase, n_stage,
                                                k, lane)
         cuda.syncthreads()
         _merge_lists(lx, li, warps, kl, t, threads)
-        big = _warp_max_f32(m)
+        big = warp_max_f32(m)
         if lane == 0:
             red32[w] = big
         cuda.syncthreads()
@@ -717,7 +472,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
         mine = np.float64(0.0)
         if m > NEG_INF32:
             mine = s * math.exp(np.float64(m) - np.float64(big))
-        mine = _warp_sum_f64(mine)
+        mine = warp_sum_f64(mine)
         if lane == 0:
             red64[w] = mine
         cuda.syncthreads()
@@ -848,7 +603,7 @@ def _launch_topk(rows, k, lp, ids, config, stream) -> None:
     """rows [R, V] float32, lp/ids [R, k] device arrays."""
     warps, vec, kl, parts = config
     n_rows, vocab = (int(s) for s in rows.shape)
-    aligned = vocab % 4 == 0 and _device_address(rows) % 16 == 0
+    aligned = vocab % 4 == 0 and device_address(rows) % 16 == 0
     part_kernel = _topk_kernel(warps, vec, kl)
     grid = (n_rows, parts)
     per_part = ((vocab + 3) // 4 + parts - 1) // parts   # on the host: no division in the kernel
@@ -947,18 +702,6 @@ def _better(sa, ia, sb, ib, n_parent, n_rank):
     return sa, ia
 
 
-if SIMULATOR:
-    def _shfl_xor4(a, b, c, d, offset):
-        """Four values from lane ``lane ^ offset``: one exchange in the simulator, where each
-        costs a Python barrier (~10 ms), four shuffles on the GPU."""
-        return _shfl_xor((a, b, c, d), offset)
-else:
-    @device_function
-    def _shfl_xor4(a, b, c, d, offset):
-        return (_shfl_xor(a, offset), _shfl_xor(b, offset), _shfl_xor(c, offset),
-                _shfl_xor(d, offset))
-
-
 _MIN_INT64 = np.int64(-2 ** 63)
 _NEG_INF_HIGH = np.uint32(0x000FFFFF)   # the order halves of -inf (see _order_halves)
 _NEG_INF_LOW = np.uint32(0xFFFFFFFF)
@@ -969,7 +712,7 @@ def _order_halves(x):
     """(high, low) 32-bit halves of a 64-bit unsigned key in x's order (float64, finite or -inf;
     -0.0 is made +0.0 first, as float compares equate them): a non-negative float's bits with
     the sign bit set, a negative one's bits flipped."""
-    b = _f64_bits(x + 0.0)
+    b = f64_bits(x + 0.0)
     u = ~b if b < 0 else b ^ _MIN_INT64
     return np.uint32((u >> 32) & 0xFFFFFFFF), np.uint32(u & 0xFFFFFFFF)
 
@@ -987,12 +730,12 @@ def _warp_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
     decision."""
     ha, la = _order_halves(sa)
     hc, lc = _order_halves(sc)
-    top_ha, top_hc = _redux_max2(ha, hc)
-    top_la, top_lc = _redux_max2(la if ha == top_ha else np.uint32(0),
+    top_ha, top_hc = redux_max2(ha, hc)
+    top_la, top_lc = redux_max2(la if ha == top_ha else np.uint32(0),
                                  lc if hc == top_hc else np.uint32(0))
     best_a = ha == top_ha and la == top_la
     best_c = hc == top_hc and lc == top_lc
-    win_a, win_c = _ballot2(best_a, best_c)
+    win_a, win_c = ballot2(best_a, best_c)
     tie_a = (win_a & (win_a - 1)) != 0 and not (top_ha == _NEG_INF_HIGH
                                                  and top_la == _NEG_INF_LOW)
     tie_c = (win_c & (win_c - 1)) != 0 and not (top_hc == _NEG_INF_HIGH
@@ -1002,7 +745,7 @@ def _warp_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
                                 ic, lanes, n_parent, n_rank)
     src_a = cuda.popc((win_a & -win_a) - 1)
     src_c = cuda.popc((win_c & -win_c) - 1)
-    return _pick2(sa, ia, src_a, sc, ic, src_c)
+    return shfl_idx_pairs(sa, ia, src_a, sc, ic, src_c)
 
 
 @device_function
@@ -1014,7 +757,7 @@ def _butterfly_best2(sa, ia, sc, ic, lanes, n_parent, n_rank):
     scores); the walks read shared memory only, after the shuffles, never around them."""
     offset = lanes // 2
     while offset > 0:
-        osa, oia, osc, oic = _shfl_xor4(sa, ia, sc, ic, offset)
+        osa, oia, osc, oic = shfl_xor4(sa, ia, sc, ic, offset)
         take_a = osa > sa
         take_c = osc > sc
         tie_a = osa == sa and sa != NEG_INF64
@@ -1140,7 +883,7 @@ def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, c
             x, xk, y, yk = sib, sib_k, kid, kid_k    # x replaces the popped slot
             if has_kid and (not has_sib or kid >= sib):
                 x, xk, y, yk = kid, kid_k, sib, sib_k
-            _syncwarp()   # every lane has read the stale lane's slots: now they may change
+            syncwarp()   # every lane has read the stale lane's slots: now they may change
             if lane == stale:
                 if has_sib or has_kid:
                     cand_s[slot] = x
@@ -1160,7 +903,7 @@ def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, c
                     cand_s[at] = y
                     cand_k[at] = yk
                     mine += 1
-        _syncwarp()
+        syncwarp()
         if lane == target and lane != stale:   # the new slot may beat the lane's best
             best_s, best_k = _better(best_s, best_k, y, yk, n_parent, n_rank)
     return n
@@ -1427,7 +1170,7 @@ def _sample_kernel(threads: int):
         top = NEG_INF32
         for j in range(t, vocab, threads):
             top = max(top, logits[b, i, j])
-        top = np.float64(_block_max_f32(red32, top, t, threads))
+        top = np.float64(block_max_f32(red32, top, t, threads))
         chunk = (vocab + threads - 1) // threads
         lo = min(t * chunk, vocab)
         hi = min(lo + chunk, vocab)

@@ -33,6 +33,10 @@ import numpy as np
 from kdtree_numba.compat import cuda, kernel, device_function, to_device, SIMULATOR  # noqa: F401
 from kdtree_numba import compat
 from reference.layers import RopeSpec, YarnScaling, _check_routing_args
+from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
+from kdtree_numba.gpu.memory import (ld_cached_f32x4, ld_shared_f32x4, ld_stream_f32x4,
+                                     ld_stream_u32x4, store_nowrap_1d, store_nowrap_2d)
+from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce, tree_reduce
 
 __all__ = ["rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", "argmax",
            "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
@@ -43,165 +47,28 @@ SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight s
 GPU_SMS = 132                # H200; only used to size grids (more SMs just means more waves)
 CHUNK = 8                    # K elements per load step: one 16-byte bf16 vector, two fp32 ones
 
-# ============================================================================ primitives
-# Three things differ between the GPU and the simulator, and only here: reinterpreting bits as
-# float32, 16-byte vector loads (inline PTX), and the warp exchange (shuffle vs shared memory).
-
-if SIMULATOR:
-    def _bits_to_f32_py(bits):
-        return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
-
-    def _vload4_py(a, row, col):
-        return (a[row, col], a[row, col + 1], a[row, col + 2], a[row, col + 3])
-
-    def _lds4_py(a, off):
-        return (a[off], a[off + 1], a[off + 2], a[off + 3])
-
-    def _put1_py(a, off, v):
-        a[off] = v
-
-    def _put2_py(a, row, col, v):
-        a[row, col] = v
-
-    _bits_to_f32 = device_function(_bits_to_f32_py)
-    _ld_stream_u32x4 = _ld_stream_f32x4 = _ld_cached_f32x4 = device_function(_vload4_py)
-    _ld_shared_f32x4 = device_function(_lds4_py)
-    _put1, _put2 = device_function(_put1_py), device_function(_put2_py)
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils, libdevice
-    from numba.cuda.extending import intrinsic
-
-    def _make_vload4(elem, ptx_type, constraint, cache_op):
-        """An intrinsic ``vload(a2d, row, col) -> 4-tuple``: one 16-byte ``ld.global.nc`` of
-        ``a[row, col:col+4]``.  The caller guarantees 16-byte alignment."""
-        @intrinsic
-        def vload(typingctx, array, row, col):
-            if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == elem):
-                return None
-            ret = types.UniTuple(elem, 4)
-
-            def codegen(context, builder, sig, args):
-                aty, rty, cty = sig.args
-                arr, r, c = args
-                idx = [context.cast(builder, r, rty, types.intp),
-                       context.cast(builder, c, cty, types.intp)]
-                ary = context.make_array(aty)(context, builder, value=arr)
-                ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
-                lty = context.get_value_type(elem)
-                fnty = ir.FunctionType(ir.LiteralStructType([lty] * 4), [ptr.type])
-                asm = ir.InlineAsm(
-                    fnty, f"ld.global.nc{cache_op}.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
-                    ",".join([f"={constraint}"] * 4) + ",l")
-                res = builder.call(asm, [ptr])
-                return context.make_tuple(builder, ret,
-                                          [builder.extract_value(res, i) for i in range(4)])
-            return ret(array, row, col), codegen
-        return vload
-
-    # Weights are streamed once: keep them out of L1 so the activations stay there.
-    _ld_stream_u32x4 = _make_vload4(types.uint32, "u32", "r", ".L1::no_allocate")
-    _ld_stream_f32x4 = _make_vload4(types.float32, "f32", "f", ".L1::no_allocate")
-    _ld_cached_f32x4 = _make_vload4(types.float32, "f32", "f", "")
-
-    def _item_pointer(context, builder, sig, args, n_index):
-        """Pointer to a[i0, ..] (no negative-index wraparound, no bounds check)."""
-        aty = sig.args[0]
-        idx = [context.cast(builder, v, t, types.intp)
-               for v, t in zip(args[1:1 + n_index], sig.args[1:1 + n_index])]
-        ary = context.make_array(aty)(context, builder, value=args[0])
-        return cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
-
-    @intrinsic
-    def _ld_shared_f32x4(typingctx, array, off):
-        """``a[off:off+4]`` of a 1-d float32 shared array as one ``ld.shared.v4`` (LDS.128;
-        numba emits four scalar loads).  The caller guarantees 16-byte alignment."""
-        if not (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.float32 and isinstance(off, types.Integer)):
-            return None
-        ret = types.UniTuple(types.float32, 4)
-
-        def codegen(context, builder, sig, args):
-            ptr = _item_pointer(context, builder, sig, args, 1)
-            lty = context.get_value_type(types.float32)
-            shared = builder.addrspacecast(ptr, ir.PointerType(lty, 3))   # cvta.to.shared
-            addr = builder.ptrtoint(shared, ir.IntType(64))
-            fnty = ir.FunctionType(ir.LiteralStructType([lty] * 4), [ir.IntType(64)])
-            asm = ir.InlineAsm(fnty, "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-                               "=f,=f,=f,=f,l")
-            res = builder.call(asm, [addr])
-            return context.make_tuple(builder, ret,
-                                      [builder.extract_value(res, i) for i in range(4)])
-        return ret(array, off), codegen
-
-    def _put_codegen(ndim):
-        def codegen(context, builder, sig, args):
-            ptr = _item_pointer(context, builder, sig, args, ndim)
-            value = context.cast(builder, args[-1], sig.args[-1], sig.args[0].dtype)
-            builder.store(value, ptr)
-            return context.get_dummy_value()
-        return codegen
-
-    # a[i] = v / a[i, j] = v without numba's negative-index wraparound code: the generated
-    # kernels index with values known to be in range, and the wraparound selects cost
-    # registers and instructions in their staging and epilogue code.
-    @intrinsic
-    def _put1(typingctx, array, i, value):
-        if isinstance(array, types.Array) and array.ndim == 1 and isinstance(i, types.Integer):
-            return types.void(array, i, value), _put_codegen(1)
-        return None
-
-    @intrinsic
-    def _put2(typingctx, array, i, j, value):
-        if (isinstance(array, types.Array) and array.ndim == 2 and isinstance(i, types.Integer)
-                and isinstance(j, types.Integer)):
-            return types.void(array, i, j, value), _put_codegen(2)
-        return None
-
-    @device_function
-    def _bits_to_f32(bits):
-        return libdevice.int_as_float(np.int32(bits))
-
-
-@device_function
-def _bf16_lo(word):
-    """The bf16 in the low half of a little-endian uint32 word (the even element)."""
-    return _bits_to_f32(np.uint32(word) << np.uint32(16))
-
-
-@device_function
-def _bf16_hi(word):
-    return _bits_to_f32(np.uint32(word) & np.uint32(0xFFFF0000))
-
-
-@device_function
-def _bf16_bits_to_f32(bits16):
-    return _bits_to_f32(np.uint32(bits16) << np.uint32(16))
-
-
 @device_function
 def _load_w8_f32(w, n, j):
     """Elements [8j, 8j+8) of float32 weight row n."""
-    a = _ld_stream_f32x4(w, n, CHUNK * j)
-    b = _ld_stream_f32x4(w, n, CHUNK * j + 4)
+    a = ld_stream_f32x4(w, n, CHUNK * j)
+    b = ld_stream_f32x4(w, n, CHUNK * j + 4)
     return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
 @device_function
 def _load_w8_bf16(w32, n, j):
     """Elements [8j, 8j+8) of bf16 weight row n, given the row as uint32 words [N, K/2]."""
-    q = _ld_stream_u32x4(w32, n, 4 * j)
-    return (_bf16_lo(q[0]), _bf16_hi(q[0]), _bf16_lo(q[1]), _bf16_hi(q[1]),
-            _bf16_lo(q[2]), _bf16_hi(q[2]), _bf16_lo(q[3]), _bf16_hi(q[3]))
+    q = ld_stream_u32x4(w32, n, 4 * j)
+    return (bf16_lo(q[0]), bf16_hi(q[0]), bf16_lo(q[1]), bf16_hi(q[1]),
+            bf16_lo(q[2]), bf16_hi(q[2]), bf16_lo(q[3]), bf16_hi(q[3]))
 
 
 @device_function
 def _load_w8_f32_cached(w, n, j):
     """As _load_w8_f32 but through L1 (variant f32_load="cached": the second 16-byte half of
     each lane's 32 bytes may then hit the sector the first half brought in)."""
-    a = _ld_cached_f32x4(w, n, CHUNK * j)
-    b = _ld_cached_f32x4(w, n, CHUNK * j + 4)
+    a = ld_cached_f32x4(w, n, CHUNK * j)
+    b = ld_cached_f32x4(w, n, CHUNK * j + 4)
     return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
@@ -221,8 +88,8 @@ def _make_load_w8_f32_xchg(exchange4):
         hi = lane >> 4
         ja = min(j - lane + (lane & 15), c1 - 1)     # chunk this lane half-loads for lanes 0-15
         jb = min(j - lane + (lane & 15) + 16, c1 - 1)   # ... and for lanes 16-31
-        a = _ld_stream_f32x4(w, n, CHUNK * ja + 4 * hi)
-        b = _ld_stream_f32x4(w, n, CHUNK * jb + 4 * hi)
+        a = ld_stream_f32x4(w, n, CHUNK * ja + 4 * hi)
+        b = ld_stream_f32x4(w, n, CHUNK * jb + 4 * hi)
         up = hi != 0
         r = exchange4(b[0] if not up else a[0], b[1] if not up else a[1],
                       b[2] if not up else a[2], b[3] if not up else a[3], scratch)
@@ -240,18 +107,15 @@ if SIMULATOR:   # no shuffles: load the lane's own chunk directly (same values)
         z = np.float32(0.0)
         return (z, z, z, z, z, z, z, z)
 else:
-    @device_function
-    def _exchange4_shfl(s0, s1, s2, s3, scratch):
-        return (cuda.shfl_xor_sync(0xFFFFFFFF, s0, 16), cuda.shfl_xor_sync(0xFFFFFFFF, s1, 16),
-                cuda.shfl_xor_sync(0xFFFFFFFF, s2, 16), cuda.shfl_xor_sync(0xFFFFFFFF, s3, 16))
+    from kdtree_numba.gpu.warp import shfl_xor16_f32x4
 
-    _load_w8_f32_xchg = _make_load_w8_f32_xchg(_exchange4_shfl)
+    _load_w8_f32_xchg = _make_load_w8_f32_xchg(shfl_xor16_f32x4)
 
 
 @device_function
 def _load_x8(x, row, j):
-    a = _ld_cached_f32x4(x, row, CHUNK * j)
-    b = _ld_cached_f32x4(x, row, CHUNK * j + 4)
+    a = ld_cached_f32x4(x, row, CHUNK * j)
+    b = ld_cached_f32x4(x, row, CHUNK * j + 4)
     return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
@@ -272,7 +136,7 @@ def _load_w8_f32_scalar(w, n, j):
 
 @device_function
 def _bf16_at(w16, n, k):
-    return _bf16_bits_to_f32(w16[n, k]) if k < w16.shape[1] else np.float32(0.0)
+    return bf16_bits_to_f32(w16[n, k]) if k < w16.shape[1] else np.float32(0.0)
 
 
 @device_function
@@ -305,115 +169,8 @@ def _skinny_kind(load_kind: str, f32_load: str) -> str:
 def _load_w1(w, n, k, is_bf16):
     """One weight element as float32 (w is float32, or uint16 bf16 bits)."""
     if is_bf16:
-        return _bf16_bits_to_f32(w[n, k])
+        return bf16_bits_to_f32(w[n, k])
     return w[n, k]
-
-
-# ============================================================================ block reduction
-# A warp "reduce-scatter" butterfly: at each of the 5 xor steps a lane keeps half of its values
-# and receives the partner's copy of that half, so NACC values need NACC-1 shuffles in all
-# (not 5*NACC).  Then one shared-memory pass sums the warps, in warp order.
-
-def _scratch_shape(nacc, threads):
-    """Shared scratch for the simulator's reductions (a 1x1 dummy on the GPU, never used)."""
-    return (max(nacc, 1), threads) if SIMULATOR else (1, 1)
-
-
-def _make_halving_step(mask, half):
-    if SIMULATOR:
-        def step(acc, lane, scratch):
-            t = cuda.threadIdx.x
-            upper = (lane & mask) != 0
-            for i in range(half):
-                scratch[i, t] = acc[i] if upper else acc[i + half]
-            cuda.syncthreads()
-            for i in range(half):
-                keep = acc[i + half] if upper else acc[i]
-                acc[i] = keep + scratch[i, t ^ mask]
-            cuda.syncthreads()
-    else:
-        def step(acc, lane, scratch):
-            upper = (lane & mask) != 0
-            for i in range(half):
-                send = acc[i] if upper else acc[i + half]
-                keep = acc[i + half] if upper else acc[i]
-                acc[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, send, mask)
-    return device_function(step)
-
-
-def _make_allreduce_step(mask):
-    if SIMULATOR:
-        def step(acc, lane, scratch):
-            t = cuda.threadIdx.x
-            scratch[0, t] = acc[0]
-            cuda.syncthreads()
-            acc[0] = acc[0] + scratch[0, t ^ mask]
-            cuda.syncthreads()
-    else:
-        def step(acc, lane, scratch):
-            acc[0] = acc[0] + cuda.shfl_xor_sync(0xFFFFFFFF, acc[0], mask)
-    return device_function(step)
-
-
-@functools.cache
-def _make_block_reduce(nacc: int, threads: int, butterfly: bool = not SIMULATOR):
-    """``block_reduce(acc, red, scratch)``: afterwards ``red[WARPS, i]`` = block sum of acc[i].
-
-    ``red`` is a shared [WARPS+1, NACC] float32 array, ``scratch`` a shared
-    ``_scratch_shape(nacc, threads)`` array; ``nacc`` a power of two <= 32*threads.  On the GPU
-    (``butterfly``) the summation tree depends only on ``threads``, never on which value is which.
-    The simulator sums lanes in order instead (2 barriers rather than 12: barriers are what is
-    slow there); tests run the butterfly in the simulator too, with emulated shuffles.
-    """
-    warps = threads // 32
-    if not butterfly:
-        @device_function
-        def block_reduce_in_order(acc, red, scratch):
-            t = cuda.threadIdx.x
-            for i in range(nacc):
-                scratch[i, t] = acc[i]
-            cuda.syncthreads()
-            for i in range(t, nacc, threads):
-                total = scratch[i, 0]
-                for lane in range(1, threads):
-                    total += scratch[i, lane]
-                red[warps, i] = total
-            cuda.syncthreads()
-        return block_reduce_in_order
-
-    steps, have, halvings = [], nacc, 0
-    for mask in (16, 8, 4, 2, 1):
-        if have > 1:
-            steps.append(_make_halving_step(mask, have // 2))
-            have //= 2
-            halvings += 1
-        else:
-            steps.append(_make_allreduce_step(mask))
-    keep, shift = have, 5 - halvings          # lane l ends with values [(l>>shift)*keep, +keep)
-    writer_mask = (1 << shift) - 1
-    s0, s1, s2, s3, s4 = steps
-
-    @device_function
-    def block_reduce(acc, red, scratch):
-        t = cuda.threadIdx.x
-        lane = t & 31
-        s0(acc, lane, scratch)
-        s1(acc, lane, scratch)
-        s2(acc, lane, scratch)
-        s3(acc, lane, scratch)
-        s4(acc, lane, scratch)
-        if (lane & writer_mask) == 0:
-            base = (lane >> shift) * keep
-            for i in range(keep):
-                red[t >> 5, base + i] = acc[i]
-        cuda.syncthreads()
-        for i in range(t, nacc, threads):
-            total = red[0, i]
-            for wp in range(1, warps):
-                total += red[wp, i]
-            red[warps, i] = total
-        cuda.syncthreads()
-    return block_reduce
 
 
 # ============================================================================ skinny GEMM core
@@ -583,8 +340,8 @@ def _skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
     mt, nr, threads = cfg.mt, cfg.rows, cfg.threads
     nacc, warps = mt * nr, threads // 32
     accumulate = _make_accumulate(mt, nr, threads, cfg.unroll, _skinny_kind(wkind, cfg.f32_load))
-    block_reduce = _make_block_reduce(nacc, threads)
-    scr = _scratch_shape(nacc, threads)
+    block_reduce = make_block_reduce(nacc, threads)
+    scr = block_reduce_scratch_shape(nacc, threads)
     red_shape = (warps + 1, nacc)
 
     @kernel
@@ -782,10 +539,10 @@ def _ld4_f32_scalar(a, row, k, k_end):
 @device_function
 def _ld4_bf16_scalar(w16, row, k, k_end):
     z = np.float32(0.0)
-    return (_bf16_bits_to_f32(w16[row, k]) if k < k_end else z,
-            _bf16_bits_to_f32(w16[row, k + 1]) if k + 1 < k_end else z,
-            _bf16_bits_to_f32(w16[row, k + 2]) if k + 2 < k_end else z,
-            _bf16_bits_to_f32(w16[row, k + 3]) if k + 3 < k_end else z)
+    return (bf16_bits_to_f32(w16[row, k]) if k < k_end else z,
+            bf16_bits_to_f32(w16[row, k + 1]) if k + 1 < k_end else z,
+            bf16_bits_to_f32(w16[row, k + 2]) if k + 2 < k_end else z,
+            bf16_bits_to_f32(w16[row, k + 3]) if k + 3 < k_end else z)
 
 
 # Small device functions the generated tiled kernels call with constant offsets: after NVVM
@@ -816,29 +573,29 @@ def _fma_row4(acc, base, a, b0, b1):
 @device_function
 def _stage4(buf, off, stride, v):
     """Scatter one staged 4-vector down a column of the transposed tile."""
-    _put1(buf, off, v[0])
-    _put1(buf, off + stride, v[1])
-    _put1(buf, off + 2 * stride, v[2])
-    _put1(buf, off + 3 * stride, v[3])
+    store_nowrap_1d(buf, off, v[0])
+    store_nowrap_1d(buf, off + stride, v[1])
+    store_nowrap_1d(buf, off + 2 * stride, v[2])
+    store_nowrap_1d(buf, off + 3 * stride, v[3])
 
 
 @device_function
 def _stage8_bf16(buf, off, stride, q):
     """The same for four uint32 words = eight bf16, widened."""
-    _put1(buf, off, _bf16_lo(q[0]))
-    _put1(buf, off + stride, _bf16_hi(q[0]))
-    _put1(buf, off + 2 * stride, _bf16_lo(q[1]))
-    _put1(buf, off + 3 * stride, _bf16_hi(q[1]))
-    _put1(buf, off + 4 * stride, _bf16_lo(q[2]))
-    _put1(buf, off + 5 * stride, _bf16_hi(q[2]))
-    _put1(buf, off + 6 * stride, _bf16_lo(q[3]))
-    _put1(buf, off + 7 * stride, _bf16_hi(q[3]))
+    store_nowrap_1d(buf, off, bf16_lo(q[0]))
+    store_nowrap_1d(buf, off + stride, bf16_hi(q[0]))
+    store_nowrap_1d(buf, off + 2 * stride, bf16_lo(q[1]))
+    store_nowrap_1d(buf, off + 3 * stride, bf16_hi(q[1]))
+    store_nowrap_1d(buf, off + 4 * stride, bf16_lo(q[2]))
+    store_nowrap_1d(buf, off + 5 * stride, bf16_hi(q[2]))
+    store_nowrap_1d(buf, off + 6 * stride, bf16_lo(q[3]))
+    store_nowrap_1d(buf, off + 7 * stride, bf16_hi(q[3]))
 
 
 @device_function
 def _put_if(out, row, col, limit, v):
     if col < limit:
-        _put2(out, row, col, v)
+        store_nowrap_2d(out, row, col, v)
 
 
 @device_function
@@ -1062,8 +819,8 @@ def _tiled_epilogue_source(src, lay):
         src(f"if rbase + {i} < rows_here:", "    " + call)
 
 
-_TILED_LOADS = {"f32": (_ld_stream_f32x4, _ld_cached_f32x4),
-                "bf16": (_ld_stream_u32x4, _ld_cached_f32x4),
+_TILED_LOADS = {"f32": (ld_stream_f32x4, ld_cached_f32x4),
+                "bf16": (ld_stream_u32x4, ld_cached_f32x4),
                 "f32s": (_ld4_f32_scalar, _ld4_f32_scalar),
                 "bf16s": (_ld4_bf16_scalar, _ld4_f32_scalar)}
 
@@ -1082,7 +839,7 @@ def _tiled_kernel_for(cfg: TiledConfig, wkind: str, mode: str):
     # i64(constant): a plain int64 argument; a bare literal would make numba compile one
     # specialisation of the device function per distinct value (most of the compile time).
     namespace = {"cuda": cuda, "np": np, "i64": np.int64, "ldw": ldw, "ldx": ldx,
-                 "lds": _ld_shared_f32x4,
+                 "lds": ld_shared_f32x4,
                  "stage4": _stage4, "stage8": _stage8_bf16, "store_silu": _store_row_silu,
                  "fma_row": _fma_row8 if cfg.tn == 8 else _fma_row4,
                  "store_row": _store_row8 if cfg.tn == 8 else _store_row4}
@@ -1261,9 +1018,9 @@ def _norm_threads():
 
 @functools.cache
 def _rmsnorm_kernel(threads: int, is_bf16: bool):
-    block_reduce = _make_block_reduce(1, threads)
+    block_reduce = make_block_reduce(1, threads)
     warps = threads // 32
-    scr = _scratch_shape(1, threads)
+    scr = block_reduce_scratch_shape(1, threads)
     red_shape = (warps + 1, 1)
 
     @kernel
@@ -1282,7 +1039,7 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool):
         block_reduce(acc, red, scratch)
         inv = np.float32(1.0) / math.sqrt(red[warps, 0] / np.float32(d_total) + eps)
         for d in range(cuda.threadIdx.x, d_total, threads):
-            wv = _bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
+            wv = bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
             y[row, d] = wv * (x[row, d] * inv)
     return rmsnorm_rows
 
@@ -1378,7 +1135,7 @@ def _embedding_kernel(is_bf16: bool):
             if tok < 0 or tok >= table.shape[0]:
                 y[row, d] = np.float32(math.nan)
             elif is_bf16:
-                y[row, d] = _bf16_bits_to_f32(table[tok, d])
+                y[row, d] = bf16_bits_to_f32(table[tok, d])
             else:
                 y[row, d] = table[tok, d]
     return embed
@@ -1490,7 +1247,7 @@ def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
             for e in range(t, n_experts, threads):
                 top = max(top, logits[row, e])
             tree[t] = top
-            _tree_reduce(tree, t, threads, True)
+            tree_reduce(tree, t, threads, True)
             top = tree[0]
             cuda.syncthreads()
             part = np.float32(0.0)
@@ -1499,7 +1256,7 @@ def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
                 score[e] = z
                 part += z
             tree[t] = part
-            _tree_reduce(tree, t, threads, False)
+            tree_reduce(tree, t, threads, False)
             total = tree[0]
             for e in range(t, n_experts, threads):
                 score[e] = score[e] / total
@@ -1560,21 +1317,6 @@ def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
         for j in range(t, top_k, threads):
             out_w[row, j] = picked[j] / tree[0] * scaling
     return route_rows
-
-
-@device_function
-def _tree_reduce(buf, t, threads, take_max):
-    """buf[0] = max or sum of buf[0:threads] (threads a power of two); ends synchronised."""
-    cuda.syncthreads()
-    stride = threads // 2
-    while stride > 0:
-        if t < stride:
-            if take_max:
-                buf[t] = max(buf[t], buf[t + stride])
-            else:
-                buf[t] = buf[t] + buf[t + stride]
-        cuda.syncthreads()
-        stride //= 2
 
 
 def route_from_logits(logits, bias=None, *, top_k: int, n_group: int = 1, topk_group: int = 1,
@@ -1692,8 +1434,8 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool):
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
     accumulate = _make_accumulate(mt, nr, threads, cfg.unroll, _skinny_kind(wkind, cfg.f32_load))
-    block_reduce = _make_block_reduce(nacc, threads)
-    scr = _scratch_shape(nacc, threads)
+    block_reduce = make_block_reduce(nacc, threads)
+    scr = block_reduce_scratch_shape(nacc, threads)
     red_shape = (warps + 1, nacc)
 
     @kernel

@@ -463,10 +463,11 @@ def test_f32_exchange_load_gives_every_lane_its_chunk(gpu_layers):
 def test_butterfly_block_reduce_sums_every_value(gpu_layers, nacc):
     """The GPU reduction (warp reduce-scatter + warp pass), here with emulated shuffles in the
     simulator: integer-valued inputs make every order exact."""
+    from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
     threads = 64
-    reduce_ = gpu_layers._make_block_reduce(nacc, threads, butterfly=True)
+    reduce_ = make_block_reduce(nacc, threads, butterfly=True)
     red_shape = (threads // 32 + 1, nacc)
-    scr = gpu_layers._scratch_shape(nacc, threads)
+    scr = block_reduce_scratch_shape(nacc, threads)
 
     @kernel
     def run(values, out):

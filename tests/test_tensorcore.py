@@ -1,4 +1,4 @@
-"""kdtree_numba.tensorcore: the TF32 mma building blocks against NumPy oracles.
+"""kdtree_numba.gpu.tensorcore: the TF32 mma building blocks against NumPy oracles.
 
 On the GPU (marker ``gpu``): a one-warp kernel loads a 16 x 8 x 8 tile into the documented
 fragments and multiplies it with ``mma.sync`` (plain TF32, and 3xTF32); its output must equal
@@ -31,7 +31,8 @@ def test_tf32_oracle_on_known_values():
 
 
 def test_simulator_fallback_rounds_like_the_oracle(needs_kernels):
-    from kdtree_numba import compat, tensorcore
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import tensorcore
     if not compat.SIMULATOR:
         pytest.skip("the bit-level fallback exists only under the simulator")
     x = np.random.default_rng(0).standard_normal(2000).astype(np.float32) * 100
@@ -46,7 +47,8 @@ def test_simulator_fallback_rounds_like_the_oracle(needs_kernels):
 def test_simulator_fast_split_is_exact_with_a_tf32_high_part(needs_kernels):
     """split_tf32_fast: hi is a TF32 value within half a TF32 ulp of x (so |lo| <= 2^-11 |x|)
     and hi + lo == x exactly (lo keeps full precision; the tensor core truncates it)."""
-    from kdtree_numba import compat, tensorcore
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import tensorcore
     if not compat.SIMULATOR:
         pytest.skip("the bit-level fallback exists only under the simulator")
     x = np.random.default_rng(2).standard_normal(2000).astype(np.float32) * 100
@@ -61,7 +63,7 @@ def test_simulator_fast_split_is_exact_with_a_tf32_high_part(needs_kernels):
 
 def _tile_kernel():
     from kdtree_numba.compat import cuda, kernel
-    from kdtree_numba.tensorcore import mma_tf32_m16n8k8, split_tf32, split_tf32_fast, to_tf32
+    from kdtree_numba.gpu.tensorcore import mma_tf32_m16n8k8, split_tf32, split_tf32_fast, to_tf32
 
     @kernel
     def tile(a, b, c, d, mode):
@@ -146,7 +148,7 @@ def test_gpu_3xtf32_tile_is_fp32_accurate(seed):
 def test_gpu_to_tf32_rounds_like_the_oracle():
     from numba import cuda
     from kdtree_numba.compat import kernel
-    from kdtree_numba.tensorcore import tf32_value, to_tf32
+    from kdtree_numba.gpu.tensorcore import tf32_value, to_tf32
 
     @kernel
     def round_all(x, out):

@@ -1,0 +1,313 @@
+"""Memory access that numba cannot express: 16-byte vector loads and stores, ``cp.async``,
+shared/global addresses, and element stores without wraparound code.
+
+numba emits only scalar loads and stores, and the kernels need 128-bit ones: the skinny GEMM
+streams weights with 16-byte ``ld.global.nc`` loads, the tiled GEMM and attention's
+mini-GEMMs read shared memory with LDS.128 (scalar shared loads would cap them at a third of
+the FMA rate), and attention stages key tiles with ``cp.async`` (sm_80+: global -> shared
+without registers, so the next tile is in flight while the current one is computed).
+
+Several loads of four floats exist because they generate different code, and each kernel keeps
+the one it was tuned with:
+
+* ``ld_stream_f32x4`` / ``ld_stream_u32x4`` / ``ld_cached_f32x4`` (``a[row, col:col+4]``):
+  inline PTX ``ld.global.nc.v4``; *stream* adds ``.L1::no_allocate`` (weights read once stay out
+  of L1 so the activations stay there), *cached* goes through L1.
+* ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``.
+* ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
+  global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
+* ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
+  the column): LLVM ``<4 x float>`` accesses with align 16 in the generic address space (NVVM
+  turns them into ld/st.{shared,global}.v4.f32).
+
+Callers guarantee 16-byte alignment: every offset and stride used with them is a multiple of 4
+elements, and device allocations are 256-byte aligned.  Under the CUDA simulator each primitive
+is a plain-Python twin that reads or writes the same elements.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, device_function
+from kdtree_numba.gpu.llvm import inline_device_function
+
+__all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
+           "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
+           "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all",
+           "cp_async_strided", "device_address"]
+
+if SIMULATOR:
+    _ZERO = np.float32(0.0)
+
+    def _vload4_py(a, row, col):
+        return (a[row, col], a[row, col + 1], a[row, col + 2], a[row, col + 3])
+
+    def _lds4_py(a, off):
+        return (a[off], a[off + 1], a[off + 2], a[off + 3])
+
+    def _put1_py(a, off, v):
+        a[off] = v
+
+    def _put2_py(a, row, col, v):
+        a[row, col] = v
+
+    ld_stream_u32x4 = ld_stream_f32x4 = ld_cached_f32x4 = device_function(_vload4_py)
+    ld_shared_f32x4 = device_function(_lds4_py)
+    store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
+
+    def load_global_invariant_f32x4(array, row, q):
+        j = 4 * q
+        return array[row, j], array[row, j + 1], array[row, j + 2], array[row, j + 3]
+
+    def load_f32x4(arr, idx):
+        if isinstance(idx, tuple):
+            head, k = idx[:-1], idx[-1]
+            return (arr[head + (k,)], arr[head + (k + 1,)], arr[head + (k + 2,)],
+                    arr[head + (k + 3,)])
+        return arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3]
+
+    def store_f32x4(arr, idx, x0, x1, x2, x3):
+        if isinstance(idx, tuple):
+            head, k = idx[:-1], idx[-1]
+            arr[head + (k,)], arr[head + (k + 1,)] = x0, x1
+            arr[head + (k + 2,)], arr[head + (k + 3,)] = x2, x3
+        else:
+            arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3] = x0, x1, x2, x3
+
+    def cp_async16(dst, dst_idx, src, src_idx, nbytes):
+        x = load_f32x4(src, src_idx) if nbytes else (_ZERO, _ZERO, _ZERO, _ZERO)
+        store_f32x4(dst, dst_idx, *x)
+
+    def _nothing():
+        pass
+
+    cp_async_commit = cp_async_wait_all = _nothing
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    from kdtree_numba.gpu.llvm import asm_statement, element_pointer, item_pointer
+
+    def _make_vload4(elem, ptx_type, constraint, cache_op):
+        """An intrinsic ``vload(a2d, row, col) -> 4-tuple``: one 16-byte ``ld.global.nc`` of
+        ``a[row, col:col+4]``.  The caller guarantees 16-byte alignment."""
+        @intrinsic
+        def vload(typingctx, array, row, col):
+            if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype == elem):
+                return None
+            ret = types.UniTuple(elem, 4)
+
+            def codegen(context, builder, sig, args):
+                ptr = item_pointer(context, builder, sig, args, 2)
+                lty = context.get_value_type(elem)
+                fnty = ir.FunctionType(ir.LiteralStructType([lty] * 4), [ptr.type])
+                asm = ir.InlineAsm(
+                    fnty, f"ld.global.nc{cache_op}.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
+                    ",".join([f"={constraint}"] * 4) + ",l")
+                res = builder.call(asm, [ptr])
+                return context.make_tuple(builder, ret,
+                                          [builder.extract_value(res, i) for i in range(4)])
+            return ret(array, row, col), codegen
+        return vload
+
+    # Weights are streamed once: keep them out of L1 so the activations stay there.
+    ld_stream_u32x4 = _make_vload4(types.uint32, "u32", "r", ".L1::no_allocate")
+    ld_stream_f32x4 = _make_vload4(types.float32, "f32", "f", ".L1::no_allocate")
+    ld_cached_f32x4 = _make_vload4(types.float32, "f32", "f", "")
+
+    @intrinsic
+    def ld_shared_f32x4(typingctx, array, off):
+        """``a[off:off+4]`` of a 1-d float32 shared array as one ``ld.shared.v4`` (LDS.128;
+        numba emits four scalar loads).  The caller guarantees 16-byte alignment."""
+        if not (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.float32 and isinstance(off, types.Integer)):
+            return None
+        ret = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, sig, args):
+            ptr = item_pointer(context, builder, sig, args, 1)
+            lty = context.get_value_type(types.float32)
+            shared = builder.addrspacecast(ptr, ir.PointerType(lty, 3))   # cvta.to.shared
+            addr = builder.ptrtoint(shared, ir.IntType(64))
+            fnty = ir.FunctionType(ir.LiteralStructType([lty] * 4), [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+                               "=f,=f,=f,=f,l")
+            res = builder.call(asm, [addr])
+            return context.make_tuple(builder, ret,
+                                      [builder.extract_value(res, i) for i in range(4)])
+        return ret(array, off), codegen
+
+    def _put_codegen(ndim):
+        def codegen(context, builder, sig, args):
+            ptr = item_pointer(context, builder, sig, args, ndim)
+            value = context.cast(builder, args[-1], sig.args[-1], sig.args[0].dtype)
+            builder.store(value, ptr)
+            return context.get_dummy_value()
+        return codegen
+
+    # a[i] = v / a[i, j] = v without numba's negative-index wraparound code: the generated
+    # kernels index with values known to be in range, and the wraparound selects cost
+    # registers and instructions in their staging and epilogue code.
+    @intrinsic
+    def store_nowrap_1d(typingctx, array, i, value):
+        if isinstance(array, types.Array) and array.ndim == 1 and isinstance(i, types.Integer):
+            return types.void(array, i, value), _put_codegen(1)
+        return None
+
+    @intrinsic
+    def store_nowrap_2d(typingctx, array, i, j, value):
+        if (isinstance(array, types.Array) and array.ndim == 2 and isinstance(i, types.Integer)
+                and isinstance(j, types.Integer)):
+            return types.void(array, i, j, value), _put_codegen(2)
+        return None
+
+    @intrinsic
+    def load_global_invariant_f32x4(typingctx, array, row, q):
+        """The four float32 a[row, 4q : 4q+4] with one 16-byte load (``ld.global.nc.v4.f32``);
+        the caller guarantees 16-byte alignment (row stride % 4 == 0 and an aligned base)."""
+        sig = types.UniTuple(types.float32, 4)(array, row, q)
+
+        def codegen(context, builder, sig, args):
+            array_type, row_type, q_type = sig.args
+            data, row_value, q_value = args
+            ary = context.make_array(array_type)(context, builder, value=data)
+            col = builder.mul(context.cast(builder, q_value, q_type, types.intp),
+                              ir.Constant(ir.IntType(64), 4))
+            ptr = cgutils.get_item_pointer(
+                context, builder, array_type, ary,
+                [context.cast(builder, row_value, row_type, types.intp), col])
+            vector = ir.VectorType(ir.FloatType(), 4)
+            global_ptr = builder.addrspacecast(ptr, ir.PointerType(ir.FloatType(), 1))
+            loaded = builder.load(builder.bitcast(global_ptr, ir.PointerType(vector, 1)),
+                                  align=16)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            parts = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i))
+                     for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    def _vec_pointer(context, builder, arrty, arr, idxty, idx):
+        ptr = element_pointer(context, builder, arrty, arr, idxty, idx)
+        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer())
+
+    def _check_f32x4(arr, idx):
+        ndim = len(idx) if isinstance(idx, types.BaseTuple) else 1
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == ndim):
+            raise TypeError(f"vec4 access needs a float32 array of ndim {ndim}, got {arr}")
+
+    @intrinsic
+    def load_f32x4(typingctx, arr, idx):
+        _check_f32x4(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            vptr = _vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = builder.load(vptr, align=16)
+            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e))
+                    for e in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
+        return types.UniTuple(types.float32, 4)(arr, idx), codegen
+
+    @intrinsic
+    def store_f32x4(typingctx, arr, idx, x0, x1, x2, x3):
+        _check_f32x4(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            vptr = _vec_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
+            for e in range(4):
+                val = context.cast(builder, args[2 + e], sig.args[2 + e], types.float32)
+                vec = builder.insert_element(vec, val, ir.Constant(ir.IntType(32), e))
+            builder.store(vec, vptr, align=16)
+        return types.void(arr, idx, x0, x1, x2, x3), codegen
+
+    @intrinsic
+    def cp_async16(typingctx, dst, dst_idx, src, src_idx, nbytes):
+        """16 bytes src[src_idx:+4] -> shared dst[dst_idx:+4]; only ``nbytes`` (0 or 16) are
+        read, the rest is zero-filled (so rows past the end become zeros, never garbage)."""
+        _check_f32x4(dst, dst_idx)
+        _check_f32x4(src, src_idx)
+
+        def codegen(context, builder, sig, args):
+            dptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            sptr = element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            n = context.cast(builder, args[4], sig.args[4], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [dptr.type, sptr.type, ir.IntType(32)])
+            asm = ("{\n\t.reg .u64 %cpa_s64, %cpa_g;\n\t.reg .u32 %cpa_s;\n\t"
+                   "cvta.to.shared.u64 %cpa_s64, $0;\n\tcvt.u32.u64 %cpa_s, %cpa_s64;\n\t"
+                   "cvta.to.global.u64 %cpa_g, $1;\n\t"
+                   "cp.async.cg.shared.global [%cpa_s], [%cpa_g], 16, $2;\n\t}")
+            builder.call(ir.InlineAsm(fnty, asm, "l,l,r,~{memory}", side_effect=True),
+                         [dptr, sptr, n])
+        return types.void(dst, dst_idx, src, src_idx, nbytes), codegen
+
+    def _address_intrinsic(space, bits):
+        @intrinsic
+        def address(typingctx, arr, idx):
+            _check_f32x4(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                ptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                      args[1])
+                fnty = ir.FunctionType(ir.IntType(64), [ptr.type])
+                addr = builder.call(ir.InlineAsm(fnty, f"cvta.to.{space}.u64 $0, $1;", "=l,l"),
+                                    [ptr])
+                if bits == 32:  # shared addresses fit 32 bits; keep int64 arithmetic cheap
+                    addr = builder.zext(builder.trunc(addr, ir.IntType(32)), ir.IntType(64))
+                return addr
+            return types.int64(arr, idx), codegen
+        return address
+
+    # ``shared_address(smem, idx)`` / ``global_address(arr, idx)``: the element's address in
+    # its state space, for cp_async16_raw.
+    shared_address = _address_intrinsic("shared", 32)
+    global_address = _address_intrinsic("global", 64)
+
+    @intrinsic
+    def cp_async16_raw(typingctx, saddr, gaddr, nbytes):
+        """cp.async of 16 bytes from a global address to a shared one (both from the address
+        intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled."""
+        def codegen(context, builder, sig, args):
+            s32 = builder.trunc(args[0], ir.IntType(32))
+            n = context.cast(builder, args[2], sig.args[2], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64),
+                                                   ir.IntType(32)])
+            asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+            builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
+                         [s32, args[1], n])
+        return types.void(saddr, gaddr, nbytes), codegen
+
+    cp_async_commit = asm_statement("cp.async.commit_group;")
+    cp_async_wait_all = asm_statement("cp.async.wait_group 0;")
+
+
+def _cp_async_strided_fn():
+    """``copy(smem, at, arr, idx, count, step4, nbytes)``: cp.async the float4s
+    ``arr[idx + 4*step4*s]`` -> ``smem[at + 4*step4*s]`` for s < count (idx: a tuple whose last
+    entry is the column).  On the GPU both addresses are formed once, then stepped by a
+    constant, which ptxas folds into the LDGSTS immediate offsets."""
+    if SIMULATOR:
+        def copy(smem, at, arr, idx, count, step4, nbytes):
+            for s in range(count):
+                cp_async16(smem, at + 4 * step4 * s, arr,
+                           idx[:-1] + (idx[-1] + 4 * step4 * s,), nbytes)
+        return copy
+
+    @inline_device_function
+    def copy_gpu(smem, at, arr, idx, count, step4, nbytes):
+        sa = shared_address(smem, at)
+        ga = global_address(arr, idx)
+        for s in range(count):
+            cp_async16_raw(sa + 16 * step4 * s, ga + 16 * step4 * s, nbytes)
+    return copy_gpu
+
+
+cp_async_strided = _cp_async_strided_fn()
+
+
+def device_address(array) -> int:
+    """The device address of an array's first element (0 under the simulator: alignment
+    checks then pass, and the simulator's loads do not care)."""
+    return 0 if SIMULATOR else int(array.__cuda_array_interface__["data"][0])
