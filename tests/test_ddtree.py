@@ -682,19 +682,19 @@ except Exception as error:
     sys.exit(77)
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 import numpy as np
-from kdtree_numba import ddtree as G
+from kdtree_numba.ddtree import accept, build, compact, compile, topk
 f2, i1, i2 = T.float32[:, ::1], T.int32[::1], T.int32[:, ::1]
 f3, i3 = T.float32[:, :, ::1], T.int32[:, :, ::1]
 f1, d1 = T.float32[::1], T.float64[::1]
 jobs = [
-    (G._topk_kernel(8, 4, 64), (f2, T.int64, T.int64, T.boolean, f2, i2, f1, d1)),
-    (G._topk_merge_kernel(2, 1024, 256), (f2, i2, f1, d1, T.int64, f2, i2)),
-    (G._build_kernel(128, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
-    (G._tree_rows, (i1, i2, i2, i2, T.int64[::1], i1, i2, i2, i3)),
-    (G._tree_mask, (i1, i2, i3, T.boolean[:, :, ::1])),
-    (G._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1)),
-    (G._sample_kernel(512), (i1, f3, T.float64, T.float64[:, ::1], i2)),
-    (G._compact_kernel(16, np.uint64), (T.uint64[:, :, :, ::1], i1, i2, i1)),
+    (topk._topk_kernel(8, 4, 64), (f2, T.int64, T.int64, T.boolean, f2, i2, f1, d1)),
+    (topk._topk_merge_kernel(2, 1024, 256), (f2, i2, f1, d1, T.int64, f2, i2)),
+    (build._build_kernel(128, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
+    (compile._tree_rows, (i1, i2, i2, i2, T.int64[::1], i1, i2, i2, i3)),
+    (compile._tree_mask, (i1, i2, i3, T.boolean[:, :, ::1])),
+    (accept._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1)),
+    (accept._sample_kernel(512), (i1, f3, T.float64, T.float64[:, ::1], i2)),
+    (compact._compact_kernel(16, np.uint64), (T.uint64[:, :, :, ::1], i1, i2, i1)),
 ]
 for kern, sig in jobs:
     cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))

@@ -38,6 +38,9 @@ if str(ROOT) not in sys.path:
 
 from kdtree_numba import compat  # noqa: E402  (numpy fix before numba compiles)
 from kdtree_numba import ddtree as gpu  # noqa: E402
+from kdtree_numba.ddtree import accept as gpu_accept, arrays as gpu_arrays  # noqa: E402
+from kdtree_numba.ddtree import build as gpu_build, compact as gpu_compact  # noqa: E402
+from kdtree_numba.ddtree import topk as gpu_topk  # noqa: E402
 from reference import ddtree as ref  # noqa: E402
 
 cuda = compat.cuda
@@ -134,7 +137,7 @@ def bench_topk(timer: Timer, bandwidth: float, quick: bool) -> list[dict]:
         ids = cuda.device_array((n_rows, k), np.int32)
 
         def launch(stream, k=k, lp=lp, ids=ids, config=config, data=data):
-            gpu._launch_topk(data, k, lp, ids, config, stream)
+            gpu_topk._launch_topk(data, k, lp, ids, config, stream)
 
         # bs=64 reads 629 MB (> L2); the small batch (39 MB) is flushed from L2 each run.
         us = timer.median_us(launch, 10 if quick else 30, flush=nbytes < (200 << 20))
@@ -169,7 +172,7 @@ def bench_build(timer: Timer, quick: bool) -> list[dict]:
             cuda.device_array((BS, budget + 1), np.float64)]
         for threads in (None,) if quick or budget != 64 else (None, 32):
             threads, bcap = gpu.build_config(budget, threads)
-            kern = gpu._build_kernel(threads, bcap)
+            kern = gpu_build._build_kernel(threads, bcap)
 
             def launch(stream, kern=kern, budget=budget, out=out, threads=threads, d_lp=d_lp,
                        d_ids=d_ids):
@@ -201,14 +204,14 @@ def bench_accept_compact(timer: Timer, bandwidth: float) -> list[dict]:
     acc_idx, acc_len, _ = ref.accept_greedy(tree, target)
     moved = sum(int(acc_len[b]) - next((k for k in range(acc_len[b]) if acc_idx[b, k] != k),
                                        int(acc_len[b])) for b in range(BS))
-    d_tree = gpu._tree_on_device(tree, 0)
+    d_tree = gpu_arrays.tree_on_device(tree, 0)
     d_target = cuda.to_device(target)
     acc_out = (cuda.device_array((BS, L + 1), np.int32), cuda.device_array(BS, np.int32),
                cuda.device_array(BS, np.int32))
-    accept = gpu._accept_kernel(L)
+    accept = gpu_accept._accept_kernel(L)
     stack = cuda.device_array((n_layers, BS, max_len, width), np.uint16)   # bf16 bit patterns
-    words = gpu._as_words(stack)
-    compact = gpu._compact_kernel(L + 1, words.dtype.type)
+    words = gpu_compact._as_words(stack)
+    compact = gpu_compact._compact_kernel(L + 1, words.dtype.type)
     d_past = cuda.to_device(np.full(BS, past, np.int32))
     d_acc, d_len = cuda.to_device(acc_idx), cuda.to_device(acc_len)
     threads = gpu.compact_threads(words.shape[3])

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numba import cuda  # noqa: E402
 
 from kdtree_numba import ddtree as gpu  # noqa: E402
+from kdtree_numba.ddtree import topk as gpu_topk  # noqa: E402
 from reference import ddtree as ref  # noqa: E402
 
 BS, L, VOCAB, K, BUDGET = 64, 15, 163840, 64, 64
@@ -26,7 +27,7 @@ def main() -> None:
     ids = cuda.device_array((BS * L, K), np.int32)
     config = gpu.topk_config(K, BS * L, VOCAB)
     for _ in range(2):
-        gpu._launch_topk(logits, K, lp, ids, config, 0)
+        gpu_topk._launch_topk(logits, K, lp, ids, config, 0)
     host_lp, host_ids = ref.topk_logprobs(rng.standard_normal((BS, L, 2 * BUDGET),
                                                               np.float32) * 3, BUDGET)
     tree_lp, tree_ids = cuda.to_device(host_lp), cuda.to_device(host_ids)
