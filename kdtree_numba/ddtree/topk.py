@@ -212,6 +212,25 @@ def _raise_threshold(lx, li, base, k, table, w, points, lane):
     return shfl_idx(value, points - 1)
 
 
+@device_function
+def _fold_warps(red, value, w, lane, warps, take_max):
+    """The max (``take_max``) or the sum of the ``warps`` warps' ``value`` (a warp's lane 0
+    speaks for it: a warp reduction came first), through the shared ``red`` (one slot per
+    warp), in warp order; every thread gets it.  ``take_max`` is a literal at each call, so
+    the branch folds away once the call is inlined (the sm_90 PTX is that of the loop written
+    out at each site)."""
+    if lane == 0:
+        red[w] = value
+    cuda.syncthreads()
+    result = red[0]
+    for v in range(1, warps):
+        if take_max:
+            result = max(result, red[v])
+        else:
+            result += red[v]
+    return result
+
+
 def _topk_registers(vec: int, kl: int) -> int:
     """Register cap of the top-K kernel, the smallest that keeps the streaming loop free of
     spills (sm_90 compile): 64 for vec <= 4 and kl <= 64 (4 blocks of 256 threads per SM);
@@ -391,23 +410,11 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                                                k, lane)
         cuda.syncthreads()
         _merge_lists(lx, li, warps, kl, t, threads)
-        big = warp_max_f32(m)
-        if lane == 0:
-            red32[w] = big
-        cuda.syncthreads()
-        big = red32[0]
-        for v in range(1, warps):
-            big = max(big, red32[v])
+        big = _fold_warps(red32, warp_max_f32(m), w, lane, warps, True)
         mine = np.float64(0.0)
         if m > NEG_INF32:
             mine = s * math.exp(np.float64(m) - np.float64(big))
-        mine = warp_sum_f64(mine)
-        if lane == 0:
-            red64[w] = mine
-        cuda.syncthreads()
-        total = red64[0]
-        for v in range(1, warps):
-            total += red64[v]
+        total = _fold_warps(red64, warp_sum_f64(mine), w, lane, warps, False)
         if parts == 1:
             lse = np.float64(big) + math.log(total)
             for i in range(t, k, threads):
