@@ -81,8 +81,9 @@ class Tensor:
         return math.prod(self.shape)
 
     def _stored_dtype(self) -> np.dtype:
-        from .hdf5 import _BITS
-        return _BITS.get(self.dtype.name, self.dtype.storage) if self._h5 else self.dtype.storage
+        from .hdf5_mapping import BIT_PATTERNS
+        return (BIT_PATTERNS.get(self.dtype.name, self.dtype.storage) if self._h5
+                else self.dtype.storage)
 
     def _as_kdtr(self, raw: np.ndarray) -> np.ndarray:
         """Stored elements (as HDF5 or the mmap hold them) viewed as the KDTR storage dtype."""
@@ -383,10 +384,10 @@ class Hdf5Source(Source):
 
 def _h5_attr_count(node) -> int:
     """Attributes of an HDF5 object, not counting the KDTR mapping's markers."""
-    from .hdf5 import _MARKERS
+    from .hdf5_mapping import MARKERS
     if node.obj is None:
         return 0
-    return node.num_attrs - sum(1 for m in _MARKERS if m in node.obj.attrs)
+    return node.num_attrs - sum(1 for m in MARKERS if m in node.obj.attrs)
 
 
 class SafetensorsSource(Source):

@@ -32,7 +32,8 @@ import numpy as np
 from . import kdtr
 from . import layout as L
 from .dtypes import BY_NAME, DType
-from .kdtr import KdtrError
+from .errors import KdtrError
+from .names import check_name
 
 __all__ = ["SafetensorsFile", "TensorInfo", "MAX_HEADER_BYTES", "ST_DTYPES",
            "safetensors_to_kdtr", "safetensors_to_hdf5", "tensor_path"]
@@ -234,7 +235,7 @@ def tensor_path(name: str, split_dots: bool) -> str:
     characters, so a leading '/' or '//' is refused rather than silently dropped)."""
     path = name.replace(".", "/") if split_dots else name
     for part in path.split("/"):
-        kdtr.check_name(part, name)
+        check_name(part, name)
     return path
 
 
@@ -301,7 +302,8 @@ def safetensors_to_hdf5(src: str | os.PathLike, dst: str | os.PathLike, *,
                         split_dots: bool = False,
                         progress: Callable[[int, int], None] | None = None) -> None:
     """Convert a .safetensors file to HDF5 with the KDTR mapping (``formats.hdf5``)."""
-    from .hdf5 import H5TreeWriter, _BITS
+    from .hdf5 import H5TreeWriter
+    from .hdf5_mapping import BIT_PATTERNS
 
     with SafetensorsFile(src) as st:
         tick = _tick_factory(sum(t.nbytes for t in st.tensors), progress)
@@ -310,8 +312,8 @@ def safetensors_to_hdf5(src: str | os.PathLike, dst: str | os.PathLike, *,
             out.set_attrs("/", dict(st.metadata))
             for t, path in order:
                 stored = st.array(t.name)
-                if t.dtype.name in _BITS:
-                    stored = stored.view(_BITS[t.dtype.name])
+                if t.dtype.name in BIT_PATTERNS:
+                    stored = stored.view(BIT_PATTERNS[t.dtype.name])
                 _make_groups(out.file, path)
                 out.dataset(path, t.dtype, t.shape, stored, tick)
         if not st.tensors and progress is not None:
