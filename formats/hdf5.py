@@ -53,6 +53,7 @@ from .hdf5_mapping import (BIT_PATTERNS, MARK_ALIGN, MARK_ATTR_TYPES, MARK_DTYPE
                            decode_name, describe_h5_dtype, hdf5_errors, little_endian, read_attrs,
                            scalar_str, unsupported_kind, write_attrs)
 from .names import check_name
+from .progress import Progress, ticker
 
 __all__ = ["to_hdf5", "from_hdf5", "open_hdf5", "walk", "H5Node", "read_attrs", "write_attrs",
            "iter_blocks", "MARK_DTYPE", "MARK_SHAPE", "MARK_ATTR_TYPES", "MARK_INDEX", "MARK_ALIGN",
@@ -60,7 +61,6 @@ __all__ = ["to_hdf5", "from_hdf5", "open_hdf5", "walk", "H5Node", "read_attrs", 
 
 BLOCK_BYTES = 64 << 20      # converters move at most this much per h5py call
 SPILL_BYTES = 1 << 30       # larger HDF5 datasets are staged in a temporary file, not in RAM
-Progress = Callable[[int, int], None]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -388,12 +388,7 @@ def to_hdf5(kdtr_path: str | os.PathLike, h5_path: str | os.PathLike,
         align = _kdtr_align_log2(kdtr_path)
         nodes = [src[p] for p in order]
         total = sum(n.storage_nbytes for n in nodes if isinstance(n, kdtr.Dataset))
-        done = [0]
-
-        def tick(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+        tick = ticker(total, progress)
 
         with _atomic_h5(h5_path) as out:
             root = out["/"]
@@ -538,12 +533,7 @@ def from_hdf5(h5_path: str | os.PathLike, kdtr_path: str | os.PathLike,
         if align_log2 is None:
             align_log2 = _recorded_align(f)
         total = sum(n.nbytes for n in nodes if n.kind == "dataset")
-        done = [0]
-
-        def tick(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+        tick = ticker(total, progress)
 
         spill = os.path.dirname(os.path.abspath(kdtr_path))
         with kdtr.File(kdtr_path, "w", align_log2=align_log2) as out:
