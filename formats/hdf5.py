@@ -27,6 +27,9 @@ opaque, enum, array and string datasets (K004), raw data kept outside the file: 
 or virtual datasets (K034), shapes and sizes beyond KDTR's limits (K028-K030), bool bytes other
 than 0/1 (K051), bad markers (K026, K027, K031, K032, K046, K053).  Errors the HDF5 library
 raises while reading are re-raised as K002 ("unreadable HDF5: ...").
+
+The mapping rules themselves (markers, bit patterns, attribute values) are in
+``formats.hdf5_mapping``; this module walks HDF5 trees and converts files.
 """
 from __future__ import annotations
 
@@ -39,27 +42,25 @@ from typing import Any, Callable, Iterator
 
 import h5py
 import numpy as np
-from h5py import h5, h5a, h5d, h5l, h5o, h5p, h5s
+from h5py import h5, h5d, h5l, h5o, h5s
 
 from . import kdtr
 from . import layout as L
 from .dtypes import BY_NAME, DType, dtype_for, unpack_int4
-from .kdtr import KdtrError, check_name
+from .errors import KdtrError
+from .hdf5_mapping import (BIT_PATTERNS, MARK_ALIGN, MARK_ATTR_TYPES, MARK_DTYPE, MARK_INDEX,
+                           MARK_SHAPE, MARKERS, RESERVED_PREFIX, Unreadable, creation_ordered,
+                           decode_name, describe_h5_dtype, hdf5_errors, little_endian, read_attrs,
+                           scalar_str, unsupported_kind, write_attrs)
+from .names import check_name
+from .progress import Progress, ticker
 
 __all__ = ["to_hdf5", "from_hdf5", "open_hdf5", "walk", "H5Node", "read_attrs", "write_attrs",
-           "iter_blocks", "MARK_DTYPE", "MARK_SHAPE", "MARK_ATTR_TYPES", "MARK_INDEX", "MARK_ALIGN"]
+           "iter_blocks", "MARK_DTYPE", "MARK_SHAPE", "MARK_ATTR_TYPES", "MARK_INDEX", "MARK_ALIGN",
+           "MARKERS", "RESERVED_PREFIX", "BIT_PATTERNS", "Unreadable", "describe_h5_dtype"]
 
-MARK_DTYPE, MARK_SHAPE = "kdtr.dtype", "kdtr.shape"
-MARK_ATTR_TYPES, MARK_INDEX, MARK_ALIGN = "kdtr.attr_types", "kdtr.index", "kdtr.align_log2"
-_MARKERS = {MARK_DTYPE, MARK_SHAPE, MARK_ATTR_TYPES, MARK_INDEX, MARK_ALIGN}
-RESERVED_PREFIX = "kdtr."
-# KDTR dtypes HDF5 has no type for: stored as bit patterns of this unsigned type.
-_BITS = {"bfloat16": np.dtype("<u2"), "float8_e4m3fn": np.dtype("u1"),
-         "float8_e5m2": np.dtype("u1"), "int4": np.dtype("u1")}
-_NATURAL_SCALARS = {np.dtype("<i8"), np.dtype("<f8"), np.dtype(bool)}
 BLOCK_BYTES = 64 << 20      # converters move at most this much per h5py call
 SPILL_BYTES = 1 << 30       # larger HDF5 datasets are staged in a temporary file, not in RAM
-Progress = Callable[[int, int], None]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -86,20 +87,6 @@ def iter_blocks(shape: tuple[int, ...], max_elems: int) -> Iterator[tuple]:
             yield lead + (slice(start, min(start + step, shape[axis])),) + tail
 
 
-def _le(dt: np.dtype) -> np.dtype:
-    return dt.newbyteorder("<") if dt.byteorder == ">" else dt
-
-
-@contextlib.contextmanager
-def _h5_errors(where: str | None):
-    """Turn the HDF5 library's own exceptions into KdtrError (K002) naming the node."""
-    try:
-        yield
-    except KdtrError:
-        raise
-    except (OSError, RuntimeError, KeyError, ValueError, TypeError, SystemError,
-            OverflowError, UnicodeError) as e:
-        raise KdtrError("K002", f"unreadable HDF5 ({type(e).__name__}: {e})", where) from None
 
 
 def open_hdf5(path: str | os.PathLike) -> h5py.File:
@@ -115,264 +102,11 @@ def open_hdf5(path: str | os.PathLike) -> h5py.File:
         raise KdtrError("K002", f"not a readable HDF5 file ({e})") from None
 
 
-def _creation_ordered(oid, what: str) -> bool:
-    """Whether an object tracks the creation order of its links or of its attributes."""
-    plist = oid.get_create_plist()
-    try:
-        flags = (plist.get_link_creation_order() if what == "links"
-                 else plist.get_attr_creation_order())
-        return bool(flags & h5p.CRT_ORDER_TRACKED)
-    finally:
-        plist.close()
-
-
-def _decode_name(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise KdtrError("K039", str(e), where) from None
-
 
 def _join(parent: str, name: str) -> str:
     return parent.rstrip("/") + "/" + name
 
 
-def _scalar_str(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "strict")
-    return value if isinstance(value, str) else None
-
-
-# ----------------------------------------------------------------------------- attributes
-
-@dataclass
-class Unreadable:
-    """An attribute ``read_attrs(strict=False)`` could not convert (shown by kdtr-dump)."""
-    reason: str
-
-    def __repr__(self) -> str:
-        return f"<unsupported: {self.reason}>"
-
-
-def _attr_names(oid, where: str) -> list[bytes]:
-    raw: list[bytes] = []
-    order = h5.INDEX_CRT_ORDER if _creation_ordered(oid, "attrs") else h5.INDEX_NAME
-    h5a.iterate(oid, lambda n, *_: raw.append(n), index_type=order)
-    if len(raw) > L.MAX_ATTRS:
-        raise KdtrError("K012", f"{len(raw)} attributes on one object", where)
-    return raw
-
-
-def _check_attr_type(aid, where: str) -> tuple[np.dtype, tuple[int, ...], str]:
-    """The numpy dtype and shape of an HDF5 attribute and what it is: 'str' or 'numeric'."""
-    if aid.get_space().get_simple_extent_type() == h5s.NULL:
-        raise KdtrError("K004", "empty attribute (null dataspace) is not supported", where)
-    dt, shape = aid.dtype, tuple(aid.shape)
-    if len(shape) > L.MAX_NDIM:
-        raise KdtrError("K053", f"{len(shape)} dimensions (limit {L.MAX_NDIM})", where)
-    count = int(np.prod(shape, dtype=object))
-    if h5py.check_string_dtype(dt) is not None:
-        if count > L.MAX_ATTR_VALUE_BYTES:
-            raise KdtrError("K049", f"{count} strings", where)
-        return dt, shape, "str"
-    kind = _unsupported_kind(dt)
-    if kind:
-        raise KdtrError("K004", f"unsupported attribute type: {kind}", where)
-    if count * dt.itemsize + L.ARRAY_ATTR_HEAD + 8 * len(shape) > L.MAX_ATTR_VALUE_BYTES:
-        raise KdtrError("K049", f"{count * dt.itemsize} bytes > {L.MAX_ATTR_VALUE_BYTES}", where)
-    return dt, shape, "numeric"
-
-
-def _unsupported_kind(dt: np.dtype) -> str | None:
-    """Why KDTR cannot hold this h5py dtype (None: it can)."""
-    if h5py.check_ref_dtype(dt) is not None:
-        return "object reference"
-    if h5py.check_vlen_dtype(dt) is not None:
-        return "variable-length sequence" if h5py.check_string_dtype(dt) is None else "string"
-    if h5py.check_string_dtype(dt) is not None:
-        return "string"
-    if h5py.check_enum_dtype(dt) is not None:
-        return f"enum ({dt})"
-    if dt.subdtype is not None:
-        return f"array type ({dt})"
-    if dt.names is not None:
-        return "compound"
-    if dt.kind not in "biufc":
-        return {"O": "object", "V": "opaque"}.get(dt.kind, str(dt))
-    try:
-        dtype_for(_le(dt))
-    except TypeError:
-        return str(dt)
-    return None
-
-
-def describe_h5_dtype(dt: np.dtype) -> str:
-    """A short name for listings: the KDTR name where there is one, else what HDF5 holds."""
-    why = _unsupported_kind(dt)
-    return dtype_for(_le(dt)).name if why is None else why
-
-
-def _natural_value(value: Any, dt: np.dtype, shape: tuple, kind: str, where: str) -> Any:
-    if kind == "str":
-        try:
-            if not shape:
-                text = _scalar_str(value.item() if isinstance(value, np.generic) else value)
-                if text is None:
-                    raise KdtrError("K055", "string attribute did not read as text", where)
-                return _no_surrogates(text, where)
-            if len(shape) != 1:
-                raise KdtrError("K053", f"string array of shape {list(shape)}: only 1-d lists "
-                                        "of strings are supported", where)
-            return [_no_surrogates(_scalar_str(v.item() if isinstance(v, np.generic) else v),
-                                   where) for v in np.asarray(value).tolist()]
-        except UnicodeDecodeError as e:
-            raise KdtrError("K055", str(e), where) from None
-    arr = np.asarray(value)
-    arr = arr.astype(_le(arr.dtype), copy=False)
-    if arr.ndim == 0 and arr.dtype in _NATURAL_SCALARS:
-        return arr.item()
-    return np.array(arr, order="C")  # a copy that keeps 0-d arrays 0-d
-
-
-def _no_surrogates(text: Any, where: str) -> str:
-    if not isinstance(text, str):
-        raise KdtrError("K055", "string attribute did not read as text", where)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise KdtrError("K055", str(e), where) from None
-    return text
-
-
-def _marked_value(value: Any, kind: str, stored_as: str, where: str) -> Any:
-    """Undo a ``kdtr.attr_types`` entry."""
-    arr = None if kind == "str" else np.asarray(value)
-    if stored_as in _BITS and stored_as != "int4":
-        if arr is None or arr.dtype != _BITS[stored_as]:
-            raise KdtrError("K053", f"{stored_as} attribute must be stored as "
-                                    f"{_BITS[stored_as]}", where)
-        return np.array(arr, order="C").view(BY_NAME[stored_as].numpy)
-    if stored_as == "array":
-        if arr is None or arr.ndim != 0 or arr.dtype not in _NATURAL_SCALARS:
-            raise KdtrError("K053", "'array' marks 0-d int64/float64/bool values only", where)
-        return arr.copy()
-    if stored_as in ("str", "str-list"):
-        if arr is None or arr.dtype != np.uint8 or arr.ndim != 1:
-            raise KdtrError("K053", f"{stored_as} attribute must be stored as 1-d uint8", where)
-        code = L.ATTR_STR if stored_as == "str" else L.ATTR_STRLIST
-        return kdtr._decode_attr(code, arr.tobytes(), where)
-    raise KdtrError("K046", f"unknown kdtr.attr_types entry {stored_as!a}", where)
-
-
-def _attr_types(obj, where: str) -> dict[str, str]:
-    if MARK_ATTR_TYPES not in obj.attrs:
-        return {}
-    raw = obj.attrs[MARK_ATTR_TYPES]
-    arr = np.asarray(raw)
-    if arr.ndim != 2 or arr.shape[1] != 2 or arr.dtype.kind not in "OSU":
-        raise KdtrError("K053", f"{MARK_ATTR_TYPES} must be an (n, 2) string array", where)
-    out: dict[str, str] = {}
-    for name, stored_as in arr.tolist():
-        name, stored_as = _scalar_str(name), _scalar_str(stored_as)
-        if name is None or stored_as is None:
-            raise KdtrError("K053", f"{MARK_ATTR_TYPES} holds a non-string", where)
-        if name in out:
-            raise KdtrError("K054", f"{name!a} listed twice in {MARK_ATTR_TYPES}", where)
-        out[name] = stored_as
-    return out
-
-
-def read_attrs(obj, where: str, strict: bool = True) -> dict[str, Any]:
-    """The attributes of an h5py object as KDTR values, in creation order, markers removed.
-    ``strict=False`` (listings) keeps going: names KDTR would refuse are shown as they are and
-    an ``Unreadable`` stands in for each value that cannot convert."""
-    with _h5_errors(where):
-        oid = obj.id
-        names = _attr_names(oid, where)
-        try:
-            types = _attr_types(obj, where)
-        except KdtrError:
-            if strict:
-                raise
-            types = {}
-    out: dict[str, Any] = {}
-    for raw in names:
-        name = raw.decode("utf-8", "backslashreplace")
-        if name in _MARKERS:
-            continue
-        at = f"{where} (attribute {name!a})"
-        try:
-            with _h5_errors(at):
-                out[name] = _read_attr(obj, raw, at, types.get(name), strict)
-        except KdtrError as e:
-            if strict:
-                raise
-            out[name] = Unreadable(e.detail)
-    if strict and set(types) - set(out):
-        raise KdtrError("K053", f"{MARK_ATTR_TYPES} names missing attributes "
-                                f"{sorted(set(types) - set(out))!a}", where)
-    return out
-
-
-def _read_attr(obj, raw: bytes, at: str, stored_as: str | None, strict: bool) -> Any:
-    name = _decode_name(raw, at)
-    if strict:   # a listing shows the value whatever the name
-        check_name(name, at)
-    if name.startswith(RESERVED_PREFIX):
-        raise KdtrError("K046", f"unknown marker attribute {name!a} (names starting with "
-                                f"{RESERVED_PREFIX!r} are reserved)", at)
-    dt, shape, kind = _check_attr_type(h5a.open(obj.id, raw), at)
-    value = obj.attrs[name]
-    if stored_as is not None:
-        return _marked_value(value, kind, stored_as, at)
-    value = _natural_value(value, dt, shape, kind, at)
-    if kind == "str":   # sizes of numeric values were checked before reading
-        size = len(kdtr._encode_attr(value)[1])
-        if size > L.MAX_ATTR_VALUE_BYTES:
-            raise KdtrError("K049", f"{size} bytes > {L.MAX_ATTR_VALUE_BYTES}", at)
-    return value
-
-
-def write_attrs(obj, attrs: dict[str, Any], where: str) -> None:
-    """Write KDTR attribute values onto an h5py object (see the module docstring)."""
-    types: list[tuple[str, str]] = []
-    for name, value in attrs.items():
-        if name.startswith(RESERVED_PREFIX):
-            raise ValueError(f"attribute {name!r} at {where!r}: names starting with "
-                             f"{RESERVED_PREFIX!r} are reserved by the HDF5 mapping")
-        if isinstance(value, bool):
-            obj.attrs.create(name, np.bool_(value))
-        elif isinstance(value, int):
-            obj.attrs.create(name, np.int64(value))
-        elif isinstance(value, float):
-            obj.attrs.create(name, np.float64(value))
-        elif isinstance(value, str):
-            if "\0" in value:   # HDF5 strings are C strings
-                obj.attrs.create(name, np.frombuffer(value.encode("utf-8"), np.uint8))
-                types.append((name, "str"))
-            else:
-                obj.attrs.create(name, value, dtype=h5py.string_dtype())
-        elif isinstance(value, list):
-            if any("\0" in s for s in value):
-                _, raw = kdtr._encode_attr(value)
-                obj.attrs.create(name, np.frombuffer(raw, np.uint8))
-                types.append((name, "str-list"))
-            else:
-                obj.attrs.create(name, np.array(value, dtype=object).reshape(len(value)),
-                                 dtype=h5py.string_dtype())
-        else:
-            arr = np.asarray(value)
-            dt = dtype_for(arr.dtype)
-            if dt.name in _BITS:
-                obj.attrs.create(name, np.array(arr, order="C").view(_BITS[dt.name]))
-                types.append((name, dt.name))
-            else:
-                obj.attrs.create(name, arr)
-                if arr.ndim == 0 and arr.dtype in _NATURAL_SCALARS:
-                    types.append((name, "array"))
-    if types:
-        obj.attrs.create(MARK_ATTR_TYPES, np.array(types, dtype=object),
-                         dtype=h5py.string_dtype())
 
 
 # ----------------------------------------------------------------------------- the tree walk
@@ -418,7 +152,7 @@ def walk(f: h5py.File, *, strict: bool = True) -> Iterator[H5Node]:
     order where the file does not track it).  Links are never followed.  ``strict`` raises the
     first ``KdtrError`` (conversion); otherwise problems are attached to the nodes (listing)."""
     seen: dict[tuple, str] = {}
-    with _h5_errors("/"):
+    with hdf5_errors("/"):
         root = f["/"]  # File.id is the file, not its root group (whose plist has the orders)
         root_info = h5o.get_info(root.id)
         seen[(root_info.fileno, root_info.addr)] = "/"
@@ -430,7 +164,7 @@ def walk(f: h5py.File, *, strict: bool = True) -> Iterator[H5Node]:
         count += 1
         if count >= L.MAX_NODES and strict:
             raise KdtrError("K012", f"more than {L.MAX_NODES - 1} objects")
-        with _h5_errors(path):
+        with hdf5_errors(path):
             node = _visit(gid, raw, path, seen, strict)
         yield node
         if node.kind == "group" and node.obj is not None:   # listings descend despite bad names
@@ -438,8 +172,8 @@ def walk(f: h5py.File, *, strict: bool = True) -> Iterator[H5Node]:
 
 
 def _push_members(gid, path: str, depth: int, stack: list, strict: bool) -> None:
-    with _h5_errors(path):
-        order = h5.INDEX_CRT_ORDER if _creation_ordered(gid, "links") else h5.INDEX_NAME
+    with hdf5_errors(path):
+        order = h5.INDEX_CRT_ORDER if creation_ordered(gid, "links") else h5.INDEX_NAME
         members: list[tuple[bytes, int]] = []
         gid.links.iterate(lambda n, info: members.append((n, info.type)), idx_type=order,
                           info=True)
@@ -467,7 +201,7 @@ def _visit(gid, raw: bytes, path: str, seen: dict, strict: bool) -> H5Node:
         return fail(KdtrError("K024", f"{kind} to {node.target!a}: links are not followed "
                                       "(KDTR has no links)", path), node)
     try:
-        check_name(_decode_name(raw, path), path)
+        check_name(decode_name(raw, path), path)
         if len(path.encode("utf-8")) - 1 > L.MAX_PATH_BYTES:
             raise KdtrError("K042", f"{len(path.encode())} bytes", path[:200])
     except KdtrError as e:
@@ -533,7 +267,7 @@ def _dataset_info(node: H5Node) -> None:
     node.stored_dtype = dt
     stored = tuple(int(d) for d in did.shape)
     node.stored_shape = stored
-    why = _unsupported_kind(dt)
+    why = unsupported_kind(dt)
     node.type_name = describe_h5_dtype(dt)
     if why is None:
         node.nbytes = int(np.prod(stored, dtype=object)) * dt.itemsize
@@ -553,7 +287,7 @@ def _dataset_info(node: H5Node) -> None:
         raise KdtrError("K034", "the dataset's data lives outside this file ("
                                 + ("external storage" if external else "virtual dataset")
                                 + "); refusing to read other files", path)
-    dtype, shape = _apply_dtype_markers(ds, _le(dt), stored, path)
+    dtype, shape = _apply_dtype_markers(ds, little_endian(dt), stored, path)
     node.type_name = dtype.name
     nonzero = int(np.prod([max(d, 1) for d in stored], dtype=object)) * dt.itemsize
     if nonzero > L.MAX_TENSOR_BYTES:   # zero dimensions count as 1, as KDTR's K030 does
@@ -569,12 +303,12 @@ def _apply_dtype_markers(ds, stored_dt: np.dtype, stored: tuple, path: str):
         if has_shape:
             raise KdtrError("K031", f"{MARK_SHAPE} without {MARK_DTYPE} = 'int4'", path)
         return dtype_for(stored_dt), stored
-    name = _scalar_str(np.asarray(attrs[MARK_DTYPE]).item()) if np.ndim(attrs[MARK_DTYPE]) == 0 \
+    name = scalar_str(np.asarray(attrs[MARK_DTYPE]).item()) if np.ndim(attrs[MARK_DTYPE]) == 0 \
         else None
     if name not in BY_NAME:
         raise KdtrError("K027", f"{MARK_DTYPE} = {name!a} is not a KDTR dtype name", path)
     dt = BY_NAME[name]
-    expected = _BITS.get(name, dt.storage)
+    expected = BIT_PATTERNS.get(name, dt.storage)
     if stored_dt != expected:
         raise KdtrError("K031", f"{MARK_DTYPE} says {name} but the data is stored as "
                                 f"{stored_dt} (expected {expected})", path)
@@ -627,7 +361,7 @@ def _h5_stored(ds: kdtr.Dataset) -> np.ndarray:
     """The stored elements of a KDTR dataset as HDF5 will hold them (zero-copy)."""
     raw = ds.packed()
     name = ds.kdtr_dtype
-    return raw.view(_BITS[name]) if name in _BITS and name != "int4" else raw
+    return raw.view(BIT_PATTERNS[name]) if name in BIT_PATTERNS and name != "int4" else raw
 
 
 def _write_blocks(dst: h5py.Dataset, src: np.ndarray, tick: Callable[[int], None]) -> None:
@@ -654,12 +388,7 @@ def to_hdf5(kdtr_path: str | os.PathLike, h5_path: str | os.PathLike,
         align = _kdtr_align_log2(kdtr_path)
         nodes = [src[p] for p in order]
         total = sum(n.storage_nbytes for n in nodes if isinstance(n, kdtr.Dataset))
-        done = [0]
-
-        def tick(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+        tick = ticker(total, progress)
 
         with _atomic_h5(h5_path) as out:
             root = out["/"]
@@ -682,9 +411,9 @@ def to_hdf5(kdtr_path: str | os.PathLike, h5_path: str | os.PathLike,
 
 def _create_h5_dataset(parent, path: str, dt: DType, shape: tuple) -> h5py.Dataset:
     stored_shape = shape[:-1] + (shape[-1] // 2,) if dt.packed else shape
-    ds = parent.create_dataset(path, shape=stored_shape, dtype=_BITS.get(dt.name, dt.storage),
-                               track_order=True)
-    if dt.name in _BITS:
+    ds = parent.create_dataset(path, shape=stored_shape,
+                               dtype=BIT_PATTERNS.get(dt.name, dt.storage), track_order=True)
+    if dt.name in BIT_PATTERNS:
         ds.attrs.create(MARK_DTYPE, dt.name, dtype=h5py.string_dtype())
     if dt.packed:
         ds.attrs.create(MARK_SHAPE, np.array(shape, dtype=np.int64))
@@ -739,7 +468,7 @@ def read_dataset(node: H5Node, tick: Callable[[int], None] = lambda n: None,
                  spill_dir: str | None = None) -> np.ndarray:
     """The stored elements of a checked dataset node, little-endian, read block by block
     (datasets over ``SPILL_BYTES`` go to a temporary memory-mapped file in ``spill_dir``)."""
-    ds, dt = node.obj, _le(node.stored_dtype)
+    ds, dt = node.obj, little_endian(node.stored_dtype)
     shape = node.stored_shape
     if node.nbytes > SPILL_BYTES and spill_dir is not None:
         fd, tmp = tempfile.mkstemp(suffix=".kdtr-spill", dir=spill_dir)
@@ -750,7 +479,7 @@ def read_dataset(node: H5Node, tick: Callable[[int], None] = lambda n: None,
             os.unlink(tmp)  # the mapping keeps the space until it is dropped
     else:
         out = np.empty(shape, dtype=dt)
-    with _h5_errors(node.path):
+    with hdf5_errors(node.path):
         if not shape:
             ds.read_direct(out)
             tick(out.nbytes)
@@ -768,7 +497,7 @@ def decode_stored(stored: np.ndarray, dt: DType, shape: tuple) -> np.ndarray:
     """Stored HDF5 elements -> what the KDTR writer takes (bit patterns viewed, int4 unpacked)."""
     if dt.packed:
         return unpack_int4(stored, shape)
-    if dt.name in _BITS:
+    if dt.name in BIT_PATTERNS:
         return stored.view(dt.numpy)
     return stored
 
@@ -804,12 +533,7 @@ def from_hdf5(h5_path: str | os.PathLike, kdtr_path: str | os.PathLike,
         if align_log2 is None:
             align_log2 = _recorded_align(f)
         total = sum(n.nbytes for n in nodes if n.kind == "dataset")
-        done = [0]
-
-        def tick(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+        tick = ticker(total, progress)
 
         spill = os.path.dirname(os.path.abspath(kdtr_path))
         with kdtr.File(kdtr_path, "w", align_log2=align_log2) as out:
@@ -830,7 +554,7 @@ def from_hdf5(h5_path: str | os.PathLike, kdtr_path: str | os.PathLike,
 def _recorded_align(f: h5py.File) -> int:
     if MARK_ALIGN not in f.attrs:
         return L.DEFAULT_ALIGN_LOG2
-    with _h5_errors("/"):
+    with hdf5_errors("/"):
         value = np.asarray(f.attrs[MARK_ALIGN])
     if value.ndim or value.dtype.kind not in "iu" or not (
             L.MIN_ALIGN_LOG2 <= int(value) <= L.MAX_ALIGN_LOG2):

@@ -15,12 +15,15 @@ file raises ``KdtrError`` (a ``ValueError``) naming the rule and the node, and n
 the file can drive an unbounded allocation or loop.  Writes stream each dataset to a temporary
 file next to the target and rename it into place on close, so an exception mid-write leaves any
 earlier file at that path untouched.
+
+This module is the h5py-style object model; the byte work is below it: ``formats.reader``
+(validation, memory map), ``formats.writer`` (streaming, header, rename), and what all three
+share, ``formats.errors`` (``KdtrError``), ``formats.names`` (``check_name``) and
+``formats.attributes`` (the attribute value codec).
 """
 from __future__ import annotations
 
 import os
-import re
-import struct
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
@@ -28,156 +31,18 @@ from typing import Any, Callable
 import numpy as np
 
 from . import layout as L
+from . import reader, writer
+from .attributes import decode_attr, encode_attr
 from .dtypes import BY_CODE, DType, dtype_for, pack_int4, unpack_int4
+from .errors import KdtrError
+from .layout import DatasetMeta
+from .names import check_name, split_path
 
-__all__ = ["File", "Group", "Dataset", "AttributeManager", "NodeTable", "KdtrError", "pack_int4",
-           "unpack_int4"]
-
-
-class KdtrError(ValueError):
-    """A malformed or hostile KDTR (or HDF5) input.  ``code`` is the rule in docs/FORMAT.md."""
-
-    def __init__(self, code: str, detail: str, node: str | None = None):
-        self.code, self.rule, self.detail, self.node = code, L.RULES[code], detail, node
-        where = f" at {node!a}" if node is not None else ""
-        super().__init__(f"{code} {self.rule}{where}: {detail}")
-
-    def __reduce__(self):  # copy and process pools rebuild exceptions from this
-        return type(self), (self.code, self.detail, self.node)
-
-
-_BAD_NAME_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f/]")
-
-
-def check_name(name: str, where: str) -> None:
-    """The name rules of FORMAT.md (shared by reader and writer, so we never write what we reject)."""
-    if not isinstance(name, str):
-        raise TypeError(f"names are str, got {type(name).__name__}")
-    try:
-        raw = name.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate: not storable as strict UTF-8
-        raise KdtrError("K039", f"name {name!a} is not valid UTF-8: {e.reason}", where) from None
-    if name in ("", ".", "..") or _BAD_NAME_CHARS.search(name):
-        raise KdtrError("K040", f"name {name!a} is empty, '.', '..', or holds '/' or a "
-                                f"control character", where)
-    if len(raw) > L.MAX_NAME_BYTES:
-        raise KdtrError("K041", f"{len(raw)} bytes > {L.MAX_NAME_BYTES}", where)
-
-
-def _split(path: str) -> list[str]:
-    return [p for p in path.strip("/").split("/")] if path.strip("/") else []
+__all__ = ["File", "Group", "Dataset", "AttributeManager", "NodeTable", "KdtrError", "check_name",
+           "pack_int4", "unpack_int4"]
 
 
 # ----------------------------------------------------------------------------- attributes
-
-def _encode_attr(value: Any) -> tuple[int, bytes]:
-    """A Python/NumPy attribute value -> (kind, value-pool bytes)."""
-    if isinstance(value, (bool, np.bool_)):
-        return L.ATTR_BOOL, bytes([1 if value else 0])
-    if isinstance(value, (int, np.integer)):
-        v = int(value)
-        if not -(1 << 63) <= v < (1 << 63):
-            raise OverflowError(f"int attribute {v} does not fit in int64")
-        return L.ATTR_INT, struct.pack("<q", v)
-    if isinstance(value, (float, np.floating)):
-        return L.ATTR_FLOAT, struct.pack("<d", float(value))
-    if isinstance(value, str):
-        return L.ATTR_STR, _utf8(value)
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        enc = [_utf8(v) for v in value]
-        return L.ATTR_STRLIST, (struct.pack(f"<I{len(enc)}I", len(enc), *map(len, enc))
-                                + b"".join(enc))
-    if isinstance(value, (list, tuple)) and not value:
-        return L.ATTR_STRLIST, struct.pack("<I", 0)
-    arr = np.asarray(value)
-    if arr.dtype.kind in "OUSV" and arr.dtype.names is None and arr.dtype.kind != "V":
-        raise TypeError(f"unsupported attribute value of type {type(value).__name__}")
-    dt = dtype_for(arr.dtype)
-    if arr.ndim > L.MAX_NDIM:
-        raise ValueError(f"array attribute with {arr.ndim} dimensions (limit {L.MAX_NDIM})")
-    data = np.ascontiguousarray(arr.astype(dt.storage, copy=False)).tobytes()
-    head = struct.pack("<BB6x", dt.code, arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape)
-    return L.ATTR_ARRAY, head + data
-
-
-def _utf8(text: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate has no UTF-8 form
-        raise KdtrError("K055", f"{text!a} cannot be stored as UTF-8: {e.reason}") from None
-
-
-def _decode_attr(kind: int, raw: bytes, where: str) -> Any:
-    """Value-pool bytes -> value; every size and count checked against ``raw`` first."""
-    n = len(raw)
-    if kind == L.ATTR_STR:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise KdtrError("K055", str(e), where) from None
-    if kind in (L.ATTR_INT, L.ATTR_FLOAT):
-        if n != 8:
-            raise KdtrError("K050", f"{L.ATTR_KIND_NAMES[kind]} value of {n} bytes (need 8)", where)
-        return struct.unpack("<q" if kind == L.ATTR_INT else "<d", raw)[0]
-    if kind == L.ATTR_BOOL:
-        if n != 1:
-            raise KdtrError("K050", f"bool value of {n} bytes (need 1)", where)
-        if raw[0] > 1:
-            raise KdtrError("K051", f"bool byte {raw[0]}", where)
-        return bool(raw[0])
-    if kind == L.ATTR_STRLIST:
-        if n < 4:
-            raise KdtrError("K050", f"string list of {n} bytes (need >= 4)", where)
-        (count,) = struct.unpack_from("<I", raw)
-        if 4 + 4 * count > n:
-            raise KdtrError("K052", f"{count} strings need {4 + 4 * count} bytes of lengths, "
-                                    f"value has {n}", where)
-        lens = struct.unpack_from(f"<{count}I", raw, 4)
-        if 4 + 4 * count + sum(lens) != n:
-            raise KdtrError("K052", f"string lengths sum to {sum(lens)}, value holds "
-                                    f"{n - 4 - 4 * count}", where)
-        out, pos = [], 4 + 4 * count
-        for ln in lens:
-            try:
-                out.append(raw[pos:pos + ln].decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise KdtrError("K055", str(e), where) from None
-            pos += ln
-        return out
-    if kind == L.ATTR_ARRAY:
-        if n < L.ARRAY_ATTR_HEAD:
-            raise KdtrError("K050", f"array value of {n} bytes", where)
-        code, ndim = raw[0], raw[1]
-        if any(raw[2:8]):
-            raise KdtrError("K053", "reserved bytes of the array head are not zero", where)
-        if code not in BY_CODE:
-            raise KdtrError("K053", f"unknown dtype code {code}", where)
-        if ndim > L.MAX_NDIM:
-            raise KdtrError("K053", f"{ndim} dimensions (limit {L.MAX_NDIM})", where)
-        head = L.ARRAY_ATTR_HEAD + 8 * ndim
-        if head > n:
-            raise KdtrError("K050", f"array value of {n} bytes cannot hold {ndim} dims", where)
-        shape = struct.unpack_from(f"<{ndim}Q", raw, L.ARRAY_ATTR_HEAD)
-        dt = BY_CODE[code]
-        count = nonzero = 1
-        for d in shape:  # bounded: the value is <= 64 KiB, so any real shape is small
-            if d > L.MAX_DIM:
-                raise KdtrError("K053", f"dimension {d} out of range", where)
-            count *= d
-            nonzero *= max(d, 1)
-        if nonzero * BY_CODE[code].storage.itemsize > L.MAX_TENSOR_BYTES:
-            raise KdtrError("K053", f"shape {shape} cannot be described (even empty)", where)
-        if dt.packed:
-            raise KdtrError("K053", "packed int4 is not allowed in attributes", where)
-        if head + dt.nbytes(count) != n:
-            raise KdtrError("K050", f"array {shape} of {dt.name} needs {head + dt.nbytes(count)} "
-                                    f"bytes, value has {n}", where)
-        arr = np.frombuffer(raw, dtype=dt.storage, count=count, offset=head).reshape(shape)
-        if dt.name == "bool" and arr.size and arr.view(np.uint8).max() > 1:
-            raise KdtrError("K051", "bool array attribute holds a byte other than 0/1", where)
-        return arr.copy()
-    raise KdtrError("K046", f"attribute kind {kind}", where)
-
 
 class AttributeManager(Mapping):
     """``obj.attrs``: str, int, float, bool, NumPy arrays and lists of str, in insertion order."""
@@ -205,11 +70,11 @@ class AttributeManager(Mapping):
         self._file._require_writable()
         where = self._file._paths[self._index]
         check_name(name, where)
-        kind, raw = _encode_attr(value)
+        kind, raw = encode_attr(value)
         if len(raw) > L.MAX_ATTR_VALUE_BYTES:
             raise ValueError(f"attribute {name!r} at {where!r}: value of {len(raw)} bytes "
                              f"exceeds the {L.MAX_ATTR_VALUE_BYTES}-byte limit; store it as a dataset")
-        self._dict()[name] = _decode_attr(kind, raw, where)  # what a reader will see
+        self._dict()[name] = decode_attr(kind, raw, where)  # what a reader will see
 
     def __delitem__(self, name: str) -> None:
         self._file._require_writable()
@@ -278,7 +143,7 @@ class Group(_Node):
 
     def _lookup(self, path: str) -> int | None:
         index = 0 if path.startswith("/") else self._index
-        for part in _split(path):
+        for part in split_path(path):
             children = self._file._children[index]
             if children is None or part not in children:
                 return None
@@ -363,7 +228,7 @@ class Group(_Node):
         self.create_dataset(path, data=data)
 
     def _make_parents(self, path: str) -> tuple[int, str]:
-        parts = _split(path)
+        parts = split_path(path)
         if not parts:
             raise ValueError(f"invalid path {path!r}")
         index = 0 if path.startswith("/") else self._index
@@ -463,13 +328,6 @@ class Dataset(_Node):
         return f"<KDTR dataset {self.name!r}: shape {self.shape}, {self.kdtr_dtype}>"
 
 
-class _DatasetMeta:
-    __slots__ = ("dtype", "shape", "offset", "size", "crc")
-
-    def __init__(self, dtype: DType, shape: tuple[int, ...], offset: int, size: int, crc: int):
-        self.dtype, self.shape, self.offset, self.size, self.crc = dtype, shape, offset, size, crc
-
-
 class NodeTable:
     """Every node of a file opened for reading, column-wise, in node-table order (the order
     the writer received them; node 0 is the root "/"): what a tool that lists or converts a
@@ -520,12 +378,11 @@ class File(Group):
         self._paths: list[str] = ["/"]
         self._parents: list[int] = [L.NO_PARENT]
         self._children: list[dict[str, int] | None] = [{}]
-        self._datasets: dict[int, _DatasetMeta] = {}
+        self._datasets: dict[int, DatasetMeta] = {}
         self._attrs: list[dict[str, Any]] = [{}]
         self._nodes_cache: dict[int, _Node] = {}
         if mode == "r":
-            from ._reader import read_into
-            read_into(self, self._path)
+            reader.read_into(self, self._path)
         elif mode in ("w", "x"):
             if not MIN_ALIGN <= align_log2 <= MAX_ALIGN:
                 raise ValueError(f"align_log2 must lie in [{MIN_ALIGN}, {MAX_ALIGN}]")
@@ -577,8 +434,7 @@ class File(Group):
             return
         if self._mode != "r":
             try:
-                from ._writer import finish
-                finish(self)
+                writer.finish(self)
             except BaseException:
                 self._abort()
                 raise
@@ -611,8 +467,7 @@ class File(Group):
         """Check every tensor's CRC32C, its bool bytes and the padding between tensors.
         Returns the number of bytes checked; raises ``KdtrError`` (K051, K056, K057) naming the
         first bad node.  ``progress(done_bytes, total_bytes)`` is called as it goes."""
-        from ._reader import verify
-        return verify(self, progress)
+        return reader.verify(self, progress)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else self._mode
@@ -656,8 +511,7 @@ class File(Group):
         return index
 
     def _write_dataset(self, parent: int, name: str, dt: DType, shape, array) -> int:
-        from ._writer import write_dataset
-        return write_dataset(self, parent, name, dt, shape, array)
+        return writer.write_dataset(self, parent, name, dt, shape, array)
 
     def _raw(self, offset: int, size: int) -> np.ndarray:
         """``size`` bytes of the data section as a uint8 array (a zero-copy view when reading)."""

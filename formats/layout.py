@@ -5,7 +5,12 @@ checks that every rule code here is documented there and the other way round.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from .dtypes import DType
 
 MAGIC = b"\x89KDTR\r\n\x1a"          # high bit, CRLF and ^Z catch text-mode damage (as PNG does)
 BOM = 0x0A0B0C0D                        # reads 0x0D0C0B0A on a big-endian writer's file
@@ -64,6 +69,17 @@ ARRAY_ATTR_HEAD = 8  # u8 dtype, u8 ndim, 6 zero bytes; then ndim u64 dims; then
 assert PREAMBLE_DTYPE.itemsize == PREAMBLE_SIZE
 assert NODE_DTYPE.itemsize == NODE_SIZE
 assert ATTR_DTYPE.itemsize == ATTR_SIZE
+
+
+class DatasetMeta:
+    """The data fields of one dataset node, decoded: what the writer records as it streams a
+    dataset and the reader builds (lazily) from a ``NODE_DTYPE`` row.  ``offset`` is relative
+    to the data section, ``size`` the stored (packed) bytes, ``crc`` their CRC32C."""
+    __slots__ = ("dtype", "shape", "offset", "size", "crc")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], offset: int, size: int, crc: int):
+        self.dtype, self.shape, self.offset, self.size, self.crc = dtype, shape, offset, size, crc
+
 
 # One code per rejection rule.  Codes are stable: never reuse or renumber.
 RULES: dict[str, str] = {

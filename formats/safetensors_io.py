@@ -25,14 +25,16 @@ import mmap
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from . import kdtr
 from . import layout as L
 from .dtypes import BY_NAME, DType
-from .kdtr import KdtrError
+from .errors import KdtrError
+from .names import check_name
+from .progress import Progress, ticker
 
 __all__ = ["SafetensorsFile", "TensorInfo", "MAX_HEADER_BYTES", "ST_DTYPES",
            "safetensors_to_kdtr", "safetensors_to_hdf5", "tensor_path"]
@@ -234,7 +236,7 @@ def tensor_path(name: str, split_dots: bool) -> str:
     characters, so a leading '/' or '//' is refused rather than silently dropped)."""
     path = name.replace(".", "/") if split_dots else name
     for part in path.split("/"):
-        kdtr.check_name(part, name)
+        check_name(part, name)
     return path
 
 
@@ -269,23 +271,13 @@ def tree_order(st: SafetensorsFile, split_dots: bool) -> list[tuple[TensorInfo, 
     return out
 
 
-def _tick_factory(total: int, progress: Callable[[int, int], None] | None):
-    done = [0]
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
-    return tick
-
-
 def safetensors_to_kdtr(src: str | os.PathLike, dst: str | os.PathLike, *,
                         split_dots: bool = False,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+                        progress: Progress | None = None) -> None:
     """Convert a .safetensors file to KDTR: tensors in data order, ``__metadata__`` as root
     attributes.  Each tensor is streamed from the memory map into the KDTR writer."""
     with SafetensorsFile(src) as st:
-        tick = _tick_factory(sum(t.nbytes for t in st.tensors), progress)
+        tick = ticker(sum(t.nbytes for t in st.tensors), progress)
         order = tree_order(st, split_dots)
         with kdtr.File(dst, "w") as out:
             for key, value in st.metadata.items():
@@ -299,19 +291,20 @@ def safetensors_to_kdtr(src: str | os.PathLike, dst: str | os.PathLike, *,
 
 def safetensors_to_hdf5(src: str | os.PathLike, dst: str | os.PathLike, *,
                         split_dots: bool = False,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+                        progress: Progress | None = None) -> None:
     """Convert a .safetensors file to HDF5 with the KDTR mapping (``formats.hdf5``)."""
-    from .hdf5 import H5TreeWriter, _BITS
+    from .hdf5 import H5TreeWriter
+    from .hdf5_mapping import BIT_PATTERNS
 
     with SafetensorsFile(src) as st:
-        tick = _tick_factory(sum(t.nbytes for t in st.tensors), progress)
+        tick = ticker(sum(t.nbytes for t in st.tensors), progress)
         order = tree_order(st, split_dots)
         with H5TreeWriter(dst) as out:
             out.set_attrs("/", dict(st.metadata))
             for t, path in order:
                 stored = st.array(t.name)
-                if t.dtype.name in _BITS:
-                    stored = stored.view(_BITS[t.dtype.name])
+                if t.dtype.name in BIT_PATTERNS:
+                    stored = stored.view(BIT_PATTERNS[t.dtype.name])
                 _make_groups(out.file, path)
                 out.dataset(path, t.dtype, t.shape, stored, tick)
         if not st.tensors and progress is not None:

@@ -1,4 +1,4 @@
-"""The kdtr-dump CLI (formats/dump.py), driven through ``main(argv)`` and once as the installed
+"""The kdtr-dump CLI (formats/dump/), driven through ``main(argv)`` and once as the installed
 console script.  Values are checked against numpy and against the files read directly."""
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def stats_file(path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("fmt", ["kdtr", "h5"])
 def test_stats_match_numpy_in_small_chunks(tmp_path, capsys, monkeypatch, fmt):
-    monkeypatch.setattr(dump, "STATS_CHUNK_BYTES", 96)   # 12 float64 per chunk: many chunks
+    monkeypatch.setattr(dump.sources, "STATS_CHUNK_BYTES", 96)  # 12 float64 per chunk: many chunks
     data = stats_file(tmp_path / "s.kdtr")
     target = tmp_path / "s.kdtr"
     if fmt == "h5":
@@ -321,7 +321,7 @@ def test_summarised_preview_matches_numpy_print(tmp_path_factory, no_fsync, key,
     with np.printoptions(threshold=10, edgeitems=edge):
         expected = numbers(np.array2string(want, separator=" "))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dump, "PREVIEW_FULL", 10)
+        mp.setattr(dump.inspection, "PREVIEW_FULL", 10)
         for path in (d / "t.kdtr", d / "t.h5"):
             with dump.open_source(str(path)) as src:
                 entry = next(e for e in src.entries() if e.path == "/t")

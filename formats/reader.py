@@ -15,8 +15,12 @@ from typing import Callable
 import numpy as np
 
 from . import layout as L
+from .attributes import decode_attr
 from .checksum import crc32c
 from .dtypes import BY_CODE
+from .errors import KdtrError
+from .layout import DatasetMeta
+from .names import check_name
 
 _OTHER_FORMATS = [
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file (convert it with kdtr-dump convert)"),
@@ -30,27 +34,22 @@ _OTHER_FORMATS = [
 ]
 
 
-def _error(code: str, detail: str, node: str | None = None):
-    from .kdtr import KdtrError
-    return KdtrError(code, detail, node)
-
-
 def _sniff_magic(head: bytes) -> None:
     if head[:8] == L.MAGIC:
         return
     text_mode_variants = (b"\x09KDTR\r\n\x1a", b"\x89KDTR\n\x1a", b"\x89KDTR\r\r\n\x1a",
                           b"\xef\xbf\xbdKDTR", b"\xc2\x89KDTR")
     if any(head.startswith(v) for v in text_mode_variants) or head[1:5] == b"KDTR":
-        raise _error("K003", f"first bytes {head[:10]!r}; the file went through a text-mode "
-                             "transfer (CR/LF or 8-bit damage); transfer it in binary mode")
+        raise KdtrError("K003", f"first bytes {head[:10]!r}; the file went through a text-mode "
+                                "transfer (CR/LF or 8-bit damage); transfer it in binary mode")
     for magic, what in _OTHER_FORMATS:
         if head.startswith(magic):
-            raise _error("K004", f"this is {what}, not KDTR")
+            raise KdtrError("K004", f"this is {what}, not KDTR")
     n = int.from_bytes(head[:8], "little")
     if 2 <= n < (1 << 32) and head[8:9] == b"{":
-        raise _error("K004", "this is a safetensors file, not KDTR (convert it with "
-                             "kdtr-dump convert)")
-    raise _error("K002", f"first bytes {head[:8]!r}")
+        raise KdtrError("K004", "this is a safetensors file, not KDTR (convert it with "
+                                "kdtr-dump convert)")
+    raise KdtrError("K002", f"first bytes {head[:8]!r}")
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -65,17 +64,17 @@ def read_into(file, path: str) -> None:
         # it changes nothing for a regular file.  O_NOCTTY: a terminal never becomes ours.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except IsADirectoryError:
-        raise _error("K058", f"{path!a} is a directory") from None
+        raise KdtrError("K058", f"{path!a} is a directory") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device could block or never end
-            raise _error("K058", f"{path!a} is not a regular file")
+            raise KdtrError("K058", f"{path!a} is not a regular file")
         size = st.st_size
         if size < L.PREAMBLE_SIZE:
-            raise _error("K001", f"{size} bytes")
+            raise KdtrError("K001", f"{size} bytes")
         head = os.pread(fd, L.PREAMBLE_SIZE, 0)
         if len(head) < L.PREAMBLE_SIZE:
-            raise _error("K001", f"read {len(head)} bytes")
+            raise KdtrError("K001", f"read {len(head)} bytes")
         _sniff_magic(head)
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
@@ -88,11 +87,11 @@ def read_into(file, path: str) -> None:
                                    "strings_size")}
     header = whole[p["header_offset"]:p["header_offset"] + p["header_size"]]
     if crc32c(header) != int(pre["header_crc"]):
-        raise _error("K019", "the header bytes do not match the checksum in the preamble")
+        raise KdtrError("K019", "the header bytes do not match the checksum in the preamble")
     data_end = p["data_offset"] + p["data_size"]
     if whole[L.PREAMBLE_SIZE:p["data_offset"]].any() or whole[data_end:p["header_offset"]].any():
-        raise _error("K020", "bytes between the preamble and the data, or between the data and "
-                             "the header, are not zero")
+        raise KdtrError("K020", "bytes between the preamble and the data, or between the data and "
+                                "the header, are not zero")
     n, m = p["node_count"], p["attr_count"]
     # A copy (128 bytes a node): a view would pin the whole memory map for as long as the
     # File lives (File refers to itself, so until the cycle collector runs), even after close().
@@ -119,75 +118,77 @@ def _check_preamble(head: bytes, pre, size: int) -> None:
     bom = int(pre["bom"])
     if bom != L.BOM:
         if bom == int.from_bytes(L.BOM.to_bytes(4, "little"), "big"):
-            raise _error("K005", "the file was written big-endian; KDTR is little-endian only")
-        raise _error("K006", f"0x{bom:08x}")
+            raise KdtrError("K005", "the file was written big-endian; KDTR is little-endian only")
+        raise KdtrError("K006", f"0x{bom:08x}")
     # The major version is checked before the checksum: a future major version may lay the
     # rest of the preamble out differently, and deserves "too new", not "corrupt".
     if int(pre["major"]) != L.VERSION_MAJOR:
-        raise _error("K007", f"version {int(pre['major'])}.{int(pre['minor'])}; this reader "
-                             f"reads {L.VERSION_MAJOR}.x")
+        raise KdtrError("K007", f"version {int(pre['major'])}.{int(pre['minor'])}; this reader "
+                                f"reads {L.VERSION_MAJOR}.x")
     if crc32c(head[:L.PREAMBLE_SIZE - 4]) != int(pre["preamble_crc"]):
-        raise _error("K010", "the preamble bytes do not match their checksum")
+        raise KdtrError("K010", "the preamble bytes do not match their checksum")
     if int(pre["reserved0"]) or any(bytes(pre["reserved1"])):
-        raise _error("K009", "reserved preamble fields must be zero")
+        raise KdtrError("K009", "reserved preamble fields must be zero")
     unknown = int(pre["features_required"]) & ~L.KNOWN_REQUIRED_FEATURES
     if unknown:
-        raise _error("K008", f"bits 0x{unknown:x} (this reader knows 0x{L.KNOWN_REQUIRED_FEATURES:x})")
+        raise KdtrError("K008", f"bits 0x{unknown:x} (this reader knows 0x{L.KNOWN_REQUIRED_FEATURES:x})")
     a = int(pre["align_log2"])
     if not L.MIN_ALIGN_LOG2 <= a <= L.MAX_ALIGN_LOG2:
-        raise _error("K011", f"align_log2 {a} outside [{L.MIN_ALIGN_LOG2}, {L.MAX_ALIGN_LOG2}]")
+        raise KdtrError("K011", f"align_log2 {a} outside [{L.MIN_ALIGN_LOG2}, {L.MAX_ALIGN_LOG2}]")
     n, m = int(pre["node_count"]), int(pre["attr_count"])
     if not 1 <= n <= L.MAX_NODES or m > L.MAX_ATTRS:
-        raise _error("K012", f"{n} nodes (allowed 1..{L.MAX_NODES}), {m} attributes "
-                             f"(allowed 0..{L.MAX_ATTRS})")
+        raise KdtrError("K012", f"{n} nodes (allowed 1..{L.MAX_NODES}), {m} attributes "
+                                f"(allowed 0..{L.MAX_ATTRS})")
     hsize, vsize, ssize = int(pre["header_size"]), int(pre["values_size"]), int(pre["strings_size"])
     if hsize > L.MAX_HEADER_BYTES:
-        raise _error("K013", f"{hsize} bytes > {L.MAX_HEADER_BYTES}")
+        raise KdtrError("K013", f"{hsize} bytes > {L.MAX_HEADER_BYTES}")
     if vsize % 8 or hsize != n * L.NODE_SIZE + m * L.ATTR_SIZE + vsize + ssize:
-        raise _error("K014", f"header_size {hsize} != {n}*{L.NODE_SIZE} + {m}*{L.ATTR_SIZE} + "
-                             f"values {vsize} + strings {ssize} (values must be a multiple of 8)")
+        raise KdtrError("K014", f"header_size {hsize} != {n}*{L.NODE_SIZE} + {m}*{L.ATTR_SIZE} + "
+                                f"values {vsize} + strings {ssize} (values must be a multiple "
+                                "of 8)")
     doff, dsize, hoff = int(pre["data_offset"]), int(pre["data_size"]), int(pre["header_offset"])
     if doff != L.align_up(L.PREAMBLE_SIZE, a):
-        raise _error("K015", f"data_offset {doff}, expected {L.align_up(L.PREAMBLE_SIZE, a)}")
+        raise KdtrError("K015", f"data_offset {doff}, expected {L.align_up(L.PREAMBLE_SIZE, a)}")
     if hoff != L.align_up(doff + dsize, 3):
-        raise _error("K016", f"header_offset {hoff}, expected {L.align_up(doff + dsize, 3)} "
-                             f"(data_size {dsize})")
+        raise KdtrError("K016", f"header_offset {hoff}, expected {L.align_up(doff + dsize, 3)} "
+                                f"(data_size {dsize})")
     if size < hoff + hsize:
-        raise _error("K017", f"file has {size} bytes, its header ends at {hoff + hsize}")
+        raise KdtrError("K017", f"file has {size} bytes, its header ends at {hoff + hsize}")
     if size > hoff + hsize:
-        raise _error("K018", f"{size - hoff - hsize} bytes after the header")
+        raise KdtrError("K018", f"{size - hoff - hsize} bytes after the header")
 
 
 def _check_nodes(nodes: np.ndarray, p: dict) -> None:
     n = nodes.size
     root = nodes[0]
     if int(root["parent"]) != L.NO_PARENT or int(root["kind"]) != L.KIND_GROUP or int(root["name_len"]):
-        raise _error("K021", "node 0 must be a group with no parent and an empty name", "/")
+        raise KdtrError("K021", "node 0 must be a group with no parent and an empty name", "/")
     idx = np.arange(n, dtype=np.int64)
     kinds = nodes["kind"]
     bad = _first(kinds > L.KIND_DATASET)
     if bad is not None:
-        raise _error("K024", f"kind {int(kinds[bad])} of node {bad}", f"node #{bad}")
+        raise KdtrError("K024", f"kind {int(kinds[bad])} of node {bad}", f"node #{bad}")
     parents = nodes["parent"].astype(np.int64)
     bad = _first(parents[1:] >= idx[1:])
     if bad is not None:
-        raise _error("K022", f"node {bad + 1} names parent {int(parents[bad + 1])}; a parent "
-                             "must come before its children", f"node #{bad + 1}")
+        raise KdtrError("K022", f"node {bad + 1} names parent {int(parents[bad + 1])}; a parent "
+                                "must come before its children", f"node #{bad + 1}")
     bad = _first(kinds[parents[1:]] != L.KIND_GROUP)
     if bad is not None:
-        raise _error("K023", f"node {bad + 1}'s parent {int(parents[bad + 1])} is a dataset",
-                     f"node #{bad + 1}")
+        raise KdtrError("K023", f"node {bad + 1}'s parent {int(parents[bad + 1])} is a dataset",
+                        f"node #{bad + 1}")
     reserved = ((nodes["reserved0"] != 0) | (nodes["reserved1"] != 0) | (nodes["reserved2"] != 0)
                 | nodes["reserved3"].any(axis=1))
     bad = _first(reserved)
     if bad is not None:
-        raise _error("K025", f"node {bad}", f"node #{bad}")
+        raise KdtrError("K025", f"node {bad}", f"node #{bad}")
     is_group = kinds == L.KIND_GROUP
     carries = ((nodes["dtype"] != 0) | (nodes["ndim"] != 0) | nodes["dims"].any(axis=1)
                | (nodes["data_offset"] != 0) | (nodes["data_size"] != 0) | (nodes["data_crc"] != 0))
     bad = _first(is_group & carries)
     if bad is not None:
-        raise _error("K026", f"group node {bad} has a dtype, shape or data range", f"node #{bad}")
+        raise KdtrError("K026", f"group node {bad} has a dtype, shape or data range",
+                        f"node #{bad}")
     ds = np.flatnonzero(~is_group)
     if not ds.size:
         return
@@ -195,17 +196,17 @@ def _check_nodes(nodes: np.ndarray, p: dict) -> None:
     known = np.isin(codes, np.array(sorted(BY_CODE), dtype=np.uint8))
     bad = _first(~known)
     if bad is not None:
-        raise _error("K027", f"dtype code {int(codes[bad])}", f"node #{ds[bad]}")
+        raise KdtrError("K027", f"dtype code {int(codes[bad])}", f"node #{ds[bad]}")
     ndim = nodes["ndim"][ds].astype(np.int64)
     bad = _first(ndim > L.MAX_NDIM)
     if bad is not None:
-        raise _error("K028", f"{int(ndim[bad])} dimensions (limit {L.MAX_NDIM})", f"node #{ds[bad]}")
+        raise KdtrError("K028", f"{int(ndim[bad])} dimensions (limit {L.MAX_NDIM})", f"node #{ds[bad]}")
     dims = nodes["dims"][ds]
     unused = np.arange(L.MAX_NDIM)[None, :] >= ndim[:, None]
     bad = _first(((dims > L.MAX_DIM) | (unused & (dims != 0))).any(axis=1))
     if bad is not None:
-        raise _error("K029", f"dims {dims[bad][:ndim[bad]].tolist()} (each <= 2**48, unused "
-                             "slots zero)", f"node #{ds[bad]}")
+        raise KdtrError("K029", f"dims {dims[bad][:ndim[bad]].tolist()} (each <= 2**48, unused "
+                                "slots zero)", f"node #{ds[bad]}")
     # Size arithmetic: an estimate in float64 screens out overflow, exact ints confirm.  Zero
     # dims count as 1 and int4 as a byte: NumPy must be able to describe every accepted shape,
     # empty or not (it rejects an empty shape whose non-zero dims overflow), unpacked or not.
@@ -218,53 +219,56 @@ def _check_nodes(nodes: np.ndarray, p: dict) -> None:
         shape = [int(d) for d in dims[k][:ndim[k]]]
         exact = int(np.prod([max(d, 1) for d in shape], dtype=object)) * int(item[codes[k]])
         if exact > L.MAX_TENSOR_BYTES:
-            raise _error("K030", f"shape {shape} of {BY_CODE[int(codes[k])].name} needs {exact} "
-                                 "bytes", f"node #{ds[k]}")
+            raise KdtrError("K030", f"shape {shape} of {BY_CODE[int(codes[k])].name} needs {exact} "
+                                    "bytes", f"node #{ds[k]}")
     count = np.where(unused, 1, dims).astype(np.uint64).prod(axis=1)  # known to fit now
     int4 = codes == 16
     if int4.any():
         last = dims[np.arange(ds.size), np.maximum(ndim - 1, 0)]
         bad = _first(int4 & ((ndim == 0) | (last % 2 == 1)))
         if bad is not None:
-            raise _error("K032", f"shape {dims[bad][:ndim[bad]].tolist()}", f"node #{ds[bad]}")
+            raise KdtrError("K032", f"shape {dims[bad][:ndim[bad]].tolist()}", f"node #{ds[bad]}")
     expected = np.where(int4, count // np.uint64(2), count * item[codes].astype(np.uint64))
     bad = _first(nodes["data_size"][ds] != expected)
     if bad is not None:
-        raise _error("K031", f"data_size {int(nodes['data_size'][ds[bad]])}, shape and dtype "
-                             f"need {int(expected[bad])}", f"node #{ds[bad]}")
+        raise KdtrError("K031", f"data_size {int(nodes['data_size'][ds[bad]])}, shape and dtype "
+                                f"need {int(expected[bad])}", f"node #{ds[bad]}")
 
 
 def _check_data_ranges(nodes: np.ndarray, p: dict) -> None:
     ds = np.flatnonzero(nodes["kind"] == L.KIND_DATASET)
     if not ds.size:
         if p["data_size"]:
-            raise _error("K037", f"data_size {p['data_size']} but no datasets")
+            raise KdtrError("K037", f"data_size {p['data_size']} but no datasets")
         return
     off = nodes["data_offset"][ds]
     size = nodes["data_size"][ds]
     mask = np.uint64((1 << p["align_log2"]) - 1)
     bad = _first(off & mask != 0)
     if bad is not None:
-        raise _error("K033", f"offset {int(off[bad])} is not a multiple of "
-                             f"{1 << p['align_log2']}", f"node #{ds[bad]}")
+        raise KdtrError("K033", f"offset {int(off[bad])} is not a multiple of "
+                                f"{1 << p['align_log2']}", f"node #{ds[bad]}")
     limit = np.uint64(p["data_size"])
     bad = _first((off > limit) | (size > limit - np.minimum(off, limit)))
     if bad is not None:
-        raise _error("K034", f"bytes [{int(off[bad])}, {int(off[bad]) + int(size[bad])}) outside "
-                             f"the data section of {p['data_size']} bytes", f"node #{ds[bad]}")
+        raise KdtrError("K034", f"bytes [{int(off[bad])}, {int(off[bad]) + int(size[bad])}) "
+                                f"outside the data section of {p['data_size']} bytes",
+                        f"node #{ds[bad]}")
     end = off + size
     prev_end = np.concatenate([np.zeros(1, np.uint64), end[:-1]])
     bad = _first(off < prev_end)
     if bad is not None:
-        raise _error("K035", f"offset {int(off[bad])} < end {int(prev_end[bad])} of the previous "
-                             "tensor (tensors are stored in node order)", f"node #{ds[bad]}")
+        raise KdtrError("K035", f"offset {int(off[bad])} < end {int(prev_end[bad])} of the "
+                                "previous tensor (tensors are stored in node order)",
+                        f"node #{ds[bad]}")
     canonical = (prev_end + mask) & ~mask
     bad = _first(off != canonical)
     if bad is not None:
-        raise _error("K036", f"offset {int(off[bad])}, the previous tensor ends at "
-                             f"{int(prev_end[bad])}", f"node #{ds[bad]}")
+        raise KdtrError("K036", f"offset {int(off[bad])}, the previous tensor ends at "
+                                f"{int(prev_end[bad])}", f"node #{ds[bad]}")
     if int(end[-1]) != p["data_size"]:
-        raise _error("K037", f"data_size {p['data_size']}, the last tensor ends at {int(end[-1])}")
+        raise KdtrError("K037", f"data_size {p['data_size']}, the last tensor ends at "
+                                f"{int(end[-1])}")
 
 
 def _check_string_pool(nodes: np.ndarray, attrs: np.ndarray, p: dict) -> None:
@@ -275,8 +279,8 @@ def _check_string_pool(nodes: np.ndarray, attrs: np.ndarray, p: dict) -> None:
     if bad is not None or int(lens.sum()) != p["strings_size"]:
         where = None if bad is None else (f"node #{bad}" if bad < nodes.size
                                           else f"attribute #{bad - nodes.size}")
-        raise _error("K038", "names must follow each other in table order and fill the pool "
-                             "exactly", where)
+        raise KdtrError("K038", "names must follow each other in table order and fill the pool "
+                                "exactly", where)
 
 
 def _build_tree(file, nodes: np.ndarray, strings: bytes) -> None:
@@ -329,7 +333,6 @@ def _build_tree_checked(file, nodes: np.ndarray, strings: bytes) -> None:
     depth = [0] * n
     children: list = [None] * n
     children[0] = {}
-    from .kdtr import check_name
     for i in range(1, n):
         raw = strings[offs[i]:offs[i] + lens[i]]
         parent = parents[i]
@@ -337,15 +340,15 @@ def _build_tree_checked(file, nodes: np.ndarray, strings: bytes) -> None:
         try:
             name = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise _error("K039", str(e), where) from None
+            raise KdtrError("K039", str(e), where) from None
         path = paths[parent].rstrip("/") + "/" + name
         check_name(name, path)
         depth[i] = depth[parent] + 1
         if depth[i] > L.MAX_DEPTH or len(path.encode("utf-8")) - 1 > L.MAX_PATH_BYTES:
-            raise _error("K042", f"depth {depth[i]}, {len(path.encode()) - 1} bytes", path[:200])
+            raise KdtrError("K042", f"depth {depth[i]}, {len(path.encode()) - 1} bytes", path[:200])
         siblings = children[parent]
         if name in siblings:
-            raise _error("K043", f"{name!a} appears twice", path)
+            raise KdtrError("K043", f"{name!a} appears twice", path)
         siblings[name] = i
         names[i], paths[i] = name, path
         if kinds[i] == L.KIND_GROUP:
@@ -359,49 +362,48 @@ def _check_attr_tables(nodes: np.ndarray, attrs: np.ndarray, values: np.ndarray,
     expected = np.concatenate([[0], np.cumsum(counts)[:-1]])
     bad = _first(first != expected)
     if bad is not None or int(counts.sum()) != attrs.size:
-        raise _error("K044", "each node's attributes must follow the previous node's and the "
-                             "ranges must cover the table exactly",
-                     None if bad is None else f"node #{bad}")
+        raise KdtrError("K044", "each node's attributes must follow the previous node's and the "
+                                "ranges must cover the table exactly",
+                        None if bad is None else f"node #{bad}")
     if not attrs.size:
         if p["values_size"]:
-            raise _error("K048", f"values_size {p['values_size']} with no attributes")
+            raise KdtrError("K048", f"values_size {p['values_size']} with no attributes")
         return
     owners = np.repeat(np.arange(nodes.size), counts)
     bad = _first(attrs["owner"] != owners)
     if bad is not None:
-        raise _error("K045", f"attribute {bad} names owner {int(attrs['owner'][bad])}, its range "
-                             f"belongs to node {int(owners[bad])}", f"node #{int(owners[bad])}")
+        raise KdtrError("K045", f"attribute {bad} names owner {int(attrs['owner'][bad])}, its "
+                                f"range belongs to node {int(owners[bad])}",
+                        f"node #{int(owners[bad])}")
     bad = _first((attrs["kind"] < L.ATTR_STR) | (attrs["kind"] > L.ATTR_STRLIST))
     if bad is not None:
-        raise _error("K046", f"kind {int(attrs['kind'][bad])}", f"node #{int(owners[bad])}")
+        raise KdtrError("K046", f"kind {int(attrs['kind'][bad])}", f"node #{int(owners[bad])}")
     bad = _first((attrs["reserved0"] != 0) | (attrs["reserved1"] != 0))
     if bad is not None:
-        raise _error("K047", f"attribute {bad}", f"node #{int(owners[bad])}")
+        raise KdtrError("K047", f"attribute {bad}", f"node #{int(owners[bad])}")
     vsize = attrs["value_size"].astype(np.int64)
     bad = _first(vsize > L.MAX_ATTR_VALUE_BYTES)
     if bad is not None:
-        raise _error("K049", f"{int(vsize[bad])} bytes > {L.MAX_ATTR_VALUE_BYTES}",
-                     f"node #{int(owners[bad])}")
+        raise KdtrError("K049", f"{int(vsize[bad])} bytes > {L.MAX_ATTR_VALUE_BYTES}",
+                        f"node #{int(owners[bad])}")
     voff = attrs["value_offset"]
     prev_end = np.concatenate([[0], (voff[:-1].astype(np.float64) + vsize[:-1])])
     canonical = (np.ceil(prev_end / 8) * 8)
     last_end = float(voff[-1]) + float(vsize[-1])
     bad = _first(voff.astype(np.float64) != canonical)
     if bad is not None or (int(np.ceil(last_end / 8) * 8) != p["values_size"]):
-        raise _error("K048", "values must follow each other in table order, each at the next "
-                             "multiple of 8, and fill the pool exactly",
-                     None if bad is None else f"node #{int(owners[bad])}")
+        raise KdtrError("K048", "values must follow each other in table order, each at the next "
+                                "multiple of 8, and fill the pool exactly",
+                        None if bad is None else f"node #{int(owners[bad])}")
     used = np.zeros(values.size, bool)
     for o, s in zip(voff.tolist(), vsize.tolist()):
         used[o:o + s] = True
     if values[~used].any():
-        raise _error("K048", "padding bytes in the value pool are not zero")
+        raise KdtrError("K048", "padding bytes in the value pool are not zero")
 
 
 def _decode_attrs(file, nodes: np.ndarray, attrs: np.ndarray, values: np.ndarray,
                   strings: bytes) -> None:
-    from .kdtr import _decode_attr, check_name
-
     file._attrs = [{} for _ in range(nodes.size)] if attrs.size else _EmptyAttrs(nodes.size)
     raw_values = values.tobytes()
     for j, (owner, noff, nlen, kind, vsize, voff) in enumerate(zip(
@@ -411,13 +413,13 @@ def _decode_attrs(file, nodes: np.ndarray, attrs: np.ndarray, values: np.ndarray
         try:
             name = strings[noff:noff + nlen].decode("utf-8")
         except UnicodeDecodeError as e:
-            raise _error("K039", f"attribute name: {e}", node_path) from None
+            raise KdtrError("K039", f"attribute name: {e}", node_path) from None
         where = f"{node_path} (attribute {name!a})"
         check_name(name, where)
         target = file._attrs[owner]
         if name in target:
-            raise _error("K054", f"{name!a} appears twice", node_path)
-        target[name] = _decode_attr(kind, raw_values[voff:voff + vsize], where)
+            raise KdtrError("K054", f"{name!a} appears twice", node_path)
+        target[name] = decode_attr(kind, raw_values[voff:voff + vsize], where)
 
 
 class _EmptyAttrs(list):
@@ -446,11 +448,10 @@ class _LazyDatasets(dict):
                                                  "data_size", "data_crc"))
 
     def __missing__(self, index: int):
-        from .kdtr import _DatasetMeta
         kind, dtype, ndim, dims, offset, size, crc = self._columns
         if kind[index] != L.KIND_DATASET:
             raise KeyError(index)
-        meta = _DatasetMeta(BY_CODE[int(dtype[index])], tuple(dims[index, :ndim[index]].tolist()),
+        meta = DatasetMeta(BY_CODE[int(dtype[index])], tuple(dims[index, :ndim[index]].tolist()),
                             int(offset[index]), int(size[index]), int(crc[index]))
         self[index] = meta
         return meta
@@ -476,8 +477,8 @@ def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
     for i in ds.tolist():
         off, size = int(nodes["data_offset"][i]), int(nodes["data_size"][i])
         if data[prev_end:off].any():
-            raise _error("K057", f"bytes [{prev_end}, {off}) of the data section",
-                         file._paths[i])
+            raise KdtrError("K057", f"bytes [{prev_end}, {off}) of the data section",
+                            file._paths[i])
         crc = 0
         for start in range(off, off + size, chunk):
             piece = data[start:min(start + chunk, off + size)]
@@ -486,9 +487,9 @@ def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
             if progress is not None:
                 progress(done, total)
         if crc != int(nodes["data_crc"][i]):
-            raise _error("K056", f"stored 0x{int(nodes['data_crc'][i]):08x}, computed 0x{crc:08x}",
-                         file._paths[i])
+            raise KdtrError("K056", f"stored 0x{int(nodes['data_crc'][i]):08x}, computed "
+                                    f"0x{crc:08x}", file._paths[i])
         if int(nodes["dtype"][i]) == 1 and size and data[off:off + size].max() > 1:
-            raise _error("K051", "a bool tensor holds a byte other than 0 or 1", file._paths[i])
+            raise KdtrError("K051", "a bool tensor holds a byte other than 0 or 1", file._paths[i])
         prev_end = off + size
     return total

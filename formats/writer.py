@@ -11,8 +11,10 @@ import struct
 import numpy as np
 
 from . import layout as L
+from .attributes import encode_attr
 from .checksum import crc32c
 from .dtypes import DType, pack_int4
+from .layout import DatasetMeta
 
 _CHUNK = 64 << 20
 
@@ -70,8 +72,6 @@ def _write_chunks(file, array: np.ndarray) -> int:
 
 
 def write_dataset(file, parent: int, name: str, dt: DType, shape, array) -> int:
-    from .kdtr import _DatasetMeta
-
     where = file._paths[parent].rstrip("/") + "/" + name
     shape = tuple(int(s) for s in shape)
     count = _check_shape(dt, shape, where)
@@ -91,7 +91,7 @@ def write_dataset(file, parent: int, name: str, dt: DType, shape, array) -> int:
     if stored is not None:
         crc = _write_chunks(file, stored)
     file._cursor = offset + size
-    file._datasets[index] = _DatasetMeta(dt, shape, offset, size, crc)
+    file._datasets[index] = DatasetMeta(dt, shape, offset, size, crc)
     return index
 
 
@@ -101,8 +101,6 @@ def _align8(x: int) -> int:
 
 def finish(file) -> None:
     """Write the header and the preamble, fsync, and rename the temporary file into place."""
-    from .kdtr import _encode_attr
-
     n = len(file._paths)
     nodes = np.zeros(n, L.NODE_DTYPE)
     strings: list[bytes] = []
@@ -117,7 +115,7 @@ def finish(file) -> None:
         nodes[i]["attr_first"] = len(attr_rows)
         nodes[i]["attr_count"] = len(file._attrs[i])
         for key, value in file._attrs[i].items():
-            kind, raw = _encode_attr(value)
+            kind, raw = encode_attr(value)
             attr_rows.append((i, key.encode("utf-8"), kind, raw))
         meta = file._datasets.get(i)
         if meta is None:

@@ -1,0 +1,7 @@
+"""``python -m formats.dump``: the kdtr-dump command."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The kdtr-dump command line: argument parsing, dispatch to the commands, error reporting
+and the exit code (``main`` is the console script's entry point)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import KdtrError
+from .comparison import diff
+from .conversion import convert
+from .inspection import inspect
+from .output import EXIT_ERROR, EXIT_OK, escape
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _inspect_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdtr-dump", description="Inspect a .kdtr, .h5 or .safetensors file. Other "
+        "commands: 'kdtr-dump diff A B', 'kdtr-dump convert SRC DST' (see --help of each).")
+    p.add_argument("file", nargs="?", help="the file to inspect")
+    p.add_argument("-a", "--attrs", action="store_true", help="show attribute values")
+    p.add_argument("--stats", action="store_true",
+                   help="min/max/mean/std/absmax and NaN/Inf/zero counts per dataset")
+    p.add_argument("-d", "--dataset", metavar="PATH", help="print the values of one dataset")
+    p.add_argument("--slice", metavar="SEL", help='with -d: a selection like "0:4,:8"')
+    p.add_argument("-f", "--filter", action="append", metavar="GLOB",
+                   help="only paths matching GLOB (fnmatch; repeatable)")
+    p.add_argument("--summary", action="store_true",
+                   help="counts, parameters, bytes per dtype and per top-level entry, "
+                        "numbered components collapsed")
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    p.add_argument("--offsets", action="store_true", help="show file offsets of datasets")
+    p.add_argument("--verify", action="store_true",
+                   help="check every checksum; exit 0 intact, 3 corrupt, 2 unreadable")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bar on stderr even when it is not a terminal")
+    p.add_argument("--sample", metavar="OUT", help="write the sample model to OUT and exit")
+    return p
+
+
+def _diff_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kdtr-dump diff", description="Compare two files "
+                                "(any of .kdtr, .h5, .safetensors). Exit 0 same, 1 differ, "
+                                "2 error.")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="relative tolerance, times |B| (default 0)")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kdtr-dump convert", description="Convert between .kdtr "
+                                "and .h5; .safetensors as input. DST's extension picks the "
+                                "output format.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--split-dots", action="store_true",
+                   help="safetensors input: turn '.' in tensor names into '/' (groups)")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bar on stderr even when it is not a terminal")
+    return p
+
+
+def _run(argv: list[str], out: list[str]) -> int:
+    if argv and argv[0] == "diff":
+        return diff(_diff_parser().parse_args(argv[1:]), out)
+    if argv and argv[0] == "convert":
+        return convert(_convert_parser().parse_args(argv[1:]), out)
+    parser = _inspect_parser()
+    args = parser.parse_args(argv)
+    if args.sample:
+        from ..sample import write_sample
+        write_sample(args.sample)
+        out.append(f"wrote {escape(args.sample)}")
+        return EXIT_OK
+    if not args.file:
+        parser.error("a FILE is needed (or --sample OUT)")
+    if args.slice and not args.dataset:
+        parser.error("--slice goes with -d PATH")
+    return inspect(args, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``kdtr-dump`` entry point; returns the exit code (and prints nothing else)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    out: list[str] = []
+    try:
+        code = _run(argv, out)
+    except SystemExit as e:   # argparse: --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    except KdtrError as e:
+        _emit(out)
+        return _fail(str(e))
+    except FileNotFoundError as e:
+        _emit(out)
+        return _fail(f"{e.filename}: no such file")
+    except (OSError, LookupError, ValueError) as e:
+        _emit(out)
+        return _fail(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
+    _emit(out)
+    return code
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"kdtr-dump: error: {escape(message, backslash=False)}\n")
+    return EXIT_ERROR
+
+
+def _emit(lines: list[str]) -> None:
+    if not lines:
+        return
+    text = "\n".join(lines) + "\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:   # `kdtr-dump big.kdtr | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+    except UnicodeEncodeError:
+        sys.stdout.write(text.encode("ascii", "backslashreplace").decode("ascii"))
