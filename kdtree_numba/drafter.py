@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
+                                 read_bundle_config)
 from kdtree_numba.model import Model
 
 __all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter"]
@@ -194,8 +196,6 @@ class BlockDrafter:
 
     @classmethod
     def load(cls, path, backend="auto", block_len: int | None = None) -> "BlockDrafter":
-        from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
-                                         read_bundle_config)
         config, attrs = read_bundle_config(path)
         if attrs.get("kdtree.bundle") != "block_drafter":
             raise BundleError(f"{path} is not a block_drafter bundle")
@@ -237,7 +237,6 @@ def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0):
     if spec.startswith("oracle"):
         agreement = float(spec.split(":", 1)[1]) if ":" in spec else 0.8
         return NoisyOracleDrafter(target, block_len, agreement, seed)
-    from kdtree_numba.bundle import read_bundle_config
     if read_bundle_config(spec)[1].get("kdtree.bundle") == "block_drafter":
         return BlockDrafter.load(spec, target.backend)
     return ModelDrafter.load(spec, target.backend, block_len)

@@ -1,6 +1,6 @@
 """The batched latent KV cache of an MLA model.
 
-Per layer the cache holds only what absorbed MLA attends to (shared/notes/mla-moe.md): the
+Per layer the cache holds only what absorbed MLA attends to (docs/ATTENTION.md): the
 normalised latent ``c`` (kv_lora_rank r) and the rotated rope key ``k_pe`` (dr) of every token.
 All layers live in two stacked arrays, ``c [n_layers, bs, max_len, r]`` and
 ``k_pe [n_layers, bs, max_len, dr]`` (float32, ``backend.xp``), so a DDTree compaction moves the

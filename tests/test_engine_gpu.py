@@ -106,7 +106,7 @@ def test_gpu_sampled_ddtree_equals_sampled_ar():
 
 def test_gpu_block_drafter_is_lossless():
     from kdtree_numba.bundle import block_drafter_shapes
-    from kdtree_numba.model import weight_shapes
+    from kdtree_numba.config import weight_shapes
     _, gpu = pair("small")
     cfg = size_config("small", num_hidden_layers=1, first_k_dense_replace=1, hidden_size=128)
     shapes = dict(weight_shapes(cfg), **block_drafter_shapes(cfg, gpu.config.hidden_size))
