@@ -12,6 +12,12 @@ b attend to the cached prefix plus the new tokens j with ``visible[b, i, j]``.  
 ``visible`` is prefill, n = 1 is decode, a DDTree ancestor mask with depth positions is tree
 verification.  The math is docs/ENGINE.md, "The forward pass" (absorbed MLA, docs/ATTENTION.md:
 the cache holds only the latent c and the rope key).
+
+What decoding needs is a model method (the engine's seam, docs/ENGINE.md): ``prefill`` (ragged
+sequences, committed), ``decode`` (one token per request), ``cache_for_generation``,
+``graph_counts``, and the device steps of a round (kdtree_numba/steps.py: ``choose``,
+``draft_tree``, ``accept``, ``last_accepted``, ``compact``).  On the GPU the model owns the CUDA
+graphs its forwards and steps replay from (kdtree_numba/graphs.py) and builds their keys.
 """
 from __future__ import annotations
 
@@ -21,17 +27,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.bundle import read_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
-from kdtree_numba.graphs import ForwardGraphs, ForwardInputs, graphs_enabled
-from kdtree_numba.kvcache import KVCache
+from kdtree_numba.graphs import GraphCache, graphs_enabled
+from kdtree_numba.kvcache import KVCache, WriteSlots
+from kdtree_numba.steps import DeviceSteps
 from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "LATENT_NORM_EPS",
-           "HF_MODEL_TYPES"]
+__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "pad_ragged",
+           "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
 # one (and the CUDA graphs captured against it): Model.reuse_cache
@@ -45,10 +53,40 @@ def causal_mask(n: int, bs: int = 1) -> np.ndarray:
     return np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n)).copy()
 
 
+def pad_ragged(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids [bs, n] int64, lengths [bs] int64, visible [bs, n, n])`` of ragged token
+    sequences: right-padded with 0 to the longest (n) and the causal mask, the inputs of one
+    prefill-shaped forward (the padding rows are computed and ignored)."""
+    lengths = np.array([len(s) for s in seqs], np.int64)
+    n = int(lengths.max())
+    ids = np.zeros((len(seqs), n), np.int64)
+    for b, s in enumerate(seqs):
+        ids[b, :lengths[b]] = s
+    return ids, lengths, causal_mask(n, len(seqs))
+
+
+@dataclasses.dataclass
+class ForwardInputs:
+    """One forward's inputs on the device: tokens [bs, n] int32, positions [bs * n] int32,
+    visible [bs, n, n] bool and the cache slots (kvcache.WriteSlots)."""
+    tokens: object
+    positions: object
+    visible: object
+    slots: WriteSlots
+
+
+def _rebuild_attention_plans() -> None:
+    """Before each CUDA-graph capture: attention's cached split plans hold scratch between
+    calls, so they are dropped and rebuilt inside the capture, which records their scratch
+    with the graph (kdtree_numba/graphs.py)."""
+    numba_attention.clear_plan_cache()
+
+
 # ----------------------------------------------------------------------------- the model
 
-class Model:
-    """The forward pass of a ModelConfig with its weights on one backend."""
+class Model(DeviceSteps):
+    """The forward pass of a ModelConfig with its weights on one backend, and the device steps
+    of decoding (kdtree_numba/steps.py)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto"):
         self.config = config
@@ -56,13 +94,14 @@ class Model:
         self.rope = _rope_spec(config)
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights)
-        # CUDA graphs of repeated forward shapes (kdtree_numba/graphs.py); None: every
-        # forward runs eagerly (the reference backend, the simulator, KDTREE_CUDA_GRAPHS=0)
-        self.graphs = None
-        # engine.generate's KV cache, kept for the next generation (reuse_cache)
+        # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
+        # None: everything runs eagerly (the reference backend, the simulator,
+        # KDTREE_CUDA_GRAPHS=0)
+        self.graphs: GraphCache | None = None
+        # engine.generate's KV cache, kept for the next generation (cache_for_generation)
         self.generation_cache: KVCache | None = None
         if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
-            self.graphs = ForwardGraphs(self.backend)
+            self.graphs = self.new_graphs()
 
     @classmethod
     def load(cls, path, backend="auto") -> "Model":
@@ -140,6 +179,24 @@ class Model:
             return previous
         return self.new_cache(batch, bucket)
 
+    def cache_for_generation(self, batch: int, max_len: int) -> KVCache:
+        """engine.generate's KV cache: the last generation's, emptied, when it fits
+        (:meth:`reuse_cache`), else a new one; kept in ``generation_cache`` for the next call,
+        so its CUDA graphs replay there (``model.generation_cache = None`` drops it)."""
+        self.generation_cache = self.reuse_cache(self.generation_cache, batch, max_len)
+        return self.generation_cache
+
+    def new_graphs(self) -> GraphCache:
+        """An empty CUDA-graph cache for this model's forwards and steps (GPU numba backend
+        only); ``model.graphs = model.new_graphs()`` starts counting afresh."""
+        return GraphCache(self.backend, before_capture=_rebuild_attention_plans)
+
+    def graph_counts(self) -> tuple[int, int] | None:
+        """(captures, replays) of the model's CUDA graphs so far; None where graphs are off."""
+        if self.graphs is None:
+            return None
+        return self.graphs.captures, self.graphs.replays
+
     def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
                 embeds=None):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
@@ -165,7 +222,7 @@ class Model:
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
         if self.graphs is not None and embeds is None:
-            out = self.graphs.forward(self, tokens, positions, cache, visible, return_hidden)
+            out = self._replay_forward(tokens, positions, cache, visible, return_hidden)
             if out is not None:
                 return out
         slots = cache.write_slots(n)
@@ -178,8 +235,48 @@ class Model:
                                visible=be.asarray(visible).astype(bool), slots=slots)
         return self._compute(inputs, cache, return_hidden, embeds)
 
+    def prefill(self, cache: KVCache, seqs, *, return_hidden: bool = False):
+        """Feed request b's tokens ``seqs[b]`` (ragged, at least one each) after its cached
+        prefix in one causal forward (:func:`pad_ragged`), and commit them.  Returns the logits
+        [bs, V] of each request's last token, plus its final hidden state [bs, D] with
+        ``return_hidden``, on the device."""
+        ids, lengths, visible = pad_ragged(seqs)
+        positions = cache.lengths[:, None] + np.arange(ids.shape[1])[None, :]
+        out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden)
+        cache.advance(lengths)
+        rows = (self.backend.asarray(np.arange(len(seqs))), self.backend.asarray(lengths - 1))
+        if return_hidden:
+            logits, hidden = out
+            hidden = hidden[rows]
+            return logits[rows], hidden
+        return out[rows]
+
+    def decode(self, cache: KVCache, tokens):
+        """Logits [bs, V] of one new token per request (``tokens`` [bs], host or device) at
+        position ``cache.lengths[b]``.  Written, not committed: the caller advances the cache
+        (e.g. only for the requests still running)."""
+        bs = cache.batch
+        logits = self.forward(tokens[:, None], cache.lengths[:, None].copy(), cache,
+                              np.ones((bs, 1, 1), bool))
+        return logits[:, 0]
+
+    def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool):
+        """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
+        must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
+        (KVCache.slot_inputs), so one graph serves every prefix length."""
+        bs, n = tokens.shape
+        rows, prefix = cache.slot_inputs(n)
+        key = ("forward", bs, n, bool(return_hidden)) + cache.buffer_key()
+
+        def run(tok, pos, vis, rows, prefix):
+            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(rows, prefix))
+            return self._compute(inputs, cache, return_hidden, None)
+        specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
+                 ((bs, n), np.int64), ((bs,), np.int32))
+        return self.graphs.call(key, run, (tokens, positions, visible, rows, prefix), specs)
+
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds):
-        """The forward on device inputs (graphs.ForwardInputs): only device work, so a CUDA
+        """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
         graph can capture it."""
         ops, be, cfg = self.backend.ops, self.backend, self.config
         tokens, positions, visible, slots = (inputs.tokens, inputs.positions, inputs.visible,
@@ -258,4 +355,3 @@ def _rope_spec(cfg: ModelConfig) -> RopeSpec:
     hf = {"rope_theta": cfg.rope_theta, "qk_rope_head_dim": cfg.qk_rope_head_dim,
           "rope_interleave": cfg.rope_interleave, "rope_scaling": cfg.rope_scaling}
     return RopeSpec.from_hf_config(hf)
-
