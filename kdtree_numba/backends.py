@@ -31,6 +31,13 @@ from types import SimpleNamespace
 import numpy as np
 
 from kdtree_numba import compat
+from kdtree_numba import attention as numba_attention
+from kdtree_numba import ddtree as numba_ddtree
+from kdtree_numba import layers as numba_layers
+from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat's numpy fix
+from reference import attention as reference_attention
+from reference import ddtree as reference_ddtree
+from reference import layers as reference_layers
 
 __all__ = ["Backend", "make_backend", "BACKEND_NAMES", "map_arrays"]
 
@@ -119,7 +126,6 @@ class Backend:
         graph captures a forward (kdtree_numba/graphs.py).  GPU numba backend only."""
         if not (self.on_gpu and self.name == "numba"):
             raise RuntimeError("on_stream needs the numba backend on a GPU")
-        from numba import cuda as numba_cuda
         previous = self._launch.stream
         self._launch.stream = numba_cuda.external_stream(stream.ptr)
         try:
@@ -142,7 +148,6 @@ class Backend:
         if not (self.on_gpu and self.name == "numba"):
             yield
             return
-        from numba import cuda as numba_cuda
         with numba_cuda.defer_cleanup():
             yield
         self.free_deferred()
@@ -152,7 +157,6 @@ class Backend:
         pending list; skipped if that internal ever moves, numba then frees as usual)."""
         if not (self.on_gpu and self.name == "numba"):
             return
-        from numba import cuda as numba_cuda
         manager = getattr(numba_cuda.current_context(), "memory_manager", None)
         pending = getattr(manager, "deallocations", None)
         if pending is not None and len(pending):
@@ -160,15 +164,15 @@ class Backend:
 
 
 def _reference_ops() -> SimpleNamespace:
-    from reference import attention, ddtree, layers
-    ops = {name: getattr(layers, name) for name in LAYER_OPS}
-    ops.update({name: getattr(attention, name) for name in ATTENTION_OPS})
-    ops.update({name: getattr(ddtree, name) for name in DDTREE_OPS})
+    ops = {name: getattr(reference_layers, name) for name in LAYER_OPS}
+    ops.update({name: getattr(reference_attention, name) for name in ATTENTION_OPS})
+    ops.update({name: getattr(reference_ddtree, name) for name in DDTREE_OPS})
 
     def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None):
         """``reference.attention.mla_attention``; ``max_keys`` (the numba twin's split-plan
         hint for a device ``prefix_len``) does not change the result, so it is ignored."""
-        return attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau)
+        return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible,
+                                                 tau)
     ops["mla_attention"] = mla_attention
     return SimpleNamespace(**ops)
 
@@ -208,7 +212,6 @@ def _numba_to_cupy(x):
 
 def _device_result_converter(on_gpu: bool):
     """What a numba device array returned by a kernel becomes: CuPy view or host copy."""
-    from numba import cuda as numba_cuda
     if on_gpu:
         import cupy
 
@@ -238,15 +241,14 @@ def _wrapper(fn, convert, launch):
 
 
 def _numba_ops(on_gpu: bool, launch: SimpleNamespace) -> SimpleNamespace:
-    from kdtree_numba import attention, ddtree, layers
     is_device, to_xp = _device_result_converter(on_gpu)
 
     def convert(x):
         return map_arrays(to_xp, x, is_device)
 
     ops = {name: _wrapper(getattr(module, name), convert, launch)
-           for module, names in ((layers, LAYER_OPS), (attention, ATTENTION_OPS),
-                                 (ddtree, DDTREE_OPS))
+           for module, names in ((numba_layers, LAYER_OPS), (numba_attention, ATTENTION_OPS),
+                                 (numba_ddtree, DDTREE_OPS))
            for name in names}
     return SimpleNamespace(**ops)
 

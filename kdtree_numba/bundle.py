@@ -18,16 +18,18 @@ Layout (docs/ENGINE.md has the full table)::
 Weights are float32, bfloat16 or float16.  ``read_bundle`` validates everything against the
 config before the model sees it; any problem raises :class:`BundleError` naming the tensor.
 ``make_random_bundle`` writes deterministic random models (tiny/small/medium) whose weights are
-O(0.1-1) as shared/notes/mla-moe.md asks, so that routing and attention are not trivial.
+O(0.1-1) (docs/ENGINE.md, "Bundles"), so that routing and attention are not trivial.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Iterable, Iterator, Mapping
 
+import ml_dtypes
 import numpy as np
 
-from kdtree_numba.model import ModelConfig, weight_shapes
+from formats import kdtr
+from kdtree_numba.config import ModelConfig, weight_shapes
 
 __all__ = ["BundleError", "read_bundle", "write_bundle", "read_bundle_config", "SIZES",
            "size_config", "drafter_config", "random_weights", "make_random_bundle",
@@ -49,7 +51,7 @@ _TINY_YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings":
               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 SIZES: dict[str, dict[str, Any]] = {
-    # The tiny config of shared/notes/mla-moe.md (n_group > 1, a dense first layer), plus YaRN.
+    # The tiny parity config (n_group > 1, a dense first layer), plus YaRN (docs/ENGINE.md).
     "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
@@ -91,7 +93,7 @@ def drafter_config(target: ModelConfig, **overrides) -> ModelConfig:
 # ----------------------------------------------------------------------------- random weights
 
 def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """O(0.1-1) weights (mla-moe.md): matrices N(0, (1.2/sqrt(fan_in))^2) (0.15 at fan_in 64),
+    """O(0.1-1) weights (docs/ENGINE.md, "Bundles"): matrices N(0, (1.2/sqrt(fan_in))^2) (0.15 at fan_in 64),
     norm weights U[0.5, 1.5], router bias N(0, 0.3^2), embeddings N(0, 1)."""
     leaf = name.rsplit("/", 1)[-1]
     if leaf.endswith("layernorm") or leaf == "norm" or name.endswith("/norm"):
@@ -128,7 +130,6 @@ def _cast(name: str, array: np.ndarray, dtype: str | None) -> np.ndarray:
     if dtype not in WEIGHT_DTYPES:
         raise BundleError(f"tensor {name}: dtype {dtype} is not one of {WEIGHT_DTYPES}")
     if dtype == "bfloat16":
-        import ml_dtypes
         return array.astype(ml_dtypes.bfloat16, copy=False)
     return array.astype(dtype, copy=False)   # same dtype: no copy (a mapped source stays mapped)
 
@@ -142,7 +143,6 @@ def write_bundle(path, config: ModelConfig,
     consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
     against the config as they arrive; a missing or extra tensor raises BundleError and leaves
     no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given)."""
-    from formats import kdtr
     if kind not in BUNDLE_KINDS:
         raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
     expected = dict(weight_shapes(config), **(extra_shapes or {}))
@@ -195,7 +195,6 @@ def _check_tensor(name: str, shape: tuple, expected: Mapping[str, tuple], cfg: M
 # ----------------------------------------------------------------------------- reading
 
 def _open(path):
-    from formats import kdtr
     if not os.path.exists(path):
         raise FileNotFoundError(f"model bundle {os.fspath(path)!r} does not exist")
     try:

@@ -17,6 +17,13 @@ import time
 
 import numpy as np
 
+from kdtree_numba.bundle import (SIZES, BundleError, make_random_bundle, random_weights,
+                                 size_config)
+from kdtree_numba.config import weight_shapes
+from kdtree_numba.drafter import load_drafter
+from kdtree_numba.engine import generate
+from kdtree_numba.model import Model
+
 __all__ = ["run_main", "make_model_main", "default_model"]
 
 DEFAULT_SEED = 0
@@ -28,8 +35,6 @@ def _log(msg: str) -> None:
 
 def default_model(backend="auto"):
     """The built-in tiny model (deterministic: size tiny, seed 0), built in memory."""
-    from kdtree_numba.bundle import random_weights, size_config
-    from kdtree_numba.model import Model
     cfg = size_config("tiny")
     return Model(cfg, dict(random_weights(cfg, DEFAULT_SEED)), backend)
 
@@ -78,10 +83,6 @@ def _run_parser() -> argparse.ArgumentParser:
 
 
 def run_main(argv=None) -> int:
-    from kdtree_numba.bundle import BundleError
-    from kdtree_numba.drafter import load_drafter
-    from kdtree_numba.engine import generate
-    from kdtree_numba.model import Model
     args = _run_parser().parse_args(argv)
     prompts = _prompts(args) if (args.prompt_ids or args.prompt_file) else [[1, 2, 3, 4]]
     t0 = time.perf_counter()
@@ -132,7 +133,6 @@ def run_main(argv=None) -> int:
 
 
 def make_model_main(argv=None) -> int:
-    from kdtree_numba.bundle import SIZES, make_random_bundle
     p = argparse.ArgumentParser(
         prog="kdtr-make-model", description="Write a deterministic random model bundle "
         "(weights O(0.1-1), so routing and attention are not trivial).")
@@ -148,7 +148,6 @@ def make_model_main(argv=None) -> int:
     role = "block_drafter" if args.block_drafter else "drafter" if args.drafter else "target"
     t0 = time.perf_counter()
     cfg = make_random_bundle(args.out, args.size, args.seed, args.dtype, role=role)
-    from kdtree_numba.model import weight_shapes
     params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
     _log(f"kdtr-make-model: wrote {args.out} ({role}, {args.size}, {params / 1e6:.2f} M "
          f"parameters, {args.dtype}) in {time.perf_counter() - t0:.1f} s")

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
+                                 read_bundle_config)
 from kdtree_numba.model import Model
 
 __all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter"]
@@ -74,37 +76,25 @@ class ModelDrafter:
     def _catch_up(self, histories):
         """Feed each history's tokens past its exact cached prefix (at least the root);
         returns the logits row of each root, [bs, V]."""
-        be, cache = self.model.backend, self.cache
-        bs = len(histories)
+        cache = self.cache
         keep = np.array([min(_common_prefix(self.cached[b], h), h.size - 1)
                          for b, h in enumerate(histories)], np.int64)
         cache.truncate(keep)
-        feed = [h[k:] for h, k in zip(histories, keep)]
-        counts = np.array([f.size for f in feed], np.int64)
-        n = int(counts.max())
-        tokens = np.zeros((bs, n), np.int64)
-        for b, f in enumerate(feed):
-            tokens[b, :f.size] = f
-        positions = keep[:, None] + np.arange(n)[None, :]
-        visible = np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n))
-        logits = self.model.forward(tokens, positions, cache, visible)
-        cache.advance(counts)
+        logits = self.model.prefill(cache, [h[k:] for h, k in zip(histories, keep)])
         self.cached = [h.copy() for h in histories]
-        return logits[be.asarray(np.arange(bs)), be.asarray(counts - 1)]
+        return logits
 
     def propose(self, histories):
         if self.cache is None or self.cache.batch != len(histories):
             raise RuntimeError("call start(batch, max_len) before propose")
         ops, xp = self.model.backend.ops, self.model.backend.xp
-        bs = len(histories)
         histories = [np.asarray(h, np.int64) for h in histories]
         rows = [self._catch_up(histories)]
         for _ in range(1, self.block_len):
             token = ops.argmax(rows[-1])          # on the device, fed straight back
-            logits = self.model.forward(token[:, None], self.cache.lengths[:, None].copy(),
-                                        self.cache, np.ones((bs, 1, 1), bool))
+            logits = self.model.decode(self.cache, token)
             self.cache.advance(1)
-            rows.append(xp.ascontiguousarray(logits[:, 0]))
+            rows.append(xp.ascontiguousarray(logits))
         return xp.ascontiguousarray(xp.stack(rows, axis=1).astype(np.float32))
 
 
@@ -194,8 +184,6 @@ class BlockDrafter:
 
     @classmethod
     def load(cls, path, backend="auto", block_len: int | None = None) -> "BlockDrafter":
-        from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
-                                         read_bundle_config)
         config, attrs = read_bundle_config(path)
         if attrs.get("kdtree.bundle") != "block_drafter":
             raise BundleError(f"{path} is not a block_drafter bundle")
@@ -237,7 +225,6 @@ def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0):
     if spec.startswith("oracle"):
         agreement = float(spec.split(":", 1)[1]) if ":" in spec else 0.8
         return NoisyOracleDrafter(target, block_len, agreement, seed)
-    from kdtree_numba.bundle import read_bundle_config
     if read_bundle_config(spec)[1].get("kdtree.bundle") == "block_drafter":
         return BlockDrafter.load(spec, target.backend)
     return ModelDrafter.load(spec, target.backend, block_len)

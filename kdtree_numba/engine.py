@@ -10,7 +10,7 @@ token is the *root*: the next token fed to the target.  The target cache always 
 * Prefill: one causal forward over the right-padded prompts; the logits at each prompt's last
   row give the first new token.
 * AR step: one forward of the roots (n = 1), commit 1, choose the next token.
-* DDTree round (shared/notes/ddtree.md): drafter logits [bs, L, V] -> ``topk_logprobs``
+* DDTree round (docs/DDTREE.md, docs/ENGINE.md): drafter logits [bs, L, V] -> ``topk_logprobs``
   (k = min(budget, V)) -> ``build_tree`` -> ``compile_tree`` (start = cache lengths) -> ONE
   target forward over [root + B nodes] with the ancestor mask (KV written at [len, len+B+1)) ->
   accept (``accept_greedy`` on the target's argmax at T = 0, ``accept_sampled`` at T > 0) ->
@@ -34,8 +34,11 @@ for the device exactly once, when it reads the committed tokens (one packed int3
 DDTree round: acc_len and the committed tokens).  Everything else stays on the device or is
 host bookkeeping (lengths, sequences); phase timings come from markers read after the fact.
 
-On the GPU the forwards and a round's device-only phases (tree, accept, compaction) replay
-from CUDA graphs once their shapes repeat (kdtree_numba/graphs.py, docs/ENGINE.md).
+All device work is a model method: ``prefill``, ``decode``, ``forward`` (the verify), and the
+device steps ``choose``, ``draft_tree``, ``accept``, ``last_accepted`` and ``compact``
+(kdtree_numba/steps.py).  On the GPU the model replays them from CUDA graphs once their shapes
+repeat (kdtree_numba/graphs.py, docs/ENGINE.md); the engine keeps only host state (sequences,
+lengths, stats) and uses the backend for uploads, its reads, timing markers and frees.
 """
 from __future__ import annotations
 
@@ -45,8 +48,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-
-from reference.ddtree import DraftTree
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
@@ -173,53 +174,19 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
     return out
 
 
-def _root_only_tree(be, bs: int) -> DraftTree:
-    """A 1-slot-budget tree with no nodes, on the device: ``sample_targets`` on it samples
-    slot 0 only."""
-    full = lambda v, dt: np.full((bs, 2), v, dt)  # noqa: E731
-    depth = full(-1, np.int32)
-    depth[:, 0] = 0
-    score = full(-np.inf, np.float64)
-    score[:, 0] = 0.0
-    return DraftTree(n_nodes=be.asarray(np.zeros(bs, np.int32)),
-                     token=be.asarray(full(-1, np.int32)), parent=be.asarray(full(-1, np.int32)),
-                     depth=be.asarray(depth), rank=be.asarray(full(-1, np.int32)),
-                     score=be.asarray(score), max_depth=1)
-
-
 def _choose(model, logits, temperature: float, uniforms: np.ndarray) -> np.ndarray:
-    """Next token per request from logits [bs, V]: argmax at T = 0, else the inverse-CDF rule
-    of ``sample_targets`` (the same kernel DDTree uses) with ``uniforms [bs]``.  The one host
-    read of a prefill or an AR step."""
-    be, ops, xp = model.backend, model.backend.ops, model.backend.xp
-    logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
-    if temperature == 0:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
-        tokens = _device_step(model, ("argmax",), ops.argmax, (logits,))
-        return np.asarray(be.to_host(tokens), np.int64)
-    bs = logits.shape[0]
-    pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
-    u = be.asarray(np.stack([uniforms, np.full(bs, 0.5)], axis=1))
-    tokens = ops.sample_targets(_root_only_tree(be, bs), pair, temperature, u)
-    return np.asarray(be.to_host(tokens[:, 0]), np.int64)
+    """Next token per request from logits [bs, V] (``Model.choose``: argmax at T = 0, else the
+    inverse-CDF rule with ``uniforms [bs]``).  The one host read of a prefill or an AR step."""
+    return np.asarray(model.backend.to_host(model.choose(logits, temperature, uniforms)),
+                      np.int64)
 
 
 def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
-    be = model.backend
     bs = len(prompts)
     lens = np.array([p.size for p in prompts], np.int64)
-    n = int(lens.max())
-    tokens = np.zeros((bs, n), np.int64)
-    for b, p in enumerate(prompts):
-        tokens[b, :p.size] = p
-    positions = np.broadcast_to(np.arange(n), (bs, n))
-    visible = np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n))
-    logits = model.forward(tokens, positions, cache, visible, return_hidden=req.keep_hidden)
-    rows = (be.asarray(np.arange(bs)), be.asarray(lens - 1))
+    last = model.prefill(cache, prompts, return_hidden=req.keep_hidden)
     if req.keep_hidden:
-        logits, hidden = logits
-        req.hidden = hidden[rows]
-    cache.advance(lens)
-    last = logits[rows]
+        last, req.hidden = last
     u = np.array([tables[b][lens[b]] for b in range(bs)])
     first = _choose(model, last, temperature, u)
     timer.lap("prefill")
@@ -229,126 +196,41 @@ def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
 
 def _ar_step(model, cache, req: _Requests, temperature, tables, timer):
     bs = cache.batch
-    roots = req.roots()
-    logits = model.forward(roots[:, None], cache.lengths[:, None].copy(), cache,
-                           np.ones((bs, 1, 1), bool))
+    logits = model.decode(cache, req.roots())
     cache.advance(req.active.astype(np.int64))
     u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)] for b in range(bs)])
-    nxt = _choose(model, logits[:, 0], temperature, u)
+    nxt = _choose(model, logits, temperature, u)
     timer.lap("decode")
     for b in np.flatnonzero(req.active):
         req.commit(b, [nxt[b]])
 
 
-def _tree_uniforms(xp, table, tree, start):
-    """``U_b[start_b + depth + 1]`` for every slot of the tree, gathered on the device from the
-    uploaded uniform table [bs, W] (padding slots, depth -1, take depth 0's; positions clip at
-    W - 1, as the table covers every position a committed token can have)."""
-    pos = start[:, None] + xp.maximum(tree.depth, 0) + 1
-    return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
-
-
-def _pack_committed(xp, tree, acc_idx, acc_len, next_token):
-    """One int32 array [bs, 1 + (L + 1)] built on the device: column 0 is acc_len m, columns
-    1..m the committed tokens (the accepted nodes after the root, then the bonus token), the
-    rest -1.  Reading it is the round's only host read."""
-    path = xp.take_along_axis(tree.token, xp.maximum(acc_idx[:, 1:], 0), axis=1)   # [bs, L]
-    m = acc_len.astype(np.int32)[:, None]
-    col = xp.arange(acc_idx.shape[1], dtype=np.int32)[None, :]                    # 0..L
-    padded = xp.concatenate([path.astype(np.int32), xp.zeros_like(m)], axis=1)
-    bonus = next_token.astype(np.int32)[:, None]
-    committed = xp.where(col < m - 1, padded, xp.where(col == m - 1, bonus, np.int32(-1)))
-    return xp.concatenate([m, committed.astype(np.int32)], axis=1)
-
-
-def _device_step(model, key, fn, inputs):
-    """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when it
-    has them (graphs.ForwardGraphs.call: captured on the key's second call), else run eagerly
-    on device copies of ``inputs`` (host or device arrays)."""
-    be = model.backend
-    if model.graphs is not None:
-        specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
-        out = model.graphs.call(key + specs, fn, inputs, specs)
-        if out is not None:
-            return out
-    return fn(*(be.asarray(a) for a in inputs))
-
-
-def _tree_phase(ops, k: int, budget: int):
-    """draft logits, roots, start -> (tree, verify inputs): top-K, build, compile."""
-    def run(draft_logits, roots, start):
-        lp, ids = ops.topk_logprobs(draft_logits, k)
-        tree = ops.build_tree(lp, ids, budget)
-        return tree, ops.compile_tree(tree, roots, start)
-    return run
-
-
-TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")
-
-
-def _accept_phase(ops, xp, temperature: float, max_depth: int):
-    """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
-    committed tokens): the target's choice at every node, the walk, the packing."""
-    def run(logits, *arrays):
-        tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
-        if temperature == 0:
-            bs, n, V = logits.shape
-            target = ops.argmax(logits.reshape(bs * n, V)).reshape(bs, n)
-            acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
-        else:
-            table, start = arrays[len(TREE_ARRAYS):]
-            u = _tree_uniforms(xp, table, tree, start)
-            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
-        return acc_idx, acc_len, _pack_committed(xp, tree, acc_idx, acc_len, nxt)
-    return run
-
-
-def _compaction_phase(ops, cache):
-    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
-    def run(lengths, acc_idx, acc_len):
-        cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
-        return ()
-    return run
-
-
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
                   stats):
-    """One round.  Its three device-only phases (tree, accept, compaction) go through
-    ``_device_step``: on the GPU each is one CUDA-graph launch once its shapes repeat, like the
-    verify forward."""
-    be, ops, xp = model.backend, model.backend.ops, model.backend.xp
-    bs, V = cache.batch, model.vocab_size
+    """One round.  Its device work is the drafter's, then the model's: the tree, the verify
+    forward, the acceptance, the compaction (on the GPU each one CUDA-graph launch once its
+    shapes repeat); then the round's one read."""
     histories = [np.asarray(s, np.int64) for s in req.seq]
     if req.keep_hidden:
         draft_logits = drafter.propose(histories, target_hidden=req.hidden)
     else:
         draft_logits = drafter.propose(histories)
     timer.lap("draft")
-    k = min(budget, V)
     start = cache.lengths.astype(np.int32)
-    tree, vin = _device_step(model, ("tree", k, budget), _tree_phase(ops, k, budget),
-                             (draft_logits, req.roots(), start))
+    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget)
     timer.lap("tree_build")
     logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
                            return_hidden=req.keep_hidden)
     if req.keep_hidden:
         logits, hidden = logits
     timer.lap("verify")
-    arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
-    if temperature > 0:
-        arrays += (table, start)
-    acc_idx, acc_len, packed = _device_step(
-        model, ("accept", float(temperature), tree.max_depth),
-        _accept_phase(ops, xp, temperature, tree.max_depth), (logits,) + arrays)
+    acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start)
     if req.keep_hidden:  # the row of the last accepted node chose the next root
-        last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
-                                  axis=1)[:, 0]
-        req.hidden = hidden[xp.arange(bs), last]
+        req.hidden = model.last_accepted(hidden, acc_idx, acc_len)
     timer.lap("accept")
-    _device_step(model, ("compaction",) + cache.buffer_key(), _compaction_phase(ops, cache),
-                 (cache.lengths, acc_idx, acc_len))
+    model.compact(cache, acc_idx, acc_len)
     timer.lap("compaction")
-    packed = be.to_host(packed)                   # THE host read of the round
+    packed = model.backend.to_host(packed)        # THE host read of the round
     active = req.active.copy()
     cache.advance(np.where(active, packed[:, 0], 0))
     stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(active)])
@@ -401,14 +283,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if method == "ddtree" and temperature > 0 else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
-    cache = model.generation_cache = model.reuse_cache(model.generation_cache, bs, max_len)
+    cache = model.cache_for_generation(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
     req = _Requests(prompts, max_new_tokens, eos,
                     keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",
                                                                False))
     timer = _PhaseClock(be, stats)
-    graphs = model.graphs
-    graphs_before = (graphs.captures, graphs.replays) if graphs is not None else None
+    graphs_before = model.graph_counts()
     with be.deferred_frees():   # the drafter's old state dies here too
         if method == "ddtree":
             drafter.start(bs, max_len + block_len + 1)
@@ -428,7 +309,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     timer.finish()
     stats.seconds = time.perf_counter() - t0
     if graphs_before is not None:
-        stats.graph_captures = graphs.captures - graphs_before[0]
-        stats.graph_replays = graphs.replays - graphs_before[1]
+        graphs_after = model.graph_counts()
+        stats.graph_captures = graphs_after[0] - graphs_before[0]
+        stats.graph_replays = graphs_after[1] - graphs_before[1]
     stats.new_tokens = sum(len(o) for o in req.out)
     return GenerationResult(req.out, stats)

@@ -1,4 +1,4 @@
-"""CUDA graphs of the model's forward: each shape captured once, then replayed with one launch.
+"""CUDA graphs of repeated device work: each key captured once, then replayed with one launch.
 
 Why: a forward on the GPU is ~90 numba kernel launches plus CuPy glue, and each numba launch
 costs tens of microseconds of Python (argument typing, context checks, array wrapping).  The
@@ -6,23 +6,25 @@ small config's decode forward took 42 ms of host time for well under a milliseco
 (tools/profile_engine.py, docs/BENCHMARKS.md).  A replayed graph costs one launch plus the
 uploads of the call's inputs.
 
-How (:class:`ForwardGraphs`, owned by a :class:`~kdtree_numba.model.Model` on the GPU):
+How (:class:`GraphCache`, owned by a :class:`~kdtree_numba.model.Model` on the GPU, which
+decides what is captured and under which key: its forwards and the device-only steps of a
+decoding round, kdtree_numba/steps.py):
 
-* **When**: a key (batch, new tokens n, whether hidden states are returned, the KV cache's
-  buffers) is captured the *second* time it is seen.  The first call runs eagerly, which
-  compiles and loads every kernel it needs (loading a module is not allowed while capturing),
-  and one-off shapes such as a prefill never pay for a capture.
-* **Inputs**: the graph reads static device buffers (tokens, positions, visible mask, the new
-  slots' rows and the prefix lengths); a replay first writes the call's inputs into them.
-  Attention's split plan is sized for the whole cache (``max_keys = max_len``), so one graph
-  serves every prefix length.
+* **When**: a key is captured the *second* time it is seen.  The first call runs eagerly,
+  which compiles and loads every kernel it needs (loading a module is not allowed while
+  capturing), and one-off shapes such as a prefill never pay for a capture.
+* **Inputs**: the graph reads static device buffers; a replay first writes the call's inputs
+  (host or device arrays) into them.  The key must name everything else the captured work
+  depends on (a forward's: batch, n, whether hidden states are returned, the KV cache's
+  buffers).
 * **Outputs** are copied out after each replay, so callers may keep them across calls (a
   drafter keeps its L rows); the copy is one small device-to-device kernel.
-* **Memory**: everything the captured forward allocates lives as long as its graph: CuPy glue
+* **Memory**: everything the captured work allocates lives as long as its graph: CuPy glue
   allocates from a pool private to the graphs, numba's allocations are recorded while
-  capturing (the memory manager's ``memalloc`` is wrapped) and attention plans are rebuilt
-  inside the capture so their scratch is recorded too.  numba's frees are deferred while
-  capturing (a free can synchronise, which would break the capture).
+  capturing (the memory manager's ``memalloc`` is wrapped), and the owner's ``before_capture``
+  hook drops what would otherwise outlive the capture (the model rebuilds attention's plans
+  inside it, so their scratch is recorded too).  numba's frees are deferred while capturing (a
+  free can synchronise, which would break the capture).
 * **Streams**: captured on a blocking stream of its own (:meth:`Backend.on_stream` routes numba
   kernels and CuPy glue there).  A blocking stream is ordered with the legacy default stream,
   on which everything else runs, in both directions, so replays need no events; and an op that
@@ -30,9 +32,9 @@ How (:class:`ForwardGraphs`, owned by a :class:`~kdtree_numba.model.Model` on th
 * **Failure**: a capture that fails is reported once (``RuntimeWarning``) and that key runs
   eagerly from then on; ``KDTREE_CUDA_GRAPHS=0`` turns graphs off.
 
-Tokens are the same with or without graphs up to the split plan: a replay sums attention over
-the cache's capacity split, an eager call over the current prefix's, which can change the last
-bits of a float32 sum (see tests/test_engine_gpu.py).
+Tokens are the same with or without graphs up to the split plan: a replayed forward sums
+attention over the cache's capacity split, an eager call without graphs over the current
+prefix's, which can change the last bits of a float32 sum (see tests/test_engine_gpu.py).
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ import warnings
 import numpy as np
 
 from kdtree_numba.backends import map_arrays
-from kdtree_numba.kvcache import WriteSlots
+from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat's numpy fix
 
-__all__ = ["ForwardGraphs", "ForwardInputs", "graphs_enabled"]
+__all__ = ["GraphCache", "graphs_enabled"]
 
 MAX_GRAPHS = 24        # captured shapes kept per model (least recently used dropped)
 MAX_SEEN = 256         # keys remembered while waiting for their second call
@@ -56,16 +58,6 @@ MAX_SEEN = 256         # keys remembered while waiting for their second call
 def graphs_enabled() -> bool:
     """Whether CUDA graphs are on (``KDTREE_CUDA_GRAPHS=0`` turns them off)."""
     return os.environ.get("KDTREE_CUDA_GRAPHS", "1") != "0"
-
-
-@dataclasses.dataclass
-class ForwardInputs:
-    """One forward's inputs on the device: tokens [bs, n] int32, positions [bs * n] int32,
-    visible [bs, n, n] bool and the cache slots (kvcache.WriteSlots)."""
-    tokens: object
-    positions: object
-    visible: object
-    slots: object
 
 
 @dataclasses.dataclass
@@ -90,7 +82,6 @@ def _write(dst, src) -> None:
 def _recording_numba_allocations(keep: list):
     """Keep every device allocation numba makes inside the block alive (in ``keep``), and hold
     numba's frees back until the block ends."""
-    from numba import cuda as numba_cuda
     manager = numba_cuda.current_context().memory_manager
     original = manager.memalloc
 
@@ -107,14 +98,15 @@ def _recording_numba_allocations(keep: list):
         del manager.memalloc           # the class's method again
 
 
-class ForwardGraphs:
-    """The captured device work of one model (module docstring): its forwards
-    (:meth:`forward`) and any other device-only step (:meth:`call`: the engine's DDTree round
-    phases).  ``captures``, ``replays`` and ``failures`` count what happened."""
+class GraphCache:
+    """Captured device work, by key (module docstring): :meth:`call` replays a key's graph or
+    says to run eagerly.  ``before_capture`` (no arguments) runs before each capture begins.
+    ``captures``, ``replays`` and ``failures`` count what happened."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, before_capture=None):
         import cupy
         self.backend = backend
+        self.before_capture = before_capture
         self.stream = cupy.cuda.Stream()             # blocking: see the module docstring
         # The captured work's glue memory.  Blocks a capture freed are still written by its
         # graph, so they may go only to later captures, never back to the driver: on an
@@ -168,32 +160,12 @@ class ForwardGraphs:
         self.replays += 1
         return map_arrays(lambda a: a.copy(), entry.outputs)   # legacy stream: after it
 
-    def forward(self, model, tokens, positions, cache, visible, return_hidden: bool):
-        """The forward of ``model`` (Model.forward's contract) through a graph, or ``None``
-        when this call must run eagerly."""
-        import cupy
-        bs, n = tokens.shape
-        cache.check_room(n)
-        key = ("forward", bs, n, bool(return_hidden)) + cache.buffer_key()
-
-        def run(tok, pos, vis, rows, prefix):
-            # the split plan covers the whole cache, so one graph serves every length
-            slots = WriteSlots(batch=cupy.arange(bs, dtype=np.int64)[:, None], rows=rows,
-                               prefix=prefix, max_keys=cache.max_len)
-            return model._compute(ForwardInputs(tok, pos, vis, slots), cache, return_hidden,
-                                  None)
-        specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
-                 ((bs, n), np.int64), ((bs,), np.int32))
-        rows = cache.lengths[:, None] + np.arange(n)[None, :]
-        return self.call(key, run, (tokens, positions, visible, rows, cache.lengths), specs)
-
     def _capture(self, key, fn, specs):
         import cupy
-        from kdtree_numba import attention
         static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)
         keep: list = []
-        # attention plans hold scratch between calls; rebuilt here, theirs is recorded too
-        attention._cached_plan.cache_clear()
+        if self.before_capture is not None:
+            self.before_capture()
         graph, outputs, error = None, None, None
         with _recording_numba_allocations(keep), cupy.cuda.using_allocator(self.pool.malloc), \
                 self.backend.on_stream(self.stream):

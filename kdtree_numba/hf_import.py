@@ -26,10 +26,12 @@ import sys
 import time
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 
+from formats.safetensors_io import SafetensorsFile
 from kdtree_numba.bundle import BundleError, write_bundle
-from kdtree_numba.model import ModelConfig, weight_shapes
+from kdtree_numba.config import ModelConfig, weight_shapes
 
 __all__ = ["import_hf", "main", "hf_source_names", "dequantize_fp8", "export_hf_checkpoint",
            "hf_state_dict"]
@@ -54,7 +56,6 @@ class _Checkpoint:
     """HF tensor name -> array, over every shard of a checkpoint directory."""
 
     def __init__(self, hf_dir: str, block):
-        from formats.safetensors_io import SafetensorsFile
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as fh:
@@ -117,7 +118,6 @@ def _out_dtype(arr: np.ndarray, dtype: str) -> str:
 def _cast(arr: np.ndarray, dtype: str) -> np.ndarray:
     """``arr`` as ``dtype``; no copy when it already is (a mapped shard stays mapped)."""
     if dtype == "bfloat16":
-        import ml_dtypes
         return np.asarray(arr).astype(ml_dtypes.bfloat16, copy=False)
     return np.asarray(arr).astype(dtype, copy=False)
 

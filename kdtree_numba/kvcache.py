@@ -1,6 +1,6 @@
 """The batched latent KV cache of an MLA model.
 
-Per layer the cache holds only what absorbed MLA attends to (shared/notes/mla-moe.md): the
+Per layer the cache holds only what absorbed MLA attends to (docs/ATTENTION.md): the
 normalised latent ``c`` (kv_lora_rank r) and the rotated rope key ``k_pe`` (dr) of every token.
 All layers live in two stacked arrays, ``c [n_layers, bs, max_len, r]`` and
 ``k_pe [n_layers, bs, max_len, dr]`` (float32, ``backend.xp``), so a DDTree compaction moves the
@@ -79,14 +79,28 @@ class KVCache:
                 f"{n_new} more slots, but max_len is {self.max_len} "
                 f"({over.size} request(s) over capacity); allocate a larger cache")
 
+    def slot_inputs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(rows [bs, n] int64, prefix [bs] int32)`` of n new tokens per request: the
+        cache rows they go to and the committed lengths before them (raises
+        :class:`CacheFullError` first).  :meth:`write_slots` uploads them; a CUDA graph writes
+        them into its static buffers and builds its slots with :meth:`device_slots`."""
+        self.check_room(n)
+        return self.lengths[:, None] + np.arange(n)[None, :], self.lengths.astype(np.int32)
+
     def write_slots(self, n: int) -> WriteSlots:
         """The slots of n new tokens per request (raises :class:`CacheFullError` first)."""
-        self.check_room(n)
+        rows, prefix = self.slot_inputs(n)
         put = self.backend.asarray
-        return WriteSlots(batch=put(np.arange(self.batch)[:, None]),
-                          rows=put(self.lengths[:, None] + np.arange(n)[None, :]),
-                          prefix=put(self.lengths.astype(np.int32)),
-                          max_keys=int(self.lengths.max()) + n)
+        return WriteSlots(batch=put(np.arange(self.batch)[:, None]), rows=put(rows),
+                          prefix=put(prefix), max_keys=int(self.lengths.max()) + n)
+
+    def device_slots(self, rows, prefix) -> WriteSlots:
+        """The slots of :meth:`slot_inputs` already on the device (a CUDA graph's static
+        buffers), made with device work only, so that a graph can capture it; attention's
+        split plan covers the whole capacity (``max_keys = max_len``), so one graph serves
+        every length."""
+        return WriteSlots(batch=self.backend.xp.arange(self.batch, dtype=np.int64)[:, None],
+                          rows=rows, prefix=prefix, max_keys=self.max_len)
 
     def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
         """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr], into

@@ -1,18 +1,23 @@
 """A DeepSeek-V3 / Kimi-K2 (MLA + MoE) model, written once, running on either backend.
 
-``ModelConfig`` carries the Hugging Face ``DeepseekV3Config`` fields (``kimi_k2`` configs load
-as the same thing); ``weight_shapes(config)`` names every parameter the model needs, in bundle
-layout (HF names with ``/`` for ``.`` and no ``.weight`` suffix, experts stacked); ``Model`` runs
-the forward pass through ``backend.xp`` (glue) and ``backend.ops`` (kernels) only, so the NumPy
-reference and the numba.cuda kernels execute the very same model code (kdtree_numba/backends.py).
+``Model`` runs the forward pass of a ``ModelConfig`` (kdtree_numba/config.py, which also has
+``weight_shapes``, the parameters in bundle layout) through ``backend.xp`` (glue) and
+``backend.ops`` (kernels) only, so the NumPy reference and the numba.cuda kernels execute the
+very same model code (kdtree_numba/backends.py).
 
 One forward serves every phase: ``model.forward(tokens [bs, n], positions [bs, n], cache,
 visible [bs, n, n]) -> logits [bs, n, V]`` writes the n new latents into the cache at
 ``[len_b, len_b + n)`` (uncommitted: the caller commits, kvcache.py) and lets token i of request
 b attend to the cached prefix plus the new tokens j with ``visible[b, i, j]``.  A causal
 ``visible`` is prefill, n = 1 is decode, a DDTree ancestor mask with depth positions is tree
-verification.  The math is shared/notes/mla-moe.md (absorbed MLA: the cache holds only the
-latent c and the rope key).
+verification.  The math is docs/ENGINE.md, "The forward pass" (absorbed MLA, docs/ATTENTION.md:
+the cache holds only the latent c and the rope key).
+
+What decoding needs is a model method (the engine's seam, docs/ENGINE.md): ``prefill`` (ragged
+sequences, committed), ``decode`` (one token per request), ``cache_for_generation``,
+``graph_counts``, and the device steps of a round (kdtree_numba/steps.py: ``choose``,
+``draft_tree``, ``accept``, ``last_accepted``, ``compact``).  On the GPU the model owns the CUDA
+graphs its forwards and steps replay from (kdtree_numba/graphs.py) and builds their keys.
 """
 from __future__ import annotations
 
@@ -22,218 +27,25 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.graphs import ForwardGraphs, ForwardInputs, graphs_enabled
-from kdtree_numba.kvcache import KVCache
+from kdtree_numba.bundle import read_bundle
+# ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
+# here, where they were first documented.
+from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
+from kdtree_numba.graphs import GraphCache, graphs_enabled
+from kdtree_numba.kvcache import KVCache, WriteSlots
+from kdtree_numba.steps import DeviceSteps
+from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "LATENT_NORM_EPS",
-           "HF_MODEL_TYPES"]
+__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "pad_ragged",
+           "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
 # one (and the CUDA graphs captured against it): Model.reuse_cache
 CACHE_BUCKET = 256
 # q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (DeepSeek's code).
 LATENT_NORM_EPS = 1e-6
-HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-ROPE_SCALING_KEYS = ("type", "factor", "original_max_position_embeddings", "beta_fast",
-                     "beta_slow", "mscale", "mscale_all_dim")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The fields of an HF ``DeepseekV3Config`` this engine uses (HF names and meanings)."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int            # dense FFN width (layers < first_k_dense_replace)
-    moe_intermediate_size: int        # per routed expert (and per shared expert)
-    num_hidden_layers: int
-    num_attention_heads: int
-    kv_lora_rank: int
-    q_lora_rank: int | None           # None: a single q_proj
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    first_k_dense_replace: int = 0
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    scoring_func: str = "sigmoid"     # "sigmoid" (V3/K2, with e_score_correction_bias) | "softmax"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # YaRN: type, factor, original_max_position_embeddings, ...
-    rope_interleave: bool = True
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    model_type: str = "deepseek_v3"
-
-    def __post_init__(self):
-        self.validate()
-
-    # ---- derived sizes
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def is_dense_layer(self, layer: int) -> bool:
-        return layer < self.first_k_dense_replace
-
-    def validate(self) -> None:
-        """ValueError naming the first inconsistent field."""
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                    "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                    "num_experts_per_tok", "n_group", "topk_group")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"config field {name} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"config field q_lora_rank must be None or >= 1, got {self.q_lora_rank}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"config field qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ValueError(f"config field first_k_dense_replace={self.first_k_dense_replace} "
-                             f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
-        if self.n_shared_experts < 0:
-            raise ValueError("config field n_shared_experts must be >= 0")
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"config field scoring_func must be sigmoid or softmax, "
-                             f"got {self.scoring_func!r}")
-        E = self.n_routed_experts
-        if E % self.n_group or self.topk_group > self.n_group \
-                or self.num_experts_per_tok > (E // self.n_group) * self.topk_group:
-            raise ValueError(f"config fields n_routed_experts={E}, n_group={self.n_group}, "
-                             f"topk_group={self.topk_group}, num_experts_per_tok="
-                             f"{self.num_experts_per_tok} are inconsistent")
-        if self.rope_scaling is not None and self.rope_scaling.get("type") not in ("yarn",):
-            raise ValueError(f"config field rope_scaling: only YaRN is supported, got "
-                             f"{self.rope_scaling!r}")
-
-    # ---- Hugging Face config.json
-    @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        """From a ``config.json`` dict of model_type deepseek_v3 or kimi_k2 (transformers 4
-        ``rope_theta``/``rope_scaling`` or transformers 5 ``rope_parameters``)."""
-        model_type = hf.get("model_type", "deepseek_v3")
-        if model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not a DeepSeek-V3 architecture "
-                             f"(accepted: {HF_MODEL_TYPES})")
-        heads = hf["num_attention_heads"]
-        if hf.get("num_key_value_heads", heads) not in (None, heads):
-            raise ValueError("MLA needs num_key_value_heads == num_attention_heads")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        theta, scaling = _hf_rope(hf)
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in hf.items() if k in fields}
-        kwargs.update(rope_theta=theta, rope_scaling=scaling, eos_token_id=eos,
-                      model_type=model_type,
-                      scoring_func=hf.get("scoring_func", "sigmoid"),
-                      rope_interleave=bool(hf.get("rope_interleave", True)),
-                      n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                      first_k_dense_replace=hf.get("first_k_dense_replace") or 0)
-        return cls(**kwargs)
-
-    def to_hf_dict(self) -> dict:
-        """A ``config.json`` dict that transformers' DeepseekV3Config accepts."""
-        d = dataclasses.asdict(self)
-        d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                 num_key_value_heads=self.num_attention_heads, hidden_act="silu",
-                 topk_method="noaux_tc" if self.scoring_func == "sigmoid" else "greedy")
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = dict(self.rope_scaling)
-        return d
-
-    # ---- KDTR attributes (None fields are left out; rope_scaling is a sub-group)
-    def to_attrs(self) -> tuple[dict, dict | None]:
-        flat = {k: v for k, v in dataclasses.asdict(self).items()
-                if v is not None and k != "rope_scaling"}
-        return flat, (dict(self.rope_scaling) if self.rope_scaling is not None else None)
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any], rope_scaling: Mapping | None) -> "ModelConfig":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(attrs) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown config attributes {unknown}")
-        kwargs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in attrs.items()}
-        kwargs["rope_scaling"] = dict(rope_scaling) if rope_scaling is not None else None
-        kwargs.setdefault("q_lora_rank", None)
-        return cls(**kwargs)
-
-    def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
-
-
-def _hf_rope(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, YaRN dict or None) from either HF rope spelling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or None
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
-    if scaling is None and params.get("rope_type", "default") not in ("default", None):
-        scaling = params
-    if scaling is None:
-        return theta, None
-    kind = scaling.get("type", scaling.get("rope_type"))
-    if kind != "yarn":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (yarn only)")
-    out = {"type": "yarn"}
-    for key in ROPE_SCALING_KEYS[1:]:
-        if scaling.get(key) is not None:
-            out[key] = scaling[key]
-    return theta, out
-
-
-# ----------------------------------------------------------------------------- parameters
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the model in bundle layout, name -> shape, in a stable order."""
-    D, V, H, r, dr = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads,
-                      cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    dn, dv, E, Im = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.n_routed_experts, \
-        cfg.moe_intermediate_size
-    shapes = {"model/embed_tokens": (V, D)}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model/layers/{layer}/"
-        shapes[p + "input_layernorm"] = (D,)
-        if cfg.q_lora_rank is None:
-            shapes[p + "self_attn/q_proj"] = (H * (dn + dr), D)
-        else:
-            shapes[p + "self_attn/q_a_proj"] = (cfg.q_lora_rank, D)
-            shapes[p + "self_attn/q_a_layernorm"] = (cfg.q_lora_rank,)
-            shapes[p + "self_attn/q_b_proj"] = (H * (dn + dr), cfg.q_lora_rank)
-        shapes[p + "self_attn/kv_a_proj_with_mqa"] = (r + dr, D)
-        shapes[p + "self_attn/kv_a_layernorm"] = (r,)
-        shapes[p + "self_attn/kv_b_proj"] = (H * (dn + dv), r)
-        shapes[p + "self_attn/o_proj"] = (D, H * dv)
-        shapes[p + "post_attention_layernorm"] = (D,)
-        if cfg.is_dense_layer(layer):
-            I = cfg.intermediate_size
-            shapes.update({p + "mlp/gate_proj": (I, D), p + "mlp/up_proj": (I, D),
-                           p + "mlp/down_proj": (D, I)})
-            continue
-        shapes[p + "mlp/gate"] = (E, D)
-        shapes[p + "mlp/e_score_correction_bias"] = (E,)
-        shapes[p + "mlp/experts/gate_up_proj"] = (E, 2 * Im, D)
-        shapes[p + "mlp/experts/down_proj"] = (E, D, Im)
-        if cfg.n_shared_experts:
-            Is = Im * cfg.n_shared_experts
-            shapes.update({p + "mlp/shared_experts/gate_proj": (Is, D),
-                           p + "mlp/shared_experts/up_proj": (Is, D),
-                           p + "mlp/shared_experts/down_proj": (D, Is)})
-    shapes["model/norm"] = (D,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (V, D)
-    return shapes
 
 
 def causal_mask(n: int, bs: int = 1) -> np.ndarray:
@@ -241,10 +53,40 @@ def causal_mask(n: int, bs: int = 1) -> np.ndarray:
     return np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n)).copy()
 
 
+def pad_ragged(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids [bs, n] int64, lengths [bs] int64, visible [bs, n, n])`` of ragged token
+    sequences: right-padded with 0 to the longest (n) and the causal mask, the inputs of one
+    prefill-shaped forward (the padding rows are computed and ignored)."""
+    lengths = np.array([len(s) for s in seqs], np.int64)
+    n = int(lengths.max())
+    ids = np.zeros((len(seqs), n), np.int64)
+    for b, s in enumerate(seqs):
+        ids[b, :lengths[b]] = s
+    return ids, lengths, causal_mask(n, len(seqs))
+
+
+@dataclasses.dataclass
+class ForwardInputs:
+    """One forward's inputs on the device: tokens [bs, n] int32, positions [bs * n] int32,
+    visible [bs, n, n] bool and the cache slots (kvcache.WriteSlots)."""
+    tokens: object
+    positions: object
+    visible: object
+    slots: WriteSlots
+
+
+def _rebuild_attention_plans() -> None:
+    """Before each CUDA-graph capture: attention's cached split plans hold scratch between
+    calls, so they are dropped and rebuilt inside the capture, which records their scratch
+    with the graph (kdtree_numba/graphs.py)."""
+    numba_attention.clear_plan_cache()
+
+
 # ----------------------------------------------------------------------------- the model
 
-class Model:
-    """The forward pass of a ModelConfig with its weights on one backend."""
+class Model(DeviceSteps):
+    """The forward pass of a ModelConfig with its weights on one backend, and the device steps
+    of decoding (kdtree_numba/steps.py)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto"):
         self.config = config
@@ -252,18 +94,18 @@ class Model:
         self.rope = _rope_spec(config)
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights)
-        # CUDA graphs of repeated forward shapes (kdtree_numba/graphs.py); None: every
-        # forward runs eagerly (the reference backend, the simulator, KDTREE_CUDA_GRAPHS=0)
-        self.graphs = None
-        # engine.generate's KV cache, kept for the next generation (reuse_cache)
+        # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
+        # None: everything runs eagerly (the reference backend, the simulator,
+        # KDTREE_CUDA_GRAPHS=0)
+        self.graphs: GraphCache | None = None
+        # engine.generate's KV cache, kept for the next generation (cache_for_generation)
         self.generation_cache: KVCache | None = None
         if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
-            self.graphs = ForwardGraphs(self.backend)
+            self.graphs = self.new_graphs()
 
     @classmethod
     def load(cls, path, backend="auto") -> "Model":
         """A model bundle (.kdtr, kdtree_numba/bundle.py), validated, on ``backend``."""
-        from kdtree_numba.bundle import read_bundle
         config, weights = read_bundle(path)
         return cls(config, weights, backend)
 
@@ -337,6 +179,24 @@ class Model:
             return previous
         return self.new_cache(batch, bucket)
 
+    def cache_for_generation(self, batch: int, max_len: int) -> KVCache:
+        """engine.generate's KV cache: the last generation's, emptied, when it fits
+        (:meth:`reuse_cache`), else a new one; kept in ``generation_cache`` for the next call,
+        so its CUDA graphs replay there (``model.generation_cache = None`` drops it)."""
+        self.generation_cache = self.reuse_cache(self.generation_cache, batch, max_len)
+        return self.generation_cache
+
+    def new_graphs(self) -> GraphCache:
+        """An empty CUDA-graph cache for this model's forwards and steps (GPU numba backend
+        only); ``model.graphs = model.new_graphs()`` starts counting afresh."""
+        return GraphCache(self.backend, before_capture=_rebuild_attention_plans)
+
+    def graph_counts(self) -> tuple[int, int] | None:
+        """(captures, replays) of the model's CUDA graphs so far; None where graphs are off."""
+        if self.graphs is None:
+            return None
+        return self.graphs.captures, self.graphs.replays
+
     def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
                 embeds=None):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
@@ -362,7 +222,7 @@ class Model:
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
         if self.graphs is not None and embeds is None:
-            out = self.graphs.forward(self, tokens, positions, cache, visible, return_hidden)
+            out = self._replay_forward(tokens, positions, cache, visible, return_hidden)
             if out is not None:
                 return out
         slots = cache.write_slots(n)
@@ -375,8 +235,48 @@ class Model:
                                visible=be.asarray(visible).astype(bool), slots=slots)
         return self._compute(inputs, cache, return_hidden, embeds)
 
+    def prefill(self, cache: KVCache, seqs, *, return_hidden: bool = False):
+        """Feed request b's tokens ``seqs[b]`` (ragged, at least one each) after its cached
+        prefix in one causal forward (:func:`pad_ragged`), and commit them.  Returns the logits
+        [bs, V] of each request's last token, plus its final hidden state [bs, D] with
+        ``return_hidden``, on the device."""
+        ids, lengths, visible = pad_ragged(seqs)
+        positions = cache.lengths[:, None] + np.arange(ids.shape[1])[None, :]
+        out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden)
+        cache.advance(lengths)
+        rows = (self.backend.asarray(np.arange(len(seqs))), self.backend.asarray(lengths - 1))
+        if return_hidden:
+            logits, hidden = out
+            hidden = hidden[rows]
+            return logits[rows], hidden
+        return out[rows]
+
+    def decode(self, cache: KVCache, tokens):
+        """Logits [bs, V] of one new token per request (``tokens`` [bs], host or device) at
+        position ``cache.lengths[b]``.  Written, not committed: the caller advances the cache
+        (e.g. only for the requests still running)."""
+        bs = cache.batch
+        logits = self.forward(tokens[:, None], cache.lengths[:, None].copy(), cache,
+                              np.ones((bs, 1, 1), bool))
+        return logits[:, 0]
+
+    def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool):
+        """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
+        must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
+        (KVCache.slot_inputs), so one graph serves every prefix length."""
+        bs, n = tokens.shape
+        rows, prefix = cache.slot_inputs(n)
+        key = ("forward", bs, n, bool(return_hidden)) + cache.buffer_key()
+
+        def run(tok, pos, vis, rows, prefix):
+            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(rows, prefix))
+            return self._compute(inputs, cache, return_hidden, None)
+        specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
+                 ((bs, n), np.int64), ((bs,), np.int32))
+        return self.graphs.call(key, run, (tokens, positions, visible, rows, prefix), specs)
+
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds):
-        """The forward on device inputs (graphs.ForwardInputs): only device work, so a CUDA
+        """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
         graph can capture it."""
         ops, be, cfg = self.backend.ops, self.backend, self.config
         tokens, positions, visible, slots = (inputs.tokens, inputs.positions, inputs.visible,
@@ -450,10 +350,8 @@ class Model:
         return np.asarray(self.backend.to_host(logits[0]), np.float32)
 
 
-def _rope_spec(cfg: ModelConfig):
+def _rope_spec(cfg: ModelConfig) -> RopeSpec:
     """The kernels' RopeSpec, built by their own HF-config constructor (one reading of YaRN)."""
-    from reference.layers import RopeSpec
     hf = {"rope_theta": cfg.rope_theta, "qk_rope_head_dim": cfg.qk_rope_head_dim,
           "rope_interleave": cfg.rope_interleave, "rope_scaling": cfg.rope_scaling}
     return RopeSpec.from_hf_config(hf)
-

@@ -14,7 +14,8 @@ from formats import kdtr
 from kdtree_numba.bundle import (BundleError, make_random_bundle, random_weights, read_bundle,
                                  read_bundle_config, size_config, write_bundle)
 from kdtree_numba.hf_import import dequantize_fp8, hf_state_dict, import_hf
-from kdtree_numba.model import Model, ModelConfig, weight_shapes
+from kdtree_numba.config import ModelConfig, weight_shapes
+from kdtree_numba.model import Model
 
 TINY1 = dict(num_hidden_layers=2)
 

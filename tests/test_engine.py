@@ -29,7 +29,8 @@ from kdtree_numba.bundle import block_drafter_shapes, random_weights, size_confi
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate, uniform_table
 from kdtree_numba.kvcache import CacheFullError
-from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask, weight_shapes
+from kdtree_numba.config import weight_shapes
+from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask
 from reference import ddtree as ref_ddtree
 
 # Engine tests use a two-layer variant of the tiny config (one dense + one MoE layer, YaRN,

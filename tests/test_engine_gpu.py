@@ -106,7 +106,7 @@ def test_gpu_sampled_ddtree_equals_sampled_ar():
 
 def test_gpu_block_drafter_is_lossless():
     from kdtree_numba.bundle import block_drafter_shapes
-    from kdtree_numba.model import weight_shapes
+    from kdtree_numba.config import weight_shapes
     _, gpu = pair("small")
     cfg = size_config("small", num_hidden_layers=1, first_k_dense_replace=1, hidden_size=128)
     shapes = dict(weight_shapes(cfg), **block_drafter_shapes(cfg, gpu.config.hidden_size))
@@ -231,10 +231,9 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
     the second captures, the rest replay; each step's logits and the cache it wrote equal an
     eager run fed the same inputs, while tokens, positions and masks change every step."""
     import cupy
-    from kdtree_numba.graphs import ForwardGraphs
     _, gpu = pair("small")
     assert gpu.graphs is not None               # on by default on the GPU
-    graphs = ForwardGraphs(gpu.backend)         # this test's own: counts start at 0
+    graphs = gpu.new_graphs()                   # this test's own: counts start at 0
     monkeypatch.setattr(gpu, "graphs", graphs)
     rng = np.random.default_rng(n)
     bs, steps = 2, 5
@@ -274,9 +273,8 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
 def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature):
     """Same tokens with and without CUDA graphs; in DDTree the round's tree, accept and
     compaction phases replay from graphs as well as the forwards."""
-    from kdtree_numba.graphs import ForwardGraphs
     _, gpu = pair("small")
-    monkeypatch.setattr(gpu, "graphs", ForwardGraphs(gpu.backend))
+    monkeypatch.setattr(gpu, "graphs", gpu.new_graphs())
     kw = dict(temperature=temperature, seed=3)
     if method == "ddtree":
         kw.update(method="ddtree", budget=16,
@@ -304,7 +302,6 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature)
 def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
     """A forward that cannot be captured (here: it raises while capturing) warns once and
     runs eagerly from then on, with the right logits."""
-    from kdtree_numba.graphs import ForwardGraphs
     _, gpu = pair("tiny")
     real_compute = gpu._compute
 
@@ -313,7 +310,7 @@ def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
             raise RuntimeError("not capturable")
         return real_compute(*args, **kw)
     monkeypatch.setattr(gpu, "_compute", compute)
-    monkeypatch.setattr(gpu, "graphs", ForwardGraphs(gpu.backend))
+    monkeypatch.setattr(gpu, "graphs", gpu.new_graphs())
     cache = gpu.new_cache(1, 32)
     tok, vis = np.array([[5]]), np.ones((1, 1, 1), bool)
     ref, _ = pair("tiny")

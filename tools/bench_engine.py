@@ -51,7 +51,8 @@ from kdtree_numba.bundle import drafter_config, random_weights, size_config  # n
 from kdtree_numba.drafter import ModelDrafter  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
-from kdtree_numba.model import Model, weight_shapes  # noqa: E402
+from kdtree_numba.config import weight_shapes  # noqa: E402
+from kdtree_numba.model import Model  # noqa: E402
 
 HBM_BYTES_PER_S = 4.1e12
 BLOCK_LEN = 8

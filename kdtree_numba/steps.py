@@ -1,0 +1,174 @@
+"""The device-only steps of decoding, as methods of the model (:class:`DeviceSteps`).
+
+``engine.generate`` drives prefill, AR steps and DDTree rounds from the host; every piece of
+device work it asks for is a model forward (kdtree_numba/model.py) or one of these calls, so
+the engine never touches the backend's kernels, its array module or the CUDA graphs, and never
+builds a graph key.  On the GPU each step below runs through :meth:`DeviceSteps.device_step`:
+replayed from one of the model's CUDA graphs once its key repeats (kdtree_numba/graphs.py),
+eagerly otherwise.  None of them reads the device: the round's one host read is the engine's
+(docs/ENGINE.md, "Sync points").
+
+A DDTree round (docs/DDTREE.md for the kernels):
+
+* :meth:`~DeviceSteps.draft_tree`: drafter logits -> ``topk_logprobs`` -> ``build_tree`` ->
+  ``compile_tree`` (graph key "tree");
+* the verify forward (``Model.forward`` on the VerifyInput);
+* :meth:`~DeviceSteps.accept`: the target's choice at every node (argmax at T = 0, the
+  uniforms ``U_b[start + depth + 1]`` at T > 0), the walk (``accept_greedy`` /
+  ``accept_sampled``), and the packing of acc_len and the committed tokens into one int32
+  array, the round's one read (graph key "accept");
+* :meth:`~DeviceSteps.compact`: ``compact_kv`` of the accepted rows (graph key "compaction").
+
+Prefill and AR steps choose their next token with :meth:`~DeviceSteps.choose` (graph key
+"argmax" at T = 0).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from reference.ddtree import DraftTree
+
+__all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "pack_committed",
+           "tree_phase", "accept_phase", "compaction_phase"]
+
+TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")
+
+
+def root_only_tree(be, bs: int) -> DraftTree:
+    """A 1-slot-budget tree with no nodes, on the device: ``sample_targets`` on it samples
+    slot 0 only."""
+    full = lambda v, dt: np.full((bs, 2), v, dt)  # noqa: E731
+    depth = full(-1, np.int32)
+    depth[:, 0] = 0
+    score = full(-np.inf, np.float64)
+    score[:, 0] = 0.0
+    return DraftTree(n_nodes=be.asarray(np.zeros(bs, np.int32)),
+                     token=be.asarray(full(-1, np.int32)), parent=be.asarray(full(-1, np.int32)),
+                     depth=be.asarray(depth), rank=be.asarray(full(-1, np.int32)),
+                     score=be.asarray(score), max_depth=1)
+
+
+def tree_uniforms(xp, table, tree, start):
+    """``U_b[start_b + depth + 1]`` for every slot of the tree, gathered on the device from the
+    uploaded uniform table [bs, W] (padding slots, depth -1, take depth 0's; positions clip at
+    W - 1, as the table covers every position a committed token can have)."""
+    pos = start[:, None] + xp.maximum(tree.depth, 0) + 1
+    return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
+
+
+def pack_committed(xp, tree, acc_idx, acc_len, next_token):
+    """One int32 array [bs, 1 + (L + 1)] built on the device: column 0 is acc_len m, columns
+    1..m the committed tokens (the accepted nodes after the root, then the bonus token), the
+    rest -1.  Reading it is the round's only host read."""
+    path = xp.take_along_axis(tree.token, xp.maximum(acc_idx[:, 1:], 0), axis=1)   # [bs, L]
+    m = acc_len.astype(np.int32)[:, None]
+    col = xp.arange(acc_idx.shape[1], dtype=np.int32)[None, :]                    # 0..L
+    padded = xp.concatenate([path.astype(np.int32), xp.zeros_like(m)], axis=1)
+    bonus = next_token.astype(np.int32)[:, None]
+    committed = xp.where(col < m - 1, padded, xp.where(col == m - 1, bonus, np.int32(-1)))
+    return xp.concatenate([m, committed.astype(np.int32)], axis=1)
+
+
+def tree_phase(ops, k: int, budget: int):
+    """draft logits, roots, start -> (tree, verify inputs): top-K, build, compile."""
+    def run(draft_logits, roots, start):
+        lp, ids = ops.topk_logprobs(draft_logits, k)
+        tree = ops.build_tree(lp, ids, budget)
+        return tree, ops.compile_tree(tree, roots, start)
+    return run
+
+
+def accept_phase(ops, xp, temperature: float, max_depth: int):
+    """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
+    committed tokens): the target's choice at every node, the walk, the packing."""
+    def run(logits, *arrays):
+        tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
+        if temperature == 0:
+            bs, n, V = logits.shape
+            target = ops.argmax(logits.reshape(bs * n, V)).reshape(bs, n)
+            acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
+        else:
+            table, start = arrays[len(TREE_ARRAYS):]
+            u = tree_uniforms(xp, table, tree, start)
+            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
+        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt)
+    return run
+
+
+def compaction_phase(ops, cache):
+    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
+    def run(lengths, acc_idx, acc_len):
+        cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
+        return ()
+    return run
+
+
+class DeviceSteps:
+    """The device steps of decoding (module docstring), mixed into ``Model``: they use the
+    model's ``backend``, ``graphs`` (a GraphCache, or None: eager) and ``vocab_size``."""
+
+    def device_step(self, key: tuple, fn, inputs: tuple):
+        """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when
+        it has them (GraphCache.call: captured on the key's second call), else run eagerly on
+        device copies of ``inputs`` (host or device arrays).  ``key`` (its first entry names
+        the kind of step) must name everything ``fn`` depends on besides the inputs, whose
+        shapes and dtypes are added to it here."""
+        be = self.backend
+        if self.graphs is not None:
+            specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
+            out = self.graphs.call(key + specs, fn, inputs, specs)
+            if out is not None:
+                return out
+        return fn(*(be.asarray(a) for a in inputs))
+
+    def choose(self, logits, temperature: float, uniforms: np.ndarray):
+        """Next token per request from logits [bs, V], on the device ([bs] int): argmax at
+        T = 0, else the inverse-CDF rule of ``sample_targets`` (the same kernel DDTree uses)
+        with ``uniforms [bs]`` (host)."""
+        be, ops, xp = self.backend, self.backend.ops, self.backend.xp
+        logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
+        if temperature == 0:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
+            return self.device_step(("argmax",), ops.argmax, (logits,))
+        bs = logits.shape[0]
+        pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
+        u = be.asarray(np.stack([uniforms, np.full(bs, 0.5)], axis=1))
+        tokens = ops.sample_targets(root_only_tree(be, bs), pair, temperature, u)
+        return tokens[:, 0]
+
+    def draft_tree(self, draft_logits, roots, start, budget: int):
+        """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
+        [bs] and the tree's start positions [bs] (the cache lengths): top-K with
+        ``k = min(budget, V)``, the best-first build of ``budget`` nodes, the compile."""
+        k = min(budget, self.vocab_size)
+        return self.device_step(("tree", k, budget), tree_phase(self.backend.ops, k, budget),
+                                (draft_logits, roots, start))
+
+    def accept(self, tree, logits, temperature: float, table=None, start=None):
+        """(acc_idx, acc_len, packed) from the verify forward's logits [bs, W, V] over
+        ``tree``: greedy at T = 0, else sampled with the uniforms ``table[b, start_b + depth +
+        1]`` (``table`` [bs, P] float64 on the device, ``start`` [bs] int32).  ``packed``
+        [bs, 1 + L + 1] int32 holds acc_len and the committed tokens (:func:`pack_committed`):
+        the one array the engine reads."""
+        arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
+        if temperature > 0:
+            arrays += (table, start)
+        return self.device_step(
+            ("accept", float(temperature), tree.max_depth),
+            accept_phase(self.backend.ops, self.backend.xp, temperature, tree.max_depth),
+            (logits,) + arrays)
+
+    def last_accepted(self, rows, acc_idx, acc_len):
+        """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's
+        last accepted node: the row whose logits chose the bonus token, the next root."""
+        xp = self.backend.xp
+        last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
+                                  axis=1)[:, 0]
+        return rows[xp.arange(rows.shape[0]), last]
+
+    def compact(self, cache, acc_idx, acc_len) -> None:
+        """Move the accepted tree rows to the front of the tree block in ``cache``
+        (KVCache.compact_tree; launches only).  The lengths do not change: the caller advances
+        them once it has read acc_len."""
+        self.device_step(("compaction",) + cache.buffer_key(),
+                         compaction_phase(self.backend.ops, cache),
+                         (cache.lengths, acc_idx, acc_len))
