@@ -1,6 +1,6 @@
 """The one place that knows how numba.cuda runs here.  Every kernel module imports it first.
 
-Three jobs (see ../shared/notes/numba-cuda.md):
+Three jobs (docs/ARCHITECTURE.md, "Where code runs"):
 
 1. numba-cuda 0.30.4 calls ``np.row_stack`` while compiling, and numpy >= 2.5 removed it.
    The H200 image ships numpy 2.5, so without the alias below every first kernel compile

@@ -1,6 +1,6 @@
 """Parity with Hugging Face transformers' DeepseekV3ForCausalLM (CPU, float32, eager attention).
 
-The tiny config of shared/notes/mla-moe.md with re-initialised O(0.1-1) weights, YaRN on,
+The tiny config of docs/ENGINE.md ("Bundles") with re-initialised O(0.1-1) weights, YaRN on,
 n_group > 1 and a dense first layer.  HF runs the *naive* (decompressed) MLA, we run the absorbed
 form, so agreement also checks the absorption.  Skipped when torch/transformers are missing.
 Pins that worked here: torch 2.13.0+cpu, transformers 5.24.0.

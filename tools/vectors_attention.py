@@ -33,9 +33,9 @@ from reference.attention import tree_visible  # noqa: E402
 SEED = 20260517
 ALIGN_LOG2 = 6          # 64-byte alignment keeps these small files small
 MLA_INPUTS = ("q_abs", "q_pe", "ckv", "kpe", "prefix_len", "visible")
-KIMI_TAU = 0.130861     # Kimi-K2's softmax scale (shared/notes/mla-moe.md)
+KIMI_TAU = 0.130861     # Kimi-K2's softmax scale (docs/ATTENTION.md)
 
-# The DDTree golden tree [[3,2,1,0]]x3, B=8 of shared/notes/ddtree.md: parents of nodes 0..8.
+# The DDTree golden tree [[3,2,1,0]]x3, B=8 of docs/DDTREE.md: parents of nodes 0..8.
 GOLDEN_PARENTS = (-1, 0, 1, 2, 0, 1, 4, 2, 5)
 
 

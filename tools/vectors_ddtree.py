@@ -27,7 +27,7 @@ SEED = 20260412
 ALIGN_LOG2 = 6          # 64-byte alignment keeps these small files small
 TREE_FIELDS = ("n_nodes", "token", "parent", "depth", "rank", "score")
 
-# The public golden cases of shared/notes/ddtree.md: logits rows (before top-K) and budget.
+# The golden cases of docs/DDTREE.md ("The algorithm in one round"): logits rows (before top-K) and budget.
 GOLDEN = (([[2, 1, 0], [0, -1, 1]], 3), ([[1, 1, 0], [.5, .5, .5]], 4), ([[3, 2, 1, 0]] * 3, 8))
 
 
