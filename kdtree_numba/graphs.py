@@ -193,7 +193,7 @@ class ForwardGraphs:
         static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)
         keep: list = []
         # attention plans hold scratch between calls; rebuilt here, theirs is recorded too
-        attention._cached_plan.cache_clear()
+        attention.clear_plan_cache()
         graph, outputs, error = None, None, None
         with _recording_numba_allocations(keep), cupy.cuda.using_allocator(self.pool.malloc), \
                 self.backend.on_stream(self.stream):
