@@ -105,17 +105,7 @@ def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0):
     """
     bs, n, heads, dn = q_nope.shape
     rows, r = kv_b_proj.shape
-    per_head = rows // heads
-    if rows % heads or per_head <= dn:
-        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dn={dn}")
-    tokens = bs * n
-    a2 = to_device(_f32(q_nope), stream).reshape(tokens, heads * dn)
-    w = to_device(_f32(kv_b_proj), stream)
-    if out is None:
-        out = cuda.device_array((bs, n, heads, r), np.float32, stream=stream)
-    _run_head_gemm(a2, dn, w, per_head, 0, False, out.reshape(tokens, heads * r), r,
-                   tokens, r, dn, heads, stream)
-    return out
+    return _per_head_product(q_nope, kv_b_proj, dn, r, "dn", False, out, stream)
 
 
 def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0):
@@ -125,17 +115,30 @@ def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0):
     -> device [bs, n, H, dv].
     """
     bs, n, heads, r = u.shape
+    return _per_head_product(u, kv_b_proj, r, dv, "dv", True, out, stream)
+
+
+def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream):
+    """The body of absorb_q (``uv`` False: x = q_nope, k = dn, W_UK rows 0 .. dn of each head)
+    and apply_uv (``uv`` True: x = u, k = r, the last dv = n_out rows of each head, W_UV,
+    read transposed): check that kv_b_proj has H*(dn+dv) rows (``part``, "dn" or "dv", names
+    the checked width), stage the inputs and run one GEMM per head into out [bs, n, H, n_out].
+    """
+    bs, n, heads = x.shape[:3]
     rows = kv_b_proj.shape[0]
     per_head = rows // heads
-    if rows % heads or per_head <= dv:
-        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dv={dv}")
+    width = n_out if uv else k              # dv or dn: the per-head row block that is read
+    if rows % heads or per_head <= width:
+        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, "
+                         f"{part}={width}")
     tokens = bs * n
-    a2 = to_device(_f32(u), stream).reshape(tokens, heads * r)
+    a2 = to_device(_f32(x), stream).reshape(tokens, heads * k)
     w = to_device(_f32(kv_b_proj), stream)
     if out is None:
-        out = cuda.device_array((bs, n, heads, dv), np.float32, stream=stream)
-    _run_head_gemm(a2, r, w, per_head, per_head - dv, True, out.reshape(tokens, heads * dv),
-                   dv, tokens, dv, r, heads, stream)
+        out = cuda.device_array((bs, n, heads, n_out), np.float32, stream=stream)
+    b_off = per_head - n_out if uv else 0
+    _run_head_gemm(a2, k, w, per_head, b_off, uv, out.reshape(tokens, heads * n_out), n_out,
+                   tokens, n_out, k, heads, stream)
     return out
 
 
