@@ -224,8 +224,8 @@ def test_variant_names_here_are_the_modules_variants():
 
 def test_default_variant_is_the_tensor_core_kernel_where_its_tiles_fit(monkeypatch):
     from kdtree_numba import attention as A
-    from kdtree_numba import attention_mma  # noqa: F401 -- imported as it would be on a GPU
-    monkeypatch.setattr(A, "SIMULATOR", False)
+    from kdtree_numba.attention import plan  # resolve_variant reads plan.SIMULATOR
+    monkeypatch.setattr(plan, "SIMULATOR", False)
     assert A.resolve_variant(None, 512, 64) == "tf32x3"      # Kimi-K2 / DeepSeek-V3 widths
     assert A.resolve_variant(None, 128, 64) == "tf32x3"
     assert A.resolve_variant(None, 64, 16) == A.FALLBACK_VARIANT  # r + dr = 80: no whole halves
@@ -233,7 +233,7 @@ def test_default_variant_is_the_tensor_core_kernel_where_its_tiles_fit(monkeypat
     assert A.resolve_variant("tile32", 512, 64) == "tile32"
     with pytest.raises(ValueError, match="unknown attention variant"):
         A.resolve_variant("tf32", 512, 64)
-    monkeypatch.setattr(A, "SIMULATOR", True)
+    monkeypatch.setattr(plan, "SIMULATOR", True)
     assert A.resolve_variant(None, 512, 64) == A.FALLBACK_VARIANT  # no tensor cores there
 
 
@@ -372,6 +372,7 @@ class _Sm90:  # device helpers ask the (absent) driver for the compute capabilit
 dispatcher.get_current_device = lambda: _Sm90()
 from numba import cuda, types
 from kdtree_numba import attention as A
+from kdtree_numba.attention import mla, projections
 f32, i64 = types.float32, types.int64
 a2, a3, a4 = (types.Array(f32, d, "C") for d in (2, 3, 4))
 sig = (a3, a3, a3, a3, types.Array(types.int32, 1, "C"), types.Array(types.boolean, 3, "C"),
@@ -380,16 +381,17 @@ from numba.cuda.compiler import compile as compile_numba
 # (kernel, signature, is attention, stack-frame budget in bytes).  The attention budgets allow
 # the few spills ptxas makes outside the inner loops (checked in the SASS when written: the
 # score and P.V loops have no LDL/STL); wide16 runs at <= 128 registers and spills more.
-kernels = [(A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
+kernels = [(mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
             256 if A.VARIANTS[v]["threads"] > 256 else 32) for v in A.FFMA_VARIANTS]
 # tf32x3(fast): loop-invariant values spilled before the tile loop (16 / 40 B), reloaded once
 # per tile, none in the mma loops
 for v in ("tf32x3", "tf32x3acc"):
-    kernels.append((A._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
-kernels.append((A._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
-kernels.append((A._merge_kernel(512), (a4, a4, i64, a3), False, 0))
+    kernels.append((mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
+kernels.append((mla._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
+kernels.append((mla._merge_kernel(512), (a4, a4, i64, a3), False, 0))
 for transposed in (False, True):
-    kernels.append((A._head_gemm_kernel(A._GemmTile(64, 64, 16, 16, 16), transposed),
+    kernels.append((projections._head_gemm_kernel(projections._GemmTile(64, 64, 16, 16, 16),
+                                                  transposed),
                     (a2, i64, a2, i64, i64, a2, i64, i64, i64, i64), False, 0))
 
 

@@ -56,7 +56,7 @@ def check(prob, variants=VARIANTS, **kwargs):
     """Each variant (and each kwargs set, e.g. a forced split size) against one reference;
     the tensor-core one where its tiles fit the widths."""
     from kdtree_numba import attention as kernels
-    from kdtree_numba.attention_mma import mma_fits
+    from kdtree_numba.attention import mma_fits
     assert set(VARIANTS) == set(kernels.VARIANTS)
     want = ref.mla_attention(**prob, out_dtype=np.float64)
     tol = ref.fp32_error_bound(**prob)

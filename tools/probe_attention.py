@@ -39,8 +39,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import cupy as cp
     from kdtree_numba import attention as A
+    from kdtree_numba.attention import mla
     rng = np.random.default_rng(0)
-    sms = A._sm_count()
+    sms = mla._sm_count()
     print(f"kernel: {A.resolve_variant(args.variant, B.R, B.DR)}")
     print("| bs | n | P | splits | blocks | waves | ms | TFLOP/s | us per key per block slot |")
     print("|---|---|---|---|---|---|---|---|---|")

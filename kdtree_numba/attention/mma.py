@@ -1,9 +1,10 @@
 """Absorbed-MLA attention on tensor cores: 3xTF32 ``mma.sync``, within the fp32 error bound.
 
-Same contract, launch plumbing, split planning and merge as :mod:`kdtree_numba.attention`
-(``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` and ``"tf32x3acc"`` variants);
-this module holds only the block kernel.  docs/ATTENTION.md ("The tensor-core kernel") has the
-design and its measurements; in short:
+Same contract (reference/attention/mla.py), launch plumbing, split planning and merge as the
+FFMA kernel of ffma.py: mla.py's ``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` and
+``"tf32x3acc"`` variants, with the tile shape of plan.py's ``MmaTileConfig``; the pieces both
+kernels share live in tiles.py.  This module holds only the block kernel.  docs/ATTENTION.md
+("The tensor-core kernel") has the design and its measurements; in short:
 
 * A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages the
   queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages, like
@@ -32,60 +33,18 @@ Tensor cores exist only on the GPU: the simulator runs the FFMA variants instead
 from kdtree_numba.compat import cuda, kernel  # noqa: I001
 
 import math
-from dataclasses import dataclass
 
 from numba import float32, uint32
 
-from kdtree_numba.attention import (MAX_SHARED_BYTES, NEG_INF, ONE, RESCALE_SLACK, ZERO,
-                                    _row_tile_copier, masked_score, block_keys)
+from kdtree_numba.attention.plan import MmaTileConfig
+from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
+                                          masked_score, row_tile_copier)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
 from kdtree_numba.gpu.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
 from kdtree_numba.gpu.warp import FULL_MASK
 
-__all__ = ["MmaTileConfig", "mma_fits", "build_kernel"]
-
-
-@dataclass(frozen=True)
-class MmaTileConfig:
-    """Compile-time shape of one tensor-core attention block (fixed but for r and dr)."""
-    r: int
-    dr: int
-    threads: int = 256     # 8 warps: 4 row groups of 16 x 2 column halves
-    rows: int = 64         # query-heads per block
-    keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
-    stages: int = 2
-    fp32_sums: bool = False  # short mma chains added with FADD (tf32x3acc; docstring)
-
-    @property
-    def d(self):
-        return self.r + self.dr
-
-    @property
-    def row_stride(self):  # floats per staged row; +4 shifts rows by 4 banks
-        return self.d + 4
-
-    def smem_floats(self):  # queries, key stages, score exchange (8 warps x 8 x 32 lanes)
-        return (self.rows + self.stages * self.keys) * self.row_stride + 8 * 8 * 32
-
-    def smem_bytes(self):
-        return 4 * self.smem_floats()
-
-    def validate(self):
-        # column halves of whole 32-column chunks (scores) and 32-column groups (values)
-        if self.d % 64 or self.r % 64 or self.smem_bytes() > MAX_SHARED_BYTES:
-            raise ValueError(f"the tensor-core tiles need r and r + dr multiples of 64 and "
-                             f"<= {MAX_SHARED_BYTES} bytes of shared memory: {self}")
-        return self
-
-
-def mma_fits(r: int, dr: int) -> bool:
-    """Whether the tensor-core tiles fit latent width r and rope width dr."""
-    try:
-        MmaTileConfig(r, dr).validate()
-    except ValueError:
-        return False
-    return True
+__all__ = ["build_kernel"]
 
 
 @inline_device_function
@@ -143,8 +102,8 @@ def build_kernel(cfg: MmaTileConfig):
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
     Q_OFF, KV_OFF = 0, M * QS
     XCH_OFF = KV_OFF + cfg.stages * N * QS
-    copy_keys = _row_tile_copier(cfg, N)
-    copy_queries = _row_tile_copier(cfg, M)
+    copy_keys = row_tile_copier(cfg, N)
+    copy_queries = row_tile_copier(cfg, M)
 
     @inline_device_function
     def score_chunk(s_hh, s_hl, s_lh, a_hi, a_lo, b_hi, b_lo, smem, q_at, k_at):

@@ -1,0 +1,230 @@
+"""Absorbed-MLA attention on the device: plan -> block kernel -> merge of the key splits.
+
+:func:`mla_attention` is the numba twin of ``reference.attention.mla_attention`` (contract:
+reference/attention/mla.py; float32 on the device).  One :class:`MlaAttentionPlan` per problem
+shape holds the decisions of plan.py (tile layout, split count), the block kernel for that
+layout (ffma.py or the tensor-core kernel of mma.py), the merge kernel below and the buffers of
+the partial outputs; :func:`mla_attention` keeps one plan per shape (:func:`clear_plan_cache`
+forgets them).  docs/ATTENTION.md has the design and the measured speed.
+
+Long prefixes are split across blocks (flash-decoding): each split writes its unnormalised
+partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one split
+the block kernel normalises and writes ``u`` directly.
+"""
+from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from kdtree_numba import compat
+from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
+from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
+from kdtree_numba.attention.plan import TileConfig, choose_splits, resolve_variant, tile_config
+from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO
+from kdtree_numba.gpu.memory import load_f32x4, store_f32x4
+
+__all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
+
+
+@lru_cache(maxsize=None)
+def _attention_kernel(cfg):
+    """Build the block kernel for one configuration (constants are closed over): the FFMA
+    kernel of ffma.py for a TileConfig, the tensor-core one of mma.py for an MmaTileConfig."""
+    if not isinstance(cfg, TileConfig):
+        return build_mma_kernel(cfg)
+    return build_ffma_kernel(cfg)
+
+
+MERGE_THREADS = 128
+
+
+@lru_cache(maxsize=None)
+def _merge_kernel(r: int):
+    """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
+    DV4 = r // 4
+
+    @kernel
+    def merge_splits(part_o, part_ml, splits, out):
+        row, b = cuda.blockIdx.x, cuda.blockIdx.y
+        m_max = NEG_INF
+        for s in range(splits):
+            m_max = max(m_max, part_ml[b, s, row, 0])
+        m_safe = m_max if m_max > NEG_INF else ZERO
+        total = ZERO
+        for s in range(splits):
+            total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
+        scale = ONE / total if total > ZERO else ZERO
+        for quad in range(cuda.threadIdx.x, DV4, cuda.blockDim.x):
+            y0 = y1 = y2 = y3 = ZERO
+            for s in range(splits):
+                w = math.exp(part_ml[b, s, row, 0] - m_safe)
+                x0, x1, x2, x3 = load_f32x4(part_o, (b, s, row, 4 * quad))
+                y0 += w * x0
+                y1 += w * x1
+                y2 += w * x2
+                y3 += w * x3
+            store_f32x4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
+
+    return merge_splits
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plumbing
+# ---------------------------------------------------------------------------------------------
+_SMEM_READY = set()
+
+
+def _allow_large_shared_memory(dispatcher, args, nbytes):
+    """Opt the compiled kernel in to > 48 KiB of dynamic shared memory (a no-op in the sim).
+
+    numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
+    itself; without this the launch fails with CUDA_ERROR_INVALID_VALUE.
+    """
+    if SIMULATOR or nbytes <= 48 * 1024:
+        return
+    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+    compiled = dispatcher.compile(argtypes)
+    cufunc = compiled._codelibrary.get_cufunc()
+    key = (id(cufunc), nbytes)
+    if key in _SMEM_READY:
+        return
+    from numba.cuda.cudadrv import driver as drv
+    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    drv.driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+    _SMEM_READY.add(key)
+
+
+@lru_cache(maxsize=1)
+def _sm_count() -> int:
+    if SIMULATOR:
+        return 4
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+class MlaAttentionPlan:
+    """Buffers, split count and configured kernels for one problem shape; call it to run.
+
+    Reuse one plan per shape in a decode loop: it allocates nothing per call, so its launches
+    can also be captured in a CUDA graph.  ``max_keys`` bounds ``prefix_len + n`` and only sets
+    the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests);
+    ``variant`` picks a tile layout from :data:`VARIANTS` (None: :func:`resolve_variant`).
+    """
+
+    def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
+                 variant=None, stream=0):
+        compat.require_kernels()
+        self.shape = (bs, n, heads, r, dr, max_len)
+        variant = resolve_variant(variant, r, dr)
+        self.variant = variant
+        self.cfg = tile_config(r, dr, variant)
+        self.stream = stream
+        self.n_rows = n * heads
+        row_tiles = -(-self.n_rows // self.cfg.rows)
+        max_keys = max_len if max_keys is None else min(int(max_keys), max_len)
+        if keys_per_split is None:
+            splits = choose_splits(row_tiles * bs, max_keys, self.cfg.keys, _sm_count(),
+                                   4 * self.cfg.rows * (r + 2))
+            tiles = -(-max(1, max_keys) // self.cfg.keys)
+            keys_per_split = -(-tiles // splits) * self.cfg.keys
+        self.chunk = int(keys_per_split)
+        self.splits = max(1, -(-max_keys // self.chunk))
+        self.grid = (row_tiles, self.splits, bs)
+        self.attn = _attention_kernel(self.cfg)
+        self.merge = _merge_kernel(r) if self.splits > 1 else None
+        if self.splits > 1:
+            self.part_o = cuda.device_array((bs, self.splits, self.n_rows, r), np.float32,
+                                            stream=stream)
+            self.part_ml = cuda.device_array((bs, self.splits, self.n_rows, 2), np.float32,
+                                             stream=stream)
+        else:  # unused by the kernel, but typed arguments must exist
+            self.part_o = cuda.device_array((1, 1, 1, 4), np.float32, stream=stream)
+            self.part_ml = cuda.device_array((1, 1, 1, 2), np.float32, stream=stream)
+
+    def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None):
+        """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's)."""
+        bs, n, heads, r, dr, max_len = self.shape
+        _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible)
+        st = self.stream if stream is None else stream
+        q_abs3 = to_device(q_abs, st).reshape(bs, self.n_rows, r)
+        q_pe3 = to_device(q_pe, st).reshape(bs, self.n_rows, dr)
+        ckv_d, kpe_d = to_device(ckv, st), to_device(kpe, st)
+        prefix_d = to_device(_as_int32(prefix_len), st)
+        visible_d = to_device(_as_bool(visible), st)
+        if out is None:
+            out = cuda.device_array((bs, n, heads, r), np.float32, stream=st)
+        out3 = out.reshape(bs, self.n_rows, r)
+        direct = self.splits == 1
+        args = (q_abs3, q_pe3, ckv_d, kpe_d, prefix_d, visible_d, np.float32(tau), np.int64(n),
+                np.int64(heads), np.int64(self.chunk), direct, out3, self.part_o, self.part_ml)
+        nbytes = self.cfg.smem_bytes()
+        _allow_large_shared_memory(self.attn, args, nbytes)
+        self.attn[self.grid, self.cfg.threads, st, nbytes](*args)
+        if not direct:
+            self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](
+                self.part_o, self.part_ml, np.int64(self.splits), out3)
+        return out
+
+
+def _as_int32(x):
+    if compat.is_device_array(x):
+        return x
+    return np.ascontiguousarray(x, dtype=np.int32)
+
+
+def _as_bool(x):
+    if compat.is_device_array(x):
+        return x
+    return np.ascontiguousarray(x, dtype=np.bool_)
+
+
+def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
+    bs, n, heads, r, dr, max_len = shape
+    want = {"q_abs": (bs, n, heads, r), "q_pe": (bs, n, heads, dr), "ckv": (bs, max_len, r),
+            "kpe": (bs, max_len, dr), "prefix_len": (bs,), "visible": (bs, n, n)}
+    got = {"q_abs": q_abs, "q_pe": q_pe, "ckv": ckv, "kpe": kpe, "prefix_len": prefix_len,
+           "visible": visible}
+    for name, arr in got.items():
+        if tuple(arr.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want[name]}")
+    for name in ("q_abs", "q_pe", "ckv", "kpe"):
+        if np.dtype(got[name].dtype) != np.float32:
+            raise TypeError(f"{name} must be float32, got {got[name].dtype}")
+    if np.dtype(visible.dtype) not in (np.dtype(np.bool_), np.dtype(np.uint8)):
+        raise TypeError(f"visible must be bool or uint8, got {visible.dtype}")
+    if not compat.is_device_array(prefix_len):
+        p = np.asarray(prefix_len)
+        if np.any(p < 0) or np.any(p + n > max_len):
+            raise ValueError(f"prefix_len + n must lie in [n, max_len={max_len}]: {p}")
+
+
+@lru_cache(maxsize=16)
+def _cached_plan(shape, max_keys, keys_per_split, variant):
+    return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
+                            variant=variant)
+
+
+def clear_plan_cache() -> None:
+    """Forget the plans :func:`mla_attention` keeps per shape (and the kernels they hold), e.g.
+    before a CUDA-graph capture that must not reuse plans made outside it."""
+    _cached_plan.cache_clear()
+
+
+def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
+                  keys_per_split=None, variant=None, stream=0):
+    """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
+
+    Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
+    ``prefix_len`` integer).  Returns a numba device array u [bs, n, H, r] float32 (or ``out``).
+    A host ``prefix_len`` sets the split count from its maximum; for a device one pass
+    ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
+    ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
+    tensor-core one where it runs, see :func:`resolve_variant`).
+    """
+    bs, n, heads, r = q_abs.shape
+    shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
+    if max_keys is None and not compat.is_device_array(prefix_len):
+        max_keys = int(np.max(prefix_len)) + n if bs else n
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant)
+    return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream)

@@ -1,0 +1,319 @@
+"""Planning for absorbed-MLA attention: tile configurations, kernel variants, key splits.
+
+Pure Python, no kernels: what shape a block has (:class:`TileConfig` for the FFMA kernel of
+ffma.py, :class:`MmaTileConfig` for the tensor-core kernel of mma.py), which layout runs
+(:data:`VARIANTS`, :func:`resolve_variant`) and how many blocks share a request's keys
+(:func:`choose_splits`).  mla.py turns these decisions into an :class:`~kdtree_numba.attention.mla.
+MlaAttentionPlan` and launches it.  Contract of the function computed: reference/attention/mla.py;
+the layouts and their measured speed: docs/ATTENTION.md.
+
+Several tile layouts (:data:`VARIANTS`) compile from the one FFMA kernel body; one more,
+``"tf32x3"`` (with ``"tf32x3acc"``), is the tensor-core kernel of
+:mod:`kdtree_numba.attention.mma` (3xTF32, within the fp32 error bound, GPU only).
+``tools/bench_attention.py`` times them all; :func:`resolve_variant` picks
+:data:`DEFAULT_VARIANT` where it runs and :data:`FALLBACK_VARIANT` elsewhere.
+"""
+from kdtree_numba.compat import SIMULATOR  # noqa: I001
+
+from dataclasses import dataclass, replace
+
+from kdtree_numba.attention.tiles import MAX_SHARED_BYTES
+
+__all__ = ["TileConfig", "MmaTileConfig", "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT",
+           "FFMA_VARIANTS", "uses_tensor_cores", "resolve_variant", "mma_fits",
+           "gpu_tile_config", "sim_tile_config", "tile_config", "choose_splits",
+           "BLOCK_OVERHEAD_KEYS", "MERGE_BYTES_PER_KEY_TIME"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time shape of one attention block (see docs/ATTENTION.md for the layouts).
+
+    Score phase (``rows x keys`` scores per tile, each the dot product of 576 = r + dr columns):
+    lane (ks, gk, gr) = (lane % k_lanes, lane / k_lanes % key_lanes, lane / (k_lanes*key_lanes))
+    of warp w computes a ``lane_rows x lane_keys`` block over the float4 columns
+    ``s + k_splits*j`` with s = ks + k_lanes*(w / warps_per_k); ``k_lanes`` lanes reduce-scatter
+    their partial blocks with shuffles and ``k_warps`` warps leave separate partial tiles that the
+    softmax threads add.  Within a warp block, lane gr's rows are spread by ``8 / row_lanes``
+    so that one 128-bit query load of all gr lanes hits each bank once.
+    Softmax: ``row_threads = threads / rows`` consecutive-key threads per row.
+    Output phase: thread (g, c) owns rows rv*g .. rv*g+rv-1 and the float4 columns
+    4c + 4*cg*t (t < r/(4*cg)); within a warp ``out_lane_cols`` consecutive lanes take
+    consecutive c.
+    """
+    r: int
+    dr: int
+    threads: int
+    rows: int              # M: query-heads per block
+    keys: int              # N: key slots per tile
+    stages: int            # key-tile buffers: 2 = next tile loads while this one computes
+    lane_rows: int         # score block of one lane: lane_rows x lane_keys
+    lane_keys: int
+    k_lanes: int           # lanes that split one block's columns (reduce-scattered)
+    row_lanes: int         # lanes along rows / keys in a warp's score block
+    key_lanes: int
+    k_warps: int           # warps that split one block's columns (partial tiles in smem)
+    cg: int                # output phase: float4 column groups
+    rv: int                # output phase: rows per thread
+    out_lane_cols: int
+    score_unroll: int = 1  # column quads per score-loop iteration (2 spills)
+    score_pad: int = 8     # floats added to a score-tile row (rows + 8: conflict-free softmax)
+    scratch: int = 0       # floats of shared scratch (the simulator's stand-in for shuffles)
+
+    @property
+    def d(self):           # key width r + dr
+        return self.r + self.dr
+
+    @property
+    def quads(self):       # float4 columns of a key
+        return self.d // 4
+
+    @property
+    def row_stride(self):  # floats per staged query/key row; +4 shifts rows by 4 banks
+        return self.d + 4
+
+    @property
+    def score_stride(self):  # floats per key of the transposed score tile [keys][rows + pad]
+        return self.rows + self.score_pad
+
+    @property
+    def k_splits(self):
+        return self.k_lanes * self.k_warps
+
+    @property
+    def warp_rows(self):
+        return self.lane_rows * self.row_lanes
+
+    @property
+    def warp_keys(self):
+        return self.lane_keys * self.key_lanes
+
+    @property
+    def row_spread(self):  # row distance between the gr lanes of a warp block
+        return 8 // self.row_lanes if self.row_lanes > 1 else self.lane_rows
+
+    @property
+    def rg(self):          # output row groups
+        return self.rows // self.rv
+
+    @property
+    def cv4(self):         # float4 column groups per thread
+        return self.r // (4 * self.cg)
+
+    @property
+    def row_threads(self):  # threads that share one row's softmax (keys split among them)
+        return self.threads // self.rows
+
+    def smem_floats(self):
+        return (self.rows + self.stages * self.keys) * self.row_stride \
+            + self.k_warps * self.keys * self.score_stride + 2 * self.rows + self.scratch
+
+    def smem_bytes(self):
+        return 4 * self.smem_floats()
+
+    def validate(self):
+        warps = self.threads // 32
+        pow2 = (1, 2, 4, 8, 16, 32)
+        out_lane_rows = 32 // self.out_lane_cols
+        out_warp_rows = -(-self.rg // out_lane_rows)
+        ok = (self.r % 4 == 0 and self.dr % 4 == 0 and self.threads % 32 == 0
+              and self.stages in (1, 2) and self.score_unroll in (1, 2)
+              and self.k_lanes in pow2[:4] and self.row_lanes in pow2[:4]
+              and self.k_lanes * self.row_lanes * self.key_lanes == 32
+              and warps % self.k_warps == 0 and self.rows % self.warp_rows == 0
+              and self.keys % self.warp_keys == 0
+              and (self.rows // self.warp_rows) * (self.keys // self.warp_keys)
+              == warps // self.k_warps
+              and (self.lane_rows * self.lane_keys) % self.k_lanes == 0
+              and self.lane_rows % self.row_spread == 0
+              and self.threads % self.rows == 0 and self.row_threads in pow2
+              and self.keys % self.row_threads == 0
+              and self.rows % self.rv == 0 and self.r % (4 * self.cg) == 0
+              and self.out_lane_cols in pow2
+              and (warps // out_warp_rows) * self.out_lane_cols >= self.cg
+              and self.smem_bytes() <= MAX_SHARED_BYTES)
+        if not ok:
+            raise ValueError(f"inconsistent attention tile configuration {self}")
+        return self
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    """Largest power of two <= cap that divides x."""
+    p = cap
+    while x % p:
+        p //= 2
+    return p
+
+
+@dataclass(frozen=True)
+class MmaTileConfig:
+    """Compile-time shape of one tensor-core attention block (fixed but for r and dr)."""
+    r: int
+    dr: int
+    threads: int = 256     # 8 warps: 4 row groups of 16 x 2 column halves
+    rows: int = 64         # query-heads per block
+    keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
+    stages: int = 2
+    fp32_sums: bool = False  # short mma chains added with FADD (tf32x3acc; docstring)
+
+    @property
+    def d(self):
+        return self.r + self.dr
+
+    @property
+    def row_stride(self):  # floats per staged row; +4 shifts rows by 4 banks
+        return self.d + 4
+
+    def smem_floats(self):  # queries, key stages, score exchange (8 warps x 8 x 32 lanes)
+        return (self.rows + self.stages * self.keys) * self.row_stride + 8 * 8 * 32
+
+    def smem_bytes(self):
+        return 4 * self.smem_floats()
+
+    def validate(self):
+        # column halves of whole 32-column chunks (scores) and 32-column groups (values)
+        if self.d % 64 or self.r % 64 or self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"the tensor-core tiles need r and r + dr multiples of 64 and "
+                             f"<= {MAX_SHARED_BYTES} bytes of shared memory: {self}")
+        return self
+
+
+def mma_fits(r: int, dr: int) -> bool:
+    """Whether the tensor-core tiles fit latent width r and rope width dr."""
+    try:
+        MmaTileConfig(r, dr).validate()
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel variants and the tile shape each one runs with
+# ---------------------------------------------------------------------------------------------
+# Layouts that compile from the same kernel body (docs/ATTENTION.md compares them).  All stage
+# 64 query-heads per block and give each lane an 8 x 4 (wide16: 4 x 4) score block.
+# pipe16x2: 256 threads, two stages of 16-key tiles; a warp scores a 16 x 16 block over half the
+#           columns, 4 lanes x 2 warps split the columns (fewest shared-memory wavefronts/FMA).
+# pipe16:   256 threads, two stages of 16-key tiles; a warp scores an 8 x 16 block over all
+#           columns, 8 lanes split them, and the softmax runs in registers (one barrier less).
+# tile32:   256 threads, one stage of 32-key tiles (all cp.async issued at once, then waited
+#           on), 16 x 16 warp blocks, 4 lanes split the columns: half the tiles, load exposed.
+# wide16:   512 threads (16 warps: twice the latency hiding) at <= 128 registers each, two
+#           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
+# tf32x3:   the tensor-core kernel of kdtree_numba/attention/mma.py (3xTF32 mma.sync, same
+#           shared-memory layout and 16-key tiles as pipe16x2); GPU only, r and r + dr
+#           multiples of 64.  Its mma chains run over a whole split: 5-12x the FFMA error
+#           (within the fp32 bound), 1.06-1.25x of the roof.
+# tf32x3acc: the same with short mma chains added in fp32 registers: the FFMA kernels'
+#           accuracy at 15-17% more time (1.24-1.46x of the roof; docs/ATTENTION.md).
+VARIANTS = {
+    "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=False),
+    "tf32x3acc": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
+    "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
+                     key_lanes=4, k_warps=2),
+    "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
+                   key_lanes=4, k_warps=1),
+    "tile32": dict(threads=256, keys=32, stages=1, lane_rows=8, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=1),
+    "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=2),
+}
+# DEFAULT_VARIANT runs wherever it can (GPU, widths its tiles fit); elsewhere the best FFMA
+# layout: FALLBACK_VARIANT had the best worst case on the H200 (run 3, docs/GPU_RESULTS.md),
+# 1.52x / 1.51x / 1.73x of the roof at verify P4096 / P16384 / decode.
+DEFAULT_VARIANT = "tf32x3"
+FALLBACK_VARIANT = "pipe16x2"
+FFMA_VARIANTS = tuple(v for v in VARIANTS if not VARIANTS[v].get("tensor_cores"))
+
+
+def uses_tensor_cores(variant: str) -> bool:
+    return bool(VARIANTS[variant].get("tensor_cores"))
+
+
+def resolve_variant(variant, r: int, dr: int) -> str:
+    """``variant``, checked; or for None the default where it can run, else the fallback."""
+    if variant is None:
+        if SIMULATOR or not mma_fits(r, dr):
+            return FALLBACK_VARIANT
+        return DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown attention variant {variant!r}; have {sorted(VARIANTS)}")
+    return variant
+
+
+def gpu_tile_config(r: int, dr: int, variant: str = FALLBACK_VARIANT):
+    """64 query-heads per block, ``lane_rows x 4`` score blocks per lane, and (at r = 512,
+    256 threads) 8 rows x 16 columns of output per thread; narrower latents get fewer columns.
+    The tensor-core variant has its own fixed layout (:class:`MmaTileConfig`)."""
+    if uses_tensor_cores(variant):
+        return MmaTileConfig(r, dr, fp32_sums=VARIANTS[variant]["fp32_sums"]).validate()
+    v = VARIANTS[variant]
+    threads, rows = v["threads"], 64
+    cg = _pow2_divisor(r // 4, 32)
+    cfg = TileConfig(r, dr, threads=threads, rows=rows, keys=v["keys"], stages=v["stages"],
+                     lane_rows=v["lane_rows"], lane_keys=4, k_lanes=v["k_lanes"],
+                     row_lanes=v["row_lanes"], key_lanes=v["key_lanes"], k_warps=v["k_warps"],
+                     cg=cg, rv=max(1, rows * cg // threads), out_lane_cols=min(cg, 8))
+    if cfg.smem_bytes() > MAX_SHARED_BYTES:
+        cfg = replace(cfg, score_pad=4)
+    return cfg.validate()
+
+
+def sim_tile_config(r: int, dr: int, variant: str = FALLBACK_VARIANT) -> TileConfig:
+    """The same layout with one warp per column split and 4 x 2 (8 x 2) lane blocks: the
+    simulator costs ~30 ms per syncthreads, so blocks stay small.  It has no tensor cores."""
+    if uses_tensor_cores(variant):
+        raise ValueError(f"attention variant {variant!r} needs tensor cores; the CUDA "
+                         f"simulator has none (use one of {FFMA_VARIANTS})")
+    v = VARIANTS[variant]
+    threads = 32 * v["k_warps"]
+    lane_rows, lane_keys = max(4, v["k_lanes"]), 2  # k_lanes rows keep a fused softmax fused
+    rows, keys = lane_rows * v["row_lanes"], lane_keys * v["key_lanes"]
+    cg = _pow2_divisor(r // 4, 8)
+    return TileConfig(r, dr, threads=threads, rows=rows, keys=keys, stages=v["stages"],
+                      lane_rows=lane_rows, lane_keys=lane_keys, k_lanes=v["k_lanes"],
+                      row_lanes=v["row_lanes"], key_lanes=v["key_lanes"],
+                      k_warps=v["k_warps"], cg=cg, rv=max(1, rows * cg // threads),
+                      out_lane_cols=min(cg, 8),
+                      scratch=threads * lane_rows * lane_keys).validate()
+
+
+def tile_config(r: int, dr: int, variant=None):
+    """The tile shape used here for latent width r, rope width dr and a layout (None: the
+    default that runs here, see :func:`resolve_variant`)."""
+    variant = resolve_variant(variant, r, dr)
+    return sim_tile_config(r, dr, variant) if SIMULATOR else gpu_tile_config(r, dr, variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key splits (flash-decoding)
+# ---------------------------------------------------------------------------------------------
+BLOCK_OVERHEAD_KEYS = 64          # staging queries + writing outputs, in key-slot times
+MERGE_BYTES_PER_KEY_TIME = 1.16e6  # HBM bytes the whole GPU moves while a block does one key
+
+
+def choose_splits(blocks_per_split: int, max_keys: int, tile_keys: int, sm_count: int,
+                  partial_bytes_per_block: int, max_splits: int = 64) -> int:
+    """Number of key splits with the least modelled time, fewest splits on ties.
+
+    One block fits per SM (the tiles take ~227 KiB of shared memory), so a request alone (decode:
+    one row tile) would use one SM per split.  Model, in units of one key slot's time:
+    waves * (keys per split, rounded up to tiles, + per-block overhead) + traffic of the partial
+    outputs (written by the splits, read by the merge).
+    """
+    tiles = max(1, -(-max_keys // tile_keys))
+    best, best_cost = 1, None
+    for s in range(1, min(max_splits, tiles) + 1):
+        tiles_per_split = -(-tiles // s)
+        if s > 1 and -(-tiles // tiles_per_split) < s:
+            continue  # some split would be empty
+        waves = -(-blocks_per_split * s // sm_count)
+        cost = waves * (tiles_per_split * tile_keys + BLOCK_OVERHEAD_KEYS)
+        if s > 1:
+            cost += 2 * s * blocks_per_split * partial_bytes_per_block / MERGE_BYTES_PER_KEY_TIME
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best

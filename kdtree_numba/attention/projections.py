@@ -1,0 +1,150 @@
+"""The per-head projections around absorbed-MLA attention on the device: absorb_q, apply_uv.
+
+The numba twins of reference/attention/projections.py (the contract): ``absorb_q`` folds each
+head's W_UK into its query, ``apply_uv`` applies W_UV to the attention output; both read the
+weights from HF's ``kv_b_proj`` and run as one small fp32 GEMM per head, batched over heads in
+grid.z.  docs/ATTENTION.md has the family's design.
+"""
+from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import float32
+
+from kdtree_numba import compat
+from kdtree_numba.attention.tiles import ZERO
+
+__all__ = ["absorb_q", "apply_uv"]
+
+
+# ---------------------------------------------------------------------------------------------
+# absorb_q / apply_uv: one small GEMM per head, batched over heads in grid.z
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _GemmTile:
+    tm: int
+    tn: int
+    tk: int
+    ty: int
+    tx: int
+
+
+def _gemm_tile():
+    return _GemmTile(8, 8, 4, 4, 4) if SIMULATOR else _GemmTile(64, 64, 16, 16, 16)
+
+
+@lru_cache(maxsize=None)
+def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
+    """C[m, h*c_hs + col] = sum_k A[m, h*a_hs + k] * B_h[k, col] for every head h = blockIdx.z.
+
+    B_h[k, col] = B[h*b_hs + b_off + k, col], or B[h*b_hs + b_off + col, k] when transposed.
+    Plain fp32 shared-memory tiling; each thread owns a (tm/ty) x (tn/tx) interleaved block.
+    """
+    TM, TN, TK, TY, TX = tile.tm, tile.tn, tile.tk, tile.ty, tile.tx
+    FM, FN = TM // TY, TN // TX
+    FMN = FM * FN
+    THREADS = TY * TX
+
+    @kernel
+    def head_gemm(a, a_hs, bmat, b_hs, b_off, cmat, c_hs, m_size, n_size, k_size):
+        a_tile = cuda.shared.array((TK, TM), float32)
+        b_tile = cuda.shared.array((TK, TN), float32)
+        tid = cuda.threadIdx.x
+        ty, tx = tid // TX, tid % TX
+        n0, m0, h = cuda.blockIdx.x * TN, cuda.blockIdx.y * TM, cuda.blockIdx.z
+        acc = cuda.local.array(FMN, float32)
+        for x in range(FMN):
+            acc[x] = ZERO
+        for k0 in range(0, k_size, TK):
+            for f in range(tid, TK * TM, THREADS):
+                kk, mm = f % TK, f // TK
+                ok = m0 + mm < m_size and k0 + kk < k_size
+                a_tile[kk, mm] = a[m0 + mm, h * a_hs + k0 + kk] if ok else ZERO
+            for f in range(tid, TK * TN, THREADS):
+                if b_transposed:
+                    kk, nn = f % TK, f // TK
+                else:
+                    kk, nn = f // TN, f % TN
+                ok = n0 + nn < n_size and k0 + kk < k_size
+                if b_transposed:
+                    bv = bmat[h * b_hs + b_off + n0 + nn, k0 + kk] if ok else ZERO
+                else:
+                    bv = bmat[h * b_hs + b_off + k0 + kk, n0 + nn] if ok else ZERO
+                b_tile[kk, nn] = bv
+            cuda.syncthreads()
+            for kk in range(TK):
+                for i in range(FM):
+                    av = a_tile[kk, ty + TY * i]
+                    for j in range(FN):
+                        acc[i * FN + j] += av * b_tile[kk, tx + TX * j]
+            cuda.syncthreads()
+        for i in range(FM):
+            for j in range(FN):
+                mm, nn = m0 + ty + TY * i, n0 + tx + TX * j
+                if mm < m_size and nn < n_size:
+                    cmat[mm, h * c_hs + nn] = acc[i * FN + j]
+
+    return head_gemm
+
+
+def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
+                   stream=0):
+    tile = _gemm_tile()
+    grid = (-(-n_out // tile.tn), -(-m // tile.tm), heads)
+    _head_gemm_kernel(tile, b_transposed)[grid, tile.ty * tile.tx, stream](
+        a2, np.int64(a_hs), b2, np.int64(b_hs), np.int64(b_off), c2, np.int64(c_hs),
+        np.int64(m), np.int64(n_out), np.int64(k))
+
+
+def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0):
+    """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]`` on the device (reference: same name).
+
+    q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
+    """
+    bs, n, heads, dn = q_nope.shape
+    rows, r = kv_b_proj.shape
+    return _per_head_product(q_nope, kv_b_proj, dn, r, "dn", False, out, stream)
+
+
+def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0):
+    """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]`` on the device (reference: same name).
+
+    u [bs, n, H, r] float32, kv_b_proj [H*(dn+dv), r] float32, dv = v_head_dim
+    -> device [bs, n, H, dv].
+    """
+    bs, n, heads, r = u.shape
+    return _per_head_product(u, kv_b_proj, r, dv, "dv", True, out, stream)
+
+
+def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream):
+    """The body of absorb_q (``uv`` False: x = q_nope, k = dn, W_UK rows 0 .. dn of each head)
+    and apply_uv (``uv`` True: x = u, k = r, the last dv = n_out rows of each head, W_UV,
+    read transposed): check that kv_b_proj has H*(dn+dv) rows (``part``, "dn" or "dv", names
+    the checked width), stage the inputs and run one GEMM per head into out [bs, n, H, n_out].
+    """
+    bs, n, heads = x.shape[:3]
+    rows = kv_b_proj.shape[0]
+    per_head = rows // heads
+    width = n_out if uv else k              # dv or dn: the per-head row block that is read
+    if rows % heads or per_head <= width:
+        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, "
+                         f"{part}={width}")
+    tokens = bs * n
+    a2 = to_device(_f32(x), stream).reshape(tokens, heads * k)
+    w = to_device(_f32(kv_b_proj), stream)
+    if out is None:
+        out = cuda.device_array((bs, n, heads, n_out), np.float32, stream=stream)
+    b_off = per_head - n_out if uv else 0
+    _run_head_gemm(a2, k, w, per_head, b_off, uv, out.reshape(tokens, heads * n_out), n_out,
+                   tokens, n_out, k, heads, stream)
+    return out
+
+
+def _f32(x):
+    if compat.is_device_array(x):
+        if np.dtype(x.dtype) != np.float32:
+            raise TypeError(f"expected float32 device array, got {x.dtype}")
+        return x
+    return np.ascontiguousarray(x, dtype=np.float32)

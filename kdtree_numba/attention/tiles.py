@@ -1,0 +1,126 @@
+"""The kernel pieces both attention block kernels share: constants, block geometry, masking and
+the ``cp.async`` row-tile copier.
+
+The FFMA kernel (ffma.py) and the tensor-core kernel (mma.py) compute the same function
+(contract: reference/attention/mla.py) with the same grid (row tiles x key splits x requests),
+the same key-slot masking and the same staging of query and key rows in shared memory; those
+parts are written once here, below both kernels, so neither kernel module imports the other.
+docs/ATTENTION.md has the design.
+"""
+from kdtree_numba.compat import SIMULATOR, cuda, device_function  # noqa: I001
+
+import numpy as np
+from numba import int32
+
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import cp_async16, cp_async_strided
+
+__all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
+           "masked_score", "row_tile_copier"]
+
+NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point behind the max
+MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block (227 KiB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block geometry and masking, shared by the FFMA and the tensor-core kernels
+# ---------------------------------------------------------------------------------------------
+def block_keys(prefix_len, n, chunk):
+    """(b, split, prefix, first, end) of this block (grid: row tiles x splits x requests):
+    its request b, key split, the request's cached length, and the key slots [first, end):
+    ``chunk`` slots from split * chunk, clipped to prefix + n; the last split takes the rest,
+    whatever the plan's max_keys promised."""
+    split, b = cuda.blockIdx.y, cuda.blockIdx.z
+    prefix = prefix_len[b]
+    first = split * chunk
+    end = min(first + chunk, prefix + n)
+    if split == cuda.gridDim.y - 1:
+        end = prefix + n
+    return b, split, prefix, first, end
+
+
+# Inlined on the GPU.  In the simulator a device function rather than a plain one (as
+# inline_device_function would leave it): the simulator points ``cuda`` at its fake module only
+# in the globals of the running kernel's module and of device functions being called, and this
+# module is no kernel's, so a plain function here would read the real numba.cuda's blockIdx.
+block_keys = device_function(block_keys) if SIMULATOR else inline_device_function(block_keys)
+
+
+@inline_device_function
+def masked_score(s, key, end, prefix, visible, b, row_ok, query):
+    """Score ``s`` of slot ``key``, or -inf where the slot lies past the split's end or is a new
+    token that the row's query must not see (``visible[b, query, key - prefix]``)."""
+    if key >= end:
+        return NEG_INF
+    if key >= prefix:
+        if not row_ok:
+            return NEG_INF
+        if not visible[b, query, key - prefix]:
+            return NEG_INF
+    return s
+
+
+def _tile_slot_fn(threads: int):
+    """(row, float4 column) of slot ``tid + s*threads`` in a tile ``width4`` float4s wide.
+
+    When ``width4`` divides the thread count the column is fixed per thread and the row steps
+    by a constant, which keeps 64-bit division out of the per-tile load loop.
+    """
+    def tile_slot(tid, s, width4):
+        if threads % width4 == 0:
+            return tid // width4 + s * (threads // width4), tid % width4
+        f = tid + s * threads
+        return f // width4, f % width4
+    return inline_device_function(tile_slot)
+
+
+# ---------------------------------------------------------------------------------------------
+# Staging query and key rows in shared memory
+# ---------------------------------------------------------------------------------------------
+def row_tile_copier(cfg, rows: int):
+    """``issue(smem, off, main, rope, b, first, limit, tid)``: cp.async rows ``first + i``
+    (i < rows) of ``[main[b] | rope[b]]`` (widths r and dr) into the tile at smem[off] (row
+    stride ``row_stride``); rows >= limit become zeros (their source row is clamped to
+    limit - 1 >= 0, so no address leaves the array).  The caller commits.
+
+    When the rows divide the threads evenly, thread tid copies row tid / (T/rows), float4
+    columns tid % (T/rows) + (T/rows)*s: one address pair per row and array, the rest are
+    constant offsets.  Otherwise float4 slots are dealt out round-robin.  ``cfg`` is either
+    kernel's tile configuration (plan.TileConfig or plan.MmaTileConfig): it reads threads,
+    row_stride, r and dr.
+    """
+    T, QS = cfg.threads, cfg.row_stride
+    DV4, DR4 = cfg.r // 4, cfg.dr // 4
+    TPR = T // rows if T % rows == 0 else 0     # threads per row
+    if TPR and DV4 % TPR == 0 and DR4 % TPR == 0:
+        @inline_device_function
+        def issue(smem, off, main, rope, b, first, limit, tid):
+            i, quad = tid // TPR, tid % TPR
+            src = min(first + i, limit - 1)
+            nbytes = int32(16) if first + i < limit else int32(0)
+            at = off + i * QS + 4 * quad
+            cp_async_strided(smem, at, main, (b, src, 4 * quad), DV4 // TPR, TPR, nbytes)
+            cp_async_strided(smem, at + DV4 * 4, rope, (b, src, 4 * quad), DR4 // TPR, TPR,
+                             nbytes)
+        return issue
+
+    tile_slot = _tile_slot_fn(T)
+
+    @inline_device_function
+    def issue_any(smem, off, main, rope, b, first, limit, tid):
+        for s in range(-(-rows * DV4 // T)):
+            i, quad = tile_slot(tid, s, DV4)
+            if rows * DV4 % T == 0 or i < rows:
+                nbytes = int32(16) if first + i < limit else int32(0)
+                cp_async16(smem, off + i * QS + 4 * quad, main,
+                           (b, min(first + i, limit - 1), 4 * quad), nbytes)
+        for s in range(-(-rows * DR4 // T)):
+            i, quad = tile_slot(tid, s, DR4)
+            if rows * DR4 % T == 0 or i < rows:
+                nbytes = int32(16) if first + i < limit else int32(0)
+                cp_async16(smem, off + i * QS + 4 * (DV4 + quad), rope,
+                           (b, min(first + i, limit - 1), 4 * quad), nbytes)
+    return issue_any
