@@ -437,7 +437,8 @@ def test_f32_exchange_load_gives_every_lane_its_chunk(gpu_layers):
         cuda.syncthreads()
         return r
 
-    load = gpu_layers._make_load_w8_f32_xchg(exchange4)
+    from kdtree_numba.layers.skinny import _make_load_w8_f32_xchg
+    load = _make_load_w8_f32_xchg(exchange4)
 
     @kernel
     def run(w, first, c1, out):
@@ -640,7 +641,8 @@ def test_workspace_reuses_buffers(gpu_layers):
     rng = np.random.default_rng(23)
     args = moe_case(rng, 2, 16, 4, 8, 2, BF16, False)
     ws = gpu_layers.Workspace()
-    out = gpu_layers._empty((2, 16), np.float32)
+    from kdtree_numba.layers.workspace import device_empty
+    out = device_empty((2, 16), np.float32)
     first = host(gpu_layers.moe_ffn(*args, out=out, workspace=ws)).copy()
     n_buffers = len(ws._buffers)
     second = host(gpu_layers.moe_ffn(*args, out=out, workspace=ws))
@@ -669,6 +671,9 @@ import numba.cuda.dispatcher as dispatcher
 from numba import cuda, types as T
 from cuda.bindings import nvjitlink as nj
 import kdtree_numba.layers as L
+from kdtree_numba.layers.moe import _expert_kernel
+from kdtree_numba.layers.skinny import skinny_linear_kernel
+from kdtree_numba.layers.tiled import tiled_kernel
 
 class _Sm90:                      # device functions ask the (absent) device for its cc
     compute_capability = (9, 0)
@@ -714,16 +719,16 @@ for what, cfg, extra in sorted(configs, key=str):
     # kernel needs (138), which still leaves 3 blocks per SM, as 136 did
     limit, spill_limit = 144, 0
     if what == "linear":
-        fn, sig = L._skinny_linear_kernel(cfg, extra), (f2, u2 if extra == "bf16" else f2,
-                                                         T.float32[:, :, ::1], i64, i64, i64, i64, i64)
+        fn, sig = skinny_linear_kernel(cfg, extra), (f2, u2 if extra == "bf16" else f2,
+                                                       T.float32[:, :, ::1], i64, i64, i64, i64, i64)
     elif what == "expert":
-        fn = L._expert_kernel(cfg, "bf16", extra)
+        fn = _expert_kernel(cfg, "bf16", extra)
         sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], f2, i64, i64, i64)
     elif extra in ("f32", "bf16"):
-        fn = L._tiled_kernel(cfg, extra, "linear")
+        fn = tiled_kernel(cfg, extra, "linear")
         sig = (f2, u2 if extra == "bf16" else f2, f2, i64, i64, i64, i64, i64, i64)
     else:
-        fn = L._tiled_kernel(cfg, "bf16", extra)
+        fn = tiled_kernel(cfg, "bf16", extra)
         sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], f2, i64, i64, i64, i64, i64)
     if what.startswith("tiled"):
         # capped tiles (max_registers) may spill a few words, all outside the k loop (checked

@@ -45,9 +45,6 @@ __all__ = ["rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear"
            "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "silu",
            "as_float64", "check_routing_args"]
 
-# Temporary: removed once kdtree_numba.layers imports the public name.
-_check_routing_args = check_routing_args
-
 # The attention references live in reference/attention/; one namespace for the whole model.
 # reference.attention imports nothing from reference.layers, so this makes no import circle.
 from ..attention import *  # noqa: E402,F401,F403

@@ -1,0 +1,34 @@
+"""What every layer kernel module shares: the GEMM constants, powers of two and ``silu``.
+
+The numba twin of reference/layers/common.py (which holds the references' dtype handling; the
+device arrays and dtypes of the numba functions are in workspace.py).  Why the constants have
+these values: docs/LAYERS.md.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kdtree_numba.compat import device_function
+
+__all__ = ["SKINNY_MAX_M", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu"]
+
+SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight streaming
+GPU_SMS = 132                # H200; only used to size grids (more SMs just means more waves)
+CHUNK = 8                    # K elements per load step: one 16-byte bf16 vector, two fp32 ones
+
+
+def pow2_floor(v: int) -> int:
+    """The largest power of two <= v (1 for v < 2)."""
+    return 1 << max(int(v), 1).bit_length() - 1
+
+
+def pow2_ceil(v: int) -> int:
+    """The smallest power of two >= v (1 for v < 2)."""
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+@device_function
+def silu(v):
+    return v / (np.float32(1.0) + math.exp(-v))

@@ -1,0 +1,98 @@
+"""``linear``: the dense projection ``y = x w^T``, dispatching to the skinny or the tiled GEMM.
+
+Twin: reference/layers/linear.py.  The kernels are in skinny.py (weight streaming, up to
+SKINNY_MAX_M rows) and tiled.py / gemm_source.py (register-blocked, above); this module picks
+one, launches it and adds the K slices of a split-K launch in order.  Design and tolerances:
+docs/LAYERS.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_numba.compat import cuda, kernel
+from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M
+from kdtree_numba.layers.skinny import SkinnyConfig, skinny_config, skinny_linear_kernel
+from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
+from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
+                                           load_kind_for, result_array, workspace_buffer)
+
+__all__ = ["linear"]
+
+
+def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, workspace=None):
+    """``y [M, N] = x [M, K] w [N, K]^T`` (see reference.linear).
+
+    ``method``: "skinny" (weight streaming: each weight element read once per ``mt`` rows of
+    x), "tiled" (register-blocked shared-memory GEMM: each weight element read once per BM
+    rows, BM >= M up to 128), or "auto": skinny up to SKINNY_MAX_M rows, else tiled.
+    ``config`` (a SkinnyConfig or TiledConfig) overrides the kernel shape and with it the
+    method.  Both use 16-byte vector loads when K % 8 == 0 and x, w are C-contiguous and
+    16-byte aligned, scalar loads otherwise.  Error vs the float64 reference: at most
+    (depth + 2) 2^-24 sum_k |x_k w_k|, depth = K/8 + 10 skinny, tiled_depth(K, splits) tiled
+    (<= K/8 + 15 for K >= 512) (docs/LAYERS.md).
+    """
+    xd = device_f32(x, "x", 2, stream)
+    wd, kind = device_weight(w, stream)
+    (m, k), n = xd.shape, wd.shape[0]
+    if len(wd.shape) != 2 or wd.shape[1] != k:
+        raise ValueError(f"linear wants x [M, K] and w [N, K], got {xd.shape}, {wd.shape}")
+    y = result_array(out, (m, n), np.float32, stream)
+    if m == 0 or n == 0:
+        return y
+    if method not in ("auto", "skinny", "tiled"):
+        raise ValueError(f"method must be auto, skinny or tiled, got {method!r}")
+    tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
+        method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
+    load_kind = load_kind_for(kind, k, xd, wd)
+    if not tiled:
+        cfg = config if isinstance(config, SkinnyConfig) else skinny_config(m, n, k, kind)
+        _linear_skinny(xd, wd, load_kind, y, cfg, stream, workspace)
+    else:
+        cfg = config if isinstance(config, TiledConfig) else tiled_config(m, n, k)
+        _linear_tiled(xd, wd, load_kind, y, cfg, stream, workspace)
+    return y
+
+
+def _linear_tiled(xd, wd, load_kind, y, cfg: TiledConfig, stream, workspace):
+    (m, k), n = xd.shape, wd.shape[0]
+    n_mtiles = -(-m // cfg.bm)
+    blocks = n_mtiles * cfg.splits * -(-n // cfg.bn)
+    launch = tiled_kernel(cfg, load_kind, "linear")[blocks, cfg.threads, stream]
+    wk, kc = kernel_weight(wd, load_kind), -(-k // CHUNK)
+    if cfg.splits == 1:
+        launch(xd, wk, y, m, n, k, n_mtiles, 1, kc)
+        return
+    part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
+    launch(xd, wk, part.reshape(cfg.splits * m, n), m, n, k, n_mtiles, cfg.splits, kc)
+    grid, block = launch_1d(m * n, 256)
+    _sum_splits[grid, block, stream](part, y)
+
+
+def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace):
+    (m, k), n = xd.shape, wd.shape[0]
+    wk = kernel_weight(wd, load_kind)
+    n_mchunks = -(-m // cfg.mt)
+    blocks = n_mchunks * cfg.splits * -(-n // cfg.rows)
+    launch = skinny_linear_kernel(cfg, load_kind)[blocks, cfg.threads, stream]
+    k8 = -(-k // CHUNK)
+    if cfg.splits == 1:
+        launch(xd, wk, y.reshape(1, m, n), m, n, k8, n_mchunks, 1)
+        return
+    part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
+    launch(xd, wk, part, m, n, k8, n_mchunks, cfg.splits)
+    grid, block = launch_1d(m * n, 256)
+    _sum_splits[grid, block, stream](part, y)
+
+
+@kernel
+def _sum_splits(part, y):
+    """y[m, n] = sum over s of part[s, m, n], in split order."""
+    i = cuda.grid(1)
+    n_cols = y.shape[1]
+    if i < y.shape[0] * n_cols:
+        m = i // n_cols
+        n = i - m * n_cols
+        total = part[0, m, n]
+        for s in range(1, part.shape[0]):
+            total += part[s, m, n]
+        y[m, n] = total

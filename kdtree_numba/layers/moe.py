@@ -1,0 +1,482 @@
+"""MoE routing and the expert FFN on the GPU: ``router_logits``, ``route_from_logits``,
+``moe_route``, ``moe_ffn``, and the kernel shapes of the routed experts.
+
+Twin: reference/layers/moe.py (the routing rules and the FFN are its docstring).  The experts
+reuse the GEMM cores: skinny.py's accumulate loop (expert kernels below) and tiled.py's
+generated kernels in their ``gate_up`` / ``down`` modes.  Design, tolerances and
+measurements: docs/LAYERS.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, to_device
+from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
+                                     tree_reduce)
+from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
+from kdtree_numba.layers.linear import linear
+from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
+                                        skinny_kind, skinny_threads)
+from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
+from kdtree_numba.layers.workspace import (Workspace, device_f32, device_weight, kernel_weight,
+                                           launch_1d, load_kind_for, placeholder, result_array,
+                                           workspace_buffer)
+from reference.layers import check_routing_args
+
+__all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "expert_config",
+           "expert_tiled_configs", "expert_alternatives"]
+
+# ============================================================================ MoE routing
+
+def router_logits(h, gate_w, *, stream=0, workspace=None):
+    """``h gate_w^T`` [M, E] in fp32 through :func:`linear` (gate weights fp32 or bf16)."""
+    return linear(h, gate_w, stream=stream, workspace=workspace)
+
+
+@device_function
+def _key_beats(kf, f, ke, e):
+    """Expert/group f ranks before e: larger key, or equal key and lower index."""
+    return kf > ke or (kf == ke and f < e)
+
+
+@functools.cache
+def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
+    group_size = n_experts // n_group
+
+    @kernel
+    def route_rows(logits, bias, has_bias, top_k, topk_group, norm_topk_prob, scaling,
+                   out_idx, out_w):
+        """One block per token, rules of reference.route_from_logits.  Ranks are counted
+        (rank(e) = #experts that beat e), which is exact, order-free and tie-deterministic."""
+        score = cuda.shared.array(n_experts, np.float32)
+        key = cuda.shared.array(n_experts, np.float32)
+        chosen = cuda.shared.array(n_experts, np.int32)
+        group_score = cuda.shared.array(n_group, np.float32)
+        group_kept = cuda.shared.array(n_group, np.int32)
+        picked = cuda.shared.array(n_experts, np.float32)
+        tree = cuda.shared.array(threads, np.float32)
+        row = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+
+        if softmax:   # s = exp(l - max) / sum, both reductions as shared-memory trees
+            top = -np.inf
+            for e in range(t, n_experts, threads):
+                top = max(top, logits[row, e])
+            tree[t] = top
+            tree_reduce(tree, t, threads, True)
+            top = tree[0]
+            cuda.syncthreads()
+            part = np.float32(0.0)
+            for e in range(t, n_experts, threads):
+                z = math.exp(logits[row, e] - top)
+                score[e] = z
+                part += z
+            tree[t] = part
+            tree_reduce(tree, t, threads, False)
+            total = tree[0]
+            for e in range(t, n_experts, threads):
+                score[e] = score[e] / total
+        else:
+            for e in range(t, n_experts, threads):
+                score[e] = np.float32(1.0) / (np.float32(1.0) + math.exp(-logits[row, e]))
+        cuda.syncthreads()
+        for e in range(t, n_experts, threads):
+            key[e] = score[e] + bias[e] if has_bias else score[e]
+        cuda.syncthreads()
+
+        if n_group > 1:
+            for g in range(t, n_group, threads):
+                first = -np.inf
+                second = -np.inf
+                for e in range(g * group_size, (g + 1) * group_size):
+                    v = key[e]
+                    if v > first:
+                        second = first
+                        first = v
+                    elif v > second:
+                        second = v
+                group_score[g] = first if softmax else first + second
+            cuda.syncthreads()
+            for g in range(t, n_group, threads):
+                rank = 0
+                for f in range(n_group):
+                    if _key_beats(group_score[f], f, group_score[g], g):
+                        rank += 1
+                group_kept[g] = 1 if rank < topk_group else 0
+            cuda.syncthreads()
+            for e in range(t, n_experts, threads):
+                if group_kept[e // group_size] == 0:
+                    key[e] = -np.inf
+            cuda.syncthreads()
+
+        for e in range(t, n_experts, threads):
+            rank = 0
+            for f in range(n_experts):
+                if _key_beats(key[f], f, key[e], e):
+                    rank += 1
+            chosen[e] = 1 if rank < top_k else 0
+        cuda.syncthreads()
+        for e in range(t, n_experts, threads):
+            if chosen[e] != 0:
+                pos = 0
+                for f in range(e):
+                    pos += chosen[f]
+                out_idx[row, pos] = e
+                picked[pos] = score[e]
+        cuda.syncthreads()
+        if t == 0:   # ascending-expert order, one thread: a fixed summation order
+            total = np.float32(0.0)
+            for j in range(top_k):
+                total += picked[j]
+            tree[0] = total + np.float32(1e-20) if norm_topk_prob else np.float32(1.0)
+        cuda.syncthreads()
+        for j in range(t, top_k, threads):
+            out_w[row, j] = picked[j] / tree[0] * scaling
+    return route_rows
+
+
+def route_from_logits(logits, bias=None, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+                      norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                      scoring: str = "sigmoid", out=None, stream=0, workspace=None):
+    """See reference.route_from_logits; returns device arrays (idx int32, weight float32)
+    (or fills ``out = (idx, weight)``).
+
+    fp32 throughout (the reference is float64): indices equal the reference's except where two
+    keys are within fp32 rounding (~1e-7) of each other; weights within 1e-6 relative."""
+    ld = device_f32(logits, "logits", 2, stream)
+    m, n_experts = ld.shape
+    check_routing_args(n_experts, top_k, n_group, topk_group, scoring)
+    has_bias = bias is not None
+    bd = device_f32(bias, "bias", 1, stream) if has_bias else placeholder()
+    if has_bias and bd.shape[0] != n_experts:
+        raise ValueError(f"bias must have {n_experts} entries, got {bd.shape}")
+    idx, w = (None, None) if out is None else out
+    idx = result_array(idx, (m, top_k), np.int32, stream)
+    w = result_array(w, (m, top_k), np.float32, stream)
+    if m:
+        threads = 32 if SIMULATOR else min(1024, max(32, pow2_ceil(n_experts)))
+        _route_kernel(n_experts, n_group, threads, scoring == "softmax")[m, threads, stream](
+            ld, bd, has_bias, top_k, topk_group, bool(norm_topk_prob),
+            np.float32(routed_scaling_factor), idx, w)
+    return idx, w
+
+
+def moe_route(h, gate_w, bias=None, *, out=None, stream=0, workspace=None, **routing):
+    """See reference.moe_route: fp32 router logits (:func:`linear`) then route_from_logits."""
+    logits = workspace_buffer(workspace, "route.logits", (h.shape[0], gate_w.shape[0]), np.float32,
+                     stream)
+    linear(h, gate_w, out=logits, stream=stream, workspace=workspace)
+    return route_from_logits(logits, bias, out=out, stream=stream, workspace=workspace,
+                             **routing)
+
+
+# ============================================================================ MoE FFN
+# 1. group_by_expert (one block): counting sort of the M*k (token, expert) entries on the device:
+#    per-expert offsets, the compact list of active experts, each entry's slot, each slot's token.
+# 2. expert_gate_up: grid = (active expert, tile of R intermediate rows); the block streams R
+#    gate rows and the R matching up rows of that expert once and applies them to all the
+#    expert's tokens (MT at a time), writing act[slot] = silu(gate h) * (up h).
+# 3. expert_down: same grid over D; y_slot[slot] = down_e act[slot].
+# 4. shared expert: two linear() calls around a silu-mul kernel.
+# 5. combine: out[m] = shared[m] + sum_j weight[m, j] y_slot[slot(m, j)], in j order.
+# Entry order inside an expert (atomics) varies, results do not: every slot has its own sums.
+
+@functools.cache
+def _group_kernel(n_experts: int, threads: int):
+    seg = -(-n_experts // threads)
+
+    @kernel
+    def group_by_expert(idx_flat, top_k, offsets, active, n_active, slot_of_entry,
+                        token_of_slot):
+        count = cuda.shared.array(n_experts, np.int32)
+        start = cuda.shared.array(n_experts, np.int32)
+        scan_c = cuda.shared.array(threads, np.int32)
+        scan_a = cuda.shared.array(threads, np.int32)
+        t = cuda.threadIdx.x
+        n_entries = idx_flat.shape[0]
+        for e in range(t, n_experts, threads):
+            count[e] = 0
+        cuda.syncthreads()
+        for i in range(t, n_entries, threads):
+            e = idx_flat[i]
+            if 0 <= e < n_experts:   # an invalid index contributes nothing
+                slot_of_entry[i] = cuda.atomic.add(count, e, 1)
+        cuda.syncthreads()
+        mine_c = 0
+        mine_a = 0
+        for e in range(t * seg, min(t * seg + seg, n_experts)):
+            mine_c += count[e]
+            mine_a += 1 if count[e] > 0 else 0
+        scan_c[t] = mine_c
+        scan_a[t] = mine_a
+        cuda.syncthreads()
+        offset = 1
+        while offset < threads:        # Hillis-Steele inclusive scan of both totals
+            vc = scan_c[t] + (scan_c[t - offset] if t >= offset else 0)
+            va = scan_a[t] + (scan_a[t - offset] if t >= offset else 0)
+            cuda.syncthreads()
+            scan_c[t] = vc
+            scan_a[t] = va
+            cuda.syncthreads()
+            offset *= 2
+        at_c = scan_c[t] - mine_c
+        at_a = scan_a[t] - mine_a
+        for e in range(t * seg, min(t * seg + seg, n_experts)):
+            start[e] = at_c
+            offsets[e] = at_c
+            if count[e] > 0:
+                active[at_a] = e
+                at_a += 1
+            at_c += count[e]
+        if t == threads - 1:
+            offsets[n_experts] = scan_c[t]
+            n_active[0] = scan_a[t]
+        cuda.syncthreads()
+        for i in range(t, n_entries, threads):
+            e = idx_flat[i]
+            if 0 <= e < n_experts:
+                s = start[e] + slot_of_entry[i]
+                slot_of_entry[i] = s
+                token_of_slot[s] = i // top_k
+            else:
+                slot_of_entry[i] = -1
+    return group_by_expert
+
+
+@functools.cache
+def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool):
+    """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block."""
+    mt, r_out, threads = cfg.mt, cfg.rows, cfg.threads
+    nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
+    nacc, warps = mt * nr, threads // 32
+    accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load))
+    block_reduce = make_block_reduce(nacc, threads)
+    scr = block_reduce_scratch_shape(nacc, threads)
+    red_shape = (warps + 1, nacc)
+
+    @kernel
+    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, out, n_out, k8, tiles):
+        """gate_up: out = act [slots, Im], x = h [M, D], w3 = gate_up [E, 2Im, D/..];
+        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..]."""
+        red = cuda.shared.array(red_shape, np.float32)
+        scratch = cuda.shared.array(scr, np.float32)
+        a = cuda.blockIdx.x // tiles
+        if a >= n_active[0]:
+            return
+        e = active[a]
+        o0 = (cuda.blockIdx.x - a * tiles) * r_out
+        w = w3[e]
+        wrows = cuda.local.array(nr, np.int32)
+        xrows = cuda.local.array(mt, np.int32)
+        acc = cuda.local.array(nacc, np.float32)
+        for r in range(r_out):
+            wrows[r] = min(o0 + r, n_out - 1)
+            if gate_up:
+                wrows[r_out + r] = n_out + min(o0 + r, n_out - 1)
+        t = cuda.threadIdx.x
+        s_end = offsets[e + 1]
+        for s0 in range(offsets[e], s_end, mt):
+            for m in range(mt):
+                if s0 + m < s_end:
+                    xrows[m] = token_of_slot[s0 + m] if gate_up else s0 + m
+                else:
+                    xrows[m] = -1
+            for i in range(nacc):
+                acc[i] = np.float32(0.0)
+            accumulate(x, xrows, w, wrows, 0, k8, acc, scratch)
+            block_reduce(acc, red, scratch)
+            if t < mt * r_out:
+                m = t // r_out
+                r = t - m * r_out
+                if s0 + m < s_end and o0 + r < n_out:
+                    v = red[warps, m * nr + r]
+                    if gate_up:
+                        v = silu(v) * red[warps, m * nr + r_out + r]
+                    out[s0 + m, o0 + r] = v
+            cuda.syncthreads()     # red is reused by the next chunk of tokens
+    return expert_rows
+
+
+@kernel
+def _silu_mul(gu, act):
+    """act[m, i] = silu(gu[m, i]) * gu[m, I + i]."""
+    i = cuda.grid(1)
+    inter = act.shape[1]
+    if i < act.shape[0] * inter:
+        m = i // inter
+        c = i - m * inter
+        act[m, c] = silu(gu[m, c]) * gu[m, inter + c]
+
+
+@functools.cache
+def _combine_kernel(has_shared: bool):
+    @kernel
+    def combine(y_slot, slot_of_entry, weight, shared_y, out):
+        """out[m, d] = shared_y[m, d] + sum_j weight[m, j] * y_slot[slot(m, j), d]."""
+        m = cuda.blockIdx.x
+        d = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        top_k = weight.shape[1]
+        if d < out.shape[1]:
+            total = shared_y[m, d] if has_shared else np.float32(0.0)
+            for j in range(top_k):
+                s = slot_of_entry[m * top_k + j]
+                if s >= 0:
+                    total += weight[m, j] * y_slot[s, d]
+            out[m, d] = total
+    return combine
+
+
+def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool) -> SkinnyConfig:
+    """Kernel shape for the expert GEMMs: mt ~ tokens per active expert; the most rows of
+    ROWS_UNROLL (the grid, active experts x tiles, is large already).  ``rows`` counts outputs
+    per block: a gate_up block streams 2*rows weight rows (gate and up)."""
+    mt = mt_for(max(1, -(-m * top_k // min(n_experts, m * top_k))))
+    weight_rows, unroll = ROWS_UNROLL[mt][0]
+    if SIMULATOR:   # no registers to spare there, but blocks cost: the most rows a block allows
+        weight_rows = 32 // mt
+    rows = weight_rows // 2 if gate_up else weight_rows
+    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
+
+
+def _expert_tile() -> TiledConfig:
+    """The expert GEMM tile: BM = 32 rows (4 warps along M, one 8-row group each) by BN = 256
+    (32 lanes along N: 128 gate + 128 up outputs), so a warp with no live row skips its FMAs
+    and one with 1-4 live rows does half of them."""
+    return (TiledConfig(wm=1, wn=1, ly=1, tm=4, tn=8, bk=8) if SIMULATOR else
+            TiledConfig(wm=4, wn=1, ly=1, tm=8, tn=8, bk=16))
+
+
+def expert_tiled_configs(m: int):
+    """[(TiledConfig, cmin, cmax)]: the launches of one tiled expert GEMM, each for the
+    experts holding cmin <= count < cmax tokens (the others' blocks exit at once).  One launch
+    of ``_expert_tile()`` for every count: an expert's tokens go through it in chunks of BM.
+    Measured on the H200 at M = 65 (router-picked Kimi-K2 batch, 56 experts, 2026-11-29,
+    tools/bench_layers.py --only moe): one class 3.92 ms; two classes (the 72-row tiled-linear
+    tile for experts of more than 32 tokens) 5.36 ms; the same with a 16-row small tile 7.38
+    ms.  The popular experts' one pass over their weights did not pay for running the two
+    classes one after the other.  Other plans: expert_alternatives(m)."""
+    return [(_expert_tile(), 1, 1 << 30)]
+
+
+def expert_alternatives(m: int) -> dict:
+    """Other launch plans for the routed experts at m tokens, which tools/bench_layers.py
+    times (every plan sums each output the same way: the results are bit-identical)."""
+    small = _expert_tile()
+    big = dataclasses.replace(tiled_config(max(m, 17), 0, 0), splits=1)
+    small16 = dataclasses.replace(small, wm=max(1, small.wm // 2), max_registers=168)  # BM/2
+    wide = TiledConfig(wm=1, wn=3, ly=2, tm=12, tn=8, bk=8, max_registers=168)   # 24 x 384
+    return {
+        "two-class": [(small, 1, small.bm + 1), (big, small.bm + 1, 1 << 30)],
+        "two-class-bm16": [(small16, 1, small16.bm + 1), (big, small16.bm + 1, 1 << 30)],
+        "small-bk8": [(dataclasses.replace(small, bk=8), 1, 1 << 30)],
+        "big-24x384": [(small, 1, 17), (wide, 17, 1 << 30)],
+    }
+
+
+def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None, *,
+            method: str = "auto", configs=None, out=None, stream=0, workspace=None):
+    """See reference.moe_ffn.  Tokens are grouped by expert on the device.  ``method`` picks
+    the routed experts' kernels: "skinny" (each active expert's weights streamed once per
+    ``mt`` of its tokens), "tiled" (read once per BM of its tokens, register-blocked) or
+    "auto": skinny up to SKINNY_MAX_M tokens, else tiled.  The shared expert is two
+    :func:`linear` calls (which pick skinny or tiled by M the same way).  ``configs`` replaces the routed experts'
+    tiled launches, ``[(TiledConfig, cmin, cmax)]`` (expert_tiled_configs; benchmarks).
+    Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
+    A dense FFN is the one-expert case (expert_idx zeros [M, 1], weight ones)."""
+    hd = device_f32(h, "h", 2, stream)
+    idx = to_device(expert_idx, stream=stream)
+    wt = device_f32(weight, "weight", 2, stream)
+    gud, kind = device_weight(gate_up, stream)
+    dnd, kind_down = device_weight(down, stream)
+    m, d = hd.shape
+    n_experts, two_im, _ = gud.shape
+    inter = two_im // 2
+    top_k = idx.shape[1] if len(idx.shape) == 2 else 0
+    if (tuple(gud.shape[1:]) != (two_im, d) or tuple(dnd.shape) != (n_experts, d, inter)
+            or tuple(idx.shape) != (m, top_k) or tuple(wt.shape) != (m, top_k)
+            or kind != kind_down or np.dtype(idx.dtype) != np.int32):
+        raise ValueError("moe_ffn wants h [M,D], expert_idx int32 / weight [M,k], gate_up "
+                         "[E,2Im,D] and down [E,D,Im] of one dtype")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("pass both shared_gate_up and shared_down, or neither")
+    if method not in ("auto", "skinny", "tiled"):
+        raise ValueError(f"method must be auto, skinny or tiled, got {method!r}")
+    y = result_array(out, (m, d), np.float32, stream)
+    if m == 0:
+        return y
+    tiled = method == "tiled" or (method == "auto" and m > SKINNY_MAX_M)
+    ws = workspace if workspace is not None else Workspace()
+    n_entries = m * top_k
+    offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
+    active = ws.get("moe.active", (n_experts,), np.int32, stream)
+    n_active = ws.get("moe.n_active", (1,), np.int32, stream)
+    slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
+    token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
+    act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
+    y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
+
+    threads = 32 if SIMULATOR else 1024
+    _group_kernel(n_experts, threads)[1, threads, stream](
+        idx.reshape(n_entries), top_k, offsets, active, n_active, slot_of_entry, token_of_slot)
+    lists = (token_of_slot, offsets, active, n_active)
+    if tiled:
+        _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
+                       top_k, stream, configs)
+    else:
+        _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
+                        top_k, stream)
+
+    shared_y = y_slot   # any float32 2-d array: the kernel ignores it without a shared expert
+    if shared_gate_up is not None:
+        sgu, skind = device_weight(shared_gate_up, stream)
+        sdn, skind_down = device_weight(shared_down, stream)
+        s_inter = sdn.shape[1]
+        if tuple(sgu.shape) != (2 * s_inter, d) or tuple(sdn.shape) != (d, s_inter) \
+                or skind != skind_down:
+            raise ValueError("shared expert wants gate_up [2Is, D] and down [D, Is] of one dtype")
+        # The shared expert sees every token: linear() (skinny up to SKINNY_MAX_M rows, else
+        # tiled with K slices, which keep all SMs busy where one expert's tiles would not).
+        s_act = ws.get("moe.shared_act", (m, s_inter), np.float32, stream)
+        shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
+        gu = ws.get("moe.shared_gu", (m, 2 * s_inter), np.float32, stream)
+        linear(hd, sgu, out=gu, stream=stream, workspace=ws)
+        grid, block = launch_1d(s_act.size, 256)
+        _silu_mul[grid, block, stream](gu, s_act)
+        linear(s_act, sdn, out=shared_y, stream=stream, workspace=ws)
+    threads = 32 if SIMULATOR else 256
+    _combine_kernel(shared_gate_up is not None)[(m, -(-d // threads)), threads, stream](
+        y_slot, slot_of_entry, wt, shared_y, y)
+    return y
+
+
+def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream):
+    """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes)."""
+    n_experts, d, inter = dnd.shape
+    for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
+            (True, hd, gud, act, inter, d), (False, act, dnd, y_slot, d, inter)):
+        load_kind = load_kind_for(kind, k_in, x_in, w3)
+        cfg = expert_config(m, top_k, n_experts, k_in, is_gate_up)
+        tiles = -(-n_out // cfg.rows)
+        _expert_kernel(cfg, load_kind, is_gate_up)[max_active * tiles, cfg.threads, stream](
+            x_in, *lists, kernel_weight(w3, load_kind), out_buf, n_out, -(-k_in // CHUNK),
+            tiles)
+
+
+def _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,
+                   launches=None):
+    """gate_up then down with the tiled kernel: grid = (active expert, N tile), the tile's
+    weights read once per BM of the expert's tokens; one launch per count class
+    (expert_tiled_configs: one class by default)."""
+    n_experts, d, inter = dnd.shape
+    for mode, x_in, w3, out_buf, n_out, k_in in (
+            ("gate_up", hd, gud, act, inter, d), ("down", act, dnd, y_slot, d, inter)):
+        load_kind = load_kind_for(kind, k_in, x_in, w3)
+        for cfg, cmin, cmax in launches or expert_tiled_configs(m):
+            tiles = -(-n_out // (cfg.bn // 2 if mode == "gate_up" else cfg.bn))
+            tiled_kernel(cfg, load_kind, mode)[max_active * tiles, cfg.threads, stream](
+                x_in, *lists, kernel_weight(w3, load_kind), out_buf, n_out, k_in, tiles,
+                cmin, cmax)

@@ -1,0 +1,340 @@
+"""The skinny (weight-streaming) GEMM: ``linear()`` and the MoE experts up to SKINNY_MAX_M rows.
+
+``y[m, n] = sum_k x[m, k] w[n, k]``: each block streams a few weight rows once (16-byte loads)
+and applies them to a few rows of x, so the weights come from HBM about once per call.  Holds
+the weight and x loaders (one per weight kind), the generated accumulate loop, SkinnyConfig
+and the shapes the heuristics pick, and the ``linear`` kernel; moe.py builds its expert kernels
+from the same accumulate loop.  Twin: reference/layers/linear.py (the contract).  Design,
+tolerances and measurements: docs/LAYERS.md.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
+from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
+from kdtree_numba.gpu.memory import ld_cached_f32x4, ld_stream_f32x4, ld_stream_u32x4
+from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
+from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor
+
+__all__ = ["SkinnyConfig", "ROWS_UNROLL", "skinny_threads", "skinny_config", "mt_for",
+           "skinny_kind", "make_accumulate", "skinny_linear_kernel"]
+
+
+@device_function
+def _load_w8_f32(w, n, j):
+    """Elements [8j, 8j+8) of float32 weight row n."""
+    a = ld_stream_f32x4(w, n, CHUNK * j)
+    b = ld_stream_f32x4(w, n, CHUNK * j + 4)
+    return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+
+
+@device_function
+def _load_w8_bf16(w32, n, j):
+    """Elements [8j, 8j+8) of bf16 weight row n, given the row as uint32 words [N, K/2]."""
+    q = ld_stream_u32x4(w32, n, 4 * j)
+    return (bf16_lo(q[0]), bf16_hi(q[0]), bf16_lo(q[1]), bf16_hi(q[1]),
+            bf16_lo(q[2]), bf16_hi(q[2]), bf16_lo(q[3]), bf16_hi(q[3]))
+
+
+@device_function
+def _load8_cached(w, n, j):
+    """Elements [8j, 8j+8) of float32 row n through L1: every x chunk (x rows are read by many
+    blocks), and the weight chunks of variant f32_load="cached" (the second 16-byte half of
+    each lane's 32 bytes may then hit the sector the first half brought in)."""
+    a = ld_cached_f32x4(w, n, CHUNK * j)
+    b = ld_cached_f32x4(w, n, CHUNK * j + 4)
+    return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+
+
+# float32 weights, f32_load="xchg" (the default).  A lane owns 8 consecutive floats (32 bytes)
+# per chunk, so the two plain 16-byte loads of a warp each touch 32 sectors and use half of
+# each: with L1 bypassed every sector crosses from L2 twice, and fp32 streaming stalled at
+# ~2.75 TB/s while bf16 (one dense 16-byte load per lane) reached 4.4 TB/s.  Here the lower
+# half-warp loads the first halves and the upper half-warp the second halves of the 32 chunks
+# of the warp's 1 KB span (two fully dense 512-byte loads), and one xor-16 exchange of four
+# floats gives every lane its own chunk back.  Same elements per lane, same order: results are
+# bit-identical to the plain loads.  Needs every lane of the warp present (the accumulate loop
+# keeps its trip count warp-uniform for this kind).
+def _make_load_w8_f32_xchg(exchange4):
+    def load(w, n, j, lane, c1, scratch):
+        # Chunks past c1 are clamped to c1 - 1 (in bounds, no branch before the exchange):
+        # such values only ever reach lanes whose own chunk is past c1, which add nothing.
+        hi = lane >> 4
+        ja = min(j - lane + (lane & 15), c1 - 1)     # chunk this lane half-loads for lanes 0-15
+        jb = min(j - lane + (lane & 15) + 16, c1 - 1)   # ... and for lanes 16-31
+        a = ld_stream_f32x4(w, n, CHUNK * ja + 4 * hi)
+        b = ld_stream_f32x4(w, n, CHUNK * jb + 4 * hi)
+        up = hi != 0
+        r = exchange4(b[0] if not up else a[0], b[1] if not up else a[1],
+                      b[2] if not up else a[2], b[3] if not up else a[3], scratch)
+        if up:      # own chunk is jb: its first half came from lane - 16
+            return (r[0], r[1], r[2], r[3], b[0], b[1], b[2], b[3])
+        return (a[0], a[1], a[2], a[3], r[0], r[1], r[2], r[3])
+    return device_function(load)
+
+
+if SIMULATOR:   # no shuffles: load the lane's own chunk directly (same values)
+    @device_function
+    def _load_w8_f32_xchg(w, n, j, lane, c1, scratch):
+        if j < c1:
+            return _load_w8_f32(w, n, j)
+        z = np.float32(0.0)
+        return (z, z, z, z, z, z, z, z)
+else:
+    from kdtree_numba.gpu.warp import shfl_xor16_f32x4
+
+    _load_w8_f32_xchg = _make_load_w8_f32_xchg(shfl_xor16_f32x4)
+
+
+@device_function
+def _load_w8_f32_scalar(w, n, j):
+    """The same 8 elements by scalar loads, zero past the row end (any K, any alignment)."""
+    k0 = CHUNK * j
+    k_total = w.shape[1]
+    return (w[n, k0] if k0 < k_total else np.float32(0.0),
+            w[n, k0 + 1] if k0 + 1 < k_total else np.float32(0.0),
+            w[n, k0 + 2] if k0 + 2 < k_total else np.float32(0.0),
+            w[n, k0 + 3] if k0 + 3 < k_total else np.float32(0.0),
+            w[n, k0 + 4] if k0 + 4 < k_total else np.float32(0.0),
+            w[n, k0 + 5] if k0 + 5 < k_total else np.float32(0.0),
+            w[n, k0 + 6] if k0 + 6 < k_total else np.float32(0.0),
+            w[n, k0 + 7] if k0 + 7 < k_total else np.float32(0.0))
+
+
+@device_function
+def _bf16_at(w16, n, k):
+    return bf16_bits_to_f32(w16[n, k]) if k < w16.shape[1] else np.float32(0.0)
+
+
+@device_function
+def _load_w8_bf16_scalar(w16, n, j):
+    """Scalar-load twin of _load_w8_bf16; the row is given as uint16 bits [N, K]."""
+    k0 = CHUNK * j
+    return (_bf16_at(w16, n, k0), _bf16_at(w16, n, k0 + 1), _bf16_at(w16, n, k0 + 2),
+            _bf16_at(w16, n, k0 + 3), _bf16_at(w16, n, k0 + 4), _bf16_at(w16, n, k0 + 5),
+            _bf16_at(w16, n, k0 + 6), _bf16_at(w16, n, k0 + 7))
+
+
+# Weight kinds: "f32" / "bf16" stream 16-byte vectors (K % 8 == 0, C-contiguous, 16-byte
+# aligned; bf16 rows passed as uint32 words); "f32s" / "bf16s" are the scalar-load fallback for
+# any other shape (bf16 rows as uint16).  All kinds add the same products in the same order.
+# The skinny kernels load float32 vectors one of three ways (SkinnyConfig.f32_load): "f32x"
+# (xchg, default), "f32" (stream: the plain loads) or "f32c" (cached: through L1).
+_LOAD_W8 = {"f32": _load_w8_f32, "f32x": _load_w8_f32_xchg, "f32c": _load8_cached,
+            "bf16": _load_w8_bf16, "f32s": _load_w8_f32_scalar, "bf16s": _load_w8_bf16_scalar}
+_LOAD_X8 = {"f32": _load8_cached, "f32x": _load8_cached, "f32c": _load8_cached,
+            "bf16": _load8_cached, "f32s": _load_w8_f32_scalar, "bf16s": _load_w8_f32_scalar}
+_F32_LOAD_KIND = {"xchg": "f32x", "stream": "f32", "cached": "f32c"}
+
+
+def skinny_kind(load_kind: str, f32_load: str) -> str:
+    """The accumulate kind for a load kind: float32 vectors take the configured variant."""
+    return _F32_LOAD_KIND[f32_load] if load_kind == "f32" else load_kind
+
+
+@device_function
+def _load_w1(w, n, k, is_bf16):
+    """One weight element as float32 (w is float32, or uint16 bf16 bits)."""
+    if is_bf16:
+        return bf16_bits_to_f32(w[n, k])
+    return w[n, k]
+
+
+# ============================================================================ skinny GEMM core
+# y[m, n] = sum_k x[m, k] w[n, k] for MT rows of x and NR rows of w per block.  The block's
+# threads split K into 8-element chunks (thread t takes chunks t, t+THREADS, ...), each thread
+# keeps MT*NR partial sums in registers, and the block reduction of kdtree_numba/gpu/reduce.py
+# adds them up.  Each weight element is loaded once per block (16-byte streaming loads, UNROLL
+# chunks in flight per row); x chunks come through L1.  A row's arithmetic order depends on
+# THREADS and the split only.
+
+@functools.cache
+def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str):
+    """``accumulate(x, xrows, w, wrows, first, c1, acc, scratch)``: acc[m*NR + r] +=
+    x[xrows[m]] . w[wrows[r]] over the chunks first + threadIdx, + THREADS, ... < c1.
+
+    The body is generated as straight-line code (every (u, m, r) spelled out): the partial sums
+    must stay in registers, which needs constant indices, and LLVM's loop unroller was seen to
+    leave some (mt, rows, unroll) loops rolled, putting ``acc`` in local memory (PTX check).
+    The FMA order per output is fixed: chunks in increasing j, the 8 elements in order.
+    Kind "f32x" exchanges weight halves across the warp, so its loops count iterations from
+    block-uniform values only (``first``, ``c1``: every lane runs them, the compiler can see
+    the warp converged at the shuffles) and skip the FMAs of lanes past c1; ``scratch`` is
+    only its (test-only) emulated exchange's shared buffer."""
+    head = ["def accumulate(x, xrows, w, wrows, first, c1, acc, scratch):",
+            "    j = first + cuda.threadIdx.x"]
+    if wkind == "f32x":
+        src = [*head, "    lane = cuda.threadIdx.x & 31",
+               f"    n_all = (c1 - first) // {threads}",              # every thread has a chunk
+               f"    n_any = (c1 - first + {threads - 1}) // {threads}",
+               "    it = 0",
+               f"    while it + {unroll} <= n_all:",
+               *_chunk_group_source(mt, nr, threads, unroll, "        ", True),
+               f"        j += {unroll * threads}", f"        it += {unroll}",
+               "    while it < n_any:",
+               *_chunk_group_source(mt, nr, threads, 1, "        ", True, guard=True),
+               f"        j += {threads}", "        it += 1"]
+    else:
+        src = [*head,
+               f"    while j + {(unroll - 1) * threads} < c1:",
+               *_chunk_group_source(mt, nr, threads, unroll, "        ", False),
+               f"        j += {unroll * threads}",
+               "    while j < c1:",
+               *_chunk_group_source(mt, nr, threads, 1, "        ", False),
+               f"        j += {threads}"]
+    namespace = {"load_w8": _LOAD_W8[wkind], "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
+                 "cuda": cuda}
+    exec(compile("\n".join(src), f"<accumulate mt={mt} nr={nr} unroll={unroll} {wkind}>",
+                 "exec"), namespace)
+    return device_function(namespace["accumulate"])
+
+
+def _chunk_group_source(mt, nr, threads, unroll, indent, xchg, guard=False):
+    """Source lines: load `unroll` chunks of the NR weight rows (all loads first, so they are
+    in flight together), then for each chunk and each live row m of x its NR dot-8 updates
+    (under ``if j < c1`` when ``guard``: lanes past the end only help their warp's loads)."""
+    lines = []
+    for u in range(unroll):
+        for r in range(nr):
+            call = (f"load_w8(w, wrows[{r}], j + {u * threads}, lane, c1, scratch)" if xchg
+                    else f"load_w8(w, wrows[{r}], j + {u * threads})")
+            lines.append(f"w{u}_{r} = {call}")
+    body = []
+    for u in range(unroll):
+        for m in range(mt):
+            body += [f"row = xrows[{m}]", "if row >= 0:",
+                     f"    xv = load_x8(x, row, j + {u * threads})"]
+            body += [f"    acc[{m * nr + r}] = fma8(acc[{m * nr + r}], xv, w{u}_{r})"
+                     for r in range(nr)]
+    if guard:
+        lines += ["if j < c1:"] + ["    " + line for line in body]
+    else:
+        lines += body
+    return [indent + line for line in lines]
+
+
+@device_function
+def _fma8(a, xv, wv):
+    """a + x . w over one 8-element chunk, in element order (one fused multiply-add each)."""
+    a += xv[0] * wv[0]
+    a += xv[1] * wv[1]
+    a += xv[2] * wv[2]
+    a += xv[3] * wv[3]
+    a += xv[4] * wv[4]
+    a += xv[5] * wv[5]
+    a += xv[6] * wv[6]
+    a += xv[7] * wv[7]
+    return a
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Weight-streaming kernel shape: ``mt`` rows of x and ``rows`` of w per block, ``threads``
+    per block (a multiple of 32), ``unroll`` chunks in flight per weight row, ``splits`` blocks
+    sharing one row's K range (split-K, then an ordered sum); ``f32_load`` how float32 weight
+    vectors are read: "xchg" (dense half-warp loads + one shuffle exchange), "stream" (two
+    plain 16-byte loads per lane, L1 bypassed) or "cached" (the same through L1).  The three
+    give bit-identical results; bf16 weights ignore it."""
+    mt: int
+    rows: int
+    threads: int
+    unroll: int
+    splits: int = 1
+    f32_load: str = "xchg"
+
+    def __post_init__(self):
+        nacc = self.mt * self.rows
+        if self.threads % 32 or nacc & (nacc - 1) or nacc > self.threads:
+            raise ValueError(f"bad SkinnyConfig {self}: threads % 32, mt*rows a power of two "
+                             f"<= threads")
+        if self.f32_load not in _F32_LOAD_KIND:
+            raise ValueError(f"f32_load must be one of {sorted(_F32_LOAD_KIND)}")
+
+
+def mt_for(m: int) -> int:
+    """Rows of x per block for m rows: the next power of two, at most 16 (4 in the simulator)."""
+    return min(pow2_ceil(m), 4 if SIMULATOR else 16)
+
+
+def skinny_threads(k: int) -> int:
+    """Threads per block for reduction length k: ~4+ chunks per thread, 32..256.  A function of
+    k alone, so a row's summation order never depends on how many rows a call has."""
+    if SIMULATOR:
+        return 32
+    return min(max(pow2_floor(k // CHUNK // 4), 32), 256)
+
+
+# (rows, unroll) per mt, most rows first: each <= ~130 registers per thread on sm_90 for fp32
+# and bf16 weights, no local memory (ptxas via nvJitLink; test_kernels_compile_to_registers_only),
+# so 3-4 blocks of 128 threads fit an SM.
+ROWS_UNROLL = {1: ((8, 2), (4, 2), (2, 4), (1, 4)),
+               2: ((4, 2), (2, 4), (1, 4)),
+               4: ((4, 1), (2, 2), (1, 4)),
+               8: ((4, 1), (2, 2), (1, 2)),
+               16: ((2, 2), (1, 1))}
+
+
+def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
+    """Default kernel shape for an [m, k] x [n, k]^T product: the most weight rows per block
+    that still gives every SM four blocks (the simulator: the fewest blocks); threads from k
+    alone (batch invariance).  Four, not two: the 2026-11-29 sweep at M = 1 found rows=2 best
+    for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block choices rows=4 / 2.
+    See docs/LAYERS.md; tools/bench_layers.py --only sweep."""
+    mt = mt_for(m)
+    choices = ROWS_UNROLL[mt]
+    rows, unroll = choices[-1]
+    for cand_rows, cand_unroll in choices:
+        if SIMULATOR or -(-n // cand_rows) >= 4 * GPU_SMS:
+            rows, unroll = cand_rows, cand_unroll
+            break
+    if wkind == "f32" and mt <= 2 and rows * unroll > 4 and (mt, rows) != (1, 2):
+        # a float32 chunk is 32 bytes, twice bf16's: half the chunks give the same bytes in
+        # flight per thread, and rows * unroll = 16 needed ~200 registers with the exchange.
+        # Not at one x row and two weight rows: the full sweep of run 13 (7168 -> 1536, the
+        # shape that picks rows = 2) timed unroll 4 at 14.3 us against 15.3 us for 2.
+        unroll = max(1, unroll // 2)
+    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k), unroll=unroll, splits=1)
+
+
+@functools.cache
+def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
+    mt, nr, threads = cfg.mt, cfg.rows, cfg.threads
+    nacc, warps = mt * nr, threads // 32
+    accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load))
+    block_reduce = make_block_reduce(nacc, threads)
+    scr = block_reduce_scratch_shape(nacc, threads)
+    red_shape = (warps + 1, nacc)
+
+    @kernel
+    def skinny_linear(x, w, out, m_total, n_total, k8, n_mchunks, splits):
+        """out[s, m, n] = split s's share of x[m] . w[n]; 1-D grid, m-chunk fastest (blocks
+        that share a weight tile run together, so a tile comes from HBM about once)."""
+        red = cuda.shared.array(red_shape, np.float32)
+        scratch = cuda.shared.array(scr, np.float32)
+        bid = cuda.blockIdx.x
+        m0 = (bid % n_mchunks) * mt
+        s = (bid // n_mchunks) % splits
+        n0 = (bid // n_mchunks // splits) * nr
+        xrows = cuda.local.array(mt, np.int32)
+        wrows = cuda.local.array(nr, np.int32)
+        acc = cuda.local.array(nacc, np.float32)
+        for m in range(mt):
+            xrows[m] = m0 + m if m0 + m < m_total else -1
+        for r in range(nr):
+            wrows[r] = min(n0 + r, n_total - 1)
+        for i in range(nacc):
+            acc[i] = np.float32(0.0)
+        accumulate(x, xrows, w, wrows, s * k8 // splits, (s + 1) * k8 // splits, acc,
+                   scratch)
+        block_reduce(acc, red, scratch)
+        t = cuda.threadIdx.x
+        if t < nacc:
+            m = t // nr
+            r = t - m * nr
+            if m0 + m < m_total and n0 + r < n_total:
+                out[s, m0 + m, n0 + r] = red[warps, t]
+    return skinny_linear
