@@ -67,7 +67,4 @@ __all__ = ["rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", 
 # skinny_threads, TILED_ALTERNATIVES, expert_config, CHUNK, GPU_SMS.
 
 # The attention kernels live in kdtree_numba.attention; one namespace for the whole model.
-try:
-    from kdtree_numba.attention import *  # noqa: E402,F401,F403
-except ImportError:  # pragma: no cover - the attention module is optional here
-    pass
+from kdtree_numba.attention import *  # noqa: E402,F401,F403
