@@ -29,7 +29,8 @@ if [ -n "${TEST_FILES:-}" ]; then
   split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
   for s in /tmp/shard_*; do
     n=$(basename "$s")
-    ( timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE $(cat "$s") > "$OUT/pytest_$n.txt" 2>&1;
+    # one node id a line: parametrised ids may hold spaces, so no word splitting
+    ( mapfile -t ids < "$s"; timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$OUT/pytest_$n.txt" 2>&1;
       echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_$n.txt" ) &
   done
 fi
