@@ -26,6 +26,7 @@ fi
 if [ -n "${TEST_FILES:-}" ]; then
   python3 -m pytest --co -q -p no:cacheprovider ${TEST_FILES} 2>/dev/null | grep '::' | grep -v -F -f <(printf '%s\n' ${DESELECT:-NONE}) > /tmp/ids.txt
   wc -l /tmp/ids.txt > "$OUT/ids_count.txt"
+  rm -f /tmp/shard_*     # a warm machine keeps the last call's shards
   split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
   for s in /tmp/shard_*; do
     n=$(basename "$s")
