@@ -499,8 +499,9 @@ def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
 # ----------------------------------------------------------------------------- verified reads
 
 # Bytes per step of a verified copy: the chunk is copied, then checksummed while it is still in
-# the L2 cache (tools/bench_kdtr.py, "Bundle load verification", measured 1 MiB best here).
-COPY_CHUNK = 1 << 20
+# the L2 cache.  256 KiB fits any server core's L2 with room for the source; 64 KiB pays the
+# per-call overhead, 4 MiB and up spill (docs/BENCHMARKS.md, "Bundle load verification").
+COPY_CHUNK = 256 << 10
 
 
 def _mismatch(file, index: int, stored: int, computed: int, what: str) -> KdtrError:
