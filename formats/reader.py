@@ -17,7 +17,7 @@ import numpy as np
 from . import layout as L
 from .attributes import decode_attr
 from .checksum import crc32c
-from .dtypes import BY_CODE
+from .dtypes import BY_CODE, unpack_int4
 from .errors import KdtrError
 from .layout import DatasetMeta
 from .names import check_name
@@ -534,7 +534,6 @@ def copy_dataset(file, index: int, dest: np.ndarray) -> None:
         raise ValueError(f"destination shape {dest.shape} != dataset shape {m.shape}")
     if m.dtype.packed:  # int4: check the packed bytes, then unpack (rare; read twice)
         verify_dataset(file, index)
-        from .dtypes import unpack_int4
         packed = file._raw(m.offset, m.size).reshape(m.shape[:-1] + (m.shape[-1] // 2,))
         np.copyto(dest, unpack_int4(packed, m.shape), casting="unsafe")
         return
