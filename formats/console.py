@@ -119,6 +119,8 @@ def error_message(exc: BaseException) -> str:
     elif isinstance(exc, UnicodeDecodeError):
         text = (f"not {exc.encoding} text: byte 0x{exc.object[exc.start]:02x} at offset "
                 f"{exc.start} ({exc.reason}); a text file was expected")
+    elif isinstance(exc, KdtrError) and exc.file is not None:
+        text = f"{exc.file}: {exc.describe(with_file=False)}"   # the file first, like OSError
     else:
         text = str(exc) or type(exc).__name__
     # backslash=False: KDTR messages already ascii()-quote what came from a file.

@@ -25,8 +25,12 @@ class KdtrError(ValueError):
         super().__init__(self._message())
 
     def _message(self) -> str:
+        return self.describe()
+
+    def describe(self, with_file: bool = True) -> str:
+        """The message; ``with_file=False`` leaves the file out (for a line that names it)."""
         where = f" at {self.node!a}" if self.node is not None else ""
-        if self.file is not None:
+        if with_file and self.file is not None:
             where += f" in file {self.file!a}"
         return f"{self.code} {self.rule}{where}: {self.detail}"
 

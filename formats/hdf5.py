@@ -97,7 +97,8 @@ def open_hdf5(path: str | os.PathLike) -> h5py.File:
     path = os.fspath(path)
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise KdtrError("K058", "not a regular file", file=path)
+        raise KdtrError("K058", "a directory" if stat.S_ISDIR(st.st_mode) else
+                        "a FIFO, device or socket", file=path)
     try:
         return h5py.File(path, "r", locking=False)
     except (OSError, RuntimeError, ValueError) as e:
@@ -543,7 +544,7 @@ def from_hdf5(h5_path: str | os.PathLike, kdtr_path: str | os.PathLike,
     data is read; then datasets are copied one at a time.  ``align_log2`` defaults to the value
     recorded by ``to_hdf5`` (``kdtr.align_log2``), else KDTR's default.  Raises ``KdtrError``."""
     h5_path, kdtr_path = os.fspath(h5_path), os.fspath(kdtr_path)
-    with open_hdf5(h5_path) as f:
+    with open_hdf5(h5_path) as f, about_file(h5_path):
         nodes = _kdtr_order(list(walk(f, strict=True)))
         root_attrs = read_attrs(f["/"], "/")
         if align_log2 is None:

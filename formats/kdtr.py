@@ -338,7 +338,7 @@ class Dataset(_Node):
         """A new, writable, C-ordered copy of the whole dataset (int4 unpacked to int8;
         ``dtype`` casts while copying), its CRC32C checked on the bytes copied unless
         ``verify=False``: a damaged tensor raises ``KdtrError`` K056 naming the file and the
-        dataset.  The check costs little: the bytes are checksummed in 1 MiB chunks right after
+        dataset.  The check costs little: the bytes are checksummed in 256 KiB chunks right after
         they are copied, while still in cache (docs/BENCHMARKS.md, "Bundle load verification")."""
         out = np.empty(self.shape, self.dtype if dtype is None else np.dtype(dtype))
         if verify:

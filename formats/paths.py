@@ -20,4 +20,8 @@ def output_directory(path) -> str:
                                                     f"{os.path.basename(path)} in it)", shown)
         raise FileNotFoundError(errno.ENOENT, f"no such folder (cannot write "
                                               f"{os.path.basename(path)} in it)", shown)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"permission denied (cannot write "
+                                            f"{os.path.basename(path)} in this folder)",
+                              os.path.dirname(path) or directory)
     return directory

@@ -17,7 +17,7 @@ import numpy as np
 from . import layout as L
 from .attributes import decode_attr
 from .checksum import crc32c
-from .dtypes import BY_CODE
+from .dtypes import BY_CODE, unpack_int4
 from .errors import KdtrError
 from .layout import DatasetMeta
 from .names import check_name
@@ -499,8 +499,9 @@ def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
 # ----------------------------------------------------------------------------- verified reads
 
 # Bytes per step of a verified copy: the chunk is copied, then checksummed while it is still in
-# the L2 cache (tools/bench_kdtr.py, "Bundle load verification", measured 1 MiB best here).
-COPY_CHUNK = 1 << 20
+# the L2 cache.  256 KiB fits any server core's L2 with room for the source; 64 KiB pays the
+# per-call overhead, 4 MiB and up spill (docs/BENCHMARKS.md, "Bundle load verification").
+COPY_CHUNK = 256 << 10
 
 
 def _mismatch(file, index: int, stored: int, computed: int, what: str) -> KdtrError:
@@ -533,7 +534,6 @@ def copy_dataset(file, index: int, dest: np.ndarray) -> None:
         raise ValueError(f"destination shape {dest.shape} != dataset shape {m.shape}")
     if m.dtype.packed:  # int4: check the packed bytes, then unpack (rare; read twice)
         verify_dataset(file, index)
-        from .dtypes import unpack_int4
         packed = file._raw(m.offset, m.size).reshape(m.shape[:-1] + (m.shape[-1] // 2,))
         np.copyto(dest, unpack_int4(packed, m.shape), casting="unsafe")
         return

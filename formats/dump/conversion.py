@@ -24,10 +24,12 @@ def convert(args, out: list[str]) -> int:
     dst = args.dst.lower()
     dst_fmt = "hdf5" if dst.endswith(_H5_EXT) else "kdtr" if dst.endswith(".kdtr") else None
     if dst_fmt is None:
-        raise UsageError(f"DST must end in .kdtr or one of {', '.join(_H5_EXT)} "
-                          "(safetensors is read, never written)")
+        raise UsageError(f"{escape(args.dst)}: DST must end in .kdtr or one of "
+                         f"{', '.join(_H5_EXT)} (safetensors is read, never written)")
     if src_fmt == dst_fmt:
         raise UsageError(f"{escape(args.src)} is already {src_fmt}")
+    if os.path.isdir(args.dst):
+        raise UsageError(f"{escape(args.dst)}: is a folder; DST names the file to write")
     if os.path.exists(args.dst) and os.path.samefile(args.src, args.dst):
         raise UsageError("SRC and DST are the same file")
     bar = ProgressBar("convert", force=args.progress)
