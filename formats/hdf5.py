@@ -47,12 +47,14 @@ from h5py import h5, h5d, h5l, h5o, h5s
 from . import kdtr
 from . import layout as L
 from .dtypes import BY_NAME, DType, dtype_for, unpack_int4
-from .errors import KdtrError
+from .checksum import crc32c
+from .errors import KdtrError, about_file
 from .hdf5_mapping import (BIT_PATTERNS, MARK_ALIGN, MARK_ATTR_TYPES, MARK_DTYPE, MARK_INDEX,
                            MARK_SHAPE, MARKERS, RESERVED_PREFIX, Unreadable, creation_ordered,
                            decode_name, describe_h5_dtype, hdf5_errors, little_endian, read_attrs,
                            scalar_str, unsupported_kind, write_attrs)
 from .names import check_name
+from .paths import output_directory
 from .progress import Progress, ticker
 
 __all__ = ["to_hdf5", "from_hdf5", "open_hdf5", "walk", "H5Node", "read_attrs", "write_attrs",
@@ -95,11 +97,12 @@ def open_hdf5(path: str | os.PathLike) -> h5py.File:
     path = os.fspath(path)
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise KdtrError("K058", f"{path!a} is not a regular file")
+        raise KdtrError("K058", "a directory" if stat.S_ISDIR(st.st_mode) else
+                        "a FIFO, device or socket", file=path)
     try:
         return h5py.File(path, "r", locking=False)
     except (OSError, RuntimeError, ValueError) as e:
-        raise KdtrError("K002", f"not a readable HDF5 file ({e})") from None
+        raise KdtrError("K002", f"not a readable HDF5 file ({e})", file=path) from None
 
 
 
@@ -364,25 +367,35 @@ def _h5_stored(ds: kdtr.Dataset) -> np.ndarray:
     return raw.view(BIT_PATTERNS[name]) if name in BIT_PATTERNS and name != "int4" else raw
 
 
-def _write_blocks(dst: h5py.Dataset, src: np.ndarray, tick: Callable[[int], None]) -> None:
+def _write_blocks(dst: h5py.Dataset, src: np.ndarray, tick: Callable[[int], None],
+                  checksum: bool = True) -> int:
+    """Copy ``src`` (C-contiguous) into ``dst`` block by block; returns the CRC32C of the bytes
+    copied (the blocks tile ``src`` in C order, so their running checksum is the tensor's), or
+    0 with ``checksum=False``."""
     if src.ndim == 0:
         dst[()] = src
         tick(src.nbytes)
-        return
+        return crc32c(src.reshape(1).view(np.uint8)) if checksum else 0
+    crc = 0
     max_elems = max(1, BLOCK_BYTES // max(1, src.itemsize))
     for sel in iter_blocks(src.shape, max_elems):
         block = src[sel]
         dst[sel] = block
+        if checksum:   # the block is still in cache from the write
+            crc = crc32c(block.reshape(-1).view(np.uint8), crc)
         tick(block.nbytes)
+    return crc
 
 
 def to_hdf5(kdtr_path: str | os.PathLike, h5_path: str | os.PathLike,
-            progress: Progress | None = None) -> None:
+            progress: Progress | None = None, *, verify: bool = True) -> None:
     """Convert a KDTR file to HDF5 (see the module docstring), dataset by dataset.
     ``progress(done_bytes, total_bytes)`` is called as data is written.  The HDF5 file is
-    written under a temporary name and renamed into place when complete."""
+    written under a temporary name and renamed into place when complete.  ``verify``: each
+    tensor's CRC32C is checked on the bytes copied; a mismatch raises ``KdtrError`` K056
+    naming the file and the tensor, and leaves no output (nor temporary) file."""
     kdtr_path, h5_path = os.fspath(kdtr_path), os.fspath(h5_path)
-    with kdtr.File(kdtr_path) as src:
+    with kdtr.File(kdtr_path) as src, about_file(kdtr_path):
         order = _kdtr_node_order(src)
         needs_index = order != _preorder(src)
         align = _kdtr_align_log2(kdtr_path)
@@ -401,7 +414,11 @@ def to_hdf5(kdtr_path: str | os.PathLike, h5_path: str | os.PathLike,
                 else:
                     obj = _create_h5_dataset(out, node.name, BY_NAME[node.kdtr_dtype],
                                              node.shape)
-                    _write_blocks(obj, _h5_stored(node), tick)
+                    crc = _write_blocks(obj, _h5_stored(node), tick)
+                    if verify and crc != node.checksum:
+                        raise KdtrError("K056", f"stored 0x{node.checksum:08x}, computed "
+                                                f"0x{crc:08x}; nothing was written",
+                                        node.name, kdtr_path)
                 write_attrs(obj, dict(node.attrs), node.name)
                 if needs_index:
                     obj.attrs.create(MARK_INDEX, np.int64(i))
@@ -422,7 +439,7 @@ def _create_h5_dataset(parent, path: str, dt: DType, shape: tuple) -> h5py.Datas
 
 @contextlib.contextmanager
 def _atomic_h5(path: str):
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = output_directory(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".h5.tmp",
                                dir=directory)
     os.close(fd)
@@ -453,7 +470,7 @@ class H5TreeWriter:
     def dataset(self, path: str, dt: DType, shape: tuple, stored: np.ndarray,
                 tick: Callable[[int], None] = lambda n: None) -> None:
         ds = _create_h5_dataset(self.file, path, dt, tuple(shape))
-        _write_blocks(ds, stored, tick)
+        _write_blocks(ds, stored, tick, checksum=False)
 
     def __enter__(self) -> "H5TreeWriter":
         return self
@@ -527,7 +544,7 @@ def from_hdf5(h5_path: str | os.PathLike, kdtr_path: str | os.PathLike,
     data is read; then datasets are copied one at a time.  ``align_log2`` defaults to the value
     recorded by ``to_hdf5`` (``kdtr.align_log2``), else KDTR's default.  Raises ``KdtrError``."""
     h5_path, kdtr_path = os.fspath(h5_path), os.fspath(kdtr_path)
-    with open_hdf5(h5_path) as f:
+    with open_hdf5(h5_path) as f, about_file(h5_path):
         nodes = _kdtr_order(list(walk(f, strict=True)))
         root_attrs = read_attrs(f["/"], "/")
         if align_log2 is None:

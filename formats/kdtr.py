@@ -34,9 +34,10 @@ from . import layout as L
 from . import reader, writer
 from .attributes import decode_attr, encode_attr
 from .dtypes import BY_CODE, DType, dtype_for, pack_int4, unpack_int4
-from .errors import KdtrError
+from .errors import KdtrError, about_file
 from .layout import DatasetMeta
 from .names import check_name, split_path
+from .paths import output_directory
 
 __all__ = ["File", "Group", "Dataset", "AttributeManager", "NodeTable", "KdtrError", "check_name",
            "pack_int4", "unpack_int4"]
@@ -318,8 +319,38 @@ class Dataset(_Node):
         arr = self[...]
         return arr if dtype is None else arr.astype(dtype)
 
-    def read_direct(self, dest: np.ndarray, source_sel=np.s_[...], dest_sel=np.s_[...]) -> None:
-        dest[dest_sel] = self[source_sel]
+    def read_direct(self, dest: np.ndarray, source_sel=np.s_[...], dest_sel=np.s_[...], *,
+                    verify: bool = False) -> None:
+        """``dest[dest_sel] = self[source_sel]`` (h5py's signature).  ``verify=True`` checks
+        the tensor's CRC32C on the bytes as they are copied (whole dataset only: both
+        selections ``...``; ``dest`` of the dataset's shape, any dtype it casts to) and raises
+        ``KdtrError`` K056 naming the file and the dataset on a mismatch (``dest`` then holds
+        unchecked data)."""
+        if not verify:
+            dest[dest_sel] = self[source_sel]
+            return
+        if source_sel is not Ellipsis or dest_sel is not Ellipsis:
+            raise ValueError("read_direct(verify=True) copies the whole dataset: leave "
+                             "source_sel and dest_sel at ...")
+        reader.copy_dataset(self._file, self._index, dest)
+
+    def read(self, dtype=None, *, verify: bool = True) -> np.ndarray:
+        """A new, writable, C-ordered copy of the whole dataset (int4 unpacked to int8;
+        ``dtype`` casts while copying), its CRC32C checked on the bytes copied unless
+        ``verify=False``: a damaged tensor raises ``KdtrError`` K056 naming the file and the
+        dataset.  The check costs little: the bytes are checksummed in 256 KiB chunks right after
+        they are copied, while still in cache (docs/BENCHMARKS.md, "Bundle load verification")."""
+        out = np.empty(self.shape, self.dtype if dtype is None else np.dtype(dtype))
+        if verify:
+            reader.copy_dataset(self._file, self._index, out)
+        else:
+            np.copyto(out, self[...], casting="unsafe")
+        return out
+
+    def verify(self) -> int:
+        """Check this dataset's CRC32C (and bool bytes) in place, without copying; returns the
+        bytes checked or raises ``KdtrError`` (K056, K051) naming the file and the dataset."""
+        return reader.verify_dataset(self._file, self._index)
 
     def astype(self, dtype) -> np.ndarray:
         return self[...].astype(dtype)
@@ -382,7 +413,8 @@ class File(Group):
         self._attrs: list[dict[str, Any]] = [{}]
         self._nodes_cache: dict[int, _Node] = {}
         if mode == "r":
-            reader.read_into(self, self._path)
+            with about_file(self._path):
+                reader.read_into(self, self._path)
         elif mode in ("w", "x"):
             if not MIN_ALIGN <= align_log2 <= MAX_ALIGN:
                 raise ValueError(f"align_log2 must lie in [{MIN_ALIGN}, {MAX_ALIGN}]")
@@ -390,7 +422,7 @@ class File(Group):
                 raise FileExistsError(self._path)
             self._align_log2 = align_log2
             self._data_offset = L.align_up(L.PREAMBLE_SIZE, align_log2)
-            directory = os.path.dirname(os.path.abspath(self._path))
+            directory = output_directory(self._path)
             fd, self._tmp_path = tempfile.mkstemp(
                 prefix="." + os.path.basename(self._path) + ".", suffix=".kdtr.tmp", dir=directory)
             self._out = os.fdopen(fd, "w+b")
@@ -467,7 +499,8 @@ class File(Group):
         """Check every tensor's CRC32C, its bool bytes and the padding between tensors.
         Returns the number of bytes checked; raises ``KdtrError`` (K051, K056, K057) naming the
         first bad node.  ``progress(done_bytes, total_bytes)`` is called as it goes."""
-        return reader.verify(self, progress)
+        with about_file(self._path):
+            return reader.verify(self, progress)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else self._mode

@@ -13,13 +13,14 @@
 
 A bar is drawn only when stderr is a terminal or ``force`` is set; otherwise every call returns
 at once and nothing is written.  tqdm draws it where it is installed (an optional extra, not a
-dependency); without tqdm a ``\\r`` line shows the percentage and the count.  The converters
-and ``File.verify`` take any ``progress(done, total)`` callable (``Progress``); ``ticker``
-turns the per-block counts they see into such calls.
+dependency); without tqdm a ``\\r`` line shows the percentage, the count and the rate.  The
+converters and ``File.verify`` take any ``progress(done, total)`` callable (``Progress``);
+``ticker`` turns the per-block counts they see into such calls.
 """
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable
 
 __all__ = ["Progress", "ProgressBar", "ticker", "human_bytes"]
@@ -61,6 +62,7 @@ class ProgressBar:
         self.enabled = force or sys.stderr.isatty()
         self.done = 0
         self._bar, self._last = None, -1
+        self._t0: float | None = None   # first call: the fallback line's rate counts from it
 
     def __call__(self, done: int, total: int | None) -> None:
         self.done, self.total = done, total
@@ -87,9 +89,16 @@ class ProgressBar:
                 sys.stderr.flush()
             return
         pct = 100 if total == 0 else int(100 * done / total)
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
         if pct != self._last:
             self._last = pct
             shown = human_bytes(done) if self.unit == "B" else f"{done}/{total} {self.unit}"
+            elapsed = time.perf_counter() - self._t0
+            if elapsed > 0 and done:
+                rate = done / elapsed
+                shown += (f", {human_bytes(int(rate))}/s" if self.unit == "B"
+                          else f", {rate:.1f} {self.unit}/s")
             sys.stderr.write(f"\r{self.desc}: {pct:3d}% ({shown})")
             sys.stderr.flush()
 

@@ -17,7 +17,7 @@ import numpy as np
 from . import layout as L
 from .attributes import decode_attr
 from .checksum import crc32c
-from .dtypes import BY_CODE
+from .dtypes import BY_CODE, unpack_int4
 from .errors import KdtrError
 from .layout import DatasetMeta
 from .names import check_name
@@ -64,11 +64,11 @@ def read_into(file, path: str) -> None:
         # it changes nothing for a regular file.  O_NOCTTY: a terminal never becomes ours.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except IsADirectoryError:
-        raise KdtrError("K058", f"{path!a} is a directory") from None
+        raise KdtrError("K058", "a directory, not a file", file=path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device could block or never end
-            raise KdtrError("K058", f"{path!a} is not a regular file")
+            raise KdtrError("K058", "a FIFO, device or socket, not a file", file=path)
         size = st.st_size
         if size < L.PREAMBLE_SIZE:
             raise KdtrError("K001", f"{size} bytes")
@@ -464,6 +464,7 @@ class _LazyDatasets(dict):
 
 
 def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
+    """Every tensor's CRC32C, bool bytes and the padding between tensors (``File.verify``)."""
     if file._mode != "r":
         raise ValueError("verify() reads a file opened with mode 'r'; close and reopen it")
     if file._closed:
@@ -493,3 +494,81 @@ def verify(file, progress: Callable[[int, int], None] | None = None) -> int:
             raise KdtrError("K051", "a bool tensor holds a byte other than 0 or 1", file._paths[i])
         prev_end = off + size
     return total
+
+
+# ----------------------------------------------------------------------------- verified reads
+
+# Bytes per step of a verified copy: the chunk is copied, then checksummed while it is still in
+# the L2 cache.  256 KiB fits any server core's L2 with room for the source; 64 KiB pays the
+# per-call overhead, 4 MiB and up spill (docs/BENCHMARKS.md, "Bundle load verification").
+COPY_CHUNK = 256 << 10
+
+
+def _mismatch(file, index: int, stored: int, computed: int, what: str) -> KdtrError:
+    return KdtrError("K056", f"stored 0x{stored:08x}, computed 0x{computed:08x} {what}",
+                     file._paths[index], file._path)
+
+
+def verify_dataset(file, index: int) -> int:
+    """Check one dataset's CRC32C (and bool bytes) on the bytes in place; returns its size."""
+    m = file._datasets[index]
+    raw = file._raw(m.offset, m.size)
+    crc = 0
+    for start in range(0, m.size, COPY_CHUNK):
+        crc = crc32c(raw[start:start + COPY_CHUNK], crc)
+    if crc != m.crc:
+        raise _mismatch(file, index, m.crc, crc, "(the tensor's bytes are damaged)")
+    if m.dtype.name == "bool" and m.size and raw.max() > 1:
+        raise KdtrError("K051", "a bool tensor holds a byte other than 0 or 1",
+                        file._paths[index], file._path)
+    return m.size
+
+
+def copy_dataset(file, index: int, dest: np.ndarray) -> None:
+    """Copy dataset ``index`` into ``dest`` (its shape; any dtype NumPy can cast to, int4 as
+    unpacked values) checking the CRC32C of the bytes as they are copied, ``COPY_CHUNK`` at a
+    time.  On a mismatch ``dest`` holds unchecked data and ``KdtrError`` K056 names the file
+    and the dataset."""
+    m = file._datasets[index]
+    if dest.shape != m.shape:
+        raise ValueError(f"destination shape {dest.shape} != dataset shape {m.shape}")
+    if m.dtype.packed:  # int4: check the packed bytes, then unpack (rare; read twice)
+        verify_dataset(file, index)
+        packed = file._raw(m.offset, m.size).reshape(m.shape[:-1] + (m.shape[-1] // 2,))
+        np.copyto(dest, unpack_int4(packed, m.shape), casting="unsafe")
+        return
+    src = file._raw(m.offset, m.size).view(m.dtype.storage)
+    item = m.dtype.storage.itemsize
+    same = dest.dtype == m.dtype.storage
+    crc, is_bool = 0, m.dtype.name == "bool"
+    if dest.flags.c_contiguous:
+        flat = dest.reshape(-1)
+        step = max(1, COPY_CHUNK // item)
+        for s in range(0, src.size, step):
+            piece, out = src[s:s + step], flat[s:s + step]
+            np.copyto(out, piece, casting="unsafe")
+            # Checksum what the caller received where it is byte-identical to the file
+            # (hot in cache after the copy); a cast destination: the source chunk.
+            checked = out.view(np.uint8) if same else piece.view(np.uint8)
+            crc = crc32c(checked, crc)
+            if is_bool and checked.size and checked.max() > 1:
+                raise KdtrError("K051", "a bool tensor holds a byte other than 0 or 1",
+                                file._paths[index], file._path)
+    else:  # a strided destination: whole rows along the first axis at a time
+        rows = src.reshape(m.shape) if m.shape else src.reshape(())
+        if not m.shape:
+            np.copyto(dest, rows, casting="unsafe")
+            crc = crc32c(src.view(np.uint8))
+        else:
+            row_bytes = max(1, m.size // max(1, m.shape[0]))
+            step = max(1, COPY_CHUNK // row_bytes)
+            for s in range(0, m.shape[0], step):
+                piece = rows[s:s + step]
+                np.copyto(dest[s:s + step], piece, casting="unsafe")
+                crc = crc32c(piece.reshape(-1).view(np.uint8), crc)
+        if is_bool and m.size and src.view(np.uint8).max() > 1:
+            raise KdtrError("K051", "a bool tensor holds a byte other than 0 or 1",
+                            file._paths[index], file._path)
+    if crc != m.crc:
+        raise _mismatch(file, index, m.crc, crc, "(the tensor's bytes are damaged; the copy "
+                        "is not usable)")

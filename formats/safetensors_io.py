@@ -32,7 +32,7 @@ import numpy as np
 from . import kdtr
 from . import layout as L
 from .dtypes import BY_NAME, DType
-from .errors import KdtrError
+from .errors import KdtrError, about_file
 from .names import check_name
 from .progress import Progress, ticker
 
@@ -158,11 +158,16 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        with about_file(self.path):
+            self._open()
+
+    def _open(self) -> None:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise KdtrError("K058", f"{self.path!a} is not a regular file")
+                raise KdtrError("K058", "a directory" if stat.S_ISDIR(st.st_mode) else
+                                "a FIFO, device or socket")
             size = st.st_size
             if size < 8:
                 raise KdtrError("K001", f"{size} bytes; a safetensors file starts with an "
@@ -210,7 +215,8 @@ class SafetensorsFile:
     def array(self, name: str) -> np.ndarray:
         arr = self.stored(name)
         if arr.dtype == np.bool_ and arr.size and arr.view(np.uint8).max() > 1:
-            raise KdtrError("K051", "a BOOL tensor holds a byte other than 0 or 1", name)
+            raise KdtrError("K051", "a BOOL tensor holds a byte other than 0 or 1", name,
+                            self.path)
         return arr
 
     def __iter__(self) -> Iterator[str]:
@@ -276,7 +282,7 @@ def safetensors_to_kdtr(src: str | os.PathLike, dst: str | os.PathLike, *,
                         progress: Progress | None = None) -> None:
     """Convert a .safetensors file to KDTR: tensors in data order, ``__metadata__`` as root
     attributes.  Each tensor is streamed from the memory map into the KDTR writer."""
-    with SafetensorsFile(src) as st:
+    with SafetensorsFile(src) as st, about_file(st.path):
         tick = ticker(sum(t.nbytes for t in st.tensors), progress)
         order = tree_order(st, split_dots)
         with kdtr.File(dst, "w") as out:
@@ -296,7 +302,7 @@ def safetensors_to_hdf5(src: str | os.PathLike, dst: str | os.PathLike, *,
     from .hdf5 import H5TreeWriter
     from .hdf5_mapping import BIT_PATTERNS
 
-    with SafetensorsFile(src) as st:
+    with SafetensorsFile(src) as st, about_file(st.path):
         tick = ticker(sum(t.nbytes for t in st.tensors), progress)
         order = tree_order(st, split_dots)
         with H5TreeWriter(dst) as out:

@@ -22,6 +22,8 @@ O(0.1-1) (docs/ENGINE.md, "Bundles"), so that routing and attention are not triv
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -29,9 +31,12 @@ import ml_dtypes
 import numpy as np
 
 from formats import kdtr
+from formats.console import UsageError
+from formats.paths import output_directory
 from kdtree_numba.config import ModelConfig, weight_shapes
 
-__all__ = ["BundleError", "read_bundle", "write_bundle", "read_bundle_config", "SIZES",
+__all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_bundle",
+           "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION"]
 
@@ -138,16 +143,21 @@ def write_bundle(path, config: ModelConfig,
                  weights: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
                  dtype: str | None = None, kind: str = "model",
                  extra_shapes: Mapping[str, tuple] | None = None,
-                 extra_attrs: Mapping[str, Any] | None = None) -> None:
+                 extra_attrs: Mapping[str, Any] | None = None, progress=None) -> None:
     """Write a bundle atomically, one tensor at a time (an iterable of (name, array) is
     consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
     against the config as they arrive; a missing or extra tensor raises BundleError and leaves
-    no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given)."""
+    no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given).
+    ``progress(done_bytes, total_bytes)`` is called after each tensor (the total counts
+    ``dtype``'s bytes per element, float32's when it is None)."""
     if kind not in BUNDLE_KINDS:
         raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
     expected = dict(weight_shapes(config), **(extra_shapes or {}))
     items = weights.items() if isinstance(weights, Mapping) else weights
     seen = set()
+    itemsize = {"bfloat16": 2, "float16": 2}.get(dtype, 4)
+    total = sum(int(np.prod(shape)) for shape in expected.values()) * itemsize
+    done = 0
     with kdtr.File(os.fspath(path), "w") as f:
         f.attrs["kdtree.bundle"] = kind
         f.attrs["kdtree.version"] = BUNDLE_VERSION
@@ -168,7 +178,10 @@ def write_bundle(path, config: ModelConfig,
                 raise BundleError(f"tensor {name} given twice")
             seen.add(name)
             f.create_dataset(name, data=_cast(name, array, dtype))
+            done = min(done + array.size * itemsize, total)
             del array   # else the loop variable keeps it alive while the next one is made
+            if progress is not None:
+                progress(done, total)
         missing = [n for n in expected if n not in seen]
         if missing:
             raise BundleError(f"missing tensor {missing[0]} (expected shape "
@@ -192,11 +205,29 @@ def _check_tensor(name: str, shape: tuple, expected: Mapping[str, tuple], cfg: M
                           f"{cfg.kv_lora_rank}, n_routed_experts={cfg.n_routed_experts})")
 
 
+def check_output_path(path) -> None:
+    """For the console scripts, before any work: a bundle about to be written is a ``.kdtr``
+    name (``UsageError`` otherwise) in an existing folder (an OSError naming the folder, not
+    the temporary file a write would make in it), and not a folder itself."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a folder; give a file name ending in .kdtr",
+                                path)
+    root, ext = os.path.splitext(path)
+    if ext.lower() != ".kdtr":
+        raise UsageError(f"{path}: a bundle is a KDTR file and its name ends in .kdtr (e.g. "
+                         f"{os.path.basename(root) or 'model'}.kdtr); kdtr-dump convert turns "
+                         f"one into .h5")
+    output_directory(path)
+
+
 # ----------------------------------------------------------------------------- reading
 
 def _open(path):
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model bundle {os.fspath(path)!r} does not exist")
+        raise FileNotFoundError(errno.ENOENT, "no such bundle file", os.fspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a bundle file", os.fspath(path))
     try:
         return kdtr.File(os.fspath(path))
     except ValueError as e:
@@ -219,12 +250,48 @@ def read_bundle_config(path) -> tuple[ModelConfig, dict]:
         return _read_config(f, path), dict(f.attrs)
 
 
-def read_bundle(path, *, extra_shapes=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and weights (read-only memory-mapped arrays) of a validated bundle.
+class BundleWeights(Mapping):
+    """The validated tensors of an open bundle (:func:`open_bundle`), read when asked for.
 
-    Every tensor the config implies must be present with its shape and a float dtype, and no
-    other tensor may be present (``extra_shapes`` adds allowed ones, e.g. a BlockDrafter's).
-    """
+    With ``verify`` (the default) ``weights[name]`` is a new array whose CRC32C was checked
+    on the bytes as they were copied (``formats.kdtr.Dataset.read``): a damaged tensor raises
+    ``KdtrError`` K056 naming the file and the tensor.  Without it, a read-only view of the
+    memory map (nothing read until used, nothing checked).  The bytes have to be read once to
+    reach a GPU or to be computed on anyway, so checking them as they are copied costs little
+    (docs/BENCHMARKS.md, "Bundle load verification").  ``progress(done_bytes, total_bytes)`` is
+    called after each tensor.  Read each tensor once: a reader that keeps the arrays it needs
+    (``Model``) then holds one copy, and a GPU loader only one tensor at a time."""
+
+    def __init__(self, path: str, datasets: Mapping[str, Any], verify: bool, progress=None):
+        self.path, self.verify, self.progress = path, verify, progress
+        self._datasets = dict(datasets)
+        self.total_bytes = sum(int(ds.nbytes) for ds in self._datasets.values())
+        self.done_bytes = 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        ds = self._datasets[name]
+        array = ds.read(verify=True) if self.verify else ds[...]
+        self.done_bytes = min(self.done_bytes + int(ds.nbytes), self.total_bytes)
+        if self.progress is not None:
+            self.progress(self.done_bytes, self.total_bytes)
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._datasets)
+
+    def __len__(self) -> int:
+        return len(self._datasets)
+
+
+@contextlib.contextmanager
+def open_bundle(path, *, extra_shapes=None, verify: bool = True,
+                progress=None) -> Iterator[tuple[ModelConfig, dict, BundleWeights]]:
+    """``(config, root attributes, weights)`` of a validated bundle, open for the ``with``
+    block; ``weights`` is a :class:`BundleWeights` (read on access, CRC32C-checked unless
+    ``verify=False``).  Every tensor the config implies must be present with its shape and a
+    float dtype, and no other tensor may be present (``extra_shapes`` adds allowed ones, e.g.
+    a BlockDrafter's); the first problem raises :class:`BundleError` naming the file and the
+    tensor, before any weight is read."""
     path = os.fspath(path)
     with _open(path) as f:
         kind = f.attrs.get("kdtree.bundle", "model")
@@ -239,38 +306,52 @@ def read_bundle(path, *, extra_shapes=None) -> tuple[ModelConfig, dict[str, np.n
             if hasattr(node, "shape") and not name.startswith("config"):
                 present[name] = node
         f.visititems(collect)
-        for name in expected:   # in model order, so the first problem reported is the first
-            if name not in present:
-                raise BundleError(f"{path}: missing tensor {name} (expected shape "
-                                  f"{tuple(expected[name])} for {_config_summary(config)})")
-            _check_tensor(name, tuple(present[name].shape), expected, config)
-        weights = {}
-        for name in list(expected) + sorted(set(present) - set(expected)):
-            ds = present[name]
-            _check_tensor(name, tuple(ds.shape), expected, config)
-            if np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
-                raise BundleError(f"tensor {name} has dtype {ds.dtype}; weights must be one of "
-                                  f"{WEIGHT_DTYPES}")
-            weights[name] = ds[...]
-        return config, weights
+        try:
+            for name in expected:   # in model order, so the first problem reported is the first
+                if name not in present:
+                    raise BundleError(f"missing tensor {name} (expected shape "
+                                      f"{tuple(expected[name])} for {_config_summary(config)})")
+                _check_tensor(name, tuple(present[name].shape), expected, config)
+            ordered = {}
+            for name in list(expected) + sorted(set(present) - set(expected)):
+                ds = present[name]
+                _check_tensor(name, tuple(ds.shape), expected, config)
+                if np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
+                    raise BundleError(f"tensor {name} has dtype {ds.dtype}; weights must be one "
+                                      f"of {WEIGHT_DTYPES}")
+                ordered[name] = ds
+        except BundleError as e:
+            raise BundleError(f"{path}: {e}") from None
+        yield config, dict(f.attrs), BundleWeights(path, ordered, verify, progress)
+
+
+def read_bundle(path, *, extra_shapes=None, verify: bool = True,
+                progress=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and every weight of a validated bundle (:func:`open_bundle`): verified copies,
+    or with ``verify=False`` read-only memory-mapped views."""
+    with open_bundle(path, extra_shapes=extra_shapes, verify=verify,
+                     progress=progress) as (config, _, weights):
+        return config, {name: weights[name] for name in weights}
 
 
 # ----------------------------------------------------------------------------- random bundles
 
 def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "float32", *,
-                       role: str = "target", **config_overrides) -> ModelConfig:
+                       role: str = "target", progress=None, **config_overrides) -> ModelConfig:
     """Write a deterministic random bundle and return its config.
 
     role "target": the ``size`` config; "drafter": a one-layer dense model with the target's
     vocabulary (for ModelDrafter); "block_drafter": that plus the BlockDrafter tensors.
+    ``progress(done_bytes, total_bytes)``: as in :func:`write_bundle`.
     """
     config = size_config(size, **config_overrides)
     if role == "target":
-        write_bundle(path, config, random_weights(config, seed), dtype=dtype)
+        write_bundle(path, config, random_weights(config, seed), dtype=dtype, progress=progress)
         return config
     draft = drafter_config(config)
     if role == "drafter":
-        write_bundle(path, draft, random_weights(draft, seed + 1), dtype=dtype)
+        write_bundle(path, draft, random_weights(draft, seed + 1), dtype=dtype,
+                     progress=progress)
         return draft
     if role == "block_drafter":
         extra = block_drafter_shapes(draft, config.hidden_size)
@@ -278,6 +359,6 @@ def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "fl
         write_bundle(path, draft, random_weights(draft, seed + 2, shapes), dtype=dtype,
                      kind="block_drafter", extra_shapes=extra,
                      extra_attrs={"block.target_hidden_size": config.hidden_size,
-                                  "block.block_len": 7})
+                                  "block.block_len": 7}, progress=progress)
         return draft
     raise ValueError(f"role must be target, drafter or block_drafter, got {role!r}")

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtree_numba.bundle import (BundleError, block_drafter_shapes, read_bundle,
+from kdtree_numba.bundle import (BundleError, block_drafter_shapes, open_bundle,
                                  read_bundle_config)
 from kdtree_numba.model import Model
 
-__all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter"]
+__all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter",
+           "parse_oracle_spec", "ORACLE_FORM", "DEFAULT_AGREEMENT"]
+
+DEFAULT_AGREEMENT = 0.8
+ORACLE_FORM = "oracle[:AGREEMENT] with AGREEMENT in [0, 1], e.g. oracle:0.8"
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -65,8 +69,11 @@ class ModelDrafter:
         return self.model.vocab_size
 
     @classmethod
-    def load(cls, path, backend="auto", block_len: int = 8) -> "ModelDrafter":
-        return cls(Model.load(path, backend), block_len, name=f"model:{path}")
+    def load(cls, path, backend="auto", block_len: int = 8, *, verify: bool = True,
+             progress=None) -> "ModelDrafter":
+        """A model bundle as a drafter (``verify``, ``progress``: as in ``Model.load``)."""
+        return cls(Model.load(path, backend, verify=verify, progress=progress), block_len,
+                   name=f"model:{path}")
 
     def start(self, batch: int, max_len: int) -> None:
         # the last generation's cache when it fits: the CUDA graphs of its forwards replay
@@ -183,16 +190,22 @@ class BlockDrafter:
         return int(self.target_proj.shape[1])
 
     @classmethod
-    def load(cls, path, backend="auto", block_len: int | None = None) -> "BlockDrafter":
+    def load(cls, path, backend="auto", block_len: int | None = None, *, verify: bool = True,
+             progress=None) -> "BlockDrafter":
+        """A block_drafter bundle (``verify``, ``progress``: as in ``Model.load``)."""
         config, attrs = read_bundle_config(path)
         if attrs.get("kdtree.bundle") != "block_drafter":
-            raise BundleError(f"{path} is not a block_drafter bundle")
+            raise BundleError(f"{path}: not a block_drafter bundle")
+        if "block.target_hidden_size" not in attrs:
+            raise BundleError(f"{path}: no block.target_hidden_size attribute")
         extra = block_drafter_shapes(config, int(attrs["block.target_hidden_size"]))
-        config, weights = read_bundle(path, extra_shapes=extra)
-        model = Model(config, weights, backend)
+        with open_bundle(path, extra_shapes=extra, verify=verify,
+                         progress=progress) as (config, _, weights):
+            model = Model(config, weights, backend)
+            target_proj = weights["block/target_proj"]
+            mask_embedding = weights["block/mask_embedding"]
         L = block_len or int(attrs.get("block.block_len", 7))
-        return cls(model, weights["block/target_proj"], weights["block/mask_embedding"], L,
-                   name=f"block:{path}")
+        return cls(model, target_proj, mask_embedding, L, name=f"block:{path}")
 
     def start(self, batch: int, max_len: int) -> None:
         self.batch = batch
@@ -219,12 +232,33 @@ class BlockDrafter:
         return xp.ascontiguousarray(logits[:, 1:])
 
 
-def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0):
+def parse_oracle_spec(spec: str) -> float | None:
+    """The agreement of an ``oracle[:AGREEMENT]`` spec, or None when ``spec`` names something
+    else (a bundle: ``oracle.kdtr`` is a file).  A malformed agreement raises ValueError
+    naming the spec and the expected form (:data:`ORACLE_FORM`)."""
+    if spec != "oracle" and not spec.startswith("oracle:"):
+        return None
+    if spec == "oracle":
+        return DEFAULT_AGREEMENT
+    text = spec.split(":", 1)[1]
+    try:
+        agreement = float(text)
+    except ValueError:
+        agreement = float("nan")
+    if not 0.0 <= agreement <= 1.0:
+        raise ValueError(f"{spec}: AGREEMENT {text!r} is not a number in [0, 1]; expected "
+                         f"{ORACLE_FORM}")
+    return agreement
+
+
+def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0, *,
+                 verify: bool = True, progress=None):
     """A drafter from a CLI spec: a model bundle (ModelDrafter), a block_drafter bundle
-    (BlockDrafter, its own block length), or ``oracle[:AGREEMENT]`` (tests/demos)."""
-    if spec.startswith("oracle"):
-        agreement = float(spec.split(":", 1)[1]) if ":" in spec else 0.8
+    (BlockDrafter, its own block length), or ``oracle[:AGREEMENT]`` (tests/demos).
+    ``verify``, ``progress``: as in ``Model.load``, for a bundle."""
+    agreement = parse_oracle_spec(spec)
+    if agreement is not None:
         return NoisyOracleDrafter(target, block_len, agreement, seed)
     if read_bundle_config(spec)[1].get("kdtree.bundle") == "block_drafter":
-        return BlockDrafter.load(spec, target.backend)
-    return ModelDrafter.load(spec, target.backend, block_len)
+        return BlockDrafter.load(spec, target.backend, verify=verify, progress=progress)
+    return ModelDrafter.load(spec, target.backend, block_len, verify=verify, progress=progress)

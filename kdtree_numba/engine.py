@@ -156,6 +156,10 @@ class _Requests:
             if (self.eos is not None and int(t) == self.eos) or len(self.out[b]) >= self.max_new:
                 self.active[b] = False
 
+    def committed(self) -> int:
+        """Tokens committed so far, all requests."""
+        return sum(len(o) for o in self.out)
+
     def roots(self) -> np.ndarray:
         return np.array([s[-1] for s in self.seq], np.int32)
 
@@ -240,11 +244,15 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int = 32, temperature: float = 0.0, seed: int = 0,
-             eos: int | None = None) -> GenerationResult:
+             eos: int | None = None, progress=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  method "ddtree" needs a ``drafter``
     (kdtree_numba/drafter.py) with the target's vocabulary; ``budget`` = tree nodes per round.
+    ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
+    with the tokens committed so far (all requests) and at most ``len(prompts) *
+    max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
+    adds no device wait.  The engine itself never prints.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -296,6 +304,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             timer.lap("draft")
         _prefill(model, cache, prompts, req, temperature, tables, timer)
     timer.settle()
+    total = bs * max_new_tokens
+    if progress is not None:
+        progress(req.committed(), total)
     while req.active.any():
         with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
             if method == "ar":
@@ -305,6 +316,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                               stats)
         timer.settle()
         stats.rounds += 1
+        if progress is not None:
+            progress(req.committed(), total)
     be.synchronize()
     timer.finish()
     stats.seconds = time.perf_counter() - t0
@@ -312,5 +325,5 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         graphs_after = model.graph_counts()
         stats.graph_captures = graphs_after[0] - graphs_before[0]
         stats.graph_replays = graphs_after[1] - graphs_before[1]
-    stats.new_tokens = sum(len(o) for o in req.out)
+    stats.new_tokens = req.committed()
     return GenerationResult(req.out, stats)

@@ -19,22 +19,24 @@ real checkpoint in float32 would be twice its bf16 size); the router is always f
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
 import sys
-import time
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
 
+from formats.console import UsageError, add_debug_flag, run_console
+from formats.progress import ProgressBar
 from formats.safetensors_io import SafetensorsFile
-from kdtree_numba.bundle import BundleError, write_bundle
+from kdtree_numba.bundle import BundleError, check_output_path, write_bundle
 from kdtree_numba.config import ModelConfig, weight_shapes
 
 __all__ = ["import_hf", "main", "hf_source_names", "dequantize_fp8", "export_hf_checkpoint",
-           "hf_state_dict"]
+           "hf_state_dict", "read_hf_config"]
 
 FP8_BLOCK = 128
 
@@ -75,7 +77,8 @@ class _Checkpoint:
         if weight_map is not None:
             for name, shard in weight_map.items():
                 if self.where.get(name) != shard:
-                    raise BundleError(f"index says {name} is in {shard}, it is not there")
+                    raise BundleError(f"model.safetensors.index.json says {name} is in {shard}, "
+                                      f"it is not there")
         self.block = block
         self.used: set[str] = set()
 
@@ -172,30 +175,58 @@ def _tensors(ck: _Checkpoint, cfg: ModelConfig, dtype: str,
         del arr   # before the next tensor is made: peak memory is one tensor, not two
 
 
-def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False) -> ModelConfig:
-    """Convert ``hf_dir`` (config.json + safetensors) into the bundle ``out_path``."""
+def read_hf_config(hf_dir) -> tuple[dict, ModelConfig]:
+    """``config.json`` of a checkpoint folder, raw and as a ModelConfig.  A missing folder or
+    file is an OSError naming it; unreadable JSON, a model_type other than deepseek_v3 /
+    kimi_k2 or an inconsistent config is a BundleError naming config.json."""
+    hf_dir = os.fspath(hf_dir)
+    if not os.path.isdir(hf_dir):
+        if os.path.exists(hf_dir):
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder (a Hugging Face checkpoint "
+                                     "folder holds config.json and *.safetensors)", hf_dir)
+        raise FileNotFoundError(errno.ENOENT, "no such folder", hf_dir)
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, "missing (a Hugging Face checkpoint folder holds "
+                                "config.json and *.safetensors)", path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            hf_config = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BundleError(f"{path}: not a JSON config: {e}") from None
+    if not isinstance(hf_config, dict):
+        raise BundleError(f"{path}: not a JSON object but a {type(hf_config).__name__}")
+    try:
+        return hf_config, ModelConfig.from_hf_dict(hf_config)
+    except KeyError as e:
+        raise BundleError(f"{path}: no field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"{path}: {e}") from None
+
+
+def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
+              progress=None) -> ModelConfig:
+    """Convert ``hf_dir`` (config.json + safetensors) into the bundle ``out_path``.
+    ``progress(done_tensors, total_tensors)`` follows the bundle's tensors; ``quiet`` leaves
+    out the note on stderr about the checkpoint tensors that were not used."""
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf_dir = os.fspath(hf_dir)
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        hf_config = json.load(fh)
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    hf_config, cfg = read_hf_config(hf_dir)
     block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size",
                                                                     (FP8_BLOCK, FP8_BLOCK)))
     ck = _Checkpoint(hf_dir, block)
-    t0 = time.perf_counter()
 
-    def progress(i, total, name, arr):
-        if not quiet:
-            print(f"[{i}/{total}] {name} {tuple(arr.shape)} {arr.dtype} "
-                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    def step(i, total, name, arr):
+        if progress is not None:
+            progress(i, total)
     try:
-        write_bundle(out_path, cfg, _tensors(ck, cfg, dtype, progress))
+        write_bundle(out_path, cfg, _tensors(ck, cfg, dtype, step))
         dropped = sorted(set(ck.where) - ck.used)
         if dropped and not quiet:
             mtp = [n for n in dropped if n.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
-            print(f"dropped {len(dropped)} checkpoint tensors not used for inference "
-                  f"({len(mtp)} of them the MTP layer {cfg.num_hidden_layers}), e.g. "
+            print(f"kdtr-import-hf: dropped {len(dropped)} checkpoint tensors not used for "
+                  f"inference ({len(mtp)} of them the MTP layer {cfg.num_hidden_layers}), e.g. "
                   f"{dropped[0]}", file=sys.stderr)
     finally:
         ck.close()
@@ -234,25 +265,44 @@ def export_hf_checkpoint(cfg: ModelConfig, weights, out_dir) -> None:
         json.dump(cfg.to_hf_dict(), fh, indent=1)
 
 
-def main(argv=None) -> int:
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="kdtr-import-hf", description="Convert a Hugging Face DeepSeek-V3 / Kimi-K2 "
-        "checkpoint (config.json + safetensors, FP8 dequantised) into a KDTR model bundle.")
-    parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
-    parser.add_argument("out", help="output bundle (.kdtr)")
+        prog="kdtr-import-hf", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Convert a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint (config.json + "
+        "safetensors, FP8 dequantised) into a KDTR model bundle.")
+    parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+    parser.add_argument("out", help="output bundle, a name ending in .kdtr")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype (auto: float32 stays float32, the rest bfloat16)")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress and no note about unused checkpoint tensors")
+    parser.add_argument("--progress", action="store_true",
+                        help="progress line on stderr even when it is not a terminal")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    check_output_path(args.out)
+    bar = ProgressBar(f"import {args.hf_dir}", unit="tensor",
+                      force=args.progress and not args.quiet)
+    if args.quiet:
+        bar.enabled = False
     try:
-        cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet)
-    except (BundleError, ValueError, OSError) as e:
-        print(f"kdtr-import-hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-          f"vocab {cfg.vocab_size}", file=sys.stderr)
+        cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
+                        progress=bar)
+    except BundleError as e:   # what the checkpoint holds is wrong: bad input, one line
+        text = str(e)
+        raise UsageError(text if text.startswith(args.hf_dir) else
+                         f"{args.hf_dir}: {text}") from None
+    finally:
+        bar.close()
+    print(f"kdtr-import-hf: wrote {args.out}: {cfg.num_hidden_layers} layers, hidden "
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}", file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    """The ``kdtr-import-hf`` entry point; returns the exit code (0, 2 for bad input)."""
+    return run_console("kdtr-import-hf", _main, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np
 
 from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import read_bundle
+from kdtree_numba.bundle import open_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
@@ -104,10 +104,14 @@ class Model(DeviceSteps):
             self.graphs = self.new_graphs()
 
     @classmethod
-    def load(cls, path, backend="auto") -> "Model":
-        """A model bundle (.kdtr, kdtree_numba/bundle.py), validated, on ``backend``."""
-        config, weights = read_bundle(path)
-        return cls(config, weights, backend)
+    def load(cls, path, backend="auto", *, verify: bool = True, progress=None) -> "Model":
+        """A model bundle (.kdtr, kdtree_numba/bundle.py), validated, on ``backend``.
+
+        Each tensor's CRC32C is checked as it is copied (``verify=False`` maps the file and
+        checks nothing): a damaged tensor raises ``formats.kdtr.KdtrError`` K056 naming the
+        file and the tensor.  ``progress(done_bytes, total_bytes)`` follows the reads."""
+        with open_bundle(path, verify=verify, progress=progress) as (config, _, weights):
+            return cls(config, weights, backend)
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any]) -> None:

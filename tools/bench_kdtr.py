@@ -11,6 +11,9 @@ fp32 and bf16) written in all three formats:
   * open and list a KDTR file of 100,000 tiny tensors (goal < 0.5 s), h5py for reference;
   * ``verify()`` throughput with the ``crc32c`` package, and CRC32C of the same bytes with the
     numba fallback(s) used where that package is missing (goal >= 2 GB/s);
+  * bundle load verification (issue 16): every tensor of the medium model bundle (and of a
+    multi-GiB bf16 file) copied out with ``Dataset.read``/``read_direct``, without and with
+    CRC32C verification (median of >= 5 runs), beside memcpy and raw CRC32C roofs;
   * peak memory while reading tensor by tensor, one subprocess per reader: anonymous memory
     (RssAnon) against the tensor being held, plus RssFile, VmHWM and ru_maxrss.
 Every measurement is printed in a markdown table beside its roof (memcpy, sequential disk read,
@@ -19,6 +22,7 @@ raw CRC32C speed) and its goal.
     python3 tools/bench_kdtr.py                   # 1 GiB, 100,000 tiny tensors (~3 min here)
     python3 tools/bench_kdtr.py --quick           # 64 MiB, 10,000 tiny tensors (smoke test)
     python3 tools/bench_kdtr.py --json out.json --workdir /mnt/nvme
+    python3 tools/bench_kdtr.py --load-verify      # bundle load without / with CRC32C checks
 
 "Cold" drops the page cache with ``echo 1 > /proc/sys/vm/drop_caches`` (root) and otherwise
 with ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file; the method used is reported.  In a VM
@@ -560,6 +564,118 @@ def bench_memory(tensors: dict, paths: dict, workdir: str, table: Table) -> dict
     return results
 
 
+# ----------------------------------------------------------------------------- issue 16
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """The median of ``repeats`` runs (load verification: typical, not best-case, cost)."""
+    return float(np.median([timed(fn) for _ in range(repeats)]))
+
+
+def write_big_bf16(path: str, gib: float) -> None:
+    """``gib`` GiB of bf16 tensors of 64 MiB ([8192, 4096]), each its own bytes."""
+    rng = np.random.default_rng(16)
+    block = rng.integers(0, 1 << 16, size=(8192, 4096), dtype=np.uint16)
+    with kdtr.File(path, "w") as f:
+        for i in range(max(1, round(gib * GiB / block.nbytes))):
+            block[0, :4] = i   # distinct contents (and checksums) per tensor
+            f.create_dataset(f"layers/{i}/w", data=block.view(BF16))
+
+
+def _datasets(f: kdtr.File) -> list:
+    t = f.node_table()
+    return [f[p] for p, g in zip(t.paths, t.is_group) if not g]
+
+
+def bench_load_verify(workdir: str, table: Table, repeats: int, big_gib: float,
+                      cold: bool = True) -> None:
+    """What checking every tensor's CRC32C costs when a bundle is loaded (issue 16): every
+    tensor copied out of the (warm) file with ``Dataset.read`` / ``read_direct``, without and
+    with ``verify=True``, median of ``repeats`` with the page cache warm (and once each cold);
+    beside it the memcpy and CRC32C roofs."""
+    from formats import reader
+    from kdtree_numba.bundle import make_random_bundle
+    src, dst = np.ones(GiB, np.uint8), np.zeros(GiB, np.uint8)   # past the L3 cache
+    memcpy = gbps(src.nbytes, median_time(lambda: np.copyto(dst, src), repeats))
+    crc = gbps(src.nbytes // 4, median_time(lambda: checksum.crc32c(src[:GiB // 4]), repeats))
+    del src, dst
+    table.add("roof: memcpy RAM -> RAM, 1 thread (np.copyto 1 GiB, median)", memcpy, "GB/s")
+    table.add(f"roof: raw CRC32C ({checksum.BACKEND}), in memory", crc, "GB/s")
+    cases = [("medium bundle", os.path.join(workdir, "medium.kdtr"), None)]
+    if big_gib > 0:
+        free = shutil.disk_usage(workdir).free
+        if free > 1.5 * big_gib * GiB:
+            cases.append((f"{big_gib:g} GiB file", os.path.join(workdir, "big.kdtr"), big_gib))
+        else:
+            table.add(f"{big_gib:g} GiB file", None, "", f"skipped: {free / GiB:.1f} GiB free "
+                      f"in {workdir}")
+    for label, path, gib in cases:
+        if gib is None:
+            make_random_bundle(path, "medium", 0, "bfloat16")
+        else:
+            write_big_bf16(path, gib)
+        with kdtr.File(path) as f:
+            dss = _datasets(f)
+            total = sum(d.storage_nbytes for d in dss)
+            head = (f"{label} ({len(dss)} tensors, {total / MiB:,.0f} MiB bf16, "
+                    f"chunk {reader.COPY_CHUNK >> 10} KiB)")
+            f.verify()   # pages warm, and a check that the file is sound
+            roof = f"{memcpy:.3g} GB/s memcpy"
+
+            def fresh(verify: bool) -> None:
+                for d in dss:
+                    d.read(verify=verify)
+
+            dest = [np.zeros(d.shape, d.dtype) for d in dss]   # pages faulted in up front
+
+            def into(verify: bool) -> None:
+                for d, o in zip(dss, dest):
+                    d.read_direct(o, verify=verify)
+
+            for what, fn in (("read() into new arrays", fresh),
+                             ("read_direct() into preallocated arrays", into)):
+                plain = median_time(lambda: fn(False), repeats)
+                checked = median_time(lambda: fn(True), repeats)
+                table.add(f"{head}: {what}, without verification", gbps(total, plain), "GB/s",
+                          f"{plain:.3f} s, {gbps(total, plain):.3g} GB/s", roof=roof)
+                table.add(f"{head}: {what}, with CRC32C verification", gbps(total, checked),
+                          "GB/s", f"{checked:.3f} s, {gbps(total, checked):.3g} GB/s "
+                          f"(+{(checked / plain - 1) * 100:.0f}% time)", roof=roof)
+            del dest
+            t = median_time(f.verify, repeats)
+            table.add(f"{head}: File.verify() alone (CRC32C in place, no copy)",
+                      gbps(total, t), "GB/s", f"{t:.3f} s, {gbps(total, t):.3g} GB/s",
+                      roof=f"{crc:.3g} GB/s raw CRC")
+            del dss
+        if cold:
+            method, cold_times = "", {}
+            for verify in (False, True):
+                method, cold_times[verify] = _cold_read(path, verify)
+            plain, checked = cold_times[False], cold_times[True]
+            table.add(f"{head}: read() into new arrays, page cache cold ({method}), without "
+                      "/ with verification (1 run each)", gbps(total, checked), "GB/s",
+                      f"{plain:.2f} s / {checked:.2f} s ({gbps(total, plain):.3g} / "
+                      f"{gbps(total, checked):.3g} GB/s)")
+        os.unlink(path)
+
+
+def _cold_read(path: str, verify: bool) -> tuple[str, float]:
+    """(drop method, seconds) to open ``path`` with a cold page cache and read() every tensor.
+    Its own function: a File or view still alive would keep pages mapped through the drop."""
+    gc.collect()
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)   # this file only: the machine's other work keeps its cache
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    method = "posix_fadvise(POSIX_FADV_DONTNEED)"
+    t0 = time.perf_counter()
+    with kdtr.File(path) as f:
+        for d in _datasets(f):
+            d.read(verify=verify)
+    return method, time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv):
@@ -574,8 +690,16 @@ def parse_args(argv):
     p.add_argument("--workdir", help="where temporary files go (a fresh subfolder, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary files")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--load-verify", action="store_true",
+                   help="only the bundle load verification section (issue 16): the medium "
+                        "bundle and a --big-gib file, copied without / with CRC32C checks")
+    p.add_argument("--big-gib", type=float,
+                   help="size of the big bf16 file of that section (default 3.5 with "
+                        "--load-verify, 0 = none in the full run)")
     p.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.big_gib is None:
+        args.big_gib = 3.5 if args.load_verify else 0.0
     size_gib, tiny_count = (1 / 16, 10_000) if args.quick else (1.0, 100_000)
     args.size_gib = size_gib if args.size_gib is None else args.size_gib
     args.tiny_count = tiny_count if args.tiny_count is None else args.tiny_count
@@ -588,6 +712,13 @@ def run(args) -> dict:
     table.add("machine", None, "", machine_description(workdir))
     load_before = os.getloadavg()
     try:
+        if args.load_verify:
+            bench_load_verify(workdir, table, max(args.repeats, 5), args.big_gib,
+                              not args.no_cold)
+            table.add("load average (1 min) at start / end (other work sharing the cores)",
+                      None, "", f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f} on "
+                      f"{os.cpu_count()} cores")
+            return _result(args, table, started, "-", {})
         tensors = model_like_tensors(int(args.size_gib * GiB))
         total = sum(a.nbytes for a in tensors.values())
         sizes = sorted(a.nbytes for a in tensors.values())
@@ -605,11 +736,16 @@ def run(args) -> dict:
         del tensors
         gc.collect()
         bench_open(args.tiny_count, workdir, table, args.repeats)
+        bench_load_verify(workdir, table, max(args.repeats, 5), args.big_gib, not args.no_cold)
         table.add("load average (1 min) at start / end (other work sharing the cores)", None, "",
                   f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+    return _result(args, table, started, method, memory)
+
+
+def _result(args, table: Table, started: float, method: str, memory: dict) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
             "cold_method": method, "seconds": time.perf_counter() - started,
             "rows": table.rows, "memory": memory, "markdown": table.markdown()}
@@ -622,8 +758,13 @@ def main(argv=None) -> int:
         return 0
     result = run(args)
     print(result["markdown"])
-    print(f"\ncold = {result['cold_method']}; GB/s = 1e9 bytes/s; warm = best of "
-          f"{args.repeats}; total {result['seconds']:.0f} s")
+    if args.load_verify:
+        print(f"\npage cache warm; GB/s = 1e9 bytes/s; median of {max(args.repeats, 5)}; "
+              f"total {result['seconds']:.0f} s")
+    else:
+        print(f"\ncold = {result['cold_method']}; GB/s = 1e9 bytes/s; warm = best of "
+              f"{args.repeats} (load verification: median of {max(args.repeats, 5)}); "
+              f"total {result['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -6,11 +6,11 @@ import argparse
 import os
 import sys
 
-from ..errors import KdtrError
+from ..console import add_debug_flag, run_console
 from .comparison import diff
 from .conversion import convert
 from .inspection import inspect
-from .output import EXIT_ERROR, EXIT_OK, escape
+from .output import EXIT_OK, escape
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -37,6 +37,7 @@ def _inspect_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true",
                    help="progress bar on stderr even when it is not a terminal")
     p.add_argument("--sample", metavar="OUT", help="write the sample model to OUT and exit")
+    add_debug_flag(p)
     return p
 
 
@@ -50,6 +51,7 @@ def _diff_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=0.0,
                    help="relative tolerance, times |B| (default 0)")
     p.add_argument("--json", action="store_true")
+    add_debug_flag(p)
     return p
 
 
@@ -63,6 +65,7 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="safetensors input: turn '.' in tensor names into '/' (groups)")
     p.add_argument("--progress", action="store_true",
                    help="progress bar on stderr even when it is not a terminal")
+    add_debug_flag(p)
     return p
 
 
@@ -86,29 +89,18 @@ def _run(argv: list[str], out: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``kdtr-dump`` entry point; returns the exit code (and prints nothing else)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The ``kdtr-dump`` entry point; returns the exit code.  Bad input (a missing, damaged or
+    foreign file, a bad option) is one line on stderr naming the file and exit 2
+    (``formats.console.run_console``); ``--debug`` or ``KDTREE_DEBUG=1`` shows the traceback."""
+    return run_console("kdtr-dump", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     out: list[str] = []
     try:
-        code = _run(argv, out)
-    except SystemExit as e:   # argparse: --help (0) or a usage error (2)
-        return e.code if isinstance(e.code, int) else EXIT_ERROR
-    except KdtrError as e:
+        return _run(argv, out)
+    finally:   # what was produced before an error still goes out, ahead of the error line
         _emit(out)
-        return _fail(str(e))
-    except FileNotFoundError as e:
-        _emit(out)
-        return _fail(f"{e.filename}: no such file")
-    except (OSError, LookupError, ValueError) as e:
-        _emit(out)
-        return _fail(f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
-    _emit(out)
-    return code
-
-
-def _fail(message: str) -> int:
-    sys.stderr.write(f"kdtr-dump: error: {escape(message, backslash=False)}\n")
-    return EXIT_ERROR
 
 
 def _emit(lines: list[str]) -> None:

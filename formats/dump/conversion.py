@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..console import UsageError
 from ..progress import ProgressBar
 from .output import EXIT_OK, escape
 from .sources import detect_format, open_source
@@ -23,12 +24,14 @@ def convert(args, out: list[str]) -> int:
     dst = args.dst.lower()
     dst_fmt = "hdf5" if dst.endswith(_H5_EXT) else "kdtr" if dst.endswith(".kdtr") else None
     if dst_fmt is None:
-        raise LookupError(f"DST must end in .kdtr or one of {', '.join(_H5_EXT)} "
-                          "(safetensors is read, never written)")
+        raise UsageError(f"{escape(args.dst)}: DST must end in .kdtr or one of "
+                         f"{', '.join(_H5_EXT)} (safetensors is read, never written)")
     if src_fmt == dst_fmt:
-        raise LookupError(f"{escape(args.src)} is already {src_fmt}")
+        raise UsageError(f"{escape(args.src)} is already {src_fmt}")
+    if os.path.isdir(args.dst):
+        raise UsageError(f"{escape(args.dst)}: is a folder; DST names the file to write")
     if os.path.exists(args.dst) and os.path.samefile(args.src, args.dst):
-        raise LookupError("SRC and DST are the same file")
+        raise UsageError("SRC and DST are the same file")
     bar = ProgressBar("convert", force=args.progress)
     try:
         if src_fmt == "kdtr":

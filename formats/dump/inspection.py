@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..console import UsageError
 from ..dtypes import BY_NAME
 from ..errors import KdtrError
 from ..progress import ProgressBar, human_bytes, ticker
@@ -332,15 +333,17 @@ def show_dataset(entries: list[Entry], args, out: list[str]) -> int:
     want = "/" + args.dataset.strip("/")
     match = next((e for e in entries if e.path == want), None)
     if match is None:
-        raise LookupError(f"no dataset {escape(want)!s} in {escape(args.file)}")
+        raise UsageError(f"-d {escape(want)}: no such dataset in {escape(args.file)}")
     if match.tensor is None:
-        raise LookupError(f"{escape(want)} is a {match.kind}"
-                          + (f" of type {escape(match.dtype)}" if match.dtype else "")
-                          + ", not a dataset whose values can be shown")
+        raise UsageError(f"-d {escape(want)}: a {match.kind}"
+                         + (f" of type {escape(match.dtype)}" if match.dtype else "")
+                         + f" in {escape(args.file)}, not a dataset whose values can be shown")
     try:
         out.extend(preview(match, args.slice))
     except (IndexError, ValueError) as e:
-        raise LookupError(f"bad --slice {escape(args.slice)}: {e}") from None
+        raise UsageError(f"--slice {escape(args.slice)}: {e} (a selection like "
+                         f"\"0:4,:8\" for {escape(args.dataset)} of shape "
+                         f"{fmt_shape(match.shape)})") from None
     return EXIT_OK
 
 
@@ -354,7 +357,8 @@ def verify(args, out: list[str]) -> int:
     except KdtrError as e:
         if e.code in UNREADABLE_CODES:
             raise
-        out.append(f"CORRUPT {escape(args.file)}: {escape(str(e), backslash=False)}")
+        out.append(f"CORRUPT {escape(args.file)}: "
+                   f"{escape(e.describe(with_file=False), backslash=False)}")
         return EXIT_CORRUPT
     finally:
         bar.close()

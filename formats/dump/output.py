@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..console import escape
 from ..dtypes import DType, dtype_for
 
 SCHEMA_VERSION = 1
@@ -16,30 +17,8 @@ EXIT_OK, EXIT_DIFFER, EXIT_ERROR, EXIT_CORRUPT = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------- escaping
-
-def escape(text: Any, backslash: bool = True) -> str:
-    """``text`` made safe for a terminal: every non-printable character (C0, DEL, C1
-    controls, ANSI escapes, newlines) and every format/bidi/separator character (U+202E,
-    U+2066, U+200B, U+FEFF, tag characters, ...) become repr-style escapes (``\\x1b``,
-    ``\\u202e``), and a backslash is doubled so that escapes stay unambiguous.  Printable
-    text, including non-ASCII letters, is kept.  ``backslash=False`` leaves backslashes alone:
-    for error messages whose file-derived parts are already ``ascii()``-quoted."""
-    s = text if isinstance(text, str) else str(text)
-    if s.isprintable() and ("\\" not in s or not backslash):
-        return s
-    out = []
-    for ch in s:
-        if ch == "\\" and backslash:
-            out.append("\\\\")
-        elif ch.isprintable():
-            out.append(ch)
-        else:
-            code = ord(ch)
-            out.append(f"\\x{code:02x}" if code < 0x100 else
-                       f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
-    return "".join(out)
-
-
+# ``escape`` lives in formats.console (every console script's error line uses it); kdtr-dump
+# reaches it from here.
 
 LOW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 

@@ -14,7 +14,7 @@ import numpy as np
 from .. import kdtr
 from .. import layout as L
 from ..dtypes import BY_NAME, DType, unpack_int4
-from ..errors import KdtrError
+from ..errors import KdtrError, about_file
 from .output import display_array
 
 # The inspector and the differ read it from this module at call time, so that one assignment
@@ -28,8 +28,10 @@ class Tensor:
     """Data access for one dataset, whatever the format: ``blocks`` yields the stored elements
     (flat, packed for int4) in C order, ``read(key)`` a decoded selection."""
 
-    def __init__(self, dtype: DType, shape: tuple, stored, h5: bool = False):
+    def __init__(self, dtype: DType, shape: tuple, stored, h5: bool = False,
+                 where: tuple[str, str] | None = None):
         self.dtype, self.shape, self._stored, self._h5 = dtype, tuple(shape), stored, h5
+        self._where = where   # (file, dataset path): what an HDF5 read error names
         self.stored_shape = (self.shape[:-1] + (self.shape[-1] // 2,)
                              if dtype.packed else self.shape)
 
@@ -60,10 +62,10 @@ class Tensor:
             return
         from ..hdf5 import iter_blocks
         if self.stored_shape == ():
-            yield self._as_kdtr(self._stored[()]).reshape(-1)
+            yield self._as_kdtr(self._h5_read(())).reshape(-1)
             return
         for sel in iter_blocks(self.stored_shape, max_elems):
-            yield self._as_kdtr(self._stored[sel]).reshape(-1)
+            yield self._as_kdtr(self._h5_read(sel)).reshape(-1)
 
     def values(self, max_elems: int) -> Iterator[np.ndarray]:
         """Flat blocks of values: floats as float64, ints as int64/uint64, bool, complex128."""
@@ -88,7 +90,20 @@ class Tensor:
             else:
                 h5sel.append(slice(lo, hi))
                 post.append(p)
-        return self._as_kdtr(self._stored[tuple(h5sel)])[tuple(post)]
+        return self._as_kdtr(self._h5_read(tuple(h5sel)))[tuple(post)]
+
+    def _h5_read(self, sel: tuple) -> np.ndarray:
+        """An HDF5 read; the library's errors (damaged data) become KdtrError naming the
+        file and the dataset."""
+        from ..hdf5_mapping import hdf5_errors
+        file, path = self._where or (None, None)
+        try:
+            with hdf5_errors(path):
+                return self._stored[sel]
+        except KdtrError as e:
+            if file is not None:
+                e.set_file(file)
+            raise
 
     def read(self, key: tuple, normalized: bool = False) -> np.ndarray:
         """``key`` (ints, slices, Ellipsis) applied to the logical array; bf16/fp8 come back
@@ -284,6 +299,10 @@ class Hdf5Source(Source):
         self.version = f"superblock {plist.get_version()[0]}"
 
     def entries(self) -> list[Entry]:
+        with about_file(self.path):
+            return self._entries()
+
+    def _entries(self) -> list[Entry]:
         from h5py import h5o
         from ..hdf5 import H5Node, walk
         root = self.file["/"]
@@ -300,13 +319,18 @@ class Hdf5Source(Source):
 
     def attrs_of(self, e: Entry) -> dict:
         from ..hdf5 import read_attrs
-        return read_attrs(e.handle.obj, e.path, strict=False)
+        with about_file(self.path):
+            return read_attrs(e.handle.obj, e.path, strict=False)
 
     def tensor_of(self, e: Entry) -> Tensor:
         n = e.handle
-        return Tensor(n.dtype, n.shape, n.obj, h5=True)
+        return Tensor(n.dtype, n.shape, n.obj, h5=True, where=(self.path, e.path))
 
     def verify(self, progress) -> str:
+        with about_file(self.path):
+            return self._verify(progress)
+
+    def _verify(self, progress) -> str:
         entries = [e for e in self.entries() if e.kind == "dataset"]
         total = sum(e.nbytes or 0 for e in entries if e.decodable)
         done, skipped = 0, 0
@@ -373,7 +397,8 @@ class SafetensorsSource(Source):
 def detect_format(path: str) -> str:
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise KdtrError("K058", f"{path!a} is not a regular file")
+        raise KdtrError("K058", "a directory" if stat.S_ISDIR(st.st_mode) else
+                        "a FIFO, device or socket", file=path)
     with open(path, "rb") as fh:
         head = fh.read(16)
     if head[:8] == L.MAGIC:
@@ -389,5 +414,8 @@ def detect_format(path: str) -> str:
 
 
 def open_source(path: str) -> Source:
+    """The file at ``path`` as a Source; every ``KdtrError`` it raises names ``path``."""
     fmt = detect_format(path)
-    return {"kdtr": KdtrSource, "hdf5": Hdf5Source, "safetensors": SafetensorsSource}[fmt](path)
+    with about_file(path):
+        return {"kdtr": KdtrSource, "hdf5": Hdf5Source,
+                "safetensors": SafetensorsSource}[fmt](path)

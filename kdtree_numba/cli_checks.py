@@ -1,0 +1,266 @@
+"""What the console scripts check before any work starts (issue 16).
+
+Every check raises ``formats.console.UsageError`` with one line that names the option, file
+or value at fault and what would be right; ``formats.console.run_console`` prints it as
+``PROG: error: MESSAGE`` and exits 2.  Checks that only cost time (a budget far above what a
+round can verify quickly) return warning lines instead, with the expected cost.
+
+The order in ``kdtree-run`` (kdtree_numba/cli.py): plain option values (:func:`check_options`),
+the prompts (:func:`read_prompts`), the backend (:func:`open_backend`), the bundles' configs
+(:func:`target_config`, :func:`plan_drafter`, without reading weights), then everything that
+depends on the model (:func:`check_against_model`).  Only then are weights read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from formats.console import UsageError, read_user_text
+from kdtree_numba import compat
+from kdtree_numba.backends import Backend, make_backend
+from kdtree_numba.bundle import BundleError, read_bundle_config, size_config
+from kdtree_numba.config import ModelConfig, weight_shapes
+from kdtree_numba.ddtree import MAX_GPU_BUDGET
+from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
+
+__all__ = ["DEFAULT_PROMPT", "BUILTIN_SIZE", "MAX_DEPTH", "DrafterPlan", "check_options",
+           "parse_ids", "read_prompts", "open_backend", "target_config", "plan_drafter",
+           "check_against_model", "reference_round_seconds", "bundle_problem"]
+
+DEFAULT_PROMPT = (1, 2, 3, 4)   # kdtree-run's prompt when none is given (shown in --help)
+BUILTIN_SIZE = "tiny"           # the built-in model's size (kdtree_numba/bundle.py SIZES)
+MAX_DEPTH = 2 ** 15 - 1         # tree depths are int16 in the GPU builder
+# Above this many seconds per DDTree round on the reference backend, kdtree-run warns.
+SLOW_ROUND_S = 10.0
+
+
+def check_options(args) -> None:
+    """kdtree-run's numeric options, each on its own (nothing about the model yet)."""
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be an integer >= 0 "
+                         f"(new tokens per prompt)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature {args.temperature:g}: must be a finite number >= 0 "
+                         f"(0: greedy)")
+    if args.budget < 1:
+        raise UsageError(f"--budget {args.budget}: must be an integer >= 1 (tree nodes "
+                         f"verified per DDTree round)")
+    if args.block_len is not None and not 1 <= args.block_len <= MAX_DEPTH:
+        raise UsageError(f"--block-len {args.block_len}: must be an integer in [1, "
+                         f"{MAX_DEPTH}] (drafter steps per round, the tree's maximum depth)")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be an integer >= 0")
+
+
+def parse_ids(text: str, where: str) -> list[int]:
+    """Token ids separated by commas and/or spaces; ``where`` names their source."""
+    ids = []
+    for tok in text.replace(",", " ").split():
+        try:
+            ids.append(int(tok))
+        except ValueError:
+            raise UsageError(f"{where}: {tok!r} is not a token id (comma-separated integers, "
+                             f"e.g. 1,2,3)") from None
+    if not ids:
+        raise UsageError(f"{where}: no token ids in {text!r} (give e.g. 1,2,3; leave "
+                         f"--prompt-ids out for the built-in prompt "
+                         f"{','.join(map(str, DEFAULT_PROMPT))})")
+    return ids
+
+
+def read_prompts(args) -> tuple[list[list[int]], list[str]]:
+    """(prompts, where each came from): ``--prompt-ids``, each non-blank line of
+    ``--prompt-file``, or the built-in prompt."""
+    if args.prompt_ids is not None:
+        return [parse_ids(args.prompt_ids, "--prompt-ids")], ["--prompt-ids"]
+    if args.prompt_file is None:
+        return [list(DEFAULT_PROMPT)], ["the built-in prompt"]
+    text = read_user_text(args.prompt_file, "--prompt-file")
+    prompts, where = [], []
+    for i, line in enumerate(text.splitlines()):
+        if line.strip():
+            label = f"--prompt-file {args.prompt_file}:{i + 1}"
+            prompts.append(parse_ids(line, label))
+            where.append(label)
+    if not prompts:
+        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts (one prompt per line, "
+                         f"token ids separated by commas or spaces)")
+    return prompts, where
+
+
+def open_backend(name: str) -> Backend:
+    try:
+        return make_backend(name)
+    except compat.NoDeviceError:
+        raise UsageError(f"--backend {name}: no CUDA GPU found here; use --backend reference "
+                         f"(NumPy) or --backend auto (the GPU when there is one)") from None
+
+
+def bundle_problem(option: str, path: str, exc: Exception) -> UsageError:
+    """A bundle's BundleError, KdtrError or OSError as one UsageError line naming ``option``:
+    ``--drafter d.kdtr: ...``."""
+    text = str(exc)
+    if isinstance(exc, OSError):
+        text = exc.strerror or text
+    elif text.startswith(f"{path}: "):
+        text = text[len(path) + 2:]
+    return UsageError(f"{option} {path}: {text}")
+
+
+def _existing_bundle(option: str, path: str, want: str) -> None:
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: a folder; {want}")
+    if not os.path.exists(path):
+        raise UsageError(f"{option} {path}: no such file; {want}")
+
+
+def target_config(args) -> ModelConfig:
+    """The target's config: ``--model``'s (its weights are not read here) or the built-in
+    model's."""
+    if not args.model:
+        return size_config(BUILTIN_SIZE)
+    _existing_bundle("--model", args.model, "give a model bundle (.kdtr, e.g. from "
+                     "kdtr-make-model or kdtr-import-hf)")
+    try:
+        return read_bundle_config(args.model)[0]
+    except (BundleError, OSError) as e:
+        raise bundle_problem("--model", args.model, e) from e
+
+
+@dataclasses.dataclass
+class DrafterPlan:
+    """What ``--drafter`` names: kind "oracle" (with ``agreement``), "model" or "block" (a
+    bundle at ``path`` with its ``config``); ``block_len`` the tree depth it drafts."""
+    kind: str
+    block_len: int
+    path: str | None = None
+    config: ModelConfig | None = None
+    agreement: float | None = None
+
+
+def plan_drafter(args, target: ModelConfig, default_block_len: int,
+                 warn) -> DrafterPlan | None:
+    """Check ``--drafter`` against the target (vocabulary, a block drafter's hidden size)
+    before any weight is read; None with ``--method ar`` (a given drafter is ignored, with a
+    warning through ``warn``)."""
+    spec = args.drafter
+    if args.method != "ddtree":
+        if spec is not None:
+            warn(f"--drafter {spec} is ignored with --method {args.method} (drafters serve "
+                 f"--method ddtree)")
+        return None
+    block_len = default_block_len if args.block_len is None else args.block_len
+    if spec is None:
+        if args.model:
+            raise UsageError(f"--method ddtree with --model needs --drafter (a drafter bundle "
+                             f"of the same vocabulary, or {ORACLE_FORM})")
+        spec = "oracle:0.8"
+    try:
+        agreement = parse_oracle_spec(spec)
+    except ValueError as e:
+        raise UsageError(f"--drafter {e}") from e
+    if agreement is not None:
+        return DrafterPlan("oracle", block_len, agreement=agreement)
+    _existing_bundle("--drafter", spec, f"give a drafter bundle (.kdtr, e.g. from "
+                     f"kdtr-make-model --drafter) or {ORACLE_FORM}")
+    try:
+        config, attrs = read_bundle_config(spec)
+    except (BundleError, OSError) as e:
+        raise bundle_problem("--drafter", spec, e) from e
+    if config.vocab_size != target.vocab_size:
+        raise UsageError(
+            f"--drafter {spec}: vocabulary {config.vocab_size} does not match the target's "
+            f"{target.vocab_size}; a drafter must share the target's vocabulary (for a "
+            f"kdtr-make-model target of size S: kdtr-make-model DRAFTER.kdtr --size S "
+            f"--drafter, or --block-drafter)")
+    if attrs.get("kdtree.bundle") == "block_drafter":
+        hidden = attrs.get("block.target_hidden_size")
+        if hidden != target.hidden_size:
+            raise UsageError(f"--drafter {spec}: a block drafter for a target of hidden size "
+                             f"{hidden}, the target's is {target.hidden_size}")
+        own = int(attrs.get("block.block_len", 7))
+        if args.block_len is not None and args.block_len != own:
+            warn(f"--block-len {args.block_len} is ignored: the block drafter {spec} drafts "
+                 f"its own {own} positions")
+        return DrafterPlan("block", own, spec, config)
+    return DrafterPlan("model", block_len, spec, config)
+
+
+def active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token goes through (routed experts: the chosen ones only)."""
+    total = 0
+    for name, shape in weight_shapes(cfg).items():
+        n = math.prod(shape)
+        if "/mlp/experts/" in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n
+    return total
+
+
+def reference_round_seconds(cfg: ModelConfig, nodes: int) -> float:
+    """Rough seconds of one DDTree verify forward over ``nodes`` tokens on the NumPy
+    reference, fitted on the 2-core development machine (docs/ENGINE.md, "CLI"): per node
+    15 us per head and layer (attention row by row) plus its matrix products at 20 GFLOP/s,
+    and 2.5 ns per layer for each of the nodes^2 mask entries.  Measured against it: tiny at
+    16,385 nodes 3.8 s (model 5.0), small at 4,097 4.2 s (2.9), medium at 1,025 15.7 s
+    (14.3)."""
+    per_node = (15e-6 * cfg.num_attention_heads * cfg.num_hidden_layers
+                + 2.0 * active_parameters(cfg) / 20e9)
+    return nodes * per_node + 2.5e-9 * cfg.num_hidden_layers * nodes * nodes
+
+
+def _context_check(prompts, where, max_new: int, cfg: ModelConfig, role: str) -> None:
+    context = cfg.max_position_embeddings
+    for p, label in zip(prompts, where):
+        if len(p) + max_new > context:
+            room = context - len(p)
+            fix = (f"use --max-new-tokens {room} or less" if room > 0
+                   else "shorten the prompt")
+            raise UsageError(
+                f"--max-new-tokens {max_new}: {label} has {len(p)} tokens, and {len(p)} + "
+                f"{max_new} = {len(p) + max_new} exceeds the {role}'s context of {context} "
+                f"tokens (max_position_embeddings); {fix}")
+
+
+def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: DrafterPlan | None,
+                        backend: Backend, warn) -> None:
+    """Prompt ids and ``--eos`` against the vocabulary, prompt + new tokens against the
+    context, the budget and block length against what the backend can build (errors) and what
+    a round costs (warnings through ``warn``)."""
+    V = cfg.vocab_size
+    for p, label in zip(prompts, where):
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise UsageError(f"{label}: token id {bad[0]} is outside the model's vocabulary "
+                             f"(ids 0 to {V - 1})")
+    if args.eos is not None and not 0 <= args.eos < V:
+        raise UsageError(f"--eos {args.eos}: outside the model's vocabulary (ids 0 to {V - 1})")
+    _context_check(prompts, where, args.max_new_tokens, cfg, "model")
+    if drafter is None:
+        return
+    B, L = args.budget, drafter.block_len
+    if backend.name == "numba" and B > MAX_GPU_BUDGET:
+        raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
+                         f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "
+                         f"reference)")
+    if L > B:
+        warn(f"--block-len {L} is above --budget {B}: a tree of {B} nodes is at most {B} "
+             f"deep, so the drafter's last {L - B} steps per round are wasted")
+    if backend.name == "reference":
+        nodes = B + 1
+        seconds = reference_round_seconds(cfg, nodes)
+        mask_gb = nodes * nodes / 1e9
+        if B > MAX_GPU_BUDGET or seconds > SLOW_ROUND_S:
+            warn(f"--budget {B}: each DDTree round verifies {nodes} tokens in one forward; "
+                 f"on the NumPy reference that takes roughly {_duration(seconds)} per round "
+                 f"(a 2-core estimate) and a {nodes} x {nodes} mask of {mask_gb:.1f} GB per "
+                 f"prompt; budgets of 8 to 256 are the useful range")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
