@@ -74,7 +74,7 @@ class Backend:
 
         On the GPU a bfloat16 (ml_dtypes) array travels as its uint16 bit pattern: CuPy has no
         bfloat16, and the numba kernels (linear, moe_ffn, rmsnorm, embedding) read uint16
-        weights as bf16 bits (kdtree_numba/layers.py)."""
+        weights as bf16 bits (kdtree_numba/layers/workspace.py)."""
         if self.on_gpu and getattr(a, "dtype", None) is not None \
                 and np.dtype(a.dtype).name == "bfloat16":
             return self.xp.asarray(np.ascontiguousarray(a).view(np.uint16))
