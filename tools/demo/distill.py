@@ -1,0 +1,203 @@
+"""The frozen target's side of drafter training: load the HF export, tap the features, give
+the greedy labels, and measure a drafter against the target on held-out windows.
+
+Features are taken with forward hooks on the target's decoder layers, not from
+``output_hidden_states``: transformers (5.x) replaces the last entry of ``hidden_states`` with
+the final-normed output, while the spec wants every feature before any final norm (the
+residual stream after layer j), the last layer's included (docs/DEMO.md, "The DFlash drafter").
+"""
+from __future__ import annotations
+
+import torch
+
+from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
+from .target import set_experts_impl
+from .trainer import autocast, gather
+
+
+def load_target(path: str, device, log=print):
+    """The HF export in float32 (run under bf16 autocast on a GPU, as it was trained and
+    evaluated), frozen, in eval mode; on a GPU the grouped_mm expert kernel when it runs."""
+    import transformers
+    from transformers import DeepseekV3ForCausalLM
+    transformers.utils.logging.disable_progress_bar()
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  attn_implementation="sdpa").to(device)
+    model.eval().requires_grad_(False)
+    impl = set_experts_impl(model, "grouped_mm" if device.type == "cuda" else "eager")
+    if impl != "eager":
+        try:
+            with torch.no_grad(), autocast(device.type, torch.bfloat16):
+                model.model(input_ids=torch.zeros(2, 8, dtype=torch.long, device=device),
+                            use_cache=False)
+        except Exception as e:       # noqa: BLE001 -- a kernel this build cannot run
+            log(f"experts grouped_mm unusable here ({type(e).__name__}: {e}); eager"[:300])
+            impl = set_experts_impl(model, "eager")
+    return model, impl
+
+
+def target_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(embedding, lm_head or None when tied): what the drafter shares."""
+    emb = model.model.embed_tokens.weight
+    head = model.lm_head.weight
+    return emb.detach(), (None if head is emb or head.data_ptr() == emb.data_ptr()
+                          else head.detach())
+
+
+class FeatureTap:
+    """Forward hooks keeping the outputs of the chosen decoder layers (the residual stream
+    after each) during the next forward."""
+
+    def __init__(self, model, layer_ids):
+        self.layer_ids = tuple(layer_ids)
+        self.out: dict[int, torch.Tensor] = {}
+        self.handles = [model.model.layers[j].register_forward_hook(self._hook(j))
+                        for j in self.layer_ids]
+
+    def _hook(self, j):
+        def hook(module, inputs, output):
+            self.out[j] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """[bs, T, k*D] float32, layers in ``layer_ids`` order; clears what was kept."""
+        feats = torch.cat([self.out[j].float() for j in self.layer_ids], dim=-1)
+        self.out.clear()
+        return feats
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def target_pass(model, tap: FeatureTap, ids: torch.Tensor, amp_dtype):
+    """(features [bs, T, k*D], greedy [bs, T]): the target's argmax after each position,
+    teacher forced on ``ids``."""
+    with autocast(ids.device.type, amp_dtype):
+        h = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        greedy = model.lm_head(h).argmax(-1)
+    return tap.features(), greedy
+
+
+def random_anchors(bs: int, A: int, T: int, B: int, device, generator=None) -> torch.Tensor:
+    """[bs, A] distinct sorted anchors a in [1, T-B] (a >= 1: at least one context entry;
+    a + B - 1 < T: the block's labels exist)."""
+    n = T - B
+    if A > n:
+        raise ValueError(f"{A} anchors do not fit in a window of {T} with blocks of {B}")
+    r = torch.rand(bs, n, device=device, generator=generator)
+    return (r.topk(A, dim=1).indices + 1).sort(dim=1).values
+
+
+def block_labels(greedy: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """[bs, A, B-1]: slot k's label g(a + k - 1), the target's choice for position a + k."""
+    idx = anchors[:, :, None] + torch.arange(B - 1, device=anchors.device)
+    return greedy.gather(1, idx.flatten(1)).view(idx.shape)
+
+
+def block_roots(ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    return ids.gather(1, anchors)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tensor, T: int,
+             amp_dtype, *, windows: int, anchors: int, free_rows: int, gamma: float,
+             seed: int = 1234, chunk: int = 64) -> dict:
+    """Held-out measurements of the drafter against the target.
+
+    teacher_forced: ``windows`` consecutive windows of T tokens, ``anchors`` random blocks
+      each, labels g(a+k-1) as in training: loss, top-1 and top-4 agreement per slot k.
+    free_running: ``free_rows`` windows, one anchor each; the target's own greedy
+      continuation g_1..g_{B-1} of the prefix x[0..a] (what a chain round at T = 0 is checked
+      against); accepted = the length of the prefix of the drafter's argmaxes that equals it;
+      tau = mean(accepted + 1), its histogram, per-depth top-1/top-4 and the acceptance
+      rate at depth k given depth k-1 was accepted."""
+    was = drafter.training
+    drafter.eval()
+    dev, B = stream.device, drafter.B
+    g = torch.Generator(device=dev).manual_seed(seed)
+    n_win = min(windows, (stream.numel() - 1) // T)
+    n_free = min(free_rows, (stream.numel() - 1) // T)
+    w = position_weights(B, gamma, dev)
+    top1 = torch.zeros(B - 1, device=dev)
+    top4 = torch.zeros(B - 1, device=dev)
+    loss_sum, n_blocks = 0.0, 0
+    for i in range(0, n_win, chunk):
+        starts = torch.arange(i, min(n_win, i + chunk), device=dev) * T
+        ids = gather(stream, starts, T - 1)
+        feats, greedy = target_pass(model, tap, ids, amp_dtype)
+        anc = random_anchors(ids.shape[0], anchors, T, B, dev, g)
+        labels = block_labels(greedy, anc, B)
+        with autocast(dev.type, amp_dtype):
+            logits = drafter(feats, block_roots(ids, anc), anc)
+        loss_sum += weighted_ce(logits, labels, w).item() * labels.shape[0] * labels.shape[1]
+        n_blocks += labels.shape[0] * labels.shape[1]
+        top1 += (logits.argmax(-1) == labels).flatten(0, 1).sum(0)
+        top4 += (logits.topk(4, dim=-1).indices == labels[..., None]).any(-1).flatten(0, 1).sum(0)
+    tf = None
+    if n_blocks:
+        tf = {"blocks": n_blocks, "loss": loss_sum / n_blocks,
+              "top1": [round(v, 4) for v in (top1 / n_blocks).tolist()],
+              "top4": [round(v, 4) for v in (top4 / n_blocks).tolist()]}
+        tf["tau_from_top1"] = round(expected_tau(tf["top1"]), 4)
+
+    acc_len, f_top1, f_top4 = [], torch.zeros(B - 1, device=dev), torch.zeros(B - 1, device=dev)
+    # other windows than the teacher-forced ones where the stream has enough
+    first = n_win if (stream.numel() - 1) // T >= n_win + n_free else 0
+    for i in range(first, first + n_free, chunk):
+        starts = torch.arange(i, min(first + n_free, i + chunk), device=dev) * T
+        ids = gather(stream, starts, T - 1).clone()
+        n = ids.shape[0]
+        anc = random_anchors(n, 1, T, B, dev, g)                               # [n, 1]
+        feats, cont = greedy_continuation(model, tap, ids, anc[:, 0], B - 1, amp_dtype)
+        with autocast(dev.type, amp_dtype):
+            logits = drafter(feats, block_roots(ids, anc), anc)[:, 0]         # [n, B-1, V]
+        draft = logits.argmax(-1)
+        match = draft == cont
+        acc_len.append(match.long().cumprod(-1).sum(-1))
+        f_top1 += match.sum(0)
+        f_top4 += (logits.topk(4, dim=-1).indices == cont[..., None]).any(-1).sum(0)
+    fr = None
+    if acc_len:
+        acc = torch.cat(acc_len)
+        n = acc.numel()
+        reached = torch.stack([(acc >= k).sum() for k in range(B)])          # depth k tried
+        fr = {"rows": n, "tau": round((acc.float() + 1).mean().item(), 4),
+              "accepted_hist": torch.bincount(acc, minlength=B).tolist(),
+              "top1": [round(v, 4) for v in (f_top1 / n).tolist()],
+              "top4": [round(v, 4) for v in (f_top4 / n).tolist()],
+              "accept_given_previous": [round(reached[k + 1].item()
+                                              / max(1, reached[k].item()), 4)
+                                        for k in range(B - 1)]}
+        fr["tau_from_top1"] = round(expected_tau(fr["top1"]), 4)
+    drafter.train(was)
+    return {"teacher_forced": tf, "free_running": fr}
+
+
+@torch.no_grad()
+def greedy_continuation(model, tap: FeatureTap, ids: torch.Tensor, anchors: torch.Tensor,
+                        n: int, amp_dtype):
+    """The target's greedy tokens after x[0..a] for each row (a = anchors[row]), written into
+    ``ids`` in place at a+1 .. a+n-1 as they are chosen; returns (the features of the first
+    pass [bs, T, k*D] -- positions < a are the true prefix's -- and the n tokens [bs, n]).
+    Every pass runs the whole window: the model is causal, so what lies after the position
+    read does not matter."""
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    out = []
+    feats = None
+    for k in range(n):
+        with autocast(ids.device.type, amp_dtype):
+            h = model.model(input_ids=ids, use_cache=False).last_hidden_state
+            nxt = model.lm_head(h[rows, anchors + k]).argmax(-1)
+        if feats is None:
+            feats = tap.features()
+        else:
+            tap.out.clear()
+        out.append(nxt)
+        if k + 1 < n:
+            ids[rows, anchors + k + 1] = nxt
+    return feats, torch.stack(out, dim=1)
+

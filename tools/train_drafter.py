@@ -1,0 +1,374 @@
+"""Train the DFlash block drafter of the demo target (issue 14) by distillation, in one call.
+
+    python3 tools/train_drafter.py --target .train/export --out $OUT --minutes 5   # the H200
+    python3 tools/train_drafter.py --tiny --target EXPORT_DIR --out /tmp/dft          # CPU smoke
+
+The target is the trained HF export (``config.json``, safetensors, ``tokenizer.json``),
+frozen.  A call rebuilds the corpus exactly as the target's trainer did (``tools/demo/
+corpus.py``, the settings of the target's ``metrics.json``: deterministic, so the held-out
+files are the target's), loads the target's tokenizer (never retrained), tokenises only
+``--train-mb`` MB of train files and ``--heldout-mb`` MB of held-out files, then trains until
+``--minutes`` (wall clock from the process start) minus ``--reserve`` seconds:
+
+  each step: ``--batch`` windows of ``--seq`` tokens; the target (bf16 autocast) gives the
+  features of layers ``--target-layers`` and its greedy choice g(t) at every position;
+  ``--anchors`` random blocks per window, all in one drafter forward with a block-sparse
+  mask; cross-entropy to g weighted exp(-(k-1)/gamma) over the block's slots 1..B-1; AdamW,
+  warm-up then cosine over the call's training time, grad-clip 1.0, bf16 autocast.
+
+Then it measures the drafter on held-out windows (tools/demo/distill.py ``evaluate``:
+per-slot top-1 and top-4 agreement with the target, and the chain's acceptance length tau
+against the target's own greedy continuations) and writes into ``--out``:
+
+    drafter.safetensors    the drafter's tensors under the bundle's names, bf16
+    drafter_config.json    ModelConfig fields + the dflash attributes (tools/export_drafter.py
+                           turns these two files into the KDTR bundle)
+    drafter.kdtr           the bundle, when kdtree_numba.bundle has write_dflash_bundle
+    metrics.json           settings, sizes, stage times, progress history, held-out results
+
+The recipe and the numbers: docs/DEMO.md.  The spec of the drafter: docs/DEMO.md, "The DFlash
+drafter".  SIGTERM/SIGINT end training early; evaluation and export still run.
+"""
+from __future__ import annotations
+
+import time
+
+T_START = time.monotonic()       # --minutes counts from here, before the heavy imports
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TOOLS)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="the target's HF export folder")
+    p.add_argument("--out", required=True, help="output folder (on the GPU machine: $OUT)")
+    p.add_argument("--metrics", help="the target's metrics.json (its corpus settings; default: "
+                                     "TARGET/../metrics.json if present, else train_target's "
+                                     "full preset)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke test: 300 files, windows of 128, batch 4, 8 anchors")
+    p.add_argument("--minutes", type=float, help="wall-clock budget from the process start "
+                                                 "(default 5; tiny 1.5)")
+    p.add_argument("--reserve", type=float, help="seconds kept for evaluation and export "
+                                                 "(default 25; tiny 20)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--print-every", type=float, default=15.0, help="seconds between log lines")
+    g = p.add_argument_group("data")
+    g.add_argument("--seq", type=int, help="window length T (default 512; tiny 128)")
+    g.add_argument("--train-mb", type=float, help="MB of train text to tokenise (default 64)")
+    g.add_argument("--heldout-mb", type=float, help="MB of held-out text (default 2)")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--target-layers", default="1,3,5", help="0-based target layer ids")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a drafter ModelConfig size (heads, kv_lora_rank, ...)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch", type=int, help="windows per step (default 64; tiny 4)")
+    g.add_argument("--anchors", type=int, help="blocks per window (default 64; tiny 8)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=float, default=0.03, help="share of the training time")
+    g.add_argument("--min-lr-frac", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=4.0, help="loss weights exp(-(k-1)/gamma)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-windows", type=int, help="teacher-forced windows (default 64)")
+    g.add_argument("--eval-rows", type=int, help="free-running rows (default 512)")
+    return p.parse_args(argv)
+
+
+DEFAULTS = {"full": dict(minutes=5.0, reserve=25.0, seq=512, train_mb=64.0, heldout_mb=2.0,
+                         batch=64, anchors=64, eval_windows=64, eval_rows=512),
+            "tiny": dict(minutes=1.5, reserve=20.0, seq=128, train_mb=0.3, heldout_mb=0.2,
+                         batch=4, anchors=8, eval_windows=8, eval_rows=32)}
+
+
+def settings(args) -> dict:
+    preset = "tiny" if args.tiny else "full"
+    s = dict(DEFAULTS[preset], preset=preset)
+    for k in s:
+        if getattr(args, k, None) is not None:
+            s[k] = getattr(args, k)
+    s.update(lr=args.lr, warmup=args.warmup, min_lr_frac=args.min_lr_frac,
+             weight_decay=args.weight_decay, clip=args.clip, gamma=args.gamma, seed=args.seed,
+             layers=args.layers, block_size=args.block_size,
+             target_layer_ids=[int(j) for j in args.target_layers.split(",")],
+             overrides={k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)})
+    return s
+
+
+def corpus_hp(args, tiny: bool, log) -> tuple[dict, dict | None]:
+    """The corpus settings the target was trained with (and its corpus statistics, to check
+    the rebuild against)."""
+    path = args.metrics or os.path.join(os.path.dirname(os.path.abspath(args.target)),
+                                        "metrics.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            m = json.load(fh)
+        hp, stats = dict(m["hp"]), m.get("corpus")
+        log(f"corpus settings from {path}")
+    else:
+        import train_target
+        hp, stats = dict(train_target.COMMON, **train_target.PRESETS["full"]), None
+        log("corpus settings: train_target's full preset (no metrics.json given)")
+    if tiny:
+        hp.update(max_files=300, max_file_kb=32, heldout_min_files=20)
+        stats = None
+    return hp, stats
+
+
+def lr_at(progress: float, peak: float, warmup: float, floor: float) -> float:
+    """Linear warm-up over the first ``warmup`` of the training time, cosine to floor * peak."""
+    warm = min(1.0, progress / warmup) if warmup > 0 else 1.0
+    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return peak * max(warm, 1e-3) * (floor + (1.0 - floor) * cos)
+
+
+def take_text(files, split: str, mb: float) -> list[str]:
+    """Texts of ``split`` files in sha256 order (a spread over packages) up to ``mb`` MB."""
+    out, used = [], 0
+    for f in sorted((f for f in files if f.split == split), key=lambda f: f.sha256):
+        if used >= mb * 1e6:
+            break
+        out.append(f.text)
+        used += len(f.text)
+    return out
+
+
+def prepare_data(args, s, log, stages):
+    import numpy as np
+    from demo import bpe, corpus
+    hp, want = corpus_hp(args, s["preset"] == "tiny", log)
+    files, stats = stages.run("corpus", corpus.build, hp, args.workers, log)
+    if want is not None:
+        got = {k: (stats[k]["files"], stats[k]["bytes"]) for k in ("train", "heldout")}
+        exp = {k: (want[k]["files"], want[k]["bytes"]) for k in ("train", "heldout")}
+        log("corpus matches the target's" if got == exp else
+            f"WARNING: corpus differs from the target's: {got} vs {exp}")
+    with open(os.path.join(args.target, "tokenizer.json")) as fh:
+        tok = bpe.load_bpe(fh.read())
+
+    def tokenise():
+        return {split: bpe.token_stream(bpe.encode_texts(tok, take_text(files, split, mb)))
+                for split, mb in (("train", s["train_mb"]), ("heldout", s["heldout_mb"]))}
+    streams = stages.run("tokenise", tokenise)
+    log(f"tokens: {streams['train'].size / 1e6:.2f} M train ({s['train_mb']} MB), "
+        f"{streams['heldout'].size / 1e6:.3f} M held-out; tokenizer "
+        f"{tok.get_vocab_size()} entries (the target's)")
+    return stats, {k: np.asarray(v, np.int32) for k, v in streams.items()}, tok.get_vocab_size()
+
+
+def build_drafter(args, s, model, device, log):
+    from demo import dflash, distill
+    with open(os.path.join(args.target, "config.json")) as fh:
+        target_hf = json.load(fh)
+    L = target_hf["num_hidden_layers"]
+    if not all(0 <= j < L for j in s["target_layer_ids"]):
+        sys.exit(f"train_drafter: --target-layers {s['target_layer_ids']} outside 0..{L - 1}")
+    cfg = dflash.drafter_config(target_hf, num_hidden_layers=s["layers"], **s["overrides"])
+    embed, head = distill.target_head(model)
+    drafter = dflash.DFlashDrafter(cfg, s["target_layer_ids"], s["block_size"], embed, head)
+    drafter.init_weights(seed=s["seed"])
+    drafter.check_names()                 # fail now, not after training
+    drafter.to(device)
+    dspec = {"target_layer_ids": list(s["target_layer_ids"]), "block_size": s["block_size"],
+             "target_hidden_size": target_hf["hidden_size"],
+             "target_vocab_size": target_hf["vocab_size"], "target_num_layers": L}
+    log(f"drafter: {dflash.param_count(drafter):,} parameters ({dflash.bf16_mib(drafter)} MiB "
+        f"bf16), {cfg['num_hidden_layers']} layers, B {s['block_size']}, features of target "
+        f"layers {s['target_layer_ids']}, lm_head {'tied (embedding)' if head is None else 'own'}")
+    return drafter, cfg, dspec
+
+
+def train(drafter, model, tap, streams, s, device, amp_dtype, stop_at, should_stop, log,
+          print_every: float) -> dict:
+    import torch
+    from demo import dflash, distill, trainer
+    T, B, A, bs = s["seq"], s["block_size"], s["anchors"], s["batch"]
+    opt = trainer.make_optimizer(drafter, s["lr"], s["weight_decay"], 0.95)
+    sampler = trainer.WindowSampler(streams.numel(), T - 1, s["seed"])
+    w = dflash.position_weights(B, s["gamma"], device)
+    gen = torch.Generator(device=device).manual_seed(s["seed"])
+    t0 = time.monotonic()
+    total = max(1.0, stop_at - t0)
+    st = {"step": 0, "seqs": 0, "history": []}
+    acc = {"loss": torch.zeros((), device=device), "top1": torch.zeros(B - 1, device=device),
+           "n": 0, "blocks": 0, "seqs": 0, "t": t0}
+    drafter.train()
+
+    def report(lr):
+        now = time.monotonic()
+        dt = max(1e-9, now - acc["t"])
+        top1 = (acc["top1"] / max(1, acc["blocks"])).tolist()
+        row = {"step": st["step"], "trained_s": round(now - t0, 1),
+               "loss": round(acc["loss"].item() / max(1, acc["n"]), 4), "lr": lr,
+               "tok_s": round(acc["seqs"] * T / dt), "blocks_s": round(acc["blocks"] / dt),
+               "top1": [round(v, 3) for v in top1], "epoch": sampler.epoch}
+        st["history"].append(row)
+        log(f"step {row['step']:5d} | {row['tok_s'] / 1e3:6.1f}k tok/s "
+            f"{row['blocks_s'] / 1e3:6.1f}k blocks/s | loss {row['loss']:.4f} | lr {lr:.2e} | "
+            f"top-1 by slot {' '.join(f'{v:.2f}' for v in top1)} | epoch {sampler.epoch}")
+        acc["loss"].zero_()
+        acc["top1"].zero_()
+        acc.update(n=0, blocks=0, seqs=0, t=now)
+
+    t_report = t0
+    lr = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= stop_at or should_stop():
+            break
+        lr = lr_at((now - t0) / total, s["lr"], s["warmup"], s["min_lr_frac"])
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        ids = trainer.gather(streams, sampler.next_starts_on(bs, device), T - 1)
+        feats, greedy = distill.target_pass(model, tap, ids, amp_dtype)
+        anchors = distill.random_anchors(bs, A, T, B, device, gen)
+        labels = distill.block_labels(greedy, anchors, B)
+        with trainer.autocast(device.type, amp_dtype):
+            logits = drafter(feats, distill.block_roots(ids, anchors), anchors)
+        loss = dflash.weighted_ce(logits, labels, w)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), s["clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            acc["loss"] += loss.detach()
+            acc["top1"] += (logits.argmax(-1) == labels).flatten(0, 1).sum(0)
+        acc["n"] += 1
+        acc["blocks"] += bs * A
+        acc["seqs"] += bs
+        st["step"] += 1
+        st["seqs"] += bs
+        if time.monotonic() - t_report >= print_every:
+            report(lr)
+            t_report = time.monotonic()
+    if acc["n"]:
+        report(lr)
+    st["trained_s"] = round(time.monotonic() - t0, 1)
+    st["epochs"] = round(st["seqs"] * (T - 1) / streams.numel(), 3)
+    return st
+
+
+def export(drafter, cfg, dspec, s, out: str, log) -> list[str]:
+    """drafter.safetensors + drafter_config.json, then the bundle if the engine can write it."""
+    import export_drafter
+    import torch
+    from safetensors.torch import save_file
+    tensors = {k: v.to("cpu", torch.bfloat16).contiguous()
+               for k, v in drafter.bundle_tensors().items()}
+    save_file(tensors, os.path.join(out, "drafter.safetensors"),
+              metadata={"format": export_drafter.FORMAT})
+    with open(os.path.join(out, "drafter_config.json"), "w") as fh:
+        json.dump({"format": export_drafter.FORMAT, "config": cfg, "dflash": dspec,
+                   "training": {"gamma": s["gamma"], "seq": s["seq"]}}, fh, indent=1)
+    written = ["drafter.safetensors", "drafter_config.json"]
+    try:
+        export_drafter.write(out, os.path.join(out, "drafter.kdtr"))
+        written.append("drafter.kdtr")
+    except Exception as e:     # noqa: BLE001 -- the two files above are the result
+        log(f"bundle not written here ({type(e).__name__}: {e}); on the CPU: python3 "
+            f"tools/export_drafter.py <files_at> drafter.kdtr")
+    return written
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    sys.path[:0] = [TOOLS, REPO]
+    import torch
+    import transformers
+    from demo import dflash, distill
+    from train_target import Stages, check_transfer_limits, report_table
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(max(1, args.workers))
+    stages = Stages()
+
+    def log(msg: str) -> None:          # seconds since this process started
+        print(f"[{time.monotonic() - T_START:7.1f}s] {msg}", flush=True)
+    stop = {"asked": False}
+
+    def on_signal(signum, frame):
+        stop["asked"] = True
+        log(f"signal {signum}: stopping training; evaluation and export follow")
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    s = settings(args)
+    stop_at = T_START + 60 * s["minutes"] - s["reserve"]
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    amp_dtype = torch.bfloat16 if device.type == "cuda" else None     # CPU: plain fp32
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    log(f"drafter training: preset {s['preset']}, device {device}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, budget {s['minutes']} min")
+
+    corpus_stats, streams, n_tok = prepare_data(args, s, log, stages)
+    model, experts_impl = stages.run("target", distill.load_target, args.target, device, log)
+    if n_tok > model.config.vocab_size:
+        sys.exit(f"train_drafter: tokenizer has {n_tok} entries > target vocab "
+                 f"{model.config.vocab_size}")
+    tap = distill.FeatureTap(model, s["target_layer_ids"])
+    drafter, cfg, dspec = stages.run("drafter", build_drafter, args, s, model, device, log)
+    dev_streams = {k: torch.from_numpy(v).to(device) for k, v in streams.items()}
+    log(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, experts "
+        f"{experts_impl}; training until {stop_at - T_START:.0f} s")
+
+    st = stages.run("train", train, drafter, model, tap, dev_streams["train"], s, device,
+                    amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every)
+    ev = stages.run("evaluate", distill.evaluate, drafter, model, tap, dev_streams["heldout"],
+                    s["seq"], amp_dtype, windows=s["eval_windows"], anchors=s["anchors"],
+                    free_rows=s["eval_rows"], gamma=s["gamma"])
+    written = stages.run("export", export, drafter, cfg, dspec, s, args.out, log)
+
+    metrics = {"settings": s, "target": os.path.abspath(args.target), "device": str(device),
+               "versions": {"torch": torch.__version__,
+                            "transformers": transformers.__version__},
+               "experts_impl": experts_impl, "corpus": corpus_stats,
+               "tokens": {k: int(v.size) for k, v in streams.items()},
+               "drafter": {"params": dflash.param_count(drafter),
+                           "bf16_mib": dflash.bf16_mib(drafter), "config": cfg, "dflash": dspec},
+               "train": {k: st[k] for k in ("step", "seqs", "trained_s", "epochs")},
+               "heldout": ev, "written": written, "stages_s": stages.times,
+               "wall_s": round(time.monotonic() - T_START, 1), "history": st["history"]}
+    with open(os.path.join(args.out, "metrics.json"), "w") as fh:
+        json.dump(metrics, fh, indent=1)
+    check_transfer_limits(args.out, log)
+
+    tf, fr = ev["teacher_forced"], ev["free_running"]
+    rows = [("parameters", f"{metrics['drafter']['params']:,} ({metrics['drafter']['bf16_mib']}"
+                           f" MiB bf16)"),
+            ("steps / windows / epochs", f"{st['step']} / {st['seqs']} / {st['epochs']}"),
+            ("trained", f"{st['trained_s']:.1f} s")]
+    if tf:
+        rows += [("held-out loss (weighted CE)", f"{tf['loss']:.4f}"),
+                 ("top-1 by slot (teacher forced)", " ".join(f"{v:.3f}" for v in tf["top1"])),
+                 ("top-4 by slot (teacher forced)", " ".join(f"{v:.3f}" for v in tf["top4"]))]
+    if fr:
+        rows += [("top-1 by depth (free running)", " ".join(f"{v:.3f}" for v in fr["top1"])),
+                 ("top-4 by depth (free running)", " ".join(f"{v:.3f}" for v in fr["top4"])),
+                 ("chain tau measured / from top-1", f"{fr['tau']:.3f} / "
+                                                     f"{fr['tau_from_top1']:.3f}"),
+                 ("accepted histogram 0..B-1", str(fr["accepted_hist"]))]
+    rows += [(f"stage {k}", f"{v:.1f} s") for k, v in stages.times.items()]
+    rows += [("written", ", ".join(written)), ("wall", f"{metrics['wall_s']:.1f} s")]
+    print(report_table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
