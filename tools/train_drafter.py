@@ -88,10 +88,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+EXPORT_S = 6.0     # of the reserve, kept for the export and metrics.json after evaluation
 DEFAULTS = {"full": dict(minutes=5.0, reserve=25.0, seq=512, train_mb=64.0, heldout_mb=2.0,
-                         batch=64, anchors=64, eval_windows=64, eval_rows=512),
+                         batch=64, anchors=64, eval_windows=64, eval_rows=512, eval_chunk=64),
             "tiny": dict(minutes=1.5, reserve=20.0, seq=128, train_mb=0.3, heldout_mb=0.2,
-                         batch=4, anchors=8, eval_windows=8, eval_rows=32)}
+                         batch=4, anchors=8, eval_windows=8, eval_rows=32, eval_chunk=8)}
 
 
 def settings(args) -> dict:
@@ -332,7 +333,8 @@ def main(argv=None) -> int:
                     amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every)
     ev = stages.run("evaluate", distill.evaluate, drafter, model, tap, dev_streams["heldout"],
                     s["seq"], amp_dtype, windows=s["eval_windows"], anchors=s["anchors"],
-                    free_rows=s["eval_rows"], gamma=s["gamma"])
+                    free_rows=s["eval_rows"], gamma=s["gamma"], chunk=s["eval_chunk"],
+                    deadline=T_START + 60 * s["minutes"] - EXPORT_S)
     written = stages.run("export", export, drafter, cfg, dspec, s, args.out, log)
 
     metrics = {"settings": s, "target": os.path.abspath(args.target), "device": str(device),

@@ -8,6 +8,8 @@ residual stream after layer j), the last layer's included (docs/DEMO.md, "The DF
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
@@ -105,7 +107,7 @@ def block_roots(ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tensor, T: int,
              amp_dtype, *, windows: int, anchors: int, free_rows: int, gamma: float,
-             seed: int = 1234, chunk: int = 64) -> dict:
+             seed: int = 1234, chunk: int = 64, deadline: float | None = None) -> dict:
     """Held-out measurements of the drafter against the target.
 
     teacher_forced: ``windows`` consecutive windows of T tokens, ``anchors`` random blocks
@@ -114,7 +116,10 @@ def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tenso
       continuation g_1..g_{B-1} of the prefix x[0..a] (what a chain round at T = 0 is checked
       against); accepted = the length of the prefix of the drafter's argmaxes that equals it;
       tau = mean(accepted + 1), its histogram, per-depth top-1/top-4 and the acceptance
-      rate at depth k given depth k-1 was accepted."""
+      rate at depth k given depth k-1 was accepted.
+    ``deadline`` (time.monotonic()): no new chunk of windows starts after it (the first of
+    each part always runs; the teacher-forced part gets the first 30% of the time left), so
+    a call's budget holds whatever the machine's speed; the counts say what was measured."""
     was = drafter.training
     drafter.eval()
     dev, B = stream.device, drafter.B
@@ -125,7 +130,11 @@ def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tenso
     top1 = torch.zeros(B - 1, device=dev)
     top4 = torch.zeros(B - 1, device=dev)
     loss_sum, n_blocks = 0.0, 0
+    t0 = time.monotonic()
+    tf_deadline = None if deadline is None else t0 + 0.3 * max(0.0, deadline - t0)
     for i in range(0, n_win, chunk):
+        if i and tf_deadline is not None and time.monotonic() > tf_deadline:
+            break
         starts = torch.arange(i, min(n_win, i + chunk), device=dev) * T
         ids = gather(stream, starts, T - 1)
         feats, greedy = target_pass(model, tap, ids, amp_dtype)
@@ -148,6 +157,8 @@ def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tenso
     # other windows than the teacher-forced ones where the stream has enough
     first = n_win if (stream.numel() - 1) // T >= n_win + n_free else 0
     for i in range(first, first + n_free, chunk):
+        if i > first and deadline is not None and time.monotonic() > deadline:
+            break
         starts = torch.arange(i, min(first + n_free, i + chunk), device=dev) * T
         ids = gather(stream, starts, T - 1).clone()
         n = ids.shape[0]
@@ -160,6 +171,7 @@ def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tenso
         acc_len.append(match.long().cumprod(-1).sum(-1))
         f_top1 += match.sum(0)
         f_top4 += (logits.topk(4, dim=-1).indices == cont[..., None]).any(-1).sum(0)
+        f_top4.sum().item()            # wait for the device: the deadline is wall time
     fr = None
     if acc_len:
         acc = torch.cat(acc_len)
