@@ -14,15 +14,21 @@ Layout (docs/ENGINE.md has the full table)::
                            shared_experts/{gate_proj, up_proj, down_proj}}       (MoE layers)
     /model/norm, /lm_head   (lm_head absent when tie_word_embeddings)
     /block/...              the BlockDrafter's extra tensors (kdtree.bundle = "block_drafter")
+    /tokenizer/json         optional: the HF ``tokenizers`` JSON as uint8 UTF-8 bytes (root attrs
+                            tokenizer.format = "hf-tokenizers-json", tokenizer.bos_id)
 
 Weights are float32, bfloat16 or float16.  ``read_bundle`` validates everything against the
 config before the model sees it; any problem raises :class:`BundleError` naming the tensor.
-``make_random_bundle`` writes deterministic random models (tiny/small/medium) whose weights are
-O(0.1-1) (docs/ENGINE.md, "Bundles"), so that routing and attention are not trivial.
+A bundle may carry its tokenizer (:class:`BundleTokenizer`, read by
+:func:`read_bundle_tokenizer`; kdtree_numba/text.py turns it into a codec), CRC-checked like
+every tensor, so that a bundle is self-contained.  ``make_random_bundle`` writes
+deterministic random models (tiny/small/medium) whose weights are O(0.1-1) (docs/ENGINE.md,
+"Bundles"), so that routing and attention are not trivial.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 from typing import Any, Iterable, Iterator, Mapping
@@ -38,11 +44,25 @@ from kdtree_numba.config import ModelConfig, weight_shapes
 __all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_bundle",
            "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "random_weights", "make_random_bundle",
-           "block_drafter_shapes", "BUNDLE_VERSION"]
+           "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",
+           "read_bundle_tokenizer", "TOKENIZER_DATASET", "TOKENIZER_FORMAT"]
 
 BUNDLE_VERSION = 1
 BUNDLE_KINDS = ("model", "block_drafter")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+# The tokenizer travels inside the bundle as the bytes of HF tokenizers' tokenizer.json (JSON:
+# nothing is ever unpickled), under a group that is not part of the model's tensors.
+TOKENIZER_DATASET = "tokenizer/json"
+TOKENIZER_FORMAT = "hf-tokenizers-json"
+
+
+@dataclasses.dataclass(frozen=True)
+class BundleTokenizer:
+    """A bundle's tokenizer: ``json``, the UTF-8 bytes of an HF ``tokenizers`` tokenizer.json,
+    and ``bos_id``, the token id put in front of every text prompt (None: nothing; the demo
+    target was trained on files that each began with ``<|endoftext|>``, id 0)."""
+    json: bytes
+    bos_id: int | None = None
 
 
 class BundleError(ValueError):
@@ -143,13 +163,15 @@ def write_bundle(path, config: ModelConfig,
                  weights: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
                  dtype: str | None = None, kind: str = "model",
                  extra_shapes: Mapping[str, tuple] | None = None,
-                 extra_attrs: Mapping[str, Any] | None = None, progress=None) -> None:
+                 extra_attrs: Mapping[str, Any] | None = None, progress=None,
+                 tokenizer: BundleTokenizer | None = None) -> None:
     """Write a bundle atomically, one tensor at a time (an iterable of (name, array) is
     consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
     against the config as they arrive; a missing or extra tensor raises BundleError and leaves
     no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given).
     ``progress(done_bytes, total_bytes)`` is called after each tensor (the total counts
-    ``dtype``'s bytes per element, float32's when it is None)."""
+    ``dtype``'s bytes per element, float32's when it is None).  ``tokenizer``: stored as
+    ``tokenizer/json`` with its root attributes (:class:`BundleTokenizer`)."""
     if kind not in BUNDLE_KINDS:
         raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
     expected = dict(weight_shapes(config), **(extra_shapes or {}))
@@ -163,6 +185,12 @@ def write_bundle(path, config: ModelConfig,
         f.attrs["kdtree.version"] = BUNDLE_VERSION
         for key, value in (extra_attrs or {}).items():
             f.attrs[key] = value
+        if tokenizer is not None:
+            f.attrs["tokenizer.format"] = TOKENIZER_FORMAT
+            if tokenizer.bos_id is not None:
+                f.attrs["tokenizer.bos_id"] = int(tokenizer.bos_id)
+            f.create_dataset(TOKENIZER_DATASET,
+                             data=np.frombuffer(bytes(tokenizer.json), np.uint8))
         flat, rope_scaling = config.to_attrs()
         group = f.create_group("config")
         for key, value in flat.items():
@@ -303,7 +331,9 @@ def open_bundle(path, *, extra_shapes=None, verify: bool = True,
         present: dict[str, Any] = {}
 
         def collect(name, node):
-            if hasattr(node, "shape") and not name.startswith("config"):
+            # the tokenizer's bytes are not a tensor (any other name under tokenizer/ is)
+            if hasattr(node, "shape") and not name.startswith("config") and \
+                    name != TOKENIZER_DATASET:
                 present[name] = node
         f.visititems(collect)
         try:
@@ -323,6 +353,33 @@ def open_bundle(path, *, extra_shapes=None, verify: bool = True,
         except BundleError as e:
             raise BundleError(f"{path}: {e}") from None
         yield config, dict(f.attrs), BundleWeights(path, ordered, verify, progress)
+
+
+def read_bundle_tokenizer(path, *, verify: bool = True) -> BundleTokenizer | None:
+    """The bundle's tokenizer (its JSON bytes CRC32C-checked unless ``verify=False``), or None
+    when it carries none.  A tokenizer attribute without its dataset, or the reverse, an
+    unknown format or a bad ``tokenizer.bos_id`` is a BundleError naming the file."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        fmt = f.attrs.get("tokenizer.format")
+        if TOKENIZER_DATASET not in f:
+            if fmt is not None:
+                raise BundleError(f"{path}: tokenizer.format is set but {TOKENIZER_DATASET} "
+                                  f"is missing")
+            return None
+        if fmt != TOKENIZER_FORMAT:
+            raise BundleError(f"{path}: {TOKENIZER_DATASET} has tokenizer.format {fmt!r}; "
+                              f"this version reads {TOKENIZER_FORMAT!r}")
+        ds = f[TOKENIZER_DATASET]
+        if not hasattr(ds, "shape") or np.dtype(ds.dtype) != np.uint8 or len(ds.shape) != 1:
+            raise BundleError(f"{path}: {TOKENIZER_DATASET} must be a 1-D uint8 dataset "
+                              f"(the tokenizer.json bytes)")
+        data = ds.read(verify=True) if verify else ds[...]
+        bos = f.attrs.get("tokenizer.bos_id")
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, (int, np.integer))
+                                or bos < 0):
+            raise BundleError(f"{path}: tokenizer.bos_id {bos!r} is not a token id")
+        return BundleTokenizer(bytes(data), None if bos is None else int(bos))
 
 
 def read_bundle(path, *, extra_shapes=None, verify: bool = True,

@@ -1,12 +1,14 @@
 """Console entry points: ``kdtree-run``, ``kdtr-make-model`` (``kdtr-import-hf`` is in
 hf_import.py).
 
-``kdtree-run`` with no ``--model`` runs a built-in tiny model (the ``tiny`` size of
-kdtree_numba/bundle.py, seed 0, generated deterministically in memory), so it works anywhere;
-with ``--method ddtree`` and no ``--drafter`` that built-in model drafts with
-``oracle:0.8`` (NoisyOracleDrafter: a test/demo drafter that peeks at the target; see
-drafter.py).  With no prompt it uses the built-in prompt ``1,2,3,4``.  Tokens go to stdout (one
-line per prompt, or one JSON object with ``--json``), notices and stats to stderr.
+``kdtree-run`` with no ``--model`` runs the shipped demo target (kdtree_numba/demo: a trained
+8.75 M-parameter DeepSeek-V3-architecture code model with its tokenizer), so it takes text and
+gives text anywhere; with ``--method ddtree`` and no ``--drafter`` that model drafts with
+``kdtree_numba.demo.DEFAULT_DRAFTER`` (today ``oracle:0.8``, NoisyOracleDrafter: a test
+drafter that peeks at the target, announced on stderr).  With no prompt it uses the built-in
+text prompt ``def fibonacci(n):`` on a model with a tokenizer, the ids ``1,2,3,4`` on one
+without.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
+object: kdtree_numba/cli_output.py), notices, progress and stats go to stderr.
 
 Bad input is one line on stderr and exit 2, checked before any work starts
 (kdtree_numba/cli_checks.py; ``formats.console.run_console``: ``--debug`` or
@@ -17,7 +19,6 @@ on a terminal (never in ``--json`` mode or when stderr is piped, unless ``--prog
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -26,11 +27,12 @@ import numpy as np
 from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
-from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, make_random_bundle,
-                                 random_weights, size_config)
-from kdtree_numba.cli_checks import (BUILTIN_SIZE, DEFAULT_PROMPT, bundle_problem,
-                                     check_against_model, check_options, open_backend,
-                                     plan_drafter, read_prompts, target_config)
+from kdtree_numba import demo
+from kdtree_numba.bundle import SIZES, BundleError, check_output_path, make_random_bundle
+from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, bundle_problem,
+                                     check_against_model, check_options, encode_prompts,
+                                     open_backend, plan_drafter, plan_model, read_prompts)
+from kdtree_numba.cli_output import TextStream, json_result, print_result, same_terminal
 from kdtree_numba.config import weight_shapes
 from kdtree_numba.drafter import ORACLE_FORM, BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate
@@ -46,10 +48,10 @@ def _log(prog: str, msg: str) -> None:
     print(f"{prog}: {msg}", file=sys.stderr, flush=True)
 
 
-def default_model(backend="auto"):
-    """The built-in tiny model (deterministic: size tiny, seed 0), built in memory."""
-    cfg = size_config(BUILTIN_SIZE)
-    return Model(cfg, dict(random_weights(cfg, DEFAULT_SEED)), backend)
+def default_model(backend="auto", verify: bool = True):
+    """kdtree-run's model without ``--model``: the shipped demo target (kdtree_numba/demo)."""
+    return Model.load(demo.TARGET, backend, verify=verify)
+
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -74,24 +76,34 @@ def _progress_bar(args, desc: str, total=None, unit: str = "B") -> ProgressBar:
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    prompt = ",".join(map(str, DEFAULT_PROMPT))
+    ids = ",".join(map(str, DEFAULT_PROMPT))
+    text = repr(DEFAULT_TEXT_PROMPT)
     p = argparse.ArgumentParser(
         prog="kdtree-run", formatter_class=_HelpFormatter,
         description="Generate with a DeepSeek-V3/Kimi-K2-architecture model bundle: "
         "autoregressive (ar) or DDTree speculative decoding (ddtree).",
-        epilog=f"Without --model: a built-in tiny model (random weights, seed 0). Without "
-        f"--prompt-ids or --prompt-file: the built-in prompt {prompt}. Tokens go to stdout, "
-        f"notices, progress and stats to stderr. Bad input: one line on stderr, exit 2.")
+        epilog=f"Without --model: the shipped demo target, a trained 8.75 M-parameter code "
+        f"model with its tokenizer. Without a prompt: the built-in text prompt {text} on a "
+        f"model with a tokenizer, the ids {ids} on one without. Text prompts give text on "
+        f"stdout (streamed as rounds commit when there is one prompt), id prompts give id "
+        f"lines, --json one object with both; notices, progress and stats go to stderr. Bad "
+        f"input: one line on stderr, exit 2.")
     p.add_argument("--model", metavar="BUNDLE",
-                   help="model bundle (.kdtr) (default: the built-in tiny model)")
+                   help="model bundle (.kdtr) (default: the shipped demo target)")
     p.add_argument("--drafter", metavar="SPEC",
                    help=f"drafter for --method ddtree: a bundle (.kdtr) with the target's "
                    f"vocabulary, or {ORACLE_FORM} (a test/demo drafter that peeks at the "
-                   f"target) (default: oracle:0.8 for the built-in model; ignored by --method "
-                   f"ar)")
+                   f"target) (default: {demo.DEFAULT_DRAFTER} for the default model; ignored "
+                   f"by --method ar)")
     src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", action="append",
+                     help=f"a text prompt (needs a model with a tokenizer); repeat it for a "
+                     f"batch (default: {text})")
+    src.add_argument("--prompt-text-file", metavar="FILE", action="append",
+                     help="a file whose whole text is one prompt; repeat it for a batch")
     src.add_argument("--prompt-ids", metavar="IDS",
-                     help=f"one prompt: token ids separated by commas (default: {prompt})")
+                     help=f"one prompt: token ids separated by commas (default on a model "
+                     f"without a tokenizer: {ids})")
     src.add_argument("--prompt-file", metavar="FILE",
                      help="file with one prompt per line (token ids, commas or spaces)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
@@ -112,26 +124,24 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")
     p.add_argument("--json", action="store_true",
-                   help="print tokens and stats as one JSON object")
+                   help="print text, tokens and stats as one JSON object")
     p.add_argument("--progress", action="store_true",
                    help="progress lines on stderr even when it is not a terminal, or with "
-                   "--json")
+                   "--json (never while text streams to the same terminal)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check the bundles' tensor checksums (CRC32C) while loading")
     add_debug_flag(p)
     return p
 
 
-def _load_model(args, backend):
-    prog = "kdtree-run"
-    if not args.model:
-        _log(prog, "no --model: using the built-in tiny model (random weights, seed 0)")
-        return default_model(backend)
-    bar = _progress_bar(args, f"load {args.model}")
+def _load_model(args, target, backend):
+    if target.default:
+        _log("kdtree-run", f"no --model: using {demo.describe()}, {target.path}")
+    bar = _progress_bar(args, f"load {target.path}")
     try:
-        return Model.load(args.model, backend, verify=not args.no_verify, progress=bar)
+        return Model.load(target.path, backend, verify=not args.no_verify, progress=bar)
     except (BundleError, KdtrError, OSError) as e:
-        raise bundle_problem("--model", args.model, e) from e
+        raise bundle_problem(target.option, target.path, e) from e
     finally:
         bar.close()
 
@@ -140,8 +150,14 @@ def _load_drafter(args, plan, model, backend):
     if plan is None:
         return None
     if plan.kind == "oracle":
-        _log("kdtree-run", f"drafter oracle:{plan.agreement:g}: a test/demo drafter that runs "
-             f"the target itself; its speed means nothing")
+        if args.drafter is None and demo.DEFAULT_DRAFTER_PEEKS:
+            _log("kdtree-run", f"no --drafter: the default model drafts with "
+                 f"oracle:{plan.agreement:g}, a test drafter that runs the target itself and "
+                 f"so peeks at its greedy future: tau and speed are an upper bound, not a "
+                 f"result (a drafter trained against the target replaces it)")
+        else:
+            _log("kdtree-run", f"drafter oracle:{plan.agreement:g}: a test/demo drafter that "
+                 f"runs the target itself; its speed means nothing")
         return NoisyOracleDrafter(model, plan.block_len, plan.agreement, args.seed)
     bar = _progress_bar(args, f"load {plan.path}")
     try:
@@ -163,9 +179,12 @@ def _run(argv: list[str]) -> int:
     def warn(msg):
         _log(prog, f"warning: {msg}")
     check_options(args)
-    prompts, where = read_prompts(args)
+    source = read_prompts(args)
     backend = open_backend(args.backend)
-    cfg = target_config(args)
+    target = plan_model(args)
+    cfg, codec = target.config, target.codec
+    prompts, where = encode_prompts(source, target)
+    as_text = source.is_text or (source.ids is None and codec is not None)
     plan = plan_drafter(args, cfg, DEFAULT_BLOCK_LEN, warn)
     check_against_model(args, prompts, where, cfg, plan, backend, warn)
     files = [f for f in (args.model, plan and plan.path) if f]
@@ -173,7 +192,7 @@ def _run(argv: list[str]) -> int:
         _log(prog, f"--no-verify: the tensor checksums of {' and '.join(files)} are not "
              f"checked; a damaged bundle loads without a word")
     t0 = time.perf_counter()
-    model = _load_model(args, backend)
+    model = _load_model(args, target, backend)
     drafter = _load_drafter(args, plan, model, backend)
     _log(prog, f"backend {model.backend.name}, {len(prompts)} prompt(s), method {args.method}, "
          f"loaded in {time.perf_counter() - t0:.2f} s; generating...")
@@ -182,19 +201,27 @@ def _run(argv: list[str]) -> int:
         # so, or a first run looks hung and its tokens/s mean nothing.
         _log(prog, "the numba kernels compile on first use in this process (about 30 s on "
              "an H200); the timings below include that")
+    stream = TextStream(codec) if as_text and len(prompts) == 1 and not args.json else None
     bar = _progress_bar(args, "generate", len(prompts) * args.max_new_tokens, "tok")
+    if stream is not None and same_terminal():
+        bar.enabled = False     # a \r line on the terminal the text streams to would garble it
+        # the prompt, on stderr: the terminal shows prompt + continuation, while stdout (a
+        # pipe, a file) holds the continuation alone
+        sys.stderr.write(source.texts[0] if source.is_text else DEFAULT_TEXT_PROMPT)
+        sys.stderr.flush()
     try:
         result = generate(model, prompts, args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
-                          seed=args.seed, eos=args.eos, progress=bar)
+                          seed=args.seed, eos=args.eos, progress=bar, stream=stream)
     finally:
         bar.close()
     stats = result.stats
     if args.json:
-        print(json.dumps({"tokens": result.tokens, "stats": stats.to_dict()}))
+        print(json_result(result.tokens, codec, stats))
+    elif stream is not None:
+        stream.close()
     else:
-        for toks in result.tokens:
-            print(",".join(str(t) for t in toks))
+        print_result(result.tokens, where, codec, as_text)
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
     tau = f", mean tau {stats.mean_tau:.2f}" if args.method == "ddtree" else ""
     graphs = "" if stats.graph_replays is None else \

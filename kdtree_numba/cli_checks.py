@@ -6,9 +6,11 @@ or value at fault and what would be right; ``formats.console.run_console`` print
 round can verify quickly) return warning lines instead, with the expected cost.
 
 The order in ``kdtree-run`` (kdtree_numba/cli.py): plain option values (:func:`check_options`),
-the prompts (:func:`read_prompts`), the backend (:func:`open_backend`), the bundles' configs
-(:func:`target_config`, :func:`plan_drafter`, without reading weights), then everything that
-depends on the model (:func:`check_against_model`).  Only then are weights read.
+the prompts as given (:func:`read_prompts`), the backend (:func:`open_backend`), the target
+bundle's config and tokenizer (:func:`plan_model`, without reading weights), the prompts as
+token ids (:func:`encode_prompts`: text needs the tokenizer), the drafter's config
+(:func:`plan_drafter`), then everything that depends on the model
+(:func:`check_against_model`).  Only then are weights read.
 """
 from __future__ import annotations
 
@@ -16,20 +18,24 @@ import dataclasses
 import math
 import os
 
-from formats.console import UsageError, read_user_text
-from kdtree_numba import compat
+from formats.console import UsageError, escape, read_user_text
+from kdtree_numba import compat, demo
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import BundleError, read_bundle_config, size_config
+from kdtree_numba.bundle import BundleError, read_bundle_config
 from kdtree_numba.config import ModelConfig, weight_shapes
 from kdtree_numba.ddtree import MAX_GPU_BUDGET
 from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
+from kdtree_numba.text import TextCodec, load_codec
 
-__all__ = ["DEFAULT_PROMPT", "BUILTIN_SIZE", "MAX_DEPTH", "DrafterPlan", "check_options",
-           "parse_ids", "read_prompts", "open_backend", "target_config", "plan_drafter",
-           "check_against_model", "reference_round_seconds", "bundle_problem"]
+__all__ = ["DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
+           "PromptSource", "check_options", "parse_ids", "read_prompts", "open_backend",
+           "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
+           "reference_round_seconds", "bundle_problem"]
 
-DEFAULT_PROMPT = (1, 2, 3, 4)   # kdtree-run's prompt when none is given (shown in --help)
-BUILTIN_SIZE = "tiny"           # the built-in model's size (kdtree_numba/bundle.py SIZES)
+# kdtree-run's prompt when none is given (both shown in --help): text on a model with a
+# tokenizer (the default one has), token ids on one without
+DEFAULT_TEXT_PROMPT = demo.TEXT_PROMPT
+DEFAULT_PROMPT = (1, 2, 3, 4)
 MAX_DEPTH = 2 ** 15 - 1         # tree depths are int16 in the GPU builder
 # Above this many seconds per DDTree round on the reference backend, kdtree-run warns.
 SLOW_ROUND_S = 10.0
@@ -64,18 +70,45 @@ def parse_ids(text: str, where: str) -> list[int]:
                              f"e.g. 1,2,3)") from None
     if not ids:
         raise UsageError(f"{where}: no token ids in {text!r} (give e.g. 1,2,3; leave "
-                         f"--prompt-ids out for the built-in prompt "
-                         f"{','.join(map(str, DEFAULT_PROMPT))})")
+                         f"--prompt-ids out for the built-in prompt)")
     return ids
 
 
-def read_prompts(args) -> tuple[list[list[int]], list[str]]:
-    """(prompts, where each came from): ``--prompt-ids``, each non-blank line of
-    ``--prompt-file``, or the built-in prompt."""
+@dataclasses.dataclass
+class PromptSource:
+    """The prompts as the command line gives them: ``ids`` (``--prompt-ids``,
+    ``--prompt-file``) or ``texts`` (``--prompt``, ``--prompt-text-file``), or neither (the
+    built-in prompt, text or ids depending on the model); ``where`` names each one."""
+    ids: list[list[int]] | None = None
+    texts: list[str] | None = None
+    where: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_text(self) -> bool:
+        return self.texts is not None
+
+
+def _text_label(option: str, text: str) -> str:
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    return f"{option} {escape(repr(shown), backslash=False)}"
+
+
+def read_prompts(args) -> PromptSource:
+    """The prompts as given: ``--prompt-ids``, each non-blank line of ``--prompt-file``,
+    each ``--prompt``, each ``--prompt-text-file`` (a whole file is one prompt), or none."""
     if args.prompt_ids is not None:
-        return [parse_ids(args.prompt_ids, "--prompt-ids")], ["--prompt-ids"]
+        return PromptSource(ids=[parse_ids(args.prompt_ids, "--prompt-ids")],
+                            where=["--prompt-ids"])
+    if args.prompt:
+        return PromptSource(texts=list(args.prompt),
+                            where=[_text_label("--prompt", t) for t in args.prompt])
+    if args.prompt_text_file:
+        texts = [read_user_text(f, "--prompt-text-file") for f in args.prompt_text_file]
+        return PromptSource(texts=texts,
+                            where=[f"--prompt-text-file {escape(f)}"
+                                   for f in args.prompt_text_file])
     if args.prompt_file is None:
-        return [list(DEFAULT_PROMPT)], ["the built-in prompt"]
+        return PromptSource()
     text = read_user_text(args.prompt_file, "--prompt-file")
     prompts, where = [], []
     for i, line in enumerate(text.splitlines()):
@@ -86,7 +119,7 @@ def read_prompts(args) -> tuple[list[list[int]], list[str]]:
     if not prompts:
         raise UsageError(f"--prompt-file {args.prompt_file}: no prompts (one prompt per line, "
                          f"token ids separated by commas or spaces)")
-    return prompts, where
+    return PromptSource(ids=prompts, where=where)
 
 
 def open_backend(name: str) -> Backend:
@@ -115,17 +148,63 @@ def _existing_bundle(option: str, path: str, want: str) -> None:
         raise UsageError(f"{option} {path}: no such file; {want}")
 
 
-def target_config(args) -> ModelConfig:
-    """The target's config: ``--model``'s (its weights are not read here) or the built-in
-    model's."""
-    if not args.model:
-        return size_config(BUILTIN_SIZE)
-    _existing_bundle("--model", args.model, "give a model bundle (.kdtr, e.g. from "
-                     "kdtr-make-model or kdtr-import-hf)")
+@dataclasses.dataclass
+class ModelPlan:
+    """The target bundle before its weights are read: ``path`` (``--model``'s, or the shipped
+    demo target's), ``option`` (how messages name it: ``--model`` or ``the default model``),
+    its ``config`` and its ``codec`` (None: the bundle has no tokenizer)."""
+    path: str
+    option: str
+    config: ModelConfig
+    codec: TextCodec | None
+
+    @property
+    def default(self) -> bool:
+        return self.option != "--model"
+
+    @property
+    def label(self) -> str:
+        return f"{self.option} {self.path}"
+
+
+def plan_model(args) -> ModelPlan:
+    """``--model``'s config and tokenizer, or the shipped demo target's (kdtree_numba/demo)
+    when there is no ``--model``; a tokenizer that does not parse or whose ids run past the
+    model's vocabulary is refused here, naming the bundle."""
+    default = not args.model
+    path = str(demo.TARGET) if default else args.model
+    option = "the default model" if default else "--model"
+    if not default:
+        _existing_bundle("--model", path, "give a model bundle (.kdtr, e.g. from "
+                         "kdtr-make-model or kdtr-import-hf)")
     try:
-        return read_bundle_config(args.model)[0]
+        config = read_bundle_config(path)[0]
+        codec = load_codec(path, verify=not args.no_verify)
     except (BundleError, OSError) as e:
-        raise bundle_problem("--model", args.model, e) from e
+        raise bundle_problem(option, path, e) from e
+    return ModelPlan(path, option, config, codec)
+
+
+def encode_prompts(source: PromptSource, model: ModelPlan) -> tuple[list[list[int]], list[str]]:
+    """(prompts as token ids, where each came from): text prompts through the model's
+    tokenizer (an error on a model without one), the built-in prompt as text or ids."""
+    if source.ids is not None:
+        return source.ids, source.where
+    codec = model.codec
+    if source.texts is None:
+        if codec is None:
+            return [list(DEFAULT_PROMPT)], ["the built-in prompt"]
+        return [codec.encode(DEFAULT_TEXT_PROMPT)], ["the built-in prompt"]
+    if codec is None:
+        raise UsageError(f"{source.where[0]}: {model.label} has no tokenizer; use "
+                         f"--prompt-ids or --prompt-file (token ids), or a bundle that carries "
+                         f"one (kdtr-import-hf copies HF_DIR/tokenizer.json in)")
+    prompts = [codec.encode(t) for t in source.texts]
+    for p, label in zip(prompts, source.where):
+        if not p:
+            raise UsageError(f"{label}: no tokens (an empty text, and the model's tokenizer "
+                             f"puts no token in front of a prompt); give some text")
+    return prompts, source.where
 
 
 @dataclasses.dataclass
@@ -155,7 +234,7 @@ def plan_drafter(args, target: ModelConfig, default_block_len: int,
         if args.model:
             raise UsageError(f"--method ddtree with --model needs --drafter (a drafter bundle "
                              f"of the same vocabulary, or {ORACLE_FORM})")
-        spec = "oracle:0.8"
+        spec = demo.DEFAULT_DRAFTER   # the default model's drafter: chosen in demo/__init__.py
     try:
         agreement = parse_oracle_spec(spec)
     except ValueError as e:

@@ -244,7 +244,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int = 32, temperature: float = 0.0, seed: int = 0,
-             eos: int | None = None, progress=None) -> GenerationResult:
+             eos: int | None = None, progress=None, stream=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  method "ddtree" needs a ``drafter``
@@ -253,6 +253,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
     adds no device wait.  The engine itself never prints.
+    ``stream(tokens)``: called at the same moments with every request's new tokens so far
+    (``tokens[b]``, the engine's own lists: read them, keep or change nothing), so a caller
+    can show text as rounds commit (kdtree-run does).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -307,6 +310,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     total = bs * max_new_tokens
     if progress is not None:
         progress(req.committed(), total)
+    if stream is not None:
+        stream(req.out)
     while req.active.any():
         with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
             if method == "ar":
@@ -318,6 +323,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         stats.rounds += 1
         if progress is not None:
             progress(req.committed(), total)
+        if stream is not None:
+            stream(req.out)
     be.synchronize()
     timer.finish()
     stats.seconds = time.perf_counter() - t0

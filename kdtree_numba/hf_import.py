@@ -12,6 +12,10 @@
   and ``experts/down_proj [E, D, Im]``; transformers 5's fused names are accepted as well.
 * The MTP layer (index ``num_hidden_layers``, DeepSeek-V3) and other unused tensors (rotary
   buffers) are dropped and counted on stderr.
+* ``HF_DIR/tokenizer.json``, when present, is copied in (``tokenizer/json``, with
+  ``tokenizer.bos_id`` = config.json's ``bos_token_id``: the id put in front of a text prompt)
+  after it parses and fits the model's vocabulary (kdtree_numba/text.py); the summary line
+  says so.  Without it the bundle takes token ids only.
 
 ``--dtype auto`` keeps float32 sources in float32 and writes everything else as bfloat16 (a
 real checkpoint in float32 would be twice its bf16 size); the router is always float32.
@@ -32,13 +36,15 @@ import numpy as np
 from formats.console import UsageError, add_debug_flag, run_console
 from formats.progress import ProgressBar
 from formats.safetensors_io import SafetensorsFile
-from kdtree_numba.bundle import BundleError, check_output_path, write_bundle
+from kdtree_numba.bundle import BundleError, BundleTokenizer, check_output_path, write_bundle
 from kdtree_numba.config import ModelConfig, weight_shapes
+from kdtree_numba.text import TextCodec, TokenizerError
 
 __all__ = ["import_hf", "main", "hf_source_names", "dequantize_fp8", "export_hf_checkpoint",
-           "hf_state_dict", "read_hf_config"]
+           "hf_state_dict", "read_hf_config", "read_hf_tokenizer", "HF_TOKENIZER"]
 
 FP8_BLOCK = 128
+HF_TOKENIZER = "tokenizer.json"
 
 
 def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block=(FP8_BLOCK, FP8_BLOCK)):
@@ -204,15 +210,33 @@ def read_hf_config(hf_dir) -> tuple[dict, ModelConfig]:
         raise BundleError(f"{path}: {e}") from None
 
 
+def read_hf_tokenizer(hf_dir, cfg: ModelConfig) -> tuple[BundleTokenizer, TextCodec] | None:
+    """``HF_DIR/tokenizer.json`` as a bundle's tokenizer (bos_id: the config's
+    ``bos_token_id``) and its codec, or None when the folder has none.  One that does not
+    parse, or whose ids run past the model's vocabulary, is a BundleError naming it."""
+    path = os.path.join(os.fspath(hf_dir), HF_TOKENIZER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        codec = TextCodec.from_json(data, cfg.bos_token_id, cfg.vocab_size)
+    except (TokenizerError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: {e}") from None
+    return BundleTokenizer(data, cfg.bos_token_id), codec
+
+
 def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
-              progress=None) -> ModelConfig:
+              progress=None, tokenizer: bool = True) -> ModelConfig:
     """Convert ``hf_dir`` (config.json + safetensors) into the bundle ``out_path``.
     ``progress(done_tensors, total_tensors)`` follows the bundle's tensors; ``quiet`` leaves
-    out the note on stderr about the checkpoint tensors that were not used."""
+    out the note on stderr about the checkpoint tensors that were not used.  ``tokenizer``:
+    copy ``tokenizer.json`` in when the folder has one (:func:`read_hf_tokenizer`)."""
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf_dir = os.fspath(hf_dir)
     hf_config, cfg = read_hf_config(hf_dir)
+    tok = read_hf_tokenizer(hf_dir, cfg) if tokenizer else None
     block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size",
                                                                     (FP8_BLOCK, FP8_BLOCK)))
     ck = _Checkpoint(hf_dir, block)
@@ -221,7 +245,8 @@ def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
         if progress is not None:
             progress(i, total)
     try:
-        write_bundle(out_path, cfg, _tensors(ck, cfg, dtype, step))
+        write_bundle(out_path, cfg, _tensors(ck, cfg, dtype, step),
+                     tokenizer=None if tok is None else tok[0])
         dropped = sorted(set(ck.where) - ck.used)
         if dropped and not quiet:
             mtp = [n for n in dropped if n.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
@@ -275,6 +300,9 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype (auto: float32 stays float32, the rest bfloat16)")
+    parser.add_argument("--no-tokenizer", action="store_true",
+                        help="leave HF_DIR/tokenizer.json out (the bundle then takes token ids "
+                        "only)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress and no note about unused checkpoint tensors")
     parser.add_argument("--progress", action="store_true",
@@ -288,7 +316,7 @@ def _main(argv: list[str]) -> int:
         bar.enabled = False
     try:
         cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
-                        progress=bar)
+                        progress=bar, tokenizer=not args.no_tokenizer)
     except BundleError as e:   # what the checkpoint holds is wrong: bad input, one line
         text = str(e)
         raise UsageError(text if text.startswith(args.hf_dir) else
@@ -296,8 +324,20 @@ def _main(argv: list[str]) -> int:
     finally:
         bar.close()
     print(f"kdtr-import-hf: wrote {args.out}: {cfg.num_hidden_layers} layers, hidden "
-          f"{cfg.hidden_size}, vocab {cfg.vocab_size}", file=sys.stderr)
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}; {_tokenizer_note(args, cfg)}",
+          file=sys.stderr)
     return 0
+
+
+def _tokenizer_note(args, cfg: ModelConfig) -> str:
+    if args.no_tokenizer:
+        return "tokenizer left out (--no-tokenizer): token ids only"
+    path = os.path.join(args.hf_dir, HF_TOKENIZER)
+    if not os.path.isfile(path):
+        return f"no {HF_TOKENIZER} in {args.hf_dir}: token ids only"
+    bos = ("" if cfg.bos_token_id is None else
+           f", text prompts begin with id {cfg.bos_token_id}")
+    return f"{path} copied in (text in and out{bos})"
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,8 @@ import pytest
 from formats import kdtr
 from formats.console import UsageError
 from kdtree_numba import compat
-from kdtree_numba.bundle import make_random_bundle, random_weights, read_bundle, size_config
+from kdtree_numba.bundle import (BundleTokenizer, make_random_bundle, random_weights,
+                                 read_bundle, size_config, write_bundle)
 from kdtree_numba.cli import make_model_main, run_main
 from kdtree_numba.engine import generate
 from kdtree_numba.hf_import import export_hf_checkpoint
@@ -46,7 +47,7 @@ def files(tmp_path_factory):
     make_random_bundle(d / "tiny_drafter.kdtr", "tiny", role="drafter")
     # a block drafter for a target of hidden size 32: the tiny target's is 64
     make_random_bundle(d / "narrow_block.kdtr", "tiny", role="block_drafter", hidden_size=32)
-    (d / "prompts.txt").write_text("1 2\n3,999\n")
+    (d / "prompts.txt").write_text("1 2\n3,9999\n")
     (d / "blank.txt").write_text("\n  \n")
     (d / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (d / "notes.txt").write_text("not a bundle\n")
@@ -58,9 +59,25 @@ def files(tmp_path_factory):
         if text is not None:
             (d / f"hf_{name}" / "config.json").write_text(text)
     cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=1)
-    (d / "hf_noshards").mkdir()
-    (d / "hf_noshards" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    for name, tok in (("noshards", None), ("badtok", "{bad"), ("widetok", word_tokenizer(500))):
+        (d / f"hf_{name}").mkdir()
+        (d / f"hf_{name}" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+        if tok is not None:
+            (d / f"hf_{name}" / "tokenizer.json").write_text(tok)
+    tiny = size_config("tiny")
+    for name, top in (("wide_tokenizer", 500), ("words", 5)):
+        write_bundle(d / f"{name}.kdtr", tiny, random_weights(tiny, 0),
+                     tokenizer=BundleTokenizer(word_tokenizer(top).encode()))
     return d
+
+
+def word_tokenizer(top_id: int) -> str:
+    """A tokenizer.json of a few whole words, the last one with id ``top_id``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "c": top_id}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
 
 
 RUN, MAKE, IMPORT = run_main, make_model_main, import_main
@@ -68,10 +85,12 @@ DD = ["--method", "ddtree"]
 
 # (id, entry point, argv ({d} is the files folder), words the one error line must hold)
 CASES = [
-    ("prompt-id-outside-vocab", RUN, ["--prompt-ids", "1,500"],
+    ("prompt-id-outside-vocab", RUN, ["--prompt-ids", "1,9000"],
+     ["--prompt-ids", "token id 9000", "0 to 8191"]),
+    ("prompt-id-outside-tiny-vocab", RUN, ["--model", "{d}/tiny.kdtr", "--prompt-ids", "1,500"],
      ["--prompt-ids", "token id 500", "0 to 127"]),
     ("prompt-file-id-outside-vocab", RUN, ["--prompt-file", "{d}/prompts.txt"],
-     ["prompts.txt:2", "999"]),
+     ["prompts.txt:2", "9999"]),
     ("prompt-id-not-a-number", RUN, ["--prompt-ids", "1,x"], ["--prompt-ids", "'x'"]),
     ("prompt-ids-empty", RUN, ["--prompt-ids", ""], ["--prompt-ids", "no token ids"]),
     ("budget-0", RUN, DD + ["--budget", "0"], ["--budget 0", ">= 1"]),
@@ -106,9 +125,27 @@ CASES = [
      ["--prompt-file", "binary.txt", "0x89"]),
     ("prompt-file-blank", RUN, ["--prompt-file", "{d}/blank.txt"],
      ["--prompt-file", "blank.txt", "no prompts"]),
-    ("eos-outside-vocab", RUN, ["--eos", "99999"], ["--eos 99999", "0 to 127"]),
+    ("eos-outside-vocab", RUN, ["--eos", "99999"], ["--eos 99999", "0 to 8191"]),
     ("context-exceeded", RUN, ["--max-new-tokens", "100000"],
-     ["--max-new-tokens 100000", "context of 512", "508"]),
+     ["--max-new-tokens 100000", "the built-in prompt has 10 tokens", "context of 512", "502"]),
+    ("context-exceeded-ids", RUN, ["--model", "{d}/tiny.kdtr", "--max-new-tokens", "100000"],
+     ["--max-new-tokens 100000", "the built-in prompt has 4 tokens", "508"]),
+    ("context-exceeded-text", RUN, ["--prompt", "x = 1\n" * 200, "--max-new-tokens", "64"],
+     ["--max-new-tokens 64", "--prompt 'x = 1\\nx = 1", "...' has", "context of 512",
+      "shorten the prompt"]),
+    ("text-prompt-without-tokenizer", RUN, ["--model", "{d}/tiny.kdtr", "--prompt", "def f():"],
+     ["--prompt 'def f():'", "--model", "tiny.kdtr has no tokenizer", "use --prompt-ids"]),
+    ("text-file-without-tokenizer", RUN, ["--model", "{d}/tiny.kdtr", "--prompt-text-file",
+                                          "{d}/notes.txt"],
+     ["--prompt-text-file", "notes.txt", "has no tokenizer"]),
+    ("prompt-text-file-missing", RUN, ["--prompt-text-file", "{d}/nope.py"],
+     ["--prompt-text-file", "nope.py"]),
+    ("prompt-text-file-binary", RUN, ["--prompt-text-file", "{d}/binary.txt"],
+     ["--prompt-text-file", "binary.txt", "0x89"]),
+    ("tokenizer-beyond-vocab", RUN, ["--model", "{d}/wide_tokenizer.kdtr", "--prompt", "a"],
+     ["--model", "wide_tokenizer.kdtr", "tokenizer", "ids up to 500", "vocabulary of 128"]),
+    ("empty-text-without-bos", RUN, ["--model", "{d}/words.kdtr", "--prompt", ""],
+     ["--prompt ''", "no tokens"]),
     ("make-model-missing-folder", MAKE, ["{d}/nodir/x.kdtr"], ["nodir", "no such folder"]),
     ("make-model-h5-name", MAKE, ["{d}/x.h5"], ["x.h5", ".kdtr"]),
     ("make-model-folder", MAKE, ["{d}/folder"], ["folder"]),
@@ -127,6 +164,10 @@ CASES = [
     ("import-no-shards", IMPORT, ["{d}/hf_noshards", "{d}/o.kdtr"],
      ["hf_noshards", "safetensors"]),
     ("import-h5-name", IMPORT, ["{d}/hf_noshards", "{d}/o.h5"], ["o.h5", ".kdtr"]),
+    ("import-bad-tokenizer", IMPORT, ["{d}/hf_badtok", "{d}/o.kdtr"],
+     ["hf_badtok/tokenizer.json", "not an HF tokenizers JSON"]),
+    ("import-tokenizer-beyond-vocab", IMPORT, ["{d}/hf_widetok", "{d}/o.kdtr"],
+     ["hf_widetok/tokenizer.json", "ids up to 500", "vocabulary of 128"]),
 ]
 
 
@@ -177,19 +218,19 @@ def test_drafter_with_method_ar_is_a_warning(files, capsys):
 
 
 def test_debug_shows_the_traceback(files):
-    with pytest.raises(UsageError, match="token id 500"):
-        run_main(["--prompt-ids", "1,500", "--debug"])
+    with pytest.raises(UsageError, match="token id 9000"):
+        run_main(["--prompt-ids", "1,9000", "--debug"])
 
 
 def test_console_script_as_a_process():
     """What a shell sees: exit 2 and one line; --debug: the traceback (exit 1)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KDTREE_DEBUG", None)
-    cmd = [sys.executable, "-m", "kdtree_numba.cli", "--prompt-ids", "1,500"]
+    cmd = [sys.executable, "-m", "kdtree_numba.cli", "--prompt-ids", "1,9000"]
     plain = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert plain.returncode == 2 and plain.stdout == ""
-    assert plain.stderr.splitlines() == ["kdtree-run: error: --prompt-ids: token id 500 is "
-                                         "outside the model's vocabulary (ids 0 to 127)"]
+    assert plain.stderr.splitlines() == ["kdtree-run: error: --prompt-ids: token id 9000 is "
+                                         "outside the model's vocabulary (ids 0 to 8191)"]
     debug = subprocess.run(cmd + ["--debug"], capture_output=True, text=True, env=env,
                            cwd=ROOT)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
@@ -275,7 +316,8 @@ def test_help_shows_every_default_and_the_built_in_prompt(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("(default: 32)", "(default: ar)", "(default: 8;", "(default: auto)",
                   "(default: 0.0)", "(default: 0)", "1,2,3,4", "--no-verify", "--debug",
-                  "(default: oracle:0.8"):
+                  "(default: oracle:0.8", "(default: 'def fibonacci(n):')",
+                  "the shipped demo target", "--prompt-text-file"):
         assert shown in text, shown
     assert make_model_main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -75,13 +75,15 @@ def main(argv=None) -> int:
           f"{cfg.vocab_size}, tied {cfg.tie_word_embeddings}, bos/eos {cfg.bos_token_id}/"
           f"{cfg.eos_token_id}")
 
-    ok = True
+    ok, worst = True, (0.0, 0.0, 0.0)
     for text in load_prompts(args.prompts, args.n):
         ids = np.array([eot] + tok.encode(text, add_special_tokens=False).ids, np.int64)
         with torch.no_grad():
             want = hf(torch.tensor(ids[None])).logits[0].double().numpy()
         got = ours.score(ids)
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        diff, top = float(np.abs(got - want).max()), float(np.abs(want).max())
+        rel = diff / top
+        worst = max(worst, (rel, diff, top))
         cont = generate(ours, [ids], args.new_tokens).tokens[0]
         full = np.concatenate([ids, np.asarray(cont, np.int64)])
         with torch.no_grad():
@@ -91,10 +93,11 @@ def main(argv=None) -> int:
         agree = ref.argmax(1) == np.asarray(cont)
         good = rel <= REL_TOL and bool(np.all(agree | tie))
         ok &= good
-        print(f"{'ok ' if good else 'BAD'} prompt {ids.size} tokens: logits max|diff|/max|logit|"
-              f" {rel:.2e}; greedy {int(agree.sum())}/{agree.size} = transformers' argmax"
-              f" ({int((tie & ~agree).sum())} ties)")
+        print(f"{'ok ' if good else 'BAD'} prompt {ids.size} tokens: logits max|diff| {diff:.2e}"
+              f" / max|logit| {top:.2f} = {rel:.2e}; greedy {int(agree.sum())}/{agree.size} = "
+              f"transformers' argmax ({int((tie & ~agree).sum())} ties)")
         print("    " + repr(text[-60:]) + " -> " + repr(tok.decode(list(cont))))
+    print(f"worst: max|diff| {worst[1]:.2e} / max|logit| {worst[2]:.2f} = {worst[0]:.2e}")
     print("all match" if ok else "MISMATCH")
     return 0 if ok else 1
 
