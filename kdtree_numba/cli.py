@@ -26,13 +26,15 @@ import numpy as np
 from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
-from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, make_random_bundle,
-                                 random_weights, size_config)
+from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
+                                 make_random_bundle, random_weights, read_dflash_spec,
+                                 size_config)
 from kdtree_numba.cli_checks import (BUILTIN_SIZE, DEFAULT_PROMPT, bundle_problem,
                                      check_against_model, check_options, open_backend,
                                      plan_drafter, read_prompts, target_config)
 from kdtree_numba.config import weight_shapes
-from kdtree_numba.drafter import ORACLE_FORM, BlockDrafter, ModelDrafter, NoisyOracleDrafter
+from kdtree_numba.drafter import (ORACLE_FORM, BlockDrafter, DFlashDrafter, ModelDrafter,
+                                  NoisyOracleDrafter)
 from kdtree_numba.engine import generate
 from kdtree_numba.model import Model
 
@@ -85,7 +87,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="BUNDLE",
                    help="model bundle (.kdtr) (default: the built-in tiny model)")
     p.add_argument("--drafter", metavar="SPEC",
-                   help=f"drafter for --method ddtree: a bundle (.kdtr) with the target's "
+                   help=f"drafter for --method ddtree or chain: a bundle (.kdtr) with the "
+                   f"target's "
                    f"vocabulary, or {ORACLE_FORM} (a test/demo drafter that peeks at the "
                    f"target) (default: oracle:0.8 for the built-in model; ignored by --method "
                    f"ar)")
@@ -96,8 +99,9 @@ def _run_parser() -> argparse.ArgumentParser:
                      help="file with one prompt per line (token ids, commas or spaces)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
                    help="new tokens per prompt (prompt + N must fit the model's context)")
-    p.add_argument("--method", choices=["ar", "ddtree"], default="ar",
-                   help="ar: one token per forward; ddtree: draft a tree, verify it at once")
+    p.add_argument("--method", choices=["ar", "chain", "ddtree"], default="ar",
+                   help="ar: one token per forward; ddtree: draft a tree, verify it at once; "
+                   "chain: verify the drafter's greedy chain (no tree)")
     p.add_argument("--budget", type=int, default=32, metavar="B",
                    help="DDTree tree nodes verified per round")
     p.add_argument("--block-len", type=int, default=None, metavar="L",
@@ -148,6 +152,9 @@ def _load_drafter(args, plan, model, backend):
         if plan.kind == "block":
             return BlockDrafter.load(plan.path, backend, verify=not args.no_verify,
                                      progress=bar)
+        if plan.kind == "dflash":
+            return DFlashDrafter.load(plan.path, model, verify=not args.no_verify,
+                                      progress=bar)
         return ModelDrafter.load(plan.path, backend, plan.block_len,
                                  verify=not args.no_verify, progress=bar)
     except (BundleError, KdtrError, OSError) as e:
@@ -196,7 +203,7 @@ def _run(argv: list[str]) -> int:
         for toks in result.tokens:
             print(",".join(str(t) for t in toks))
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
-    tau = f", mean tau {stats.mean_tau:.2f}" if args.method == "ddtree" else ""
+    tau = f", mean tau {stats.mean_tau:.2f}" if args.method != "ar" else ""
     graphs = "" if stats.graph_replays is None else \
         f"; CUDA graphs: {stats.graph_captures} captured, {stats.graph_replays} replays"
     _log(prog, f"{stats.new_tokens} tokens in {stats.seconds:.3f} s "
@@ -223,6 +230,9 @@ def _make_model(argv: list[str]) -> int:
                       help="write the one-layer drafter for the target of that size")
     role.add_argument("--block-drafter", action="store_true",
                       help="write a BlockDrafter bundle for the target of that size")
+    role.add_argument("--dflash-drafter", action="store_true",
+                      help="write an untrained DFlash drafter bundle for the target of that "
+                      "size")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weight dtype")
@@ -233,7 +243,8 @@ def _make_model(argv: list[str]) -> int:
     check_output_path(args.out)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be an integer >= 0")
-    role = "block_drafter" if args.block_drafter else "drafter" if args.drafter else "target"
+    role = ("dflash_drafter" if args.dflash_drafter else "block_drafter" if args.block_drafter
+            else "drafter" if args.drafter else "target")
     t0 = time.perf_counter()
     bar = _progress_bar(args, f"write {args.out}")
     try:
@@ -241,7 +252,9 @@ def _make_model(argv: list[str]) -> int:
                                  progress=bar)
     finally:
         bar.close()
-    params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
+    shapes = weight_shapes(cfg) if role != "dflash_drafter" else \
+        dflash_shapes(cfg, len(read_dflash_spec(args.out)[1].target_layer_ids))
+    params = sum(int(np.prod(s)) for s in shapes.values())
     _log("kdtr-make-model", f"wrote {args.out} ({role}, {args.size}, {params / 1e6:.2f} M "
          f"parameters, {args.dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0
