@@ -174,7 +174,7 @@ def plan_drafter(args, target: ModelConfig, default_block_len: int,
             f"--drafter {spec}: vocabulary {config.vocab_size} does not match the target's "
             f"{target.vocab_size}; a drafter must share the target's vocabulary (for a "
             f"kdtr-make-model target of size S: kdtr-make-model DRAFTER.kdtr --size S "
-            f"--drafter, or --block-drafter)")
+            f"--drafter, --block-drafter or --dflash-drafter)")
     if attrs.get("kdtree.bundle") == "block_drafter":
         hidden = attrs.get("block.target_hidden_size")
         if hidden != target.hidden_size:

@@ -293,7 +293,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if speculative:
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        if budget < 1:
+        if method == "ddtree" and budget < 1:
             raise ValueError("budget must be >= 1")
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target "
