@@ -2,7 +2,8 @@
 
 Layout (docs/ENGINE.md has the full table)::
 
-    /                       attrs  kdtree.bundle = "model" | "block_drafter", kdtree.version = 1
+    /                       attrs  kdtree.bundle = "model" | "block_drafter" | "dflash_drafter",
+                                   kdtree.version = 1
     /config                 attrs  the ModelConfig fields (None fields left out)
     /config/rope_scaling    attrs  the YaRN fields, present only with YaRN
     /model/embed_tokens     [V, D]          HF names, '.' -> '/', no '.weight' suffix
@@ -16,6 +17,8 @@ Layout (docs/ENGINE.md has the full table)::
     /block/...              the BlockDrafter's extra tensors (kdtree.bundle = "block_drafter")
     /tokenizer/json         optional: the HF ``tokenizers`` JSON as uint8 UTF-8 bytes (root attrs
                             tokenizer.format = "hf-tokenizers-json", tokenizer.bos_id)
+    /dflash/...             a DFlash drafter's (kdtree.bundle = "dflash_drafter": no embedding
+                            and no lm_head, it runs on its target's; :func:`dflash_shapes`)
 
 Weights are float32, bfloat16 or float16.  ``read_bundle`` validates everything against the
 config before the model sees it; any problem raises :class:`BundleError` naming the tensor.
@@ -45,10 +48,13 @@ __all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_
            "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",
-           "read_bundle_tokenizer", "TOKENIZER_DATASET", "TOKENIZER_FORMAT"]
+           "read_bundle_tokenizer", "TOKENIZER_DATASET", "TOKENIZER_FORMAT",
+           "DFlashSpec", "DFLASH_BLOCK_SIZE", "DFLASH_SHARED", "default_target_layer_ids",
+           "dflash_config", "dflash_shapes", "write_dflash_bundle", "read_dflash_spec",
+           "open_dflash_bundle", "read_dflash_bundle"]
 
 BUNDLE_VERSION = 1
-BUNDLE_KINDS = ("model", "block_drafter")
+BUNDLE_KINDS = ("model", "block_drafter", "dflash_drafter")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 # The tokenizer travels inside the bundle as the bytes of HF tokenizers' tokenizer.json (JSON:
 # nothing is ever unpickled), under a group that is not part of the model's tensors.
@@ -121,7 +127,7 @@ def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) ->
     """O(0.1-1) weights (docs/ENGINE.md, "Bundles"): matrices N(0, (1.2/sqrt(fan_in))^2) (0.15 at fan_in 64),
     norm weights U[0.5, 1.5], router bias N(0, 0.3^2), embeddings N(0, 1)."""
     leaf = name.rsplit("/", 1)[-1]
-    if leaf.endswith("layernorm") or leaf == "norm" or name.endswith("/norm"):
+    if leaf.endswith("norm"):      # every *layernorm, model/norm, dflash/hidden_norm
         return rng.uniform(0.5, 1.5, shape).astype(np.float32)
     if leaf == "e_score_correction_bias":
         return (0.3 * rng.standard_normal(shape)).astype(np.float32)
@@ -164,17 +170,21 @@ def write_bundle(path, config: ModelConfig,
                  dtype: str | None = None, kind: str = "model",
                  extra_shapes: Mapping[str, tuple] | None = None,
                  extra_attrs: Mapping[str, Any] | None = None, progress=None,
-                 tokenizer: BundleTokenizer | None = None) -> None:
+                 tokenizer: BundleTokenizer | None = None,
+                 shapes: Mapping[str, tuple] | None = None) -> None:
     """Write a bundle atomically, one tensor at a time (an iterable of (name, array) is
     consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
     against the config as they arrive; a missing or extra tensor raises BundleError and leaves
     no file.  ``dtype``: float32/bfloat16/float16 for every tensor (default: as given).
     ``progress(done_bytes, total_bytes)`` is called after each tensor (the total counts
     ``dtype``'s bytes per element, float32's when it is None).  ``tokenizer``: stored as
-    ``tokenizer/json`` with its root attributes (:class:`BundleTokenizer`)."""
+    ``tokenizer/json`` with its root attributes (:class:`BundleTokenizer`).  ``shapes``: the
+    tensors the bundle holds, name -> shape, instead of the config's ``weight_shapes`` (a
+    DFlash drafter's: :func:`dflash_shapes`)."""
     if kind not in BUNDLE_KINDS:
         raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
-    expected = dict(weight_shapes(config), **(extra_shapes or {}))
+    expected = dict(weight_shapes(config) if shapes is None else shapes,
+                    **(extra_shapes or {}))
     items = weights.items() if isinstance(weights, Mapping) else weights
     seen = set()
     itemsize = {"bfloat16": 2, "float16": 2}.get(dtype, 4)
@@ -312,14 +322,15 @@ class BundleWeights(Mapping):
 
 
 @contextlib.contextmanager
-def open_bundle(path, *, extra_shapes=None, verify: bool = True,
-                progress=None) -> Iterator[tuple[ModelConfig, dict, BundleWeights]]:
+def open_bundle(path, *, extra_shapes=None, verify: bool = True, progress=None,
+                shapes=None) -> Iterator[tuple[ModelConfig, dict, BundleWeights]]:
     """``(config, root attributes, weights)`` of a validated bundle, open for the ``with``
     block; ``weights`` is a :class:`BundleWeights` (read on access, CRC32C-checked unless
     ``verify=False``).  Every tensor the config implies must be present with its shape and a
     float dtype, and no other tensor may be present (``extra_shapes`` adds allowed ones, e.g.
-    a BlockDrafter's); the first problem raises :class:`BundleError` naming the file and the
-    tensor, before any weight is read."""
+    a BlockDrafter's; ``shapes`` replaces the config's ``weight_shapes``, as in
+    :func:`write_bundle`); the first problem raises :class:`BundleError` naming the file and
+    the tensor, before any weight is read."""
     path = os.fspath(path)
     with _open(path) as f:
         kind = f.attrs.get("kdtree.bundle", "model")
@@ -327,7 +338,8 @@ def open_bundle(path, *, extra_shapes=None, verify: bool = True,
             raise BundleError(f"{path}: kdtree.bundle attribute {kind!r} is not one of "
                               f"{BUNDLE_KINDS}")
         config = _read_config(f, path)
-        expected = dict(weight_shapes(config), **(extra_shapes or {}))
+        expected = dict(weight_shapes(config) if shapes is None else shapes,
+                        **(extra_shapes or {}))
         present: dict[str, Any] = {}
 
         def collect(name, node):
@@ -398,7 +410,9 @@ def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "fl
     """Write a deterministic random bundle and return its config.
 
     role "target": the ``size`` config; "drafter": a one-layer dense model with the target's
-    vocabulary (for ModelDrafter); "block_drafter": that plus the BlockDrafter tensors.
+    vocabulary (for ModelDrafter); "block_drafter": that plus the BlockDrafter tensors;
+    "dflash_drafter": a DFlash drafter for that target (:func:`dflash_config`, features of
+    :func:`default_target_layer_ids`, B = 8; untrained).
     ``progress(done_bytes, total_bytes)``: as in :func:`write_bundle`.
     """
     config = size_config(size, **config_overrides)
@@ -418,4 +432,181 @@ def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "fl
                      extra_attrs={"block.target_hidden_size": config.hidden_size,
                                   "block.block_len": 7}, progress=progress)
         return draft
-    raise ValueError(f"role must be target, drafter or block_drafter, got {role!r}")
+    if role == "dflash_drafter":
+        draft = dflash_config(config)
+        ids = default_target_layer_ids(config.num_hidden_layers)
+        weights = random_weights(draft, seed + 3, dflash_shapes(draft, len(ids)))
+        write_dflash_bundle(path, draft, weights, target_layer_ids=ids,
+                            block_size=DFLASH_BLOCK_SIZE, target_hidden_size=config.hidden_size,
+                            target_vocab_size=config.vocab_size,
+                            target_num_layers=config.num_hidden_layers, dtype=dtype,
+                            progress=progress)
+        return draft
+    raise ValueError(f"role must be target, drafter, block_drafter or dflash_drafter, got "
+                     f"{role!r}")
+
+
+# ----------------------------------------------------------------------------- DFlash drafters
+# The spec of the drafter and its bundle: docs/ENGINE.md, "DFlash block drafter"; the
+# drafter itself is kdtree_numba/dflash.py.
+
+DFLASH_BLOCK_SIZE = 8
+# the target's tensors a DFlash drafter runs on and never stores
+DFLASH_SHARED = ("model/embed_tokens", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashSpec:
+    """The root attributes of a ``dflash_drafter`` bundle (``dflash.<field>``): the target
+    decoder layers whose outputs are the features (0-based), the block size B (the root and
+    B - 1 MASK slots), and the target the drafter was trained for.  Inconsistent values (no
+    layer, a layer outside the target, B < 2) raise :class:`BundleError`."""
+    target_layer_ids: tuple
+    block_size: int
+    target_hidden_size: int
+    target_vocab_size: int
+    target_num_layers: int
+
+    def __post_init__(self):
+        ids = tuple(int(j) for j in np.asarray(self.target_layer_ids).reshape(-1))
+        object.__setattr__(self, "target_layer_ids", ids)
+        for name in ("block_size", "target_hidden_size", "target_vocab_size",
+                     "target_num_layers"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if not ids:
+            raise BundleError("dflash.target_layer_ids is empty: a DFlash drafter reads at "
+                              "least one target layer")
+        if min(self.target_hidden_size, self.target_vocab_size, self.target_num_layers) < 1:
+            raise BundleError(f"dflash target sizes must be >= 1, got {self}")
+        bad = [j for j in ids if not 0 <= j < self.target_num_layers]
+        if bad:
+            raise BundleError(f"dflash.target_layer_ids {list(ids)}: layer {bad[0]} is not a "
+                              f"layer of its {self.target_num_layers}-layer target")
+        if self.block_size < 2:
+            raise BundleError(f"dflash.block_size {self.block_size}: must be >= 2 (the root "
+                              f"and at least one MASK slot)")
+
+    def to_attrs(self) -> dict:
+        return {f"dflash.{f.name}": (list(getattr(self, f.name)) if f.name == "target_layer_ids"
+                                     else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> "DFlashSpec":
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f"dflash.{f.name}" not in attrs:
+                raise BundleError(f"no dflash.{f.name} attribute (not a DFlash drafter "
+                                  f"bundle?)")
+            values[f.name] = attrs[f"dflash.{f.name}"]
+        return cls(**values)
+
+    def config_problem(self, config: ModelConfig) -> str | None:
+        """Why the drafter's own ``config`` cannot go with this spec (it runs on the target's
+        embedding and head, so it has the target's width and vocabulary), or None."""
+        if config.hidden_size != self.target_hidden_size:
+            return (f"the drafter's hidden_size {config.hidden_size} differs from "
+                    f"dflash.target_hidden_size {self.target_hidden_size}")
+        if config.vocab_size != self.target_vocab_size:
+            return (f"the drafter's vocab_size {config.vocab_size} differs from "
+                    f"dflash.target_vocab_size {self.target_vocab_size}")
+        return None
+
+    def target_problem(self, target: ModelConfig) -> str | None:
+        """Why this drafter was not trained for ``target`` (the first mismatch: hidden size,
+        vocabulary, a feature layer the target lacks, its number of layers), or None."""
+        if target.hidden_size != self.target_hidden_size:
+            return (f"a DFlash drafter for a target of hidden size {self.target_hidden_size}; "
+                    f"this target's is {target.hidden_size}")
+        if target.vocab_size != self.target_vocab_size:
+            return (f"a DFlash drafter for a target vocabulary of {self.target_vocab_size}; "
+                    f"this target's is {target.vocab_size}")
+        n = target.num_hidden_layers
+        beyond = [j for j in self.target_layer_ids if j >= n]
+        if beyond:
+            return (f"dflash.target_layer_ids {list(self.target_layer_ids)} read target layer "
+                    f"{beyond[0]}, but this target has {n} layers (0..{n - 1})")
+        if n != self.target_num_layers:
+            return (f"a DFlash drafter for a {self.target_num_layers}-layer target; this "
+                    f"target has {n} layers")
+        return None
+
+
+def default_target_layer_ids(num_layers: int, k: int = 3) -> tuple[int, ...]:
+    """Every other target layer, ending at the last, at most ``k``: (1, 3, 5) of 6 layers
+    (the demo's), (1, 3) of 4, (0, 2) of 3, (1,) of 2."""
+    return tuple(sorted(j for j in range(num_layers - 1, -1, -2)[:k]))
+
+
+def dflash_config(target: ModelConfig, **overrides) -> ModelConfig:
+    """A DFlash drafter's config for ``target``: its width, vocabulary, context and attention
+    geometry, 2 dense layers, a plain q_proj, NeoX-halves RoPE without scaling
+    (docs/ENGINE.md, "DFlash block drafter")."""
+    n = overrides.get("num_hidden_layers", 2)
+    base = dict(num_hidden_layers=n, first_k_dense_replace=n, q_lora_rank=None,
+                rope_interleave=False, rope_scaling=None)
+    return target.replace(**dict(base, **overrides))
+
+
+def dflash_shapes(config: ModelConfig, n_features: int) -> dict[str, tuple]:
+    """Every tensor of a ``dflash_drafter`` bundle, name -> shape: the config's
+    ``weight_shapes`` without the target's embedding and head (:data:`DFLASH_SHARED`), then
+    ``dflash/fc`` [D, k D] (``n_features`` = k target layers), ``dflash/hidden_norm`` [D] and
+    ``dflash/mask_embedding`` [D]."""
+    D = config.hidden_size
+    shapes = {n: s for n, s in weight_shapes(config).items() if n not in DFLASH_SHARED}
+    shapes.update({"dflash/fc": (D, n_features * D), "dflash/hidden_norm": (D,),
+                   "dflash/mask_embedding": (D,)})
+    return shapes
+
+
+def write_dflash_bundle(path, config: ModelConfig, weights, *, target_layer_ids,
+                        block_size: int, target_hidden_size: int, target_vocab_size: int,
+                        target_num_layers: int, dtype: str | None = None,
+                        progress=None) -> DFlashSpec:
+    """Write a ``dflash_drafter`` bundle (atomic, streamed as :func:`write_bundle`):
+    ``weights`` (a mapping or (name, array) pairs) holds exactly :func:`dflash_shapes`;
+    the :class:`DFlashSpec` goes to the root attributes.  Returns the spec."""
+    spec = DFlashSpec(tuple(target_layer_ids), block_size, target_hidden_size,
+                      target_vocab_size, target_num_layers)
+    problem = spec.config_problem(config)
+    if problem:
+        raise BundleError(f"{os.fspath(path)}: {problem}")
+    write_bundle(path, config, weights, dtype=dtype, kind="dflash_drafter",
+                 shapes=dflash_shapes(config, len(spec.target_layer_ids)),
+                 extra_attrs=spec.to_attrs(), progress=progress)
+    return spec
+
+
+def read_dflash_spec(path) -> tuple[ModelConfig, DFlashSpec]:
+    """(config, spec) of a ``dflash_drafter`` bundle, without touching the weights."""
+    config, attrs = read_bundle_config(path)
+    if attrs.get("kdtree.bundle") != "dflash_drafter":
+        raise BundleError(f"{os.fspath(path)}: a {attrs.get('kdtree.bundle', 'model')!r} "
+                          f"bundle, not a dflash_drafter")
+    try:
+        spec = DFlashSpec.from_attrs(attrs)
+    except BundleError as e:
+        raise BundleError(f"{os.fspath(path)}: {e}") from None
+    problem = spec.config_problem(config)
+    if problem:
+        raise BundleError(f"{os.fspath(path)}: {problem}")
+    return config, spec
+
+
+@contextlib.contextmanager
+def open_dflash_bundle(path, *, verify: bool = True, progress=None):
+    """``(config, weights, spec)`` of a validated ``dflash_drafter`` bundle, open for the
+    ``with`` block (weights read on access, as :func:`open_bundle`)."""
+    config, spec = read_dflash_spec(path)
+    with open_bundle(path, verify=verify, progress=progress,
+                     shapes=dflash_shapes(config, len(spec.target_layer_ids))) \
+            as (config, _, weights):
+        yield config, weights, spec
+
+
+def read_dflash_bundle(path, *, verify: bool = True) -> tuple[ModelConfig, dict, DFlashSpec]:
+    """(config, every weight, :class:`DFlashSpec`) of a ``dflash_drafter`` bundle, validated
+    (verified copies, or read-only mapped views with ``verify=False``)."""
+    with open_dflash_bundle(path, verify=verify) as (config, weights, spec):
+        return config, {name: weights[name] for name in weights}, spec

@@ -28,13 +28,15 @@ from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
 from kdtree_numba import demo
-from kdtree_numba.bundle import SIZES, BundleError, check_output_path, make_random_bundle
+from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
+                                 make_random_bundle, read_dflash_spec)
 from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, bundle_problem,
                                      check_against_model, check_options, encode_prompts,
                                      open_backend, plan_drafter, plan_model, read_prompts)
 from kdtree_numba.cli_output import TextStream, json_result, print_result, same_terminal
 from kdtree_numba.config import weight_shapes
-from kdtree_numba.drafter import ORACLE_FORM, BlockDrafter, ModelDrafter, NoisyOracleDrafter
+from kdtree_numba.drafter import (ORACLE_FORM, BlockDrafter, DFlashDrafter, ModelDrafter,
+                                  NoisyOracleDrafter)
 from kdtree_numba.engine import generate
 from kdtree_numba.model import Model
 
@@ -91,7 +93,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="BUNDLE",
                    help="model bundle (.kdtr) (default: the shipped demo target)")
     p.add_argument("--drafter", metavar="SPEC",
-                   help=f"drafter for --method ddtree: a bundle (.kdtr) with the target's "
+                   help=f"drafter for --method ddtree or chain: a bundle (.kdtr) with the "
+                   f"target's "
                    f"vocabulary, or {ORACLE_FORM} (a test/demo drafter that peeks at the "
                    f"target) (default: {demo.DEFAULT_DRAFTER} for the default model; ignored "
                    f"by --method ar)")
@@ -108,8 +111,9 @@ def _run_parser() -> argparse.ArgumentParser:
                      help="file with one prompt per line (token ids, commas or spaces)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
                    help="new tokens per prompt (prompt + N must fit the model's context)")
-    p.add_argument("--method", choices=["ar", "ddtree"], default="ar",
-                   help="ar: one token per forward; ddtree: draft a tree, verify it at once")
+    p.add_argument("--method", choices=["ar", "chain", "ddtree"], default="ar",
+                   help="ar: one token per forward; ddtree: draft a tree, verify it at once; "
+                   "chain: verify the drafter's greedy chain (no tree)")
     p.add_argument("--budget", type=int, default=32, metavar="B",
                    help="DDTree tree nodes verified per round")
     p.add_argument("--block-len", type=int, default=None, metavar="L",
@@ -164,6 +168,9 @@ def _load_drafter(args, plan, model, backend):
         if plan.kind == "block":
             return BlockDrafter.load(plan.path, backend, verify=not args.no_verify,
                                      progress=bar)
+        if plan.kind == "dflash":
+            return DFlashDrafter.load(plan.path, model, verify=not args.no_verify,
+                                      progress=bar)
         return ModelDrafter.load(plan.path, backend, plan.block_len,
                                  verify=not args.no_verify, progress=bar)
     except (BundleError, KdtrError, OSError) as e:
@@ -223,7 +230,7 @@ def _run(argv: list[str]) -> int:
     else:
         print_result(result.tokens, where, codec, as_text)
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
-    tau = f", mean tau {stats.mean_tau:.2f}" if args.method == "ddtree" else ""
+    tau = f", mean tau {stats.mean_tau:.2f}" if args.method != "ar" else ""
     graphs = "" if stats.graph_replays is None else \
         f"; CUDA graphs: {stats.graph_captures} captured, {stats.graph_replays} replays"
     _log(prog, f"{stats.new_tokens} tokens in {stats.seconds:.3f} s "
@@ -250,6 +257,9 @@ def _make_model(argv: list[str]) -> int:
                       help="write the one-layer drafter for the target of that size")
     role.add_argument("--block-drafter", action="store_true",
                       help="write a BlockDrafter bundle for the target of that size")
+    role.add_argument("--dflash-drafter", action="store_true",
+                      help="write an untrained DFlash drafter bundle for the target of that "
+                      "size")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weight dtype")
@@ -260,7 +270,8 @@ def _make_model(argv: list[str]) -> int:
     check_output_path(args.out)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be an integer >= 0")
-    role = "block_drafter" if args.block_drafter else "drafter" if args.drafter else "target"
+    role = ("dflash_drafter" if args.dflash_drafter else "block_drafter" if args.block_drafter
+            else "drafter" if args.drafter else "target")
     t0 = time.perf_counter()
     bar = _progress_bar(args, f"write {args.out}")
     try:
@@ -268,7 +279,9 @@ def _make_model(argv: list[str]) -> int:
                                  progress=bar)
     finally:
         bar.close()
-    params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
+    shapes = weight_shapes(cfg) if role != "dflash_drafter" else \
+        dflash_shapes(cfg, len(read_dflash_spec(args.out)[1].target_layer_ids))
+    params = sum(int(np.prod(s)) for s in shapes.values())
     _log("kdtr-make-model", f"wrote {args.out} ({role}, {args.size}, {params / 1e6:.2f} M "
          f"parameters, {args.dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0

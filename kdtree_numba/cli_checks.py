@@ -21,7 +21,7 @@ import os
 from formats.console import UsageError, escape, read_user_text
 from kdtree_numba import compat, demo
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import BundleError, read_bundle_config
+from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config
 from kdtree_numba.config import ModelConfig, weight_shapes
 from kdtree_numba.ddtree import MAX_GPU_BUDGET
 from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
@@ -209,8 +209,9 @@ def encode_prompts(source: PromptSource, model: ModelPlan) -> tuple[list[list[in
 
 @dataclasses.dataclass
 class DrafterPlan:
-    """What ``--drafter`` names: kind "oracle" (with ``agreement``), "model" or "block" (a
-    bundle at ``path`` with its ``config``); ``block_len`` the tree depth it drafts."""
+    """What ``--drafter`` names: kind "oracle" (with ``agreement``), "model", "block" or
+    "dflash" (a bundle at ``path`` with its ``config``); ``block_len`` the tree depth it
+    drafts."""
     kind: str
     block_len: int
     path: str | None = None
@@ -220,20 +221,20 @@ class DrafterPlan:
 
 def plan_drafter(args, target: ModelConfig, default_block_len: int,
                  warn) -> DrafterPlan | None:
-    """Check ``--drafter`` against the target (vocabulary, a block drafter's hidden size)
-    before any weight is read; None with ``--method ar`` (a given drafter is ignored, with a
-    warning through ``warn``)."""
+    """Check ``--drafter`` against the target (vocabulary, a block drafter's hidden size, a
+    DFlash drafter's target) before any weight is read; None with ``--method ar`` (a given
+    drafter is ignored, with a warning through ``warn``)."""
     spec = args.drafter
-    if args.method != "ddtree":
+    if args.method == "ar":
         if spec is not None:
             warn(f"--drafter {spec} is ignored with --method {args.method} (drafters serve "
-                 f"--method ddtree)")
+                 f"--method ddtree and chain)")
         return None
     block_len = default_block_len if args.block_len is None else args.block_len
     if spec is None:
         if args.model:
-            raise UsageError(f"--method ddtree with --model needs --drafter (a drafter bundle "
-                             f"of the same vocabulary, or {ORACLE_FORM})")
+            raise UsageError(f"--method {args.method} with --model needs --drafter (a drafter "
+                             f"bundle of the same vocabulary, or {ORACLE_FORM})")
         spec = demo.DEFAULT_DRAFTER   # the default model's drafter: chosen in demo/__init__.py
     try:
         agreement = parse_oracle_spec(spec)
@@ -252,7 +253,7 @@ def plan_drafter(args, target: ModelConfig, default_block_len: int,
             f"--drafter {spec}: vocabulary {config.vocab_size} does not match the target's "
             f"{target.vocab_size}; a drafter must share the target's vocabulary (for a "
             f"kdtr-make-model target of size S: kdtr-make-model DRAFTER.kdtr --size S "
-            f"--drafter, or --block-drafter)")
+            f"--drafter, --block-drafter or --dflash-drafter)")
     if attrs.get("kdtree.bundle") == "block_drafter":
         hidden = attrs.get("block.target_hidden_size")
         if hidden != target.hidden_size:
@@ -263,6 +264,18 @@ def plan_drafter(args, target: ModelConfig, default_block_len: int,
             warn(f"--block-len {args.block_len} is ignored: the block drafter {spec} drafts "
                  f"its own {own} positions")
         return DrafterPlan("block", own, spec, config)
+    if attrs.get("kdtree.bundle") == "dflash_drafter":
+        try:
+            problem = DFlashSpec.from_attrs(attrs).target_problem(target)
+        except BundleError as e:
+            raise bundle_problem("--drafter", spec, e) from e
+        if problem:
+            raise UsageError(f"--drafter {spec}: {problem}")
+        own = int(attrs["dflash.block_size"]) - 1
+        if args.block_len is not None and args.block_len != own:
+            warn(f"--block-len {args.block_len} is ignored: the DFlash drafter {spec} drafts "
+                 f"its own {own} positions")
+        return DrafterPlan("dflash", own, spec, config)
     return DrafterPlan("model", block_len, spec, config)
 
 
@@ -318,7 +331,8 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
     _context_check(prompts, where, args.max_new_tokens, cfg, "model")
     if drafter is None:
         return
-    B, L = args.budget, drafter.block_len
+    L = drafter.block_len
+    B = L if args.method == "chain" else args.budget
     if backend.name == "numba" and B > MAX_GPU_BUDGET:
         raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
                          f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "

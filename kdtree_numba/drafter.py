@@ -22,6 +22,9 @@ must not read the device: the round's one host read is the engine's (docs/ENGINE
 * :class:`BlockDrafter`: a DFlash-style block drafter: one forward over [root, MASK x (L)],
   bidirectional inside the block, conditioned on the target's hidden state at the root's
   parent through a learned projection (weights in a ``block_drafter`` bundle).
+* ``DFlashDrafter`` (kdtree_numba/dflash.py): the DFlash block drafter itself, with a KV
+  context of fused target features from several layers; the engine feeds it those features
+  and the roots instead of histories (its own ``propose(roots)``).
 """
 from __future__ import annotations
 
@@ -29,10 +32,11 @@ import numpy as np
 
 from kdtree_numba.bundle import (BundleError, block_drafter_shapes, open_bundle,
                                  read_bundle_config)
+from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.model import Model
 
-__all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "load_drafter",
-           "parse_oracle_spec", "ORACLE_FORM", "DEFAULT_AGREEMENT"]
+__all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "DFlashDrafter",
+           "load_drafter", "parse_oracle_spec", "ORACLE_FORM", "DEFAULT_AGREEMENT"]
 
 DEFAULT_AGREEMENT = 0.8
 ORACLE_FORM = "oracle[:AGREEMENT] with AGREEMENT in [0, 1], e.g. oracle:0.8"
@@ -254,11 +258,15 @@ def parse_oracle_spec(spec: str) -> float | None:
 def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0, *,
                  verify: bool = True, progress=None):
     """A drafter from a CLI spec: a model bundle (ModelDrafter), a block_drafter bundle
-    (BlockDrafter, its own block length), or ``oracle[:AGREEMENT]`` (tests/demos).
-    ``verify``, ``progress``: as in ``Model.load``, for a bundle."""
+    (BlockDrafter, its own block length), a dflash_drafter bundle (DFlashDrafter for
+    ``target``, its own block size; kdtree_numba/dflash.py), or ``oracle[:AGREEMENT]``
+    (tests/demos).  ``verify``, ``progress``: as in ``Model.load``, for a bundle."""
     agreement = parse_oracle_spec(spec)
     if agreement is not None:
         return NoisyOracleDrafter(target, block_len, agreement, seed)
-    if read_bundle_config(spec)[1].get("kdtree.bundle") == "block_drafter":
+    kind = read_bundle_config(spec)[1].get("kdtree.bundle")
+    if kind == "block_drafter":
         return BlockDrafter.load(spec, target.backend, verify=verify, progress=progress)
+    if kind == "dflash_drafter":
+        return DFlashDrafter.load(spec, target, verify=verify, progress=progress)
     return ModelDrafter.load(spec, target.backend, block_len, verify=verify, progress=progress)

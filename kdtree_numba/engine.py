@@ -1,7 +1,7 @@
-"""Batched generation: autoregressive (AR) and DDTree speculative decoding.
+"""Batched generation: autoregressive (AR), DDTree and greedy-chain speculative decoding.
 
-``generate(model, prompts, max_new_tokens, method="ar"|"ddtree", drafter=..., budget=32,
-temperature=0.0, seed=0, eos=None) -> GenerationResult``
+``generate(model, prompts, max_new_tokens, method="ar"|"chain"|"ddtree", drafter=...,
+budget=32, temperature=0.0, seed=0, eos=None) -> GenerationResult``
 
 Sequence bookkeeping (per request b): ``seq[b]`` = prompt + committed tokens.  The last committed
 token is the *root*: the next token fed to the target.  The target cache always holds
@@ -16,6 +16,12 @@ token is the *root*: the next token fed to the target.  The target cache always 
   accept (``accept_greedy`` on the target's argmax at T = 0, ``accept_sampled`` at T > 0) ->
   ``compact_kv`` of the accepted rows -> lengths += acc_len -> the bonus token is the next root.
   Each round commits the accepted nodes' tokens and the bonus token.
+* Chain round: the same with the drafter's own greedy chain instead of a tree (top-K with
+  k = 1 and a budget of L: each node's one child is its row's argmax), for every drafter.
+* A DFlash drafter (kdtree_numba/dflash.py, ``feature_layers``) is fed the target's features
+  of the verified tokens: the prefill and each verify forward also return the residual stream
+  after those target layers, a device step gathers the accepted nodes' rows, and after the
+  round's read the drafter takes them as its new context (``extend_context``).
 
 Sampling (T > 0) is lossless *and* reproducible across methods: the token at absolute position p
 of request b is drawn by inverse CDF (``reference.ddtree.sample_targets``' rule) with the uniform
@@ -35,10 +41,11 @@ DDTree round: acc_len and the committed tokens).  Everything else stays on the d
 host bookkeeping (lengths, sequences); phase timings come from markers read after the fact.
 
 All device work is a model method: ``prefill``, ``decode``, ``forward`` (the verify), and the
-device steps ``choose``, ``draft_tree``, ``accept``, ``last_accepted`` and ``compact``
-(kdtree_numba/steps.py).  On the GPU the model replays them from CUDA graphs once their shapes
-repeat (kdtree_numba/graphs.py, docs/ENGINE.md); the engine keeps only host state (sequences,
-lengths, stats) and uses the backend for uploads, its reads, timing markers and frees.
+device steps ``choose``, ``draft_tree``, ``accept``, ``last_accepted``, ``accepted_rows`` and
+``compact`` (kdtree_numba/steps.py).  On the GPU the model replays them from CUDA graphs once
+their shapes repeat (kdtree_numba/graphs.py, docs/ENGINE.md); the engine keeps only host state
+(sequences, lengths, stats) and uses the backend for uploads, its reads, timing markers and
+frees.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ import numpy as np
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
-METHODS = ("ar", "ddtree")
+METHODS = ("ar", "chain", "ddtree")
 PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction")
 
 
@@ -185,14 +192,19 @@ def _choose(model, logits, temperature: float, uniforms: np.ndarray) -> np.ndarr
                       np.int64)
 
 
-def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer):
+def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer, drafter,
+             capture: tuple):
     bs = len(prompts)
     lens = np.array([p.size for p in prompts], np.int64)
-    last = model.prefill(cache, prompts, return_hidden=req.keep_hidden)
+    out = model.prefill(cache, prompts, return_hidden=req.keep_hidden, capture_layers=capture)
+    parts = out if isinstance(out, tuple) else (out,)
+    last = parts[0]
     if req.keep_hidden:
-        last, req.hidden = last
+        req.hidden = parts[1]
     u = np.array([tables[b][lens[b]] for b in range(bs)])
     first = _choose(model, last, temperature, u)
+    if capture:            # the prompt's features: the DFlash drafter's first context
+        drafter.extend_context(parts[-1], lens)
     timer.lap("prefill")
     for b in range(bs):
         req.commit(b, [first[b]])
@@ -209,34 +221,46 @@ def _ar_step(model, cache, req: _Requests, temperature, tables, timer):
         req.commit(b, [nxt[b]])
 
 
-def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
-                  stats):
-    """One round.  Its device work is the drafter's, then the model's: the tree, the verify
-    forward, the acceptance, the compaction (on the GPU each one CUDA-graph launch once its
-    shapes repeat); then the round's one read."""
+def _draft(drafter, req: _Requests, capture: tuple):
+    """The drafter's logits [bs, L, V] for this round (each kind is fed what it needs)."""
+    if capture:                       # DFlash: its context is already in its cache
+        return drafter.propose(req.roots())
     histories = [np.asarray(s, np.int64) for s in req.seq]
     if req.keep_hidden:
-        draft_logits = drafter.propose(histories, target_hidden=req.hidden)
-    else:
-        draft_logits = drafter.propose(histories)
+        return drafter.propose(histories, target_hidden=req.hidden)
+    return drafter.propose(histories)
+
+
+def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
+                  stats, k: int | None = None, capture: tuple = ()):
+    """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
+    work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
+    the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
+    round's one read, then (DFlash) the drafter's context update."""
+    draft_logits = _draft(drafter, req, capture)
     timer.lap("draft")
     start = cache.lengths.astype(np.int32)
-    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget)
+    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget, k)
     timer.lap("tree_build")
-    logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
-                           return_hidden=req.keep_hidden)
-    if req.keep_hidden:
-        logits, hidden = logits
+    out = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
+                        return_hidden=req.keep_hidden, capture_layers=capture)
+    parts = out if isinstance(out, tuple) else (out,)
+    logits = parts[0]
     timer.lap("verify")
     acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start)
     if req.keep_hidden:  # the row of the last accepted node chose the next root
-        req.hidden = model.last_accepted(hidden, acc_idx, acc_len)
+        req.hidden = model.last_accepted(parts[1], acc_idx, acc_len)
+    if capture:          # the features of the root and the accepted nodes, in order
+        accepted = model.accepted_rows(parts[-1], acc_idx)
     timer.lap("accept")
     model.compact(cache, acc_idx, acc_len)
     timer.lap("compaction")
     packed = model.backend.to_host(packed)        # THE host read of the round
     active = req.active.copy()
-    cache.advance(np.where(active, packed[:, 0], 0))
+    grow = np.where(active, packed[:, 0], 0)
+    cache.advance(grow)
+    if capture:          # launches only: the drafter's context grows as the target's cache
+        drafter.extend_context(accepted, grow)
     stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(active)])
     for b in np.flatnonzero(active):
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
@@ -247,8 +271,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
              eos: int | None = None, progress=None, stream=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
-    prompts: sequences of token ids (ragged).  method "ddtree" needs a ``drafter``
-    (kdtree_numba/drafter.py) with the target's vocabulary; ``budget`` = tree nodes per round.
+    prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
+    ``drafter`` (kdtree_numba/drafter.py, kdtree_numba/dflash.py) with the target's
+    vocabulary; ``budget`` = tree nodes per round ("ddtree"; a chain verifies the drafter's L
+    greedy tokens).
     ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
@@ -265,18 +291,22 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)
     bs = len(prompts)
-    block_len = None
-    if method == "ddtree":
+    block_len, k, capture = None, None, ()
+    speculative = method != "ar"
+    if speculative:
         if drafter is None:
-            raise ValueError("method 'ddtree' needs a drafter")
-        if budget < 1:
+            raise ValueError(f"method {method!r} needs a drafter")
+        if method == "ddtree" and budget < 1:
             raise ValueError("budget must be >= 1")
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target "
                              f"{model.vocab_size}")
         block_len = drafter.block_len
+        if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
+            budget, k = block_len, 1
+        capture = tuple(getattr(drafter, "feature_layers", None) or ())
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
-                            budget=budget if method == "ddtree" else None, block_len=block_len)
+                            budget=budget if speculative else None, block_len=block_len)
     # Device arrays of earlier work (the last generate()'s final round, dropped when it
     # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
     # the device.  Free them here, before the clock starts, not in the middle of a round.
@@ -288,24 +318,23 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # Room for the longest sequence, one verify block past it, and the last round's growth
     # of a request that finishes in it (up to L + 1 accepted tokens) before it stops.
     longest = max(p.size for p in prompts) + max_new_tokens
-    verify_width = budget + 1 if method == "ddtree" else 1
-    max_len = longest + verify_width + (block_len + 1 if method == "ddtree" else 1)
+    verify_width = budget + 1 if speculative else 1
+    max_len = longest + verify_width + (block_len + 1 if speculative else 1)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
-    table = be.asarray(np.stack(tables)) if method == "ddtree" and temperature > 0 else None
+    table = be.asarray(np.stack(tables)) if speculative and temperature > 0 else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
     cache = model.cache_for_generation(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
     req = _Requests(prompts, max_new_tokens, eos,
-                    keep_hidden=method == "ddtree" and getattr(drafter, "needs_target_hidden",
-                                                               False))
+                    keep_hidden=speculative and getattr(drafter, "needs_target_hidden", False))
     timer = _PhaseClock(be, stats)
     graphs_before = model.graph_counts()
     with be.deferred_frees():   # the drafter's old state dies here too
-        if method == "ddtree":
+        if speculative:
             drafter.start(bs, max_len + block_len + 1)
             timer.lap("draft")
-        _prefill(model, cache, prompts, req, temperature, tables, timer)
+        _prefill(model, cache, prompts, req, temperature, tables, timer, drafter, capture)
     timer.settle()
     total = bs * max_new_tokens
     if progress is not None:
@@ -318,7 +347,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 _ar_step(model, cache, req, temperature, tables, timer)
             else:
                 _ddtree_round(model, cache, drafter, req, budget, temperature, table, timer,
-                              stats)
+                              stats, k, capture)
         timer.settle()
         stats.rounds += 1
         if progress is not None:

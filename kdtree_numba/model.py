@@ -16,8 +16,9 @@ the cache holds only the latent c and the rope key).
 What decoding needs is a model method (the engine's seam, docs/ENGINE.md): ``prefill`` (ragged
 sequences, committed), ``decode`` (one token per request), ``cache_for_generation``,
 ``graph_counts``, and the device steps of a round (kdtree_numba/steps.py: ``choose``,
-``draft_tree``, ``accept``, ``last_accepted``, ``compact``).  On the GPU the model owns the CUDA
-graphs its forwards and steps replay from (kdtree_numba/graphs.py) and builds their keys.
+``draft_tree``, ``accept``, ``last_accepted``, ``accepted_rows``, ``compact``).  On the GPU the
+model owns the CUDA graphs its forwards and steps replay from (kdtree_numba/graphs.py) and
+builds their keys.
 """
 from __future__ import annotations
 
@@ -88,12 +89,16 @@ class Model(DeviceSteps):
     """The forward pass of a ModelConfig with its weights on one backend, and the device steps
     of decoding (kdtree_numba/steps.py)."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto"):
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto", *,
+                 shared: Mapping[str, Any] | None = None):
+        """``shared``: arrays already on ``backend`` used as they are instead of
+        ``weights[name]``, for "model/embed_tokens" and "lm_head" (a DFlash drafter runs on its
+        target's embedding and head, kdtree_numba/dflash.py: one copy on the device)."""
         self.config = config
         self.backend: Backend = make_backend(backend)
         self.rope = _rope_spec(config)
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
-        self._load(weights)
+        self._load(weights, shared or {})
         # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
         # None: everything runs eagerly (the reference backend, the simulator,
         # KDTREE_CUDA_GRAPHS=0)
@@ -114,7 +119,7 @@ class Model(DeviceSteps):
             return cls(config, weights, backend)
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
-    def _load(self, weights: Mapping[str, Any]) -> None:
+    def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
         cfg, put = self.config, self.backend.asarray
 
         def w(name):
@@ -127,9 +132,13 @@ class Model(DeviceSteps):
             # joined by the backend: on a GPU each part goes up once, no joined host copy
             return self.backend.xp.concatenate([w(n) for n in names], axis=0)
 
-        self.embed = w("model/embed_tokens")
+        self.embed = shared.get("model/embed_tokens")
+        if self.embed is None:
+            self.embed = w("model/embed_tokens")
         self.final_norm = w("model/norm")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head")
+        self.lm_head = shared.get("lm_head")
+        if self.lm_head is None:
+            self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head")
         self.layers = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model/layers/{layer}/"
@@ -202,7 +211,7 @@ class Model(DeviceSteps):
         return self.graphs.captures, self.graphs.replays
 
     def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
-                embeds=None):
+                embeds=None, capture_layers=()):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
 
         tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device: a device
@@ -211,6 +220,11 @@ class Model(DeviceSteps):
         With ``return_hidden`` also returns the final normed hidden states [bs, n, D].
         ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
         shape; the BlockDrafter feeds MASK slots and target features this way).
+        ``capture_layers`` (decoder layer indices, 0-based) also returns the residual stream
+        after each listed layer (before any final norm), concatenated in the order given:
+        features [bs, n, k * D] float32, the DFlash drafter's target features
+        (kdtree_numba/dflash.py), from the same pass.  Returns ``logits``, or the tuple
+        ``(logits[, hidden][, features])`` when either extra is asked for.
         Host inputs are uploaded once per forward (asynchronous copies), so a forward never
         waits for the device.  On the GPU a shape seen before replays a CUDA graph
         (kdtree_numba/graphs.py).
@@ -225,8 +239,13 @@ class Model(DeviceSteps):
         visible = visible if hasattr(visible, "shape") else np.asarray(visible)
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
-        if self.graphs is not None and embeds is None:
-            out = self._replay_forward(tokens, positions, cache, visible, return_hidden)
+        capture = self._check_capture(capture_layers)
+        if embeds is not None and tuple(embeds.shape) != (bs, n, self.config.hidden_size):
+            raise ValueError(f"embeds must be {(bs, n, self.config.hidden_size)}, got "
+                             f"{tuple(embeds.shape)}")
+        if self.graphs is not None:
+            out = self._replay_forward(tokens, positions, cache, visible, return_hidden,
+                                       capture, embeds)
             if out is not None:
                 return out
         slots = cache.write_slots(n)
@@ -237,23 +256,39 @@ class Model(DeviceSteps):
         inputs = ForwardInputs(tokens=be.asarray(tokens).astype(np.int32),
                                positions=be.asarray(positions).astype(np.int32).reshape(bs * n),
                                visible=be.asarray(visible).astype(bool), slots=slots)
-        return self._compute(inputs, cache, return_hidden, embeds)
+        return self._compute(inputs, cache, return_hidden, embeds, capture)
 
-    def prefill(self, cache: KVCache, seqs, *, return_hidden: bool = False):
+    def _check_capture(self, layers) -> tuple[int, ...]:
+        layers = tuple(int(j) for j in layers)
+        bad = [j for j in layers if not 0 <= j < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"capture_layers {list(layers)}: layer {bad[0]} is not a decoder "
+                             f"layer of this model (0..{self.config.num_hidden_layers - 1})")
+        return layers
+
+    def prefill(self, cache: KVCache, seqs, *, return_hidden: bool = False,
+                capture_layers=()):
         """Feed request b's tokens ``seqs[b]`` (ragged, at least one each) after its cached
         prefix in one causal forward (:func:`pad_ragged`), and commit them.  Returns the logits
         [bs, V] of each request's last token, plus its final hidden state [bs, D] with
-        ``return_hidden``, on the device."""
+        ``return_hidden``, plus with ``capture_layers`` the features (:meth:`forward`) of every
+        fed token, [bs, n, k * D] with n the longest sequence (rows past ``len(seqs[b])`` are
+        padding), on the device."""
         ids, lengths, visible = pad_ragged(seqs)
         positions = cache.lengths[:, None] + np.arange(ids.shape[1])[None, :]
-        out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden)
+        capture = self._check_capture(capture_layers)
+        out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden,
+                           capture_layers=capture)
         cache.advance(lengths)
         rows = (self.backend.asarray(np.arange(len(seqs))), self.backend.asarray(lengths - 1))
+        if not (return_hidden or capture):
+            return out[rows]
+        parts = (out[0][rows],)
         if return_hidden:
-            logits, hidden = out
-            hidden = hidden[rows]
-            return logits[rows], hidden
-        return out[rows]
+            parts += (out[1][rows],)
+        if capture:
+            parts += (out[-1],)
+        return parts
 
     def decode(self, cache: KVCache, tokens):
         """Logits [bs, V] of one new token per request (``tokens`` [bs], host or device) at
@@ -264,22 +299,29 @@ class Model(DeviceSteps):
                               np.ones((bs, 1, 1), bool))
         return logits[:, 0]
 
-    def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool):
+    def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool,
+                        capture: tuple, embeds):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
         must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
         (KVCache.slot_inputs), so one graph serves every prefix length."""
         bs, n = tokens.shape
         rows, prefix = cache.slot_inputs(n)
-        key = ("forward", bs, n, bool(return_hidden)) + cache.buffer_key()
+        key = ("forward", bs, n, bool(return_hidden), capture, embeds is not None) \
+            + cache.buffer_key()
 
-        def run(tok, pos, vis, rows, prefix):
+        def run(tok, pos, vis, rows, prefix, *emb):
             inputs = ForwardInputs(tok, pos, vis, cache.device_slots(rows, prefix))
-            return self._compute(inputs, cache, return_hidden, None)
+            return self._compute(inputs, cache, return_hidden, emb[0] if emb else None,
+                                 capture)
         specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
                  ((bs, n), np.int64), ((bs,), np.int32))
-        return self.graphs.call(key, run, (tokens, positions, visible, rows, prefix), specs)
+        inputs = (tokens, positions, visible, rows, prefix)
+        if embeds is not None:
+            specs += (((bs, n, self.config.hidden_size), np.float32),)
+            inputs += (embeds,)
+        return self.graphs.call(key, run, inputs, specs)
 
-    def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds):
+    def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
         """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
         graph can capture it."""
         ops, be, cfg = self.backend.ops, self.backend, self.config
@@ -291,14 +333,36 @@ class Model(DeviceSteps):
         else:
             x = be.xp.ascontiguousarray(be.asarray(embeds).reshape(bs * n, cfg.hidden_size),
                                         dtype=np.float32)
+        after = {}             # the residual stream after each captured layer
         for layer, lw in enumerate(self.layers):
             h = ops.rmsnorm(x, lw.input_norm, cfg.rms_norm_eps)
             x = x + self._attention(lw, layer, h, positions, cache, slots, visible, bs, n)
             h = ops.rmsnorm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + self._ffn(lw, h)
+            if layer in capture:
+                after[layer] = x        # each layer makes a new x: this one is never written
         h = ops.rmsnorm(x, self.final_norm, cfg.rms_norm_eps)
         logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
-        return (logits, h.reshape(bs, n, -1)) if return_hidden else logits
+        out = (logits,)
+        if return_hidden:
+            out += (h.reshape(bs, n, -1),)
+        if capture:
+            features = be.xp.concatenate([after[j] for j in capture], axis=1)
+            out += (features.reshape(bs, n, len(capture) * cfg.hidden_size),)
+        return out if len(out) > 1 else logits
+
+    def kv_latents(self, layer: int, h, positions):
+        """What layer ``layer`` caches for the normed inputs ``h`` [M, D] at ``positions`` [M]
+        (int32, device): the latent ``c = rmsnorm(kv[:r])`` [M, r] and the rotated rope key
+        ``k_pe = rope(kv[r:])`` [M, 1, dr], with ``kv = h kv_a^T``.  The attention uses it for
+        its own tokens; a DFlash drafter injects its fused target features through it."""
+        xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
+        lw, r, dr = self.layers[layer], cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        kv = ops.linear(h, lw.kv_a)                                        # [M, r + dr]
+        c = ops.rmsnorm(xp.ascontiguousarray(kv[:, :r]), lw.kv_a_norm, LATENT_NORM_EPS)
+        k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(h.shape[0], 1, dr), positions,
+                        self.rope)
+        return c, k_pe
 
     def _attention(self, lw, layer, h, positions, cache, slots, visible, bs, n):
         """Absorbed MLA of one layer; writes this layer's latents of the n tokens."""
@@ -314,9 +378,7 @@ class Model(DeviceSteps):
         q = q.reshape(M, H, dn + dr)
         q_nope = xp.ascontiguousarray(q[:, :, :dn]).reshape(bs, n, H, dn)
         q_pe = ops.rope(xp.ascontiguousarray(q[:, :, dn:]), positions, self.rope)
-        kv = ops.linear(h, lw.kv_a)                                        # [M, r + dr]
-        c = ops.rmsnorm(xp.ascontiguousarray(kv[:, :r]), lw.kv_a_norm, LATENT_NORM_EPS)
-        k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(M, 1, dr), positions, self.rope)
+        c, k_pe = self.kv_latents(layer, h, positions)
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths

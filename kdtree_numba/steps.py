@@ -17,6 +17,8 @@ A DDTree round (docs/DDTREE.md for the kernels):
   uniforms ``U_b[start + depth + 1]`` at T > 0), the walk (``accept_greedy`` /
   ``accept_sampled``), and the packing of acc_len and the committed tokens into one int32
   array, the round's one read (graph key "accept");
+* :meth:`~DeviceSteps.accepted_rows`: with a DFlash drafter, the verify's captured target
+  features at the accepted nodes (graph key "accepted_rows"), the drafter's next context;
 * :meth:`~DeviceSteps.compact`: ``compact_kv`` of the accepted rows (graph key "compaction").
 
 Prefill and AR steps choose their next token with :meth:`~DeviceSteps.choose` (graph key
@@ -29,7 +31,7 @@ import numpy as np
 from reference.ddtree import DraftTree
 
 __all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "pack_committed",
-           "tree_phase", "accept_phase", "compaction_phase"]
+           "tree_phase", "accept_phase", "gather_phase", "compaction_phase"]
 
 TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")
 
@@ -95,6 +97,16 @@ def accept_phase(ops, xp, temperature: float, max_depth: int):
     return run
 
 
+def gather_phase(xp):
+    """rows [bs, W, F], acc_idx [bs, L + 1] -> the rows of the accepted nodes [bs, L + 1, F]
+    (padding indices -1 read slot 0)."""
+    def run(rows, acc_idx):
+        bs = rows.shape[0]
+        idx = xp.maximum(acc_idx, 0).astype(np.int64)
+        return rows[xp.arange(bs, dtype=np.int64)[:, None], idx]
+    return run
+
+
 def compaction_phase(ops, cache):
     """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
     def run(lengths, acc_idx, acc_len):
@@ -135,11 +147,13 @@ class DeviceSteps:
         tokens = ops.sample_targets(root_only_tree(be, bs), pair, temperature, u)
         return tokens[:, 0]
 
-    def draft_tree(self, draft_logits, roots, start, budget: int):
+    def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None):
         """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
         [bs] and the tree's start positions [bs] (the cache lengths): top-K with
-        ``k = min(budget, V)``, the best-first build of ``budget`` nodes, the compile."""
-        k = min(budget, self.vocab_size)
+        ``k = min(budget, V)`` (or the ``k`` given), the best-first build of ``budget`` nodes,
+        the compile.  ``k = 1, budget = L`` builds the drafter's greedy chain (each node has
+        one child, its row's argmax): the engine's "chain" method."""
+        k = min(budget, self.vocab_size) if k is None else int(k)
         return self.device_step(("tree", k, budget), tree_phase(self.backend.ops, k, budget),
                                 (draft_logits, roots, start))
 
@@ -164,6 +178,14 @@ class DeviceSteps:
         last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
                                   axis=1)[:, 0]
         return rows[xp.arange(rows.shape[0]), last]
+
+    def accepted_rows(self, rows, acc_idx):
+        """``rows`` [bs, W, F] (e.g. the verify forward's captured features) at the accepted
+        nodes ``acc_idx`` [bs, L + 1]: [bs, L + 1, F], row j the j-th accepted node (the
+        root first); rows past each request's acc_len repeat the root's and are to be
+        ignored.  A device step (graph key "accepted_rows"): nothing is read."""
+        return self.device_step(("accepted_rows",), gather_phase(self.backend.xp),
+                                (rows, acc_idx))
 
     def compact(self, cache, acc_idx, acc_len) -> None:
         """Move the accepted tree rows to the front of the tree block in ``cache``

@@ -1,0 +1,169 @@
+"""The DFlash block drafter: a short stack of decoder layers conditioned on the target's own
+hidden states, drafting all B - 1 positions after the root in one forward.
+
+The spec (the engine and the torch trainer both implement it) is docs/ENGINE.md, "DFlash
+block drafter"; the trained demo pair is docs/DEMO.md.  In short:
+
+* **Weights.** A ``dflash_drafter`` bundle (kdtree_numba/bundle.py, :func:`dflash_shapes`):
+  n DeepSeek-V3 decoder layers of the target's width (dense MLPs, a plain q_proj), a final
+  norm, ``dflash/fc`` [D, k D], ``dflash/hidden_norm`` [D] and ``dflash/mask_embedding`` [D].
+  No embedding and no lm_head: the drafter's :class:`~kdtree_numba.model.Model` gets the
+  target's arrays (shared, not copied).
+* **Features.** ``feature(t)`` is the residual stream after each target layer of
+  ``spec.target_layer_ids`` at token t, concatenated [k D] (``Model.forward(...,
+  capture_layers=...)``: the prefill and the verify forward return them, nothing runs twice);
+  fused ``f(t) = rmsnorm(fc feature(t), hidden_norm)``.
+* **Context.** The drafter's own KV cache holds, per request, one entry per token whose
+  features are known, at its absolute position: the prompt after prefill, then each round's
+  root and accepted nodes.  :meth:`DFlashDrafter.extend_context` injects them: every drafter
+  layer caches ``kv_a(f)`` (its latent and rope key, ``Model.kv_latents``) and commits.  Only
+  target-verified tokens ever enter it, so nothing is trimmed: it always equals the target's
+  cache length, the position of the root.
+* **Propose.** One forward over the block ``[embed(root), MASK x (B - 1)]`` at positions
+  ``P .. P + B - 1`` (P = context length), bidirectional inside the block, attending to the
+  whole context; logits of slots 1..B-1 are the marginals of depths 1..B-1 the tree is built
+  from.  The block's latents are written uncommitted at ``[P, P + B)`` and overwritten by the
+  next context.
+
+Everything runs through the drafter's Model and the backend's ops, so the reference backend
+and the numba kernels both run it (no kernel of its own); on the GPU the context injection
+and the block forward replay CUDA graphs once their shapes repeat, and nothing is read back.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_dflash_bundle,
+                                 read_dflash_spec)
+from kdtree_numba.config import ModelConfig
+from kdtree_numba.kvcache import KVCache
+from kdtree_numba.model import Model
+
+__all__ = ["DFlashDrafter", "context_phase"]
+
+DFLASH_TENSORS = ("dflash/fc", "dflash/hidden_norm", "dflash/mask_embedding")
+
+
+def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
+    """features [bs, m, k D], rows [bs, m] (cache slots = positions), prefix [bs] -> ():
+    fuse the features and write every drafter layer's latents of them (uncommitted; device
+    work only, so a CUDA graph can capture it)."""
+    xp, ops, cfg = model.backend.xp, model.backend.ops, model.config
+    r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+
+    def run(features, rows, prefix):
+        bs, m, width = features.shape
+        x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
+        f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
+        positions = xp.ascontiguousarray(rows.reshape(bs * m)).astype(np.int32)
+        slots = cache.device_slots(rows, prefix)
+        for layer in range(cfg.num_hidden_layers):
+            c, k_pe = model.kv_latents(layer, f, positions)
+            cache.write(layer, c.reshape(bs, m, r), k_pe.reshape(bs, m, dr), slots)
+        return ()
+    return run
+
+
+class DFlashDrafter:
+    """A DFlash block drafter for one target model (module docstring).
+
+    The engine feeds it: ``feature_layers`` tells it which target layers to capture;
+    :meth:`extend_context` takes the captured features of the newly verified tokens (the
+    prompt after prefill, the accepted nodes after a round); :meth:`propose` drafts from the
+    roots.  ``block_len`` (L = B - 1) is the tree's maximum depth."""
+
+    def __init__(self, target: Model, config: ModelConfig, weights: Mapping[str, Any],
+                 spec: DFlashSpec, name: str = "dflash"):
+        problem = spec.config_problem(config) or spec.target_problem(target.config)
+        if problem:
+            raise BundleError(problem)
+        be = target.backend
+        expected = dflash_shapes(config, len(spec.target_layer_ids))
+        own = {}
+        for tensor in DFLASH_TENSORS:
+            own[tensor] = weights[tensor]          # read once (a bundle's are read on access)
+            if tuple(own[tensor].shape) != expected[tensor]:
+                raise BundleError(f"tensor {tensor} has shape {tuple(own[tensor].shape)}, "
+                                  f"expected {expected[tensor]}")
+        self.model = Model(config, weights, be, shared={"model/embed_tokens": target.embed,
+                                                        "lm_head": target.lm_head})
+        self.fc = be.asarray(np.ascontiguousarray(own["dflash/fc"]))
+        self.hidden_norm = be.asarray(np.ascontiguousarray(own["dflash/hidden_norm"]))
+        self.mask_embedding = be.asarray(np.asarray(own["dflash/mask_embedding"], np.float32))
+        self.spec, self.name = spec, name
+        self.feature_layers: tuple[int, ...] = spec.target_layer_ids
+        self.block_len = spec.block_size - 1
+        self.cache: KVCache | None = None
+
+    @classmethod
+    def load(cls, path, target: Model, *, verify: bool = True,
+             progress=None) -> "DFlashDrafter":
+        """A ``dflash_drafter`` bundle for ``target``, on the target's backend.  A drafter
+        trained for another target (hidden size, vocabulary, a feature layer the target lacks,
+        another number of layers) raises :class:`BundleError` naming the mismatch before any
+        weight is read.  ``verify``, ``progress``: as in ``Model.load``."""
+        _, spec = read_dflash_spec(path)
+        problem = spec.target_problem(target.config)
+        if problem:
+            raise BundleError(f"{path}: {problem}")
+        with open_dflash_bundle(path, verify=verify, progress=progress) as \
+                (config, weights, spec):
+            return cls(target, config, weights, spec, name=f"dflash:{path}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def context_lengths(self) -> np.ndarray:
+        """Entries in each request's context (host int64 [bs])."""
+        return self.cache.lengths.copy()
+
+    def start(self, batch: int, max_len: int) -> None:
+        """An empty context for ``batch`` requests of up to ``max_len`` positions (the last
+        generation's cache when it fits, so its CUDA graphs replay)."""
+        self.cache = self.model.reuse_cache(self.cache, batch, max_len)
+
+    def _started(self, bs: int) -> KVCache:
+        if self.cache is None or self.cache.batch != bs:
+            raise RuntimeError(f"call start({bs}, max_len) before feeding {bs} requests")
+        return self.cache
+
+    def extend_context(self, features, lengths) -> None:
+        """Append ``lengths[b]`` (host ints) entries to request b's context: the first
+        ``lengths[b]`` rows of ``features`` [bs, m, k D] (float32, device or host; the rows of
+        the next tokens in order, the rest ignored), fused and injected into every layer's
+        cache at the next positions, and committed."""
+        bs, m, width = (int(d) for d in features.shape)
+        cache = self._started(bs)
+        if width != len(self.feature_layers) * self.model.config.hidden_size:
+            raise ValueError(f"features must be [bs, m, {len(self.feature_layers)} * "
+                             f"{self.model.config.hidden_size}], got {tuple(features.shape)}")
+        lengths = np.broadcast_to(np.asarray(lengths, np.int64), (bs,))
+        if np.any(lengths < 0) or np.any(lengths > m):
+            raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
+        if m:
+            rows, prefix = cache.slot_inputs(m)
+            self.model.device_step(("dflash_context",) + cache.buffer_key(),
+                                   context_phase(self.model, cache, self.fc, self.hidden_norm),
+                                   (features, rows, prefix))
+        cache.advance(lengths)
+
+    def propose(self, roots):
+        """Logits [bs, B - 1, V] float32 (device) of depths 1..B-1 under each request's root
+        ``roots`` [bs] (host or device ints), which sits at the position after its context:
+        one forward over ``[root, MASK x (B - 1)]``."""
+        be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
+        cache = self._started(len(roots))
+        bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
+        roots = roots if hasattr(roots, "__cuda_array_interface__") \
+            else np.asarray(roots, np.int32)
+        first = ops.embedding(be.asarray(roots).astype(np.int32), self.model.embed)
+        x = xp.concatenate([first.reshape(bs, 1, D),
+                            xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
+        positions = cache.lengths[:, None] + np.arange(B)[None, :]
+        logits = self.model.forward(np.zeros((bs, B), np.int32), positions, cache,
+                                    np.ones((bs, B, B), bool), embeds=x)
+        return xp.ascontiguousarray(logits[:, 1:])
