@@ -26,9 +26,16 @@ fi
 if [ -n "${TEST_FILES:-}" ]; then
   python3 -m pytest --co -q -p no:cacheprovider ${TEST_FILES} 2>/dev/null | grep '::' | grep -v -F -f <(printf '%s\n' ${DESELECT:-NONE}) > /tmp/ids.txt
   wc -l /tmp/ids.txt > "$OUT/ids_count.txt"
+  # no ids (a collection error) must not become pytest with no arguments: the whole suite
+  if [ ! -s /tmp/ids.txt ]; then
+    python3 -m pytest --co -q -p no:cacheprovider ${TEST_FILES} > "$OUT/collect_error.txt" 2>&1
+    echo "gpu_run.sh: no test ids collected from TEST_FILES (see collect_error.txt)" | tee -a "$OUT/ids_count.txt"
+    TEST_FILES=""
+  fi
   rm -f /tmp/shard_*     # a warm machine keeps the last call's shards
-  split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
+  [ -n "${TEST_FILES}" ] && split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
   for s in /tmp/shard_*; do
+    [ -e "$s" ] || continue
     n=$(basename "$s")
     # one node id a line: parametrised ids may hold spaces, so no word splitting
     ( mapfile -t ids < "$s"; timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$OUT/pytest_$n.txt" 2>&1;
@@ -45,7 +52,7 @@ for b in "${benches[@]}"; do
   echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/$name.md"
 done
 # The device tool brings back only a few files: fold the logs into one.
-for f in "$OUT"/env.txt "$OUT"/pre.txt "$OUT"/ids_count.txt "$OUT"/sanitizer.txt "$OUT"/pytest_*.txt; do
+for f in "$OUT"/env.txt "$OUT"/pre.txt "$OUT"/ids_count.txt "$OUT"/collect_error.txt "$OUT"/sanitizer.txt "$OUT"/pytest_*.txt; do
   [ -f "$f" ] && { echo "===== $(basename "$f")"; cat "$f"; rm -f "$f"; }
 done > "$OUT/tests.log"
 grep -E "^(FAILED|ERROR)|passed|failed|rc=|=====" "$OUT/tests.log" | tail -n 60
