@@ -38,6 +38,7 @@ from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat
 from reference import attention as reference_attention
 from reference import ddtree as reference_ddtree
 from reference import layers as reference_layers
+from reference.layers.common import as_float64
 
 __all__ = ["Backend", "make_backend", "BACKEND_NAMES", "map_arrays"]
 
@@ -79,6 +80,15 @@ class Backend:
                 and np.dtype(a.dtype).name == "bfloat16":
             return self.xp.asarray(np.ascontiguousarray(a).view(np.uint16))
         return self.xp.asarray(a) if dtype is None else self.xp.asarray(a, dtype=dtype)
+
+    def weight(self, a):
+        """A model weight as this backend keeps it.  The reference computes in float64, so it
+        widens a floating weight once here rather than in every call (the values are the same:
+        bf16 and float32 widen exactly); every other backend takes it as :meth:`asarray`."""
+        if self.name == "reference" and np.dtype(a.dtype).name in ("bfloat16", "float16",
+                                                                   "float32"):
+            return as_float64(a)
+        return self.asarray(a)
 
     def to_host(self, a) -> np.ndarray:
         """A NumPy copy of ``a``: THE device-to-host read (it waits for the device; counted)."""

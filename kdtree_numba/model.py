@@ -120,10 +120,10 @@ class Model(DeviceSteps):
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
-        cfg, put = self.config, self.backend.asarray
+        cfg, put = self.config, self.backend.asarray   # put: float32-only weights
 
         def w(name):
-            return put(np.ascontiguousarray(weights[name]))
+            return self.backend.weight(np.ascontiguousarray(weights[name]))
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
             return put(np.ascontiguousarray(weights[name], dtype=np.float32))

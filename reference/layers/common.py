@@ -7,8 +7,13 @@ __all__ = ["as_float64"]
 
 
 def as_float64(a) -> np.ndarray:
-    """float32 / bfloat16 / float64 array -> float64 (bf16 widens exactly)."""
+    """float32 / bfloat16 / float64 array -> float64 (bf16 widens exactly).  A float64 array
+    is returned as it is, not copied: no reference writes into what this returns, and the
+    reference backend keeps its weights in float64 (kdtree_numba/backends.py), so the
+    per-call widening of every weight would otherwise be most of a forward's time."""
     a = np.asarray(a)
+    if a.dtype == np.float64:
+        return a
     if a.dtype.name == "bfloat16":
         a = a.astype(np.float32)
     return a.astype(np.float64)
