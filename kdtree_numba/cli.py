@@ -15,10 +15,13 @@ Bad input is one line on stderr and exit 2, checked before any work starts
 ``KDTREE_DEBUG=1`` shows the traceback).  Bundles are CRC32C-checked as they load
 (``--no-verify`` skips it and says so).  Loading, writing and generating show a progress line
 on a terminal (never in ``--json`` mode or when stderr is piped, unless ``--progress``).
+``--plot PATH.png`` draws the run's acceptance lengths and one round's tree afterwards
+(kdtree_numba/plots.py; matplotlib, the ``plot`` extra).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -27,7 +30,7 @@ import numpy as np
 from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
-from kdtree_numba import demo
+from kdtree_numba import demo, plots
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
 from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, bundle_problem,
@@ -134,6 +137,9 @@ def _run_parser() -> argparse.ArgumentParser:
                    "--json (never while text streams to the same terminal)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check the bundles' tensor checksums (CRC32C) while loading")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="draw the run's acceptance-length histogram and one round's tree "
+                   "(--method ddtree or chain; needs matplotlib: the plot extra)")
     add_debug_flag(p)
     return p
 
@@ -216,10 +222,13 @@ def _run(argv: list[str]) -> int:
         # pipe, a file) holds the continuation alone
         sys.stderr.write(source.texts[0] if source.is_text else DEFAULT_TEXT_PROMPT)
         sys.stderr.flush()
+    # --plot only: the rounds' trees are copied on the device, one is read afterwards
+    recorder = plots.RoundRecorder(model.backend) if args.plot else None
     try:
         result = generate(model, prompts, args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
-                          seed=args.seed, eos=args.eos, progress=bar, stream=stream)
+                          seed=args.seed, eos=args.eos, progress=bar, stream=stream,
+                          on_round=recorder)
     finally:
         bar.close()
     stats = result.stats
@@ -235,7 +244,29 @@ def _run(argv: list[str]) -> int:
         f"; CUDA graphs: {stats.graph_captures} captured, {stats.graph_replays} replays"
     _log(prog, f"{stats.new_tokens} tokens in {stats.seconds:.3f} s "
          f"({stats.tokens_per_s:.1f} tok/s), {stats.rounds} rounds{tau}; {split}{graphs}")
+    if recorder is not None:
+        _write_plot(args, recorder, result, codec, drafter)
     return 0
+
+
+def _write_plot(args, recorder, result, codec, drafter) -> None:
+    """``--plot``: the histogram of every round's acceptance and request 0's round of median
+    acceptance drawn as a tree (kdtree_numba/plots.py)."""
+    stats = result.stats
+    rt = recorder.pick(stats.tau, result.tokens[0])
+    label = (lambda t: codec.decode([t])) if codec is not None else str
+    what = "DDTree" if args.method == "ddtree" else "chain"
+    budget = f", budget {stats.budget}" if args.method == "ddtree" else ""
+    kind, _, where = drafter.name.partition(":")
+    name = f"{kind}:{os.path.basename(where)}" if os.sep in where else drafter.name
+    title = (f"{what}{budget}, drafter {name}, T = {args.temperature:g}: "
+             f"{stats.rounds} rounds, {stats.new_tokens} tokens, mean tau "
+             f"{stats.mean_tau:.2f}")
+    plots.plot_run(args.plot, stats.tau, rt, label, title)
+    drawn = "no round to draw" if rt is None else \
+        f"round {rt.index + 1} ({rt.how}) of request 1 as a tree"
+    _log("kdtree-run", f"--plot: wrote {args.plot}: the acceptance-length histogram and "
+         f"{drawn}")
 
 
 def run_main(argv=None) -> int:

@@ -19,7 +19,8 @@ import math
 import os
 
 from formats.console import UsageError, escape, read_user_text
-from kdtree_numba import compat, demo
+from formats.paths import output_directory
+from kdtree_numba import compat, demo, plots
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config
 from kdtree_numba.config import ModelConfig, weight_shapes
@@ -28,7 +29,7 @@ from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
 from kdtree_numba.text import TextCodec, load_codec
 
 __all__ = ["DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
-           "PromptSource", "check_options", "parse_ids", "read_prompts", "open_backend",
+           "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts", "open_backend",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
 
@@ -57,6 +58,30 @@ def check_options(args) -> None:
                          f"{MAX_DEPTH}] (drafter steps per round, the tree's maximum depth)")
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be an integer >= 0")
+    if getattr(args, "plot", None) is not None:
+        check_plot(args.plot, args.method)
+
+
+def check_plot(path: str, method: str) -> None:
+    """``--plot PATH``: a ``.png`` name in an existing folder, a method with rounds to draw,
+    and matplotlib installed (the ``plot`` extra), all before any work."""
+    if method == "ar":
+        raise UsageError(f"--plot {escape(path)}: draws the acceptance lengths and one "
+                         f"round's tree of --method ddtree or chain; --method ar has no "
+                         f"rounds to draw")
+    if os.path.isdir(path):
+        raise UsageError(f"--plot {escape(path)}: a folder; give a file name ending in .png")
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise UsageError(f"--plot {escape(path)}: the picture is a PNG file; give a name "
+                         f"ending in .png")
+    try:
+        output_directory(path)
+    except OSError as e:
+        raise UsageError(f"--plot {escape(path)}: {escape(e.filename)}: {e.strerror}") from None
+    try:
+        plots.require_matplotlib()
+    except ImportError:
+        raise UsageError(f"--plot needs matplotlib: {plots.PLOT_EXTRA_HINT}") from None
 
 
 def parse_ids(text: str, where: str) -> list[int]:

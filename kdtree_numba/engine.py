@@ -232,11 +232,12 @@ def _draft(drafter, req: _Requests, capture: tuple):
 
 
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
-                  stats, k: int | None = None, capture: tuple = ()):
+                  stats, k: int | None = None, capture: tuple = (), on_round=None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
     the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
-    round's one read, then (DFlash) the drafter's context update."""
+    round's one read, then (DFlash) the drafter's context update.  ``on_round``: generate's
+    hook, handed the round's device arrays right after the acceptance."""
     draft_logits = _draft(drafter, req, capture)
     timer.lap("draft")
     start = cache.lengths.astype(np.int32)
@@ -248,6 +249,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     logits = parts[0]
     timer.lap("verify")
     acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start)
+    if on_round is not None:
+        on_round(tree, acc_idx, acc_len)
     if req.keep_hidden:  # the row of the last accepted node chose the next root
         req.hidden = model.last_accepted(parts[1], acc_idx, acc_len)
     if capture:          # the features of the root and the accepted nodes, in order
@@ -268,7 +271,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int = 32, temperature: float = 0.0, seed: int = 0,
-             eos: int | None = None, progress=None, stream=None) -> GenerationResult:
+             eos: int | None = None, progress=None, stream=None,
+             on_round=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -282,6 +286,15 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``stream(tokens)``: called at the same moments with every request's new tokens so far
     (``tokens[b]``, the engine's own lists: read them, keep or change nothing), so a caller
     can show text as rounds commit (kdtree-run does).
+    ``on_round(tree, acc_idx, acc_len)``: called in every DDTree or chain round right after
+    the acceptance (never for ar), with the round's tree (a ``DraftTree``: slot 0 the root,
+    nodes 1..n_nodes), ``acc_idx`` [bs, L + 1] (the accepted slots, root first) and
+    ``acc_len`` [bs] (the round's committed tokens: the accepted nodes and the bonus token),
+    all *device* arrays, valid only during the call (on the GPU they may be CUDA-graph
+    buffers the next round overwrites): copy on the device what is to be kept.  The engine
+    reads nothing for it, so a hook that only copies keeps the one read per round; one that
+    reads the device adds its reads (kdtree-run --plot copies, and reads one round after
+    generation: kdtree_numba/plots.py, ``RoundRecorder``).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -347,7 +360,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 _ar_step(model, cache, req, temperature, tables, timer)
             else:
                 _ddtree_round(model, cache, drafter, req, budget, temperature, table, timer,
-                              stats, k, capture)
+                              stats, k, capture, on_round)
         timer.settle()
         stats.rounds += 1
         if progress is not None:

@@ -146,6 +146,12 @@ CASES = [
      ["--model", "wide_tokenizer.kdtr", "tokenizer", "ids up to 500", "vocabulary of 128"]),
     ("empty-text-without-bos", RUN, ["--model", "{d}/words.kdtr", "--prompt", ""],
      ["--prompt ''", "no tokens"]),
+    ("plot-with-ar", RUN, ["--plot", "{d}/run.png"], ["--plot", "run.png", "--method ar has no "
+                                                     "rounds"]),
+    ("plot-not-png", RUN, DD + ["--plot", "{d}/run.jpg"], ["--plot", "run.jpg", ".png"]),
+    ("plot-missing-folder", RUN, DD + ["--plot", "{d}/nodir/run.png"],
+     ["--plot", "nodir", "no such folder"]),
+    ("plot-folder", RUN, DD + ["--plot", "{d}/folder"], ["--plot", "folder", "a folder"]),
     ("make-model-missing-folder", MAKE, ["{d}/nodir/x.kdtr"], ["nodir", "no such folder"]),
     ("make-model-h5-name", MAKE, ["{d}/x.h5"], ["x.h5", ".kdtr"]),
     ("make-model-folder", MAKE, ["{d}/folder"], ["folder"]),
