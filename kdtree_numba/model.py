@@ -120,13 +120,13 @@ class Model(DeviceSteps):
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
-        cfg, put = self.config, self.backend.asarray   # put: float32-only weights
+        cfg, weight = self.config, self.backend.weight
 
         def w(name):
-            return self.backend.weight(np.ascontiguousarray(weights[name]))
+            return weight(np.ascontiguousarray(weights[name]))
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
-            return put(np.ascontiguousarray(weights[name], dtype=np.float32))
+            return weight(np.ascontiguousarray(weights[name], dtype=np.float32))
 
         def fused(*names):  # gate rows first, then up rows (the kernels' gate_up layout)
             # joined by the backend: on a GPU each part goes up once, no joined host copy
