@@ -68,10 +68,24 @@ def parse_args(argv=None):
     g.add_argument("--heldout-mb", type=float, help="MB of held-out text (default 2)")
     g = p.add_argument_group("drafter")
     g.add_argument("--layers", type=int, default=2)
-    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--block-size", type=int, default=16,
+                   help="B: the root and B-1 drafted slots (DFlash's 16: a tree at budget 32+ "
+                        "reaches past depth 7 on repetitive code)")
     g.add_argument("--target-layers", default="1,3,5", help="0-based target layer ids")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a drafter ModelConfig size (heads, kv_lora_rank, ...)")
+    g = p.add_argument_group("self-generated data (the target's own greedy text)")
+    g.add_argument("--gen-seconds", type=float,
+                   help="seconds spent generating greedy windows before training (default "
+                        "150; tiny 8; 0 trains on corpus windows only)")
+    g.add_argument("--gen-rows", type=int, help="windows per generation chunk (default 1024; "
+                                                "tiny 4)")
+    g.add_argument("--prefix", help="corpus prefix lengths LO,HI of a greedy window (default "
+                                    "16,192; tiny 8,48)")
+    g.add_argument("--self-frac", type=float, default=0.75,
+                   help="share of each batch taken from the greedy windows (the rest from the "
+                        "corpus, teacher forced)")
+    g.add_argument("--init", help="a drafter.safetensors to start from (a previous call's)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch", type=int, help="windows per step (default 64; tiny 4)")
     g.add_argument("--anchors", type=int, help="blocks per window (default 64; tiny 8)")
@@ -80,7 +94,8 @@ def parse_args(argv=None):
     g.add_argument("--min-lr-frac", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0)
-    g.add_argument("--gamma", type=float, default=4.0, help="loss weights exp(-(k-1)/gamma)")
+    g.add_argument("--gamma", type=float, default=7.0,
+                   help="loss weights exp(-(k-1)/gamma) (DFlash: 7 for B 16, 4 for B 8)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-windows", type=int, help="teacher-forced windows (default 64)")
@@ -89,10 +104,13 @@ def parse_args(argv=None):
 
 
 EXPORT_S = 6.0     # of the reserve, kept for the export and metrics.json after evaluation
-DEFAULTS = {"full": dict(minutes=5.0, reserve=25.0, seq=512, train_mb=64.0, heldout_mb=2.0,
-                         batch=64, anchors=64, eval_windows=64, eval_rows=512, eval_chunk=64),
+GREEDY_EVAL_S = 20.0   # of the reserve, kept for the held-out greedy windows and their measure
+DEFAULTS = {"full": dict(minutes=5.0, reserve=50.0, seq=512, train_mb=64.0, heldout_mb=2.0,
+                         batch=64, anchors=64, eval_windows=64, eval_rows=512, eval_chunk=64,
+                         gen_seconds=150.0, gen_rows=1024, prefix="16,192"),
             "tiny": dict(minutes=1.5, reserve=20.0, seq=128, train_mb=0.3, heldout_mb=0.2,
-                         batch=4, anchors=8, eval_windows=8, eval_rows=32, eval_chunk=8)}
+                         batch=4, anchors=8, eval_windows=8, eval_rows=32, eval_chunk=8,
+                         gen_seconds=8.0, gen_rows=4, prefix="8,48")}
 
 
 def settings(args) -> dict:
@@ -103,7 +121,8 @@ def settings(args) -> dict:
             s[k] = getattr(args, k)
     s.update(lr=args.lr, warmup=args.warmup, min_lr_frac=args.min_lr_frac,
              weight_decay=args.weight_decay, clip=args.clip, gamma=args.gamma, seed=args.seed,
-             layers=args.layers, block_size=args.block_size,
+             layers=args.layers, block_size=args.block_size, self_frac=args.self_frac,
+             init=args.init,
              target_layer_ids=[int(j) for j in args.target_layers.split(",")],
              overrides={k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)})
     return s
@@ -192,13 +211,16 @@ def build_drafter(args, s, model, device, log):
     return drafter, cfg, dspec
 
 
-def train(drafter, model, tap, streams, s, device, amp_dtype, stop_at, should_stop, log,
+def train(drafter, model, tap, streams, pool, s, device, amp_dtype, stop_at, should_stop, log,
           print_every: float) -> dict:
+    """``pool``: greedy windows [N, T] (distill.generate_pool) or None; each batch takes
+    round(self_frac * batch) rows of it at random, the rest from the corpus stream."""
     import torch
     from demo import dflash, distill, trainer
     T, B, A, bs = s["seq"], s["block_size"], s["anchors"], s["batch"]
     opt = trainer.make_optimizer(drafter, s["lr"], s["weight_decay"], 0.95)
     sampler = trainer.WindowSampler(streams.numel(), T - 1, s["seed"])
+    n_self = 0 if pool is None else min(bs, round(bs * s["self_frac"]))
     w = dflash.position_weights(B, s["gamma"], device)
     gen = torch.Generator(device=device).manual_seed(s["seed"])
     t0 = time.monotonic()
@@ -233,7 +255,12 @@ def train(drafter, model, tap, streams, s, device, amp_dtype, stop_at, should_st
         lr = lr_at((now - t0) / total, s["lr"], s["warmup"], s["min_lr_frac"])
         for grp in opt.param_groups:
             grp["lr"] = lr
-        ids = trainer.gather(streams, sampler.next_starts_on(bs, device), T - 1)
+        parts = [] if n_self == bs else [trainer.gather(streams, sampler.next_starts_on(
+            bs - n_self, device), T - 1)]
+        if n_self:
+            parts.append(pool[torch.randint(0, pool.shape[0], (n_self,), device=device,
+                                            generator=gen)])
+        ids = torch.cat(parts) if len(parts) > 1 else parts[0]
         feats, greedy = distill.target_pass(model, tap, ids, amp_dtype)
         anchors = distill.random_anchors(bs, A, T, B, device, gen)
         labels = distill.block_labels(greedy, anchors, B)
@@ -258,7 +285,8 @@ def train(drafter, model, tap, streams, s, device, amp_dtype, stop_at, should_st
     if acc["n"]:
         report(lr)
     st["trained_s"] = round(time.monotonic() - t0, 1)
-    st["epochs"] = round(st["seqs"] * (T - 1) / streams.numel(), 3)
+    st["epochs"] = round(st["seqs"] * (bs - n_self) / bs * (T - 1) / streams.numel(), 3)
+    st["pool_passes"] = round(st["seqs"] * n_self / bs / pool.shape[0], 3) if n_self else 0.0
     return st
 
 
@@ -326,15 +354,34 @@ def main(argv=None) -> int:
     tap = distill.FeatureTap(model, s["target_layer_ids"])
     drafter, cfg, dspec = stages.run("drafter", build_drafter, args, s, model, device, log)
     dev_streams = {k: torch.from_numpy(v).to(device) for k, v in streams.items()}
+    if s["init"]:
+        from safetensors.torch import load_file
+        drafter.load_bundle_tensors(load_file(s["init"]))
+        log(f"drafter initialised from {s['init']}")
+    pool = None
+    if s["gen_seconds"] > 0 and s["self_frac"] > 0:
+        lo, hi = (int(v) for v in s["prefix"].split(","))
+        pool, _ = stages.run("generate", distill.generate_pool, model, dev_streams["train"],
+                             s["seq"], s["gen_rows"], (lo, hi), amp_dtype, s["gen_seconds"],
+                             s["seed"], log)
     log(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, experts "
         f"{experts_impl}; training until {stop_at - T_START:.0f} s")
 
-    st = stages.run("train", train, drafter, model, tap, dev_streams["train"], s, device,
+    st = stages.run("train", train, drafter, model, tap, dev_streams["train"], pool, s, device,
                     amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every)
     ev = stages.run("evaluate", distill.evaluate, drafter, model, tap, dev_streams["heldout"],
                     s["seq"], amp_dtype, windows=s["eval_windows"], anchors=s["anchors"],
                     free_rows=s["eval_rows"], gamma=s["gamma"], chunk=s["eval_chunk"],
-                    deadline=T_START + 60 * s["minutes"] - EXPORT_S)
+                    deadline=T_START + 60 * s["minutes"] - EXPORT_S
+                    - (GREEDY_EVAL_S if pool is not None else 0.0))
+    ev["greedy"] = None
+    if pool is not None:
+        hp_pool, hp_pre = stages.run("generate_heldout", distill.generate_pool, model,
+                                     dev_streams["heldout"], s["seq"], min(s["gen_rows"], 128),
+                                     (lo, hi), amp_dtype, 0.0, s["seed"] + 1, log)
+        ev["greedy"] = stages.run("evaluate_greedy", distill.evaluate_greedy, drafter, model,
+                                  tap, hp_pool, hp_pre, amp_dtype, anchors=s["anchors"],
+                                  chunk=s["eval_chunk"])
     written = stages.run("export", export, drafter, cfg, dspec, s, args.out, log)
 
     metrics = {"settings": s, "target": os.path.abspath(args.target), "device": str(device),
@@ -344,7 +391,9 @@ def main(argv=None) -> int:
                "tokens": {k: int(v.size) for k, v in streams.items()},
                "drafter": {"params": dflash.param_count(drafter),
                            "bf16_mib": dflash.bf16_mib(drafter), "config": cfg, "dflash": dspec},
-               "train": {k: st[k] for k in ("step", "seqs", "trained_s", "epochs")},
+               "train": {k: st[k] for k in ("step", "seqs", "trained_s", "epochs",
+                                            "pool_passes")},
+               "pool_windows": 0 if pool is None else int(pool.shape[0]),
                "heldout": ev, "written": written, "stages_s": stages.times,
                "wall_s": round(time.monotonic() - T_START, 1), "history": st["history"]}
     with open(os.path.join(args.out, "metrics.json"), "w") as fh:
@@ -354,7 +403,8 @@ def main(argv=None) -> int:
     tf, fr = ev["teacher_forced"], ev["free_running"]
     rows = [("parameters", f"{metrics['drafter']['params']:,} ({metrics['drafter']['bf16_mib']}"
                            f" MiB bf16)"),
-            ("steps / windows / epochs", f"{st['step']} / {st['seqs']} / {st['epochs']}"),
+            ("steps / windows / corpus epochs / pool passes",
+             f"{st['step']} / {st['seqs']} / {st['epochs']} / {st['pool_passes']}"),
             ("trained", f"{st['trained_s']:.1f} s")]
     if tf:
         rows += [("held-out loss (weighted CE)", f"{tf['loss']:.4f}"),
@@ -366,6 +416,11 @@ def main(argv=None) -> int:
                  ("chain tau measured / from top-1", f"{fr['tau']:.3f} / "
                                                      f"{fr['tau_from_top1']:.3f}"),
                  ("accepted histogram 0..B-1", str(fr["accepted_hist"]))]
+    gr = ev["greedy"]
+    if gr:
+        rows += [("top-1 by depth (held-out greedy text)", " ".join(f"{v:.3f}" for v in gr["top1"])),
+                 ("top-4 by depth (held-out greedy text)", " ".join(f"{v:.3f}" for v in gr["top4"])),
+                 ("chain tau on held-out greedy text", f"{gr['tau']:.3f} ({gr['blocks']} blocks)")]
     rows += [(f"stage {k}", f"{v:.1f} s") for k, v in stages.times.items()]
     rows += [("written", ", ".join(written)), ("wall", f"{metrics['wall_s']:.1f} s")]
     print(report_table(rows), flush=True)

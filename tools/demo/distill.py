@@ -102,6 +102,63 @@ def block_roots(ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     return ids.gather(1, anchors)
 
 
+# ----------------------------------------------------------------------------- self-generated data
+
+@torch.no_grad()
+def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, amp_dtype,
+                   generator=None) -> torch.Tensor:
+    """[rows, T] windows: ``prefix`` tokens of the stream (random starts), then the target's
+    own greedy continuation to T tokens, decoded with the KV cache.
+
+    What the drafter meets at inference is the target's greedy text after a prompt, so its
+    labels there are exact continuations rather than the argmax after *corpus* tokens (which
+    differs from the continuation from depth 2 on: a chain is checked against the target's
+    own choices, not the corpus's).  DFlash trains on target-generated responses for the same
+    reason (docs/DEMO.md, "Training on the target's own text")."""
+    from transformers import DynamicCache
+    dev = stream.device
+    starts = torch.randint(0, stream.numel() - T - 1, (rows,), device=dev, generator=generator)
+    ids = gather(stream, starts, T - 1).clone()
+    cache = DynamicCache(config=model.config)
+    with autocast(dev.type, amp_dtype):
+        out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        for t in range(prefix, T):
+            nxt = out.logits[:, -1].argmax(-1)
+            ids[:, t] = nxt
+            if t + 1 < T:
+                out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values,
+                            use_cache=True)
+    return ids
+
+
+def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, amp_dtype,
+                  seconds: float, seed: int, log=print, max_rows: int | None = None):
+    """Greedy windows (``greedy_windows``) in chunks of ``rows`` until ``seconds`` have passed
+    (the first chunk always runs) or ``max_rows`` are made; each chunk draws its own prefix
+    length from ``prefix_range`` (lo, hi), so the pool covers short and long prompts.
+    Returns (windows [N, T] int64, prefix lengths [N] int64) on the stream's device."""
+    g = torch.Generator(device=stream.device).manual_seed(seed)
+    lo, hi = prefix_range
+    pool, prefixes = [], []
+    t0 = time.monotonic()
+    made = 0
+    while not pool or (time.monotonic() - t0 < seconds
+                       and (max_rows is None or made < max_rows)):
+        p = int(torch.randint(lo, hi + 1, (1,), generator=torch.Generator().manual_seed(
+            seed * 1_000_003 + len(pool))).item())
+        w = greedy_windows(model, stream, T, rows, p, amp_dtype, g)
+        pool.append(w)
+        prefixes.append(torch.full((rows,), p, dtype=torch.long, device=stream.device))
+        made += rows
+        if len(pool) == 1 or len(pool) % 8 == 0:
+            dt = time.monotonic() - t0
+            log(f"self-generated: {made} windows ({made * T / 1e6:.2f} M tokens, "
+                f"{sum(T - int(x[0]) for x in prefixes) * rows / max(dt, 1e-9) / 1e3:.1f}k "
+                f"greedy tokens/s) in {dt:.1f} s")
+    return torch.cat(pool), torch.cat(prefixes)
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
@@ -187,6 +244,45 @@ def evaluate(drafter: DFlashDrafter, model, tap: FeatureTap, stream: torch.Tenso
         fr["tau_from_top1"] = round(expected_tau(fr["top1"]), 4)
     drafter.train(was)
     return {"teacher_forced": tf, "free_running": fr}
+
+
+@torch.no_grad()
+def evaluate_greedy(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.Tensor,
+                    prefixes: torch.Tensor, amp_dtype, *, anchors: int, seed: int = 4321,
+                    chunk: int = 64) -> dict | None:
+    """The drafter on held-out greedy windows (``generate_pool`` on the held-out stream), at
+    anchors inside the generated part only: there the target's teacher-forced argmax *is* its
+    free-running continuation, so a block's accepted length is the run of slots whose argmax
+    equals the label -- the chain round of an engine decoding at T = 0 after a held-out
+    prompt, which is what tools/bench_demo.py measures end to end."""
+    was = drafter.training
+    drafter.eval()
+    dev, B = pool.device, drafter.B
+    T = pool.shape[1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    lens, top1, top4, n = [], torch.zeros(B - 1, device=dev), torch.zeros(B - 1, device=dev), 0
+    for i in range(0, pool.shape[0], chunk):
+        ids, pre = pool[i:i + chunk], prefixes[i:i + chunk]
+        feats, greedy = target_pass(model, tap, ids, amp_dtype)
+        anc = random_anchors(ids.shape[0], anchors, T, B, dev, g)
+        labels = block_labels(greedy, anc, B)
+        with autocast(dev.type, amp_dtype):
+            logits = drafter(feats, block_roots(ids, anc), anc)
+        keep = (anc >= pre[:, None]).flatten()                  # blocks in the greedy part
+        logits, labels = logits.flatten(0, 1)[keep], labels.flatten(0, 1)[keep]
+        match = logits.argmax(-1) == labels
+        lens.append(match.long().cumprod(-1).sum(-1))
+        top1 += match.sum(0)
+        top4 += (logits.topk(4, dim=-1).indices == labels[..., None]).any(-1).sum(0)
+        n += labels.shape[0]
+    drafter.train(was)
+    if not n:
+        return None
+    acc = torch.cat(lens)
+    return {"blocks": n, "tau": round((acc.float() + 1).mean().item(), 4),
+            "accepted_hist": torch.bincount(acc, minlength=B).tolist(),
+            "top1": [round(v, 4) for v in (top1 / n).tolist()],
+            "top4": [round(v, 4) for v in (top4 / n).tolist()]}
 
 
 @torch.no_grad()
