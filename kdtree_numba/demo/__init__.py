@@ -11,24 +11,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["TARGET", "TEXT_PROMPT", "DEFAULT_DRAFTER", "DEFAULT_DRAFTER_PEEKS", "describe"]
+__all__ = ["TARGET", "DRAFTER", "TEXT_PROMPT", "DEFAULT_DRAFTER", "DEFAULT_DRAFTER_PEEKS", "describe"]
 
 HERE = Path(__file__).resolve().parent
 TARGET = HERE / "demo-target.kdtr"
+# Its DFlash block drafter (B = 16, 2 layers, 1.89 M parameters, features of target layers
+# 1, 3, 5), distilled from TARGET by tools/train_drafter.py on the target's own greedy text.
+DRAFTER = HERE / "demo-drafter.kdtr"
 
 # kdtree-run's prompt when none is given and the model has a tokenizer (shown in --help).
 TEXT_PROMPT = "def fibonacci(n):"
 
 # ---------------------------------------------------------------------------------------------
-# THE DEFAULT DRAFTER: what `kdtree-run --method ddtree` drafts with on the default model when
-# no --drafter is given (kdtree_numba/cli_checks.py, plan_drafter, reads these two names and
-# nothing else chooses it).  Until issue 14's DFlash block drafter, trained against TARGET,
-# ships next to it, this is the test drafter oracle:0.8: it runs the target itself, so it
-# knows the target's greedy future (its acceptance and speed are an upper bound, not a
-# result), and kdtree-run says so on stderr.  When the trained drafter lands, point
-# DEFAULT_DRAFTER at its bundle and set DEFAULT_DRAFTER_PEEKS to False.
-DEFAULT_DRAFTER = "oracle:0.8"
-DEFAULT_DRAFTER_PEEKS = True
+# THE DEFAULT DRAFTER: what `kdtree-run --method ddtree` (and chain) drafts with on the
+# default model when no --drafter is given (kdtree_numba/cli_checks.py, plan_drafter, reads
+# these two names and nothing else chooses it): the trained DFlash drafter above.
+# DEFAULT_DRAFTER_PEEKS says whether it is a test drafter that knows the target's future
+# (oracle:P, before the trained drafter shipped), which kdtree-run would announce.
+DEFAULT_DRAFTER = str(DRAFTER)
+DEFAULT_DRAFTER_PEEKS = False
 # ---------------------------------------------------------------------------------------------
 
 
