@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
-from kdtree_numba import demo, plots
+from kdtree_numba import demo, kernel_cache, plots
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
 from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, bundle_problem,
@@ -185,6 +186,46 @@ def _load_drafter(args, plan, model, backend):
         bar.close()
 
 
+class _FirstToken(threading.Event):
+    """Set when generation reports its first progress (the prefill's tokens are committed)."""
+
+    def wrap(self, progress):
+        def report(done, total):
+            self.set()
+            if progress is not None:
+                progress(done, total)
+        return report
+
+
+def _compile_notice(prog: str, on_gpu: bool, beat: bool = True,
+                    every: float = 5.0) -> _FirstToken:
+    """On a GPU: say whether the kernels come from the disk cache or compile now (numba
+    compiles each on its first launch: ~25 s of a cold first run on the H200), and while they
+    compile, a line every ``every`` seconds until the first token, so a first run never looks
+    hung.  Returns the event generation sets."""
+    first = _FirstToken()
+    if not on_gpu:
+        return first
+    where = kernel_cache.cache_dir()
+    if where is None:
+        _log(prog, "kernel cache off: the numba kernels compile in this process (about 30 s on "
+             "an H200); the timings below include that")
+    elif kernel_cache.cache_is_warm():
+        _log(prog, f"kernels from the cache {where}")
+    else:
+        _log(prog, f"compiling the GPU kernels (the first run of this version on this machine, "
+             f"about 30 s on an H200; kept in {where} for the next run)")
+    if not beat:
+        return first
+    t0 = time.perf_counter()
+
+    def heartbeat():
+        while not first.wait(every):
+            _log(prog, f"... compiling kernels and prefilling, {time.perf_counter() - t0:.0f} s")
+    threading.Thread(target=heartbeat, name="compile-notice", daemon=True).start()
+    return first
+
+
 def _run(argv: list[str]) -> int:
     prog = "kdtree-run"
     args = _run_parser().parse_args(argv)
@@ -209,13 +250,11 @@ def _run(argv: list[str]) -> int:
     drafter = _load_drafter(args, plan, model, backend)
     _log(prog, f"backend {model.backend.name}, {len(prompts)} prompt(s), method {args.method}, "
          f"loaded in {time.perf_counter() - t0:.2f} s; generating...")
-    if model.backend.on_gpu:
-        # numba compiles each kernel on its first call (~30 s in all on the H200, run 2): say
-        # so, or a first run looks hung and its tokens/s mean nothing.
-        _log(prog, "the numba kernels compile on first use in this process (about 30 s on "
-             "an H200); the timings below include that")
     stream = TextStream(codec) if as_text and len(prompts) == 1 and not args.json else None
     bar = _progress_bar(args, "generate", len(prompts) * args.max_new_tokens, "tok")
+    # no heartbeat lines where the prompt is echoed and the text streams: they would cut it
+    first_token = _compile_notice(prog, model.backend.on_gpu,
+                                  beat=not (stream is not None and same_terminal()))
     if stream is not None and same_terminal():
         bar.enabled = False     # a \r line on the terminal the text streams to would garble it
         # the prompt, on stderr: the terminal shows prompt + continuation, while stdout (a
@@ -227,9 +266,10 @@ def _run(argv: list[str]) -> int:
     try:
         result = generate(model, prompts, args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
-                          seed=args.seed, eos=args.eos, progress=bar, stream=stream,
-                          on_round=recorder)
+                          seed=args.seed, eos=args.eos, progress=first_token.wrap(bar),
+                          stream=stream, on_round=recorder)
     finally:
+        first_token.set()
         bar.close()
     stats = result.stats
     if args.json:

@@ -71,13 +71,28 @@ def _filter_options(options: dict) -> dict:
 
 
 def kernel(fn=None, **options):
-    """``cuda.jit`` for a kernel, always lazily compiled (no signature, nothing at import)."""
+    """``cuda.jit`` for a kernel, always lazily compiled (no signature, nothing at import).
+    Kernels (not device functions) go to the disk cache of kdtree_numba/kernel_cache.py, so a
+    second process loads what the first compiled."""
     options.setdefault("fastmath", False)  # the tree builder's bit-exactness depends on it
     if LINEINFO:
         options.setdefault("lineinfo", True)
     if fn is None:
-        return lambda f: cuda.jit(**_filter_options(options))(f)
-    return cuda.jit(**_filter_options(options))(fn)
+        return lambda f: _jit(f, options)
+    return _jit(fn, options)
+
+
+def _jit(fn, options: dict):
+    options = _filter_options(options)
+    if SIMULATOR or options.get("device") or "cache" in options:
+        return cuda.jit(**options)(fn)
+    from kdtree_numba.kernel_cache import cache_dir
+    if cache_dir() is None:
+        return cuda.jit(**options)(fn)
+    try:
+        return cuda.jit(cache=True, **options)(fn)
+    except RuntimeError:      # numba found no file to key this function on: compile per process
+        return cuda.jit(**options)(fn)
 
 
 def device_function(fn=None, **options):

@@ -16,6 +16,7 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
 from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
+from kdtree_numba.kernel_cache import generated_code
 from kdtree_numba.gpu.memory import ld_cached_f32x4, ld_stream_f32x4, ld_stream_u32x4
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor
@@ -188,8 +189,8 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str):
                f"        j += {threads}"]
     namespace = {"load_w8": _LOAD_W8[wkind], "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
                  "cuda": cuda}
-    exec(compile("\n".join(src), f"<accumulate mt={mt} nr={nr} unroll={unroll} {wkind}>",
-                 "exec"), namespace)
+    generated_code("\n".join(src), f"accumulate mt={mt} nr={nr} unroll={unroll} {wkind}",
+                   namespace)
     return device_function(namespace["accumulate"])
 
 

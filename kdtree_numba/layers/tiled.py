@@ -15,6 +15,7 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
 from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
+from kdtree_numba.kernel_cache import generated_code
 from kdtree_numba.gpu.memory import (ld_cached_f32x4, ld_shared_f32x4, ld_stream_f32x4,
                                      ld_stream_u32x4, store_nowrap_1d, store_nowrap_2d)
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, silu
@@ -198,6 +199,6 @@ def _tiled_kernel_for(cfg: TiledConfig, wkind: str, mode: str):
                  "fma_row": _fma_row8 if cfg.tn == 8 else _fma_row4,
                  "store_row": _store_row8 if cfg.tn == 8 else _store_row4}
     src = tiled_source(cfg, wkind, mode)
-    exec(compile(src, f"<tiled {mode} {wkind} {cfg}>", "exec"), namespace)
+    generated_code(src, f"tiled {mode} {wkind} {cfg}", namespace)
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
     return kernel(namespace["tiled"], **options)

@@ -1,0 +1,155 @@
+"""Compiled kernels kept between processes: numba's disk cache, in a directory keyed by this
+package's source (issue 14, "The first run on a GPU"; docs/ENGINE.md, "Kernel cache").
+
+numba compiles each kernel on its first launch in a process; the engine's first forward on the
+H200 spent ~25 s of a 55 s first run doing it.  With ``cache=True`` numba stores each compiled
+kernel on disk and the next process loads it instead.  Two things make that safe here:
+
+* **Stale entries.**  numba keys an entry by the kernel function's own bytecode and its source
+  file's timestamp, not by the device functions it calls from other files: an edit to
+  ``gpu/memory.py`` would leave every kernel that inlines it stale.  So the directory is named
+  by a hash of every ``.py`` file of ``kdtree_numba`` (and the numba-cuda and Python versions):
+  any source change starts a fresh directory, and an installed release keeps one.
+* **Generated kernels** (the tiled GEMM and the skinny accumulators are made from source text
+  per configuration) have no file, and numba caches only functions backed by one.
+  :func:`generated_code` writes each generated source once, under its content hash, into the
+  cache directory and compiles it from there: the key is stable across processes.
+
+The entries are numba's own files, which it reads with pickle.  They are written and read only
+by this user's processes: the directory is created private (0700), and one that is not owned by
+this user or that others can write is not used (the run then compiles, with a warning).  That
+is the same trust as the installed Python code itself; a bundle or any other input never goes
+near it.
+
+``KDTREE_KERNEL_CACHE=0`` turns the cache off; ``KDTREE_KERNEL_CACHE_DIR`` moves it (default
+``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``).  Under the CUDA simulator there
+is nothing to cache.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import stat
+import sys
+import warnings
+
+__all__ = ["cache_dir", "cache_is_warm", "generated_code", "describe"]
+
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _enabled() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
+        return False
+    return os.environ.get("KDTREE_KERNEL_CACHE", "1").strip().lower() not in ("0", "off", "no",
+                                                                               "false")
+
+
+def source_key() -> str:
+    """16 hex digits over the package's .py files (paths and bytes), numba-cuda's version and
+    the Python version: what a compiled kernel can depend on."""
+    h = hashlib.sha256()
+    try:
+        from importlib.metadata import version
+        h.update(version("numba-cuda").encode())
+    except Exception:       # noqa: BLE001 -- a source checkout without metadata
+        h.update(b"numba-cuda ?")
+    h.update(sys.version.encode())
+    for root, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, PACKAGE).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
+
+
+def _base_dir() -> str:
+    explicit = os.environ.get("KDTREE_KERNEL_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "kdtree-numba")
+
+
+def _private_dir(path: str) -> bool:
+    """Create ``path`` (0700) if needed; True when it is a directory this user owns that no one
+    else can write."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        warnings.warn(f"kdtree-numba: kernel cache {path} not usable ({e}); kernels compile "
+                      f"in every process", stacklevel=3)
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        warnings.warn(f"kdtree-numba: kernel cache {path} is not private to this user (owner "
+                      f"uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); not used",
+                      stacklevel=3)
+        return False
+    return True
+
+
+@functools.cache
+def cache_dir() -> str | None:
+    """The directory of this source's compiled kernels, or None when caching is off.  Points
+    numba's cache there (its ``CACHE_DIR``) the first time it is asked."""
+    if not _enabled():
+        return None
+    base = _base_dir()
+    path = os.path.join(base, f"kernels-{source_key()}")
+    if not (_private_dir(base) and _private_dir(path)):
+        return None
+    from numba.cuda.core import config
+    config.CACHE_DIR = path
+    return path
+
+
+def cache_is_warm() -> bool:
+    """True when the cache directory holds compiled kernels (a previous process ran here)."""
+    path = cache_dir()
+    if path is None:
+        return False
+    for _root, _dirs, files in os.walk(path):
+        if any(f.endswith(".nbc") for f in files):
+            return True
+    return False
+
+
+def generated_code(source: str, tag: str, namespace: dict) -> str:
+    """Compile generated ``source`` into ``namespace`` from a real file (so numba can cache what
+    it defines); returns that file's path, or a pseudo-name when the cache is off.
+
+    The file is named by the hash of the source and of the names the namespace binds, written
+    once (atomically) and never rewritten: numba keys its index on the file's timestamp."""
+    path = cache_dir()
+    if path is None:
+        filename = f"<{tag}>"
+    else:
+        bound = ",".join(f"{k}={getattr(v, '__qualname__', type(v).__name__)}"
+                         for k, v in sorted(namespace.items()))
+        digest = hashlib.sha256((source + "\0" + bound).encode()).hexdigest()[:20]
+        folder = os.path.join(path, "generated")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        safe = "".join(c if c.isalnum() else "_" for c in tag.split()[0])[:24]
+        filename = os.path.join(folder, f"{safe}_{digest}.py")
+        if not os.path.exists(filename):
+            tmp = f"{filename}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"# generated by kdtree-numba: {tag}\n" + source)
+            os.replace(tmp, filename)
+        source = f"# generated by kdtree-numba: {tag}\n" + source
+    exec(compile(source, filename, "exec"), namespace)    # noqa: S102 -- our own generated code
+    return filename
+
+
+def describe() -> str:
+    path = cache_dir()
+    if path is None:
+        return "kernel cache off"
+    return f"kernel cache {path} ({'warm' if cache_is_warm() else 'cold: kernels compile now'})"

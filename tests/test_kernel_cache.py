@@ -1,0 +1,89 @@
+"""kdtree_numba/kernel_cache.py: the directory key follows the source, the directory must be
+private, generated code gets one stable file, and the switch turns it all off.  Whether numba
+then loads kernels from it is a GPU fact (docs/GPU_RESULTS.md: two kdtree-run processes)."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kdtree_numba import kernel_cache
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """Caching on (as on a GPU machine), into tmp_path; the memoised directory forgotten."""
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0")
+    monkeypatch.setenv("KDTREE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KDTREE_KERNEL_CACHE", raising=False)
+    from numba.cuda.core import config
+    monkeypatch.setattr(config, "CACHE_DIR", config.CACHE_DIR)
+    kernel_cache.cache_dir.cache_clear()
+    yield tmp_path / "cache"
+    kernel_cache.cache_dir.cache_clear()
+
+
+def test_the_key_changes_with_any_source_byte(monkeypatch, tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    monkeypatch.setattr(kernel_cache, "PACKAGE", str(pkg))
+    k0 = kernel_cache.source_key()
+    assert len(k0) == 16 and k0 == kernel_cache.source_key()
+    (pkg / "notes.txt").write_text("edited")                 # not a .py file: same key
+    assert kernel_cache.source_key() == k0
+    (pkg / "sub" / "b.py").write_text("y = 3\n")              # a device function edited
+    k1 = kernel_cache.source_key()
+    assert k1 != k0
+    (pkg / "sub" / "b.py").rename(pkg / "c.py")               # same bytes, other module
+    assert kernel_cache.source_key() not in (k0, k1)
+
+
+def test_cache_dir_is_private_and_points_numba_there(fresh):
+    path = kernel_cache.cache_dir()
+    assert path == str(fresh / f"kernels-{kernel_cache.source_key()}")
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
+    from numba.cuda.core import config
+    assert config.CACHE_DIR == path
+    assert not kernel_cache.cache_is_warm()
+    os.makedirs(os.path.join(path, "x"))
+    open(os.path.join(path, "x", "k.nbc"), "wb").close()
+    assert kernel_cache.cache_is_warm()
+
+
+def test_a_directory_others_can_write_is_not_used(fresh):
+    fresh.mkdir(mode=0o700)
+    os.chmod(fresh, 0o777)
+    with pytest.warns(UserWarning, match="not private"):
+        assert kernel_cache.cache_dir() is None
+    assert "off" in kernel_cache.describe()
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_the_switch_turns_caching_off(fresh, monkeypatch, value):
+    monkeypatch.setenv("KDTREE_KERNEL_CACHE", value)
+    assert kernel_cache.cache_dir() is None
+    ns = {}
+    assert kernel_cache.generated_code("def f():\n    return 7\n", "gen f", ns) == "<gen f>"
+    assert ns["f"]() == 7
+    assert not fresh.exists()
+
+
+def test_generated_code_gets_one_stable_file(fresh):
+    src = "def f(a):\n    return a + K\n"
+    ns1, ns2, ns3 = {"K": 1}, {"K": 1}, {"K": 1.5}
+    p1 = kernel_cache.generated_code(src, "tiled linear bf16 cfg", ns1)
+    mtime = os.stat(p1).st_mtime_ns
+    p2 = kernel_cache.generated_code(src, "tiled linear bf16 cfg", ns2)
+    assert p1 == p2 and os.stat(p1).st_mtime_ns == mtime      # not rewritten: numba's stamp
+    assert os.path.dirname(p1) == os.path.join(kernel_cache.cache_dir(), "generated")
+    assert ns1["f"](1) == 2 and ns1["f"].__code__.co_filename == p1
+    # the source numba reads back is the code that runs, line for line
+    with open(p1) as f:
+        lines = f.read().splitlines()
+    assert lines[ns1["f"].__code__.co_firstlineno - 1] == "def f(a):"
+    # other bindings (another helper behind the same name): another file
+    assert kernel_cache.generated_code(src, "tiled linear bf16 cfg", ns3) != p1
