@@ -86,13 +86,14 @@ def _jit(fn, options: dict):
     options = _filter_options(options)
     if SIMULATOR or options.get("device") or "cache" in options:
         return cuda.jit(**options)(fn)
-    from kdtree_numba.kernel_cache import cache_dir
+    from kdtree_numba.kernel_cache import cache_dir, stable_cache_for
     if cache_dir() is None:
         return cuda.jit(**options)(fn)
     try:
-        return cuda.jit(cache=True, **options)(fn)
+        dispatcher = cuda.jit(cache=True, **options)(fn)
     except RuntimeError:      # numba found no file to key this function on: compile per process
         return cuda.jit(**options)(fn)
+    return stable_cache_for(dispatcher)
 
 
 def device_function(fn=None, **options):

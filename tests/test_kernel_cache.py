@@ -87,3 +87,45 @@ def test_generated_code_gets_one_stable_file(fresh):
     assert lines[ns1["f"].__code__.co_firstlineno - 1] == "def f(a):"
     # other bindings (another helper behind the same name): another file
     assert kernel_cache.generated_code(src, "tiled linear bf16 cfg", ns3) != p1
+
+
+def _factory(n, table, helper):
+    def kernel_like(a):
+        return helper(a) + n + table[0]
+    return kernel_like
+
+
+def _helper(a):
+    return a
+
+
+KEY_SCRIPT = """
+import numpy as np
+from kdtree_numba import kernel_cache
+from tests.test_kernel_cache import _factory, _helper
+print(kernel_cache.closure_key(_factory(3, np.arange(4.0), _helper)))
+"""
+
+
+def test_the_closure_key_is_the_same_in_every_process():
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, PYTHONPATH=root, PYTHONHASHSEED="random")
+    keys = {subprocess.run([sys.executable, "-c", KEY_SCRIPT], cwd=root, env=env, check=True,
+                           capture_output=True, text=True).stdout for _ in range(2)}
+    assert len(keys) == 1 and "_helper" in keys.pop()
+
+
+def test_the_closure_key_tells_configurations_apart_and_refuses_unstable_cells():
+    import numpy as np
+    key = kernel_cache.closure_key
+    base = key(_factory(3, np.arange(4.0), _helper))
+    assert base == key(_factory(3, np.arange(4.0), _helper))
+    assert base != key(_factory(4, np.arange(4.0), _helper))
+    big1, big2 = np.zeros(5000), np.zeros(5000)
+    big2[2500] = 1.0                                       # repr() would show both as zeros
+    assert key(_factory(3, big1, _helper)) != key(_factory(3, big2, _helper))
+    assert base != key(_factory(3, np.arange(4.0), abs))
+    with pytest.raises(kernel_cache.UnstableClosure):
+        key(_factory(3, np.arange(4.0), object()))
