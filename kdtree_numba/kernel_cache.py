@@ -42,8 +42,8 @@ import stat
 import sys
 import warnings
 
-__all__ = ["cache_dir", "cache_is_warm", "generated_code", "describe", "closure_key", "UnstableClosure",
-           "stable_cache_for"]
+__all__ = ["cache_dir", "cache_is_warm", "generated_code", "describe", "closure_key",
+           "UnstableClosure", "stable_cache_for"]
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 

@@ -418,8 +418,10 @@ def main(argv=None) -> int:
                  ("accepted histogram 0..B-1", str(fr["accepted_hist"]))]
     gr = ev["greedy"]
     if gr:
-        rows += [("top-1 by depth (held-out greedy text)", " ".join(f"{v:.3f}" for v in gr["top1"])),
-                 ("top-4 by depth (held-out greedy text)", " ".join(f"{v:.3f}" for v in gr["top4"])),
+        rows += [("top-1 by depth (held-out greedy text)",
+                  " ".join(f"{v:.3f}" for v in gr["top1"])),
+                 ("top-4 by depth (held-out greedy text)",
+                  " ".join(f"{v:.3f}" for v in gr["top4"])),
                  ("chain tau on held-out greedy text", f"{gr['tau']:.3f} ({gr['blocks']} blocks)")]
     rows += [(f"stage {k}", f"{v:.1f} s") for k, v in stages.times.items()]
     rows += [("written", ", ".join(written)), ("wall", f"{metrics['wall_s']:.1f} s")]
