@@ -4,10 +4,10 @@ hf_import.py).
 ``kdtree-run`` with no ``--model`` runs the shipped demo target (kdtree_numba/demo: a trained
 8.75 M-parameter DeepSeek-V3-architecture code model with its tokenizer), so it takes text and
 gives text anywhere; with ``--method ddtree`` and no ``--drafter`` that model drafts with
-``kdtree_numba.demo.DEFAULT_DRAFTER`` (today ``oracle:0.8``, NoisyOracleDrafter: a test
-drafter that peeks at the target, announced on stderr).  With no prompt it uses the built-in
-text prompt ``def fibonacci(n):`` on a model with a tokenizer, the ids ``1,2,3,4`` on one
-without.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
+``kdtree_numba.demo.DEFAULT_DRAFTER``, the trained DFlash drafter shipped beside it.  With no
+prompt it uses the built-in text prompt ``def fibonacci(n):`` on a model with a tokenizer, the
+ids ``1,2,3,4`` on one without.  On a GPU it says whether the kernels load from the disk cache
+(kdtree_numba/kernel_cache.py) or compile now, with a line every 5 s until the first token.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
 object: kdtree_numba/cli_output.py), notices, progress and stats go to stderr.
 
 Bad input is one line on stderr and exit 2, checked before any work starts
