@@ -34,7 +34,8 @@ from formats.progress import ProgressBar
 from kdtree_numba import demo, kernel_cache, plots
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
-from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, bundle_problem,
+from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, budget_value,
+                                     bundle_problem,
                                      check_against_model, check_options, encode_prompts,
                                      open_backend, plan_drafter, plan_model, read_prompts)
 from kdtree_numba.cli_output import TextStream, json_result, print_result, same_terminal
@@ -118,8 +119,10 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["ar", "chain", "ddtree"], default="ar",
                    help="ar: one token per forward; ddtree: draft a tree, verify it at once; "
                    "chain: verify the drafter's greedy chain (no tree)")
-    p.add_argument("--budget", type=int, default=32, metavar="B",
-                   help="DDTree tree nodes verified per round")
+    p.add_argument("--budget", type=budget_value, default=32, metavar="B",
+                   help="DDTree tree nodes verified per round, or 'auto': each round's budget "
+                   "chosen from the measured cost and acceptance of the rounds so far "
+                   "(candidates 8 to 256)")
     p.add_argument("--block-len", type=int, default=None, metavar="L",
                    help=f"drafter steps per round, the tree's maximum depth (default: "
                    f"{DEFAULT_BLOCK_LEN}; a block drafter bundle drafts its own number)")
@@ -278,6 +281,12 @@ def _run(argv: list[str]) -> int:
         stream.close()
     else:
         print_result(result.tokens, where, codec, as_text)
+    if stats.budget_auto:
+        per = stats.budget_auto["per_budget"]
+        _log(prog, f"--budget auto: best {stats.budget_auto['best']}; rounds, tau and round "
+             f"time per budget: " + ", ".join(
+                 f"{b}: {r['rounds']} x {r['tau']:.2f} in {r['round_ms']:.1f} ms"
+                 for b, r in per.items()))
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
     tau = f", mean tau {stats.mean_tau:.2f}" if args.method != "ar" else ""
     graphs = "" if stats.graph_replays is None else \

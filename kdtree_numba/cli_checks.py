@@ -14,6 +14,7 @@ token ids (:func:`encode_prompts`: text needs the tokenizer), the drafter's conf
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -22,13 +23,14 @@ from formats.console import UsageError, escape, read_user_text
 from formats.paths import output_directory
 from kdtree_numba import compat, demo, plots
 from kdtree_numba.backends import Backend, make_backend
+from kdtree_numba.budget import AutoBudget
 from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config
 from kdtree_numba.config import ModelConfig, weight_shapes
 from kdtree_numba.ddtree import MAX_GPU_BUDGET
 from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
 from kdtree_numba.text import TextCodec, load_codec
 
-__all__ = ["DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
+__all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
            "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts", "open_backend",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
@@ -42,6 +44,17 @@ MAX_DEPTH = 2 ** 15 - 1         # tree depths are int16 in the GPU builder
 SLOW_ROUND_S = 10.0
 
 
+def budget_value(text: str):
+    """``--budget``: an integer (checked in check_options, so the error names the range) or
+    ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or auto") from None
+
+
 def check_options(args) -> None:
     """kdtree-run's numeric options, each on its own (nothing about the model yet)."""
     if args.max_new_tokens < 0:
@@ -50,9 +63,9 @@ def check_options(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature:g}: must be a finite number >= 0 "
                          f"(0: greedy)")
-    if args.budget < 1:
+    if args.budget != "auto" and args.budget < 1:
         raise UsageError(f"--budget {args.budget}: must be an integer >= 1 (tree nodes "
-                         f"verified per DDTree round)")
+                         f"verified per DDTree round) or auto")
     if args.block_len is not None and not 1 <= args.block_len <= MAX_DEPTH:
         raise UsageError(f"--block-len {args.block_len}: must be an integer in [1, "
                          f"{MAX_DEPTH}] (drafter steps per round, the tree's maximum depth)")
@@ -357,7 +370,8 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
     if drafter is None:
         return
     L = drafter.block_len
-    B = L if args.method == "chain" else args.budget
+    B = L if args.method == "chain" else (
+        AutoBudget().max_budget if args.budget == "auto" else args.budget)
     if backend.name == "numba" and B > MAX_GPU_BUDGET:
         raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
                          f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "

@@ -56,6 +56,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kdtree_numba.budget import AutoBudget
+
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
 METHODS = ("ar", "chain", "ddtree")
@@ -67,7 +69,7 @@ class GenerationStats:
     method: str
     backend: str
     batch: int
-    budget: int | None
+    budget: int | str | None            # "auto": chosen per round (kdtree_numba/budget.py)
     block_len: int | None
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
     rounds: int = 0                     # AR steps or DDTree rounds after prefill
@@ -75,6 +77,8 @@ class GenerationStats:
     seconds: float = 0.0                # wall time of generate(), prefill included
     time: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
     tau: list = dataclasses.field(default_factory=list)  # per round: acc_len of active requests
+    budgets: list = dataclasses.field(default_factory=list)  # per DDTree round: its budget
+    budget_auto: dict | None = None     # --budget auto: AutoBudget.summary() at the end
     # the target model's CUDA graphs during this call (kdtree_numba/graphs.py); None: graphs off
     graph_captures: int | None = None
     graph_replays: int | None = None
@@ -270,7 +274,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
 
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
-             budget: int = 32, temperature: float = 0.0, seed: int = 0,
+             budget: int | str | AutoBudget = 32, temperature: float = 0.0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
              on_round=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
@@ -278,7 +282,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
     ``drafter`` (kdtree_numba/drafter.py, kdtree_numba/dflash.py) with the target's
     vocabulary; ``budget`` = tree nodes per round ("ddtree"; a chain verifies the drafter's L
-    greedy tokens).
+    greedy tokens), or ``"auto"`` (or an ``AutoBudget``): each round's budget chosen from the
+    measured cost and acceptance of the rounds so far (kdtree_numba/budget.py); the stats keep
+    every round's budget (``budgets``) and the estimates (``budget_auto``).
     ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
@@ -309,8 +315,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if speculative:
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        if method == "ddtree" and budget < 1:
-            raise ValueError("budget must be >= 1")
+        if method == "ddtree" and budget == "auto":
+            budget = AutoBudget()
+        if isinstance(budget, AutoBudget):
+            if method != "ddtree":
+                raise ValueError("an automatic budget is for method 'ddtree'")
+        elif method == "ddtree" and (not isinstance(budget, (int, np.integer)) or budget < 1):
+            raise ValueError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target "
                              f"{model.vocab_size}")
@@ -318,8 +329,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
             budget, k = block_len, 1
         capture = tuple(getattr(drafter, "feature_layers", None) or ())
+    policy = budget if isinstance(budget, AutoBudget) else None
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
-                            budget=budget if speculative else None, block_len=block_len)
+                            budget=("auto" if policy else budget) if speculative else None,
+                            block_len=block_len)
     # Device arrays of earlier work (the last generate()'s final round, dropped when it
     # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
     # the device.  Free them here, before the clock starts, not in the middle of a round.
@@ -331,7 +344,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # Room for the longest sequence, one verify block past it, and the last round's growth
     # of a request that finishes in it (up to L + 1 accepted tokens) before it stops.
     longest = max(p.size for p in prompts) + max_new_tokens
-    verify_width = budget + 1 if speculative else 1
+    verify_width = (policy.max_budget if policy else budget) + 1 if speculative else 1
     max_len = longest + verify_width + (block_len + 1 if speculative else 1)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
@@ -359,8 +372,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             if method == "ar":
                 _ar_step(model, cache, req, temperature, tables, timer)
             else:
-                _ddtree_round(model, cache, drafter, req, budget, temperature, table, timer,
+                b = policy.next_budget() if policy else budget
+                t_round = time.perf_counter()
+                _ddtree_round(model, cache, drafter, req, b, temperature, table, timer,
                               stats, k, capture, on_round)
+                stats.budgets.append(b)
+                if policy:        # the round ended in its host read: its wall time is its cost
+                    policy.observe(b, time.perf_counter() - t_round, float(np.mean(stats.tau[-1])))
         timer.settle()
         stats.rounds += 1
         if progress is not None:
@@ -375,4 +393,6 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         stats.graph_captures = graphs_after[0] - graphs_before[0]
         stats.graph_replays = graphs_after[1] - graphs_before[1]
     stats.new_tokens = req.committed()
+    if policy:
+        stats.budget_auto = policy.summary()
     return GenerationResult(req.out, stats)

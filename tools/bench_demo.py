@@ -79,6 +79,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _budgets(text: str) -> list:
+    """Integers and ``auto`` (kdtree_numba/budget.py: each round's budget measured and chosen)."""
+    return ["auto" if x.strip().lower() == "auto" else int(x) for x in text.split(",")
+            if x.strip()]
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -94,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a drafter bundle (DFlash), oracle:A, or random-dflash[:SEED]")
     p.add_argument("--block-len", type=int, default=ORACLE_BLOCK_LEN,
                    help="depth of an oracle or model drafter (a DFlash bundle has its own)")
-    p.add_argument("--budgets", type=_ints, default=[8, 16, 32, 64, 128],
-                   help="DDTree budgets, comma-separated")
+    p.add_argument("--budgets", type=_budgets, default=[8, 16, 32, 64, 128],
+                   help="DDTree budgets, comma-separated; 'auto' adds a row of --budget auto")
     p.add_argument("--temperature", type=_floats, default=[0.0, 1.0],
                    help="temperatures, comma-separated")
     p.add_argument("--seed", type=int, default=0, help="sampling and oracle seed")
@@ -113,8 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or (args.prompts is not None and args.prompts < 1):
         p.error("--prompts and --max-new-tokens must be >= 1")
-    if not args.budgets or min(args.budgets) < 1:
-        p.error("--budgets: one or more integers >= 1")
+    if not args.budgets or min((b for b in args.budgets if b != "auto"), default=1) < 1:
+        p.error("--budgets: one or more integers >= 1 or auto")
     if not args.temperature or min(args.temperature) < 0:
         p.error("--temperature: one or more numbers >= 0")
     if args.plot:
@@ -405,8 +411,9 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
                                {k: v for k, v in r.items() if k != "time"} for r in got]
                                for (m, b, t), got in runs.items()}), f)
     if args.plot:
-        plots.plot_budget_curves(
-            args.plot, rows, SPEED_GOAL.get(be.name), TAU_GOAL,
+        plots.plot_budget_curves(     # the curves are over the fixed budgets
+            args.plot, [r for r in rows if r["budget"] != "auto"], SPEED_GOAL.get(be.name),
+            TAU_GOAL,
             f"{be.name} backend, drafter {drafter.name}, {len(prompts)} held-out prompts x "
             f"{args.max_new_tokens} tokens, batch 1")
     return 1 if bad else 0

@@ -1,0 +1,89 @@
+"""``--budget auto`` (kdtree_numba/budget.py): the policy finds the budget with the most tokens
+per second on synthetic cost/acceptance curves, is not fooled by a compiling first round,
+re-measures as the text drifts, and in the engine stays lossless."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kdtree_numba.budget import AutoBudget
+
+
+def drive(policy, cost, tau, rounds, first_round_penalty=0.0):
+    seen = set()
+    for _ in range(rounds):
+        b = policy.next_budget()
+        extra = first_round_penalty if b not in seen else 0.0
+        seen.add(b)
+        policy.observe(b, cost(b) + extra, tau(b))
+    return policy
+
+
+def best_of(candidates, cost, tau):
+    return max(candidates, key=lambda b: tau(b) / cost(b))
+
+
+@pytest.mark.parametrize("cost,tau", [
+    # launch-bound GPU: the round costs the same whatever the width -> the widest tree
+    (lambda b: 3e-3, lambda b: 1 + 4.6 * (1 - math.exp(-b / 20))),
+    # CPU reference: cost grows with the nodes -> a small tree
+    (lambda b: 8e-3 * (1 + b / 8), lambda b: 1 + 4.6 * (1 - math.exp(-b / 20))),
+    # wide MoE: flat, then every node reads more experts -> a middle budget
+    (lambda b: 9e-3 * max(1.0, b / 24), lambda b: 1 + 5 * (1 - math.exp(-b / 12))),
+])
+def test_it_settles_on_the_best_rate(cost, tau):
+    p = drive(AutoBudget(), cost, tau, 60, first_round_penalty=2.0)
+    want = best_of(p.candidates, cost, tau)
+    assert p.best() == want
+    # after the climb, the rounds are spent at the best budget but for the periodic re-probes
+    tail = [p.next_budget() for _ in range(1)]
+    assert tail[0] in (want, *p._neighbours(want))
+
+
+def test_a_compiling_first_round_does_not_rule_a_budget_out():
+    cost, tau = (lambda b: 3e-3), (lambda b: min(b, 64) / 10)
+    p = drive(AutoBudget(candidates=(8, 16, 32, 64)), cost, tau, 30, first_round_penalty=5.0)
+    assert p.best() == 64
+    assert p.est[64].cost() == pytest.approx(3e-3)
+
+
+def test_it_follows_the_text_when_acceptance_changes():
+    p = AutoBudget(candidates=(8, 16, 32, 64), reprobe=4, decay=0.5)
+    cost = lambda b: 1e-3 * (1 + b / 64)
+    drive(p, cost, lambda b: 1 + 6 * (1 - math.exp(-b / 8)), 40)       # repetitive text
+    wide = p.best()
+    drive(p, cost, lambda b: 1.3, 60)                                  # nothing accepted now
+    assert p.best() == 8 < wide
+
+
+def test_candidates_respect_the_cap_and_bad_settings_are_refused():
+    assert AutoBudget(max_budget=40).candidates == (8, 16, 32)
+    assert AutoBudget(start=100).start == 128
+    with pytest.raises(ValueError):
+        AutoBudget(candidates=(512,), max_budget=256)
+    with pytest.raises(ValueError):
+        AutoBudget(decay=0)
+
+
+def test_the_engine_with_an_automatic_budget_is_lossless_and_reports_it():
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    from tests.test_demo_pair import heldout_ids
+    model = Model.load(demo.TARGET, "reference")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(2)
+    want = generate(model, prompts, 40).tokens
+    res = generate(model, prompts, 40, method="ddtree", drafter=drafter, budget="auto")
+    for got, ref in zip(res.tokens, want):
+        np.testing.assert_array_equal(got, ref)
+    st = res.stats
+    assert st.budget == "auto" and len(st.budgets) == st.rounds
+    assert set(st.budgets) <= set(AutoBudget().candidates)
+    assert st.budget_auto["best"] in st.budgets
+    assert sum(r["rounds"] for r in st.budget_auto["per_budget"].values()) == st.rounds
+    with pytest.raises(ValueError, match="auto"):
+        generate(model, prompts, 4, method="ddtree", drafter=drafter, budget="wide")
