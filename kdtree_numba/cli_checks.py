@@ -14,7 +14,6 @@ token ids (:func:`encode_prompts`: text needs the tokenizer), the drafter's conf
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -45,14 +44,14 @@ SLOW_ROUND_S = 10.0
 
 
 def budget_value(text: str):
-    """``--budget``: an integer (checked in check_options, so the error names the range) or
-    ``auto``."""
+    """``--budget`` as given: an int, ``"auto"``, or the text itself, which check_options
+    refuses in one line naming it (argparse's own type errors print the whole usage)."""
     if text.strip().lower() == "auto":
         return "auto"
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or auto") from None
+        return text
 
 
 def check_options(args) -> None:
@@ -63,6 +62,9 @@ def check_options(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature:g}: must be a finite number >= 0 "
                          f"(0: greedy)")
+    if isinstance(args.budget, str) and args.budget != "auto":
+        raise UsageError(f"--budget {args.budget!r}: not an integer or auto (tree nodes "
+                         f"verified per DDTree round)")
     if args.budget != "auto" and args.budget < 1:
         raise UsageError(f"--budget {args.budget}: must be an integer >= 1 (tree nodes "
                          f"verified per DDTree round) or auto")

@@ -94,6 +94,7 @@ CASES = [
     ("prompt-id-not-a-number", RUN, ["--prompt-ids", "1,x"], ["--prompt-ids", "'x'"]),
     ("prompt-ids-empty", RUN, ["--prompt-ids", ""], ["--prompt-ids", "no token ids"]),
     ("budget-0", RUN, DD + ["--budget", "0"], ["--budget 0", ">= 1"]),
+    ("budget-not-a-number", RUN, DD + ["--budget", "wide"], ["--budget 'wide'", "or auto"]),
     ("max-new-tokens-negative", RUN, ["--max-new-tokens", "-5"],
      ["--max-new-tokens -5", ">= 0"]),
     ("temperature-negative", RUN, ["--temperature", "-1"], ["--temperature -1", ">= 0"]),
@@ -214,6 +215,15 @@ def test_budget_above_the_limit_warns_with_the_cost_on_reference(capsys):
                           "1"]) == 0
     warning = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warning) == 1 and "--budget 1500" in warning[0] and " s per round" in warning[0]
+
+
+def test_budget_auto_runs_and_reports_its_choices(capsys):
+    import json
+    assert run_main(DD + ["--budget", "auto", "--max-new-tokens", "12", "--json"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.out)["stats"]
+    assert stats["budget"] == "auto" and len(stats["budgets"]) == stats["rounds"]
+    assert "--budget auto: best" in out.err
 
 
 def test_drafter_with_method_ar_is_a_warning(files, capsys):
