@@ -101,8 +101,8 @@ def _run_parser() -> argparse.ArgumentParser:
                    help=f"drafter for --method ddtree or chain: a bundle (.kdtr) with the "
                    f"target's "
                    f"vocabulary, or {ORACLE_FORM} (a test/demo drafter that peeks at the "
-                   f"target) (default: {demo.DEFAULT_DRAFTER} for the default model; ignored "
-                   f"by --method ar)")
+                   f"target) (default: the shipped DFlash drafter, kdtree_numba/demo/"
+                   f"{demo.DRAFTER.name}, for the default model; ignored by --method ar)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", action="append",
                      help=f"a text prompt (needs a model with a tokenizer); repeat it for a "

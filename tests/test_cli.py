@@ -332,7 +332,7 @@ def test_help_shows_every_default_and_the_built_in_prompt(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("(default: 32)", "(default: ar)", "(default: 8;", "(default: auto)",
                   "(default: 0.0)", "(default: 0)", "1,2,3,4", "--no-verify", "--debug",
-                  "(default: oracle:0.8", "(default: 'def fibonacci(n):')",
+                  "(default: the shipped DFlash drafter", "(default: 'def fibonacci(n):')",
                   "the shipped demo target", "--prompt-text-file"):
         assert shown in text, shown
     assert make_model_main(["--help"]) == 0
