@@ -56,8 +56,9 @@ def _enabled() -> bool:
 
 
 def source_key() -> str:
-    """16 hex digits over the package's .py files (paths and bytes), numba-cuda's version and
-    the Python version: what a compiled kernel can depend on."""
+    """16 hex digits over the package's .py files (paths and bytes), numba-cuda's version, the
+    Python version and KDTREE_CUDA_LINEINFO: what a compiled kernel can depend on (the GPU's
+    compute capability is in numba's own key)."""
     h = hashlib.sha256()
     try:
         from importlib.metadata import version
@@ -65,6 +66,8 @@ def source_key() -> str:
     except Exception:       # noqa: BLE001 -- a source checkout without metadata
         h.update(b"numba-cuda ?")
     h.update(sys.version.encode())
+    # compile options that come from the environment, not the source
+    h.update(f"lineinfo={os.environ.get('KDTREE_CUDA_LINEINFO', '0')}".encode())
     for root, dirs, files in os.walk(PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
         for name in sorted(files):

@@ -129,3 +129,10 @@ def test_the_closure_key_tells_configurations_apart_and_refuses_unstable_cells()
     assert base != key(_factory(3, np.arange(4.0), abs))
     with pytest.raises(kernel_cache.UnstableClosure):
         key(_factory(3, np.arange(4.0), object()))
+
+
+def test_line_info_builds_get_their_own_directory(monkeypatch):
+    monkeypatch.delenv("KDTREE_CUDA_LINEINFO", raising=False)
+    plain = kernel_cache.source_key()
+    monkeypatch.setenv("KDTREE_CUDA_LINEINFO", "1")
+    assert kernel_cache.source_key() != plain
