@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtree_numba.compat import cuda, kernel
-from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M
+from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, sum_splits
 from kdtree_numba.layers.skinny import SkinnyConfig, skinny_config, skinny_linear_kernel
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
@@ -65,7 +64,7 @@ def _linear_tiled(xd, wd, load_kind, y, cfg: TiledConfig, stream, workspace):
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part.reshape(cfg.splits * m, n), m, n, k, n_mtiles, cfg.splits, kc)
     grid, block = launch_1d(m * n, 256)
-    _sum_splits[grid, block, stream](part, y)
+    sum_splits[grid, block, stream](part, y)
 
 
 def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace):
@@ -81,18 +80,4 @@ def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace):
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part, m, n, k8, n_mchunks, cfg.splits)
     grid, block = launch_1d(m * n, 256)
-    _sum_splits[grid, block, stream](part, y)
-
-
-@kernel
-def _sum_splits(part, y):
-    """y[m, n] = sum over s of part[s, m, n], in split order."""
-    i = cuda.grid(1)
-    n_cols = y.shape[1]
-    if i < y.shape[0] * n_cols:
-        m = i // n_cols
-        n = i - m * n_cols
-        total = part[0, m, n]
-        for s in range(1, part.shape[0]):
-            total += part[s, m, n]
-        y[m, n] = total
+    sum_splits[grid, block, stream](part, y)
