@@ -4,8 +4,10 @@ Anywhere (CI): the bf16 rounding oracle; a NumPy replay of one whole block of th
 staging through the module's index helpers, 128-bit fragment loads, ``a_fragment`` /
 ``b_fragment``, the mma as the PTX ISA defines its m16n8k16 .bf16 fragments (written out here,
 independently of the module), the epilogue through ``c_position`` -- against bf16(x) @ w^T; the
-argument checks; and (subprocess, no simulator) the kernels compile to sm_90 PTX holding the
-``mma.sync ... m16n8k16 ... bf16`` instruction, no local memory, and ptxas assembles them.
+argument checks; the kernel itself run by the simulator with the warp's mma emulated by the
+ISA layout (``test_simulated_kernel_equals_the_bf16_product``); and (subprocess, no simulator)
+the kernels compile to sm_90 PTX holding the ``mma.sync ... m16n8k16 ... bf16`` instruction, no
+local memory, and ptxas assembles them.
 On the GPU (marker ``gpu``): a one-warp tile, then linear(method="mma") against the float64
 reference within the bound of docs/LAYERS.md ("bf16 tensor-core linear"), per output element.
 """
@@ -201,7 +203,7 @@ def test_mma_needs_a_gpu_under_the_simulator(needs_kernels):
     if not compat.SIMULATOR:
         pytest.skip("simulator only")
     x = np.ones((2, 16), np.float32)
-    with pytest.raises(NotImplementedError, match="tensor cores"):
+    with pytest.raises(NotImplementedError, match="tensor cores"):   # at the first mma
         linear(x, bf16_bits(np.ones((8, 16), np.float32)), method="mma")
 
 
@@ -380,3 +382,49 @@ def test_gpu_linear_mma_reuses_out_and_workspace():
     first = linear(x, w16, method="mma", out=out, workspace=ws).copy_to_host()
     again = linear(x, w16, method="mma", out=out, workspace=ws).copy_to_host()
     assert first.tobytes() == again.tobytes()          # deterministic: fixed K slices and order
+
+
+# ------------------------------------------------------------------ the whole kernel, simulated
+
+def _warp_mma_emulation():
+    """mma_bf16_m16n8k16 for the simulator: every lane leaves its registers in a table, a
+    barrier, each lane reads its 4 outputs of the warp's product (the ISA layout, isa_mma /
+    isa_c), a barrier.  Block-wide barriers stand in for the warp's: every warp of the kernel
+    issues the same number of mma (tm x tn per k16 step)."""
+    import threading
+    table = {}
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        me = threading.current_thread()
+        tid = me.threadIdx.x
+        key = (me.blockIdx.x, tid // 32)
+        table.setdefault(key, [None] * 32)[tid % 32] = ((a0, a1, a2, a3), (b0, b1))
+        me.syncthreads()
+        lanes = table[key]
+        A, B = isa_mma([r[0] for r in lanes], [r[1] for r in lanes])
+        D = A @ B
+        out = [np.float32(D[isa_c(tid % 32, e)] + np.float64(c)) for e, c in
+               enumerate((c0, c1, c2, c3))]
+        me.syncthreads()
+        return tuple(out)
+    return mma
+
+
+@pytest.mark.parametrize("m, n, k, cfg", [
+    (5, 20, 72, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1)),              # ragged M, N; partial stage
+    (19, 9, 96, mm.MmaConfig(wm=1, wn=1, tm=2, tn=1, splits=2)),   # 2 M tiles x 2 K slices
+    (3, 16, 128, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=64)),     # two panels per stage
+])
+def test_simulated_kernel_equals_the_bf16_product(m, n, k, cfg, needs_kernels, monkeypatch):
+    """The kernel itself (staging, cp.async twin, pipeline, K slices, epilogue) on the
+    simulator, the warp's mma emulated by the ISA layout: y = bf16(x) w^T up to the fp32
+    rounding of the emulated steps."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    x, w16, want = _block_case(4, m, n, k)
+    got = linear(x, w16, method="mma", config=cfg).copy_to_host()
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)

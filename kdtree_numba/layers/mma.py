@@ -21,9 +21,10 @@ column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 
 per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator tiles.
 
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
-a ValueError otherwise.  Tensor cores exist only on the GPU: under the simulator building the
-kernel raises NotImplementedError.  ``method="auto"`` does not pick this kernel: the crossover
-against the skinny and tiled kernels has to be measured on the GPU first.
+a ValueError otherwise.  Tensor cores exist only on the GPU: under the simulator the kernel runs
+up to its first mma, which raises NotImplementedError (the tests emulate the warp's mma there).
+``method="auto"`` does not pick this kernel: the crossover against the skinny and tiled kernels
+has to be measured on the GPU first.
 """
 from __future__ import annotations
 
@@ -191,6 +192,25 @@ def c_position(lane, e):
     return (lane >> 2) + 8 * (e >> 1), 2 * (lane & 3) + (e & 1)
 
 
+if SIMULATOR:
+    def _copy_w16(bsm, at, w16, row, k, nbytes):
+        """Simulator twin of the cp.async below: 8 bf16 -> 4 words (zeros when nbytes == 0)."""
+        for i in range(4):
+            word = np.uint32(0)
+            if nbytes:
+                word = np.uint32(w16[row, k + 2 * i]) | (np.uint32(w16[row, k + 2 * i + 1])
+                                                         << np.uint32(16))
+            bsm[at + i] = word
+else:
+    from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
+
+    @inline_device_function
+    def _copy_w16(bsm, at, w16, row, k, nbytes):
+        """w16[row, k:k+8] -> words bsm[at:at+4] by cp.async; nbytes (16 or 0) are read, the
+        rest zero-filled."""
+        cp_async16_raw(shared_address(bsm, at), global_address(w16, (row, k)), nbytes)
+
+
 _panel_word = inline_device_function(panel_word)
 _x_stage_slot = inline_device_function(x_stage_slot)
 _w_stage_slot = inline_device_function(w_stage_slot)
@@ -208,12 +228,10 @@ def mma_kernel(cfg: MmaConfig):
 
 @functools.cache
 def _mma_kernel_for(cfg: MmaConfig):
-    if SIMULATOR:
-        raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync): "
-                                  "linear(method='mma') needs a GPU")
+    """Under the simulator the kernel builds and runs up to its first mma, which raises
+    NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level
+    emulation of the mma there to run the whole kernel on tiny shapes."""
     from numba import float32, uint32
-
-    from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
@@ -224,6 +242,7 @@ def _mma_kernel_for(cfg: MmaConfig):
     A_SIZE, B_SIZE = 2 * A_STAGE, 2 * B_STAGE
     NACC, NAV, NBV, NXR = 4 * TM * TN, 8 * TM, 4 * TN, 4 * XQ
     ZERO = float32(0.0)
+    ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
     @inline_device_function
     def issue_weights(bsm, at, w16, n0, n_total, ks, k_end, tid):
@@ -233,8 +252,7 @@ def _mma_kernel_for(cfg: MmaConfig):
             ok = n0 + row < n_total and ks + kk < k_end
             src_row = min(n0 + row, n_total - 1)
             src_k = ks + kk if ok else 0
-            cp_async16_raw(shared_address(bsm, at + off), global_address(w16, (src_row, src_k)),
-                           16 if ok else 0)
+            _copy_w16(bsm, at + off, w16, src_row, src_k, 16 if ok else 0)
 
     @inline_device_function
     def load_x(xr, x, m0, m_total, ks, k_end, tid):
@@ -284,8 +302,8 @@ def _mma_kernel_for(cfg: MmaConfig):
     def mma_linear_kernel(x, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
         """out[s * m_total + m, n] = slice s of sum_k bf16(x[m, k]) w[n, k] (out = y when
         splits == 1).  Grid: M tile fastest, then K slice, then N tile."""
-        asm = cuda.shared.array(A_SIZE, uint32, alignment=16)
-        bsm = cuda.shared.array(B_SIZE, uint32, alignment=16)
+        asm = cuda.shared.array(A_SIZE, uint32, alignment=ALIGN)
+        bsm = cuda.shared.array(B_SIZE, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
         bv = cuda.local.array(NBV, uint32)
