@@ -169,7 +169,7 @@ def test_configs_and_splits():
         cfg = mm.mma_config(m, n, k)
         assert cfg.bm >= min(m, 128) and cfg.bn == 128
         s = cfg.splits
-        assert s == 1 or (16 * s * m <= k and -(-k // cfg.bk) // s >= 4)
+        assert s == 1 or (8 * s * m <= k and -(-k // cfg.bk) // s >= 4)
     assert mm.mma_config(1, 1536, 7168).splits > 1          # 12 N tiles: K slices fill the GPU
     with pytest.raises(ValueError):
         mm.MmaConfig(bk=48)
@@ -268,7 +268,7 @@ ptxas(ptx)
 print("tile assembled")
 configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
-configs |= {c for m in (1, 65) for c in mm.mma_alternatives(m, 7168, 2048).values()}
+configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
 sig = (f2, T.uint16[:, ::1], f2) + (T.int64,) * 6
 for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
     ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0))
@@ -353,7 +353,7 @@ def test_gpu_linear_mma_ragged_edges(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 65])
+@pytest.mark.parametrize("m", [1, 65, 200])
 def test_gpu_linear_mma_alternatives_and_k_slices(m):
     import dataclasses
     n, k = 1000, 2048

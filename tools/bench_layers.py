@@ -26,7 +26,7 @@
   bf16, tensor cores) at M = 1, 8, 65, 512, 4096 for 7168->163840 (lm_head), 2048->7168 and
   7168->1536 (q_a), beside linear's default method on the same bf16 weights and cuBLAS bf16
   (CuPy, x in bf16 too), against the bf16 roofs max(weight bytes / 4.1 TB/s,
-  2 M N K / 989 TFLOP/s dense bf16); at M = 1 and 65 also layers.mma_alternatives.
+  2 M N K / 989 TFLOP/s dense bf16); at M = 1, 65 and 512 also layers.mma_alternatives.
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
@@ -304,7 +304,7 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
     t_mem, t_tc = wbytes / HBM_BYTES_PER_S, 2.0 * m * n * k / BF16_FLOP_PER_S
     roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
     plans = [("default", layers.mma_config(m, n, k))]
-    if m in (1, 65) and k == 7168:
+    if m in (1, 65, 512) and k == 7168:
         plans += list(layers.mma_alternatives(m, n, k).items())
     for name, cfg in plans:
         if name != "default" and time.perf_counter() > deadline:

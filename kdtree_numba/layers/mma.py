@@ -116,6 +116,8 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
                   "64x128-bk64": dict(wm=2, wn=2, tm=2, tn=8, bk=64)}
         if m <= 80:
             shapes["80x128"] = dict(wm=1, wn=4, tm=5, tn=4)    # M = 65: 80 rows, not 128
+        else:
+            shapes["32x128"] = dict(wm=1, wn=4, tm=2, tn=4)    # 4x the blocks of 128 x 128
     out = {}
     for name, shape in shapes.items():
         cfg = MmaConfig(**dict(shape, splits=1))
@@ -126,14 +128,14 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
 def mma_splits(m: int, n: int, k: int, cfg: MmaConfig) -> int:
     """K slices: doubled (up to 64) while the grid has fewer than four blocks per SM, each
     slice keeps >= 4 stages and the slices' fp32 partial sums (written and read back: 8 S M N
-    bytes) stay within a quarter of the weight bytes (2 N K), i.e. 16 S M <= K.  Depends on
+    bytes, mostly in L2) stay within half the weight bytes (2 N K), i.e. 8 S M <= K.  Depends on
     M, so unlike the skinny and tiled kernels the mma linear is *not* batch invariant across
     M; the difference stays within the error bound (docs/LAYERS.md)."""
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     stages = -(-k // cfg.bk)
     splits = 1
     while (splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 4
-           and 16 * (2 * splits) * m <= k):
+           and 8 * (2 * splits) * m <= k):
         splits *= 2
     return splits
 
