@@ -2,6 +2,7 @@
 """Benchmark of the non-attention kernels on the GPU (H200), each against its physical roof.
 
     python3 tools/bench_layers.py [--json PATH] [--only linear,variants,moe,norm,rope,sweep]
+    python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
 
 * linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
   7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32 and bf16, against CuPy matmul
@@ -21,6 +22,11 @@
 * RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
 * sweep: alternative SkinnyConfigs for two shapes, to retune ``skinny_config`` (while time
   remains).
+* mma (only when asked for: ``--only mma``): linear(method="mma") (bf16 weights, x rounded to
+  bf16, tensor cores) at M = 1, 8, 65, 512, 4096 for 7168->163840 (lm_head), 2048->7168 and
+  7168->1536 (q_a), beside linear's default method on the same bf16 weights and cuBLAS bf16
+  (CuPy, x in bf16 too), against the bf16 roofs max(weight bytes / 4.1 TB/s,
+  2 M N K / 989 TFLOP/s dense bf16); at M = 1, 65 and 512 also layers.mma_alternatives.
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
@@ -49,6 +55,7 @@ from kdtree_numba.compat import cuda, kernel  # noqa: E402
 
 HBM_BYTES_PER_S = 4.1e12      # measured by a numba read-reduce on the H200 (notes/numba-cuda.md)
 FP32_FLOP_PER_S = 51e12       # cuBLAS SGEMM 8192^3 on the H200 (notes/numba-cuda.md)
+BF16_FLOP_PER_S = 989e12      # H200 dense bf16 tensor-core peak (data sheet; cuBLAS got 835)
 L2_BYTES = 60e6
 BUDGET_S = 170.0              # stop starting new sections after this
 LINEAR_SHAPES = [(7168, 163840), (7168, 1536), (7168, 576), (2048, 7168)]   # (K, N)
@@ -59,6 +66,9 @@ MOE_MS = (1, 65)
 HIDDEN, ROPE_HEADS, ROPE_DIM, NOPE_DIM = 7168, 64, 64, 128
 NORM_MS, ROPE_MS = (1, 65, 1025), (65, 1025)
 SWEEP_SHAPES = ((7168, 1536), (7168, 576))
+MMA_SHAPES = [(7168, 163840), (2048, 7168), (7168, 1536)]      # (K, N): lm_head, o/down, q_a
+MMA_MS = (1, 8, 65, 512, 4096)
+MMA_BUDGET_S = 55.0           # the mma section stops starting rows after this
 
 
 # ============================================================================ timing
@@ -256,6 +266,61 @@ def bf16_cublas_time(cp, timer, x, w16, n):
         return None
 
 
+def bench_mma(ctx, results, deadline):
+    """linear(method="mma") beside the default method and cuBLAS bf16, against the bf16 roofs.
+    The default method is skipped where it would take > ~50 ms a call (M = 4096 lm_head)."""
+    cp = ctx["cp"]
+    nb = ctx["cuda"].as_cuda_array
+    rng = np.random.default_rng(3)
+    for k, n in MMA_SHAPES:
+        wbytes = 2.0 * n * k
+        w16 = [(cp.random.standard_normal((n, k), dtype=cp.float32) * cp.float32(0.02))
+               .view(cp.uint32) >> 16 for _ in range(copies_for(wbytes, cap=16))]
+        w16 = [w.astype(cp.uint16) for w in w16]
+        w_nb = [nb(w) for w in w16]
+        for m in MMA_MS:
+            if time.perf_counter() > deadline:
+                print(f"\n(mma: time budget, stopped before {k}->{n} M={m})")
+                return
+            try:
+                mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline)
+            except Exception as exc:   # noqa: BLE001 -- one shape failing must not end the run
+                report_failure(results, "mma", f"{k}->{n} M={m}", exc)
+        del w16, w_nb
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
+    cp, layers, timer = ctx["cp"], ctx["layers"], ctx["timer"]
+    nb = ctx["cuda"].as_cuda_array
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    y = cp.empty((m, n), cp.float32)
+    x_nb, y_nb = nb(x), nb(y)
+    ws = layers.Workspace()
+    t_blas = bf16_cublas_time(cp, timer, x, w16, n)
+    slow_default = 2.0 * m * n * k / 30e12 > 0.05          # the FMA kernels at ~30 TFLOP/s
+    t_def = None if slow_default else timer(
+        [lambda w=w: layers.linear(x_nb, w, out=y_nb, workspace=ws) for w in w_nb])[0]
+    t_mem, t_tc = wbytes / HBM_BYTES_PER_S, 2.0 * m * n * k / BF16_FLOP_PER_S
+    roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
+    plans = [("default", layers.mma_config(m, n, k))]
+    if m in (1, 65, 512) and k == 7168:
+        plans += list(layers.mma_alternatives(m, n, k).items())
+    for name, cfg in plans:
+        if name != "default" and time.perf_counter() > deadline:
+            break
+        t, hb = timer([lambda w=w, c=cfg: layers.linear(x_nb, w, out=y_nb, method="mma",
+                                                        config=c, workspace=ws)
+                       for w in w_nb], trials=7 if name == "default" else 3)
+        row = dict(section="mma", K=k, N=n, M=m, variant=name, us=t * 1e6,
+                   default_us=t_def and t_def * 1e6, vs_default=t_def and t_def / t,
+                   cublas_bf16_us=t_blas and t_blas * 1e6, vs_cublas_bf16=t_blas and t_blas / t,
+                   roof_us=roof * 1e6, bound=bound, roof_frac=roof / t, gbps=wbytes / t / 1e9,
+                   tflops=2.0 * m * n * k / t / 1e12, config=str(cfg), host_bound=hb)
+        results.append(row)
+        print_row(row)
+
+
 def bench_moe(ctx, results, deadline):
     cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
     n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
@@ -432,6 +497,9 @@ COLUMNS = {
             "roof_frac", "gbps", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
+    "mma": ["K", "N", "M", "variant", "us", "default_us", "vs_default", "cublas_bf16_us",
+            "vs_cublas_bf16", "roof_us", "bound", "roof_frac", "gbps", "tflops", "config",
+            "host_bound"],
     "sweep": ["K", "N", "M", "weights", "config", "us", "cublas_f32_us", "vs_cublas",
               "roof_frac", "host_bound"],
 }
@@ -481,6 +549,11 @@ def summary(results):
             print(f"  {r['K']}->{r['N']} M={r['M']} {r['weights']}: {r['variant']} "
                   f"{r['us']:.1f} us vs default {default:.1f} us ({r['config']})")
     for r in results:
+        if r["section"] == "mma" and r["variant"] == "default":
+            print(f"mma {r['K']}->{r['N']} M={r['M']}: {r['us']:.1f} us, {r['roof_frac']:.2f} "
+                  f"of the {r['bound']} roof, "
+                  + (f"{r['vs_cublas_bf16']:.2f}x cuBLAS bf16" if r["vs_cublas_bf16"] else
+                     "no cuBLAS bf16"))
         if r["section"] == "moe" and r["part"] == "expert_ffn":
             print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
                   f"({r['us']:.0f} us, {r['experts_read']} experts)")
@@ -490,7 +563,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--only", default="linear,variants,moe,norm,rope,sweep",
-                        help="comma-separated sections (default: all)")
+                        help="comma-separated sections (default: all but mma)")
     parser.add_argument("--sweep-shapes", help="K x N pairs for the sweep, e.g. 7168x1536")
     parser.add_argument("--sweep-dtypes", default="bf16,f32")
     parser.add_argument("--sweep-grid", action="store_true",
@@ -509,7 +582,8 @@ def main(argv=None) -> int:
     # variant timings stop early so that every section gets its turn
     plan = [("linear", lambda: bench_linear(ctx, results, sections, t_start + 95)),
             ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
-            ("norm", lambda: bench_norm_rope(ctx, results))]
+            ("norm", lambda: bench_norm_rope(ctx, results)),
+            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S))]
     for name, fn in plan:
         if name not in sections and not (name == "norm" and "rope" in sections) \
                 and not (name == "linear" and "variants" in sections):

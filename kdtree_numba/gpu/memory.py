@@ -13,7 +13,8 @@ the one it was tuned with:
 * ``ld_stream_f32x4`` / ``ld_stream_u32x4`` / ``ld_cached_f32x4`` (``a[row, col:col+4]``):
   inline PTX ``ld.global.nc.v4``; *stream* adds ``.L1::no_allocate`` (weights read once stay out
   of L1 so the activations stay there), *cached* goes through L1.
-* ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``.
+* ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``;
+  ``ld_shared_u32x4`` the same for a uint32 array (``ld.shared.v4.b32``: the bf16 mma operands).
 * ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
   global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
@@ -32,6 +33,7 @@ from kdtree_numba.compat import SIMULATOR, device_function
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
+           "ld_shared_u32x4",
            "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
            "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all",
            "cp_async_strided", "device_address"]
@@ -52,7 +54,7 @@ if SIMULATOR:
         a[row, col] = v
 
     ld_stream_u32x4 = ld_stream_f32x4 = ld_cached_f32x4 = device_function(_vload4_py)
-    ld_shared_f32x4 = device_function(_lds4_py)
+    ld_shared_f32x4 = ld_shared_u32x4 = device_function(_lds4_py)
     store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
 
     def load_global_invariant_f32x4(array, row, q):
@@ -134,6 +136,29 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([lty] * 4), [ir.IntType(64)])
             asm = ir.InlineAsm(fnty, "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
                                "=f,=f,=f,=f,l")
+            res = builder.call(asm, [addr])
+            return context.make_tuple(builder, ret,
+                                      [builder.extract_value(res, i) for i in range(4)])
+        return ret(array, off), codegen
+
+    @intrinsic
+    def ld_shared_u32x4(typingctx, array, off):
+        """``a[off:off+4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``.  The
+        caller guarantees 16-byte alignment."""
+        if not (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.uint32 and isinstance(off, types.Integer)):
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            ptr = item_pointer(context, builder, sig, args, 1)
+            i32 = ir.IntType(32)
+            shared = builder.addrspacecast(ptr, ir.PointerType(i32, 3))
+            addr = builder.ptrtoint(shared, ir.IntType(64))
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            # side effect: kept in program order with the barriers and cp.async around it
+            asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                               "=r,=r,=r,=r,l", side_effect=True)
             res = builder.call(asm, [addr])
             return context.make_tuple(builder, ret,
                                       [builder.extract_value(res, i) for i in range(4)])
@@ -246,7 +271,10 @@ else:
     def _address_intrinsic(space, bits):
         @intrinsic
         def address(typingctx, arr, idx):
-            _check_f32x4(arr, idx)
+            # any dtype: cp.async moves bytes (float32 tiles, bf16 weights as uint16 or uint32)
+            ndim = len(idx) if isinstance(idx, types.BaseTuple) else 1
+            if not (isinstance(arr, types.Array) and arr.ndim == ndim):
+                raise TypeError(f"an address needs an array of ndim {ndim}, got {arr}")
 
             def codegen(context, builder, sig, args):
                 ptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1],

@@ -1,5 +1,6 @@
 """Tensor-core building blocks for numba kernels: TF32 conversion and the warp-wide
-``mma.sync.aligned.m16n8k8`` TF32 product, as inline-PTX intrinsics (numba exposes no mma).
+``mma.sync.aligned.m16n8k8`` TF32 product, bf16 packing and the ``m16n8k16`` bf16 product, as
+inline-PTX intrinsics (numba exposes no mma).
 
 They carry the tensor-core attention kernel (kdtree_numba/attention_mma.py; docs/ATTENTION.md,
 "The tensor-core kernel"): 3xTF32 (x = hi + lo, hi*hi + hi*lo + lo*hi on tensor cores) keeps
@@ -14,8 +15,20 @@ lane = 4 * g + t (g = lane // 4, t = lane % 4) holds
 A and B are TF32 bit patterns (``to_tf32``), C and D float32.  All 32 lanes of the warp must
 call it together (``.sync.aligned``).
 
-The CUDA simulator has no tensor cores: there ``to_tf32`` / ``tf32_value`` are NumPy bit
-operations and ``mma_tf32_m16n8k8`` raises.
+Fragment layout of ``mma_bf16_m16n8k16`` (PTX ISA, "Matrix Fragments for mma.m16n8k16 with
+floating point type", .bf16; each .b32 register holds two bf16, the lower-numbered element in
+the low 16 bits).  lane = 4 * g + t holds
+  A (16 x 16, row-major): a0 = A[g, 2t:2t+2], a1 = A[g + 8, 2t:2t+2],
+                          a2 = A[g, 2t+8:2t+10], a3 = A[g + 8, 2t+8:2t+10]
+  B (16 x 8, k x n):      b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]
+  C, D (16 x 8, f32):     as for m16n8k8: c0 = C[g, 2t], c1 = C[g, 2t + 1], c2 = C[g + 8, 2t],
+                          c3 = C[g + 8, 2t + 1]
+For ``y = x w^T`` (w [N, K] row-major) B[k, n] = w[n, k], so b0 and b1 are each two adjacent
+elements of one weight row.  ``pack_bf16x2(lo, hi)`` rounds two float32 to bf16 (to nearest,
+ties to even: ``cvt.rn.bf16x2.f32``) and packs them so (lo, hi) = (element 2t, 2t + 1).
+
+The CUDA simulator has no tensor cores: there ``to_tf32`` / ``tf32_value`` / ``pack_bf16x2``
+are NumPy bit operations and the two mma functions raise.
 """
 from __future__ import annotations
 
@@ -23,7 +36,8 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
 
-__all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8"]
+__all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8",
+           "pack_bf16x2", "mma_bf16_m16n8k16"]
 
 if SIMULATOR:
     def to_tf32(x):
@@ -46,6 +60,20 @@ if SIMULATOR:
         return np.uint32(hi), np.float32(lo).view(np.uint32)
 
     def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
+
+    def _bf16_rne(x):
+        bits = int(np.float32(x).view(np.uint32))
+        if (bits & 0x7FFFFFFF) > 0x7F800000:       # NaN: the canonical quiet NaN
+            return 0x7FFF
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+    def pack_bf16x2(lo, hi):
+        """Two float32 -> one uint32 of two bf16 (round to nearest, ties to even), lo in the
+        low half (like ``cvt.rn.bf16x2.f32``)."""
+        return np.uint32(_bf16_rne(lo) | (_bf16_rne(hi) << 16))
+
+    def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
 else:
     from llvmlite import ir
@@ -105,6 +133,40 @@ else:
                                    [ir.IntType(32)] * 6 + [f32] * 4)
             mma = ir.InlineAsm(
                 fnty, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
+            result = builder.call(mma, args)
+            parts = [builder.extract_value(result, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        """Two float32 -> one uint32 holding two bf16, lo in the low half (``cvt.rn.bf16x2.f32``:
+        round to nearest, ties to even; its first source goes to the upper half)."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f"),
+                                args)
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_bf16_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's
+        tensor cores; fragments as in the module docstring."""
+        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4),
+                                   [ir.IntType(32)] * 6 + [f32] * 4)
+            mma = ir.InlineAsm(
+                fnty, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                 "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
                 "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
             result = builder.call(mma, args)

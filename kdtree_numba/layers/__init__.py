@@ -23,7 +23,8 @@ Two properties hold by construction and are tested:
 
 One module per kernel family, named as in reference/layers/: norm, rope, linear, embedding,
 argmax, moe and common each have a reference twin of the same name; skinny, tiled and
-gemm_source are the two GEMMs behind linear() (twin: reference/layers/linear.py).
+gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM behind
+``linear(method="mma")`` (twin: reference/layers/linear.py).
 
 * ``norm``        -- rmsnorm;
 * ``rope``        -- rope (RopeSpec and YarnScaling are the reference's own classes);
@@ -31,6 +32,7 @@ gemm_source are the two GEMMs behind linear() (twin: reference/layers/linear.py)
 * ``skinny``      -- the weight-streaming GEMM (SkinnyConfig, skinny_config);
 * ``tiled``       -- the tiled GEMM (tiled_config, its K slices, the kernel factory);
 * ``gemm_source`` -- the source generator of the tiled kernels, and their shape TiledConfig;
+* ``mma``         -- the bf16 tensor-core GEMM (MmaConfig, mma_config; method="mma" only);
 * ``embedding``, ``argmax``;
 * ``moe``         -- routing (router_logits, route_from_logits, moe_route) and moe_ffn;
 * ``workspace``   -- Workspace and the host helpers for device arrays and dtypes;
@@ -47,6 +49,8 @@ from kdtree_numba.layers.argmax import argmax
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, SKINNY_MAX_M  # noqa: F401
 from kdtree_numba.layers.embedding import embedding
 from kdtree_numba.layers.linear import linear
+from kdtree_numba.layers.mma import (  # noqa: F401
+    MmaConfig, mma_alternatives, mma_config, mma_error_coefficient, mma_splits)
 from kdtree_numba.layers.moe import (  # noqa: F401
     expert_alternatives, expert_config, expert_tiled_configs, moe_ffn, moe_route,
     route_from_logits, router_logits)
@@ -64,7 +68,8 @@ __all__ = ["rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", 
            "tiled_depth", "expert_tiled_configs", "expert_alternatives", "SKINNY_MAX_M"]
 
 # Public too, though not in __all__ (the benchmarks and GPU tests use them): ROWS_UNROLL,
-# skinny_threads, TILED_ALTERNATIVES, expert_config, CHUNK, GPU_SMS.
+# skinny_threads, TILED_ALTERNATIVES, expert_config, CHUNK, GPU_SMS, MmaConfig, mma_config,
+# mma_splits, mma_error_coefficient, mma_alternatives.
 
 # The attention kernels live in kdtree_numba.attention; one namespace for the whole model.
 from kdtree_numba.attention import *  # noqa: E402,F401,F403

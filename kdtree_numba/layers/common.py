@@ -1,4 +1,5 @@
-"""What every layer kernel module shares: the GEMM constants, powers of two and ``silu``.
+"""What every layer kernel module shares: the GEMM constants, powers of two, ``silu`` and the
+ordered K-slice sum of the split-K GEMMs (``sum_splits``).
 
 The numba twin of reference/layers/common.py (which holds the references' dtype handling; the
 device arrays and dtypes of the numba functions are in workspace.py).  Why the constants have
@@ -10,9 +11,9 @@ import math
 
 import numpy as np
 
-from kdtree_numba.compat import device_function
+from kdtree_numba.compat import cuda, device_function, kernel
 
-__all__ = ["SKINNY_MAX_M", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu"]
+__all__ = ["SKINNY_MAX_M", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu", "sum_splits"]
 
 SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight streaming
 GPU_SMS = 132                # H200; only used to size grids (more SMs just means more waves)
@@ -32,3 +33,17 @@ def pow2_ceil(v: int) -> int:
 @device_function
 def silu(v):
     return v / (np.float32(1.0) + math.exp(-v))
+
+
+@kernel
+def sum_splits(part, y):
+    """y[m, n] = sum over s of part[s, m, n], in split order (the K slices of a split-K GEMM)."""
+    i = cuda.grid(1)
+    n_cols = y.shape[1]
+    if i < y.shape[0] * n_cols:
+        m = i // n_cols
+        n = i - m * n_cols
+        total = part[0, m, n]
+        for s in range(1, part.shape[0]):
+            total += part[s, m, n]
+        y[m, n] = total

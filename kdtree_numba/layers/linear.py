@@ -1,16 +1,17 @@
-"""``linear``: the dense projection ``y = x w^T``, dispatching to the skinny or the tiled GEMM.
+"""``linear``: the dense projection ``y = x w^T``, dispatching to the skinny or the tiled GEMM
+(or, on request, the bf16 tensor-core GEMM).
 
 Twin: reference/layers/linear.py.  The kernels are in skinny.py (weight streaming, up to
-SKINNY_MAX_M rows) and tiled.py / gemm_source.py (register-blocked, above); this module picks
-one, launches it and adds the K slices of a split-K launch in order.  Design and tolerances:
-docs/LAYERS.md.
+SKINNY_MAX_M rows), tiled.py / gemm_source.py (register-blocked, above) and mma.py (bf16 tensor
+cores, ``method="mma"`` only); this module picks one, launches it and adds the K slices of a
+split-K launch in order.  Design and tolerances: docs/LAYERS.md.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from kdtree_numba.compat import cuda, kernel
-from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M
+from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, sum_splits
+from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
 from kdtree_numba.layers.skinny import SkinnyConfig, skinny_config, skinny_linear_kernel
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
@@ -30,6 +31,11 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     16-byte aligned, scalar loads otherwise.  Error vs the float64 reference: at most
     (depth + 2) 2^-24 sum_k |x_k w_k|, depth = K/8 + 10 skinny, tiled_depth(K, splits) tiled
     (<= K/8 + 15 for K >= 512) (docs/LAYERS.md).
+
+    ``method="mma"`` (or an MmaConfig): bf16 tensor cores, x rounded to bf16; bf16 weights,
+    K % 8 == 0 and C-contiguous 16-byte aligned x and w only (ValueError otherwise); error at
+    most mma_error_coefficient(K, splits) sum_k |x_k w_k| (~2^-8 relative).  "auto" never picks
+    it: its crossover against skinny/tiled is not measured on the GPU yet.
     """
     xd = device_f32(x, "x", 2, stream)
     wd, kind = device_weight(w, stream)
@@ -39,8 +45,15 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     y = result_array(out, (m, n), np.float32, stream)
     if m == 0 or n == 0:
         return y
-    if method not in ("auto", "skinny", "tiled"):
-        raise ValueError(f"method must be auto, skinny or tiled, got {method!r}")
+    if method not in ("auto", "skinny", "tiled", "mma"):
+        raise ValueError(f"method must be auto, skinny, tiled or mma, got {method!r}")
+    if method == "mma" or isinstance(config, MmaConfig):
+        _check_mma(xd, wd, kind)
+        cfg = config if isinstance(config, MmaConfig) else mma_config(m, n, k)
+        mma_linear(xd, wd, y, cfg, stream, workspace)
+        return y
+    # "auto" picks skinny or tiled only, never "mma": the mma kernel's crossover against them
+    # has to be measured on the GPU first (docs/LAYERS.md, "bf16 tensor-core linear").
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
         method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)
@@ -51,6 +64,16 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
         cfg = config if isinstance(config, TiledConfig) else tiled_config(m, n, k)
         _linear_tiled(xd, wd, load_kind, y, cfg, stream, workspace)
     return y
+
+
+def _check_mma(xd, wd, kind):
+    if kind != "bf16":
+        raise ValueError("linear(method='mma') takes bf16 weights only (ml_dtypes.bfloat16 or "
+                         "uint16 bits), got float32; use method='auto'")
+    k = xd.shape[1]
+    if load_kind_for(kind, k, xd, wd) != "bf16":
+        raise ValueError(f"linear(method='mma') needs K % 8 == 0 (got K = {k}) and C-contiguous, "
+                         "16-byte aligned x and w; use method='auto'")
 
 
 def _linear_tiled(xd, wd, load_kind, y, cfg: TiledConfig, stream, workspace):
@@ -65,7 +88,7 @@ def _linear_tiled(xd, wd, load_kind, y, cfg: TiledConfig, stream, workspace):
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part.reshape(cfg.splits * m, n), m, n, k, n_mtiles, cfg.splits, kc)
     grid, block = launch_1d(m * n, 256)
-    _sum_splits[grid, block, stream](part, y)
+    sum_splits[grid, block, stream](part, y)
 
 
 def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace):
@@ -81,18 +104,4 @@ def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace):
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part, m, n, k8, n_mchunks, cfg.splits)
     grid, block = launch_1d(m * n, 256)
-    _sum_splits[grid, block, stream](part, y)
-
-
-@kernel
-def _sum_splits(part, y):
-    """y[m, n] = sum over s of part[s, m, n], in split order."""
-    i = cuda.grid(1)
-    n_cols = y.shape[1]
-    if i < y.shape[0] * n_cols:
-        m = i // n_cols
-        n = i - m * n_cols
-        total = part[0, m, n]
-        for s in range(1, part.shape[0]):
-            total += part[s, m, n]
-        y[m, n] = total
+    sum_splits[grid, block, stream](part, y)

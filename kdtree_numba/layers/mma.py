@@ -1,0 +1,381 @@
+"""The bf16 tensor-core GEMM behind ``linear(x, w, method="mma")``: ``y = x w^T`` with bf16
+weights, x rounded to bf16 (to nearest, ties to even) as it is staged, fp32 accumulation on
+tensor cores (``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, gpu/tensorcore.py).
+
+Holds :class:`MmaConfig` (the tile shape), :func:`mma_config` and :func:`mma_splits` (the
+shapes linear() uses), the index math of the shared-memory tiles and fragments as plain
+functions (the kernel calls them as device functions; tests/test_layers_mma.py replays a whole
+block with them in NumPy against the PTX ISA's fragment layout), the kernel factory and the
+launcher.  Twin: reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md,
+"bf16 tensor-core linear".
+
+In short: a block of ``wm x wn`` warps owns a BM x BN output tile (BM = 16 wm tm, BN = 8 wn tn)
+over one K slice.  K runs in stages of ``bk`` (a multiple of 32), double-buffered with one
+barrier per stage: the weights go global -> shared by ``cp.async`` (16 bytes = 8 bf16, zero
+filled past N or the slice end), x through registers (16-byte loads, converted to bf16 pairs
+with ``cvt.rn.bf16x2.f32`` and stored after this stage's mma).  Shared tiles are 32-wide
+*panels* of K, rows of 64 bytes, so a lane's ``ld.shared.v4`` of words 4t .. 4t + 3 of row g
+is bank-conflict free.  Inside a panel the k order is permuted (mma sums over k, so any order
+that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the panel
+column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit load
+per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator tiles.
+
+Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
+a ValueError otherwise.  Tensor cores exist only on the GPU: under the simulator the kernel runs
+up to its first mma, which raises NotImplementedError (the tests emulate the warp's mma there).
+``method="auto"`` does not pick this kernel: the crossover against the skinny and tiled kernels
+has to be measured on the GPU first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all, ld_cached_f32x4,
+                                     ld_shared_u32x4, store_nowrap_1d, store_nowrap_2d)
+from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
+from kdtree_numba.layers.common import GPU_SMS, sum_splits
+from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
+
+__all__ = ["MmaConfig", "mma_config", "mma_splits", "mma_error_coefficient", "mma_alternatives",
+           "x_stage_slot", "w_stage_slot", "panel_word", "a_fragment", "b_fragment",
+           "c_position", "mma_kernel", "mma_linear"]
+
+PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
+WORDS = PANEL // 2
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Tile shape: ``wm`` x ``wn`` warps (warp w: wm_i = w % wm, wn_i = w // wm), each ``tm``
+    m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32); ``splits`` K slices
+    (separate blocks, then an ordered fp32 sum); ``max_registers``: a ptxas cap (0: none).
+    BM = 16 wm tm, BN = 8 wn tn."""
+    wm: int = 4
+    wn: int = 2
+    tm: int = 2
+    tn: int = 8
+    bk: int = 32
+    splits: int = 1
+    max_registers: int = 0
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.wm * self.tm
+
+    @property
+    def bn(self) -> int:
+        return 8 * self.wn * self.tn
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * self.bk * (self.bm + self.bn) * 2       # two stages of bf16 tiles
+
+    def __post_init__(self):
+        if (min(self.wm, self.wn, self.tm, self.tn, self.splits) < 1 or self.bk % PANEL
+                or self.bk <= 0 or self.threads > 1024 or self.smem_bytes > 48 * 1024
+                or (self.bn * self.bk // 8) % self.threads
+                or (self.bm * self.bk // 4) % self.threads):
+            raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, <= 48 KB shared "
+                             f"memory, whole 16-byte staging vectors per thread")
+
+
+def mma_config(m: int, n: int, k: int) -> MmaConfig:
+    """The tile for an [m, k] x [n, k]^T product: BN = 128 always; BM = 16 (m <= 16), 32, 64,
+    else 128 (8 warps of 32 x 64).  K slices from :func:`mma_splits`.  A first guess: the
+    shapes were not measured on the GPU yet (tools/bench_layers.py --only mma times
+    :func:`mma_alternatives` beside it)."""
+    mt16 = -(-m // 16)
+    if mt16 <= 2:
+        cfg = MmaConfig(wm=1, wn=4, tm=mt16, tn=4)
+    elif mt16 <= 4:
+        cfg = MmaConfig(wm=2, wn=2, tm=2, tn=8)
+    else:
+        cfg = MmaConfig(wm=4, wn=2, tm=2, tn=8)
+    return dataclasses.replace(cfg, splits=mma_splits(m, n, k, cfg))
+
+
+def mma_alternatives(m: int, n: int, k: int) -> dict:
+    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig,
+    K slices recomputed for each tile).  None is measured yet."""
+    if m <= 16:
+        shapes = {"bk64": dict(wm=1, wn=4, tm=1, tn=4, bk=64),
+                  "16x64": dict(wm=1, wn=2, tm=1, tn=4)}
+    else:
+        # (a register cap of 128 for two 8-warp blocks per SM spilled 328 bytes in ptxas)
+        shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8),
+                  "64x128-bk64": dict(wm=2, wn=2, tm=2, tn=8, bk=64)}
+        if m <= 80:
+            shapes["80x128"] = dict(wm=1, wn=4, tm=5, tn=4)    # M = 65: 80 rows, not 128
+        else:
+            shapes["32x128"] = dict(wm=1, wn=4, tm=2, tn=4)    # 4x the blocks of 128 x 128
+    out = {}
+    for name, shape in shapes.items():
+        cfg = MmaConfig(**dict(shape, splits=1))
+        out[name] = dataclasses.replace(cfg, splits=mma_splits(m, n, k, cfg))
+    return out
+
+
+def mma_splits(m: int, n: int, k: int, cfg: MmaConfig) -> int:
+    """K slices: doubled (up to 64) while the grid has fewer than four blocks per SM, each
+    slice keeps >= 4 stages and the slices' fp32 partial sums (written and read back: 8 S M N
+    bytes, mostly in L2) stay within half the weight bytes (2 N K), i.e. 8 S M <= K.  Depends on
+    M, so unlike the skinny and tiled kernels the mma linear is *not* batch invariant across
+    M; the difference stays within the error bound (docs/LAYERS.md)."""
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    stages = -(-k // cfg.bk)
+    splits = 1
+    while (splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 4
+           and 8 * (2 * splits) * m <= k):
+        splits *= 2
+    return splits
+
+
+def mma_error_coefficient(k: int, splits: int = 1, bk: int = PANEL) -> float:
+    """c with |y - reference| <= c * sum_k |x_k w_k| per output (docs/LAYERS.md): 2^-8 for
+    rounding x to bf16, 2^-20 per k16 mma step of the longest K slice (16 units of 2^-24: a
+    model of the tensor core's truncating fp32 accumulation, with margin), one 2^-24 per slice
+    addition, one for the reference's own float32 rounding."""
+    stages = -(-k // bk)
+    steps = -(-stages // splits) * (bk // 16)
+    return 2.0 ** -8 + (1 + 2.0 ** -8) * (16 * steps + splits) * 2.0 ** -24 + 2.0 ** -24
+
+
+# ------------------------------------------------------------------ index math (plain Python)
+# Shared tiles are uint32 words: panel p of a tile of `rows` rows is words
+# [p * rows * 16, (p + 1) * rows * 16), row r of it 16 words (32 bf16, K ascending).
+
+def panel_word(p, rows, row, word):
+    """Word offset of (panel p, row, word) in a tile of ``rows`` rows."""
+    return (p * rows + row) * WORDS + word
+
+
+def x_stage_slot(q, bm, bk):
+    """x quad q of a stage (4 float32 -> 2 words): (tile row, k offset in the stage, word
+    offset in the tile).  Quads run along K first, so a warp reads whole 128-byte rows."""
+    per_row = bk // 4
+    row = q // per_row
+    kq = q - row * per_row
+    return row, 4 * kq, ((kq // 8) * bm + row) * WORDS + 2 * (kq % 8)   # = panel_word(...)
+
+
+def w_stage_slot(c, bn, bk):
+    """Weight chunk c of a stage (8 bf16 = 16 bytes = 4 words): (tile row, k offset in the
+    stage, word offset in the tile)."""
+    per_row = bk // 8
+    row = c // per_row
+    kc = c - row * per_row
+    return row, 8 * kc, ((kc // 4) * bn + row) * WORDS + 4 * (kc % 4)   # = panel_word(...)
+
+
+def a_fragment(av, at, step):
+    """A registers (a0a1, a2a3, a4a5, a6a7) of k16 step ``step`` (0, 1) of a panel: av[at:at+4]
+    = words 4t..4t+3 of row g of the m16 tile, av[at+4:at+8] those of row g + 8."""
+    return av[at + 2 * step], av[at + 4 + 2 * step], av[at + 2 * step + 1], av[at + 5 + 2 * step]
+
+
+def b_fragment(bv, at, step):
+    """B registers (b0b1, b2b3) of k16 step ``step``: bv[at:at+4] = words 4t..4t+3 of weight
+    row g of the n8 tile."""
+    return bv[at + 2 * step], bv[at + 2 * step + 1]
+
+
+def c_position(lane, e):
+    """(row, column) inside the 16 x 8 tile of accumulator e (0..3) of ``lane``."""
+    return (lane >> 2) + 8 * (e >> 1), 2 * (lane & 3) + (e & 1)
+
+
+if SIMULATOR:
+    def _copy_w16(bsm, at, w16, row, k, nbytes):
+        """Simulator twin of the cp.async below: 8 bf16 -> 4 words (zeros when nbytes == 0)."""
+        for i in range(4):
+            word = np.uint32(0)
+            if nbytes:
+                word = np.uint32(w16[row, k + 2 * i]) | (np.uint32(w16[row, k + 2 * i + 1])
+                                                         << np.uint32(16))
+            bsm[at + i] = word
+else:
+    from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
+
+    @inline_device_function
+    def _copy_w16(bsm, at, w16, row, k, nbytes):
+        """w16[row, k:k+8] -> words bsm[at:at+4] by cp.async; nbytes (16 or 0) are read, the
+        rest zero-filled."""
+        cp_async16_raw(shared_address(bsm, at), global_address(w16, (row, k)), nbytes)
+
+
+_panel_word = inline_device_function(panel_word)
+_x_stage_slot = inline_device_function(x_stage_slot)
+_w_stage_slot = inline_device_function(w_stage_slot)
+_a_fragment = inline_device_function(a_fragment)
+_b_fragment = inline_device_function(b_fragment)
+_c_position = inline_device_function(c_position)
+
+
+# ------------------------------------------------------------------ kernel
+
+def mma_kernel(cfg: MmaConfig):
+    """The kernel for a tile shape (the K slice count is a launch argument)."""
+    return _mma_kernel_for(dataclasses.replace(cfg, splits=1))
+
+
+@functools.cache
+def _mma_kernel_for(cfg: MmaConfig):
+    """Under the simulator the kernel builds and runs up to its first mma, which raises
+    NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level
+    emulation of the mma there to run the whole kernel on tiny shapes."""
+    from numba import float32, uint32
+
+    WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
+    BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
+    PANELS = BK // PANEL
+    A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
+    XQ = BM * BK // 4 // THREADS                           # x quads per thread and stage
+    WC = BN * BK // 8 // THREADS                           # weight chunks per thread and stage
+    A_SIZE, B_SIZE = 2 * A_STAGE, 2 * B_STAGE
+    NACC, NAV, NBV, NXR = 4 * TM * TN, 8 * TM, 4 * TN, 4 * XQ
+    ZERO = float32(0.0)
+    ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
+
+    @inline_device_function
+    def issue_weights(bsm, at, w16, n0, n_total, ks, k_end, tid):
+        """cp.async this thread's weight chunks of stage ks into bsm[at:]; zero past N / k_end."""
+        for u in range(WC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
+            ok = n0 + row < n_total and ks + kk < k_end
+            src_row = min(n0 + row, n_total - 1)
+            src_k = ks + kk if ok else 0
+            _copy_w16(bsm, at + off, w16, src_row, src_k, 16 if ok else 0)
+
+    @inline_device_function
+    def load_x(xr, x, m0, m_total, ks, k_end, tid):
+        """This thread's x quads of stage ks into registers (zeros past M / k_end)."""
+        for u in range(XQ):
+            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
+            if m0 + row < m_total and ks + kk < k_end:
+                v0, v1, v2, v3 = ld_cached_f32x4(x, m0 + row, ks + kk)
+            else:
+                v0 = v1 = v2 = v3 = ZERO
+            xr[4 * u] = v0
+            xr[4 * u + 1] = v1
+            xr[4 * u + 2] = v2
+            xr[4 * u + 3] = v3
+
+    @inline_device_function
+    def store_x(asm, at, xr, tid):
+        """The held x quads, rounded to bf16 pairs, into asm[at:]."""
+        for u in range(XQ):
+            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
+            store_nowrap_1d(asm, at + off, pack_bf16x2(xr[4 * u], xr[4 * u + 1]))
+            store_nowrap_1d(asm, at + off + 1, pack_bf16x2(xr[4 * u + 2], xr[4 * u + 3]))
+
+    @inline_device_function
+    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
+        """acc += this stage's products: per panel, one 128-bit load per A row (g, g + 8 of
+        each m16 tile) and per weight row (g of each n8 tile), then 2 k16 steps of tm x tn mma."""
+        for p in range(PANELS):
+            for i in range(TM):
+                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i, 4 * t))
+                av[8 * i], av[8 * i + 1], av[8 * i + 2], av[8 * i + 3] = v
+                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i + 8, 4 * t))
+                av[8 * i + 4], av[8 * i + 5], av[8 * i + 6], av[8 * i + 7] = v
+            for j in range(TN):
+                v = ld_shared_u32x4(bsm, b_at + _panel_word(p, BN, brow + 8 * j, 4 * t))
+                bv[4 * j], bv[4 * j + 1], bv[4 * j + 2], bv[4 * j + 3] = v
+            for step in range(2):
+                for i in range(TM):
+                    a0, a1, a2, a3 = _a_fragment(av, 8 * i, step)
+                    for j in range(TN):
+                        b0, b1 = _b_fragment(bv, 4 * j, step)
+                        o = 4 * (i * TN + j)
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+
+    @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
+    def mma_linear_kernel(x, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
+        """out[s * m_total + m, n] = slice s of sum_k bf16(x[m, k]) w[n, k] (out = y when
+        splits == 1).  Grid: M tile fastest, then K slice, then N tile."""
+        asm = cuda.shared.array(A_SIZE, uint32, alignment=ALIGN)
+        bsm = cuda.shared.array(B_SIZE, uint32, alignment=ALIGN)
+        acc = cuda.local.array(NACC, float32)
+        av = cuda.local.array(NAV, uint32)
+        bv = cuda.local.array(NBV, uint32)
+        xr = cuda.local.array(NXR, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        t = lane & 3
+        wm_i = warp % WM
+        arow = wm_i * (16 * TM) + (lane >> 2)            # the lane's A row g in the block tile
+        brow = (warp // WM) * (8 * TN) + (lane >> 2)     # the lane's weight row g
+        bid = cuda.blockIdx.x
+        mt_i = bid % n_mtiles
+        rest = bid // n_mtiles
+        s = rest % splits
+        n0 = (rest // splits) * BN
+        m0 = mt_i * BM
+        k_begin = BK * (s * kc_total // splits)
+        k_end = min(BK * ((s + 1) * kc_total // splits), k_total)
+        for i in range(NACC):
+            acc[i] = ZERO
+
+        issue_weights(bsm, 0, w16, n0, n_total, k_begin, k_end, tid)
+        cp_async_commit()
+        load_x(xr, x, m0, m_total, k_begin, k_end, tid)
+        store_x(asm, 0, xr, tid)
+        cp_async_wait_all()
+        cuda.syncthreads()
+        buf = 0
+        ks = k_begin
+        while ks < k_end:
+            nxt = ks + BK
+            if nxt < k_end:       # the next stage in flight while this one is multiplied
+                issue_weights(bsm, (1 - buf) * B_STAGE, w16, n0, n_total, nxt, k_end, tid)
+                cp_async_commit()
+                load_x(xr, x, m0, m_total, nxt, k_end, tid)
+            compute(acc, av, bv, asm, bsm, buf * A_STAGE, buf * B_STAGE, arow, brow, t)
+            if nxt < k_end:
+                store_x(asm, (1 - buf) * A_STAGE, xr, tid)
+            cp_async_wait_all()
+            cuda.syncthreads()
+            buf = 1 - buf
+            ks = nxt
+
+        orow = s * m_total
+        for i in range(TM):
+            for j in range(TN):
+                for e in range(4):
+                    r, c = _c_position(lane, e)
+                    row = m0 + wm_i * (16 * TM) + 16 * i + r
+                    col = n0 + (warp // WM) * (8 * TN) + 8 * j + c
+                    if row < m_total and col < n_total:
+                        store_nowrap_2d(out, orow + row, col, acc[4 * (i * TN + j) + e])
+
+    return mma_linear_kernel
+
+
+def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
+    """Launch: y [M, N] = xd [M, K] wd^T, wd the uint16 bf16 bits [N, K] (checked by
+    linear()); K slices go to a workspace buffer and are added in order."""
+    (m, k), n = xd.shape, wd.shape[0]
+    n_mtiles = -(-m // cfg.bm)
+    kc = -(-k // cfg.bk)
+    splits = max(1, min(cfg.splits, kc))
+    blocks = n_mtiles * splits * -(-n // cfg.bn)
+    launch = mma_kernel(cfg)[blocks, cfg.threads, stream]
+    if splits == 1:
+        launch(xd, wd, y, m, n, k, n_mtiles, 1, kc)
+        return
+    part = workspace_buffer(workspace, "linear.mma_part", (splits, m, n), np.float32, stream)
+    launch(xd, wd, part.reshape(splits * m, n), m, n, k, n_mtiles, splits, kc)
+    grid, block = launch_1d(m * n, 256)
+    sum_splits[grid, block, stream](part, y)

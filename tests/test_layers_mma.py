@@ -1,0 +1,430 @@
+"""linear(method="mma"): the bf16 tensor-core GEMM (kdtree_numba/layers/mma.py).
+
+Anywhere (CI): the bf16 rounding oracle; a NumPy replay of one whole block of the kernel --
+staging through the module's index helpers, 128-bit fragment loads, ``a_fragment`` /
+``b_fragment``, the mma as the PTX ISA defines its m16n8k16 .bf16 fragments (written out here,
+independently of the module), the epilogue through ``c_position`` -- against bf16(x) @ w^T; the
+argument checks; the kernel itself run by the simulator with the warp's mma emulated by the
+ISA layout (``test_simulated_kernel_equals_the_bf16_product``); and (subprocess, no simulator)
+the kernels compile to sm_90 PTX holding the ``mma.sync ... m16n8k16 ... bf16`` instruction, no
+local memory, and ptxas assembles them.
+On the GPU (marker ``gpu``): a one-warp tile, then linear(method="mma") against the float64
+reference within the bound of docs/LAYERS.md ("bf16 tensor-core linear"), per output element.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference.layers as ref
+from kdtree_numba.layers import mma as mm
+
+
+def bf16_bits(x) -> np.ndarray:
+    """The oracle: float32 -> bf16 bits, round to nearest, ties to even (finite inputs)."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def test_bf16_oracle_rounds_to_nearest_even():
+    u = 2.0 ** -7                       # bf16's ulp at 1.0
+    x = np.array([1.0, 1 + u / 2, 1 + 3 * u / 2, 1 + u / 4, 1 + 3 * u / 4, -(1 + u / 2), 3.0],
+                 np.float32)
+    want = np.array([1.0, 1.0, 1 + 2 * u, 1.0, 1 + u, -1.0, 3.0], np.float32)
+    assert bf16_value(bf16_bits(x)).tobytes() == want.tobytes()
+
+
+def test_simulator_pack_bf16x2_rounds_like_the_oracle(needs_kernels):
+    from kdtree_numba import compat
+    from kdtree_numba.gpu.tensorcore import pack_bf16x2
+    if not compat.SIMULATOR:
+        pytest.skip("the bit-level fallback exists only under the simulator")
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 100
+    x[:4] = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 0.0]
+    bits = bf16_bits(x)
+    for i in range(0, len(x), 2):
+        word = int(pack_bf16x2(x[i], x[i + 1]))
+        assert (word & 0xFFFF, word >> 16) == (int(bits[i]), int(bits[i + 1]))
+
+
+# ------------------------------------------------------------------ NumPy replay of a block
+
+def isa_mma(a_regs, b_regs):
+    """(A [16, 16], B [16, 8]) that 32 lanes' registers stand for, by the PTX ISA's "Matrix
+    Fragments for mma.m16n8k16 with floating point type" (.bf16): a_regs [32, 4], b_regs
+    [32, 2] uint32, element i of a fragment is half i % 2 of register i // 2 (low half first)."""
+    A, B = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        group, tig = lane >> 2, lane % 4
+        for i in range(8):
+            row = group if (i < 2 or 4 <= i < 6) else group + 8
+            col = tig * 2 + (i & 1) + (8 if i >= 4 else 0)
+            A[row, col] = bf16_value((int(a_regs[lane][i // 2]) >> (16 * (i & 1))) & 0xFFFF)
+        for i in range(4):
+            row = tig * 2 + (i & 1) + (8 if i >= 2 else 0)
+            B[row, group] = bf16_value((int(b_regs[lane][i // 2]) >> (16 * (i & 1))) & 0xFFFF)
+    assert not np.isnan(A).any() and not np.isnan(B).any(), "a fragment element never set"
+    return A, B
+
+
+def isa_c(lane, e):
+    """Accumulator e of a lane: row groupID (+ 8 for e >= 2), column 2 threadID + e % 2."""
+    return (lane >> 2) + (8 if e >= 2 else 0), 2 * (lane % 4) + (e & 1)
+
+
+def replay_block(x, w16, cfg, a_fragment=mm.a_fragment, b_fragment=mm.b_fragment):
+    """y [M, N] of one block (M <= BM, N <= BN, no K slices) computed as the kernel moves the
+    data: stages of bk staged by x_stage_slot / w_stage_slot (x rounded to bf16), per warp and
+    panel the lanes' 128-bit loads at panel_word(...), registers by a_fragment / b_fragment,
+    the mma by the ISA, accumulators written through c_position."""
+    (m, k), n = x.shape, w16.shape[0]
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    acc = np.zeros((cfg.wm * cfg.wn, 32, cfg.tm, cfg.tn, 4))
+    for ks in range(0, k, bk):
+        asm = np.zeros(bm * bk // 2, np.uint32)
+        bsm = np.zeros(bn * bk // 2, np.uint32)
+        for q in range(bm * bk // 4):
+            row, kk, off = mm.x_stage_slot(q, bm, bk)
+            if row < m and ks + kk < k:
+                b = bf16_bits(x[row, ks + kk:ks + kk + 4]).astype(np.uint32)
+                asm[off], asm[off + 1] = b[0] | b[1] << 16, b[2] | b[3] << 16
+        for c in range(bn * bk // 8):
+            row, kk, off = mm.w_stage_slot(c, bn, bk)
+            if row < n and ks + kk < k:
+                bsm[off:off + 4] = w16[row, ks + kk:ks + kk + 8].copy().view(np.uint32)
+        for warp in range(cfg.wm * cfg.wn):
+            wm_i, wn_i = warp % cfg.wm, warp // cfg.wm
+            for p in range(bk // 32):
+                for i in range(cfg.tm):
+                    for j in range(cfg.tn):
+                        for step in range(2):
+                            a_regs, b_regs = [], []
+                            for lane in range(32):
+                                g, t = lane >> 2, lane & 3
+                                arow = wm_i * 16 * cfg.tm + 16 * i + g
+                                lo = mm.panel_word(p, bm, arow, 4 * t)
+                                hi = mm.panel_word(p, bm, arow + 8, 4 * t)
+                                av = np.concatenate([asm[lo:lo + 4], asm[hi:hi + 4]])
+                                b_at = mm.panel_word(p, bn, wn_i * 8 * cfg.tn + 8 * j + g,
+                                                     4 * t)
+                                a_regs.append(a_fragment(av, 0, step))
+                                b_regs.append(b_fragment(bsm[b_at:b_at + 4], 0, step))
+                            A, B = isa_mma(a_regs, b_regs)
+                            D = A @ B
+                            for lane in range(32):
+                                for e in range(4):
+                                    acc[warp, lane, i, j, e] += D[isa_c(lane, e)]
+    y = np.zeros((m, n))
+    for warp in range(cfg.wm * cfg.wn):
+        wm_i, wn_i = warp % cfg.wm, warp // cfg.wm
+        for lane in range(32):
+            for i in range(cfg.tm):
+                for j in range(cfg.tn):
+                    for e in range(4):
+                        r, c = mm.c_position(lane, e)
+                        row = wm_i * 16 * cfg.tm + 16 * i + r
+                        col = wn_i * 8 * cfg.tn + 8 * j + c
+                        if row < m and col < n:
+                            y[row, col] = acc[warp, lane, i, j, e]
+    return y
+
+
+def _block_case(seed, m, n, k):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+    want = bf16_value(bf16_bits(x)).astype(np.float64) @ bf16_value(w16).astype(np.float64).T
+    return x, w16, want
+
+
+@pytest.mark.parametrize("cfg, m, n, k", [
+    (mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), 16, 8, 32),          # one m16n8 tile, one panel
+    (mm.MmaConfig(wm=1, wn=2, tm=1, tn=2), 11, 29, 72),         # ragged M, N, K (zero fill)
+    (mm.MmaConfig(wm=2, wn=1, tm=2, tn=1, bk=64), 64, 8, 128),  # two panels per stage
+])
+def test_block_replay_equals_the_bf16_product(cfg, m, n, k):
+    x, w16, want = _block_case(1, m, n, k)
+    got = replay_block(x, w16, cfg)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_block_replay_catches_a_wrong_fragment():
+    """The replay has teeth: A registers a2 / a3 swapped (rows g + 8 and k + 8 mixed up)."""
+    def swapped(av, at, step):
+        a0, a1, a2, a3 = mm.a_fragment(av, at, step)
+        return a0, a2, a1, a3
+    x, w16, want = _block_case(2, 16, 8, 32)
+    got = replay_block(x, w16, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), a_fragment=swapped)
+    assert np.max(np.abs(got - want)) > 0.1 * np.max(np.abs(want))
+
+
+def test_configs_and_splits():
+    assert mm.mma_config(1, 163840, 7168) == mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, splits=1)
+    for m, n, k in [(1, 1536, 7168), (65, 7168, 2048), (512, 163840, 7168), (4096, 7168, 2048),
+                    (1, 200, 72)]:
+        cfg = mm.mma_config(m, n, k)
+        assert cfg.bm >= min(m, 128) and cfg.bn == 128
+        s = cfg.splits
+        assert s == 1 or (8 * s * m <= k and -(-k // cfg.bk) // s >= 4)
+    assert mm.mma_config(1, 1536, 7168).splits > 1          # 12 N tiles: K slices fill the GPU
+    with pytest.raises(ValueError):
+        mm.MmaConfig(bk=48)
+
+
+def test_error_coefficient_is_dominated_by_the_bf16_rounding_of_x():
+    c = mm.mma_error_coefficient(7168, 1)
+    assert 2.0 ** -8 < c < 2.0 ** -8 + 2 ** -11        # accumulation: < 1/8 of the rounding
+    assert mm.mma_error_coefficient(7168, 8) < c        # slices shorten the mma chains
+
+
+@pytest.mark.parametrize("what", ["f32 weights", "K % 8", "strided x"])
+def test_mma_rejects_what_it_cannot_take(what, needs_kernels):
+    from kdtree_numba.layers import linear
+    rng = np.random.default_rng(3)
+    k = 20 if what == "K % 8" else 32
+    x = rng.standard_normal((4, 2 * k if what == "strided x" else k)).astype(np.float32)
+    w = rng.standard_normal((8, k)).astype(np.float32)
+    if what != "f32 weights":
+        w = bf16_bits(w)
+    if what == "strided x":
+        from kdtree_numba.compat import to_device
+        x = to_device(x)[:, ::2]
+    with pytest.raises(ValueError, match="mma"):
+        linear(x, w, method="mma")
+
+
+def test_mma_needs_a_gpu_under_the_simulator(needs_kernels):
+    from kdtree_numba import compat
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only")
+    x = np.ones((2, 16), np.float32)
+    with pytest.raises(NotImplementedError, match="tensor cores"):   # at the first mma
+        linear(x, bf16_bits(np.ones((8, 16), np.float32)), method="mma")
+
+
+# ------------------------------------------------------------------ sm_90 PTX, any machine
+
+def _tile_kernel():
+    from kdtree_numba.compat import cuda, kernel
+    from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
+
+    @kernel
+    def tile(a, w32, c, d):
+        """d = bf16(a) @ w^T + c for a [16, 16] float32, w [8, 16] bf16 (as uint32 pairs
+        [8, 8]), c [16, 8], on one warp, fragments loaded straight from the ISA layout."""
+        lane = cuda.threadIdx.x
+        g = lane // 4
+        t = lane % 4
+        a0 = pack_bf16x2(a[g, 2 * t], a[g, 2 * t + 1])
+        a1 = pack_bf16x2(a[g + 8, 2 * t], a[g + 8, 2 * t + 1])
+        a2 = pack_bf16x2(a[g, 2 * t + 8], a[g, 2 * t + 9])
+        a3 = pack_bf16x2(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9])
+        d0, d1, d2, d3 = mma_bf16_m16n8k16(a0, a1, a2, a3, w32[g, t], w32[g, t + 4],
+                                           c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
+                                           c[g + 8, 2 * t + 1])
+        d[g, 2 * t] = d0
+        d[g, 2 * t + 1] = d1
+        d[g + 8, 2 * t] = d2
+        d[g + 8, 2 * t + 1] = d3
+
+    return tile
+
+
+PTX_SCRIPT = r"""
+import re, sys, types
+try:
+    from numba import cuda, types as T
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.bindings import nvjitlink as nj
+    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
+except Exception as error:
+    print("nvvm/nvjitlink unavailable:", error)
+    sys.exit(77)
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+import dataclasses
+sys.path.insert(0, "tests")
+import test_layers_mma as tm
+from kdtree_numba.layers import mma as mm
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+def ptxas(ptx, max_registers=0):
+    opts = ["-arch=sm_90", "-O3", "-verbose"] + (
+        [f"-maxrregcount={max_registers}"] if max_registers else [])
+    h = nj.create(len(opts), opts)
+    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
+    nj.complete(h)
+    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); nj.destroy(h)
+    return log.decode()
+
+f2, u2 = T.float32[:, ::1], T.uint32[:, ::1]
+ptx, _ = cuda.compile_ptx(tm._tile_kernel().py_func, (f2, u2, f2, f2), cc=(9, 0))
+assert ptx.count(MMA) == 1 and ptx.count("cvt.rn.bf16x2.f32") == 4, "tile kernel"
+ptxas(ptx)
+print("tile assembled")
+configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
+           [(163840, 7168), (7168, 2048), (1536, 7168)]}
+configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
+sig = (f2, T.uint16[:, ::1], f2) + (T.int64,) * 6
+for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
+    ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0))
+    log = ptxas(ptx, cfg.max_registers)
+    n_mma = ptx.count(MMA)
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    regs = int(re.findall(r"Used (\d+) registers", log)[0])
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    print("kernel", cfg, "mma", n_mma, "regs", regs, "spill", spill, "local", local, flush=True)
+    assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
+    assert "cp.async.cg.shared.global" in ptx and "cvt.rn.bf16x2.f32" in ptx
+    assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
+    assert local == 0, "local memory: accumulators or fragments left registers"
+    assert spill == 0 or cfg.max_registers, "spills"
+print("assembled")
+"""
+
+
+def test_mma_kernels_compile_to_hopper_ptx():
+    """The bf16 tile and every mma_config tile (and the benchmark's alternatives) compile for
+    sm_90 with the m16n8k16 bf16 mma, cp.async and 128-bit shared loads, no local memory, no
+    spills (uncapped), and ptxas assembles them (nvJitLink, no GPU needed)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(PTX_SCRIPT, timeout=600)
+    assert "tile assembled" in out and "assembled" in out.splitlines()[-1], out[-2000:]
+
+
+# ------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_bf16_tile_equals_the_product_of_rounded_inputs(seed):
+    from numba import cuda
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 16)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((8, 16)).astype(np.float32))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = cuda.device_array((16, 8), np.float32)
+    _tile_kernel()[1, 32](cuda.to_device(a), cuda.to_device(w16.view(np.uint32)),
+                          cuda.to_device(c), d)
+    ra, rw = bf16_value(bf16_bits(a)).astype(np.float64), bf16_value(w16).astype(np.float64)
+    want = ra @ rw.T + c
+    bound = 16 * 2.0 ** -24 * (np.abs(ra) @ np.abs(rw).T + np.abs(c))
+    assert np.all(np.abs(d.copy_to_host() - want) <= bound)
+
+
+def _check_linear(m, n, k, seed=0, config=None, scale=1.0):
+    from kdtree_numba.layers import linear
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    cfg = config or mm.mma_config(m, n, k)
+    got = linear(x, w16, method="mma", config=config).copy_to_host()
+    w64 = bf16_value(w16).astype(np.float64)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w64).T       # sum_k |x_k w_k|
+    want = ref.linear(x, bf16_value(w16))
+    bound = mm.mma_error_coefficient(k, cfg.splits, cfg.bk) * magnitude
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= bound), (np.max(err / np.maximum(bound, 1e-300)), cfg)
+    # sharper: against bf16(x) exactly, only the accumulation term remains -- a wrong rounding
+    # of x (truncation, or none) or a lost K stage fails this by orders of magnitude
+    exact = bf16_value(bf16_bits(x)).astype(np.float64) @ w64.T
+    acc_bound = (mm.mma_error_coefficient(k, cfg.splits, cfg.bk) - 2.0 ** -8) * magnitude
+    assert np.all(np.abs(got - exact) <= acc_bound), cfg
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(256, 512), (1000, 768), (2048, 7168)])
+@pytest.mark.parametrize("m", [1, 16, 65, 100, 512])
+def test_gpu_linear_mma_within_the_bf16_bound(m, n, k):
+    _check_linear(m, n, k, seed=m + n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 200, 72), (65, 200, 72), (17, 130, 40), (3, 9, 8),
+                                     (129, 1000, 1016)])
+def test_gpu_linear_mma_ragged_edges(m, n, k):
+    """N, M and K off every tile multiple (K % 8 == 0 is required; K % 8 != 0 raises, tested
+    in test_mma_rejects_what_it_cannot_take)."""
+    _check_linear(m, n, k, seed=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 65, 200])
+def test_gpu_linear_mma_alternatives_and_k_slices(m):
+    import dataclasses
+    n, k = 1000, 2048
+    base = mm.mma_config(m, n, k)
+    plans = dict(mm.mma_alternatives(m, n, k), **{
+        f"splits={s}": dataclasses.replace(base, splits=s) for s in (1, 8)})
+    for name, cfg in plans.items():
+        _check_linear(m, n, k, seed=5, config=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_mma_large_and_small_magnitudes():
+    """x far from 1 (bf16 keeps float32's exponent range): relative bound unchanged."""
+    _check_linear(33, 300, 256, seed=7, scale=1e-30)
+    _check_linear(33, 300, 256, seed=8, scale=1e20)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_mma_reuses_out_and_workspace():
+    from kdtree_numba.layers import Workspace, linear
+    from numba import cuda
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 7168)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((1536, 7168)).astype(np.float32))
+    ws, out = Workspace(), cuda.device_array((4, 1536), np.float32)
+    first = linear(x, w16, method="mma", out=out, workspace=ws).copy_to_host()
+    again = linear(x, w16, method="mma", out=out, workspace=ws).copy_to_host()
+    assert first.tobytes() == again.tobytes()          # deterministic: fixed K slices and order
+
+
+# ------------------------------------------------------------------ the whole kernel, simulated
+
+def _warp_mma_emulation():
+    """mma_bf16_m16n8k16 for the simulator: every lane leaves its registers in a table, a
+    barrier, each lane reads its 4 outputs of the warp's product (the ISA layout, isa_mma /
+    isa_c), a barrier.  Block-wide barriers stand in for the warp's: every warp of the kernel
+    issues the same number of mma (tm x tn per k16 step)."""
+    import threading
+    table = {}
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        me = threading.current_thread()
+        tid = me.threadIdx.x
+        key = (me.blockIdx.x, tid // 32)
+        table.setdefault(key, [None] * 32)[tid % 32] = ((a0, a1, a2, a3), (b0, b1))
+        me.syncthreads()
+        lanes = table[key]
+        A, B = isa_mma([r[0] for r in lanes], [r[1] for r in lanes])
+        D = A @ B
+        out = [np.float32(D[isa_c(tid % 32, e)] + np.float64(c)) for e, c in
+               enumerate((c0, c1, c2, c3))]
+        me.syncthreads()
+        return tuple(out)
+    return mma
+
+
+@pytest.mark.parametrize("m, n, k, cfg", [
+    (5, 20, 72, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1)),              # ragged M, N; partial stage
+    (19, 9, 96, mm.MmaConfig(wm=1, wn=1, tm=2, tn=1, splits=2)),   # 2 M tiles x 2 K slices
+    (3, 16, 128, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=64)),     # two panels per stage
+])
+def test_simulated_kernel_equals_the_bf16_product(m, n, k, cfg, needs_kernels, monkeypatch):
+    """The kernel itself (staging, cp.async twin, pipeline, K slices, epilogue) on the
+    simulator, the warp's mma emulated by the ISA layout: y = bf16(x) w^T up to the fp32
+    rounding of the emulated steps."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    x, w16, want = _block_case(4, m, n, k)
+    got = linear(x, w16, method="mma", config=cfg).copy_to_host()
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
