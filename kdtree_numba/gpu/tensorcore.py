@@ -122,25 +122,34 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """D = A B + C on one warp's tensor cores; fragments as in the module docstring."""
-        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+    def _warp_mma(name: str, ptx_op: str, doc: str):
+        """An intrinsic ``name(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``
+        issuing ``ptx_op``: D = A B + C on one warp's tensor cores, A and B as 32-bit
+        registers (TF32 patterns, or two bf16), C and D float32 (the module docstring has the
+        fragments).  Both shapes the kernels use take the same ten registers."""
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
 
-        def codegen(context, builder, sig, args):
-            f32 = ir.FloatType()
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4),
-                                   [ir.IntType(32)] * 6 + [f32] * 4)
-            mma = ir.InlineAsm(
-                fnty, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
-            result = builder.call(mma, args)
-            parts = [builder.extract_value(result, i) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
+            def codegen(context, builder, sig, args):
+                f32 = ir.FloatType()
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4),
+                                       [ir.IntType(32)] * 6 + [f32] * 4)
+                op = ir.InlineAsm(
+                    fnty, f"{ptx_op} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, "
+                    "{$10, $11, $12, $13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
+                result = builder.call(op, args)
+                parts = [builder.extract_value(result, i) for i in range(4)]
+                return context.make_tuple(builder, sig.return_type, parts)
 
-        return sig, codegen
+            return sig, codegen
+        mma.__name__ = mma.__qualname__ = name
+        mma.__doc__ = doc
+        return intrinsic(mma)
 
+    mma_tf32_m16n8k8 = _warp_mma(
+        "mma_tf32_m16n8k8", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+        "D = A B + C on one warp's tensor cores; fragments as in the module docstring.")
 
     @intrinsic
     def pack_bf16x2(typingctx, lo, hi):
@@ -155,25 +164,10 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def mma_bf16_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's
-        tensor cores; fragments as in the module docstring."""
-        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
-
-        def codegen(context, builder, sig, args):
-            f32 = ir.FloatType()
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4),
-                                   [ir.IntType(32)] * 6 + [f32] * 4)
-            mma = ir.InlineAsm(
-                fnty, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
-            result = builder.call(mma, args)
-            parts = [builder.extract_value(result, i) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return sig, codegen
+    mma_bf16_m16n8k16 = _warp_mma(
+        "mma_bf16_m16n8k16", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's "
+        "tensor cores; fragments as in the module docstring.")
 
 
 @device_function
