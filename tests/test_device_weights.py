@@ -204,9 +204,17 @@ def test_routing_counter_counts_each_forward():
     cfg = tiny_config()
     model = random_model(cfg, "reference", seed=0)
     ops = model.backend.ops
+
+    class Graphs:            # what the counter sets aside on a GPU (here: the same path)
+        captures, replays = 3, 5
+
+        def call(self, *args):
+            raise AssertionError("the counter runs every forward eagerly")
+    model.graphs = graphs = Graphs()
     with engine_roof.RoutingCounter(model) as counter:
         res = generate(model, [[1, 2, 3, 4, 5, 6]], 4)
-    assert model.backend.ops is ops
+    assert model.backend.ops is ops and model.graphs is graphs
+    assert (res.stats.graph_captures, res.stats.graph_replays) == (0, 0)
     records = counter.records()
     assert len(records) == 1 + res.stats.rounds
     k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
