@@ -139,19 +139,53 @@ def test_device_arrays_load_as_uploads_of_a_bf16_bundle(monkeypatch):
     assert a.layers[1].router.dtype == np.float32 and a.layers[1].gate_up.dtype == np.uint16
 
 
-def test_random_model_generates_the_same_on_reference_and_numba_kernels(needs_kernels):
-    """Two greedy tokens of a random_model: the reference backend and the numba kernels (the
-    simulator here, the GPU under tools/gpu_suite.sh) agree, and the logits are not flat."""
+def test_the_weights_generate_the_same_on_reference_and_numba_kernels(needs_kernels):
+    """Two greedy tokens of a model on these weights: the reference backend and the numba
+    kernels (the simulator here, the GPU under tools/gpu_suite.sh) agree, and the logits are
+    not flat.  (One host draw for both: on a GPU random_model would draw the numba model's
+    with CuPy, another stream.)"""
     cfg = tiny_config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                       moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
                       num_attention_heads=2)      # the simulator's time grows with the widths
+    weights = dict(random_device_weights(cfg, np, seed=0))
     prompt = [[5, 17]]
-    ref = random_model(cfg, "reference", seed=0)
+    ref = Model(cfg, weights, "reference")
     out_ref = generate(ref, prompt, 2)
-    out_numba = generate(random_model(cfg, "numba", seed=0), prompt, 2)
+    out_numba = generate(Model(cfg, weights, "numba"), prompt, 2)
     assert out_ref.tokens == out_numba.tokens
-    logits = ref.score(prompt[0])
-    assert logits.std(axis=-1).min() > 0.1
+    assert ref.score(prompt[0]).std(axis=-1).min() > 0.1
+    assert random_model(cfg, "reference", seed=0).score(prompt[0]).tolist() == \
+        ref.score(prompt[0]).tolist()
+
+
+@pytest.mark.gpu
+def test_cupy_weights_on_the_gpu_are_a_bf16_bundle_uploaded():
+    """On the GPU: CuPy's draws (uint16 bf16 bits on the device, rounded as ml_dtypes rounds)
+    give the model the arrays a host bf16 bundle of the same values gives it, and its logits
+    match the reference's on those values."""
+    import cupy
+    cfg = tiny_config(num_hidden_layers=2)
+    x = cupy.random.default_rng(1).standard_normal(1 << 16, dtype=np.float32) * 3
+    assert np.array_equal(cupy.asnumpy(bf16_bits(cupy, x)),
+                          cupy.asnumpy(x).astype(ml_dtypes.bfloat16).view(np.uint16))
+    device = dict(random_device_weights(cfg, cupy, seed=0, chunk=1000))
+    for name, shape in weight_shapes(cfg).items():
+        assert isinstance(device[name], cupy.ndarray) and device[name].dtype == np.uint16
+        assert device[name].shape == shape, name
+    host = {n: cupy.asnumpy(w).view(ml_dtypes.bfloat16) for n, w in device.items()}
+    spec = init_spec("lm_head", weight_shapes(cfg)["lm_head"])
+    assert abs(np.asarray(host["lm_head"], np.float64).std() / spec[2] - 1) < 0.1
+    a, b = Model(cfg, host, "numba"), Model(cfg, device, "numba")
+    for la, lb in zip(a.layers, b.layers):
+        for k, v in vars(la).items():
+            if v is not None:
+                assert v.dtype == getattr(lb, k).dtype and bool(cupy.array_equal(
+                    v, getattr(lb, k))), k
+    seq = np.arange(1, 30)
+    want = Model(cfg, host, "reference").score(seq)
+    assert np.abs(b.score(seq) - want).max() <= 2e-4 * np.abs(want).max()
+    model = random_model(cfg, "numba", seed=0)
+    assert isinstance(model.lm_head, cupy.ndarray) and model.lm_head.dtype == np.uint16
 
 
 # ----------------------------------------------------------------------------- roofs
