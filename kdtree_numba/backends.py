@@ -81,10 +81,23 @@ class Backend:
             return self.xp.asarray(np.ascontiguousarray(a).view(np.uint16))
         return self.xp.asarray(a) if dtype is None else self.xp.asarray(a, dtype=dtype)
 
-    def weight(self, a):
-        """A model weight as this backend keeps it.  The reference computes in float64, so it
-        widens a floating weight once here rather than in every call (the values are the same:
-        bf16 and float32 widen exactly); every other backend takes it as :meth:`asarray`."""
+    def weight(self, a, dtype=None):
+        """A model weight as this backend keeps it (``dtype``: widened to it first, as the
+        model's float32-only weights are).  The reference computes in float64, so it widens a
+        floating weight once here rather than in every call (the values are the same: bf16 and
+        float32 widen exactly); every other backend takes it as :meth:`asarray`.
+
+        On the GPU ``a`` may already be a device array in the form :meth:`asarray` gives a
+        host weight (bf16 as uint16 bits; kdtree_numba/device_weights.py builds random weights
+        so): it is kept on the device, bf16 bits widened there when ``dtype`` asks."""
+        if self.on_gpu and hasattr(a, "__cuda_array_interface__"):
+            a = self.xp.ascontiguousarray(a)
+            if dtype is None or np.dtype(a.dtype) == np.dtype(dtype):
+                return a
+            if a.dtype == np.uint16 and np.dtype(dtype) == np.float32:   # bf16 bits
+                return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            return a.astype(dtype)
+        a = np.ascontiguousarray(a, dtype=dtype)
         if self.name == "reference" and np.dtype(a.dtype).name in ("bfloat16", "float16",
                                                                    "float32"):
             return as_float64(a)

@@ -46,7 +46,7 @@ from kdtree_numba.config import ModelConfig, weight_shapes
 
 __all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_bundle",
            "read_bundle_config", "check_output_path", "SIZES",
-           "size_config", "drafter_config", "random_weights", "make_random_bundle",
+           "size_config", "drafter_config", "init_spec", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",
            "read_bundle_tokenizer", "TOKENIZER_DATASET", "TOKENIZER_FORMAT",
            "DFlashSpec", "DFLASH_BLOCK_SIZE", "DFLASH_SHARED", "default_target_layer_ids",
@@ -123,18 +123,31 @@ def drafter_config(target: ModelConfig, **overrides) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- random weights
 
-def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """O(0.1-1) weights (docs/ENGINE.md, "Bundles"): matrices N(0, (1.2/sqrt(fan_in))^2) (0.15 at fan_in 64),
-    norm weights U[0.5, 1.5], router bias N(0, 0.3^2), embeddings N(0, 1)."""
+def init_spec(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """How a random tensor is drawn (docs/ENGINE.md, "Bundles"), so that every builder of random
+    weights (:func:`random_weights` here, kdtree_numba/device_weights.py on the GPU) scales
+    alike: ``("uniform", low, high)`` for norm weights (U[0.5, 1.5]), else ``("normal", 0,
+    std)``: router bias 0.3, embeddings 1, matrices 1.2 / sqrt(fan_in) (0.15 at fan_in 64)."""
     leaf = name.rsplit("/", 1)[-1]
     if leaf.endswith("norm"):      # every *layernorm, model/norm, dflash/hidden_norm
-        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        return "uniform", 0.5, 1.5
     if leaf == "e_score_correction_bias":
-        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        return "normal", 0.0, 0.3
     if leaf == "embed_tokens":
-        return rng.standard_normal(shape, dtype=np.float32)
-    scale = np.float32(1.2 / np.sqrt(shape[-1]))
-    return rng.standard_normal(shape, dtype=np.float32) * scale
+        return "normal", 0.0, 1.0
+    return "normal", 0.0, float(np.float32(1.2 / np.sqrt(shape[-1])))
+
+
+def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """O(0.1-1) weights by :func:`init_spec` (the draws are those of the first version, so
+    every seed still gives the same bundle: the router bias drawn in float64, the rest in
+    float32; an embedding's scale 1 changes no bit)."""
+    kind, low, high = init_spec(name, shape)
+    if kind == "uniform":
+        return rng.uniform(low, high, shape).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (high * rng.standard_normal(shape)).astype(np.float32)
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(high)
 
 
 def random_weights(config: ModelConfig, seed: int = 0,

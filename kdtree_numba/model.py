@@ -91,7 +91,10 @@ class Model(DeviceSteps):
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto", *,
                  shared: Mapping[str, Any] | None = None):
-        """``shared``: arrays already on ``backend`` used as they are instead of
+        """``weights``: name -> array in bundle layout (``weight_shapes``): host arrays (a
+        bundle's), or on a GPU device arrays as ``Backend.weight`` takes them (random weights
+        built there: kdtree_numba/device_weights.py).
+        ``shared``: arrays already on ``backend`` used as they are instead of
         ``weights[name]``, for "model/embed_tokens" and "lm_head" (a DFlash drafter runs on its
         target's embedding and head, kdtree_numba/dflash.py: one copy on the device)."""
         self.config = config
@@ -122,11 +125,11 @@ class Model(DeviceSteps):
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
         cfg, weight = self.config, self.backend.weight
 
-        def w(name):
-            return weight(np.ascontiguousarray(weights[name]))
+        def w(name):     # host arrays, or on the GPU device ones (Backend.weight)
+            return weight(weights[name])
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
-            return weight(np.ascontiguousarray(weights[name], dtype=np.float32))
+            return weight(weights[name], np.float32)
 
         def fused(*names):  # gate rows first, then up rows (the kernels' gate_up layout)
             # joined by the backend: on a GPU each part goes up once, no joined host copy

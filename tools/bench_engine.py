@@ -2,6 +2,8 @@
 
     python3 tools/bench_engine.py [--sizes small,medium] [--budgets 8,32,128]
                                   [--new-tokens 64] [--time-limit 150] [--json PATH] [--no-hf]
+    python3 tools/bench_engine.py --sizes kimi-slice [--batches 1,8,32] [--time-limit 540]
+                                  [--expert-count counted|uniform]
 
 For each size a deterministic random target (bundle.py's ``small`` / ``medium``) is exported as
 an HF checkpoint, imported back with kdtr-import-hf (the path a real checkpoint takes) and run,
@@ -28,10 +30,27 @@ which add no sync (docs/ENGINE.md).  Roof:
 weight-streaming bound of batch-1 decode, bytes of the weights one token touches (attention,
 dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the 4.1 TB/s HBM
 rate measured on the H200.  Goal: AR >= transformers; DDTree > AR.
+
+``kimi-slice`` (kdtree_numba/device_weights.py: Kimi-K2's widths, 4 layers, 64 routed experts,
+23.5 GB of bf16 weights drawn by CuPy on the GPU in seconds; no HF export, no transformers
+baseline, no model drafter): for each ``--batches`` entry (default 1), AR, then DDTree with the
+replay drafter at each budget (default 8, 32, 64, 128, 256), a 128-token prompt per request.
+Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
+bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
+row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
+chose) over 4.1 TB/s and its matrix FLOPs over 51 TFLOP/s (fp32 FMA; it binds only for wide
+verifies); the row prints its mean decode or verify time per round beside the mean roof of
+those forwards, and its tok/s beside tokens / the sum of every forward's roof (prefill
+included, as in the measured tok/s).  The distinct experts are counted from the routing of an
+untimed eager re-run of the same generation (``--expert-count counted``, the default) or set to
+the uniform-routing expectation E (1 - (1 - k/E)^n) (``uniform``).  Between rows the CUDA
+graphs are dropped (a verify graph holds GBs of activations at these widths); each row's
+warm-up call captures its own.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -47,26 +66,40 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdtree_numba.bundle import drafter_config, random_weights, size_config  # noqa: E402
+from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
+                                 size_config)
+from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
 from kdtree_numba.drafter import ModelDrafter  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
 from kdtree_numba.config import weight_shapes  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
+from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, RoutingCounter,  # noqa: E402
+                         engine_itemsize, forward_bytes, forward_flops, moe_layers,
+                         roof_seconds, uniform_records)
 
-HBM_BYTES_PER_S = 4.1e12
 BLOCK_LEN = 8
+# sizes whose random weights are drawn on the GPU (kdtree_numba/device_weights.py): no HF
+# export, no transformers baseline, no model drafter; their defaults
+DEVICE_SIZES = {"kimi-slice": kimi_slice_config}
+DEVICE_BUDGETS, DEVICE_PROMPT_LEN = "8,32,64,128,256", 128
+HOST_BUDGETS, HOST_PROMPT_LEN = "8,32,128", 32
 
 
 class ReplayDrafter:
     """Drafts the target's known greedy future (bench only): row d peaks at the true token
     at depth d + 1 with probability ``agreement``, else at a wrong one.  Costs only the host
-    construction and one upload of [bs, L, V] logits."""
+    construction and one upload of [bs, L, V] logits (or, ``on_device``, a [bs, L, V] fill
+    on the device)."""
 
     def __init__(self, backend, vocab: int, futures: list[list[int]], agreement: float,
-                 block_len: int = BLOCK_LEN, seed: int = 0):
+                 block_len: int = BLOCK_LEN, seed: int = 0, on_device: bool = False):
+        """``on_device``: write the logits on the device (zeros, then the peaks scattered)
+        instead of uploading a host array: the same logits, without ~170 MB of host work and
+        upload a round at batch 32 and Kimi's vocabulary (kimi-slice rows)."""
         self.backend, self.vocab_size, self.block_len = backend, vocab, block_len
         self.futures, self.agreement, self.seed = futures, agreement, seed
+        self.on_device = on_device
         self.name = f"replay:{agreement:g}"
 
     def start(self, batch, max_len):
@@ -74,16 +107,23 @@ class ReplayDrafter:
 
     def propose(self, histories):
         bs, L, V = len(histories), self.block_len, self.vocab_size
-        logits = np.zeros((bs, L, V), np.float32)
+        toks = np.zeros((bs, L), np.int64)
         for b, h in enumerate(histories):
             full = self.futures[b]
             for d in range(L):
                 p = len(h) + d
                 true = full[p] if p < len(full) else 0
-                tok = true if self.rng.random() < self.agreement else (true + 1 + d) % V
-                logits[b, d, tok] = 12.0
-                logits[b, d, (tok + 7) % V] = 6.0     # a runner-up, so trees are not chains
-        return self.backend.asarray(logits)
+                toks[b, d] = true if self.rng.random() < self.agreement else (true + 1 + d) % V
+        rows, depths = np.indices((bs, L))
+        if self.on_device:
+            xp, up = self.backend.xp, self.backend.asarray
+            logits = xp.zeros((bs, L, V), np.float32)
+            rows, depths, toks = up(rows), up(depths), up(toks)
+        else:
+            logits = np.zeros((bs, L, V), np.float32)
+        logits[rows, depths, toks] = 12.0
+        logits[rows, depths, (toks + 7) % V] = 6.0     # a runner-up, so trees are not chains
+        return logits if self.on_device else self.backend.asarray(logits)
 
 
 def bytes_per_token(cfg) -> float:
@@ -101,11 +141,15 @@ def bytes_per_token(cfg) -> float:
 
 
 def time_generate(model, prompt, n_new, **kw):
+    return time_generate_batch(model, [prompt], n_new, **kw)
+
+
+def time_generate_batch(model, prompts, n_new, **kw):
     # warm-up: the very same call, so the measured one compiles nothing and captures no CUDA
     # graph (an 8-token warm-up left some drafter shapes to the measured call: the slow first
     # model-drafter rows of runs 12-15)
-    generate(model, [prompt], n_new, **kw)
-    return generate(model, [prompt], n_new, **kw)
+    generate(model, prompts, n_new, **kw)
+    return generate(model, prompts, n_new, **kw)
 
 
 class Budget:
@@ -119,8 +163,10 @@ class Budget:
     def left(self) -> float:
         return self.end - time.perf_counter()
 
-    def allows(self, kind: str) -> bool:
-        return self.left() > 1.2 * self.last.get(kind, 0.0) and self.left() > 0
+    def allows(self, kind: str, guess: float = 0.0) -> bool:
+        """``guess``: seconds to assume for a kind not measured yet (e.g. the same method at
+        a smaller batch)."""
+        return self.left() > 1.2 * self.last.get(kind, guess) and self.left() > 0
 
     def run(self, kind: str, fn):
         t0 = time.perf_counter()
@@ -178,7 +224,8 @@ def bench_size(size, args, budget: Budget, out_rows):
     dcfg = drafter_config(cfg)
     drafter_model = Model(dcfg, dict(random_weights(dcfg, 1)), model.backend)
     roof = HBM_BYTES_PER_S / bytes_per_token(cfg)
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
+    prompt_len = args.prompt_len or HOST_PROMPT_LEN
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()
     n_new = args.new_tokens
 
     ar = budget.run("ar", lambda: time_generate(model, prompt, n_new))
@@ -188,7 +235,7 @@ def bench_size(size, args, budget: Budget, out_rows):
     future = prompt + ar.tokens[0] + [0] * (BLOCK_LEN + 2)
 
     def ddtree_rows(kind):
-        for b in args.budgets:
+        for b in args.budgets or _ints(HOST_BUDGETS):
             if not budget.allows(kind):
                 print(f"# {size}: time limit: skipping ddtree/{kind} from budget {b}",
                       file=sys.stderr)
@@ -217,12 +264,141 @@ def bench_size(size, args, budget: Budget, out_rows):
         ddtree_rows("replay")
 
 
+# ----------------------------------------------------------------------------- device sizes
+
+def fresh_graphs(model):
+    """Drop the model's CUDA graphs and generation cache, and CuPy's cached blocks: at Kimi's
+    widths a verify graph holds GBs of activations (docs/ENGINE.md, "Known limits"), so each
+    row captures its own (its warm-up call does) instead of keeping every row's."""
+    if model.graphs is not None:
+        model.graphs = model.new_graphs()
+    model.generation_cache = None
+    gc.collect()        # a GraphCache sits in a reference cycle (its pool's allocator)
+    model.backend.free_deferred()
+    if model.backend.on_gpu:
+        model.backend.xp.get_default_memory_pool().free_all_blocks()
+
+
+def roof_fields(cfg, records, itemsize, tokens):
+    """A row's roof columns from its forwards' records (prefill first, then one per AR step or
+    DDTree round): each step's roof (its own tokens and distinct experts), and the tokens per
+    second if every forward, prefill included, ran at its roof."""
+    pairs = [roof_seconds(cfg, r, itemsize) for r in records]
+    secs = [max(p) for p in pairs]
+    steps, step_secs = records[1:], secs[1:]
+    experts = [e for r in steps for e in r.experts]
+
+    def mean_ms(values):
+        return 1e3 * float(np.mean(values)) if steps else 0.0
+    return dict(roof_tokens_per_s=tokens / sum(secs),
+                step_roof_ms=mean_ms(step_secs),
+                step_bytes_roof_ms=mean_ms([p[0] for p in pairs[1:]]),
+                step_flops_roof_ms=mean_ms([p[1] for p in pairs[1:]]),
+                step_roof_ms_range=[1e3 * min(step_secs), 1e3 * max(step_secs)]
+                if steps else None,
+                step_rows=steps[0].rows if steps else 0,
+                distinct_experts=float(np.mean(experts)) if experts else 0.0,
+                distinct_experts_range=[min(experts), max(experts)] if experts else None,
+                distinct_tokens=float(np.mean([r.tokens for r in steps])) if steps else 0.0,
+                prefill_roof_ms=1e3 * secs[0], step_roofs_ms=[1e3 * t for t in step_secs])
+
+
+def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=None,
+               drafter=None):
+    """One kimi-slice row: the timed generate (after its warm-up), then the roofs of its
+    forwards, with the experts counted from an untimed eager re-run of the same generation
+    (RoutingCounter), or for uniform routing (``--expert-count uniform``)."""
+    kw = {} if drafter is None else dict(method="ddtree", drafter=drafter, budget=budget_nodes)
+    fresh_graphs(model)
+    res = time_generate_batch(model, prompts, n_new, **kw)
+    bs = len(prompts)
+    extra = dict(batch=bs, expert_count=args.expert_count)
+    if args.expert_count == "counted":
+        fresh_graphs(model)     # the eager re-run needs none of the timed call's graphs
+        with RoutingCounter(model) as counter:
+            again = generate(model, prompts, n_new, **kw)
+        records = counter.records()
+        extra["routing_run_same_tokens"] = again.tokens == res.tokens
+        tokens = again.stats.new_tokens
+        if len(records) != 1 + again.stats.rounds:
+            print(f"# {size}: {len(records)} forwards counted for {again.stats.rounds} "
+                  f"rounds", file=sys.stderr)
+    else:
+        width = 1 if drafter is None else budget_nodes + 1
+        records = uniform_records(cfg, bs * max(len(p) for p in prompts), bs * width,
+                                  res.stats.rounds)
+        tokens = res.stats.new_tokens
+    fields = roof_fields(cfg, records, itemsize, tokens)
+    step = "decode" if drafter is None else "verify"
+    extra["step_ms"] = 1e3 * res.stats.time[step] / max(res.stats.rounds, 1)
+    method = "ar" if drafter is None else "ddtree/replay"
+    r = row(size, method, res, fields.pop("roof_tokens_per_s"), **extra, **fields)
+    return res, r
+
+
+def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
+    """A size built on the device (DEVICE_SIZES): per batch, AR then replay DDTree at each
+    budget, each row with its roofs.  ``backend``: "numba" (the GPU); the tests run tiny
+    configs through "reference"."""
+    cfg = DEVICE_SIZES[size]()
+    t0 = time.perf_counter()
+    model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype)
+    model.backend.synchronize()
+    n_params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
+    stored = 2 if args.dtype == "bfloat16" else 4
+    itemsize = engine_itemsize(stored)
+    k, E, n_moe = cfg.num_experts_per_tok, cfg.n_routed_experts, len(moe_layers(cfg))
+    one = forward_bytes(cfg, 1, [k] * n_moe, itemsize)
+    every = forward_bytes(cfg, cfg.vocab_size, [E] * n_moe, itemsize)
+    prompt_len = args.prompt_len or DEVICE_PROMPT_LEN
+    print(f"\n# {size}: {n_params / 1e9:.2f} B parameters ({args.dtype}) drawn on the device "
+          f"in {time.perf_counter() - t0:.1f} s; the engine holds {every / 1e9:.2f} GB; one "
+          f"token reads {one / 1e9:.2f} GB: AR roof {HBM_BYTES_PER_S / one:.0f} tok/s at batch "
+          f"1 (4.1 TB/s; its {forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
+          f"{1e3 * forward_flops(cfg, 1) / FLOPS_PER_S:.3f} ms at 51 TFLOP/s).  A forward's "
+          f"roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / 51 TFLOP/s fp32).  "
+          f"Greedy, {args.new_tokens} new tokens after a {prompt_len}-token "
+          f"prompt per request; CUDA graphs {'on' if model.graphs is not None else 'off'}; "
+          f"experts per step: {args.expert_count}"
+          f"{' (routing of an eager re-run)' if args.expert_count == 'counted' else ''}.")
+    rng = np.random.default_rng(0)
+    budgets = args.budgets or _ints(DEVICE_BUDGETS)
+    previous = None
+    for bs in args.batches:
+        prompts = rng.integers(0, cfg.vocab_size, (bs, prompt_len)).tolist()
+        guess = budget.last.get(f"ar/{previous}", 0.0)
+        if not budget.allows(f"ar/{bs}", guess):
+            print(f"# {size}: time limit: skipping batch {bs}", file=sys.stderr)
+            return
+        ar, ar_row = budget.run(f"ar/{bs}", lambda: device_row(
+            size, cfg, model, prompts, args.new_tokens, args, itemsize))
+        ctx = dict(ar=ar_row, hf_tps=None, out_rows=out_rows, json_path=args.json)
+        finish_row(ar_row, **ctx)
+        futures = [p + t + [0] * (BLOCK_LEN + 2) for p, t in zip(prompts, ar.tokens)]
+        for b in budgets if not args.no_replay else ():
+            kind = f"replay/{bs}"
+            if not budget.allows(kind, budget.last.get(f"replay/{previous}", 0.0)):
+                print(f"# {size}: time limit: skipping batch {bs} from budget {b}",
+                      file=sys.stderr)
+                break
+            drafter = ReplayDrafter(model.backend, cfg.vocab_size, futures, args.agreement,
+                                    on_device=True)
+            res, r = budget.run(kind, lambda: device_row(
+                size, cfg, model, prompts, args.new_tokens, args, itemsize, b, drafter))
+            r["same_tokens_as_ar"] = res.tokens == ar.tokens
+            finish_row(r, **ctx)
+        previous = bs
+    fresh_graphs(model)
+
+
+# ----------------------------------------------------------------------------- output
+
 def finish_row(r, ar, hf_tps, out_rows, json_path):
     """Add the ratios, print the row and rewrite the JSON: a timeout keeps what was measured."""
     r["vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
     r["vs_hf"] = r["tokens_per_s"] / hf_tps if hf_tps else None
     out_rows.append(r)
-    print_rows([r])
+    print_rows([r], header_once=True)
     write_json(out_rows, json_path)
 
 
@@ -233,38 +409,75 @@ def write_json(out_rows, json_path):
 
 
 def summarise(out_rows, json_path):
-    """The final table: every row measured, vs-HF ratios filled in once HF was measured."""
+    """The final tables: every row measured, vs-HF ratios filled in once HF was measured."""
     hf = {r["size"]: r["tokens_per_s"] for r in out_rows if r["method"] == "hf"}
     for r in out_rows:
         r["vs_hf"] = r["tokens_per_s"] / hf[r["size"]] if r["size"] in hf else None
     write_json(out_rows, json_path)
-    print(f"\n## Summary ({len(out_rows)} rows)\n")
-    print_header()
-    print_rows(out_rows)
+    print(f"\n## Summary ({len(out_rows)} rows)")
+    for device in (False, True):
+        group = [r for r in out_rows if _is_device_row(r) == device]
+        if group:
+            print()
+            print_header(device)
+            print_rows(group)
 
 
-def print_header():
+def _is_device_row(r) -> bool:
+    return "step_roof_ms" in r
+
+
+def print_header(device: bool = False):
+    if device:
+        print("| size | batch | method | budget | tok/s | roof tok/s | tau | ms/round: draft / "
+              "tree / verify / accept / compact | step ms (decode or verify) | its roof ms "
+              "(bytes / FLOPs) | "
+              "step / roof | distinct experts per MoE layer (min-max) of step tokens | vs AR | "
+              "tokens = AR |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        return
     print("| size | method | budget | tok/s | roof tok/s | goal | tau | ms/round: draft / tree "
           "/ verify / accept / compact | vs AR | vs HF | tokens = AR |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
 
-def print_rows(rows):
+_SHOWN: set = set()     # the live tables whose header is printed
+
+
+def print_rows(rows, header_once: bool = False):
     for r in rows:
         m = r["ms_per_round"]
         split = " / ".join(f"{m.get(k, 0):.2f}" for k in
                            ("draft", "tree_build", "verify", "accept", "compaction"))
         if r["method"] == "ar":
             split = f"decode {m.get('decode', 0):.2f}"
-        goal = {"ar": ">= HF", "hf": "-"}.get(r["method"], "> AR")
         if r["method"] == "hf":
             split = "-"
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        vs_hf = f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "-"
         same = r.get("same_tokens_as_ar", "-")
+        device = _is_device_row(r)
+        if header_once and device not in _SHOWN:
+            _SHOWN.add(device)
+            print_header(device)
+        if device:
+            lo, hi = r["distinct_experts_range"] or (0, 0)
+            print(f"| {r['size']} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
+                  f"{r['tokens_per_s']:.1f} | {r['roof_tokens_per_s']:.0f} | {tau} | {split} | "
+                  f"{r['step_ms']:.2f} | {r['step_roof_ms']:.3f} ({r['step_bytes_roof_ms']:.3f}"
+                  f" / {r['step_flops_roof_ms']:.3f}) | "
+                  f"{r['step_ms'] / r['step_roof_ms']:.1f}x | {r['distinct_experts']:.1f} "
+                  f"({lo:.0f}-{hi:.0f}) of {r['step_rows']} | {r['vs_ar']:.2f}x | {same} |",
+                  flush=True)
+            continue
+        goal = {"ar": ">= HF", "hf": "-"}.get(r["method"], "> AR")
+        vs_hf = f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "-"
         print(f"| {r['size']} | {r['method']} | {r['budget'] or '-'} | {r['tokens_per_s']:.1f} |"
               f" {r['roof_tokens_per_s']:.0f} | {goal} | {tau} | {split} | {r['vs_ar']:.2f}x |"
               f" {vs_hf} | {same} |", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
 
 
 class _Stop(BaseException):
@@ -278,10 +491,24 @@ def _stop(signum, frame):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="small,medium")
-    p.add_argument("--budgets", default="8,32,128")
+    p.add_argument("--sizes", default="small,medium",
+                   help=f"small, medium (HF export + import) and {', '.join(DEVICE_SIZES)} "
+                        f"(random weights drawn on the GPU)")
+    p.add_argument("--budgets", help=f"DDTree budgets (default {HOST_BUDGETS}; "
+                                     f"{DEVICE_BUDGETS} for {', '.join(DEVICE_SIZES)})")
+    p.add_argument("--batches", default="1",
+                   help=f"requests per generate ({', '.join(DEVICE_SIZES)} only; small and "
+                        f"medium run batch 1)")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int,
+                   help=f"prompt tokens per request (default {HOST_PROMPT_LEN}; "
+                        f"{DEVICE_PROMPT_LEN} for {', '.join(DEVICE_SIZES)})")
+    p.add_argument("--expert-count", choices=("counted", "uniform"), default="counted",
+                   help="distinct experts behind each step's roof: counted from the routing "
+                        "of an untimed eager re-run, or expected under uniform routing")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help=f"weights of {', '.join(DEVICE_SIZES)}")
+    p.add_argument("--seed", type=int, default=0, help=f"{', '.join(DEVICE_SIZES)} weights")
     p.add_argument("--agreement", type=float, default=0.9, help="replay drafter agreement")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-replay", action="store_true", help="skip the replay-drafter rows")
@@ -289,7 +516,12 @@ def main(argv=None):
                    help="seconds for the whole run (checked before each measurement)")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
-    args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.budgets = _ints(args.budgets) if args.budgets else None
+    args.batches = _ints(args.batches)
+    sizes = args.sizes.split(",")
+    unknown = [z for z in sizes if z not in DEVICE_SIZES and z not in SIZES]
+    if unknown:
+        p.error(f"unknown size {unknown[0]!r}")
     from kdtree_numba import compat
     if not compat.gpu_available():
         print("bench_engine: needs a CUDA GPU (the numba backend on CuPy)", file=sys.stderr)
@@ -301,14 +533,18 @@ def main(argv=None):
         pass
     budget = Budget(args.time_limit)
     rows: list = []
-    print(f"Engine tokens/s, batch 1, greedy, {args.new_tokens} new tokens after a "
-          f"{args.prompt_len}-token prompt; roof = weight bytes per token / 4.1 TB/s; "
-          f"time limit {args.time_limit:.0f} s.")
-    print_header()
+    print(f"Engine tokens/s, greedy, {args.new_tokens} new tokens; roof = weight bytes a "
+          f"forward reads / 4.1 TB/s; time limit {args.time_limit:.0f} s.")
+    if any(z not in DEVICE_SIZES for z in sizes):
+        print(f"small/medium: batch 1, a {args.prompt_len or HOST_PROMPT_LEN}-token prompt, "
+              f"roof = float32 bytes one token reads.")
     signal.signal(signal.SIGTERM, _stop)
     try:
-        for size in args.sizes.split(","):
-            bench_size(size, args, budget, rows)
+        for size in sizes:
+            if size in DEVICE_SIZES:
+                bench_device_size(size, args, budget, rows)
+            else:
+                bench_size(size, args, budget, rows)
     except (_Stop, KeyboardInterrupt) as e:
         print(f"# stopped ({e!r}): summary of what was measured", file=sys.stderr)
     finally:

@@ -1,0 +1,284 @@
+"""Random weights built where the model runs (kdtree_numba/device_weights.py) and the
+kimi-slice benchmark's roofs (tools/engine_roof.py, tools/bench_engine.py), at tiny widths.
+
+On a GPU the same builder runs on CuPy (kimi-slice in tools/bench_engine.py); here NumPy
+draws, and the reference and the numba kernels (simulator) run the model it builds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kdtree_numba.bundle import init_spec, random_weights, size_config
+from kdtree_numba.config import weight_shapes
+from kdtree_numba.device_weights import (KIMI_SLICE, bf16_bits, kimi_slice_config,
+                                         random_device_weights, random_model)
+from kdtree_numba.engine import generate
+from kdtree_numba.model import Model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import bench_engine  # noqa: E402
+import engine_roof  # noqa: E402
+
+# kimi-slice's structure (q LoRA, the first layer dense, sigmoid routing, one group, YaRN,
+# interleaved rope) at widths a test affords
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=512,
+            rope_scaling=dict(KIMI_SLICE["rope_scaling"], original_max_position_embeddings=64))
+
+
+def tiny_config(**overrides):
+    return kimi_slice_config(**dict(TINY, **overrides))
+
+
+def test_kimi_slice_config_is_kimi_k2_widths():
+    cfg = kimi_slice_config()
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == \
+        (7168, 64, 1536, 512, 64, 128, 128)
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size, cfg.intermediate_size) == (64, 1, 8, 2048, 18432)
+    assert (cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.vocab_size) == (4, 1, 163840)
+    n = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
+    assert 11.5e9 < n < 12e9          # 23.5 GB in bf16: drawn on the device, never the host
+
+
+def test_bf16_bits_round_like_ml_dtypes():
+    x = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32) * 3
+    # exact ties (both directions of even), the smallest normal, a subnormal, zeros
+    x[:7] = [1.00390625, 1.01171875, -1.00390625, 1.1754944e-38, 1e-40, 0.0, -0.0]
+    assert np.array_equal(bf16_bits(np, x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_weight_with_its_shape_dtype_and_scale(dtype):
+    cfg = tiny_config(vocab_size=2048)     # enough embedding values for a tight std
+    shapes = weight_shapes(cfg)
+    weights = dict(random_device_weights(cfg, np, seed=3, dtype=dtype, chunk=1000))
+    assert list(weights) == list(shapes)
+    for name, shape in shapes.items():
+        w = weights[name]
+        assert w.shape == shape, name
+        assert np.dtype(w.dtype).name == dtype, name
+        v = np.asarray(w, np.float64)
+        kind, a, b = init_spec(name, shape)
+        if kind == "uniform":
+            assert 0.5 <= v.min() and v.max() <= 1.5, name
+        elif v.size >= 1000:
+            assert abs(v.std() / b - 1) < 0.1 and abs(v.mean()) < 0.1 * b, name
+        else:                               # the router bias: E values
+            assert np.all(np.abs(v) < 6 * b), name
+    # the same scales as a bundle's random weights (other draws: another generator)
+    bundle = dict(random_weights(cfg, 3))
+    for name in ("model/embed_tokens", "lm_head", "model/layers/1/mlp/experts/gate_up_proj"):
+        assert np.asarray(weights[name], np.float64).std() == \
+            pytest.approx(bundle[name].std(), rel=0.05), name
+
+
+def test_chunks_do_not_change_the_values():
+    cfg = tiny_config()
+    a = dict(random_device_weights(cfg, np, seed=1))
+    b = dict(random_device_weights(cfg, np, seed=1, chunk=777))
+    assert all(np.array_equal(a[n].view(np.uint16), b[n].view(np.uint16)) for n in a)
+    c = dict(random_device_weights(cfg, np, seed=2))
+    assert not np.array_equal(a["lm_head"].view(np.uint16), c["lm_head"].view(np.uint16))
+
+
+def test_the_model_takes_them_as_a_bf16_bundle_gives_them():
+    """A host bf16 array per name, as a bf16 bundle's reader returns, and the model widens its
+    float32-only weights the same way."""
+    cfg = tiny_config()
+    weights = dict(random_device_weights(cfg, np, seed=0))
+    model = Model(cfg, weights, "reference")
+    layer = model.layers[1]
+    assert np.array_equal(layer.kv_b, np.asarray(
+        weights["model/layers/1/self_attn/kv_b_proj"], np.float64))
+    assert np.array_equal(layer.router, np.asarray(weights["model/layers/1/mlp/gate"],
+                                                    np.float64))
+
+
+class _FakeDeviceArray(np.ndarray):
+    """A host array that says it lives on a GPU (``__cuda_array_interface__``)."""
+    @property
+    def __cuda_array_interface__(self):
+        return {}
+
+
+def test_device_arrays_load_as_uploads_of_a_bf16_bundle(monkeypatch):
+    """The GPU path without a GPU: a backend that claims one (NumPy as its array module), fed
+    (a) the host bf16 arrays a bf16 bundle gives and (b) the same weights as device uint16 bit
+    arrays (what CuPy builds): the model holds the same arrays, dtypes included (bf16 as
+    uint16 bits, the router, its bias and kv_b_proj widened to float32)."""
+    from kdtree_numba.backends import Backend, make_backend
+    monkeypatch.setenv("KDTREE_CUDA_GRAPHS", "0")
+    cfg = tiny_config()
+    host = dict(random_device_weights(cfg, np, seed=0))
+    device = {n: w.view(np.uint16).view(_FakeDeviceArray) for n, w in host.items()}
+
+    def gpu():
+        return Backend("numba", np, make_backend("reference").ops, on_gpu=True)
+    a, b = Model(cfg, host, gpu()), Model(cfg, device, gpu())
+    pairs = [(a.embed, b.embed), (a.lm_head, b.lm_head), (a.final_norm, b.final_norm)]
+    for la, lb in zip(a.layers, b.layers):
+        pairs += [(getattr(la, k), getattr(lb, k)) for k in vars(la)
+                  if getattr(la, k) is not None]
+        assert [k for k in vars(la) if getattr(la, k) is None] == \
+            [k for k in vars(lb) if getattr(lb, k) is None]
+    for x, y in pairs:
+        assert x.dtype == y.dtype and x.dtype in (np.uint16, np.float32)
+        assert np.array_equal(x, y)
+    assert a.layers[1].router.dtype == np.float32 and a.layers[1].gate_up.dtype == np.uint16
+
+
+def test_the_weights_generate_the_same_on_reference_and_numba_kernels(needs_kernels):
+    """Two greedy tokens of a model on these weights: the reference backend and the numba
+    kernels (the simulator here, the GPU under tools/gpu_suite.sh) agree, and the logits are
+    not flat.  (One host draw for both: on a GPU random_model would draw the numba model's
+    with CuPy, another stream.)"""
+    cfg = tiny_config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                      moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
+                      num_attention_heads=2)      # the simulator's time grows with the widths
+    weights = dict(random_device_weights(cfg, np, seed=0))
+    prompt = [[5, 17]]
+    ref = Model(cfg, weights, "reference")
+    out_ref = generate(ref, prompt, 2)
+    out_numba = generate(Model(cfg, weights, "numba"), prompt, 2)
+    assert out_ref.tokens == out_numba.tokens
+    assert ref.score(prompt[0]).std(axis=-1).min() > 0.1
+    assert random_model(cfg, "reference", seed=0).score(prompt[0]).tolist() == \
+        ref.score(prompt[0]).tolist()
+
+
+@pytest.mark.gpu
+def test_cupy_weights_on_the_gpu_are_a_bf16_bundle_uploaded():
+    """On the GPU: CuPy's draws (uint16 bf16 bits on the device, rounded as ml_dtypes rounds)
+    give the model the arrays a host bf16 bundle of the same values gives it, and its logits
+    match the reference's on those values."""
+    import cupy
+    cfg = tiny_config(num_hidden_layers=2)
+    x = cupy.random.default_rng(1).standard_normal(1 << 16, dtype=np.float32) * 3
+    assert np.array_equal(cupy.asnumpy(bf16_bits(cupy, x)),
+                          cupy.asnumpy(x).astype(ml_dtypes.bfloat16).view(np.uint16))
+    device = dict(random_device_weights(cfg, cupy, seed=0, chunk=1000))
+    for name, shape in weight_shapes(cfg).items():
+        assert isinstance(device[name], cupy.ndarray) and device[name].dtype == np.uint16
+        assert device[name].shape == shape, name
+    host = {n: cupy.asnumpy(w).view(ml_dtypes.bfloat16) for n, w in device.items()}
+    spec = init_spec("lm_head", weight_shapes(cfg)["lm_head"])
+    assert abs(np.asarray(host["lm_head"], np.float64).std() / spec[2] - 1) < 0.1
+    a, b = Model(cfg, host, "numba"), Model(cfg, device, "numba")
+    for la, lb in zip(a.layers, b.layers):
+        for k, v in vars(la).items():
+            if v is not None:
+                assert v.dtype == getattr(lb, k).dtype and bool(cupy.array_equal(
+                    v, getattr(lb, k))), k
+    seq = np.arange(1, 30)
+    want = Model(cfg, host, "reference").score(seq)
+    assert np.abs(b.score(seq) - want).max() <= 2e-4 * np.abs(want).max()
+    model = random_model(cfg, "numba", seed=0)
+    assert isinstance(model.lm_head, cupy.ndarray) and model.lm_head.dtype == np.uint16
+
+
+# ----------------------------------------------------------------------------- roofs
+
+def test_forward_bytes_hand_computed():
+    """2 layers (dense, then MoE with 4 experts of width 3), D 4, V 10, H 1, q_proj, no shared
+    expert, bf16 (2 bytes) but kv_b_proj, the router and its bias in float32."""
+    cfg = size_config("tiny").replace(
+        vocab_size=10, hidden_size=4, intermediate_size=5, moe_intermediate_size=3,
+        num_hidden_layers=2, num_attention_heads=1, q_lora_rank=None, kv_lora_rank=2,
+        qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2, n_routed_experts=4,
+        n_shared_experts=0, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1)
+    # per layer: norms 4 + 4, q_proj 4*4, kv_a 4*4, kv_a_norm 2, o_proj 4*2 = 50 elements at 2 B
+    # plus kv_b 4*2 = 8 at 4 B
+    attention = 2 * 50 + 4 * 8
+    dense = 2 * 3 * 5 * 4                      # gate, up, down: 5 x 4 each
+    router = 4 * (4 * 4 + 4)                   # gate [4, 4] and bias [4], float32
+    expert = 2 * (2 * 3 * 4 + 4 * 3)           # gate_up [6, 4] + down [4, 3]
+    final = 2 * 4 + 2 * 10 * 4                 # model/norm, lm_head
+    row = 2 * 4                                # one embedding row
+    itemsize = engine_roof.engine_itemsize(2)
+    for rows, d in ((1, 2), (3, 3), (50, 4)):
+        expect = 2 * attention + dense + router + d * expert + final + min(rows, 10) * row
+        assert engine_roof.forward_bytes(cfg, rows, [d], itemsize) == expect
+    # tied: the embedding is the lm_head, read whole
+    tied = cfg.replace(tie_word_embeddings=True)
+    assert engine_roof.forward_bytes(tied, 1, [2], itemsize) == \
+        2 * attention + dense + router + 2 * expert + 2 * 4 + 10 * row
+    with pytest.raises(ValueError, match="MoE layers"):
+        engine_roof.forward_bytes(cfg, 1, [2, 2], itemsize)
+    # FLOPs: 2 per weight of each matrix a token passes: q_proj 16, kv_a 16, kv_b 8, o_proj 8
+    # per layer, dense 60, router 16, lm_head 40, its 2 experts of 36; no embedding, no norms
+    per_token = 2 * 48 + 60 + 16 + 40 + 2 * 36
+    assert engine_roof.forward_flops(cfg, 3) == 2 * 3 * per_token
+    assert engine_roof.forward_flops(tied, 1) == 2 * per_token    # the embedding as lm_head
+
+
+def test_expected_distinct_experts():
+    assert engine_roof.expected_distinct(64, 8, 1) == pytest.approx(8)
+    assert engine_roof.expected_distinct(64, 8, 2) == pytest.approx(15)   # 64 (1 - 49/64)
+    assert engine_roof.expected_distinct(64, 8, 257) == pytest.approx(64, abs=1e-9)
+    cfg = kimi_slice_config()
+    assert engine_roof.uniform_distinct(cfg, 1) == pytest.approx([8.0] * 3)
+
+
+def test_routing_counter_counts_each_forward():
+    """AR at batch 1: every decode forward touches exactly k experts per MoE layer; the prefill
+    between k and E; one record per forward; the model's ops come back afterwards."""
+    cfg = tiny_config()
+    model = random_model(cfg, "reference", seed=0)
+    ops = model.backend.ops
+
+    class Graphs:            # what the counter sets aside on a GPU (here: the same path)
+        captures, replays = 3, 5
+
+        def call(self, *args):
+            raise AssertionError("the counter runs every forward eagerly")
+    model.graphs = graphs = Graphs()
+    with engine_roof.RoutingCounter(model) as counter:
+        res = generate(model, [[1, 2, 3, 4, 5, 6]], 4)
+    assert model.backend.ops is ops and model.graphs is graphs
+    assert (res.stats.graph_captures, res.stats.graph_replays) == (0, 0)
+    records = counter.records()
+    assert len(records) == 1 + res.stats.rounds
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    assert records[0].rows == 6 and records[0].tokens == 6
+    assert all(k <= d <= E for d in records[0].experts) and len(records[0].experts) == 2
+    assert all(r.rows == 1 and r.tokens == 1 and r.experts == [k, k] for r in records[1:])
+
+
+def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
+    """bench_engine's device-size path on a tiny kimi-like config through the reference
+    backend: AR and replay DDTree rows at two batches, counted and uniform experts, lossless,
+    every roof column filled, the JSON written."""
+    monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
+    for count in ("counted", "uniform"):
+        args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4],
+                                  batches=[1, 2], new_tokens=5, agreement=0.9, no_replay=False,
+                                  expert_count=count, json=str(tmp_path / f"{count}.json"))
+        rows: list = []
+        bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
+                                       backend="reference")
+        assert [(r["batch"], r["method"]) for r in rows] == \
+            [(1, "ar"), (1, "ddtree/replay"), (2, "ar"), (2, "ddtree/replay")]
+        for r in rows:
+            assert r["step_roof_ms"] > 0 and r["roof_tokens_per_s"] > 0
+            assert 1 <= r["distinct_experts"] <= 8
+            assert r.get("same_tokens_as_ar", True) is True
+            assert r.get("routing_run_same_tokens", True) is True
+        assert rows[0]["distinct_experts"] == 2              # batch 1 AR: top-2 of 8
+        assert rows[1]["step_rows"] == 5 and rows[3]["step_rows"] == 10
+        saved = json.loads((tmp_path / f"{count}.json").read_text())
+        assert len(saved["rows"]) == 4
+    out = capsys.readouterr().out
+    assert "| size | batch | method |" in out and "AR roof" in out
