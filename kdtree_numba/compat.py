@@ -84,7 +84,8 @@ def kernel(fn=None, **options):
 
 def _jit(fn, options: dict):
     options = _filter_options(options)
-    if SIMULATOR or options.get("device") or "cache" in options:
+    # no GPU, nothing will compile: no cache directory made, no source hashed at import
+    if SIMULATOR or options.get("device") or "cache" in options or not gpu_available():
         return cuda.jit(**options)(fn)
     from kdtree_numba.kernel_cache import cache_dir, stable_cache_for
     if cache_dir() is None:

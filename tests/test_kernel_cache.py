@@ -136,3 +136,20 @@ def test_line_info_builds_get_their_own_directory(monkeypatch):
     plain = kernel_cache.source_key()
     monkeypatch.setenv("KDTREE_CUDA_LINEINFO", "1")
     assert kernel_cache.source_key() != plain
+
+
+def test_no_gpu_no_cache_directory(tmp_path):
+    """On a machine without a GPU (and without the simulator) nothing compiles: importing the
+    kernels makes no directory and hashes nothing."""
+    import subprocess
+    import sys
+    from kdtree_numba import compat
+    if compat.gpu_available():
+        pytest.skip("a GPU is here: kernels are cached")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(PYTHONPATH=root, KDTREE_KERNEL_CACHE_DIR=str(tmp_path / "kc"))
+    subprocess.run([sys.executable, "-c", "import kdtree_numba.model, kdtree_numba.layers, "
+                    "kdtree_numba.attention, kdtree_numba.ddtree"], cwd=root, env=env,
+                   check=True, capture_output=True)
+    assert not (tmp_path / "kc").exists()
