@@ -44,7 +44,7 @@ from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "mma_config", "mma_splits", "mma_error_coefficient", "mma_alternatives",
            "x_stage_slot", "w_stage_slot", "panel_word", "a_fragment", "b_fragment",
-           "c_position", "mma_kernel", "mma_linear"]
+           "c_position", "copy_w16", "mma_kernel", "mma_linear"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
@@ -213,6 +213,7 @@ else:
         cp_async16_raw(shared_address(bsm, at), global_address(w16, (row, k)), nbytes)
 
 
+copy_w16 = _copy_w16      # public name for the grouped MoE kernel (layers/moe_mma.py)
 _panel_word = inline_device_function(panel_word)
 _x_stage_slot = inline_device_function(x_stage_slot)
 _w_stage_slot = inline_device_function(w_stage_slot)

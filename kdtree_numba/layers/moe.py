@@ -19,6 +19,7 @@ from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_redu
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
 from kdtree_numba.layers.linear import linear
+from kdtree_numba.layers.moe_mma import grouped_experts_mma, moe_mma_config
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
                                         skinny_kind, skinny_threads)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
@@ -383,8 +384,11 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     the routed experts' kernels: "skinny" (each active expert's weights streamed once per
     ``mt`` of its tokens), "tiled" (read once per BM of its tokens, register-blocked) or
     "auto": skinny up to SKINNY_MAX_M tokens, else tiled.  The shared expert is two
-    :func:`linear` calls (which pick skinny or tiled by M the same way).  ``configs`` replaces the routed experts'
-    tiled launches, ``[(TiledConfig, cmin, cmax)]`` (expert_tiled_configs; benchmarks).
+    :func:`linear` calls (which pick skinny or tiled by M the same way).  "mma" (opt-in, never
+    picked by "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert
+    and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
+    ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
+    (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
     A dense FFN is the one-expert case (expert_idx zeros [M, 1], weight ones)."""
     hd = device_f32(h, "h", 2, stream)
@@ -403,11 +407,14 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                          "[E,2Im,D] and down [E,D,Im] of one dtype")
     if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("pass both shared_gate_up and shared_down, or neither")
-    if method not in ("auto", "skinny", "tiled"):
-        raise ValueError(f"method must be auto, skinny or tiled, got {method!r}")
+    if method not in ("auto", "skinny", "tiled", "mma"):
+        raise ValueError(f"method must be auto, skinny, tiled or mma, got {method!r}")
     y = result_array(out, (m, d), np.float32, stream)
     if m == 0:
         return y
+    if method == "mma":
+        return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
+                            configs, stream, workspace)
     tiled = method == "tiled" or (method == "auto" and m > SKINNY_MAX_M)
     ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
@@ -450,6 +457,53 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     threads = 32 if SIMULATOR else 256
     _combine_kernel(shared_gate_up is not None)[(m, -(-d // threads)), threads, stream](
         y_slot, slot_of_entry, wt, shared_y, y)
+    return y
+
+
+def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, config, stream,
+                 workspace):
+    """method="mma" (layers/moe_mma.py): the grouping, one tensor-core launch for gate_up
+    with SwiGLU and one for down, both covering every routed expert and the shared expert,
+    then the ordered combine.  bf16 weights, D and the intermediate widths multiples of 8,
+    C-contiguous 16-byte aligned arrays (ValueError otherwise).  ``config``: an MmaConfig
+    replacing moe_mma_config's tile (tests, benchmarks), or None."""
+    m, d = hd.shape
+    n_experts, two_im, _ = gud.shape
+    inter, top_k = two_im // 2, idx.shape[1]
+    shared, s_inter = None, inter
+    if shared_gate_up is not None:
+        sgu, skind = device_weight(shared_gate_up, stream)
+        sdn, skind_down = device_weight(shared_down, stream)
+        s_inter = sdn.shape[1]
+        if tuple(sgu.shape) != (2 * s_inter, d) or tuple(sdn.shape) != (d, s_inter) \
+                or skind != skind_down:
+            raise ValueError("shared expert wants gate_up [2Is, D] and down [D, Is] of one dtype")
+        if skind != "bf16":
+            raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
+        shared = (sgu, sdn)
+    ws = workspace if workspace is not None else Workspace()
+    n_entries = m * top_k
+    width = max(inter, s_inter)
+    act = ws.get("moe.mma_act", (n_entries + m, width), np.float32, stream)
+    y_slot = ws.get("moe.mma_y_slot", (n_entries + m, d), np.float32, stream)
+    if kind != "bf16" or any(load_kind_for(kind, k, *arrays) != "bf16" for k, arrays in (
+            (d, (hd, gud, dnd, act, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
+        raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "
+                         "8 and C-contiguous 16-byte aligned arrays; use method='auto'")
+    offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
+    active = ws.get("moe.active", (n_experts,), np.int32, stream)
+    n_active = ws.get("moe.n_active", (1,), np.int32, stream)
+    slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
+    token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
+    threads = 32 if SIMULATOR else 1024
+    _group_kernel(n_experts, threads)[1, threads, stream](
+        idx.reshape(n_entries), top_k, offsets, active, n_active, slot_of_entry, token_of_slot)
+    grouped_experts_mma(hd, (token_of_slot, offsets, active, n_active), gud, dnd, shared, act,
+                        y_slot, min(n_entries, n_experts),
+                        config or moe_mma_config(m, top_k, n_experts), stream)
+    threads = 32 if SIMULATOR else 256
+    _combine_kernel(shared is not None)[(m, -(-d // threads)), threads, stream](
+        y_slot, slot_of_entry, wt, y_slot[n_entries:], y)
     return y
 
 

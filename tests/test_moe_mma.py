@@ -1,0 +1,260 @@
+"""moe_ffn(method="mma"): the grouped MoE FFN on bf16 tensor cores (kdtree_numba/layers/moe_mma.py).
+
+Anywhere (CI): the argument checks; the two grouped kernels run by the simulator with the warp's
+mma emulated by the PTX ISA fragment layout (tests/test_layers_mma.py's emulation), against
+reference.layers.moe at the bound of docs/LAYERS.md ("Grouped MoE on tensor cores"), for
+routings with experts of zero, one and many (> BM) tokens, with and without a shared expert of
+another width; and (subprocess, no simulator) the kernels compile to sm_90 PTX with the
+m16n8k16 bf16 mma, no local memory, and ptxas assembles them without spills.
+On the GPU (marker ``gpu``): Kimi-K2 shapes (D 7168, I 2048, 64 experts top-8, a shared
+expert) at M in {1, 9, 33, 65, 257} within the bound, and rows batch invariant.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference.layers as ref
+from kdtree_numba.layers import mma as mm
+from test_layers_mma import _warp_mma_emulation, bf16_bits, bf16_value
+
+SILU_LIPSCHITZ = 1.1          # max |silu'(z)| = 1.0998 (at z ~ 2.4)
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _expert_bound(x, gu, dn):
+    """(y*, bound on |y - y*|) per row of x [T, D] for one expert (float64, bf16 weights as
+    values): docs/LAYERS.md, "Grouped MoE on tensor cores"."""
+    d, inter = dn.shape
+    c1 = mm.mma_error_coefficient(x.shape[1])
+    c_acc = mm.mma_error_coefficient(inter) - 2.0 ** -8
+    g, u = x @ gu[:inter].T, x @ gu[inter:].T
+    e_g = c1 * (np.abs(x) @ np.abs(gu[:inter]).T)
+    e_u = c1 * (np.abs(x) @ np.abs(gu[inter:]).T)
+    a = _silu(g) * u
+    e_a = (np.abs(_silu(g)) + SILU_LIPSCHITZ * e_g) * e_u + SILU_LIPSCHITZ * e_g * np.abs(u)
+    big_a = np.abs(a) + e_a
+    e_a = e_a + (2.0 ** -8 + 2.0 ** -19) * big_a          # fp32 silu * up, then bf16(act)
+    y = a @ dn.T
+    e_y = e_a @ np.abs(dn).T + c_acc * ((np.abs(a) + e_a) @ np.abs(dn).T)
+    return y, e_y
+
+
+def moe_mma_bound(h, idx, weight, gate_up, down, sgu=None, sdn=None):
+    """Per-output bound of moe_ffn(method="mma") against ref.moe_ffn."""
+    h64 = h.astype(np.float64)
+    w64 = weight.astype(np.float64)
+    m, d = h.shape
+    err = np.zeros((m, d))
+    mag = np.zeros((m, d))
+    for e in np.unique(idx):
+        tokens, js = np.nonzero(idx == e)
+        y, e_y = _expert_bound(h64[tokens], bf16_value(gate_up[e]).astype(np.float64),
+                               bf16_value(down[e]).astype(np.float64))
+        wj = np.abs(w64[tokens, js])[:, None]
+        np.add.at(err, tokens, wj * e_y)
+        np.add.at(mag, tokens, wj * (np.abs(y) + e_y))
+    if sgu is not None:
+        y, e_y = _expert_bound(h64, bf16_value(sgu).astype(np.float64),
+                               bf16_value(sdn).astype(np.float64))
+        err += e_y
+        mag += np.abs(y) + e_y
+    k = idx.shape[1]
+    return err + (k + 3) * 2.0 ** -24 * mag      # the ordered fp32 combine, the output rounding
+
+
+def _case(seed, m, d, n_experts, inter, idx, s_inter=None):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    weight = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    gate_up = bf16_bits(rng.standard_normal((n_experts, 2 * inter, d)) * 0.2)
+    down = bf16_bits(rng.standard_normal((n_experts, d, inter)) * 0.2)
+    shared = (None, None)
+    if s_inter:
+        shared = (bf16_bits(rng.standard_normal((2 * s_inter, d)) * 0.2),
+                  bf16_bits(rng.standard_normal((d, s_inter)) * 0.2))
+    return h, idx.astype(np.int32), weight, gate_up, down, *shared
+
+
+def _check(args, **kw):
+    from kdtree_numba.layers import moe_ffn
+    h, idx, weight, gate_up, down, sgu, sdn = args
+    got = moe_ffn(*args, method="mma", **kw).copy_to_host().astype(np.float64)
+    as_bf = [None if a is None else bf16_value(a) for a in (gate_up, down, sgu, sdn)]
+    want = ref.moe_ffn(h, idx, weight, *as_bf).astype(np.float64)
+    bound = moe_mma_bound(*args)
+    err = np.abs(got - want)
+    assert np.all(err <= bound), np.max(err / bound)
+    return got
+
+
+def _routing_many_one_zero(m):
+    """top-2 over 5 experts: expert 0 takes every token (> BM = 16 when m > 16), expert 3 one
+    token, expert 2 none, experts 1 and 4 the rest."""
+    idx = np.zeros((m, 2), np.int32)
+    idx[:, 1] = np.where(np.arange(m) % 2, 1, 4)
+    idx[0, 1] = 3
+    return idx
+
+
+SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig)
+    ("one token, shared wider", 1, 64, 32, 48, np.array([[1, 3]]),
+     mm.MmaConfig(wm=1, wn=1, tm=1, tn=2)),
+    ("many/one/zero, 2 M tiles", 20, 64, 32, 32, None, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2)),
+    ("two warps along N, tn 4, no shared", 6, 96, 40, 0, None,
+     mm.MmaConfig(wm=1, wn=2, tm=1, tn=4)),
+]
+
+
+@pytest.mark.parametrize("name, m, d, inter, s_inter, routing, cfg", SIM_CASES,
+                         ids=[c[0] for c in SIM_CASES])
+def test_simulated_grouped_moe_within_the_bound(name, m, d, inter, s_inter, routing, cfg,
+                                                needs_kernels, monkeypatch):
+    from kdtree_numba import compat
+    from kdtree_numba.layers import moe_mma
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(moe_mma, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    idx = _routing_many_one_zero(m) if routing is None else routing
+    args = _case(m + d, m, d, 5, inter, idx, s_inter)
+    _check(args, configs=cfg)
+
+
+def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
+    """A kernel that drops SwiGLU's silu (act = gate * up) fails the bound by far."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import moe_mma
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only")
+    monkeypatch.setattr(moe_mma, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    monkeypatch.setattr(moe_mma, "silu", lambda v: v)
+    moe_mma.moe_mma_kernel.cache_clear()
+    try:
+        with pytest.raises(AssertionError):
+            _check(_case(3, 2, 64, 3, 32, np.array([[0, 2], [1, 2]]), 32),
+                   configs=mm.MmaConfig(wm=1, wn=1, tm=1, tn=2))
+    finally:
+        moe_mma.moe_mma_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("what", ["f32 weights", "D % 8", "odd tn"])
+def test_mma_moe_rejects_what_it_cannot_take(what, needs_kernels):
+    from kdtree_numba.layers import moe_ffn
+    d = 20 if what == "D % 8" else 32
+    args = list(_case(1, 2, d, 3, 16, np.array([[0, 1], [1, 2]])))
+    cfg = None
+    if what == "f32 weights":
+        args[3], args[4] = bf16_value(args[3]), bf16_value(args[4])
+    if what == "odd tn":
+        cfg = mm.MmaConfig(wm=1, wn=1, tm=1, tn=1)
+    with pytest.raises(ValueError, match="mma|tn"):
+        moe_ffn(*args, method="mma", configs=cfg)
+
+
+def test_configs_and_grid():
+    from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
+    for m in (1, 9, 33, 65, 257):
+        cfg = moe_mma_config(m, 8, 64)
+        assert cfg.bk == 32 and cfg.tn % 2 == 0 and cfg.splits == 1
+    assert moe_mma_config(1, 8, 64).bm == 16 and moe_mma_config(257, 8, 64).bm == 64
+    cfg = moe_mma_config(9, 8, 64)
+    blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
+    assert (mt, nt) == (1, 2048 // 64) and blocks == 65 * mt * nt
+    assert moe_mma_grid(cfg, False, 9, 64, False, 7168)[2] == 7168 // 128
+
+
+# ------------------------------------------------------------------ sm_90 PTX, any machine
+
+PTX_SCRIPT = r"""
+import re, sys, types
+try:
+    from numba import cuda, types as T
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.bindings import nvjitlink as nj
+    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
+except Exception as error:
+    print("nvvm/nvjitlink unavailable:", error)
+    sys.exit(77)
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_kernel
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+def ptxas(ptx):
+    opts = ["-arch=sm_90", "-O3", "-verbose"]
+    h = nj.create(len(opts), opts)
+    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
+    nj.complete(h)
+    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); nj.destroy(h)
+    return log.decode()
+
+f2, i1 = T.float32[:, ::1], T.int32[::1]
+sig = (f2, i1, i1, i1, i1, T.uint16[:, :, ::1], T.uint16[:, ::1], f2) + (T.int64,) * 9
+for cfg in sorted({moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}, key=str):
+    for gate_up in (True, False):
+        ptx, _ = cuda.compile_ptx(moe_mma_kernel(cfg, gate_up).py_func, sig, cc=(9, 0))
+        log = ptxas(ptx)
+        n_mma = ptx.count(MMA)
+        local = len(re.findall(r"(?:ld|st)\.local", ptx))
+        regs = int(re.findall(r"Used (\d+) registers", log)[0])
+        spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+        print("kernel", cfg, "gate_up" if gate_up else "down", "mma", n_mma, "regs", regs,
+              "spill", spill, "local", local, flush=True)
+        assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
+        assert "cp.async.cg.shared.global" in ptx and "cvt.rn.bf16x2.f32" in ptx
+        assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
+        assert local == 0, "local memory"
+        assert spill == 0, "spills"
+print("assembled")
+"""
+
+
+def test_moe_mma_kernels_compile_to_hopper_ptx():
+    """Both grouped kernels of every moe_mma_config tile at the Kimi-K2 batch sizes compile
+    for sm_90 (m16n8k16 bf16 mma, cp.async, 128-bit shared loads), no local memory, and ptxas
+    assembles them without spills (nvJitLink, no GPU needed)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(PTX_SCRIPT, timeout=600)
+    assert "assembled" in out.splitlines()[-1], out[-2000:]
+
+
+# ------------------------------------------------------------------ GPU (Kimi-K2 shapes)
+
+KIMI = dict(d=7168, inter=2048, n_experts=64, top_k=8)
+
+
+def _kimi_case(m, seed=0):
+    """Kimi-K2 layer shapes with sigmoid top-8 routing from random logits (ascending experts,
+    weights normalised, scaling 2.827) and a shared expert of width 2048.  Weight scales keep
+    activations O(1)."""
+    rng = np.random.default_rng(seed)
+    d, inter, n_experts, k = KIMI["d"], KIMI["inter"], KIMI["n_experts"], KIMI["top_k"]
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    logits = rng.standard_normal((m, n_experts))
+    idx, weight = ref.route_from_logits(logits, top_k=k, routed_scaling_factor=2.827)
+    gate_up = bf16_bits(rng.standard_normal((n_experts, 2 * inter, d), np.float32) * 0.02)
+    down = bf16_bits(rng.standard_normal((n_experts, d, inter), np.float32) * 0.02)
+    sgu = bf16_bits(rng.standard_normal((2 * inter, d), np.float32) * 0.02)
+    sdn = bf16_bits(rng.standard_normal((d, inter), np.float32) * 0.02)
+    return h, idx, weight, gate_up, down, sgu, sdn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 33, 65, 257])
+def test_gpu_moe_mma_kimi_shapes_within_the_bound(m):
+    _check(_kimi_case(m, seed=m))
+
+
+@pytest.mark.gpu
+def test_gpu_moe_mma_rows_are_batch_invariant():
+    """A token's output bits do not depend on its batch (M = 65, its own row alone, M = 9):
+    no K slices, bk = 32 in every tile, the ordered combine (docs/LAYERS.md)."""
+    from kdtree_numba.layers import moe_ffn
+    h, idx, weight, gate_up, down, sgu, sdn = _kimi_case(65, seed=1)
+    full = moe_ffn(h, idx, weight, gate_up, down, sgu, sdn, method="mma").copy_to_host()
+    for rows in (slice(3, 4), slice(0, 9)):
+        part = moe_ffn(h[rows], idx[rows], weight[rows], gate_up, down, sgu, sdn,
+                       method="mma").copy_to_host()
+        assert part.tobytes() == full[rows].tobytes()
