@@ -3,6 +3,7 @@
 
     python3 tools/bench_layers.py [--json PATH] [--only linear,variants,moe,norm,rope,sweep]
     python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
+    python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
 
 * linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
   7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32 and bf16, against CuPy matmul
@@ -27,6 +28,11 @@
   7168->1536 (q_a), beside linear's default method on the same bf16 weights and cuBLAS bf16
   (CuPy, x in bf16 too), against the bf16 roofs max(weight bytes / 4.1 TB/s,
   2 M N K / 989 TFLOP/s dense bf16); at M = 1, 65 and 512 also layers.mma_alternatives.
+* moe_mma (only when asked for: ``--only moe_mma``): moe_ffn(method="mma") (grouped experts on
+  tensor cores, shared expert in the same launches) beside moe_ffn's default on the same
+  router-picked routing, Kimi-K2 (MOE_SHAPE), M = 1, 9, 33, 65, 257, against the roofs
+  max(bytes of the distinct experts touched + shared / 4.1 TB/s, 2 * 3 I D (M k + M) / 989
+  TFLOP/s); also a uniform routing (every token 8 random experts) at M = 65 and 257.
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
@@ -69,6 +75,8 @@ SWEEP_SHAPES = ((7168, 1536), (7168, 576))
 MMA_SHAPES = [(7168, 163840), (2048, 7168), (7168, 1536)]      # (K, N): lm_head, o/down, q_a
 MMA_MS = (1, 8, 65, 512, 4096)
 MMA_BUDGET_S = 55.0           # the mma section stops starting rows after this
+MOE_MMA_MS = (1, 9, 33, 65, 257)
+MOE_MMA_BUDGET_S = 80.0
 
 
 # ============================================================================ timing
@@ -403,6 +411,58 @@ def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
     return out
 
 
+def bench_moe_mma(ctx, results, deadline):
+    """moe_ffn(method="mma") beside the default method, router-picked and uniform routings."""
+    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    rng = np.random.default_rng(3)
+    nb = cuda.as_cuda_array
+    weights = tuple(nb(cp.full(shape, 0x3C00, cp.uint16)) for shape in (   # bf16 0.0078
+        (n_experts, 2 * inter, d), (n_experts, d, inter), (2 * inter, d), (d, inter)))
+    gate = nb(cp.asarray((rng.standard_normal((n_experts, d)) * 0.02).astype(np.float32)))
+    bias = nb(cp.asarray((rng.standard_normal(n_experts) * 0.3).astype(np.float32)))
+    expert_bytes = 3 * inter * d * 2
+    for m in MOE_MMA_MS:
+        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
+        idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
+        uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
+                                                  for _ in range(m)]), axis=1).astype(np.int32)))
+        out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+        t_default = None
+        for routing, index in (("router", idx), ("uniform", uniform)):
+            if routing == "uniform" and m < 65:
+                continue
+            used = len(np.unique(index.copy_to_host()))
+            for variant, kw in (("default", {}), ("mma", dict(method="mma"))):
+                if time.perf_counter() > deadline:
+                    print(f"\n(moe_mma: time budget, stopped before M={m})")
+                    return
+                try:
+                    t, hb = timer([lambda kw=kw, index=index: layers.moe_ffn(
+                        h, index, w, *weights, out=out, workspace=ws, **kw)], trials=5)
+                except Exception as exc:   # noqa: BLE001 -- report and go on
+                    report_failure(results, "moe_mma", f"M={m} {routing} {variant}", exc)
+                    continue
+                if variant == "default":
+                    t_default = t
+                nbytes = (used + 1) * expert_bytes
+                flop_s = 2.0 * 3 * inter * d * (m * top_k + m) / BF16_FLOP_PER_S
+                roof = max(nbytes / HBM_BYTES_PER_S, flop_s)
+                row = dict(section="moe_mma", M=m, routing=routing, variant=variant,
+                           experts_read=used + 1, us=t * 1e6,
+                           vs_default=t_default / t if t_default else None,
+                           weight_bytes=nbytes, roof_us=roof * 1e6, roof_frac=roof / t,
+                           bound="bytes" if nbytes / HBM_BYTES_PER_S >= flop_s else "flops",
+                           gbps=nbytes / t / 1e9,
+                           tflops=2.0 * 3 * inter * d * (m * top_k + m) / t / 1e12,
+                           config=str(layers.moe_mma_config(m, top_k, n_experts))
+                           if variant == "mma" else "", host_bound=hb)
+                results.append(row)
+                print_row(row)
+    del weights
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def bench_norm_rope(ctx, results):
     cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
     nb = cuda.as_cuda_array
@@ -495,6 +555,8 @@ COLUMNS = {
                  "tflops", "config", "host_bound"],
     "moe": ["part", "M", "variant", "experts_read", "us", "weight_bytes", "roof_us",
             "roof_frac", "gbps", "host_bound"],
+    "moe_mma": ["M", "routing", "variant", "experts_read", "us", "vs_default", "weight_bytes",
+                "roof_us", "bound", "roof_frac", "gbps", "tflops", "config", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "mma": ["K", "N", "M", "variant", "us", "default_us", "vs_default", "cublas_bf16_us",
@@ -554,6 +616,9 @@ def summary(results):
                   f"of the {r['bound']} roof, "
                   + (f"{r['vs_cublas_bf16']:.2f}x cuBLAS bf16" if r["vs_cublas_bf16"] else
                      "no cuBLAS bf16"))
+        if r["section"] == "moe_mma" and r["variant"] == "mma":
+            print(f"moe_mma M={r['M']} {r['routing']}: {r['us']:.0f} us, {r['roof_frac']:.2f} "
+                  f"of the {r['bound']} roof, {fmt(r['vs_default'])}x the default moe_ffn")
         if r["section"] == "moe" and r["part"] == "expert_ffn":
             print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
                   f"({r['us']:.0f} us, {r['experts_read']} experts)")
@@ -563,7 +628,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--only", default="linear,variants,moe,norm,rope,sweep",
-                        help="comma-separated sections (default: all but mma)")
+                        help="comma-separated sections (default: all but mma, moe_mma)")
     parser.add_argument("--sweep-shapes", help="K x N pairs for the sweep, e.g. 7168x1536")
     parser.add_argument("--sweep-dtypes", default="bf16,f32")
     parser.add_argument("--sweep-grid", action="store_true",
@@ -583,7 +648,9 @@ def main(argv=None) -> int:
     plan = [("linear", lambda: bench_linear(ctx, results, sections, t_start + 95)),
             ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
             ("norm", lambda: bench_norm_rope(ctx, results)),
-            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S))]
+            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S)),
+            ("moe_mma", lambda: bench_moe_mma(ctx, results,
+                                              time.perf_counter() + MOE_MMA_BUDGET_S))]
     for name, fn in plan:
         if name not in sections and not (name == "norm" and "rope" in sections) \
                 and not (name == "linear" and "variants" in sections):

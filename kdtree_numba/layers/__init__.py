@@ -35,6 +35,7 @@ gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM beh
 * ``mma``         -- the bf16 tensor-core GEMM (MmaConfig, mma_config; method="mma" only);
 * ``embedding``, ``argmax``;
 * ``moe``         -- routing (router_logits, route_from_logits, moe_route) and moe_ffn;
+* ``moe_mma``     -- the grouped expert GEMMs on tensor cores behind moe_ffn(method="mma");
 * ``workspace``   -- Workspace and the host helpers for device arrays and dtypes;
 * ``common``      -- constants (SKINNY_MAX_M, CHUNK, GPU_SMS) and helpers the modules share.
 
@@ -54,6 +55,7 @@ from kdtree_numba.layers.mma import (  # noqa: F401
 from kdtree_numba.layers.moe import (  # noqa: F401
     expert_alternatives, expert_config, expert_tiled_configs, moe_ffn, moe_route,
     route_from_logits, router_logits)
+from kdtree_numba.layers.moe_mma import moe_mma_config  # noqa: F401
 from kdtree_numba.layers.norm import rmsnorm
 from kdtree_numba.layers.rope import RopeSpec, YarnScaling, rope
 from kdtree_numba.layers.skinny import (  # noqa: F401
@@ -69,7 +71,7 @@ __all__ = ["rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", 
 
 # Public too, though not in __all__ (the benchmarks and GPU tests use them): ROWS_UNROLL,
 # skinny_threads, TILED_ALTERNATIVES, expert_config, CHUNK, GPU_SMS, MmaConfig, mma_config,
-# mma_splits, mma_error_coefficient, mma_alternatives.
+# mma_splits, mma_error_coefficient, mma_alternatives, moe_mma_config.
 
 # The attention kernels live in kdtree_numba.attention; one namespace for the whole model.
 from kdtree_numba.attention import *  # noqa: E402,F401,F403
