@@ -11,6 +11,9 @@ expert) at M in {1, 9, 33, 65, 257} within the bound, and rows batch invariant.
 """
 from __future__ import annotations
 
+import functools
+
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -79,11 +82,15 @@ def _case(seed, m, d, n_experts, inter, idx, s_inter=None):
     return h, idx.astype(np.int32), weight, gate_up, down, *shared
 
 
-def _check(args, **kw):
+def _check(args, device_weights=None, **kw):
+    """moe_ffn(method="mma") against ref.moe_ffn within moe_mma_bound; device_weights: the
+    four weights already on the device (the GPU tests upload Kimi's 5.6 GB once)."""
     from kdtree_numba.layers import moe_ffn
     h, idx, weight, gate_up, down, sgu, sdn = args
-    got = moe_ffn(*args, method="mma", **kw).copy_to_host().astype(np.float64)
-    as_bf = [None if a is None else bf16_value(a) for a in (gate_up, down, sgu, sdn)]
+    weights = device_weights or (gate_up, down, sgu, sdn)
+    got = moe_ffn(h, idx, weight, *weights, method="mma", **kw).copy_to_host()
+    got = got.astype(np.float64)
+    as_bf = [None if a is None else a.view(ml_dtypes.bfloat16) for a in (gate_up, down, sgu, sdn)]
     want = ref.moe_ffn(h, idx, weight, *as_bf).astype(np.float64)
     bound = moe_mma_bound(*args)
     err = np.abs(got - want)
@@ -225,26 +232,45 @@ def test_moe_mma_kernels_compile_to_hopper_ptx():
 KIMI = dict(d=7168, inter=2048, n_experts=64, top_k=8)
 
 
+def _bf16_random(rng, shape):
+    """bf16 bits of random sign, mantissa and magnitude in [2^-8, 2^-5) (rms ~0.015, so the
+    activations stay O(1) at D = 7168), drawn as uint16 to keep Kimi's 5.6 GB of experts
+    cheap on the host."""
+    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    exponent = (bits >> np.uint16(7)) % np.uint16(3) + np.uint16(119)
+    bits &= np.uint16(0x807F)
+    bits |= exponent << np.uint16(7)
+    return bits
+
+
+@functools.cache
+def _kimi_weights():
+    """(host bf16 bits, the same on the device) of a Kimi-K2 layer at 64 experts: gate_up
+    [64, 4096, 7168], down [64, 7168, 2048], a shared expert of width 2048."""
+    from numba import cuda
+    rng = np.random.default_rng(0)
+    d, inter, n_experts = KIMI["d"], KIMI["inter"], KIMI["n_experts"]
+    host = (_bf16_random(rng, (n_experts, 2 * inter, d)), _bf16_random(rng, (n_experts, d, inter)),
+            _bf16_random(rng, (2 * inter, d)), _bf16_random(rng, (d, inter)))
+    return host, tuple(cuda.to_device(w) for w in host)
+
+
 def _kimi_case(m, seed=0):
-    """Kimi-K2 layer shapes with sigmoid top-8 routing from random logits (ascending experts,
-    weights normalised, scaling 2.827) and a shared expert of width 2048.  Weight scales keep
-    activations O(1)."""
+    """h [m, 7168] and a sigmoid top-8 routing from random logits (ascending experts, weights
+    normalised, scaling 2.827) for the cached Kimi-K2 weights."""
     rng = np.random.default_rng(seed)
-    d, inter, n_experts, k = KIMI["d"], KIMI["inter"], KIMI["n_experts"], KIMI["top_k"]
-    h = rng.standard_normal((m, d)).astype(np.float32)
-    logits = rng.standard_normal((m, n_experts))
-    idx, weight = ref.route_from_logits(logits, top_k=k, routed_scaling_factor=2.827)
-    gate_up = bf16_bits(rng.standard_normal((n_experts, 2 * inter, d), np.float32) * 0.02)
-    down = bf16_bits(rng.standard_normal((n_experts, d, inter), np.float32) * 0.02)
-    sgu = bf16_bits(rng.standard_normal((2 * inter, d), np.float32) * 0.02)
-    sdn = bf16_bits(rng.standard_normal((d, inter), np.float32) * 0.02)
-    return h, idx, weight, gate_up, down, sgu, sdn
+    h = rng.standard_normal((m, KIMI["d"])).astype(np.float32)
+    logits = rng.standard_normal((m, KIMI["n_experts"]))
+    idx, weight = ref.route_from_logits(logits, top_k=KIMI["top_k"],
+                                        routed_scaling_factor=2.827)
+    return h, idx, weight
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 9, 33, 65, 257])
 def test_gpu_moe_mma_kimi_shapes_within_the_bound(m):
-    _check(_kimi_case(m, seed=m))
+    host, device = _kimi_weights()
+    _check((*_kimi_case(m, seed=m), *host), device_weights=device)
 
 
 @pytest.mark.gpu
@@ -252,9 +278,9 @@ def test_gpu_moe_mma_rows_are_batch_invariant():
     """A token's output bits do not depend on its batch (M = 65, its own row alone, M = 9):
     no K slices, bk = 32 in every tile, the ordered combine (docs/LAYERS.md)."""
     from kdtree_numba.layers import moe_ffn
-    h, idx, weight, gate_up, down, sgu, sdn = _kimi_case(65, seed=1)
-    full = moe_ffn(h, idx, weight, gate_up, down, sgu, sdn, method="mma").copy_to_host()
+    _, device = _kimi_weights()
+    h, idx, weight = _kimi_case(65, seed=1)
+    full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
     for rows in (slice(3, 4), slice(0, 9)):
-        part = moe_ffn(h[rows], idx[rows], weight[rows], gate_up, down, sgu, sdn,
-                       method="mma").copy_to_host()
+        part = moe_ffn(h[rows], idx[rows], weight[rows], *device, method="mma").copy_to_host()
         assert part.tobytes() == full[rows].tobytes()
