@@ -428,10 +428,10 @@ def bench_moe_mma(ctx, results, deadline):
         uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
                                                   for _ in range(m)]), axis=1).astype(np.int32)))
         out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
-        t_default = None
         for routing, index in (("router", idx), ("uniform", uniform)):
             if routing == "uniform" and m < 65:
                 continue
+            t_default = None
             used = len(np.unique(index.copy_to_host()))
             for variant, kw in (("default", {}), ("mma", dict(method="mma"))):
                 if time.perf_counter() > deadline:
