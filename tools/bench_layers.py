@@ -413,14 +413,25 @@ def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
 
 def bench_moe_mma(ctx, results, deadline):
     """moe_ffn(method="mma") beside the default method, router-picked and uniform routings."""
-    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
-    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    cp, cuda = ctx["cp"], ctx["cuda"]
+    n_experts, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "d", "inter"))
     rng = np.random.default_rng(3)
     nb = cuda.as_cuda_array
     weights = tuple(nb(cp.full(shape, 0x3C00, cp.uint16)) for shape in (   # bf16 0.0078
         (n_experts, 2 * inter, d), (n_experts, d, inter), (2 * inter, d), (d, inter)))
     gate = nb(cp.asarray((rng.standard_normal((n_experts, d)) * 0.02).astype(np.float32)))
     bias = nb(cp.asarray((rng.standard_normal(n_experts) * 0.3).astype(np.float32)))
+    try:
+        _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline)
+    finally:
+        del weights
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
+    """The rows of bench_moe_mma (the caller frees the weights, whatever happens here)."""
+    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
     expert_bytes = 3 * inter * d * 2
     for m in MOE_MMA_MS:
         h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
@@ -459,8 +470,6 @@ def bench_moe_mma(ctx, results, deadline):
                            if variant == "mma" else "", host_bound=hb)
                 results.append(row)
                 print_row(row)
-    del weights
-    cp.get_default_memory_pool().free_all_blocks()
 
 
 def bench_norm_rope(ctx, results):
