@@ -124,7 +124,8 @@ def test_simulated_grouped_moe_within_the_bound(name, m, d, inter, s_inter, rout
     from kdtree_numba.layers import moe_mma
     if not compat.SIMULATOR:
         pytest.skip("simulator only (the GPU tests run the real mma)")
-    monkeypatch.setattr(moe_mma, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    # the stage's mma steps are mma.py's (stage_functions): the emulation goes in there
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
     idx = _routing_many_one_zero(m) if routing is None else routing
     args = _case(m + d, m, d, 5, inter, idx, s_inter)
     _check(args, configs=cfg)
@@ -136,7 +137,8 @@ def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
     from kdtree_numba.layers import moe_mma
     if not compat.SIMULATOR:
         pytest.skip("simulator only")
-    monkeypatch.setattr(moe_mma, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    # the stage's mma steps are mma.py's (stage_functions): the emulation goes in there
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
     monkeypatch.setattr(moe_mma, "silu", lambda v: v)
     moe_mma.moe_mma_kernel.cache_clear()
     try:

@@ -43,8 +43,8 @@ from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "mma_config", "mma_splits", "mma_error_coefficient", "mma_alternatives",
-           "x_stage_slot", "w_stage_slot", "panel_word", "a_fragment", "b_fragment",
-           "c_position", "copy_w16", "mma_kernel", "mma_linear"]
+           "stage_functions", "x_stage_slot", "w_stage_slot", "panel_word", "a_fragment",
+           "b_fragment", "c_position", "copy_w16", "mma_kernel", "mma_linear"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
@@ -224,6 +224,48 @@ _c_position = inline_device_function(c_position)
 
 # ------------------------------------------------------------------ kernel
 
+@functools.cache
+def stage_functions(cfg: MmaConfig):
+    """(store_x, compute): the two device functions of a K stage that every kernel on this tile
+    shape shares (mma_linear_kernel here, the grouped expert kernel of moe_mma.py): store the
+    held x quads into shared memory as bf16 pairs, and run the stage's mma steps."""
+    TM, TN, BK = cfg.tm, cfg.tn, cfg.bk
+    BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
+    PANELS = BK // PANEL
+    XQ = BM * BK // 4 // THREADS                           # x quads per thread and stage
+
+    @inline_device_function
+    def store_x(asm, at, xr, tid):
+        """The held x quads, rounded to bf16 pairs, into asm[at:]."""
+        for u in range(XQ):
+            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
+            store_nowrap_1d(asm, at + off, pack_bf16x2(xr[4 * u], xr[4 * u + 1]))
+            store_nowrap_1d(asm, at + off + 1, pack_bf16x2(xr[4 * u + 2], xr[4 * u + 3]))
+
+    @inline_device_function
+    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
+        """acc += this stage's products: per panel, one 128-bit load per A row (g, g + 8 of
+        each m16 tile) and per weight row (g of each n8 tile), then 2 k16 steps of tm x tn mma."""
+        for p in range(PANELS):
+            for i in range(TM):
+                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i, 4 * t))
+                av[8 * i], av[8 * i + 1], av[8 * i + 2], av[8 * i + 3] = v
+                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i + 8, 4 * t))
+                av[8 * i + 4], av[8 * i + 5], av[8 * i + 6], av[8 * i + 7] = v
+            for j in range(TN):
+                v = ld_shared_u32x4(bsm, b_at + _panel_word(p, BN, brow + 8 * j, 4 * t))
+                bv[4 * j], bv[4 * j + 1], bv[4 * j + 2], bv[4 * j + 3] = v
+            for step in range(2):
+                for i in range(TM):
+                    a0, a1, a2, a3 = _a_fragment(av, 8 * i, step)
+                    for j in range(TN):
+                        b0, b1 = _b_fragment(bv, 4 * j, step)
+                        o = 4 * (i * TN + j)
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+    return store_x, compute
+
+
 def mma_kernel(cfg: MmaConfig):
     """The kernel for a tile shape (the K slice count is a launch argument)."""
     return _mma_kernel_for(dataclasses.replace(cfg, splits=1))
@@ -238,7 +280,6 @@ def _mma_kernel_for(cfg: MmaConfig):
 
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
-    PANELS = BK // PANEL
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
     XQ = BM * BK // 4 // THREADS                           # x quads per thread and stage
     WC = BN * BK // 8 // THREADS                           # weight chunks per thread and stage
@@ -271,35 +312,7 @@ def _mma_kernel_for(cfg: MmaConfig):
             xr[4 * u + 2] = v2
             xr[4 * u + 3] = v3
 
-    @inline_device_function
-    def store_x(asm, at, xr, tid):
-        """The held x quads, rounded to bf16 pairs, into asm[at:]."""
-        for u in range(XQ):
-            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
-            store_nowrap_1d(asm, at + off, pack_bf16x2(xr[4 * u], xr[4 * u + 1]))
-            store_nowrap_1d(asm, at + off + 1, pack_bf16x2(xr[4 * u + 2], xr[4 * u + 3]))
-
-    @inline_device_function
-    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
-        """acc += this stage's products: per panel, one 128-bit load per A row (g, g + 8 of
-        each m16 tile) and per weight row (g of each n8 tile), then 2 k16 steps of tm x tn mma."""
-        for p in range(PANELS):
-            for i in range(TM):
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i, 4 * t))
-                av[8 * i], av[8 * i + 1], av[8 * i + 2], av[8 * i + 3] = v
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i + 8, 4 * t))
-                av[8 * i + 4], av[8 * i + 5], av[8 * i + 6], av[8 * i + 7] = v
-            for j in range(TN):
-                v = ld_shared_u32x4(bsm, b_at + _panel_word(p, BN, brow + 8 * j, 4 * t))
-                bv[4 * j], bv[4 * j + 1], bv[4 * j + 2], bv[4 * j + 3] = v
-            for step in range(2):
-                for i in range(TM):
-                    a0, a1, a2, a3 = _a_fragment(av, 8 * i, step)
-                    for j in range(TN):
-                        b0, b1 = _b_fragment(bv, 4 * j, step)
-                        o = 4 * (i * TN + j)
-                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
-                            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+    store_x, compute = stage_functions(cfg)
 
     @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
     def mma_linear_kernel(x, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):

@@ -36,11 +36,11 @@ import functools
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all, ld_cached_f32x4,
-                                     ld_shared_u32x4, store_nowrap_1d, store_nowrap_2d)
-from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
+                                     store_nowrap_2d)
 from kdtree_numba.layers.common import silu
-from kdtree_numba.layers.mma import (PANEL, MmaConfig, a_fragment, b_fragment, c_position,
-                                     copy_w16, panel_word, w_stage_slot, x_stage_slot)
+from kdtree_numba.layers.mma import (MmaConfig, a_fragment, b_fragment, c_position,
+                                     copy_w16, panel_word, stage_functions, w_stage_slot,
+                                     x_stage_slot)
 
 __all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma"]
 
@@ -85,7 +85,6 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     HALF_TN = TN // 2
-    PANELS = BK // PANEL
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2
     XQ = BM * BK // 4 // THREADS
     WC = BN * BK // 8 // THREADS
@@ -120,32 +119,7 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
             xr[4 * u + 2] = v2
             xr[4 * u + 3] = v3
 
-    @inline_device_function
-    def store_x(asm, at, xr, tid):
-        for u in range(XQ):
-            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
-            store_nowrap_1d(asm, at + off, pack_bf16x2(xr[4 * u], xr[4 * u + 1]))
-            store_nowrap_1d(asm, at + off + 1, pack_bf16x2(xr[4 * u + 2], xr[4 * u + 3]))
-
-    @inline_device_function
-    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
-        for p in range(PANELS):
-            for i in range(TM):
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i, 4 * t))
-                av[8 * i], av[8 * i + 1], av[8 * i + 2], av[8 * i + 3] = v
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i + 8, 4 * t))
-                av[8 * i + 4], av[8 * i + 5], av[8 * i + 6], av[8 * i + 7] = v
-            for j in range(TN):
-                v = ld_shared_u32x4(bsm, b_at + _panel_word(p, BN, brow + 8 * j, 4 * t))
-                bv[4 * j], bv[4 * j + 1], bv[4 * j + 2], bv[4 * j + 3] = v
-            for step in range(2):
-                for i in range(TM):
-                    a0, a1, a2, a3 = _a_fragment(av, 8 * i, step)
-                    for j in range(TN):
-                        b0, b1 = _b_fragment(bv, 4 * j, step)
-                        o = 4 * (i * TN + j)
-                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
-                            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+    store_x, compute = stage_functions(cfg)
 
     @kernel
     def grouped_expert_mma(x, token_of_slot, offsets, active, n_active, w3, sw, out,
