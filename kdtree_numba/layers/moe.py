@@ -418,18 +418,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     tiled = method == "tiled" or (method == "auto" and m > SKINNY_MAX_M)
     ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
-    offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
-    active = ws.get("moe.active", (n_experts,), np.int32, stream)
-    n_active = ws.get("moe.n_active", (1,), np.int32, stream)
-    slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
-    token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
-
-    threads = 32 if SIMULATOR else 1024
-    _group_kernel(n_experts, threads)[1, threads, stream](
-        idx.reshape(n_entries), top_k, offsets, active, n_active, slot_of_entry, token_of_slot)
-    lists = (token_of_slot, offsets, active, n_active)
+    slot_of_entry, lists = _group_tokens(idx, n_experts, ws, stream)
     if tiled:
         _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                        top_k, stream, configs)
@@ -437,14 +428,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                         top_k, stream)
 
-    shared_y = y_slot   # any float32 2-d array: the kernel ignores it without a shared expert
+    shared_y = None
     if shared_gate_up is not None:
-        sgu, skind = device_weight(shared_gate_up, stream)
-        sdn, skind_down = device_weight(shared_down, stream)
+        sgu, sdn, _ = _shared_weights(shared_gate_up, shared_down, d, stream)
         s_inter = sdn.shape[1]
-        if tuple(sgu.shape) != (2 * s_inter, d) or tuple(sdn.shape) != (d, s_inter) \
-                or skind != skind_down:
-            raise ValueError("shared expert wants gate_up [2Is, D] and down [D, Is] of one dtype")
         # The shared expert sees every token: linear() (skinny up to SKINNY_MAX_M rows, else
         # tiled with K slices, which keep all SMs busy where one expert's tiles would not).
         s_act = ws.get("moe.shared_act", (m, s_inter), np.float32, stream)
@@ -454,9 +441,44 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         grid, block = launch_1d(s_act.size, 256)
         _silu_mul[grid, block, stream](gu, s_act)
         linear(s_act, sdn, out=shared_y, stream=stream, workspace=ws)
+    return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
+
+
+def _group_tokens(idx, n_experts: int, ws, stream):
+    """The device-side grouping of the M * k (token, expert) entries by expert: returns
+    (slot_of_entry, (token_of_slot, offsets, active, n_active)), the lists every expert kernel
+    reads."""
+    n_entries = idx.shape[0] * idx.shape[1]
+    offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
+    active = ws.get("moe.active", (n_experts,), np.int32, stream)
+    n_active = ws.get("moe.n_active", (1,), np.int32, stream)
+    slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
+    token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
+    threads = 32 if SIMULATOR else 1024
+    _group_kernel(n_experts, threads)[1, threads, stream](
+        idx.reshape(n_entries), idx.shape[1], offsets, active, n_active, slot_of_entry,
+        token_of_slot)
+    return slot_of_entry, (token_of_slot, offsets, active, n_active)
+
+
+def _shared_weights(shared_gate_up, shared_down, d: int, stream):
+    """(gate_up [2Is, D], down [D, Is], load kind) of the shared expert on the device."""
+    sgu, skind = device_weight(shared_gate_up, stream)
+    sdn, skind_down = device_weight(shared_down, stream)
+    s_inter = sdn.shape[1]
+    if tuple(sgu.shape) != (2 * s_inter, d) or tuple(sdn.shape) != (d, s_inter) \
+            or skind != skind_down:
+        raise ValueError("shared expert wants gate_up [2Is, D] and down [D, Is] of one dtype")
+    return sgu, sdn, skind
+
+
+def _combine(y_slot, slot_of_entry, wt, shared_y, y, stream):
+    """y[m] = shared_y[m] (when given) + sum_j weight[m, j] y_slot[slot of (m, j)], in j order."""
+    m, d = y.shape
     threads = 32 if SIMULATOR else 256
-    _combine_kernel(shared_gate_up is not None)[(m, -(-d // threads)), threads, stream](
-        y_slot, slot_of_entry, wt, shared_y, y)
+    # any float32 2-d array stands for shared_y without a shared expert: the kernel ignores it
+    _combine_kernel(shared_y is not None)[(m, -(-d // threads)), threads, stream](
+        y_slot, slot_of_entry, wt, y_slot if shared_y is None else shared_y, y)
     return y
 
 
@@ -472,12 +494,8 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
     inter, top_k = two_im // 2, idx.shape[1]
     shared, s_inter = None, inter
     if shared_gate_up is not None:
-        sgu, skind = device_weight(shared_gate_up, stream)
-        sdn, skind_down = device_weight(shared_down, stream)
+        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
         s_inter = sdn.shape[1]
-        if tuple(sgu.shape) != (2 * s_inter, d) or tuple(sdn.shape) != (d, s_inter) \
-                or skind != skind_down:
-            raise ValueError("shared expert wants gate_up [2Is, D] and down [D, Is] of one dtype")
         if skind != "bf16":
             raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
         shared = (sgu, sdn)
@@ -490,21 +508,11 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
             (d, (hd, gud, dnd, act, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
         raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "
                          "8 and C-contiguous 16-byte aligned arrays; use method='auto'")
-    offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
-    active = ws.get("moe.active", (n_experts,), np.int32, stream)
-    n_active = ws.get("moe.n_active", (1,), np.int32, stream)
-    slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
-    token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
-    threads = 32 if SIMULATOR else 1024
-    _group_kernel(n_experts, threads)[1, threads, stream](
-        idx.reshape(n_entries), top_k, offsets, active, n_active, slot_of_entry, token_of_slot)
-    grouped_experts_mma(hd, (token_of_slot, offsets, active, n_active), gud, dnd, shared, act,
-                        y_slot, min(n_entries, n_experts),
+    slot_of_entry, lists = _group_tokens(idx, n_experts, ws, stream)
+    grouped_experts_mma(hd, lists, gud, dnd, shared, act, y_slot, min(n_entries, n_experts),
                         config or moe_mma_config(m, top_k, n_experts), stream)
-    threads = 32 if SIMULATOR else 256
-    _combine_kernel(shared is not None)[(m, -(-d // threads)), threads, stream](
-        y_slot, slot_of_entry, wt, y_slot[n_entries:], y)
-    return y
+    shared_y = None if shared is None else y_slot[n_entries:]   # the shared expert's rows
+    return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 
 
 def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream):
