@@ -23,7 +23,7 @@ from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
 from kdtree_numba.attention.plan import TileConfig, choose_splits, resolve_variant, tile_config
 from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO
-from kdtree_numba.gpu.memory import load_f32x4, store_f32x4
+from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
 
 __all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
 
@@ -73,29 +73,6 @@ def _merge_kernel(r: int):
 # ---------------------------------------------------------------------------------------------
 # Launch plumbing
 # ---------------------------------------------------------------------------------------------
-_SMEM_READY = set()
-
-
-def _allow_large_shared_memory(dispatcher, args, nbytes):
-    """Opt the compiled kernel in to > 48 KiB of dynamic shared memory (a no-op in the sim).
-
-    numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
-    itself; without this the launch fails with CUDA_ERROR_INVALID_VALUE.
-    """
-    if SIMULATOR or nbytes <= 48 * 1024:
-        return
-    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
-    compiled = dispatcher.compile(argtypes)
-    cufunc = compiled._codelibrary.get_cufunc()
-    key = (id(cufunc), nbytes)
-    if key in _SMEM_READY:
-        return
-    from numba.cuda.cudadrv import driver as drv
-    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    drv.driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-    _SMEM_READY.add(key)
-
-
 @lru_cache(maxsize=1)
 def _sm_count() -> int:
     if SIMULATOR:
@@ -159,7 +136,7 @@ class MlaAttentionPlan:
         args = (q_abs3, q_pe3, ckv_d, kpe_d, prefix_d, visible_d, np.float32(tau), np.int64(n),
                 np.int64(heads), np.int64(self.chunk), direct, out3, self.part_o, self.part_ml)
         nbytes = self.cfg.smem_bytes()
-        _allow_large_shared_memory(self.attn, args, nbytes)
+        allow_large_shared_memory(self.attn, args, nbytes)
         self.attn[self.grid, self.cfg.threads, st, nbytes](*args)
         if not direct:
             self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](

@@ -36,7 +36,8 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "ld_shared_u32x4",
            "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
            "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all",
-           "cp_async_strided", "device_address"]
+           "cp_async_wait_1", "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory",
+           "device_address"]
 
 if SIMULATOR:
     _ZERO = np.float32(0.0)
@@ -83,7 +84,7 @@ if SIMULATOR:
     def _nothing():
         pass
 
-    cp_async_commit = cp_async_wait_all = _nothing
+    cp_async_commit = cp_async_wait_all = cp_async_wait_1 = cp_async_wait_2 = _nothing
 else:
     from llvmlite import ir
     from numba import types
@@ -309,6 +310,9 @@ else:
 
     cp_async_commit = asm_statement("cp.async.commit_group;")
     cp_async_wait_all = asm_statement("cp.async.wait_group 0;")
+    # all but the newest 1 / 2 groups landed: the waits of a 3- / 4-stage cp.async ring
+    cp_async_wait_1 = asm_statement("cp.async.wait_group 1;")
+    cp_async_wait_2 = asm_statement("cp.async.wait_group 2;")
 
 
 def _cp_async_strided_fn():
@@ -333,6 +337,29 @@ def _cp_async_strided_fn():
 
 
 cp_async_strided = _cp_async_strided_fn()
+
+
+_LARGE_SHARED_READY = set()
+
+
+def allow_large_shared_memory(dispatcher, args, nbytes):
+    """Opt the kernel that ``dispatcher`` compiles for ``args`` in to ``nbytes`` > 48 KiB of
+    dynamic shared memory (a no-op in the simulator and at 48 KiB or less).
+
+    numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
+    itself; without this such a launch fails with CUDA_ERROR_INVALID_VALUE.
+    """
+    if SIMULATOR or nbytes <= 48 * 1024:
+        return
+    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+    key = (id(dispatcher), argtypes, nbytes)
+    if key in _LARGE_SHARED_READY:
+        return
+    cufunc = dispatcher.compile(argtypes)._codelibrary.get_cufunc()
+    from numba.cuda.cudadrv import driver as drv
+    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    drv.driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+    _LARGE_SHARED_READY.add(key)
 
 
 def device_address(array) -> int:
