@@ -163,16 +163,24 @@ def test_block_replay_catches_a_wrong_fragment():
 
 
 def test_configs_and_splits():
-    assert mm.mma_config(1, 163840, 7168) == mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, splits=1)
-    for m, n, k in [(1, 1536, 7168), (65, 7168, 2048), (512, 163840, 7168), (4096, 7168, 2048),
-                    (1, 200, 72)]:
-        cfg = mm.mma_config(m, n, k)
-        assert cfg.bm >= min(m, 128) and cfg.bn == 128
-        s = cfg.splits
-        assert s == 1 or (8 * s * m <= k and -(-k // cfg.bk) // s >= 4)
-    assert mm.mma_config(1, 1536, 7168).splits > 1          # 12 N tiles: K slices fill the GPU
-    with pytest.raises(ValueError):
-        mm.MmaConfig(bk=48)
+    assert mm.mma_config(1, 163840, 7168) == mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, stages=4,
+                                                          splits=1)
+    for n, k in [(1536, 7168), (7168, 2048), (163840, 7168), (200, 72), (12288, 1536)]:
+        picks = [mm.mma_config(m, n, k) for m in (1, 9, 16, 17, 33, 65, 512, 4096)]
+        picks += [c for m in (1, 65) for c in mm.mma_alternatives(m, n, k).values()]
+        # batch invariance: every tile of every M slices K alike, in stages of 64
+        assert {(c.bk, c.splits) for c in picks} == {(64, mm.mma_splits(n, k))}
+        for m, cfg in zip((1, 9, 16, 17, 33, 65, 512, 4096), picks):
+            assert cfg.bm >= min(m, 64) and cfg.bn == 128
+            assert cfg.smem_bytes <= mm.MAX_SHARED_BYTES
+        s = mm.mma_splits(n, k)
+        assert s == 1 or -(-k // 64) // s >= 8                # >= 2 rings of stages per slice
+    assert mm.mma_splits(1536, 7168) == 8                    # 12 N tiles: K slices fill the GPU
+    assert mm.mma_splits(163840, 7168) == 1                  # 1280 N tiles already do
+    for bad in (dict(bk=48), dict(stages=1), dict(stages=5),
+                dict(wm=4, wn=4, tm=4, tn=8, stages=4)):          # 256 KiB of shared memory
+        with pytest.raises(ValueError):
+            mm.MmaConfig(**bad)
 
 
 def test_error_coefficient_is_dominated_by_the_bf16_rounding_of_x():
@@ -205,6 +213,52 @@ def test_mma_needs_a_gpu_under_the_simulator(needs_kernels):
     x = np.ones((2, 16), np.float32)
     with pytest.raises(NotImplementedError, match="tensor cores"):   # at the first mma
         linear(x, bf16_bits(np.ones((8, 16), np.float32)), method="mma")
+
+
+def test_tensor_cores_method_takes_mma_where_it_can(needs_kernels, monkeypatch):
+    """linear(method="tensor-cores") and make_backend(gemm="tensor-cores") run the mma kernel
+    for bf16 weights whose K % 8 == 0 (on the simulator: the emulated warp mma, so the result
+    is the bf16 product) and the float32 kernels otherwise (float32 weights, K = 20), whatever
+    M: the choice never looks at M."""
+    from kdtree_numba import compat
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    for m in (1, 20):
+        x, w16, want = _block_case(6, m, 8, 32)
+        got = linear(x, w16, method="tensor-cores").copy_to_host()
+        fp32 = linear(x, w16).copy_to_host()            # x kept in float32: another result
+        magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+        assert np.all(np.abs(got - want) <= 34 * 2.0 ** -24 * magnitude)
+        assert not np.array_equal(got, fp32)
+        w32 = bf16_value(w16).astype(np.float32)        # float32 weights: the CUDA-core path
+        assert np.array_equal(linear(x, w32, method="tensor-cores").copy_to_host(),
+                              linear(x, w32).copy_to_host())
+    x20 = np.ones((3, 20), np.float32)                  # K % 8 != 0: auto, no ValueError
+    w20 = bf16_bits(np.full((8, 20), 0.5, np.float32))
+    assert np.array_equal(linear(x20, w20, method="tensor-cores").copy_to_host(),
+                          np.full((3, 8), 10.0, np.float32))
+    be = make_backend("numba", gemm="tensor-cores")
+    assert be.gemm == "tensor-cores"
+    x, w16, want = _block_case(7, 2, 8, 32)
+    assert np.array_equal(np.asarray(be.ops.linear(x, w16)),
+                          linear(x, w16, method="mma").copy_to_host())
+    # the experts stay on CUDA cores in that mode (backends._numba_ops says why)
+    from kdtree_numba.layers import moe_ffn
+    rng = np.random.default_rng(8)
+    h = rng.standard_normal((3, 32)).astype(np.float32)
+    idx, wt = np.array([[0], [1], [1]], np.int32), np.ones((3, 1), np.float32)
+    gu, dn = bf16_bits(rng.standard_normal((2, 32, 32))), bf16_bits(rng.standard_normal((2, 32, 16)))
+    assert np.array_equal(np.asarray(be.ops.moe_ffn(h, idx, wt, gu, dn)),
+                          moe_ffn(h, idx, wt, gu, dn).copy_to_host())
+    assert not np.array_equal(moe_ffn(h, idx, wt, gu, dn, method="mma").copy_to_host(),
+                              moe_ffn(h, idx, wt, gu, dn).copy_to_host())
+    with pytest.raises(ValueError, match="gemm"):
+        make_backend("numba", gemm="tf32")
+    with pytest.raises(ValueError, match="numba"):
+        make_backend("reference", gemm="tensor-cores")
 
 
 # ------------------------------------------------------------------ sm_90 PTX, any machine
@@ -269,7 +323,12 @@ print("tile assembled")
 configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
 configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
-sig = (f2, T.uint16[:, ::1], f2) + (T.int64,) * 6
+ptx, _ = cuda.compile_ptx(mm._round_to_bf16_pairs.py_func, (T.float32[::1], T.uint32[::1]),
+                          cc=(9, 0))
+assert ptx.count("cvt.rn.bf16x2.f32") == 1, "x rounding kernel"
+ptxas(ptx)
+u16 = T.uint16[:, ::1]
+sig = (u16, u16, f2) + (T.int64,) * 6
 for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
     ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0))
     log = ptxas(ptx, cfg.max_registers)
@@ -279,7 +338,8 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
     print("kernel", cfg, "mma", n_mma, "regs", regs, "spill", spill, "local", local, flush=True)
     assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
-    assert "cp.async.cg.shared.global" in ptx and "cvt.rn.bf16x2.f32" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
     assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
     assert local == 0, "local memory: accumulators or fragments left registers"
     assert spill == 0 or cfg.max_registers, "spills"
@@ -365,6 +425,23 @@ def test_gpu_linear_mma_alternatives_and_k_slices(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(1536, 7168), (7168, 2048), (4096, 7168)])
+def test_gpu_linear_mma_is_batch_invariant(n, k):
+    """A row's result is bitwise the same at every M (tiles of 16 to 128 rows, one K slicing):
+    what lets a verify forward on tensor cores reproduce the decode's logits exactly."""
+    from kdtree_numba.layers import linear
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((512, k)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    rows = {m: linear(x[:m], w16, method="mma").copy_to_host() for m in (1, 9, 17, 33, 65, 512)}
+    for m, y in rows.items():
+        assert y.tobytes() == rows[512][:m].tobytes(), m
+    for cfg in mm.mma_alternatives(65, n, k).values():
+        y = linear(x[:65], w16, method="mma", config=cfg).copy_to_host()
+        assert y.tobytes() == rows[65].tobytes(), cfg
+
+
+@pytest.mark.gpu
 def test_gpu_linear_mma_large_and_small_magnitudes():
     """x far from 1 (bf16 keeps float32's exponent range): relative bound unchanged."""
     _check_linear(33, 300, 256, seed=7, scale=1e-30)
@@ -414,6 +491,9 @@ def _warp_mma_emulation():
     (5, 20, 72, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1)),              # ragged M, N; partial stage
     (19, 9, 96, mm.MmaConfig(wm=1, wn=1, tm=2, tn=1, splits=2)),   # 2 M tiles x 2 K slices
     (3, 16, 128, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=64)),     # two panels per stage
+    (4, 8, 328, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, stages=3)),   # 6 stages round a 3-ring
+    (17, 8, 456, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, stages=4, splits=2)),  # 4 + 4 of 4-ring
+    (2, 8, 200, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, stages=4)),   # fewer stages than ring
 ])
 def test_simulated_kernel_equals_the_bf16_product(m, n, k, cfg, needs_kernels, monkeypatch):
     """The kernel itself (staging, cp.async twin, pipeline, K slices, epilogue) on the
@@ -428,3 +508,32 @@ def test_simulated_kernel_equals_the_bf16_product(m, n, k, cfg, needs_kernels, m
     got = linear(x, w16, method="mma", config=cfg).copy_to_host()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
+
+
+def test_graph_probe_variants_route_the_ops(needs_kernels):
+    """tools/probe_graph_tensor_cores.py: each variant sends exactly its ops to the tensor
+    cores (on the simulator an mma raises NotImplementedError, the CUDA-core kernels run)."""
+    import sys
+    from kdtree_numba import compat
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only")
+    sys.path.insert(0, "tools")
+    import probe_graph_tensor_cores as probe
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((2, 32)).astype(np.float32)
+    w = bf16_bits(rng.standard_normal((8, 32)))
+    one = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    dense = bf16_bits(rng.standard_normal((1, 32, 32))), bf16_bits(rng.standard_normal((1, 32, 16)))
+    routed = bf16_bits(rng.standard_normal((2, 32, 32))), bf16_bits(rng.standard_normal((2, 32, 16)))
+    for variant, on in [("linear", {"linear"}), ("moe-dense", {"dense"}),
+                        ("moe-routed", {"routed"}), ("moe", {"dense", "routed"}),
+                        ("all", {"linear", "dense", "routed"})]:
+        ops = probe.backend_for(variant).ops
+        for name, call in [("linear", lambda: ops.linear(h, w)),
+                           ("dense", lambda: ops.moe_ffn(h, *one, *dense)),
+                           ("routed", lambda: ops.moe_ffn(h, *one, *routed))]:
+            if name in on:
+                with pytest.raises(NotImplementedError, match="tensor cores"):
+                    call()
+            else:
+                call()

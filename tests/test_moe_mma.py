@@ -113,6 +113,8 @@ SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig)
     ("many/one/zero, 2 M tiles", 20, 64, 32, 32, None, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2)),
     ("two warps along N, tn 4, no shared", 6, 96, 40, 0, None,
      mm.MmaConfig(wm=1, wn=2, tm=1, tn=4)),
+    ("two warps along M, tm 2, bk 32", 70, 64, 32, 32, None,
+     mm.MmaConfig(wm=2, wn=1, tm=2, tn=2, bk=32, stages=2)),
 ]
 
 
@@ -286,3 +288,21 @@ def test_gpu_moe_mma_rows_are_batch_invariant():
     for rows in (slice(3, 4), slice(0, 9)):
         part = moe_ffn(h[rows], idx[rows], weight[rows], *device, method="mma").copy_to_host()
         assert part.tobytes() == full[rows].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [33, 72])
+def test_gpu_moe_mma_dense_layer_tiles_agree(m):
+    """A dense FFN through moe_ffn (one expert, every token) is where M > 32 tokens share an
+    expert and moe_mma_config picks the 32- and 64-row tiles: each tile is within the bound
+    of the reference and gives the 16-row tile's bits (one bk, no K slices)."""
+    d, inter = 1024, 2048
+    args = _case(m, m, d, 1, inter, np.zeros((m, 1), np.int32))
+    args = (args[0], args[1], np.ones((m, 1), np.float32)) + args[3:]
+    rows = {}
+    for cfg in (mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=32, stages=2),
+                mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=32, stages=2),
+                mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=32, stages=2)):
+        rows[cfg.bm] = _check(args, configs=cfg)
+    picked = _check(args)                                   # moe_mma_config's own tile
+    assert rows[16].tobytes() == rows[32].tobytes() == rows[64].tobytes() == picked.tobytes()

@@ -66,6 +66,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kdtree_numba.backends import GEMM_CHOICES, make_backend  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
                                  size_config)
 from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
@@ -74,7 +75,7 @@ from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
 from kdtree_numba.config import weight_shapes  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
-from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, RoutingCounter,  # noqa: E402
+from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S, RoutingCounter,  # noqa: E402
                          engine_itemsize, forward_bytes, forward_flops, moe_layers,
                          roof_seconds, uniform_records)
 
@@ -279,11 +280,11 @@ def fresh_graphs(model):
         model.backend.xp.get_default_memory_pool().free_all_blocks()
 
 
-def roof_fields(cfg, records, itemsize, tokens):
+def roof_fields(cfg, records, itemsize, tokens, flops_per_s=FLOPS_PER_S):
     """A row's roof columns from its forwards' records (prefill first, then one per AR step or
     DDTree round): each step's roof (its own tokens and distinct experts), and the tokens per
     second if every forward, prefill included, ran at its roof."""
-    pairs = [roof_seconds(cfg, r, itemsize) for r in records]
+    pairs = [roof_seconds(cfg, r, itemsize, flops_per_s) for r in records]
     secs = [max(p) for p in pairs]
     steps, step_secs = records[1:], secs[1:]
     experts = [e for r in steps for e in r.experts]
@@ -328,7 +329,10 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
         records = uniform_records(cfg, bs * max(len(p) for p in prompts), bs * width,
                                   res.stats.rounds)
         tokens = res.stats.new_tokens
-    fields = roof_fields(cfg, records, itemsize, tokens)
+    tensor = model.backend.gemm.startswith("tensor-cores")
+    fields = roof_fields(cfg, records, itemsize, tokens,
+                         TENSOR_FLOPS_PER_S if tensor else FLOPS_PER_S)
+    extra["gemm"] = model.backend.gemm
     step = "decode" if drafter is None else "verify"
     extra["step_ms"] = 1e3 * res.stats.time[step] / max(res.stats.rounds, 1)
     method = "ar" if drafter is None else "ddtree/replay"
@@ -337,9 +341,19 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
 
 
 def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
-    """A size built on the device (DEVICE_SIZES): per batch, AR then replay DDTree at each
-    budget, each row with its roofs.  ``backend``: "numba" (the GPU); the tests run tiny
+    """A size built on the device (DEVICE_SIZES): per ``--gemm`` setting (a model of the same
+    weights on ``make_backend(backend, gemm=...)``) and per batch, AR then replay DDTree at
+    each budget, each row with its roofs.  ``backend``: "numba" (the GPU); the tests run tiny
     configs through "reference"."""
+    for gemm in args.gemm:
+        if not budget.allows(f"model/{gemm}", 0.0):
+            print(f"# {size}: time limit: skipping gemm {gemm}", file=sys.stderr)
+            return
+        be = make_backend(backend, gemm=gemm)
+        _bench_device_model(size, args, budget, out_rows, be)
+
+
+def _bench_device_model(size, args, budget: Budget, out_rows, backend):
     cfg = DEVICE_SIZES[size]()
     t0 = time.perf_counter()
     model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype)
@@ -351,44 +365,54 @@ def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
     one = forward_bytes(cfg, 1, [k] * n_moe, itemsize)
     every = forward_bytes(cfg, cfg.vocab_size, [E] * n_moe, itemsize)
     prompt_len = args.prompt_len or DEVICE_PROMPT_LEN
-    print(f"\n# {size}: {n_params / 1e9:.2f} B parameters ({args.dtype}) drawn on the device "
-          f"in {time.perf_counter() - t0:.1f} s; the engine holds {every / 1e9:.2f} GB; one "
-          f"token reads {one / 1e9:.2f} GB: AR roof {HBM_BYTES_PER_S / one:.0f} tok/s at batch "
-          f"1 (4.1 TB/s; its {forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
-          f"{1e3 * forward_flops(cfg, 1) / FLOPS_PER_S:.3f} ms at 51 TFLOP/s).  A forward's "
-          f"roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / 51 TFLOP/s fp32).  "
-          f"Greedy, {args.new_tokens} new tokens after a {prompt_len}-token "
-          f"prompt per request; CUDA graphs {'on' if model.graphs is not None else 'off'}; "
-          f"experts per step: {args.expert_count}"
+    gemm = model.backend.gemm
+    rate = TENSOR_FLOPS_PER_S if gemm.startswith("tensor-cores") else FLOPS_PER_S
+    print(f"\n# {size}, GEMMs on {gemm}: {n_params / 1e9:.2f} B parameters ({args.dtype}) "
+          f"drawn on the device in {time.perf_counter() - t0:.1f} s; the engine holds "
+          f"{every / 1e9:.2f} GB; one token reads {one / 1e9:.2f} GB: AR roof "
+          f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 (4.1 TB/s; its "
+          f"{forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
+          f"{1e3 * forward_flops(cfg, 1) / rate:.3f} ms at {rate / 1e12:.0f} TFLOP/s).  A "
+          f"forward's roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / "
+          f"{rate / 1e12:.0f} TFLOP/s).  Greedy, {args.new_tokens} new tokens after a "
+          f"{prompt_len}-token prompt per request; CUDA graphs "
+          f"{'on' if model.graphs is not None else 'off'}; experts per step: "
+          f"{args.expert_count}"
           f"{' (routing of an eager re-run)' if args.expert_count == 'counted' else ''}.")
     rng = np.random.default_rng(0)
     budgets = args.budgets or _ints(DEVICE_BUDGETS)
     previous = None
-    for bs in args.batches:
-        prompts = rng.integers(0, cfg.vocab_size, (bs, prompt_len)).tolist()
-        guess = budget.last.get(f"ar/{previous}", 0.0)
-        if not budget.allows(f"ar/{bs}", guess):
-            print(f"# {size}: time limit: skipping batch {bs}", file=sys.stderr)
-            return
-        ar, ar_row = budget.run(f"ar/{bs}", lambda: device_row(
-            size, cfg, model, prompts, args.new_tokens, args, itemsize))
-        ctx = dict(ar=ar_row, hf_tps=None, out_rows=out_rows, json_path=args.json)
-        finish_row(ar_row, **ctx)
-        futures = [p + t + [0] * (BLOCK_LEN + 2) for p, t in zip(prompts, ar.tokens)]
-        for b in budgets if not args.no_replay else ():
-            kind = f"replay/{bs}"
-            if not budget.allows(kind, budget.last.get(f"replay/{previous}", 0.0)):
-                print(f"# {size}: time limit: skipping batch {bs} from budget {b}",
-                      file=sys.stderr)
-                break
-            drafter = ReplayDrafter(model.backend, cfg.vocab_size, futures, args.agreement,
-                                    on_device=True)
-            res, r = budget.run(kind, lambda: device_row(
-                size, cfg, model, prompts, args.new_tokens, args, itemsize, b, drafter))
-            r["same_tokens_as_ar"] = res.tokens == ar.tokens
-            finish_row(r, **ctx)
-        previous = bs
-    fresh_graphs(model)
+    try:
+        for bs in args.batches:
+            prompts = rng.integers(0, cfg.vocab_size, (bs, prompt_len)).tolist()
+            guess = budget.last.get(f"ar/{previous}", 0.0)
+            if not budget.allows(f"ar/{bs}", guess):
+                print(f"# {size}: time limit: skipping batch {bs}", file=sys.stderr)
+                return
+            ar, ar_row = budget.run(f"ar/{bs}", lambda: device_row(
+                size, cfg, model, prompts, args.new_tokens, args, itemsize))
+            ctx = dict(ar=ar_row, hf_tps=None, out_rows=out_rows, json_path=args.json)
+            finish_row(ar_row, **ctx)
+            futures = [p + t + [0] * (BLOCK_LEN + 2) for p, t in zip(prompts, ar.tokens)]
+            for b in budgets if not args.no_replay else ():
+                kind = f"replay/{bs}"
+                if not budget.allows(kind, budget.last.get(f"replay/{previous}", 0.0)):
+                    print(f"# {size}: time limit: skipping batch {bs} from budget {b}",
+                          file=sys.stderr)
+                    break
+                drafter = ReplayDrafter(model.backend, cfg.vocab_size, futures,
+                                        args.agreement, on_device=True)
+                res, r = budget.run(kind, lambda: device_row(
+                    size, cfg, model, prompts, args.new_tokens, args, itemsize, b, drafter))
+                r["same_tokens_as_ar"] = res.tokens == ar.tokens
+                finish_row(r, **ctx)
+            previous = bs
+    finally:
+        fresh_graphs(model)
+        del model           # the next --gemm setting builds its own copy of the weights
+        gc.collect()
+        if backend.on_gpu:
+            backend.xp.get_default_memory_pool().free_all_blocks()
 
 
 # ----------------------------------------------------------------------------- output
@@ -429,12 +453,12 @@ def _is_device_row(r) -> bool:
 
 def print_header(device: bool = False):
     if device:
-        print("| size | batch | method | budget | tok/s | roof tok/s | tau | ms/round: draft / "
+        print("| size | gemm | batch | method | budget | tok/s | roof tok/s | tau | ms/round: draft / "
               "tree / verify / accept / compact | step ms (decode or verify) | its roof ms "
               "(bytes / FLOPs) | "
               "step / roof | distinct experts per MoE layer (min-max) of step tokens | vs AR | "
               "tokens = AR |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         return
     print("| size | method | budget | tok/s | roof tok/s | goal | tau | ms/round: draft / tree "
           "/ verify / accept / compact | vs AR | vs HF | tokens = AR |")
@@ -461,7 +485,7 @@ def print_rows(rows, header_once: bool = False):
             print_header(device)
         if device:
             lo, hi = r["distinct_experts_range"] or (0, 0)
-            print(f"| {r['size']} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
+            print(f"| {r['size']} | {r.get('gemm', 'cuda-cores')} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
                   f"{r['tokens_per_s']:.1f} | {r['roof_tokens_per_s']:.0f} | {tau} | {split} | "
                   f"{r['step_ms']:.2f} | {r['step_roof_ms']:.3f} ({r['step_bytes_roof_ms']:.3f}"
                   f" / {r['step_flops_roof_ms']:.3f}) | "
@@ -509,6 +533,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help=f"weights of {', '.join(DEVICE_SIZES)}")
     p.add_argument("--seed", type=int, default=0, help=f"{', '.join(DEVICE_SIZES)} weights")
+    p.add_argument("--gemm", default="cuda-cores",
+                   help=f"{', '.join(DEVICE_SIZES)}: comma-separated make_backend gemm "
+                        f"settings, each a model of its own ({', '.join(GEMM_CHOICES)})")
     p.add_argument("--agreement", type=float, default=0.9, help="replay drafter agreement")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-replay", action="store_true", help="skip the replay-drafter rows")
@@ -518,6 +545,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.budgets = _ints(args.budgets) if args.budgets else None
     args.batches = _ints(args.batches)
+    args.gemm = args.gemm.split(",")
+    if any(g not in GEMM_CHOICES for g in args.gemm):
+        p.error(f"--gemm takes {', '.join(GEMM_CHOICES)}")
     sizes = args.sizes.split(",")
     unknown = [z for z in sizes if z not in DEVICE_SIZES and z not in SIZES]
     if unknown:

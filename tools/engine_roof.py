@@ -32,6 +32,7 @@ from kdtree_numba.config import ModelConfig, weight_shapes
 
 HBM_BYTES_PER_S = 4.1e12
 FLOPS_PER_S = 51e12
+TENSOR_FLOPS_PER_S = 989e12     # the H200's dense bf16 tensor-core rate (make_backend gemm=)
 # the weights Model keeps in float32 whatever the bundle's dtype (Model._load's w32)
 FLOAT32_WEIGHTS = ("self_attn/kv_b_proj", "mlp/gate", "mlp/e_score_correction_bias")
 
@@ -177,11 +178,13 @@ class RoutingCounter:
         return out
 
 
-def roof_seconds(cfg: ModelConfig, record: ForwardRecord, itemsize) -> tuple[float, float]:
+def roof_seconds(cfg: ModelConfig, record: ForwardRecord, itemsize,
+                 flops_per_s: float = FLOPS_PER_S) -> tuple[float, float]:
     """One forward's two roofs, seconds: (its :func:`forward_bytes` over ``HBM_BYTES_PER_S``,
-    its :func:`forward_flops` over ``FLOPS_PER_S``); the roof is the larger."""
+    its :func:`forward_flops` over ``flops_per_s``: FLOPS_PER_S for GEMMs on CUDA cores,
+    TENSOR_FLOPS_PER_S on tensor cores); the roof is the larger."""
     return (forward_bytes(cfg, record.tokens, record.experts, itemsize) / HBM_BYTES_PER_S,
-            forward_flops(cfg, record.rows) / FLOPS_PER_S)
+            forward_flops(cfg, record.rows) / flops_per_s)
 
 
 def uniform_records(cfg: ModelConfig, prefill_rows: int, step_rows: int,

@@ -17,7 +17,9 @@ from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
                                            load_kind_for, result_array, workspace_buffer)
 
-__all__ = ["linear"]
+__all__ = ["linear", "mma_takes", "METHODS"]
+
+METHODS = ("auto", "skinny", "tiled", "mma", "tensor-cores")
 
 
 def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, workspace=None):
@@ -34,8 +36,11 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
 
     ``method="mma"`` (or an MmaConfig): bf16 tensor cores, x rounded to bf16; bf16 weights,
     K % 8 == 0 and C-contiguous 16-byte aligned x and w only (ValueError otherwise); error at
-    most mma_error_coefficient(K, splits) sum_k |x_k w_k| (~2^-8 relative).  "auto" never picks
-    it: its crossover against skinny/tiled is not measured on the GPU yet.
+    most mma_error_coefficient(K, splits) sum_k |x_k w_k| (~2^-8 relative).
+    ``method="tensor-cores"``: "mma" wherever it can take the operands, else "auto" -- the
+    choice depends on the weight and the layout, never on M, so a row's result is the same at
+    every M (both paths are batch invariant).  "auto" never picks mma: rounding x to bf16
+    changes the numbers, so it is the model's choice (``make_backend(gemm=...)``), not M's.
     """
     xd = device_f32(x, "x", 2, stream)
     wd, kind = device_weight(w, stream)
@@ -45,15 +50,15 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     y = result_array(out, (m, n), np.float32, stream)
     if m == 0 or n == 0:
         return y
-    if method not in ("auto", "skinny", "tiled", "mma"):
-        raise ValueError(f"method must be auto, skinny, tiled or mma, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "tensor-cores" and config is None:
+        method = "mma" if mma_takes(xd, wd, kind) else "auto"
     if method == "mma" or isinstance(config, MmaConfig):
         _check_mma(xd, wd, kind)
         cfg = config if isinstance(config, MmaConfig) else mma_config(m, n, k)
         mma_linear(xd, wd, y, cfg, stream, workspace)
         return y
-    # "auto" picks skinny or tiled only, never "mma": the mma kernel's crossover against them
-    # has to be measured on the GPU first (docs/LAYERS.md, "bf16 tensor-core linear").
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
         method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)
@@ -64,6 +69,12 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
         cfg = config if isinstance(config, TiledConfig) else tiled_config(m, n, k)
         _linear_tiled(xd, wd, load_kind, y, cfg, stream, workspace)
     return y
+
+
+def mma_takes(xd, wd, kind) -> bool:
+    """Whether the bf16 tensor-core kernel takes these device operands: bf16 weights, K % 8
+    == 0, C-contiguous and 16-byte aligned."""
+    return kind == "bf16" and load_kind_for(kind, xd.shape[1], xd, wd) == "bf16"
 
 
 def _check_mma(xd, wd, kind):

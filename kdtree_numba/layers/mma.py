@@ -36,7 +36,8 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all, ld_cached_f32x4,
+from kdtree_numba.gpu.memory import (allow_large_shared_memory, cp_async_commit,
+                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_all,
                                      ld_shared_u32x4, store_nowrap_1d, store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
@@ -50,19 +51,26 @@ PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint
 WORDS = PANEL // 2
 
 
+MAX_SHARED_BYTES = 227 * 1024       # sm_90's opt-in dynamic shared memory per block
+STATIC_SHARED_BYTES = 48 * 1024     # without the opt-in (the grouped MoE kernels' static tiles)
+
+
 @dataclass(frozen=True)
 class MmaConfig:
     """Tile shape: ``wm`` x ``wn`` warps (warp w: wm_i = w % wm, wn_i = w // wm), each ``tm``
-    m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32); ``splits`` K slices
-    (separate blocks, then an ordered fp32 sum); ``max_registers``: a ptxas cap (0: none).
-    BM = 16 wm tm, BN = 8 wn tn."""
+    m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32) in a ring of
+    ``stages`` shared-memory buffers (2 to 4; the linear kernel's cp.async pipeline keeps
+    ``stages - 1`` in flight; the grouped MoE kernels are double-buffered whatever it says);
+    ``splits`` K slices (separate blocks, then an ordered fp32 sum); ``max_registers``: a
+    ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
     tn: int = 8
-    bk: int = 32
+    bk: int = 64
     splits: int = 1
     max_registers: int = 0
+    stages: int = 3
 
     @property
     def bm(self) -> int:
@@ -77,65 +85,71 @@ class MmaConfig:
         return 32 * self.wm * self.wn
 
     @property
+    def stage_bytes(self) -> int:
+        return self.bk * (self.bm + self.bn) * 2            # one stage of bf16 x and w tiles
+
+    @property
     def smem_bytes(self) -> int:
-        return 2 * self.bk * (self.bm + self.bn) * 2       # two stages of bf16 tiles
+        return self.stages * self.stage_bytes
 
     def __post_init__(self):
         if (min(self.wm, self.wn, self.tm, self.tn, self.splits) < 1 or self.bk % PANEL
-                or self.bk <= 0 or self.threads > 1024 or self.smem_bytes > 48 * 1024
+                or self.bk <= 0 or self.threads > 1024 or not 2 <= self.stages <= 4
+                or self.smem_bytes > MAX_SHARED_BYTES
                 or (self.bn * self.bk // 8) % self.threads
                 or (self.bm * self.bk // 4) % self.threads):
-            raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, <= 48 KB shared "
-                             f"memory, whole 16-byte staging vectors per thread")
+            raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
+                             f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
+                             f"thread")
+
+
+BK = 64     # the linear's K stage for every M: with the K slices (a function of N and K only)
+            # it fixes each output's accumulation order, so a row's result does not depend on M
 
 
 def mma_config(m: int, n: int, k: int) -> MmaConfig:
-    """The tile for an [m, k] x [n, k]^T product: BN = 128 always; BM = 16 (m <= 16), 32, 64,
-    else 128 (8 warps of 32 x 64).  K slices from :func:`mma_splits`.  A first guess: the
-    shapes were not measured on the GPU yet (tools/bench_layers.py --only mma times
-    :func:`mma_alternatives` beside it)."""
+    """The tile for an [m, k] x [n, k]^T product: BN = 128 and bk = 64 always; BM = 16
+    (m <= 16: 4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of
+    32 x 64, 3 stages; 128 x 128 was slower at M = 512 in run 42).  K slices from
+    :func:`mma_splits`, which does not look at m: a row's result is the same at every M
+    (docs/LAYERS.md, "Batch invariance")."""
     mt16 = -(-m // 16)
     if mt16 <= 2:
-        cfg = MmaConfig(wm=1, wn=4, tm=mt16, tn=4)
-    elif mt16 <= 4:
-        cfg = MmaConfig(wm=2, wn=2, tm=2, tn=8)
+        cfg = MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)
     else:
-        cfg = MmaConfig(wm=4, wn=2, tm=2, tn=8)
-    return dataclasses.replace(cfg, splits=mma_splits(m, n, k, cfg))
+        cfg = MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
+    return dataclasses.replace(cfg, splits=mma_splits(n, k))
 
 
 def mma_alternatives(m: int, n: int, k: int) -> dict:
-    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig,
-    K slices recomputed for each tile).  None is measured yet."""
+    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig).
+    Every one keeps bk = 64 and mma_splits' K slices, so each gives bitwise the default's
+    result: only speed differs."""
     if m <= 16:
-        shapes = {"bk64": dict(wm=1, wn=4, tm=1, tn=4, bk=64),
-                  "16x64": dict(wm=1, wn=2, tm=1, tn=4)}
+        shapes = {"2-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=2),
+                  "3-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=3)}
     else:
-        # (a register cap of 128 for two 8-warp blocks per SM spilled 328 bytes in ptxas)
-        shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8),
-                  "64x128-bk64": dict(wm=2, wn=2, tm=2, tn=8, bk=64)}
-        if m <= 80:
-            shapes["80x128"] = dict(wm=1, wn=4, tm=5, tn=4)    # M = 65: 80 rows, not 128
-        else:
-            shapes["32x128"] = dict(wm=1, wn=4, tm=2, tn=4)    # 4x the blocks of 128 x 128
+        shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
+                  "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
+                  "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4)}
     out = {}
     for name, shape in shapes.items():
         cfg = MmaConfig(**dict(shape, splits=1))
-        out[name] = dataclasses.replace(cfg, splits=mma_splits(m, n, k, cfg))
+        out[name] = dataclasses.replace(cfg, splits=mma_splits(n, k))
     return out
 
 
-def mma_splits(m: int, n: int, k: int, cfg: MmaConfig) -> int:
-    """K slices: doubled (up to 64) while the grid has fewer than four blocks per SM, each
-    slice keeps >= 4 stages and the slices' fp32 partial sums (written and read back: 8 S M N
-    bytes, mostly in L2) stay within half the weight bytes (2 N K), i.e. 8 S M <= K.  Depends on
-    M, so unlike the skinny and tiled kernels the mma linear is *not* batch invariant across
-    M; the difference stays within the error bound (docs/LAYERS.md)."""
-    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    stages = -(-k // cfg.bk)
+def mma_splits(n: int, k: int) -> int:
+    """K slices: doubled (up to 64) while one row of 128-wide N tiles (the grid at M <= BM)
+    has fewer than four blocks per SM and each slice keeps >= 8 stages of 64 (twice the
+    deepest ring).  A function of N and K only, never of M or the tile, so the linear is
+    batch invariant across M: a row's result is bitwise the same whatever M (its partial
+    sums, 8 S M N bytes written and read back, mostly in L2, grow with M: at M = 512 for q_a
+    they are about twice the weight bytes)."""
+    tiles = -(-n // 128)
+    stages = -(-k // BK)
     splits = 1
-    while (splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 4
-           and 8 * (2 * splits) * m <= k):
+    while splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 8:
         splits *= 2
     return splits
 
@@ -278,52 +292,56 @@ def _mma_kernel_for(cfg: MmaConfig):
     emulation of the mma there to run the whole kernel on tiny shapes."""
     from numba import float32, uint32
 
-    WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
+    WM, TM, TN, BK, STAGES = cfg.wm, cfg.tm, cfg.tn, cfg.bk, cfg.stages
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
+    if (BM * BK // 8) % THREADS:
+        raise ValueError(f"{cfg}: the linear stages x by 16-byte chunks, a whole number per "
+                         f"thread (BM bk / 8 % threads == 0)")
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
-    XQ = BM * BK // 4 // THREADS                           # x quads per thread and stage
+    B_BASE = STAGES * A_STAGE                              # the weight ring after the x ring
+    XC = BM * BK // 8 // THREADS                           # x chunks per thread and stage
     WC = BN * BK // 8 // THREADS                           # weight chunks per thread and stage
-    A_SIZE, B_SIZE = 2 * A_STAGE, 2 * B_STAGE
-    NACC, NAV, NBV, NXR = 4 * TM * TN, 8 * TM, 4 * TN, 4 * XQ
+    NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
+    PENDING = STAGES - 2                                   # groups left in flight by the wait
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
     @inline_device_function
-    def issue_weights(bsm, at, w16, n0, n_total, ks, k_end, tid):
-        """cp.async this thread's weight chunks of stage ks into bsm[at:]; zero past N / k_end."""
+    def issue_stage(smem, buf, x16, w16, m0, m_total, n0, n_total, ks, k_end, tid):
+        """cp.async this thread's x and weight chunks of the stage at ks into ring buffer
+        ``buf``; zero fill past M, N and k_end."""
+        for u in range(XC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
+            ok = m0 + row < m_total and ks + kk < k_end
+            _copy_w16(smem, buf * A_STAGE + off, x16, min(m0 + row, m_total - 1),
+                      ks + kk if ok else 0, 16 if ok else 0)
         for u in range(WC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
             ok = n0 + row < n_total and ks + kk < k_end
-            src_row = min(n0 + row, n_total - 1)
-            src_k = ks + kk if ok else 0
-            _copy_w16(bsm, at + off, w16, src_row, src_k, 16 if ok else 0)
+            _copy_w16(smem, B_BASE + buf * B_STAGE + off, w16, min(n0 + row, n_total - 1),
+                      ks + kk if ok else 0, 16 if ok else 0)
 
     @inline_device_function
-    def load_x(xr, x, m0, m_total, ks, k_end, tid):
-        """This thread's x quads of stage ks into registers (zeros past M / k_end)."""
-        for u in range(XQ):
-            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
-            if m0 + row < m_total and ks + kk < k_end:
-                v0, v1, v2, v3 = ld_cached_f32x4(x, m0 + row, ks + kk)
-            else:
-                v0 = v1 = v2 = v3 = ZERO
-            xr[4 * u] = v0
-            xr[4 * u + 1] = v1
-            xr[4 * u + 2] = v2
-            xr[4 * u + 3] = v3
+    def wait_oldest():
+        """This thread's copies of the oldest stage in flight have landed."""
+        if PENDING == 2:
+            cp_async_wait_2()
+        elif PENDING == 1:
+            cp_async_wait_1()
+        else:
+            cp_async_wait_all()
 
-    store_x, compute = stage_functions(cfg)
+    _, compute = stage_functions(cfg)
 
     @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
-    def mma_linear_kernel(x, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
-        """out[s * m_total + m, n] = slice s of sum_k bf16(x[m, k]) w[n, k] (out = y when
-        splits == 1).  Grid: M tile fastest, then K slice, then N tile."""
-        asm = cuda.shared.array(A_SIZE, uint32, alignment=ALIGN)
-        bsm = cuda.shared.array(B_SIZE, uint32, alignment=ALIGN)
+    def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
+        """out[s * m_total + m, n] = slice s of sum_k x16[m, k] w16[n, k] (bf16 bits; out = y
+        when splits == 1).  Grid: M tile fastest, then K slice, then N tile.  Dynamic shared
+        memory: the x ring (STAGES x A_STAGE words), then the weight ring."""
+        smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
         bv = cuda.local.array(NBV, uint32)
-        xr = cuda.local.array(NXR, float32)
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
@@ -339,30 +357,32 @@ def _mma_kernel_for(cfg: MmaConfig):
         m0 = mt_i * BM
         k_begin = BK * (s * kc_total // splits)
         k_end = min(BK * ((s + 1) * kc_total // splits), k_total)
+        n_stages = (k_end - k_begin + BK - 1) // BK
         for i in range(NACC):
             acc[i] = ZERO
 
-        issue_weights(bsm, 0, w16, n0, n_total, k_begin, k_end, tid)
-        cp_async_commit()
-        load_x(xr, x, m0, m_total, k_begin, k_end, tid)
-        store_x(asm, 0, xr, tid)
-        cp_async_wait_all()
-        cuda.syncthreads()
+        # the ring: stage i lives in buffer i % STAGES; STAGES - 1 stages fly ahead of the
+        # mma, one commit group per stage (empty past the slice end, so the wait counts hold)
+        for i in range(STAGES - 1):
+            if i < n_stages:
+                issue_stage(smem, i, x16, w16, m0, m_total, n0, n_total, k_begin + i * BK,
+                            k_end, tid)
+            cp_async_commit()
         buf = 0
-        ks = k_begin
-        while ks < k_end:
-            nxt = ks + BK
-            if nxt < k_end:       # the next stage in flight while this one is multiplied
-                issue_weights(bsm, (1 - buf) * B_STAGE, w16, n0, n_total, nxt, k_end, tid)
-                cp_async_commit()
-                load_x(xr, x, m0, m_total, nxt, k_end, tid)
-            compute(acc, av, bv, asm, bsm, buf * A_STAGE, buf * B_STAGE, arow, brow, t)
-            if nxt < k_end:
-                store_x(asm, (1 - buf) * A_STAGE, xr, tid)
-            cp_async_wait_all()
+        for i in range(n_stages):
+            wait_oldest()
+            # one barrier per stage: stage i is visible to every warp, and every warp is done
+            # with stage i - 1, whose buffer the copies issued next overwrite
             cuda.syncthreads()
-            buf = 1 - buf
-            ks = nxt
+            ahead = i + STAGES - 1
+            if ahead < n_stages:
+                issue_stage(smem, ahead % STAGES, x16, w16, m0, m_total, n0, n_total,
+                            k_begin + ahead * BK, k_end, tid)
+            cp_async_commit()
+            compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
+                    t)
+            buf = buf + 1 if buf + 1 < STAGES else 0
+        cp_async_wait_all()                              # no copy outlives the block
 
         orow = s * m_total
         for i in range(TM):
@@ -377,19 +397,34 @@ def _mma_kernel_for(cfg: MmaConfig):
     return mma_linear_kernel
 
 
+@kernel
+def _round_to_bf16_pairs(x, out):
+    """out[i] = the bf16 pair (x[2i], x[2i + 1]) rounded to nearest even, x flat float32."""
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = pack_bf16x2(x[2 * i], x[2 * i + 1])
+
+
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
-    """Launch: y [M, N] = xd [M, K] wd^T, wd the uint16 bf16 bits [N, K] (checked by
-    linear()); K slices go to a workspace buffer and are added in order."""
+    """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
+    linear()).  x is rounded to bf16 once, into a workspace buffer (M K 6 bytes of traffic,
+    small beside the weights), so both operands stream by cp.async; K slices go to a
+    workspace buffer and are added in order."""
     (m, k), n = xd.shape, wd.shape[0]
+    x16 = workspace_buffer(workspace, "linear.mma_x16", (m, k), np.uint16, stream)
+    pairs = x16.view(np.uint32).reshape(m * k // 2)
+    grid, block = launch_1d(m * k // 2, 256)
+    _round_to_bf16_pairs[grid, block, stream](xd.reshape(m * k), pairs)
     n_mtiles = -(-m // cfg.bm)
     kc = -(-k // cfg.bk)
     splits = max(1, min(cfg.splits, kc))
     blocks = n_mtiles * splits * -(-n // cfg.bn)
-    launch = mma_kernel(cfg)[blocks, cfg.threads, stream]
-    if splits == 1:
-        launch(xd, wd, y, m, n, k, n_mtiles, 1, kc)
-        return
-    part = workspace_buffer(workspace, "linear.mma_part", (splits, m, n), np.float32, stream)
-    launch(xd, wd, part.reshape(splits * m, n), m, n, k, n_mtiles, splits, kc)
-    grid, block = launch_1d(m * n, 256)
-    sum_splits[grid, block, stream](part, y)
+    dispatcher = mma_kernel(cfg)
+    target = y if splits == 1 else workspace_buffer(
+        workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
+    args = (x16, wd, target, m, n, k, n_mtiles, splits, kc)
+    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
+    dispatcher[blocks, cfg.threads, stream, cfg.smem_bytes](*args)
+    if splits > 1:
+        grid, block = launch_1d(m * n, 256)
+        sum_splits[grid, block, stream](target.reshape(splits, m, n), y)

@@ -18,7 +18,7 @@ from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, to_dev
 from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
-from kdtree_numba.layers.linear import linear
+from kdtree_numba.layers.linear import METHODS, linear
 from kdtree_numba.layers.moe_mma import grouped_experts_mma, moe_mma_config
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
                                         skinny_kind, skinny_threads)
@@ -387,6 +387,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     :func:`linear` calls (which pick skinny or tiled by M the same way).  "mma" (opt-in, never
     picked by "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert
     and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
+    "tensor-cores": "mma" wherever it takes the weights, else "auto" (linear's twin option:
+    a choice by weights, never by M, so batch invariant).
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
     (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
@@ -407,11 +409,14 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                          "[E,2Im,D] and down [E,D,Im] of one dtype")
     if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("pass both shared_gate_up and shared_down, or neither")
-    if method not in ("auto", "skinny", "tiled", "mma"):
-        raise ValueError(f"method must be auto, skinny, tiled or mma, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     y = result_array(out, (m, d), np.float32, stream)
     if m == 0:
         return y
+    if method == "tensor-cores":
+        method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
+                                              shared_down, stream) else "auto"
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
                             configs, stream, workspace)
@@ -480,6 +485,18 @@ def _combine(y_slot, slot_of_entry, wt, shared_y, y, stream):
     _combine_kernel(shared_y is not None)[(m, -(-d // threads)), threads, stream](
         y_slot, slot_of_entry, wt, y_slot if shared_y is None else shared_y, y)
     return y
+
+
+def _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up, shared_down, stream) -> bool:
+    """Whether moe_ffn(method="mma") takes these weights (bf16 everywhere, widths % 8)."""
+    d, inter = hd.shape[1], dnd.shape[2]
+    if kind != "bf16" or inter % 8 or load_kind_for(kind, d, hd, gud, dnd) != "bf16":
+        return False
+    if shared_gate_up is not None:
+        _, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
+        if skind != "bf16" or sdn.shape[1] % 8:
+            return False
+    return True
 
 
 def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, config, stream,

@@ -59,10 +59,10 @@ def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
     not measured on the GPU."""
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
     if per <= 16:
-        return MmaConfig(wm=1, wn=4, tm=1, tn=4)
+        return MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=32, stages=2)
     if per <= 32:
-        return MmaConfig(wm=1, wn=4, tm=2, tn=4)
-    return MmaConfig(wm=2, wn=2, tm=2, tn=8)
+        return MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=32, stages=2)
+    return MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=32, stages=2)
 
 
 def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_shared: bool,
