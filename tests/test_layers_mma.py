@@ -514,10 +514,11 @@ def test_graph_probe_variants_route_the_ops(needs_kernels):
     """tools/probe_graph_tensor_cores.py: each variant sends exactly its ops to the tensor
     cores (on the simulator an mma raises NotImplementedError, the CUDA-core kernels run)."""
     import sys
+    from pathlib import Path
     from kdtree_numba import compat
     if not compat.SIMULATOR:
         pytest.skip("simulator only")
-    sys.path.insert(0, "tools")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import probe_graph_tensor_cores as probe
     rng = np.random.default_rng(2)
     h = rng.standard_normal((2, 32)).astype(np.float32)

@@ -350,10 +350,12 @@ def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
             print(f"# {size}: time limit: skipping gemm {gemm}", file=sys.stderr)
             return
         be = make_backend(backend, gemm=gemm)
-        _bench_device_model(size, args, budget, out_rows, be)
+        bench_device_model(size, args, budget, out_rows, be)
 
 
-def _bench_device_model(size, args, budget: Budget, out_rows, backend):
+def bench_device_model(size, args, budget: Budget, out_rows, backend):
+    """bench_device_size's rows for one model of ``size`` on ``backend`` (a Backend: its
+    ``gemm`` names the rows), its weights dropped at the end."""
     cfg = DEVICE_SIZES[size]()
     t0 = time.perf_counter()
     model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype)

@@ -63,7 +63,7 @@ def main(argv=None):
     budget = bench_engine.Budget(a.time_limit)
     for variant in variants:
         print(f"## {variant}", flush=True)
-        bench_engine._bench_device_model("kimi-slice", args, budget, [], backend_for(variant))
+        bench_engine.bench_device_model("kimi-slice", args, budget, [], backend_for(variant))
     return 0
 
 

@@ -9,22 +9,30 @@ block with them in NumPy against the PTX ISA's fragment layout), the kernel fact
 launcher.  Twin: reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md,
 "bf16 tensor-core linear".
 
-In short: a block of ``wm x wn`` warps owns a BM x BN output tile (BM = 16 wm tm, BN = 8 wn tn)
-over one K slice.  K runs in stages of ``bk`` (a multiple of 32), double-buffered with one
-barrier per stage: the weights go global -> shared by ``cp.async`` (16 bytes = 8 bf16, zero
-filled past N or the slice end), x through registers (16-byte loads, converted to bf16 pairs
-with ``cvt.rn.bf16x2.f32`` and stored after this stage's mma).  Shared tiles are 32-wide
-*panels* of K, rows of 64 bytes, so a lane's ``ld.shared.v4`` of words 4t .. 4t + 3 of row g
-is bank-conflict free.  Inside a panel the k order is permuted (mma sums over k, so any order
-that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the panel
-column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit load
-per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator tiles.
+In short: x is rounded to bf16 once per call (``_round_to_bf16_pairs``, ``cvt.rn.bf16x2.f32``)
+into a workspace buffer; a block of ``wm x wn`` warps owns a BM x BN output tile (BM = 16 wm
+tm, BN = 8 wn tn) over one K slice.  K runs in stages of ``bk`` (64 for every linear tile)
+through a ring of ``stages`` shared buffers (dynamic shared memory, opted in above 48 KiB):
+both operands go global -> shared by ``cp.async`` (16 bytes = 8 bf16, zero filled past M, N
+or the slice end), ``stages - 1`` stages in flight, one barrier per stage.  Shared tiles are
+32-wide *panels* of K, rows of 64 bytes, so a lane's ``ld.shared.v4`` of words 4t .. 4t + 3 of
+row g is bank-conflict free.  Inside a panel the k order is permuted (mma sums over k, so any
+order that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the
+panel column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit
+load per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator
+tiles.  The K slices depend on N and K only (:func:`mma_splits`), so with bk fixed a row's
+result is the same at every M: the linear is batch invariant.
+
+The grouped MoE kernel (layers/moe_mma.py) shares the tile shape, the panel layout and the K
+stage's mma steps (:func:`stage_functions`), with its own double-buffered loop that stages
+fp32 x through registers (``store_x``).
 
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
-a ValueError otherwise.  Tensor cores exist only on the GPU: under the simulator the kernel runs
-up to its first mma, which raises NotImplementedError (the tests emulate the warp's mma there).
-``method="auto"`` does not pick this kernel: the crossover against the skinny and tiled kernels
-has to be measured on the GPU first.
+a ValueError otherwise (``method="tensor-cores"`` falls back to the CUDA-core kernels there).
+Tensor cores exist only on the GPU: under the simulator the kernel runs up to its first mma,
+which raises NotImplementedError (the tests emulate the warp's mma there).
+``method="auto"`` never picks this kernel: rounding x to bf16 is the model's choice
+(``make_backend(gemm="tensor-cores")``), not M's.
 """
 from __future__ import annotations
 
