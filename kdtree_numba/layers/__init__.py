@@ -24,7 +24,7 @@ Two properties hold by construction and are tested:
 One module per kernel family, named as in reference/layers/: norm, rope, linear, embedding,
 argmax, moe and common each have a reference twin of the same name; skinny, tiled and
 gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM behind
-``linear(method="mma")`` (twin: reference/layers/linear.py).
+``linear(method="mma")`` and ``method="tensor-cores"`` (twin: reference/layers/linear.py).
 
 * ``norm``        -- rmsnorm;
 * ``rope``        -- rope (RopeSpec and YarnScaling are the reference's own classes);
@@ -32,7 +32,8 @@ gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM beh
 * ``skinny``      -- the weight-streaming GEMM (SkinnyConfig, skinny_config);
 * ``tiled``       -- the tiled GEMM (tiled_config, its K slices, the kernel factory);
 * ``gemm_source`` -- the source generator of the tiled kernels, and their shape TiledConfig;
-* ``mma``         -- the bf16 tensor-core GEMM (MmaConfig, mma_config; method="mma" only);
+* ``mma``         -- the bf16 tensor-core GEMM (MmaConfig, mma_config; method="mma" or
+  "tensor-cores", never "auto");
 * ``embedding``, ``argmax``;
 * ``moe``         -- routing (router_logits, route_from_logits, moe_route) and moe_ffn;
 * ``moe_mma``     -- the grouped expert GEMMs on tensor cores behind moe_ffn(method="mma");
