@@ -107,13 +107,14 @@ def _routing_many_one_zero(m):
     return idx
 
 
-SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig)
+SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig): bk 32, as moe_mma_config's tiles
     ("one token, shared wider", 1, 64, 32, 48, np.array([[1, 3]]),
-     mm.MmaConfig(wm=1, wn=1, tm=1, tn=2)),
-    ("many/one/zero, 2 M tiles", 20, 64, 32, 32, None, mm.MmaConfig(wm=1, wn=1, tm=1, tn=2)),
+     mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2)),
+    ("many/one/zero, 2 M tiles", 20, 64, 32, 32, None,
+     mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2)),
     ("two warps along N, tn 4, no shared", 6, 96, 40, 0, None,
-     mm.MmaConfig(wm=1, wn=2, tm=1, tn=4)),
-    ("two warps along M, tm 2, bk 32", 70, 64, 32, 32, None,
+     mm.MmaConfig(wm=1, wn=2, tm=1, tn=4, bk=32, stages=2)),
+    ("two warps along M, tm 2", 20, 32, 32, 0, None,
      mm.MmaConfig(wm=2, wn=1, tm=2, tn=2, bk=32, stages=2)),
 ]
 
@@ -146,7 +147,7 @@ def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
     try:
         with pytest.raises(AssertionError):
             _check(_case(3, 2, 64, 3, 32, np.array([[0, 2], [1, 2]]), 32),
-                   configs=mm.MmaConfig(wm=1, wn=1, tm=1, tn=2))
+                   configs=mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2))
     finally:
         moe_mma.moe_mma_kernel.cache_clear()
 
