@@ -282,3 +282,17 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
         assert len(saved["rows"]) == 4
     out = capsys.readouterr().out
     assert "| size | gemm | batch | method |" in out and "AR roof" in out
+
+
+def test_graph_probe_eager_check_on_the_host(monkeypatch):
+    """tools/probe_graph_tensor_cores.py --eager-check's comparison on a tiny kimi-like model
+    through the reference backend (no graphs there, so only the eager DDTree run is compared):
+    DDTree equals AR, and first_difference finds a planted difference."""
+    import probe_graph_tensor_cores as probe
+    monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
+    found = probe.eager_check("none", "kimi-slice", budget=4, new_tokens=5, prompt_len=6,
+                              base="reference")
+    assert found == {"ddtree eager": None}
+    assert probe.first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert probe.first_difference([[1, 2], [5, 6, 7]], [[1, 2], [5, 9, 7]]) == (1, 1)
+    assert probe.first_difference([[1, 2]], [[1, 2, 3]]) == (0, 2)
