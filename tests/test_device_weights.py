@@ -265,7 +265,8 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
     for count in ("counted", "uniform"):
         args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4],
                                   batches=[1, 2], new_tokens=5, agreement=0.9, no_replay=False,
-                                  expert_count=count, gemm=["cuda-cores"], json=str(tmp_path / f"{count}.json"))
+                                  expert_count=count, gemm=["cuda-cores"],
+                                  json=str(tmp_path / f"{count}.json"))
         rows: list = []
         bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
                                        backend="reference")

@@ -250,7 +250,8 @@ def test_tensor_cores_method_takes_mma_where_it_can(needs_kernels, monkeypatch):
     rng = np.random.default_rng(8)
     h = rng.standard_normal((3, 32)).astype(np.float32)
     idx, wt = np.array([[0], [1], [1]], np.int32), np.ones((3, 1), np.float32)
-    gu, dn = bf16_bits(rng.standard_normal((2, 32, 32))), bf16_bits(rng.standard_normal((2, 32, 16)))
+    gu = bf16_bits(rng.standard_normal((2, 32, 32)))
+    dn = bf16_bits(rng.standard_normal((2, 32, 16)))
     assert np.array_equal(np.asarray(be.ops.moe_ffn(h, idx, wt, gu, dn)),
                           moe_ffn(h, idx, wt, gu, dn).copy_to_host())
     small = mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2)     # 32 emulated lanes
@@ -527,7 +528,8 @@ def test_graph_probe_variants_route_the_ops(needs_kernels):
     w = bf16_bits(rng.standard_normal((8, 32)))
     one = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
     dense = bf16_bits(rng.standard_normal((1, 32, 32))), bf16_bits(rng.standard_normal((1, 32, 16)))
-    routed = bf16_bits(rng.standard_normal((2, 32, 32))), bf16_bits(rng.standard_normal((2, 32, 16)))
+    routed = (bf16_bits(rng.standard_normal((2, 32, 32))),
+              bf16_bits(rng.standard_normal((2, 32, 16))))
     for variant, on in [("linear", {"linear"}), ("moe-dense", {"dense"}),
                         ("moe-routed", {"routed"}), ("moe", {"dense", "routed"}),
                         ("all", {"linear", "dense", "routed"})]:

@@ -75,7 +75,8 @@ from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
 from kdtree_numba.config import weight_shapes  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
-from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S, RoutingCounter,  # noqa: E402
+from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S,  # noqa: E402
+                         RoutingCounter,
                          engine_itemsize, forward_bytes, forward_flops, moe_layers,
                          roof_seconds, uniform_records)
 
@@ -455,7 +456,8 @@ def _is_device_row(r) -> bool:
 
 def print_header(device: bool = False):
     if device:
-        print("| size | gemm | batch | method | budget | tok/s | roof tok/s | tau | ms/round: draft / "
+        print("| size | gemm | batch | method | budget | tok/s | roof tok/s | tau | ms/round: "
+              "draft / "
               "tree / verify / accept / compact | step ms (decode or verify) | its roof ms "
               "(bytes / FLOPs) | "
               "step / roof | distinct experts per MoE layer (min-max) of step tokens | vs AR | "
@@ -487,7 +489,8 @@ def print_rows(rows, header_once: bool = False):
             print_header(device)
         if device:
             lo, hi = r["distinct_experts_range"] or (0, 0)
-            print(f"| {r['size']} | {r.get('gemm', 'cuda-cores')} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
+            print(f"| {r['size']} | {r.get('gemm', 'cuda-cores')} | {r['batch']} | "
+                  f"{r['method']} | {r['budget'] or '-'} | "
                   f"{r['tokens_per_s']:.1f} | {r['roof_tokens_per_s']:.0f} | {tau} | {split} | "
                   f"{r['step_ms']:.2f} | {r['step_roof_ms']:.3f} ({r['step_bytes_roof_ms']:.3f}"
                   f" / {r['step_flops_roof_ms']:.3f}) | "

@@ -13,7 +13,7 @@ import numpy as np
 from numba import int32
 
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import cp_async16, cp_async_strided
+from kdtree_numba.gpu.memory import MAX_SHARED_BYTES, cp_async16, cp_async_strided  # noqa: F401
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
            "masked_score", "row_tile_copier"]
@@ -22,7 +22,6 @@ NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
 RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point behind the max
-MAX_SHARED_BYTES = 232448  # sm_90 opt-in dynamic shared memory per block (227 KiB)
 
 
 # ---------------------------------------------------------------------------------------------

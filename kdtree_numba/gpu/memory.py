@@ -37,7 +37,7 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
            "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_1", "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory",
-           "device_address"]
+           "MAX_SHARED_BYTES", "STATIC_SHARED_BYTES", "device_address"]
 
 if SIMULATOR:
     _ZERO = np.float32(0.0)
@@ -339,6 +339,8 @@ def _cp_async_strided_fn():
 cp_async_strided = _cp_async_strided_fn()
 
 
+MAX_SHARED_BYTES = 232448      # sm_90's opt-in dynamic shared memory per block (227 KiB)
+STATIC_SHARED_BYTES = 48 * 1024  # a block's shared memory without the opt-in (static arrays)
 _LARGE_SHARED_READY = set()
 
 
@@ -349,7 +351,7 @@ def allow_large_shared_memory(dispatcher, args, nbytes):
     numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
     itself; without this such a launch fails with CUDA_ERROR_INVALID_VALUE.
     """
-    if SIMULATOR or nbytes <= 48 * 1024:
+    if SIMULATOR or nbytes <= STATIC_SHARED_BYTES:
         return
     argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
     key = (id(dispatcher), argtypes, nbytes)

@@ -44,8 +44,9 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (allow_large_shared_memory, cp_async_commit,
-                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_all,
+from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory,
+                                     cp_async_commit, cp_async_wait_1, cp_async_wait_2,
+                                     cp_async_wait_all,
                                      ld_shared_u32x4, store_nowrap_1d, store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
@@ -57,10 +58,6 @@ __all__ = ["MmaConfig", "mma_config", "mma_splits", "mma_error_coefficient", "mm
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
-
-
-MAX_SHARED_BYTES = 227 * 1024       # sm_90's opt-in dynamic shared memory per block
-STATIC_SHARED_BYTES = 48 * 1024     # without the opt-in (the grouped MoE kernels' static tiles)
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     (m <= 16: 4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of
     32 x 64, 3 stages; 128 x 128 was slower at M = 512 in run 42).  K slices from
     :func:`mma_splits`, which does not look at m: a row's result is the same at every M
-    (docs/LAYERS.md, "Batch invariance")."""
+    (docs/LAYERS.md, "bf16 tensor-core linear")."""
     mt16 = -(-m // 16)
     if mt16 <= 2:
         cfg = MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)

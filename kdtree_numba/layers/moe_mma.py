@@ -35,8 +35,8 @@ import functools
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all, ld_cached_f32x4,
-                                     store_nowrap_2d)
+from kdtree_numba.gpu.memory import (STATIC_SHARED_BYTES, cp_async_commit, cp_async_wait_all,
+                                     ld_cached_f32x4, store_nowrap_2d)
 from kdtree_numba.layers.common import silu
 from kdtree_numba.layers.mma import (MmaConfig, a_fragment, b_fragment, c_position,
                                      copy_w16, panel_word, stage_functions, w_stage_slot,
@@ -82,6 +82,8 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
 
     if cfg.tn % 2:
         raise ValueError(f"moe_mma_kernel needs an even tn (gate and up halves), got {cfg}")
+    if 2 * cfg.stage_bytes > STATIC_SHARED_BYTES:
+        raise ValueError(f"moe_mma_kernel's two static stages of {cfg} exceed 48 KiB")
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     HALF_TN = TN // 2
