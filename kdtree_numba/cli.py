@@ -32,6 +32,7 @@ from formats.console import UsageError, add_debug_flag, run_console
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
 from kdtree_numba import demo, kernel_cache, plots
+from kdtree_numba.backends import GEMM_CHOICES
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
 from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, budget_value,
@@ -129,6 +130,10 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "reference", "numba"], default="auto",
                    help="reference: NumPy, anywhere; numba: the CUDA kernels (a GPU); auto: "
                    "numba on a GPU, else reference")
+    p.add_argument("--gemm", choices=list(GEMM_CHOICES), default="cuda-cores",
+                   help="numba only: tensor-cores runs the projections and the lm_head with bf16 "
+                   "weights on bf16 tensor cores (inputs rounded to bf16; DDTree stays equal "
+                   "to AR under it); cuda-cores: float32 on CUDA cores")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
@@ -237,7 +242,7 @@ def _run(argv: list[str]) -> int:
         _log(prog, f"warning: {msg}")
     check_options(args)
     source = read_prompts(args)
-    backend = open_backend(args.backend)
+    backend = open_backend(args.backend, args.gemm)
     target = plan_model(args)
     cfg, codec = target.config, target.codec
     prompts, where = encode_prompts(source, target)

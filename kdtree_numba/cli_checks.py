@@ -162,12 +162,18 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-def open_backend(name: str) -> Backend:
+def open_backend(name: str, gemm: str = "cuda-cores") -> Backend:
     try:
-        return make_backend(name)
+        return make_backend(name, gemm=gemm)
     except compat.NoDeviceError:
         raise UsageError(f"--backend {name}: no CUDA GPU found here; use --backend reference "
                          f"(NumPy) or --backend auto (the GPU when there is one)") from None
+    except ValueError:
+        if gemm == "cuda-cores":
+            raise
+        raise UsageError(f"--gemm {gemm}: needs the numba backend on a GPU (--backend "
+                         f"{name} is the float64 reference here); drop --gemm or use "
+                         f"--backend numba on a GPU machine") from None
 
 
 def bundle_problem(option: str, path: str, exc: Exception) -> UsageError:

@@ -203,6 +203,12 @@ def test_numba_backend_without_a_gpu_is_one_line(monkeypatch, capsys):
     assert "--backend numba" in line and "--backend reference" in line
 
 
+def test_tensor_cores_on_the_reference_backend_is_one_line(capsys):
+    assert run_main(["--backend", "reference", "--gemm", "tensor-cores"]) == 2
+    line = one_error_line(capsys, "kdtree-run")
+    assert "--gemm tensor-cores" in line and "--backend numba" in line
+
+
 @pytest.mark.skipif(not compat.kernels_runnable(), reason="the numba backend needs a GPU or "
                     "the CUDA simulator")
 def test_budget_above_the_gpu_builder_is_refused_on_numba(capsys):
