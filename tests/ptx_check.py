@@ -15,6 +15,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The head of a script that compiles for sm_90 and assembles with ptxas (nvJitLink): exit 77
+# without NVVM or nvJitLink, the compute capability pinned to 9.0 (device functions look it
+# up while compiling; no GPU is needed), and ``ptxas(ptx, max_registers=0)`` -> its log.
+HOPPER_PRELUDE = r"""
+import re, sys, types
+try:
+    from numba import cuda, types as T
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.bindings import nvjitlink as nj
+    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
+except Exception as error:
+    print("nvvm/nvjitlink unavailable:", error)
+    sys.exit(77)
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+
+def ptxas(ptx, max_registers=0):
+    opts = ["-arch=sm_90", "-O3", "-verbose"] + (
+        [f"-maxrregcount={max_registers}"] if max_registers else [])
+    h = nj.create(len(opts), opts)
+    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
+    nj.complete(h)
+    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); nj.destroy(h)
+    return log.decode()
+"""
+
 
 def run_without_simulator(script: str, timeout: float = 600) -> str:
     """Run ``script`` with ``python -c`` from the repository root; return its stdout."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ptx_check import HOPPER_PRELUDE
 
 import reference.layers as ref
 from kdtree_numba.layers import mma as mm
@@ -292,31 +293,12 @@ def _tile_kernel():
     return tile
 
 
-PTX_SCRIPT = r"""
-import re, sys, types
-try:
-    from numba import cuda, types as T
-    import numba.cuda.dispatcher as dispatcher
-    from cuda.bindings import nvjitlink as nj
-    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
-except Exception as error:
-    print("nvvm/nvjitlink unavailable:", error)
-    sys.exit(77)
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+PTX_SCRIPT = HOPPER_PRELUDE + r"""
 import dataclasses
 sys.path.insert(0, "tests")
 import test_layers_mma as tm
 from kdtree_numba.layers import mma as mm
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-
-def ptxas(ptx, max_registers=0):
-    opts = ["-arch=sm_90", "-O3", "-verbose"] + (
-        [f"-maxrregcount={max_registers}"] if max_registers else [])
-    h = nj.create(len(opts), opts)
-    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
-    nj.complete(h)
-    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); nj.destroy(h)
-    return log.decode()
 
 f2, u2 = T.float32[:, ::1], T.uint32[:, ::1]
 ptx, _ = cuda.compile_ptx(tm._tile_kernel().py_func, (f2, u2, f2, f2), cc=(9, 0))

@@ -16,6 +16,7 @@ import functools
 import ml_dtypes
 import numpy as np
 import pytest
+from ptx_check import HOPPER_PRELUDE
 
 import reference.layers as ref
 from kdtree_numba.layers import mma as mm
@@ -180,27 +181,9 @@ def test_configs_and_grid():
 
 # ------------------------------------------------------------------ sm_90 PTX, any machine
 
-PTX_SCRIPT = r"""
-import re, sys, types
-try:
-    from numba import cuda, types as T
-    import numba.cuda.dispatcher as dispatcher
-    from cuda.bindings import nvjitlink as nj
-    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
-except Exception as error:
-    print("nvvm/nvjitlink unavailable:", error)
-    sys.exit(77)
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+PTX_SCRIPT = HOPPER_PRELUDE + r"""
 from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_kernel
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-
-def ptxas(ptx):
-    opts = ["-arch=sm_90", "-O3", "-verbose"]
-    h = nj.create(len(opts), opts)
-    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
-    nj.complete(h)
-    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); nj.destroy(h)
-    return log.decode()
 
 f2, i1 = T.float32[:, ::1], T.int32[::1]
 sig = (f2, i1, i1, i1, i1, T.uint16[:, :, ::1], T.uint16[:, ::1], f2) + (T.int64,) * 9

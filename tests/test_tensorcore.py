@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ptx_check import HOPPER_PRELUDE
 
 
 def tf32_round(x: np.ndarray) -> np.ndarray:
@@ -163,28 +164,14 @@ def test_gpu_to_tf32_rounds_like_the_oracle():
     assert out.copy_to_host().tobytes() == tf32_round(x).tobytes()
 
 
-PTX_SCRIPT = """
-import sys, types
-try:
-    from numba import cuda, types as T
-    import numba.cuda.dispatcher as dispatcher
-    from cuda.bindings import nvjitlink as nj
-    cuda.compile_ptx(lambda x: None, (T.float32[::1],), cc=(9, 0))
-except Exception as error:
-    print("nvvm/nvjitlink unavailable:", error)
-    sys.exit(77)
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+PTX_SCRIPT = HOPPER_PRELUDE + """
 sys.path.insert(0, "tests")
 import test_tensorcore as tc
 f2 = T.float32[:, ::1]
 ptx, _ = cuda.compile_ptx(tc._tile_kernel().py_func, (f2, f2, f2, f2, T.int64), cc=(9, 0))
 assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 4, "mma count"
 assert "cvt.rna.tf32.f32" in ptx, "no TF32 conversion"   # LLVM may merge the shared ones
-opts = ["-arch=sm_90", "-O3"]
-h = nj.create(len(opts), opts)
-nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "tile.ptx")
-nj.complete(h)
-nj.destroy(h)
+ptxas(ptx)
 print("assembled")
 """
 

@@ -52,13 +52,16 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
         return y
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "tensor-cores" and config is None:
-        method = "mma" if mma_takes(xd, wd, kind) else "auto"
-    if method == "mma" or isinstance(config, MmaConfig):
-        _check_mma(xd, wd, kind)
+    # "tensor-cores" checks the operands once, here; an explicit "mma" must take them
+    chosen = method == "tensor-cores" and config is None and mma_takes(xd, wd, kind)
+    if chosen or method == "mma" or isinstance(config, MmaConfig):
+        if not chosen:
+            _check_mma(xd, wd, kind)
         cfg = config if isinstance(config, MmaConfig) else mma_config(m, n, k)
         mma_linear(xd, wd, y, cfg, stream, workspace)
         return y
+    if method == "tensor-cores":
+        method = "auto"
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
         method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)
