@@ -290,3 +290,57 @@ def test_gpu_moe_mma_dense_layer_tiles_agree(m):
         rows[cfg.bm] = _check(args, configs=cfg)
     picked = _check(args)                                   # moe_mma_config's own tile
     assert rows[16].tobytes() == rows[32].tobytes() == rows[64].tobytes() == picked.tobytes()
+
+
+def _device_bf16_random(shape, seed):
+    """_bf16_random's values drawn on the device with CuPy (a Kimi dense FFN's 0.5 GB of
+    gate_up in milliseconds)."""
+    import cupy
+    bits = cupy.random.RandomState(seed).randint(0, 1 << 16, shape, dtype=np.int32)
+    bits = bits.astype(cupy.uint16)
+    exponent = (bits >> 7) % 3 + 119
+    return ((bits & 0x807F) | (exponent << 7)).astype(cupy.uint16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 33])
+@pytest.mark.parametrize("layers", ["dense", "routed", "dense,routed", "routed,dense",
+                                    "dense,routed,routed"])
+def test_gpu_moe_mma_graph_replay_equals_eager(layers, m):
+    """A chain of FFN layers through moe_ffn(method="mma") as a model runs them (a dense FFN
+    of Kimi's width 18,432 as the one-expert case, then routed layers of 64 experts and a
+    shared expert): a CUDA-graph replay (kdtree_numba/graphs.py) gives the eager run's bits.
+    At 33 tokens the dense layer takes the 64-row tile and the routed ones the 16-row tile;
+    kimi-slice's DDTree diverged there under graphs with both on tensor cores (run 45)."""
+    import cupy
+
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.graphs import GraphCache
+    be = make_backend("numba")
+    d = KIMI["d"]
+    dense = (_device_bf16_random((1, 2 * 18432, d), 1), _device_bf16_random((1, d, 18432), 2))
+    _, routed = _kimi_weights()
+    h, idx, weight = _kimi_case(m, seed=5)
+    idx, weight = cupy.asarray(idx), cupy.asarray(weight)
+
+    def forward(x):
+        for kind in layers.split(","):
+            if kind == "dense":        # as kdtree_numba/model.py's _ffn builds the routing
+                y = be.ops.moe_ffn(x, cupy.zeros((m, 1), np.int32),
+                                   cupy.ones((m, 1), np.float32), *dense, method="mma")
+            else:
+                y = be.ops.moe_ffn(x, idx, weight, *routed, method="mma")
+            x = x + y
+        return x
+
+    eager = cupy.asnumpy(forward(cupy.asarray(h)))
+    assert np.isfinite(eager).all()
+    graphs = GraphCache(be)
+    runs = [graphs.call(("ffn", m, layers), forward, [h], [((m, d), np.float32)])
+            for _ in range(4)]
+    assert runs[0] is None and graphs.captures == 1 and graphs.failures == 0
+    for i, out in enumerate(runs[1:]):
+        got = cupy.asnumpy(out)
+        bad = np.argwhere(got != eager)
+        assert bad.size == 0, (f"replay {i}: {len(bad)} of {got.size} differ, rows "
+                               f"{sorted(set(bad[:, 0].tolist()))[:12]}")
