@@ -277,11 +277,13 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
                                  (numba_ddtree, DDTREE_OPS))
            for name in names}
     if gemm == "tensor-cores":
-        # The projections and the lm_head only: the grouped MoE on tensor cores is right
-        # eagerly, but a CUDA-graph replay of a forward whose dense and routed layers both use
-        # it gave other tokens than the eager run (run 49, docs/GPU_RESULTS.md), so the
-        # experts stay on CUDA cores until that is understood.
-        ops["linear"] = functools.partial(ops["linear"], method="tensor-cores")
+        # bf16 weights on tensor cores, everything else on kernels whose summation order does
+        # not depend on M, and attention's key splits planned as for a decode: every op is
+        # then batch invariant, which the rounding of x to bf16 needs -- a last-bit difference
+        # upstream flips a bf16 rounding and grows to ~1e-3 (tools/probe_batch_invariance.py)
+        for name in ("linear", "moe_route", "moe_ffn"):
+            ops[name] = functools.partial(ops[name], method="tensor-cores")
+        ops["mla_attention"] = functools.partial(ops["mla_attention"], batch_invariant=True)
     return SimpleNamespace(**ops)
 
 
@@ -289,12 +291,15 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
     """``"auto"`` | ``"reference"`` | ``"numba"`` (see the module docstring).
 
     ``gemm`` (numba only): "cuda-cores" (the default: every projection and expert in float32
-    on CUDA cores) or "tensor-cores" (the projections and the lm_head with bf16 weights on
-    bf16 tensor cores, their input rounded to bf16: ``linear(method="tensor-cores")``; the
-    MoE experts stay on CUDA cores, see ``_numba_ops``).  Either way every op is batch
-    invariant, so DDTree's tokens equal AR's under the same backend; the two settings round
-    differently, so their tokens can differ from each other (docs/ENGINE.md, "Tensor
-    cores")."""
+    on CUDA cores) or "tensor-cores" (every projection, expert and the lm_head with bf16
+    weights on bf16 tensor cores, their inputs rounded to bf16: ``method="tensor-cores"`` of
+    linear, moe_route and moe_ffn; attention with ``batch_invariant=True``).  Under
+    "tensor-cores" every op is batch invariant, so a verify computes each token's bits as a
+    decode does and DDTree's greedy tokens equal AR's exactly.  Under "cuda-cores" the GEMMs
+    switch kernels at 16 rows and attention plans its key splits by the number of tokens:
+    a verify agrees with a decode to rounding (~1e-6), so DDTree's tokens equal AR's except
+    at near-ties.  The two settings round differently, so their tokens can differ from each
+    other (docs/ENGINE.md, "Tensor cores")."""
     if isinstance(name, Backend):
         return name
     if name not in BACKEND_NAMES:

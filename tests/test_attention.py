@@ -268,6 +268,50 @@ def test_numba_attention_split_merge_and_device_prefix(needs_kernels, variant):
                                rtol=1e-6)
 
 
+def chain_problem(rng, n, prefix, heads=2, r=8, dr=4, spare=6):
+    """A verify of a chain of n new tokens after ``prefix`` keys (token j sees the prefix and
+    tokens 0..j), and the n decodes of the same tokens one at a time: (verify, [decode j])."""
+    slots = prefix + n + spare
+    f32 = np.float32
+    q_abs = rng.standard_normal((1, n, heads, r)).astype(f32)
+    q_pe = rng.standard_normal((1, n, heads, dr)).astype(f32)
+    cache = dict(ckv=rng.standard_normal((1, slots, r)).astype(f32),
+                 kpe=rng.standard_normal((1, slots, dr)).astype(f32), tau=0.3)
+    verify = dict(q_abs=q_abs, q_pe=q_pe, prefix_len=np.array([prefix], np.int32),
+                  visible=np.tril(np.ones((n, n), bool))[None], **cache)
+    decodes = [dict(q_abs=q_abs[:, j:j + 1], q_pe=q_pe[:, j:j + 1],
+                    prefix_len=np.array([prefix + j], np.int32),
+                    visible=np.ones((1, 1, 1), bool), **cache) for j in range(n)]
+    return verify, decodes
+
+
+@pytest.mark.parametrize("variant", SIM_VARIANTS)
+def test_batch_invariant_plan_gives_decode_and_verify_the_same_bits(needs_kernels, variant,
+                                                                     monkeypatch):
+    """batch_invariant=True splits the keys in fixed chunks (INVARIANT_SPLIT_KEYS, here 16 so
+    the simulator's tiny problem has several), so each token's row of a 5-token chain verify
+    has the bits of the same token's decode, also when the two run against caches of other
+    capacities (the engine's max_keys: AR's cache is smaller than DDTree's).  The default plan
+    splits these two calls differently, so the test exercises what the flag changes."""
+    from kdtree_numba.attention import mla
+    monkeypatch.setattr(mla, "INVARIANT_SPLIT_KEYS", 16)
+    kernels = _numba()
+    verify, decodes = chain_problem(np.random.default_rng(21), n=5, prefix=37)
+    big, small = verify["ckv"].shape[1], 43            # capacities: 48 and 43 slots
+    plans = {bi: [kernels.MlaAttentionPlan(1, n, 2, 8, 4, cap, max_keys=cap, variant=variant,
+                                           batch_invariant=bi).chunk
+                  for n, cap in ((1, small), (5, big))] for bi in (False, True)}
+    assert plans[True] == [16, 16] and plans[False][0] != plans[False][1], plans
+    u = kernels.mla_attention(**verify, max_keys=big, variant=variant,
+                              batch_invariant=True).copy_to_host()
+    _assert_matches_reference(verify, u)
+    for j, dec in enumerate(decodes):
+        dec = dict(dec, ckv=dec["ckv"][:, :small], kpe=dec["kpe"][:, :small])
+        alone = kernels.mla_attention(**dec, max_keys=small, variant=variant,
+                                      batch_invariant=True).copy_to_host()
+        assert alone[0, 0].tobytes() == u[0, j].tobytes(), f"token {j}"
+
+
 @pytest.mark.parametrize("variant", SIM_VARIANTS)
 def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, variant):
     """The kernel moves its softmax reference point only when a score exceeds it by more than

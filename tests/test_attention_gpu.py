@@ -213,3 +213,25 @@ def test_random_shapes_masks_and_prefixes_match_reference(bs, n, heads, prefixes
         rng.random((n, n)) < 0.5 for k in kinds])
     check(make_problem(rng, prefixes[:bs], n, visible, heads=heads), variants=(variant,),
           keys_per_split=keys_per_split)
+
+
+@pytest.mark.parametrize("variant", ["tf32x3", "pipe16x2"])
+def test_batch_invariant_plan_decode_equals_verify_at_kimi_dims(variant):
+    """batch_invariant=True at Kimi-K2's widths: each token of a 33-token chain verify after
+    300 keys, against a 512-slot cache, has the bits of its decode against a 384-slot cache
+    (the engine's tensor-cores setting relies on it: DDTree's cache is the larger)."""
+    from test_attention import chain_problem
+
+    from kdtree_numba import attention as kernels
+    verify, decodes = chain_problem(np.random.default_rng(33), n=33, prefix=300, heads=H, r=R,
+                                    dr=DR, spare=179)
+    big, small = verify["ckv"].shape[1], 384
+    u = kernels.mla_attention(**verify, max_keys=big, variant=variant,
+                              batch_invariant=True).copy_to_host()
+    want = ref.mla_attention(**verify, out_dtype=np.float64)
+    assert np.abs(u - want).max() <= ref.fp32_error_bound(**verify)
+    for j, dec in enumerate(decodes):
+        dec = dict(dec, ckv=dec["ckv"][:, :small], kpe=dec["kpe"][:, :small])
+        alone = kernels.mla_attention(**dec, max_keys=small, variant=variant,
+                                      batch_invariant=True).copy_to_host()
+        assert alone[0, 0].tobytes() == u[0, j].tobytes(), f"token {j}"

@@ -285,15 +285,33 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
     assert "| size | gemm | batch | method |" in out and "AR roof" in out
 
 
-def test_graph_probe_eager_check_on_the_host(monkeypatch):
-    """tools/probe_graph_tensor_cores.py --eager-check's comparison on a tiny kimi-like model
-    through the reference backend (no graphs there, so only the eager DDTree run is compared):
-    DDTree equals AR, and first_difference finds a planted difference."""
-    import probe_graph_tensor_cores as probe
+def test_batch_invariance_probe_on_the_host(monkeypatch):
+    """tools/probe_batch_invariance.py on a tiny kimi-like model through the reference backend
+    (float64 and batch invariant): every op call's verify rows equal the decodes' bit for bit;
+    an op made to depend on the number of rows is reported as the first difference, and the
+    logits differ too."""
+    import probe_batch_invariance as probe
     monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
-    found = probe.eager_check("none", "kimi-slice", budget=4, new_tokens=5, prompt_len=6,
-                              base="reference")
-    assert found == {"ddtree eager": None}
-    assert probe.first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
-    assert probe.first_difference([[1, 2], [5, 6, 7]], [[1, 2], [5, 9, 7]]) == (1, 1)
-    assert probe.first_difference([[1, 2]], [[1, 2, 3]]) == (0, 2)
+    model = probe.build_model("kimi-slice", "cuda-cores", "reference")
+    report = probe.probe(model, n=4, prefix=6)
+    assert [e["op"] for e in report[:3]] == ["embedding", "rmsnorm", "linear"]
+    assert probe.first_difference(report) is None
+    assert not any(e["skipped"] for e in report)
+    for seed in (0, 1):                         # a scattered path, ending before the last node
+        tree = probe.probe(model, n=4, prefix=6, seed=seed, batch=2, tree_nodes=12)
+        assert len(tree) == len(report) and probe.first_difference(tree) is None
+        assert not any(e["skipped"] for e in tree)
+    parents, path = probe.scattered_tree(4, 9, np.random.default_rng(1))
+    assert path[0] == 0 and list(path) == sorted(path) and len(set(path)) == 4
+    assert [parents[i] for i in path[1:]] == list(path[:-1])
+    assert all(parents[i] in path and parents[i] < i for i in range(9) if i not in path)
+    plain = model.backend.ops.rope
+
+    def rope_by_rows(x, *args, **kwargs):      # M-dependent: 2^-16 M relative
+        return plain(x, *args, **kwargs) * (1.0 + 2.0 ** -16 * x.shape[0])
+    monkeypatch.setattr(model.backend.ops, "rope", rope_by_rows)
+    report = probe.probe(model, n=4, prefix=6)
+    first = probe.first_difference(report)
+    assert first["op"] == "rope" and first["rows_differ"] == 4
+    assert 0 < first["max_abs"] < 1e-3
+    assert not report[-1]["equal"]                 # the logits: it reached the output

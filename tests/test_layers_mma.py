@@ -219,8 +219,9 @@ def test_mma_needs_a_gpu_under_the_simulator(needs_kernels):
 def test_tensor_cores_method_takes_mma_where_it_can(needs_kernels, monkeypatch):
     """linear(method="tensor-cores") and make_backend(gemm="tensor-cores") run the mma kernel
     for bf16 weights whose K % 8 == 0 (on the simulator: the emulated warp mma, so the result
-    is the bf16 product) and the float32 kernels otherwise (float32 weights, K = 20), whatever
-    M: the choice never looks at M."""
+    is the bf16 product) and the skinny float32 kernel otherwise (float32 weights, K = 20),
+    whatever M: the choice never looks at M, so it is batch invariant.  The backend's
+    setting sends the experts there too and plans attention's splits batch invariantly."""
     from kdtree_numba import compat
     from kdtree_numba.backends import make_backend
     from kdtree_numba.layers import linear
@@ -235,10 +236,10 @@ def test_tensor_cores_method_takes_mma_where_it_can(needs_kernels, monkeypatch):
         magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
         assert np.all(np.abs(got - want) <= 34 * 2.0 ** -24 * magnitude)
         assert not np.array_equal(got, fp32)
-        w32 = bf16_value(w16).astype(np.float32)        # float32 weights: the CUDA-core path
+        w32 = bf16_value(w16).astype(np.float32)        # float32 weights: skinny at every M
         assert np.array_equal(linear(x, w32, method="tensor-cores").copy_to_host(),
-                              linear(x, w32).copy_to_host())
-    x20 = np.ones((3, 20), np.float32)                  # K % 8 != 0: auto, no ValueError
+                              linear(x, w32, method="skinny").copy_to_host())
+    x20 = np.ones((3, 20), np.float32)                  # K % 8 != 0: skinny, no ValueError
     w20 = bf16_bits(np.full((8, 20), 0.5, np.float32))
     assert np.array_equal(linear(x20, w20, method="tensor-cores").copy_to_host(),
                           np.full((3, 8), 10.0, np.float32))
@@ -246,19 +247,19 @@ def test_tensor_cores_method_takes_mma_where_it_can(needs_kernels, monkeypatch):
     assert be.gemm == "tensor-cores"
     x, w16, _ = _block_case(6, 1, 8, 32)
     assert np.array_equal(np.asarray(be.ops.linear(x, w16)), got_at[1])
-    # the experts stay on CUDA cores in that mode (backends._numba_ops says why)
+    # the experts go to the grouped tensor-core kernel in that mode
     from kdtree_numba.layers import moe_ffn
     rng = np.random.default_rng(8)
     h = rng.standard_normal((3, 32)).astype(np.float32)
     idx, wt = np.array([[0], [1], [1]], np.int32), np.ones((3, 1), np.float32)
     gu = bf16_bits(rng.standard_normal((2, 32, 32)))
     dn = bf16_bits(rng.standard_normal((2, 32, 16)))
-    assert np.array_equal(np.asarray(be.ops.moe_ffn(h, idx, wt, gu, dn)),
-                          moe_ffn(h, idx, wt, gu, dn).copy_to_host())
     small = mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2)     # 32 emulated lanes
-    assert not np.array_equal(moe_ffn(h, idx, wt, gu, dn, method="mma",
-                                      configs=small).copy_to_host(),
-                              moe_ffn(h, idx, wt, gu, dn).copy_to_host())
+    on_mma = moe_ffn(h, idx, wt, gu, dn, method="mma", configs=small).copy_to_host()
+    assert np.array_equal(np.asarray(be.ops.moe_ffn(h, idx, wt, gu, dn, configs=small)), on_mma)
+    assert not np.array_equal(on_mma, moe_ffn(h, idx, wt, gu, dn).copy_to_host())
+    assert be.ops.moe_route.keywords == {"method": "tensor-cores"}     # the fp32 router: skinny
+    assert be.ops.mla_attention.keywords == {"batch_invariant": True}
     with pytest.raises(ValueError, match="gemm"):
         make_backend("numba", gemm="tf32")
     with pytest.raises(ValueError, match="numba"):
@@ -493,34 +494,3 @@ def test_simulated_kernel_equals_the_bf16_product(m, n, k, cfg, needs_kernels, m
     got = linear(x, w16, method="mma", config=cfg).copy_to_host()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
-
-
-def test_graph_probe_variants_route_the_ops(needs_kernels):
-    """tools/probe_graph_tensor_cores.py: each variant sends exactly its ops to the tensor
-    cores (on the simulator an mma raises NotImplementedError, the CUDA-core kernels run)."""
-    import sys
-    from pathlib import Path
-    from kdtree_numba import compat
-    if not compat.SIMULATOR:
-        pytest.skip("simulator only")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import probe_graph_tensor_cores as probe
-    rng = np.random.default_rng(2)
-    h = rng.standard_normal((2, 32)).astype(np.float32)
-    w = bf16_bits(rng.standard_normal((8, 32)))
-    one = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
-    dense = bf16_bits(rng.standard_normal((1, 32, 32))), bf16_bits(rng.standard_normal((1, 32, 16)))
-    routed = (bf16_bits(rng.standard_normal((2, 32, 32))),
-              bf16_bits(rng.standard_normal((2, 32, 16))))
-    for variant, on in [("linear", {"linear"}), ("moe-dense", {"dense"}),
-                        ("moe-routed", {"routed"}), ("moe", {"dense", "routed"}),
-                        ("all", {"linear", "dense", "routed"})]:
-        ops = probe.backend_for(variant).ops
-        for name, call in [("linear", lambda: ops.linear(h, w)),
-                           ("dense", lambda: ops.moe_ffn(h, *one, *dense)),
-                           ("routed", lambda: ops.moe_ffn(h, *one, *routed))]:
-            if name in on:
-                with pytest.raises(NotImplementedError, match="tensor cores"):
-                    call()
-            else:
-                call()

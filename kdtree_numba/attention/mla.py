@@ -21,7 +21,8 @@ import numpy as np
 from kdtree_numba import compat
 from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
-from kdtree_numba.attention.plan import TileConfig, choose_splits, resolve_variant, tile_config
+from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, TileConfig, choose_splits,
+                                         resolve_variant, tile_config)
 from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
 
@@ -87,10 +88,15 @@ class MlaAttentionPlan:
     can also be captured in a CUDA graph.  ``max_keys`` bounds ``prefix_len + n`` and only sets
     the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests);
     ``variant`` picks a tile layout from :data:`VARIANTS` (None: :func:`resolve_variant`).
+    ``batch_invariant``: splits of a fixed :data:`INVARIANT_SPLIT_KEYS` keys instead of the
+    modelled best count, so that a row sums its keys in the same splits, tiles and merge
+    order whatever n, bs and max_keys (a decode and a verify of any size, against caches of
+    any capacity, give a token the same bits); the price is more partial outputs at large n
+    and long prefixes (docs/ATTENTION.md, "Batch invariance").
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 variant=None, stream=0):
+                 variant=None, batch_invariant=False, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
         variant = resolve_variant(variant, r, dr)
@@ -100,6 +106,10 @@ class MlaAttentionPlan:
         self.n_rows = n * heads
         row_tiles = -(-self.n_rows // self.cfg.rows)
         max_keys = max_len if max_keys is None else min(int(max_keys), max_len)
+        if keys_per_split is None and batch_invariant:
+            # every tile layout computes a row alone (its own scores, softmax and outputs), so
+            # only the key partition can tie a row's sums to the call: fix it
+            keys_per_split = -(-INVARIANT_SPLIT_KEYS // self.cfg.keys) * self.cfg.keys
         if keys_per_split is None:
             splits = choose_splits(row_tiles * bs, max_keys, self.cfg.keys, _sm_count(),
                                    4 * self.cfg.rows * (r + 2))
@@ -177,9 +187,9 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 
 
 @lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split, variant):
+def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
-                            variant=variant)
+                            variant=variant, batch_invariant=batch_invariant)
 
 
 def clear_plan_cache() -> None:
@@ -189,7 +199,7 @@ def clear_plan_cache() -> None:
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None, variant=None, stream=0):
+                  keys_per_split=None, variant=None, batch_invariant=False, stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -197,11 +207,12 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     A host ``prefix_len`` sets the split count from its maximum; for a device one pass
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
-    tensor-core one where it runs, see :func:`resolve_variant`).
+    tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
+    bits do not depend on n (see :class:`MlaAttentionPlan`).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
-    plan = _cached_plan(shape, max_keys, keys_per_split, variant)
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant))
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream)

@@ -22,7 +22,7 @@ from kdtree_numba.attention.tiles import MAX_SHARED_BYTES
 __all__ = ["TileConfig", "MmaTileConfig", "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT",
            "FFMA_VARIANTS", "uses_tensor_cores", "resolve_variant", "mma_fits",
            "gpu_tile_config", "sim_tile_config", "tile_config", "choose_splits",
-           "BLOCK_OVERHEAD_KEYS", "MERGE_BYTES_PER_KEY_TIME"]
+           "BLOCK_OVERHEAD_KEYS", "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +291,13 @@ def tile_config(r: int, dr: int, variant=None):
 # ---------------------------------------------------------------------------------------------
 # Key splits (flash-decoding)
 # ---------------------------------------------------------------------------------------------
+# Keys per split of a batch-invariant plan (MlaAttentionPlan(batch_invariant=True)): fixed, so
+# the partition of a request's keys into splits -- and with it every row's summation order --
+# depends on neither n, bs nor the cache's capacity.  A multiple of every tile's keys (16, 32).
+# 128 is a compromise: smaller keeps a decode's blocks short (a lone request's 512 cached keys
+# give 4 blocks of 8 tiles), larger keeps a big verify's partial outputs small (n H r 4 bytes per
+# split: 8.6 MB at n = 33, H = 64, so 0.28 GB at 4,096 keys).
+INVARIANT_SPLIT_KEYS = 128
 BLOCK_OVERHEAD_KEYS = 64          # staging queries + writing outputs, in key-slot times
 MERGE_BYTES_PER_KEY_TIME = 1.16e6  # HBM bytes the whole GPU moves while a block does one key
 

@@ -37,10 +37,13 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     ``method="mma"`` (or an MmaConfig): bf16 tensor cores, x rounded to bf16; bf16 weights,
     K % 8 == 0 and C-contiguous 16-byte aligned x and w only (ValueError otherwise); error at
     most mma_error_coefficient(K, splits) sum_k |x_k w_k| (~2^-8 relative).
-    ``method="tensor-cores"``: "mma" wherever it can take the operands, else "auto" -- the
-    choice depends on the weight and the layout, never on M, so a row's result is the same at
-    every M (both paths are batch invariant).  "auto" never picks mma: rounding x to bf16
-    changes the numbers, so it is the model's choice (``make_backend(gemm=...)``), not M's.
+    ``method="tensor-cores"``: "mma" wherever it can take the operands, else "skinny" at every
+    M -- the choice depends on the weight and the layout, never on M, and each kernel gives a
+    row the same bits at every M, so the whole option is batch invariant ("auto" is not: its
+    skinny and tiled kernels sum in different orders).  "skinny" past 16 rows re-reads the
+    weight once per ``mt`` rows: cheap for what takes this path in a bf16 model (the float32
+    router), slow for a large float32 weight at large M.  "auto" never picks mma: rounding x
+    to bf16 changes the numbers, so it is the model's choice (``make_backend(gemm=...)``).
     """
     xd = device_f32(x, "x", 2, stream)
     wd, kind = device_weight(w, stream)
@@ -61,7 +64,7 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
         mma_linear(xd, wd, y, cfg, stream, workspace)
         return y
     if method == "tensor-cores":
-        method = "auto"
+        method = "skinny"
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
         method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)

@@ -166,11 +166,13 @@ def route_from_logits(logits, bias=None, *, top_k: int, n_group: int = 1, topk_g
     return idx, w
 
 
-def moe_route(h, gate_w, bias=None, *, out=None, stream=0, workspace=None, **routing):
-    """See reference.moe_route: fp32 router logits (:func:`linear`) then route_from_logits."""
+def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
+              workspace=None, **routing):
+    """See reference.moe_route: fp32 router logits (:func:`linear` with ``method``) then
+    route_from_logits."""
     logits = workspace_buffer(workspace, "route.logits", (h.shape[0], gate_w.shape[0]), np.float32,
                      stream)
-    linear(h, gate_w, out=logits, stream=stream, workspace=workspace)
+    linear(h, gate_w, out=logits, method=method, stream=stream, workspace=workspace)
     return route_from_logits(logits, bias, out=out, stream=stream, workspace=workspace,
                              **routing)
 
@@ -384,11 +386,12 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     the routed experts' kernels: "skinny" (each active expert's weights streamed once per
     ``mt`` of its tokens), "tiled" (read once per BM of its tokens, register-blocked) or
     "auto": skinny up to SKINNY_MAX_M tokens, else tiled.  The shared expert is two
-    :func:`linear` calls (which pick skinny or tiled by M the same way).  "mma" (opt-in, never
+    :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
+    same way).  "mma" (opt-in, never
     picked by "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert
     and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
-    "tensor-cores": "mma" wherever it takes the weights, else "auto" (linear's twin option:
-    a choice by weights, never by M, so batch invariant).
+    "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
+    a choice by weights, never by M, and either kernel gives a row the same bits at every M).
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
     (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
@@ -416,7 +419,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         return y
     if method == "tensor-cores":
         method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
-                                              shared_down, stream) else "auto"
+                                              shared_down, stream) else "skinny"
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
                             configs, stream, workspace)
@@ -437,15 +440,16 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     if shared_gate_up is not None:
         sgu, sdn, _ = _shared_weights(shared_gate_up, shared_down, d, stream)
         s_inter = sdn.shape[1]
-        # The shared expert sees every token: linear() (skinny up to SKINNY_MAX_M rows, else
-        # tiled with K slices, which keep all SMs busy where one expert's tiles would not).
+        # The shared expert sees every token: linear() ("auto": skinny up to SKINNY_MAX_M rows,
+        # else tiled with K slices, which keep all SMs busy where one expert's tiles would not).
         s_act = ws.get("moe.shared_act", (m, s_inter), np.float32, stream)
         shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
         gu = ws.get("moe.shared_gu", (m, 2 * s_inter), np.float32, stream)
-        linear(hd, sgu, out=gu, stream=stream, workspace=ws)
+        shared_method = method if method in ("skinny", "tiled") else "auto"
+        linear(hd, sgu, out=gu, method=shared_method, stream=stream, workspace=ws)
         grid, block = launch_1d(s_act.size, 256)
         _silu_mul[grid, block, stream](gu, s_act)
-        linear(s_act, sdn, out=shared_y, stream=stream, workspace=ws)
+        linear(s_act, sdn, out=shared_y, method=shared_method, stream=stream, workspace=ws)
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 
 
