@@ -47,6 +47,8 @@ from kdtree_numba.model import Model  # noqa: E402
 
 def build_model(size: str, gemm: str, backend: str, seed: int = 0,
                 attention_variant: str | None = None):
+    """A model of ``size`` (module docstring) on ``backend`` with the ``gemm`` setting, its
+    attention forced to ``attention_variant`` when given."""
     be = make_backend(backend, gemm=gemm)
     if attention_variant is not None:      # a tile layout of kdtree_numba/attention/plan.py
         be.ops.mla_attention = functools.partial(be.ops.mla_attention,
