@@ -278,9 +278,9 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
            for name in names}
     if gemm == "tensor-cores":
         # bf16 weights on tensor cores, everything else on kernels whose summation order does
-        # not depend on M, and attention's key splits planned as for a decode: every op is
-        # then batch invariant, which the rounding of x to bf16 needs -- a last-bit difference
-        # upstream flips a bf16 rounding and grows to ~1e-3 (tools/probe_batch_invariance.py)
+        # not depend on M, and attention's keys split in fixed chunks: every op is then batch
+        # invariant, which the rounding of x to bf16 needs -- a last-bit difference upstream
+        # flips a bf16 rounding and grows to ~1e-3 (tools/probe_batch_invariance.py)
         for name in ("linear", "moe_route", "moe_ffn"):
             ops[name] = functools.partial(ops[name], method="tensor-cores")
         ops["mla_attention"] = functools.partial(ops["mla_attention"], batch_invariant=True)
@@ -295,7 +295,10 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
     weights on bf16 tensor cores, their inputs rounded to bf16: ``method="tensor-cores"`` of
     linear, moe_route and moe_ffn; attention with ``batch_invariant=True``).  Under
     "tensor-cores" every op is batch invariant, so a verify computes each token's bits as a
-    decode does and DDTree's greedy tokens equal AR's exactly.  Under "cuda-cores" the GEMMs
+    decode does as long as its keys sit at the same cache slots (a chain, or an accepted path
+    that is the tree's first nodes), and DDTree's greedy tokens then equal AR's exactly; a
+    path at scattered tree slots can differ in attention's last bits (docs/ENGINE.md, "Tensor
+    cores").  Under "cuda-cores" the GEMMs
     switch kernels at 16 rows and attention plans its key splits by the number of tokens:
     a verify agrees with a decode to rounding (~1e-6), so DDTree's tokens equal AR's except
     at near-ties.  The two settings round differently, so their tokens can differ from each

@@ -133,8 +133,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm", choices=list(GEMM_CHOICES), default="cuda-cores",
                    help="numba only: tensor-cores runs the projections, the experts and the "
                    "lm_head with bf16 weights on bf16 tensor cores (inputs rounded to bf16), "
-                   "every op batch invariant so a verify computes a token as a decode does; "
-                   "cuda-cores: float32 on CUDA cores (docs/ENGINE.md, 'Tensor cores')")
+                   "every op batch invariant, so DDTree's greedy tokens equal AR's whenever the "
+                   "accepted path is the tree's first nodes; cuda-cores: float32 on CUDA cores "
+                   "(docs/ENGINE.md, 'Tensor cores')")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")

@@ -285,31 +285,41 @@ def chain_problem(rng, n, prefix, heads=2, r=8, dr=4, spare=6):
     return verify, decodes
 
 
+@pytest.mark.parametrize("prefix, small", [(37, 43), (5, 16)], ids=["merges", "direct"])
 @pytest.mark.parametrize("variant", SIM_VARIANTS)
 def test_batch_invariant_plan_gives_decode_and_verify_the_same_bits(needs_kernels, variant,
-                                                                     monkeypatch):
+                                                                     prefix, small, monkeypatch):
     """batch_invariant=True splits the keys in fixed chunks (INVARIANT_SPLIT_KEYS, here 16 so
     the simulator's tiny problem has several), so each token's row of a 5-token chain verify
     has the bits of the same token's decode, also when the two run against caches of other
-    capacities (the engine's max_keys: AR's cache is smaller than DDTree's).  The default plan
-    splits these two calls differently, so the test exercises what the flag changes."""
+    capacities (the engine's max_keys: AR's cache is smaller than DDTree's): the verify's cache
+    has empty splits past its keys, and with 16 slots a decode has one split and normalises in
+    the kernel (the direct path) where the verify merges.  The default plan splits these calls
+    differently, so the test exercises what the flag changes."""
     from kdtree_numba.attention import mla
     monkeypatch.setattr(mla, "INVARIANT_SPLIT_KEYS", 16)
+    mla.clear_plan_cache()             # cached plans hold the chunk they were made with
     kernels = _numba()
-    verify, decodes = chain_problem(np.random.default_rng(21), n=5, prefix=37)
-    big, small = verify["ckv"].shape[1], 43            # capacities: 48 and 43 slots
+    verify, decodes = chain_problem(np.random.default_rng(21), n=5, prefix=prefix, spare=30)
+    big = verify["ckv"].shape[1]
     plans = {bi: [kernels.MlaAttentionPlan(1, n, 2, 8, 4, cap, max_keys=cap, variant=variant,
-                                           batch_invariant=bi).chunk
+                                           batch_invariant=bi)
                   for n, cap in ((1, small), (5, big))] for bi in (False, True)}
-    assert plans[True] == [16, 16] and plans[False][0] != plans[False][1], plans
-    u = kernels.mla_attention(**verify, max_keys=big, variant=variant,
-                              batch_invariant=True).copy_to_host()
-    _assert_matches_reference(verify, u)
-    for j, dec in enumerate(decodes):
-        dec = dict(dec, ckv=dec["ckv"][:, :small], kpe=dec["kpe"][:, :small])
-        alone = kernels.mla_attention(**dec, max_keys=small, variant=variant,
-                                      batch_invariant=True).copy_to_host()
-        assert alone[0, 0].tobytes() == u[0, j].tobytes(), f"token {j}"
+    assert [p.chunk for p in plans[True]] == [16, 16], plans
+    assert plans[True][1].splits > -(-(prefix + 5) // 16)       # empty splits in the verify
+    assert (plans[True][0].splits == 1) == (small == 16)
+    assert plans[False][0].chunk != plans[False][1].chunk
+    try:
+        u = kernels.mla_attention(**verify, max_keys=big, variant=variant,
+                                  batch_invariant=True).copy_to_host()
+        _assert_matches_reference(verify, u)
+        for j, dec in enumerate(decodes):
+            dec = dict(dec, ckv=dec["ckv"][:, :small], kpe=dec["kpe"][:, :small])
+            alone = kernels.mla_attention(**dec, max_keys=small, variant=variant,
+                                          batch_invariant=True).copy_to_host()
+            assert alone[0, 0].tobytes() == u[0, j].tobytes(), f"token {j}"
+    finally:
+        mla.clear_plan_cache()
 
 
 @pytest.mark.parametrize("variant", SIM_VARIANTS)

@@ -598,9 +598,8 @@ def test_moe_ffn_tiled_matches_reference_and_is_batch_invariant(gpu_layers):
     """The tiled expert path (what auto runs above SKINNY_MAX_M tokens): expert 3 holds more
     tokens than the tile's BM, so its tokens run in two chunks.  A token alone gives its
     batch result bit for bit through the routed experts (its experts hold one token alone,
-    expert 3 holds BM + 1 in the batch); checked without the shared expert, which
-    is linear() and so skinny for the lone token but tiled for the batch on a GPU (M > 16),
-    two summation orders by design (module docstring of kdtree_numba.layers)."""
+    expert 3 holds BM + 1 in the batch), and with the shared expert, whose linear() calls
+    follow the explicit method="tiled" (with "auto" the lone token's would be skinny)."""
     layers = gpu_layers
     small = layers.expert_tiled_configs(64)[0][0]
     m = small.bm + 1
@@ -615,6 +614,9 @@ def test_moe_ffn_tiled_matches_reference_and_is_batch_invariant(gpu_layers):
     one = host(layers.moe_ffn(h[m - 1:], idx[m - 1:], w[m - 1:], gu, dn, None, None,
                               method="tiled"))
     assert np.array_equal(one[0], routed[m - 1])
+    one_shared = host(layers.moe_ffn(h[m - 1:], idx[m - 1:], w[m - 1:], *args[3:],
+                                     method="tiled"))
+    assert np.array_equal(one_shared[0], got[m - 1])
 
 
 def test_dense_ffn_is_the_one_expert_case(gpu_layers):

@@ -88,11 +88,13 @@ class MlaAttentionPlan:
     can also be captured in a CUDA graph.  ``max_keys`` bounds ``prefix_len + n`` and only sets
     the split count (default: ``max_len``); ``keys_per_split`` forces a split size (tests);
     ``variant`` picks a tile layout from :data:`VARIANTS` (None: :func:`resolve_variant`).
-    ``batch_invariant``: splits of a fixed :data:`INVARIANT_SPLIT_KEYS` keys instead of the
-    modelled best count, so that a row sums its keys in the same splits, tiles and merge
-    order whatever n, bs and max_keys (a decode and a verify of any size, against caches of
-    any capacity, give a token the same bits); the price is more partial outputs at large n
-    and long prefixes (docs/ATTENTION.md, "Batch invariance").
+    ``batch_invariant``: splits of a fixed :data:`INVARIANT_SPLIT_KEYS` keys (unless
+    ``keys_per_split`` forces another size) instead of the modelled best count, so that a row
+    sums its keys in the same splits, tiles and merge order whatever n, bs and max_keys (>=
+    prefix + n: an underestimate hands the last split the rest): a decode and a verify of any
+    size, against caches of any capacity, give a token the same bits when its keys sit at the
+    same slots (within a split, keys are grouped by slot).  The price is more partial outputs
+    at large n and long prefixes (docs/ATTENTION.md, "Batch invariance").
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
