@@ -298,10 +298,9 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
     decode does as long as its keys sit at the same cache slots (a chain, or an accepted path
     that is the tree's first nodes), and DDTree's greedy tokens then equal AR's exactly; a
     path at scattered tree slots can differ in attention's last bits (docs/ENGINE.md, "Tensor
-    cores").  Under "cuda-cores" the GEMMs
-    switch kernels at 16 rows and attention plans its key splits by the number of tokens:
-    a verify agrees with a decode to rounding (~1e-6), so DDTree's tokens equal AR's except
-    at near-ties.  The two settings round differently, so their tokens can differ from each
+    cores").  Under "cuda-cores" the GEMMs switch kernels at 16 rows and attention plans its
+    key splits by the number of tokens: a verify agrees with a decode to rounding (~1e-6), so
+    DDTree's tokens equal AR's except at near-ties.  The two settings round differently, so their tokens can differ from each
     other (docs/ENGINE.md, "Tensor cores")."""
     if isinstance(name, Backend):
         return name

@@ -144,8 +144,9 @@ def scattered_tree(n: int, nodes: int, rng):
     parents = [-1] * nodes
     for j in range(1, n):
         parents[chain[j]] = int(chain[j - 1])
+    on_path = set(chain.tolist())
     for i in range(1, nodes):
-        if i not in set(chain.tolist()):
+        if i not in on_path:
             parents[i] = int(rng.choice(chain[chain < i]))
     return parents, chain
 
@@ -162,13 +163,10 @@ def probe(model, n: int, prefix: int, seed: int = 0, batch: int = 1,
     tokens = rng.integers(0, cfg.vocab_size, (batch, prefix + n))
     positions = np.tile(np.arange(prefix + n), (batch, 1))
     nodes = n if tree_nodes is None else max(n, int(tree_nodes))
-    parents, chain = scattered_tree(n, nodes, rng) if nodes > n else (None, np.arange(n))
+    parents, chain = scattered_tree(n, nodes, rng)     # nodes == n: the chain itself
     tree_tokens = rng.integers(0, cfg.vocab_size, (batch, nodes))
     tree_tokens[:, chain] = tokens[:, prefix:]
-    if parents is None:
-        tree_vis = np.tril(np.ones((n, n), bool))
-    else:
-        tree_vis = tree_visible(parents)
+    tree_vis = tree_visible(parents)
     tree_pos = prefix + tree_vis.sum(-1) - 1           # depth of each node
 
     def causal(k):

@@ -387,8 +387,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     ``mt`` of its tokens), "tiled" (read once per BM of its tokens, register-blocked) or
     "auto": skinny up to SKINNY_MAX_M tokens, else tiled.  The shared expert is two
     :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
-    same way).  "mma" (opt-in, never
-    picked by "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert
+    same way).  "mma" (opt-in, never picked by "auto"; bf16 weights only,
+    layers/moe_mma.py): both GEMMs of every routed expert
     and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
     "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
     a choice by weights, never by M, and either kernel gives a row the same bits at every M).
@@ -445,11 +445,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         s_act = ws.get("moe.shared_act", (m, s_inter), np.float32, stream)
         shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
         gu = ws.get("moe.shared_gu", (m, 2 * s_inter), np.float32, stream)
-        shared_method = method if method in ("skinny", "tiled") else "auto"
-        linear(hd, sgu, out=gu, method=shared_method, stream=stream, workspace=ws)
+        linear(hd, sgu, out=gu, method=method, stream=stream, workspace=ws)
         grid, block = launch_1d(s_act.size, 256)
         _silu_mul[grid, block, stream](gu, s_act)
-        linear(s_act, sdn, out=shared_y, method=shared_method, stream=stream, workspace=ws)
+        linear(s_act, sdn, out=shared_y, method=method, stream=stream, workspace=ws)
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 
 
