@@ -79,7 +79,7 @@ def isa_c(lane, e):
 
 def replay_block(x, w16, cfg, a_fragment=mm.a_fragment, b_fragment=mm.b_fragment):
     """y [M, N] of one block (M <= BM, N <= BN, no K slices) computed as the kernel moves the
-    data: stages of bk staged by x_stage_slot / w_stage_slot (x rounded to bf16), per warp and
+    data: stages of bk staged by w_stage_slot (x rounded to bf16 first), per warp and
     panel the lanes' 128-bit loads at panel_word(...), registers by a_fragment / b_fragment,
     the mma by the ISA, accumulators written through c_position."""
     (m, k), n = x.shape, w16.shape[0]
@@ -88,11 +88,10 @@ def replay_block(x, w16, cfg, a_fragment=mm.a_fragment, b_fragment=mm.b_fragment
     for ks in range(0, k, bk):
         asm = np.zeros(bm * bk // 2, np.uint32)
         bsm = np.zeros(bn * bk // 2, np.uint32)
-        for q in range(bm * bk // 4):
-            row, kk, off = mm.x_stage_slot(q, bm, bk)
+        for q in range(bm * bk // 8):
+            row, kk, off = mm.w_stage_slot(q, bm, bk)
             if row < m and ks + kk < k:
-                b = bf16_bits(x[row, ks + kk:ks + kk + 4]).astype(np.uint32)
-                asm[off], asm[off + 1] = b[0] | b[1] << 16, b[2] | b[3] << 16
+                asm[off:off + 4] = bf16_bits(x[row, ks + kk:ks + kk + 8]).view(np.uint32)
         for c in range(bn * bk // 8):
             row, kk, off = mm.w_stage_slot(c, bn, bk)
             if row < n and ks + kk < k:

@@ -108,7 +108,7 @@ def _routing_many_one_zero(m):
     return idx
 
 
-SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig): bk 32, as moe_mma_config's tiles
+SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig): one or two warps, bk 32
     ("one token, shared wider", 1, 64, 32, 48, np.array([[1, 3]]),
      mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=2)),
     ("many/one/zero, 2 M tiles", 20, 64, 32, 32, None,
@@ -117,6 +117,8 @@ SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig): bk 32, as moe_mma_con
      mm.MmaConfig(wm=1, wn=2, tm=1, tn=4, bk=32, stages=2)),
     ("two warps along M, tm 2", 20, 32, 32, 0, None,
      mm.MmaConfig(wm=2, wn=1, tm=2, tn=2, bk=32, stages=2)),
+    ("5 stages round a 3-ring, K ragged", 3, 160, 40, 0, np.array([[0, 2], [2, 4], [0, 1]]),
+     mm.MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=32, stages=3)),
 ]
 
 
@@ -125,10 +127,9 @@ SIM_CASES = [   # (name, M, D, I, Is, routing, MmaConfig): bk 32, as moe_mma_con
 def test_simulated_grouped_moe_within_the_bound(name, m, d, inter, s_inter, routing, cfg,
                                                 needs_kernels, monkeypatch):
     from kdtree_numba import compat
-    from kdtree_numba.layers import moe_mma
     if not compat.SIMULATOR:
         pytest.skip("simulator only (the GPU tests run the real mma)")
-    # the stage's mma steps are mma.py's (stage_functions): the emulation goes in there
+    # the stage's mma steps are mma.py's (stage_compute): the emulation goes in there
     monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
     idx = _routing_many_one_zero(m) if routing is None else routing
     args = _case(m + d, m, d, 5, inter, idx, s_inter)
@@ -141,7 +142,7 @@ def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
     from kdtree_numba.layers import moe_mma
     if not compat.SIMULATOR:
         pytest.skip("simulator only")
-    # the stage's mma steps are mma.py's (stage_functions): the emulation goes in there
+    # the stage's mma steps are mma.py's (stage_compute): the emulation goes in there
     monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
     monkeypatch.setattr(moe_mma, "silu", lambda v: v)
     moe_mma.moe_mma_kernel.cache_clear()
@@ -171,7 +172,9 @@ def test_configs_and_grid():
     from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
     for m in (1, 9, 33, 65, 257):
         cfg = moe_mma_config(m, 8, 64)
-        assert cfg.bk == 32 and cfg.tn % 2 == 0 and cfg.splits == 1
+        per = -(-m * 8 // min(64, m * 8))
+        assert cfg == mm.mma_tile(per) and cfg.bk == 64 and cfg.tn % 2 == 0
+        assert cfg.splits == 1 and cfg.stages >= 3
     assert moe_mma_config(1, 8, 64).bm == 16 and moe_mma_config(257, 8, 64).bm == 64
     cfg = moe_mma_config(9, 8, 64)
     blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
@@ -185,10 +188,11 @@ PTX_SCRIPT = HOPPER_PRELUDE + r"""
 from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_kernel
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
-f2, i1 = T.float32[:, ::1], T.int32[::1]
-sig = (f2, i1, i1, i1, i1, T.uint16[:, :, ::1], T.uint16[:, ::1], f2) + (T.int64,) * 9
+f2, u2, i1 = T.float32[:, ::1], T.uint16[:, ::1], T.int32[::1]
 for cfg in sorted({moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}, key=str):
     for gate_up in (True, False):
+        out = T.uint32[:, ::1] if gate_up else f2       # act as bf16 pairs, or y_slot
+        sig = (u2, i1, i1, i1, i1, T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
         ptx, _ = cuda.compile_ptx(moe_mma_kernel(cfg, gate_up).py_func, sig, cc=(9, 0))
         log = ptxas(ptx)
         n_mma = ptx.count(MMA)
@@ -198,7 +202,9 @@ for cfg in sorted({moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}, 
         print("kernel", cfg, "gate_up" if gate_up else "down", "mma", n_mma, "regs", regs,
               "spill", spill, "local", local, flush=True)
         assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
-        assert "cp.async.cg.shared.global" in ptx and "cvt.rn.bf16x2.f32" in ptx
+        assert "cp.async.cg.shared.global" in ptx
+        assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
+        assert ("cvt.rn.bf16x2.f32" in ptx) == gate_up, "act stored as bf16 pairs"
         assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
         assert local == 0, "local memory"
         assert spill == 0, "spills"
@@ -220,27 +226,28 @@ def test_moe_mma_kernels_compile_to_hopper_ptx():
 KIMI = dict(d=7168, inter=2048, n_experts=64, top_k=8)
 
 
-def _bf16_random(rng, shape):
+def _device_bf16_random(shape, seed):
     """bf16 bits of random sign, mantissa and magnitude in [2^-8, 2^-5) (rms ~0.015, so the
-    activations stay O(1) at D = 7168), drawn as uint16 to keep Kimi's 5.6 GB of experts
-    cheap on the host."""
-    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
-    exponent = (bits >> np.uint16(7)) % np.uint16(3) + np.uint16(119)
-    bits &= np.uint16(0x807F)
-    bits |= exponent << np.uint16(7)
-    return bits
+    activations stay O(1) at D = 7168), drawn on the device with CuPy (Kimi's 5.6 GB of
+    experts in a second; NumPy on the host took minutes)."""
+    import cupy
+    bits = cupy.random.RandomState(seed).randint(0, 1 << 16, shape, dtype=np.int32)
+    bits = bits.astype(cupy.uint16)
+    exponent = (bits >> 7) % 3 + 119
+    return ((bits & 0x807F) | (exponent << 7)).astype(cupy.uint16)
 
 
 @functools.cache
 def _kimi_weights():
     """(host bf16 bits, the same on the device) of a Kimi-K2 layer at 64 experts: gate_up
-    [64, 4096, 7168], down [64, 7168, 2048], a shared expert of width 2048."""
-    from numba import cuda
-    rng = np.random.default_rng(0)
+    [64, 4096, 7168], down [64, 7168, 2048], a shared expert of width 2048; drawn on the
+    device and copied back once."""
+    import cupy
     d, inter, n_experts = KIMI["d"], KIMI["inter"], KIMI["n_experts"]
-    host = (_bf16_random(rng, (n_experts, 2 * inter, d)), _bf16_random(rng, (n_experts, d, inter)),
-            _bf16_random(rng, (2 * inter, d)), _bf16_random(rng, (d, inter)))
-    return host, tuple(cuda.to_device(w) for w in host)
+    device = (_device_bf16_random((n_experts, 2 * inter, d), 10),
+              _device_bf16_random((n_experts, d, inter), 11),
+              _device_bf16_random((2 * inter, d), 12), _device_bf16_random((d, inter), 13))
+    return tuple(cupy.asnumpy(w) for w in device), device
 
 
 def _kimi_case(m, seed=0):
@@ -264,7 +271,8 @@ def test_gpu_moe_mma_kimi_shapes_within_the_bound(m):
 @pytest.mark.gpu
 def test_gpu_moe_mma_rows_are_batch_invariant():
     """A token's output bits do not depend on its batch (M = 65, its own row alone, M = 9):
-    no K slices, bk = 32 in every tile, the ordered combine (docs/LAYERS.md)."""
+    no K slices, one mma chain in panel order in every tile, the ordered combine
+    (docs/LAYERS.md)."""
     from kdtree_numba.layers import moe_ffn
     _, device = _kimi_weights()
     h, idx, weight = _kimi_case(65, seed=1)
@@ -279,27 +287,19 @@ def test_gpu_moe_mma_rows_are_batch_invariant():
 def test_gpu_moe_mma_dense_layer_tiles_agree(m):
     """A dense FFN through moe_ffn (one expert, every token) is where M > 32 tokens share an
     expert and moe_mma_config picks the 32- and 64-row tiles: each tile is within the bound
-    of the reference and gives the 16-row tile's bits (one bk, no K slices)."""
+    of the reference, and every tile, bk (32, 64) and ring depth (2-4 stages) gives the same
+    bits (one mma chain per output in panel order, no K slices)."""
     d, inter = 1024, 2048
     args = _case(m, m, d, 1, inter, np.zeros((m, 1), np.int32))
     args = (args[0], args[1], np.ones((m, 1), np.float32)) + args[3:]
     rows = {}
-    for cfg in (mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=32, stages=2),
+    for cfg in (mm.MmaConfig(wm=1, wn=2, tm=1, tn=8, bk=32, stages=2),
                 mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=32, stages=2),
-                mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=32, stages=2)):
-        rows[cfg.bm] = _check(args, configs=cfg)
+                mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=32, stages=2),
+                mm.mma_tile(16), mm.mma_tile(32), mm.mma_tile(64)):
+        rows[cfg] = _check(args, configs=cfg).tobytes()
     picked = _check(args)                                   # moe_mma_config's own tile
-    assert rows[16].tobytes() == rows[32].tobytes() == rows[64].tobytes() == picked.tobytes()
-
-
-def _device_bf16_random(shape, seed):
-    """_bf16_random's values drawn on the device with CuPy (a Kimi dense FFN's 0.5 GB of
-    gate_up in milliseconds)."""
-    import cupy
-    bits = cupy.random.RandomState(seed).randint(0, 1 << 16, shape, dtype=np.int32)
-    bits = bits.astype(cupy.uint16)
-    exponent = (bits >> 7) % 3 + 119
-    return ((bits & 0x807F) | (exponent << 7)).astype(cupy.uint16)
+    assert set(rows.values()) == {picked.tobytes()}, "tiles, bk or ring depths disagree"
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ the one it was tuned with:
 
 Callers guarantee 16-byte alignment: every offset and stride used with them is a multiple of 4
 elements, and device allocations are 256-byte aligned.  Under the CUDA simulator each primitive
-is a plain-Python twin that reads or writes the same elements.
+is a plain-Python twin that reads or writes the same elements; ``block_sync`` is the block
+barrier a shared device function can call in both worlds.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
            "ld_shared_u32x4",
            "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
-           "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all",
+           "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all", "block_sync",
            "cp_async_wait_1", "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory",
            "MAX_SHARED_BYTES", "STATIC_SHARED_BYTES", "device_address"]
 
@@ -85,6 +86,12 @@ if SIMULATOR:
         pass
 
     cp_async_commit = cp_async_wait_all = cp_async_wait_1 = cp_async_wait_2 = _nothing
+
+    def block_sync():
+        """The simulator runs a device function as plain Python, where ``cuda.syncthreads``
+        does not exist: wait at the block's barrier through the simulated thread itself."""
+        import threading
+        threading.current_thread().syncthreads()
 else:
     from llvmlite import ir
     from numba import types
@@ -313,6 +320,14 @@ else:
     # all but the newest 1 / 2 groups landed: the waits of a 3- / 4-stage cp.async ring
     cp_async_wait_1 = asm_statement("cp.async.wait_group 1;")
     cp_async_wait_2 = asm_statement("cp.async.wait_group 2;")
+
+    from numba import cuda as _cuda
+
+    @inline_device_function
+    def block_sync():
+        """``cuda.syncthreads()`` for device functions shared between kernels (the simulator
+        needs a twin there)."""
+        _cuda.syncthreads()
 
 
 def _cp_async_strided_fn():

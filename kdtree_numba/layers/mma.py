@@ -20,12 +20,13 @@ row g is bank-conflict free.  Inside a panel the k order is permuted (mma sums o
 order that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the
 panel column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit
 load per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator
-tiles.  The K slices depend on N and K only (:func:`mma_splits`), so with bk fixed a row's
-result is the same at every M: the linear is batch invariant.
+tiles.  An output's mma chain runs over K in k16 steps in panel order whatever the tile and
+bk (bk only groups panels into stages), and the K slices depend on N and K only
+(:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
+invariant.
 
-The grouped MoE kernel (layers/moe_mma.py) shares the tile shape, the panel layout and the K
-stage's mma steps (:func:`stage_functions`), with its own double-buffered loop that stages
-fp32 x through registers (``store_x``).
+The grouped MoE kernel (layers/moe_mma.py) shares the tile shape and the K loop
+(:func:`ring_function`, which takes per-thread row tables so that it can gather rows).
 
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
 a ValueError otherwise (``method="tensor-cores"`` falls back to the CUDA-core kernels there).
@@ -44,17 +45,17 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory,
+from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory, block_sync,
                                      cp_async_commit, cp_async_wait_1, cp_async_wait_2,
-                                     cp_async_wait_all,
-                                     ld_shared_u32x4, store_nowrap_1d, store_nowrap_2d)
+                                     cp_async_wait_all, ld_shared_u32x4, store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
-__all__ = ["MmaConfig", "mma_config", "mma_splits", "mma_error_coefficient", "mma_alternatives",
-           "stage_functions", "x_stage_slot", "w_stage_slot", "panel_word", "a_fragment",
-           "b_fragment", "c_position", "copy_w16", "mma_kernel", "mma_linear"]
+__all__ = ["MmaConfig", "mma_tile", "mma_config", "mma_splits", "mma_error_coefficient",
+           "mma_alternatives", "stage_compute", "ring_function", "w_stage_slot", "panel_word",
+           "a_fragment", "b_fragment", "c_position", "copy_w16", "mma_kernel", "round_to_bf16",
+           "mma_linear"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
@@ -102,7 +103,7 @@ class MmaConfig:
                 or self.bk <= 0 or self.threads > 1024 or not 2 <= self.stages <= 4
                 or self.smem_bytes > MAX_SHARED_BYTES
                 or (self.bn * self.bk // 8) % self.threads
-                or (self.bm * self.bk // 4) % self.threads):
+                or (self.bm * self.bk // 8) % self.threads):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
                              f"thread")
@@ -112,18 +113,22 @@ BK = 64     # the linear's K stage for every M: with the K slices (a function of
             # it fixes each output's accumulation order, so a row's result does not depend on M
 
 
-def mma_config(m: int, n: int, k: int) -> MmaConfig:
-    """The tile for an [m, k] x [n, k]^T product: BN = 128 and bk = 64 always; BM = 16
-    (m <= 16: 4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of
-    32 x 64, 3 stages; 128 x 128 was slower at M = 512 in run 42).  K slices from
-    :func:`mma_splits`, which does not look at m: a row's result is the same at every M
-    (docs/LAYERS.md, "bf16 tensor-core linear")."""
+def mma_tile(m: int) -> MmaConfig:
+    """The tile for m rows, without K slices: BN = 128 and bk = 64 always; BM = 16 (m <= 16:
+    4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of 32 x 64,
+    3 stages; 128 x 128 was slower at M = 512 in run 42).  The grouped MoE takes it for its
+    tokens per expert (layers/moe_mma.py)."""
     mt16 = -(-m // 16)
     if mt16 <= 2:
-        cfg = MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)
-    else:
-        cfg = MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
-    return dataclasses.replace(cfg, splits=mma_splits(n, k))
+        return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)
+    return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
+
+
+def mma_config(m: int, n: int, k: int) -> MmaConfig:
+    """The tile for an [m, k] x [n, k]^T product: :func:`mma_tile` with the K slices of
+    :func:`mma_splits`, which does not look at m: a row's result is the same at every M
+    (docs/LAYERS.md, "bf16 tensor-core linear")."""
+    return dataclasses.replace(mma_tile(m), splits=mma_splits(n, k))
 
 
 def mma_alternatives(m: int, n: int, k: int) -> dict:
@@ -178,15 +183,6 @@ def panel_word(p, rows, row, word):
     return (p * rows + row) * WORDS + word
 
 
-def x_stage_slot(q, bm, bk):
-    """x quad q of a stage (4 float32 -> 2 words): (tile row, k offset in the stage, word
-    offset in the tile).  Quads run along K first, so a warp reads whole 128-byte rows."""
-    per_row = bk // 4
-    row = q // per_row
-    kq = q - row * per_row
-    return row, 4 * kq, ((kq // 8) * bm + row) * WORDS + 2 * (kq % 8)   # = panel_word(...)
-
-
 def w_stage_slot(c, bn, bk):
     """Weight chunk c of a stage (8 bf16 = 16 bytes = 4 words): (tile row, k offset in the
     stage, word offset in the tile)."""
@@ -234,7 +230,6 @@ else:
 
 copy_w16 = _copy_w16      # public name for the grouped MoE kernel (layers/moe_mma.py)
 _panel_word = inline_device_function(panel_word)
-_x_stage_slot = inline_device_function(x_stage_slot)
 _w_stage_slot = inline_device_function(w_stage_slot)
 _a_fragment = inline_device_function(a_fragment)
 _b_fragment = inline_device_function(b_fragment)
@@ -244,22 +239,12 @@ _c_position = inline_device_function(c_position)
 # ------------------------------------------------------------------ kernel
 
 @functools.cache
-def stage_functions(cfg: MmaConfig):
-    """(store_x, compute): the two device functions of a K stage that every kernel on this tile
-    shape shares (mma_linear_kernel here, the grouped expert kernel of moe_mma.py): store the
-    held x quads into shared memory as bf16 pairs, and run the stage's mma steps."""
+def stage_compute(cfg: MmaConfig):
+    """The device function running a K stage's mma steps on this tile shape (ring_function's
+    loop calls it; tests patch the mma it calls)."""
     TM, TN, BK = cfg.tm, cfg.tn, cfg.bk
-    BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
+    BM, BN = cfg.bm, cfg.bn
     PANELS = BK // PANEL
-    XQ = BM * BK // 4 // THREADS                           # x quads per thread and stage
-
-    @inline_device_function
-    def store_x(asm, at, xr, tid):
-        """The held x quads, rounded to bf16 pairs, into asm[at:]."""
-        for u in range(XQ):
-            row, kk, off = _x_stage_slot(tid + u * THREADS, BM, BK)
-            store_nowrap_1d(asm, at + off, pack_bf16x2(xr[4 * u], xr[4 * u + 1]))
-            store_nowrap_1d(asm, at + off + 1, pack_bf16x2(xr[4 * u + 2], xr[4 * u + 3]))
 
     @inline_device_function
     def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
@@ -282,48 +267,42 @@ def stage_functions(cfg: MmaConfig):
                         o = 4 * (i * TN + j)
                         acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
-    return store_x, compute
-
-
-def mma_kernel(cfg: MmaConfig):
-    """The kernel for a tile shape (the K slice count is a launch argument)."""
-    return _mma_kernel_for(dataclasses.replace(cfg, splits=1))
+    return compute
 
 
 @functools.cache
-def _mma_kernel_for(cfg: MmaConfig):
-    """Under the simulator the kernel builds and runs up to its first mma, which raises
-    NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level
-    emulation of the mma there to run the whole kernel on tiny shapes."""
-    from numba import float32, uint32
+def ring_function(cfg: MmaConfig):
+    """The K loop every kernel on this tile shape shares (the linear below, the grouped expert
+    kernel of moe_mma.py): ``run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end,
+    arow, brow, t, tid)`` adds the block's products over [k_begin, k_end) to ``acc``.
 
-    WM, TM, TN, BK, STAGES = cfg.wm, cfg.tm, cfg.tn, cfg.bk, cfg.stages
+    Both operands are bf16 bits that go global -> shared by ``cp.async`` (16 bytes = 8 bf16),
+    through a ring of ``stages`` buffers in dynamic shared memory (the x ring, then the weight
+    ring), ``stages - 1`` stages in flight, one barrier per stage.  Rows come from per-thread
+    tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` is the source row of this
+    thread's u-th x / weight chunk of every stage (-1: zero fill), so a caller may gather
+    rows (the MoE's tokens) or take them in order (the linear)."""
+    BK, STAGES = cfg.bk, cfg.stages
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
-    if (BM * BK // 8) % THREADS:
-        raise ValueError(f"{cfg}: the linear stages x by 16-byte chunks, a whole number per "
-                         f"thread (BM bk / 8 % threads == 0)")
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
     B_BASE = STAGES * A_STAGE                              # the weight ring after the x ring
     XC = BM * BK // 8 // THREADS                           # x chunks per thread and stage
     WC = BN * BK // 8 // THREADS                           # weight chunks per thread and stage
-    NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
     PENDING = STAGES - 2                                   # groups left in flight by the wait
-    ZERO = float32(0.0)
-    ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
     @inline_device_function
-    def issue_stage(smem, buf, x16, w16, m0, m_total, n0, n_total, ks, k_end, tid):
+    def issue_stage(smem, buf, x16, xrow, w16, wrow, ks, k_end, tid):
         """cp.async this thread's x and weight chunks of the stage at ks into ring buffer
-        ``buf``; zero fill past M, N and k_end."""
+        ``buf``; zero fill for rows -1 and past k_end."""
         for u in range(XC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
-            ok = m0 + row < m_total and ks + kk < k_end
-            _copy_w16(smem, buf * A_STAGE + off, x16, min(m0 + row, m_total - 1),
-                      ks + kk if ok else 0, 16 if ok else 0)
+            ok = xrow[u] >= 0 and ks + kk < k_end
+            _copy_w16(smem, buf * A_STAGE + off, x16, max(xrow[u], 0), ks + kk if ok else 0,
+                      16 if ok else 0)
         for u in range(WC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
-            ok = n0 + row < n_total and ks + kk < k_end
-            _copy_w16(smem, B_BASE + buf * B_STAGE + off, w16, min(n0 + row, n_total - 1),
+            ok = wrow[u] >= 0 and ks + kk < k_end
+            _copy_w16(smem, B_BASE + buf * B_STAGE + off, w16, max(wrow[u], 0),
                       ks + kk if ok else 0, 16 if ok else 0)
 
     @inline_device_function
@@ -336,17 +315,68 @@ def _mma_kernel_for(cfg: MmaConfig):
         else:
             cp_async_wait_all()
 
-    _, compute = stage_functions(cfg)
+    compute = stage_compute(cfg)
+
+    @inline_device_function
+    def run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid):
+        n_stages = (k_end - k_begin + BK - 1) // BK
+        # stage i lives in buffer i % STAGES; STAGES - 1 stages fly ahead of the mma, one
+        # commit group per stage (empty past the slice end, so the wait counts hold)
+        for i in range(STAGES - 1):
+            if i < n_stages:
+                issue_stage(smem, i, x16, xrow, w16, wrow, k_begin + i * BK, k_end, tid)
+            cp_async_commit()
+        buf = 0
+        for i in range(n_stages):
+            wait_oldest()
+            # one barrier per stage: stage i is visible to every warp, and every warp is done
+            # with stage i - 1, whose buffer the copies issued next overwrite
+            block_sync()
+            ahead = i + STAGES - 1
+            if ahead < n_stages:
+                issue_stage(smem, ahead % STAGES, x16, xrow, w16, wrow, k_begin + ahead * BK,
+                            k_end, tid)
+            cp_async_commit()
+            compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
+                    t)
+            buf = buf + 1 if buf + 1 < STAGES else 0
+        cp_async_wait_all()                              # no copy outlives the block
+
+    return run_ring
+
+
+def mma_kernel(cfg: MmaConfig):
+    """The kernel for a tile shape (the K slice count is a launch argument)."""
+    return _mma_kernel_for(dataclasses.replace(cfg, splits=1))
+
+
+@functools.cache
+def _mma_kernel_for(cfg: MmaConfig):
+    """Under the simulator the kernel builds and runs up to its first mma, which raises
+    NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level
+    emulation of the mma there to run the whole kernel on tiny shapes."""
+    from numba import float32, int32, uint32
+
+    WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
+    BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
+    run_ring = ring_function(cfg)
+    XC = BM * BK // 8 // THREADS
+    WC = BN * BK // 8 // THREADS
+    NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
+    ZERO = float32(0.0)
+    ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
     @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
     def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
         """out[s * m_total + m, n] = slice s of sum_k x16[m, k] w16[n, k] (bf16 bits; out = y
         when splits == 1).  Grid: M tile fastest, then K slice, then N tile.  Dynamic shared
-        memory: the x ring (STAGES x A_STAGE words), then the weight ring."""
+        memory: ring_function's two rings."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
         bv = cuda.local.array(NBV, uint32)
+        xrow = cuda.local.array(XC, int32)
+        wrow = cuda.local.array(WC, int32)
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
@@ -362,32 +392,15 @@ def _mma_kernel_for(cfg: MmaConfig):
         m0 = mt_i * BM
         k_begin = BK * (s * kc_total // splits)
         k_end = min(BK * ((s + 1) * kc_total // splits), k_total)
-        n_stages = (k_end - k_begin + BK - 1) // BK
+        for u in range(XC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
+            xrow[u] = m0 + row if m0 + row < m_total else -1
+        for u in range(WC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
+            wrow[u] = n0 + row if n0 + row < n_total else -1
         for i in range(NACC):
             acc[i] = ZERO
-
-        # the ring: stage i lives in buffer i % STAGES; STAGES - 1 stages fly ahead of the
-        # mma, one commit group per stage (empty past the slice end, so the wait counts hold)
-        for i in range(STAGES - 1):
-            if i < n_stages:
-                issue_stage(smem, i, x16, w16, m0, m_total, n0, n_total, k_begin + i * BK,
-                            k_end, tid)
-            cp_async_commit()
-        buf = 0
-        for i in range(n_stages):
-            wait_oldest()
-            # one barrier per stage: stage i is visible to every warp, and every warp is done
-            # with stage i - 1, whose buffer the copies issued next overwrite
-            cuda.syncthreads()
-            ahead = i + STAGES - 1
-            if ahead < n_stages:
-                issue_stage(smem, ahead % STAGES, x16, w16, m0, m_total, n0, n_total,
-                            k_begin + ahead * BK, k_end, tid)
-            cp_async_commit()
-            compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
-                    t)
-            buf = buf + 1 if buf + 1 < STAGES else 0
-        cp_async_wait_all()                              # no copy outlives the block
+        run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid)
 
         orow = s * m_total
         for i in range(TM):
@@ -410,16 +423,24 @@ def _round_to_bf16_pairs(x, out):
         out[i] = pack_bf16x2(x[2 * i], x[2 * i + 1])
 
 
-def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
-    """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
-    linear()).  x is rounded to bf16 once, into a workspace buffer (M K 6 bytes of traffic,
-    small beside the weights), so both operands stream by cp.async; K slices go to a
-    workspace buffer and are added in order."""
-    (m, k), n = xd.shape, wd.shape[0]
-    x16 = workspace_buffer(workspace, "linear.mma_x16", (m, k), np.uint16, stream)
+def round_to_bf16(xd, workspace, name, stream=0):
+    """bf16 bits [M, K] (uint16, workspace buffer ``name``) of float32 xd [M, K], K even, by
+    one launch: the kernels then stream x by cp.async like the weights (M K 6 bytes of
+    traffic, small beside the weights)."""
+    m, k = xd.shape
+    x16 = workspace_buffer(workspace, name, (m, k), np.uint16, stream)
     pairs = x16.view(np.uint32).reshape(m * k // 2)
     grid, block = launch_1d(m * k // 2, 256)
     _round_to_bf16_pairs[grid, block, stream](xd.reshape(m * k), pairs)
+    return x16
+
+
+def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
+    """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
+    linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
+    cp.async; K slices go to a workspace buffer and are added in order."""
+    (m, k), n = xd.shape, wd.shape[0]
+    x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     n_mtiles = -(-m // cfg.bm)
     kc = -(-k // cfg.bk)
     splits = max(1, min(cfg.splits, kc))

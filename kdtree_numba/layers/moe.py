@@ -522,15 +522,15 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
     ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
     width = max(inter, s_inter)
-    act = ws.get("moe.mma_act", (n_entries + m, width), np.float32, stream)
+    act16 = ws.get("moe.mma_act16", (n_entries + m, width), np.uint16, stream)
     y_slot = ws.get("moe.mma_y_slot", (n_entries + m, d), np.float32, stream)
     if kind != "bf16" or any(load_kind_for(kind, k, *arrays) != "bf16" for k, arrays in (
-            (d, (hd, gud, dnd, act, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
+            (d, (hd, gud, dnd, act16, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
         raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "
                          "8 and C-contiguous 16-byte aligned arrays; use method='auto'")
     slot_of_entry, lists = _group_tokens(idx, n_experts, ws, stream)
-    grouped_experts_mma(hd, lists, gud, dnd, shared, act, y_slot, min(n_entries, n_experts),
-                        config or moe_mma_config(m, top_k, n_experts), stream)
+    grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, min(n_entries, n_experts),
+                        config or moe_mma_config(m, top_k, n_experts), stream, ws)
     shared_y = None if shared is None else y_slot[n_entries:]   # the shared expert's rows
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 
