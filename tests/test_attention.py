@@ -355,18 +355,34 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
                                rtol=1e-5, atol=1e-5)  # the spike takes all the weight
 
 
-def test_numba_absorb_q_and_apply_uv_match_reference(needs_kernels):
+@pytest.mark.parametrize("bs, n, r", [(1, 1, 8), (2, 3, 8), (2, 3, 6), (3, 7, 8), (5, 13, 8)],
+                         ids=["decode", "6 rows", "r % 4 != 0", "21 rows: 2 row blocks",
+                              "65 rows: tiled only"])
+def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, needs_kernels):
+    """Both kernels of the per-head products (streaming up to 16 rows, tiled) match the
+    reference, and give each other's bits (one fp32 chain per output in k order), which
+    keeps the projections batch invariant across the M where "auto" switches."""
     kernels = _numba()
     rng = np.random.default_rng(5)
-    heads, dn, dv, r = 2, 4, 4, 8
+    heads, dn, dv = 2, 4, 4
     kv_b_proj = rng.standard_normal((heads * (dn + dv), r)).astype(np.float32)
-    q_nope = rng.standard_normal((2, 3, heads, dn)).astype(np.float32)
-    u = rng.standard_normal((2, 3, heads, r)).astype(np.float32)
-    # float32 sums of <= 8 products of O(1) terms: error <= 8 * 2^-24 * sum|x y| < 1e-5
-    np.testing.assert_allclose(kernels.absorb_q(q_nope, kv_b_proj).copy_to_host(),
-                               ref.absorb_q(q_nope, kv_b_proj), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(kernels.apply_uv(u, kv_b_proj, dv).copy_to_host(),
-                               ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-5)
+    q_nope = rng.standard_normal((bs, n, heads, dn)).astype(np.float32)
+    u = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
+    kinds = ["auto", "tiled"] + (["stream"] if bs * n <= 64 else [])
+    got = {}
+    for kind in kinds:
+        # float32 sums of <= 8 products of O(1) terms: error <= 8 * 2^-24 * sum|x y| < 1e-5
+        got[kind] = (kernels.absorb_q(q_nope, kv_b_proj, kernel_kind=kind).copy_to_host(),
+                     kernels.apply_uv(u, kv_b_proj, dv, kernel_kind=kind).copy_to_host())
+        np.testing.assert_allclose(got[kind][0], ref.absorb_q(q_nope, kv_b_proj), rtol=0,
+                                   atol=1e-5)
+        np.testing.assert_allclose(got[kind][1], ref.apply_uv(u, kv_b_proj, dv), rtol=0,
+                                   atol=1e-5)
+    for kind in kinds[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got[kind], got["auto"]))
+    if bs * n > 64:
+        with pytest.raises(ValueError, match="M <= 64"):
+            kernels.absorb_q(q_nope, kv_b_proj, kernel_kind="stream")
 
 
 # ------------------------------------------------------------------ planning (pure Python)

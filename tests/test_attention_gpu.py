@@ -179,6 +179,29 @@ def test_absorb_q_and_apply_uv_at_kimi_dims():
                                ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("bs, n", [(1, 1), (1, 5), (16, 1), (2, 8), (1, 33), (1, 64)])
+def test_absorb_q_and_apply_uv_streaming_equals_tiled_at_kimi_dims(bs, n):
+    """Up to 64 rows "auto" streams the weights (one column per thread, x in shared
+    memory); its bits equal the tiled kernel's, which M > 64 takes: a decode's projections
+    equal a verify's row for row (batch invariance), and both match the reference."""
+    from kdtree_numba import attention as kernels
+    rng = np.random.default_rng(16 + bs * n)
+    dn = dv = 128
+    kv_b_proj = (rng.standard_normal((H * (dn + dv), R)) / np.sqrt(R)).astype(np.float32)
+    q_nope = rng.standard_normal((bs, n, H, dn)).astype(np.float32)
+    u = rng.standard_normal((bs, n, H, R)).astype(np.float32)
+    out = {}
+    for kind in ("stream", "tiled"):
+        out[kind] = (kernels.absorb_q(q_nope, kv_b_proj, kernel_kind=kind).copy_to_host(),
+                     kernels.apply_uv(u, kv_b_proj, dv, kernel_kind=kind).copy_to_host())
+    np.testing.assert_allclose(out["stream"][0], ref.absorb_q(q_nope, kv_b_proj), rtol=0,
+                               atol=1e-4)
+    np.testing.assert_allclose(out["stream"][1], ref.apply_uv(u, kv_b_proj, dv), rtol=0,
+                               atol=1e-4)
+    assert out["stream"][0].tobytes() == out["tiled"][0].tobytes(), "absorb_q"
+    assert out["stream"][1].tobytes() == out["tiled"][1].tobytes(), "apply_uv"
+
+
 @pytest.mark.parametrize("r, dr", [(64, 16), (128, 64)])
 def test_narrow_latent_configuration(r, dr):
     """Non-Kimi widths run the same kernels with other tile layouts: (64, 16) the FFMA ones

@@ -89,8 +89,100 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
     return head_gemm
 
 
+# For M <= STREAM_MAX_M rows (decode, verify, small batches) the weights are the only large
+# operand and the tiled kernel above is latency-bound: a 64-row tile holds few live rows, and
+# each of its K steps waits for a global load behind a barrier (run 63: 57 us for absorb_q
+# and 83 us for apply_uv per layer at M = 1, 62 and 94 us at M = 33, against ~4 us of weight
+# bytes).  The streaming kernel below gives each thread one output column of one head for a
+# block of up to 16 rows (more rows: more row blocks, which re-read the weights from L2),
+# keeps those rows' x in shared memory, and has STREAM_UNROLL weights (64 bytes) in flight
+# per thread.
+# Each output is the same fp32 chain as the tiled kernel's, acc += x_k w_k for k ascending
+# from zero, so a row's bits do not depend on which kernel M picked: the projections stay
+# batch invariant (tests/test_attention_gpu.py compares the two kernels bitwise).
+STREAM_MAX_M = 64
+STREAM_ROWS = 16         # rows per block, at most
+STREAM_THREADS = 64
+STREAM_UNROLL = 16
+
+
+@lru_cache(maxsize=None)
+def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
+    """The streaming per-head product for ``mt`` rows and K = ``k_size`` (both compile-time:
+    x lives in shared memory, the accumulators in registers).  Same contract as
+    _head_gemm_kernel's; grid (column blocks, heads, row blocks).  ``vector``: the transposed
+    weight rows are read 16 bytes at a time (K % 4 == 0, rows 16-byte aligned)."""
+    from kdtree_numba.gpu.memory import ld_cached_f32x4
+    STEP = STREAM_UNROLL                   # k per unrolled step (vector: STEP / 4 loads)
+    XS = mt * k_size
+    THREADS = STREAM_THREADS
+
+    @kernel
+    def head_stream(a, a_hs, bmat, b_hs, b_off, cmat, c_hs, m_size, n_size):
+        xs = cuda.shared.array(XS, float32)
+        tid = cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        m0 = cuda.blockIdx.z * mt
+        for f in range(tid, XS, THREADS):
+            mm = f // k_size
+            xs[f] = a[m0 + mm, h * a_hs + f - mm * k_size] if m0 + mm < m_size else ZERO
+        cuda.syncthreads()
+        n = cuda.blockIdx.x * THREADS + tid
+        if n >= n_size:
+            return
+        acc = cuda.local.array(mt, float32)
+        wv = cuda.local.array(STEP, float32)
+        for i in range(mt):
+            acc[i] = ZERO
+        row = h * b_hs + b_off + n                 # the transposed case's weight row
+        k0 = 0
+        while k0 < k_size:
+            if b_transposed and vector:            # the loads first: all in flight
+                for q in range(STEP // 4):
+                    k = k0 + 4 * q
+                    w0 = w1 = w2 = w3 = ZERO
+                    if k < k_size:
+                        w0, w1, w2, w3 = ld_cached_f32x4(bmat, row, k)
+                    wv[4 * q] = w0
+                    wv[4 * q + 1] = w1
+                    wv[4 * q + 2] = w2
+                    wv[4 * q + 3] = w3
+            else:
+                for u in range(STEP):
+                    k = k0 + u
+                    if b_transposed:
+                        wv[u] = bmat[row, k] if k < k_size else ZERO
+                    else:
+                        wv[u] = bmat[h * b_hs + b_off + k, n] if k < k_size else ZERO
+            for u in range(STEP):
+                k = k0 + u
+                if k < k_size:
+                    for i in range(mt):
+                        acc[i] += xs[i * k_size + k] * wv[u]
+            k0 += STEP
+        for i in range(mt):
+            if m0 + i < m_size:
+                cmat[m0 + i, h * c_hs + n] = acc[i]
+
+    return head_stream
+
+
 def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
-                   stream=0):
+                   stream=0, kernel_kind="auto"):
+    """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
+    its x fits the static shared memory), else the tiled one; ``kernel_kind`` ("stream",
+    "tiled") forces one (tests)."""
+    mt = min(1 << max(0, (m - 1).bit_length()), STREAM_ROWS)   # rows per block
+    stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
+    if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
+        if not stream_ok:
+            raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M}, got {m}")
+        vector = b_transposed and k % 4 == 0 and b2.shape[1] % 4 == 0
+        grid = (-(-n_out // STREAM_THREADS), heads, -(-m // mt))
+        _head_stream_kernel(mt, k, b_transposed, vector)[grid, STREAM_THREADS, stream](
+            a2, np.int64(a_hs), b2, np.int64(b_hs), np.int64(b_off), c2, np.int64(c_hs),
+            np.int64(m), np.int64(n_out))
+        return
     tile = _gemm_tile()
     grid = (-(-n_out // tile.tn), -(-m // tile.tm), heads)
     _head_gemm_kernel(tile, b_transposed)[grid, tile.ty * tile.tx, stream](
@@ -98,27 +190,28 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
         np.int64(m), np.int64(n_out), np.int64(k))
 
 
-def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0):
+def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0, kernel_kind="auto"):
     """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]`` on the device (reference: same name).
 
     q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
+    ``kernel_kind``: "auto" (streaming up to 64 rows, else tiled), "stream" or "tiled".
     """
     bs, n, heads, dn = q_nope.shape
     rows, r = kv_b_proj.shape
-    return _per_head_product(q_nope, kv_b_proj, dn, r, "dn", False, out, stream)
+    return _per_head_product(q_nope, kv_b_proj, dn, r, "dn", False, out, stream, kernel_kind)
 
 
-def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0):
+def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0, kernel_kind="auto"):
     """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]`` on the device (reference: same name).
 
     u [bs, n, H, r] float32, kv_b_proj [H*(dn+dv), r] float32, dv = v_head_dim
-    -> device [bs, n, H, dv].
+    -> device [bs, n, H, dv].  ``kernel_kind`` as absorb_q's.
     """
     bs, n, heads, r = u.shape
-    return _per_head_product(u, kv_b_proj, r, dv, "dv", True, out, stream)
+    return _per_head_product(u, kv_b_proj, r, dv, "dv", True, out, stream, kernel_kind)
 
 
-def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream):
+def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream, kernel_kind="auto"):
     """The body of absorb_q (``uv`` False: x = q_nope, k = dn, W_UK rows 0 .. dn of each head)
     and apply_uv (``uv`` True: x = u, k = r, the last dv = n_out rows of each head, W_UV,
     read transposed): check that kv_b_proj has H*(dn+dv) rows (``part``, "dn" or "dv", names
@@ -137,8 +230,10 @@ def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream):
     if out is None:
         out = cuda.device_array((bs, n, heads, n_out), np.float32, stream=stream)
     b_off = per_head - n_out if uv else 0
+    if kernel_kind not in ("auto", "stream", "tiled"):
+        raise ValueError(f"kernel_kind must be auto, stream or tiled, got {kernel_kind!r}")
     _run_head_gemm(a2, k, w, per_head, b_off, uv, out.reshape(tokens, heads * n_out), n_out,
-                   tokens, n_out, k, heads, stream)
+                   tokens, n_out, k, heads, stream, kernel_kind)
     return out
 
 
