@@ -1,6 +1,6 @@
 """The one place that knows how numba.cuda runs here.  Every kernel module imports it first.
 
-Three jobs (docs/ARCHITECTURE.md, "Where code runs"):
+Four jobs (docs/ARCHITECTURE.md, "Where code runs"):
 
 1. numba-cuda 0.30.4 calls ``np.row_stack`` while compiling, and numpy >= 2.5 removed it.
    The H200 image ships numpy 2.5, so without the alias below every first kernel compile
@@ -10,10 +10,14 @@ Three jobs (docs/ARCHITECTURE.md, "Where code runs"):
 3. Keep compilation out of import time: ``kernel`` never takes an eager signature, so importing
    a kernel module on a machine without a GPU cannot raise ``CudaSupportError``; and it drops
    the ``jit`` options that the simulator rejects with ``TypeError``.
+4. Where CuPy is installed (the GPU extra), serve numba's device allocations from CuPy's
+   memory pool (kdtree_numba/gpu/pool.py: driver allocations and frees made an eager forward
+   host-bound); ``KDTREE_NUMBA_POOL=0`` opts out.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import numpy as np
@@ -27,6 +31,11 @@ __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_ke
            "kernel", "device_function", "to_device", "is_device_array", "NoDeviceError"]
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+if (not SIMULATOR and os.environ.get("KDTREE_NUMBA_POOL", "1") != "0"
+        and importlib.util.find_spec("cupy") is not None):
+    from kdtree_numba.gpu.pool import CupyPoolMemoryManager
+    cuda.set_memory_manager(CupyPoolMemoryManager)
 
 # KDTREE_CUDA_LINEINFO=1 compiles every kernel with source line info, so compute-sanitizer and
 # ncu name the Python line of a fault (code generation is otherwise unchanged).
