@@ -160,6 +160,11 @@ class GraphCache:
         self.replays += 1
         return map_arrays(lambda a: a.copy(), entry.outputs)   # legacy stream: after it
 
+    def replay(self, key) -> None:
+        """Launch ``key``'s captured graph as it stands: no input writes, no output copies
+        (tools/profile_ops.py times single ops this way).  KeyError when it has none."""
+        self._graphs[key].graph.launch(self.stream)
+
     def _capture(self, key, fn, specs):
         import cupy
         static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)

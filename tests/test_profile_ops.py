@@ -1,0 +1,40 @@
+"""tools/profile_ops.py's host side: the weight bytes it charges each op and its table (the
+timing itself needs a GPU: run on the H200, docs/GPU_RESULTS.md)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import profile_ops  # noqa: E402
+
+
+def test_weight_bytes_counts_the_experts_a_routing_reads():
+    h = np.zeros((3, 8), np.float32)
+    w = np.zeros((16, 8), np.uint16)
+    assert profile_ops.weight_bytes("linear", (h, w)) == 16 * 8 * 2
+    gate_up, down = np.zeros((4, 6, 8), np.uint16), np.zeros((4, 8, 3), np.uint16)
+    idx = np.array([[0, 2], [2, 3], [0, 3]], np.int32)          # experts 0, 2, 3 of 4
+    per_expert = (6 * 8 + 8 * 3) * 2
+    assert profile_ops.weight_bytes("moe_ffn", (h, idx, None, gate_up, down)) == 3 * per_expert
+    shared = (np.zeros((6, 8), np.uint16), np.zeros((8, 3), np.uint16))
+    assert (profile_ops.weight_bytes("moe_ffn", (h, idx, None, gate_up, down, *shared))
+            == 3 * per_expert + per_expert)
+    assert profile_ops.weight_bytes("rmsnorm", (h,)) is None
+    assert profile_ops.shape_label("linear", (h, w)) == "8->16"
+    assert profile_ops.shape_label("moe_ffn", (h, idx[:, :1])) == "dense"
+
+
+def test_table_groups_calls_and_sets_each_beside_its_roof(capsys):
+    nbytes = int(profile_ops.HBM_BYTES_PER_S * 10e-6)            # a 10 us roof
+    rows = [("linear", "8->16", 15.0, nbytes), ("rmsnorm", "", 2.0, None),
+            ("linear", "8->16", 15.0, nbytes)]
+    profile_ops.print_table(rows, {"replayed": 40.0}, "t")
+    out = capsys.readouterr().out
+    assert "| linear | 8->16 | 2 | 30.0 | 93.8% | 20.0 | 1.50x |" in out
+    assert "| rmsnorm | - | 1 | 2.0 | 6.2% | - | - |" in out
+    assert "| **sum of ops** | | 3 | 32.0 | 100% | 20.0 | 1.60x |" in out
+    assert "glue and copies outside the ops: 8.0 us (20.0% of the replayed forward)" in out

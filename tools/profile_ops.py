@@ -1,0 +1,217 @@
+"""Where a forward's GPU time goes: each op of one forward replayed alone in a CUDA graph.
+
+    python3 tools/profile_ops.py [--size kimi-slice] [--gemm tensor-cores] [--n 1,33,128]
+                                 [--prefix 128] [--replays 20]
+
+tools/bench_engine.py gives a step's time beside its weight roof; this says which ops make the
+gap.  One forward of n tokens (n = 1: an AR decode; n > 1: a chain verify of n nodes) runs
+eagerly after a prefill of ``--prefix`` random tokens, with every op of ``backend.ops``
+wrapped.  Each op call is then captured alone in a CUDA graph (kdtree_numba/graphs.py) with
+the arguments it had and replayed ``--replays`` times between two CUDA events: its time is the
+GPU's plus one graph launch, as inside the engine's replayed forward.  The table groups the
+calls by op and by weight shape, with the weight-bytes roof beside ``linear`` (its weight) and
+``moe_ffn`` (the experts the call's routing reads, plus the shared expert), and ends with the
+whole forward replayed as the engine replays it (inputs written, outputs copied) and run
+eagerly (wall time, host launches inside: how a one-off shape such as a prompt's prefill
+runs).  The replayed forward's difference from the sum of the ops is the CuPy glue between
+them (slices made contiguous, residual adds, the KV-cache write) and the forward's own
+copies.  GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+os.environ.setdefault("NUMBA_DISABLE_PERFORMANCE_WARNINGS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from engine_roof import HBM_BYTES_PER_S  # noqa: E402
+from probe_batch_invariance import build_model  # noqa: E402
+
+from kdtree_numba.graphs import GraphCache  # noqa: E402
+from kdtree_numba.model import causal_mask  # noqa: E402
+
+
+class OpCalls:
+    """Wraps every op of a backend until :meth:`close`; while ``calls`` is a list, each call
+    appends (op name, the op, args, kwargs), references kept so that it can be replayed."""
+
+    def __init__(self, backend):
+        self.calls = None
+        self._ops = backend.ops
+        self._plain = dict(vars(backend.ops))
+        for name, fn in self._plain.items():
+            setattr(backend.ops, name, self._wrap(name, fn))
+
+    def close(self) -> None:
+        for name, fn in self._plain.items():
+            setattr(self._ops, name, fn)
+
+    def _wrap(self, name, fn):
+        def recorded(*args, **kwargs):
+            if self.calls is not None:
+                self.calls.append((name, fn, args, kwargs))
+            return fn(*args, **kwargs)
+        return recorded
+
+
+def gpu_us(launch, replays: int) -> float:
+    """Mean microseconds of ``launch()`` over ``replays`` back-to-back calls (CUDA events on
+    the legacy stream, which the graphs' blocking stream is ordered with)."""
+    import cupy
+    launch()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    cupy.cuda.Device().synchronize()
+    start.record()
+    for _ in range(replays):
+        launch()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / replays
+
+
+def weight_bytes(name, args) -> int | None:
+    """Bytes of weights the call must read: linear's weight; moe_ffn's experts that its
+    routing selects (host read of the indices) plus the shared expert; else None."""
+    if name == "linear":
+        return int(args[1].nbytes)
+    if name == "moe_ffn":
+        idx, gate_up, down = _host(args[1]), args[3], args[4]
+        per_expert = (gate_up.nbytes + down.nbytes) // gate_up.shape[0]
+        total = len(np.unique(idx)) * per_expert
+        if len(args) > 6 and args[5] is not None:
+            total += args[5].nbytes + args[6].nbytes
+        return int(total)
+    return None
+
+
+def _host(a) -> np.ndarray:
+    """A NumPy copy of a host, CuPy or numba array."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def shape_label(name, args) -> str:
+    if name == "linear":
+        n, k = args[1].shape
+        return f"{k}->{n}"
+    if name == "moe_ffn":
+        return "dense" if args[1].shape[1] == 1 else f"top-{args[1].shape[1]}"
+    return ""
+
+
+def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
+    """(rows per op call: name, label, us, weight bytes; the whole forward's replay us)."""
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (1, prefix + n))
+    positions = np.arange(prefix + n)[None]
+    cache = model.new_cache(1, prefix + n + 16)
+    model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
+    cache.advance([prefix])
+    args = (tokens[:, prefix:], positions[:, prefix:], cache, causal_mask(n))
+    graphs = model.graphs
+    if graphs is not None:
+        graphs.call = lambda *a, **k: None        # the recorded forward runs eagerly
+    recorder = OpCalls(model.backend)
+    try:
+        recorder.calls = []
+        model.forward(*args)
+        calls, recorder.calls = recorder.calls, None
+    finally:
+        recorder.close()
+        if graphs is not None:
+            del graphs.call
+    single = GraphCache(model.backend)
+    rows = []
+    for i, (name, fn, a, kw) in enumerate(calls):
+        key = ("op", i)
+        for _ in range(2):                       # eager (compiles), then captured
+            single.call(key, lambda: fn(*a, **kw), [], [])
+        label, nbytes = shape_label(name, a), weight_bytes(name, a)
+        try:
+            us = gpu_us(lambda: single.replay(key), replays)
+        except KeyError:                         # capture failed: eager (host time inside)
+            us = gpu_us(lambda: fn(*a, **kw), replays)
+            name += " (eager)"
+        rows.append((name, label, us, nbytes))
+    whole = {"eager": eager_us(model, args)}
+    if graphs is not None:
+        for _ in range(2):                       # the engine's path: eager, then captured
+            model.forward(*args)
+        whole["replayed"] = gpu_us(lambda: model.forward(*args), replays)
+    return rows, whole
+
+
+def eager_us(model, args, repeats: int = 3) -> float:
+    """Wall microseconds of the forward run eagerly (no graph, host launches inside, as a
+    one-off shape such as a prompt's prefill runs), synchronised at both ends."""
+    import time
+
+    import cupy
+    graphs = model.graphs
+    if graphs is not None:
+        graphs.call = lambda *a, **k: None
+    try:
+        model.forward(*args)
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model.forward(*args)
+        cupy.cuda.Device().synchronize()
+        return (time.perf_counter() - start) / repeats * 1e6
+    finally:
+        if graphs is not None:
+            del graphs.call
+
+
+def print_table(rows, whole, title: str) -> None:
+    groups = collections.OrderedDict()
+    for name, label, us, nbytes in rows:
+        g = groups.setdefault((name, label), [0, 0.0, 0])
+        g[0] += 1
+        g[1] += us
+        g[2] += nbytes or 0
+    total = sum(g[1] for g in groups.values())
+    print(f"\n## {title}\n")
+    print("| op | weight shape | calls | us | share | weight bytes roof us | us / roof |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, label), (calls, us, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        roof = nbytes / HBM_BYTES_PER_S * 1e6 if nbytes else None
+        print(f"| {name} | {label or '-'} | {calls} | {us:.1f} | {us / total:.1%} | "
+              + (f"{roof:.1f} | {us / roof:.2f}x |" if roof else "- | - |"))
+    roof_all = sum(nb or 0 for *_, nb in rows) / HBM_BYTES_PER_S * 1e6
+    print(f"| **sum of ops** | | {len(rows)} | {total:.1f} | 100% | {roof_all:.1f} | "
+          f"{total / roof_all:.2f}x |")
+    for how, us in whole.items():
+        print(f"| **whole forward, {how}** | | | {us:.1f} | | {roof_all:.1f} | "
+              f"{us / roof_all:.2f}x |")
+    if "replayed" in whole:
+        replayed = whole["replayed"]
+        print(f"\nglue and copies outside the ops: {replayed - total:.1f} us "
+              f"({(replayed - total) / replayed:.1%} of the replayed forward)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="kimi-slice")
+    p.add_argument("--gemm", default="tensor-cores")
+    p.add_argument("--n", default="1,33,128", help="comma-separated forward widths")
+    p.add_argument("--prefix", type=int, default=128)
+    p.add_argument("--replays", type=int, default=20)
+    args = p.parse_args(argv)
+    model = build_model(args.size, args.gemm, "numba")
+    for n in (int(v) for v in args.n.split(",")):
+        rows, whole = profile(model, n, args.prefix, args.replays)
+        print_table(rows, whole, f"{args.size}, gemm={args.gemm}, forward of {n} token(s) "
+                                 f"after {args.prefix}")
+
+
+if __name__ == "__main__":
+    main()
