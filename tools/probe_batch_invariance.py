@@ -60,11 +60,13 @@ def build_model(size: str, gemm: str, backend: str, seed: int = 0,
 
 class Recorder:
     """Wraps every op of a backend until :meth:`close`: inside :meth:`run` each call appends
-    (op name, its outputs as host arrays)."""
+    ``entry(name, fn, args, kwargs, out)``, by default (op name, its outputs as host arrays);
+    tools/profile_ops.py keeps the call itself to replay it."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, entry=None):
         self.calls = None
         self._host = backend.to_host
+        self._entry = entry or self._host_outputs
         self._ops = backend.ops
         self._plain = dict(vars(backend.ops))
         for name, fn in self._plain.items():
@@ -74,14 +76,17 @@ class Recorder:
         for name, fn in self._plain.items():
             setattr(self._ops, name, fn)
 
+    def _host_outputs(self, name, fn, args, kwargs, out):
+        leaves = []
+        map_arrays(lambda a: leaves.append(np.array(self._host(a))), out,
+                   lambda v: hasattr(v, "shape") and hasattr(v, "dtype"))
+        return name, leaves
+
     def _wrap(self, name, fn):
         def recorded(*args, **kwargs):
             out = fn(*args, **kwargs)
             if self.calls is not None:
-                leaves = []
-                map_arrays(lambda a: leaves.append(np.array(self._host(a))), out,
-                           lambda v: hasattr(v, "shape") and hasattr(v, "dtype"))
-                self.calls.append((name, leaves))
+                self.calls.append(self._entry(name, fn, args, kwargs, out))
             return out
         return recorded
 

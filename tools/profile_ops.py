@@ -29,33 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 from engine_roof import HBM_BYTES_PER_S  # noqa: E402
-from probe_batch_invariance import build_model  # noqa: E402
+from probe_batch_invariance import Recorder, build_model  # noqa: E402
 
 from kdtree_numba.graphs import GraphCache  # noqa: E402
 from kdtree_numba.model import causal_mask  # noqa: E402
-
-
-class OpCalls:
-    """Wraps every op of a backend until :meth:`close`; while ``calls`` is a list, each call
-    appends (op name, the op, args, kwargs), references kept so that it can be replayed."""
-
-    def __init__(self, backend):
-        self.calls = None
-        self._ops = backend.ops
-        self._plain = dict(vars(backend.ops))
-        for name, fn in self._plain.items():
-            setattr(backend.ops, name, self._wrap(name, fn))
-
-    def close(self) -> None:
-        for name, fn in self._plain.items():
-            setattr(self._ops, name, fn)
-
-    def _wrap(self, name, fn):
-        def recorded(*args, **kwargs):
-            if self.calls is not None:
-                self.calls.append((name, fn, args, kwargs))
-            return fn(*args, **kwargs)
-        return recorded
 
 
 def gpu_us(launch, replays: int) -> float:
@@ -119,11 +96,10 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
     graphs = model.graphs
     if graphs is not None:
         graphs.call = lambda *a, **k: None        # the recorded forward runs eagerly
-    recorder = OpCalls(model.backend)
+    recorder = Recorder(model.backend,
+                        entry=lambda name, fn, a, kw, out: (name, fn, a, kw))  # to replay it
     try:
-        recorder.calls = []
-        model.forward(*args)
-        calls, recorder.calls = recorder.calls, None
+        calls = recorder.run(lambda: model.forward(*args))
     finally:
         recorder.close()
         if graphs is not None:
