@@ -13,7 +13,8 @@ version:
 * ``warp``       -- shuffles, ballot, any, syncwarp, redux, warp max/sum (``WARP``,
   ``FULL_MASK``);
 * ``reduce``     -- block, shared-memory tree and lane-group reductions, barrier helpers;
-* ``tensorcore`` -- TF32 conversion and ``mma.sync`` m16n8k8.
+* ``tensorcore`` -- TF32 conversion and ``mma.sync`` m16n8k8;
+* ``pool``       -- numba's device allocations from CuPy's memory pool (installed by compat).
 
 Import from the module (``from kdtree_numba.gpu.memory import load_f32x4``); this package
 imports nothing itself, so using one kind does not load the others.
