@@ -170,7 +170,9 @@ class Backend:
         block they are queued; on exit (the engine wraps one round, whose last device operation
         is its one read, so the device is idle by then) the queue is freed at once, waiting
         for nothing.  Peak memory grows by what the block allocates and drops (numba cannot
-        reclaim it on an out-of-memory error meanwhile).  A no-op off the GPU."""
+        reclaim it on an out-of-memory error meanwhile).  A no-op off the GPU, and for device
+        memory under the CuPy-pool plugin (kdtree_numba/gpu/pool.py), where a free returns the
+        block to the pool without a driver call: nothing is left to hold back."""
         if not (self.on_gpu and self.name == "numba"):
             yield
             return

@@ -32,10 +32,22 @@ __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_ke
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
-if (not SIMULATOR and os.environ.get("KDTREE_NUMBA_POOL", "1") != "0"
-        and importlib.util.find_spec("cupy") is not None):
+
+def _install_cupy_pool() -> None:
+    """Job 4: numba's device allocations from CuPy's pool, where CuPy imports (a broken CuPy
+    keeps numba's own allocator rather than failing every allocation)."""
+    if (SIMULATOR or os.environ.get("KDTREE_NUMBA_POOL", "1") == "0"
+            or importlib.util.find_spec("cupy") is None):
+        return
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return
     from kdtree_numba.gpu.pool import CupyPoolMemoryManager
     cuda.set_memory_manager(CupyPoolMemoryManager)
+
+
+_install_cupy_pool()
 
 # KDTREE_CUDA_LINEINFO=1 compiles every kernel with source line info, so compute-sanitizer and
 # ncu name the Python line of a fault (code generation is otherwise unchanged).

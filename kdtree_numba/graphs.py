@@ -23,8 +23,11 @@ decoding round, kdtree_numba/steps.py):
   allocates from a pool private to the graphs, numba's allocations are recorded while
   capturing (the memory manager's ``memalloc`` is wrapped), and the owner's ``before_capture``
   hook drops what would otherwise outlive the capture (the model rebuilds attention's plans
-  inside it, so their scratch is recorded too).  numba's frees are deferred while capturing (a
-  free can synchronise, which would break the capture).
+  inside it, so their scratch is recorded too).  With numba's own allocator its frees are
+  deferred while capturing (a ``cuMemFree`` can synchronise, which would break the capture);
+  with the CuPy-pool plugin (kdtree_numba/gpu/pool.py, the default where CuPy is installed)
+  numba's allocations inside a capture come from the graphs' pool, like CuPy's, and a free
+  makes no driver call.
 * **Streams**: captured on a blocking stream of its own (:meth:`Backend.on_stream` routes numba
   kernels and CuPy glue there).  A blocking stream is ordered with the legacy default stream,
   on which everything else runs, in both directions, so replays need no events; and an op that
@@ -81,7 +84,8 @@ def _write(dst, src) -> None:
 @contextlib.contextmanager
 def _recording_numba_allocations(keep: list):
     """Keep every device allocation numba makes inside the block alive (in ``keep``), and hold
-    numba's frees back until the block ends."""
+    numba's own frees back until the block ends (a no-op for device memory under the CuPy-pool
+    plugin, whose frees make no driver call)."""
     manager = numba_cuda.current_context().memory_manager
     original = manager.memalloc
 
@@ -162,7 +166,9 @@ class GraphCache:
 
     def replay(self, key) -> None:
         """Launch ``key``'s captured graph as it stands: no input writes, no output copies
-        (tools/profile_ops.py times single ops this way).  KeyError when it has none."""
+        (tools/profile_ops.py times single ops this way).  KeyError when it has none.  Its
+        output arrays are the graph's own buffers, which a later capture may share: read
+        outputs through :meth:`call`, never after a bare replay."""
         self._graphs[key].graph.launch(self.stream)
 
     def _capture(self, key, fn, specs):

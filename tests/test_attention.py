@@ -355,16 +355,17 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
                                rtol=1e-5, atol=1e-5)  # the spike takes all the weight
 
 
-@pytest.mark.parametrize("bs, n, r", [(1, 1, 8), (2, 3, 8), (2, 3, 6), (3, 7, 8), (5, 13, 8)],
+@pytest.mark.parametrize("bs, n, r, dn", [(1, 1, 8, 4), (2, 3, 8, 4), (2, 3, 6, 4),
+                                          (3, 7, 8, 4), (5, 13, 8, 4), (2, 1, 36, 20)],
                          ids=["decode", "6 rows", "r % 4 != 0", "21 rows: 2 row blocks",
-                              "65 rows: tiled only"])
-def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, needs_kernels):
-    """Both kernels of the per-head products (streaming up to 16 rows, tiled) match the
+                              "65 rows: tiled only", "K > 16, K % 16 != 0: the unrolled tail"])
+def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, needs_kernels):
+    """Both kernels of the per-head products (streaming up to 64 rows, tiled) match the
     reference, and give each other's bits (one fp32 chain per output in k order), which
     keeps the projections batch invariant across the M where "auto" switches."""
     kernels = _numba()
     rng = np.random.default_rng(5)
-    heads, dn, dv = 2, 4, 4
+    heads, dv = 2, 4
     kv_b_proj = rng.standard_normal((heads * (dn + dv), r)).astype(np.float32)
     q_nope = rng.standard_normal((bs, n, heads, dn)).astype(np.float32)
     u = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
@@ -383,6 +384,27 @@ def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, needs_kernels):
     if bs * n > 64:
         with pytest.raises(ValueError, match="M <= 64"):
             kernels.absorb_q(q_nope, kv_b_proj, kernel_kind="stream")
+
+
+def test_streaming_projection_reads_16_bytes_only_from_dense_aligned_rows(needs_kernels):
+    """The 16-byte loads of W_UV need unit column strides, 16-byte row strides and an
+    aligned start; a strided view of kv_b_proj takes the scalar loads, and is still right."""
+    from kdtree_numba.attention.projections import stream_vector_loads
+    from kdtree_numba.compat import to_device
+    kernels = _numba()
+    rng = np.random.default_rng(6)
+    w = to_device(rng.standard_normal((16, 72)).astype(np.float32))
+    assert stream_vector_loads(w[:, :64], 64)               # rows 288 bytes apart
+    assert not stream_vector_loads(w[:, :64], 62)           # K % 4
+    assert not stream_vector_loads(w[:, ::2], 36)           # column stride 8 bytes
+    odd = to_device(rng.standard_normal((16, 70)).astype(np.float32))
+    assert not stream_vector_loads(odd, 68)                 # rows 280 bytes apart
+    heads, dn, dv, r = 2, 4, 4, 8
+    wide = rng.standard_normal((heads * (dn + dv), 2 * r)).astype(np.float32)
+    u = rng.standard_normal((1, 2, heads, r)).astype(np.float32)
+    np.testing.assert_allclose(
+        kernels.apply_uv(u, to_device(wide)[:, ::2], dv, kernel_kind="stream").copy_to_host(),
+        ref.apply_uv(u, np.ascontiguousarray(wide[:, ::2]), dv), rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------ planning (pure Python)

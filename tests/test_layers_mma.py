@@ -178,7 +178,8 @@ def test_configs_and_splits():
     assert mm.mma_splits(1536, 7168) == 8                    # 12 N tiles: K slices fill the GPU
     assert mm.mma_splits(163840, 7168) == 1                  # 1280 N tiles already do
     for bad in (dict(bk=48), dict(stages=1), dict(stages=5),
-                dict(wm=4, wn=4, tm=4, tn=8, stages=4)):          # 256 KiB of shared memory
+                dict(wm=4, wn=4, tm=4, tn=8, stages=4),           # 256 KiB of shared memory
+                dict(wm=1, wn=4, tm=1, tn=4, bk=32)):   # 64 x chunks for 128 threads (the ring)
         with pytest.raises(ValueError):
             mm.MmaConfig(**bad)
 

@@ -170,12 +170,14 @@ def test_mma_moe_rejects_what_it_cannot_take(what, needs_kernels):
 
 def test_configs_and_grid():
     from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
-    for m in (1, 9, 33, 65, 257):
-        cfg = moe_mma_config(m, 8, 64)
-        per = -(-m * 8 // min(64, m * 8))
-        assert cfg == mm.mma_tile(per) and cfg.bk == 64 and cfg.tn % 2 == 0
-        assert cfg.splits == 1 and cfg.stages >= 3
-    assert moe_mma_config(1, 8, 64).bm == 16 and moe_mma_config(257, 8, 64).bm == 64
+    small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=64, stages=4)         # 16 x 128
+    mid = mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=64, stages=4)           # 32 x 128
+    big = mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=64, stages=3)           # 64 x 128
+    # tokens per active expert: M k / min(E, M k) = 1, 2, 5, 9 (E = 64) and 8, 16, 24, 40
+    for m, top_k, n_experts, want in ((1, 8, 64, small), (9, 8, 64, small), (33, 8, 64, small),
+                                      (65, 8, 64, small), (8, 1, 1, small), (16, 1, 1, small),
+                                      (24, 1, 1, mid), (40, 1, 1, big), (0, 8, 64, small)):
+        assert moe_mma_config(m, top_k, n_experts) == want, (m, top_k, n_experts)
     cfg = moe_mma_config(9, 8, 64)
     blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
     assert (mt, nt) == (1, 2048 // 64) and blocks == 65 * mt * nt

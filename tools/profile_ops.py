@@ -108,7 +108,7 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
     rows = []
     for i, (name, fn, a, kw) in enumerate(calls):
         key = ("op", i)
-        for _ in range(2):                       # eager (compiles), then captured
+        for _ in range(2):       # seen (the recorded forward compiled it), then captured
             single.call(key, lambda: fn(*a, **kw), [], [])
         label, nbytes = shape_label(name, a), weight_bytes(name, a)
         try:
@@ -119,7 +119,7 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
         rows.append((name, label, us, nbytes))
     whole = {"eager": eager_us(model, args)}
     if graphs is not None:
-        for _ in range(2):                       # the engine's path: eager, then captured
+        for _ in range(2):       # the engine's path: eager, then captured
             model.forward(*args)
         whole["replayed"] = gpu_us(lambda: model.forward(*args), replays)
     return rows, whole

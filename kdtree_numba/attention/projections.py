@@ -99,7 +99,9 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
 # per thread.
 # Each output is the same fp32 chain as the tiled kernel's, acc += x_k w_k for k ascending
 # from zero, so a row's bits do not depend on which kernel M picked: the projections stay
-# batch invariant (tests/test_attention_gpu.py compares the two kernels bitwise).
+# batch invariant (tests/test_attention_gpu.py compares the two kernels bitwise).  One
+# exception, harmless: the tiled kernel also adds the zero products of its padding past K,
+# which turns an exact -0 sum into +0 when K % 16 != 0.
 STREAM_MAX_M = 64
 STREAM_ROWS = 16         # rows per block, at most
 STREAM_THREADS = 64
@@ -167,6 +169,16 @@ def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
     return head_stream
 
 
+def stream_vector_loads(b2, k: int) -> bool:
+    """Whether the streaming kernel may read kv_b_proj's rows 16 bytes at a time: K % 4 == 0,
+    unit column stride, rows a multiple of 16 bytes apart and a 16-byte aligned first element
+    (a device view of kv_b_proj can be strided or offset; scalar loads take any layout)."""
+    from kdtree_numba.gpu.memory import device_address
+    itemsize = np.dtype(b2.dtype).itemsize
+    return (k % 4 == 0 and b2.strides[1] == itemsize and b2.strides[0] % 16 == 0
+            and device_address(b2) % 16 == 0)
+
+
 def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
                    stream=0, kernel_kind="auto"):
     """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
@@ -176,8 +188,10 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
     stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:
-            raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M}, got {m}")
-        vector = b_transposed and k % 4 == 0 and b2.shape[1] % 4 == 0
+            raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M} rows and "
+                             f"{mt} x K floats of x in 48 KiB of shared memory, got M = {m}, "
+                             f"K = {k}")
+        vector = b_transposed and stream_vector_loads(b2, k)
         grid = (-(-n_out // STREAM_THREADS), heads, -(-m // mt))
         _head_stream_kernel(mt, k, b_transposed, vector)[grid, STREAM_THREADS, stream](
             a2, np.int64(a_hs), b2, np.int64(b_hs), np.int64(b_off), c2, np.int64(c_hs),

@@ -5,10 +5,16 @@ Why: numba allocates every device array with ``cuMemAlloc`` and frees it with ``
 which waits for the whole device.  An eager forward (a prompt's prefill, any shape that is
 not a replayed CUDA graph) makes ~120 such arrays; run 66 profiled kimi-slice's eager
 forward at 46 ms for 2.7 ms of GPU work, the allocation calls and the frees' device waits
-being most of it.  CuPy's pool hands out and takes back blocks without driver calls, in
-stream order (a block freed on a stream is reused by later work on that stream, which runs
-after the kernels that used it); every kernel and all glue here run on one stream at a time
-(the legacy stream, or a graph capture's stream with its own pool, kdtree_numba/graphs.py).
+being most of it.  CuPy's pool hands out and takes back blocks without driver calls.
+
+The safety argument, and its limit: CuPy files a block under the stream that was CuPy's
+current stream when it was allocated, not the stream numba launched on, and hands a freed
+block to later work on that stream, trusting stream order to run it after the block's last
+reader.  Here every kernel and all glue run on the legacy default stream, or inside a graph
+capture on a blocking stream (ordered with the legacy stream both ways) whose allocations come
+from the graphs' own pool (kdtree_numba/graphs.py), so the order holds.  Code that launches
+numba kernels on two non-blocking streams at once must not rely on this plugin: set
+``KDTREE_NUMBA_POOL=0``.
 
 ``KDTREE_NUMBA_POOL=0`` keeps numba's own allocator.  The plugin takes effect only for a
 CUDA context created after the import of kdtree_numba (numba's rule for EMM plugins).

@@ -1,5 +1,5 @@
 """The bf16 tensor-core GEMM behind ``linear(x, w, method="mma")``: ``y = x w^T`` with bf16
-weights, x rounded to bf16 (to nearest, ties to even) as it is staged, fp32 accumulation on
+weights, x rounded to bf16 (to nearest, ties to even) once per call, fp32 accumulation on
 tensor cores (``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, gpu/tensorcore.py).
 
 Holds :class:`MmaConfig` (the tile shape), :func:`mma_config` and :func:`mma_splits` (the
@@ -20,8 +20,9 @@ row g is bank-conflict free.  Inside a panel the k order is permuted (mma sums o
 order that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the
 panel column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit
 load per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator
-tiles.  An output's mma chain runs over K in k16 steps in panel order whatever the tile and
-bk (bk only groups panels into stages), and the K slices depend on N and K only
+tiles.  An output's mma chain runs over its K slice in k16 steps in panel order whatever the
+tile (bk only groups panels into stages; the slices are cut in stages of bk, which is why
+every linear tile keeps bk = 64), and the K slices depend on N and K only
 (:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
 invariant.
 
@@ -54,7 +55,7 @@ from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "mma_tile", "mma_config", "mma_splits", "mma_error_coefficient",
            "mma_alternatives", "stage_compute", "ring_function", "w_stage_slot", "panel_word",
-           "a_fragment", "b_fragment", "c_position", "copy_w16", "mma_kernel", "round_to_bf16",
+           "a_fragment", "b_fragment", "c_position", "mma_kernel", "round_to_bf16",
            "mma_linear"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
@@ -65,8 +66,8 @@ WORDS = PANEL // 2
 class MmaConfig:
     """Tile shape: ``wm`` x ``wn`` warps (warp w: wm_i = w % wm, wn_i = w // wm), each ``tm``
     m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32) in a ring of
-    ``stages`` shared-memory buffers (2 to 4; the linear kernel's cp.async pipeline keeps
-    ``stages - 1`` in flight; the grouped MoE kernels are double-buffered whatever it says);
+    ``stages`` shared-memory buffers (2 to 4; the cp.async ring of both kernels, linear and
+    grouped MoE, keeps ``stages - 1`` in flight);
     ``splits`` K slices (separate blocks, then an ordered fp32 sum); ``max_registers``: a
     ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn."""
     wm: int = 4
@@ -118,7 +119,7 @@ def mma_tile(m: int) -> MmaConfig:
     4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of 32 x 64,
     3 stages; 128 x 128 was slower at M = 512 in run 42).  The grouped MoE takes it for its
     tokens per expert (layers/moe_mma.py)."""
-    mt16 = -(-m // 16)
+    mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
     if mt16 <= 2:
         return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)
     return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
@@ -228,7 +229,6 @@ else:
         cp_async16_raw(shared_address(bsm, at), global_address(w16, (row, k)), nbytes)
 
 
-copy_w16 = _copy_w16      # public name for the grouped MoE kernel (layers/moe_mma.py)
 _panel_word = inline_device_function(panel_word)
 _w_stage_slot = inline_device_function(w_stage_slot)
 _a_fragment = inline_device_function(a_fragment)
