@@ -274,6 +274,11 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
             [(1, "ar"), (1, "ddtree/replay"), (2, "ar"), (2, "ddtree/replay")]
         for r in rows:
             assert r["step_roof_ms"] > 0 and r["roof_tokens_per_s"] > 0
+            assert r["prefill_ms"] > 0 and r["prefill_roof_ms"] > 0
+            assert r["decode_vs_ar"] == pytest.approx(
+                r["decode_tokens_per_s"] / next(a["decode_tokens_per_s"] for a in rows
+                                                if a["method"] == "ar"
+                                                and a["batch"] == r["batch"]))
             assert 1 <= r["distinct_experts"] <= 8
             assert r.get("same_tokens_as_ar", True) is True
             assert r.get("routing_run_same_tokens", True) is True
@@ -283,6 +288,7 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
         assert len(saved["rows"]) == 4
     out = capsys.readouterr().out
     assert "| size | gemm | batch | method |" in out and "AR roof" in out
+    assert "| prefill ms (its roof) |" in out and "| vs AR after the prefill |" in out
 
 
 def test_batch_invariance_probe_on_the_host(monkeypatch):

@@ -204,6 +204,7 @@ def row(size, method, res, roof, **extra):
                  if k != "prefill" and v > 0}
     return dict(size=size, method=method, budget=st.budget, tokens=st.new_tokens,
                 seconds=st.seconds, tokens_per_s=st.tokens_per_s,
+                prefill_ms=1e3 * st.time.get("prefill", 0.0),
                 decode_tokens_per_s=st.decode_tokens_per_s, tau=st.mean_tau,
                 rounds=st.rounds, ms_per_round=per_round, roof_tokens_per_s=roof,
                 graph_captures=st.graph_captures, graph_replays=st.graph_replays, **extra)
@@ -423,6 +424,9 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
 def finish_row(r, ar, hf_tps, out_rows, json_path):
     """Add the ratios, print the row and rewrite the JSON: a timeout keeps what was measured."""
     r["vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+    # after the prefill (which a one-off prompt shape runs eagerly: tools/profile_ops.py)
+    r["decode_vs_ar"] = (r["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
+                         if ar.get("decode_tokens_per_s") else None)
     r["vs_hf"] = r["tokens_per_s"] / hf_tps if hf_tps else None
     out_rows.append(r)
     print_rows([r], header_once=True)
@@ -456,13 +460,14 @@ def _is_device_row(r) -> bool:
 
 def print_header(device: bool = False):
     if device:
-        print("| size | gemm | batch | method | budget | tok/s | roof tok/s | tau | ms/round: "
-              "draft / "
+        print("| size | gemm | batch | method | budget | tok/s | roof tok/s | prefill ms (its "
+              "roof) | tau | ms/round: draft / "
               "tree / verify / accept / compact | step ms (decode or verify) | its roof ms "
               "(bytes / FLOPs) | "
               "step / roof | distinct experts per MoE layer (min-max) of step tokens | vs AR | "
-              "tokens = AR |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "vs AR after the prefill | tokens = AR |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+              flush=True)
         return
     print("| size | method | budget | tok/s | roof tok/s | goal | tau | ms/round: draft / tree "
           "/ verify / accept / compact | vs AR | vs HF | tokens = AR |")
@@ -489,14 +494,17 @@ def print_rows(rows, header_once: bool = False):
             print_header(device)
         if device:
             lo, hi = r["distinct_experts_range"] or (0, 0)
+            after = f"{r['decode_vs_ar']:.2f}x" if r.get("decode_vs_ar") else "-"
             print(f"| {r['size']} | {r.get('gemm', 'cuda-cores')} | {r['batch']} | "
                   f"{r['method']} | {r['budget'] or '-'} | "
-                  f"{r['tokens_per_s']:.1f} | {r['roof_tokens_per_s']:.0f} | {tau} | {split} | "
+                  f"{r['tokens_per_s']:.1f} | {r['roof_tokens_per_s']:.0f} | "
+                  f"{r.get('prefill_ms', 0):.1f} ({r.get('prefill_roof_ms', 0):.1f}) | {tau} | "
+                  f"{split} | "
                   f"{r['step_ms']:.2f} | {r['step_roof_ms']:.3f} ({r['step_bytes_roof_ms']:.3f}"
                   f" / {r['step_flops_roof_ms']:.3f}) | "
                   f"{r['step_ms'] / r['step_roof_ms']:.1f}x | {r['distinct_experts']:.1f} "
-                  f"({lo:.0f}-{hi:.0f}) of {r['step_rows']} | {r['vs_ar']:.2f}x | {same} |",
-                  flush=True)
+                  f"({lo:.0f}-{hi:.0f}) of {r['step_rows']} | {r['vs_ar']:.2f}x | {after} | "
+                  f"{same} |", flush=True)
             continue
         goal = {"ar": ">= HF", "hf": "-"}.get(r["method"], "> AR")
         vs_hf = f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "-"
