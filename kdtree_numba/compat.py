@@ -17,7 +17,6 @@ Four jobs (docs/ARCHITECTURE.md, "Where code runs"):
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import numpy as np
@@ -36,12 +35,11 @@ SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 def _install_cupy_pool() -> None:
     """Job 4: numba's device allocations from CuPy's pool, where CuPy imports (a broken CuPy
     keeps numba's own allocator rather than failing every allocation)."""
-    if (SIMULATOR or os.environ.get("KDTREE_NUMBA_POOL", "1") == "0"
-            or importlib.util.find_spec("cupy") is None):
+    if SIMULATOR or os.environ.get("KDTREE_NUMBA_POOL", "1") == "0":
         return
     try:
         import cupy  # noqa: F401
-    except Exception:
+    except Exception:          # not installed, or broken
         return
     from kdtree_numba.gpu.pool import CupyPoolMemoryManager
     cuda.set_memory_manager(CupyPoolMemoryManager)

@@ -30,6 +30,7 @@ batch invariant end to end (docs/ENGINE.md, "Tensor cores").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -97,6 +98,20 @@ class Recorder:
             return self.calls
         finally:
             self.calls = None
+
+
+@contextlib.contextmanager
+def eager_forwards(model):
+    """Inside the block the model's forwards run eagerly, never through a CUDA graph, but with
+    the graphs' split plan (the cache's capacity), so they give a replay's numbers."""
+    graphs = model.graphs
+    if graphs is not None:
+        graphs.call = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        if graphs is not None:
+            del graphs.call
 
 
 def rows(a: np.ndarray, bs: int, n: int):
@@ -176,28 +191,24 @@ def probe(model, n: int, prefix: int, seed: int = 0, batch: int = 1,
 
     def causal(k):
         return np.broadcast_to(np.tril(np.ones((k, k), bool)), (batch, k, k))
-    graphs = model.graphs
-    if graphs is not None:          # eager calls, but with the graphs' split plan
-        model.graphs.call = lambda *a, **k: None
     recorder = Recorder(model.backend)
     try:
-        # the verify's cache twice the decodes' capacity, as DDTree's exceeds AR's (tree slots)
-        caches = [model.new_cache(batch, k * (prefix + nodes) + 16) for k in (1, 2)]
-        for cache in caches:
-            model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal(prefix))
-            cache.advance([prefix] * batch)
-        decodes = []
-        for p in range(prefix, prefix + n):
-            decodes.append(recorder.run(lambda: model.forward(
-                tokens[:, p:p + 1], positions[:, p:p + 1], caches[0], causal(1))))
-            caches[0].advance([1] * batch)
-        verify = recorder.run(lambda: model.forward(
-            tree_tokens, np.tile(tree_pos, (batch, 1)), caches[1],
-            np.broadcast_to(tree_vis, (batch, nodes, nodes))))
+        with eager_forwards(model):
+            # the verify's cache twice the decodes' capacity, as DDTree's exceeds AR's
+            caches = [model.new_cache(batch, k * (prefix + nodes) + 16) for k in (1, 2)]
+            for cache in caches:
+                model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal(prefix))
+                cache.advance([prefix] * batch)
+            decodes = []
+            for p in range(prefix, prefix + n):
+                decodes.append(recorder.run(lambda: model.forward(
+                    tokens[:, p:p + 1], positions[:, p:p + 1], caches[0], causal(1))))
+                caches[0].advance([1] * batch)
+            verify = recorder.run(lambda: model.forward(
+                tree_tokens, np.tile(tree_pos, (batch, 1)), caches[1],
+                np.broadcast_to(tree_vis, (batch, nodes, nodes))))
     finally:
         recorder.close()
-        if graphs is not None:
-            del model.graphs.call
     if len({len(d) for d in decodes} | {len(verify)}) != 1:
         raise RuntimeError("the decode and verify forwards called different ops: "
                            f"{[len(d) for d in decodes]} vs {len(verify)}")

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 from engine_roof import HBM_BYTES_PER_S  # noqa: E402
-from probe_batch_invariance import Recorder, build_model  # noqa: E402
+from probe_batch_invariance import Recorder, build_model, eager_forwards  # noqa: E402
 
 from kdtree_numba.graphs import GraphCache  # noqa: E402
 from kdtree_numba.model import causal_mask  # noqa: E402
@@ -50,28 +50,20 @@ def gpu_us(launch, replays: int) -> float:
     return cupy.cuda.get_elapsed_time(start, end) * 1e3 / replays
 
 
-def weight_bytes(name, args) -> int | None:
+def weight_bytes(name, args, to_host=np.asarray) -> int | None:
     """Bytes of weights the call must read: linear's weight; moe_ffn's experts that its
-    routing selects (host read of the indices) plus the shared expert; else None."""
+    routing selects (indices read through ``to_host``, the backend's) plus the shared expert;
+    else None."""
     if name == "linear":
         return int(args[1].nbytes)
     if name == "moe_ffn":
-        idx, gate_up, down = _host(args[1]), args[3], args[4]
+        idx, gate_up, down = np.asarray(to_host(args[1])), args[3], args[4]
         per_expert = (gate_up.nbytes + down.nbytes) // gate_up.shape[0]
         total = len(np.unique(idx)) * per_expert
         if len(args) > 6 and args[5] is not None:
             total += args[5].nbytes + args[6].nbytes
         return int(total)
     return None
-
-
-def _host(a) -> np.ndarray:
-    """A NumPy copy of a host, CuPy or numba array."""
-    if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "copy_to_host"):
-        return a.copy_to_host()
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def shape_label(name, args) -> str:
@@ -84,7 +76,8 @@ def shape_label(name, args) -> str:
 
 
 def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
-    """(rows per op call: name, label, us, weight bytes; the whole forward's replay us)."""
+    """(rows per op call: name, label, us, weight bytes; the whole forward's us, eager and
+    replayed)."""
     cfg = model.config
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, (1, prefix + n))
@@ -93,24 +86,20 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
     model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
     cache.advance([prefix])
     args = (tokens[:, prefix:], positions[:, prefix:], cache, causal_mask(n))
-    graphs = model.graphs
-    if graphs is not None:
-        graphs.call = lambda *a, **k: None        # the recorded forward runs eagerly
     recorder = Recorder(model.backend,
                         entry=lambda name, fn, a, kw, out: (name, fn, a, kw))  # to replay it
     try:
-        calls = recorder.run(lambda: model.forward(*args))
+        with eager_forwards(model):
+            calls = recorder.run(lambda: model.forward(*args))
     finally:
         recorder.close()
-        if graphs is not None:
-            del graphs.call
     single = GraphCache(model.backend)
     rows = []
     for i, (name, fn, a, kw) in enumerate(calls):
         key = ("op", i)
         for _ in range(2):       # seen (the recorded forward compiled it), then captured
             single.call(key, lambda: fn(*a, **kw), [], [])
-        label, nbytes = shape_label(name, a), weight_bytes(name, a)
+        label, nbytes = shape_label(name, a), weight_bytes(name, a, model.backend.to_host)
         try:
             us = gpu_us(lambda: single.replay(key), replays)
         except KeyError:                         # capture failed: eager (host time inside)
@@ -118,7 +107,7 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
             name += " (eager)"
         rows.append((name, label, us, nbytes))
     whole = {"eager": eager_us(model, args)}
-    if graphs is not None:
+    if model.graphs is not None:
         for _ in range(2):       # the engine's path: eager, then captured
             model.forward(*args)
         whole["replayed"] = gpu_us(lambda: model.forward(*args), replays)
@@ -131,10 +120,7 @@ def eager_us(model, args, repeats: int = 3) -> float:
     import time
 
     import cupy
-    graphs = model.graphs
-    if graphs is not None:
-        graphs.call = lambda *a, **k: None
-    try:
+    with eager_forwards(model):
         model.forward(*args)
         cupy.cuda.Device().synchronize()
         start = time.perf_counter()
@@ -142,9 +128,6 @@ def eager_us(model, args, repeats: int = 3) -> float:
             model.forward(*args)
         cupy.cuda.Device().synchronize()
         return (time.perf_counter() - start) / repeats * 1e6
-    finally:
-        if graphs is not None:
-            del graphs.call
 
 
 def print_table(rows, whole, title: str) -> None:

@@ -231,6 +231,8 @@ def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream, kernel_kind
     read transposed): check that kv_b_proj has H*(dn+dv) rows (``part``, "dn" or "dv", names
     the checked width), stage the inputs and run one GEMM per head into out [bs, n, H, n_out].
     """
+    if kernel_kind not in ("auto", "stream", "tiled"):
+        raise ValueError(f"kernel_kind must be auto, stream or tiled, got {kernel_kind!r}")
     bs, n, heads = x.shape[:3]
     rows = kv_b_proj.shape[0]
     per_head = rows // heads
@@ -244,8 +246,6 @@ def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream, kernel_kind
     if out is None:
         out = cuda.device_array((bs, n, heads, n_out), np.float32, stream=stream)
     b_off = per_head - n_out if uv else 0
-    if kernel_kind not in ("auto", "stream", "tiled"):
-        raise ValueError(f"kernel_kind must be auto, stream or tiled, got {kernel_kind!r}")
     _run_head_gemm(a2, k, w, per_head, b_off, uv, out.reshape(tokens, heads * n_out), n_out,
                    tokens, n_out, k, heads, stream, kernel_kind)
     return out

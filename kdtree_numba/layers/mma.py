@@ -99,6 +99,16 @@ class MmaConfig:
     def smem_bytes(self) -> int:
         return self.stages * self.stage_bytes
 
+    @property
+    def x_chunks(self) -> int:
+        """16-byte x chunks each thread stages per K stage (whole: __post_init__ checks)."""
+        return self.bm * self.bk // 8 // self.threads
+
+    @property
+    def w_chunks(self) -> int:
+        """16-byte weight chunks each thread stages per K stage."""
+        return self.bn * self.bk // 8 // self.threads
+
     def __post_init__(self):
         if (min(self.wm, self.wn, self.tm, self.tn, self.splits) < 1 or self.bk % PANEL
                 or self.bk <= 0 or self.threads > 1024 or not 2 <= self.stages <= 4
@@ -286,8 +296,7 @@ def ring_function(cfg: MmaConfig):
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
     B_BASE = STAGES * A_STAGE                              # the weight ring after the x ring
-    XC = BM * BK // 8 // THREADS                           # x chunks per thread and stage
-    WC = BN * BK // 8 // THREADS                           # weight chunks per thread and stage
+    XC, WC = cfg.x_chunks, cfg.w_chunks                    # 16-byte chunks per thread, stage
     PENDING = STAGES - 2                                   # groups left in flight by the wait
 
     @inline_device_function
@@ -360,8 +369,7 @@ def _mma_kernel_for(cfg: MmaConfig):
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     run_ring = ring_function(cfg)
-    XC = BM * BK // 8 // THREADS
-    WC = BN * BK // 8 // THREADS
+    XC, WC = cfg.x_chunks, cfg.w_chunks
     NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment

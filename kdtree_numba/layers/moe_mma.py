@@ -82,8 +82,7 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     HALF_TN = TN // 2
     run_ring = ring_function(cfg)
-    XC = BM * BK // 8 // THREADS
-    WC = BN * BK // 8 // THREADS
+    XC, WC = cfg.x_chunks, cfg.w_chunks
     NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
     COLS = BN // 2 if gate_up else BN                      # output columns per block
     ZERO = float32(0.0)
