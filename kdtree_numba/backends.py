@@ -252,16 +252,19 @@ def _device_result_converter(on_gpu: bool):
     return is_sim_device, lambda x: x.copy_to_host()
 
 
-def _wrapper(fn, convert, launch):
+def _wrapper(fn, convert, launch, on_gpu: bool):
     """``fn`` with its device results converted and ``launch.stream``, when set, passed as the
-    ``stream=`` every numba op takes (Backend.on_stream)."""
+    ``stream=`` every numba op takes (Backend.on_stream).  On a GPU the op runs with numba's
+    context attached (``require_context``): numba asks the driver for the current context
+    once per op instead of in each of its array calls (slices, views) inside."""
     if "stream" not in inspect.signature(fn).parameters:
         raise TypeError(f"numba op {fn.__name__} takes no stream= argument")
+    op = numba_cuda.require_context(fn) if on_gpu else fn
 
     def wrapped(*args, **kwargs):
         if launch.stream is not None:
             kwargs.setdefault("stream", launch.stream)
-        return convert(fn(*args, **kwargs))
+        return convert(op(*args, **kwargs))
     wrapped.__name__ = getattr(fn, "__name__", "op")
     wrapped.__doc__ = getattr(fn, "__doc__", None)
     wrapped.__wrapped__ = fn
@@ -274,7 +277,7 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
     def convert(x):
         return map_arrays(to_xp, x, is_device)
 
-    ops = {name: _wrapper(getattr(module, name), convert, launch)
+    ops = {name: _wrapper(getattr(module, name), convert, launch, on_gpu)
            for module, names in ((numba_layers, LAYER_OPS), (numba_attention, ATTENTION_OPS),
                                  (numba_ddtree, DDTREE_OPS))
            for name in names}

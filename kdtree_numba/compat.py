@@ -1,6 +1,6 @@
 """The one place that knows how numba.cuda runs here.  Every kernel module imports it first.
 
-Four jobs (docs/ARCHITECTURE.md, "Where code runs"):
+Five jobs (docs/ARCHITECTURE.md, "Where code runs"):
 
 1. numba-cuda 0.30.4 calls ``np.row_stack`` while compiling, and numpy >= 2.5 removed it.
    The H200 image ships numpy 2.5, so without the alias below every first kernel compile
@@ -13,6 +13,9 @@ Four jobs (docs/ARCHITECTURE.md, "Where code runs"):
 4. Where CuPy is installed (the GPU extra), serve numba's device allocations from CuPy's
    memory pool (kdtree_numba/gpu/pool.py: driver allocations and frees made an eager forward
    host-bound); ``KDTREE_NUMBA_POOL=0`` opts out.
+5. On a GPU, launch kernels without numba's per-call typing and array wrapping
+   (kdtree_numba/gpu/launch.py; ``KDTREE_FAST_LAUNCH=0`` opts out), and wrap CuPy arrays as
+   numba arrays without a driver call (:func:`to_device`).
 """
 from __future__ import annotations
 
@@ -27,25 +30,30 @@ if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls 
 from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
 
 __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_kernels",
-           "kernel", "device_function", "to_device", "is_device_array", "NoDeviceError"]
+           "kernel", "device_function", "to_device", "device_empty", "is_device_array",
+           "NoDeviceError"]
 
 SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
-def _install_cupy_pool() -> None:
+def _install_cupy_pool():
     """Job 4: numba's device allocations from CuPy's pool, where CuPy imports (a broken CuPy
-    keeps numba's own allocator rather than failing every allocation)."""
+    keeps numba's own allocator rather than failing every allocation).  CuPy's array class
+    when installed, else None."""
     if SIMULATOR or os.environ.get("KDTREE_NUMBA_POOL", "1") == "0":
-        return
+        return None
     try:
-        import cupy  # noqa: F401
+        import cupy
     except Exception:          # not installed, or broken
-        return
+        return None
     from kdtree_numba.gpu.pool import CupyPoolMemoryManager
     cuda.set_memory_manager(CupyPoolMemoryManager)
+    return cupy
 
 
-_install_cupy_pool()
+# CuPy where numba allocates from its pool: to_device and device_empty then build numba arrays
+# over CuPy memory directly (job 5)
+_CUPY = _install_cupy_pool()
 
 # KDTREE_CUDA_LINEINFO=1 compiles every kernel with source line info, so compute-sanitizer and
 # ncu name the Python line of a fault (code generation is otherwise unchanged).
@@ -104,7 +112,14 @@ def kernel(fn=None, **options):
 def _jit(fn, options: dict):
     options = _filter_options(options)
     # no GPU, nothing will compile: no cache directory made, no source hashed at import
-    if SIMULATOR or options.get("device") or "cache" in options or not gpu_available():
+    if SIMULATOR or options.get("device") or not gpu_available():
+        return cuda.jit(**options)(fn)
+    return _fast_launches(_cached_jit(fn, options))
+
+
+def _cached_jit(fn, options: dict):
+    """A GPU kernel's dispatcher, on the disk cache unless the caller chose ``cache``."""
+    if "cache" in options:
         return cuda.jit(**options)(fn)
     from kdtree_numba.kernel_cache import cache_dir, stable_cache_for
     if cache_dir() is None:
@@ -114,6 +129,15 @@ def _jit(fn, options: dict):
     except RuntimeError:      # numba found no file to key this function on: compile per process
         return cuda.jit(**options)(fn)
     return stable_cache_for(dispatcher)
+
+
+def _fast_launches(dispatcher):
+    """Job 5: the kernel launched through kdtree_numba/gpu/launch.py (``KDTREE_FAST_LAUNCH=0``:
+    numba's own launch path)."""
+    if os.environ.get("KDTREE_FAST_LAUNCH", "1") == "0":
+        return dispatcher
+    from kdtree_numba.gpu.launch import FastKernel
+    return FastKernel(dispatcher)
 
 
 def device_function(fn=None, **options):
@@ -152,6 +176,12 @@ def to_device(x, stream=0):
         return cuda.to_device(_host_c_contiguous(x), stream=stream)
     if cuda.devicearray.is_cuda_ndarray(x):
         return x
+    if _CUPY is not None and type(x) is _CUPY.ndarray and min(x.strides, default=0) >= 0:
+        # a C-contiguous CuPy array may carry any stride on a length-1 axis (numpy's relaxed
+        # rule); numba would call that array non-contiguous (and its kernels would fall back
+        # to scalar loads), so it gets the canonical strides, as its array interface gives
+        strides = _c_strides(x.shape, x.itemsize) if x.flags.c_contiguous else x.strides
+        return _numba_array(x.shape, strides, x.dtype, x.data.ptr, owner=x)
     if cuda.is_cuda_array(x):
         # sync=False: rely on stream order; the default syncs the producing stream, which is
         # illegal inside a CUDA-graph capture and a needless host wait everywhere else.
@@ -160,5 +190,44 @@ def to_device(x, stream=0):
 
 
 def device_empty(shape, dtype, stream=0):
+    """An uninitialised C-contiguous numba device array.  Where numba allocates from CuPy's
+    pool (job 4), the block is taken from CuPy directly: the same memory, without numba's
+    allocation bookkeeping (job 5)."""
     require_kernels()
-    return cuda.device_array(shape, dtype=dtype, stream=stream)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    if _CUPY is None:
+        return cuda.device_array(shape, dtype=dtype, stream=stream)
+    dtype = np.dtype(dtype)
+    strides = _c_strides(shape, dtype.itemsize)
+    block = _CUPY.cuda.alloc(max(1, int(np.prod(shape))) * dtype.itemsize)
+    return _numba_array(shape, strides, dtype, block.ptr, owner=block)
+
+
+def _c_strides(shape, itemsize: int) -> tuple:
+    """The C-contiguous strides of ``shape`` (numba's canonical ones)."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def _numba_array(shape, strides, dtype, pointer: int, owner):
+    """A numba device array over device memory ``pointer`` that ``owner`` keeps alive: what
+    ``cuda.as_cuda_array`` builds, without its driver call (a pointer query, to check the
+    memory's context: CuPy's memory is in the one context numba shares with it) nor a stream
+    (stream order is the caller's, as everywhere here).  Strides must be non-negative."""
+    from numba.cuda.cudadrv import driver
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    dtype = np.dtype(dtype)
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize \
+        if all(shape) else 0
+    memory = driver.MemoryPointer(_context(), driver.binding.CUdeviceptr(pointer), span,
+                                  owner=owner)
+    return DeviceNDArray(shape, strides, dtype, gpu_data=memory)
+
+
+@functools.cache
+def _context():
+    """numba's context on this process's one device (the primary context, CuPy's too)."""
+    return cuda.current_context()

@@ -1,7 +1,7 @@
 """Where a forward's GPU time goes: each op of one forward replayed alone in a CUDA graph.
 
     python3 tools/profile_ops.py [--size kimi-slice] [--gemm tensor-cores] [--n 1,33,128]
-                                 [--prefix 128] [--replays 20]
+                                 [--prefix 128] [--replays 20] [--host]
 
 tools/bench_engine.py gives a step's time beside its weight roof; this says which ops make the
 gap.  One forward of n tokens (n = 1: an AR decode; n > 1: a chain verify of n nodes) runs
@@ -16,6 +16,10 @@ eagerly (wall time, host launches inside: how a one-off shape such as a prompt's
 runs).  The replayed forward's difference from the sum of the ops is the CuPy glue between
 them (slices made contiguous, residual adds, the KV-cache write) and the forward's own
 copies.  GPU only.
+
+``--host`` instead says where an eager forward's *host* time goes: its wall time, then cProfile
+around three eager forwards of each n, the functions with the most own and cumulative time, and who calls the
+CUDA driver (numba's ``safe_cuda_api_call``), per forward.
 """
 from __future__ import annotations
 
@@ -75,17 +79,21 @@ def shape_label(name, args) -> str:
     return ""
 
 
-def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
-    """(rows per op call: name, label, us, weight bytes; the whole forward's us, eager and
-    replayed)."""
-    cfg = model.config
+def _forward_args(model, n: int, prefix: int, seed: int = 0) -> tuple:
+    """A forward of n random tokens after a prefill of ``prefix`` random tokens (run here)."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, cfg.vocab_size, (1, prefix + n))
+    tokens = rng.integers(0, model.config.vocab_size, (1, prefix + n))
     positions = np.arange(prefix + n)[None]
     cache = model.new_cache(1, prefix + n + 16)
     model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
     cache.advance([prefix])
-    args = (tokens[:, prefix:], positions[:, prefix:], cache, causal_mask(n))
+    return tokens[:, prefix:], positions[:, prefix:], cache, causal_mask(n)
+
+
+def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
+    """(rows per op call: name, label, us, weight bytes; the whole forward's us, eager and
+    replayed)."""
+    args = _forward_args(model, n, prefix, seed)
     recorder = Recorder(model.backend,
                         entry=lambda name, fn, a, kw, out: (name, fn, a, kw))  # to replay it
     try:
@@ -130,6 +138,33 @@ def eager_us(model, args, repeats: int = 3) -> float:
         return (time.perf_counter() - start) / repeats * 1e6
 
 
+def host_profile(model, n: int, prefix: int, repeats: int = 3, top: int = 25) -> None:
+    """Print cProfile's view of ``repeats`` eager forwards of ``n`` tokens (module docstring)."""
+    import cProfile
+    import io
+    import pstats
+
+    args = _forward_args(model, n, prefix)
+    print(f"\neager forward of {n} token(s) after {prefix}: {eager_us(model, args) / 1e3:.2f} ms "
+          "wall (no profiler)")
+    with eager_forwards(model):
+        model.forward(*args)                       # compiled and loaded before profiling
+        model.backend.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(repeats):
+            model.forward(*args)
+        model.backend.synchronize()
+        profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    print(f"\n## host profile: {repeats} eager forwards of {n} token(s) after {prefix}\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.print_callers("safe_cuda_api_call")
+    print("```\n" + out.getvalue() + "```")
+
+
 def print_table(rows, whole, title: str) -> None:
     groups = collections.OrderedDict()
     for name, label, us, nbytes in rows:
@@ -164,9 +199,14 @@ def main(argv=None):
     p.add_argument("--n", default="1,33,128", help="comma-separated forward widths")
     p.add_argument("--prefix", type=int, default=128)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--host", action="store_true",
+                   help="profile the eager forward's host time instead (module docstring)")
     args = p.parse_args(argv)
     model = build_model(args.size, args.gemm, "numba")
     for n in (int(v) for v in args.n.split(",")):
+        if args.host:
+            host_profile(model, n, args.prefix)
+            continue
         rows, whole = profile(model, n, args.prefix, args.replays)
         print_table(rows, whole, f"{args.size}, gemm={args.gemm}, forward of {n} token(s) "
                                  f"after {args.prefix}")

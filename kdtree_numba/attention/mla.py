@@ -123,13 +123,13 @@ class MlaAttentionPlan:
         self.attn = _attention_kernel(self.cfg)
         self.merge = _merge_kernel(r) if self.splits > 1 else None
         if self.splits > 1:
-            self.part_o = cuda.device_array((bs, self.splits, self.n_rows, r), np.float32,
-                                            stream=stream)
-            self.part_ml = cuda.device_array((bs, self.splits, self.n_rows, 2), np.float32,
-                                             stream=stream)
+            self.part_o = compat.device_empty((bs, self.splits, self.n_rows, r), np.float32,
+                                              stream)
+            self.part_ml = compat.device_empty((bs, self.splits, self.n_rows, 2), np.float32,
+                                               stream)
         else:  # unused by the kernel, but typed arguments must exist
-            self.part_o = cuda.device_array((1, 1, 1, 4), np.float32, stream=stream)
-            self.part_ml = cuda.device_array((1, 1, 1, 2), np.float32, stream=stream)
+            self.part_o = compat.device_empty((1, 1, 1, 4), np.float32, stream)
+            self.part_ml = compat.device_empty((1, 1, 1, 2), np.float32, stream)
 
     def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None):
         """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's)."""
@@ -142,7 +142,7 @@ class MlaAttentionPlan:
         prefix_d = to_device(_as_int32(prefix_len), st)
         visible_d = to_device(_as_bool(visible), st)
         if out is None:
-            out = cuda.device_array((bs, n, heads, r), np.float32, stream=st)
+            out = compat.device_empty((bs, n, heads, r), np.float32, st)
         out3 = out.reshape(bs, self.n_rows, r)
         direct = self.splits == 1
         args = (q_abs3, q_pe3, ckv_d, kpe_d, prefix_d, visible_d, np.float32(tau), np.int64(n),

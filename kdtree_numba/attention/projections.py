@@ -244,7 +244,7 @@ def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream, kernel_kind
     a2 = to_device(_f32(x), stream).reshape(tokens, heads * k)
     w = to_device(_f32(kv_b_proj), stream)
     if out is None:
-        out = cuda.device_array((bs, n, heads, n_out), np.float32, stream=stream)
+        out = compat.device_empty((bs, n, heads, n_out), np.float32, stream)
     b_off = per_head - n_out if uv else 0
     _run_head_gemm(a2, k, w, per_head, b_off, uv, out.reshape(tokens, heads * n_out), n_out,
                    tokens, n_out, k, heads, stream, kernel_kind)

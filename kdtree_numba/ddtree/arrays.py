@@ -15,7 +15,7 @@ Its reference twins are the records and checks both sides share: reference/ddtre
 reference/ddtree/checks.py.  What is checked on the host and what is the caller's promise:
 docs/DDTREE.md, "The numba twin's boundary".
 """
-from kdtree_numba.compat import cuda, to_device, SIMULATOR
+from kdtree_numba.compat import to_device, SIMULATOR
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def outputs(out, specs, stream) -> list:
     ``out`` (a sequence of device arrays, checked against the specs on the host).  Passing
     ``out`` makes a call allocation-free, so it can sit inside a captured CUDA graph."""
     if out is None:
-        return [cuda.device_array(shape, dtype=dtype, stream=stream) for _, shape, dtype in specs]
+        return [compat.device_empty(shape, dtype, stream) for _, shape, dtype in specs]
     out = list(out)
     if len(out) != len(specs):
         raise ValueError(f"out must hold {len(specs)} arrays, got {len(out)}")

@@ -531,7 +531,7 @@ def _scratch(name: str, shape, dtype, stream):
     share it: serialise them (one stream), as a decode loop does."""
     key = (name, tuple(shape), np.dtype(dtype).str)
     if key not in _SCRATCH:
-        _SCRATCH[key] = cuda.device_array(shape, dtype=dtype, stream=stream)
+        _SCRATCH[key] = compat.device_empty(shape, dtype, stream)
     return _SCRATCH[key]
 
 

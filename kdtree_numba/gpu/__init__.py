@@ -14,7 +14,9 @@ version:
   ``FULL_MASK``);
 * ``reduce``     -- block, shared-memory tree and lane-group reductions, barrier helpers;
 * ``tensorcore`` -- TF32 conversion and ``mma.sync`` m16n8k8;
-* ``pool``       -- numba's device allocations from CuPy's memory pool (installed by compat).
+* ``pool``       -- numba's device allocations from CuPy's memory pool (installed by compat);
+* ``launch``     -- kernel launches without numba's per-call host work (compat wraps each
+  kernel on a GPU).
 
 Import from the module (``from kdtree_numba.gpu.memory import load_f32x4``); this package
 imports nothing itself, so using one kind does not load the others.

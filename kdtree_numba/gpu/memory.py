@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
+from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
@@ -355,7 +356,6 @@ cp_async_strided = _cp_async_strided_fn()
 
 
 MAX_SHARED_BYTES = 232448      # sm_90's opt-in dynamic shared memory per block (227 KiB)
-STATIC_SHARED_BYTES = 48 * 1024  # a block's shared memory without the opt-in (static arrays)
 _LARGE_SHARED_READY = set()
 
 
@@ -366,8 +366,8 @@ def allow_large_shared_memory(dispatcher, args, nbytes):
     numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
     itself; without this such a launch fails with CUDA_ERROR_INVALID_VALUE.
     """
-    if SIMULATOR or nbytes <= STATIC_SHARED_BYTES:
-        return
+    if SIMULATOR or nbytes <= STATIC_SHARED_BYTES or isinstance(dispatcher, FastKernel):
+        return                # a FastKernel raises the limit itself, once per compiled kernel
     argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
     key = (id(dispatcher), argtypes, nbytes)
     if key in _LARGE_SHARED_READY:

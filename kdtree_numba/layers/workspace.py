@@ -12,7 +12,7 @@ import functools
 import numpy as np
 
 from kdtree_numba import compat
-from kdtree_numba.compat import SIMULATOR, cuda, to_device
+from kdtree_numba.compat import SIMULATOR, to_device
 from kdtree_numba.layers.common import CHUNK
 
 __all__ = ["Workspace", "workspace_buffer", "device_empty", "result_array", "weight_kind",
@@ -45,9 +45,8 @@ def workspace_buffer(workspace, name, shape, dtype, stream):
 
 
 def device_empty(shape, dtype, stream=0):
-    """An uninitialised device array (numba)."""
-    compat.require_kernels()
-    return cuda.device_array(tuple(int(s) for s in shape), dtype=dtype, stream=stream)
+    """An uninitialised device array (numba; compat.device_empty)."""
+    return compat.device_empty(shape, dtype, stream)
 
 
 def result_array(out, shape, dtype, stream=0):
