@@ -20,6 +20,7 @@ Five jobs (docs/ARCHITECTURE.md, "Where code runs"):
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -199,8 +200,8 @@ def device_empty(shape, dtype, stream=0):
         return cuda.device_array(shape, dtype=dtype, stream=stream)
     dtype = np.dtype(dtype)
     strides = _c_strides(shape, dtype.itemsize)
-    block = _CUPY.cuda.alloc(max(1, int(np.prod(shape))) * dtype.itemsize)
-    return _numba_array(shape, strides, dtype, block.ptr, owner=block)
+    block = _CUPY.cuda.alloc(max(1, math.prod(shape)) * dtype.itemsize)
+    return _numba_array(shape, strides, dtype, block.ptr, owner=block, stream=stream)
 
 
 def _c_strides(shape, itemsize: int) -> tuple:
@@ -212,11 +213,11 @@ def _c_strides(shape, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
-def _numba_array(shape, strides, dtype, pointer: int, owner):
-    """A numba device array over device memory ``pointer`` that ``owner`` keeps alive: what
-    ``cuda.as_cuda_array`` builds, without its driver call (a pointer query, to check the
-    memory's context: CuPy's memory is in the one context numba shares with it) nor a stream
-    (stream order is the caller's, as everywhere here).  Strides must be non-negative."""
+def _numba_array(shape, strides, dtype, pointer: int, owner, stream=0):
+    """A numba device array over device memory ``pointer`` that ``owner`` keeps alive, bound
+    to ``stream`` (its default for copies, as ``cuda.device_array(stream=)`` binds it).
+    ``cuda.as_cuda_array`` would also ask the driver which context owns the pointer: CuPy's
+    memory is in the one context numba shares with it.  Strides must be non-negative."""
     from numba.cuda.cudadrv import driver
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     dtype = np.dtype(dtype)
@@ -224,10 +225,13 @@ def _numba_array(shape, strides, dtype, pointer: int, owner):
         if all(shape) else 0
     memory = driver.MemoryPointer(_context(), driver.binding.CUdeviceptr(pointer), span,
                                   owner=owner)
-    return DeviceNDArray(shape, strides, dtype, gpu_data=memory)
+    return DeviceNDArray(shape, strides, dtype, stream=stream, gpu_data=memory)
 
 
 @functools.cache
 def _context():
-    """numba's context on this process's one device (the primary context, CuPy's too)."""
+    """numba's context on this process's one device (the primary context, CuPy's too).
+    Cached for the process: after ``cuda.close()`` numba makes a new one, and arrays built
+    here would name the old (harmless for views over CuPy memory, which numba never frees);
+    nothing here closes contexts."""
     return cuda.current_context()

@@ -20,7 +20,8 @@ decoding round, kdtree_numba/steps.py):
 * **Outputs** are copied out after each replay, so callers may keep them across calls (a
   drafter keeps its L rows); the copy is one small device-to-device kernel.
 * **Memory**: everything the captured work allocates lives as long as its graph: CuPy glue
-  allocates from a pool private to the graphs, numba's allocations are recorded while
+  and the ops' own arrays (compat.device_empty takes CuPy blocks where CuPy is installed)
+  allocate from a pool private to the graphs, numba's own allocations are recorded while
   capturing (the memory manager's ``memalloc`` is wrapped), and the owner's ``before_capture``
   hook drops what would otherwise outlive the capture (the model rebuilds attention's plans
   inside it, so their scratch is recorded too).  With numba's own allocator its frees are

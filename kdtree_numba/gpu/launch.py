@@ -19,27 +19,38 @@ device arrays and CuPy arrays alike; scalars become the ctypes value of the type
 compiled for.  What this path cannot pack (host arrays, which numba copies to the device and
 back; records; tuples; a debug or cooperative kernel) keeps numba's path for that signature.
 
-The signature is as fine as numba's typing or finer: numba types a CuPy array from its
-``__cuda_array_interface__`` (dtype, rank, and a layout read from the strides) and a numba
-array from its ``_numba_type_`` (dtype, rank, C/F/A contiguity), so two arrays with one
-signature here always get the same numba type.  Python ints are taken as numba types them,
-int64 (the kernels here never receive one past 2^63).
+The signature is as fine as numba's typing or finer: numba types a CuPy array through DLPack
+(dtype, rank, and a C/F/A layout from CuPy's contiguity) and a numba array from its
+``_numba_type_`` (dtype, rank, C/F contiguity, broadcast axes), and the signature holds those
+very facts; a Python int is int64 to numba unless it needs uint64, and the signature says which.
+tests/test_launch.py checks that equal signatures mean equal numba types over every stride
+pattern of small numba arrays.
+
+Streams: a launch goes on the stream it names, like numba's.  Numba's path also makes that
+stream wait for CuPy's current stream when an argument is a CuPy array (through DLPack); here
+every launch with CuPy arguments on a stream other than CuPy's current one takes numba's path,
+so that ordering is kept.  (The ops here launch on CuPy's current stream: the legacy stream,
+or the one ``Backend.on_stream`` makes current for a capture.)
 
 Dynamic shared memory past 48 KiB: cuda.core does not raise the per-function limit, so a
-launch asking for more sets ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` on the compiled
-kernel first (once per kernel and size).
+launch asking for more first raises ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` of the
+compiled kernel (:func:`allow_dynamic_shared`: per compiled function, only ever upwards, so
+two signatures sharing one compiled kernel cannot lower each other's limit).
 
 Only a real GPU uses this (kdtree_numba/compat.py wraps each kernel there); the CUDA simulator
 keeps numba's dispatcher.  One device per process, as everywhere in this package: a compiled
-kernel is loaded once, on the device current at its first launch.
+kernel is loaded once, on the device current at its first launch, and launches expect a
+current CUDA context (the backend's ops attach numba's; any CuPy or numba call before makes
+one current).
 """
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import numpy as np
 
-__all__ = ["FastKernel", "STATIC_SHARED_BYTES"]
+__all__ = ["FastKernel", "STATIC_SHARED_BYTES", "allow_dynamic_shared"]
 
 STATIC_SHARED_BYTES = 48 * 1024   # a block's dynamic shared memory without the opt-in
 
@@ -68,6 +79,10 @@ class _Runtime:
         self.cupy_ndarray = _cupy_ndarray()
         self.configs: dict = {}   # (grid, block, shared) -> LaunchConfig
         self.streams: dict = {}   # stream handle -> cuda.core stream
+        self.shared_ok: dict = {}  # (function handle, device) -> dynamic shared bytes allowed
+        if self.cupy_ndarray is not None:
+            import cupy
+            self.current_stream = cupy.cuda.get_current_stream
 
 
 _RT: _Runtime | None = None
@@ -80,13 +95,23 @@ def _runtime() -> _Runtime:
     return _RT
 
 
+_INT64, _UINT64 = range(-2 ** 63, 2 ** 63), range(2 ** 64)
+
+
 def _signature(args, rt: _Runtime):
     """The argument signature (module docstring), or None when an argument is neither a
     device array this path packs nor a scalar."""
     key = []
     for a in args:
         t = type(a)
-        if t is rt.cupy_ndarray:
+        if t is int:                    # numba: int64, else uint64, else it refuses it
+            if a in _INT64:
+                key.append((int, 64))
+            elif a in _UINT64:
+                key.append((int, "u64"))
+            else:
+                return None
+        elif t is rt.cupy_ndarray:
             f = a.flags
             key.append((t, a.dtype.char, a.ndim, f.c_contiguous, f.f_contiguous))
         elif isinstance(a, rt.DeviceNDArray):
@@ -95,7 +120,7 @@ def _signature(args, rt: _Runtime):
             f = a.flags
             key.append((rt.DeviceNDArray, a.dtype, a.ndim, f["C_CONTIGUOUS"], f["F_CONTIGUOUS"],
                         a.size != 0 and 0 in a.strides))
-        elif t in (int, float, bool) or isinstance(a, np.generic):   # numpy scalars too
+        elif t is float or t is bool or isinstance(a, np.generic):   # numpy scalars too
             key.append(t)
         else:
             return None
@@ -128,20 +153,28 @@ def _scalar_packer(ty, rt: _Runtime):
     return lambda v, params: params.append(convert(v))
 
 
+def allow_dynamic_shared(cufunc, nbytes: int) -> None:
+    """Let the compiled function ``cufunc`` (numba's, of a ``_Kernel``) launch with ``nbytes``
+    of dynamic shared memory: its limit raised past 48 KiB when needed, never lowered."""
+    if nbytes <= STATIC_SHARED_BYTES:
+        return
+    rt = _RT or _runtime()
+    key = (int(cufunc.handle), cufunc.device.id)
+    if nbytes <= rt.shared_ok.get(key, STATIC_SHARED_BYTES):
+        return
+    attr = rt.driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    rt.driver.driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+    rt.shared_ok[key] = nbytes
+
+
 class _Compiled:
-    """One compiled kernel under one argument signature: its cuda.core kernel and packers."""
-    __slots__ = ("function", "handle", "device", "packers", "shared_ok")
+    """One compiled kernel under one argument signature: its function, packers, and whether
+    an argument is a CuPy array (the stream check of the module docstring)."""
+    __slots__ = ("cufunc", "function", "packers", "has_cupy")
 
-    def __init__(self, cufunc, packers):
-        self.function = cufunc.kernel
-        self.handle, self.device = cufunc.handle, cufunc.device.id
-        self.packers = packers
-        self.shared_ok = STATIC_SHARED_BYTES   # dynamic shared bytes allowed so far
-
-    def allow_shared(self, nbytes: int, rt: _Runtime) -> None:
-        attr = rt.driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        rt.driver.driver.cuKernelSetAttribute(attr, nbytes, self.handle, self.device)
-        self.shared_ok = nbytes
+    def __init__(self, cufunc, packers, has_cupy: bool):
+        self.cufunc, self.function = cufunc, cufunc.kernel
+        self.packers, self.has_cupy = packers, has_cupy
 
 
 class FastKernel:
@@ -163,6 +196,8 @@ class FastKernel:
         raise ValueError("a kernel needs a launch configuration: kernel[grid, block](...)")
 
     def __getattr__(self, name):
+        if name == "dispatcher":       # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.dispatcher, name)
 
     def __repr__(self):
@@ -174,14 +209,16 @@ class FastKernel:
         if shared > STATIC_SHARED_BYTES:
             # numba would launch before anything could raise the limit: compile first
             argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in args)
-            cufunc = self.dispatcher.compile(argtypes)._codelibrary.get_cufunc()
-            _Compiled(cufunc, ()).allow_shared(shared, rt)
+            allow_dynamic_shared(self.dispatcher.compile(argtypes)._codelibrary.get_cufunc(),
+                                 shared)
         self.dispatcher[grid, block, stream, shared](*args)
         if signature is None:
             return
         argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in args)
         kernel = self.dispatcher.overloads.get(argtypes)
-        if kernel is None or kernel.debug or kernel.cooperative:
+        if (kernel is None or kernel.debug or kernel.cooperative
+                or getattr(kernel, "launch_config_sensitive", False)
+                or self.dispatcher.targetoptions.get("extensions")):
             self._compiled[signature] = _NUMBA_PATH
             return
         packers = []
@@ -194,10 +231,8 @@ class FastKernel:
                     self._compiled[signature] = _NUMBA_PATH
                     return
                 packers.append(packer)
-        compiled = _Compiled(kernel._codelibrary.get_cufunc(), tuple(packers))
-        if shared > STATIC_SHARED_BYTES:
-            compiled.shared_ok = shared
-        self._compiled[signature] = compiled
+        self._compiled[signature] = _Compiled(kernel._codelibrary.get_cufunc(), tuple(packers),
+                                              _pack_cupy in packers)
 
 
 class _Launch:
@@ -212,17 +247,18 @@ class _Launch:
         kernel, shared = self.kernel, self.shared
         signature = _signature(args, rt)
         compiled = kernel._compiled.get(signature) if signature is not None else None
-        if compiled is None or compiled is _NUMBA_PATH:
+        stream = _core_stream(self.stream, rt)
+        if compiled is None or compiled is _NUMBA_PATH or (
+                compiled.has_cupy and int(stream.handle) != rt.current_stream().ptr):
             kernel._through_numba(args, signature if compiled is None else None, self.grid,
                                   self.block, self.stream, shared, rt)
             return
         params: list = []
         for pack, a in zip(compiled.packers, args):
             pack(a, params)
-        if shared > compiled.shared_ok:
-            compiled.allow_shared(shared, rt)
-        rt.launch(_core_stream(self.stream, rt), _launch_config(self.grid, self.block, shared, rt),
-                  compiled.function, *params)
+        allow_dynamic_shared(compiled.cufunc, shared)
+        rt.launch(stream, _launch_config(self.grid, self.block, shared, rt), compiled.function,
+                  *params)
 
 
 def _launch_config(grid, block, shared, rt: _Runtime):
@@ -237,17 +273,26 @@ def _launch_config(grid, block, shared, rt: _Runtime):
 
 
 def _dim3(d) -> tuple:
+    """A grid or block as numba takes it (an int, or 1 to 3 ints) padded to three."""
     d = (d,) if not isinstance(d, tuple) else d
     if not 1 <= len(d) <= 3:
         raise ValueError(f"a grid or block has 1 to 3 dimensions, got {d!r}")
-    return tuple(int(v) for v in d) + (1,) * (3 - len(d))
+    return tuple(operator.index(v) for v in d) + (1,) * (3 - len(d))
 
 
 def _core_stream(stream, rt: _Runtime):
-    """numba's stream argument (0, or a numba stream) as the cuda.core stream numba itself
-    would launch on (``driver._to_core_stream``), cached by handle."""
-    handle = int(stream) if stream else 0
+    """numba's stream argument as the cuda.core stream numba itself would launch on
+    (``driver._to_core_stream``): 0 and numba streams cached by handle (the wrappers own
+    nothing, so a reused handle is the same stream), cuda.core streams as they are."""
+    if not stream:
+        handle = 0
+    elif isinstance(stream, rt.driver.Stream):
+        handle = int(stream.handle)
+    else:
+        return rt.driver._to_core_stream(stream)
     core = rt.streams.get(handle)
     if core is None:
+        if len(rt.streams) > 1024:
+            rt.streams.clear()
         core = rt.streams[handle] = rt.driver._to_core_stream(stream)
     return core

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
-from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel
+from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel, allow_dynamic_shared
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
@@ -356,7 +356,6 @@ cp_async_strided = _cp_async_strided_fn()
 
 
 MAX_SHARED_BYTES = 232448      # sm_90's opt-in dynamic shared memory per block (227 KiB)
-_LARGE_SHARED_READY = set()
 
 
 def allow_large_shared_memory(dispatcher, args, nbytes):
@@ -364,19 +363,14 @@ def allow_large_shared_memory(dispatcher, args, nbytes):
     dynamic shared memory (a no-op in the simulator and at 48 KiB or less).
 
     numba-cuda 0.30 launches through cuda.core, which does not raise the per-function limit
-    itself; without this such a launch fails with CUDA_ERROR_INVALID_VALUE.
+    itself; without this such a launch fails with CUDA_ERROR_INVALID_VALUE.  A FastKernel
+    (every kernel on a GPU unless ``KDTREE_FAST_LAUNCH=0``) does this at launch itself; both
+    go through launch.allow_dynamic_shared, which only ever raises a function's limit.
     """
     if SIMULATOR or nbytes <= STATIC_SHARED_BYTES or isinstance(dispatcher, FastKernel):
-        return                # a FastKernel raises the limit itself, once per compiled kernel
-    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
-    key = (id(dispatcher), argtypes, nbytes)
-    if key in _LARGE_SHARED_READY:
         return
-    cufunc = dispatcher.compile(argtypes)._codelibrary.get_cufunc()
-    from numba.cuda.cudadrv import driver as drv
-    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    drv.driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-    _LARGE_SHARED_READY.add(key)
+    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+    allow_dynamic_shared(dispatcher.compile(argtypes)._codelibrary.get_cufunc(), nbytes)
 
 
 def device_address(array) -> int:

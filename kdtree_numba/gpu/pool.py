@@ -16,7 +16,12 @@ from the graphs' own pool (kdtree_numba/graphs.py), so the order holds.  Code th
 numba kernels on two non-blocking streams at once must not rely on this plugin: set
 ``KDTREE_NUMBA_POOL=0``.
 
-``KDTREE_NUMBA_POOL=0`` keeps numba's own allocator.  The plugin takes effect only for a
+With the plugin installed, compat.device_empty (every op's outputs and scratch) takes its
+blocks from CuPy directly rather than through this class, the same memory without numba's
+allocation bookkeeping; what numba itself allocates (``cuda.to_device`` of host arrays, its
+own ``device_array``) still comes here.
+
+``KDTREE_NUMBA_POOL=0`` keeps numba's own allocator (and numba's allocations everywhere).  The plugin takes effect only for a
 CUDA context created after the import of kdtree_numba (numba's rule for EMM plugins).
 """
 from __future__ import annotations
