@@ -232,7 +232,7 @@ def _numba_to_cupy(x):
     shape, strides = tuple(x.shape), tuple(x.strides)
     if x.size == 0 or min(strides, default=0) < 0:
         return cupy.asarray(x)
-    span = sum((n - 1) * s for n, s in zip(shape, strides)) + x.dtype.itemsize
+    span = compat.byte_span(shape, strides, x.dtype.itemsize)
     mem = cupy.cuda.UnownedMemory(x.device_ctypes_pointer.value, span, x,
                                   cupy.cuda.Device().id)
     return cupy.ndarray(shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0), strides)

@@ -158,8 +158,7 @@ def _host_c_contiguous(x) -> np.ndarray:
     ``ascontiguousarray`` keeps them; numba's device-array ``reshape`` then refuses the
     result ("operation requires copying")."""
     a = np.ascontiguousarray(x)
-    canonical = a.itemsize * np.cumprod((a.shape[1:] + (1,))[::-1])[::-1]
-    if a.size and tuple(int(s) for s in canonical) != a.strides:
+    if a.size and _c_strides(a.shape, a.itemsize) != a.strides:
         a = a.copy(order="C")
     return a
 
@@ -204,6 +203,11 @@ def device_empty(shape, dtype, stream=0):
     return _numba_array(shape, strides, dtype, block.ptr, owner=block, stream=stream)
 
 
+def byte_span(shape, strides, itemsize: int) -> int:
+    """Bytes from a non-empty array's first element to the end of its last (strides >= 0)."""
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
+
+
 def _c_strides(shape, itemsize: int) -> tuple:
     """The C-contiguous strides of ``shape`` (numba's canonical ones)."""
     strides, step = [], itemsize
@@ -221,8 +225,7 @@ def _numba_array(shape, strides, dtype, pointer: int, owner, stream=0):
     from numba.cuda.cudadrv import driver
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     dtype = np.dtype(dtype)
-    span = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize \
-        if all(shape) else 0
+    span = byte_span(shape, strides, dtype.itemsize) if all(shape) else 0
     memory = driver.MemoryPointer(_context(), driver.binding.CUdeviceptr(pointer), span,
                                   owner=owner)
     return DeviceNDArray(shape, strides, dtype, stream=stream, gpu_data=memory)

@@ -153,13 +153,18 @@ def _scalar_packer(ty, rt: _Runtime):
     return lambda v, params: params.append(convert(v))
 
 
-def allow_dynamic_shared(cufunc, nbytes: int) -> None:
+def _shared_key(cufunc) -> tuple:
+    return int(cufunc.handle), cufunc.device.id
+
+
+def allow_dynamic_shared(cufunc, nbytes: int, key=None) -> None:
     """Let the compiled function ``cufunc`` (numba's, of a ``_Kernel``) launch with ``nbytes``
-    of dynamic shared memory: its limit raised past 48 KiB when needed, never lowered."""
+    of dynamic shared memory: its limit raised past 48 KiB when needed, never lowered.
+    ``key``: its :func:`_shared_key`, when the caller keeps it (every launch asks)."""
     if nbytes <= STATIC_SHARED_BYTES:
         return
     rt = _RT or _runtime()
-    key = (int(cufunc.handle), cufunc.device.id)
+    key = key or _shared_key(cufunc)
     if nbytes <= rt.shared_ok.get(key, STATIC_SHARED_BYTES):
         return
     attr = rt.driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -170,10 +175,10 @@ def allow_dynamic_shared(cufunc, nbytes: int) -> None:
 class _Compiled:
     """One compiled kernel under one argument signature: its function, packers, and whether
     an argument is a CuPy array (the stream check of the module docstring)."""
-    __slots__ = ("cufunc", "function", "packers", "has_cupy")
+    __slots__ = ("cufunc", "function", "shared_key", "packers", "has_cupy")
 
     def __init__(self, cufunc, packers, has_cupy: bool):
-        self.cufunc, self.function = cufunc, cufunc.kernel
+        self.cufunc, self.function, self.shared_key = cufunc, cufunc.kernel, _shared_key(cufunc)
         self.packers, self.has_cupy = packers, has_cupy
 
 
@@ -206,15 +211,15 @@ class FastKernel:
     def _through_numba(self, args, signature, grid, block, stream, shared, rt: _Runtime):
         """Launch through numba (compiling what it must), then keep the compiled kernel
         under ``signature`` when every argument can be packed."""
-        if shared > STATIC_SHARED_BYTES:
-            # numba would launch before anything could raise the limit: compile first
-            argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in args)
+        big = shared > STATIC_SHARED_BYTES
+        argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in args) \
+            if big or signature is not None else None
+        if big:     # numba would launch before anything could raise the limit: compile first
             allow_dynamic_shared(self.dispatcher.compile(argtypes)._codelibrary.get_cufunc(),
                                  shared)
         self.dispatcher[grid, block, stream, shared](*args)
         if signature is None:
             return
-        argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in args)
         kernel = self.dispatcher.overloads.get(argtypes)
         if (kernel is None or kernel.debug or kernel.cooperative
                 or getattr(kernel, "launch_config_sensitive", False)
@@ -256,7 +261,8 @@ class _Launch:
         params: list = []
         for pack, a in zip(compiled.packers, args):
             pack(a, params)
-        allow_dynamic_shared(compiled.cufunc, shared)
+        if shared > STATIC_SHARED_BYTES:
+            allow_dynamic_shared(compiled.cufunc, shared, compiled.shared_key)
         rt.launch(stream, _launch_config(self.grid, self.block, shared, rt), compiled.function,
                   *params)
 
