@@ -289,7 +289,45 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
         for name in ("linear", "moe_route", "moe_ffn"):
             ops[name] = functools.partial(ops[name], method="tensor-cores")
         ops["mla_attention"] = functools.partial(ops["mla_attention"], batch_invariant=True)
+        heads = _Bf16Heads(launch)
+        ops["absorb_q"] = heads.passing_bf16(ops["absorb_q"], absorb=True)
+        ops["apply_uv"] = heads.passing_bf16(ops["apply_uv"], absorb=False)
     return SimpleNamespace(**ops)
+
+
+class _Bf16Heads:
+    """absorb_q / apply_uv on bf16 tensor cores (the "tensor-cores" setting): each float32
+    ``kv_b_proj`` the ops see is turned once into its :class:`~kdtree_numba.attention.
+    Bf16HeadWeights` (on first use, which the model makes eagerly: a CUDA graph captures a
+    shape on its second call) and kept with a reference to the weight, so the id that keys it
+    cannot be reused while the entry lives.  Widths the kernel cannot take keep the float32
+    weight (the CUDA-core kernels), like linear's fallback."""
+
+    def __init__(self, launch: SimpleNamespace):
+        self.launch = launch
+        self.made: dict[int, tuple] = {}
+
+    def weights(self, kv_b_proj, heads: int, dn: int):
+        hit = self.made.get(id(kv_b_proj))
+        if hit is None or hit[0] is not kv_b_proj:
+            rows, r = kv_b_proj.shape
+            fits = heads and rows % heads == 0 and numba_attention.bf16_heads_fit(
+                dn, rows // heads - dn, r)
+            made = (numba_attention.bf16_head_weights(kv_b_proj, heads, dn,
+                                                      stream=self.launch.stream or 0)
+                    if fits else kv_b_proj)
+            hit = self.made[id(kv_b_proj)] = (kv_b_proj, made)
+        return hit[1]
+
+    def passing_bf16(self, op, absorb: bool):
+        def with_bf16(x, kv_b_proj, *args, **kwargs):
+            heads = x.shape[-2]
+            dn = x.shape[-1] if absorb else kv_b_proj.shape[0] // heads - args[0]
+            return op(x, self.weights(kv_b_proj, heads, dn), *args, **kwargs)
+        with_bf16.__name__ = op.__name__
+        with_bf16.__doc__ = op.__doc__
+        with_bf16.__wrapped__ = op
+        return with_bf16
 
 
 def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
@@ -298,7 +336,8 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
     ``gemm`` (numba only): "cuda-cores" (the default: every projection and expert in float32
     on CUDA cores) or "tensor-cores" (every projection, expert and the lm_head with bf16
     weights on bf16 tensor cores, their inputs rounded to bf16: ``method="tensor-cores"`` of
-    linear, moe_route and moe_ffn; attention with ``batch_invariant=True``).  Under
+    linear, moe_route and moe_ffn, absorb_q and apply_uv on kv_b_proj's bf16 blocks
+    (``_Bf16Heads``); attention with ``batch_invariant=True``).  Under
     "tensor-cores" every op is batch invariant, so a verify computes each token's bits as a
     decode does as long as its keys sit at the same cache slots (a chain, or an accepted path
     that is the tree's first nodes), and DDTree's greedy tokens then equal AR's exactly; a

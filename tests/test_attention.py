@@ -386,6 +386,83 @@ def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, needs_kernels
             kernels.absorb_q(q_nope, kv_b_proj, kernel_kind="stream")
 
 
+def _bf16_case(seed, bs, n, heads, dn, dv, r):
+    from test_layers_mma import bf16_bits, bf16_value
+    rng = np.random.default_rng(seed)
+    kv_b_proj = rng.standard_normal((heads * (dn + dv), r)).astype(np.float32)
+    q_nope = rng.standard_normal((bs, n, heads, dn)).astype(np.float32)
+    u = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
+
+    def rounded(a):                       # the oracle's bf16(a), as float64
+        return bf16_value(bf16_bits(a)).astype(np.float64)
+    want = (ref.absorb_q(rounded(q_nope), rounded(kv_b_proj), out_dtype=np.float64),
+            ref.apply_uv(rounded(u), rounded(kv_b_proj), dv, out_dtype=np.float64))
+    magnitude = (ref.absorb_q(np.abs(q_nope), np.abs(kv_b_proj), out_dtype=np.float64),
+                 ref.apply_uv(np.abs(u), np.abs(kv_b_proj), dv, out_dtype=np.float64))
+    return kv_b_proj, q_nope, u, want, magnitude
+
+
+def test_bf16_head_weights_hold_each_heads_blocks_rounded_to_nearest_even(needs_kernels):
+    """bf16_head_weights: W_UK[h]^T at rows h r .. h r + r - 1 of w_uk_t, W_UV[h] at rows
+    h dv .. of w_uv, every element the oracle's round-to-nearest-even bf16 bits."""
+    from test_layers_mma import bf16_bits
+    kernels = _numba()
+    heads, dn, dv, r = 3, 8, 16, 24
+    kv_b_proj = _bf16_case(7, 1, 1, heads, dn, dv, r)[0]
+    kv_b_proj[0, :4] = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 2.0 ** -130]  # ties
+    hw = kernels.bf16_head_weights(kv_b_proj, heads, dn)
+    per_head = bf16_bits(kv_b_proj).reshape(heads, dn + dv, r)
+    assert (hw.heads, hw.dn, hw.dv, hw.r) == (heads, dn, dv, r)
+    assert np.array_equal(hw.w_uk_t.copy_to_host(),
+                          per_head[:, :dn].transpose(0, 2, 1).reshape(heads * r, dn))
+    assert np.array_equal(hw.w_uv.copy_to_host(), per_head[:, dn:].reshape(heads * dv, r))
+    narrow = np.ascontiguousarray(kv_b_proj[:, :20])
+    for w, h, d in ((kv_b_proj, 5, dn), (kv_b_proj, heads, dn + dv),     # rows, no dv
+                    (kv_b_proj, heads, 4), (narrow, heads, dn)):         # dn or r % 8
+        with pytest.raises(ValueError):
+            kernels.bf16_head_weights(w, h, d)
+
+
+@pytest.mark.parametrize("bs, n", [(1, 1), (2, 9)])
+def test_simulated_bf16_head_products_equal_the_bf16_products(bs, n, needs_kernels,
+                                                              monkeypatch):
+    """absorb_q / apply_uv given Bf16HeadWeights: the linear's mma kernel with a head per
+    grid row (layers/mma.py, mma_head_products) on the simulator, its warp mma emulated by
+    the ISA layout (tests/test_layers_mma.py): bf16(x) W_h for every head, up to the fp32
+    rounding of the emulated steps; and the backend's "tensor-cores" setting routes both ops
+    there, one conversion per weight."""
+    from test_layers_mma import _warp_mma_emulation
+
+    from kdtree_numba import compat
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.layers import mma as mm
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    kernels = _numba()
+    heads, dn, dv, r = 2, 16, 8, 40
+    kv_b_proj, q_nope, u, want, magnitude = _bf16_case(8, bs, n, heads, dn, dv, r)
+    hw = kernels.bf16_head_weights(kv_b_proj, heads, dn)
+    small = mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, bk=32, stages=2)      # one emulated warp
+    got = (kernels.absorb_q(q_nope, hw, config=small).copy_to_host(),
+           kernels.apply_uv(u, hw, dv, config=small).copy_to_host())
+    unrounded = (ref.absorb_q(q_nope, kv_b_proj, out_dtype=np.float64),
+                 ref.apply_uv(u, kv_b_proj, dv, out_dtype=np.float64))
+    for g, w, exact, mag, k in zip(got, want, unrounded, magnitude, (dn, r)):
+        bound = (k + 2) * 2.0 ** -24 * mag
+        assert g.shape == w.shape and np.all(np.abs(g - w) <= bound)
+        assert np.any(np.abs(g - exact) > bound)          # the inputs were rounded to bf16
+    with pytest.raises(ValueError, match="dv"):
+        kernels.apply_uv(u, hw, dv + 8)
+    be = make_backend("numba", gemm="tensor-cores")
+    monkeypatch.setattr(mm, "mma_tile", lambda m: small)             # the backend's tile
+    assert np.array_equal(np.asarray(be.ops.absorb_q(q_nope, kv_b_proj)), got[0])
+    assert np.array_equal(np.asarray(be.ops.apply_uv(u, kv_b_proj, dv)), got[1])
+    odd = kv_b_proj[:, :36].copy()                                    # r % 8 != 0: float32
+    assert np.array_equal(np.asarray(be.ops.apply_uv(u[..., :36], odd, dv)),
+                          kernels.apply_uv(u[..., :36], odd, dv).copy_to_host())
+
+
 def test_streaming_projection_reads_16_bytes_only_from_dense_aligned_rows(needs_kernels):
     """The 16-byte loads of W_UV need unit column strides, 16-byte row strides and an
     aligned start; a strided view of kv_b_proj takes the scalar loads, and is still right."""
@@ -429,6 +506,63 @@ def test_tensor_core_tile_config_fits_sm90_shared_memory():
         assert gpu_tile_config(r, dr, "tf32x3").smem_bytes() <= MAX_SHARED_BYTES
     with pytest.raises(ValueError, match="multiples of 64"):
         gpu_tile_config(64, 16, "tf32x3")
+
+
+def test_tensor_core_blocks_of_16_and_32_rows_fit_and_mma_rows_fills_the_gpu():
+    import dataclasses
+
+    from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config, mma_rows
+    cfg = gpu_tile_config(512, 64, "tf32x3")
+    small = {rows: dataclasses.replace(cfg, rows=rows, threads=4 * rows).validate()
+             for rows in (16, 32)}
+    # two 16-row blocks share an SM (2 x 113 KiB); queries + key stages + 2 warps' exchange
+    assert small[16].smem_bytes() == 4 * ((16 + 2 * 16) * 580 + 2 * 8 * 32)
+    assert 2 * (small[16].smem_bytes() + 1024) <= 228 * 1024      # + the 1 KiB each block reserves
+    assert small[32].smem_bytes() <= MAX_SHARED_BYTES
+    for bad in (dict(rows=48, threads=192), dict(rows=16, threads=256)):
+        with pytest.raises(ValueError, match="rows"):
+            dataclasses.replace(cfg, **bad).validate()
+    # 132 SMs: a lone decode's 64 heads (two key splits) -> 16-row blocks; a 33-token verify
+    # (2112 rows, 2 splits: 66 blocks) -> 32 (132); 64 decodes (128 blocks: 32 rows would add
+    # a wave that reads every key again) or a long verify -> 64
+    assert mma_rows(64, 2, 1, 132) == 16
+    assert mma_rows(33 * 64, 2, 1, 132) == 32
+    assert mma_rows(64, 2, 64, 132) == 64 and mma_rows(65 * 64, 3, 1, 132) == 64
+    assert mma_rows(64, 1, 1, 4) == 16 and mma_rows(64, 1, 4, 4) == 64
+
+
+TENSOR_CORE_PTX = r"""
+import dataclasses
+from kdtree_numba.attention import gpu_tile_config
+from kdtree_numba.attention.mma import build_kernel
+f3, b3, f4 = T.float32[:, :, ::1], T.boolean[:, :, ::1], T.float32[:, :, :, ::1]
+sig = (f3, f3, f3, f3, T.int32[::1], b3, T.float32, T.int64, T.int64, T.int64, T.boolean,
+       f3, f4, f4)
+for variant in ("tf32x3", "tf32x3acc"):
+    base = gpu_tile_config(512, 64, variant)
+    for rows in (64, 32, 16):
+        cfg = dataclasses.replace(base, rows=rows, threads=4 * rows).validate()
+        ptx, _ = cuda.compile_ptx(build_kernel(cfg).py_func, sig, cc=(9, 0))
+        log = ptxas(ptx)
+        local = len(re.findall(r"(?:ld|st)\.local", ptx))
+        spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+        print(variant, rows, "mma", ptx.count("mma.sync"), "local", local, "spill", spill,
+              flush=True)
+        assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 216
+        # the 64-row kernel has always spilled a little at the 255-register ceiling (8 bytes,
+        # tf32x3acc 32); fewer rows must not add to it
+        assert local == 0 and spill <= (32 if cfg.fp32_sums else 8), (variant, rows, spill)
+print("assembled")
+"""
+
+
+def test_tensor_core_attention_compiles_for_hopper_at_every_row_count():
+    """The 3xTF32 kernel at 64, 32 and 16 rows (both variants) compiles for sm_90 with the
+    same mma count (the per-warp code does not change with the rows), no local memory, no
+    more spills than the 64-row kernel, and ptxas assembles it (nvJitLink, no GPU needed)."""
+    from ptx_check import HOPPER_PRELUDE, run_without_simulator
+    out = run_without_simulator(HOPPER_PRELUDE + TENSOR_CORE_PTX, timeout=600)
+    assert out.splitlines()[-1] == "assembled", out[-2000:]
 
 
 @pytest.mark.parametrize("variant", FFMA_NAMES)

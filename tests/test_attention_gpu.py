@@ -202,6 +202,37 @@ def test_absorb_q_and_apply_uv_streaming_equals_tiled_at_kimi_dims(bs, n):
     assert out["stream"][1].tobytes() == out["tiled"][1].tobytes(), "apply_uv"
 
 
+def test_bf16_head_products_at_kimi_dims_are_within_the_bound_and_batch_invariant():
+    """absorb_q / apply_uv on bf16 tensor cores (Bf16HeadWeights, the "tensor-cores"
+    setting) at H 64, dn = dv 128, r 512: every output within docs/LAYERS.md's bf16 bound
+    (mma_error_coefficient(K) sum_k |x_k w_k|, K = dn or r: x and kv_b_proj rounded to bf16,
+    the fp32 mma chain) of the float64 reference, and each row's bits the same at M = 1, 33,
+    65 and 200 (decode, verifies, prefill): the tile never looks at the other rows."""
+    from kdtree_numba import attention as kernels
+    from kdtree_numba.layers import mma_error_coefficient
+    rng = np.random.default_rng(18)
+    dn = dv = 128
+    kv_b_proj = (rng.standard_normal((H * (dn + dv), R)) / np.sqrt(R)).astype(np.float32)
+    hw = kernels.bf16_head_weights(kv_b_proj, H, dn)
+    q_nope = rng.standard_normal((1, 200, H, dn)).astype(np.float32)
+    u = rng.standard_normal((1, 200, H, R)).astype(np.float32)
+    want = (ref.absorb_q(q_nope, kv_b_proj, out_dtype=np.float64),
+            ref.apply_uv(u, kv_b_proj, dv, out_dtype=np.float64))
+    magnitude = (ref.absorb_q(np.abs(q_nope), np.abs(kv_b_proj), out_dtype=np.float64),
+                 ref.apply_uv(np.abs(u), np.abs(kv_b_proj), dv, out_dtype=np.float64))
+    full = None
+    for m in (200, 65, 33, 1):
+        got = (kernels.absorb_q(q_nope[:, :m], hw).copy_to_host(),
+               kernels.apply_uv(u[:, :m], hw, dv).copy_to_host())
+        for g, w, mag, k in zip(got, want, magnitude, (dn, R)):
+            err = np.abs(g - w[:, :m])
+            assert np.all(err <= mma_error_coefficient(k) * mag[:, :m]), (m, k, err.max())
+        if full is None:
+            full = got
+        for g, f in zip(got, full):
+            assert g.tobytes() == f[:, :m].tobytes(), f"rows at M = {m}"
+
+
 @pytest.mark.parametrize("r, dr", [(64, 16), (128, 64)])
 def test_narrow_latent_configuration(r, dr):
     """Non-Kimi widths run the same kernels with other tile layouts: (64, 16) the FFMA ones
@@ -236,6 +267,33 @@ def test_random_shapes_masks_and_prefixes_match_reference(bs, n, heads, prefixes
         rng.random((n, n)) < 0.5 for k in kinds])
     check(make_problem(rng, prefixes[:bs], n, visible, heads=heads), variants=(variant,),
           keys_per_split=keys_per_split)
+
+
+@pytest.mark.parametrize("variant", ["tf32x3", "tf32x3acc"])
+@pytest.mark.parametrize("bs,n,prefix,batch_invariant", [(1, 1, 129, True), (1, 1, 700, False),
+                                                         (2, 5, 300, True), (1, 33, 171, True)])
+def test_tensor_core_blocks_of_16_32_64_rows_give_the_same_bits(variant, bs, n, prefix,
+                                                               batch_invariant):
+    """The tensor-core block's row count (plan.mma_rows) only spreads the work: 16-, 32- and
+    64-row blocks give every output the same bits (each warp computes its 16 rows the same
+    way), and the plan's own pick is within the fp32 bound of the reference."""
+    from kdtree_numba import attention as kernels
+    from kdtree_numba.compat import cuda
+    rng = np.random.default_rng(41 + n)
+    visible = np.stack([random_tree_visible(rng, n) for _ in range(bs)])
+    prob = make_problem(rng, [prefix] * bs, n, visible)
+    got = {rows: kernels.mla_attention(**prob, variant=variant, rows=rows,
+                                       batch_invariant=batch_invariant).copy_to_host()
+           for rows in (64, 32, 16)}
+    for rows in (32, 16):
+        assert got[rows].tobytes() == got[64].tobytes(), f"{rows} rows"
+    picked = kernels.MlaAttentionPlan(bs, n, H, R, DR, prob["ckv"].shape[1],
+                                      max_keys=prefix + n, variant=variant,
+                                      batch_invariant=batch_invariant)
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    assert picked.cfg.rows == kernels.mma_rows(picked.n_rows, picked.splits, bs, sms)
+    assert picked.cfg.rows < 64 and picked.grid[0] * picked.cfg.rows >= n * H
+    check(prob, variants=(variant,), batch_invariant=batch_invariant)
 
 
 @pytest.mark.parametrize("variant", ["tf32x3", "pipe16x2"])

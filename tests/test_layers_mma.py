@@ -314,7 +314,7 @@ ptx, _ = cuda.compile_ptx(mm._round_to_bf16_pairs.py_func, (T.float32[::1], T.ui
 assert ptx.count("cvt.rn.bf16x2.f32") == 1, "x rounding kernel"
 ptxas(ptx)
 u16 = T.uint16[:, ::1]
-sig = (u16, u16, f2) + (T.int64,) * 6
+sig = (u16, u16, f2) + (T.int64,) * 9
 for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
     ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0))
     log = ptxas(ptx, cfg.max_registers)

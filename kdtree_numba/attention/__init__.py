@@ -12,13 +12,14 @@ module          holds
 tiles.py        what both block kernels share: constants, ``block_keys`` (a block's request,
                 split and key range), ``masked_score``, the ``cp.async`` row-tile copier
 plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARIANTS``,
-                ``resolve_variant``, ``tile_config``, ``choose_splits``
+                ``resolve_variant``, ``tile_config``, ``choose_splits``, ``mma_rows``
 ffma.py         the FFMA (CUDA-core) block kernel, one body for every layout of ``VARIANTS``
 mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``, ``"tf32x3acc"``; GPU only)
 mla.py          ``mla_attention``: ``MlaAttentionPlan`` (plan -> block kernel -> merge), the
                 merge kernel, launch plumbing and the per-shape plan cache
                 (``clear_plan_cache``)
-projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head)
+projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 tensor cores
+                given ``bf16_head_weights``)
 ==============  ==============================================================================
 
 Imports run one way: tiles <- plan <- ffma, mma <- mla; projections needs only tiles.  This
@@ -33,15 +34,17 @@ from kdtree_numba.attention.mla import (MERGE_THREADS, MlaAttentionPlan,  # noqa
 from kdtree_numba.attention.mma import build_kernel
 from kdtree_numba.attention.plan import (BLOCK_OVERHEAD_KEYS, DEFAULT_VARIANT,  # noqa: F401
                                          FALLBACK_VARIANT, FFMA_VARIANTS,
-                                         MERGE_BYTES_PER_KEY_TIME, VARIANTS, MmaTileConfig,
-                                         TileConfig, choose_splits, gpu_tile_config, mma_fits,
-                                         resolve_variant, sim_tile_config, tile_config,
-                                         uses_tensor_cores)
-from kdtree_numba.attention.projections import absorb_q, apply_uv
+                                         MERGE_BYTES_PER_KEY_TIME, MMA_ROWS, VARIANTS,
+                                         MmaTileConfig, TileConfig, choose_splits,
+                                         gpu_tile_config, mma_fits, mma_rows, resolve_variant,
+                                         sim_tile_config, tile_config, uses_tensor_cores)
+from kdtree_numba.attention.projections import (Bf16HeadWeights, absorb_q, apply_uv,
+                                                 bf16_head_weights, bf16_heads_fit)
 from kdtree_numba.attention.tiles import (MAX_SHARED_BYTES, NEG_INF, ONE,  # noqa: F401
                                           RESCALE_SLACK, ZERO, block_keys, masked_score)
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
            "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache",
-           "MmaTileConfig", "mma_fits", "build_kernel"]
+           "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
+           "Bf16HeadWeights", "bf16_head_weights", "bf16_heads_fit"]

@@ -13,6 +13,7 @@ the block kernel normalises and writes ``u`` directly.
 """
 from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -21,8 +22,9 @@ import numpy as np
 from kdtree_numba import compat
 from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
-from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, TileConfig, choose_splits,
-                                         resolve_variant, tile_config)
+from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, MmaTileConfig, TileConfig,
+                                         choose_splits, mma_rows, resolve_variant,
+                                         tile_config)
 from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
 
@@ -95,10 +97,12 @@ class MlaAttentionPlan:
     size, against caches of any capacity, give a token the same bits when its keys sit at the
     same slots (within a split, keys are grouped by slot).  The price is more partial outputs
     at large n and long prefixes (docs/ATTENTION.md, "Batch invariance").
+    ``rows``: query-heads per tensor-core block (16, 32, 64; None: :func:`~kdtree_numba.
+    attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 variant=None, batch_invariant=False, stream=0):
+                 variant=None, batch_invariant=False, rows=None, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
         variant = resolve_variant(variant, r, dr)
@@ -119,6 +123,14 @@ class MlaAttentionPlan:
             keys_per_split = -(-tiles // splits) * self.cfg.keys
         self.chunk = int(keys_per_split)
         self.splits = max(1, -(-max_keys // self.chunk))
+        if isinstance(self.cfg, MmaTileConfig):
+            if rows is None:
+                rows = mma_rows(self.n_rows, self.splits, bs, _sm_count())
+            self.cfg = dataclasses.replace(self.cfg, rows=rows, threads=4 * rows).validate()
+            row_tiles = -(-self.n_rows // self.cfg.rows)
+        elif rows is not None:
+            raise ValueError(f"rows= picks a tensor-core block shape; variant {variant!r} "
+                             f"has a fixed one")
         self.grid = (row_tiles, self.splits, bs)
         self.attn = _attention_kernel(self.cfg)
         self.merge = _merge_kernel(r) if self.splits > 1 else None
@@ -189,9 +201,9 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 
 
 @lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant):
+def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, rows):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
-                            variant=variant, batch_invariant=batch_invariant)
+                            variant=variant, batch_invariant=batch_invariant, rows=rows)
 
 
 def clear_plan_cache() -> None:
@@ -201,7 +213,8 @@ def clear_plan_cache() -> None:
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None, variant=None, batch_invariant=False, stream=0):
+                  keys_per_split=None, variant=None, batch_invariant=False, rows=None,
+                  stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -210,11 +223,12 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
     tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
-    bits do not depend on n (see :class:`MlaAttentionPlan`).
+    bits do not depend on n (see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
+    block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
-    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant))
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant), rows)
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream)

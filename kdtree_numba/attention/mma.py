@@ -8,8 +8,11 @@ kernels share live in tiles.py.  This module holds only the block kernel.  docs/
 
 * A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages the
   queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages, like
-  the FFMA kernel (same shared-memory budget: 64 + 2 x 16 rows of r + dr + 4 floats).
-* Warp w = 4 kh + rg owns query rows 16 rg .. 16 rg + 15.  Scores: it multiplies them with the
+  the FFMA kernel (same shared-memory budget: 64 + 2 x 16 rows of r + dr + 4 floats).  Blocks
+  of 16 or 32 rows (2 or 4 warps) run the same per-warp code: they spread a small problem
+  (a decode's 64 heads) over more SMs and give every row the same bits (plan.mma_rows).
+* Warp w = RG kh + rg (RG = rows / 16 row groups) owns query rows 16 rg .. 16 rg + 15.
+  Scores: it multiplies them with the
   16 keys over column half kh of the r + dr columns (``m16n8k8`` tiles, two key n-tiles), then
   adds the partner warp's half through shared memory; both partners then hold identical scores
   (fp32 addition commutes) and run identical online softmaxes in registers.
@@ -89,6 +92,7 @@ def build_kernel(cfg: MmaTileConfig):
     """The tensor-core block kernel for one configuration (same arguments as the FFMA one)."""
     cfg.validate()
     M, N, QS = cfg.rows, cfg.keys, cfg.row_stride
+    RG = M // 16                          # row groups of 16; warp = RG kh + rg
     HALF = cfg.d // 2                     # score columns per warp
     CHUNKS = HALF // 32                   # 32-column chunks: 4 k-steps of 8 each
     RH = cfg.r // 2                       # value columns per warp
@@ -217,7 +221,7 @@ def build_kernel(cfg: MmaTileConfig):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
-        rg, kh = warp % 4, warp // 4
+        rg, kh = warp % RG, warp // RG
         row0 = cuda.blockIdx.x * M
         n_rows = n * heads
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
@@ -252,8 +256,8 @@ def build_kernel(cfg: MmaTileConfig):
         m_a = m_b = NEG_INF  # online-softmax state of rows a and b (same in all 4 lanes t
         l_a = l_b = ZERO     # and in the partner warp); l: this lane's keys only
 
-        xch_mine = XCH_OFF + warp * 256 + lane
-        xch_partner = XCH_OFF + (warp ^ 4) * 256 + lane
+        xch_mine = XCH_OFF + warp * (32 * SN) + lane
+        xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + lane   # warp = RG kh + rg, RG = 2^i
         stage = 0
         for t0 in range(kbeg, kend, N):
             kv = KV_OFF + stage * (N * QS)

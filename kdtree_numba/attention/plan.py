@@ -21,7 +21,8 @@ from kdtree_numba.attention.tiles import MAX_SHARED_BYTES
 
 __all__ = ["TileConfig", "MmaTileConfig", "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT",
            "FFMA_VARIANTS", "uses_tensor_cores", "resolve_variant", "mma_fits",
-           "gpu_tile_config", "sim_tile_config", "tile_config", "choose_splits",
+           "gpu_tile_config", "sim_tile_config", "tile_config", "choose_splits", "MMA_ROWS",
+           "mma_rows",
            "BLOCK_OVERHEAD_KEYS", "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS"]
 
 
@@ -150,10 +151,15 @@ def _pow2_divisor(x: int, cap: int) -> int:
 
 @dataclass(frozen=True)
 class MmaTileConfig:
-    """Compile-time shape of one tensor-core attention block (fixed but for r and dr)."""
+    """Compile-time shape of one tensor-core attention block (fixed but for r, dr and rows).
+
+    ``rows`` query-heads per block (16, 32 or 64) in row groups of 16, each served by two warps
+    (one per column half): ``threads = 4 rows``.  A warp's work on its 16 rows is the same at
+    every ``rows``, so the three shapes give every row the same bits; fewer rows per block only
+    spread a small problem (a decode's 64 heads) over more SMs (:func:`mma_rows`)."""
     r: int
     dr: int
-    threads: int = 256     # 8 warps: 4 row groups of 16 x 2 column halves
+    threads: int = 256     # 2 warps (column halves) per 16 rows
     rows: int = 64         # query-heads per block
     keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
     stages: int = 2
@@ -167,8 +173,13 @@ class MmaTileConfig:
     def row_stride(self):  # floats per staged row; +4 shifts rows by 4 banks
         return self.d + 4
 
-    def smem_floats(self):  # queries, key stages, score exchange (8 warps x 8 x 32 lanes)
-        return (self.rows + self.stages * self.keys) * self.row_stride + 8 * 8 * 32
+    @property
+    def warps(self):
+        return self.threads // 32
+
+    def smem_floats(self):  # queries, key stages, score exchange (4 (keys / 8) per lane)
+        return ((self.rows + self.stages * self.keys) * self.row_stride
+                + self.warps * 4 * (self.keys // 8) * 32)
 
     def smem_bytes(self):
         return 4 * self.smem_floats()
@@ -178,7 +189,27 @@ class MmaTileConfig:
         if self.d % 64 or self.r % 64 or self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"the tensor-core tiles need r and r + dr multiples of 64 and "
                              f"<= {MAX_SHARED_BYTES} bytes of shared memory: {self}")
+        if self.rows not in MMA_ROWS or self.threads != 4 * self.rows or self.keys != 16:
+            raise ValueError(f"the tensor-core tiles take rows in {MMA_ROWS}, 2 warps per 16 "
+                             f"rows (threads = 4 rows) and 16-key tiles: {self}")
         return self
+
+
+MMA_ROWS = (64, 32, 16)   # the tensor-core block's row counts, the default first
+
+
+def mma_rows(row_count: int, splits: int, bs: int, sm_count: int) -> int:
+    """Rows per tensor-core block: 64, halved (down to 16) while the grid (row tiles x splits
+    x requests) would still fit in one wave of ``sm_count`` blocks.  A decode's 64 heads with
+    one key split are one 64-row block on one SM, whose mma throughput then bounds the whole
+    attention (run 65: 63 us a layer); 16-row blocks put it on four.  Never past one wave:
+    every block stages its split's keys, so a grid that already fills the GPU (a batch of
+    long decodes, bound by the keys' bytes) would read them again for nothing.  Bits do not
+    depend on the choice (MmaTileConfig)."""
+    rows = MMA_ROWS[0]
+    while rows > MMA_ROWS[-1] and -(-row_count // (rows // 2)) * splits * bs <= sm_count:
+        rows //= 2
+    return rows
 
 
 def mma_fits(r: int, dr: int) -> bool:

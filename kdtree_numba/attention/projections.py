@@ -3,7 +3,10 @@
 The numba twins of reference/attention/projections.py (the contract): ``absorb_q`` folds each
 head's W_UK into its query, ``apply_uv`` applies W_UV to the attention output; both read the
 weights from HF's ``kv_b_proj`` and run as one small fp32 GEMM per head, batched over heads in
-grid.z.  docs/ATTENTION.md has the family's design.
+grid.z.  Given :class:`Bf16HeadWeights` instead (:func:`bf16_head_weights`, what
+``make_backend(gemm="tensor-cores")`` passes), they run on bf16 tensor cores: one launch of
+the linear's mma kernel for all heads (layers/mma.py, ``mma_head_products``), x rounded to
+bf16 like every input in that mode.  docs/ATTENTION.md has the family's design.
 """
 from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
 
@@ -15,8 +18,70 @@ from numba import float32
 
 from kdtree_numba import compat
 from kdtree_numba.attention.tiles import ZERO
+from kdtree_numba.gpu.tensorcore import pack_bf16x2
 
-__all__ = ["absorb_q", "apply_uv"]
+__all__ = ["absorb_q", "apply_uv", "Bf16HeadWeights", "bf16_head_weights",
+           "bf16_heads_fit"]
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_b_proj's two blocks as bf16 bits, in the layouts the tensor-core product reads
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bf16HeadWeights:
+    """W_UK and W_UV of a ``kv_b_proj [H*(dn+dv), r]`` as bf16 bits (uint16 device arrays),
+    each head's matrix with its reduction axis contiguous, as the mma kernel stages it:
+    ``w_uk_t [H*r, dn]`` (row h r + j = column j of W_UK[h], for absorb_q) and ``w_uv [H*dv, r]``
+    (W_UV[h]'s rows, for apply_uv)."""
+    w_uk_t: object
+    w_uv: object
+    heads: int
+    dn: int
+    dv: int
+    r: int
+
+
+def bf16_heads_fit(dn: int, dv: int, r: int) -> bool:
+    """Whether the tensor-core product takes these widths: both reductions (dn for absorb_q, r
+    for apply_uv) whole 16-byte chunks of bf16."""
+    return dn % 8 == 0 and r % 8 == 0 and dv > 0
+
+
+@kernel
+def _split_kv_b_bf16(kv_b, per_head, dn, w_uk_t, w_uv):
+    """kv_b [H*per_head, r] float32 -> w_uk_t [H*r, dn], w_uv [H*(per_head-dn), r] bf16 bits
+    (round to nearest even), one element per thread."""
+    i = cuda.grid(1)
+    r = kv_b.shape[1]
+    if i < kv_b.shape[0] * r:
+        row, j = i // r, i % r
+        h, k = row // per_head, row % per_head
+        bits = np.uint16(pack_bf16x2(kv_b[row, j], ZERO) & 0xFFFF)
+        if k < dn:
+            w_uk_t[h * r + j, k] = bits
+        else:
+            w_uv[h * (per_head - dn) + k - dn, j] = bits
+
+
+def bf16_head_weights(kv_b_proj, heads: int, dn: int, stream=0) -> Bf16HeadWeights:
+    """``kv_b_proj [H*(dn+dv), r]`` (float32) as :class:`Bf16HeadWeights`, rounded to bf16 (to
+    nearest even: exact for the bf16 checkpoints these models ship).  One launch; call it once
+    per weight, outside any CUDA-graph capture (the backend does so on first use)."""
+    rows, r = kv_b_proj.shape
+    per_head = rows // heads if heads else 0
+    if not heads or rows % heads or per_head <= dn:
+        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dn={dn}")
+    dv = per_head - dn
+    if not bf16_heads_fit(dn, dv, r):
+        raise ValueError(f"the tensor-core head product needs dn and r multiples of 8, got "
+                         f"dn={dn}, r={r}")
+    w = to_device(_f32(kv_b_proj), stream)
+    w_uk_t = compat.device_empty((heads * r, dn), np.uint16, stream)
+    w_uv = compat.device_empty((heads * dv, r), np.uint16, stream)
+    threads = 256
+    _split_kv_b_bf16[-(-rows * r // threads), threads, stream](w, np.int64(per_head),
+                                                               np.int64(dn), w_uk_t, w_uv)
+    return Bf16HeadWeights(w_uk_t, w_uv, heads, dn, dv, r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,25 +269,56 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
         np.int64(m), np.int64(n_out), np.int64(k))
 
 
-def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0, kernel_kind="auto"):
+def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0, kernel_kind="auto", config=None):
     """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]`` on the device (reference: same name).
 
     q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
     ``kernel_kind``: "auto" (streaming up to 64 rows, else tiled), "stream" or "tiled".
+    kv_b_proj as :class:`Bf16HeadWeights`: on bf16 tensor cores (q_nope rounded to bf16;
+    ``config``: an ``MmaConfig`` tile, for tests).
     """
     bs, n, heads, dn = q_nope.shape
-    rows, r = kv_b_proj.shape
-    return _per_head_product(q_nope, kv_b_proj, dn, r, "dn", False, out, stream, kernel_kind)
+    if isinstance(kv_b_proj, Bf16HeadWeights):
+        return _bf16_head_product(q_nope, kv_b_proj, kv_b_proj.w_uk_t, kv_b_proj.dn,
+                                  kv_b_proj.r, out, stream, config)
+    return _per_head_product(q_nope, kv_b_proj, dn, kv_b_proj.shape[1], "dn", False, out,
+                             stream, kernel_kind)
 
 
-def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0, kernel_kind="auto"):
+def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0, kernel_kind="auto", config=None):
     """``o[b,i,h,:] = W_UV[h] u[b,i,h,:]`` on the device (reference: same name).
 
     u [bs, n, H, r] float32, kv_b_proj [H*(dn+dv), r] float32, dv = v_head_dim
-    -> device [bs, n, H, dv].  ``kernel_kind`` as absorb_q's.
+    -> device [bs, n, H, dv].  ``kernel_kind`` as absorb_q's; kv_b_proj as
+    :class:`Bf16HeadWeights` (and ``config``) as there, u rounded to bf16.
     """
-    bs, n, heads, r = u.shape
-    return _per_head_product(u, kv_b_proj, r, dv, "dv", True, out, stream, kernel_kind)
+    if isinstance(kv_b_proj, Bf16HeadWeights):
+        if dv != kv_b_proj.dv:
+            raise ValueError(f"dv={dv}, but the bf16 head weights hold dv={kv_b_proj.dv}")
+        return _bf16_head_product(u, kv_b_proj, kv_b_proj.w_uv, kv_b_proj.r, dv, out, stream,
+                                  config)
+    return _per_head_product(u, kv_b_proj, u.shape[3], dv, "dv", True, out, stream,
+                             kernel_kind)
+
+
+def _bf16_head_product(x, hw, w16, k, n_out, out, stream, config=None):
+    """x [bs, n, H, k] float32 times each head's bf16 block of ``w16`` ([H*n_out, k]) on
+    tensor cores -> [bs, n, H, n_out] float32."""
+    from kdtree_numba.layers.mma import mma_head_products   # layers re-exports this package
+    bs, n, heads, width = x.shape
+    if heads != hw.heads or width != k:
+        raise ValueError(f"input [.., {heads}, {width}] does not fit the bf16 head weights "
+                         f"of {hw.heads} heads, width {k}")
+    tokens = bs * n
+    xd = to_device(_f32(x), stream)
+    if not xd.is_c_contiguous():
+        raise ValueError("the tensor-core head product stages x by 16-byte copies: it needs a "
+                         "C-contiguous x")
+    if out is None:
+        out = compat.device_empty((bs, n, heads, n_out), np.float32, stream)
+    mma_head_products(xd.reshape(tokens, heads, k), heads, w16, n_out, 0,
+                      out.reshape(tokens, heads, n_out), stream, config=config)
+    return out
 
 
 def _per_head_product(x, kv_b_proj, k, n_out, part, uv, out, stream, kernel_kind="auto"):

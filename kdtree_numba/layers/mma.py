@@ -56,7 +56,7 @@ from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 __all__ = ["MmaConfig", "mma_tile", "mma_config", "mma_splits", "mma_error_coefficient",
            "mma_alternatives", "stage_compute", "ring_function", "w_stage_slot", "panel_word",
            "a_fragment", "b_fragment", "c_position", "mma_kernel", "round_to_bf16",
-           "mma_linear"]
+           "mma_linear", "mma_head_products"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
@@ -375,10 +375,13 @@ def _mma_kernel_for(cfg: MmaConfig):
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
     @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
-    def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total):
-        """out[s * m_total + m, n] = slice s of sum_k x16[m, k] w16[n, k] (bf16 bits; out = y
-        when splits == 1).  Grid: M tile fastest, then K slice, then N tile.  Dynamic shared
-        memory: ring_function's two rings."""
+    def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
+                          heads, w_head_rows, w_off):
+        """out[(s * m_total + m) * heads + h, n] = slice s of sum_k x16[m * heads + h, k]
+        w16[h * w_head_rows + w_off + n, k] (bf16 bits; out = y when splits == 1): for each
+        head h = blockIdx.y one product, a plain linear when heads = 1 (w_head_rows = w_off =
+        0).  Grid.x: M tile fastest, then K slice, then N tile.  Dynamic shared memory:
+        ring_function's two rings."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
@@ -392,7 +395,7 @@ def _mma_kernel_for(cfg: MmaConfig):
         wm_i = warp % WM
         arow = wm_i * (16 * TM) + (lane >> 2)            # the lane's A row g in the block tile
         brow = (warp // WM) * (8 * TN) + (lane >> 2)     # the lane's weight row g
-        bid = cuda.blockIdx.x
+        bid, h = cuda.blockIdx.x, cuda.blockIdx.y
         mt_i = bid % n_mtiles
         rest = bid // n_mtiles
         s = rest % splits
@@ -402,10 +405,10 @@ def _mma_kernel_for(cfg: MmaConfig):
         k_end = min(BK * ((s + 1) * kc_total // splits), k_total)
         for u in range(XC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
-            xrow[u] = m0 + row if m0 + row < m_total else -1
+            xrow[u] = (m0 + row) * heads + h if m0 + row < m_total else -1
         for u in range(WC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
-            wrow[u] = n0 + row if n0 + row < n_total else -1
+            wrow[u] = h * w_head_rows + w_off + n0 + row if n0 + row < n_total else -1
         for i in range(NACC):
             acc[i] = ZERO
         run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid)
@@ -418,7 +421,8 @@ def _mma_kernel_for(cfg: MmaConfig):
                     row = m0 + wm_i * (16 * TM) + 16 * i + r
                     col = n0 + (warp // WM) * (8 * TN) + 8 * j + c
                     if row < m_total and col < n_total:
-                        store_nowrap_2d(out, orow + row, col, acc[4 * (i * TN + j) + e])
+                        store_nowrap_2d(out, (orow + row) * heads + h, col,
+                                        acc[4 * (i * TN + j) + e])
 
     return mma_linear_kernel
 
@@ -456,9 +460,30 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     dispatcher = mma_kernel(cfg)
     target = y if splits == 1 else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
-    args = (x16, wd, target, m, n, k, n_mtiles, splits, kc)
+    args = (x16, wd, target, m, n, k, n_mtiles, splits, kc, 1, 0, 0)
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
     dispatcher[blocks, cfg.threads, stream, cfg.smem_bytes](*args)
     if splits > 1:
         grid, block = launch_1d(m * n, 256)
         sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
+
+
+def mma_head_products(xd, heads, wd, w_head_rows, w_off, y, stream=0, workspace=None,
+                      config=None):
+    """One bf16 tensor-core product per head, in one launch (absorbed MLA's W_UK and W_UV):
+    ``y[m, h] = bf16(xd[m, h]) w_h^T`` with ``w_h = wd[h * w_head_rows + w_off :][:N]``, for
+    xd [M, heads, K] float32, wd the uint16 bf16 bits [rows, K], y [M, heads, N] float32 (all
+    C-contiguous; K % 8 == 0).  The tile is :func:`mma_tile` (M) without K slices (K is a
+    head's width, a few stages), so as in the linear a row's bits do not depend on M.
+    ``config``: another tile (tests; its K slices are ignored)."""
+    m, _, k = xd.shape
+    n = y.shape[2]
+    x16 = round_to_bf16(xd.reshape(m * heads, k), workspace, "heads.mma_x16", stream)
+    cfg = mma_tile(m) if config is None else dataclasses.replace(config, splits=1)
+    n_mtiles = -(-m // cfg.bm)
+    blocks = n_mtiles * -(-n // cfg.bn)
+    dispatcher = mma_kernel(cfg)
+    args = (x16, wd, y.reshape(m * heads, n), m, n, k, n_mtiles, 1, -(-k // cfg.bk), heads,
+            w_head_rows, w_off)
+    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
+    dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
