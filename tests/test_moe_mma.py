@@ -172,11 +172,14 @@ def test_configs_and_grid():
     from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
     small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=64, stages=4)         # 16 x 128
     mid = mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=64, stages=4)           # 32 x 128
+    tall = mm.MmaConfig(wm=1, wn=4, tm=3, tn=4, bk=64, stages=3)          # 48 x 128
+    taller = mm.MmaConfig(wm=1, wn=4, tm=5, tn=2, bk=64, stages=4)        # 80 x 64
     big = mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=64, stages=3)           # 64 x 128
-    # tokens per active expert: M k / min(E, M k) = 1, 2, 5, 9 (E = 64) and 8, 16, 24, 40
+    # tokens per active expert: M k / min(E, M k) = 1, 2, 5, 9 (E = 64) and 8 ... 100
     for m, top_k, n_experts, want in ((1, 8, 64, small), (9, 8, 64, small), (33, 8, 64, small),
                                       (65, 8, 64, small), (8, 1, 1, small), (16, 1, 1, small),
-                                      (24, 1, 1, mid), (40, 1, 1, big), (0, 8, 64, small)):
+                                      (24, 1, 1, mid), (40, 1, 1, tall), (72, 1, 1, taller),
+                                      (100, 1, 1, big), (0, 8, 64, small)):
         assert moe_mma_config(m, top_k, n_experts) == want, (m, top_k, n_experts)
     cfg = moe_mma_config(9, 8, 64)
     blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
@@ -191,7 +194,9 @@ from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_kernel
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 f2, u2, i1 = T.float32[:, ::1], T.uint16[:, ::1], T.int32[::1]
-for cfg in sorted({moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}, key=str):
+configs = {moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}
+configs |= {moe_mma_config(m, 1, 1) for m in (40, 72, 100)}    # a dense FFN's tiles
+for cfg in sorted(configs, key=str):
     for gate_up in (True, False):
         out = T.uint32[:, ::1] if gate_up else f2       # act as bf16 pairs, or y_slot
         sig = (u2, i1, i1, i1, i1, T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
@@ -298,7 +303,8 @@ def test_gpu_moe_mma_dense_layer_tiles_agree(m):
     for cfg in (mm.MmaConfig(wm=1, wn=2, tm=1, tn=8, bk=32, stages=2),
                 mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=32, stages=2),
                 mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=32, stages=2),
-                mm.mma_tile(16), mm.mma_tile(32), mm.mma_tile(64)):
+                mm.mma_tile(16), mm.mma_tile(32), mm.mma_tile(48), mm.mma_tile(80),
+                mm.mma_tile(81)):
         rows[cfg] = _check(args, configs=cfg).tobytes()
     picked = _check(args)                                   # moe_mma_config's own tile
     assert set(rows.values()) == {picked.tobytes()}, "tiles, bk or ring depths disagree"

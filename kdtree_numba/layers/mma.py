@@ -125,13 +125,19 @@ BK = 64     # the linear's K stage for every M: with the K slices (a function of
 
 
 def mma_tile(m: int) -> MmaConfig:
-    """The tile for m rows, without K slices: BN = 128 and bk = 64 always; BM = 16 (m <= 16:
-    4 warps of 16 x 32, 4 stages), 32 (m <= 32, 4 stages), else 64 (4 warps of 32 x 64,
-    3 stages; 128 x 128 was slower at M = 512 in run 42).  The grouped MoE takes it for its
-    tokens per expert (layers/moe_mma.py)."""
+    """The tile for m rows, without K slices; bk = 64 always.  Up to 80 rows one M tile of
+    whole m16 tiles, 4 warps side by side in N, so a verify's 33-80 rows read the weights
+    once (two 64-row tiles did twice the mma work at M = 65: the lm_head at 0.41x cuBLAS,
+    run 62): BM x 128 (BM = 16 ceil(m / 16); 4 stages up to 32 rows, 3 up to 64), and 80 x
+    64 (4 stages) for 65-80 rows, where 80 x 128 spills.  Past 80 rows 64 x 128 (4 warps of
+    32 x 64, 3 stages; 128 x 128 was slower at M = 512 in run 42).  Every tile gives a row
+    the same bits (bk and the K slices do not depend on it).  The grouped MoE takes it for
+    its tokens per expert (layers/moe_mma.py)."""
     mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
-    if mt16 <= 2:
-        return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4)
+    if mt16 <= 4:
+        return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4 if mt16 <= 2 else 3)
+    if mt16 == 5:
+        return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
     return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
 
 
@@ -149,6 +155,10 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
     if m <= 16:
         shapes = {"2-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=2),
                   "3-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=3)}
+    elif m <= 80:
+        mt16 = -(-m // 16)
+        shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),      # the tile of run 62
+                  f"{16 * mt16}x64": dict(wm=1, wn=4, tm=mt16, tn=2, stages=3)}
     else:
         shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
                   "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
