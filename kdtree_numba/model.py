@@ -147,7 +147,7 @@ class Model(DeviceSteps):
             p = f"model/layers/{layer}/"
             lw = SimpleNamespace(input_norm=w(p + "input_layernorm"),
                                  post_norm=w(p + "post_attention_layernorm"),
-                                 kv_a=w(p + "self_attn/kv_a_proj_with_mqa"),
+                                 kv_a=None,
                                  kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
                                  kv_b=w32(p + "self_attn/kv_b_proj"),
                                  o_proj=w(p + "self_attn/o_proj"),
@@ -156,9 +156,16 @@ class Model(DeviceSteps):
                                  shared_down=None)
             if cfg.q_lora_rank is None:
                 lw.q_proj = w(p + "self_attn/q_proj")
+                lw.kv_a = w(p + "self_attn/kv_a_proj_with_mqa")
             else:
-                lw.q_a, lw.q_a_norm, lw.q_b = (w(p + "self_attn/" + n) for n in
-                                               ("q_a_proj", "q_a_layernorm", "q_b_proj"))
+                lw.q_a_norm, lw.q_b = (w(p + "self_attn/" + n) for n in
+                                       ("q_a_layernorm", "q_b_proj"))
+                # q_a and kv_a read the same input: one GEMM over their stacked rows
+                # (_attention); the two weights are row blocks (views) of it
+                lw.qkv_a = fused(p + "self_attn/q_a_proj",
+                                 p + "self_attn/kv_a_proj_with_mqa")
+                lw.q_a = lw.qkv_a[:cfg.q_lora_rank]
+                lw.kv_a = lw.qkv_a[cfg.q_lora_rank:]
             if cfg.is_dense_layer(layer):  # a dense FFN is a one-expert MoE with weight 1
                 lw.gate_up = fused(p + "mlp/gate_proj", p + "mlp/up_proj")[None]
                 lw.down = w(p + "mlp/down_proj")[None]
@@ -359,11 +366,15 @@ class Model(DeviceSteps):
         (int32, device): the latent ``c = rmsnorm(kv[:r])`` [M, r] and the rotated rope key
         ``k_pe = rope(kv[r:])`` [M, 1, dr], with ``kv = h kv_a^T``.  The attention uses it for
         its own tokens; a DFlash drafter injects its fused target features through it."""
+        lw = self.layers[layer]
+        return self._latents(lw, self.backend.ops.linear(h, lw.kv_a), positions)
+
+    def _latents(self, lw, kv, positions):
+        """(c, k_pe) of ``kv = h kv_a^T`` [M, r + dr] (a view is fine: rmsnorm reads rows)."""
         xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
-        lw, r, dr = self.layers[layer], cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        kv = ops.linear(h, lw.kv_a)                                        # [M, r + dr]
-        c = ops.rmsnorm(xp.ascontiguousarray(kv[:, :r]), lw.kv_a_norm, LATENT_NORM_EPS)
-        k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(h.shape[0], 1, dr), positions,
+        r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        c = ops.rmsnorm(kv[:, :r], lw.kv_a_norm, LATENT_NORM_EPS)
+        k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(kv.shape[0], 1, dr), positions,
                         self.rope)
         return c, k_pe
 
@@ -375,13 +386,15 @@ class Model(DeviceSteps):
             cfg.kv_lora_rank
         if lw.q_proj is not None:
             q = ops.linear(h, lw.q_proj)
+            c, k_pe = self.kv_latents(layer, h, positions)
         else:
-            q = ops.linear(ops.rmsnorm(ops.linear(h, lw.q_a), lw.q_a_norm, LATENT_NORM_EPS),
-                           lw.q_b)
+            qkv = ops.linear(h, lw.qkv_a)                  # [M, q_lora + r + dr]: q_a | kv_a
+            q_lora = lw.q_a.shape[0]
+            q = ops.linear(ops.rmsnorm(qkv[:, :q_lora], lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
+            c, k_pe = self._latents(lw, qkv[:, q_lora:], positions)
         q = q.reshape(M, H, dn + dr)
         q_nope = xp.ascontiguousarray(q[:, :, :dn]).reshape(bs, n, H, dn)
         q_pe = ops.rope(xp.ascontiguousarray(q[:, :, dn:]), positions, self.rope)
-        c, k_pe = self.kv_latents(layer, h, positions)
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths
