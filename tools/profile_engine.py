@@ -1,7 +1,8 @@
 """Where the host time of generation goes: cProfile of warmed-up ``generate()`` calls.
 
-    python3 tools/profile_engine.py [--size small] [--method ar|ddtree] [--tokens 32]
-                                    [--budget 32] [--top 45]
+    python3 tools/profile_engine.py [--size small|medium|kimi-slice] [--gemm cuda-cores]
+                                    [--method ar|ddtree] [--tokens 32] [--budget 32]
+                                    [--prompt-len 32] [--top 45]
 
 The engine on the GPU is host-bound (docs/BENCHMARKS.md, "Engine"): this prints the functions
 that take the host's time, by own time and by cumulative time, plus the wall time of one
@@ -24,9 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from kdtree_numba.bundle import random_weights, size_config  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
-from kdtree_numba.model import Model, causal_mask  # noqa: E402
+from kdtree_numba.model import causal_mask  # noqa: E402
 
 
 def main(argv=None):
@@ -37,22 +37,26 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--backend", default="numba", help="reference: check the script anywhere")
+    p.add_argument("--gemm", default="cuda-cores", help="make_backend's gemm setting")
+    p.add_argument("--prompt-len", type=int, default=32)
     args = p.parse_args(argv)
 
-    cfg = size_config(args.size)
-    model = Model(cfg, dict(random_weights(cfg, 0)), args.backend)
-    be = model.backend
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32).tolist()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_engine import DEVICE_SIZES, ReplayDrafter
+    from probe_batch_invariance import build_model  # small / medium, or drawn on the device
+    model = build_model(args.size, args.gemm, args.backend)
+    cfg, be = model.config, model.backend
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
     kw = {}
     if args.method == "ddtree":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_engine import ReplayDrafter
         ar = generate(model, [prompt], args.tokens + 16)
         future = prompt + ar.tokens[0] + [0] * 16
         kw = dict(method="ddtree", budget=args.budget,
-                  drafter=ReplayDrafter(be, cfg.vocab_size, [future], 0.9))
+                  drafter=ReplayDrafter(be, cfg.vocab_size, [future], 0.9,
+                                        on_device=args.size in DEVICE_SIZES))
     t0 = time.perf_counter()
-    generate(model, [prompt], 8, **kw)                      # compiles + warms up
+    generate(model, [prompt], args.tokens, **kw)            # compiles, captures, warms up
+    generate(model, [prompt], args.tokens, **kw)
     print(f"# warm-up (compiles) {time.perf_counter() - t0:.1f} s")
 
     # one decode-shaped forward, eager and replayed from a CUDA graph: host time to enqueue
@@ -85,6 +89,14 @@ def main(argv=None):
     st = res.stats
     print(f"# profiled generate(): {st.new_tokens} tokens, {st.rounds} rounds, "
           f"{st.tokens_per_s:.1f} tok/s (under cProfile)")
+    t0 = time.perf_counter()
+    res = generate(model, [prompt], args.tokens, **kw)
+    wall = time.perf_counter() - t0
+    phases = res.stats.time
+    print(f"# the same generate() without the profiler: {1e3 * wall:.1f} ms wall, "
+          f"{res.stats.rounds} rounds; device phases (ms): "
+          + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
+          + f"; wall minus the phases: {1e3 * (wall - sum(phases.values())):.1f} ms")
     if graphs is not None:
         print(f"# CUDA graphs: {graphs.captures} captured, {graphs.replays} replays, "
               f"{graphs.failures} failed captures")
