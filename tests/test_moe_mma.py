@@ -170,7 +170,7 @@ def test_mma_moe_rejects_what_it_cannot_take(what, needs_kernels):
 
 def test_configs_and_grid():
     from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
-    small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=64, stages=4)         # 16 x 128
+    small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=2, bk=64, stages=4)         # 16 x 64
     mid = mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=64, stages=4)           # 32 x 128
     tall = mm.MmaConfig(wm=1, wn=4, tm=3, tn=4, bk=64, stages=3)          # 48 x 128
     taller = mm.MmaConfig(wm=1, wn=4, tm=5, tn=2, bk=64, stages=4)        # 80 x 64
@@ -183,8 +183,8 @@ def test_configs_and_grid():
         assert moe_mma_config(m, top_k, n_experts) == want, (m, top_k, n_experts)
     cfg = moe_mma_config(9, 8, 64)
     blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
-    assert (mt, nt) == (1, 2048 // 64) and blocks == 65 * mt * nt
-    assert moe_mma_grid(cfg, False, 9, 64, False, 7168)[2] == 7168 // 128
+    assert (mt, nt) == (1, 2048 // 32) and blocks == 65 * mt * nt      # 32 columns a block
+    assert moe_mma_grid(cfg, False, 9, 64, False, 7168)[2] == 7168 // 64
 
 
 # ------------------------------------------------------------------ sm_90 PTX, any machine

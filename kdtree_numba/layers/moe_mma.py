@@ -53,11 +53,16 @@ _c_position = inline_device_function(c_position)
 
 def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
     """The tile for both launches: the linear's tile (:func:`mma_tile`) for the mean tokens
-    per active expert, M k / min(E, M k): BM = 16 ceil(per / 16) up to 80 tokens, else 64;
-    BN = 128 (64 intermediate columns of gate and up in the gate_up launch); bk = 64; no K
+    per active expert, M k / min(E, M k): 16 x 64 up to 16 tokens, then BM = 16 ceil(per /
+    16) up to 80 tokens, else 64; BN = 128 past 16 tokens (64 intermediate columns of gate and up in the gate_up launch); bk = 64; no K
     slices.  Every tile gives the same bits (the module docstring; run 46 checked the three
     on the H200)."""
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
+    if per <= 16:
+        # 16 x 64: at one token a Kimi layer's gate_up is 9 experts x 32 tiles of 128 = 288
+        # blocks for 132 SMs, so a third of the SMs ran a third block while the rest idled
+        # (run 78: MoE at 1.30x its roof); 64-wide tiles double the blocks and halve the tail
+        return MmaConfig(wm=1, wn=4, tm=1, tn=2, stages=4)
     return mma_tile(per)
 
 
