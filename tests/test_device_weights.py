@@ -322,3 +322,41 @@ def test_batch_invariance_probe_on_the_host(monkeypatch):
     assert first["op"] == "rope" and first["rows_differ"] == 4
     assert 0 < first["max_abs"] < 1e-3
     assert not report[-1]["equal"]                 # the logits: it reached the output
+
+
+def test_bench_measures_the_first_call_that_captures_no_graph(monkeypatch):
+    """time_generate_batch's steady state: identical calls until one, after the first,
+    captures no CUDA graph; that call is the measurement, and the warm-ups are bounded."""
+    from types import SimpleNamespace
+    for captures, want in (([4, 1, 0, 0], 2), ([4, 0, 0], 1), ([None, None], 1),
+                           ([5, 3, 2, 1, 1, 1], bench_engine.MAX_WARMUPS)):
+        calls = []
+
+        def fake(model, prompts, n_new, _c=captures, **kw):
+            calls.append(kw)
+            return SimpleNamespace(stats=SimpleNamespace(graph_captures=_c[len(calls) - 1]),
+                                   call=len(calls) - 1)
+        monkeypatch.setattr(bench_engine, "generate", fake)
+        res = bench_engine.time_generate_batch(None, [[1]], 4, method="ar")
+        assert res.call == want and len(calls) == want + 1 and calls[-1] == {"method": "ar"}
+
+
+def test_replay_drafter_on_the_device_refills_one_buffer():
+    """ReplayDrafter(on_device=True) writes each round's peaks into one reused buffer; the
+    logits equal the host-built ones of a drafter with the same seed."""
+    from kdtree_numba.backends import make_backend
+    be = make_backend("reference")
+    futures = [list(range(3, 40)), list(range(50, 90))]
+    host = bench_engine.ReplayDrafter(be, 96, futures, 0.7, block_len=4, seed=5)
+    dev = bench_engine.ReplayDrafter(be, 96, futures, 0.7, block_len=4, seed=5,
+                                     on_device=True)
+    host.start(2, 64)
+    dev.start(2, 64)
+    first = None
+    for hist in ([[3, 4], [50]], [[3, 4, 5, 6], [50, 51, 52]]):
+        want = np.array(host.propose(hist))
+        got = dev.propose(hist)
+        first = got if first is None else first
+        assert got is first                                   # the same buffer every round
+        assert np.array_equal(np.asarray(got), want)
+        assert (np.asarray(got) != 0).sum() == 2 * 2 * 4      # two peaks per row, no leftovers
