@@ -289,7 +289,7 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
         for name in ("linear", "moe_route", "moe_ffn"):
             ops[name] = functools.partial(ops[name], method="tensor-cores")
         ops["mla_attention"] = functools.partial(ops["mla_attention"], batch_invariant=True)
-        heads = _Bf16Heads(launch)
+        heads = _Bf16Heads(launch, on_gpu)
         ops["absorb_q"] = heads.passing_bf16(ops["absorb_q"], absorb=True)
         ops["apply_uv"] = heads.passing_bf16(ops["apply_uv"], absorb=False)
     return SimpleNamespace(**ops)
@@ -300,16 +300,26 @@ class _Bf16Heads:
     ``kv_b_proj`` the ops see is turned once into its :class:`~kdtree_numba.attention.
     Bf16HeadWeights` (on first use, which the model makes eagerly: a CUDA graph captures a
     shape on its second call) and kept with a reference to the weight, so the id that keys it
-    cannot be reused while the entry lives.  Widths the kernel cannot take keep the float32
-    weight (the CUDA-core kernels), like linear's fallback."""
+    cannot be reused while the entry lives (the backend keeps both copies: 16.8 MB of bf16
+    per Kimi layer beside the float32 weight).  Widths the kernel cannot take keep the float32
+    weight (the CUDA-core kernels), like linear's fallback.  A first use inside a CUDA-graph
+    capture raises (the conversion would only be recorded, never run): the capture then fails
+    and that key runs eagerly, which converts the weight."""
 
-    def __init__(self, launch: SimpleNamespace):
+    def __init__(self, launch: SimpleNamespace, on_gpu: bool):
         self.launch = launch
+        self.on_gpu = on_gpu
         self.made: dict[int, tuple] = {}
 
     def weights(self, kv_b_proj, heads: int, dn: int):
         hit = self.made.get(id(kv_b_proj))
         if hit is None or hit[0] is not kv_b_proj:
+            if self.on_gpu:
+                import cupy
+                if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
+                    raise RuntimeError("a kv_b_proj's first use is inside a CUDA-graph "
+                                       "capture: its bf16 copy would never be written; run "
+                                       "one eager forward first")
             rows, r = kv_b_proj.shape
             fits = heads and rows % heads == 0 and numba_attention.bf16_heads_fit(
                 dn, rows // heads - dn, r)
@@ -322,7 +332,11 @@ class _Bf16Heads:
     def passing_bf16(self, op, absorb: bool):
         def with_bf16(x, kv_b_proj, *args, **kwargs):
             heads = x.shape[-2]
-            dn = x.shape[-1] if absorb else kv_b_proj.shape[0] // heads - args[0]
+            if absorb:
+                dn = x.shape[-1]
+            else:                                   # apply_uv(u, kv_b_proj, dv)
+                dv = args[0] if args else kwargs["dv"]
+                dn = kv_b_proj.shape[0] // heads - dv
             return op(x, self.weights(kv_b_proj, heads, dn), *args, **kwargs)
         with_bf16.__name__ = op.__name__
         with_bf16.__doc__ = op.__doc__

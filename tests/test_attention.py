@@ -458,6 +458,7 @@ def test_simulated_bf16_head_products_equal_the_bf16_products(bs, n, needs_kerne
     monkeypatch.setattr(mm, "mma_tile", lambda m: small)             # the backend's tile
     assert np.array_equal(np.asarray(be.ops.absorb_q(q_nope, kv_b_proj)), got[0])
     assert np.array_equal(np.asarray(be.ops.apply_uv(u, kv_b_proj, dv)), got[1])
+    assert np.array_equal(np.asarray(be.ops.apply_uv(u, kv_b_proj, dv=dv)), got[1])
     odd = kv_b_proj[:, :36].copy()                                    # r % 8 != 0: float32
     assert np.array_equal(np.asarray(be.ops.apply_uv(u[..., :36], odd, dv)),
                           kernels.apply_uv(u[..., :36], odd, dv).copy_to_host())

@@ -164,7 +164,7 @@ def time_generate_batch(model, prompts, n_new, **kw):
     ~15 ms of capture for the prefill and ~1 ms in some rounds.  (An 8-token warm-up once left
     drafter shapes to the measured call: the slow first model-drafter rows of runs 12-15.)
     The row's ``graph_captures`` says what the measured call captured: 0 but when the warm-ups
-    ran out."""
+    ran out.  It counts the target's graphs only: a model drafter's own are not checked."""
     generate(model, prompts, n_new, **kw)
     for _ in range(MAX_WARMUPS):
         res = generate(model, prompts, n_new, **kw)

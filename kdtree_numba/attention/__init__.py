@@ -22,7 +22,9 @@ projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 ten
                 given ``bf16_head_weights``)
 ==============  ==============================================================================
 
-Imports run one way: tiles <- plan <- ffma, mma <- mla; projections needs only tiles.  This
+Imports run one way: tiles <- plan <- ffma, mma <- mla; projections needs tiles and, for its
+bf16 path, layers/mma.py (imported where it is called: kdtree_numba.layers re-exports this
+package).  This
 package re-exports the public API that ``kdtree_numba.attention`` and
 ``kdtree_numba.attention_mma`` had as modules.
 """

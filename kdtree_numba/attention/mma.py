@@ -6,11 +6,12 @@ FFMA kernel of ffma.py: mla.py's ``MlaAttentionPlan`` builds this kernel for the
 kernels share live in tiles.py.  This module holds only the block kernel.  docs/ATTENTION.md
 ("The tensor-core kernel") has the design and its measurements; in short:
 
-* A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages the
-  queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages, like
-  the FFMA kernel (same shared-memory budget: 64 + 2 x 16 rows of r + dr + 4 floats).  Blocks
-  of 16 or 32 rows (2 or 4 warps) run the same per-warp code: they spread a small problem
-  (a decode's 64 heads) over more SMs and give every row the same bits (plan.mma_rows).
+* A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages
+  the queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages,
+  like the FFMA kernel (same shared-memory budget: 64 + 2 x 16 rows of r + dr + 4 floats).
+  Blocks of 16 or 32 rows (2 or 4 warps) run the same per-warp code: they spread a small
+  problem (a decode's 64 heads) over more SMs and give every row the same bits
+  (plan.mma_rows).
 * Warp w = RG kh + rg (RG = rows / 16 row groups) owns query rows 16 rg .. 16 rg + 15.
   Scores: it multiplies them with the
   16 keys over column half kh of the r + dr columns (``m16n8k8`` tiles, two key n-tiles), then

@@ -275,7 +275,7 @@ def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0, kernel_kind="auto", confi
     q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
     ``kernel_kind``: "auto" (streaming up to 64 rows, else tiled), "stream" or "tiled".
     kv_b_proj as :class:`Bf16HeadWeights`: on bf16 tensor cores (q_nope rounded to bf16;
-    ``config``: an ``MmaConfig`` tile, for tests).
+    ``config``: an ``MmaConfig`` tile, for tests; ``kernel_kind`` is then not used).
     """
     bs, n, heads, dn = q_nope.shape
     if isinstance(kv_b_proj, Bf16HeadWeights):
