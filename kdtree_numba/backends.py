@@ -320,12 +320,11 @@ class _Bf16Heads:
                     raise RuntimeError("a kv_b_proj's first use is inside a CUDA-graph "
                                        "capture: its bf16 copy would never be written; run "
                                        "one eager forward first")
-            rows, r = kv_b_proj.shape
-            fits = heads and rows % heads == 0 and numba_attention.bf16_heads_fit(
-                dn, rows // heads - dn, r)
-            made = (numba_attention.bf16_head_weights(kv_b_proj, heads, dn,
-                                                      stream=self.launch.stream or 0)
-                    if fits else kv_b_proj)
+            try:
+                made = numba_attention.bf16_head_weights(kv_b_proj, heads, dn,
+                                                         stream=self.launch.stream or 0)
+            except ValueError:      # widths it cannot take: the float32 kernels (or their
+                made = kv_b_proj    # own error for a kv_b_proj that fits no head layout)
             hit = self.made[id(kv_b_proj)] = (kv_b_proj, made)
         return hit[1]
 

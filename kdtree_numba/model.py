@@ -151,7 +151,7 @@ class Model(DeviceSteps):
                                  kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
                                  kv_b=w32(p + "self_attn/kv_b_proj"),
                                  o_proj=w(p + "self_attn/o_proj"),
-                                 q_proj=None, q_a=None, q_a_norm=None, q_b=None,
+                                 q_proj=None, qkv_a=None, q_a_norm=None, q_b=None,
                                  router=None, router_bias=None, shared_gate_up=None,
                                  shared_down=None)
             if cfg.q_lora_rank is None:
@@ -161,10 +161,9 @@ class Model(DeviceSteps):
                 lw.q_a_norm, lw.q_b = (w(p + "self_attn/" + n) for n in
                                        ("q_a_layernorm", "q_b_proj"))
                 # q_a and kv_a read the same input: one GEMM over their stacked rows
-                # (_attention); the two weights are row blocks (views) of it
+                # (_attention); kv_a alone (kv_latents) is a row block (a view) of it
                 lw.qkv_a = fused(p + "self_attn/q_a_proj",
                                  p + "self_attn/kv_a_proj_with_mqa")
-                lw.q_a = lw.qkv_a[:cfg.q_lora_rank]
                 lw.kv_a = lw.qkv_a[cfg.q_lora_rank:]
             if cfg.is_dense_layer(layer):  # a dense FFN is a one-expert MoE with weight 1
                 lw.gate_up = fused(p + "mlp/gate_proj", p + "mlp/up_proj")[None]
@@ -389,7 +388,7 @@ class Model(DeviceSteps):
             c, k_pe = self.kv_latents(layer, h, positions)
         else:
             qkv = ops.linear(h, lw.qkv_a)                  # [M, q_lora + r + dr]: q_a | kv_a
-            q_lora = lw.q_a.shape[0]
+            q_lora = cfg.q_lora_rank
             q = ops.linear(ops.rmsnorm(qkv[:, :q_lora], lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
             c, k_pe = self._latents(lw, qkv[:, q_lora:], positions)
         q = q.reshape(M, H, dn + dr)

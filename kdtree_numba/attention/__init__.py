@@ -24,8 +24,7 @@ projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 ten
 
 Imports run one way: tiles <- plan <- ffma, mma <- mla; projections needs tiles and, for its
 bf16 path, layers/mma.py (imported where it is called: kdtree_numba.layers re-exports this
-package).  This
-package re-exports the public API that ``kdtree_numba.attention`` and
+package).  This package re-exports the public API that ``kdtree_numba.attention`` and
 ``kdtree_numba.attention_mma`` had as modules.
 """
 from kdtree_numba.compat import to_device  # noqa: F401  (tests and tools stage inputs with it)
@@ -41,7 +40,7 @@ from kdtree_numba.attention.plan import (BLOCK_OVERHEAD_KEYS, DEFAULT_VARIANT,  
                                          gpu_tile_config, mma_fits, mma_rows, resolve_variant,
                                          sim_tile_config, tile_config, uses_tensor_cores)
 from kdtree_numba.attention.projections import (Bf16HeadWeights, absorb_q, apply_uv,
-                                                 bf16_head_weights, bf16_heads_fit)
+                                                 bf16_head_weights)
 from kdtree_numba.attention.tiles import (MAX_SHARED_BYTES, NEG_INF, ONE,  # noqa: F401
                                           RESCALE_SLACK, ZERO, block_keys, masked_score)
 
@@ -49,4 +48,4 @@ __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileCon
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
            "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache",
            "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
-           "Bf16HeadWeights", "bf16_head_weights", "bf16_heads_fit"]
+           "Bf16HeadWeights", "bf16_head_weights"]

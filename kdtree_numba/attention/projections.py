@@ -20,8 +20,7 @@ from kdtree_numba import compat
 from kdtree_numba.attention.tiles import ZERO
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
 
-__all__ = ["absorb_q", "apply_uv", "Bf16HeadWeights", "bf16_head_weights",
-           "bf16_heads_fit"]
+__all__ = ["absorb_q", "apply_uv", "Bf16HeadWeights", "bf16_head_weights"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,12 +38,6 @@ class Bf16HeadWeights:
     dn: int
     dv: int
     r: int
-
-
-def bf16_heads_fit(dn: int, dv: int, r: int) -> bool:
-    """Whether the tensor-core product takes these widths: both reductions (dn for absorb_q, r
-    for apply_uv) whole 16-byte chunks of bf16."""
-    return dn % 8 == 0 and r % 8 == 0 and dv > 0
 
 
 @kernel
@@ -72,7 +65,7 @@ def bf16_head_weights(kv_b_proj, heads: int, dn: int, stream=0) -> Bf16HeadWeigh
     if not heads or rows % heads or per_head <= dn:
         raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dn={dn}")
     dv = per_head - dn
-    if not bf16_heads_fit(dn, dv, r):
+    if dn % 8 or r % 8:          # both reductions (dn, r) in whole 16-byte chunks of bf16
         raise ValueError(f"the tensor-core head product needs dn and r multiples of 8, got "
                          f"dn={dn}, r={r}")
     w = to_device(_f32(kv_b_proj), stream)

@@ -457,22 +457,29 @@ def round_to_bf16(xd, workspace, name, stream=0):
     return x16
 
 
+def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w_head_rows=0,
+            w_off=0):
+    """One launch of :func:`mma_kernel` (cfg) over bf16 x16 rows: ``splits`` K slices into
+    ``target`` [splits * M * heads, N]; heads > 1 as :func:`mma_head_products` describes."""
+    n_mtiles = -(-m // cfg.bm)
+    blocks = n_mtiles * splits * -(-n // cfg.bn)
+    dispatcher = mma_kernel(cfg)
+    args = (x16, wd, target, m, n, k, n_mtiles, splits, -(-k // cfg.bk), heads, w_head_rows,
+            w_off)
+    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
+    dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
+
+
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
     linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
     cp.async; K slices go to a workspace buffer and are added in order."""
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
-    n_mtiles = -(-m // cfg.bm)
-    kc = -(-k // cfg.bk)
-    splits = max(1, min(cfg.splits, kc))
-    blocks = n_mtiles * splits * -(-n // cfg.bn)
-    dispatcher = mma_kernel(cfg)
+    splits = max(1, min(cfg.splits, -(-k // cfg.bk)))
     target = y if splits == 1 else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
-    args = (x16, wd, target, m, n, k, n_mtiles, splits, kc, 1, 0, 0)
-    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
-    dispatcher[blocks, cfg.threads, stream, cfg.smem_bytes](*args)
+    _launch(x16, wd, target, m, n, k, cfg, splits, stream)
     if splits > 1:
         grid, block = launch_1d(m * n, 256)
         sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
@@ -489,11 +496,6 @@ def mma_head_products(xd, heads, wd, w_head_rows, w_off, y, stream=0, workspace=
     m, _, k = xd.shape
     n = y.shape[2]
     x16 = round_to_bf16(xd.reshape(m * heads, k), workspace, "heads.mma_x16", stream)
-    cfg = mma_tile(m) if config is None else dataclasses.replace(config, splits=1)
-    n_mtiles = -(-m // cfg.bm)
-    blocks = n_mtiles * -(-n // cfg.bn)
-    dispatcher = mma_kernel(cfg)
-    args = (x16, wd, y.reshape(m * heads, n), m, n, k, n_mtiles, 1, -(-k // cfg.bk), heads,
-            w_head_rows, w_off)
-    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
-    dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
+    cfg = mma_tile(m) if config is None else config
+    _launch(x16, wd, y.reshape(m * heads, n), m, n, k, cfg, 1, stream, heads, w_head_rows,
+            w_off)

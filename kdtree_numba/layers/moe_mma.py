@@ -52,10 +52,9 @@ _c_position = inline_device_function(c_position)
 
 
 def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
-    """The tile for both launches: the linear's tile (:func:`mma_tile`) for the mean tokens
-    per active expert, M k / min(E, M k): 16 x 64 up to 16 tokens, then the linear's (BM =
-    16 ceil(per / 16) up to 80 tokens, BN 128, 64 at 65-80; past 80 tokens 64 x 128) (64 intermediate columns of gate and up in the gate_up launch); bk = 64; no K
-    slices.  Every tile gives the same bits (the module docstring; run 46 checked the three
+    """The tile for both launches, by the mean tokens per active expert, M k / min(E, M k):
+    16 x 64 up to 16 tokens, else the linear's (:func:`mma_tile`); a gate_up block covers BN
+    / 2 intermediate columns of gate and of up; bk = 64; no K slices.  Every tile gives the same bits (the module docstring; run 46 checked the three
     on the H200)."""
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
     if per <= 16:
