@@ -268,6 +268,39 @@ def test_numba_attention_split_merge_and_device_prefix(needs_kernels, variant):
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("variant", SIM_VARIANTS[:2])
+def test_splits_past_a_requests_keys_are_neither_written_nor_merged(needs_kernels, variant):
+    """A plan sized for a large cache (as the engine's batch-invariant plans are) has splits
+    past a short request's keys.  Their blocks return at once and the merge reads only the
+    splits that hold keys (tiles.splits_with_keys): partial buffers poisoned with NaN stay NaN
+    there, and the outputs still match the reference (a merge that read them would be NaN)."""
+    kernels = _numba()
+    rng = np.random.default_rng(8)
+    bs, n, heads, r, dr, cap, chunk = 2, 2, 2, 8, 4, 64, 16
+    prob = dict(q_abs=rng.standard_normal((bs, n, heads, r)).astype(np.float32),
+                q_pe=rng.standard_normal((bs, n, heads, dr)).astype(np.float32),
+                ckv=rng.standard_normal((bs, cap, r)).astype(np.float32),
+                kpe=rng.standard_normal((bs, cap, dr)).astype(np.float32),
+                prefix_len=np.array([37, 3], np.int32),
+                visible=np.broadcast_to(np.tril(np.ones((n, n), bool)), (bs, n, n)).copy(),
+                tau=0.35)
+    plan = kernels.MlaAttentionPlan(bs, n, heads, r, dr, cap, keys_per_split=chunk,
+                                    variant=variant)
+    assert plan.splits == 4
+    nan_o = np.full(plan.part_o.shape, np.nan, np.float32)
+    nan_ml = np.full(plan.part_ml.shape, np.nan, np.float32)
+    plan.part_o.copy_to_device(nan_o)
+    plan.part_ml.copy_to_device(nan_ml)
+    u = plan(prob["q_abs"], prob["q_pe"], prob["ckv"], prob["kpe"],
+             kernels.to_device(prob["prefix_len"]), prob["visible"], prob["tau"]).copy_to_host()
+    _assert_matches_reference(prob, u)
+    part_o, part_ml = plan.part_o.copy_to_host(), plan.part_ml.copy_to_host()
+    for b, keys in enumerate(prob["prefix_len"] + n):       # 39 keys: 3 splits; 5 keys: 1
+        used = -(-keys // chunk)
+        assert not np.isnan(part_ml[b, :used]).any() and not np.isnan(part_o[b, :used]).any()
+        assert np.isnan(part_ml[b, used:]).all() and np.isnan(part_o[b, used:]).all()
+
+
 def chain_problem(rng, n, prefix, heads=2, r=8, dr=4, spare=6):
     """A verify of a chain of n new tokens after ``prefix`` keys (token j sees the prefix and
     tokens 0..j), and the n decodes of the same tokens one at a time: (verify, [decode j])."""
@@ -615,7 +648,8 @@ kernels = [(mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True,
 for v in ("tf32x3", "tf32x3acc"):
     kernels.append((mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((mla._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
-kernels.append((mla._merge_kernel(512), (a4, a4, i64, a3), False, 0))
+kernels.append((mla._merge_kernel(512), (a4, a4, types.Array(types.int32, 1, "C"), i64, i64, i64,
+                                          a3), False, 0))
 for transposed in (False, True):
     kernels.append((projections._head_gemm_kernel(projections._GemmTile(64, 64, 16, 16, 16),
                                                   transposed),

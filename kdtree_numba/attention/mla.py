@@ -25,7 +25,7 @@ from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
 from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, MmaTileConfig, TileConfig,
                                          choose_splits, mma_rows, resolve_variant,
                                          tile_config)
-from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO
+from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO, splits_with_keys
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
 
 __all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
@@ -45,12 +45,14 @@ MERGE_THREADS = 128
 
 @lru_cache(maxsize=None)
 def _merge_kernel(r: int):
-    """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
+    """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the
+    splits that hold keys of request b (tiles.splits_with_keys: the others wrote nothing)."""
     DV4 = r // 4
 
     @kernel
-    def merge_splits(part_o, part_ml, splits, out):
+    def merge_splits(part_o, part_ml, prefix_len, n, chunk, all_splits, out):
         row, b = cuda.blockIdx.x, cuda.blockIdx.y
+        splits = splits_with_keys(prefix_len[b], n, chunk, all_splits)
         m_max = NEG_INF
         for s in range(splits):
             m_max = max(m_max, part_ml[b, s, row, 0])
@@ -164,7 +166,8 @@ class MlaAttentionPlan:
         self.attn[self.grid, self.cfg.threads, st, nbytes](*args)
         if not direct:
             self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](
-                self.part_o, self.part_ml, np.int64(self.splits), out3)
+                self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(self.chunk),
+                np.int64(self.splits), out3)
         return out
 
 

@@ -226,6 +226,8 @@ def build_kernel(cfg: MmaTileConfig):
         row0 = cuda.blockIdx.x * M
         n_rows = n * heads
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
+        if kbeg >= kend:  # a split past the request's keys: the merge skips it
+            return
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         copy_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)

@@ -16,7 +16,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES, cp_async16, cp_async_strided  # noqa: F401
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
-           "masked_score", "row_tile_copier"]
+           "masked_score", "splits_with_keys", "row_tile_copier"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -46,6 +46,17 @@ def block_keys(prefix_len, n, chunk):
 # in the globals of the running kernel's module and of device functions being called, and this
 # module is no kernel's, so a plain function here would read the real numba.cuda's blockIdx.
 block_keys = device_function(block_keys) if SIMULATOR else inline_device_function(block_keys)
+
+
+@inline_device_function
+def splits_with_keys(prefix, n, chunk, splits):
+    """How many of a request's ``splits`` key splits hold a slot: those before
+    ``prefix + n``, all of them when the last one takes the rest.  The block kernels return at
+    once for the others, writing nothing, and the merge reads only these: a split past the
+    keys would add exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps
+    every bit and saves its launch's partial-output traffic.  Batch-invariant plans size the
+    splits for the cache's capacity, so most of a short request's splits are such."""
+    return min(splits, (prefix + n + chunk - 1) // chunk)
 
 
 @inline_device_function
