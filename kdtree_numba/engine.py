@@ -247,8 +247,9 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     start = cache.lengths.astype(np.int32)
     tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget, k)
     timer.lap("tree_build")
+    # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
-                        return_hidden=req.keep_hidden, capture_layers=capture)
+                        return_hidden=req.keep_hidden, capture_layers=capture, causal=True)
     parts = out if isinstance(out, tuple) else (out,)
     logits = parts[0]
     timer.lap("verify")

@@ -152,6 +152,28 @@ def test_causal_prefill_padded_rows_and_rows_that_see_nothing():
     assert np.all(u[1, :20] == 0.0)
 
 
+@pytest.mark.parametrize("variant", ["tf32x3", "tf32x3acc"])
+def test_causal_gives_the_same_bits_at_kimi_dims(variant):
+    """causal=True stops each block after its last query's keys (prefill, DDTree masks): a
+    prefill of 300 tokens after prefixes 0 and 129 and a 65-node tree verify at ragged
+    prefixes, in the default plan (several splits at the long prefix) and the batch-invariant
+    one, have the bits of causal=False and stay within the fp32 bound."""
+    from kdtree_numba import attention as kernels
+    rng = np.random.default_rng(23)
+    prefill = np.tril(np.ones((300, 300), bool))
+    trees = np.stack([random_tree_visible(rng, 65, 50) for _ in range(3)])
+    for prob in (make_problem(rng, [0, 129], 300, np.stack([prefill, prefill])),
+                 make_problem(rng, [0, 200, 3000], 65, trees)):
+        want = ref.mla_attention(**prob, out_dtype=np.float64)
+        tol = ref.fp32_error_bound(**prob)
+        for invariant in (False, True):
+            full, causal = (kernels.mla_attention(**prob, variant=variant, causal=c,
+                                                  batch_invariant=invariant).copy_to_host()
+                            for c in (False, True))
+            assert causal.tobytes() == full.tobytes(), (variant, invariant)
+            assert np.abs(causal - want).max() <= tol
+
+
 def test_small_kimi_problem_for_the_sanitizers():
     """A few tiles at Kimi widths, every variant, one and several splits: small enough for
     ``compute-sanitizer --tool memcheck`` / ``--tool racecheck`` (run with ``-k sanitizers``).

@@ -30,7 +30,7 @@ from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate, uniform_table
 from kdtree_numba.kvcache import CacheFullError
 from kdtree_numba.config import weight_shapes
-from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask
+from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask, pad_ragged
 from reference import ddtree as ref_ddtree
 
 # Engine tests use a two-layer variant of the tiny config (one dense + one MoE layer, YaRN,
@@ -113,6 +113,28 @@ def test_prefill_then_decode_equals_score(overrides):
         got = np.concatenate(rows[b])
         # float64 inside, float32 out: only the final rounding of differently shaped sums differs
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+def test_logit_rows_give_each_requests_row_of_the_full_forward_and_prefill_uses_them():
+    """forward(logit_rows=r): logits [bs, 1, V] equal row r[b] of the full forward's (the
+    reference computes rows independently: bit for bit); prefill takes each request's last
+    token that way and returns what the full forward's last rows were.  Bad rows are a
+    ValueError."""
+    model = tiny_model(3)
+    prompts = [np.array([5, 9, 100, 3, 77]), np.array([42, 8])]
+    ids, lengths, visible = pad_ragged(prompts)
+    positions = np.tile(np.arange(ids.shape[1]), (2, 1))
+    full = model.forward(ids, positions, model.new_cache(2, 8), visible)
+    picked = model.forward(ids, positions, model.new_cache(2, 8), visible,
+                           logit_rows=lengths - 1)
+    assert picked.shape == (2, 1, model.vocab_size)
+    for b in range(2):
+        assert picked[b, 0].tobytes() == full[b, lengths[b] - 1].tobytes()
+    last = model.prefill(model.new_cache(2, 8), prompts)
+    assert last.tobytes() == picked[:, 0].tobytes()
+    for bad in ([0], [0, 5], [-1, 0]):
+        with pytest.raises(ValueError, match="logit_rows"):
+            model.forward(ids, positions, model.new_cache(2, 8), visible, logit_rows=bad)
 
 
 def test_score_leaves_no_state_and_depends_on_prefix():

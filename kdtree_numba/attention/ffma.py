@@ -49,6 +49,7 @@ def build_kernel(cfg: TileConfig):
     """The FFMA (CUDA-core) kernel for one configuration (constants are closed over):
     register-blocked mini-GEMMs, see the module docstring."""
     T, M, N, STAGES = cfg.threads, cfg.rows, cfg.keys, cfg.stages
+    CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
     Q4 = cfg.quads
     QS, ST = cfg.row_stride, cfg.score_stride
     # score phase
@@ -144,7 +145,8 @@ def build_kernel(cfg: TileConfig):
         lane, warp = tid % 32, tid // 32
         row0 = cuda.blockIdx.x * M
         n_rows = n * heads
-        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
+        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
+                                                     row0 + M - 1, heads)
         if kbeg >= kend:  # a split past the request's keys: the merge skips it
             return
 

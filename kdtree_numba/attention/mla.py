@@ -50,9 +50,10 @@ def _merge_kernel(r: int):
     DV4 = r // 4
 
     @kernel
-    def merge_splits(part_o, part_ml, prefix_len, n, chunk, all_splits, out):
+    def merge_splits(part_o, part_ml, prefix_len, n, heads, causal, chunk, all_splits, out):
         row, b = cuda.blockIdx.x, cuda.blockIdx.y
-        splits = splits_with_keys(prefix_len[b], n, chunk, all_splits)
+        keys = prefix_len[b] + (row // heads + 1 if causal else n)
+        splits = splits_with_keys(keys, chunk, all_splits)
         m_max = NEG_INF
         for s in range(splits):
             m_max = max(m_max, part_ml[b, s, row, 0])
@@ -145,10 +146,17 @@ class MlaAttentionPlan:
             self.part_o = compat.device_empty((1, 1, 1, 4), np.float32, stream)
             self.part_ml = compat.device_empty((1, 1, 1, 2), np.float32, stream)
 
-    def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None):
-        """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's)."""
+    def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None,
+                 causal=False):
+        """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's).
+        ``causal``: the caller promises that no query sees a new key after its own (contract:
+        reference/attention/mla.py); each block then stops at its last query's keys, which
+        halves a long prefill's work and changes no bit.  A host ``visible`` is checked."""
         bs, n, heads, r, dr, max_len = self.shape
         _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible)
+        if causal and not compat.is_device_array(visible) \
+                and np.triu(np.asarray(visible, bool), 1).any():
+            raise ValueError("causal=True, but a query sees a new key after its own")
         st = self.stream if stream is None else stream
         q_abs3 = to_device(q_abs, st).reshape(bs, self.n_rows, r)
         q_pe3 = to_device(q_pe, st).reshape(bs, self.n_rows, dr)
@@ -162,12 +170,16 @@ class MlaAttentionPlan:
         args = (q_abs3, q_pe3, ckv_d, kpe_d, prefix_d, visible_d, np.float32(tau), np.int64(n),
                 np.int64(heads), np.int64(self.chunk), direct, out3, self.part_o, self.part_ml)
         nbytes = self.cfg.smem_bytes()
-        allow_large_shared_memory(self.attn, args, nbytes)
-        self.attn[self.grid, self.cfg.threads, st, nbytes](*args)
+        # causal is compiled in: as a runtime flag it made every call's tensor-core kernel
+        # spill 32 bytes instead of 8; this way only causal calls pay that
+        attn = _attention_kernel(dataclasses.replace(self.cfg, causal=True)) if causal \
+            else self.attn
+        allow_large_shared_memory(attn, args, nbytes)
+        attn[self.grid, self.cfg.threads, st, nbytes](*args)
         if not direct:
             self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](
-                self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(self.chunk),
-                np.int64(self.splits), out3)
+                self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(heads),
+                bool(causal), np.int64(self.chunk), np.int64(self.splits), out3)
         return out
 
 
@@ -217,7 +229,7 @@ def clear_plan_cache() -> None:
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
                   keys_per_split=None, variant=None, batch_invariant=False, rows=None,
-                  stream=0):
+                  causal=False, stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -228,10 +240,12 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
     bits do not depend on n (see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
+    ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
     plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant), rows)
-    return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream)
+    return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
+                causal=causal)

@@ -102,6 +102,7 @@ def build_kernel(cfg: MmaTileConfig):
     ACC = GROUPS * 16                     # P V accumulators per lane
     SN = 4 * NT                           # score accumulators per lane (one set)
     FP32_SUMS = cfg.fp32_sums
+    CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
     # score chunks per fp32 fold: 3 (chains of 12 k-steps; GPU run 31 measured the accuracy
     # and time of folding every chunk with a third of the adds); all chunks without fp32 sums
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
@@ -225,7 +226,8 @@ def build_kernel(cfg: MmaTileConfig):
         rg, kh = warp % RG, warp // RG
         row0 = cuda.blockIdx.x * M
         n_rows = n * heads
-        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk)
+        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
+                                                     row0 + M - 1, heads)
         if kbeg >= kend:  # a split past the request's keys: the merge skips it
             return
 

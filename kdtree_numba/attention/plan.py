@@ -63,6 +63,7 @@ class TileConfig:
     score_unroll: int = 1  # column quads per score-loop iteration (2 spills)
     score_pad: int = 8     # floats added to a score-tile row (rows + 8: conflict-free softmax)
     scratch: int = 0       # floats of shared scratch (the simulator's stand-in for shuffles)
+    causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
 
     @property
     def d(self):           # key width r + dr
@@ -164,6 +165,7 @@ class MmaTileConfig:
     keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
     stages: int = 2
     fp32_sums: bool = False  # short mma chains added with FADD (tf32x3acc; docstring)
+    causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
 
     @property
     def d(self):

@@ -27,17 +27,23 @@ RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point be
 # ---------------------------------------------------------------------------------------------
 # Block geometry and masking, shared by the FFMA and the tensor-core kernels
 # ---------------------------------------------------------------------------------------------
-def block_keys(prefix_len, n, chunk):
+def block_keys(prefix_len, n, chunk, causal, last_row, heads):
     """(b, split, prefix, first, end) of this block (grid: row tiles x splits x requests):
     its request b, key split, the request's cached length, and the key slots [first, end):
-    ``chunk`` slots from split * chunk, clipped to prefix + n; the last split takes the rest,
-    whatever the plan's max_keys promised."""
+    ``chunk`` slots from split * chunk, clipped to the request's keys; the last split takes
+    the rest, whatever the plan's max_keys promised.  The request's keys end at prefix + n, or
+    with ``causal`` (no query sees a new key after its own) after the block's last query
+    (its row ``last_row``, rows = query * heads + head): the keys past it are masked for every
+    row of the block, so skipping them changes no bit (a masked key adds exact zeros)."""
     split, b = cuda.blockIdx.y, cuda.blockIdx.z
     prefix = prefix_len[b]
+    keys = prefix + n
+    if causal:
+        keys = prefix + min(n - 1, last_row // heads) + 1
     first = split * chunk
-    end = min(first + chunk, prefix + n)
+    end = min(first + chunk, keys)
     if split == cuda.gridDim.y - 1:
-        end = prefix + n
+        end = keys
     return b, split, prefix, first, end
 
 
@@ -49,14 +55,15 @@ block_keys = device_function(block_keys) if SIMULATOR else inline_device_functio
 
 
 @inline_device_function
-def splits_with_keys(prefix, n, chunk, splits):
-    """How many of a request's ``splits`` key splits hold a slot: those before
-    ``prefix + n``, all of them when the last one takes the rest.  The block kernels return at
-    once for the others, writing nothing, and the merge reads only these: a split past the
-    keys would add exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps
-    every bit and saves its launch's partial-output traffic.  Batch-invariant plans size the
-    splits for the cache's capacity, so most of a short request's splits are such."""
-    return min(splits, (prefix + n + chunk - 1) // chunk)
+def splits_with_keys(keys, chunk, splits):
+    """How many of a request's ``splits`` key splits hold one of its first ``keys`` slots
+    (block_keys' end: prefix + n, or with ``causal`` after the row's own query): all of
+    them when the last one takes the rest.  The block kernels return at once for the others,
+    writing nothing, and the merge reads only these: a split past a row's keys would add
+    exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps every bit and
+    saves its launch's partial-output traffic.  Batch-invariant plans size the splits for the
+    cache's capacity, so most of a short request's splits are such."""
+    return min(splits, (keys + chunk - 1) // chunk)
 
 
 @inline_device_function

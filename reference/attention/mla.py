@@ -5,7 +5,7 @@
 The family's overview (absorbed MLA, float64 inside, float32 results):
 reference/attention/__init__.py.
 
-``mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau) -> u``
+``mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, causal=False) -> u``
 
 =============  ======================  =========================================================
 argument       shape                   meaning
@@ -18,6 +18,7 @@ kpe            [bs, max_len, dr]       rope keys, same slots (RoPE already appli
 prefix_len     [bs] int                P_b; needs P_b + n <= max_len
 visible        [bs, n, n] bool         visible[b, i, j]: new query i may see new key j
 tau            float                   softmax scale (includes the YaRN factor)
+causal         bool                    a promise: ``visible[b, i, j]`` is false for j > i
 u (returned)   [bs, n, H, r]  float32  softmax-weighted sum of the visible ckv rows
 =============  ======================  =========================================================
 
@@ -31,6 +32,10 @@ all H heads of a query.
 * A query that sees no slot at all (``P_b = 0`` and its ``visible`` row all false; e.g. a padding
   row of an empty request) gets ``u = 0``: an empty softmax is defined as contributing nothing.
   Padding rows of a real verify should see their own slot (diagonal-only), never nothing.
+* ``causal=True`` changes nothing in the result: it promises that no query sees a new key
+  after its own (prefill's causal mask; a DDTree mask, whose parents precede their children),
+  so an implementation may stop each query's keys at slot ``P_b + i``.  The reference checks
+  the promise and raises ValueError when a mask breaks it.
 * Positions enter attention only through RoPE, which is applied to ``q_pe`` and ``kpe`` before
   this function, so the kernel itself never needs positions: a tree node's output equals plain
   causal attention over the prefix plus its root-to-node path (tested in tests/test_attention.py).
@@ -42,7 +47,7 @@ import numpy as np
 from .projections import split_kv_b_proj
 
 __all__ = ["mla_attention", "naive_mla_attention", "visible_slots", "fp32_error_bound",
-           "UNIT_ROUNDOFF_F32"]
+           "check_causal", "UNIT_ROUNDOFF_F32"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
 
@@ -76,12 +81,21 @@ def _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible):
         raise ValueError(f"prefix_len + n must lie in [n, max_len={ckv.shape[1]}]: {p}")
 
 
+def check_causal(visible, causal: bool) -> None:
+    """ValueError when ``causal`` promises what ``visible`` [bs, n, n] breaks: a query that
+    sees a new key after its own."""
+    if causal and np.triu(np.asarray(visible, bool), 1).any():
+        b, i, j = np.argwhere(np.triu(np.asarray(visible, bool), 1))[0]
+        raise ValueError(f"causal=True, but query {i} of request {b} sees new key {j} > {i}")
+
+
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
-                  out_dtype=np.float32) -> np.ndarray:
+                  out_dtype=np.float32, causal=False) -> np.ndarray:
     """Absorbed-MLA attention with a prefix and an n x n new-token mask (contract: module doc)."""
     q_abs, q_pe, ckv, kpe = (np.asarray(a, np.float64) for a in (q_abs, q_pe, ckv, kpe))
     visible = np.asarray(visible, bool)
     _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible)
+    check_causal(visible, causal)
     bs, n, n_heads, r = q_abs.shape
     u = np.zeros((bs, n, n_heads, r), np.float64)
     for b in range(bs):
