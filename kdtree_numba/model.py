@@ -459,7 +459,7 @@ class Model(DeviceSteps):
         if T == 0:
             raise ValueError("score needs at least one token")
         cache = self.new_cache(1, T)
-        logits = self.forward(ids[None], np.arange(T)[None], cache, causal_mask(T))
+        logits = self.forward(ids[None], np.arange(T)[None], cache, causal_mask(T), causal=True)
         return np.asarray(self.backend.to_host(logits[0]), np.float32)
 
 
