@@ -241,8 +241,9 @@ class Model(DeviceSteps):
         ``logit_rows`` [bs] (host ints in [0, n)): only row ``logit_rows[b]`` of request b
         goes through the lm_head, and logits are [bs, 1, V].  A prefill needs only its last
         token's logits, and at 4,096 tokens the lm_head of every row was 11% of the forward
-        (47 ms of 437 on the H200, run 85); the linear is batch invariant on tensor cores, so
-        the row gets the same bits either way.
+        (47 ms of 437 on the H200, run 85).  On tensor cores the linear is batch invariant, so
+        the row gets the same bits either way; on CUDA cores a few rows take another kernel
+        (last-bit differences).
         ``causal``: a promise that ``visible[b, i, j]`` is false for j > i (a prefill's causal
         mask; a DDTree verify, whose parents precede their children): attention then skips the
         keys after each block's last token, the same bits for half a long prefill's work.
@@ -262,7 +263,10 @@ class Model(DeviceSteps):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
         capture = self._check_capture(capture_layers)
         if logit_rows is not None:
-            logit_rows = np.asarray(logit_rows, np.int64)
+            given = np.asarray(logit_rows)
+            if given.dtype.kind not in "iu":
+                raise ValueError(f"logit_rows must be integers, got {given.dtype}")
+            logit_rows = given.astype(np.int64)
             if logit_rows.shape != (bs,) or np.any(logit_rows < 0) or np.any(logit_rows >= n):
                 raise ValueError(f"logit_rows must be [{bs}] row indices in [0, {n}), got "
                                  f"{logit_rows.tolist()}")
@@ -308,11 +312,12 @@ class Model(DeviceSteps):
         out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden,
                            capture_layers=capture, logit_rows=lengths - 1, causal=True)
         cache.advance(lengths)
-        rows = (self.backend.asarray(np.arange(len(seqs))), self.backend.asarray(lengths - 1))
         if not (return_hidden or capture):
             return out[:, 0]
         parts = (out[0][:, 0],)
         if return_hidden:
+            rows = (self.backend.asarray(np.arange(len(seqs))),
+                    self.backend.asarray(lengths - 1))
             parts += (out[1][rows],)
         if capture:
             parts += (out[-1],)

@@ -172,6 +172,19 @@ def test_causal_gives_the_same_bits_at_kimi_dims(variant):
                             for c in (False, True))
             assert causal.tobytes() == full.tobytes(), (variant, invariant)
             assert np.abs(causal - want).max() <= tol
+    # the flag really skips: a 300-token prefill in 128-key splits; the blocks of the first
+    # 256 queries never reach split 2, so its partial rows stay as poisoned
+    prob = make_problem(rng, [0], 300, prefill[None])
+    plan = kernels.MlaAttentionPlan(1, 300, H, R, DR, prob["ckv"].shape[1], keys_per_split=128,
+                                    variant=variant)
+    assert plan.splits == 3
+    args = [prob[k] for k in ("q_abs", "q_pe", "ckv", "kpe", "prefix_len", "visible", "tau")]
+    full = plan(*args).copy_to_host()
+    plan.part_ml.copy_to_device(np.full(plan.part_ml.shape, np.nan, np.float32))
+    causal = plan(*args, causal=True).copy_to_host()
+    assert causal.tobytes() == full.tobytes()
+    part_ml = plan.part_ml.copy_to_host()
+    assert np.isnan(part_ml[0, 2, :256 * H]).all() and not np.isnan(part_ml[0, 2, 256 * H:]).any()
 
 
 def test_small_kimi_problem_for_the_sanitizers():

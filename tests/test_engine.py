@@ -132,7 +132,7 @@ def test_logit_rows_give_each_requests_row_of_the_full_forward_and_prefill_uses_
         assert picked[b, 0].tobytes() == full[b, lengths[b] - 1].tobytes()
     last = model.prefill(model.new_cache(2, 8), prompts)
     assert last.tobytes() == picked[:, 0].tobytes()
-    for bad in ([0], [0, 5], [-1, 0]):
+    for bad in ([0], [0, 5], [-1, 0], [0.0, 1.0]):
         with pytest.raises(ValueError, match="logit_rows"):
             model.forward(ids, positions, model.new_cache(2, 8), visible, logit_rows=bad)
 

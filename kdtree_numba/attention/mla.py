@@ -136,6 +136,7 @@ class MlaAttentionPlan:
                              f"has a fixed one")
         self.grid = (row_tiles, self.splits, bs)
         self.attn = _attention_kernel(self.cfg)
+        self.attn_causal = None     # the causal=True build, made on first use
         self.merge = _merge_kernel(r) if self.splits > 1 else None
         if self.splits > 1:
             self.part_o = compat.device_empty((bs, self.splits, self.n_rows, r), np.float32,
@@ -172,8 +173,9 @@ class MlaAttentionPlan:
         nbytes = self.cfg.smem_bytes()
         # causal is compiled in: as a runtime flag it made every call's tensor-core kernel
         # spill 32 bytes instead of 8; this way only causal calls pay that
-        attn = _attention_kernel(dataclasses.replace(self.cfg, causal=True)) if causal \
-            else self.attn
+        if causal and self.attn_causal is None:
+            self.attn_causal = _attention_kernel(dataclasses.replace(self.cfg, causal=True))
+        attn = self.attn_causal if causal else self.attn
         allow_large_shared_memory(attn, args, nbytes)
         attn[self.grid, self.cfg.threads, st, nbytes](*args)
         if not direct:
