@@ -783,3 +783,22 @@ def test_committed_attention_vectors_are_reproduced_by_both_twins(needs_kernels)
                                            rtol=1e-6, atol=1e-7)
                 np.testing.assert_allclose(ref.apply_uv(case["inputs"]["u"], w, dv),
                                            case["outputs"]["o"], rtol=1e-6, atol=1e-7)
+
+
+def test_variant_checker_runs_each_variant_in_its_own_process():
+    """tools/check_attention_variants.py (the probe that isolates a faulting variant): each
+    variant in a child process, one line each with its error beside the bound; a variant
+    that cannot run here fails alone and sets the exit status."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_attention_variants.py"),
+                           "--variants", "pipe16x2,tf32x3,tile32", "--heads", "2", "--r", "64",
+                           "--dr", "16", "--n", "5", "--prefixes", "0,7"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 3, proc.stdout + proc.stderr
+    for line, variant in zip(lines, ("pipe16x2", "tf32x3", "tile32")):
+        assert line.split()[0] == variant
+    assert lines[1].split()[1] == "FAIL" and "tensor cores" in lines[1]  # no mma on the CPU
+    for line in (lines[0], lines[2]):
+        words = line.split()
+        assert words[1] == "ok" and float(words[4]) <= float(words[6].rstrip(")"))
