@@ -27,6 +27,7 @@ from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, MmaTileConfig, Ti
                                          tile_config)
 from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO, splits_with_keys
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
+from reference.attention import check_causal
 
 __all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
 
@@ -155,9 +156,8 @@ class MlaAttentionPlan:
         halves a long prefill's work and changes no bit.  A host ``visible`` is checked."""
         bs, n, heads, r, dr, max_len = self.shape
         _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible)
-        if causal and not compat.is_device_array(visible) \
-                and np.triu(np.asarray(visible, bool), 1).any():
-            raise ValueError("causal=True, but a query sees a new key after its own")
+        if not compat.is_device_array(visible):
+            check_causal(visible, causal)
         st = self.stream if stream is None else stream
         q_abs3 = to_device(q_abs, st).reshape(bs, self.n_rows, r)
         q_pe3 = to_device(q_pe, st).reshape(bs, self.n_rows, dr)

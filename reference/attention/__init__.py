@@ -22,7 +22,7 @@ One module per part, named as in the numba twin where it has one:
 module          contract of
 ==============  ==============================================================================
 mla.py          ``mla_attention`` (the table of arguments), ``naive_mla_attention``,
-                ``fp32_error_bound``, ``visible_slots``
+                ``fp32_error_bound``, ``visible_slots``, ``check_causal``
 projections.py  ``split_kv_b_proj``, ``absorb_q``, ``apply_uv``
 mask.py         ``tree_visible``
 ==============  ==============================================================================
@@ -30,9 +30,9 @@ mask.py         ``tree_visible``
 from __future__ import annotations
 
 from .mask import tree_visible
-from .mla import (UNIT_ROUNDOFF_F32, fp32_error_bound, mla_attention, naive_mla_attention,
-                  visible_slots)
+from .mla import (UNIT_ROUNDOFF_F32, check_causal, fp32_error_bound, mla_attention,
+                  naive_mla_attention, visible_slots)
 from .projections import absorb_q, apply_uv, split_kv_b_proj
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
-           "visible_slots", "tree_visible", "fp32_error_bound"]
+           "visible_slots", "tree_visible", "fp32_error_bound", "check_causal"]

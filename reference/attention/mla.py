@@ -84,8 +84,11 @@ def _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible):
 def check_causal(visible, causal: bool) -> None:
     """ValueError when ``causal`` promises what ``visible`` [bs, n, n] breaks: a query that
     sees a new key after its own."""
-    if causal and np.triu(np.asarray(visible, bool), 1).any():
-        b, i, j = np.argwhere(np.triu(np.asarray(visible, bool), 1))[0]
+    if not causal:
+        return
+    after_own = np.argwhere(np.triu(np.asarray(visible, bool), 1))
+    if len(after_own):
+        b, i, j = after_own[0]
         raise ValueError(f"causal=True, but query {i} of request {b} sees new key {j} > {i}")
 
 
