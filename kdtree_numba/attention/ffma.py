@@ -147,8 +147,13 @@ def build_kernel(cfg: TileConfig):
         n_rows = n * heads
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
                                                      row0 + M - 1, heads)
-        if kbeg >= kend:  # a split past the request's keys: the merge skips it
-            return
+        # A split past the request's keys (kbeg >= kend) runs no key tile and writes nothing:
+        # the merge skips it.  Not an early return, as the tensor-core kernel has: with one,
+        # pipe16x2 (the one layout that spills) as built by the H200's nvJitLink 13.0 read a
+        # garbage global address in this query copy (CUDA_ERROR_ILLEGAL_ADDRESS), though
+        # nothing the return skipped was wrong (docs/GPU_RESULTS.md, runs 80-89).  The copies
+        # stay in bounds either way (rows and key slots clamped, no bytes read past the end).
+        has_keys = kbeg < kend
 
         copy_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         if STAGES == 2:
@@ -282,11 +287,11 @@ def build_kernel(cfg: TileConfig):
         # epilogue: normalised u (one split) or the split's partial output and (max, sum)
         if row_writer:
             smem[L_OFF + srow] = l_run
-            if not direct and srow_ok:
+            if not direct and srow_ok and has_keys:
                 part_ml[b, split, row0 + srow, 0] = m_run
                 part_ml[b, split, row0 + srow, 1] = l_run
         cuda.syncthreads()
-        if pv_ok:
+        if pv_ok and has_keys:
             for a in range(RV):
                 row = RV * g + a
                 if row0 + row < n_rows:
