@@ -271,7 +271,7 @@ def test_numba_attention_split_merge_and_device_prefix(needs_kernels, variant):
 @pytest.mark.parametrize("variant", SIM_VARIANTS[:2])
 def test_splits_past_a_requests_keys_are_neither_written_nor_merged(needs_kernels, variant):
     """A plan sized for a large cache (as the engine's batch-invariant plans are) has splits
-    past a short request's keys.  Their blocks return at once and the merge reads only the
+    past a short request's keys.  Their blocks write nothing and the merge reads only the
     splits that hold keys (tiles.splits_with_keys): partial buffers poisoned with NaN stay NaN
     there, and the outputs still match the reference (a merge that read them would be NaN)."""
     kernels = _numba()
@@ -802,3 +802,25 @@ def test_variant_checker_runs_each_variant_in_its_own_process():
     for line in (lines[0], lines[2]):
         words = line.split()
         assert words[1] == "ok" and float(words[4]) <= float(words[6].rstrip(")"))
+        assert words[7] == f"[{ROOT / 'kdtree_numba'}]"          # the package it imported
+
+
+def test_variant_checker_imports_the_tree_it_is_given(tmp_path):
+    """``--tree DIR`` (a bisect over exported trees): the children import DIR's package, not
+    the checkout the script lives in, and each line names the package file imported (runs 81
+    and 84 ran 'old trees' that were this checkout); a DIR without the package is a usage
+    error."""
+    import shutil
+    for pkg in ("kdtree_numba", "reference"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg,
+                        ignore=shutil.ignore_patterns("demo", "__pycache__"))
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    tool = [sys.executable, str(ROOT / "tools" / "check_attention_variants.py")]
+    proc = subprocess.run(tool + ["--variants", "pipe16x2", "--heads", "2", "--r", "64", "--dr",
+                                  "16", "--n", "3", "--prefixes", "5", "--tree", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split()[-1] == f"[{tmp_path / 'kdtree_numba'}]"
+    bad = subprocess.run(tool + ["--tree", str(tmp_path / "nowhere")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no kdtree_numba/attention package" in bad.stderr

@@ -2,14 +2,17 @@
 """Run every attention variant once, each in its own process, against the float64 reference.
 
     python3 tools/check_attention_variants.py [--variants tf32x3,pipe16x2] [--bs 3] [--n 9]
-        [--prefixes 0,5,200] [--heads 64] [--r 512] [--dr 64]
+        [--prefixes 0,5,200] [--heads 64] [--r 512] [--dr 64] [--tree DIR]
 
 Why a process per variant: a kernel that faults (CUDA_ERROR_ILLEGAL_ADDRESS) leaves its CUDA
 context unusable, so in one process (tests/test_attention_gpu.py's ``check()``) the first
 faulting variant fails every test after it.  Here each variant prints one line: its maximum
 error beside ``fp32_error_bound``, or the error that ended its process.  Session 19 found the
 FFMA variant pipe16x2 faulting at Kimi widths on the H200 this way (docs/GPU_RESULTS.md, runs
-80-86); this is the probe to bisect it with (run it from trees exported by ``git archive``).
+80-86); this is the probe to bisect it with: ``--tree DIR`` imports ``kdtree_numba`` and
+``reference`` from another tree (``git archive C kdtree_numba reference | tar -x -C DIR``), and
+each line names the package file its child imported, so a bisect cannot test this checkout by
+mistake (the script's own directory and its parent come first on ``sys.path`` otherwise).
 Kimi widths by default (a GPU); ``--heads 2 --r 64 --dr 16`` is small enough for the CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``, FFMA variants only).
 """
@@ -28,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_one(spec: dict) -> str:
     """One variant, in this process: 'max error E (bound B)' or raises."""
+    sys.path.insert(0, spec["tree"])       # before any import of the package
     import numpy as np
 
     from kdtree_numba import attention as kernels
@@ -47,7 +51,8 @@ def run_one(spec: dict) -> str:
                 prefix_len=prefixes, visible=visible, tau=0.13)
     got = np.asarray(kernels.mla_attention(**prob, variant=spec["variant"]).copy_to_host())
     err = float(np.abs(got - ref.mla_attention(**prob, out_dtype=np.float64)).max())
-    return f"max error {err:.2e} (bound {ref.fp32_error_bound(**prob):.2e})"
+    return (f"max error {err:.2e} (bound {ref.fp32_error_bound(**prob):.2e}) "
+            f"[{Path(kernels.__file__).parents[1]}]")
 
 
 def main() -> int:
@@ -65,7 +70,13 @@ def main() -> int:
     ap.add_argument("--dr", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per variant")
+    ap.add_argument("--tree", default=str(ROOT),
+                    help="directory holding the kdtree_numba and reference to check "
+                         "(default: this checkout)")
     args = ap.parse_args()
+    tree = Path(args.tree).resolve()
+    if not (tree / "kdtree_numba" / "attention").is_dir():
+        ap.error(f"--tree {args.tree}: no kdtree_numba/attention package there")
     prefixes = [int(p) for p in args.prefixes.split(",")]
     if args.bs is not None:
         prefixes = (prefixes * args.bs)[:args.bs]
@@ -76,9 +87,9 @@ def main() -> int:
     failed = 0
     for variant in variants:
         spec = dict(variant=variant, prefixes=prefixes, n=args.n, heads=args.heads, r=args.r,
-                    dr=args.dr, seed=args.seed)
+                    dr=args.dr, seed=args.seed, tree=str(tree))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         try:
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)],
                                   capture_output=True, text=True, timeout=args.timeout,
