@@ -430,7 +430,7 @@ class Model(DeviceSteps):
             c, k_pe = self._latents(lw, qkv[:, q_lora:], positions)
         q = q.reshape(M, H, dn + dr)
         q_nope = xp.ascontiguousarray(q[:, :, :dn]).reshape(bs, n, H, dn)
-        q_pe = ops.rope(xp.ascontiguousarray(q[:, :, dn:]), positions, self.rope)
+        q_pe = ops.rope(q[:, :, dn:], positions, self.rope)     # rope reads the view
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths

@@ -498,6 +498,25 @@ def test_rmsnorm_matches_reference(gpu_layers, dtype):
                                rtol=1e-5)
 
 
+def test_rmsnorm_register_and_loop_kernels_give_the_same_bits(gpu_layers):
+    """The register kernel (a row of <= 32 values a thread) and the loop kernel (wider rows)
+    add a thread's squares in the same order, so they agree bit for bit; widths on both sides
+    of a multiple of the thread count, and the widest the register kernel takes."""
+    from kdtree_numba.compat import to_device
+    from kdtree_numba.layers.norm import _MAX_PER_THREAD, _norm_threads, _rmsnorm_kernel
+    threads = _norm_threads()
+    rng = np.random.default_rng(4)
+    for d in (1, threads - 1, threads + 3, _MAX_PER_THREAD * threads):
+        x = (rng.standard_normal((2, d)) * 3).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+        got = host(gpu_layers.rmsnorm(x, w, 1e-6))
+        np.testing.assert_allclose(got, ref.rmsnorm(x, w, 1e-6), rtol=1e-5)
+        loop = to_device(np.zeros_like(x))
+        _rmsnorm_kernel(threads, False, 0)[2, threads](to_device(x), to_device(w), loop,
+                                                       np.float32(1e-6))
+        assert np.array_equal(got, host(loop)), d
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 def test_rope_matches_reference_on_a_strided_view(gpu_layers, interleave):
     rng = np.random.default_rng(5)
@@ -527,6 +546,25 @@ def test_argmax_matches_numpy_with_ties_and_nan(gpu_layers):
     rows[3, :] = 0.0
     rows[3, 33] = -0.0
     assert host(gpu_layers.argmax(rows)).tolist() == ref.argmax(rows).tolist()
+
+
+def test_argmax_over_rows_wider_than_a_batch_of_loads(gpu_layers):
+    """Rows of several load batches a thread (threads x _LOADS_IN_FLIGHT columns each), not a
+    multiple of one: the winner in the last, partial batch (the clamped loads past the row's
+    end must not win), ties between batches and threads, NaN in a later batch."""
+    from kdtree_numba.compat import SIMULATOR
+    from kdtree_numba.layers.argmax import _LOADS_IN_FLIGHT
+    threads = 32 if SIMULATOR else 1024            # as layers.argmax launches it
+    width = 2 * threads * _LOADS_IN_FLIGHT + threads // 2 + 3
+    rows = np.random.default_rng(12).standard_normal((5, width)).astype(np.float32)
+    rows[0, width - 1] = 50.0                            # last column: the clamped slot
+    rows[1, [7, width - 10, threads * _LOADS_IN_FLIGHT + 7]] = 60.0   # smallest index wins
+    rows[2, [threads * _LOADS_IN_FLIGHT + 1, width - 2]] = np.nan      # first NaN wins
+    rows[3, width - 1] = np.nan
+    rows[4, :] = -np.inf
+    got = host(gpu_layers.argmax(rows)).tolist()
+    assert got == ref.argmax(rows).tolist() == [width - 1, 7, threads * _LOADS_IN_FLIGHT + 1,
+                                                width - 1, 0]
 
 
 ROUTING_CASES = [

@@ -27,22 +27,35 @@ def _beats(v, i, best_v, best_i):
     return v > best_v or (v == best_v and i < best_i)
 
 
+# Loads a thread has in flight at once: a one-row argmax over Kimi's 163,840 logits is 160
+# values a thread, and a loop that waits for each load in turn is all memory latency.
+_LOADS_IN_FLIGHT = 8
+
+
 @functools.cache
 def _argmax_kernel(threads: int):
     @kernel
     def argmax_rows(logits, out):
-        """One block per row: each thread scans a strided slice, then a shared-memory tree."""
+        """One block per row: each thread scans a strided slice (columns t + k*threads in
+        ascending order, _LOADS_IN_FLIGHT loads issued together), then a shared-memory tree.
+        The order (NaN first, then larger value, then smaller index) is total, so the
+        grouping cannot change the winner."""
         vals = cuda.shared.array(threads, np.float32)
         idxs = cuda.shared.array(threads, np.int32)
+        batch = cuda.local.array(_LOADS_IN_FLIGHT, np.float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
+        width = logits.shape[1]
         best_v = np.float32(0.0)
         best_i = -1
-        for i in range(t, logits.shape[1], threads):
-            v = logits[row, i]
-            if _beats(v, i, best_v, best_i):
-                best_v = v
-                best_i = i
+        for i0 in range(t, width, threads * _LOADS_IN_FLIGHT):
+            for k in range(_LOADS_IN_FLIGHT):          # unrolled, clamped in bounds
+                batch[k] = logits[row, min(i0 + k * threads, width - 1)]
+            for k in range(_LOADS_IN_FLIGHT):
+                i = i0 + k * threads
+                if i < width and _beats(batch[k], i, best_v, best_i):
+                    best_v = batch[k]
+                    best_i = i
         vals[t] = best_v
         idxs[t] = best_i
         cuda.syncthreads()
