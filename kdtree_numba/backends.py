@@ -113,6 +113,32 @@ class Backend:
             return self.xp.asnumpy(a)
         return np.asarray(a)
 
+    def read_later(self, a):
+        """Start the device-to-host read of ``a`` and return ``wait()``, which waits for that
+        copy alone and returns the NumPy array (counted in ``reads`` now).  On the GPU the copy
+        goes to pinned memory on the legacy stream, behind the work that made ``a``, and an
+        event marks its end: work enqueued after this call (the AR loop's next step) does not
+        delay ``wait()``.  Elsewhere the read happens here."""
+        self.reads += 1
+        if not self.on_gpu:
+            host = np.array(a)
+            return lambda: host
+        cp = self.xp
+        a = cp.ascontiguousarray(a)
+        pinned = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+        host = np.frombuffer(pinned, a.dtype, a.size).reshape(a.shape)   # keeps pinned alive
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, 0)
+        done = cp.cuda.Event(block=False, disable_timing=True)
+        done.record()
+
+        def wait():
+            done.synchronize()
+            del a_alive[:]                 # the source lived until its copy had landed
+            return host
+        a_alive = [a]
+        return wait
+
     def synchronize(self) -> None:
         """Wait until the device has drained (counted in ``syncs``)."""
         self.syncs += 1

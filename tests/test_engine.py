@@ -495,6 +495,39 @@ def test_every_round_reads_the_device_once(drafter, temperature):
     assert syncs == 1
 
 
+def test_ar_runs_one_step_ahead_and_rolls_back_the_step_eos_made_extra():
+    """AR launches step j + 1 on step j's tokens before reading them (engine._ar_steps): the
+    tokens are those of a one-step-at-a-time greedy loop over Model.forward; a request that
+    eos finishes ran one step too many, whose cache slot is rolled back (the cache holds
+    len(seq) - 1 tokens of every request), while one that max_new_tokens finishes runs no
+    extra step."""
+    model = tiny_model(1)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
+
+    def greedy(prompt, n):                     # the oracle: full forwards, no cache reuse
+        seq = list(prompt)
+        for _ in range(n):
+            cache = model.new_cache(1, len(seq) + 1)
+            logits = model.forward(np.array([seq]), np.arange(len(seq))[None], cache,
+                                   causal_mask(len(seq)), causal=True)
+            seq.append(int(np.argmax(np.asarray(logits)[0, -1])))
+        return seq[len(prompt):]
+
+    full = generate(model, prompts, 9)
+    assert full.tokens == [greedy(p, 9) for p in prompts]
+    assert full.stats.rounds == 8                                 # max_new: nothing extra
+    eos = full.tokens[1][2]
+    stop = [toks[:toks.index(eos) + 1] if eos in toks else toks for toks in full.tokens]
+    assert len(stop[1]) == 3
+    res = generate(model, prompts, 9, eos=eos)
+    assert res.tokens == stop
+    cache = model.generation_cache
+    assert cache.lengths.tolist() == [len(p) + len(t) - 1 for p, t in zip(prompts, stop)]
+    one = generate(model, prompts[1:], 9, eos=eos)                # batch 1: eos at token 3
+    assert one.tokens == stop[1:] and one.stats.rounds == 3       # steps 1, 2 and the extra
+    assert model.generation_cache.lengths.tolist() == [len(prompts[1]) + 2]
+
+
 def test_phase_times_cover_the_rounds():
     """Marker timing (no syncs) still splits the time: every phase of a DDTree round is
     charged, and the phases sum to at most the wall time."""
