@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,6 +133,28 @@ def test_token_label_makes_whitespace_visible_and_escapes_mathtext():
 
 TINY = ["--prompts", "2", "--max-new-tokens", "8", "--budgets", "4,8", "--drafter",
         "oracle:0.9", "--backend", "reference"]
+
+
+def test_bench_demo_warms_every_candidate_budget_before_timing_auto(monkeypatch):
+    """The warm-up of ``--budgets auto`` runs each AutoBudget candidate on the first prompt,
+    then auto itself, before the timed prompts: auto may climb to a budget its own warm-up
+    never reached, whose first round would compile inside the timed run (run 90)."""
+    from kdtree_numba.budget import AutoBudget
+    calls = []
+
+    def fake_generate(model, prompts, n, **kw):
+        calls.append((prompts[0][0], kw["budget"]))
+        return SimpleNamespace(tokens=[[1]], stats=SimpleNamespace(
+            seconds=1.0, new_tokens=1, rounds=1, tau=[[1]], time={}))
+    monkeypatch.setattr(bench_demo, "generate", fake_generate)
+    args = SimpleNamespace(seed=0, max_new_tokens=4)
+    prompts = [{"id": i, "ids": [i]} for i in (7, 8)]
+    bench_demo.run_config(None, None, prompts, "ddtree", "auto", 0.0, args, warmup=True)
+    cands = list(AutoBudget().candidates)
+    assert calls == [(7, b) for b in cands] + [(7, "auto"), (7, "auto"), (8, "auto")]
+    calls.clear()
+    bench_demo.run_config(None, None, prompts, "ddtree", 32, 0.0, args, warmup=True)
+    assert calls == [(7, 32), (7, 32), (8, 32)]
 
 
 @needs_matplotlib

@@ -60,9 +60,9 @@ def splits_with_keys(keys, chunk, splits):
     (block_keys' end: prefix + n, or with ``causal`` after the row's own query): all of
     them when the last one takes the rest.  The block kernels run no key tile for the others
     and write nothing (the tensor-core kernel returns at once; the FFMA kernel guards its
-    writes instead, see ffma.py), and the merge reads only these: a split past a row's keys would add
-    exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps every bit and
-    saves its launch's partial-output traffic.  Batch-invariant plans size the splits for the
+    writes instead, see ffma.py), and the merge reads only these: a split past a row's keys
+    would add exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps
+    every bit and saves its launch's partial-output traffic.  Batch-invariant plans size the splits for the
     cache's capacity, so most of a short request's splits are such."""
     return min(splits, (keys + chunk - 1) // chunk)
 
