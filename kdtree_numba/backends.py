@@ -14,11 +14,11 @@ plus an ``ops`` namespace holding every kernel the model and the engine call, by
 simulator is ~1e4x too slow to be an automatic choice; ask for ``"numba"`` explicitly).
 
 Host synchronisation (docs/ENGINE.md, "Sync points"): on the GPU the only calls here that make the
-host wait for the device are :meth:`Backend.to_host` (every device-to-host read the engine makes
-goes through it, and it counts them in ``reads``) and :meth:`Backend.synchronize` (counted in
-``syncs``).  Uploads (``asarray`` of host data) are CuPy's pinned, asynchronous copies.  Phase
-timing uses markers (:meth:`Backend.mark`: a CUDA event on the GPU) that are read only once the
-device has passed them, so timing adds no wait.
+host wait for the device are :meth:`Backend.to_host` and :meth:`Backend.read_later` (every
+device-to-host read the engine makes goes through one of them, and both count it in ``reads``)
+and :meth:`Backend.synchronize` (counted in ``syncs``).  Uploads (``asarray`` of host data) are
+CuPy's pinned, asynchronous copies.  Phase timing uses markers (:meth:`Backend.mark`: a CUDA
+event on the GPU) that are read only once the device has passed them, so timing adds no wait.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "s
 class Backend:
     """``name``: "reference" or "numba"; ``xp``: array module; ``ops``: the kernels.
 
-    ``reads`` / ``syncs`` count the device-to-host reads (:meth:`to_host`) and the full
+    ``reads`` / ``syncs`` count the device-to-host reads (:meth:`to_host`,
+    :meth:`read_later`) and the full
     synchronisations (:meth:`synchronize`) made so far: tests assert the engine's sync budget
     with them."""
     name: str
@@ -130,7 +131,7 @@ class Backend:
         cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, 0)
         done = cp.cuda.Event(block=False, disable_timing=True)
-        done.record()
+        done.record(cp.cuda.Stream.null)   # the copy's stream, whatever stream is current
 
         def wait():
             done.synchronize()
@@ -194,9 +195,10 @@ class Backend:
         numba frees its kernel outputs with ``cuMemFree`` (which can wait for the device) in
         batches of ~10 as they die, so a model step could stall dozens of times.  Inside this
         block they are queued; on exit (the engine wraps one round, whose last device operation
-        is its one read, so the device is idle by then) the queue is freed at once, waiting
-        for nothing.  Peak memory grows by what the block allocates and drops (numba cannot
-        reclaim it on an out-of-memory error meanwhile).  A no-op off the GPU, and for device
+        is its one read, so the device is idle by then; an AR step's block ends while the next
+        step runs, so there a cuMemFree may wait for it) the queue is freed at once.  Peak
+        memory grows by what the block allocates and drops (numba cannot reclaim it on an
+        out-of-memory error meanwhile).  A no-op off the GPU, and for device
         memory under the CuPy-pool plugin (kdtree_numba/gpu/pool.py), where a free returns the
         block to the pool without a driver call: nothing is left to hold back."""
         if not (self.on_gpu and self.name == "numba"):

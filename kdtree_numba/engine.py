@@ -75,7 +75,7 @@ class GenerationStats:
     budget: int | str | None            # "auto": chosen per round (kdtree_numba/budget.py)
     block_len: int | None
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
-    rounds: int = 0                     # AR steps or DDTree rounds after prefill
+    rounds: int = 0                     # AR steps (with the one eos may waste) or DDTree rounds
     new_tokens: int = 0                 # committed tokens returned, all requests
     seconds: float = 0.0                # wall time of generate(), prefill included
     time: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
@@ -194,7 +194,8 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 
 def _choose(model, logits, temperature: float, uniforms: np.ndarray) -> np.ndarray:
     """Next token per request from logits [bs, V] (``Model.choose``: argmax at T = 0, else the
-    inverse-CDF rule with ``uniforms [bs]``).  The one host read of a prefill or an AR step."""
+    inverse-CDF rule with ``uniforms [bs]``).  The prefill's one host read (AR steps read theirs
+    one step late: ``_ar_steps``)."""
     return np.asarray(model.backend.to_host(model.choose(logits, temperature, uniforms)),
                       np.int64)
 
@@ -224,41 +225,55 @@ def _ar_steps(model, cache, req: _Requests, temperature, tables, timer, stats, a
     the H200 a decode step's GPU-clock time was 0.2-0.5 ms over its 2.43 ms forward, runs
     78-89).  Same tokens: step j+1 takes the rows the count (max_new_tokens) leaves running;
     a row that step j's token finishes (eos) also ran step j+1, whose token is dropped and
-    whose cache slot is rolled back.  ``after_step()`` runs after each step's commit.  Every
-    step still reads the device once."""
+    whose cache slot is rolled back (so when eos ends the last running request, the step
+    count and the ``after_step`` calls are one more than one step at a time would make).
+    ``after_step()`` runs after each step's commit.  Every step still reads the device once."""
     be, bs = model.backend, cache.batch
     tokens = req.roots()                   # host: the prefill's tokens
     pending = None                         # (wait for its tokens, rows it ran) in flight
-    while True:
-        rows = req.active.copy()
-        if pending is not None:            # the pending token leaves these short of max_new
-            rows &= np.array([len(out) + 1 < req.max_new for out in req.out])
-        launched = None
-        with be.deferred_frees():          # numba frees wait for the step's read
-            if rows.any():
-                logits = model.decode(cache, tokens)
-                cache.advance(rows.astype(np.int64))
-                u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)]
-                              for b in range(bs)])
-                chosen = model.choose(logits, temperature, u)
-                timer.lap("decode")
-                stats.rounds += 1
-                launched = (be.read_later(chosen), rows)
-                tokens = be.xp.asarray(chosen).reshape(bs)   # the next step's, on the device
-            if pending is not None:
-                wait, ran = pending
-                got = np.asarray(wait(), np.int64)
-                for b in np.flatnonzero(ran):
-                    req.commit(b, [got[b]])
-                if launched is not None:   # rows the commit finished ran a step too many
-                    extra = launched[1] & ~req.active
-                    if extra.any():
-                        cache.truncate(cache.lengths - extra)
-                        launched = (launched[0], launched[1] & req.active)
-                after_step()
-        if launched is None:
-            return
-        pending = launched
+    launched = None
+    try:
+        while True:
+            rows = req.active.copy()
+            if pending is not None:        # the pending token leaves these short of max_new
+                rows &= np.array([len(out) + 1 < req.max_new for out in req.out])
+            launched = None
+            with be.deferred_frees():      # numba frees wait for the step's read
+                if rows.any():
+                    logits = model.decode(cache, tokens)
+                    cache.advance(rows.astype(np.int64))
+                    u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)]
+                                  for b in range(bs)])
+                    chosen = model.choose(logits, temperature, u)
+                    timer.lap("decode")
+                    stats.rounds += 1
+                    launched = (be.read_later(chosen), rows)
+                    tokens = be.xp.asarray(chosen).reshape(bs)   # the next step's, on device
+                if pending is not None:
+                    wait, ran = pending
+                    pending = None
+                    got = np.asarray(wait(), np.int64)
+                    for b in np.flatnonzero(ran):
+                        req.commit(b, [got[b]])
+                    if launched is not None:   # rows the commit finished ran a step too many
+                        extra = launched[1] & ~req.active
+                        if extra.any():
+                            cache.truncate(cache.lengths - extra)
+                            launched = (launched[0], launched[1] & req.active)
+                    after_step()
+            if launched is None:
+                return
+            pending, launched = launched, None
+    except BaseException:
+        # a read still in flight writes into pinned memory that its wait() keeps alive: let
+        # it land before that memory can go back to CuPy's pool and be reused
+        for step in (pending, launched):
+            if step is not None:
+                try:
+                    step[0]()
+                except Exception:
+                    pass
+        raise
 
 
 def _draft(drafter, req: _Requests, capture: tuple):

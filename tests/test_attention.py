@@ -807,7 +807,7 @@ def test_variant_checker_runs_each_variant_in_its_own_process():
 
 def test_variant_checker_imports_the_tree_it_is_given(tmp_path):
     """``--tree DIR`` (a bisect over exported trees): the children import DIR's package, not
-    the checkout the script lives in, and each line names the package file imported (runs 81
+    the checkout the script lives in, and each line names the package directory imported (runs 81
     and 84 ran 'old trees' that were this checkout); a DIR without the package is a usage
     error."""
     import shutil

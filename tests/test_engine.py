@@ -8,11 +8,12 @@ Everything here runs on the NumPy reference backend (exact float64 inside), exce
 cases on the numba kernels under the CUDA simulator.
 
 The GPU's sync contract (docs/ENGINE.md, "Sync points") is counted here: every device-to-host
-read goes through ``Backend.to_host``, which counts them, so a test can assert one read per
-round on any backend.
+read goes through ``Backend.to_host`` or ``Backend.read_later``, which count them, so a test can
+assert one read per round on any backend.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -540,32 +541,63 @@ def test_phase_times_cover_the_rounds():
     assert t["decode"] == 0 and sum(t.values()) <= res.stats.seconds
 
 
+class _DeviceArray(np.ndarray):
+    """A NumPy array with CuPy's ``data.ptr`` (FakeCupy's device arrays)."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
 class FakeCupy:
-    """NumPy posing as CuPy, to run the GPU-only branches of Backend (event markers, asnumpy)
-    on this machine.  Its events model the device's ordering: one recorded is unfinished until
-    the host next waits (``asnumpy``, ``Device().synchronize()``), and timing an unfinished one
-    fails, as ``cudaEventElapsedTime`` does."""
+    """NumPy posing as CuPy, to run the GPU-only branches of Backend (event markers, asnumpy,
+    read_later's pinned copy) on this machine.  Its events model the device's ordering: one
+    recorded is unfinished until the host next waits (``asnumpy``, ``Device().synchronize()``,
+    ``Event.synchronize()``), and timing an unfinished one fails, as ``cudaEventElapsedTime``
+    does.  An asynchronous copy lands only then too, so a host that reads its pinned buffer
+    before waiting reads zeros."""
 
     def __init__(self):
-        self.events_made, self.unfinished = 0, []
+        self.events_made, self.unfinished, self.copies = 0, [], []
         fake = self
 
         class Event:
-            def __init__(self):
+            def __init__(self, block=False, disable_timing=False):
                 fake.events_made += 1
                 self.t, self.done = None, False
 
-            def record(self):
+            def record(self, stream=None):
                 self.t, self.done = time.perf_counter(), False
                 fake.unfinished.append(self)
+
+            def synchronize(self):
+                fake.drain()
 
         def get_elapsed_time(start, end):
             assert start.done and end.done, "timed an event the device had not reached"
             return 1e3 * (end.t - start.t)
+
+        def memcpy_async(dst, src, nbytes, kind, stream):
+            assert kind == 2 and stream == 0          # device to host, the legacy stream
+            source = fake.sources[src]                # kept alive until the copy lands
+            fake.copies.append(lambda: ctypes.memmove(dst, source.ctypes.data, nbytes))
+        self.sources = {}
+        runtime = SimpleNamespace(memcpyAsync=memcpy_async, memcpyDeviceToHost=2)
         self.cuda = SimpleNamespace(Event=Event, get_elapsed_time=get_elapsed_time,
-                                    Device=lambda: SimpleNamespace(synchronize=self.drain))
+                                    Device=lambda: SimpleNamespace(synchronize=self.drain),
+                                    Stream=SimpleNamespace(null=0), runtime=runtime,
+                                    alloc_pinned_memory=bytearray)
+
+    def ascontiguousarray(self, a):
+        out = np.ascontiguousarray(a).view(_DeviceArray)
+        self.sources[out.ctypes.data] = out
+        return out
 
     def drain(self):
+        for copy in self.copies:
+            copy()
+        self.copies.clear()
+        self.sources.clear()
         for event in self.unfinished:
             event.done = True
         self.unfinished.clear()
@@ -598,6 +630,29 @@ def test_gpu_timing_path_reuses_a_few_events_and_never_waits():
     assert all(t[p] > 0 for p in ("prefill", "draft", "tree_build", "verify", "accept",
                                   "compaction"))
     assert sum(t.values()) <= res.stats.seconds
+
+
+def test_ar_one_step_ahead_reads_each_steps_pinned_copy_after_waiting_for_it():
+    """AR on the fake device, where read_later's copy lands only when the host waits (a read
+    of the pinned buffer before its wait would see zeros): tokens, cache lengths and the
+    read count equal the reference backend's, in a ragged batch that eos and max_new_tokens
+    finish at different steps, at T = 0 and 0.7."""
+    fake = FakeCupy()
+    be = Backend("reference", fake, make_backend("reference").ops, on_gpu=True)
+    base = tiny_model(1)
+    model = Model(base.config, dict(random_weights(base.config, 1)), be)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5], [3]]
+    for temperature in (0.0, 0.7):
+        full = generate(base, prompts, 8, temperature=temperature, seed=3)
+        eos = full.tokens[1][2]
+        want = generate(base, prompts, 8, temperature=temperature, seed=3, eos=eos)
+        assert any(len(t) < 8 for t in want.tokens) and any(len(t) == 8 for t in want.tokens)
+        got, reads, syncs = counted([be], lambda: generate(
+            model, prompts, 8, temperature=temperature, seed=3, eos=eos))
+        assert got.tokens == want.tokens
+        assert model.generation_cache.lengths.tolist() == \
+            base.generation_cache.lengths.tolist()
+        assert reads == 1 + got.stats.rounds and syncs == 1
 
 
 # One dense layer, one head, V 32: the cheapest model the simulator can run (~5 s a forward).

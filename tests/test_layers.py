@@ -550,8 +550,8 @@ def test_argmax_matches_numpy_with_ties_and_nan(gpu_layers):
 
 def test_argmax_over_rows_wider_than_a_batch_of_loads(gpu_layers):
     """Rows of several load batches a thread (threads x _LOADS_IN_FLIGHT columns each), not a
-    multiple of one: the winner in the last, partial batch (the clamped loads past the row's
-    end must not win), ties between batches and threads, NaN in a later batch."""
+    multiple of one: the winner in the last, partial batch (where loads are clamped to the
+    row's last column), ties between batches and threads, NaN in a later batch."""
     from kdtree_numba.compat import SIMULATOR
     from kdtree_numba.layers.argmax import _LOADS_IN_FLIGHT
     threads = 32 if SIMULATOR else 1024            # as layers.argmax launches it

@@ -7,12 +7,13 @@
 Why a process per variant: a kernel that faults (CUDA_ERROR_ILLEGAL_ADDRESS) leaves its CUDA
 context unusable, so in one process (tests/test_attention_gpu.py's ``check()``) the first
 faulting variant fails every test after it.  Here each variant prints one line: its maximum
-error beside ``fp32_error_bound``, or the error that ended its process.  Session 19 found the
-FFMA variant pipe16x2 faulting at Kimi widths on the H200 this way (docs/GPU_RESULTS.md, runs
-80-86); this is the probe to bisect it with: ``--tree DIR`` imports ``kdtree_numba`` and
-``reference`` from another tree (``git archive C kdtree_numba reference | tar -x -C DIR``), and
-each line names the package file its child imported, so a bisect cannot test this checkout by
-mistake (the script's own directory and its parent come first on ``sys.path`` otherwise).
+error beside ``fp32_error_bound``, or the error that ended its process.  ``--tree DIR``
+imports ``kdtree_numba`` and ``reference`` from another tree (``git archive C kdtree_numba
+reference | tar -x -C DIR``), and each line names the package directory its child imported,
+so a bisect cannot test this checkout by mistake (the script's own directory and its parent
+come first on ``sys.path`` otherwise: session 19's bisect fell into that).  Session 20
+bisected the FFMA variant pipe16x2's fault at Kimi widths on the H200 with it (an early
+return from commit 3fe0585; docs/GPU_RESULTS.md, runs 87-88).
 Kimi widths by default (a GPU); ``--heads 2 --r 64 --dr 16`` is small enough for the CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``, FFMA variants only).
 """

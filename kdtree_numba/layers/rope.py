@@ -19,7 +19,9 @@ __all__ = ["RopeSpec", "YarnScaling", "rope"]
 
 @functools.cache
 def _rope_kernel(half: int, interleave: bool, threads: int):
-    @kernel
+    # past 256 threads, launch bounds keep ptxas within 65536 / threads registers (a launch
+    # with more would fail; the kernel needs 40 today)
+    @kernel(**({"launch_bounds": (threads,)} if threads > 256 else {}))
     def rope_rows(x, positions, inv_freq, amplitude, y):
         """One block per token: cos/sin of p*inv_freq in float64 once per token (shared), then
         every head's pairs rotated in float64 and rounded once to float32."""
