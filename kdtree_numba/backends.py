@@ -133,11 +133,9 @@ class Backend:
         done = cp.cuda.Event(block=False, disable_timing=True)
         done.record(cp.cuda.Stream.null)   # the copy's stream, whatever stream is current
 
-        def wait():
+        def wait(_source=a):               # holds the copy's source until it is waited for
             done.synchronize()
-            del a_alive[:]                 # the source lived until its copy had landed
             return host
-        a_alive = [a]
         return wait
 
     def synchronize(self) -> None:

@@ -98,6 +98,13 @@ def _filter_options(options: dict) -> dict:
     return options
 
 
+def block_size_options(threads: int) -> dict:
+    """``kernel`` options for a kernel launched with ``threads`` per block: launch bounds past
+    256 threads, so ptxas keeps to 65536 / threads registers (a launch with more would fail).
+    Not below: for 256 threads they only made ptxas spill (the attention kernels)."""
+    return {"launch_bounds": (threads,)} if threads > 256 else {}
+
+
 def kernel(fn=None, **options):
     """``cuda.jit`` for a kernel, always lazily compiled (no signature, nothing at import).
     Kernels (not device functions) go to the disk cache of kdtree_numba/kernel_cache.py, so a

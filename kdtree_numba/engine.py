@@ -428,17 +428,19 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
 
     if method == "ar":
         _ar_steps(model, cache, req, temperature, tables, timer, stats, after_step)
-    while method != "ar" and req.active.any():
-        with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
-            b = policy.next_budget() if policy else budget
-            t_round = time.perf_counter()
-            _ddtree_round(model, cache, drafter, req, b, temperature, table, timer, stats, k,
-                          capture, on_round)
-            stats.budgets.append(b)
-            if policy:            # the round ended in its host read: its wall time is its cost
-                policy.observe(b, time.perf_counter() - t_round, float(np.mean(stats.tau[-1])))
-        stats.rounds += 1
-        after_step()
+    else:
+        while req.active.any():
+            with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
+                b = policy.next_budget() if policy else budget
+                t_round = time.perf_counter()
+                _ddtree_round(model, cache, drafter, req, b, temperature, table, timer, stats,
+                              k, capture, on_round)
+                stats.budgets.append(b)
+                if policy:        # the round ended in its host read: its wall time is its cost
+                    policy.observe(b, time.perf_counter() - t_round,
+                                   float(np.mean(stats.tau[-1])))
+            stats.rounds += 1
+            after_step()
     be.synchronize()
     timer.finish()
     stats.seconds = time.perf_counter() - t0

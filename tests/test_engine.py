@@ -508,10 +508,7 @@ def test_ar_runs_one_step_ahead_and_rolls_back_the_step_eos_made_extra():
     def greedy(prompt, n):                     # the oracle: full forwards, no cache reuse
         seq = list(prompt)
         for _ in range(n):
-            cache = model.new_cache(1, len(seq) + 1)
-            logits = model.forward(np.array([seq]), np.arange(len(seq))[None], cache,
-                                   causal_mask(len(seq)), causal=True)
-            seq.append(int(np.argmax(np.asarray(logits)[0, -1])))
+            seq.append(int(np.argmax(model.score(seq)[-1])))
         return seq[len(prompt):]
 
     full = generate(model, prompts, 9)

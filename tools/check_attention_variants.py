@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,12 +88,9 @@ def main() -> int:
     for variant in variants:
         spec = dict(variant=variant, prefixes=prefixes, n=args.n, heads=args.heads, r=args.r,
                     dr=args.dr, seed=args.seed, tree=str(tree))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        try:
+        try:       # the child puts spec["tree"] first on sys.path itself (run_one)
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)],
-                                  capture_output=True, text=True, timeout=args.timeout,
-                                  env=env)
+                                  capture_output=True, text=True, timeout=args.timeout)
             ok = proc.returncode == 0
             lines = (proc.stdout if ok else proc.stderr).strip().splitlines()
             verdict = lines[-1] if lines else f"exit {proc.returncode}"

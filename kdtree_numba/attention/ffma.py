@@ -23,7 +23,7 @@ explains the kernel design and the measured speed; the short version:
   partial output and (reference max, sum); the merge kernel of mla.py combines them.  With one
   split the kernel normalises and writes ``u`` directly.
 """
-from kdtree_numba.compat import cuda, kernel  # noqa: I001
+from kdtree_numba.compat import block_size_options, cuda, kernel  # noqa: I001
 
 import math
 
@@ -37,12 +37,6 @@ from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32
 from kdtree_numba.gpu.reduce import make_reduce_scatter, make_row_group_reducers
 
 __all__ = ["build_kernel"]
-
-
-def _jit_options(cfg: TileConfig) -> dict:
-    """Launch bounds past 256 threads, so ptxas keeps to 65536 / threads registers (a launch
-    with more would fail).  Not below: for 256 threads they only made ptxas spill."""
-    return {"launch_bounds": (cfg.threads,)} if cfg.threads > 256 else {}
 
 
 def build_kernel(cfg: TileConfig):
@@ -137,7 +131,7 @@ def build_kernel(cfg: TileConfig):
                 acc[x + 2] += p * v2
                 acc[x + 3] += p * v3
 
-    @kernel(**_jit_options(cfg))
+    @kernel(**block_size_options(cfg.threads))
     def mla_attention_tiles(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
                             direct, out, part_o, part_ml):
         smem = cuda.shared.array(0, float32)

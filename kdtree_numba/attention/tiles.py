@@ -62,8 +62,8 @@ def splits_with_keys(keys, chunk, splits):
     and write nothing (the tensor-core kernel returns at once; the FFMA kernel guards its
     writes instead, see ffma.py), and the merge reads only these: a split past a row's keys
     would add exact zeros (weight exp(-inf) = 0 times a zero output), so skipping it keeps
-    every bit and saves its launch's partial-output traffic.  Batch-invariant plans size the splits for the
-    cache's capacity, so most of a short request's splits are such."""
+    every bit and saves its launch's partial-output traffic.  Batch-invariant plans size the
+    splits for the cache's capacity, so most of a short request's splits are such."""
     return min(splits, (keys + chunk - 1) // chunk)
 
 

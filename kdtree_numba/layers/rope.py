@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, kernel, to_device
+from kdtree_numba.compat import SIMULATOR, block_size_options, cuda, kernel, to_device
 from kdtree_numba.layers.workspace import device_f32, result_array
 from reference.layers import RopeSpec, YarnScaling
 
@@ -19,9 +19,7 @@ __all__ = ["RopeSpec", "YarnScaling", "rope"]
 
 @functools.cache
 def _rope_kernel(half: int, interleave: bool, threads: int):
-    # past 256 threads, launch bounds keep ptxas within 65536 / threads registers (a launch
-    # with more would fail; the kernel needs 40 today)
-    @kernel(**({"launch_bounds": (threads,)} if threads > 256 else {}))
+    @kernel(**block_size_options(threads))           # up to 1024 threads (it needs 40 registers)
     def rope_rows(x, positions, inv_freq, amplitude, y):
         """One block per token: cos/sin of p*inv_freq in float64 once per token (shared), then
         every head's pairs rotated in float64 and rounded once to float32."""
