@@ -696,6 +696,17 @@ kernels = [(mla._attention_kernel(dataclasses.replace(A.gpu_tile_config(512, 64,
 for v in ("tf32x3", "tf32x3acc"):
     kernels.append((mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((mla._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
+# the bf16 cache's kernel (ckv, kpe uint16): 255 registers and 104-136 B of spills at 32-key
+# tiles (its 128 accumulators, as tf32x3's), none at 16 rows x 16 keys; where they sit in the
+# SASS is not checked yet (docs/ATTENTION.md, "The bf16 cache")
+from kdtree_numba.attention.plan import Bf16TileConfig
+h3 = types.Array(types.uint16, 3, "C")
+sig16 = (a3, a3, h3, h3) + sig[4:]
+for rows, keys, causal in ((64, 32, False), (64, 32, True), (16, 16, False)):
+    cfg = Bf16TileConfig(512, 64, rows=rows, threads=4 * rows, keys=keys, causal=causal)
+    kernels.append((mla._attention_kernel(cfg), sig16, True, 160))
+kernels.append((mla._attention_kernel(Bf16TileConfig(128, 32, rows=16, threads=64, keys=16)),
+                sig16, True, 160))   # the demo pair's widths: padded rows, one value group
 kernels.append((mla._merge_kernel(512), (a4, a4, types.Array(types.int32, 1, "C"), i64, i64,
                                           types.boolean, i64, i64, a3), False, 0))
 for transposed in (False, True):
@@ -728,9 +739,12 @@ for k, s, attention, stack_budget in kernels:
         h, _ = nvjitlink_output(ltoir, "-ptx")
         ptx = bytearray(nvjitlink.get_linked_ptx_size(h))
         nvjitlink.get_linked_ptx(h, ptx)
-        for op in ("cp.async.cg.shared.global", "cp.async.wait_group", "ld.shared.v4.f32",
-                   "shfl.sync.bfly"):
+        bf16 = k.py_func.__name__ == "mla_attention_bf16"
+        for op in ("cp.async.cg.shared.global", "cp.async.wait_group",
+                   "ld.shared.v4.b32" if bf16 else "ld.shared.v4.f32", "shfl.sync.bfly"):
             assert op in ptx.decode(), op
+        if bf16:
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx.decode()
         if k.py_func.__name__ == "mla_attention_mma":  # 3 mma per product: 3xTF32 survived
             assert ptx.decode().count("mma.sync.aligned.m16n8k8.row.col.f32.tf32") % 3 == 0
     _, log = nvjitlink_output(ltoir, "-verbose")

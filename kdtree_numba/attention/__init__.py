@@ -15,6 +15,8 @@ plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARI
                 ``resolve_variant``, ``tile_config``, ``choose_splits``, ``mma_rows``
 ffma.py         the FFMA (CUDA-core) block kernel, one body for every layout of ``VARIANTS``
 mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``, ``"tf32x3acc"``; GPU only)
+bf16.py         the block kernel of a bf16 latent cache (``ckv``, ``kpe`` as uint16 bits) on
+                bf16 tensor cores; ``Bf16TileConfig`` (plan.py) shapes it
 mla.py          ``mla_attention``: ``MlaAttentionPlan`` (plan -> block kernel -> merge), the
                 merge kernel, launch plumbing and the per-shape plan cache
                 (``clear_plan_cache``)
@@ -22,7 +24,7 @@ projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 ten
                 given ``bf16_head_weights``)
 ==============  ==============================================================================
 
-Imports run one way: tiles <- plan <- ffma, mma <- mla; projections needs tiles and, for its
+Imports run one way: tiles <- plan <- ffma, mma, bf16 <- mla; projections needs tiles and, for its
 bf16 path, layers/mma.py (imported where it is called: kdtree_numba.layers re-exports this
 package).  This package re-exports the public API that ``kdtree_numba.attention`` and
 ``kdtree_numba.attention_mma`` had as modules.
@@ -34,7 +36,8 @@ from kdtree_numba.attention.mla import (MERGE_THREADS, MlaAttentionPlan,  # noqa
 # build_kernel: the tensor-core kernel's builder, under its name in the old attention_mma module
 from kdtree_numba.attention.mma import build_kernel
 from kdtree_numba.attention.plan import (BLOCK_OVERHEAD_KEYS, DEFAULT_VARIANT,  # noqa: F401
-                                         FALLBACK_VARIANT, FFMA_VARIANTS,
+                                         BF16_VARIANT, FALLBACK_VARIANT, FFMA_VARIANTS,
+                                         Bf16TileConfig, bf16_fits,
                                          MERGE_BYTES_PER_KEY_TIME, MMA_ROWS, VARIANTS,
                                          MmaTileConfig, TileConfig, choose_splits,
                                          gpu_tile_config, mma_fits, mma_rows, resolve_variant,
@@ -48,4 +51,5 @@ __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileCon
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
            "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache",
            "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
+           "Bf16TileConfig", "bf16_fits", "BF16_VARIANT",
            "Bf16HeadWeights", "bf16_head_weights"]

@@ -3,7 +3,8 @@
 :func:`mla_attention` is the numba twin of ``reference.attention.mla_attention`` (contract:
 reference/attention/mla.py; float32 on the device).  One :class:`MlaAttentionPlan` per problem
 shape holds the decisions of plan.py (tile layout, split count), the block kernel for that
-layout (ffma.py or the tensor-core kernel of mma.py), the merge kernel below and the buffers of
+layout (ffma.py or the tensor-core kernel of mma.py for a float32 cache, bf16.py for a bf16
+one), the merge kernel below and the buffers of
 the partial outputs; :func:`mla_attention` keeps one plan per shape (:func:`clear_plan_cache`
 forgets them).  docs/ATTENTION.md has the design and the measured speed.
 
@@ -20,9 +21,11 @@ from functools import lru_cache
 import numpy as np
 
 from kdtree_numba import compat
+from kdtree_numba.attention.bf16 import build_kernel as build_bf16_kernel
 from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
-from kdtree_numba.attention.plan import (INVARIANT_SPLIT_KEYS, MmaTileConfig, TileConfig,
+from kdtree_numba.attention.plan import (BF16_VARIANT, INVARIANT_SPLIT_KEYS, Bf16TileConfig,
+                                         MmaTileConfig, bf16_tile_config,
                                          choose_splits, mma_rows, resolve_variant,
                                          tile_config)
 from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO, splits_with_keys
@@ -35,8 +38,11 @@ __all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
 @lru_cache(maxsize=None)
 def _attention_kernel(cfg):
     """Build the block kernel for one configuration (constants are closed over): the FFMA
-    kernel of ffma.py for a TileConfig, the tensor-core one of mma.py for an MmaTileConfig."""
-    if not isinstance(cfg, TileConfig):
+    kernel of ffma.py for a TileConfig, the tensor-core one of mma.py for an MmaTileConfig,
+    the bf16 one of bf16.py for a Bf16TileConfig."""
+    if isinstance(cfg, Bf16TileConfig):
+        return build_bf16_kernel(cfg)
+    if isinstance(cfg, MmaTileConfig):
         return build_mma_kernel(cfg)
     return build_ffma_kernel(cfg)
 
@@ -103,15 +109,25 @@ class MlaAttentionPlan:
     at large n and long prefixes (docs/ATTENTION.md, "Batch invariance").
     ``rows``: query-heads per tensor-core block (16, 32, 64; None: :func:`~kdtree_numba.
     attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
+    ``bf16_cache``: ckv and kpe hold bf16 bit patterns (uint16); the plan runs the bf16
+    kernel (bf16.py; ``variant`` must then be None or ``"bf16"``, the plan's variant).
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 variant=None, batch_invariant=False, rows=None, stream=0):
+                 variant=None, batch_invariant=False, rows=None, bf16_cache=False, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
-        variant = resolve_variant(variant, r, dr)
+        self.bf16_cache = bool(bf16_cache)
+        if self.bf16_cache:
+            if variant not in (None, BF16_VARIANT):
+                raise ValueError(f"a bf16 cache runs the {BF16_VARIANT!r} kernel, not variant "
+                                 f"{variant!r} (the float32 cache's layouts)")
+            variant = BF16_VARIANT
+            self.cfg = bf16_tile_config(r, dr)
+        else:
+            variant = resolve_variant(variant, r, dr)
+            self.cfg = tile_config(r, dr, variant)
         self.variant = variant
-        self.cfg = tile_config(r, dr, variant)
         self.stream = stream
         self.n_rows = n * heads
         row_tiles = -(-self.n_rows // self.cfg.rows)
@@ -127,7 +143,7 @@ class MlaAttentionPlan:
             keys_per_split = -(-tiles // splits) * self.cfg.keys
         self.chunk = int(keys_per_split)
         self.splits = max(1, -(-max_keys // self.chunk))
-        if isinstance(self.cfg, MmaTileConfig):
+        if isinstance(self.cfg, (MmaTileConfig, Bf16TileConfig)):
             if rows is None:
                 rows = mma_rows(self.n_rows, self.splits, bs, _sm_count())
             self.cfg = dataclasses.replace(self.cfg, rows=rows, threads=4 * rows).validate()
@@ -155,7 +171,7 @@ class MlaAttentionPlan:
         reference/attention/mla.py); each block then stops at its last query's keys, which
         halves a long prefill's work and changes no bit.  A host ``visible`` is checked."""
         bs, n, heads, r, dr, max_len = self.shape
-        _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible)
+        _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible, self.bf16_cache)
         if not compat.is_device_array(visible):
             check_causal(visible, causal)
         st = self.stream if stream is None else stream
@@ -197,7 +213,7 @@ def _as_bool(x):
     return np.ascontiguousarray(x, dtype=np.bool_)
 
 
-def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
+def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible, bf16_cache):
     bs, n, heads, r, dr, max_len = shape
     want = {"q_abs": (bs, n, heads, r), "q_pe": (bs, n, heads, dr), "ckv": (bs, max_len, r),
             "kpe": (bs, max_len, dr), "prefix_len": (bs,), "visible": (bs, n, n)}
@@ -207,8 +223,12 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
         if tuple(arr.shape) != want[name]:
             raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {want[name]}")
     for name in ("q_abs", "q_pe", "ckv", "kpe"):
-        if np.dtype(got[name].dtype) != np.float32:
-            raise TypeError(f"{name} must be float32, got {got[name].dtype}")
+        want_dtype = np.uint16 if bf16_cache and name in ("ckv", "kpe") else np.float32
+        if np.dtype(got[name].dtype) != want_dtype:
+            cache = "a bf16 cache's" if bf16_cache else "a float32 cache's"
+            raise TypeError(f"{name} must be {np.dtype(want_dtype)} ({cache} plan: queries "
+                            f"float32, ckv and kpe both float32 or both bf16 bits as uint16), "
+                            f"got {got[name].dtype}")
     if np.dtype(visible.dtype) not in (np.dtype(np.bool_), np.dtype(np.uint8)):
         raise TypeError(f"visible must be bool or uint8, got {visible.dtype}")
     if not compat.is_device_array(prefix_len):
@@ -218,9 +238,10 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible):
 
 
 @lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, rows):
+def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, rows, bf16_cache):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
-                            variant=variant, batch_invariant=batch_invariant, rows=rows)
+                            variant=variant, batch_invariant=batch_invariant, rows=rows,
+                            bf16_cache=bf16_cache)
 
 
 def clear_plan_cache() -> None:
@@ -235,7 +256,9 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
-    ``prefix_len`` integer).  Returns a numba device array u [bs, n, H, r] float32 (or ``out``).
+    ``prefix_len`` integer); ``ckv`` and ``kpe`` may instead both be bf16 bit patterns (uint16:
+    a bf16 cache), which runs the bf16 kernel (bf16.py; the contract's bf16 paragraph).
+    Returns a numba device array u [bs, n, H, r] float32 (or ``out``).
     A host ``prefix_len`` sets the split count from its maximum; for a device one pass
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
@@ -248,6 +271,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
-    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant), rows)
+    bf16_cache = np.dtype(ckv.dtype) == np.uint16
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant), rows,
+                        bf16_cache)
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
                 causal=causal)

@@ -3,7 +3,9 @@
 Pure Python, no kernels: what shape a block has (:class:`TileConfig` for the FFMA kernel of
 ffma.py, :class:`MmaTileConfig` for the tensor-core kernel of mma.py), which layout runs
 (:data:`VARIANTS`, :func:`resolve_variant`) and how many blocks share a request's keys
-(:func:`choose_splits`).  mla.py turns these decisions into an :class:`~kdtree_numba.attention.mla.
+(:func:`choose_splits`).  A bf16 latent cache has one kernel of its own, bf16.py, shaped by
+:class:`Bf16TileConfig` (:func:`bf16_tile_config`); :data:`VARIANTS` are the float32 cache's.
+mla.py turns these decisions into an :class:`~kdtree_numba.attention.mla.
 MlaAttentionPlan` and launches it.  Contract of the function computed: reference/attention/mla.py;
 the layouts and their measured speed: docs/ATTENTION.md.
 
@@ -19,11 +21,11 @@ from dataclasses import dataclass, replace
 
 from kdtree_numba.attention.tiles import MAX_SHARED_BYTES
 
-__all__ = ["TileConfig", "MmaTileConfig", "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT",
-           "FFMA_VARIANTS", "uses_tensor_cores", "resolve_variant", "mma_fits",
-           "gpu_tile_config", "sim_tile_config", "tile_config", "choose_splits", "MMA_ROWS",
-           "mma_rows",
-           "BLOCK_OVERHEAD_KEYS", "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS"]
+__all__ = ["TileConfig", "MmaTileConfig", "Bf16TileConfig", "bf16_tile_config", "BF16_VARIANT",
+           "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT", "FFMA_VARIANTS", "uses_tensor_cores",
+           "resolve_variant", "mma_fits", "gpu_tile_config", "sim_tile_config", "tile_config",
+           "choose_splits", "MMA_ROWS", "mma_rows", "bf16_fits", "BLOCK_OVERHEAD_KEYS",
+           "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +197,93 @@ class MmaTileConfig:
             raise ValueError(f"the tensor-core tiles take rows in {MMA_ROWS}, 2 warps per 16 "
                              f"rows (threads = 4 rows) and 16-key tiles: {self}")
         return self
+
+
+@dataclass(frozen=True)
+class Bf16TileConfig:
+    """Compile-time shape of one block of the bf16 kernel (bf16.py): a bf16 latent cache on
+    bf16 tensor cores.  Same warp roles as :class:`MmaTileConfig` (``rows`` query-heads in row
+    groups of 16, two warps per group splitting the score columns and the value columns), but
+    tiles hold bf16 in 32-column panels of 16 words and a key tile is ``keys`` (16 or 32) keys:
+    the scores are ``keys / 8`` m16n8k16 n-tiles, P V ``keys / 16`` k16 steps.  Any r and dr
+    that are multiples of 8 (16-byte rows): staged rows are padded with zero columns to
+    ``d_pad`` (whole panels for both warps), and the value columns run in 64-column groups,
+    ``groups_per_warp`` for each warp of a pair (a group past r's last is computed again by the
+    second warp and not written)."""
+    r: int
+    dr: int
+    threads: int = 256     # 2 warps (column halves) per 16 rows
+    rows: int = 64         # query-heads per block
+    keys: int = 32         # key slots per tile
+    stages: int = 2
+    causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
+
+    @property
+    def d(self):
+        return self.r + self.dr
+
+    @property
+    def d_pad(self):       # staged columns: d rounded up to whole 32-column panels per warp
+        return -(-self.d // 64) * 64
+
+    @property
+    def row_words(self):   # uint32 words of a staged row: d_pad bf16, two per word
+        return self.d_pad // 2
+
+    @property
+    def value_groups(self):  # 64-column groups covering the r value columns
+        return -(-self.r // 64)
+
+    @property
+    def groups_per_warp(self):
+        return -(-self.value_groups // 2)
+
+    @property
+    def warps(self):
+        return self.threads // 32
+
+    def smem_words(self):  # queries, key stages, score exchange (4 (keys / 8) floats a lane)
+        return ((self.rows + self.stages * self.keys) * self.row_words
+                + self.warps * 4 * (self.keys // 8) * 32)
+
+    def smem_bytes(self):
+        return 4 * self.smem_words()
+
+    def validate(self):
+        if self.r % 8 or self.dr % 8 or min(self.r, self.dr) < 8 \
+                or self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"the bf16 attention tiles need r and dr multiples of 8 (16-byte "
+                             f"rows for cp.async) and <= {MAX_SHARED_BYTES} bytes of shared "
+                             f"memory: {self}")
+        if self.rows not in MMA_ROWS or self.threads != 4 * self.rows \
+                or self.keys not in (16, 32) or self.stages != 2:
+            raise ValueError(f"the bf16 attention tiles take rows in {MMA_ROWS}, 2 warps per 16 "
+                             f"rows (threads = 4 rows), 16- or 32-key tiles and 2 stages: "
+                             f"{self}")
+        return self
+
+
+BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
+# Keys per tile of the bf16 kernel on the GPU (16 in the simulator, whose emulated mma costs
+# two block barriers each).  A module constant so that tools/bench_attention.py can time both.
+BF16_KEYS = 32
+
+
+def bf16_tile_config(r: int, dr: int, keys: int | None = None) -> Bf16TileConfig:
+    """The bf16 kernel's tile for widths r, dr (``keys``: None for :data:`BF16_KEYS`);
+    ``rows`` is set per plan (:func:`mma_rows`)."""
+    if keys is None:
+        keys = 16 if SIMULATOR else BF16_KEYS
+    return Bf16TileConfig(r, dr, keys=keys).validate()
+
+
+def bf16_fits(r: int, dr: int) -> bool:
+    """Whether the bf16 kernel's tiles fit latent width r and rope width dr."""
+    try:
+        bf16_tile_config(r, dr)
+    except ValueError:
+        return False
+    return True
 
 
 MMA_ROWS = (64, 32, 16)   # the tensor-core block's row counts, the default first

@@ -14,7 +14,10 @@ the one it was tuned with:
   inline PTX ``ld.global.nc.v4``; *stream* adds ``.L1::no_allocate`` (weights read once stay out
   of L1 so the activations stay there), *cached* goes through L1.
 * ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``;
-  ``ld_shared_u32x4`` the same for a uint32 array (``ld.shared.v4.b32``: the bf16 mma operands).
+  ``ld_shared_u32x4`` the same for a uint32 array (``ld.shared.v4.b32``: the bf16 mma operands);
+  ``ld_shared_words4`` too, but its address is formed in 32 bits from the array's shared
+  base and a word offset, so that LLVM narrows the offset's arithmetic to 32 bits (the bf16
+  attention kernel: its 64-bit index math was a third of its instructions).
 * ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
   global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
@@ -35,11 +38,11 @@ from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel, allow_dynam
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
-           "ld_shared_u32x4",
-           "load_global_invariant_f32x4", "load_f32x4", "store_f32x4", "store_nowrap_1d",
-           "store_nowrap_2d", "cp_async16", "cp_async_commit", "cp_async_wait_all", "block_sync",
-           "cp_async_wait_1", "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory",
-           "MAX_SHARED_BYTES", "STATIC_SHARED_BYTES", "device_address"]
+           "ld_shared_u32x4", "ld_shared_words4", "load_global_invariant_f32x4", "load_f32x4",
+           "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_u16x8",
+           "cp_async_commit", "cp_async_wait_all", "block_sync", "cp_async_wait_1",
+           "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
+           "STATIC_SHARED_BYTES", "device_address"]
 
 if SIMULATOR:
     _ZERO = np.float32(0.0)
@@ -57,7 +60,7 @@ if SIMULATOR:
         a[row, col] = v
 
     ld_stream_u32x4 = ld_stream_f32x4 = ld_cached_f32x4 = device_function(_vload4_py)
-    ld_shared_f32x4 = ld_shared_u32x4 = device_function(_lds4_py)
+    ld_shared_f32x4 = ld_shared_u32x4 = ld_shared_words4 = device_function(_lds4_py)
     store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
 
     def load_global_invariant_f32x4(array, row, q):
@@ -82,6 +85,16 @@ if SIMULATOR:
     def cp_async16(dst, dst_idx, src, src_idx, nbytes):
         x = load_f32x4(src, src_idx) if nbytes else (_ZERO, _ZERO, _ZERO, _ZERO)
         store_f32x4(dst, dst_idx, *x)
+
+    def cp_async_u16x8(dst, at, src, src_idx, nbytes):
+        """Simulator twin of the cp.async below: 8 uint16 -> 4 words (zeros when nbytes == 0)."""
+        head, k = src_idx[:-1], src_idx[-1]
+        for i in range(4):
+            word = np.uint32(0)
+            if nbytes:
+                word = np.uint32(src[head + (k + 2 * i,)]) | (
+                    np.uint32(src[head + (k + 2 * i + 1,)]) << np.uint32(16))
+            dst[at + i] = word
 
     def _nothing():
         pass
@@ -172,6 +185,33 @@ else:
             return context.make_tuple(builder, ret,
                                       [builder.extract_value(res, i) for i in range(4)])
         return ret(array, off), codegen
+
+    @intrinsic
+    def ld_shared_words4(typingctx, array, word):
+        """``a[word:word+4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``, the
+        address ``shared base + 4 * word`` formed in 32 bits (shared addresses fit 32 bits; the
+        offset's arithmetic, feeding only a truncation, is then narrowed by LLVM).  Word
+        offsets below 2^31; the caller guarantees 16-byte alignment."""
+        if not (isinstance(array, types.Array) and array.ndim == 1
+                and array.dtype == types.uint32 and isinstance(word, types.Integer)):
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            shared = builder.addrspacecast(ary.data, ir.PointerType(i32, 3))
+            base = builder.ptrtoint(shared, i32)
+            off = builder.trunc(args[1], i32) if args[1].type.width > 32 else args[1]
+            addr = builder.add(base, builder.shl(off, ir.Constant(i32, 2)))
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            # side effect: kept in program order with the barriers and cp.async around it
+            asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                               "=r,=r,=r,=r,r", side_effect=True)
+            res = builder.call(asm, [addr])
+            return context.make_tuple(builder, ret,
+                                      [builder.extract_value(res, i) for i in range(4)])
+        return ret(array, word), codegen
 
     def _put_codegen(ndim):
         def codegen(context, builder, sig, args):
@@ -315,6 +355,13 @@ else:
             builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
                          [s32, args[1], n])
         return types.void(saddr, gaddr, nbytes), codegen
+
+    @inline_device_function
+    def cp_async_u16x8(dst, at, src, src_idx, nbytes):
+        """cp.async of 8 uint16 ``src[src_idx:+8]`` (a tuple index, the column last; 16-byte
+        aligned) into words ``dst[at:at+4]`` of a uint32 shared array, element 2i in the low
+        half of word i; ``nbytes`` (16 or 0) are read, the rest zero-filled."""
+        cp_async16_raw(shared_address(dst, at), global_address(src, src_idx), nbytes)
 
     cp_async_commit = asm_statement("cp.async.commit_group;")
     cp_async_wait_all = asm_statement("cp.async.wait_group 0;")

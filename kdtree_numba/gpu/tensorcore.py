@@ -37,7 +37,7 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8",
-           "pack_bf16x2", "mma_bf16_m16n8k16"]
+           "pack_bf16x2", "mma_bf16_m16n8k16", "block_uniform_mma_bf16"]
 
 if SIMULATOR:
     def to_tf32(x):
@@ -75,6 +75,47 @@ if SIMULATOR:
 
     def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
+
+    def block_uniform_mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``mma_bf16_m16n8k16`` for kernels whose every thread issues the same sequence of mma
+        (the bf16 attention kernel): every lane leaves its registers in a table of its warp,
+        waits at the block's barrier, computes its 4 outputs of the warp's product from the
+        table by the fragment layout above (products exact in float64, added to c, rounded
+        to float32), and waits again before the table is reused.  Block barriers stand in
+        for the warp's, which the simulator lacks."""
+        me = threading.current_thread()
+        tid, block = me.threadIdx.x, (me.blockIdx.x, me.blockIdx.y, me.blockIdx.z)
+        lane, g, t = tid % 32, (tid % 32) // 4, tid % 4
+        with _mma_lock:
+            table = _mma_tables.setdefault(me._manager, {}).setdefault((block, tid // 32),
+                                                                       [None] * 32)
+        table[lane] = (a0, a1, a2, a3, b0, b1)
+        me.syncthreads()
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        for src, regs in enumerate(table):
+            sg, st = src // 4, src % 4
+            for i, (row, col) in enumerate(((sg, 2 * st), (sg + 8, 2 * st), (sg, 2 * st + 8),
+                                            (sg + 8, 2 * st + 8))):
+                A[row, col], A[row, col + 1] = _bf16_pair(regs[i])
+            for i, k in enumerate((2 * st, 2 * st + 8)):
+                B[k, sg], B[k + 1, sg] = _bf16_pair(regs[4 + i])
+        me.syncthreads()
+        D = A @ B
+        return (np.float32(D[g, 2 * t] + np.float64(c0)),
+                np.float32(D[g, 2 * t + 1] + np.float64(c1)),
+                np.float32(D[g + 8, 2 * t] + np.float64(c2)),
+                np.float32(D[g + 8, 2 * t + 1] + np.float64(c3)))
+
+    def _bf16_pair(word):
+        word = int(word)
+        return (np.uint32((word & 0xFFFF) << 16).view(np.float32),
+                np.uint32(word & 0xFFFF0000).view(np.float32))
+
+    import threading
+    import weakref
+    _mma_lock = threading.Lock()
+    _mma_tables = weakref.WeakKeyDictionary()   # block manager -> {(block, warp): 32 lanes}
 else:
     from llvmlite import ir
     from numba import types
@@ -168,6 +209,7 @@ else:
         "mma_bf16_m16n8k16", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
         "D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's "
         "tensor cores; fragments as in the module docstring.")
+    block_uniform_mma_bf16 = mma_bf16_m16n8k16   # the simulator's stand-in is the real one here
 
 
 @device_function

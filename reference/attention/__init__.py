@@ -30,9 +30,11 @@ mask.py         ``tree_visible``
 from __future__ import annotations
 
 from .mask import tree_visible
-from .mla import (UNIT_ROUNDOFF_F32, check_causal, fp32_error_bound, mla_attention,
-                  naive_mla_attention, visible_slots)
+from .mla import (UNIT_ROUNDOFF_BF16, UNIT_ROUNDOFF_F32, bf16_error_bound,  # noqa: F401
+                  bf16_operands, bf16_round, bf16_widen, check_causal, fp32_error_bound,
+                  mla_attention, naive_mla_attention, visible_slots)
 from .projections import absorb_q, apply_uv, split_kv_b_proj
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
-           "visible_slots", "tree_visible", "fp32_error_bound", "check_causal"]
+           "visible_slots", "tree_visible", "fp32_error_bound", "bf16_error_bound",
+           "bf16_operands", "bf16_round", "bf16_widen", "check_causal"]

@@ -36,6 +36,13 @@ all H heads of a query.
   after its own (prefill's causal mask; a DDTree mask, whose parents precede their children),
   so an implementation may stop each query's keys at slot ``P_b + i``.  The reference checks
   the promise and raises ValueError when a mask breaks it.
+* A **bf16 cache**: ``ckv`` and ``kpe`` may both be uint16 arrays of bf16 bit patterns (the
+  engine's ``--kv-cache bf16``).  Then the keys and values are those bf16 values and the
+  queries are rounded to bf16 too (to nearest, ties to even: the tensor cores' operands), and
+  the function is computed exactly on those operands (:func:`bf16_operands`).  An
+  implementation may also round each softmax weight to bf16 (relative error <= 2^-8) as long as
+  it normalises by the sum of the rounded weights, so that ``u`` stays a convex combination of
+  the value rows: :func:`bf16_error_bound` is its tolerance.
 * Positions enter attention only through RoPE, which is applied to ``q_pe`` and ``kpe`` before
   this function, so the kernel itself never needs positions: a tree node's output equals plain
   causal attention over the prefix plus its root-to-node path (tested in tests/test_attention.py).
@@ -47,9 +54,39 @@ import numpy as np
 from .projections import split_kv_b_proj
 
 __all__ = ["mla_attention", "naive_mla_attention", "visible_slots", "fp32_error_bound",
-           "check_causal", "UNIT_ROUNDOFF_F32"]
+           "bf16_error_bound", "bf16_operands", "bf16_round", "bf16_widen", "check_causal",
+           "UNIT_ROUNDOFF_F32", "UNIT_ROUNDOFF_BF16"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
+UNIT_ROUNDOFF_BF16 = 2.0 ** -8    # 8 significant bits, round to nearest
+
+
+def bf16_widen(bits) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> their float64 values (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint16:
+        raise TypeError(f"bf16 bit patterns must be uint16, got {bits.dtype}")
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def bf16_round(x) -> np.ndarray:
+    """float32 values -> the nearest bf16 values (ties to even), as float64.  Finite inputs."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return bf16_widen(bits)
+
+
+def bf16_operands(q_abs, q_pe, ckv, kpe):
+    """float64 (q_abs, q_pe, ckv, kpe) of a call: for a bf16 cache (ckv and kpe uint16) the
+    cache's values and the queries rounded to bf16; for a float32 cache the inputs as they are.
+    A cache with one array of each kind is a TypeError."""
+    bf16 = [np.asarray(a).dtype == np.uint16 for a in (ckv, kpe)]
+    if bf16[0] != bf16[1]:
+        raise TypeError(f"ckv and kpe must both be bf16 bits (uint16) or both floats, got "
+                        f"{np.asarray(ckv).dtype} and {np.asarray(kpe).dtype}")
+    if bf16[0]:
+        return bf16_round(q_abs), bf16_round(q_pe), bf16_widen(ckv), bf16_widen(kpe)
+    return tuple(np.asarray(a, np.float64) for a in (q_abs, q_pe, ckv, kpe))
 
 
 def visible_slots(prefix_len: int, visible_row: np.ndarray) -> np.ndarray:
@@ -95,7 +132,7 @@ def check_causal(visible, causal: bool) -> None:
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
                   out_dtype=np.float32, causal=False) -> np.ndarray:
     """Absorbed-MLA attention with a prefix and an n x n new-token mask (contract: module doc)."""
-    q_abs, q_pe, ckv, kpe = (np.asarray(a, np.float64) for a in (q_abs, q_pe, ckv, kpe))
+    q_abs, q_pe, ckv, kpe = bf16_operands(q_abs, q_pe, ckv, kpe)
     visible = np.asarray(visible, bool)
     _check_shapes(q_abs, q_pe, ckv, kpe, prefix_len, visible)
     check_causal(visible, causal)
@@ -160,3 +197,21 @@ def fp32_error_bound(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, safety=4.0
         err = v_max * (2 * score_err + (4 + np.sqrt(keys)) * UNIT_ROUNDOFF_F32)
         worst = max(worst, err)
     return float(safety * worst) + 1e-30
+
+
+def bf16_error_bound(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, safety=4.0) -> float:
+    """Absolute tolerance for ``mla_attention`` over a bf16 cache (ckv, kpe uint16) against
+    this reference: the rounding of every softmax weight to bf16 plus a float32 computation.
+
+    With weights w_i = p_i / sum p and rounded ones p_i (1 + d_i), |d_i| <= 2^-8, normalised by
+    their own sum, the output moves by ``sum_i w_i d_i (v_i - u) / (1 + sum_i w_i d_i)``, at
+    most ``2^-8 * 2 max|v| / (1 - 2^-8)`` in every element: a worst case, not a statistical
+    estimate.  Added: :func:`fp32_error_bound` of the rounded operands (scores and sums in
+    float32, with its ``safety``)."""
+    q_abs, q_pe, ckv64, kpe64 = bf16_operands(q_abs, q_pe, ckv, kpe)
+    n = q_abs.shape[1]
+    v_max = max((np.abs(ckv64[b, :int(prefix_len[b]) + n]).max(initial=0.0)
+                 for b in range(q_abs.shape[0])), default=0.0)
+    weights = 2 * UNIT_ROUNDOFF_BF16 / (1 - UNIT_ROUNDOFF_BF16) * v_max
+    return float(weights) + fp32_error_bound(q_abs, q_pe, ckv64, kpe64, prefix_len, visible,
+                                             tau, safety)

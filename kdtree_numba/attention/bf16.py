@@ -1,0 +1,413 @@
+"""Absorbed-MLA attention over a bf16 latent cache, on bf16 tensor cores (``mma.sync m16n8k16``).
+
+The kernel behind ``mla_attention`` when the cache (``ckv``, ``kpe``) holds bf16 bit patterns
+(uint16): same contract (reference/attention/mla.py, whose bf16 paragraph says what is rounded),
+launch plumbing, split planning and merge as the float32 kernels; mla.py's ``MlaAttentionPlan``
+builds it with the tile shape of plan.py's :class:`~kdtree_numba.attention.plan.
+Bf16TileConfig`.  Half the bytes of a float32 cache per key, and one bf16 product per
+multiply-add where the float32 cache's tensor-core kernel (mma.py) needs three TF32 ones at
+half the k depth.  docs/ATTENTION.md ("The bf16 cache") has the design, the error bound and
+the measurements.  In short:
+
+* The queries (float32) are rounded to bf16 once per block, to nearest even, as they are
+  staged; the keys arrive as bf16 by ``cp.async``.  Scores accumulate in float32 on the tensor
+  cores; the probabilities are rounded to bf16 for P V, and the softmax denominator sums those
+  rounded values, so a row's output is an exact convex combination of the value rows with
+  weights within 2^-8 (relative) of the true ones.
+* Warp roles are the tensor-core kernel's: a block has ``rows / 16`` row groups, two warps each
+  (w = RG kh + rg): warp (rg, kh) scores its 16 rows against the tile's keys over column half
+  kh, adds the partner's half through shared memory (both then hold identical scores and run
+  identical online softmaxes), and accumulates value column half kh (256 of 512 columns: 32
+  n-tiles, 128 float32 accumulators a lane).
+* Tiles are bf16 in 32-column panels, 16 words (64 bytes) a row; the 16-byte chunks of a row
+  are swizzled by bit 1 of the row (:func:`tile_word`).  Scores: per panel, lane (g, t) loads
+  words 4t .. 4t + 3 of query rows g and g + 8 and of one key row per n-tile, one 128-bit load
+  each, which feed both k16 steps of the panel (the k order inside a panel is permuted the same
+  way for both operands, as in the bf16 GEMM, layers/mma.py).
+* The key of score column n of an n8 tile is tile row :func:`key_row` (n), not n: the P V step
+  needs, as its B operand, two keys of one value column in one register, which lane (g, t)
+  builds from 128-bit loads of two key rows (8 columns each) with byte permutes; this row order
+  makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
+  64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
+
+Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
+block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
+"""
+from kdtree_numba.compat import SIMULATOR, cuda, kernel  # noqa: I001
+
+import math
+
+import numpy as np
+from numba import float32, int32, uint32
+
+from kdtree_numba.attention.plan import Bf16TileConfig
+from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
+                                          masked_score)
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_u16x8, cp_async_wait_all,
+                                     ld_shared_words4, load_f32x4, store_f32x4)
+from kdtree_numba.gpu.bits import bf16_hi, bf16_lo
+from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
+from kdtree_numba.gpu.warp import shfl_xor, warp_any
+
+__all__ = ["build_kernel", "key_row", "tile_word"]
+
+_LOW = np.uint32(0xFFFF)
+_HIGH = np.uint32(0xFFFF0000)
+_HALF = np.uint32(16)
+
+
+def key_row(n):
+    """Tile row of score column n (0..7) of an n8 tile: 2i -> i, 2i + 1 -> 4 + (i ^ 1).
+
+    Lane (g, t) builds the P V B operand of k16 step ks from key rows key_row(2t) and
+    key_row(2t + 1) (+ 16 ks, and + 8 for its second register); across t the first four are
+    rows 0, 1, 2, 3 and the second 5, 4, 7, 6: two even and two odd rows each, which the chunk
+    swizzle of :func:`tile_word` spreads over all 32 banks.  The score loads (key rows
+    key_row(g) of lanes g = 2i, 2i + 1 in one phase: an even and an odd row) are conflict
+    free too."""
+    return ((n >> 1) ^ (n & 1)) + 4 * (n & 1)
+
+
+def tile_word(rows, row, col):
+    """Word of (row, column ``col``) in a staged tile of ``rows`` rows: 32-column panels of 16
+    words a row (``(panel * rows + row) * 16``), the row's four 16-byte chunks swizzled by bit 1
+    of the row.  The word holds columns ``col & ~1`` (low half) and ``col | 1``."""
+    chunk = (col & 31) >> 3      # shifts and masks: non-negative ints (numba's // and % keep
+    return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ (row & 2)) + ((col & 7) >> 1)
+
+
+_key_row = inline_device_function(key_row)
+_tile_word = inline_device_function(tile_word)
+
+# One 16-byte chunk (8 bf16) of a cache row into the staged tile.  ``chunk_source(arr, b, col)``
+# is computed once per block: on the GPU the global address of arr[b, 0, col], so that a
+# chunk's copy costs one multiply-add (``src + row * row_bytes``) and the cp.async; the
+# simulator keeps the indices.
+if SIMULATOR:
+    def _chunk_source(arr, b, col):
+        return arr, b, col
+
+    def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
+        arr, b, col = source
+        cp_async_u16x8(smem, word, arr, (b, row, col), nbytes)
+else:
+    from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
+
+    @inline_device_function
+    def _chunk_source(arr, b, col):
+        return global_address(arr, (b, 0, col))
+
+    @inline_device_function
+    def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
+        cp_async16_raw(shared_address(smem, 0) + 4 * word, source + row * row_bytes, nbytes)
+
+
+def build_kernel(cfg: Bf16TileConfig):
+    """The bf16 block kernel for one configuration (the float32 kernels' arguments; ``ckv``
+    and ``kpe`` uint16 bf16 bit patterns)."""
+    cfg.validate()
+    M, N, T = cfg.rows, cfg.keys, cfg.threads
+    RG = M // 16                   # row groups of 16; warp = RG kh + rg
+    DH = cfg.d_pad // 2            # score columns per warp (its column half)
+    PH = DH // 32                  # ... in 32-column panels
+    VG = cfg.value_groups          # 64-column value groups (8 n-tiles each) covering r
+    GROUPS = cfg.groups_per_warp   # ... per warp: kh GROUPS + i, the last clamped to VG - 1
+    R = cfg.r
+    NT = N // 8                    # score n-tiles of a key tile
+    KS = N // 16                   # P V k16 steps of a key tile
+    SN = 4 * NT                    # score accumulators per lane
+    PK = SN // 2                   # bf16 probability words per lane
+    ACC = 32 * GROUPS              # P V accumulators per lane
+    CH = cfg.d_pad // 8            # 16-byte chunks of a staged row
+    CR = cfg.r // 8                # ... of them from the latent, then the rope key's
+    CD = cfg.d // 8                # ... and zeros from chunk CD on (padding to whole panels)
+    CP = CD - CR                   # rope chunks of a row
+    # staging by thread: latent chunk tid % CR of rows tid // CR + s T / CR (and the rope's
+    # alike) when the threads divide the chunks evenly (DeepSeek-V3 / Kimi-K2 widths); else
+    # slots dealt out round-robin
+    BY_COLUMN = T % CR == 0 and (N * CR) % T == 0 and T % CP == 0 \
+        and ((N * CP) % T == 0 or N * CP < T)
+    LAT_STEP, LAT_SLOTS = T // CR, N * CR // T
+    ROPE_STEP, ROPE_SLOTS = T // CP, max(1, N * CP // T)
+    TILE_WORDS = N * cfg.row_words
+    Q_OFF, KV_OFF = 0, M * cfg.row_words
+    XCH_OFF = KV_OFF + cfg.stages * TILE_WORDS
+    CAUSAL = cfg.causal
+    CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
+    Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
+    V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
+    mma = block_uniform_mma_bf16
+
+    @inline_device_function
+    def stage_keys(smem, at, ckv, kpe, b, first, limit, tid, lat_src, rope_src):
+        """cp.async keys first .. first + N - 1 of request b into the tile at word ``at``;
+        rows at or past ``limit`` become zeros (their source clamped to limit - 1 >= 0).  The
+        padding chunks are not touched (zeros since the kernel's start)."""
+        if BY_COLUMN:
+            q = tid % CR
+            for s in range(LAT_SLOTS):
+                i = tid // CR + s * LAT_STEP
+                key = first + i
+                nbytes = int32(16) if key < limit else int32(0)
+                _copy_chunk(smem, at + _tile_word(N, i, 8 * q), lat_src,
+                            min(key, limit - 1), ckv.strides[1], nbytes)
+            q = tid % CP
+            for s in range(ROPE_SLOTS):
+                i = tid // CP + s * ROPE_STEP
+                if N * CP >= T or i < N:
+                    key = first + i
+                    nbytes = int32(16) if key < limit else int32(0)
+                    _copy_chunk(smem, at + _tile_word(N, i, 8 * (CR + q)), rope_src,
+                                min(key, limit - 1), kpe.strides[1], nbytes)
+            return
+        for s in range(-(-N * CH // T)):
+            f = tid + s * T
+            if N * CH % T == 0 or f < N * CH:
+                i, q = f // CH, f % CH
+                key = min(first + i, limit - 1)
+                nbytes = int32(16) if first + i < limit else int32(0)
+                w = at + _tile_word(N, i, 8 * q)
+                if q < CR:
+                    cp_async_u16x8(smem, w, ckv, (b, key, 8 * q), nbytes)
+                elif q < CD:
+                    cp_async_u16x8(smem, w, kpe, (b, key, 8 * (q - CR)), nbytes)
+
+    @inline_device_function
+    def zero_padding(smem, tid):
+        """The key stages' padding chunks (CD .. CH - 1 of every row), once: no copy
+        writes them."""
+        for f in range(tid, cfg.stages * N * (CH - CD), T):
+            i, q = f // (CH - CD), CD + f % (CH - CD)
+            w = KV_OFF + _tile_word(N, i % N, 8 * q) + (i // N) * TILE_WORDS
+            smem[w] = smem[w + 1] = smem[w + 2] = smem[w + 3] = uint32(0)
+
+    @inline_device_function
+    def stage_queries(smem, q_abs, q_pe, b, row0, n_rows, tid):
+        """Query rows row0 .. row0 + M - 1 (float32) rounded to bf16 into the query tile; rows
+        past n_rows and the padding columns are zeros."""
+        for s in range(-(-M * CH // T)):
+            f = tid + s * T
+            if M * CH % T == 0 or f < M * CH:
+                i, q = f // CH, f % CH
+                row = row0 + i
+                w = Q_OFF + _tile_word(M, i, 8 * q)
+                w0 = w1 = w2 = w3 = uint32(0)
+                if row < n_rows and q < CD:
+                    if q < CR:
+                        x0, x1, x2, x3 = load_f32x4(q_abs, (b, row, 8 * q))
+                        y0, y1, y2, y3 = load_f32x4(q_abs, (b, row, 8 * q + 4))
+                    else:
+                        x0, x1, x2, x3 = load_f32x4(q_pe, (b, row, 8 * (q - CR)))
+                        y0, y1, y2, y3 = load_f32x4(q_pe, (b, row, 8 * (q - CR) + 4))
+                    w0, w1 = pack_bf16x2(x0, x1), pack_bf16x2(x2, x3)
+                    w2, w3 = pack_bf16x2(y0, y1), pack_bf16x2(y2, y3)
+                smem[w] = w0
+                smem[w + 1] = w1
+                smem[w + 2] = w2
+                smem[w + 3] = w3
+
+    @inline_device_function
+    def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
+        """acc[o : o + 8] += P V for the two n-tiles of one word of the lane's value chunk:
+        x, y (key rows of k 2t, 2t + 1) and z, w (k 2t + 8, 2t + 9) each hold two columns;
+        the low halves are n-tile j = 2h (acc[o]), the high halves j = 2h + 1 (acc[o + 4])."""
+        b0 = (x & _LOW) | (y << _HALF)
+        b1 = (z & _LOW) | (w << _HALF)
+        acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+        b0 = (x >> _HALF) | (y & _HIGH)
+        b1 = (z >> _HALF) | (w & _HIGH)
+        acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
+            a0, a1, a2, a3, b0, b1, acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
+
+    @inline_device_function
+    def quad_max(x):  # over the 4 lanes t of a fragment row
+        x = max(x, shfl_xor(x, 1))
+        return max(x, shfl_xor(x, 2))
+
+    @inline_device_function
+    def quad_sum(x):
+        x += shfl_xor(x, 1)
+        return x + shfl_xor(x, 2)
+
+    @inline_device_function
+    def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
+                   kh, t, writes_ml):
+        """Row g + 8h of the lane's accumulators -> u (normalised; one split) or the split's
+        partial output and its (max, sum).  In the warp's value group i (group kh GROUPS + i),
+        n-tile j's columns 2t and 2t + 1 are columns 64 group + 16t + j and + 8 + j; columns
+        past r and the second warp's repeat of the last group are not written."""
+        if row < n_rows:
+            if direct:
+                dst = out[b, row]
+                scale = ONE / l_run if l_run > ZERO else ZERO  # sees nothing -> zeros
+            else:
+                dst = part_o[b, split, row]
+                scale = ONE
+                if writes_ml:
+                    part_ml[b, split, row, 0] = m_run
+                    part_ml[b, split, row, 1] = l_run
+            for grp in range(GROUPS):
+                group = kh * GROUPS + grp
+                col = 64 * group + 16 * t
+                for c in range(2):
+                    for half in range(2):
+                        o = 32 * grp + 16 * half + 2 * h + c
+                        if group < VG and col + 8 * c + 4 * half < R:
+                            store_f32x4(dst, col + 8 * c + 4 * half, acc[o] * scale,
+                                        acc[o + 4] * scale, acc[o + 8] * scale,
+                                        acc[o + 12] * scale)
+
+    @kernel
+    def mla_attention_bf16(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
+                           direct, out, part_o, part_ml):
+        smem = cuda.shared.array(0, uint32)
+        xch = cuda.shared.array(0, float32)     # the same memory: the score exchange's view
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        rg, kh = warp % RG, warp // RG
+        row0 = cuda.blockIdx.x * M
+        n_rows = n * heads
+        b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
+                                                  row0 + M - 1, heads)
+        if kbeg >= kend:  # a split past the request's keys: the merge skips it
+            return
+
+        stage_queries(smem, q_abs, q_pe, b, row0, n_rows, tid)
+        if CH > CD:
+            zero_padding(smem, tid)
+        lat_src = _chunk_source(ckv, b, 8 * (tid % CR))
+        rope_src = _chunk_source(kpe, b, 8 * (tid % CP))
+        stage_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)
+        cp_async_commit()
+
+        row_a = row0 + 16 * rg + g        # the lane's fragment rows g and g + 8
+        row_b = row_a + 8
+        ok_a, ok_b = row_a < n_rows, row_b < n_rows
+        query_a, query_b = row_a // heads, row_b // heads
+        # the lane's shared words, as a base plus compile-time steps (rows + 8 keep their
+        # swizzle: bit 1 of the row is the same).  Scores: query rows 16 rg + g (+ 8), key row
+        # key_row(g) (+ 8 nt), chunk t of panel p of the warp's half (+ p * PANEL words).
+        # P V: key rows key_row(2t), key_row(2t + 1) (+ 16 ks, + 8), chunk g of each group
+        score_col = kh * DH + 8 * t
+        q_at = Q_OFF + _tile_word(M, 16 * rg + g, score_col)
+        k_at = _tile_word(N, _key_row(g), score_col)
+        v_at0 = _tile_word(N, _key_row(2 * t), 8 * g)
+        v_at1 = _tile_word(N, _key_row(2 * t + 1), 8 * g)
+        v_first = kh * GROUPS
+
+        acc = cuda.local.array(ACC, float32)
+        for x in range(ACC):
+            acc[x] = ZERO
+        s = cuda.local.array(SN, float32)
+        pk = cuda.local.array(PK, uint32)   # bf16 probabilities, the P V A operands
+        m_a = m_b = NEG_INF  # online-softmax state of rows a and b (same in all 4 lanes t
+        l_a = l_b = ZERO     # and in the partner warp); l: this lane's keys only
+
+        xch_mine = XCH_OFF + warp * (32 * SN) + lane
+        xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + lane   # warp = RG kh + rg, RG = 2^i
+        stage = 0
+        for t0 in range(kbeg, kend, N):
+            kv = KV_OFF + stage * TILE_WORDS
+            cp_async_wait_all()
+            cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
+            if t0 + N < kend:   # prefetch the next tile into the other buffer
+                stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
+                           kend, tid, lat_src, rope_src)
+                cp_async_commit()
+
+            for x in range(SN):
+                s[x] = ZERO
+            for p in range(PH):
+                qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at + p * Q_PANEL)
+                qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at + p * Q_PANEL + 128)
+                for nt in range(NT):
+                    k0, k1, k2, k3 = ld_shared_words4(smem, kv + k_at + p * K_PANEL + 128 * nt)
+                    o = 4 * nt
+                    s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
+                        qa0, qb0, qa1, qb1, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
+                    s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
+                        qa2, qb2, qa3, qb3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
+            for x in range(SN):  # leave this half's scores for the partner warp
+                xch[xch_mine + 32 * x] = s[x]
+            cuda.syncthreads()
+
+            # online softmax of both halves' sum, identical in the two partner warps.  The
+            # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
+            mt_a = mt_b = NEG_INF
+            if t0 + N <= min(prefix, kend):  # cached keys only, all in range: no mask
+                for x in range(SN):
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau
+                    if x % 4 < 2:
+                        mt_a = max(mt_a, sc)
+                    else:
+                        mt_b = max(mt_b, sc)
+                    s[x] = sc
+            else:
+                for x in range(SN):
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau
+                    key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
+                    if x % 4 < 2:
+                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
+                        mt_a = max(mt_a, sc)
+                    else:
+                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_b, query_b)
+                        mt_b = max(mt_b, sc)
+                    s[x] = sc
+            mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
+            alpha_a = alpha_b = ONE
+            if mt_a > m_a + RESCALE_SLACK:  # also the first visible score (m = -inf)
+                alpha_a = math.exp(m_a - mt_a)
+                m_a = mt_a
+            if mt_b > m_b + RESCALE_SLACK:
+                alpha_b = math.exp(m_b - mt_b)
+                m_b = mt_b
+            if warp_any(alpha_a != ONE or alpha_b != ONE):
+                for x in range(ACC // 4):
+                    acc[4 * x] *= alpha_a
+                    acc[4 * x + 1] *= alpha_a
+                    acc[4 * x + 2] *= alpha_b
+                    acc[4 * x + 3] *= alpha_b
+            ms_a = m_a if m_a > NEG_INF else ZERO  # nothing visible yet: all p = 0
+            ms_b = m_b if m_b > NEG_INF else ZERO
+            sum_a = sum_b = ZERO
+            for x in range(PK):  # pk[2 nt + h]: n-tile nt's row g + 8h, keys 2t, 2t + 1
+                ms = ms_a if x % 2 == 0 else ms_b
+                word = pack_bf16x2(math.exp(s[2 * x] - ms), math.exp(s[2 * x + 1] - ms))
+                rounded = bf16_lo(word) + bf16_hi(word)   # the denominator sums what P V uses
+                if x % 2 == 0:
+                    sum_a += rounded
+                else:
+                    sum_b += rounded
+                pk[x] = word
+            l_a = l_a * alpha_a + sum_a
+            l_b = l_b * alpha_b + sum_b
+
+            for ks in range(KS):  # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8)
+                a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
+                for grp in range(GROUPS):
+                    group = min(v_first + grp, VG - 1) if CLAMP else v_first + grp
+                    at = kv + group * V_GROUP + 256 * ks
+                    x0, x1, x2, x3 = ld_shared_words4(smem, at + v_at0)
+                    y0, y1, y2, y3 = ld_shared_words4(smem, at + v_at1)
+                    z0, z1, z2, z3 = ld_shared_words4(smem, at + v_at0 + 128)
+                    w0, w1, w2, w3 = ld_shared_words4(smem, at + v_at1 + 128)
+                    o = 32 * grp
+                    pv_word(acc, o, a0, a1, a2, a3, x0, y0, z0, w0)
+                    pv_word(acc, o + 8, a0, a1, a2, a3, x1, y1, z1, w1)
+                    pv_word(acc, o + 16, a0, a1, a2, a3, x2, y2, z2, w2)
+                    pv_word(acc, o + 24, a0, a1, a2, a3, x3, y3, z3, w3)
+            stage = 1 - stage
+        cp_async_wait_all()  # nothing may be in flight when the block exits
+
+        # epilogue: normalised u (one split) or the split's partial output and (max, sum)
+        l_a, l_b = quad_sum(l_a), quad_sum(l_b)
+        writes_ml = kh == 0 and t == 0
+        finish_row(out, part_o, part_ml, direct, b, split, row_a, n_rows, m_a, l_a, acc, 0,
+                   kh, t, writes_ml)
+        finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
+                   kh, t, writes_ml)
+
+    return mla_attention_bf16

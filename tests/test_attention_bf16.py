@@ -1,0 +1,256 @@
+"""mla_attention over a bf16 latent cache (kdtree_numba/attention/bf16.py) against the
+reference's bf16 contract (reference/attention/mla.py, "A bf16 cache").
+
+Anywhere (CI): the tile index math (``key_row``, ``tile_word``: a bijection, and the three
+shared-memory load patterns free of bank conflicts, as the kernel's docstring claims); the
+reference's bf16 rounding against a bit oracle; the kernel itself on the simulator (its mma
+emulated by ``block_uniform_mma_bf16``) within ``bf16_error_bound`` on decode, tree verify with
+key splits, causal prefill, ragged and empty rows and four widths, with a check that the bound
+still catches a one-bit mask error; the rounded-sum normalisation (equal value rows come back
+to the last bits); batch invariance; the plan's and the reference's type errors.
+On the GPU (marker ``gpu``): Kimi widths (H 64, r 512, dr 64) on decode bs 64 prefix 4096,
+verify and causal prefill, every block height giving the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reference import attention as ref
+from reference.attention import tree_visible
+
+
+def bf16_bits(x) -> np.ndarray:
+    """The oracle: float32 -> bf16 bits, round to nearest, ties to even (finite inputs)."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def problem(rng, prefix, n, visible, heads, r, dr, tau=0.3, max_len=None, boost=4.0):
+    """A bf16-cache problem whose new keys score ``boost`` above the prefix's through rope
+    channel 0 (as tests/test_attention_gpu.py does), so that every visible new key carries a
+    large share of the softmax: a masking error moves outputs far beyond the tolerance."""
+    prefix = np.asarray(prefix, np.int32)
+    bs = len(prefix)
+    max_len = max_len or int(prefix.max()) + n + 3
+    q_pe = rng.standard_normal((bs, n, heads, dr)).astype(np.float32)
+    kpe = rng.standard_normal((bs, max_len, dr)).astype(np.float32)
+    q_pe[..., 0] = 1.0 / tau
+    kpe[..., 0] = 0.0
+    for b, p in enumerate(prefix):
+        kpe[b, p:p + n, 0] = boost
+    return dict(q_abs=rng.standard_normal((bs, n, heads, r)).astype(np.float32), q_pe=q_pe,
+                ckv=bf16_bits(rng.standard_normal((bs, max_len, r))), kpe=bf16_bits(kpe),
+                prefix_len=prefix, visible=np.asarray(visible, bool), tau=tau)
+
+
+def run(prob, **kwargs):
+    from kdtree_numba.attention import mla_attention
+    return mla_attention(**prob, **kwargs).copy_to_host()
+
+
+# ------------------------------------------------------------------ index math
+
+def test_key_rows_are_a_permutation_with_an_even_and_an_odd_row_per_score_phase():
+    from kdtree_numba.attention.bf16 import key_row
+    rows = [key_row(n) for n in range(8)]
+    assert sorted(rows) == list(range(8))
+    assert [rows[2 * t] for t in range(4)] == [0, 1, 2, 3]
+    assert [rows[2 * t + 1] for t in range(4)] == [5, 4, 7, 6]
+
+
+@pytest.mark.parametrize("rows, d", [(16, 576), (32, 64), (64, 192)])
+def test_tile_words_cover_the_tile_once(rows, d):
+    from kdtree_numba.attention.bf16 import tile_word
+    words = [tile_word(rows, row, col) for row in range(rows) for col in range(0, d, 2)]
+    assert sorted(words) == list(range(rows * d // 2))
+    # a column pair shares its word; a 16-byte chunk is 4 consecutive words
+    assert all(tile_word(rows, 5, c) == tile_word(rows, 5, c + 1) for c in range(0, d, 2))
+    assert all(tile_word(rows, 6, c + 2 * i) == tile_word(rows, 6, c) + i
+               for c in range(0, d, 8) for i in range(4))
+
+
+def _phases_conflict_free(addresses, width):
+    """Shared memory serves a 128-bit (64-bit) load in phases of 8 (16) lanes; within a phase
+    the lanes' words must fall on distinct banks."""
+    lanes_per_phase = 32 * 4 // (32 * width // 4) if width == 4 else 16
+    for start in range(0, 32, lanes_per_phase):
+        banks = [(a + i) % 32 for a in addresses[start:start + lanes_per_phase]
+                 for i in range(width)]
+        if len(set(banks)) != len(banks):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("keys", [16, 32])
+def test_the_kernels_shared_loads_are_free_of_bank_conflicts(keys):
+    from kdtree_numba.attention.bf16 import key_row, tile_word
+    rows = 64
+    lanes = [(lane // 4, lane % 4) for lane in range(32)]
+    for panel in range(3):
+        col = 32 * panel
+        # scores: query rows g and g + 8, key row 8 nt + key_row(g); words 4t .. 4t + 3
+        for row_of in (lambda g: g, lambda g: g + 8, lambda g: 8 + key_row(g)):
+            assert _phases_conflict_free([tile_word(rows, row_of(g), col + 8 * t)
+                                          for g, t in lanes], 4)
+    for group in range(2):
+        for ks in range(keys // 16):
+            # P V: key rows 16 ks + key_row(2t) (+1, +8), chunk g of a 64-column group
+            for off in (0, 1):
+                for plus in (0, 8):
+                    addr = [tile_word(keys, 16 * ks + key_row(2 * t + off) + plus,
+                                      64 * group + 8 * g) for g, t in lanes]
+                    assert _phases_conflict_free(addr, 4)
+    # the check itself catches a conflict: natural key order (rows 2t) collides
+    addr = [tile_word(keys, 2 * t, 8 * g) for g, t in lanes]
+    assert not _phases_conflict_free(addr, 4)
+
+
+# ------------------------------------------------------------------ the reference's bf16
+
+def test_reference_rounds_queries_and_widens_the_cache_like_the_bit_oracle():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(2000) * 50).astype(np.float32)
+    x[:3] = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8)]     # ties: to even
+    want = (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+    assert ref.bf16_round(x).astype(np.float32).tobytes() == want.tobytes()
+    assert ref.bf16_widen(bf16_bits(x)).astype(np.float32).tobytes() == want.tobytes()
+    prob = problem(rng, [7], 2, np.tril(np.ones((1, 2, 2), bool)), 2, 8, 8)
+    as_floats = dict(prob, ckv=ref.bf16_widen(prob["ckv"]).astype(np.float32),
+                     kpe=ref.bf16_widen(prob["kpe"]).astype(np.float32),
+                     q_abs=ref.bf16_round(prob["q_abs"]).astype(np.float32),
+                     q_pe=ref.bf16_round(prob["q_pe"]).astype(np.float32))
+    assert ref.mla_attention(**prob).tobytes() == ref.mla_attention(**as_floats).tobytes()
+    with pytest.raises(TypeError, match="both"):
+        ref.mla_attention(**dict(prob, kpe=as_floats["kpe"]))
+
+
+# ------------------------------------------------------------------ the kernel (simulator)
+
+CASES = [
+    # name, prefix, n, visible kind, heads, r, dr, keys_per_split
+    ("decode", [21, 0, 9], 1, "causal", 4, 32, 8, None),
+    ("tree verify, 3 splits", [20, 5], 5, "tree", 4, 64, 16, 16),
+    ("prefill ragged rows", [0, 3], 6, "causal", 3, 128, 32, None),
+    ("Kimi-like widths", [17], 2, "tree", 2, 256, 64, None),
+    ("r 24: chunks dealt round-robin", [9], 2, "tree", 2, 24, 8, None),
+]
+
+
+def _visible(rng, kind, bs, n):
+    if kind == "causal":
+        return np.tril(np.ones((bs, n, n), bool))
+    return np.stack([tree_visible([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+                     for _ in range(bs)])
+
+
+@pytest.mark.parametrize("name, prefix, n, kind, heads, r, dr, kps", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bf16_kernel_matches_the_reference_within_the_bound(name, prefix, n, kind, heads, r, dr,
+                                                            kps, needs_kernels):
+    rng = np.random.default_rng(len(name))
+    prob = problem(rng, prefix, n, _visible(rng, kind, len(prefix), n), heads, r, dr)
+    got = run(prob, keys_per_split=kps, causal=kind == "causal")
+    want = ref.mla_attention(**prob)
+    bound = ref.bf16_error_bound(**prob)
+    err = np.abs(got - want).max()
+    assert err <= bound, (err, bound)
+    assert err > 0           # the weights were rounded: not the float32 cache's kernel
+    if n > 1:  # the bound still sees a one-bit mask error of the last query
+        vis = prob["visible"].copy()
+        vis[0, n - 1, 0] = not vis[0, n - 1, 0]
+        assert np.abs(got - ref.mla_attention(**dict(prob, visible=vis))).max() > bound
+
+
+def test_a_row_that_sees_nothing_is_zero_and_padding_rows_are_untouched(needs_kernels):
+    rng = np.random.default_rng(3)
+    vis = np.zeros((2, 2, 2), bool)
+    vis[0] = np.eye(2, dtype=bool)
+    prob = problem(rng, [0, 0], 2, vis, 4, 64, 16)
+    got = run(prob)
+    assert np.all(got[1] == 0)
+    want = ref.mla_attention(**prob)
+    assert np.abs(got - want).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_weights_are_normalised_by_their_rounded_sum(needs_kernels):
+    """Equal value rows: u is that row up to float32 rounding (a normalisation by the sum of
+    the unrounded weights would be off by ~2^-9 relative)."""
+    rng = np.random.default_rng(4)
+    prob = problem(rng, [40], 1, np.ones((1, 1, 1), bool), 4, 64, 16)
+    prob["ckv"][:] = prob["ckv"][0, 0]
+    got = run(prob)
+    row = ref.bf16_widen(prob["ckv"][0, 0])
+    np.testing.assert_allclose(got[0, 0], np.broadcast_to(row, (4, 64)), rtol=2e-6,
+                               atol=1e-30)
+
+
+def test_batch_invariant_plan_gives_a_decode_row_the_bits_of_the_same_row_in_a_verify(
+        needs_kernels):
+    rng = np.random.default_rng(5)
+    verify = problem(rng, [19], 3, np.tril(np.ones((1, 3, 3), bool)), 4, 64, 16)
+    decode = dict(verify, q_abs=verify["q_abs"][:, :1], q_pe=verify["q_pe"][:, :1],
+                  visible=np.ones((1, 1, 1), bool))
+    a = run(verify, batch_invariant=True)
+    b = run(decode, batch_invariant=True)
+    assert a[:, 0].tobytes() == b[:, 0].tobytes()
+
+
+def test_plans_refuse_a_float32_layout_or_a_mixed_cache(needs_kernels):
+    from kdtree_numba.attention import MlaAttentionPlan
+    rng = np.random.default_rng(6)
+    prob = problem(rng, [4], 1, np.ones((1, 1, 1), bool), 2, 32, 8)
+    with pytest.raises(ValueError, match="bf16 cache"):
+        run(prob, variant="pipe16x2")
+    plan = MlaAttentionPlan(1, 1, 2, 32, 8, prob["ckv"].shape[1], bf16_cache=True)
+    assert plan.variant == "bf16"
+    with pytest.raises(TypeError, match="kpe must be uint16"):
+        plan(**dict(prob, kpe=prob["kpe"].astype(np.float32)))
+
+
+def test_bf16_tiles_fit_every_model_width_and_pad_to_whole_panels():
+    from kdtree_numba.attention.plan import Bf16TileConfig, bf16_fits
+    for r, dr in [(32, 8), (64, 16), (128, 32), (512, 64), (8, 8)]:
+        assert bf16_fits(r, dr)
+        cfg = Bf16TileConfig(r, dr)
+        assert cfg.d_pad % 64 == 0 and cfg.d <= cfg.d_pad < cfg.d + 64
+        assert 64 * cfg.value_groups >= r and 2 * cfg.groups_per_warp >= cfg.value_groups
+    assert not bf16_fits(12, 4)                       # rows of 16-byte chunks only
+
+
+# ------------------------------------------------------------------ the GPU at Kimi widths
+
+H, R, DR = 64, 512, 64
+KIMI_TAU = float(np.float32(0.130861))
+
+
+def kimi_problem(rng, prefix, n, visible):
+    """The float32 tests' scaling (tests/test_attention_gpu.py): prefix scores ~ N(0, 1), new
+    keys +4, so that a masking error moves outputs by a few percent of max|v|."""
+    prob = problem(rng, prefix, n, visible, H, R, DR, tau=KIMI_TAU)
+    scale = np.float32(1.0 / (KIMI_TAU * np.sqrt(R + DR)))
+    prob["q_abs"] *= scale
+    prob["q_pe"][..., 1:] *= scale
+    return prob
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, prefix, n, kind", [
+    ("decode bs 64 prefix 4096", [4096] * 64, 1, "causal"),
+    ("verify bs 4 n 65", [1000, 3, 517, 64], 65, "tree"),
+    ("prefill 300", [0, 40], 300, "causal"),
+])
+def test_bf16_kernel_at_kimi_widths(name, prefix, n, kind):
+    rng = np.random.default_rng(7)
+    prob = kimi_problem(rng, prefix, n, _visible(rng, kind, len(prefix), n))
+    if len(prefix) > 8:   # the float64 reference costs ~1 s a request: check a sample
+        want_rows = [0, 17, 63]
+    else:
+        want_rows = list(range(len(prefix)))
+    outs = {rows: run(prob, rows=rows, causal=kind == "causal") for rows in (16, 32, 64)}
+    assert outs[16].tobytes() == outs[32].tobytes() == outs[64].tobytes()
+    sub = {k: (v[want_rows] if k in ("q_abs", "q_pe", "ckv", "kpe", "prefix_len", "visible")
+               else v) for k, v in prob.items()}
+    want = ref.mla_attention(**sub)
+    err = np.abs(outs[64][want_rows] - want).max()
+    assert err <= ref.bf16_error_bound(**sub), err
