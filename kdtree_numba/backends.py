@@ -41,7 +41,7 @@ from reference import ddtree as reference_ddtree
 from reference import layers as reference_layers
 from reference.layers.common import as_float64
 
-__all__ = ["Backend", "make_backend", "BACKEND_NAMES", "GEMM_CHOICES", "map_arrays"]
+__all__ = ["Backend", "make_backend", "BACKEND_NAMES", "GEMM_CHOICES", "map_arrays", "bf16_bits"]
 
 BACKEND_NAMES = ("auto", "reference", "numba")
 GEMM_CHOICES = ("cuda-cores", "tensor-cores")
@@ -51,6 +51,15 @@ LAYER_OPS = ("rmsnorm", "rope", "linear", "embedding", "argmax", "moe_route", "m
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
               "accept_sampled", "compact_kv")
+
+
+def bf16_bits(xp, x):
+    """uint16 bf16 bit patterns of the finite float32 array ``x``, rounded to nearest, ties to
+    even (in ``xp``: NumPy or CuPy, on the device for CuPy): how bf16 weights and a bf16 KV
+    cache are stored."""
+    u = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    half = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)   # arrays first: CuPy
+    return ((u + half) >> np.uint32(16)).astype(np.uint16)
 
 
 @dataclasses.dataclass

@@ -44,6 +44,7 @@ from kdtree_numba.config import weight_shapes
 from kdtree_numba.drafter import (ORACLE_FORM, BlockDrafter, DFlashDrafter, ModelDrafter,
                                   NoisyOracleDrafter)
 from kdtree_numba.engine import generate
+from kdtree_numba.kvcache import CACHE_DTYPES
 from kdtree_numba.model import Model
 
 __all__ = ["run_main", "make_model_main", "default_model", "DEFAULT_BLOCK_LEN"]
@@ -136,6 +137,11 @@ def _run_parser() -> argparse.ArgumentParser:
                    "every op batch invariant, so DDTree's greedy tokens equal AR's whenever the "
                    "accepted path is the tree's first nodes; cuda-cores: float32 on CUDA cores "
                    "(docs/ENGINE.md, 'Tensor cores')")
+    p.add_argument("--kv-cache", choices=list(CACHE_DTYPES), default="float32",
+                   help="what the target's latent cache stores: bfloat16 halves its bytes "
+                   "(attention then rounds its queries and weights to bf16 and runs on bf16 "
+                   "tensor cores: tokens may differ from float32's at near-ties; "
+                   "docs/ATTENTION.md, 'The bf16 cache')")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
@@ -160,7 +166,8 @@ def _load_model(args, target, backend):
         _log("kdtree-run", f"no --model: using {demo.describe()}, {target.path}")
     bar = _progress_bar(args, f"load {target.path}")
     try:
-        return Model.load(target.path, backend, verify=not args.no_verify, progress=bar)
+        return Model.load(target.path, backend, verify=not args.no_verify, progress=bar,
+                          kv_cache=args.kv_cache)
     except (BundleError, KdtrError, OSError) as e:
         raise bundle_problem(target.option, target.path, e) from e
     finally:

@@ -28,7 +28,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from kdtree_numba.backends import make_backend
+from kdtree_numba.backends import bf16_bits, make_backend  # noqa: F401 (re-exported)
 from kdtree_numba.bundle import init_spec
 from kdtree_numba.config import ModelConfig, weight_shapes
 from kdtree_numba.model import Model
@@ -59,14 +59,6 @@ def kimi_slice_config(**overrides) -> ModelConfig:
     """The ``kimi-slice`` config (:data:`KIMI_SLICE`), fields replaced by ``overrides`` (the
     tests shrink its widths)."""
     return ModelConfig(**dict(KIMI_SLICE, **overrides))
-
-
-def bf16_bits(xp, x):
-    """uint16 bf16 bit patterns of the finite float32 array ``x``, rounded to nearest, ties to
-    even (in ``xp``: NumPy or CuPy, on the device for CuPy)."""
-    u = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    half = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)   # arrays first: CuPy
-    return ((u + half) >> np.uint32(16)).astype(np.uint16)
 
 
 def _draw(rng, spec, n: int):
@@ -103,13 +95,14 @@ def random_device_weights(config: ModelConfig, xp=np, seed: int = 0, dtype: str 
 
 
 def random_model(config: ModelConfig, backend="auto", seed: int = 0,
-                 dtype: str = "bfloat16") -> Model:
+                 dtype: str = "bfloat16", kv_cache: str = "float32") -> Model:
     """A :class:`Model` of ``config`` on ``backend`` with :func:`random_device_weights`: drawn
     on the device by CuPy on a GPU backend, else by NumPy on the host.  The unfused weights are
-    dropped once the model holds its own layouts (its fused gate/up copies)."""
+    dropped once the model holds its own layouts (its fused gate/up copies).  ``kv_cache``:
+    the Model's latent-cache dtype."""
     be = make_backend(backend)
     xp = be.xp if be.on_gpu else np
     weights = dict(random_device_weights(config, xp, seed, dtype))
-    model = Model(config, weights, be)
+    model = Model(config, weights, be, kv_cache=kv_cache)
     del weights
     return model

@@ -3,8 +3,11 @@
 Per layer the cache holds only what absorbed MLA attends to (docs/ATTENTION.md): the
 normalised latent ``c`` (kv_lora_rank r) and the rotated rope key ``k_pe`` (dr) of every token.
 All layers live in two stacked arrays, ``c [n_layers, bs, max_len, r]`` and
-``k_pe [n_layers, bs, max_len, dr]`` (float32, ``backend.xp``), so a DDTree compaction moves the
-accepted rows of every layer with one ``compact_kv`` call.
+``k_pe [n_layers, bs, max_len, dr]`` (``backend.xp``), so a DDTree compaction moves the
+accepted rows of every layer with one ``compact_kv`` call.  They hold float32 (the default) or,
+with ``dtype="bfloat16"``, bf16 bit patterns (uint16): half the bytes, and attention then runs
+its bf16 kernel (reference/attention/mla.py, "A bf16 cache"); :meth:`write` rounds the new
+latents to bf16 (to nearest, ties to even).
 
 Lengths are ragged: ``lengths[b]`` (host int64) counts request b's committed tokens, which sit in
 slots ``[0, lengths[b])``.  A forward over n new tokens writes their latents to
@@ -22,7 +25,11 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["KVCache", "CacheFullError", "WriteSlots"]
+from kdtree_numba.backends import bf16_bits
+
+__all__ = ["KVCache", "CacheFullError", "WriteSlots", "CACHE_DTYPES"]
+
+CACHE_DTYPES = ("float32", "bfloat16")   # what the latents are stored as
 
 
 class CacheFullError(RuntimeError):
@@ -43,14 +50,18 @@ class WriteSlots:
 
 class KVCache:
     def __init__(self, backend, n_layers: int, batch: int, max_len: int, kv_lora_rank: int,
-                 rope_dim: int):
+                 rope_dim: int, dtype: str = "float32"):
         if min(n_layers, batch, max_len, kv_lora_rank, rope_dim) < 1:
             raise ValueError("KVCache sizes must all be >= 1")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {CACHE_DTYPES}, got {dtype!r}")
         self.backend = backend
+        self.dtype = dtype
         xp = backend.xp
         self.max_len = int(max_len)
-        self.c = xp.zeros((n_layers, batch, max_len, kv_lora_rank), np.float32)
-        self.k_pe = xp.zeros((n_layers, batch, max_len, rope_dim), np.float32)
+        store = np.uint16 if dtype == "bfloat16" else np.float32
+        self.c = xp.zeros((n_layers, batch, max_len, kv_lora_rank), store)
+        self.k_pe = xp.zeros((n_layers, batch, max_len, rope_dim), store)
         self.lengths = np.zeros(batch, np.int64)
 
     @property
@@ -103,11 +114,15 @@ class KVCache:
                           rows=rows, prefix=prefix, max_keys=self.max_len)
 
     def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
-        """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr], into
-        ``[lengths[b], lengths[b] + n)`` of ``layer`` (not committed).  ``slots``: this
+        """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr] (float32; rounded to
+        bf16 for a bf16 cache), into ``[lengths[b], lengths[b] + n)`` of ``layer`` (not
+        committed).  ``slots``: this
         forward's :meth:`write_slots` (made here if not given)."""
         if slots is None:
             slots = self.write_slots(c_new.shape[1])
+        if self.dtype == "bfloat16":
+            xp = self.backend.xp
+            c_new, k_pe_new = bf16_bits(xp, c_new), bf16_bits(xp, k_pe_new)
         self.c[layer][slots.batch, slots.rows] = c_new
         self.k_pe[layer][slots.batch, slots.rows] = k_pe_new
 

@@ -35,7 +35,7 @@ from kdtree_numba.bundle import open_bundle
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
 from kdtree_numba.graphs import GraphCache, graphs_enabled
-from kdtree_numba.kvcache import KVCache, WriteSlots
+from kdtree_numba.kvcache import CACHE_DTYPES, KVCache, WriteSlots
 from kdtree_numba.steps import DeviceSteps
 from reference.layers import RopeSpec
 
@@ -94,13 +94,19 @@ class Model(DeviceSteps):
     of decoding (kdtree_numba/steps.py)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto", *,
-                 shared: Mapping[str, Any] | None = None):
+                 shared: Mapping[str, Any] | None = None, kv_cache: str = "float32"):
         """``weights``: name -> array in bundle layout (``weight_shapes``): host arrays (a
         bundle's), or on a GPU device arrays as ``Backend.weight`` takes them (random weights
         built there: kdtree_numba/device_weights.py).
         ``shared``: arrays already on ``backend`` used as they are instead of
         ``weights[name]``, for "model/embed_tokens" and "lm_head" (a DFlash drafter runs on its
-        target's embedding and head, kdtree_numba/dflash.py: one copy on the device)."""
+        target's embedding and head, kdtree_numba/dflash.py: one copy on the device).
+        ``kv_cache``: what the latent cache stores (kvcache.CACHE_DTYPES): "float32" (the
+        accuracy default) or "bfloat16" (half the cache's bytes; attention then rounds its
+        queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md)."""
+        if kv_cache not in CACHE_DTYPES:
+            raise ValueError(f"kv_cache must be one of {CACHE_DTYPES}, got {kv_cache!r}")
+        self.kv_cache = kv_cache
         self.config = config
         self.backend: Backend = make_backend(backend)
         self.rope = _rope_spec(config)
@@ -116,14 +122,16 @@ class Model(DeviceSteps):
             self.graphs = self.new_graphs()
 
     @classmethod
-    def load(cls, path, backend="auto", *, verify: bool = True, progress=None) -> "Model":
+    def load(cls, path, backend="auto", *, verify: bool = True, progress=None,
+             kv_cache: str = "float32") -> "Model":
         """A model bundle (.kdtr, kdtree_numba/bundle.py), validated, on ``backend``.
 
         Each tensor's CRC32C is checked as it is copied (``verify=False`` maps the file and
         checks nothing): a damaged tensor raises ``formats.kdtr.KdtrError`` K056 naming the
-        file and the tensor.  ``progress(done_bytes, total_bytes)`` follows the reads."""
+        file and the tensor.  ``progress(done_bytes, total_bytes)`` follows the reads.
+        ``kv_cache``: as for the constructor."""
         with open_bundle(path, verify=verify, progress=progress) as (config, _, weights):
-            return cls(config, weights, backend)
+            return cls(config, weights, backend, kv_cache=kv_cache)
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
@@ -190,9 +198,11 @@ class Model(DeviceSteps):
         return self.config.vocab_size
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty latent cache of ``batch`` requests and ``max_len`` slots, storing the
+        model's ``kv_cache`` dtype."""
         cfg = self.config
         return KVCache(self.backend, cfg.num_hidden_layers, batch, max_len, cfg.kv_lora_rank,
-                       cfg.qk_rope_head_dim)
+                       cfg.qk_rope_head_dim, dtype=self.kv_cache)
 
     def reuse_cache(self, previous: KVCache | None, batch: int, max_len: int) -> KVCache:
         """An empty cache for a new generation: ``previous`` emptied when it has ``batch``
@@ -200,7 +210,8 @@ class Model(DeviceSteps):
         multiple of CACHE_BUCKET.  CUDA graphs are captured against a cache's buffers
         (kdtree_numba/graphs.py), so reusing them lets the next generation replay them."""
         bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
-        if previous is not None and previous.batch == batch and previous.max_len == bucket:
+        if previous is not None and previous.batch == batch and previous.max_len == bucket \
+                and previous.dtype == self.kv_cache:
             previous.truncate(np.zeros(batch, np.int64))
             return previous
         return self.new_cache(batch, bucket)

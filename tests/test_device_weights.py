@@ -262,10 +262,10 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
     backend: AR and replay DDTree rows at two batches, counted and uniform experts, lossless,
     every roof column filled, the JSON written."""
     monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
-    for count in ("counted", "uniform"):
+    for count, kv_cache in (("counted", "float32"), ("uniform", "bfloat16")):
         args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4],
                                   batches=[1, 2], new_tokens=5, agreement=0.9, no_replay=False,
-                                  expert_count=count, gemm=["cuda-cores"],
+                                  expert_count=count, gemm=["cuda-cores"], kv_cache=kv_cache,
                                   json=str(tmp_path / f"{count}.json"))
         rows: list = []
         bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
@@ -283,6 +283,8 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
             assert r.get("same_tokens_as_ar", True) is True
             assert r.get("routing_run_same_tokens", True) is True
         assert rows[0]["distinct_experts"] == 2              # batch 1 AR: top-2 of 8
+        assert all(r["gemm"] == "cuda-cores" + (" + bf16 cache" if kv_cache == "bfloat16"
+                                                else "") for r in rows)
         assert rows[1]["step_rows"] == 5 and rows[3]["step_rows"] == 10
         saved = json.loads((tmp_path / f"{count}.json").read_text())
         assert len(saved["rows"]) == 4

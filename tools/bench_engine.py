@@ -353,7 +353,8 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
     tensor = model.backend.gemm.startswith("tensor-cores")
     fields = roof_fields(cfg, records, itemsize, tokens,
                          TENSOR_FLOPS_PER_S if tensor else FLOPS_PER_S)
-    extra["gemm"] = model.backend.gemm
+    extra["gemm"] = model.backend.gemm + (" + bf16 cache" if model.kv_cache == "bfloat16"
+                                          else "")
     step = "decode" if drafter is None else "verify"
     extra["step_ms"] = 1e3 * res.stats.time[step] / max(res.stats.rounds, 1)
     method = "ar" if drafter is None else "ddtree/replay"
@@ -379,7 +380,8 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
     ``gemm`` names the rows), its weights dropped at the end."""
     cfg = DEVICE_SIZES[size]()
     t0 = time.perf_counter()
-    model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype)
+    model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype,
+                         kv_cache=args.kv_cache)
     model.backend.synchronize()
     n_params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
     stored = 2 if args.dtype == "bfloat16" else 4
@@ -390,7 +392,8 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
     prompt_len = args.prompt_len or DEVICE_PROMPT_LEN
     gemm = model.backend.gemm
     rate = TENSOR_FLOPS_PER_S if gemm.startswith("tensor-cores") else FLOPS_PER_S
-    print(f"\n# {size}, GEMMs on {gemm}: {n_params / 1e9:.2f} B parameters ({args.dtype}) "
+    print(f"\n# {size}, GEMMs on {gemm}, {args.kv_cache} latent cache: "
+          f"{n_params / 1e9:.2f} B parameters ({args.dtype}) "
           f"drawn on the device in {time.perf_counter() - t0:.1f} s; the engine holds "
           f"{every / 1e9:.2f} GB; one token reads {one / 1e9:.2f} GB: AR roof "
           f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 (4.1 TB/s; its "
@@ -565,6 +568,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help=f"weights of {', '.join(DEVICE_SIZES)}")
     p.add_argument("--seed", type=int, default=0, help=f"{', '.join(DEVICE_SIZES)} weights")
+    p.add_argument("--kv-cache", choices=("float32", "bfloat16"), default="float32",
+                   help=f"{', '.join(DEVICE_SIZES)}: the latent cache's dtype (Model kv_cache)")
     p.add_argument("--gemm", default="cuda-cores",
                    help=f"{', '.join(DEVICE_SIZES)}: comma-separated make_backend gemm "
                         f"settings, each a model of its own ({', '.join(GEMM_CHOICES)})")
