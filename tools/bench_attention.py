@@ -12,6 +12,13 @@ softmax + matmul, TF32 off) and the goals: within 1.5x of the roof and faster th
 last lines name the fastest variant per shape and the one with the best worst-case ours/roof.
 The max |difference| from the CuPy result shows each kernel's accuracy.  A variant that fails
 is reported, not fatal.
+
+Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles): the same
+shapes with the cache rounded to bf16, beside their own roof max(bytes / 4.1 TB/s, FLOPs /
+660 TFLOP/s: mma.sync bf16 on the H200), the share of HBM bandwidth they reach (issue 15's goal:
+decode bs 64 prefix 4096 >= 60%), and their max |difference| from the CuPy composition over the
+rounded operands (queries rounded, cache widened), which must stay under
+``reference.attention.bf16_error_bound``'s weight term (2^-7 max|v|).
 FLOPs count every (query-head, key slot) pair: 2 * (r + dr) for the score and 2 * r for P V.
 Needs a GPU and CuPy; finishes in about a minute on an H200.
 """
@@ -34,6 +41,7 @@ if str(ROOT) not in sys.path:
 
 HBM_BYTES_PER_S = 4.1e12
 FP32_FLOPS = 51e12
+BF16_MMA_FLOPS = 660e12     # dense bf16 mma.sync on the H200 (wgmma's 989 needs sm_90a)
 GOAL_ROOF_FACTOR = 1.5
 H, R, DR, TAU = 64, 512, 64, 0.130861
 L2_BYTES = 60e6
@@ -49,6 +57,14 @@ def roof_ms(bs, n, prefix):
     flops = bs * n * H * keys * 2 * ((R + DR) + R)
     nbytes = 4 * (bs * keys * (R + DR) + 2 * bs * n * H * R + bs * n * H * DR)
     return 1e3 * max(nbytes / HBM_BYTES_PER_S, flops / FP32_FLOPS), flops, nbytes
+
+
+def bf16_roof_ms(bs, n, prefix):
+    """The bf16 cache's roof: its keys are 2 bytes a value; queries and output stay float32."""
+    keys = prefix + n
+    flops = bs * n * H * keys * 2 * ((R + DR) + R)
+    nbytes = 2 * bs * keys * (R + DR) + 4 * (2 * bs * n * H * R + bs * n * H * DR)
+    return 1e3 * max(nbytes / HBM_BYTES_PER_S, flops / BF16_MMA_FLOPS), flops, nbytes
 
 
 def tree_masks(rng, bs, n):
@@ -159,6 +175,68 @@ def run_shape(cp, kernels, rng, name, bs, n, prefix, prev_cupy, prev_ours, reps,
     return rows
 
 
+def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
+    """The bf16 kernel on one shape, one row per key-tile size."""
+    from kdtree_numba.attention import plan as plans
+    from kdtree_numba.backends import bf16_bits
+    sets = [dict(a, ckv=bf16_bits(cp, a["ckv"]), kpe=bf16_bits(cp, a["kpe"]))
+            for a in make_inputs(cp, rng, bs, n, prefix)]
+    a = sets[0]
+
+    def widen(bits):
+        return (bits.astype(cp.uint32) << 16).view(cp.float32)
+
+    def rounded(x):
+        return widen(bf16_bits(cp, x))
+
+    check = cupy_composition(cp, rounded(a["q_abs"]), rounded(a["q_pe"]), widen(a["ckv"]),
+                             widen(a["kpe"]), a["prefix_len"], a["visible"], TAU, prefix)
+    tolerance = 2.0 ** -7 * float(cp.abs(widen(a["ckv"])).max()) + 1e-4
+    out = cp.empty((bs, n, H, R), cp.float32)
+    out_view = kernels.to_device(out)
+    roof, flops, nbytes = bf16_roof_ms(bs, n, prefix)
+    rows = []
+    for keys in keys_list:
+        row = dict(shape=name, variant=f"bf16 k{keys}", bs=bs, n=n, prefix=prefix,
+                   roof_ms=roof, flops=flops, bytes=nbytes, tolerance=tolerance)
+        plans.BF16_KEYS = keys
+        try:
+            plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
+                                            bf16_cache=True)
+
+            def ours(a, plan=plan):
+                plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"],
+                     TAU, out=out_view)
+
+            out.fill(cp.nan)
+            ours(a)
+            max_diff = float(cp.abs(out - check).max())
+            t = time_ms(cp, ours, sets, reps)
+            row.update(splits=plan.splits, rows=plan.cfg.rows, ms=t, tflops=flops / t / 1e9,
+                       vs_roof=t / roof, hbm_share=nbytes / (t * 1e-3) / HBM_BYTES_PER_S,
+                       max_abs_diff=max_diff, ok=bool(max_diff <= tolerance))
+        except Exception as exc:
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            plans.BF16_KEYS = 32
+        rows.append(row)
+    return rows
+
+
+def print_bf16_table(rows):
+    print("\n| shape | bf16 kernel | splits x rows | ms | TFLOP/s | roof ms | ours/roof "
+          "| share of HBM (4.1 TB/s) | max diff (tolerance) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "ms" not in r:
+            print(f"| {r['shape']} | {r['variant']} | FAILED: {r['error']} ||||||")
+            continue
+        print(f"| {r['shape']} | {r['variant']} | {r['splits']} x {r['rows']} | {r['ms']:.3f} "
+              f"| {r['tflops']:.0f} | {r['roof_ms']:.3f} | {r['vs_roof']:.2f} "
+              f"| {100 * r['hbm_share']:.0f}% | {r['max_abs_diff']:.1e} "
+              f"({r['tolerance']:.1e}){'' if r['ok'] else ' FAIL'} |")
+
+
 def print_table(rows):
     print("| shape | variant | splits | ours ms (prev) | TFLOP/s | roof ms | ours/roof "
           "| CuPy ms (prev) | max diff vs CuPy | <= 1.5x roof | beats CuPy |")
@@ -193,7 +271,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--variants", help="comma-separated subset of VARIANTS (default: all)")
+    parser.add_argument("--variants", help="comma-separated subset of VARIANTS (default: all; "
+                        "'none' times only the bf16 cache)")
+    parser.add_argument("--bf16-keys", default="32,16",
+                        help="key tiles of the bf16 cache's kernel to time ('' for none)")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -206,11 +287,19 @@ def main(argv=None) -> int:
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
     variants = args.variants.split(",") if args.variants else list(kernels.VARIANTS)
+    if variants == ["none"]:
+        variants = []
+    bf16_keys = [int(k) for k in args.bf16_keys.split(",") if k]
     rng = np.random.default_rng(0)
-    rows = []
+    rows, bf16_rows = [], []
     for shape in SHAPES:
-        rows += run_shape(cp, kernels, rng, *shape, reps=args.reps, variants=variants)
-        cp.get_default_memory_pool().free_all_blocks()
+        if variants:
+            rows += run_shape(cp, kernels, rng, *shape, reps=args.reps, variants=variants)
+            cp.get_default_memory_pool().free_all_blocks()
+        if bf16_keys:
+            bf16_rows += run_shape_bf16(cp, kernels, rng, *shape[:4], reps=args.reps,
+                                        keys_list=bf16_keys)
+            cp.get_default_memory_pool().free_all_blocks()
     print_table(rows)
     best, default, worst = summarize(rows, variants)
     print(f"\nroof = max(bytes / {HBM_BYTES_PER_S / 1e12} TB/s, FLOPs / "
@@ -219,12 +308,17 @@ def main(argv=None) -> int:
     print("fastest variant per shape: " + "; ".join(f"{k}: {v}" for k, v in best.items()))
     print("worst ours/roof per variant: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
     print(f"DEFAULT_VARIANT now {kernels.DEFAULT_VARIANT!r}; best worst-case: {default!r}")
+    if bf16_rows:
+        print_bf16_table(bf16_rows)
+        print(f"\nbf16 roof = max(bytes / {HBM_BYTES_PER_S / 1e12} TB/s, FLOPs / "
+              f"{BF16_MMA_FLOPS / 1e12:.0f} TFLOP/s); goal: decode bs64 n1 P4096 >= 60% of HBM.")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"bench": "attention", "results": rows,
+                                         "bf16_results": bf16_rows,
                                          "fastest_per_shape": best,
                                          "recommended_default": default}, indent=2))
-    failed = [r for r in rows if not r.get("ok")]
+    failed = [r for r in rows + bf16_rows if not r.get("ok")]
     return 1 if failed else 0
 
 
