@@ -13,7 +13,9 @@ the measurements.  In short:
   staged; the keys arrive as bf16 by ``cp.async``.  Scores accumulate in float32 on the tensor
   cores; the probabilities are rounded to bf16 for P V, and the softmax denominator sums those
   rounded values, so a row's output is an exact convex combination of the value rows with
-  weights within 2^-8 (relative) of the true ones.
+  weights within 2^-8 (relative) of the true ones.  The online softmax runs in log2 units
+  (scores times tau log2 e, ``exp2``: one instruction where ``exp`` takes several); the
+  partial maxima go to the merge in natural units.
 * Warp roles are the tensor-core kernel's: a block has ``rows / 16`` row groups, two warps each
   (w = RG kh + rg): warp (rg, kh) scores its 16 rows against the tile's keys over column half
   kh, adds the partner's half through shared memory (both then hold identical scores and run
@@ -46,15 +48,11 @@ from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, blo
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_u16x8, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
-from kdtree_numba.gpu.bits import bf16_hi, bf16_lo
+from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_halves
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "key_row", "tile_word"]
-
-_LOW = np.uint32(0xFFFF)
-_HIGH = np.uint32(0xFFFF0000)
-_HALF = np.uint32(16)
 
 
 def key_row(n):
@@ -138,6 +136,9 @@ def build_kernel(cfg: Bf16TileConfig):
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
     mma = block_uniform_mma_bf16
+    LOG2E = np.float32(1.4426950408889634)
+    LN2 = np.float32(0.6931471805599453)
+    SLACK2 = np.float32(RESCALE_SLACK * LOG2E)   # the float32 kernels' slack, in log2 units
 
     @inline_device_function
     def stage_keys(smem, at, ckv, kpe, b, first, limit, tid, lat_src, rope_src):
@@ -212,12 +213,12 @@ def build_kernel(cfg: Bf16TileConfig):
         """acc[o : o + 8] += P V for the two n-tiles of one word of the lane's value chunk:
         x, y (key rows of k 2t, 2t + 1) and z, w (k 2t + 8, 2t + 9) each hold two columns;
         the low halves are n-tile j = 2h (acc[o]), the high halves j = 2h + 1 (acc[o + 4])."""
-        b0 = (x & _LOW) | (y << _HALF)
-        b1 = (z & _LOW) | (w << _HALF)
+        b0 = pair_low_halves(x, y)
+        b1 = pair_low_halves(z, w)
         acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
             a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
-        b0 = (x >> _HALF) | (y & _HIGH)
-        b1 = (z >> _HALF) | (w & _HIGH)
+        b0 = pair_high_halves(x, y)
+        b1 = pair_high_halves(z, w)
         acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
             a0, a1, a2, a3, b0, b1, acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
 
@@ -245,8 +246,8 @@ def build_kernel(cfg: Bf16TileConfig):
             else:
                 dst = part_o[b, split, row]
                 scale = ONE
-                if writes_ml:
-                    part_ml[b, split, row, 0] = m_run
+                if writes_ml:  # the merge works in natural units
+                    part_ml[b, split, row, 0] = m_run * LN2
                     part_ml[b, split, row, 1] = l_run
             for grp in range(GROUPS):
                 group = kh * GROUPS + grp
@@ -270,6 +271,7 @@ def build_kernel(cfg: Bf16TileConfig):
         rg, kh = warp % RG, warp // RG
         row0 = cuda.blockIdx.x * M
         n_rows = n * heads
+        tau2 = tau * LOG2E    # scores in log2 units: exp2 is one instruction, exp several
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
                                                   row0 + M - 1, heads)
         if kbeg >= kend:  # a split past the request's keys: the merge skips it
@@ -320,11 +322,12 @@ def build_kernel(cfg: Bf16TileConfig):
 
             for x in range(SN):
                 s[x] = ZERO
+            k_tile = kv + k_at
             for p in range(PH):
-                qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at + p * Q_PANEL)
-                qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at + p * Q_PANEL + 128)
+                qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at, p * Q_PANEL)
+                qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at, p * Q_PANEL + 128)
                 for nt in range(NT):
-                    k0, k1, k2, k3 = ld_shared_words4(smem, kv + k_at + p * K_PANEL + 128 * nt)
+                    k0, k1, k2, k3 = ld_shared_words4(smem, k_tile, p * K_PANEL + 128 * nt)
                     o = 4 * nt
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
                         qa0, qb0, qa1, qb1, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
@@ -339,7 +342,7 @@ def build_kernel(cfg: Bf16TileConfig):
             mt_a = mt_b = NEG_INF
             if t0 + N <= min(prefix, kend):  # cached keys only, all in range: no mask
                 for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
                     if x % 4 < 2:
                         mt_a = max(mt_a, sc)
                     else:
@@ -347,7 +350,7 @@ def build_kernel(cfg: Bf16TileConfig):
                     s[x] = sc
             else:
                 for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
                     key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
                     if x % 4 < 2:
                         sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
@@ -358,11 +361,11 @@ def build_kernel(cfg: Bf16TileConfig):
                     s[x] = sc
             mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
             alpha_a = alpha_b = ONE
-            if mt_a > m_a + RESCALE_SLACK:  # also the first visible score (m = -inf)
-                alpha_a = math.exp(m_a - mt_a)
+            if mt_a > m_a + SLACK2:  # also the first visible score (m = -inf)
+                alpha_a = math.exp2(m_a - mt_a)
                 m_a = mt_a
-            if mt_b > m_b + RESCALE_SLACK:
-                alpha_b = math.exp(m_b - mt_b)
+            if mt_b > m_b + SLACK2:
+                alpha_b = math.exp2(m_b - mt_b)
                 m_b = mt_b
             if warp_any(alpha_a != ONE or alpha_b != ONE):
                 for x in range(ACC // 4):
@@ -375,7 +378,7 @@ def build_kernel(cfg: Bf16TileConfig):
             sum_a = sum_b = ZERO
             for x in range(PK):  # pk[2 nt + h]: n-tile nt's row g + 8h, keys 2t, 2t + 1
                 ms = ms_a if x % 2 == 0 else ms_b
-                word = pack_bf16x2(math.exp(s[2 * x] - ms), math.exp(s[2 * x + 1] - ms))
+                word = pack_bf16x2(math.exp2(s[2 * x] - ms), math.exp2(s[2 * x + 1] - ms))
                 rounded = bf16_lo(word) + bf16_hi(word)   # the denominator sums what P V uses
                 if x % 2 == 0:
                     sum_a += rounded
@@ -385,15 +388,18 @@ def build_kernel(cfg: Bf16TileConfig):
             l_a = l_a * alpha_a + sum_a
             l_b = l_b * alpha_b + sum_b
 
+            v_tile0 = kv + v_at0 + v_first * V_GROUP
+            v_tile1 = kv + v_at1 + v_first * V_GROUP
             for ks in range(KS):  # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8)
                 a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
                 for grp in range(GROUPS):
-                    group = min(v_first + grp, VG - 1) if CLAMP else v_first + grp
-                    at = kv + group * V_GROUP + 256 * ks
-                    x0, x1, x2, x3 = ld_shared_words4(smem, at + v_at0)
-                    y0, y1, y2, y3 = ld_shared_words4(smem, at + v_at1)
-                    z0, z1, z2, z3 = ld_shared_words4(smem, at + v_at0 + 128)
-                    w0, w1, w2, w3 = ld_shared_words4(smem, at + v_at1 + 128)
+                    at = 256 * ks + grp * V_GROUP
+                    if CLAMP:  # the second warp's groups past the last repeat the last
+                        at += (min(v_first + grp, VG - 1) - v_first - grp) * V_GROUP
+                    x0, x1, x2, x3 = ld_shared_words4(smem, v_tile0, at)
+                    y0, y1, y2, y3 = ld_shared_words4(smem, v_tile1, at)
+                    z0, z1, z2, z3 = ld_shared_words4(smem, v_tile0, at + 128)
+                    w0, w1, w2, w3 = ld_shared_words4(smem, v_tile1, at + 128)
                     o = 32 * grp
                     pv_word(acc, o, a0, a1, a2, a3, x0, y0, z0, w0)
                     pv_word(acc, o + 8, a0, a1, a2, a3, x1, y1, z1, w1)

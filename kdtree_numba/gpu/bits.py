@@ -11,7 +11,8 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
 
-__all__ = ["bits_to_f32", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32"]
+__all__ = ["bits_to_f32", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
+           "pair_high_halves"]
 
 if SIMULATOR:
     def _bits_to_f32_py(bits):
@@ -22,6 +23,12 @@ if SIMULATOR:
     def f64_bits(value):
         """The bits of a float64 as an int64."""
         return np.float64(value).view(np.int64)
+
+    def pair_low_halves(x, y):
+        return np.uint32((int(x) & 0xFFFF) | ((int(y) & 0xFFFF) << 16))
+
+    def pair_high_halves(x, y):
+        return np.uint32((int(x) >> 16) | (int(y) & 0xFFFF0000))
 else:
     from llvmlite import ir
     from numba import types
@@ -59,3 +66,27 @@ def bf16_hi(word):
 def bf16_bits_to_f32(bits16):
     """One bf16 given as its uint16 bits, widened to float32."""
     return bits_to_f32(np.uint32(bits16) << np.uint32(16))
+
+
+if not SIMULATOR:
+    def _prmt(name: str, selector: int, doc: str):
+        @intrinsic
+        def pair(typingctx, x, y):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                fnty = ir.FunctionType(i32, [i32, i32])
+                asm = ir.InlineAsm(fnty, f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
+                return builder.call(asm, args)
+            return sig, codegen
+        pair.__name__ = pair.__qualname__ = name
+        pair.__doc__ = doc
+        return pair
+
+    # One PRMT each, where the shifts and masks they stand for compiled to up to three
+    # instructions (the bf16 attention kernel builds 128 of these words per key tile).
+    pair_low_halves = _prmt("pair_low_halves", 0x5410,
+                            "(x & 0xFFFF) | (y << 16): the low bf16 of x, then the low of y.")
+    pair_high_halves = _prmt("pair_high_halves", 0x7632,
+                             "(x >> 16) | (y & 0xFFFF0000): the high bf16 of x, then of y.")

@@ -15,9 +15,10 @@ the one it was tuned with:
   of L1 so the activations stay there), *cached* goes through L1.
 * ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``;
   ``ld_shared_u32x4`` the same for a uint32 array (``ld.shared.v4.b32``: the bf16 mma operands);
-  ``ld_shared_words4`` too, but its address is formed in 32 bits from the array's shared
-  base and a word offset, so that LLVM narrows the offset's arithmetic to 32 bits (the bf16
-  attention kernel: its 64-bit index math was a third of its instructions).
+  ``ld_shared_words4(a, base, offset)`` too, but its address is formed in 32 bits from the
+  array's shared base, a per-lane word base and a constant word offset, which ptxas folds into
+  the load (the bf16 attention kernel: its 64-bit index math was a third of its
+  instructions).
 * ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
   global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
@@ -60,7 +61,10 @@ if SIMULATOR:
         a[row, col] = v
 
     ld_stream_u32x4 = ld_stream_f32x4 = ld_cached_f32x4 = device_function(_vload4_py)
-    ld_shared_f32x4 = ld_shared_u32x4 = ld_shared_words4 = device_function(_lds4_py)
+    ld_shared_f32x4 = ld_shared_u32x4 = device_function(_lds4_py)
+
+    def ld_shared_words4(a, base, offset):
+        return _lds4_py(a, base + offset)
     store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
 
     def load_global_invariant_f32x4(array, row, q):
@@ -187,13 +191,15 @@ else:
         return ret(array, off), codegen
 
     @intrinsic
-    def ld_shared_words4(typingctx, array, word):
-        """``a[word:word+4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``, the
-        address ``shared base + 4 * word`` formed in 32 bits (shared addresses fit 32 bits; the
-        offset's arithmetic, feeding only a truncation, is then narrowed by LLVM).  Word
-        offsets below 2^31; the caller guarantees 16-byte alignment."""
+    def ld_shared_words4(typingctx, array, base, offset):
+        """``a[base + offset : + 4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``,
+        the address ``shared base + 4 base + 4 offset`` formed in 32 bits (shared addresses
+        fit 32 bits).  Give the per-lane part as ``base`` and a compile-time constant as
+        ``offset``: loads sharing a base then share its address register and ptxas folds each
+        offset into the load's immediate.  Word offsets below 2^31; 16-byte aligned."""
         if not (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.uint32 and isinstance(word, types.Integer)):
+                and array.dtype == types.uint32 and isinstance(base, types.Integer)
+                and isinstance(offset, types.Integer)):
             return None
         ret = types.UniTuple(types.uint32, 4)
 
@@ -201,9 +207,12 @@ else:
             i32 = ir.IntType(32)
             ary = context.make_array(sig.args[0])(context, builder, value=args[0])
             shared = builder.addrspacecast(ary.data, ir.PointerType(i32, 3))
-            base = builder.ptrtoint(shared, i32)
-            off = builder.trunc(args[1], i32) if args[1].type.width > 32 else args[1]
-            addr = builder.add(base, builder.shl(off, ir.Constant(i32, 2)))
+
+            def bytes32(v):
+                v = builder.trunc(v, i32) if v.type.width > 32 else v
+                return builder.shl(v, ir.Constant(i32, 2))
+            start = builder.add(builder.ptrtoint(shared, i32), bytes32(args[1]))
+            addr = builder.add(start, bytes32(args[2]))
             fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
             # side effect: kept in program order with the barriers and cp.async around it
             asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
@@ -211,7 +220,7 @@ else:
             res = builder.call(asm, [addr])
             return context.make_tuple(builder, ret,
                                       [builder.extract_value(res, i) for i in range(4)])
-        return ret(array, word), codegen
+        return ret(array, base, offset), codegen
 
     def _put_codegen(ndim):
         def codegen(context, builder, sig, args):
