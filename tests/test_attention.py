@@ -705,8 +705,10 @@ sig16 = (a3, a3, h3, h3) + sig[4:]
 for rows, keys, causal in ((64, 32, False), (64, 32, True), (16, 16, False)):
     cfg = Bf16TileConfig(512, 64, rows=rows, threads=4 * rows, keys=keys, causal=causal)
     kernels.append((mla._attention_kernel(cfg), sig16, True, 160))
-kernels.append((mla._attention_kernel(Bf16TileConfig(128, 32, rows=16, threads=64, keys=16)),
-                sig16, True, 160))   # the demo pair's widths: padded rows, one value group
+for r, dr in ((128, 32), (32, 8), (24, 8)):  # the demo pair's widths (padded rows, one value
+    # group a warp), the tiny model's (a warp repeating the last group), chunks round-robin
+    kernels.append((mla._attention_kernel(Bf16TileConfig(r, dr, rows=16, threads=64)),
+                    sig16, True, 160))
 kernels.append((mla._merge_kernel(512), (a4, a4, types.Array(types.int32, 1, "C"), i64, i64,
                                           types.boolean, i64, i64, a3), False, 0))
 for transposed in (False, True):

@@ -130,7 +130,8 @@ def build_kernel(cfg: Bf16TileConfig):
     ROPE_STEP, ROPE_SLOTS = T // CP, max(1, N * CP // T)
     TILE_WORDS = N * cfg.row_words
     Q_OFF, KV_OFF = 0, M * cfg.row_words
-    XCH_OFF = KV_OFF + cfg.stages * TILE_WORDS
+    STAGES = cfg.stages
+    XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
     CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
@@ -178,7 +179,7 @@ def build_kernel(cfg: Bf16TileConfig):
     def zero_padding(smem, tid):
         """The key stages' padding chunks (CD .. CH - 1 of every row), once: no copy
         writes them."""
-        for f in range(tid, cfg.stages * N * (CH - CD), T):
+        for f in range(tid, STAGES * N * (CH - CD), T):
             i, q = f // (CH - CD), CD + f % (CH - CD)
             w = KV_OFF + _tile_word(N, i % N, 8 * q) + (i // N) * TILE_WORDS
             smem[w] = smem[w + 1] = smem[w + 2] = smem[w + 3] = uint32(0)
