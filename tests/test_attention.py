@@ -696,8 +696,8 @@ kernels = [(mla._attention_kernel(dataclasses.replace(A.gpu_tile_config(512, 64,
 for v in ("tf32x3", "tf32x3acc"):
     kernels.append((mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((mla._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
-# the bf16 cache's kernel (ckv, kpe uint16): 255 registers and 104-136 B of spills at 32-key
-# tiles (its 128 accumulators, as tf32x3's), none at 16 rows x 16 keys; where they sit in the
+# the bf16 cache's kernel (ckv, kpe uint16): 255 registers and 16-56 B of spills at 32-key
+# tiles (its 128 accumulators, as tf32x3's), none at 64 rows x 16 keys; where they sit in the
 # SASS is not checked yet (docs/ATTENTION.md, "The bf16 cache")
 from kdtree_numba.attention.plan import Bf16TileConfig
 h3 = types.Array(types.uint16, 3, "C")

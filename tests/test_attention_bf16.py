@@ -73,7 +73,7 @@ def test_tile_words_cover_the_tile_once(rows, d):
 def _phases_conflict_free(addresses, width):
     """Shared memory serves a 128-bit (64-bit) load in phases of 8 (16) lanes; within a phase
     the lanes' words must fall on distinct banks."""
-    lanes_per_phase = 32 * 4 // (32 * width // 4) if width == 4 else 16
+    lanes_per_phase = {4: 8, 2: 16}[width]
     for start in range(0, 32, lanes_per_phase):
         banks = [(a + i) % 32 for a in addresses[start:start + lanes_per_phase]
                  for i in range(width)]
@@ -134,6 +134,9 @@ CASES = [
     ("prefill ragged rows", [0, 3], 6, "causal", 3, 128, 32, None),
     ("Kimi-like widths", [17], 2, "tree", 2, 256, 64, None),
     ("r 24: chunks dealt round-robin", [9], 2, "tree", 2, 24, 8, None),
+    # whole tiles of new keys: the masked path must run for every tile past the prefix
+    ("prefill n 20 after a prefix", [5], 20, "causal", 2, 32, 8, None),
+    ("tree verify n 17", [3], 17, "tree", 1, 32, 8, None),
 ]
 
 
@@ -162,7 +165,7 @@ def test_bf16_kernel_matches_the_reference_within_the_bound(name, prefix, n, kin
         assert np.abs(got - ref.mla_attention(**dict(prob, visible=vis))).max() > bound
 
 
-def test_a_row_that_sees_nothing_is_zero_and_padding_rows_are_untouched(needs_kernels):
+def test_a_row_that_sees_nothing_is_zero(needs_kernels):
     rng = np.random.default_rng(3)
     vis = np.zeros((2, 2, 2), bool)
     vis[0] = np.eye(2, dtype=bool)
@@ -171,6 +174,52 @@ def test_a_row_that_sees_nothing_is_zero_and_padding_rows_are_untouched(needs_ke
     assert np.all(got[1] == 0)
     want = ref.mla_attention(**prob)
     assert np.abs(got - want).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_a_jump_in_one_querys_scores_rescales_only_its_rows(needs_kernels):
+    """The online softmax's reference point moves for token 1 alone (its own key scores +14
+    above the prefix), so its rows rescale their accumulators and token 0's do not; rescaling
+    rows g + 8 by rows g's factor, or the other way, is an error of O(1)."""
+    rng = np.random.default_rng(8)
+    prob = problem(rng, [40], 2, np.tril(np.ones((1, 2, 2), bool)), 8, 32, 8, boost=0.0)
+    kpe = ref.bf16_widen(prob["kpe"]).astype(np.float32)
+    kpe[0, 41, 0] = 14.0
+    prob["kpe"] = bf16_bits(kpe)
+    got = run(prob, keys_per_split=64, causal=True)
+    assert np.abs(got - ref.mla_attention(**prob)).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_32_key_tiles_in_the_simulator(needs_kernels, monkeypatch):
+    """The GPU's tile (32 keys: 4 score n-tiles, 2 P V k16 steps); the simulator runs 16."""
+    from kdtree_numba.attention import clear_plan_cache, plan
+    monkeypatch.setattr(plan, "BF16_KEYS", 32)
+    clear_plan_cache()
+    rng = np.random.default_rng(9)
+    prob = problem(rng, [37, 4], 3, _visible(rng, "tree", 2, 3), 4, 64, 16)
+    try:
+        got = run(prob, keys_per_split=32)
+    finally:
+        clear_plan_cache()
+    assert np.abs(got - ref.mla_attention(**prob)).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_padding_columns_do_not_depend_on_what_shared_memory_held(needs_kernels, monkeypatch):
+    """Rows padded to whole panels (r + dr = 160 -> 192): the kernel zeroes the padding once.
+    The simulator's shared memory starts zeroed, the GPU's does not, so here it starts as NaN
+    bits; a kernel that left the padding alone would return NaN."""
+    from numba.cuda.simulator import kernelapi
+    init = kernelapi.FakeCUDAShared.__init__
+
+    def nan_filled(self, size):
+        init(self, size)
+        words = np.full(size // 4, 0x7FC00001, np.uint32).view(np.uint8)
+        self._dynshared[:words.size] = words.view(np.int8)
+    monkeypatch.setattr(kernelapi.FakeCUDAShared, "__init__", nan_filled)
+    rng = np.random.default_rng(10)
+    prob = problem(rng, [21], 2, np.tril(np.ones((1, 2, 2), bool)), 2, 128, 32)
+    got = run(prob)
+    assert np.all(np.isfinite(got))
+    assert np.abs(got - ref.mla_attention(**prob)).max() <= ref.bf16_error_bound(**prob)
 
 
 def test_weights_are_normalised_by_their_rounded_sum(needs_kernels):

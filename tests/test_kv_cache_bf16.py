@@ -105,9 +105,17 @@ def test_numba_kernels_agree_with_the_reference_over_a_bf16_cache(needs_kernels)
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
-def test_kdtree_run_takes_kv_cache_bfloat16(capsys):
+def test_kdtree_run_takes_kv_cache_bfloat16(capsys, monkeypatch):
     import json
+    made = []
+    load = Model.load.__func__
+
+    def recording_load(cls, *args, **kwargs):
+        made.append(load(cls, *args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(Model, "load", classmethod(recording_load))
     assert run_main(["--backend", "reference", "--kv-cache", "bfloat16", "--max-new-tokens",
                      "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["tokens"][0]) == 4
+    assert made[0].kv_cache == "bfloat16" and made[0].generation_cache.dtype == "bfloat16"

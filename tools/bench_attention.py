@@ -195,7 +195,7 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
     out = cp.empty((bs, n, H, R), cp.float32)
     out_view = kernels.to_device(out)
     roof, flops, nbytes = bf16_roof_ms(bs, n, prefix)
-    rows = []
+    rows, default_keys = [], plans.BF16_KEYS
     for keys in keys_list:
         row = dict(shape=name, variant=f"bf16 k{keys}", bs=bs, n=n, prefix=prefix,
                    roof_ms=roof, flops=flops, bytes=nbytes, tolerance=tolerance)
@@ -218,7 +218,7 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
-            plans.BF16_KEYS = 32
+            plans.BF16_KEYS = default_keys
         rows.append(row)
     return rows
 

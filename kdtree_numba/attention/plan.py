@@ -264,17 +264,16 @@ class Bf16TileConfig:
 
 
 BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
-# Keys per tile of the bf16 kernel on the GPU (16 in the simulator, whose emulated mma costs
-# two block barriers each).  A module constant so that tools/bench_attention.py can time both.
-BF16_KEYS = 32
+# Keys per tile of the bf16 kernel: 32 on the GPU (16-key tiles were slower, run 96), 16 in the
+# simulator, whose emulated mma costs two block barriers each.  A module variable so that
+# tools/bench_attention.py can time both and the tests can run 32-key tiles in the simulator.
+BF16_KEYS = 16 if SIMULATOR else 32
 
 
 def bf16_tile_config(r: int, dr: int, keys: int | None = None) -> Bf16TileConfig:
     """The bf16 kernel's tile for widths r, dr (``keys``: None for :data:`BF16_KEYS`);
     ``rows`` is set per plan (:func:`mma_rows`)."""
-    if keys is None:
-        keys = 16 if SIMULATOR else BF16_KEYS
-    return Bf16TileConfig(r, dr, keys=keys).validate()
+    return Bf16TileConfig(r, dr, keys=BF16_KEYS if keys is None else keys).validate()
 
 
 def bf16_fits(r: int, dr: int) -> bool:

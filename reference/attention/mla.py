@@ -37,7 +37,7 @@ all H heads of a query.
   so an implementation may stop each query's keys at slot ``P_b + i``.  The reference checks
   the promise and raises ValueError when a mask breaks it.
 * A **bf16 cache**: ``ckv`` and ``kpe`` may both be uint16 arrays of bf16 bit patterns (the
-  engine's ``--kv-cache bf16``).  Then the keys and values are those bf16 values and the
+  engine's ``--kv-cache bfloat16``).  Then the keys and values are those bf16 values and the
   queries are rounded to bf16 too (to nearest, ties to even: the tensor cores' operands), and
   the function is computed exactly on those operands (:func:`bf16_operands`).  An
   implementation may also round each softmax weight to bf16 (relative error <= 2^-8) as long as
