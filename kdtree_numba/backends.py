@@ -56,10 +56,21 @@ DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "s
 def bf16_bits(xp, x):
     """uint16 bf16 bit patterns of the finite float32 array ``x``, rounded to nearest, ties to
     even (in ``xp``: NumPy or CuPy, on the device for CuPy): how bf16 weights and a bf16 KV
-    cache are stored."""
+    cache are stored.  On CuPy one fused kernel: a bf16 cache rounds every layer's new
+    latents with it, and the expression's six array operations were six launches each."""
     u = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    half = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)   # arrays first: CuPy
+    if xp is not np:
+        return _bf16_bits_kernel()(u)
+    half = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
     return ((u + half) >> np.uint32(16)).astype(np.uint16)
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_bits_kernel():
+    import cupy
+    return cupy.ElementwiseKernel("uint32 u", "uint16 bits",
+                                  "bits = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16",
+                                  "kdtree_bf16_bits")
 
 
 @dataclasses.dataclass

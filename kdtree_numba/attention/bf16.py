@@ -46,7 +46,7 @@ from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
                                           masked_score)
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_u16x8, cp_async_wait_all,
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
 from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_halves
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
@@ -87,8 +87,11 @@ if SIMULATOR:
         return arr, b, col
 
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
-        arr, b, col = source
-        cp_async_u16x8(smem, word, arr, (b, row, col), nbytes)
+        arr, b, col = source   # 8 uint16 -> 4 words, element 2i in the low half of word i
+        for i in range(4):
+            lo, hi = (arr[b, row, col + 2 * i], arr[b, row, col + 2 * i + 1]) if nbytes \
+                else (0, 0)
+            smem[word + i] = np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 
@@ -171,9 +174,11 @@ def build_kernel(cfg: Bf16TileConfig):
                 nbytes = int32(16) if first + i < limit else int32(0)
                 w = at + _tile_word(N, i, 8 * q)
                 if q < CR:
-                    cp_async_u16x8(smem, w, ckv, (b, key, 8 * q), nbytes)
+                    _copy_chunk(smem, w, _chunk_source(ckv, b, 8 * q), key, ckv.strides[1],
+                                nbytes)
                 elif q < CD:
-                    cp_async_u16x8(smem, w, kpe, (b, key, 8 * (q - CR)), nbytes)
+                    _copy_chunk(smem, w, _chunk_source(kpe, b, 8 * (q - CR)), key,
+                                kpe.strides[1], nbytes)
 
     @inline_device_function
     def zero_padding(smem, tid):

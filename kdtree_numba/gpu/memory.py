@@ -40,9 +40,9 @@ from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
            "ld_shared_u32x4", "ld_shared_words4", "load_global_invariant_f32x4", "load_f32x4",
-           "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_u16x8",
-           "cp_async_commit", "cp_async_wait_all", "block_sync", "cp_async_wait_1",
-           "cp_async_wait_2", "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
+           "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
+           "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
+           "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
            "STATIC_SHARED_BYTES", "device_address"]
 
 if SIMULATOR:
@@ -89,16 +89,6 @@ if SIMULATOR:
     def cp_async16(dst, dst_idx, src, src_idx, nbytes):
         x = load_f32x4(src, src_idx) if nbytes else (_ZERO, _ZERO, _ZERO, _ZERO)
         store_f32x4(dst, dst_idx, *x)
-
-    def cp_async_u16x8(dst, at, src, src_idx, nbytes):
-        """Simulator twin of the cp.async below: 8 uint16 -> 4 words (zeros when nbytes == 0)."""
-        head, k = src_idx[:-1], src_idx[-1]
-        for i in range(4):
-            word = np.uint32(0)
-            if nbytes:
-                word = np.uint32(src[head + (k + 2 * i,)]) | (
-                    np.uint32(src[head + (k + 2 * i + 1,)]) << np.uint32(16))
-            dst[at + i] = word
 
     def _nothing():
         pass
@@ -364,13 +354,6 @@ else:
             builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
                          [s32, args[1], n])
         return types.void(saddr, gaddr, nbytes), codegen
-
-    @inline_device_function
-    def cp_async_u16x8(dst, at, src, src_idx, nbytes):
-        """cp.async of 8 uint16 ``src[src_idx:+8]`` (a tuple index, the column last; 16-byte
-        aligned) into words ``dst[at:at+4]`` of a uint32 shared array, element 2i in the low
-        half of word i; ``nbytes`` (16 or 0) are read, the rest zero-filled."""
-        cp_async16_raw(shared_address(dst, at), global_address(src, src_idx), nbytes)
 
     cp_async_commit = asm_statement("cp.async.commit_group;")
     cp_async_wait_all = asm_statement("cp.async.wait_group 0;")

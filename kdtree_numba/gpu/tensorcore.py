@@ -108,6 +108,8 @@ if SIMULATOR:
                 np.float32(D[g + 8, 2 * t + 1] + np.float64(c3)))
 
     def _bf16_pair(word):
+        # gpu.bits.bf16_lo / bf16_hi are simulator device functions, and each call swaps the
+        # simulator's cuda module: 384 calls per lane per mma made the tests several times slower
         word = int(word)
         return (np.uint32((word & 0xFFFF) << 16).view(np.float32),
                 np.uint32(word & 0xFFFF0000).view(np.float32))
