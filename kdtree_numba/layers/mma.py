@@ -114,10 +114,11 @@ class MmaConfig:
                 or self.bk <= 0 or self.threads > 1024 or not 2 <= self.stages <= 4
                 or self.smem_bytes > MAX_SHARED_BYTES
                 or (self.bn * self.bk // 8) % self.threads
-                or (self.bm * self.bk // 8) % self.threads):
+                or (self.bm * self.bk // 8) % self.threads
+                or self.threads % (self.bk // 8)):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
-                             f"thread")
+                             f"thread, each thread's vectors at one column of a stage")
 
 
 BK = 64     # the linear's K stage for every M: with the K slices (a function of N and K only)
@@ -230,23 +231,47 @@ def c_position(lane, e):
     return (lane >> 2) + 8 * (e >> 1), 2 * (lane & 3) + (e & 1)
 
 
+# A thread's chunk copies go through *cursors* formed once per K loop: a global one stepped
+# by a constant per stage and a shared one per ring buffer.  On the GPU they are addresses
+# (the 64-bit index math of an element address per chunk and stage was about two thirds of
+# the linear's instructions: ncu, run 100); in the simulator element and word indices
+# (cursor = base + unit * index, base 0, unit 1).
 if SIMULATOR:
-    def _copy_w16(bsm, at, w16, row, k, nbytes):
-        """Simulator twin of the cp.async below: 8 bf16 -> 4 words (zeros when nbytes == 0)."""
+    ELEM, WORD = 1, 1
+
+    def _shared_base(smem):
+        return 0
+
+    def _array_base(arr):
+        return 0
+
+    def _copy_chunk(smem, scursor, arr, cursor, nbytes):
+        """Simulator twin of the cp.async below: the 8 bf16 at flat element ``cursor`` of
+        ``arr`` -> words smem[scursor:+4] (zeros when nbytes == 0)."""
+        row, k = cursor // arr.shape[1], cursor % arr.shape[1]
         for i in range(4):
             word = np.uint32(0)
             if nbytes:
-                word = np.uint32(w16[row, k + 2 * i]) | (np.uint32(w16[row, k + 2 * i + 1])
+                word = np.uint32(arr[row, k + 2 * i]) | (np.uint32(arr[row, k + 2 * i + 1])
                                                          << np.uint32(16))
-            bsm[at + i] = word
+            smem[scursor + i] = word
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
+    ELEM, WORD = 2, 4          # bytes per bf16, per shared word
 
     @inline_device_function
-    def _copy_w16(bsm, at, w16, row, k, nbytes):
-        """w16[row, k:k+8] -> words bsm[at:at+4] by cp.async; nbytes (16 or 0) are read, the
-        rest zero-filled."""
-        cp_async16_raw(shared_address(bsm, at), global_address(w16, (row, k)), nbytes)
+    def _shared_base(smem):
+        return shared_address(smem, 0)
+
+    @inline_device_function
+    def _array_base(arr):
+        return global_address(arr, (0, 0))
+
+    @inline_device_function
+    def _copy_chunk(smem, scursor, arr, cursor, nbytes):
+        """16 bytes at global address ``cursor`` -> shared address ``scursor`` by cp.async;
+        nbytes (16 or 0) are read, the rest zero-filled."""
+        cp_async16_raw(scursor, cursor, nbytes)
 
 
 _panel_word = inline_device_function(panel_word)
@@ -299,30 +324,46 @@ def ring_function(cfg: MmaConfig):
     Both operands are bf16 bits that go global -> shared by ``cp.async`` (16 bytes = 8 bf16),
     through a ring of ``stages`` buffers in dynamic shared memory (the x ring, then the weight
     ring), ``stages - 1`` stages in flight, one barrier per stage.  Rows come from per-thread
-    tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` is the source row of this
-    thread's u-th x / weight chunk of every stage (-1: zero fill), so a caller may gather
-    rows (the MoE's tokens) or take them in order (the linear)."""
+    tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` (int64) is the source row of
+    this thread's u-th x / weight chunk of every stage (-1: zero fill), so a caller may gather
+    rows (the MoE's tokens) or take them in order (the linear); run_ring turns them into its
+    cursors in place (the comment above ``_copy_chunk``)."""
     BK, STAGES = cfg.bk, cfg.stages
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
     B_BASE = STAGES * A_STAGE                              # the weight ring after the x ring
     XC, WC = cfg.x_chunks, cfg.w_chunks                    # 16-byte chunks per thread, stage
     PENDING = STAGES - 2                                   # groups left in flight by the wait
+    PER_ROW = BK // 8                                      # chunks per tile row and stage
+    STEP = ELEM * BK                                       # a cursor's advance per stage
+    ROW_STEP = THREADS // PER_ROW * WORDS                  # words from chunk u to u + 1
 
     @inline_device_function
-    def issue_stage(smem, buf, x16, xrow, w16, wrow, ks, k_end, tid):
-        """cp.async this thread's x and weight chunks of the stage at ks into ring buffer
-        ``buf``; zero fill for rows -1 and past k_end."""
+    def to_cursors(rows, arr, base, k0, n):
+        """rows[u] (this thread's u-th chunk's row of arr, -1: zero-filled) -> in place, its
+        global cursor at K position k0 (-1 stays -1)."""
+        for u in range(n):
+            if rows[u] >= 0:
+                rows[u] = base + ELEM * (rows[u] * arr.shape[1] + k0)
+
+    @inline_device_function
+    def issue_stage(smem, xs, ws, buf, x16, xbase, xcur, w16, wbase, wcur, step, room):
+        """cp.async this thread's x and weight chunks of stage ``step`` of the loop into ring
+        buffer ``buf``; zero fill for rows -1 and past the slice end (``room``: K elements
+        from this thread's stage-0 column to the end).  A zero-filled chunk reads nothing:
+        it points at the array's start, never past its end.  ``xs`` / ``ws``: the shared
+        cursors of the thread's first x / weight chunk in buffer 0; chunk u sits u *
+        ROW_STEP words further (rows advance by THREADS / PER_ROW), a constant that ptxas
+        folds into the copy."""
+        ok_k = step * BK < room
         for u in range(XC):
-            row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
-            ok = xrow[u] >= 0 and ks + kk < k_end
-            _copy_w16(smem, buf * A_STAGE + off, x16, max(xrow[u], 0), ks + kk if ok else 0,
-                      16 if ok else 0)
+            ok = ok_k and xcur[u] >= 0
+            _copy_chunk(smem, xs + WORD * (buf * A_STAGE + u * ROW_STEP), x16,
+                        xcur[u] + step * STEP if ok else xbase, 16 if ok else 0)
         for u in range(WC):
-            row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
-            ok = wrow[u] >= 0 and ks + kk < k_end
-            _copy_w16(smem, B_BASE + buf * B_STAGE + off, w16, max(wrow[u], 0),
-                      ks + kk if ok else 0, 16 if ok else 0)
+            ok = ok_k and wcur[u] >= 0
+            _copy_chunk(smem, ws + WORD * (buf * B_STAGE + u * ROW_STEP), w16,
+                        wcur[u] + step * STEP if ok else wbase, 16 if ok else 0)
 
     @inline_device_function
     def wait_oldest():
@@ -339,13 +380,23 @@ def ring_function(cfg: MmaConfig):
     @inline_device_function
     def run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid):
         n_stages = (k_end - k_begin + BK - 1) // BK
+        # every chunk of a thread sits at the same column of its stage (THREADS % PER_ROW
+        # == 0, MmaConfig checks), so one bound serves them all
+        kk = 8 * (tid % PER_ROW)
+        room = k_end - k_begin - kk
+        sbase, xbase, wbase = _shared_base(smem), _array_base(x16), _array_base(w16)
+        to_cursors(xrow, x16, xbase, k_begin + kk, XC)
+        to_cursors(wrow, w16, wbase, k_begin + kk, WC)
+        xs = sbase + WORD * _w_stage_slot(tid, BM, BK)[2]
+        ws = sbase + WORD * (B_BASE + _w_stage_slot(tid, BN, BK)[2])
         # stage i lives in buffer i % STAGES; STAGES - 1 stages fly ahead of the mma, one
         # commit group per stage (empty past the slice end, so the wait counts hold)
         for i in range(STAGES - 1):
             if i < n_stages:
-                issue_stage(smem, i, x16, xrow, w16, wrow, k_begin + i * BK, k_end, tid)
+                issue_stage(smem, xs, ws, i, x16, xbase, xrow, w16, wbase, wrow, i, room)
             cp_async_commit()
         buf = 0
+        ahead_buf = STAGES - 1               # = (i + STAGES - 1) % STAGES, without the modulo
         for i in range(n_stages):
             wait_oldest()
             # one barrier per stage: stage i is visible to every warp, and every warp is done
@@ -353,12 +404,13 @@ def ring_function(cfg: MmaConfig):
             block_sync()
             ahead = i + STAGES - 1
             if ahead < n_stages:
-                issue_stage(smem, ahead % STAGES, x16, xrow, w16, wrow, k_begin + ahead * BK,
-                            k_end, tid)
+                issue_stage(smem, xs, ws, ahead_buf, x16, xbase, xrow, w16, wbase, wrow, ahead,
+                            room)
             cp_async_commit()
             compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
                     t)
             buf = buf + 1 if buf + 1 < STAGES else 0
+            ahead_buf = ahead_buf + 1 if ahead_buf + 1 < STAGES else 0
         cp_async_wait_all()                              # no copy outlives the block
 
     return run_ring
@@ -374,7 +426,7 @@ def _mma_kernel_for(cfg: MmaConfig):
     """Under the simulator the kernel builds and runs up to its first mma, which raises
     NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level
     emulation of the mma there to run the whole kernel on tiny shapes."""
-    from numba import float32, int32, uint32
+    from numba import float32, int64, uint32
 
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
@@ -396,8 +448,8 @@ def _mma_kernel_for(cfg: MmaConfig):
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
         bv = cuda.local.array(NBV, uint32)
-        xrow = cuda.local.array(XC, int32)
-        wrow = cuda.local.array(WC, int32)
+        xrow = cuda.local.array(XC, int64)   # row tables, then run_ring's cursors
+        wrow = cuda.local.array(WC, int64)   # row tables, then run_ring's cursors
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5

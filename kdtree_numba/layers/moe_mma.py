@@ -78,7 +78,7 @@ def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_sha
 def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
     """The grouped kernel for a tile shape (needs tn even; cfg.splits is ignored).  Under the
     simulator it runs up to its first mma (tests/test_moe_mma.py emulates the warp's mma)."""
-    from numba import float32, int32, uint32
+    from numba import float32, int64, uint32
 
     if cfg.tn % 2:
         raise ValueError(f"moe_mma_kernel needs an even tn (gate and up halves), got {cfg}")
@@ -132,8 +132,8 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
         bv = cuda.local.array(NBV, uint32)
-        xrow = cuda.local.array(XC, int32)
-        wrow = cuda.local.array(WC, int32)
+        xrow = cuda.local.array(XC, int64)   # row tables, then run_ring's cursors
+        wrow = cuda.local.array(WC, int64)   # row tables, then run_ring's cursors
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
