@@ -293,6 +293,64 @@ def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
     assert "| prefill ms (its roof) |" in out and "| vs AR after the prefill |" in out
 
 
+def test_kimi_slice_auto_budget_row(monkeypatch):
+    """``--budgets 2,6,auto``: the auto row picks each round's budget among 2 and 6 (a fresh
+    policy per generate, warmed at both first), keeps the budgets it chose and the policy's
+    estimates, commits AR's tokens, and its roofs follow the chosen widths: the counted
+    routing re-run replays the timed run's budgets, the uniform roofs take one forward of
+    budget + 1 rows per round."""
+    monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
+    seen = []
+    plain = bench_engine.generate
+
+    def spy(model, prompts, n_new, **kw):
+        res = plain(model, prompts, n_new, **kw)
+        seen.append((kw.get("budget"), list(res.stats.budgets)))
+        return res
+    monkeypatch.setattr(bench_engine, "generate", spy)
+    for count in ("counted", "uniform"):
+        seen.clear()
+        args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6,
+                                  budgets=bench_engine._budgets("2,6,auto"), batches=[1],
+                                  new_tokens=9, agreement=0.9, no_replay=False,
+                                  expert_count=count, gemm=["cuda-cores"], kv_cache="float32",
+                                  json=None)
+        rows: list = []
+        bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
+                                       backend="reference")
+        assert [r["budget"] for r in rows] == [None, 2, 6, "auto"]
+        auto = rows[-1]
+        chosen = auto["budgets_chosen"]
+        assert set(chosen) <= {2, 6} and sum(chosen.values()) == auto["rounds"] >= 2
+        assert auto["budget_auto"]["candidates"] == [2, 6]
+        assert auto["same_tokens_as_ar"] is True
+        assert auto.get("routing_run_same_tokens", True) is True
+        policies = [b for b, _ in seen if isinstance(b, bench_engine.AutoBudget)]
+        timed = [b for b in policies if not isinstance(b, bench_engine.ReplayedBudgets)]
+        assert len({id(b) for b in timed}) == len(timed) >= 2    # a fresh policy per call
+        assert all(b.round == len(used) for b, used in seen if b in timed)
+        first = next(i for i, (b, _) in enumerate(seen) if b is timed[0])
+        # each candidate to its steady state first (no graphs here: two calls each)
+        assert [b for b, _ in seen[first - 4:first]] == [2, 2, 6, 6]
+        steps = [rows[1], rows[2]]               # the fixed rows' per-round roofs bracket it
+        lo, hi = (min(r["step_roof_ms"] for r in steps), max(r["step_roof_ms"] for r in steps))
+        assert lo * (1 - 1e-9) <= auto["step_roof_ms"] <= hi * (1 + 1e-9)
+        replayed = [(b, used) for b, used in seen if isinstance(b, bench_engine.ReplayedBudgets)]
+        if count == "counted":
+            assert len(replayed) == 1 and replayed[0][1] == replayed[0][0].sequence
+        else:
+            assert not replayed
+
+
+def test_budgets_option_takes_integers_and_auto():
+    assert bench_engine._budgets("8, 32,AUTO") == [8, 32, "auto"]
+    for bad in ("0", "x", "8,,32", "-4"):
+        with pytest.raises(ValueError, match="integer >= 1 or 'auto'"):
+            bench_engine._budgets(bad)
+    assert bench_engine.auto_policy([8, "auto", 64]).candidates == (8, 64)
+    assert bench_engine.auto_policy(["auto"]).candidates == bench_engine.DEFAULT_CANDIDATES
+
+
 def test_batch_invariance_probe_on_the_host(monkeypatch):
     """tools/probe_batch_invariance.py on a tiny kimi-like model through the reference backend
     (float64 and batch invariant): every op call's verify rows equal the decodes' bit for bit;

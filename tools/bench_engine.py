@@ -35,6 +35,9 @@ rate measured on the H200.  Goal: AR >= transformers; DDTree > AR.
 23.5 GB of bf16 weights drawn by CuPy on the GPU in seconds; no HF export, no transformers
 baseline, no model drafter): for each ``--batches`` entry (default 1), AR, then DDTree with the
 replay drafter at each budget (default 8, 32, 64, 128, 256), a 128-token prompt per request.
+A budget ``auto`` (``--budgets 8,32,64,auto``) adds a row whose rounds each pick their budget
+among the list's integers (kdtree_numba/budget.py, a fresh policy per generate); its warm-up
+first runs each of them, and its JSON row keeps the budgets chosen and the policy's estimates.
 Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
 bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
 row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
@@ -50,6 +53,8 @@ warm-up call captures its own.
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
 import gc
 import json
 import os
@@ -67,6 +72,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kdtree_numba.backends import GEMM_CHOICES, make_backend  # noqa: E402
+from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
                                  size_config)
 from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
@@ -165,12 +171,44 @@ def time_generate_batch(model, prompts, n_new, **kw):
     drafter shapes to the measured call: the slow first model-drafter rows of runs 12-15.)
     The row's ``graph_captures`` says what the measured call captured: 0 but when the warm-ups
     ran out.  It counts the target's graphs only: a model drafter's own are not checked."""
-    generate(model, prompts, n_new, **kw)
+    if isinstance(kw.get("budget"), AutoBudget):
+        warm_auto(model, prompts, n_new, kw)
+    generate(model, prompts, n_new, **per_call(kw))
     for _ in range(MAX_WARMUPS):
-        res = generate(model, prompts, n_new, **kw)
+        res = generate(model, prompts, n_new, **per_call(kw))
         if not res.stats.graph_captures:
             break
     return res
+
+
+def per_call(kw):
+    """generate()'s keywords for one call: an AutoBudget given is a template, copied unused
+    for each call, so every measured generate climbs from the start as kdtree-run's
+    ``--budget auto`` does (a policy carried over from the warm-ups would start trained)."""
+    policy = kw.get("budget")
+    return dict(kw, budget=copy.deepcopy(policy)) if isinstance(policy, AutoBudget) else kw
+
+
+class ReplayedBudgets(AutoBudget):
+    """The budgets a measured ``--budget auto`` generation chose, round by round: the eager
+    re-run that counts the routing must verify the trees the timed run verified, not those a
+    policy of its own (timing its own rounds) would pick."""
+
+    def __init__(self, budgets):
+        super().__init__(sorted(set(budgets)))
+        self.sequence = list(budgets)
+
+    def next_budget(self) -> int:
+        return self.sequence[self.round]
+
+
+def warm_auto(model, prompts, n_new, kw):
+    """Before an auto row's warm-ups: every candidate budget as a fixed budget, to its steady state (each
+    compiles its shapes and captures its verify graph), since the measured climb may first
+    visit a budget its warm-ups did not (run 90, the demo pair: one compile inside the timed
+    run cost 7.3 s)."""
+    for b in kw["budget"].candidates:
+        time_generate_batch(model, prompts, n_new, **dict(kw, budget=b))
 
 
 class Budget:
@@ -257,7 +295,9 @@ def bench_size(size, args, budget: Budget, out_rows):
     future = prompt + ar.tokens[0] + [0] * (BLOCK_LEN + 2)
 
     def ddtree_rows(kind):
-        for b in args.budgets or _ints(HOST_BUDGETS):
+        budgets = args.budgets or _budgets(HOST_BUDGETS)
+        for b in budgets:
+            b = auto_policy(budgets) if b == "auto" else b
             if not budget.allows(kind):
                 print(f"# {size}: time limit: skipping ddtree/{kind} from budget {b}",
                       file=sys.stderr)
@@ -331,14 +371,19 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
     forwards, with the experts counted from an untimed eager re-run of the same generation
     (RoutingCounter), or for uniform routing (``--expert-count uniform``)."""
     kw = {} if drafter is None else dict(method="ddtree", drafter=drafter, budget=budget_nodes)
+    auto = isinstance(budget_nodes, AutoBudget)
     fresh_graphs(model)
     res = time_generate_batch(model, prompts, n_new, **kw)
     bs = len(prompts)
     extra = dict(batch=bs, expert_count=args.expert_count)
+    if auto:
+        extra["budgets_chosen"] = dict(sorted(collections.Counter(res.stats.budgets).items()))
+        extra["budget_auto"] = res.stats.budget_auto
     if args.expert_count == "counted":
         fresh_graphs(model)     # the eager re-run needs none of the timed call's graphs
+        again_kw = dict(kw, budget=ReplayedBudgets(res.stats.budgets)) if auto else kw
         with RoutingCounter(model) as counter:
-            again = generate(model, prompts, n_new, **kw)
+            again = generate(model, prompts, n_new, **again_kw)
         records = counter.records()
         extra["routing_run_same_tokens"] = again.tokens == res.tokens
         tokens = again.stats.new_tokens
@@ -346,9 +391,10 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
             print(f"# {size}: {len(records)} forwards counted for {again.stats.rounds} "
                   f"rounds", file=sys.stderr)
     else:
-        width = 1 if drafter is None else budget_nodes + 1
-        records = uniform_records(cfg, bs * max(len(p) for p in prompts), bs * width,
-                                  res.stats.rounds)
+        widths = [1] * res.stats.rounds if drafter is None else \
+            [b + 1 for b in res.stats.budgets]
+        records = uniform_records(cfg, bs * max(len(p) for p in prompts),
+                                  [bs * w for w in widths])
         tokens = res.stats.new_tokens
     tensor = model.backend.gemm.startswith("tensor-cores")
     fields = roof_fields(cfg, records, itemsize, tokens,
@@ -406,7 +452,7 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
           f"{args.expert_count}"
           f"{' (routing of an eager re-run)' if args.expert_count == 'counted' else ''}.")
     rng = np.random.default_rng(0)
-    budgets = args.budgets or _ints(DEVICE_BUDGETS)
+    budgets = args.budgets or _budgets(DEVICE_BUDGETS)
     previous = None
     try:
         for bs in args.batches:
@@ -421,6 +467,7 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
             finish_row(ar_row, **ctx)
             futures = [p + t + [0] * (BLOCK_LEN + 2) for p, t in zip(prompts, ar.tokens)]
             for b in budgets if not args.no_replay else ():
+                b = auto_policy(budgets) if b == "auto" else b
                 kind = f"replay/{bs}"
                 if not budget.allows(kind, budget.last.get(f"replay/{previous}", 0.0)):
                     print(f"# {size}: time limit: skipping batch {bs} from budget {b}",
@@ -539,6 +586,24 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
+def auto_policy(budgets) -> AutoBudget:
+    """An ``auto`` row's policy template: it chooses among the run's fixed budgets (AutoBudget's
+    own candidates when there are none), so its rows sit beside the ones it picks from."""
+    return AutoBudget([b for b in budgets if b != "auto"] or DEFAULT_CANDIDATES)
+
+
+def _budgets(text: str) -> list:
+    """``--budgets``: integers and ``auto`` (kimi-slice: a row choosing each round's budget
+    among the list's integers, or AutoBudget's own candidates when there are none)."""
+    out = []
+    for v in text.split(","):
+        v = v.strip().lower()
+        if v != "auto" and not (v.isdigit() and int(v) >= 1):
+            raise ValueError(f"a budget is an integer >= 1 or 'auto', got {v!r}")
+        out.append("auto" if v == "auto" else int(v))
+    return out
+
+
 class _Stop(BaseException):
     """SIGTERM (e.g. from ``timeout``): stop measuring, still print what was measured.  Not an
     Exception, so the transformers step's ``except Exception`` cannot swallow it."""
@@ -554,7 +619,9 @@ def main(argv=None):
                    help=f"small, medium (HF export + import) and {', '.join(DEVICE_SIZES)} "
                         f"(random weights drawn on the GPU)")
     p.add_argument("--budgets", help=f"DDTree budgets (default {HOST_BUDGETS}; "
-                                     f"{DEVICE_BUDGETS} for {', '.join(DEVICE_SIZES)})")
+                                     f"{DEVICE_BUDGETS} for {', '.join(DEVICE_SIZES)}); "
+                                     f"'auto' adds a row whose every round picks among the "
+                                     f"list's integers (kdtree-run's --budget auto)")
     p.add_argument("--batches", default="1",
                    help=f"requests per generate ({', '.join(DEVICE_SIZES)} only; small and "
                         f"medium run batch 1)")
@@ -580,7 +647,10 @@ def main(argv=None):
                    help="seconds for the whole run (checked before each measurement)")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
-    args.budgets = _ints(args.budgets) if args.budgets else None
+    try:
+        args.budgets = _budgets(args.budgets) if args.budgets else None
+    except ValueError as e:
+        p.error(f"--budgets: {e}")
     args.batches = _ints(args.batches)
     args.gemm = args.gemm.split(",")
     if any(g not in GEMM_CHOICES for g in args.gemm):

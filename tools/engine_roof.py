@@ -187,10 +187,10 @@ def roof_seconds(cfg: ModelConfig, record: ForwardRecord, itemsize,
             forward_flops(cfg, record.rows) / flops_per_s)
 
 
-def uniform_records(cfg: ModelConfig, prefill_rows: int, step_rows: int,
-                    steps: int) -> list[ForwardRecord]:
-    """Records of a generation under uniform routing: the prefill, then ``steps`` forwards of
-    ``step_rows`` tokens each (every token id counted as distinct)."""
+def uniform_records(cfg: ModelConfig, prefill_rows: int,
+                    step_rows: list[int]) -> list[ForwardRecord]:
+    """Records of a generation under uniform routing: the prefill, then one forward per entry
+    of ``step_rows`` with its tokens (every token id counted as distinct)."""
     def rec(rows):
         return ForwardRecord(rows, rows, uniform_distinct(cfg, rows))
-    return [rec(prefill_rows)] + [rec(step_rows) for _ in range(steps)]
+    return [rec(prefill_rows)] + [rec(rows) for rows in step_rows]
