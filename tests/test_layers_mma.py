@@ -1,9 +1,10 @@
 """linear(method="mma"): the bf16 tensor-core GEMM (kdtree_numba/layers/mma.py).
 
 Anywhere (CI): the bf16 rounding oracle; a NumPy replay of one whole block of the kernel --
-staging through the module's index helpers, 128-bit fragment loads, ``a_fragment`` /
-``b_fragment``, the mma as the PTX ISA defines its m16n8k16 .bf16 fragments (written out here,
-independently of the module), the epilogue through ``c_position`` -- against bf16(x) @ w^T; the
+staging through the module's index helpers into the swizzled panels, the fragments by
+``ldmatrix`` at the lanes' ``ldsm_word`` addresses, ldmatrix and the mma as the PTX ISA
+defines them (written out here, independently of the module), the epilogue through
+``c_position`` -- against bf16(x) @ w^T; the panels' bank quads; the
 argument checks; the kernel itself run by the simulator with the warp's mma emulated by the
 ISA layout (``test_simulated_kernel_equals_the_bf16_product``); and (subprocess, no simulator)
 the kernels compile to sm_90 PTX holding the ``mma.sync ... m16n8k16 ... bf16`` instruction, no
@@ -77,11 +78,19 @@ def isa_c(lane, e):
     return (lane >> 2) + (8 if e >= 2 else 0), 2 * (lane % 4) + (e & 1)
 
 
-def replay_block(x, w16, cfg, a_fragment=mm.a_fragment, b_fragment=mm.b_fragment):
+def isa_ldmatrix(smem, addrs, n):
+    """PTX ISA ``ldmatrix.sync.aligned.m8n8.x{n}.shared.b16``: lane i gives the (word) address
+    of row i % 8 of matrix i // 8, 16 bytes; every lane receives, from each matrix m, the
+    32-bit word i % 4 of row i // 4 (its elements 2 (i % 4), 2 (i % 4) + 1) in register m."""
+    return [[smem[addrs[8 * m + lane // 4] + lane % 4] for m in range(n)] for lane in range(32)]
+
+
+def replay_block(x, w16, cfg, ldsm_word=mm.ldsm_word):
     """y [M, N] of one block (M <= BM, N <= BN, no K slices) computed as the kernel moves the
-    data: stages of bk staged by w_stage_slot (x rounded to bf16 first), per warp and
-    panel the lanes' 128-bit loads at panel_word(...), registers by a_fragment / b_fragment,
-    the mma by the ISA, accumulators written through c_position."""
+    data: stages of bk staged by w_stage_slot (x rounded to bf16 first), per warp, panel and
+    k16 step the lanes' ldmatrix loads at ldsm_word(...) from each fragment's first row
+    (x4: an m16 tile, or two n8 tiles; x2: an odd last n8 tile), the mma by the ISA,
+    accumulators written through c_position."""
     (m, k), n = x.shape, w16.shape[0]
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     acc = np.zeros((cfg.wm * cfg.wn, 32, cfg.tm, cfg.tn, 4))
@@ -99,20 +108,17 @@ def replay_block(x, w16, cfg, a_fragment=mm.a_fragment, b_fragment=mm.b_fragment
         for warp in range(cfg.wm * cfg.wn):
             wm_i, wn_i = warp % cfg.wm, warp // cfg.wm
             for p in range(bk // 32):
-                for i in range(cfg.tm):
-                    for j in range(cfg.tn):
-                        for step in range(2):
-                            a_regs, b_regs = [], []
-                            for lane in range(32):
-                                g, t = lane >> 2, lane & 3
-                                arow = wm_i * 16 * cfg.tm + 16 * i + g
-                                lo = mm.panel_word(p, bm, arow, 4 * t)
-                                hi = mm.panel_word(p, bm, arow + 8, 4 * t)
-                                av = np.concatenate([asm[lo:lo + 4], asm[hi:hi + 4]])
-                                b_at = mm.panel_word(p, bn, wn_i * 8 * cfg.tn + 8 * j + g,
-                                                     4 * t)
-                                a_regs.append(a_fragment(av, 0, step))
-                                b_regs.append(b_fragment(bsm[b_at:b_at + 4], 0, step))
+                for step in range(2):
+                    for i in range(cfg.tm):
+                        a_at = mm.panel_word(p, bm, wm_i * 16 * cfg.tm + 16 * i, 0)
+                        a_regs = isa_ldmatrix(asm, [a_at + ldsm_word(lane, step, True)
+                                                    for lane in range(32)], 4)
+                        for j in range(cfg.tn):
+                            b_at = mm.panel_word(p, bn, wn_i * 8 * cfg.tn + 16 * (j // 2), 0)
+                            both = isa_ldmatrix(bsm, [b_at + ldsm_word(lane, step, False)
+                                                      for lane in range(32)],
+                                                4 if j // 2 * 2 + 1 < cfg.tn else 2)
+                            b_regs = [r[2 * (j % 2):2 * (j % 2) + 2] for r in both]
                             A, B = isa_mma(a_regs, b_regs)
                             D = A @ B
                             for lane in range(32):
@@ -142,9 +148,10 @@ def _block_case(seed, m, n, k):
 
 
 @pytest.mark.parametrize("cfg, m, n, k", [
-    (mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), 16, 8, 32),          # one m16n8 tile, one panel
+    (mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), 16, 8, 32),          # one m16n8 tile (x2 for B)
     (mm.MmaConfig(wm=1, wn=2, tm=1, tn=2), 11, 29, 72),         # ragged M, N, K (zero fill)
     (mm.MmaConfig(wm=2, wn=1, tm=2, tn=1, bk=64), 64, 8, 128),  # two panels per stage
+    (mm.MmaConfig(wm=1, wn=1, tm=2, tn=3), 30, 21, 64),         # a B pair, then an x2 tile
 ])
 def test_block_replay_equals_the_bf16_product(cfg, m, n, k):
     x, w16, want = _block_case(1, m, n, k)
@@ -153,13 +160,42 @@ def test_block_replay_equals_the_bf16_product(cfg, m, n, k):
 
 
 def test_block_replay_catches_a_wrong_fragment():
-    """The replay has teeth: A registers a2 / a3 swapped (rows g + 8 and k + 8 mixed up)."""
-    def swapped(av, at, step):
-        a0, a1, a2, a3 = mm.a_fragment(av, at, step)
-        return a0, a2, a1, a3
+    """The replay has teeth: A's matrices 1 and 2 swapped (rows g + 8 and k + 8 mixed up)."""
+    def swapped(lane, step, a_operand):
+        m = lane >> 3
+        if a_operand and m in (1, 2):
+            lane = (3 - m) * 8 + (lane & 7)
+        return mm.ldsm_word(lane, step, a_operand)
     x, w16, want = _block_case(2, 16, 8, 32)
-    got = replay_block(x, w16, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), a_fragment=swapped)
+    got = replay_block(x, w16, mm.MmaConfig(wm=1, wn=1, tm=1, tn=1), ldsm_word=swapped)
     assert np.max(np.abs(got - want)) > 0.1 * np.max(np.abs(want))
+
+
+def test_panels_are_swizzled_into_distinct_bank_quads():
+    """Every chunk of a panel row lands once; the 8 rows one ldmatrix matrix reads (8
+    consecutive rows from a multiple of 8, one chunk) sit in 8 different 16-byte bank quads
+    (word // 4 mod 8), which the unswizzled layout would not (rows r, r + 2 share one); the
+    staging slot and the lanes' addresses are panel_word's."""
+    rows, bk = 48, 64
+    offs = [mm.w_stage_slot(c, rows, bk)[2] for c in range(rows * bk // 8)]
+    assert sorted(offs) == list(range(0, rows * bk // 2, 4))
+    for c in range(rows * bk // 8):
+        row, kk, off = mm.w_stage_slot(c, rows, bk)
+        assert off == mm.panel_word(kk // 32, rows, row, kk % 32 // 8)
+    for p in range(bk // 32):
+        for r0 in range(0, rows, 8):
+            for chunk in range(4):
+                quads = {mm.panel_word(p, rows, r0 + r, chunk) // 4 % 8 for r in range(8)}
+                assert len(quads) == 8
+                plain = {((p * rows + r0 + r) * 16 + 4 * chunk) // 4 % 8 for r in range(8)}
+                assert len(plain) < 8
+    for lane in range(32):
+        for step in range(2):
+            m, r = lane >> 3, lane & 7
+            assert mm.ldsm_word(lane, step, True) == mm.panel_word(0, 0, 8 * (m & 1) + r,
+                                                                   2 * step + (m >> 1))
+            assert mm.ldsm_word(lane, step, False) == mm.panel_word(0, 0, 8 * (m >> 1) + r,
+                                                                    2 * step + (m & 1))
 
 
 def test_configs_and_splits():
@@ -327,7 +363,10 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
     assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
     assert "cp.async.cg.shared.global" in ptx
     assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
-    assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
+    x4 = 2 * (cfg.tm + cfg.tn // 2) * cfg.bk // 32        # per m16 tile, two n8 tiles
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == x4, "A/B loads"
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x2.shared.b16") == \
+        cfg.tn % 2 * cfg.bk // 16, "odd n8 tile"
     assert local == 0, "local memory: accumulators or fragments left registers"
     assert spill == 0 or cfg.max_registers, "spills"
 print("assembled")

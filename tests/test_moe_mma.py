@@ -212,7 +212,10 @@ for cfg in sorted(configs, key=str):
         assert "cp.async.cg.shared.global" in ptx
         assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
         assert ("cvt.rn.bf16x2.f32" in ptx) == gate_up, "act stored as bf16 pairs"
-        assert "ld.shared.v4.b32" in ptx, "no 128-bit fragment loads"
+        x4 = 2 * (cfg.tm + cfg.tn // 2) * cfg.bk // 32        # per m16 tile, two n8 tiles
+        assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == x4, "A/B loads"
+        assert ptx.count("ldmatrix.sync.aligned.m8n8.x2.shared.b16") == \
+            cfg.tn % 2 * cfg.bk // 16, "odd n8 tile"
         assert local == 0, "local memory"
         assert spill == 0, "spills"
 print("assembled")

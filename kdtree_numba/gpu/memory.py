@@ -14,11 +14,16 @@ the one it was tuned with:
   inline PTX ``ld.global.nc.v4``; *stream* adds ``.L1::no_allocate`` (weights read once stay out
   of L1 so the activations stay there), *cached* goes through L1.
 * ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``;
-  ``ld_shared_u32x4`` the same for a uint32 array (``ld.shared.v4.b32``: the bf16 mma operands);
-  ``ld_shared_words4(a, base, offset)`` too, but its address is formed in 32 bits from the
-  array's shared base, a per-lane word base and a constant word offset, which ptxas folds into
-  the load (the bf16 attention kernel: its 64-bit index math was a third of its
-  instructions).
+  ``ld_shared_words4(a, base, offset)`` the same for a uint32 array (``ld.shared.v4.b32``: the
+  bf16 attention's operands), its address formed in 32 bits from the array's shared base, a
+  per-lane word base and a constant word offset, which ptxas folds into the load (the bf16
+  attention kernel: its 64-bit index math was a third of its instructions).
+* ``ldmatrix_x4(a, base, offset)`` / ``ldmatrix_x2``: ``ldmatrix.sync.aligned.m8n8.x4`` / ``.x2``
+  ``.shared.b16`` from a uint32 shared array, the lane's row address formed as in
+  ``ld_shared_words4``: a warp-collective load (lane i gives the address of row i % 8 of
+  matrix i // 8 and receives word i % 4 of row i // 4 of every matrix), which delivers mma
+  fragments in register order.  No simulator twin (the lanes exchange addresses): the bf16
+  GEMM's simulator path reads the same words by its layout's formula (layers/mma.py).
 * ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
   global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
@@ -39,7 +44,8 @@ from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel, allow_dynam
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
-           "ld_shared_u32x4", "ld_shared_words4", "load_global_invariant_f32x4", "load_f32x4",
+           "ld_shared_words4", "ldmatrix_x4", "ldmatrix_x2",
+           "load_global_invariant_f32x4", "load_f32x4",
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
            "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
@@ -61,10 +67,14 @@ if SIMULATOR:
         a[row, col] = v
 
     ld_stream_u32x4 = ld_stream_f32x4 = ld_cached_f32x4 = device_function(_vload4_py)
-    ld_shared_f32x4 = ld_shared_u32x4 = device_function(_lds4_py)
+    ld_shared_f32x4 = device_function(_lds4_py)
 
     def ld_shared_words4(a, base, offset):
         return _lds4_py(a, base + offset)
+
+    def _ldmatrix_py(a, base, offset):
+        raise NotImplementedError("ldmatrix is warp-collective: the simulator has no twin")
+    ldmatrix_x4 = ldmatrix_x2 = _ldmatrix_py
     store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
 
     def load_global_invariant_f32x4(array, row, q):
@@ -157,60 +167,52 @@ else:
                                       [builder.extract_value(res, i) for i in range(4)])
         return ret(array, off), codegen
 
-    @intrinsic
-    def ld_shared_u32x4(typingctx, array, off):
-        """``a[off:off+4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``.  The
-        caller guarantees 16-byte alignment."""
-        if not (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.uint32 and isinstance(off, types.Integer)):
-            return None
-        ret = types.UniTuple(types.uint32, 4)
+    def _shared_words_intrinsic(name, n, asm_text, doc):
+        """An intrinsic ``name(a, base, offset)`` -> n uint32 from the inline PTX ``asm_text``
+        (outputs $0..$n-1, the 32-bit shared address $n), the address ``shared base + 4 base +
+        4 offset`` formed in 32 bits (shared addresses fit 32 bits).  Give the per-lane part
+        as ``base`` and a compile-time constant as ``offset``: loads sharing a base then share
+        its address register and ptxas folds each offset into the load's immediate.  Word
+        offsets below 2^31; 16-byte aligned."""
+        def load(typingctx, array, base, offset):
+            if not (isinstance(array, types.Array) and array.ndim == 1
+                    and array.dtype == types.uint32 and isinstance(base, types.Integer)
+                    and isinstance(offset, types.Integer)):
+                return None
+            ret = types.UniTuple(types.uint32, n)
 
-        def codegen(context, builder, sig, args):
-            ptr = item_pointer(context, builder, sig, args, 1)
-            i32 = ir.IntType(32)
-            shared = builder.addrspacecast(ptr, ir.PointerType(i32, 3))
-            addr = builder.ptrtoint(shared, ir.IntType(64))
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
-            # side effect: kept in program order with the barriers and cp.async around it
-            asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,l", side_effect=True)
-            res = builder.call(asm, [addr])
-            return context.make_tuple(builder, ret,
-                                      [builder.extract_value(res, i) for i in range(4)])
-        return ret(array, off), codegen
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+                shared = builder.addrspacecast(ary.data, ir.PointerType(i32, 3))
 
-    @intrinsic
-    def ld_shared_words4(typingctx, array, base, offset):
-        """``a[base + offset : + 4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``,
-        the address ``shared base + 4 base + 4 offset`` formed in 32 bits (shared addresses
-        fit 32 bits).  Give the per-lane part as ``base`` and a compile-time constant as
-        ``offset``: loads sharing a base then share its address register and ptxas folds each
-        offset into the load's immediate.  Word offsets below 2^31; 16-byte aligned."""
-        if not (isinstance(array, types.Array) and array.ndim == 1
-                and array.dtype == types.uint32 and isinstance(base, types.Integer)
-                and isinstance(offset, types.Integer)):
-            return None
-        ret = types.UniTuple(types.uint32, 4)
+                def bytes32(v):
+                    v = builder.trunc(v, i32) if v.type.width > 32 else v
+                    return builder.shl(v, ir.Constant(i32, 2))
+                start = builder.add(builder.ptrtoint(shared, i32), bytes32(args[1]))
+                addr = builder.add(start, bytes32(args[2]))
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * n), [i32])
+                # side effect: kept in program order with the barriers and cp.async around it
+                asm = ir.InlineAsm(fnty, asm_text, ",".join(["=r"] * n + ["r"]),
+                                   side_effect=True)
+                res = builder.call(asm, [addr])
+                return context.make_tuple(builder, ret,
+                                          [builder.extract_value(res, i) for i in range(n)])
+            return ret(array, base, offset), codegen
+        load.__name__ = load.__qualname__ = name
+        load.__doc__ = doc
+        return intrinsic(load)
 
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            shared = builder.addrspacecast(ary.data, ir.PointerType(i32, 3))
-
-            def bytes32(v):
-                v = builder.trunc(v, i32) if v.type.width > 32 else v
-                return builder.shl(v, ir.Constant(i32, 2))
-            start = builder.add(builder.ptrtoint(shared, i32), bytes32(args[1]))
-            addr = builder.add(start, bytes32(args[2]))
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
-            # side effect: kept in program order with the barriers and cp.async around it
-            asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,r", side_effect=True)
-            res = builder.call(asm, [addr])
-            return context.make_tuple(builder, ret,
-                                      [builder.extract_value(res, i) for i in range(4)])
-        return ret(array, base, offset), codegen
+    ld_shared_words4 = _shared_words_intrinsic(
+        "ld_shared_words4", 4, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "``a[base + offset : + 4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``.")
+    ldmatrix_x4 = _shared_words_intrinsic(
+        "ldmatrix_x4", 4, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "Four 8 x 8 b16 matrices, this lane's row address ``a[base + offset]``; register m "
+        "= word lane % 4 of row lane // 4 of matrix m (the module docstring).")
+    ldmatrix_x2 = _shared_words_intrinsic(
+        "ldmatrix_x2", 2, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0, $1}, [$2];",
+        "Two 8 x 8 b16 matrices (lanes 0-15 give the row addresses), as ``ldmatrix_x4``.")
 
     def _put_codegen(ndim):
         def codegen(context, builder, sig, args):

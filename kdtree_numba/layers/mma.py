@@ -48,14 +48,14 @@ from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory, block_sync,
                                      cp_async_commit, cp_async_wait_1, cp_async_wait_2,
-                                     cp_async_wait_all, ld_shared_u32x4, store_nowrap_2d)
+                                     cp_async_wait_all, store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "mma_tile", "mma_config", "mma_splits", "mma_error_coefficient",
            "mma_alternatives", "stage_compute", "ring_function", "w_stage_slot", "panel_word",
-           "a_fragment", "b_fragment", "c_position", "mma_kernel", "round_to_bf16",
+           "ldsm_word", "c_position", "mma_kernel", "round_to_bf16",
            "mma_linear", "mma_head_products"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
@@ -198,37 +198,71 @@ def mma_error_coefficient(k: int, splits: int = 1, bk: int = PANEL) -> float:
 
 # ------------------------------------------------------------------ index math (plain Python)
 # Shared tiles are uint32 words: panel p of a tile of `rows` rows is words
-# [p * rows * 16, (p + 1) * rows * 16), row r of it 16 words (32 bf16, K ascending).
+# [p * rows * 16, (p + 1) * rows * 16); row r of it 16 words, four 16-byte *chunks* of 8 bf16
+# (chunk c: the panel's k 8c .. 8c + 7, ascending), chunk c stored at position c ^ ((r >> 1) & 3).
 
-def panel_word(p, rows, row, word):
-    """Word offset of (panel p, row, word) in a tile of ``rows`` rows."""
-    return (p * rows + row) * WORDS + word
+def panel_word(p, rows, row, chunk):
+    """Word offset of chunk ``chunk`` of ``row`` in panel p of a tile of ``rows`` rows.  The
+    XOR swizzle puts the chunk of 8 consecutive rows (what one ldmatrix matrix reads) in 8
+    different bank quads: unswizzled, rows r and r + 2 (128 bytes apart) share one."""
+    return (p * rows + row) * WORDS + 4 * (chunk ^ ((row >> 1) & 3))
 
 
-def w_stage_slot(c, bn, bk):
-    """Weight chunk c of a stage (8 bf16 = 16 bytes = 4 words): (tile row, k offset in the
-    stage, word offset in the tile)."""
+def w_stage_slot(c, rows, bk):
+    """Chunk c of a stage of a tile of ``rows`` rows (x or weights; 8 bf16 = 16 bytes = 4
+    words, chunks row-major): (tile row, k offset in the stage, word offset in the tile)."""
     per_row = bk // 8
     row = c // per_row
     kc = c - row * per_row
-    return row, 8 * kc, ((kc // 4) * bn + row) * WORDS + 4 * (kc % 4)   # = panel_word(...)
+    return row, 8 * kc, ((kc // 4) * rows + row) * WORDS + 4 * ((kc % 4) ^ ((row >> 1) & 3))
+    # = panel_word(kc // 4, rows, row, kc % 4), written out: a device function calls no
+    # plain-Python function
 
 
-def a_fragment(av, at, step):
-    """A registers (a0a1, a2a3, a4a5, a6a7) of k16 step ``step`` (0, 1) of a panel: av[at:at+4]
-    = words 4t..4t+3 of row g of the m16 tile, av[at+4:at+8] those of row g + 8."""
-    return av[at + 2 * step], av[at + 4 + 2 * step], av[at + 2 * step + 1], av[at + 5 + 2 * step]
-
-
-def b_fragment(bv, at, step):
-    """B registers (b0b1, b2b3) of k16 step ``step``: bv[at:at+4] = words 4t..4t+3 of weight
-    row g of the n8 tile."""
-    return bv[at + 2 * step], bv[at + 2 * step + 1]
+def ldsm_word(lane, step, a_operand):
+    """Word offset, from row 0 of panel 0 of a fragment's rows (which start at a multiple of 8
+    in the tile, so the swizzle sees the same rows), of the 16-byte row ``lane`` gives ldmatrix
+    for k16 step ``step`` of a panel (its chunks 2 step and 2 step + 1): matrix m = lane >> 3,
+    its row lane & 7.  A (an m16 tile): matrices (rows 0-7, chunk 2s), (rows 8-15, 2s), (rows
+    0-7, 2s + 1), (rows 8-15, 2s + 1), which land in registers a0a1, a2a3, a4a5, a6a7.  B (two
+    n8 tiles of weight rows): (rows 0-7, 2s), (rows 0-7, 2s + 1), (rows 8-15, 2s), (rows 8-15,
+    2s + 1): b0b1, b2b3 of the first tile, then of the second (an x2 load: the first only)."""
+    m, r = lane >> 3, lane & 7
+    row = 8 * (m & 1) + r if a_operand else 8 * (m >> 1) + r
+    chunk = 2 * step + ((m >> 1) if a_operand else (m & 1))
+    return row * WORDS + 4 * (chunk ^ ((row >> 1) & 3))       # = panel_word(0, 0, row, chunk)
 
 
 def c_position(lane, e):
     """(row, column) inside the 16 x 8 tile of accumulator e (0..3) of ``lane``."""
     return (lane >> 2) + 8 * (e >> 1), 2 * (lane & 3) + (e & 1)
+
+
+_ldsm_word = inline_device_function(ldsm_word)
+
+if SIMULATOR:
+    def _fragments(smem, base, offset, lane, step, a_operand, n):
+        """What ldmatrix.x4 (n = 4) / .x2 (n = 2) gives ``lane``: register m = word lane % 4
+        of row lane // 4 of matrix m, whose address lane 8 m + lane // 4 gives (the simulator
+        runs lanes apart, so each reads its words by the layout's formula)."""
+        return tuple(smem[base + offset + ldsm_word(8 * m + (lane >> 2), step, a_operand)
+                          + (lane & 3)] for m in range(n))
+
+    def _fragments4(smem, base, offset, lane, step, a_operand):
+        return _fragments(smem, base, offset, lane, step, a_operand, 4)
+
+    def _fragments2(smem, base, offset, lane, step):
+        return _fragments(smem, base, offset, lane, step, False, 2)
+else:
+    from kdtree_numba.gpu.memory import ldmatrix_x2, ldmatrix_x4
+
+    @inline_device_function
+    def _fragments4(smem, base, offset, lane, step, a_operand):
+        return ldmatrix_x4(smem, base + _ldsm_word(lane, step, a_operand), offset)
+
+    @inline_device_function
+    def _fragments2(smem, base, offset, lane, step):
+        return ldmatrix_x2(smem, base + _ldsm_word(lane, step, False), offset)
 
 
 # A thread's chunk copies go through *cursors* formed once per K loop: a global one stepped
@@ -274,10 +308,7 @@ else:
         cp_async16_raw(scursor, cursor, nbytes)
 
 
-_panel_word = inline_device_function(panel_word)
 _w_stage_slot = inline_device_function(w_stage_slot)
-_a_fragment = inline_device_function(a_fragment)
-_b_fragment = inline_device_function(b_fragment)
 _c_position = inline_device_function(c_position)
 
 
@@ -290,28 +321,36 @@ def stage_compute(cfg: MmaConfig):
     TM, TN, BK = cfg.tm, cfg.tn, cfg.bk
     BM, BN = cfg.bm, cfg.bn
     PANELS = BK // PANEL
+    PAIRS, ODD = TN // 2, TN % 2
 
     @inline_device_function
-    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, t):
-        """acc += this stage's products: per panel, one 128-bit load per A row (g, g + 8 of
-        each m16 tile) and per weight row (g of each n8 tile), then 2 k16 steps of tm x tn mma."""
+    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, lane):
+        """acc += this stage's products: per panel and k16 step, one ldmatrix.x4 per m16 tile
+        (its A fragment) and per two n8 tiles (their B fragments; x2 for an odd last one),
+        then tm x tn mma.  ``arow`` / ``brow``: the lane's row g of the warp's first m16 / n8
+        tile.  The fragments arrive in register order: the LDS.128 of a row that this
+        replaced left ptxas 152 moves a stage at 80 x 64 to assemble A's (rows g, g + 8)
+        quads (run 102's SASS)."""
+        a_base = a_at + (arow - (lane >> 2)) * WORDS      # the warp's first rows, panel 0
+        b_base = b_at + (brow - (lane >> 2)) * WORDS
         for p in range(PANELS):
-            for i in range(TM):
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i, 4 * t))
-                av[8 * i], av[8 * i + 1], av[8 * i + 2], av[8 * i + 3] = v
-                v = ld_shared_u32x4(asm, a_at + _panel_word(p, BM, arow + 16 * i + 8, 4 * t))
-                av[8 * i + 4], av[8 * i + 5], av[8 * i + 6], av[8 * i + 7] = v
-            for j in range(TN):
-                v = ld_shared_u32x4(bsm, b_at + _panel_word(p, BN, brow + 8 * j, 4 * t))
-                bv[4 * j], bv[4 * j + 1], bv[4 * j + 2], bv[4 * j + 3] = v
             for step in range(2):
                 for i in range(TM):
-                    a0, a1, a2, a3 = _a_fragment(av, 8 * i, step)
+                    av[4 * i], av[4 * i + 1], av[4 * i + 2], av[4 * i + 3] = _fragments4(
+                        asm, a_base, (p * BM + 16 * i) * WORDS, lane, step, True)
+                for h in range(PAIRS):
+                    bv[4 * h], bv[4 * h + 1], bv[4 * h + 2], bv[4 * h + 3] = _fragments4(
+                        bsm, b_base, (p * BN + 16 * h) * WORDS, lane, step, False)
+                if ODD:
+                    bv[4 * PAIRS], bv[4 * PAIRS + 1] = _fragments2(
+                        bsm, b_base, (p * BN + 16 * PAIRS) * WORDS, lane, step)
+                for i in range(TM):
                     for j in range(TN):
-                        b0, b1 = _b_fragment(bv, 4 * j, step)
                         o = 4 * (i * TN + j)
                         acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
-                            a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                            av[4 * i], av[4 * i + 1], av[4 * i + 2], av[4 * i + 3],
+                            bv[2 * j], bv[2 * j + 1], acc[o], acc[o + 1], acc[o + 2],
+                            acc[o + 3])
     return compute
 
 
@@ -319,7 +358,7 @@ def stage_compute(cfg: MmaConfig):
 def ring_function(cfg: MmaConfig):
     """The K loop every kernel on this tile shape shares (the linear below, the grouped expert
     kernel of moe_mma.py): ``run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end,
-    arow, brow, t, tid)`` adds the block's products over [k_begin, k_end) to ``acc``.
+    arow, brow, tid)`` adds the block's products over [k_begin, k_end) to ``acc``.
 
     Both operands are bf16 bits that go global -> shared by ``cp.async`` (16 bytes = 8 bf16),
     through a ring of ``stages`` buffers in dynamic shared memory (the x ring, then the weight
@@ -337,6 +376,7 @@ def ring_function(cfg: MmaConfig):
     PER_ROW = BK // 8                                      # chunks per tile row and stage
     STEP = ELEM * BK                                       # a cursor's advance per stage
     ROW_STEP = THREADS // PER_ROW * WORDS                  # words from chunk u to u + 1
+    SAME_SWIZZLE = (THREADS // PER_ROW) % 8 == 0           # ... when the swizzle repeats
 
     @inline_device_function
     def to_cursors(rows, arr, base, k0, n):
@@ -347,23 +387,34 @@ def ring_function(cfg: MmaConfig):
                 rows[u] = base + ELEM * (rows[u] * arr.shape[1] + k0)
 
     @inline_device_function
-    def issue_stage(smem, xs, ws, buf, x16, xbase, xcur, w16, wbase, wcur, step, room):
+    def chunk_cursor(first, sbase, buf_words, u, tid, rows):
+        """Shared cursor of this thread's chunk u in a ring buffer ``buf_words`` into the
+        array of a tile of ``rows`` rows, ``first`` that of its chunk 0 in buffer 0.  Chunk u
+        sits THREADS / PER_ROW rows further; when that is a multiple of 8 (every linear and
+        MoE tile: 128 threads) the swizzle repeats and the cursor is a constant further,
+        which ptxas folds into the copy; else (the simulator's one-warp tiles) the slot is
+        computed."""
+        if SAME_SWIZZLE:
+            return first + WORD * (buf_words + u * ROW_STEP)
+        return sbase + WORD * (buf_words + _w_stage_slot(tid + u * THREADS, rows, BK)[2])
+
+    @inline_device_function
+    def issue_stage(smem, xs, ws, sbase, buf, x16, xbase, xcur, w16, wbase, wcur, step, room,
+                    tid):
         """cp.async this thread's x and weight chunks of stage ``step`` of the loop into ring
         buffer ``buf``; zero fill for rows -1 and past the slice end (``room``: K elements
         from this thread's stage-0 column to the end).  A zero-filled chunk reads nothing:
         it points at the array's start, never past its end.  ``xs`` / ``ws``: the shared
-        cursors of the thread's first x / weight chunk in buffer 0; chunk u sits u *
-        ROW_STEP words further (rows advance by THREADS / PER_ROW), a constant that ptxas
-        folds into the copy."""
+        cursors of the thread's first x / weight chunk in buffer 0 (``sbase``: the array's)."""
         ok_k = step * BK < room
         for u in range(XC):
             ok = ok_k and xcur[u] >= 0
-            _copy_chunk(smem, xs + WORD * (buf * A_STAGE + u * ROW_STEP), x16,
+            _copy_chunk(smem, chunk_cursor(xs, sbase, buf * A_STAGE, u, tid, BM), x16,
                         xcur[u] + step * STEP if ok else xbase, 16 if ok else 0)
         for u in range(WC):
             ok = ok_k and wcur[u] >= 0
-            _copy_chunk(smem, ws + WORD * (buf * B_STAGE + u * ROW_STEP), w16,
-                        wcur[u] + step * STEP if ok else wbase, 16 if ok else 0)
+            _copy_chunk(smem, chunk_cursor(ws, sbase + WORD * B_BASE, buf * B_STAGE, u, tid, BN),
+                        w16, wcur[u] + step * STEP if ok else wbase, 16 if ok else 0)
 
     @inline_device_function
     def wait_oldest():
@@ -378,7 +429,7 @@ def ring_function(cfg: MmaConfig):
     compute = stage_compute(cfg)
 
     @inline_device_function
-    def run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid):
+    def run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid):
         n_stages = (k_end - k_begin + BK - 1) // BK
         # every chunk of a thread sits at the same column of its stage (THREADS % PER_ROW
         # == 0, MmaConfig checks), so one bound serves them all
@@ -393,7 +444,8 @@ def ring_function(cfg: MmaConfig):
         # commit group per stage (empty past the slice end, so the wait counts hold)
         for i in range(STAGES - 1):
             if i < n_stages:
-                issue_stage(smem, xs, ws, i, x16, xbase, xrow, w16, wbase, wrow, i, room)
+                issue_stage(smem, xs, ws, sbase, i, x16, xbase, xrow, w16, wbase, wrow, i, room,
+                            tid)
             cp_async_commit()
         buf = 0
         ahead_buf = STAGES - 1               # = (i + STAGES - 1) % STAGES, without the modulo
@@ -404,11 +456,11 @@ def ring_function(cfg: MmaConfig):
             block_sync()
             ahead = i + STAGES - 1
             if ahead < n_stages:
-                issue_stage(smem, xs, ws, ahead_buf, x16, xbase, xrow, w16, wbase, wrow, ahead,
-                            room)
+                issue_stage(smem, xs, ws, sbase, ahead_buf, x16, xbase, xrow, w16, wbase, wrow,
+                            ahead, room, tid)
             cp_async_commit()
             compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
-                    t)
+                    tid & 31)
             buf = buf + 1 if buf + 1 < STAGES else 0
             ahead_buf = ahead_buf + 1 if ahead_buf + 1 < STAGES else 0
         cp_async_wait_all()                              # no copy outlives the block
@@ -432,7 +484,7 @@ def _mma_kernel_for(cfg: MmaConfig):
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     run_ring = ring_function(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
+    NACC, NAV, NBV = 4 * TM * TN, 4 * TM, 2 * TN          # accumulators, one k16 step's A, B
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
@@ -453,7 +505,6 @@ def _mma_kernel_for(cfg: MmaConfig):
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
-        t = lane & 3
         wm_i = warp % WM
         arow = wm_i * (16 * TM) + (lane >> 2)            # the lane's A row g in the block tile
         brow = (warp // WM) * (8 * TN) + (lane >> 2)     # the lane's weight row g
@@ -473,7 +524,7 @@ def _mma_kernel_for(cfg: MmaConfig):
             wrow[u] = h * w_head_rows + w_off + n0 + row if n0 + row < n_total else -1
         for i in range(NACC):
             acc[i] = ZERO
-        run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, t, tid)
+        run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid)
 
         orow = s * m_total
         for i in range(TM):

@@ -87,7 +87,7 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
     HALF_TN = TN // 2
     run_ring = ring_function(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, NAV, NBV = 4 * TM * TN, 8 * TM, 4 * TN
+    NACC, NAV, NBV = 4 * TM * TN, 4 * TM, 2 * TN          # accumulators, one k16 step's A, B
     COLS = BN // 2 if gate_up else BN                      # output columns per block
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16
@@ -137,7 +137,6 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
-        t = lane & 3
         wm_i = warp % WM
         wn_i = warp // WM
         arow = wm_i * (16 * TM) + (lane >> 2)
@@ -165,7 +164,7 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
                 wrow[u] = col0 + row
         for i in range(NACC):
             acc[i] = ZERO
-        run_ring(acc, av, bv, smem, x16, xrow, w, wrow, 0, k_end, arow, brow, t, tid)
+        run_ring(acc, av, bv, smem, x16, xrow, w, wrow, 0, k_end, arow, brow, tid)
 
         for i in range(TM):
             for j in range(HALF_TN if gate_up else TN):
