@@ -14,13 +14,14 @@ into a workspace buffer; a block of ``wm x wn`` warps owns a BM x BN output tile
 tm, BN = 8 wn tn) over one K slice.  K runs in stages of ``bk`` (64 for every linear tile)
 through a ring of ``stages`` shared buffers (dynamic shared memory, opted in above 48 KiB):
 both operands go global -> shared by ``cp.async`` (16 bytes = 8 bf16, zero filled past M, N
-or the slice end), ``stages - 1`` stages in flight, one barrier per stage.  Shared tiles are
-32-wide *panels* of K, rows of 64 bytes, so a lane's ``ld.shared.v4`` of words 4t .. 4t + 3 of
-row g is bank-conflict free.  Inside a panel the k order is permuted (mma sums over k, so any
-order that A and B share is the same product): k16 step s gives fragment k 2t + e (e < 2) the
-panel column 8t + 4s + e and fragment k 2t + 8 + e the column 8t + 4s + 2 + e, so one 128-bit
-load per row feeds both k16 steps of the panel.  Each thread holds tm x tn m16n8 accumulator
-tiles.  An output's mma chain runs over its K slice in k16 steps in panel order whatever the
+or the slice end), through per-thread cursors formed once per K loop, ``stages - 1`` stages
+in flight, one barrier per stage.  Shared tiles are 32-wide *panels* of K in natural order,
+rows of 64 bytes = four 16-byte chunks, chunk c of row r stored at c ^ ((r >> 1) & 3) (an XOR
+swizzle: the 8 rows one ldmatrix matrix reads sit in 8 bank quads).  Per panel and k16 step,
+``ldmatrix.x4`` loads an m16 tile's A fragment or two n8 tiles' B fragments in register order
+(``.x2`` an odd last n8 tile): the LDS.128 of one row that it replaced left ptxas to assemble
+each A quad from rows g and g + 8 with moves, 152 of a stage's 344 instructions at 80 x 64
+(run 102; 193 and none now).  Each thread holds tm x tn m16n8 accumulator tiles.  An output's mma chain runs over its K slice in k16 steps in panel order whatever the
 tile (bk only groups panels into stages; the slices are cut in stages of bk, which is why
 every linear tile keeps bk = 64), and the K slices depend on N and K only
 (:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
