@@ -73,6 +73,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kdtree_numba.backends import GEMM_CHOICES, make_backend  # noqa: E402
 from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget  # noqa: E402
+from kdtree_numba.cli_checks import budget_value  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
                                  size_config)
 from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
@@ -203,10 +204,10 @@ class ReplayedBudgets(AutoBudget):
 
 
 def warm_auto(model, prompts, n_new, kw):
-    """Before an auto row's warm-ups: every candidate budget as a fixed budget, to its steady state (each
-    compiles its shapes and captures its verify graph), since the measured climb may first
-    visit a budget its warm-ups did not (run 90, the demo pair: one compile inside the timed
-    run cost 7.3 s)."""
+    """Before an auto row's warm-ups: every candidate budget as a fixed budget, to its steady
+    state (each compiles its shapes and captures its verify graph), since the measured climb
+    may first visit a budget its warm-ups did not (run 90, the demo pair: one compile inside
+    the timed run cost 7.3 s)."""
     for b in kw["budget"].candidates:
         time_generate_batch(model, prompts, n_new, **dict(kw, budget=b))
 
@@ -595,12 +596,10 @@ def auto_policy(budgets) -> AutoBudget:
 def _budgets(text: str) -> list:
     """``--budgets``: integers and ``auto`` (kimi-slice: a row choosing each round's budget
     among the list's integers, or AutoBudget's own candidates when there are none)."""
-    out = []
-    for v in text.split(","):
-        v = v.strip().lower()
-        if v != "auto" and not (v.isdigit() and int(v) >= 1):
+    out = [budget_value(v) for v in text.split(",")]     # kdtree-run's --budget parsing
+    for v in out:
+        if v != "auto" and not (isinstance(v, int) and v >= 1):
             raise ValueError(f"a budget is an integer >= 1 or 'auto', got {v!r}")
-        out.append("auto" if v == "auto" else int(v))
     return out
 
 

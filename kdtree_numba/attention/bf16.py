@@ -86,12 +86,11 @@ if SIMULATOR:
     def _chunk_source(arr, b, col):
         return arr, b, col
 
+    from kdtree_numba.gpu.memory import sim_copy_u16x8
+
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
-        arr, b, col = source   # 8 uint16 -> 4 words, element 2i in the low half of word i
-        for i in range(4):
-            lo, hi = (arr[b, row, col + 2 * i], arr[b, row, col + 2 * i + 1]) if nbytes \
-                else (0, 0)
-            smem[word + i] = np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+        arr, b, col = source
+        sim_copy_u16x8(smem, word, arr, (b, row, col), nbytes)
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 

@@ -100,6 +100,18 @@ if SIMULATOR:
         x = load_f32x4(src, src_idx) if nbytes else (_ZERO, _ZERO, _ZERO, _ZERO)
         store_f32x4(dst, dst_idx, *x)
 
+    def sim_copy_u16x8(dst, at, src, idx, nbytes):
+        """Simulator twin of a 16-byte cp.async of 8 bf16 (uint16) ``src[idx : +8]`` (idx a
+        tuple, the column last) into the uint32 words ``dst[at:at+4]``, element 2i in the low
+        half of word i; zeros when nbytes == 0 (the bf16 GEMM's and attention's staging)."""
+        head, k = idx[:-1], idx[-1]
+        for i in range(4):
+            word = np.uint32(0)
+            if nbytes:
+                word = np.uint32(src[head + (k + 2 * i,)]) | (
+                    np.uint32(src[head + (k + 2 * i + 1,)]) << np.uint32(16))
+            dst[at + i] = word
+
     def _nothing():
         pass
 

@@ -21,8 +21,9 @@ swizzle: the 8 rows one ldmatrix matrix reads sit in 8 bank quads).  Per panel a
 ``ldmatrix.x4`` loads an m16 tile's A fragment or two n8 tiles' B fragments in register order
 (``.x2`` an odd last n8 tile): the LDS.128 of one row that it replaced left ptxas to assemble
 each A quad from rows g and g + 8 with moves, 152 of a stage's 344 instructions at 80 x 64
-(run 102; 193 and none now).  Each thread holds tm x tn m16n8 accumulator tiles.  An output's mma chain runs over its K slice in k16 steps in panel order whatever the
-tile (bk only groups panels into stages; the slices are cut in stages of bk, which is why
+(run 102; 193 and none now).  Each thread holds tm x tn m16n8 accumulator tiles.  An
+output's mma chain runs over its K slice in k16 steps in panel order whatever the tile (bk
+only groups panels into stages; the slices are cut in stages of bk, which is why
 every linear tile keeps bk = 64), and the K slices depend on N and K only
 (:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
 invariant.
@@ -280,16 +281,12 @@ if SIMULATOR:
     def _array_base(arr):
         return 0
 
+    from kdtree_numba.gpu.memory import sim_copy_u16x8
+
     def _copy_chunk(smem, scursor, arr, cursor, nbytes):
         """Simulator twin of the cp.async below: the 8 bf16 at flat element ``cursor`` of
         ``arr`` -> words smem[scursor:+4] (zeros when nbytes == 0)."""
-        row, k = cursor // arr.shape[1], cursor % arr.shape[1]
-        for i in range(4):
-            word = np.uint32(0)
-            if nbytes:
-                word = np.uint32(arr[row, k + 2 * i]) | (np.uint32(arr[row, k + 2 * i + 1])
-                                                         << np.uint32(16))
-            smem[scursor + i] = word
+        sim_copy_u16x8(smem, scursor, arr, divmod(cursor, arr.shape[1]), nbytes)
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
     ELEM, WORD = 2, 4          # bytes per bf16, per shared word
