@@ -139,6 +139,27 @@ def replay_block(x, w16, cfg, ldsm_word=mm.ldsm_word):
     return y
 
 
+@pytest.mark.parametrize("splits, k", [(2, 320), (3, 320), (2, 192)])
+def test_simulated_stages_of_128_slice_k_like_stages_of_64(splits, k, needs_kernels,
+                                                            monkeypatch):
+    """The K slices are cut in units of 64 whatever the stage: a 128-element stage that runs
+    past its slice's end (5 units in 2 slices: 2 + 3, a stage and a half) zero-fills the
+    rest, and the zero mma steps leave every accumulator as it was, so the decode tile's
+    256-byte stages give a row bitwise what the 64-element stages of the other tiles give."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU's batch-invariance test covers the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    x, w16, want = _block_case(7, 3, 8, k)
+    rows = [linear(x, w16, method="mma", config=mm.MmaConfig(
+        wm=1, wn=1, tm=1, tn=1, bk=bk, stages=2, splits=splits)).copy_to_host()
+        for bk in (64, 128)]
+    assert rows[0].tobytes() == rows[1].tobytes()
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+    assert np.all(np.abs(rows[1] - want) <= (k + 2) * 2.0 ** -24 * magnitude)
+
+
 def _block_case(seed, m, n, k):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -199,13 +220,15 @@ def test_panels_are_swizzled_into_distinct_bank_quads():
 
 
 def test_configs_and_splits():
-    assert mm.mma_config(1, 163840, 7168) == mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, stages=4,
-                                                          splits=1)
+    assert mm.mma_config(1, 163840, 7168) == mm.MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=128,
+                                                          stages=3, splits=1)
     for n, k in [(1536, 7168), (7168, 2048), (163840, 7168), (200, 72), (12288, 1536)]:
         picks = [mm.mma_config(m, n, k) for m in (1, 9, 16, 17, 33, 65, 512, 4096)]
         picks += [c for m in (1, 65) for c in mm.mma_alternatives(m, n, k).values()]
-        # batch invariance: every tile of every M slices K alike, in stages of 64
-        assert {(c.bk, c.splits) for c in picks} == {(64, mm.mma_splits(n, k))}
+        # batch invariance: every tile of every M slices K alike (in units of 64 whatever
+        # its stage: test_simulated_stages_of_128_slice_k_like_stages_of_64)
+        assert {c.splits for c in picks} == {mm.mma_splits(n, k)}
+        assert {c.bk for c in picks} == {64, 128}
         for m, cfg in zip((1, 9, 16, 17, 33, 65, 512, 4096), picks):
             assert cfg.bm >= min(m, 64) and cfg.bn in (64, 128)
             assert cfg.bm >= m or m > 80                     # up to 80 rows: one M tile

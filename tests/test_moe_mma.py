@@ -170,7 +170,7 @@ def test_mma_moe_rejects_what_it_cannot_take(what, needs_kernels):
 
 def test_configs_and_grid():
     from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_grid
-    small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=2, bk=64, stages=4)         # 16 x 64
+    small = mm.MmaConfig(wm=1, wn=4, tm=1, tn=2, bk=128, stages=3)        # 16 x 64
     mid = mm.MmaConfig(wm=1, wn=4, tm=2, tn=4, bk=64, stages=4)           # 32 x 128
     tall = mm.MmaConfig(wm=1, wn=4, tm=3, tn=4, bk=64, stages=3)          # 48 x 128
     taller = mm.MmaConfig(wm=1, wn=4, tm=5, tn=2, bk=64, stages=4)        # 80 x 64

@@ -74,7 +74,7 @@ NORM_MS, ROPE_MS = (1, 65, 1025), (65, 1025)
 SWEEP_SHAPES = ((7168, 1536), (7168, 576))
 MMA_SHAPES = [(7168, 163840), (2048, 7168), (7168, 1536)]      # (K, N): lm_head, o/down, q_a
 MMA_MS = (1, 8, 33, 65, 512, 4096)
-MMA_BUDGET_S = 90.0           # the mma section stops starting rows after this
+MMA_BUDGET_S = 150.0          # the mma section stops starting rows after this
 MOE_MMA_MS = (1, 9, 33, 65, 257)
 MOE_MMA_BUDGET_S = 80.0
 

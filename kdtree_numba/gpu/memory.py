@@ -358,13 +358,16 @@ else:
     @intrinsic
     def cp_async16_raw(typingctx, saddr, gaddr, nbytes):
         """cp.async of 16 bytes from a global address to a shared one (both from the address
-        intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled."""
+        intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled.  ``L2::256B``: a
+        miss fetches the aligned 256 bytes around it into L2, so the next 15 chunks of a
+        weight row come from one DRAM burst: the bf16 GEMM's lm_head at M = 1 613 -> 539 us
+        with 256-byte stages, the grouped MoE's decode launches 0-5% faster (runs 110-111)."""
         def codegen(context, builder, sig, args):
             s32 = builder.trunc(args[0], ir.IntType(32))
             n = context.cast(builder, args[2], sig.args[2], types.int32)
             fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64),
                                                    ir.IntType(32)])
-            asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+            asm = "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;"
             builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
                          [s32, args[1], n])
         return types.void(saddr, gaddr, nbytes), codegen

@@ -23,8 +23,8 @@ swizzle: the 8 rows one ldmatrix matrix reads sit in 8 bank quads).  Per panel a
 each A quad from rows g and g + 8 with moves, 152 of a stage's 344 instructions at 80 x 64
 (run 102; 193 and none now).  Each thread holds tm x tn m16n8 accumulator tiles.  An
 output's mma chain runs over its K slice in k16 steps in panel order whatever the tile (bk
-only groups panels into stages; the slices are cut in stages of bk, which is why
-every linear tile keeps bk = 64), and the K slices depend on N and K only
+only groups panels into stages; the slices are cut in units of SLICE_UNIT = 64 at every bk,
+a stage past a slice's end zero-filled), and the K slices depend on N and K only
 (:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
 invariant.
 
@@ -55,10 +55,10 @@ from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
-__all__ = ["MmaConfig", "mma_tile", "mma_config", "mma_splits", "mma_error_coefficient",
-           "mma_alternatives", "stage_compute", "ring_function", "w_stage_slot", "panel_word",
-           "ldsm_word", "c_position", "mma_kernel", "round_to_bf16",
-           "mma_linear", "mma_head_products"]
+__all__ = ["MmaConfig", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
+           "mma_error_coefficient", "mma_alternatives", "stage_compute", "ring_function",
+           "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
+           "round_to_bf16", "mma_linear", "mma_head_products"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 WORDS = PANEL // 2
@@ -123,25 +123,45 @@ class MmaConfig:
                              f"thread, each thread's vectors at one column of a stage")
 
 
-BK = 64     # the linear's K stage for every M: with the K slices (a function of N and K only)
-            # it fixes each output's accumulation order, so a row's result does not depend on M
+# The K slices' unit: a slice is whole 64-element units (mma_splits, a function of N and K
+# only) whatever the tile's stage bk, so every tile sums a row in the same order and a row's
+# result does not depend on M.  A stage of 128 that runs past its slice's end zero-fills the
+# rest, and mma steps of zeros add exactly 0.
+SLICE_UNIT = 64
 
 
 def mma_tile(m: int) -> MmaConfig:
-    """The tile for m rows, without K slices; bk = 64 always.  Up to 80 rows one M tile of
-    whole m16 tiles, 4 warps side by side in N, so a verify's 33-80 rows read the weights
-    once (two 64-row tiles did twice the mma work at M = 65: the lm_head at 0.41x cuBLAS,
-    run 62): BM x 128 (BM = 16 ceil(m / 16); 4 stages up to 32 rows, 3 up to 64), and 80 x
-    64 (4 stages) for 65-80 rows, where 80 x 128 spills.  Past 80 rows 64 x 128 (4 warps of
-    32 x 64, 3 stages; 128 x 128 was slower at M = 512 in run 42).  Every tile gives a row
-    the same bits (bk and the K slices do not depend on it).  The grouped MoE takes it for
-    its tokens per expert (layers/moe_mma.py)."""
+    """The linear's tile for m rows (its K slices: :func:`mma_splits`).  Up to 16 rows (decode) 16
+    x 128 in 3 stages of bk = 128: with cp.async's L2::256B prefetch (gpu/memory.py) each weight
+    row's 256 bytes of a stage come from DRAM as one burst: lm_head M = 1 613 -> 539 us, 0.80 ->
+    0.91 of the DRAM peak (runs 110-111; bk = 128 without the hint 627 us, the hint at bk = 64
+    606).  Elsewhere bk = 64.  Up to 80 rows one M tile of whole m16 tiles, 4 warps side by side
+    in N, so a verify's 33-80 rows read the weights once (two 64-row tiles did twice the mma
+    work at M = 65: the lm_head at 0.41x cuBLAS, run 62): BM x 128 (BM = 16 ceil(m / 16); 4
+    stages up to 32 rows, 3 from 33).  At 65-80 rows a warp's 80 x 32 fragments need 168
+    registers (no spill since the cursors of run 101); its ldmatrix bytes per mma are 0.58x
+    those of the 80 x 64 tile before, which waited on shared memory and L2 (run 107): lm_head
+    807 -> 670 us (run 108).  Past 80 rows 64 x 128 (4 warps of 32 x 64, 3 stages; 128 x 128
+    takes 166 registers at 256 threads: one block an SM).  Every tile gives a row the same bits
+    (bk and the K slices do not depend on it).  Products without K slices take
+    :func:`unsliced_tile`."""
     mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
-    if mt16 <= 4:
+    if mt16 == 1:
+        return MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=128, stages=3)
+    if mt16 <= 5:
         return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4 if mt16 <= 2 else 3)
-    if mt16 == 5:
-        return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
     return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
+
+
+def unsliced_tile(m: int) -> MmaConfig:
+    """:func:`mma_tile` for the products without K slices (the grouped MoE's launches, the
+    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows
+    80 x 64 in 4 stages, as before run 108, not 80 x 128, which would halve their blocks
+    (a dense FFN's down projection: 56 blocks for 132 SMs; the verify of 65 nodes 5.64 ->
+    6.00 ms in run 113).  The same bits either way (no K slices)."""
+    if max(1, -(-m // 16)) == 5:
+        return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
+    return mma_tile(m)
 
 
 def mma_config(m: int, n: int, k: int) -> MmaConfig:
@@ -153,15 +173,18 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
 
 def mma_alternatives(m: int, n: int, k: int) -> dict:
     """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig).
-    Every one keeps bk = 64 and mma_splits' K slices, so each gives bitwise the default's
-    result: only speed differs."""
-    if m <= 16:
-        shapes = {"2-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=2),
-                  "3-stage": dict(wm=1, wn=4, tm=1, tn=4, stages=3)}
+    Every one keeps mma_splits' K slices (whole units of SLICE_UNIT at any bk), so each gives
+    bitwise the default's result: only speed differs."""
+    if m <= 16:       # the default is 16 x 128 in 3 stages of 128
+        shapes = {"bk64-4stage": dict(wm=1, wn=4, tm=1, tn=4, stages=4),   # before run 110
+                  "bk128-2stage": dict(wm=1, wn=4, tm=1, tn=4, bk=128, stages=2)}
     elif m <= 80:
         mt16 = -(-m // 16)
         shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),      # the tile of run 62
                   f"{16 * mt16}x64": dict(wm=1, wn=4, tm=mt16, tn=2, stages=3)}
+        if mt16 == 5:   # the tiles before the default (run 108): narrower N, more ldmatrix
+            shapes.update({"80x64-4stage": dict(wm=1, wn=4, tm=5, tn=2, stages=4),
+                           "80x96": dict(wm=1, wn=4, tm=5, tn=3, stages=3)})
     else:
         shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
                   "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
@@ -181,7 +204,7 @@ def mma_splits(n: int, k: int) -> int:
     sums, 8 S M N bytes written and read back, mostly in L2, grow with M: at M = 512 for q_a
     they are about twice the weight bytes)."""
     tiles = -(-n // 128)
-    stages = -(-k // BK)
+    stages = -(-k // SLICE_UNIT)
     splits = 1
     while splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 8:
         splits *= 2
@@ -512,8 +535,8 @@ def _mma_kernel_for(cfg: MmaConfig):
         s = rest % splits
         n0 = (rest // splits) * BN
         m0 = mt_i * BM
-        k_begin = BK * (s * kc_total // splits)
-        k_end = min(BK * ((s + 1) * kc_total // splits), k_total)
+        k_begin = SLICE_UNIT * (s * kc_total // splits)     # whole 64-element units
+        k_end = min(SLICE_UNIT * ((s + 1) * kc_total // splits), k_total)
         for u in range(XC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
             xrow[u] = (m0 + row) * heads + h if m0 + row < m_total else -1
@@ -565,8 +588,8 @@ def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w
     n_mtiles = -(-m // cfg.bm)
     blocks = n_mtiles * splits * -(-n // cfg.bn)
     dispatcher = mma_kernel(cfg)
-    args = (x16, wd, target, m, n, k, n_mtiles, splits, -(-k // cfg.bk), heads, w_head_rows,
-            w_off)
+    args = (x16, wd, target, m, n, k, n_mtiles, splits, -(-k // SLICE_UNIT), heads,
+            w_head_rows, w_off)
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
     dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
 
@@ -577,7 +600,7 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     cp.async; K slices go to a workspace buffer and are added in order."""
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
-    splits = max(1, min(cfg.splits, -(-k // cfg.bk)))
+    splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
     target = y if splits == 1 else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
     _launch(x16, wd, target, m, n, k, cfg, splits, stream)
@@ -591,12 +614,12 @@ def mma_head_products(xd, heads, wd, w_head_rows, w_off, y, stream=0, workspace=
     """One bf16 tensor-core product per head, in one launch (absorbed MLA's W_UK and W_UV):
     ``y[m, h] = bf16(xd[m, h]) w_h^T`` with ``w_h = wd[h * w_head_rows + w_off :][:N]``, for
     xd [M, heads, K] float32, wd the uint16 bf16 bits [rows, K], y [M, heads, N] float32 (all
-    C-contiguous; K % 8 == 0).  The tile is :func:`mma_tile` (M) without K slices (K is a
+    C-contiguous; K % 8 == 0).  The tile is :func:`unsliced_tile` (M), no K slices (K is a
     head's width, a few stages), so as in the linear a row's bits do not depend on M.
     ``config``: another tile (tests; its K slices are ignored)."""
     m, _, k = xd.shape
     n = y.shape[2]
     x16 = round_to_bf16(xd.reshape(m * heads, k), workspace, "heads.mma_x16", stream)
-    cfg = mma_tile(m) if config is None else config
+    cfg = unsliced_tile(m) if config is None else config
     _launch(x16, wd, y.reshape(m * heads, n), m, n, k, cfg, 1, stream, heads, w_head_rows,
             w_off)

@@ -42,7 +42,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
 from kdtree_numba.layers.common import silu
-from kdtree_numba.layers.mma import (MmaConfig, c_position, mma_tile, ring_function,
+from kdtree_numba.layers.mma import (MmaConfig, c_position, ring_function, unsliced_tile,
                                      round_to_bf16, w_stage_slot)
 
 __all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma"]
@@ -53,16 +53,18 @@ _c_position = inline_device_function(c_position)
 
 def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
     """The tile for both launches, by the mean tokens per active expert, M k / min(E, M k):
-    16 x 64 up to 16 tokens, else the linear's (:func:`mma_tile`); a gate_up block covers BN
-    / 2 intermediate columns of gate and of up; bk = 64; no K slices.  Every tile gives the same bits (the module docstring; run 46 checked the three
-    on the H200)."""
+    16 x 64 in 3 stages of bk = 128 up to 16 tokens (256 bytes of each weight row a stage,
+    as the linear's decode tile: one DRAM burst with cp.async's L2::256B prefetch), else
+    the tile of products without K slices (:func:`unsliced_tile`); a gate_up block covers
+    BN / 2 intermediate columns of gate and of up.  Every tile gives the same bits (the
+    module docstring; run 46 checked three tiles on the H200)."""
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
     if per <= 16:
         # 16 x 64: at one token a Kimi layer's gate_up is 9 experts x 32 tiles of 128 = 288
         # blocks for 132 SMs, so a third of the SMs ran a third block while the rest idled
         # (run 78: MoE at 1.30x its roof); 64-wide tiles double the blocks and halve the tail
-        return MmaConfig(wm=1, wn=4, tm=1, tn=2, stages=4)
-    return mma_tile(per)
+        return MmaConfig(wm=1, wn=4, tm=1, tn=2, bk=128, stages=3)
+    return unsliced_tile(per)
 
 
 def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_shared: bool,
