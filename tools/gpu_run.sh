@@ -4,6 +4,10 @@
 # cores), then benchmarks one after another.  Everything is configured by environment:
 #   TEST_FILES="tests/a.py tests/b.py"  SHARDS=8  TEST_T=300 (s per shard)
 #   DESELECT="id-substring ..."          tests whose node id contains one of these are left out
+#   SERIAL="id-substring ..."  SERIAL_T=300   tests whose node id contains one of these run in
+#                                        one process after the shards: those that hold large
+#                                        device arrays (Kimi-width experts, ~16 GB a process:
+#                                        eight shards of them ran out of memory in run 111)
 #   PRE_CMD='ncu ... python3 tools/profile_ddtree.py'   run alone first (GPU quiet)
 #   SAN_TESTS="tests/x.py::test_y"       under compute-sanitizer memcheck, beside the shards
 #   BENCHES="tools/bench_ddtree.py;tools/bench_layers.py --only moe"  BENCH_T=120
@@ -32,8 +36,13 @@ if [ -n "${TEST_FILES:-}" ]; then
     echo "gpu_run.sh: no test ids collected from TEST_FILES (see collect_error.txt)" | tee -a "$OUT/ids_count.txt"
     TEST_FILES=""
   fi
-  rm -f /tmp/shard_*     # a warm machine keeps the last call's shards
-  [ -n "${TEST_FILES}" ] && split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
+  rm -f /tmp/shard_* /tmp/serial_ids.txt     # a warm machine keeps the last call's shards
+  if [ -n "${SERIAL:-}" ] && [ -s /tmp/ids.txt ]; then
+    grep -F -f <(printf '%s\n' ${SERIAL}) /tmp/ids.txt > /tmp/serial_ids.txt
+    grep -v -F -f <(printf '%s\n' ${SERIAL}) /tmp/ids.txt > /tmp/parallel_ids.txt
+    mv /tmp/parallel_ids.txt /tmp/ids.txt
+  fi
+  [ -n "${TEST_FILES}" ] && [ -s /tmp/ids.txt ] && split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
   for s in /tmp/shard_*; do
     [ -e "$s" ] || continue
     n=$(basename "$s")
@@ -43,6 +52,10 @@ if [ -n "${TEST_FILES:-}" ]; then
   done
 fi
 wait
+if [ -s /tmp/serial_ids.txt ]; then
+  ( mapfile -t ids < /tmp/serial_ids.txt; timeout ${SERIAL_T:-300} python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$OUT/pytest_serial.txt" 2>&1;
+    echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_serial.txt" )
+fi
 IFS=';' read -ra benches <<< "${BENCHES:-}"
 for b in "${benches[@]}"; do
   [ -n "$b" ] || continue
