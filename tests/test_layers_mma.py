@@ -235,6 +235,9 @@ def test_configs_and_splits():
             assert cfg.smem_bytes <= mm.MAX_SHARED_BYTES
         s = mm.mma_splits(n, k)
         assert s == 1 or -(-k // 64) // s >= 8                # >= 2 rings of stages per slice
+    # products without K slices keep twice the N tiles at 65-80 rows (their only parallelism)
+    assert (mm.mma_tile(72).bn, mm.unsliced_tile(72).bn, mm.unsliced_tile(72).bm) == (128, 64, 80)
+    assert all(mm.unsliced_tile(m) == mm.mma_tile(m) for m in (1, 16, 33, 64, 81, 512))
     assert mm.mma_splits(1536, 7168) == 8                    # 12 N tiles: K slices fill the GPU
     assert mm.mma_splits(163840, 7168) == 1                  # 1280 N tiles already do
     for bad in (dict(bk=48), dict(stages=1), dict(stages=5),
