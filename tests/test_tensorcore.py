@@ -179,3 +179,40 @@ print("assembled")
 def test_tile_kernel_assembles_for_hopper():
     from ptx_check import run_without_simulator
     assert "assembled" in run_without_simulator(PTX_SCRIPT, timeout=300)
+
+
+WGMMA_SCRIPT = HOPPER_PRELUDE + r"""
+from numba.cuda import codegen
+from numba.cuda.cudadrv import devices
+from kdtree_numba.gpu.memory import asm_statement
+# what a launch on the H200 compiles for: numba-cuda adds the arch-specific "a" from 9.0 on
+hopper = types.SimpleNamespace(device=types.SimpleNamespace(compute_capability=(9, 0)))
+devices.get_context = lambda: hopper
+assert codegen.CUDACodeLibrary._ensure_cc(None, None) == (9, 0, "a")
+fence = asm_statement("wgmma.fence.sync.aligned;")
+commit = asm_statement("wgmma.commit_group.sync.aligned;")
+wait = asm_statement("wgmma.wait_group.sync.aligned 0;")
+
+def kernel(a):
+    fence()
+    commit()
+    wait()
+    a[0] = 1.0
+
+ptx, _ = cuda.compile_ptx(kernel, (T.float32[::1],), cc=(9, 0, "a"))
+assert ".target sm_90a" in ptx, "no arch-specific target"
+h = nj.create(2, ["-arch=sm_90a", "-O3"])
+nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
+nj.complete(h)
+print("assembled")
+"""
+
+
+def test_hopper_launches_compile_for_sm_90a_where_wgmma_assembles():
+    """wgmma (and setmaxnreg) exist only on the arch-specific target sm_90a.  numba-cuda 0.30
+    compiles a kernel launched on a 9.0 device for compute_90a (its codegen appends "a"),
+    and NVVM passes inline wgmma through to ptxas, which takes it there: the bf16 GEMM and
+    attention can use warpgroup mma from numba (docs/ATTENTION.md, "How numba reaches the
+    tensor cores").  A numba-cuda that stops doing so fails here, not in a kernel."""
+    from ptx_check import run_without_simulator
+    assert "assembled" in run_without_simulator(WGMMA_SCRIPT, timeout=300)
