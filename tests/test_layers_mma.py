@@ -160,6 +160,95 @@ def test_simulated_stages_of_128_slice_k_like_stages_of_64(splits, k, needs_kern
     assert np.all(np.abs(rows[1] - want) <= (k + 2) * 2.0 ** -24 * magnitude)
 
 
+def _wgmma_operand(smem, desc, rows):
+    """The rows x 16 bf16 operand a wgmma reads through a shared-memory matrix descriptor, as
+    the PTX ISA defines it for K-major operands with the 64-byte swizzle (the only mode the
+    kernel uses): start address (bits 0-13) << 4, stride byte offset (bits 32-45) << 4
+    between groups of 8 rows, rows of a group 64 bytes apart, element k 2k bytes into its
+    row, then the swizzle on the absolute address: bits 4-5 ^= bits 7-8."""
+    desc = int(desc) & (1 << 64) - 1
+    assert desc >> 62 == 2, "64-byte swizzle"
+    start, sbo = (desc & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    r, k = np.arange(rows)[:, None], np.arange(16)[None, :]
+    addr = start + (r // 8) * sbo + (r % 8) * 64 + 2 * k
+    addr ^= ((addr >> 7) & 3) << 4
+    words = np.asarray(smem).view(np.uint32)[addr // 4]
+    halves = np.where(addr % 4 == 0, words & 0xFFFF, words >> 16).astype(np.uint32)
+    return (halves << 16).view(np.float32).astype(np.float64)
+
+
+def _wgmma_emulation(n, acc, smem, desc_a, desc_b):
+    """``wgmma.mma_async ... m64n{n}k16.f32.bf16.bf16`` for one thread of the simulated
+    warpgroup: its n / 2 accumulators of D = A B^T + acc (A, B read from shared memory through
+    the descriptors, products exact in float64, each output rounded to float32 once, as the
+    mma.sync emulation does per k16 step), placed by the ISA's fragment layout for D:
+    register i of thread T at row 16 (T / 32) + (T % 32) / 4 + 8 ((i / 2) % 2), column
+    8 (i / 4) + 2 (T % 4) + i % 2.  Operands in shared memory need no exchange between
+    threads, so no barrier."""
+    import threading
+    t = threading.current_thread().threadIdx.x % 128
+    d = _wgmma_operand(smem, desc_a, 64) @ _wgmma_operand(smem, desc_b, n).T
+    for i in range(n // 2):
+        row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((i // 2) % 2)
+        col = 8 * (i // 4) + 2 * (t % 4) + i % 2
+        acc[i] = np.float32(d[row, col] + np.float64(acc[i]))
+
+
+def test_wgmma_descriptor_fields():
+    """Start address >> 4 in bits 0-13 (addresses below 256 KiB), leading byte offset 1,
+    stride byte offset 512 >> 4 in bits 32-45, the 64-byte swizzle (2) in bits 62-63."""
+    d = int(np.int64(mm.wgmma_descriptor(np.int64(0x12340))).view(np.uint64))
+    assert d & 0x3FFF == 0x1234 and (d >> 16) & 0x3FFF == 1
+    assert (d >> 32) & 0x3FFF == 32 and d >> 62 == 2 and (d >> 46) & 0xFFFF == 0
+
+
+def test_wgmma_operand_reads_the_panel_layout():
+    """The ISA's 64-byte swizzle, read through a descriptor, finds every element where
+    panel_word put it (the kernel's staging): the two layouts are one."""
+    rows = 24
+    smem = np.zeros(rows * 16 * 2, np.uint32)
+    bits = bf16_bits(np.random.default_rng(2).standard_normal((rows, 32)).astype(np.float32))
+    vals = bf16_value(bits)                                # distinct, exact in bf16
+    bits = bits.astype(np.uint32)
+    for r in range(rows):
+        for c in range(4):                        # 16-byte chunks of a 32-wide panel row
+            w = mm.panel_word(0, rows, r, c)
+            for e in range(4):
+                smem[w + e] = bits[r, 8 * c + 2 * e] | bits[r, 8 * c + 2 * e + 1] << 16
+    for step in range(2):
+        got = _wgmma_operand(smem, mm.wgmma_descriptor(32 * step), rows)
+        assert np.array_equal(got, vals[:, 16 * step:16 * step + 16])
+
+
+@pytest.mark.parametrize("m, n, k, cfg", [
+    (40, 72, 136, mm.MmaConfig(wm=1, wn=4, tm=4, tn=2, stages=2, wgmma=True)),  # ragged
+    (100, 64, 192, mm.MmaConfig(wm=2, wn=4, tm=4, tn=2, stages=3, wgmma=True,
+                                splits=2)),                       # two warpgroups, K slices
+])
+def test_simulated_wgmma_kernel_equals_the_mma_sync_kernel(m, n, k, cfg, needs_kernels,
+                                                           monkeypatch):
+    """The warpgroup-mma kernel (tiles staged as for mma.sync, descriptors into them, the
+    warpgroup's fragment layout in the epilogue) on the simulator, its wgmma emulated from
+    the ISA: bitwise the mma.sync kernel on the same staging (both emulations round each
+    k16 step's output once), and within the bf16 product's accumulation bound."""
+    import dataclasses
+
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import tensorcore
+    from kdtree_numba.layers import linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real wgmma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    monkeypatch.setattr(tensorcore, "sim_wgmma", _wgmma_emulation)
+    x, w16, want = _block_case(9, m, n, k)
+    got = linear(x, w16, method="mma", config=cfg).copy_to_host()
+    sync = linear(x, w16, method="mma",
+                  config=dataclasses.replace(cfg, wgmma=False)).copy_to_host()
+    assert got.tobytes() == sync.tobytes()
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
+
+
 def _block_case(seed, m, n, k):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -372,6 +461,8 @@ print("tile assembled")
 configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
 configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
+wgmma_configs = {c for c in configs if c.wgmma}
+configs -= wgmma_configs
 ptx, _ = cuda.compile_ptx(mm._round_to_bf16_pairs.py_func, (T.float32[::1], T.uint32[::1]),
                           cc=(9, 0))
 assert ptx.count("cvt.rn.bf16x2.f32") == 1, "x rounding kernel"
@@ -395,6 +486,25 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
         cfg.tn % 2 * cfg.bk // 16, "odd n8 tile"
     assert local == 0, "local memory: accumulators or fragments left registers"
     assert spill == 0 or cfg.max_registers, "spills"
+# warpgroup mma exists on sm_90a only, the target numba-cuda gives launches on the H200
+WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
+for cfg in sorted({dataclasses.replace(c, splits=1) for c in wgmma_configs}, key=str):
+    ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
+    h = nj.create(3, ["-arch=sm_90a", "-O3", "-verbose"])
+    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
+    nj.complete(h)
+    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); log = log.decode()
+    regs = int(re.findall(r"Used (\d+) registers", log)[0])
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    n_wgmma = ptx.count(WGMMA % cfg.bn)
+    print("wgmma kernel", cfg, "wgmma", n_wgmma, "regs", regs, "spill", spill, flush=True)
+    assert n_wgmma == 2 * cfg.bk // 32, "a wgmma per panel and k16 step"
+    assert "wgmma.wait_group.sync.aligned 0;" in ptx and "wgmma.fence.sync.aligned;" in ptx
+    assert "fence.proxy.async.shared::cta;" in ptx, "cp.async writes before wgmma reads"
+    assert "ldmatrix" not in ptx and "mma.sync" not in ptx
+    assert local == 0 and spill == 0, "accumulators left registers"
+    assert "serialized" not in log, "a call (64-bit division?) serializes the wgmma"
 print("assembled")
 """
 

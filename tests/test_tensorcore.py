@@ -184,7 +184,7 @@ def test_tile_kernel_assembles_for_hopper():
 WGMMA_SCRIPT = HOPPER_PRELUDE + r"""
 from numba.cuda import codegen
 from numba.cuda.cudadrv import devices
-from kdtree_numba.gpu.memory import asm_statement
+from kdtree_numba.gpu.llvm import asm_statement
 # what a launch on the H200 compiles for: numba-cuda adds the arch-specific "a" from 9.0 on
 hopper = types.SimpleNamespace(device=types.SimpleNamespace(compute_capability=(9, 0)))
 devices.get_context = lambda: hopper

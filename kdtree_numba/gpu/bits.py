@@ -12,7 +12,7 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["bits_to_f32", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
-           "pair_high_halves"]
+           "pair_high_halves", "divmod_u32"]
 
 if SIMULATOR:
     def _bits_to_f32_py(bits):
@@ -29,6 +29,9 @@ if SIMULATOR:
 
     def pair_high_halves(x, y):
         return np.uint32((int(x) >> 16) | (int(y) & 0xFFFF0000))
+
+    def divmod_u32(a, b):
+        return divmod(int(a), int(b))
 else:
     from llvmlite import ir
     from numba import types
@@ -38,6 +41,21 @@ else:
     @device_function
     def bits_to_f32(bits):
         return libdevice.int_as_float(np.int32(bits))
+
+    @intrinsic
+    def divmod_u32(typingctx, a, b):
+        """(a // b, a % b) of two non-negative integers below 2^32, as int64s, by 32-bit
+        unsigned division: numba divides in 64 bits, which ptxas makes a subroutine call,
+        and a call anywhere in a kernel serializes its wgmma (ptxas C7509)."""
+        sig = types.UniTuple(types.int64, 2)(a, b)
+
+        def codegen(context, builder, sig, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            x, y = (builder.trunc(context.cast(builder, v, t, types.int64), i32)
+                    for v, t in zip(args, sig.args))
+            q, r = builder.zext(builder.udiv(x, y), i64), builder.zext(builder.urem(x, y), i64)
+            return context.make_tuple(builder, sig.return_type, [q, r])
+        return sig, codegen
 
     @intrinsic
     def f64_bits(typingctx, value):

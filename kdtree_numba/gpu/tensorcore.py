@@ -27,8 +27,13 @@ For ``y = x w^T`` (w [N, K] row-major) B[k, n] = w[n, k], so b0 and b1 are each 
 elements of one weight row.  ``pack_bf16x2(lo, hi)`` rounds two float32 to bf16 (to nearest,
 ties to even: ``cvt.rn.bf16x2.f32``) and packs them so (lo, hi) = (element 2t, 2t + 1).
 
+``wgmma_bf16(n)``: the warpgroup's ``wgmma.mma_async ... m64n{n}k16`` bf16 product from shared
+memory descriptors (sm_90a, the target numba-cuda gives launches on the H200), with its fences;
+layers/mma.py's ``MmaConfig(wgmma=True)`` uses it (not yet run on a GPU).
+
 The CUDA simulator has no tensor cores: there ``to_tf32`` / ``tf32_value`` / ``pack_bf16x2``
-are NumPy bit operations and the two mma functions raise.
+are NumPy bit operations and the mma functions raise (wgmma calls ``sim_wgmma`` when a test
+has installed an emulation there).
 """
 from __future__ import annotations
 
@@ -37,7 +42,14 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8",
-           "pack_bf16x2", "mma_bf16_m16n8k16", "block_uniform_mma_bf16"]
+           "pack_bf16x2", "mma_bf16_m16n8k16", "block_uniform_mma_bf16", "wgmma_bf16",
+           "wgmma_fence", "wgmma_commit", "wgmma_wait_all", "fence_proxy_async",
+           "WGMMA_SWIZZLE_64B"]
+
+# Bits 62-63 of a wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor"): the
+# swizzle mode; 2 = 64-byte swizzle, the layout of layers/mma.py's panels (rows of 64 bytes,
+# 16-byte chunk c of row r at c ^ ((r >> 1) & 3): address bits 4-5 XOR bits 7-8).
+WGMMA_SWIZZLE_64B = 2
 
 if SIMULATOR:
     def to_tf32(x):
@@ -75,6 +87,22 @@ if SIMULATOR:
 
     def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         raise NotImplementedError("the CUDA simulator has no tensor cores (mma.sync)")
+
+    def wgmma_bf16(n: int):
+        """The simulator's wgmma: ``sim_wgmma(n, acc, smem, desc_a, desc_b)`` when a test has
+        installed an emulation there (tests/test_layers_mma.py), else it raises."""
+        def wgmma(acc, smem, desc_a, desc_b):
+            if sim_wgmma is None:
+                raise NotImplementedError("the CUDA simulator has no tensor cores (wgmma)")
+            sim_wgmma(n, acc, smem, desc_a, desc_b)
+        return wgmma
+
+    sim_wgmma = None
+
+    def _nothing():
+        pass
+
+    wgmma_fence = wgmma_commit = wgmma_wait_all = fence_proxy_async = _nothing
 
     def block_uniform_mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``mma_bf16_m16n8k16`` for kernels whose every thread issues the same sequence of mma
@@ -212,6 +240,60 @@ else:
         "D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's "
         "tensor cores; fragments as in the module docstring.")
     block_uniform_mma_bf16 = mma_bf16_m16n8k16   # the simulator's stand-in is the real one here
+
+    import functools
+
+    from kdtree_numba.gpu.llvm import asm_statement
+
+    @functools.cache
+    def wgmma_bf16(n: int):
+        """An intrinsic ``wgmma(acc, smem, desc_a, desc_b)``: ``wgmma.mma_async.sync.aligned.
+        m64n{n}k16.f32.bf16.bf16``, D[64 x n] += A[64 x 16] B[n x 16]^T on one warpgroup (4
+        consecutive warps, all 128 threads calling), A and B read by the tensor cores from
+        shared memory through 64-bit matrix descriptors (both K-major), D in ``acc``, the
+        thread's n / 2 float32 (a local array of constant indices, so registers): element i
+        at row 16 (warp % 4) + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2t + (i & 1), i.e.
+        mma.sync's C fragment of n8 tile i >> 2 (lane = 4g + t).  ``smem`` is not read here
+        (the simulator's emulation reads it).  Asynchronous: ``wgmma_fence`` before, then
+        ``wgmma_commit`` and ``wgmma_wait_all`` before ``acc`` is used; the target must be
+        sm_90a (numba-cuda compiles H200 launches for it)."""
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
+        m = n // 2
+
+        @intrinsic
+        def wgmma(typingctx, acc, smem, desc_a, desc_b):
+            sig = types.void(acc, smem, desc_a, desc_b)
+
+            def codegen(context, builder, sig, args):
+                f32, i64 = ir.FloatType(), ir.IntType(64)
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                ptrs = [builder.gep(data, [ir.Constant(i64, i)]) for i in range(m)]
+                descs = [context.cast(builder, args[k], sig.args[k], types.int64)
+                         for k in (2, 3)]
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
+                                       [i64, i64, ir.IntType(32)] + [f32] * m)
+                regs = ", ".join(f"${i}" for i in range(m))
+                text = ("{\n\t.reg .pred p;\n\t"
+                        f"setp.ne.b32 p, ${m + 2}, 0;\n\t"
+                        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+                        f"{{{regs}}}, ${m}, ${m + 1}, p, 1, 1, 0, 0;\n\t}}")
+                constraints = ",".join(["=f"] * m + ["l", "l", "r"]
+                                       + [str(i) for i in range(m)])
+                out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                                   descs + [ir.Constant(ir.IntType(32), 1)]
+                                   + [builder.load(p) for p in ptrs])
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(out, i), p)
+            return sig, codegen
+        return wgmma
+
+    wgmma_fence = asm_statement("wgmma.fence.sync.aligned;")
+    wgmma_commit = asm_statement("wgmma.commit_group.sync.aligned;")
+    wgmma_wait_all = asm_statement("wgmma.wait_group.sync.aligned 0;")
+    # orders this thread's generic-proxy writes to shared memory (cp.async's) before the
+    # async proxy's reads of it (wgmma's operands)
+    fence_proxy_async = asm_statement("fence.proxy.async.shared::cta;")
 
 
 @device_function

@@ -31,6 +31,10 @@ invariant.
 The grouped MoE kernel (layers/moe_mma.py) shares the tile shape and the K loop
 (:func:`ring_function`, which takes per-thread row tables so that it can gather rows).
 
+``MmaConfig(wgmma=True)`` multiplies the same staged panels with warpgroup mma (sm_90a;
+their layout is wgmma's 64-byte swizzle), an alternative not yet run on a GPU: docs/LAYERS.md,
+"Warpgroup mma".
+
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
 a ValueError otherwise (``method="tensor-cores"`` falls back to the CUDA-core kernels there).
 Tensor cores exist only on the GPU: under the simulator the kernel runs up to its first mma,
@@ -47,11 +51,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory, block_sync,
                                      cp_async_commit, cp_async_wait_1, cp_async_wait_2,
                                      cp_async_wait_all, store_nowrap_2d)
-from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
+from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
+                                         pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
+                                         wgmma_wait_all)
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
@@ -71,7 +78,10 @@ class MmaConfig:
     ``stages`` shared-memory buffers (2 to 4; the cp.async ring of both kernels, linear and
     grouped MoE, keeps ``stages - 1`` in flight);
     ``splits`` K slices (separate blocks, then an ordered fp32 sum); ``max_registers``: a
-    ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn."""
+    ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn.  ``wgmma``: the stages multiplied
+    by warpgroup mma (sm_90a) instead, warpgroup q taking rows 64q .. 64q + 63 and all BN
+    columns (BM = 64 x threads / 128; wm, wn, tm and tn then only size the tile and the
+    staging).  Not yet run on a GPU: an alternative, never a default (session 23)."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
@@ -80,6 +90,7 @@ class MmaConfig:
     splits: int = 1
     max_registers: int = 0
     stages: int = 3
+    wgmma: bool = False
 
     @property
     def bm(self) -> int:
@@ -99,7 +110,9 @@ class MmaConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * self.stage_bytes
+        # wgmma: + 512 bytes to align the tiles to the 64-byte swizzle's 512-byte period,
+        # which the tensor cores apply to absolute shared addresses
+        return self.stages * self.stage_bytes + (512 if self.wgmma else 0)
 
     @property
     def x_chunks(self) -> int:
@@ -117,10 +130,13 @@ class MmaConfig:
                 or self.smem_bytes > MAX_SHARED_BYTES
                 or (self.bn * self.bk // 8) % self.threads
                 or (self.bm * self.bk // 8) % self.threads
-                or self.threads % (self.bk // 8)):
+                or self.threads % (self.bk // 8)
+                or self.wgmma and (self.threads % 128 or self.bm != self.threads // 2
+                                   or self.bn > 256)):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
-                             f"thread, each thread's vectors at one column of a stage")
+                             f"thread, each thread's vectors at one column of a stage; wgmma: "
+                             f"64 rows per warpgroup of 128 threads, BN <= 256")
 
 
 # The K slices' unit: a slice is whole 64-element units (mma_splits, a function of N and K
@@ -188,7 +204,12 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
     else:
         shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
                   "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
-                  "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4)}
+                  "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4),
+                  # warpgroup mma (not yet run on a GPU): 2 warpgroups of 64 x 128 (96
+                  # registers) or one; at 64 x 256 NVVM leaves the 128 accumulators in
+                  # local memory
+                  "wgmma-128x128": dict(wm=2, wn=4, tm=4, tn=4, stages=3, wgmma=True),
+                  "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=3, wgmma=True)}
     out = {}
     for name, shape in shapes.items():
         cfg = MmaConfig(**dict(shape, splits=1))
@@ -335,6 +356,23 @@ _c_position = inline_device_function(c_position)
 
 # ------------------------------------------------------------------ kernel
 
+# A wgmma descriptor's fixed fields (PTX ISA, "Matrix Descriptor"): leading byte offset 1
+# (unused by K-major swizzled layouts), stride byte offset 512 >> 4 (8 rows of 64 bytes to the
+# next 8), swizzle mode 64 bytes in bits 62-63; the start address >> 4 goes in bits 0-13.
+_DESC_FIELDS = int(np.uint64((1 << 16) | ((512 >> 4) << 32) | (WGMMA_SWIZZLE_64B << 62))
+                   .view(np.int64))
+
+
+def wgmma_descriptor(address):
+    """The descriptor of a K-major bf16 operand in the panel layout (:func:`panel_word`)
+    starting at shared byte ``address`` (a multiple of 16; rows 64 bytes apart, 512-byte
+    aligned 8-row groups)."""
+    return _DESC_FIELDS | ((address & 0x3FFFF) >> 4)
+
+
+_wgmma_descriptor = inline_device_function(wgmma_descriptor)
+
+
 @functools.cache
 def stage_compute(cfg: MmaConfig):
     """The device function running a K stage's mma steps on this tile shape (ring_function's
@@ -344,14 +382,36 @@ def stage_compute(cfg: MmaConfig):
     PANELS = BK // PANEL
     PAIRS, ODD = TN // 2, TN % 2
 
+    if cfg.wgmma:
+        wgmma = wgmma_bf16(BN)
+
+        @inline_device_function
+        def compute_wgmma(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, tid):
+            """acc += this stage's products by warpgroup mma: per panel and k16 step one
+            m64nBNk16 of the warpgroup's 64 rows (tid >> 7) against all BN weight rows, both
+            operands from the stage's panels (``a_at`` / ``b_at``: their shared *byte*
+            addresses; a k16 step is 32 bytes into the 64-byte rows, where the hardware
+            applies the panels' swizzle), then the warpgroup waits for them."""
+            a_rows = a_at + (tid >> 7) * (64 * 2 * PANEL)     # 64 rows of 64 bytes
+            wgmma_fence()
+            for p in range(PANELS):
+                for step in range(2):
+                    wgmma(acc, asm,
+                          _wgmma_descriptor(a_rows + p * BM * 2 * PANEL + 32 * step),
+                          _wgmma_descriptor(b_at + p * BN * 2 * PANEL + 32 * step))
+            wgmma_commit()
+            wgmma_wait_all()
+        return compute_wgmma
+
     @inline_device_function
-    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, lane):
+    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, tid):
         """acc += this stage's products: per panel and k16 step, one ldmatrix.x4 per m16 tile
         (its A fragment) and per two n8 tiles (their B fragments; x2 for an odd last one),
         then tm x tn mma.  ``arow`` / ``brow``: the lane's row g of the warp's first m16 / n8
         tile.  The fragments arrive in register order: the LDS.128 of a row that this
         replaced left ptxas 152 moves a stage at 80 x 64 to assemble A's (rows g, g + 8)
         quads (run 102's SASS)."""
+        lane = tid & 31
         a_base = a_at + (arow - (lane >> 2)) * WORDS      # the warp's first rows, panel 0
         b_base = b_at + (brow - (lane >> 2)) * WORDS
         for p in range(PANELS):
@@ -398,6 +458,7 @@ def ring_function(cfg: MmaConfig):
     STEP = ELEM * BK                                       # a cursor's advance per stage
     ROW_STEP = THREADS // PER_ROW * WORDS                  # words from chunk u to u + 1
     SAME_SWIZZLE = (THREADS // PER_ROW) % 8 == 0           # ... when the swizzle repeats
+    WGMMA = cfg.wgmma
 
     @inline_device_function
     def to_cursors(rows, arr, base, k0, n):
@@ -457,6 +518,8 @@ def ring_function(cfg: MmaConfig):
         kk = 8 * (tid % PER_ROW)
         room = k_end - k_begin - kk
         sbase, xbase, wbase = _shared_base(smem), _array_base(x16), _array_base(w16)
+        if WGMMA:   # the tiles 512-byte aligned (MmaConfig.smem_bytes has the room)
+            sbase = (sbase + 511) & ~511
         to_cursors(xrow, x16, xbase, k_begin + kk, XC)
         to_cursors(wrow, w16, wbase, k_begin + kk, WC)
         xs = sbase + WORD * _w_stage_slot(tid, BM, BK)[2]
@@ -472,6 +535,8 @@ def ring_function(cfg: MmaConfig):
         ahead_buf = STAGES - 1               # = (i + STAGES - 1) % STAGES, without the modulo
         for i in range(n_stages):
             wait_oldest()
+            if WGMMA:   # this thread's landed copies, before wgmma's (async proxy) reads
+                fence_proxy_async()
             # one barrier per stage: stage i is visible to every warp, and every warp is done
             # with stage i - 1, whose buffer the copies issued next overwrite
             block_sync()
@@ -480,8 +545,12 @@ def ring_function(cfg: MmaConfig):
                 issue_stage(smem, xs, ws, sbase, ahead_buf, x16, xbase, xrow, w16, wbase, wrow,
                             ahead, room, tid)
             cp_async_commit()
-            compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
-                    tid & 31)
+            if WGMMA:   # shared byte addresses (the simulator's sbase is 0)
+                compute(acc, av, bv, smem, smem, sbase + 4 * (buf * A_STAGE),
+                        sbase + 4 * (B_BASE + buf * B_STAGE), arow, brow, tid)
+            else:
+                compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow,
+                        brow, tid)
             buf = buf + 1 if buf + 1 < STAGES else 0
             ahead_buf = ahead_buf + 1 if ahead_buf + 1 < STAGES else 0
         cp_async_wait_all()                              # no copy outlives the block
@@ -506,6 +575,9 @@ def _mma_kernel_for(cfg: MmaConfig):
     run_ring = ring_function(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
     NACC, NAV, NBV = 4 * TM * TN, 4 * TM, 2 * TN          # accumulators, one k16 step's A, B
+    WGMMA = cfg.wgmma
+    if WGMMA:
+        NACC = BN // 2                                     # a warpgroup's 64 x BN over 128
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
 
@@ -530,13 +602,22 @@ def _mma_kernel_for(cfg: MmaConfig):
         arow = wm_i * (16 * TM) + (lane >> 2)            # the lane's A row g in the block tile
         brow = (warp // WM) * (8 * TN) + (lane >> 2)     # the lane's weight row g
         bid, h = cuda.blockIdx.x, cuda.blockIdx.y
-        mt_i = bid % n_mtiles
-        rest = bid // n_mtiles
-        s = rest % splits
-        n0 = (rest // splits) * BN
+        if WGMMA:   # 32-bit divisions: a 64-bit one is a call, and a call serializes wgmma
+            rest, mt_i = divmod_u32(bid, n_mtiles)
+            n_i, s = divmod_u32(rest, splits)
+            n0 = n_i * BN
+            u_begin, _ = divmod_u32(s * kc_total, splits)
+            u_end, _ = divmod_u32((s + 1) * kc_total, splits)
+        else:
+            mt_i = bid % n_mtiles
+            rest = bid // n_mtiles
+            s = rest % splits
+            n0 = (rest // splits) * BN
+            u_begin = s * kc_total // splits
+            u_end = (s + 1) * kc_total // splits
         m0 = mt_i * BM
-        k_begin = SLICE_UNIT * (s * kc_total // splits)     # whole 64-element units
-        k_end = min(SLICE_UNIT * ((s + 1) * kc_total // splits), k_total)
+        k_begin = SLICE_UNIT * u_begin                   # whole 64-element units
+        k_end = min(SLICE_UNIT * u_end, k_total)
         for u in range(XC):
             row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
             xrow[u] = (m0 + row) * heads + h if m0 + row < m_total else -1
@@ -548,6 +629,15 @@ def _mma_kernel_for(cfg: MmaConfig):
         run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid)
 
         orow = s * m_total
+        if WGMMA:   # warp q of warpgroup wg: rows 64 wg + 16 q .. + 15, mma.sync's C layout
+            for j in range(BN // 8):
+                for e in range(4):
+                    r, c = _c_position(lane, e)
+                    row = m0 + 64 * (warp >> 2) + 16 * (warp & 3) + r
+                    col = n0 + 8 * j + c
+                    if row < m_total and col < n_total:
+                        store_nowrap_2d(out, (orow + row) * heads + h, col, acc[4 * j + e])
+            return
         for i in range(TM):
             for j in range(TN):
                 for e in range(4):
