@@ -209,12 +209,10 @@ def test_wgmma_operand_reads_the_panel_layout():
     smem = np.zeros(rows * 16 * 2, np.uint32)
     bits = bf16_bits(np.random.default_rng(2).standard_normal((rows, 32)).astype(np.float32))
     vals = bf16_value(bits)                                # distinct, exact in bf16
-    bits = bits.astype(np.uint32)
     for r in range(rows):
         for c in range(4):                        # 16-byte chunks of a 32-wide panel row
             w = mm.panel_word(0, rows, r, c)
-            for e in range(4):
-                smem[w + e] = bits[r, 8 * c + 2 * e] | bits[r, 8 * c + 2 * e + 1] << 16
+            smem[w:w + 4] = bits[r, 8 * c:8 * c + 8].view(np.uint32)
     for step in range(2):
         got = _wgmma_operand(smem, mm.wgmma_descriptor(32 * step), rows)
         assert np.array_equal(got, vals[:, 16 * step:16 * step + 16])

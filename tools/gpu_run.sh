@@ -21,6 +21,12 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
 python3 -c "import numpy, numba, cupy; print(numpy.__version__, numba.__version__, cupy.__version__)" >> "$OUT/env.txt" 2>&1
 T0=$(date +%s)
+# run_ids LIST LOG SECONDS: pytest on the node ids of LIST, one a line (parametrised ids may
+# hold spaces, so no word splitting), its output and exit status into LOG
+run_ids() {
+  ( mapfile -t ids < "$1"; timeout "$3" python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$2" 2>&1;
+    echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$2" )
+}
 if [ -n "${PRE_CMD:-}" ]; then
   ( eval "$PRE_CMD" ) > "$OUT/pre.txt" 2>&1; echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pre.txt"
 fi
@@ -45,17 +51,11 @@ if [ -n "${TEST_FILES:-}" ]; then
   [ -n "${TEST_FILES}" ] && [ -s /tmp/ids.txt ] && split -n r/${SHARDS:-4} /tmp/ids.txt /tmp/shard_
   for s in /tmp/shard_*; do
     [ -e "$s" ] || continue
-    n=$(basename "$s")
-    # one node id a line: parametrised ids may hold spaces, so no word splitting
-    ( mapfile -t ids < "$s"; timeout ${TEST_T:-400} python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$OUT/pytest_$n.txt" 2>&1;
-      echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_$n.txt" ) &
+    run_ids "$s" "$OUT/pytest_$(basename "$s").txt" ${TEST_T:-400} &
   done
 fi
 wait
-if [ -s /tmp/serial_ids.txt ]; then
-  ( mapfile -t ids < /tmp/serial_ids.txt; timeout ${SERIAL_T:-300} python3 -m pytest -q -p no:cacheprovider -rfE "${ids[@]}" > "$OUT/pytest_serial.txt" 2>&1;
-    echo "rc=$? $(( $(date +%s) - T0 ))s" >> "$OUT/pytest_serial.txt" )
-fi
+[ -s /tmp/serial_ids.txt ] && run_ids /tmp/serial_ids.txt "$OUT/pytest_serial.txt" ${SERIAL_T:-300}
 IFS=';' read -ra benches <<< "${BENCHES:-}"
 for b in "${benches[@]}"; do
   [ -n "$b" ] || continue

@@ -37,6 +37,8 @@ has installed an emulation there).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
@@ -240,8 +242,6 @@ else:
         "D = A B + C, bf16 operands (two per uint32) and fp32 accumulators, on one warp's "
         "tensor cores; fragments as in the module docstring.")
     block_uniform_mma_bf16 = mma_bf16_m16n8k16   # the simulator's stand-in is the real one here
-
-    import functools
 
     from kdtree_numba.gpu.llvm import asm_statement
 

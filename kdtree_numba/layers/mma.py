@@ -386,25 +386,27 @@ def stage_compute(cfg: MmaConfig):
         wgmma = wgmma_bf16(BN)
 
         @inline_device_function
-        def compute_wgmma(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, tid):
+        def compute_wgmma(acc, av, bv, smem, sbase, a_at, b_at, arow, brow, tid):
             """acc += this stage's products by warpgroup mma: per panel and k16 step one
             m64nBNk16 of the warpgroup's 64 rows (tid >> 7) against all BN weight rows, both
-            operands from the stage's panels (``a_at`` / ``b_at``: their shared *byte*
-            addresses; a k16 step is 32 bytes into the 64-byte rows, where the hardware
-            applies the panels' swizzle), then the warpgroup waits for them."""
-            a_rows = a_at + (tid >> 7) * (64 * 2 * PANEL)     # 64 rows of 64 bytes
+            operands from the stage's panels (word offsets ``a_at`` / ``b_at`` from the
+            tiles' shared byte address ``sbase``; a k16 step is 32 bytes into the 64-byte
+            rows, where the hardware applies the panels' swizzle), then the warpgroup waits
+            for them."""
+            a_rows = sbase + 4 * a_at + (tid >> 7) * (64 * 2 * PANEL)   # 64 rows of 64 bytes
+            b_rows = sbase + 4 * b_at
             wgmma_fence()
             for p in range(PANELS):
                 for step in range(2):
-                    wgmma(acc, asm,
+                    wgmma(acc, smem,
                           _wgmma_descriptor(a_rows + p * BM * 2 * PANEL + 32 * step),
-                          _wgmma_descriptor(b_at + p * BN * 2 * PANEL + 32 * step))
+                          _wgmma_descriptor(b_rows + p * BN * 2 * PANEL + 32 * step))
             wgmma_commit()
             wgmma_wait_all()
         return compute_wgmma
 
     @inline_device_function
-    def compute(acc, av, bv, asm, bsm, a_at, b_at, arow, brow, tid):
+    def compute(acc, av, bv, smem, sbase, a_at, b_at, arow, brow, tid):
         """acc += this stage's products: per panel and k16 step, one ldmatrix.x4 per m16 tile
         (its A fragment) and per two n8 tiles (their B fragments; x2 for an odd last one),
         then tm x tn mma.  ``arow`` / ``brow``: the lane's row g of the warp's first m16 / n8
@@ -418,13 +420,13 @@ def stage_compute(cfg: MmaConfig):
             for step in range(2):
                 for i in range(TM):
                     av[4 * i], av[4 * i + 1], av[4 * i + 2], av[4 * i + 3] = _fragments4(
-                        asm, a_base, (p * BM + 16 * i) * WORDS, lane, step, True)
+                        smem, a_base, (p * BM + 16 * i) * WORDS, lane, step, True)
                 for h in range(PAIRS):
                     bv[4 * h], bv[4 * h + 1], bv[4 * h + 2], bv[4 * h + 3] = _fragments4(
-                        bsm, b_base, (p * BN + 16 * h) * WORDS, lane, step, False)
+                        smem, b_base, (p * BN + 16 * h) * WORDS, lane, step, False)
                 if ODD:
                     bv[4 * PAIRS], bv[4 * PAIRS + 1] = _fragments2(
-                        bsm, b_base, (p * BN + 16 * PAIRS) * WORDS, lane, step)
+                        smem, b_base, (p * BN + 16 * PAIRS) * WORDS, lane, step)
                 for i in range(TM):
                     for j in range(TN):
                         o = 4 * (i * TN + j)
@@ -545,12 +547,8 @@ def ring_function(cfg: MmaConfig):
                 issue_stage(smem, xs, ws, sbase, ahead_buf, x16, xbase, xrow, w16, wbase, wrow,
                             ahead, room, tid)
             cp_async_commit()
-            if WGMMA:   # shared byte addresses (the simulator's sbase is 0)
-                compute(acc, av, bv, smem, smem, sbase + 4 * (buf * A_STAGE),
-                        sbase + 4 * (B_BASE + buf * B_STAGE), arow, brow, tid)
-            else:
-                compute(acc, av, bv, smem, smem, buf * A_STAGE, B_BASE + buf * B_STAGE, arow,
-                        brow, tid)
+            compute(acc, av, bv, smem, sbase, buf * A_STAGE, B_BASE + buf * B_STAGE, arow, brow,
+                    tid)
             buf = buf + 1 if buf + 1 < STAGES else 0
             ahead_buf = ahead_buf + 1 if ahead_buf + 1 < STAGES else 0
         cp_async_wait_all()                              # no copy outlives the block
