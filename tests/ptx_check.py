@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The head of a script that compiles for sm_90 and assembles with ptxas (nvJitLink): exit 77
 # without NVVM or nvJitLink, the compute capability pinned to 9.0 (device functions look it
-# up while compiling; no GPU is needed), and ``ptxas(ptx, max_registers=0)`` -> its log.
+# up while compiling; no GPU is needed), and ``ptxas(ptx, max_registers=0, arch="sm_90")`` ->
+# its log (arch "sm_90a" for wgmma, the target numba-cuda gives H200 launches).
 HOPPER_PRELUDE = r"""
 import re, sys, types
 try:
@@ -30,8 +31,8 @@ except Exception as error:
     sys.exit(77)
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 
-def ptxas(ptx, max_registers=0):
-    opts = ["-arch=sm_90", "-O3", "-verbose"] + (
+def ptxas(ptx, max_registers=0, arch="sm_90"):
+    opts = [f"-arch={arch}", "-O3", "-verbose"] + (
         [f"-maxrregcount={max_registers}"] if max_registers else [])
     h = nj.create(len(opts), opts)
     nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")

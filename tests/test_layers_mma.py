@@ -219,16 +219,21 @@ def test_wgmma_operand_reads_the_panel_layout():
 
 
 @pytest.mark.parametrize("m, n, k, cfg", [
-    (40, 72, 136, mm.MmaConfig(wm=1, wn=4, tm=4, tn=2, stages=2, wgmma=True)),  # ragged
-    (100, 64, 192, mm.MmaConfig(wm=2, wn=4, tm=4, tn=2, stages=3, wgmma=True,
-                                splits=2)),                       # two warpgroups, K slices
+    (40, 72, 136, mm.MmaConfig(wm=1, wn=4, tm=4, tn=2, stages=3, wgmma=True)),  # ragged
+    (100, 64, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=2, stages=4, wgmma=True,
+                                splits=2)),          # two warpgroups, K slices, 2 stages ahead
+    (100, 64, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=2, stages=4, wgmma=True, splits=3,
+                                slices_in_block=True)),        # each block adds its 3 slices
+    (20, 24, 200, mm.MmaConfig(wm=1, wn=1, tm=2, tn=3, stages=3, splits=2,
+                               slices_in_block=True)),         # the same on mma.sync
 ])
 def test_simulated_wgmma_kernel_equals_the_mma_sync_kernel(m, n, k, cfg, needs_kernels,
                                                            monkeypatch):
     """The warpgroup-mma kernel (tiles staged as for mma.sync, descriptors into them, the
     warpgroup's fragment layout in the epilogue) on the simulator, its wgmma emulated from
     the ISA: bitwise the mma.sync kernel on the same staging (both emulations round each
-    k16 step's output once), and within the bf16 product's accumulation bound."""
+    k16 step's output once), and within the bf16 product's accumulation bound.  A block
+    that adds its own K slices (``slices_in_block``) gives sum_splits' bits."""
     import dataclasses
 
     from kdtree_numba import compat
@@ -240,8 +245,8 @@ def test_simulated_wgmma_kernel_equals_the_mma_sync_kernel(m, n, k, cfg, needs_k
     monkeypatch.setattr(tensorcore, "sim_wgmma", _wgmma_emulation)
     x, w16, want = _block_case(9, m, n, k)
     got = linear(x, w16, method="mma", config=cfg).copy_to_host()
-    sync = linear(x, w16, method="mma",
-                  config=dataclasses.replace(cfg, wgmma=False)).copy_to_host()
+    sync = linear(x, w16, method="mma", config=dataclasses.replace(
+        cfg, wgmma=False, slices_in_block=False)).copy_to_host()
     assert got.tobytes() == sync.tobytes()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
@@ -327,6 +332,10 @@ def test_configs_and_splits():
     assert all(mm.unsliced_tile(m) == mm.mma_tile(m) for m in (1, 16, 33, 64, 81, 512))
     assert mm.mma_splits(1536, 7168) == 8                    # 12 N tiles: K slices fill the GPU
     assert mm.mma_splits(163840, 7168) == 1                  # 1280 N tiles already do
+    # past 80 rows: warpgroup mma where the GPU has it (sm_90), else 64 x 128 on warps
+    assert mm.mma_tile(81) == (mm.WGMMA_TILE if mm.wgmma_available() else
+                               mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3))
+    assert (mm.WGMMA_TILE.bm, mm.WGMMA_TILE.bn, mm.WGMMA_TILE.threads) == (128, 128, 256)
     for bad in (dict(bk=48), dict(stages=1), dict(stages=5),
                 dict(wm=4, wn=4, tm=4, tn=8, stages=4),           # 256 KiB of shared memory
                 dict(wm=1, wn=4, tm=1, tn=4, bk=32)):   # 64 x chunks for 128 threads (the ring)
@@ -460,6 +469,7 @@ configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
 configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
 wgmma_configs = {c for c in configs if c.wgmma}
+wgmma_configs |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True)}
 configs -= wgmma_configs
 ptx, _ = cuda.compile_ptx(mm._round_to_bf16_pairs.py_func, (T.float32[::1], T.uint32[::1]),
                           cc=(9, 0))
@@ -488,10 +498,7 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
 WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
 for cfg in sorted({dataclasses.replace(c, splits=1) for c in wgmma_configs}, key=str):
     ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
-    h = nj.create(3, ["-arch=sm_90a", "-O3", "-verbose"])
-    nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
-    nj.complete(h)
-    log = bytearray(nj.get_info_log_size(h)); nj.get_info_log(h, log); log = log.decode()
+    log = ptxas(ptx, arch="sm_90a")
     regs = int(re.findall(r"Used (\d+) registers", log)[0])
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
     local = len(re.findall(r"(?:ld|st)\.local", ptx))
@@ -499,6 +506,10 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in wgmma_configs}, key
     print("wgmma kernel", cfg, "wgmma", n_wgmma, "regs", regs, "spill", spill, flush=True)
     assert n_wgmma == 2 * cfg.bk // 32, "a wgmma per panel and k16 step"
     assert "wgmma.wait_group.sync.aligned 0;" in ptx and "wgmma.fence.sync.aligned;" in ptx
+    # one stage's products in flight (wait for all but the newest group), so the ring stages
+    # one stage fewer ahead: its cp.async wait leaves stages - 3 groups
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 1, "one group in flight"
+    assert "cp.async.wait_group %d;" % (cfg.stages - 3) in ptx, "ring wait"
     assert "fence.proxy.async.shared::cta;" in ptx, "cp.async writes before wgmma reads"
     assert "ldmatrix" not in ptx and "mma.sync" not in ptx
     assert local == 0 and spill == 0, "accumulators left registers"
@@ -587,15 +598,18 @@ def test_gpu_linear_mma_alternatives_and_k_slices(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(1536, 7168), (7168, 2048), (4096, 7168)])
 def test_gpu_linear_mma_is_batch_invariant(n, k):
-    """A row's result is bitwise the same at every M (tiles of 16 to 128 rows, one K slicing):
+    """A row's result is bitwise the same at every M (tiles of 16 to 128 rows, one K slicing,
+    its slices summed by sum_splits or in the block):
     what lets a verify forward on tensor cores reproduce the decode's logits exactly."""
     from kdtree_numba.layers import linear
     rng = np.random.default_rng(n)
-    x = rng.standard_normal((512, k)).astype(np.float32)
+    x = rng.standard_normal((4096, k)).astype(np.float32)
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
-    rows = {m: linear(x[:m], w16, method="mma").copy_to_host() for m in (1, 9, 17, 33, 65, 512)}
+    # 4096: on sm_90 warpgroup tiles whose blocks add their own K slices (FOLD_MIN_TILES)
+    rows = {m: linear(x[:m], w16, method="mma").copy_to_host()
+            for m in (1, 9, 17, 33, 65, 512, 4096)}
     for m, y in rows.items():
-        assert y.tobytes() == rows[512][:m].tobytes(), m
+        assert y.tobytes() == rows[4096][:m].tobytes(), m
     for cfg in mm.mma_alternatives(65, n, k).values():
         y = linear(x[:65], w16, method="mma", config=cfg).copy_to_host()
         assert y.tobytes() == rows[65].tobytes(), cfg

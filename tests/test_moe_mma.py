@@ -20,7 +20,7 @@ from ptx_check import HOPPER_PRELUDE
 
 import reference.layers as ref
 from kdtree_numba.layers import mma as mm
-from test_layers_mma import _warp_mma_emulation, bf16_bits, bf16_value
+from test_layers_mma import _warp_mma_emulation, _wgmma_emulation, bf16_bits, bf16_value
 
 SILU_LIPSCHITZ = 1.1          # max |silu'(z)| = 1.0998 (at z ~ 2.4)
 
@@ -136,6 +136,24 @@ def test_simulated_grouped_moe_within_the_bound(name, m, d, inter, s_inter, rout
     _check(args, configs=cfg)
 
 
+def test_simulated_warpgroup_tile_equals_the_warp_tiles(needs_kernels, monkeypatch):
+    """The grouped kernels on a wgmma tile (mma_tile's past 80 rows on sm_90: a prefill's
+    experts), wgmma emulated from the ISA: the gate_up weight rows and the SwiGLU epilogue
+    follow the warpgroup's fragment layout, so every output equals the mma.sync tile's
+    bitwise, and both are within the bound."""
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import tensorcore
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real wgmma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    monkeypatch.setattr(tensorcore, "sim_wgmma", _wgmma_emulation)
+    args = _case(7, 20, 64, 5, 32, _routing_many_one_zero(20), 32)
+    wgmma = _check(args, configs=mm.MmaConfig(wm=1, wn=4, tm=4, tn=2, bk=32, stages=3,
+                                              wgmma=True))
+    sync = _check(args, configs=mm.MmaConfig(wm=1, wn=2, tm=1, tn=4, bk=32, stages=2))
+    assert wgmma.tobytes() == sync.tobytes()
+
+
 def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
     """A kernel that drops SwiGLU's silu (act = gate * up) fails the bound by far."""
     from kdtree_numba import compat
@@ -144,7 +162,7 @@ def test_simulated_bound_has_teeth(needs_kernels, monkeypatch):
         pytest.skip("simulator only")
     # the stage's mma steps are mma.py's (stage_compute): the emulation goes in there
     monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
-    monkeypatch.setattr(moe_mma, "silu", lambda v: v)
+    monkeypatch.setattr(moe_mma, "silu_approx", lambda v: v)
     moe_mma.moe_mma_kernel.cache_clear()
     try:
         with pytest.raises(AssertionError):
@@ -175,6 +193,8 @@ def test_configs_and_grid():
     tall = mm.MmaConfig(wm=1, wn=4, tm=3, tn=4, bk=64, stages=3)          # 48 x 128
     taller = mm.MmaConfig(wm=1, wn=4, tm=5, tn=2, bk=64, stages=4)        # 80 x 64
     big = mm.MmaConfig(wm=2, wn=2, tm=2, tn=8, bk=64, stages=3)           # 64 x 128
+    if mm.wgmma_available():                          # sm_90: past 80 rows warpgroup mma
+        big = mm.MmaConfig(wm=2, wn=4, tm=4, tn=4, bk=64, stages=4, wgmma=True)   # 128 x 128
     # tokens per active expert: M k / min(E, M k) = 1, 2, 5, 9 (E = 64) and 8 ... 100
     for m, top_k, n_experts, want in ((1, 8, 64, small), (9, 8, 64, small), (33, 8, 64, small),
                                       (65, 8, 64, small), (8, 1, 1, small), (16, 1, 1, small),
@@ -218,6 +238,22 @@ for cfg in sorted(configs, key=str):
             cfg.tn % 2 * cfg.bk // 16, "odd n8 tile"
         assert local == 0, "local memory"
         assert spill == 0, "spills"
+# the warpgroup tile (mma_tile's past 80 rows on sm_90, e.g. a prefill's ~512 tokens an
+# expert), on sm_90a, the target numba-cuda gives H200 launches
+from kdtree_numba.layers.mma import WGMMA_TILE
+for gate_up in (True, False):
+    out = T.uint32[:, ::1] if gate_up else f2
+    sig = (u2, i1, i1, i1, i1, T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
+    ptx, _ = cuda.compile_ptx(moe_mma_kernel(WGMMA_TILE, gate_up).py_func, sig, cc=(9, 0, "a"))
+    log = ptxas(ptx, arch="sm_90a")
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    print("wgmma kernel", "gate_up" if gate_up else "down", "spill", spill, "local", local,
+          flush=True)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16") == 4, "a wgmma per k16 step"
+    assert "mma.sync" not in ptx and local == 0 and spill == 0
+    # the SwiGLU's IEEE division would be a subroutine call, which serializes wgmma
+    assert "serialized" not in log, "a call serializes the wgmma"
 print("assembled")
 """
 
@@ -280,14 +316,20 @@ def test_gpu_moe_mma_kimi_shapes_within_the_bound(m):
 
 @pytest.mark.gpu
 def test_gpu_moe_mma_rows_are_batch_invariant():
-    """A token's output bits do not depend on its batch (M = 65, its own row alone, M = 9):
-    no K slices, one mma chain in panel order in every tile, the ordered combine
-    (docs/LAYERS.md)."""
+    """A token's output bits do not depend on its batch (M = 65, its own row alone, M = 9;
+    M = 1100 against its row 3 and rows 0-64): no K slices, one mma chain in panel order in
+    every tile, warp or warpgroup mma, the ordered combine (docs/LAYERS.md)."""
     from kdtree_numba.layers import moe_ffn
     _, device = _kimi_weights()
     h, idx, weight = _kimi_case(65, seed=1)
     full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
     for rows in (slice(3, 4), slice(0, 9)):
+        part = moe_ffn(h[rows], idx[rows], weight[rows], *device, method="mma").copy_to_host()
+        assert part.tobytes() == full[rows].tobytes()
+    # a prefill's ~140 tokens an expert: past 80 rows the tile on sm_90 is the warpgroup's
+    h, idx, weight = _kimi_case(1100, seed=2)
+    full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
+    for rows in (slice(3, 4), slice(0, 65)):
         part = moe_ffn(h[rows], idx[rows], weight[rows], *device, method="mma").copy_to_host()
         assert part.tobytes() == full[rows].tobytes()
 

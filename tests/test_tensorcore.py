@@ -201,9 +201,7 @@ def kernel(a):
 
 ptx, _ = cuda.compile_ptx(kernel, (T.float32[::1],), cc=(9, 0, "a"))
 assert ".target sm_90a" in ptx, "no arch-specific target"
-h = nj.create(2, ["-arch=sm_90a", "-O3"])
-nj.add_data(h, nj.InputType.PTX, ptx.encode(), len(ptx), "k.ptx")
-nj.complete(h)
+ptxas(ptx, arch="sm_90a")
 print("assembled")
 """
 

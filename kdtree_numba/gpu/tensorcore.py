@@ -45,7 +45,8 @@ from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8",
            "pack_bf16x2", "mma_bf16_m16n8k16", "block_uniform_mma_bf16", "wgmma_bf16",
-           "wgmma_fence", "wgmma_commit", "wgmma_wait_all", "fence_proxy_async",
+           "wgmma_fence", "wgmma_commit", "wgmma_wait_1", "wgmma_wait_all",
+           "fence_proxy_async",
            "WGMMA_SWIZZLE_64B"]
 
 # Bits 62-63 of a wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor"): the
@@ -104,7 +105,7 @@ if SIMULATOR:
     def _nothing():
         pass
 
-    wgmma_fence = wgmma_commit = wgmma_wait_all = fence_proxy_async = _nothing
+    wgmma_fence = wgmma_commit = wgmma_wait_1 = wgmma_wait_all = fence_proxy_async = _nothing
 
     def block_uniform_mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``mma_bf16_m16n8k16`` for kernels whose every thread issues the same sequence of mma
@@ -255,7 +256,8 @@ else:
         at row 16 (warp % 4) + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2t + (i & 1), i.e.
         mma.sync's C fragment of n8 tile i >> 2 (lane = 4g + t).  ``smem`` is not read here
         (the simulator's emulation reads it).  Asynchronous: ``wgmma_fence`` before, then
-        ``wgmma_commit`` and ``wgmma_wait_all`` before ``acc`` is used; the target must be
+        ``wgmma_commit``, and ``wgmma_wait_all`` (or ``wgmma_wait_1`` for all but the last
+        group) before ``acc`` or the operands' shared memory are touched; the target must be
         sm_90a (numba-cuda compiles H200 launches for it)."""
         if n % 8 or not 8 <= n <= 256:
             raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
@@ -291,6 +293,8 @@ else:
     wgmma_fence = asm_statement("wgmma.fence.sync.aligned;")
     wgmma_commit = asm_statement("wgmma.commit_group.sync.aligned;")
     wgmma_wait_all = asm_statement("wgmma.wait_group.sync.aligned 0;")
+    # all but the newest commit group done: one stage's wgmma runs on while the loop goes on
+    wgmma_wait_1 = asm_statement("wgmma.wait_group.sync.aligned 1;")
     # orders this thread's generic-proxy writes to shared memory (cp.async's) before the
     # async proxy's reads of it (wgmma's operands)
     fence_proxy_async = asm_statement("fence.proxy.async.shared::cta;")

@@ -11,9 +11,10 @@ import math
 
 import numpy as np
 
-from kdtree_numba.compat import cuda, device_function, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
 
-__all__ = ["SKINNY_MAX_M", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu", "sum_splits"]
+__all__ = ["SKINNY_MAX_M", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu", "silu_approx",
+           "sum_splits"]
 
 SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight streaming
 GPU_SMS = 132                # H200; only used to size grids (more SMs just means more waves)
@@ -33,6 +34,22 @@ def pow2_ceil(v: int) -> int:
 @device_function
 def silu(v):
     return v / (np.float32(1.0) + math.exp(-v))
+
+
+if SIMULATOR:
+    silu_approx = silu
+else:
+    from numba.cuda import libdevice
+
+    @device_function
+    def silu_approx(v):
+        """silu with the division by ``div.approx.f32`` (2 ulp; 0 once 1 + e^-v > 2^126, i.e.
+        v < -87, where silu is -0 in float32 anyway): IEEE division compiles to a slow-path
+        subroutine call in SASS, and a call anywhere in a kernel serializes its wgmma (ptxas
+        C7509).  The grouped MoE's tensor-core kernels use it at every tile, so an expert's
+        rows keep their bits whichever tile (warp or warpgroup mma) computes them; their
+        output is rounded to bf16, 2^16 times coarser."""
+        return libdevice.fast_fdividef(v, np.float32(1.0) + math.exp(-v))
 
 
 @kernel

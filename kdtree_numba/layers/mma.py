@@ -32,8 +32,9 @@ The grouped MoE kernel (layers/moe_mma.py) shares the tile shape and the K loop
 (:func:`ring_function`, which takes per-thread row tables so that it can gather rows).
 
 ``MmaConfig(wgmma=True)`` multiplies the same staged panels with warpgroup mma (sm_90a;
-their layout is wgmma's 64-byte swizzle), an alternative not yet run on a GPU: docs/LAYERS.md,
-"Warpgroup mma".
+their layout is wgmma's 64-byte swizzle), bitwise the mma.sync rows on the H200: the tile past
+80 rows there (:data:`WGMMA_TILE`), whose blocks add their own K slices where the M x N tiles
+fill the GPU (``slices_in_block``): docs/LAYERS.md, "Warpgroup mma".
 
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
 a ValueError otherwise (``method="tensor-cores"`` falls back to the CUDA-core kernels there).
@@ -58,11 +59,12 @@ from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory
                                      cp_async_wait_all, store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
-                                         wgmma_wait_all)
+                                         wgmma_wait_1, wgmma_wait_all)
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
-__all__ = ["MmaConfig", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
+__all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_tile",
+           "mma_config", "mma_splits", "accumulator_origin",
            "mma_error_coefficient", "mma_alternatives", "stage_compute", "ring_function",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
            "round_to_bf16", "mma_linear", "mma_head_products"]
@@ -81,7 +83,11 @@ class MmaConfig:
     ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn.  ``wgmma``: the stages multiplied
     by warpgroup mma (sm_90a) instead, warpgroup q taking rows 64q .. 64q + 63 and all BN
     columns (BM = 64 x threads / 128; wm, wn, tm and tn then only size the tile and the
-    staging).  Not yet run on a GPU: an alternative, never a default (session 23)."""
+    staging; at least 3 stages: :func:`ring_function`).  mma_tile's pick past 80 rows on
+    sm_90 GPUs (session 24: bitwise mma.sync's rows on the H200, 1.4x its speed at M = 512).
+    ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
+    adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
+    memory, set by the launcher where the M x N tiles alone fill the GPU."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
@@ -91,6 +97,7 @@ class MmaConfig:
     max_registers: int = 0
     stages: int = 3
     wgmma: bool = False
+    slices_in_block: bool = False
 
     @property
     def bm(self) -> int:
@@ -132,11 +139,18 @@ class MmaConfig:
                 or (self.bm * self.bk // 8) % self.threads
                 or self.threads % (self.bk // 8)
                 or self.wgmma and (self.threads % 128 or self.bm != self.threads // 2
-                                   or self.bn > 256)):
+                                   or self.bn > 256 or self.stages < 3)):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
                              f"thread, each thread's vectors at one column of a stage; wgmma: "
-                             f"64 rows per warpgroup of 128 threads, BN <= 256")
+                             f"64 rows per warpgroup of 128 threads, BN <= 256, >= 3 stages")
+
+    @property
+    def frag_tiles(self) -> tuple:
+        """(m16 tiles, n8 tiles) of a thread's accumulators, acc[4 (i * tiles_n + j) + e] in
+        mma.sync's C layout: tm x tn, or with wgmma 1 x BN / 8 (a warp's 16 rows of its
+        warpgroup's 64 by all BN columns)."""
+        return (1, self.bn // 8) if self.wgmma else (self.tm, self.tn)
 
 
 # The K slices' unit: a slice is whole 64-element units (mma_splits, a function of N and K
@@ -158,15 +172,39 @@ def mma_tile(m: int) -> MmaConfig:
     registers (no spill since the cursors of run 101); its ldmatrix bytes per mma are 0.58x
     those of the 80 x 64 tile before, which waited on shared memory and L2 (run 107): lm_head
     807 -> 670 us (run 108).  Past 80 rows 64 x 128 (4 warps of 32 x 64, 3 stages; 128 x 128
-    takes 166 registers at 256 threads: one block an SM).  Every tile gives a row the same bits
-    (bk and the K slices do not depend on it).  Products without K slices take
-    :func:`unsliced_tile`."""
+    takes 166 registers at 256 threads: one block an SM), or where :func:`wgmma_available`
+    128 x 128 by two warpgroups' wgmma in 4 stages (one stage's products in flight while the
+    next is staged).  Every tile gives a row the same bits (bk and the K slices do not depend
+    on it; wgmma sums a k16 step as mma.sync does: equal bits on the H200, session 24).
+    Products without K slices take :func:`unsliced_tile`."""
     mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
     if mt16 == 1:
         return MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=128, stages=3)
     if mt16 <= 5:
         return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4 if mt16 <= 2 else 3)
+    if wgmma_available():
+        return WGMMA_TILE
     return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
+
+
+# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): run 115 (wait for every
+# stage's products) 3078 us for the lm_head at M = 512, 0.54x cuBLAS, 64 x 128 mma.sync 4417
+WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
+
+
+@functools.cache
+def wgmma_available() -> bool:
+    """Whether the current GPU runs warpgroup mma: compute capability 9.0, whose launches
+    numba-cuda compiles for sm_90a (tests/test_layers_mma.py guards that); never under the
+    simulator, which has no tensor cores, nor without a CUDA driver (a machine that only
+    compiles: tests/ptx_check.py)."""
+    if SIMULATOR:
+        return False
+    from numba.cuda.cudadrv.error import CudaSupportError
+    try:
+        return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+    except CudaSupportError:
+        return False
 
 
 def unsliced_tile(m: int) -> MmaConfig:
@@ -174,7 +212,8 @@ def unsliced_tile(m: int) -> MmaConfig:
     per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows
     80 x 64 in 4 stages, as before run 108, not 80 x 128, which would halve their blocks
     (a dense FFN's down projection: 56 blocks for 132 SMs; the verify of 65 nodes 5.64 ->
-    6.00 ms in run 113).  The same bits either way (no K slices)."""
+    6.00 ms in run 113).  The same bits either way (no K slices); past 80 rows mma_tile's
+    (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
     if max(1, -(-m // 16)) == 5:
         return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
     return mma_tile(m)
@@ -188,7 +227,8 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
 
 
 def mma_alternatives(m: int, n: int, k: int) -> dict:
-    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig).
+    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig;
+    past 80 rows both warpgroup and warp mma, whichever the GPU picked).
     Every one keeps mma_splits' K slices (whole units of SLICE_UNIT at any bk), so each gives
     bitwise the default's result: only speed differs."""
     if m <= 16:       # the default is 16 x 128 in 3 stages of 128
@@ -205,11 +245,12 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
         shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
                   "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
                   "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4),
-                  # warpgroup mma (not yet run on a GPU): 2 warpgroups of 64 x 128 (96
-                  # registers) or one; at 64 x 256 NVVM leaves the 128 accumulators in
-                  # local memory
-                  "wgmma-128x128": dict(wm=2, wn=4, tm=4, tn=4, stages=3, wgmma=True),
-                  "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=3, wgmma=True)}
+                  "mma.sync-64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),
+                  # warpgroup mma: 2 warpgroups of 64 x 128 (96 registers) or one; at 64 x
+                  # 256 NVVM leaves the 128 accumulators in local memory.  3 stages keep
+                  # one in flight beside the products (4: two)
+                  "wgmma-128x128-3stage": dict(wm=2, wn=4, tm=4, tn=4, stages=3, wgmma=True),
+                  "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=4, wgmma=True)}
     out = {}
     for name, shape in shapes.items():
         cfg = MmaConfig(**dict(shape, splits=1))
@@ -391,8 +432,10 @@ def stage_compute(cfg: MmaConfig):
             m64nBNk16 of the warpgroup's 64 rows (tid >> 7) against all BN weight rows, both
             operands from the stage's panels (word offsets ``a_at`` / ``b_at`` from the
             tiles' shared byte address ``sbase``; a k16 step is 32 bytes into the 64-byte
-            rows, where the hardware applies the panels' swizzle), then the warpgroup waits
-            for them."""
+            rows, where the hardware applies the panels' swizzle), committed as one group; the
+            warpgroup waits only for the previous stage's group, so this stage's products run
+            on while the ring stages the next (ring_function keeps the buffer they read
+            untouched until the stage after next)."""
             a_rows = sbase + 4 * a_at + (tid >> 7) * (64 * 2 * PANEL)   # 64 rows of 64 bytes
             b_rows = sbase + 4 * b_at
             wgmma_fence()
@@ -402,7 +445,7 @@ def stage_compute(cfg: MmaConfig):
                           _wgmma_descriptor(a_rows + p * BM * 2 * PANEL + 32 * step),
                           _wgmma_descriptor(b_rows + p * BN * 2 * PANEL + 32 * step))
             wgmma_commit()
-            wgmma_wait_all()
+            wgmma_wait_1()
         return compute_wgmma
 
     @inline_device_function
@@ -445,7 +488,9 @@ def ring_function(cfg: MmaConfig):
 
     Both operands are bf16 bits that go global -> shared by ``cp.async`` (16 bytes = 8 bf16),
     through a ring of ``stages`` buffers in dynamic shared memory (the x ring, then the weight
-    ring), ``stages - 1`` stages in flight, one barrier per stage.  Rows come from per-thread
+    ring), ``stages - 1`` stages in flight (wgmma: ``stages - 2``, the buffer of the stage
+    before being still read by its asynchronous products), one barrier per stage.  Rows come
+    from per-thread
     tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` (int64) is the source row of
     this thread's u-th x / weight chunk of every stage (-1: zero fill), so a caller may gather
     rows (the MoE's tokens) or take them in order (the linear); run_ring turns them into its
@@ -455,12 +500,13 @@ def ring_function(cfg: MmaConfig):
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage
     B_BASE = STAGES * A_STAGE                              # the weight ring after the x ring
     XC, WC = cfg.x_chunks, cfg.w_chunks                    # 16-byte chunks per thread, stage
-    PENDING = STAGES - 2                                   # groups left in flight by the wait
+    WGMMA = cfg.wgmma
+    AHEAD = STAGES - 2 if WGMMA else STAGES - 1            # stages staged ahead of the mma
+    PENDING = AHEAD - 1                                    # groups left in flight by the wait
     PER_ROW = BK // 8                                      # chunks per tile row and stage
     STEP = ELEM * BK                                       # a cursor's advance per stage
     ROW_STEP = THREADS // PER_ROW * WORDS                  # words from chunk u to u + 1
     SAME_SWIZZLE = (THREADS // PER_ROW) % 8 == 0           # ... when the swizzle repeats
-    WGMMA = cfg.wgmma
 
     @inline_device_function
     def to_cursors(rows, arr, base, k0, n):
@@ -526,23 +572,24 @@ def ring_function(cfg: MmaConfig):
         to_cursors(wrow, w16, wbase, k_begin + kk, WC)
         xs = sbase + WORD * _w_stage_slot(tid, BM, BK)[2]
         ws = sbase + WORD * (B_BASE + _w_stage_slot(tid, BN, BK)[2])
-        # stage i lives in buffer i % STAGES; STAGES - 1 stages fly ahead of the mma, one
-        # commit group per stage (empty past the slice end, so the wait counts hold)
-        for i in range(STAGES - 1):
+        # stage i lives in buffer i % STAGES; AHEAD stages fly ahead of the mma, one commit
+        # group per stage (empty past the slice end, so the wait counts hold)
+        for i in range(AHEAD):
             if i < n_stages:
                 issue_stage(smem, xs, ws, sbase, i, x16, xbase, xrow, w16, wbase, wrow, i, room,
                             tid)
             cp_async_commit()
         buf = 0
-        ahead_buf = STAGES - 1               # = (i + STAGES - 1) % STAGES, without the modulo
+        ahead_buf = AHEAD                    # = (i + AHEAD) % STAGES, without the modulo
         for i in range(n_stages):
             wait_oldest()
             if WGMMA:   # this thread's landed copies, before wgmma's (async proxy) reads
                 fence_proxy_async()
             # one barrier per stage: stage i is visible to every warp, and every warp is done
-            # with stage i - 1, whose buffer the copies issued next overwrite
+            # with the buffer the copies issued next overwrite: stage i - 1's (mma.sync), or
+            # stage i - 2's (wgmma: each warpgroup waited for that group after issuing i - 1)
             block_sync()
-            ahead = i + STAGES - 1
+            ahead = i + AHEAD
             if ahead < n_stages:
                 issue_stage(smem, xs, ws, sbase, ahead_buf, x16, xbase, xrow, w16, wbase, wrow,
                             ahead, room, tid)
@@ -552,8 +599,26 @@ def ring_function(cfg: MmaConfig):
             buf = buf + 1 if buf + 1 < STAGES else 0
             ahead_buf = ahead_buf + 1 if ahead_buf + 1 < STAGES else 0
         cp_async_wait_all()                              # no copy outlives the block
+        if WGMMA:
+            wgmma_wait_all()                             # acc holds every stage's products
 
     return run_ring
+
+
+@functools.cache
+def accumulator_origin(cfg: MmaConfig):
+    """``origin(warp, wm_i) -> (row, col)``: the block-tile position of the warp's first
+    accumulator tile; its (i, j) tile of :attr:`MmaConfig.frag_tiles` lies 16 i rows and 8 j
+    columns further.  mma.sync: warp (wm_i, wn_i) owns tm m16 by tn n8 tiles; wgmma: warp q
+    of warpgroup w owns rows 64 w + 16 q .. + 15 by all BN columns."""
+    WM, TM, TN, WGMMA = cfg.wm, cfg.tm, cfg.tn, cfg.wgmma
+
+    @inline_device_function
+    def origin(warp, wm_i):
+        if WGMMA:
+            return 64 * (warp >> 2) + 16 * (warp & 3), 0
+        return wm_i * (16 * TM), (warp // WM) * (8 * TN)
+    return origin
 
 
 def mma_kernel(cfg: MmaConfig):
@@ -572,12 +637,36 @@ def _mma_kernel_for(cfg: MmaConfig):
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     run_ring = ring_function(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, NAV, NBV = 4 * TM * TN, 4 * TM, 2 * TN          # accumulators, one k16 step's A, B
+    FTM, FTN = cfg.frag_tiles
+    NACC, NAV, NBV = 4 * FTM * FTN, 4 * TM, 2 * TN        # accumulators, one k16 step's A, B
     WGMMA = cfg.wgmma
-    if WGMMA:
-        NACC = BN // 2                                     # a warpgroup's 64 x BN over 128
+    FOLD = cfg.slices_in_block
+    origin = accumulator_origin(cfg)
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16                      # the simulator rejects alignment
+
+    @inline_device_function
+    def slice_products(acc, av, bv, smem, x16, w16, xrow, wrow, m0, n0, h, s, splits,
+                       kc_total, k_total, m_total, n_total, heads, w_head_rows, w_off, arow,
+                       brow, tid):
+        """acc = the block tile's products over K slice s (whole SLICE_UNITs) from zero."""
+        if WGMMA:
+            u_begin, _ = divmod_u32(s * kc_total, splits)
+            u_end, _ = divmod_u32((s + 1) * kc_total, splits)
+        else:
+            u_begin = s * kc_total // splits
+            u_end = (s + 1) * kc_total // splits
+        k_begin = SLICE_UNIT * u_begin                   # whole 64-element units
+        k_end = min(SLICE_UNIT * u_end, k_total)
+        for u in range(XC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
+            xrow[u] = (m0 + row) * heads + h if m0 + row < m_total else -1
+        for u in range(WC):
+            row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
+            wrow[u] = h * w_head_rows + w_off + n0 + row if n0 + row < n_total else -1
+        for i in range(NACC):
+            acc[i] = ZERO
+        run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid)
 
     @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
     def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
@@ -585,8 +674,9 @@ def _mma_kernel_for(cfg: MmaConfig):
         """out[(s * m_total + m) * heads + h, n] = slice s of sum_k x16[m * heads + h, k]
         w16[h * w_head_rows + w_off + n, k] (bf16 bits; out = y when splits == 1): for each
         head h = blockIdx.y one product, a plain linear when heads = 1 (w_head_rows = w_off =
-        0).  Grid.x: M tile fastest, then K slice, then N tile.  Dynamic shared memory:
-        ring_function's two rings."""
+        0).  Grid.x: M tile fastest, then K slice, then N tile.  ``slices_in_block``: no K
+        slice in the grid; each block runs all ``splits`` and writes y.  Dynamic shared
+        memory: ring_function's two rings."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
@@ -602,49 +692,42 @@ def _mma_kernel_for(cfg: MmaConfig):
         bid, h = cuda.blockIdx.x, cuda.blockIdx.y
         if WGMMA:   # 32-bit divisions: a 64-bit one is a call, and a call serializes wgmma
             rest, mt_i = divmod_u32(bid, n_mtiles)
-            n_i, s = divmod_u32(rest, splits)
-            n0 = n_i * BN
-            u_begin, _ = divmod_u32(s * kc_total, splits)
-            u_end, _ = divmod_u32((s + 1) * kc_total, splits)
+            n_i, s = divmod_u32(rest, 1 if FOLD else splits)
         else:
             mt_i = bid % n_mtiles
             rest = bid // n_mtiles
-            s = rest % splits
-            n0 = (rest // splits) * BN
-            u_begin = s * kc_total // splits
-            u_end = (s + 1) * kc_total // splits
+            s = 0 if FOLD else rest % splits
+            n_i = rest if FOLD else rest // splits
         m0 = mt_i * BM
-        k_begin = SLICE_UNIT * u_begin                   # whole 64-element units
-        k_end = min(SLICE_UNIT * u_end, k_total)
-        for u in range(XC):
-            row, kk, off = _w_stage_slot(tid + u * THREADS, BM, BK)
-            xrow[u] = (m0 + row) * heads + h if m0 + row < m_total else -1
-        for u in range(WC):
-            row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
-            wrow[u] = h * w_head_rows + w_off + n0 + row if n0 + row < n_total else -1
-        for i in range(NACC):
-            acc[i] = ZERO
-        run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid)
+        n0 = n_i * BN
+        if FOLD:    # every slice here, each from zero, added in slice order as sum_splits does
+            total = cuda.local.array(NACC, float32)
+            for s in range(splits):
+                slice_products(acc, av, bv, smem, x16, w16, xrow, wrow, m0, n0, h, s, splits,
+                               kc_total, k_total, m_total, n_total, heads, w_head_rows, w_off,
+                               arow, brow, tid)
+                for i in range(NACC):
+                    total[i] = acc[i] if s == 0 else total[i] + acc[i]
+                block_sync()   # every warp is done with the ring before the next prologue
+            for i in range(NACC):
+                acc[i] = total[i]
+            s = 0
+        else:
+            slice_products(acc, av, bv, smem, x16, w16, xrow, wrow, m0, n0, h, s, splits,
+                           kc_total, k_total, m_total, n_total, heads, w_head_rows, w_off,
+                           arow, brow, tid)
 
         orow = s * m_total
-        if WGMMA:   # warp q of warpgroup wg: rows 64 wg + 16 q .. + 15, mma.sync's C layout
-            for j in range(BN // 8):
+        row0, col0 = origin(warp, wm_i)
+        for i in range(FTM):
+            for j in range(FTN):
                 for e in range(4):
                     r, c = _c_position(lane, e)
-                    row = m0 + 64 * (warp >> 2) + 16 * (warp & 3) + r
-                    col = n0 + 8 * j + c
-                    if row < m_total and col < n_total:
-                        store_nowrap_2d(out, (orow + row) * heads + h, col, acc[4 * j + e])
-            return
-        for i in range(TM):
-            for j in range(TN):
-                for e in range(4):
-                    r, c = _c_position(lane, e)
-                    row = m0 + wm_i * (16 * TM) + 16 * i + r
-                    col = n0 + (warp // WM) * (8 * TN) + 8 * j + c
+                    row = m0 + row0 + 16 * i + r
+                    col = n0 + col0 + 8 * j + c
                     if row < m_total and col < n_total:
                         store_nowrap_2d(out, (orow + row) * heads + h, col,
-                                        acc[4 * (i * TN + j) + e])
+                                        acc[4 * (i * FTN + j) + e])
 
     return mma_linear_kernel
 
@@ -672,9 +755,10 @@ def round_to_bf16(xd, workspace, name, stream=0):
 def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w_head_rows=0,
             w_off=0):
     """One launch of :func:`mma_kernel` (cfg) over bf16 x16 rows: ``splits`` K slices into
-    ``target`` [splits * M * heads, N]; heads > 1 as :func:`mma_head_products` describes."""
+    ``target`` [splits * M * heads, N] (or summed in the block into [M * heads, N]:
+    ``cfg.slices_in_block``); heads > 1 as :func:`mma_head_products` describes."""
     n_mtiles = -(-m // cfg.bm)
-    blocks = n_mtiles * splits * -(-n // cfg.bn)
+    blocks = n_mtiles * (1 if cfg.slices_in_block else splits) * -(-n // cfg.bn)
     dispatcher = mma_kernel(cfg)
     args = (x16, wd, target, m, n, k, n_mtiles, splits, -(-k // SLICE_UNIT), heads,
             w_head_rows, w_off)
@@ -682,17 +766,29 @@ def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w
     dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
 
 
+# M x N tiles from which a warpgroup tile's blocks add their own K slices: two waves of blocks
+# without slices.  The slices' partial sums are 8 S M N bytes through memory: at M = 4096 the
+# 16 slices of o_proj (8192 -> 7168) wrote and read back 1.9 GB each way, and o_proj took
+# 3.5 ms, 0.17x cuBLAS (run 116); adding them in the block, 1.56 ms (run 119)
+FOLD_MIN_TILES = 2 * GPU_SMS
+
+
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
     linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
-    cp.async; K slices go to a workspace buffer and are added in order."""
+    cp.async; K slices go to a workspace buffer and are added in order, or where the M x N
+    tiles of a warpgroup tile fill the GPU (:data:`FOLD_MIN_TILES`) each block adds its
+    slices itself (``slices_in_block``: the same bits, no partial sums in memory)."""
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
-    target = y if splits == 1 else workspace_buffer(
+    if splits > 1 and cfg.wgmma and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES:
+        cfg = dataclasses.replace(cfg, slices_in_block=True)
+    in_memory = splits > 1 and not cfg.slices_in_block
+    target = y if not in_memory else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
     _launch(x16, wd, target, m, n, k, cfg, splits, stream)
-    if splits > 1:
+    if in_memory:
         grid, block = launch_1d(m * n, 256)
         sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
 

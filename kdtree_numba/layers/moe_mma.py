@@ -18,9 +18,10 @@ tiles by tokens per expert), its K loop (``ring_function``: bf16 x and weights b
 ``cp.async`` through a ring of ``stages`` shared buffers, fp32 accumulation) and fragment
 layout.  Differences: the x rows are gathered (each thread's rows are fixed for the whole K
 loop, looked up once), and in the gate_up launch the weight tile interleaves gate and up rows
-per warp: of a warp's ``tn`` n8 tiles the first half are gate rows and the second half the up
-rows of the same intermediate columns, so the thread holding gate(row, col) also holds
-up(row, col) and applies SwiGLU in the epilogue.  h is rounded to bf16 once per layer and
+per warp: of a warp's ``tn`` n8 tiles (a warpgroup tile's: all BN / 8) the first half are
+gate rows and the second half the up rows of the same intermediate columns, so the thread
+holding gate(row, col) also holds up(row, col) and applies SwiGLU in the epilogue (its
+division by ``div.approx`` at every tile: ``common.silu_approx``).  h is rounded to bf16 once per layer and
 ``act`` is stored as bf16 (the value the down GEMM multiplies either way), so both launches
 stream their x like their weights; run 60 found that x loaded through registers each stage,
 the design before, held decode to half the weight roof whatever the ring depth.
@@ -38,12 +39,13 @@ import functools
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
-from kdtree_numba.layers.common import silu
-from kdtree_numba.layers.mma import (MmaConfig, c_position, ring_function, unsliced_tile,
-                                     round_to_bf16, w_stage_slot)
+from kdtree_numba.layers.common import silu_approx
+from kdtree_numba.layers.mma import (MmaConfig, accumulator_origin, c_position, ring_function,
+                                     unsliced_tile, round_to_bf16, w_stage_slot)
 
 __all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma"]
 
@@ -78,19 +80,23 @@ def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_sha
 
 @functools.cache
 def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
-    """The grouped kernel for a tile shape (needs tn even; cfg.splits is ignored).  Under the
-    simulator it runs up to its first mma (tests/test_moe_mma.py emulates the warp's mma)."""
+    """The grouped kernel for a tile shape (needs an even count of n8 accumulator tiles;
+    cfg.splits is ignored).  Under the simulator it runs up to its first mma
+    (tests/test_moe_mma.py emulates the warp's mma)."""
     from numba import float32, int64, uint32
 
-    if cfg.tn % 2:
+    FTM, FTN = cfg.frag_tiles
+    if FTN % 2:
         raise ValueError(f"moe_mma_kernel needs an even tn (gate and up halves), got {cfg}")
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
-    HALF_TN = TN // 2
+    HALF = FTN // 2
     run_ring = ring_function(cfg)
+    origin = accumulator_origin(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, NAV, NBV = 4 * TM * TN, 4 * TM, 2 * TN          # accumulators, one k16 step's A, B
+    NACC, NAV, NBV = 4 * FTM * FTN, 4 * TM, 2 * TN        # accumulators, one k16 step's A, B
     COLS = BN // 2 if gate_up else BN                      # output columns per block
+    WGMMA = cfg.wgmma
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16
 
@@ -104,10 +110,14 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
         out = y_slot [n_entries + M, D] float32.  n_* / k_*: output and input widths of the
         routed and the shared experts."""
         bid = cuda.blockIdx.x
-        mt_i = bid % n_mtiles
-        rest = bid // n_mtiles
-        nt = rest % n_ntiles
-        a = rest // n_ntiles
+        if WGMMA:   # 32-bit divisions: a 64-bit one is a call, and a call serializes wgmma
+            rest, mt_i = divmod_u32(bid, n_mtiles)
+            a, nt = divmod_u32(rest, n_ntiles)
+        else:
+            mt_i = bid % n_mtiles
+            rest = bid // n_mtiles
+            nt = rest % n_ntiles
+            a = rest // n_ntiles
         if a < max_active:
             if a >= n_active[0]:
                 return
@@ -156,32 +166,34 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
         for u in range(WC):            # the weight row of each staged chunk
             row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
             wrow[u] = -1
-            if gate_up:                # warp q's tiles: tn / 2 of gate rows, then their up rows
-                q = row // (8 * TN)
-                j = (row - q * 8 * TN) // 8
-                col = col0 + q * (4 * TN) + 8 * (j % HALF_TN) + row % 8
+            if gate_up:                # N group q's n8 tiles (a warp's; wgmma: all BN):
+                q = row // (8 * FTN)   # half of them gate rows, then their up rows
+                j = (row - q * 8 * FTN) // 8
+                col = col0 + q * (4 * FTN) + 8 * (j % HALF) + row % 8
                 if col < n_out:
-                    wrow[u] = col if j < HALF_TN else n_out + col
+                    wrow[u] = col if j < HALF else n_out + col
             elif col0 + row < n_out:
                 wrow[u] = col0 + row
         for i in range(NACC):
             acc[i] = ZERO
         run_ring(acc, av, bv, smem, x16, xrow, w, wrow, 0, k_end, arow, brow, tid)
 
-        for i in range(TM):
-            for j in range(HALF_TN if gate_up else TN):
+        row0, ocol = origin(warp, wm_i)
+        for i in range(FTM):
+            for j in range(HALF if gate_up else FTN):
                 for h in range(2):     # accumulators 2h, 2h + 1: one row, columns c, c + 1
                     r, c = _c_position(lane, 2 * h)
-                    row = m0 + wm_i * (16 * TM) + 16 * i + r
-                    o = 4 * (i * TN + j) + 2 * h
+                    row = m0 + row0 + 16 * i + r
+                    o = 4 * (i * FTN + j) + 2 * h
                     if gate_up:        # c is even and n_out % 8 == 0: c + 1 < n_out too
-                        col = col0 + wn_i * (4 * TN) + 8 * j + c
-                        ou = o + 4 * HALF_TN
+                        col = col0 + (ocol >> 1) + 8 * j + c
+                        ou = o + 4 * HALF
                         if row < count and col < n_out:
                             store_nowrap_2d(out, s_begin + row, col >> 1, pack_bf16x2(
-                                silu(acc[o]) * acc[ou], silu(acc[o + 1]) * acc[ou + 1]))
+                                silu_approx(acc[o]) * acc[ou],
+                                silu_approx(acc[o + 1]) * acc[ou + 1]))
                     else:
-                        col = col0 + wn_i * (8 * TN) + 8 * j + c
+                        col = col0 + ocol + 8 * j + c
                         if row < count and col < n_out:
                             store_nowrap_2d(out, s_begin + row, col, acc[o])
                         if row < count and col + 1 < n_out:
