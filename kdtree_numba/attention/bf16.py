@@ -44,7 +44,7 @@ from numba import float32, int32, uint32
 
 from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          masked_score)
+                                          masked_score, seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
@@ -294,6 +294,10 @@ def build_kernel(cfg: Bf16TileConfig):
         row_b = row_a + 8
         ok_a, ok_b = row_a < n_rows, row_b < n_rows
         query_a, query_b = row_a // heads, row_b // heads
+        # tiles of keys before this (cached, or new keys every query of the block sees) are
+        # scored without the mask
+        unmasked_end = min(prefix + seen_new_keys(visible, b, row0, min(row0 + M, n_rows) - 1,
+                                                  heads, tid, T), kend)
         # the lane's shared words, as a base plus compile-time steps (rows + 8 keep their
         # swizzle: bit 1 of the row is the same).  Scores: query rows 16 rg + g (+ 8), key row
         # key_row(g) (+ 8 nt), chunk t of panel p of the warp's half (+ p * PANEL words).
@@ -345,7 +349,7 @@ def build_kernel(cfg: Bf16TileConfig):
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
             mt_a = mt_b = NEG_INF
-            if t0 + N <= min(prefix, kend):  # cached keys only, all in range: no mask
+            if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
                 for x in range(SN):
                     sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
                     if x % 4 < 2:
