@@ -38,3 +38,27 @@ def test_table_groups_calls_and_sets_each_beside_its_roof(capsys):
     assert "| rmsnorm | - | 1 | 2.0 | 6.2% | - | - |" in out
     assert "| **sum of ops** | | 3 | 32.0 | 100% | 20.0 | 1.60x |" in out
     assert "glue and copies outside the ops: 8.0 us (20.0% of the replayed forward)" in out
+
+
+def test_prefill_forward_is_causal_and_takes_the_last_logits_only():
+    """--prefill profiles the forward the engine's prefill runs (Model.prefill: causal
+    attention, logit_rows = the last token), the default a chain verify (every row)."""
+    from types import SimpleNamespace
+    calls = []
+
+    class Fake:
+        config = SimpleNamespace(vocab_size=50)
+
+        def new_cache(self, bs, capacity):
+            return SimpleNamespace(advance=lambda lengths: calls.append(("advance", lengths)))
+
+        def forward(self, tokens, positions, cache, visible, **kw):
+            calls.append((tokens.shape, positions[0, 0], visible.shape, kw))
+
+    profile_ops._forward(Fake(), 6, 3, prefill=True)()
+    profile_ops._forward(Fake(), 6, 3)()
+    prefix, advance, prefill, _, _, verify = calls
+    assert prefix[:3] == ((1, 3), 0, (1, 3, 3)) and advance == ("advance", [3])
+    assert prefill[:3] == ((1, 6), 3, (1, 6, 6)) and prefill[3]["causal"] is True
+    assert prefill[3]["logit_rows"].tolist() == [5]
+    assert verify[:3] == ((1, 6), 3, (1, 6, 6)) and verify[3] == {}

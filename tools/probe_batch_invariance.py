@@ -47,15 +47,17 @@ from kdtree_numba.model import Model  # noqa: E402
 
 
 def build_model(size: str, gemm: str, backend: str, seed: int = 0,
-                attention_variant: str | None = None):
+                attention_variant: str | None = None, kv_cache: str = "float32"):
     """A model of ``size`` (module docstring) on ``backend`` with the ``gemm`` setting, its
-    attention forced to ``attention_variant`` when given."""
+    attention forced to ``attention_variant`` when given; ``kv_cache``: the latent cache's
+    dtype (the on-device sizes only)."""
     be = make_backend(backend, gemm=gemm)
     if attention_variant is not None:      # a tile layout of kdtree_numba/attention/plan.py
         be.ops.mla_attention = functools.partial(be.ops.mla_attention,
                                                  variant=attention_variant)
     if size in bench_engine.DEVICE_SIZES:
-        return random_model(bench_engine.DEVICE_SIZES[size](), be, seed=seed)
+        return random_model(bench_engine.DEVICE_SIZES[size](), be, seed=seed,
+                            kv_cache=kv_cache)
     return Model(size_config(size), dict(random_weights(size_config(size), seed)), be)
 
 

@@ -1,11 +1,13 @@
 """Where a forward's GPU time goes: each op of one forward replayed alone in a CUDA graph.
 
     python3 tools/profile_ops.py [--size kimi-slice] [--gemm tensor-cores] [--n 1,33,128]
-                                 [--prefix 128] [--replays 20] [--host]
+                                 [--prefix 128] [--replays 20] [--kv-cache float32]
+                                 [--prefill] [--host]
 
 tools/bench_engine.py gives a step's time beside its weight roof; this says which ops make the
-gap.  One forward of n tokens (n = 1: an AR decode; n > 1: a chain verify of n nodes) runs
-eagerly after a prefill of ``--prefix`` random tokens, with every op of ``backend.ops``
+gap.  One forward of n tokens (n = 1: an AR decode; n > 1: a chain verify of n nodes, or with
+``--prefill`` a prompt's prefill as the engine runs it: causal attention, the last token's
+logits) runs eagerly after a prefill of ``--prefix`` random tokens, with every op of ``backend.ops``
 wrapped.  Each op call is then captured alone in a CUDA graph (kdtree_numba/graphs.py) with
 the arguments it had and replayed ``--replays`` times between two CUDA events: its time is the
 GPU's plus one graph launch, as inside the engine's replayed forward.  The table groups the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 
@@ -79,26 +82,30 @@ def shape_label(name, args) -> str:
     return ""
 
 
-def _forward_args(model, n: int, prefix: int, seed: int = 0) -> tuple:
-    """A forward of n random tokens after a prefill of ``prefix`` random tokens (run here)."""
+def _forward(model, n: int, prefix: int, seed: int = 0, prefill: bool = False):
+    """``forward()``: a forward of n random tokens after a prefill of ``prefix`` random tokens
+    (run here); ``prefill``: as the engine's prefill runs it (causal attention, the last
+    token's logits only), else as a chain verify (every row's logits)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, model.config.vocab_size, (1, prefix + n))
     positions = np.arange(prefix + n)[None]
     cache = model.new_cache(1, prefix + n + 16)
     model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
     cache.advance([prefix])
-    return tokens[:, prefix:], positions[:, prefix:], cache, causal_mask(n)
+    extra = dict(causal=True, logit_rows=np.array([n - 1])) if prefill else {}
+    return functools.partial(model.forward, tokens[:, prefix:], positions[:, prefix:], cache,
+                             causal_mask(n), **extra)
 
 
-def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
+def profile(model, n: int, prefix: int, replays: int, seed: int = 0, prefill: bool = False):
     """(rows per op call: name, label, us, weight bytes; the whole forward's us, eager and
     replayed)."""
-    args = _forward_args(model, n, prefix, seed)
+    forward = _forward(model, n, prefix, seed, prefill)
     recorder = Recorder(model.backend,
                         entry=lambda name, fn, a, kw, out: (name, fn, a, kw))  # to replay it
     try:
         with eager_forwards(model):
-            calls = recorder.run(lambda: model.forward(*args))
+            calls = recorder.run(forward)
     finally:
         recorder.close()
     single = GraphCache(model.backend)
@@ -114,26 +121,26 @@ def profile(model, n: int, prefix: int, replays: int, seed: int = 0):
             us = gpu_us(lambda: fn(*a, **kw), replays)
             name += " (eager)"
         rows.append((name, label, us, nbytes))
-    whole = {"eager": eager_us(model, args)}
+    whole = {"eager": eager_us(model, forward)}
     if model.graphs is not None:
         for _ in range(2):       # the engine's path: eager, then captured
-            model.forward(*args)
-        whole["replayed"] = gpu_us(lambda: model.forward(*args), replays)
+            forward()
+        whole["replayed"] = gpu_us(forward, replays)
     return rows, whole
 
 
-def eager_us(model, args, repeats: int = 3) -> float:
+def eager_us(model, forward, repeats: int = 3) -> float:
     """Wall microseconds of the forward run eagerly (no graph, host launches inside, as a
     one-off shape such as a prompt's prefill runs), synchronised at both ends."""
     import time
 
     import cupy
     with eager_forwards(model):
-        model.forward(*args)
+        forward()
         cupy.cuda.Device().synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            model.forward(*args)
+            forward()
         cupy.cuda.Device().synchronize()
         return (time.perf_counter() - start) / repeats * 1e6
 
@@ -144,16 +151,16 @@ def host_profile(model, n: int, prefix: int, repeats: int = 3, top: int = 25) ->
     import io
     import pstats
 
-    args = _forward_args(model, n, prefix)
-    print(f"\neager forward of {n} token(s) after {prefix}: {eager_us(model, args) / 1e3:.2f} ms "
+    forward = _forward(model, n, prefix)
+    print(f"\neager forward of {n} token(s) after {prefix}: {eager_us(model, forward) / 1e3:.2f} ms "
           "wall (no profiler)")
     with eager_forwards(model):
-        model.forward(*args)                       # compiled and loaded before profiling
+        forward()                                  # compiled and loaded before profiling
         model.backend.synchronize()
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(repeats):
-            model.forward(*args)
+            forward()
         model.backend.synchronize()
         profiler.disable()
     out = io.StringIO()
@@ -199,17 +206,23 @@ def main(argv=None):
     p.add_argument("--n", default="1,33,128", help="comma-separated forward widths")
     p.add_argument("--prefix", type=int, default=128)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--prefill", action="store_true",
+                   help="each forward as the engine's prefill: causal attention, the last "
+                        "token's logits only (default: a chain verify, every row's logits)")
+    p.add_argument("--kv-cache", default="float32", choices=("float32", "bfloat16"),
+                   help="the latent cache's dtype (kimi-slice and the other on-device sizes)")
     p.add_argument("--host", action="store_true",
                    help="profile the eager forward's host time instead (module docstring)")
     args = p.parse_args(argv)
-    model = build_model(args.size, args.gemm, "numba")
+    model = build_model(args.size, args.gemm, "numba", kv_cache=args.kv_cache)
     for n in (int(v) for v in args.n.split(",")):
         if args.host:
             host_profile(model, n, args.prefix)
             continue
-        rows, whole = profile(model, n, args.prefix, args.replays)
-        print_table(rows, whole, f"{args.size}, gemm={args.gemm}, forward of {n} token(s) "
-                                 f"after {args.prefix}")
+        rows, whole = profile(model, n, args.prefix, args.replays, prefill=args.prefill)
+        what = "prefill" if args.prefill else "forward"
+        print_table(rows, whole, f"{args.size}, gemm={args.gemm}, {args.kv_cache} cache, "
+                                 f"{what} of {n} token(s) after {args.prefix}")
 
 
 if __name__ == "__main__":
