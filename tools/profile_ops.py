@@ -152,7 +152,8 @@ def host_profile(model, n: int, prefix: int, repeats: int = 3, top: int = 25) ->
     import pstats
 
     forward = _forward(model, n, prefix)
-    print(f"\neager forward of {n} token(s) after {prefix}: {eager_us(model, forward) / 1e3:.2f} ms "
+    eager_ms = eager_us(model, forward) / 1e3
+    print(f"\neager forward of {n} token(s) after {prefix}: {eager_ms:.2f} ms "
           "wall (no profiler)")
     with eager_forwards(model):
         forward()                                  # compiled and loaded before profiling

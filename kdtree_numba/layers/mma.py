@@ -187,17 +187,17 @@ def mma_tile(m: int) -> MmaConfig:
     return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
 
 
-# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): run 115 (wait for every
-# stage's products) 3078 us for the lm_head at M = 512, 0.54x cuBLAS, 64 x 128 mma.sync 4417
+# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): the lm_head at M = 512 in
+# 3078-3158 us (runs 115-119), 0.54x cuBLAS, where 64 x 128 on mma.sync took 4311-4417
 WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
 
 
 @functools.cache
 def wgmma_available() -> bool:
-    """Whether the current GPU runs warpgroup mma: compute capability 9.0, whose launches
-    numba-cuda compiles for sm_90a (tests/test_layers_mma.py guards that); never under the
-    simulator, which has no tensor cores, nor without a CUDA driver (a machine that only
-    compiles: tests/ptx_check.py)."""
+    """Whether the current GPU (looked up once) runs warpgroup mma: compute capability 9.0,
+    whose launches numba-cuda compiles for sm_90a (tests/test_tensorcore.py guards that);
+    never under the simulator, which has no tensor cores, nor without a CUDA driver (a
+    machine that only compiles: tests/ptx_check.py)."""
     if SIMULATOR:
         return False
     from numba.cuda.cudadrv.error import CudaSupportError
@@ -490,11 +490,10 @@ def ring_function(cfg: MmaConfig):
     through a ring of ``stages`` buffers in dynamic shared memory (the x ring, then the weight
     ring), ``stages - 1`` stages in flight (wgmma: ``stages - 2``, the buffer of the stage
     before being still read by its asynchronous products), one barrier per stage.  Rows come
-    from per-thread
-    tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` (int64) is the source row of
-    this thread's u-th x / weight chunk of every stage (-1: zero fill), so a caller may gather
-    rows (the MoE's tokens) or take them in order (the linear); run_ring turns them into its
-    cursors in place (the comment above ``_copy_chunk``)."""
+    from per-thread tables fixed for the whole loop: ``xrow[u]`` / ``wrow[u]`` (int64) is the
+    source row of this thread's u-th x / weight chunk of every stage (-1: zero fill), so a
+    caller may gather rows (the MoE's tokens) or take them in order (the linear); run_ring
+    turns them into its cursors in place (the comment above ``_copy_chunk``)."""
     BK, STAGES = cfg.bk, cfg.stages
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2          # words per stage

@@ -21,10 +21,10 @@ loop, looked up once), and in the gate_up launch the weight tile interleaves gat
 per warp: of a warp's ``tn`` n8 tiles (a warpgroup tile's: all BN / 8) the first half are
 gate rows and the second half the up rows of the same intermediate columns, so the thread
 holding gate(row, col) also holds up(row, col) and applies SwiGLU in the epilogue (its
-division by ``div.approx`` at every tile: ``common.silu_approx``).  h is rounded to bf16 once per layer and
-``act`` is stored as bf16 (the value the down GEMM multiplies either way), so both launches
-stream their x like their weights; run 60 found that x loaded through registers each stage,
-the design before, held decode to half the weight roof whatever the ring depth.
+division by ``div.approx`` at every tile: ``common.silu_approx``).  h is rounded to bf16 once
+per layer and ``act`` is stored as bf16 (the value the down GEMM multiplies either way), so
+both launches stream their x like their weights; run 60 found that x loaded through registers
+each stage, the design before, held decode to half the weight roof whatever the ring depth.
 
 No K slices: every output is one fp32 mma chain over K in k16 steps in panel order, the same
 for every tile and stage depth (bk only groups the panels), so a token's row does not depend
