@@ -19,6 +19,7 @@ import pytest
 from ptx_check import HOPPER_PRELUDE
 
 import reference.layers as ref
+from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
 from kdtree_numba.layers import mma as mm
 
 
@@ -324,7 +325,7 @@ def test_configs_and_splits():
         for m, cfg in zip((1, 9, 16, 17, 33, 65, 512, 4096), picks):
             assert cfg.bm >= min(m, 64) and cfg.bn in (64, 128)
             assert cfg.bm >= m or m > 80                     # up to 80 rows: one M tile
-            assert cfg.smem_bytes <= mm.MAX_SHARED_BYTES
+            assert cfg.smem_bytes <= MAX_SHARED_BYTES
         s = mm.mma_splits(n, k)
         assert s == 1 or -(-k // 64) // s >= 8                # >= 2 rings of stages per slice
     # products without K slices keep twice the N tiles at 65-80 rows (their only parallelism)

@@ -32,8 +32,10 @@ gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM beh
 * ``skinny``      -- the weight-streaming GEMM (SkinnyConfig, skinny_config);
 * ``tiled``       -- the tiled GEMM (tiled_config, its K slices, the kernel factory);
 * ``gemm_source`` -- the source generator of the tiled kernels, and their shape TiledConfig;
-* ``mma``         -- the bf16 tensor-core GEMM (MmaConfig, mma_config; method="mma" or
-  "tensor-cores", never "auto");
+* ``mma``         -- the bf16 tensor-core GEMM (method="mma" or "tensor-cores", never
+  "auto"): its kernels and launchers;
+* ``mma_plan``    -- its plan: MmaConfig, the tile and K slices for M rows (mma_config), the
+  warpgroup tile past 80 rows on sm_90, the error bound;
 * ``embedding``, ``argmax``;
 * ``moe``         -- routing (router_logits, route_from_logits, moe_route) and moe_ffn;
 * ``moe_mma``     -- the grouped expert GEMMs on tensor cores behind moe_ffn(method="mma");

@@ -2,11 +2,11 @@
 weights, x rounded to bf16 (to nearest, ties to even) once per call, fp32 accumulation on
 tensor cores (``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, gpu/tensorcore.py).
 
-Holds :class:`MmaConfig` (the tile shape), :func:`mma_config` and :func:`mma_splits` (the
-shapes linear() uses), the index math of the shared-memory tiles and fragments as plain
-functions (the kernel calls them as device functions; tests/test_layers_mma.py replays a whole
-block with them in NumPy against the PTX ISA's fragment layout), the kernel factory and the
-launcher.  Twin: reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md,
+Holds the index math of the shared-memory tiles and fragments as plain functions (the kernel
+calls them as device functions; tests/test_layers_mma.py replays a whole block with them in
+NumPy against the PTX ISA's fragment layout), the kernel factory and the launcher, and
+re-exports the plain-Python plan of layers/mma_plan.py (:class:`MmaConfig`,
+:func:`mma_config`, :func:`mma_splits`: the shapes linear() uses).  Twin: reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md,
 "bf16 tensor-core linear".
 
 In short: x is rounded to bf16 once per call (``_round_to_bf16_pairs``, ``cvt.rn.bf16x2.f32``)
@@ -47,20 +47,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory, block_sync,
-                                     cp_async_commit, cp_async_wait_1, cp_async_wait_2,
-                                     cp_async_wait_all, store_nowrap_2d)
+from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
+                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_all,
+                                     store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
                                          wgmma_wait_1, wgmma_wait_all)
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
+from kdtree_numba.layers.mma_plan import (  # noqa: F401  (re-exported: the GEMM's plan)
+    PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_alternatives, mma_config, mma_error_coefficient,
+    mma_splits, mma_tile, unsliced_tile, wgmma_available)
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_tile",
@@ -69,218 +71,7 @@ __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_t
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
            "round_to_bf16", "mma_linear", "mma_head_products"]
 
-PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
-WORDS = PANEL // 2
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """Tile shape: ``wm`` x ``wn`` warps (warp w: wm_i = w % wm, wn_i = w // wm), each ``tm``
-    m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32) in a ring of
-    ``stages`` shared-memory buffers (2 to 4; the cp.async ring of both kernels, linear and
-    grouped MoE, keeps ``stages - 1`` in flight);
-    ``splits`` K slices (separate blocks, then an ordered fp32 sum); ``max_registers``: a
-    ptxas cap (0: none).  BM = 16 wm tm, BN = 8 wn tn.  ``wgmma``: the stages multiplied
-    by warpgroup mma (sm_90a) instead, warpgroup q taking rows 64q .. 64q + 63 and all BN
-    columns (BM = 64 x threads / 128; wm, wn, tm and tn then only size the tile and the
-    staging; at least 3 stages: :func:`ring_function`).  mma_tile's pick past 80 rows on
-    sm_90 GPUs (session 24: bitwise mma.sync's rows on the H200, 1.4x its speed at M = 512).
-    ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
-    adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
-    memory, set by the launcher where the M x N tiles alone fill the GPU."""
-    wm: int = 4
-    wn: int = 2
-    tm: int = 2
-    tn: int = 8
-    bk: int = 64
-    splits: int = 1
-    max_registers: int = 0
-    stages: int = 3
-    wgmma: bool = False
-    slices_in_block: bool = False
-
-    @property
-    def bm(self) -> int:
-        return 16 * self.wm * self.tm
-
-    @property
-    def bn(self) -> int:
-        return 8 * self.wn * self.tn
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.wm * self.wn
-
-    @property
-    def stage_bytes(self) -> int:
-        return self.bk * (self.bm + self.bn) * 2            # one stage of bf16 x and w tiles
-
-    @property
-    def smem_bytes(self) -> int:
-        # wgmma: + 512 bytes to align the tiles to the 64-byte swizzle's 512-byte period,
-        # which the tensor cores apply to absolute shared addresses
-        return self.stages * self.stage_bytes + (512 if self.wgmma else 0)
-
-    @property
-    def x_chunks(self) -> int:
-        """16-byte x chunks each thread stages per K stage (whole: __post_init__ checks)."""
-        return self.bm * self.bk // 8 // self.threads
-
-    @property
-    def w_chunks(self) -> int:
-        """16-byte weight chunks each thread stages per K stage."""
-        return self.bn * self.bk // 8 // self.threads
-
-    def __post_init__(self):
-        if (min(self.wm, self.wn, self.tm, self.tn, self.splits) < 1 or self.bk % PANEL
-                or self.bk <= 0 or self.threads > 1024 or not 2 <= self.stages <= 4
-                or self.smem_bytes > MAX_SHARED_BYTES
-                or (self.bn * self.bk // 8) % self.threads
-                or (self.bm * self.bk // 8) % self.threads
-                or self.threads % (self.bk // 8)
-                or self.wgmma and (self.threads % 128 or self.bm != self.threads // 2
-                                   or self.bn > 256 or self.stages < 3)):
-            raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
-                             f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
-                             f"thread, each thread's vectors at one column of a stage; wgmma: "
-                             f"64 rows per warpgroup of 128 threads, BN <= 256, >= 3 stages")
-
-    @property
-    def frag_tiles(self) -> tuple:
-        """(m16 tiles, n8 tiles) of a thread's accumulators, acc[4 (i * tiles_n + j) + e] in
-        mma.sync's C layout: tm x tn, or with wgmma 1 x BN / 8 (a warp's 16 rows of its
-        warpgroup's 64 by all BN columns)."""
-        return (1, self.bn // 8) if self.wgmma else (self.tm, self.tn)
-
-
-# The K slices' unit: a slice is whole 64-element units (mma_splits, a function of N and K
-# only) whatever the tile's stage bk, so every tile sums a row in the same order and a row's
-# result does not depend on M.  A stage of 128 that runs past its slice's end zero-fills the
-# rest, and mma steps of zeros add exactly 0.
-SLICE_UNIT = 64
-
-
-def mma_tile(m: int) -> MmaConfig:
-    """The linear's tile for m rows (its K slices: :func:`mma_splits`).  Up to 16 rows (decode) 16
-    x 128 in 3 stages of bk = 128: with cp.async's L2::256B prefetch (gpu/memory.py) each weight
-    row's 256 bytes of a stage come from DRAM as one burst: lm_head M = 1 613 -> 539 us, 0.80 ->
-    0.91 of the DRAM peak (runs 110-111; bk = 128 without the hint 627 us, the hint at bk = 64
-    606).  Elsewhere bk = 64.  Up to 80 rows one M tile of whole m16 tiles, 4 warps side by side
-    in N, so a verify's 33-80 rows read the weights once (two 64-row tiles did twice the mma
-    work at M = 65: the lm_head at 0.41x cuBLAS, run 62): BM x 128 (BM = 16 ceil(m / 16); 4
-    stages up to 32 rows, 3 from 33).  At 65-80 rows a warp's 80 x 32 fragments need 168
-    registers (no spill since the cursors of run 101); its ldmatrix bytes per mma are 0.58x
-    those of the 80 x 64 tile before, which waited on shared memory and L2 (run 107): lm_head
-    807 -> 670 us (run 108).  Past 80 rows 64 x 128 (4 warps of 32 x 64, 3 stages; 128 x 128
-    takes 166 registers at 256 threads: one block an SM), or where :func:`wgmma_available`
-    128 x 128 by two warpgroups' wgmma in 4 stages (one stage's products in flight while the
-    next is staged).  Every tile gives a row the same bits (bk and the K slices do not depend
-    on it; wgmma sums a k16 step as mma.sync does: equal bits on the H200, session 24).
-    Products without K slices take :func:`unsliced_tile`."""
-    mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
-    if mt16 == 1:
-        return MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=128, stages=3)
-    if mt16 <= 5:
-        return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4 if mt16 <= 2 else 3)
-    if wgmma_available():
-        return WGMMA_TILE
-    return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
-
-
-# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): the lm_head at M = 512 in
-# 3078-3158 us (runs 115-119), 0.54x cuBLAS, where 64 x 128 on mma.sync took 4311-4417
-WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
-
-
-@functools.cache
-def wgmma_available() -> bool:
-    """Whether the current GPU (looked up once) runs warpgroup mma: compute capability 9.0,
-    whose launches numba-cuda compiles for sm_90a (tests/test_tensorcore.py guards that);
-    never under the simulator, which has no tensor cores, nor without a CUDA driver (a
-    machine that only compiles: tests/ptx_check.py)."""
-    if SIMULATOR:
-        return False
-    from numba.cuda.cudadrv.error import CudaSupportError
-    try:
-        return tuple(cuda.get_current_device().compute_capability) == (9, 0)
-    except CudaSupportError:
-        return False
-
-
-def unsliced_tile(m: int) -> MmaConfig:
-    """:func:`mma_tile` for the products without K slices (the grouped MoE's launches, the
-    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows
-    80 x 64 in 4 stages, as before run 108, not 80 x 128, which would halve their blocks
-    (a dense FFN's down projection: 56 blocks for 132 SMs; the verify of 65 nodes 5.64 ->
-    6.00 ms in run 113).  The same bits either way (no K slices); past 80 rows mma_tile's
-    (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
-    if max(1, -(-m // 16)) == 5:
-        return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
-    return mma_tile(m)
-
-
-def mma_config(m: int, n: int, k: int) -> MmaConfig:
-    """The tile for an [m, k] x [n, k]^T product: :func:`mma_tile` with the K slices of
-    :func:`mma_splits`, which does not look at m: a row's result is the same at every M
-    (docs/LAYERS.md, "bf16 tensor-core linear")."""
-    return dataclasses.replace(mma_tile(m), splits=mma_splits(n, k))
-
-
-def mma_alternatives(m: int, n: int, k: int) -> dict:
-    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig;
-    past 80 rows both warpgroup and warp mma, whichever the GPU picked).
-    Every one keeps mma_splits' K slices (whole units of SLICE_UNIT at any bk), so each gives
-    bitwise the default's result: only speed differs."""
-    if m <= 16:       # the default is 16 x 128 in 3 stages of 128
-        shapes = {"bk64-4stage": dict(wm=1, wn=4, tm=1, tn=4, stages=4),   # before run 110
-                  "bk128-2stage": dict(wm=1, wn=4, tm=1, tn=4, bk=128, stages=2)}
-    elif m <= 80:
-        mt16 = -(-m // 16)
-        shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),      # the tile of run 62
-                  f"{16 * mt16}x64": dict(wm=1, wn=4, tm=mt16, tn=2, stages=3)}
-        if mt16 == 5:   # the tiles before the default (run 108): narrower N, more ldmatrix
-            shapes.update({"80x64-4stage": dict(wm=1, wn=4, tm=5, tn=2, stages=4),
-                           "80x96": dict(wm=1, wn=4, tm=5, tn=3, stages=3)})
-    else:
-        shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
-                  "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
-                  "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4),
-                  "mma.sync-64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),
-                  # warpgroup mma: 2 warpgroups of 64 x 128 (96 registers) or one; at 64 x
-                  # 256 NVVM leaves the 128 accumulators in local memory.  3 stages keep
-                  # one in flight beside the products (4: two)
-                  "wgmma-128x128-3stage": dict(wm=2, wn=4, tm=4, tn=4, stages=3, wgmma=True),
-                  "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=4, wgmma=True)}
-    out = {}
-    for name, shape in shapes.items():
-        cfg = MmaConfig(**dict(shape, splits=1))
-        out[name] = dataclasses.replace(cfg, splits=mma_splits(n, k))
-    return out
-
-
-def mma_splits(n: int, k: int) -> int:
-    """K slices: doubled (up to 64) while one row of 128-wide N tiles (the grid at M <= BM)
-    has fewer than four blocks per SM and each slice keeps >= 8 stages of 64 (twice the
-    deepest ring).  A function of N and K only, never of M or the tile, so the linear is
-    batch invariant across M: a row's result is bitwise the same whatever M (its partial
-    sums, 8 S M N bytes written and read back, mostly in L2, grow with M: at M = 512 for q_a
-    they are about twice the weight bytes)."""
-    tiles = -(-n // 128)
-    stages = -(-k // SLICE_UNIT)
-    splits = 1
-    while splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 8:
-        splits *= 2
-    return splits
-
-
-def mma_error_coefficient(k: int, splits: int = 1, bk: int = PANEL) -> float:
-    """c with |y - reference| <= c * sum_k |x_k w_k| per output (docs/LAYERS.md): 2^-8 for
-    rounding x to bf16, 2^-20 per k16 mma step of the longest K slice (16 units of 2^-24: a
-    model of the tensor core's truncating fp32 accumulation, with margin), one 2^-24 per slice
-    addition, one for the reference's own float32 rounding."""
-    stages = -(-k // bk)
-    steps = -(-stages // splits) * (bk // 16)
-    return 2.0 ** -8 + (1 + 2.0 ** -8) * (16 * steps + splits) * 2.0 ** -24 + 2.0 ** -24
+WORDS = PANEL // 2  # uint32 words of a panel row (64 bytes)
 
 
 # ------------------------------------------------------------------ index math (plain Python)
