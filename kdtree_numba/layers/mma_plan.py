@@ -18,7 +18,7 @@ from kdtree_numba.compat import SIMULATOR, cuda
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
 from kdtree_numba.layers.common import GPU_SMS
 
-__all__ = ["PANEL", "SLICE_UNIT", "MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile",
+__all__ = ["PANEL", "SLICE_UNIT", "MmaConfig", "WARP_TILE", "WGMMA_TILE", "wgmma_available", "mma_tile",
            "unsliced_tile", "mma_config", "mma_splits", "mma_error_coefficient",
            "mma_alternatives"]
 
@@ -134,11 +134,11 @@ def mma_tile(m: int) -> MmaConfig:
         return MmaConfig(wm=1, wn=4, tm=1, tn=4, bk=128, stages=3)
     if mt16 <= 5:
         return MmaConfig(wm=1, wn=4, tm=mt16, tn=4, stages=4 if mt16 <= 2 else 3)
-    if wgmma_available():
-        return WGMMA_TILE
-    return MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
+    return WGMMA_TILE if wgmma_available() else WARP_TILE
 
 
+# Past 80 rows without wgmma: 4 warps of 32 x 64, 3 stages
+WARP_TILE = MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
 # 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): the lm_head at M = 512 in
 # 3078-3158 us (runs 115-119), 0.54x cuBLAS, where 64 x 128 on mma.sync took 4311-4417
 WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
@@ -197,11 +197,11 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
         shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
                   "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
                   "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4),
-                  "mma.sync-64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),
+                  "mma.sync-64x128": dataclasses.asdict(WARP_TILE),
                   # warpgroup mma: 2 warpgroups of 64 x 128 (96 registers) or one; at 64 x
                   # 256 NVVM leaves the 128 accumulators in local memory.  3 stages keep
                   # one in flight beside the products (4: two)
-                  "wgmma-128x128-3stage": dict(wm=2, wn=4, tm=4, tn=4, stages=3, wgmma=True),
+                  "wgmma-128x128-3stage": dict(dataclasses.asdict(WGMMA_TILE), stages=3),
                   "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=4, wgmma=True)}
     out = {}
     for name, shape in shapes.items():

@@ -87,7 +87,8 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
 
     FTM, FTN = cfg.frag_tiles
     if FTN % 2:
-        raise ValueError(f"moe_mma_kernel needs an even tn (gate and up halves), got {cfg}")
+        raise ValueError(f"moe_mma_kernel needs an even count of n8 accumulator tiles "
+                         f"(gate and up halves), got {cfg}")
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
     HALF = FTN // 2
