@@ -243,9 +243,9 @@ def _reference_ops() -> SimpleNamespace:
     ops.update({name: getattr(reference_ddtree, name) for name in DDTREE_OPS})
 
     def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
-                      causal=False):
-        """``reference.attention.mla_attention``; ``max_keys`` (the numba twin's split-plan
-        hint for a device ``prefix_len``) does not change the result, so it is ignored."""
+                      prefill=False, causal=False):
+        """``reference.attention.mla_attention``; ``max_keys`` and ``prefill`` (the numba
+        twin's split-plan hints) do not change the result, so they are ignored."""
         return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible,
                                                  tau, causal=causal)
     ops["mla_attention"] = mla_attention

@@ -398,6 +398,53 @@ def test_batch_invariant_plan_gives_decode_and_verify_the_same_bits(needs_kernel
 
 
 @pytest.mark.parametrize("variant", SIM_VARIANTS)
+def test_batch_invariant_prefill_plan_takes_each_row_in_one_split(needs_kernels, variant,
+                                                                 monkeypatch):
+    """prefill=True under batch_invariant: each row's keys in one split (no partial outputs),
+    and still a prompt's bits whatever its batch and cache: a 21-token causal prefill after 19
+    cached keys, alone against a tight cache, equals the same request batched with a shorter
+    one against a cache 40 slots larger -- where the fixed 16-key plan splits it 3 ways."""
+    from kdtree_numba.attention import mla
+    monkeypatch.setattr(mla, "INVARIANT_SPLIT_KEYS", 16)
+    mla.clear_plan_cache()
+    kernels = _numba()
+    rng = np.random.default_rng(31)
+    n, heads, r, dr, prefix = 21, 2, 8, 4, 19
+    f32 = np.float32
+    wide = prefix + n + 40
+
+    def batch(prefixes, slots):
+        bs = len(prefixes)
+        return dict(q_abs=rng.standard_normal((bs, n, heads, r)).astype(f32),
+                    q_pe=rng.standard_normal((bs, n, heads, dr)).astype(f32),
+                    ckv=rng.standard_normal((bs, slots, r)).astype(f32),
+                    kpe=rng.standard_normal((bs, slots, dr)).astype(f32),
+                    prefix_len=np.array(prefixes, np.int32),
+                    visible=np.broadcast_to(np.tril(np.ones((n, n), bool)), (bs, n, n)).copy(),
+                    tau=0.3)
+    both = batch([prefix, 3], wide)
+    alone = {k: (v[:1, :prefix + n] if k in ("ckv", "kpe") else v[:1])
+             if isinstance(v, np.ndarray) else v for k, v in both.items()}
+    try:
+        fixed = kernels.MlaAttentionPlan(2, n, heads, r, dr, wide, variant=variant,
+                                         batch_invariant=True)
+        whole = kernels.MlaAttentionPlan(2, n, heads, r, dr, wide, variant=variant,
+                                         batch_invariant=True, prefill=True)
+        assert fixed.splits == -(-wide // 16) and whole.splits == 1
+        got = kernels.mla_attention(**both, variant=variant, batch_invariant=True,
+                                    prefill=True, causal=True).copy_to_host()
+        _assert_matches_reference(both, got)
+        one = kernels.mla_attention(**alone, variant=variant, batch_invariant=True,
+                                    prefill=True, causal=True).copy_to_host()
+        assert one[0].tobytes() == got[0].tobytes()
+        split = kernels.mla_attention(**alone, variant=variant, batch_invariant=True,
+                                      causal=True).copy_to_host()
+        assert split.tobytes() != one.tobytes()     # the flag changed the partition
+    finally:
+        mla.clear_plan_cache()
+
+
+@pytest.mark.parametrize("variant", SIM_VARIANTS)
 def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, variant):
     """The kernel moves its softmax reference point only when a score exceeds it by more than
     RESCALE_SLACK (8): scores that rise by 3 per key force many mid-stream rescales, scores

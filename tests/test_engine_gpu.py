@@ -114,6 +114,25 @@ def test_gpu_ddtree_greedy_equals_gpu_ar(size, budget):
         assert dd.tokens == ar.tokens, drafter.name
 
 
+def test_gpu_tensor_cores_ddtree_equals_ar_and_a_prompt_alone_its_batch():
+    """Under gemm="tensor-cores" every op is batch invariant (docs/ENGINE.md, "Tensor
+    cores"): DDTree's greedy tokens equal AR's, and each prompt decodes to the same tokens
+    alone as in a ragged batch -- its prefill (one key split a row, kdtree_numba/attention/
+    mla.py), decodes and verifies get the same bits whatever shares their forward."""
+    from kdtree_numba.backends import make_backend
+    cfg = size_config("medium", num_hidden_layers=2)
+    tc = Model(cfg, _bf16_weights("medium", num_hidden_layers=2),
+               make_backend("numba", gemm="tensor-cores"))
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, tc.vocab_size, n).tolist() for n in (5, 70, 1, 17)]
+    ar = generate(tc, prompts, 20)
+    assert [generate(tc, [p], 20).tokens[0] for p in prompts] == ar.tokens
+    for budget in (8, 32):
+        dd = generate(tc, prompts, 20, method="ddtree", budget=budget,
+                      drafter=NoisyOracleDrafter(tc, 6, agreement=0.7, seed=2, sharpness=3.0))
+        assert dd.tokens == ar.tokens, budget
+
+
 def test_gpu_greedy_tokens_match_reference():
     ref, gpu = pair("tiny", seed=4)
     prompts = [[3, 1, 4, 1, 5, 9], [2, 7]]

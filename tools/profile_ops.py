@@ -92,7 +92,7 @@ def _forward(model, n: int, prefix: int, seed: int = 0, prefill: bool = False):
     cache = model.new_cache(1, prefix + n + 16)
     model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
     cache.advance([prefix])
-    extra = dict(causal=True, logit_rows=np.array([n - 1])) if prefill else {}
+    extra = dict(causal=True, prefill=True, logit_rows=np.array([n - 1])) if prefill else {}
     return functools.partial(model.forward, tokens[:, prefix:], positions[:, prefix:], cache,
                              causal_mask(n), **extra)
 

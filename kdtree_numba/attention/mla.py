@@ -107,6 +107,11 @@ class MlaAttentionPlan:
     size, against caches of any capacity, give a token the same bits when its keys sit at the
     same slots (within a split, keys are grouped by slot).  The price is more partial outputs
     at large n and long prefixes (docs/ATTENTION.md, "Batch invariance").
+    ``prefill``: the call computes a prompt's rows, whose bits no decode or verify row must
+    share; with ``batch_invariant`` each row then takes its keys in one split, which still
+    depends on nothing but the request's own keys (a prompt gets the same bits alone or in a
+    batch, against any capacity) but writes no partial outputs: at 4,096 prompt tokens the
+    fixed splits cost 2.9x the time (run 121).  Without ``batch_invariant`` it changes nothing.
     ``rows``: query-heads per tensor-core block (16, 32, 64; None: :func:`~kdtree_numba.
     attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
     ``bf16_cache``: ckv and kpe hold bf16 bit patterns (uint16); the plan runs the bf16
@@ -114,7 +119,8 @@ class MlaAttentionPlan:
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
-                 variant=None, batch_invariant=False, rows=None, bf16_cache=False, stream=0):
+                 variant=None, batch_invariant=False, prefill=False, rows=None,
+                 bf16_cache=False, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
         self.bf16_cache = bool(bf16_cache)
@@ -134,8 +140,10 @@ class MlaAttentionPlan:
         max_keys = max_len if max_keys is None else min(int(max_keys), max_len)
         if keys_per_split is None and batch_invariant:
             # every tile layout computes a row alone (its own scores, softmax and outputs), so
-            # only the key partition can tie a row's sums to the call: fix it
-            keys_per_split = -(-INVARIANT_SPLIT_KEYS // self.cfg.keys) * self.cfg.keys
+            # only the key partition can tie a row's sums to the call: fix it (a prefill's:
+            # all its keys in one split)
+            keys = max(1, max_keys) if prefill else INVARIANT_SPLIT_KEYS
+            keys_per_split = -(-keys // self.cfg.keys) * self.cfg.keys
         if keys_per_split is None:
             splits = choose_splits(row_tiles * bs, max_keys, self.cfg.keys, _sm_count(),
                                    4 * self.cfg.rows * (r + 2))
@@ -238,10 +246,11 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible, bf16_cache)
 
 
 @lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, rows, bf16_cache):
+def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
+                 bf16_cache):
     return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
-                            variant=variant, batch_invariant=batch_invariant, rows=rows,
-                            bf16_cache=bf16_cache)
+                            variant=variant, batch_invariant=batch_invariant, prefill=prefill,
+                            rows=rows, bf16_cache=bf16_cache)
 
 
 def clear_plan_cache() -> None:
@@ -251,8 +260,8 @@ def clear_plan_cache() -> None:
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
-                  keys_per_split=None, variant=None, batch_invariant=False, rows=None,
-                  causal=False, stream=0):
+                  keys_per_split=None, variant=None, batch_invariant=False, prefill=False,
+                  rows=None, causal=False, stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -263,7 +272,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
     tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
-    bits do not depend on n (see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
+    bits do not depend on n; ``prefill``: a prompt's call, planned for speed under
+    ``batch_invariant`` (both: see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
     """
@@ -272,7 +282,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
     bf16_cache = np.dtype(ckv.dtype) == np.uint16
-    plan = _cached_plan(shape, max_keys, keys_per_split, variant, bool(batch_invariant), rows,
-                        bf16_cache)
+    invariant = bool(batch_invariant)
+    plan = _cached_plan(shape, max_keys, keys_per_split, variant, invariant,
+                        invariant and bool(prefill), rows, bf16_cache)
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
                 causal=causal)
