@@ -419,6 +419,26 @@ def test_skinny_f32_load_variants_are_bit_identical(gpu_layers):
     assert np.all(np.abs(results["xchg"] - ref.linear(x, w)) <= fp32_dot_bound(x, w, k + 10))
 
 
+def test_skinny_x_major_grid_gives_the_same_bits_and_is_picked_for_a_large_x(gpu_layers):
+    """x_major orders the linear's blocks weight tile fastest (blocks sharing x rows together):
+    only which block runs when changes, so the bits are the default order's, also with a
+    partial last x chunk (M = 13, mt = 4), a partial weight tile (N = 7, rows = 2) and split-K.
+    skinny_config picks it where x outgrows L2 and the weight (the float32 router at a long
+    prefill)."""
+    rng = np.random.default_rng(77)
+    x = rng.standard_normal((13, 96)).astype(np.float32)
+    w = rng.standard_normal((7, 96)).astype(np.float32)
+    for splits in (1, 2):
+        got = [host(gpu_layers.linear(x, w, config=gpu_layers.SkinnyConfig(
+            mt=4, rows=2, threads=32, unroll=2, splits=splits, x_major=major)))
+            for major in (False, True)]
+        assert got[0].tobytes() == got[1].tobytes(), splits
+        assert np.all(np.abs(got[1] - ref.linear(x, w)) <= fp32_dot_bound(x, w, 96 + 10))
+    assert gpu_layers.skinny_config(4096, 64, 7168, "f32").x_major
+    assert not gpu_layers.skinny_config(65, 64, 7168, "f32").x_major   # x fits L2 (run 123)
+    assert not gpu_layers.skinny_config(16, 2112, 7168, "bf16").x_major
+
+
 def test_f32_exchange_load_gives_every_lane_its_chunk(gpu_layers):
     """The xchg loader itself, with the shuffle emulated through shared memory: lanes 0-15
     load the first halves of the warp's chunks, lanes 16-31 the second halves, and one xor-16
@@ -739,6 +759,8 @@ for k, n in [(7168, 1536), (7168, 576), (2048, 7168), (7168, 163840), (7168, 384
     for m in (17, 65, 100, 1100):      # (splits is a launch argument: one kernel for all)
         for kind in ("f32", "bf16"):
             configs.add(("tiled", dataclasses.replace(L.tiled_config(m, n, k), splits=1), kind))
+for m in (512, 4096):             # the float32 router past 16 rows (tensor-cores): x_major
+    configs.add(("linear", L.skinny_config(m, 64, 7168, "f32"), "f32"))
 for change in L.TILED_ALTERNATIVES.values():     # what tools/bench_layers.py times
     for kind in ("f32", "bf16"):
         configs.add(("tiled_alternative", dataclasses.replace(L.tiled_config(65, 1536, 7168),

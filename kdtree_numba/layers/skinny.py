@@ -239,13 +239,17 @@ class SkinnyConfig:
     sharing one row's K range (split-K, then an ordered sum); ``f32_load`` how float32 weight
     vectors are read: "xchg" (dense half-warp loads + one shuffle exchange), "stream" (two
     plain 16-byte loads per lane, L1 bypassed) or "cached" (the same through L1).  The three
-    give bit-identical results; bf16 weights ignore it."""
+    give bit-identical results; bf16 weights ignore it.  ``x_major``: the linear's blocks that
+    share x rows run together (weight tiles fastest in the grid) instead of those that share a
+    weight tile; for an x larger than the weight (the float32 router at a prefill's thousands of
+    rows), which otherwise comes from HBM once per weight tile.  Same bits either way."""
     mt: int
     rows: int
     threads: int
     unroll: int
     splits: int = 1
     f32_load: str = "xchg"
+    x_major: bool = False
 
     def __post_init__(self):
         nacc = self.mt * self.rows
@@ -269,6 +273,8 @@ def skinny_threads(k: int) -> int:
     return min(max(pow2_floor(k // CHUNK // 4), 32), 256)
 
 
+X_MAJOR_MIN_BYTES = 32 << 20   # x beyond this much of the H200's 50 MB L2 is streamed again
+
 # (rows, unroll) per mt, most rows first: each <= ~130 registers per thread on sm_90 for fp32
 # and bf16 weights, no local memory (ptxas via nvJitLink; test_kernels_compile_to_registers_only),
 # so 3-4 blocks of 128 threads fit an SM.
@@ -281,15 +287,17 @@ ROWS_UNROLL = {1: ((8, 2), (4, 2), (2, 4), (1, 4)),
 
 def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
     """Default kernel shape for an [m, k] x [n, k]^T product: the most weight rows per block
-    that still gives every SM four blocks (the simulator: the fewest blocks); threads from k
-    alone (batch invariance).  Four, not two: the 2026-11-29 sweep at M = 1 found rows=2 best
+    that still gives every SM four blocks, x chunks times weight tiles (the simulator: the
+    fewest blocks); threads from k alone (batch invariance; rows, unroll and the grid order
+    change no bit), ``x_major`` for an x that outgrows L2.  Four, not two: the 2026-11-29 sweep at M = 1 found rows=2 best
     for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block choices rows=4 / 2.
     See docs/LAYERS.md; tools/bench_layers.py --only sweep."""
     mt = mt_for(m)
     choices = ROWS_UNROLL[mt]
     rows, unroll = choices[-1]
+    m_chunks = -(-m // mt)
     for cand_rows, cand_unroll in choices:
-        if SIMULATOR or -(-n // cand_rows) >= 4 * GPU_SMS:
+        if SIMULATOR or -(-n // cand_rows) * m_chunks >= 4 * GPU_SMS:
             rows, unroll = cand_rows, cand_unroll
             break
     if wkind == "f32" and mt <= 2 and rows * unroll > 4 and (mt, rows) != (1, 2):
@@ -298,12 +306,18 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
         # Not at one x row and two weight rows: the full sweep of run 13 (7168 -> 1536, the
         # shape that picks rows = 2) timed unroll 4 at 14.3 us against 15.3 us for 2.
         unroll = max(1, unroll // 2)
-    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k), unroll=unroll, splits=1)
+    # x past what L2 keeps (and larger than the weight) came from HBM again per weight tile:
+    # the router at 4,096 rows, 1,721 -> 801 us with rows = 2 (889 us in the old order); at
+    # 65 rows, where x fits, the order cost 123 -> 151 us (run 123)
+    x_bytes = m * k * 4
+    x_major = x_bytes > X_MAJOR_MIN_BYTES and x_bytes > n * k * (4 if wkind == "f32" else 2)
+    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k), unroll=unroll, splits=1,
+                        x_major=x_major)
 
 
 @functools.cache
 def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
-    mt, nr, threads = cfg.mt, cfg.rows, cfg.threads
+    mt, nr, threads, x_major = cfg.mt, cfg.rows, cfg.threads, cfg.x_major
     nacc, warps = mt * nr, threads // 32
     accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load))
     block_reduce = make_block_reduce(nacc, threads)
@@ -313,13 +327,20 @@ def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
     @kernel
     def skinny_linear(x, w, out, m_total, n_total, k8, n_mchunks, splits):
         """out[s, m, n] = split s's share of x[m] . w[n]; 1-D grid, m-chunk fastest (blocks
-        that share a weight tile run together, so a tile comes from HBM about once)."""
+        that share a weight tile run together, so a tile comes from HBM about once), or with
+        ``x_major`` weight tile fastest (blocks that share x rows run together)."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
         bid = cuda.blockIdx.x
-        m0 = (bid % n_mchunks) * mt
-        s = (bid // n_mchunks) % splits
-        n0 = (bid // n_mchunks // splits) * nr
+        if x_major:
+            n_tiles = (n_total + nr - 1) // nr
+            n0 = (bid % n_tiles) * nr
+            s = (bid // n_tiles) % splits
+            m0 = (bid // n_tiles // splits) * mt
+        else:
+            m0 = (bid % n_mchunks) * mt
+            s = (bid // n_mchunks) % splits
+            n0 = (bid // n_mchunks // splits) * nr
         xrows = cuda.local.array(mt, np.int32)
         wrows = cuda.local.array(nr, np.int32)
         acc = cuda.local.array(nacc, np.float32)
