@@ -420,3 +420,28 @@ def test_replay_drafter_on_the_device_refills_one_buffer():
         assert got is first                                   # the same buffer every round
         assert np.array_equal(np.asarray(got), want)
         assert (np.asarray(got) != 0).sum() == 2 * 2 * 4      # two peaks per row, no leftovers
+
+
+def test_replay_drafter_peaks_at_the_future_with_the_agreement_uniforms():
+    """Row d of request b peaks (12) at the true token at depth d + 1 where the round's d-th
+    uniform of b is below the agreement, else at (true + 1 + d) % V -- 0 past the future's end
+    -- with a runner-up (6) 7 tokens on: checked against a per-position loop over the same
+    generator's draws, in request-major order."""
+    from kdtree_numba.backends import make_backend
+    be = make_backend("reference")
+    V, L = 50, 6
+    futures = [list(range(3, 12)), [49, 48, 47, 46, 45, 44, 43, 42, 41, 40, 39]]
+    drafter = bench_engine.ReplayDrafter(be, V, futures, 0.6, block_len=L, seed=11)
+    drafter.start(2, 64)
+    oracle = np.random.default_rng(11)
+    for hist in ([[3, 4], [49]], [[3, 4, 5, 6, 7], list(range(8))]):
+        got = np.asarray(drafter.propose(hist))
+        for b, h in enumerate(hist):
+            for d in range(L):
+                p = len(h) + d
+                true = futures[b][p] if p < len(futures[b]) else 0
+                tok = true if oracle.random() < 0.6 else (true + 1 + d) % V
+                want = np.zeros(V, np.float32)
+                want[tok] = 12.0
+                want[(tok + 7) % V] = 6.0
+                assert np.array_equal(got[b, d], want), (b, d)

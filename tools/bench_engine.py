@@ -117,13 +117,16 @@ class ReplayDrafter:
 
     def propose(self, histories):
         bs, L, V = len(histories), self.block_len, self.vocab_size
-        toks = np.zeros((bs, L), np.int64)
+        # whole arrays, not a Python loop per position: the host builds this while the GPU
+        # idles (~0.4 ms a round at batch 1, run 124); the same uniforms in the same order
+        depths = np.arange(L)
+        true = np.zeros((bs, L), np.int64)
         for b, h in enumerate(histories):
             full = self.futures[b]
-            for d in range(L):
-                p = len(h) + d
-                true = full[p] if p < len(full) else 0
-                toks[b, d] = true if self.rng.random() < self.agreement else (true + 1 + d) % V
+            ahead = np.asarray(full[len(h):len(h) + L], np.int64)
+            true[b, :ahead.size] = ahead
+        hit = self.rng.random((bs, L)) < self.agreement
+        toks = np.where(hit, true, (true + 1 + depths) % V)
         rows, depths = np.indices((bs, L))
         if self.on_device:
             # one buffer and index pair per shape, refilled in stream order: a round's tree
