@@ -7,7 +7,9 @@
 #   SERIAL="id-substring ..."  SERIAL_T=300   tests whose node id contains one of these run in
 #                                        one process after the shards: those that hold large
 #                                        device arrays (Kimi-width experts, ~16 GB a process:
-#                                        eight shards of them ran out of memory in run 111)
+#                                        eight shards of them ran out of memory in run 111);
+#                                        SERIAL_T must leave ~30 s for the process's exit
+#                                        (run 119: killed after printing "21 passed" at 170 s)
 #   PRE_CMD='ncu ... python3 tools/profile_ddtree.py'   run alone first (GPU quiet)
 #   SAN_TESTS="tests/x.py::test_y"       under compute-sanitizer memcheck, beside the shards
 #   BENCHES="tools/bench_ddtree.py;tools/bench_layers.py --only moe"  BENCH_T=120
