@@ -312,7 +312,14 @@ def test_causal_plan_skips_keys_after_each_blocks_last_query_with_the_same_bits(
     ValueError, in the twin as in the reference."""
     kernels = _numba()
     rng = np.random.default_rng(9)
-    bs, n, heads, r, dr, cap, chunk = 3, 20, 2, 8, 4, 64, 16
+    bs, heads, r, dr = 3, 2, 8, 4
+    # a split that holds every key of the first block's queries, so that block skips the
+    # next split: 16 keys where a block has 4 queries (the simulator's 8-row tiles), 32 on a
+    # GPU (64 rows); run 129 found the fixed 16 left no such block there
+    cfg = kernels.tile_config(r, dr, variant)
+    per_block = cfg.rows // heads
+    chunk = max(16, -(-per_block // cfg.keys) * cfg.keys)
+    n, cap = max(20, per_block + 8), 4 * chunk
     visible = np.stack([tree_visible([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
                         for _ in range(bs)])
     prob = dict(q_abs=rng.standard_normal((bs, n, heads, r)).astype(np.float32),
@@ -330,7 +337,7 @@ def test_causal_plan_skips_keys_after_each_blocks_last_query_with_the_same_bits(
     got = plan(*args, causal=True).copy_to_host()
     _assert_matches_reference(prob, got)
     assert got.tobytes() == want.tobytes()
-    # request 2 (no prefix): a block whose last query q has q + 1 <= 16 keys skips split 1
+    # request 2 (no prefix): a block whose last query q has q + 1 <= chunk keys skips split 1
     rows = plan.cfg.rows
     skipped = [row for row in range(n * heads)
                if ((row // rows + 1) * rows - 1) // heads + 1 <= chunk]
