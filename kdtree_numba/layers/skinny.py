@@ -241,8 +241,8 @@ class SkinnyConfig:
     plain 16-byte loads per lane, L1 bypassed) or "cached" (the same through L1).  The three
     give bit-identical results; bf16 weights ignore it.  ``x_major``: the linear's blocks that
     share x rows run together (weight tiles fastest in the grid) instead of those that share a
-    weight tile; for an x larger than the weight (the float32 router at a prefill's thousands of
-    rows), which otherwise comes from HBM once per weight tile.  Same bits either way."""
+    weight tile; for an x that outgrows L2 and the weight (the float32 router at a prefill's
+    thousands of rows), which otherwise comes from HBM once per weight tile.  Same bits."""
     mt: int
     rows: int
     threads: int
@@ -289,9 +289,10 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
     """Default kernel shape for an [m, k] x [n, k]^T product: the most weight rows per block
     that still gives every SM four blocks, x chunks times weight tiles (the simulator: the
     fewest blocks); threads from k alone (batch invariance; rows, unroll and the grid order
-    change no bit), ``x_major`` for an x that outgrows L2.  Four, not two: the 2026-11-29 sweep at M = 1 found rows=2 best
-    for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block choices rows=4 / 2.
-    See docs/LAYERS.md; tools/bench_layers.py --only sweep."""
+    change no bit); ``x_major`` for an x that outgrows L2.  Four, not two: the 2026-11-29
+    sweep at M = 1 found rows=2 best for N = 1536 (768 blocks) and rows=1 for N = 576, not
+    the two-block choices rows=4 / 2.  See docs/LAYERS.md; tools/bench_layers.py --only
+    sweep."""
     mt = mt_for(m)
     choices = ROWS_UNROLL[mt]
     rows, unroll = choices[-1]
