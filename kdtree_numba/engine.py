@@ -296,15 +296,20 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     draft_logits = _draft(drafter, req, capture)
     timer.lap("draft")
     start = cache.lengths.astype(np.int32)
-    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget, k)
+    # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
+    # own buffers (no copies on the host's path from the read to the verify's launch); the
+    # round consumes them before its read, and the next round's replays come after it
+    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget, k, borrow=True)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
-                        return_hidden=req.keep_hidden, capture_layers=capture, causal=True)
+                        return_hidden=req.keep_hidden, capture_layers=capture, causal=True,
+                        borrow=True)
     parts = out if isinstance(out, tuple) else (out,)
     logits = parts[0]
     timer.lap("verify")
-    acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start)
+    acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start,
+                                            borrow=True)
     if on_round is not None:
         on_round(tree, acc_idx, acc_len)
     if req.keep_hidden:  # the row of the last accepted node chose the next root

@@ -18,7 +18,14 @@ decoding round, kdtree_numba/steps.py):
   depends on (a forward's: batch, n, whether hidden states are returned, the KV cache's
   buffers).
 * **Outputs** are copied out after each replay, so callers may keep them across calls (a
-  drafter keeps its L rows); the copy is one small device-to-device kernel.
+  drafter keeps its L rows); the copy is one small device-to-device kernel.  A caller that
+  uses them before the key's next replay may *borrow* them instead (``call(..., borrow=
+  True)``, no copies on the host's path: a DDTree round's tree, verify logits and
+  acceptance, which the round consumes before its one read, kdtree_numba/steps.py).  What it
+  borrows are copies the graph itself makes as its last nodes, into memory of their own: the
+  arrays the captured work returns live in the graphs' pool, where a later capture may have
+  placed its scratch in blocks an earlier one freed, so another graph's replay could
+  overwrite them (a borrowed tree did, on the H200, before the copies).
 * **Memory**: everything the captured work allocates lives as long as its graph: CuPy glue
   and the ops' own arrays (compat.device_empty takes CuPy blocks where CuPy is installed)
   allocate from a pool private to the graphs, numba's own allocations are recorded while
@@ -70,6 +77,14 @@ class _Graph:
     inputs: tuple                  # the static buffers the graph reads
     outputs: object                # what it writes (arrays, tuples/dataclasses of arrays)
     keep: list                     # numba allocations made while capturing
+    owned: bool = False            # outputs copied in the graph to memory of their own
+
+
+def _own_memory(nbytes):
+    """CuPy allocator of memory no pool hands out again while the arrays on it live: a
+    borrowable graph's outputs."""
+    import cupy
+    return cupy.cuda.memory.MemoryPointer(cupy.cuda.memory.Memory(nbytes), 0)
 
 
 def _write(dst, src) -> None:
@@ -134,13 +149,17 @@ class GraphCache:
         held now."""
         return collections.Counter(key[0] for key in self._graphs)
 
-    def call(self, key, fn, inputs, specs):
+    def call(self, key, fn, inputs, specs, borrow: bool = False):
         """``fn(*device_inputs)`` through a graph when ``key`` has one or gets one now (its
         second call), else ``None``: the caller then runs it eagerly.  ``inputs`` (host or
         device arrays) are written into static buffers of ``specs`` ((shape, dtype) each, in
         order) before each replay; the outputs (arrays, tuples or dataclasses of them) are
-        copied out.  ``key`` must name everything else ``fn`` depends on: ``fn`` itself is
-        only run while capturing."""
+        copied out, or with ``borrow`` returned as the graph's own buffers, which the key's
+        next replay overwrites (each copy is a CuPy call on the host's path between replays:
+        a DDTree round made ~14).  A key captured by a borrowing call copies its outputs
+        into memory of its own as its last nodes (module docstring); a borrowing call on a
+        key captured without them gets copies.  ``key`` must name everything else ``fn``
+        depends on: ``fn`` itself is only run while capturing."""
         import cupy
         if cupy.cuda.get_current_stream().ptr != 0:
             # replays are ordered with the caller's work by the legacy stream's implicit
@@ -155,7 +174,7 @@ class GraphCache:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < 2:
                 return None
-            entry = self._capture(key, fn, specs)
+            entry = self._capture(key, fn, specs, own_outputs=borrow)
             if entry is None:
                 return None
         self._graphs.move_to_end(key)
@@ -163,6 +182,8 @@ class GraphCache:
             _write(buf, src)
         entry.graph.launch(self.stream)
         self.replays += 1
+        if borrow and entry.owned:
+            return entry.outputs
         return map_arrays(lambda a: a.copy(), entry.outputs)   # legacy stream: after it
 
     def replay(self, key) -> None:
@@ -172,7 +193,7 @@ class GraphCache:
         outputs through :meth:`call`, never after a bare replay."""
         self._graphs[key].graph.launch(self.stream)
 
-    def _capture(self, key, fn, specs):
+    def _capture(self, key, fn, specs, own_outputs: bool = False):
         import cupy
         static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)
         keep: list = []
@@ -184,6 +205,9 @@ class GraphCache:
             self.stream.begin_capture()
             try:
                 outputs = fn(*static)
+                if own_outputs:
+                    with cupy.cuda.using_allocator(_own_memory):
+                        outputs = map_arrays(lambda a: a.copy(), outputs)
             except Exception as e:     # the capture must be ended whatever happened
                 error = e
             try:
@@ -196,7 +220,7 @@ class GraphCache:
             warnings.warn(f"CUDA graph capture of {key[0]} {key[1:3]} failed, running it "
                           f"eagerly: {error!r}", RuntimeWarning, stacklevel=4)
             return None
-        entry = _Graph(graph, static, outputs, keep)
+        entry = _Graph(graph, static, outputs, keep, owned=own_outputs)
         self._graphs[key] = entry
         self._seen.pop(key, None)
         self.captures += 1

@@ -238,7 +238,7 @@ class Model(DeviceSteps):
 
     def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
                 embeds=None, capture_layers=(), logit_rows=None, causal=False,
-                prefill=False):
+                prefill=False, borrow=False):
         """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
 
         tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device: a device
@@ -267,7 +267,9 @@ class Model(DeviceSteps):
         at 4,096 tokens; a prompt still gets the same bits alone or in a batch.
         Host inputs are uploaded once per forward (asynchronous copies), so a forward never
         waits for the device.  On the GPU a shape seen before replays a CUDA graph
-        (kdtree_numba/graphs.py).
+        (kdtree_numba/graphs.py); ``borrow``: its outputs may then be the graph's own buffers,
+        which the next forward of this shape overwrites (the engine's verify, whose logits the
+        round's acceptance reads at once), instead of copies.
         """
         be = self.backend
         tokens = tokens if hasattr(tokens, "shape") else np.asarray(tokens)
@@ -294,7 +296,7 @@ class Model(DeviceSteps):
         if self.graphs is not None:
             out = self._replay_forward(tokens, positions, cache, visible, return_hidden,
                                        capture, embeds, logit_rows, bool(causal),
-                                       bool(prefill))
+                                       bool(prefill), borrow)
             if out is not None:
                 return out
         slots = cache.write_slots(n)
@@ -354,7 +356,8 @@ class Model(DeviceSteps):
         return logits[:, 0]
 
     def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool,
-                        capture: tuple, embeds, logit_rows, causal: bool, prefill: bool):
+                        capture: tuple, embeds, logit_rows, causal: bool, prefill: bool,
+                        borrow: bool = False):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
         must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
         (KVCache.slot_inputs), so one graph serves every prefix length."""
@@ -380,7 +383,7 @@ class Model(DeviceSteps):
         if embeds is not None:
             specs += (((bs, n, self.config.hidden_size), np.float32),)
             inputs += (embeds,)
-        return self.graphs.call(key, run, inputs, specs)
+        return self.graphs.call(key, run, inputs, specs, borrow=borrow)
 
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
         """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA

@@ -119,16 +119,17 @@ class DeviceSteps:
     """The device steps of decoding (module docstring), mixed into ``Model``: they use the
     model's ``backend``, ``graphs`` (a GraphCache, or None: eager) and ``vocab_size``."""
 
-    def device_step(self, key: tuple, fn, inputs: tuple):
+    def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False):
         """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when
         it has them (GraphCache.call: captured on the key's second call), else run eagerly on
         device copies of ``inputs`` (host or device arrays).  ``key`` (its first entry names
         the kind of step) must name everything ``fn`` depends on besides the inputs, whose
-        shapes and dtypes are added to it here."""
+        shapes and dtypes are added to it here.  ``borrow``: a replay's outputs are the
+        graph's own buffers, valid until the key's next call (GraphCache.call)."""
         be = self.backend
         if self.graphs is not None:
             specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
-            out = self.graphs.call(key + specs, fn, inputs, specs)
+            out = self.graphs.call(key + specs, fn, inputs, specs, borrow=borrow)
             if out is not None:
                 return out
         return fn(*(be.asarray(a) for a in inputs))
@@ -147,29 +148,33 @@ class DeviceSteps:
         tokens = ops.sample_targets(root_only_tree(be, bs), pair, temperature, u)
         return tokens[:, 0]
 
-    def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None):
+    def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,
+                   borrow: bool = False):
         """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
         [bs] and the tree's start positions [bs] (the cache lengths): top-K with
         ``k = min(budget, V)`` (or the ``k`` given), the best-first build of ``budget`` nodes,
         the compile.  ``k = 1, budget = L`` builds the drafter's greedy chain (each node has
-        one child, its row's argmax): the engine's "chain" method."""
+        one child, its row's argmax): the engine's "chain" method.  ``borrow``: the arrays
+        may be a CUDA graph's own, which the next call of this shape overwrites (the engine's
+        round uses them before then; :meth:`device_step`)."""
         k = min(budget, self.vocab_size) if k is None else int(k)
         return self.device_step(("tree", k, budget), tree_phase(self.backend.ops, k, budget),
-                                (draft_logits, roots, start))
+                                (draft_logits, roots, start), borrow=borrow)
 
-    def accept(self, tree, logits, temperature: float, table=None, start=None):
+    def accept(self, tree, logits, temperature: float, table=None, start=None,
+               borrow: bool = False):
         """(acc_idx, acc_len, packed) from the verify forward's logits [bs, W, V] over
         ``tree``: greedy at T = 0, else sampled with the uniforms ``table[b, start_b + depth +
         1]`` (``table`` [bs, P] float64 on the device, ``start`` [bs] int32).  ``packed``
         [bs, 1 + L + 1] int32 holds acc_len and the committed tokens (:func:`pack_committed`):
-        the one array the engine reads."""
+        the one array the engine reads.  ``borrow``: as in :meth:`draft_tree`."""
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
         if temperature > 0:
             arrays += (table, start)
         return self.device_step(
             ("accept", float(temperature), tree.max_depth),
             accept_phase(self.backend.ops, self.backend.xp, temperature, tree.max_depth),
-            (logits,) + arrays)
+            (logits,) + arrays, borrow=borrow)
 
     def last_accepted(self, rows, acc_idx, acc_len):
         """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's

@@ -367,3 +367,34 @@ def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
             cache.advance(1)
             ref_cache.advance(1)
     assert gpu.graphs.failures == 1 and gpu.graphs.captures == 0
+
+
+def test_gpu_borrowed_outputs_are_the_graphs_buffers_until_the_next_replay():
+    """GraphCache.call(borrow=True) hands out buffers the graph writes (the same arrays every
+    replay, overwritten by the next one: a DDTree round's tree, verify logits and acceptance),
+    with the values a copying call returns, and no other graph's replay touches them: graph B
+    below is captured after A freed its scratch (x * 2) into the graphs' pool, where B's own
+    result then lands; B's borrowed output must survive A's next replay."""
+    import cupy
+    from kdtree_numba.graphs import GraphCache
+    _, gpu = pair("tiny")
+    graphs = GraphCache(gpu.backend)
+    spec = (((4096,), np.float32),)
+
+    def call(key, fn, value, borrow):
+        return graphs.call((key,), fn, (np.full(4096, value, np.float32),), spec,
+                           borrow=borrow)
+    a = lambda x: x * 2 + 1                 # noqa: E731  (scratch x * 2, freed in capture)
+    b = lambda y: y + 3                     # noqa: E731
+    for key, fn in (("a", a), ("b", b)):
+        assert call(key, fn, 0, True) is None                      # first sight: eager
+        call(key, fn, 0, True)                                      # captured, replayed
+    out_b = call("b", b, 5, True)
+    kept_a = call("a", a, 7, False)                                 # a copy: kept
+    np.testing.assert_array_equal(cupy.asnumpy(out_b), 8)           # A's scratch missed it
+    np.testing.assert_array_equal(cupy.asnumpy(kept_a), 15)
+    again = call("b", b, 1, True)
+    assert again is out_b                                           # the same buffer
+    np.testing.assert_array_equal(cupy.asnumpy(out_b), 4)           # overwritten by B
+    np.testing.assert_array_equal(cupy.asnumpy(kept_a), 15)
+    assert graphs.captures == 2 and graphs.replays == 5

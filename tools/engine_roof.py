@@ -115,7 +115,7 @@ class _EagerGraphs:
     def __init__(self, graphs):
         self.captures, self.replays = graphs.captures, graphs.replays
 
-    def call(self, key, fn, inputs, specs):
+    def call(self, key, fn, inputs, specs, borrow=False):
         return None
 
 
