@@ -211,16 +211,26 @@ def mma_alternatives(m: int, n: int, k: int) -> dict:
 
 
 def mma_splits(n: int, k: int) -> int:
-    """K slices: doubled (up to 64) while one row of 128-wide N tiles (the grid at M <= BM)
-    has fewer than four blocks per SM and each slice keeps >= 8 stages of 64 (twice the
-    deepest ring).  A function of N and K only, never of M or the tile, so the linear is
-    batch invariant across M: a row's result is bitwise the same whatever M (its partial
-    sums, 8 S M N bytes written and read back, mostly in L2, grow with M: at M = 512 for q_a
-    they are about twice the weight bytes)."""
+    """K slices: doubled (up to 64, each slice keeping >= 8 stages of 64: twice the deepest
+    ring) while more than a quarter of the block slots of the waves that one row of 128-wide
+    N tiles takes (the grid at M <= BM; two blocks per SM, what the 16- to 80-row tiles'
+    shared memory allows) would idle.  Past that, short slices only add ramps and partial
+    sums: o_proj (8192 -> 7168, 56 N tiles) took 16 slices under the old rule (double while
+    under four blocks per SM) and ran 45.2 / 56.8 / 76.1 us at M = 1 / 33 / 65, with 4 slices
+    35.9 / 41.8 / 50.0 (its pick now); q_a + kv_a (7168 -> 2112) keeps 8, the best of 1-64
+    at those M; 18432 -> 7168 gets 4, the best at M = 1 and 65, 7168 -> 36864 4, the best at
+    M = 1 (session 26, H200, docs/LAYERS.md).  A function of N and K only, never of M or the
+    tile, so the linear is batch invariant across M: a row's result is bitwise the same
+    whatever M (its partial sums, 8 S M N bytes written and read back, mostly in L2, grow
+    with M)."""
     tiles = -(-n // 128)
     stages = -(-k // SLICE_UNIT)
+    wave = 2 * GPU_SMS
     splits = 1
-    while splits < 64 and tiles * splits < 4 * GPU_SMS and stages // (2 * splits) >= 8:
+    while splits < 64 and stages // (2 * splits) >= 8:
+        slots = -(-tiles * splits // wave) * wave
+        if 4 * (slots - tiles * splits) <= slots:
+            break
         splits *= 2
     return splits
 
