@@ -32,8 +32,9 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
     t + k*threads) are loaded at once into registers, all loads in flight together, and
     scaled from there: one pass over x and one round trip of memory latency, where a loop
     waits for each load in turn (a one-row norm is all latency: 6.6 us per call at Kimi's
-    7168, run 80).  0: the loop, for rows wider than _MAX_PER_THREAD * threads.  Both add a
-    thread's squares in the same order (k ascending), so they give the same bits."""
+    7168, run 80); the weight's values are loaded beside them.  0: the loop, for rows wider
+    than _MAX_PER_THREAD * threads.  Both add a thread's squares in the same order (k
+    ascending), so they give the same bits."""
     block_reduce = make_block_reduce(1, threads)
     warps = threads // 32
     scr = block_reduce_scratch_shape(1, threads)
@@ -48,15 +49,19 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
         scratch = cuda.shared.array(scr, np.float32)
         acc = cuda.local.array(1, np.float32)
         vals = cuda.local.array(regs, np.float32)
+        wvals = cuda.local.array(regs, np.float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
         d_total = x.shape[1]
         ss = np.float32(0.0)
         if per_thread:
             for k in range(per_thread):   # unrolled: independent loads, clamped in bounds
-                d = t + k * threads
-                v = x[row, min(d, d_total - 1)]
-                vals[k] = v if d < d_total else np.float32(0.0)
+                d = min(t + k * threads, d_total - 1)
+                v = x[row, d]
+                vals[k] = v if t + k * threads < d_total else np.float32(0.0)
+                # the weight's loads go out with x's, so their latency (HBM: a decode step
+                # streams gigabytes past L2) overlaps the sum's instead of following it
+                wvals[k] = bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
             for k in range(per_thread):
                 ss += vals[k] * vals[k]
         else:
@@ -70,8 +75,7 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
             for k in range(per_thread):
                 d = t + k * threads
                 if d < d_total:
-                    wv = bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
-                    y[row, d] = wv * (vals[k] * inv)
+                    y[row, d] = wvals[k] * (vals[k] * inv)
         else:
             for d in range(t, d_total, threads):
                 wv = bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
