@@ -287,12 +287,15 @@ def _draft(drafter, req: _Requests, capture: tuple):
 
 
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
-                  stats, k: int | None = None, capture: tuple = (), on_round=None):
+                  stats, k: int | None = None, capture: tuple = (), on_round=None,
+                  while_verifying=None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
     the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
     round's one read, then (DFlash) the drafter's context update.  ``on_round``: generate's
-    hook, handed the round's device arrays right after the acceptance."""
+    hook, handed the round's device arrays right after the acceptance.
+    ``while_verifying()``: host work run once the verify is launched, while the device runs
+    it (the last round's report: generate)."""
     draft_logits = _draft(drafter, req, capture)
     timer.lap("draft")
     start = cache.lengths.astype(np.int32)
@@ -308,6 +311,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     parts = out if isinstance(out, tuple) else (out,)
     logits = parts[0]
     timer.lap("verify")
+    if while_verifying is not None:
+        while_verifying()
     acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start,
                                             borrow=True)
     if on_round is not None:
@@ -345,7 +350,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
-    adds no device wait.  The engine itself never prints.
+    adds no device wait.  A DDTree or chain round's call comes once the next round's verify
+    is launched (the last round's at the end), so it overlaps the device's work.  The engine
+    itself never prints.
     ``stream(tokens)``: called at the same moments with every request's new tokens so far
     (``tokens[b]``, the engine's own lists: read them, keep or change nothing), so a caller
     can show text as rounds commit (kdtree-run does).
@@ -434,18 +441,28 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if method == "ar":
         _ar_steps(model, cache, req, temperature, tables, timer, stats, after_step)
     else:
+        # A round's report (timing markers, progress, streamed text) is made while the next
+        # round's verify runs, not between the read and the next launch, where the device
+        # waits for the host (the committed tokens it reports are the same then).
+        owed = []
+
+        def report_owed():
+            if owed:
+                owed.clear()
+                after_step()
         while req.active.any():
             with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
                 b = policy.next_budget() if policy else budget
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, temperature, table, timer, stats,
-                              k, capture, on_round)
+                              k, capture, on_round, while_verifying=report_owed)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     policy.observe(b, time.perf_counter() - t_round,
                                    float(np.mean(stats.tau[-1])))
             stats.rounds += 1
-            after_step()
+            owed.append(True)
+        report_owed()
     be.synchronize()
     timer.finish()
     stats.seconds = time.perf_counter() - t0

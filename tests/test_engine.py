@@ -526,6 +526,40 @@ def test_ar_runs_one_step_ahead_and_rolls_back_the_step_eos_made_extra():
     assert model.generation_cache.lengths.tolist() == [len(prompts[1]) + 2]
 
 
+def test_ddtree_reports_each_round_while_the_next_one_verifies():
+    """A DDTree round's progress and stream calls come once the next round's verify is
+    launched (the last round's after the loop): one per round plus the prefill's, each with
+    the tokens committed by the end of its round."""
+    model = tiny_model(0)
+    events, seen = [], []
+    forward = model.forward
+
+    def spy_forward(*args, **kw):
+        if kw.get("causal") and not kw.get("prefill"):
+            events.append("verify")
+        return forward(*args, **kw)
+    model.forward = spy_forward
+    res = generate(model, [[1, 2, 3], [4, 5]], 9, method="ddtree", budget=4,
+                   drafter=make_drafter("oracle_half", model, 3, 1),
+                   progress=lambda done, total: events.append(done),
+                   stream=lambda tokens: seen.append([len(t) for t in tokens]))
+    rounds = res.stats.rounds
+    assert rounds >= 3 and events.count("verify") == rounds
+    reports = [e for e in events if e != "verify"]
+    lens, committed = [1, 1], [2]                  # the prefill commits one token each
+    for taus in res.stats.tau:                     # acc_len of the requests still running
+        running = [b for b in range(2) if lens[b] < 9]
+        for b, tau in zip(running, taus):
+            lens[b] = min(9, lens[b] + tau)
+        committed.append(sum(lens))
+    assert reports == committed and seen[-1] == [len(t) for t in res.tokens]
+    # after the prefill's report: verify 1, verify 2, report 1, verify 3, report 2, ...
+    assert events[:4] == [2, "verify", "verify", committed[1]]
+    for r in range(2, rounds):
+        at = events.index("verify", events.index(committed[r - 1]) + 1)
+        assert events[at + 1] == committed[r]
+
+
 def test_phase_times_cover_the_rounds():
     """Marker timing (no syncs) still splits the time: every phase of a DDTree round is
     charged, and the phases sum to at most the wall time."""
@@ -622,7 +656,9 @@ def test_gpu_timing_path_reuses_a_few_events_and_never_waits():
         model, prompts, 24, method="ddtree", drafter=drafter, budget=5, temperature=0.5))
     assert res.tokens == generate(base, prompts, 24, temperature=0.5).tokens
     assert res.stats.rounds >= 10 and reads == 1 + res.stats.rounds and syncs == 1
-    assert fake.events_made <= 8
+    # a round's markers (5) are settled while the next round verifies: two rounds' worth,
+    # plus the clock's last, are ever alive at once
+    assert fake.events_made <= 2 * 5 + 1
     t = res.stats.time
     assert all(t[p] > 0 for p in ("prefill", "draft", "tree_build", "verify", "accept",
                                   "compaction"))
