@@ -398,3 +398,31 @@ def test_gpu_borrowed_outputs_are_the_graphs_buffers_until_the_next_replay():
     np.testing.assert_array_equal(cupy.asnumpy(out_b), 4)           # overwritten by B
     np.testing.assert_array_equal(cupy.asnumpy(kept_a), 15)
     assert graphs.captures == 2 and graphs.replays == 5
+
+
+def test_gpu_graph_inputs_from_the_device_in_any_layout_and_dtype():
+    """A replay's device inputs reach its static buffers whether they can take the one-copy
+    path (same dtype, C order) or not (a strided view, another dtype to convert), and a host
+    input as well."""
+    import cupy
+    from kdtree_numba.graphs import GraphCache
+    _, gpu = pair("tiny")
+    graphs = GraphCache(gpu.backend)
+    specs = (((3, 4), np.int32), ((3, 4), np.int32), ((3, 4), np.int32), ((3, 4), np.int32))
+
+    def call(inputs):
+        return graphs.call(("sum",), lambda *a: sum(a[1:], a[0] * 1000), inputs, specs)
+    base = np.arange(24, dtype=np.int32).reshape(3, 8)
+    for step in range(4):
+        dense = cupy.asarray(base[:, :4] + step)                  # contiguous int32
+        strided = cupy.asarray(base + 10 * step)[:, ::2]          # a view with strides
+        wide = cupy.asarray(base[:, 4:] - step, dtype=cupy.int64)  # converted to int32
+        host = base[:, 1:5] * step                                # uploaded
+        got = call((dense, strided, wide, host))
+        if step == 0:
+            assert got is None                                    # first sight: eager
+            continue
+        want = ((base[:, :4] + step) * 1000 + (base + 10 * step)[:, ::2]
+                + (base[:, 4:] - step) + base[:, 1:5] * step)
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    assert graphs.captures == 1 and graphs.replays == 3
