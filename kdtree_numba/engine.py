@@ -444,11 +444,12 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device
         # waits for the host (the committed tokens it reports are the same then).
-        owed = []
+        owed = False
 
         def report_owed():
+            nonlocal owed
             if owed:
-                owed.clear()
+                owed = False
                 after_step()
         while req.active.any():
             with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
@@ -461,7 +462,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                     policy.observe(b, time.perf_counter() - t_round,
                                    float(np.mean(stats.tau[-1])))
             stats.rounds += 1
-            owed.append(True)
+            owed = True
         report_owed()
     be.synchronize()
     timer.finish()
