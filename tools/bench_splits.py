@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_roof import HBM_BYTES_PER_S  # noqa: E402
 
+from kdtree_numba.layers.mma_plan import SLICE_UNIT, mma_config  # noqa: E402
+
 # (N, K) of the projections a Kimi-K2 layer runs through linear() on tensor cores
 SHAPES = {"qkv_a": (2112, 7168), "q_b": (12288, 1536), "o_proj": (7168, 8192),
           "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432)}
 SLICES = (1, 2, 4, 8, 16, 32, 64)
-SLICE_UNIT = 64          # kdtree_numba.layers.mma_plan.SLICE_UNIT (no kernel import needed)
 
 
 def candidates(k: int, pick: int) -> list[int]:
@@ -69,23 +70,20 @@ def table_header() -> str:
 def sweep(shapes: dict, ms: list[int], calls: int, replays: int, out=print) -> list[dict]:
     """Time every (shape, M, slice count); print the table as it goes; return the rows."""
     import cupy as cp
-    import numpy as np
     from profile_ops import gpu_us
 
-    from kdtree_numba.backends import make_backend
+    from kdtree_numba.backends import bf16_bits, make_backend
     from kdtree_numba.graphs import GraphCache
-    from kdtree_numba.layers.mma_plan import mma_config
 
     backend = make_backend("numba", gemm="tensor-cores")
     graphs = GraphCache(backend)
-    rng = np.random.default_rng(0)
+    rng = cp.random.default_rng(0)          # drawn on the device: 264 M weights at most
     rows = []
     out(table_header())
     for name, (n, k) in shapes.items():
-        w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.02)
-        w16 = cp.asarray((w.view(np.uint32) >> 16).astype(np.uint16))    # bf16 bits
+        w16 = bf16_bits(cp, rng.standard_normal((n, k), dtype=cp.float32) * 0.02)
         for m in ms:
-            x = cp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            x = rng.standard_normal((m, k), dtype=cp.float32)
             y = cp.zeros((m, n), cp.float32)
             base = mma_config(m, n, k)
             times = {}
