@@ -403,7 +403,7 @@ class Model(DeviceSteps):
             x = x + self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
                                     inputs.causal, inputs.prefill)
             h = ops.rmsnorm(x, lw.post_norm, cfg.rms_norm_eps)
-            x = x + self._ffn(lw, h)
+            x = x + self._ffn(lw, h, inputs.prefill)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
         h = ops.rmsnorm(x, self.final_norm, cfg.rms_norm_eps)
@@ -466,12 +466,16 @@ class Model(DeviceSteps):
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 
-    def _ffn(self, lw, h):
+    def _ffn(self, lw, h, prefill=False):
         xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
         M = h.shape[0]
-        if lw.router is None:
+        if lw.router is None and prefill:
+            # a prompt's thousands of rows fill the GPU with the one-expert grouped launch's
+            # M tiles (no K slices to add); its bits need not match a decode's (forward())
             return ops.moe_ffn(h, xp.zeros((M, 1), np.int32), xp.ones((M, 1), np.float32),
                                lw.gate_up, lw.down)
+        if lw.router is None:   # the dense FFN: two sliced projections on tensor cores
+            return ops.moe_ffn(h, None, None, lw.gate_up, lw.down)
         idx, weight = ops.moe_route(h, lw.router, lw.router_bias,
                                     top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                                     topk_group=cfg.topk_group,

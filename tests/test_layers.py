@@ -282,6 +282,39 @@ def test_moe_ffn_reference_equals_per_token_loop(m, d, n_experts, inter, shared,
     np.testing.assert_allclose(ref.moe_ffn(*args), per_token_moe(*args), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dense_ffn_reference_is_the_explicit_one_expert_routing(bf16):
+    """moe_ffn(h, None, None, gate_up [1, 2I, D], down [1, D, I]) is the dense FFN: bitwise the
+    call with expert_idx zeros and weight ones, and down (silu(gate h) * up h) by hand."""
+    rng = np.random.default_rng(26)
+    h, _, _, gu, dn, _, _ = moe_case(rng, 4, 6, 1, 3, 1, BF16 if bf16 else np.float32, False)
+    dense = ref.moe_ffn(h, None, None, gu, dn)
+    explicit = ref.moe_ffn(h, np.zeros((4, 1), np.int32), np.ones((4, 1), np.float32), gu, dn)
+    assert dense.dtype == np.float32 and np.array_equal(dense, explicit)
+    g, u = ref.as_float64(h) @ ref.as_float64(gu[0, :3]).T, ref.as_float64(h) @ \
+        ref.as_float64(gu[0, 3:]).T
+    by_hand = (g / (1 + np.exp(-g)) * u) @ ref.as_float64(dn[0]).T
+    np.testing.assert_allclose(dense, by_hand, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("what", ["idx only", "weight only", "two experts", "shared"])
+def test_dense_ffn_rejects_what_is_not_dense(what):
+    """Both twins call reference.is_dense: a half-given routing, several experts or a shared
+    expert with a None routing is a ValueError, not a silent guess."""
+    rng = np.random.default_rng(27)
+    h, idx, w, gu, dn, sgu, sdn = moe_case(rng, 2, 4, 2, 2, 1)
+    args = {"idx only": (h, idx, None, gu[:1], dn[:1]),
+            "weight only": (h, None, w, gu[:1], dn[:1]),
+            "two experts": (h, None, None, gu, dn),
+            "shared": (h, None, None, gu[:1], dn[:1], sgu, sdn)}[what]
+    with pytest.raises(ValueError, match="neither|one expert"):
+        ref.moe_ffn(*args)
+    if compat.kernels_runnable():
+        from kdtree_numba import layers
+        with pytest.raises(ValueError, match="neither|one expert"):
+            layers.moe_ffn(*args)
+
+
 # ============================================================================ numba twin
 # Everything below launches kernels (simulator in CI).  Imported lazily so that a machine with
 # neither GPU nor simulator still runs the reference tests above.
@@ -686,6 +719,20 @@ def test_dense_ffn_is_the_one_expert_case(gpu_layers):
     args = (h, np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), gu, dn, None, None)
     got = host(gpu_layers.moe_ffn(*args))
     assert np.all(np.abs(got - ref.moe_ffn(*args)) <= moe_tolerance(args))
+
+
+@pytest.mark.parametrize("method", ["auto", "skinny", "tiled"])
+def test_dense_ffn_without_routing_equals_the_explicit_routing(gpu_layers, method):
+    """A dense call (expert_idx, weight None) off tensor cores fills the one-expert routing on
+    the device: bitwise the explicit zeros / ones, within the tolerance of the reference."""
+    rng = np.random.default_rng(28)
+    h, _, _, gu, dn, _, _ = moe_case(rng, 3, 16, 1, 12, 1, BF16, False)
+    explicit = host(gpu_layers.moe_ffn(h, np.zeros((3, 1), np.int32),
+                                       np.ones((3, 1), np.float32), gu, dn, method=method))
+    dense = host(gpu_layers.moe_ffn(h, None, None, gu, dn, method=method))
+    assert np.array_equal(dense, explicit)
+    args = (h, np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), gu, dn, None, None)
+    assert np.all(np.abs(dense - ref.moe_ffn(h, None, None, gu, dn)) <= moe_tolerance(args))
 
 
 def test_moe_ffn_rows_are_batch_invariant(gpu_layers):

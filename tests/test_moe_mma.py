@@ -29,12 +29,19 @@ def _silu(v):
     return v / (1.0 + np.exp(-v))
 
 
-def _expert_bound(x, gu, dn):
+def _coefficient(k, splits):
+    """mma_error_coefficient of a product in ``splits`` K slices, each whole SLICE_UNITs."""
+    return mm.mma_error_coefficient(k, splits, mm.SLICE_UNIT if splits > 1 else mm.PANEL)
+
+
+def _expert_bound(x, gu, dn, splits=(1, 1)):
     """(y*, bound on |y - y*|) per row of x [T, D] for one expert (float64, bf16 weights as
-    values): docs/LAYERS.md, "Grouped MoE on tensor cores"."""
+    values): docs/LAYERS.md, "Grouped MoE on tensor cores".  ``splits``: the K slices of the
+    gate_up and down products (the dense FFN's two sliced linears; the grouped kernels have
+    none)."""
     d, inter = dn.shape
-    c1 = mm.mma_error_coefficient(x.shape[1])
-    c_acc = mm.mma_error_coefficient(inter) - 2.0 ** -8
+    c1 = _coefficient(x.shape[1], splits[0])
+    c_acc = _coefficient(inter, splits[1]) - 2.0 ** -8
     g, u = x @ gu[:inter].T, x @ gu[inter:].T
     e_g = c1 * (np.abs(x) @ np.abs(gu[:inter]).T)
     e_u = c1 * (np.abs(x) @ np.abs(gu[inter:]).T)
@@ -283,6 +290,54 @@ def _device_bf16_random(shape, seed):
     return ((bits & 0x807F) | (exponent << 7)).astype(cupy.uint16)
 
 
+def _dense_check(h, gate_up, down, **kw):
+    """moe_ffn(h, None, None, ...) with method="mma" (two sliced linears around SwiGLU)
+    against the reference's dense FFN, within the bound of one expert whose two products take
+    mma_splits' K slices (and, since the linears write float32 gate_up rows, the
+    same rounding steps as the grouped kernel's epilogue)."""
+    from kdtree_numba.layers import moe_ffn
+    got = moe_ffn(h, None, None, gate_up, down, method="mma", **kw)
+    got = (got if isinstance(got, np.ndarray) else got.copy_to_host()).astype(np.float64)
+    gu, dn = (bf16_value(np.asarray(a)[0]).astype(np.float64) for a in (gate_up, down))
+    want = ref.moe_ffn(h, None, None, bf16_value(np.asarray(gate_up)),
+                       bf16_value(np.asarray(down))).astype(np.float64)
+    inter, d = dn.shape[1], dn.shape[0]
+    splits = (mm.mma_splits(2 * inter, d), mm.mma_splits(d, inter))
+    y, e_y = _expert_bound(h.astype(np.float64), gu, dn, splits)
+    bound = e_y + 3 * 2.0 ** -24 * (np.abs(y) + e_y)     # the linear's output rounding
+    err = np.abs(got - want)
+    assert np.all(err <= bound), np.max(err / bound)
+    return got, splits
+
+
+def test_simulated_dense_ffn_runs_as_two_tensor_core_linears(needs_kernels, monkeypatch):
+    """A dense layer (expert_idx, weight None) under "mma" is linear(gate_up) -> SwiGLU ->
+    linear(down), both on tensor cores (with mma_splits' K slices: one at these widths; the
+    sliced linear has its own simulated tests, and the GPU test below takes several), within
+    the bound of the reference; a row alone gives its batch bits."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import moe as moe_module
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU test runs the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    calls = []
+    real_linear = moe_module.linear
+
+    def spy(x, w, **kw):
+        calls.append((tuple(w.shape), kw.get("method")))
+        return real_linear(x, w, **kw)
+    monkeypatch.setattr(moe_module, "linear", spy)
+    rng = np.random.default_rng(29)
+    d, inter, m = 64, 16, 2
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    gate_up = bf16_bits(rng.standard_normal((1, 2 * inter, d)) * 0.2)
+    down = bf16_bits(rng.standard_normal((1, d, inter)) * 0.2)
+    got, _ = _dense_check(h, gate_up, down)
+    assert calls == [((2 * inter, d), "mma"), ((d, inter), "mma")]
+    one, _ = _dense_check(h[1:], gate_up, down)
+    assert one.tobytes() == got[1:].tobytes()
+
+
 @functools.cache
 def _kimi_weights():
     """(host bf16 bits, the same on the device) of a Kimi-K2 layer at 64 experts: gate_up
@@ -353,6 +408,23 @@ def test_gpu_moe_mma_dense_layer_tiles_agree(m):
         rows[cfg] = _check(args, configs=cfg).tobytes()
     picked = _check(args)                                   # moe_mma_config's own tile
     assert set(rows.values()) == {picked.tobytes()}, "tiles, bk or ring depths disagree"
+
+
+@pytest.mark.gpu
+def test_gpu_dense_ffn_as_sliced_linears_within_the_bound_and_batch_invariant():
+    """The dense FFN under "mma" (Kimi-K2's first layer, scaled: D 2048, I 4096) at a verify's
+    65 and 33 rows and a decode's 1: within the bound of the reference, and each smaller batch
+    gives the rows of the 65-row batch bit for bit (K slices fixed by N and K)."""
+    rng = np.random.default_rng(30)
+    d, inter = 2048, 4096
+    h = rng.standard_normal((65, d)).astype(np.float32)
+    gate_up = bf16_bits(rng.standard_normal((1, 2 * inter, d)) * 0.05)
+    down = bf16_bits(rng.standard_normal((1, d, inter)) * 0.02)
+    full, splits = _dense_check(h, gate_up, down)
+    assert max(splits) > 1, splits
+    for rows in (slice(0, 33), slice(7, 8)):
+        part, _ = _dense_check(h[rows], gate_up, down)
+        assert part.tobytes() == full[rows].tobytes(), rows
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (Workspace, device_f32, device_weight, kernel_weight,
                                            launch_1d, load_kind_for, placeholder, result_array,
                                            workspace_buffer)
-from reference.layers import check_routing_args
+from reference.layers import check_routing_args, is_dense
 
 __all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "expert_config",
            "expert_tiled_configs", "expert_alternatives"]
@@ -395,19 +395,29 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
     (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
-    A dense FFN is the one-expert case (expert_idx zeros [M, 1], weight ones)."""
+    The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
+    (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
+    expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
+    SwiGLU; with the other methods as the one-expert MoE, its routing (zeros, ones) filled on
+    the device, the same bits as passing that routing."""
     hd = device_f32(h, "h", 2, stream)
-    idx = to_device(expert_idx, stream=stream)
-    wt = device_f32(weight, "weight", 2, stream)
+    dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
+    ws = workspace if workspace is not None else Workspace()
+    if dense:
+        idx = wt = None
+    else:
+        idx = to_device(expert_idx, stream=stream)
+        wt = device_f32(weight, "weight", 2, stream)
     gud, kind = device_weight(gate_up, stream)
     dnd, kind_down = device_weight(down, stream)
     m, d = hd.shape
     n_experts, two_im, _ = gud.shape
     inter = two_im // 2
-    top_k = idx.shape[1] if len(idx.shape) == 2 else 0
+    top_k = 1 if dense else idx.shape[1] if len(idx.shape) == 2 else 0
     if (tuple(gud.shape[1:]) != (two_im, d) or tuple(dnd.shape) != (n_experts, d, inter)
-            or tuple(idx.shape) != (m, top_k) or tuple(wt.shape) != (m, top_k)
-            or kind != kind_down or np.dtype(idx.dtype) != np.int32):
+            or kind != kind_down or not dense and (
+                tuple(idx.shape) != (m, top_k) or tuple(wt.shape) != (m, top_k)
+                or np.dtype(idx.dtype) != np.int32)):
         raise ValueError("moe_ffn wants h [M,D], expert_idx int32 / weight [M,k], gate_up "
                          "[E,2Im,D] and down [E,D,Im] of one dtype")
     if (shared_gate_up is None) != (shared_down is None):
@@ -420,11 +430,14 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     if method == "tensor-cores":
         method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
                                               shared_down, stream) else "skinny"
+    if dense and method == "mma":
+        return _swiglu_linears(hd, gud[0], dnd[0], y, method, stream, ws, "moe.dense")
+    if dense:
+        idx, wt = _dense_routing(m, ws, stream)
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
-                            configs, stream, workspace)
+                            configs, stream, ws)
     tiled = method == "tiled" or (method == "auto" and m > SKINNY_MAX_M)
-    ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
@@ -439,17 +452,44 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     shared_y = None
     if shared_gate_up is not None:
         sgu, sdn, _ = _shared_weights(shared_gate_up, shared_down, d, stream)
-        s_inter = sdn.shape[1]
         # The shared expert sees every token: linear() ("auto": skinny up to SKINNY_MAX_M rows,
         # else tiled with K slices, which keep all SMs busy where one expert's tiles would not).
-        s_act = ws.get("moe.shared_act", (m, s_inter), np.float32, stream)
-        shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
-        gu = ws.get("moe.shared_gu", (m, 2 * s_inter), np.float32, stream)
-        linear(hd, sgu, out=gu, method=method, stream=stream, workspace=ws)
-        grid, block = launch_1d(s_act.size, 256)
-        _silu_mul[grid, block, stream](gu, s_act)
-        linear(s_act, sdn, out=shared_y, method=method, stream=stream, workspace=ws)
+        shared_y = _swiglu_linears(hd, sgu, sdn, ws.get("moe.shared_y", (m, d), np.float32,
+                                                        stream), method, stream, ws, "moe.shared")
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
+
+
+def _swiglu_linears(hd, gate_up, down, y, method: str, stream, ws, name: str):
+    """y = down (silu(gate hd) * (up hd)) as two :func:`linear` calls of ``method`` around
+    ``_silu_mul``: the shared expert, and the dense FFN under "mma".  ``gate_up`` [2I, D] and
+    ``down`` [D, I] on the device; ``name`` prefixes the workspace buffers."""
+    m = hd.shape[0]
+    inter = down.shape[1]
+    gu = ws.get(name + "_gu", (m, 2 * inter), np.float32, stream)
+    act = ws.get(name + "_act", (m, inter), np.float32, stream)
+    linear(hd, gate_up, out=gu, method=method, stream=stream, workspace=ws)
+    grid, block = launch_1d(act.size, 256)
+    _silu_mul[grid, block, stream](gu, act)
+    return linear(act, down, out=y, method=method, stream=stream, workspace=ws)
+
+
+@kernel
+def _fill_dense_routing(idx, weight):
+    """idx[m, 0] = 0, weight[m, 0] = 1: the dense FFN's routing, without a host upload."""
+    m = cuda.grid(1)
+    if m < idx.shape[0]:
+        idx[m, 0] = 0
+        weight[m, 0] = np.float32(1.0)
+
+
+def _dense_routing(m: int, ws, stream):
+    """(expert_idx zeros [m, 1] int32, weight ones [m, 1]) on the device, for the dense FFN's
+    one-expert kernels."""
+    idx = ws.get("moe.dense_idx", (m, 1), np.int32, stream)
+    wt = ws.get("moe.dense_weight", (m, 1), np.float32, stream)
+    grid, block = launch_1d(m, 256)
+    _fill_dense_routing[grid, block, stream](idx, wt)
+    return idx, wt
 
 
 def _group_tokens(idx, n_experts: int, ws, stream):

@@ -23,6 +23,8 @@ route_from_logits(logits [M,E], bias, ...)      (expert_idx [M,k] int32 ascendin
 moe_route(h, gate_w, bias, ...)                 route_from_logits(router_logits(h, gate_w), ...)
 moe_ffn(h, expert_idx, weight, gate_up, down,   [M,D]  ``sum_j weight[m,j] FFN_{idx[m,j]}(h[m])
         shared_gate_up, shared_down)                   + FFN_shared(h[m])``
+moe_ffn(h, None, None, gate_up [1,2I,D],        [M,D]  the dense FFN ``FFN_0(h[m])`` (is_dense)
+        down [1,D,I])
 ==============================================  ===============================================
 
 The rules behind the table live with the code: the RoPE layout and YaRN in rope.py, routing and
@@ -37,13 +39,14 @@ from .argmax import argmax
 from .common import as_float64
 from .embedding import embedding
 from .linear import linear
-from .moe import check_routing_args, moe_ffn, moe_route, route_from_logits, router_logits, silu
+from .moe import (check_routing_args, is_dense, moe_ffn, moe_route, route_from_logits,
+                  router_logits, silu)
 from .norm import rmsnorm
 from .rope import RopeSpec, YarnScaling, rope, yarn_mscale
 
 __all__ = ["rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear", "embedding",
            "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "silu",
-           "as_float64", "check_routing_args"]
+           "as_float64", "check_routing_args", "is_dense"]
 
 # The attention references live in reference/attention/; one namespace for the whole model.
 # reference.attention imports nothing from reference.layers, so this makes no import circle.

@@ -17,6 +17,10 @@ Weights come from the *unbiased* ``s``: ``w = s / (sum_selected s + 1e-20)`` if
 MoE FFN.  Expert weights are HF-fused: ``gate_up [E, 2*Im, D]`` (gate rows first, then up rows)
 and ``down [E, D, Im]``; the shared expert ``shared_gate_up [2*Is, D]``, ``shared_down [D, Is]``
 (both None when the model has none).  ``FFN(h) = down (silu(gate h) * (up h))``.
+A dense FFN (DeepSeek-V3's first layers) is one expert every token takes with weight 1:
+``expert_idx`` and ``weight`` both None, ``gate_up [1, 2I, D]``, ``down [1, D, I]``, no shared
+expert (:func:`is_dense`).  It equals the explicit routing (zeros [M, 1], ones [M, 1]); the
+numba twin runs it as two projections where that is faster.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import numpy as np
 from .common import as_float64
 
 __all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "silu",
-           "check_routing_args"]
+           "check_routing_args", "is_dense"]
 
 
 def silu(v):
@@ -114,11 +118,29 @@ def _ffn(h64: np.ndarray, gate_up64: np.ndarray, down64: np.ndarray) -> np.ndarr
     return (silu(gu[:, :inter]) * gu[:, inter:]) @ down64.T
 
 
+def is_dense(expert_idx, weight, gate_up, shared_gate_up=None) -> bool:
+    """Whether a moe_ffn call is a dense FFN (``expert_idx`` and ``weight`` None); ValueError
+    for a half-given routing, or a dense call with several experts or a shared expert (both
+    twins call it)."""
+    if (expert_idx is None) != (weight is None):
+        raise ValueError("pass both expert_idx and weight, or neither (a dense FFN)")
+    if expert_idx is not None:
+        return False
+    if len(gate_up.shape) != 3 or gate_up.shape[0] != 1 or shared_gate_up is not None:
+        raise ValueError("a dense FFN (expert_idx and weight None) takes one expert, "
+                         "gate_up [1, 2I, D] and down [1, D, I], and no shared expert")
+    return True
+
+
 def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None):
-    """``out[m] = sum_j weight[m,j] FFN_{expert_idx[m,j]}(h[m]) + FFN_shared(h[m])`` [M, D] f32.
+    """``out[m] = sum_j weight[m,j] FFN_{expert_idx[m,j]}(h[m]) + FFN_shared(h[m])`` [M, D] f32;
+    a dense FFN with ``expert_idx`` and ``weight`` None (:func:`is_dense`).
 
     Computed expert by expert (each expert's weights widened once, for all its tokens).
     """
+    if is_dense(expert_idx, weight, gate_up, shared_gate_up):
+        m = np.shape(h)[0]
+        expert_idx, weight = np.zeros((m, 1), np.int32), np.ones((m, 1), np.float32)
     h64 = as_float64(h)
     expert_idx = np.asarray(expert_idx)
     weight = as_float64(weight)
