@@ -26,6 +26,10 @@ def test_weight_bytes_counts_the_experts_a_routing_reads():
     assert profile_ops.weight_bytes("rmsnorm", (h,)) is None
     assert profile_ops.shape_label("linear", (h, w)) == "8->16"
     assert profile_ops.shape_label("moe_ffn", (h, idx[:, :1])) == "dense"
+    # the dense FFN without routing (expert_idx, weight None): its one expert's bytes
+    dense = (np.zeros((1, 6, 8), np.uint16), np.zeros((1, 8, 3), np.uint16))
+    assert profile_ops.weight_bytes("moe_ffn", (h, None, None, *dense)) == per_expert
+    assert profile_ops.shape_label("moe_ffn", (h, None, None, *dense)) == "dense"
 
 
 def test_table_groups_calls_and_sets_each_beside_its_roof(capsys):

@@ -64,9 +64,11 @@ def weight_bytes(name, args, to_host=np.asarray) -> int | None:
     if name == "linear":
         return int(args[1].nbytes)
     if name == "moe_ffn":
-        idx, gate_up, down = np.asarray(to_host(args[1])), args[3], args[4]
+        gate_up, down = args[3], args[4]
         per_expert = (gate_up.nbytes + down.nbytes) // gate_up.shape[0]
-        total = len(np.unique(idx)) * per_expert
+        if args[1] is None:             # the dense FFN: its one expert
+            return int(per_expert)
+        total = len(np.unique(np.asarray(to_host(args[1])))) * per_expert
         if len(args) > 6 and args[5] is not None:
             total += args[5].nbytes + args[6].nbytes
         return int(total)
@@ -78,7 +80,9 @@ def shape_label(name, args) -> str:
         n, k = args[1].shape
         return f"{k}->{n}"
     if name == "moe_ffn":
-        return "dense" if args[1].shape[1] == 1 else f"top-{args[1].shape[1]}"
+        if args[1] is None or args[1].shape[1] == 1:
+            return "dense"
+        return f"top-{args[1].shape[1]}"
     return ""
 
 
