@@ -7,7 +7,8 @@ routings with experts of zero, one and many (> BM) tokens, with and without a sh
 another width; and (subprocess, no simulator) the kernels compile to sm_90 PTX with the
 m16n8k16 bf16 mma, no local memory, and ptxas assembles them without spills.
 On the GPU (marker ``gpu``): Kimi-K2 shapes (D 7168, I 2048, 64 experts top-8, a shared
-expert) at M in {1, 9, 33, 65, 257} within the bound, and rows batch invariant.
+expert) at M in {1, 9, 33, 65, 257} within the bound, rows batch invariant, and the work list
+(KDTREE_MOE_WORK_LIST=1) bitwise the full grid; the dense FFN's two sliced linears.
 """
 from __future__ import annotations
 
@@ -212,29 +213,106 @@ def test_configs_and_grid():
     blocks, mt, nt = moe_mma_grid(cfg, True, 9, 64, True, 2048)
     assert (mt, nt) == (1, 2048 // 32) and blocks == 65 * mt * nt      # 32 columns a block
     assert moe_mma_grid(cfg, False, 9, 64, False, 7168)[2] == 7168 // 64
+    # the work list at a verify's 65 tokens, top-8 of 64 (16-row tiles): R = 64 + (520 - 64)
+    # // 16 = 92 routed tiles at most, then the shared expert's 5
+    cfg = moe_mma_config(65, 8, 64)
+    assert moe_mma_grid(cfg, True, 65, 64, True, 2048, 520, 64) == (97 * 64, 97, 64)
+    assert moe_mma_grid(cfg, True, 65, 64, True, 2048)[0] == 65 * 5 * 64
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_routed_tile_bound_holds_for_every_routing(seed):
+    """sum over experts of ceil(tokens / BM) never exceeds routed_tile_bound, and reaches it
+    (every expert one token but one, which takes the rest: the bound is tight)."""
+    from kdtree_numba.layers.moe_mma import routed_tile_bound
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        n_experts, bm = int(rng.integers(1, 70)), int(rng.choice([16, 32, 64, 80, 128]))
+        n_entries = int(rng.integers(1, 600))
+        skew = rng.dirichlet(np.full(n_experts, rng.choice([0.05, 1.0, 20.0])))
+        counts = np.bincount(rng.choice(n_experts, n_entries, p=skew), minlength=n_experts)
+        assert np.sum(-(-counts // bm)) <= routed_tile_bound(n_entries, n_experts, bm)
+        a = min(n_experts, n_entries)
+        tight = np.ones(a, int)
+        tight[0] += n_entries - a
+        assert np.sum(-(-tight // bm)) == routed_tile_bound(n_entries, n_experts, bm)
+
+
+def test_simulated_grouping_writes_the_work_list(needs_kernels):
+    """moe.py's grouping kernel with tile_rows: each active expert's ceil(count / BM) tiles in
+    ascending expert order (first slot rows 0, BM, ...) and their number, for skewed,
+    uniform and one-expert routings (invalid indices count for nothing)."""
+    from kdtree_numba.layers.moe import _group_tokens
+    from kdtree_numba.layers.workspace import Workspace
+    from kdtree_numba.compat import to_device
+    rng = np.random.default_rng(31)
+    for m, top_k, n_experts, bm in ((65, 8, 64, 16), (40, 2, 5, 16), (9, 1, 1, 4),
+                                    (30, 3, 40, 8)):
+        idx = np.sort(np.stack([rng.choice(n_experts, top_k, replace=False, p=None)
+                                for _ in range(m)]), axis=1).astype(np.int32)
+        if n_experts == 5:
+            idx[:, 0] = 0                           # expert 0 takes every token: 3 tiles
+        if n_experts == 40:
+            idx[0, 0] = -1                          # an invalid entry: ignored
+        _, lists, tiles = _group_tokens(to_device(idx), n_experts, Workspace(), 0, bm)
+        counts = np.bincount(idx[idx >= 0], minlength=n_experts)
+        want_e = [e for e in range(n_experts) for _ in range(-(-counts[e] // bm))]
+        want_r = [r for e in range(n_experts) for r in range(0, counts[e], bm)]
+        n = int(tiles[2].copy_to_host()[0])
+        assert n == len(want_e)
+        assert tiles[0].copy_to_host()[:n].tolist() == want_e
+        assert tiles[1].copy_to_host()[:n].tolist() == want_r
+
+
+def test_simulated_work_list_gives_the_full_grid_bits(needs_kernels, monkeypatch):
+    """KDTREE_MOE_WORK_LIST=1: the same outputs bit for bit as the full (expert, M tile)
+    grid -- a block's tile, rows and K loop are the same, only its index differs (an expert
+    of 20 tokens in two 16-row tiles, one of one token, one of none, a shared expert)."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers import moe as moe_module
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU test compares both at Kimi shapes)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    lists = []
+    real = moe_module.grouped_experts_mma
+
+    def spy(*args, **kw):
+        lists.append(args[-1])
+        return real(*args, **kw)
+    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
+    name, m, d, inter, s_inter, routing, cfg = SIM_CASES[1]
+    args = _case(m + d, m, d, 5, inter, _routing_many_one_zero(m), s_inter)
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
+    full = _check(args, configs=cfg)
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
+    listed = _check(args, configs=cfg)
+    assert lists[0] is None and int(lists[1][2].copy_to_host()[0]) == 2 + 1 + 1 + 1
+    assert listed.tobytes() == full.tobytes()
 
 
 # ------------------------------------------------------------------ sm_90 PTX, any machine
 
 PTX_SCRIPT = HOPPER_PRELUDE + r"""
+import itertools
 from kdtree_numba.layers.moe_mma import moe_mma_config, moe_mma_kernel
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 f2, u2, i1 = T.float32[:, ::1], T.uint16[:, ::1], T.int32[::1]
 configs = {moe_mma_config(m, 8, 64) for m in (1, 9, 33, 65, 200, 257)}
 configs |= {moe_mma_config(m, 1, 1) for m in (40, 72, 100)}    # a dense FFN's tiles
-for cfg in sorted(configs, key=str):
-    for gate_up in (True, False):
+for cfg, gate_up, work_list in itertools.product(sorted(configs, key=str), (True, False),
+                                                 (False, True)):
         out = T.uint32[:, ::1] if gate_up else f2       # act as bf16 pairs, or y_slot
-        sig = (u2, i1, i1, i1, i1, T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
-        ptx, _ = cuda.compile_ptx(moe_mma_kernel(cfg, gate_up).py_func, sig, cc=(9, 0))
+        sig = (u2,) + (i1,) * 7 + (T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
+        ptx, _ = cuda.compile_ptx(moe_mma_kernel(cfg, gate_up, work_list).py_func, sig,
+                                  cc=(9, 0))
         log = ptxas(ptx)
         n_mma = ptx.count(MMA)
         local = len(re.findall(r"(?:ld|st)\.local", ptx))
         regs = int(re.findall(r"Used (\d+) registers", log)[0])
         spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
-        print("kernel", cfg, "gate_up" if gate_up else "down", "mma", n_mma, "regs", regs,
-              "spill", spill, "local", local, flush=True)
+        print("kernel", cfg, "gate_up" if gate_up else "down", "work list" * work_list, "mma",
+              n_mma, "regs", regs, "spill", spill, "local", local, flush=True)
         assert n_mma == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
         assert "cp.async.cg.shared.global" in ptx
         assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
@@ -248,10 +326,11 @@ for cfg in sorted(configs, key=str):
 # the warpgroup tile (mma_tile's past 80 rows on sm_90, e.g. a prefill's ~512 tokens an
 # expert), on sm_90a, the target numba-cuda gives H200 launches
 from kdtree_numba.layers.mma import WGMMA_TILE
-for gate_up in (True, False):
+for gate_up, work_list in itertools.product((True, False), (False, True)):
     out = T.uint32[:, ::1] if gate_up else f2
-    sig = (u2, i1, i1, i1, i1, T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
-    ptx, _ = cuda.compile_ptx(moe_mma_kernel(WGMMA_TILE, gate_up).py_func, sig, cc=(9, 0, "a"))
+    sig = (u2,) + (i1,) * 7 + (T.uint16[:, :, ::1], u2, out) + (T.int64,) * 9
+    ptx, _ = cuda.compile_ptx(moe_mma_kernel(WGMMA_TILE, gate_up, work_list).py_func, sig,
+                              cc=(9, 0, "a"))
     log = ptxas(ptx, arch="sm_90a")
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
     local = len(re.findall(r"(?:ld|st)\.local", ptx))
@@ -387,6 +466,21 @@ def test_gpu_moe_mma_rows_are_batch_invariant():
     for rows in (slice(3, 4), slice(0, 65)):
         part = moe_ffn(h[rows], idx[rows], weight[rows], *device, method="mma").copy_to_host()
         assert part.tobytes() == full[rows].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 33, 65, 257, 1100])
+def test_gpu_moe_mma_work_list_gives_the_full_grid_bits(m, monkeypatch):
+    """KDTREE_MOE_WORK_LIST=1 at Kimi shapes (decode, verify, a prefill's 1100 tokens on the
+    warpgroup tile): bit for bit the full grid's output, which the tests above bound."""
+    from kdtree_numba.layers import moe_ffn
+    _, device = _kimi_weights()
+    h, idx, weight = _kimi_case(m, seed=m + 3)
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
+    full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
+    listed = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
+    assert listed.tobytes() == full.tobytes()
 
 
 @pytest.mark.gpu

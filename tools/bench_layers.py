@@ -32,7 +32,9 @@
   tensor cores, shared expert in the same launches) beside moe_ffn's default on the same
   router-picked routing, Kimi-K2 (MOE_SHAPE), M = 1, 9, 33, 65, 257, against the roofs
   max(bytes of the distinct experts touched + shared / 4.1 TB/s, 2 * 3 I D (M k + M) / 989
-  TFLOP/s); also a uniform routing (every token 8 random experts) at M = 65 and 257.
+  TFLOP/s); also a uniform routing (every token 8 random experts) at M = 65 and 257.  Each
+  "mma" row is timed twice: the full (expert, M tile) grid and the work list
+  (KDTREE_MOE_WORK_LIST=1, "mma work list").
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
@@ -43,9 +45,11 @@ marked "host-bound" means the spacer ran out before the calls were queued.  < 3 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -411,6 +415,21 @@ def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
     return out
 
 
+@contextlib.contextmanager
+def _environment(**values):
+    """The process environment with ``values`` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench_moe_mma(ctx, results, deadline):
     """moe_ffn(method="mma") beside the default method, router-picked and uniform routings."""
     cp, cuda = ctx["cp"], ctx["cuda"]
@@ -444,13 +463,17 @@ def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
                 continue
             t_default = None
             used = len(np.unique(index.copy_to_host()))
-            for variant, kw in (("default", {}), ("mma", dict(method="mma"))):
+            # "mma work list": KDTREE_MOE_WORK_LIST=1 (read per call), the grid of M tiles
+            # the grouping lists instead of every expert slot times ceil(M / BM)
+            for variant, kw, work_list in (("default", {}, "0"), ("mma", dict(method="mma"), "0"),
+                                           ("mma work list", dict(method="mma"), "1")):
                 if time.perf_counter() > deadline:
                     print(f"\n(moe_mma: time budget, stopped before M={m})")
                     return
                 try:
-                    t, hb = timer([lambda kw=kw, index=index: layers.moe_ffn(
-                        h, index, w, *weights, out=out, workspace=ws, **kw)], trials=5)
+                    with _environment(KDTREE_MOE_WORK_LIST=work_list):
+                        t, hb = timer([lambda kw=kw, index=index: layers.moe_ffn(
+                            h, index, w, *weights, out=out, workspace=ws, **kw)], trials=5)
                 except Exception as exc:   # noqa: BLE001 -- report and go on
                     report_failure(results, "moe_mma", f"M={m} {routing} {variant}", exc)
                     continue
@@ -467,7 +490,7 @@ def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
                            gbps=nbytes / t / 1e9,
                            tflops=2.0 * 3 * inter * d * (m * top_k + m) / t / 1e12,
                            config=str(layers.moe_mma_config(m, top_k, n_experts))
-                           if variant == "mma" else "", host_bound=hb)
+                           if variant != "default" else "", host_bound=hb)
                 results.append(row)
                 print_row(row)
 
@@ -625,9 +648,10 @@ def summary(results):
                   f"of the {r['bound']} roof, "
                   + (f"{r['vs_cublas_bf16']:.2f}x cuBLAS bf16" if r["vs_cublas_bf16"] else
                      "no cuBLAS bf16"))
-        if r["section"] == "moe_mma" and r["variant"] == "mma":
-            print(f"moe_mma M={r['M']} {r['routing']}: {r['us']:.0f} us, {r['roof_frac']:.2f} "
-                  f"of the {r['bound']} roof, {fmt(r['vs_default'])}x the default moe_ffn")
+        if r["section"] == "moe_mma" and r["variant"] != "default":
+            print(f"moe_mma M={r['M']} {r['routing']} {r['variant']}: {r['us']:.0f} us, "
+                  f"{r['roof_frac']:.2f} of the {r['bound']} roof, "
+                  f"{fmt(r['vs_default'])}x the default moe_ffn")
         if r["section"] == "moe" and r["part"] == "expert_ffn":
             print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
                   f"({r['us']:.0f} us, {r['experts_read']} experts)")

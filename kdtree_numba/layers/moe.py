@@ -19,7 +19,8 @@ from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_redu
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
 from kdtree_numba.layers.linear import METHODS, linear
-from kdtree_numba.layers.moe_mma import grouped_experts_mma, moe_mma_config
+from kdtree_numba.layers import moe_mma
+from kdtree_numba.layers.moe_mma import grouped_experts_mma, moe_mma_config, routed_tile_bound
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
                                         skinny_kind, skinny_threads)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
@@ -189,16 +190,21 @@ def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
 # Entry order inside an expert (atomics) varies, results do not: every slot has its own sums.
 
 @functools.cache
-def _group_kernel(n_experts: int, threads: int):
+def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
+    """The grouping (one block).  ``tile_rows`` > 0 also writes the work list of the grouped
+    tensor-core kernels (moe_mma.py): each active expert's ``ceil(count / tile_rows)`` M tiles
+    in expert order, ``tile_expert[t]``, ``tile_row[t]`` (its first slot row), and their
+    number ``n_tiles[0]``; with 0 those three arguments are placeholders, never touched."""
     seg = -(-n_experts // threads)
 
     @kernel
     def group_by_expert(idx_flat, top_k, offsets, active, n_active, slot_of_entry,
-                        token_of_slot):
+                        token_of_slot, tile_expert, tile_row, n_tiles):
         count = cuda.shared.array(n_experts, np.int32)
         start = cuda.shared.array(n_experts, np.int32)
         scan_c = cuda.shared.array(threads, np.int32)
         scan_a = cuda.shared.array(threads, np.int32)
+        scan_t = cuda.shared.array(threads, np.int32)
         t = cuda.threadIdx.x
         n_entries = idx_flat.shape[0]
         for e in range(t, n_experts, threads):
@@ -211,33 +217,47 @@ def _group_kernel(n_experts: int, threads: int):
         cuda.syncthreads()
         mine_c = 0
         mine_a = 0
+        mine_t = 0
         for e in range(t * seg, min(t * seg + seg, n_experts)):
             mine_c += count[e]
             mine_a += 1 if count[e] > 0 else 0
+            if tile_rows > 0:
+                mine_t += (count[e] + tile_rows - 1) // tile_rows
         scan_c[t] = mine_c
         scan_a[t] = mine_a
+        scan_t[t] = mine_t
         cuda.syncthreads()
         offset = 1
-        while offset < threads:        # Hillis-Steele inclusive scan of both totals
+        while offset < threads:        # Hillis-Steele inclusive scan of the three totals
             vc = scan_c[t] + (scan_c[t - offset] if t >= offset else 0)
             va = scan_a[t] + (scan_a[t - offset] if t >= offset else 0)
+            vt = scan_t[t] + (scan_t[t - offset] if t >= offset else 0)
             cuda.syncthreads()
             scan_c[t] = vc
             scan_a[t] = va
+            scan_t[t] = vt
             cuda.syncthreads()
             offset *= 2
         at_c = scan_c[t] - mine_c
         at_a = scan_a[t] - mine_a
+        at_t = scan_t[t] - mine_t
         for e in range(t * seg, min(t * seg + seg, n_experts)):
             start[e] = at_c
             offsets[e] = at_c
             if count[e] > 0:
                 active[at_a] = e
                 at_a += 1
+            if tile_rows > 0:
+                for r0 in range(0, count[e], tile_rows):
+                    tile_expert[at_t] = e
+                    tile_row[at_t] = r0
+                    at_t += 1
             at_c += count[e]
         if t == threads - 1:
             offsets[n_experts] = scan_c[t]
             n_active[0] = scan_a[t]
+            if tile_rows > 0:
+                n_tiles[0] = scan_t[t]
         cuda.syncthreads()
         for i in range(t, n_entries, threads):
             e = idx_flat[i]
@@ -441,7 +461,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
-    slot_of_entry, lists = _group_tokens(idx, n_experts, ws, stream)
+    slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream)
     if tiled:
         _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                        top_k, stream, configs)
@@ -492,21 +512,30 @@ def _dense_routing(m: int, ws, stream):
     return idx, wt
 
 
-def _group_tokens(idx, n_experts: int, ws, stream):
+def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):
     """The device-side grouping of the M * k (token, expert) entries by expert: returns
-    (slot_of_entry, (token_of_slot, offsets, active, n_active)), the lists every expert kernel
-    reads."""
+    (slot_of_entry, (token_of_slot, offsets, active, n_active), tiles), the lists every
+    expert kernel reads; ``tiles`` = (tile_expert, tile_row, n_tiles), the grouped tensor-core
+    kernels' work list of ``tile_rows``-row M tiles (moe_mma.routed_tile_bound entries), or
+    None when ``tile_rows`` is 0."""
     n_entries = idx.shape[0] * idx.shape[1]
     offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
     active = ws.get("moe.active", (n_experts,), np.int32, stream)
     n_active = ws.get("moe.n_active", (1,), np.int32, stream)
     slot_of_entry = ws.get("moe.slot_of_entry", (n_entries,), np.int32, stream)
     token_of_slot = ws.get("moe.token_of_slot", (n_entries,), np.int32, stream)
+    tiles = None
+    if tile_rows:
+        bound = max(1, routed_tile_bound(n_entries, n_experts, tile_rows))
+        tiles = (ws.get("moe.tile_expert", (bound,), np.int32, stream),
+                 ws.get("moe.tile_row", (bound,), np.int32, stream),
+                 ws.get("moe.n_tiles", (1,), np.int32, stream))
     threads = 32 if SIMULATOR else 1024
-    _group_kernel(n_experts, threads)[1, threads, stream](
+    # without a work list, any int32 arrays stand for its three (the kernel never reads them)
+    _group_kernel(n_experts, threads, tile_rows)[1, threads, stream](
         idx.reshape(n_entries), idx.shape[1], offsets, active, n_active, slot_of_entry,
-        token_of_slot)
-    return slot_of_entry, (token_of_slot, offsets, active, n_active)
+        token_of_slot, *(tiles or (active, active, n_active)))
+    return slot_of_entry, (token_of_slot, offsets, active, n_active), tiles
 
 
 def _shared_weights(shared_gate_up, shared_down, d: int, stream):
@@ -568,9 +597,11 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
             (d, (hd, gud, dnd, act16, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
         raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "
                          "8 and C-contiguous 16-byte aligned arrays; use method='auto'")
-    slot_of_entry, lists = _group_tokens(idx, n_experts, ws, stream)
+    cfg = config or moe_mma_config(m, top_k, n_experts)
+    slot_of_entry, lists, tiles = _group_tokens(idx, n_experts, ws, stream,
+                                                cfg.bm if moe_mma.work_list_enabled() else 0)
     grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, min(n_entries, n_experts),
-                        config or moe_mma_config(m, top_k, n_experts), stream, ws)
+                        cfg, stream, ws, tiles)
     shared_y = None if shared is None else y_slot[n_entries:]   # the shared expert's rows
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 

@@ -13,7 +13,12 @@ order.  The shared expert is one more "expert" of both launches: its slots are r
 Grid: (expert slot a, M tile, N tile), M tile fastest.  ``a < max_active`` is the a-th active
 expert (blocks past ``n_active`` or past the expert's token count exit at once: the grid is
 sized on the host from M, top_k and E only, no host read of the routing); ``a == max_active``
-is the shared expert.  The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's
+is the shared expert.  Or, with the *work list* (``KDTREE_MOE_WORK_LIST=1``, off until the
+H200 has run it: docs/LAYERS.md), (tile t, N tile), t fastest: t < R is the t-th M tile of the
+device-built list moe.py's grouping writes (``tile_expert``, ``tile_row``; blocks past its
+length ``n_tiles`` exit), t >= R the shared expert's tiles, R = :func:`routed_tile_bound`.  At
+a verify's 65 tokens over 64 experts the full grid launches 5 M tiles per expert for ~8
+tokens each: 4 of 5 blocks exit at once, 16 k of 21 k per launch; the list leaves ~1.8 k.  The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's
 tiles by tokens per expert), its K loop (``ring_function``: bf16 x and weights both by
 ``cp.async`` through a ring of ``stages`` shared buffers, fp32 accumulation) and fragment
 layout.  Differences: the x rows are gathered (each thread's rows are fixed for the whole K
@@ -35,6 +40,7 @@ Design, error bound and status: docs/LAYERS.md, "Grouped MoE on tensor cores".
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -47,7 +53,8 @@ from kdtree_numba.layers.common import silu_approx
 from kdtree_numba.layers.mma import (MmaConfig, accumulator_origin, c_position, ring_function,
                                      unsliced_tile, round_to_bf16, w_stage_slot)
 
-__all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma"]
+__all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma",
+           "routed_tile_bound", "work_list_enabled"]
 
 _w_stage_slot = inline_device_function(w_stage_slot)
 _c_position = inline_device_function(c_position)
@@ -69,20 +76,42 @@ def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
     return unsliced_tile(per)
 
 
+def work_list_enabled() -> bool:
+    """Whether moe_ffn(method="mma") launches over the device-built work list of M tiles
+    (``KDTREE_MOE_WORK_LIST=1``) instead of the full (expert, M tile) grid; read per call, so
+    a benchmark can time both in one process."""
+    return os.environ.get("KDTREE_MOE_WORK_LIST", "0") == "1"
+
+
+def routed_tile_bound(n_entries: int, n_experts: int, tile_rows: int) -> int:
+    """The most M tiles the routed experts can need: with A active experts holding c_a >= 1
+    of N <= n_entries entries, sum_a ceil(c_a / BM) = A + sum_a floor((c_a - 1) / BM)
+    <= A + floor((N - A) / BM), which grows with A and N: at A = min(E, n_entries) and
+    N = n_entries it is the bound (a work list never outgrows its buffer)."""
+    a = min(n_experts, n_entries)
+    return a + (n_entries - a) // tile_rows
+
+
 def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_shared: bool,
-                 n_out: int):
+                 n_out: int, n_entries: int | None = None, n_experts: int | None = None):
     """(blocks, M tiles, N tiles) of a launch: n_out = the widest expert output (gate_up: the
-    intermediate width, each block covering BN / 2 columns; down: D)."""
+    intermediate width, each block covering BN / 2 columns; down: D).  With the work list
+    (``n_entries`` and ``n_experts`` given) the M tiles are the list's bound R plus the shared
+    expert's ceil(M / BM)."""
     n_mtiles = -(-m // cfg.bm)
     n_ntiles = -(-n_out // (cfg.bn // 2 if gate_up else cfg.bn))
+    if n_entries is not None:
+        tiles = routed_tile_bound(n_entries, n_experts, cfg.bm) + n_mtiles * int(has_shared)
+        return tiles * n_ntiles, tiles, n_ntiles
     return (max_active + int(has_shared)) * n_mtiles * n_ntiles, n_mtiles, n_ntiles
 
 
 @functools.cache
-def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
+def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
     """The grouped kernel for a tile shape (needs an even count of n8 accumulator tiles;
-    cfg.splits is ignored).  Under the simulator it runs up to its first mma
-    (tests/test_moe_mma.py emulates the warp's mma)."""
+    cfg.splits is ignored), over the full grid or the work list (module docstring).  Under
+    the simulator it runs up to its first mma (tests/test_moe_mma.py emulates the warp's
+    mma)."""
     from numba import float32, int64, uint32
 
     FTM, FTN = cfg.frag_tiles
@@ -102,14 +131,16 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
     ALIGN = None if SIMULATOR else 16
 
     @kernel
-    def grouped_expert_mma(x16, token_of_slot, offsets, active, n_active, w3, sw, out,
-                           max_active, m_total, n_entries, n_routed, n_shared, k_routed,
-                           k_shared, n_mtiles, n_ntiles):
+    def grouped_expert_mma(x16, token_of_slot, offsets, active, n_active, tile_expert,
+                           tile_row, n_tiles, w3, sw, out, max_active, m_total, n_entries,
+                           n_routed, n_shared, k_routed, k_shared, n_mtiles, n_ntiles):
         """gate_up: x16 = bf16(h) [M, D], w3 = gate_up [E, 2I, D], sw = shared gate_up
         [2Is, D], out = act as bf16 pairs [n_entries + M, >= I / 2] (uint32); down: x16 = act
         [n_entries + M, >= I] (bf16 bits), w3 = down [E, D, I], sw = shared down [D, Is],
         out = y_slot [n_entries + M, D] float32.  n_* / k_*: output and input widths of the
-        routed and the shared experts."""
+        routed and the shared experts.  Work list: ``max_active`` is its bound R and
+        ``n_mtiles`` all M tiles (R + the shared expert's); else the tile arguments are
+        placeholders."""
         bid = cuda.blockIdx.x
         if WGMMA:   # 32-bit divisions: a 64-bit one is a call, and a call serializes wgmma
             rest, mt_i = divmod_u32(bid, n_mtiles)
@@ -119,24 +150,37 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
             rest = bid // n_mtiles
             nt = rest % n_ntiles
             a = rest // n_ntiles
-        if a < max_active:
-            if a >= n_active[0]:
-                return
-            e = active[a]
+        if work_list:      # mt_i: the list's tile, or past R the shared expert's
+            routed = mt_i < max_active
+            if routed:
+                if mt_i >= n_tiles[0]:
+                    return
+                e = tile_expert[mt_i]
+                m0 = tile_row[mt_i]
+            else:
+                e = 0
+                m0 = (mt_i - max_active) * BM
+        else:
+            routed = a < max_active
+            if routed:
+                if a >= n_active[0]:
+                    return
+                e = active[a]
+            else:
+                e = 0
+            m0 = mt_i * BM
+        if routed:
             s_begin = offsets[e]
             count = offsets[e + 1] - s_begin
             w = w3[e]
             n_out = n_routed
             k_end = k_routed
-            routed = True
         else:
             s_begin = n_entries
             count = m_total
             w = sw
             n_out = n_shared
             k_end = k_shared
-            routed = False
-        m0 = mt_i * BM
         col0 = nt * COLS
         if m0 >= count or col0 >= n_out:
             return
@@ -204,9 +248,11 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool):
 
 
 def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, cfg: MmaConfig,
-                        stream=0, workspace=None):
+                        stream=0, workspace=None, tiles=None):
     """The two launches.  hd [M, D] float32; lists = (token_of_slot, offsets, active,
-    n_active) of moe.py's grouping; gud [E, 2I, D] and dnd [E, D, I] uint16 bf16 bits;
+    n_active) of moe.py's grouping; ``tiles``: its work list (tile_expert, tile_row, n_tiles)
+    of cfg.bm-row tiles, or None for the full grid; gud [E, 2I, D] and dnd [E, D, I] uint16
+    bf16 bits;
     shared = (sgu [2Is, D], sdn [D, Is]) or None; act16 [n_entries + M, max(I, Is)] uint16
     (bf16 bits) and y_slot [n_entries + M, D] float32 (the shared expert's rows last).  h is
     rounded to bf16 once, into a workspace buffer, as mma_linear does.  Checks are
@@ -226,10 +272,14 @@ def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, 
     for gate_up, x16, w3, sw, out, n_r, n_s, k_r, k_s in (
             (True, h16, gud, sgu, act_pairs, inter, s_inter, d, d),
             (False, act16, dnd, sdn, y_slot, d, d, inter, s_inter)):
-        blocks, n_mtiles, n_ntiles = moe_mma_grid(cfg, gate_up, m, max_active, has_shared,
-                                                  max(n_r, n_s))
-        dispatcher = moe_mma_kernel(cfg, gate_up)
-        args = (x16, *lists, w3, sw, out, max_active, m, n_entries, n_r, n_s, k_r, k_s,
+        blocks, n_mtiles, n_ntiles = moe_mma_grid(
+            cfg, gate_up, m, max_active, has_shared, max(n_r, n_s),
+            *((n_entries, n_experts) if tiles else ()))
+        dispatcher = moe_mma_kernel(cfg, gate_up, tiles is not None)
+        # without a work list any int32 arrays stand for its three (never read)
+        work = tiles or (lists[2], lists[2], lists[3])
+        bound = routed_tile_bound(n_entries, n_experts, cfg.bm) if tiles else max_active
+        args = (x16, *lists, *work, w3, sw, out, bound, m, n_entries, n_r, n_s, k_r, k_s,
                 n_mtiles, n_ntiles)
         allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
         dispatcher[blocks, cfg.threads, stream, cfg.smem_bytes](*args)
