@@ -47,7 +47,8 @@ BACKEND_NAMES = ("auto", "reference", "numba")
 GEMM_CHOICES = ("cuda-cores", "tensor-cores")
 
 # Every op the model and engine use; both backends must provide exactly these.
-LAYER_OPS = ("rmsnorm", "rope", "linear", "embedding", "argmax", "moe_route", "moe_ffn")
+LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", "moe_route",
+             "moe_ffn")
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
               "accept_sampled", "compact_kv")

@@ -398,15 +398,18 @@ class Model(DeviceSteps):
             x = be.xp.ascontiguousarray(be.asarray(embeds).reshape(bs * n, cfg.hidden_size),
                                         dtype=np.float32)
         after = {}             # the residual stream after each captured layer
-        for layer, lw in enumerate(self.layers):
-            h = ops.rmsnorm(x, lw.input_norm, cfg.rms_norm_eps)
-            x = x + self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
-                                    inputs.causal, inputs.prefill)
-            h = ops.rmsnorm(x, lw.post_norm, cfg.rms_norm_eps)
-            x = x + self._ffn(lw, h, inputs.prefill)
+        eps = cfg.rms_norm_eps
+        h = ops.rmsnorm(x, self.layers[0].input_norm, eps)   # config: >= 1 layer
+        # each residual add runs inside the norm that reads its sum (add_rmsnorm): the next
+        # layer's input norm, after the last layer the final norm
+        norms = [lw.input_norm for lw in self.layers[1:]] + [self.final_norm]
+        for layer, (lw, next_norm) in enumerate(zip(self.layers, norms)):
+            attn = self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
+                                   inputs.causal, inputs.prefill)
+            x, h = ops.add_rmsnorm(x, attn, lw.post_norm, eps)
+            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, inputs.prefill), next_norm, eps)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
-        h = ops.rmsnorm(x, self.final_norm, cfg.rms_norm_eps)
         if inputs.logit_rows is None:
             logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
         else:   # one row per request: b n + logit_rows[b] of the flattened [bs n, D]

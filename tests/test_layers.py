@@ -138,6 +138,15 @@ def test_rmsnorm_equals_row_loop_and_is_scale_invariant(m, d, seed):
     np.testing.assert_allclose(ref.rmsnorm(8 * x, w, 0.0), ref.rmsnorm(x, w, 0.0), rtol=1e-6)
 
 
+def test_add_rmsnorm_reference_is_the_float32_add_then_the_norm():
+    rng = np.random.default_rng(13)
+    x, delta = rng.standard_normal((2, 3, 9)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, 9).astype(np.float32)
+    s, y = ref.add_rmsnorm(x, delta, w, 1e-6)
+    assert s.dtype == np.float32 and s.tobytes() == (x + delta).tobytes()
+    assert y.tobytes() == ref.rmsnorm(x + delta, w, 1e-6).tobytes()
+
+
 def test_argmax_reference_ties_and_nan():
     rows = np.array([[1, 3, 3, 2], [-np.inf, -np.inf, -np.inf, -np.inf], [0.0, -0.0, 0, -1],
                      [1, np.nan, 5, np.nan]], np.float32)
@@ -565,9 +574,46 @@ def test_rmsnorm_register_and_loop_kernels_give_the_same_bits(gpu_layers):
         got = host(gpu_layers.rmsnorm(x, w, 1e-6))
         np.testing.assert_allclose(got, ref.rmsnorm(x, w, 1e-6), rtol=1e-5)
         loop = to_device(np.zeros_like(x))
-        _rmsnorm_kernel(threads, False, 0)[2, threads](to_device(x), to_device(w), loop,
+        xd = to_device(x)
+        _rmsnorm_kernel(threads, False, 0)[2, threads](xd, xd, xd, to_device(w), loop,
                                                        np.float32(1e-6))
         assert np.array_equal(got, host(loop)), d
+
+
+def test_add_rmsnorm_is_the_add_then_the_norm_bit_for_bit(gpu_layers):
+    """add_rmsnorm(x, delta) = (x + delta, rmsnorm(x + delta)) with both outputs bitwise the
+    separate float32 add and rmsnorm (so the model's numbers do not move), on the register
+    kernel and the loop kernel (rows wider than _MAX_PER_THREAD * threads), bf16 weights
+    too; within the reference's tolerance; and in place (sum_out = x)."""
+    from kdtree_numba.compat import to_device
+    from kdtree_numba.layers.norm import _MAX_PER_THREAD, _norm_threads
+    rng = np.random.default_rng(12)
+    for d in (40, _MAX_PER_THREAD * _norm_threads() + 5):
+        for dtype in (np.float32, BF16):
+            x = (rng.standard_normal((3, d)) * 3).astype(np.float32)
+            delta = (rng.standard_normal((3, d)) * 0.1).astype(np.float32)
+            w = rng.uniform(0.5, 1.5, d).astype(dtype)
+            s, y = gpu_layers.add_rmsnorm(x, delta, w, 1e-6)
+            assert host(s).tobytes() == (x + delta).tobytes(), d
+            assert host(y).tobytes() == host(gpu_layers.rmsnorm(x + delta, w, 1e-6)).tobytes()
+            want_s, want_y = ref.add_rmsnorm(x, delta, w, 1e-6)
+            assert np.array_equal(host(s), want_s)
+            np.testing.assert_allclose(host(y), want_y, rtol=1e-5)
+            xd = to_device(x)
+            s_in_place, _ = gpu_layers.add_rmsnorm(xd, delta, w, 1e-6, sum_out=xd)
+            assert host(xd).tobytes() == (x + delta).tobytes()
+
+
+def test_add_rmsnorm_rejects_mismatched_shapes(gpu_layers):
+    x = np.zeros((2, 8), np.float32)
+    w = np.ones(8, np.float32)
+    for twin in (ref, gpu_layers):
+        with pytest.raises(ValueError, match="shape"):
+            twin.add_rmsnorm(x, np.zeros((2, 7), np.float32), w, 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        ref.add_rmsnorm(x, np.zeros((2, 8), np.float64), w, 1e-6)
+    with pytest.raises(TypeError, match="float32"):
+        gpu_layers.add_rmsnorm(x, np.zeros((2, 8), np.float64), w, 1e-6)
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -26,7 +26,7 @@ argmax, moe and common each have a reference twin of the same name; skinny, tile
 gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM behind
 ``linear(method="mma")`` and ``method="tensor-cores"`` (twin: reference/layers/linear.py).
 
-* ``norm``        -- rmsnorm;
+* ``norm``        -- rmsnorm, add_rmsnorm;
 * ``rope``        -- rope (RopeSpec and YarnScaling are the reference's own classes);
 * ``linear``      -- linear(): picks the skinny or the tiled GEMM and launches it;
 * ``skinny``      -- the weight-streaming GEMM (SkinnyConfig, skinny_config);
@@ -59,7 +59,7 @@ from kdtree_numba.layers.moe import (  # noqa: F401
     expert_alternatives, expert_config, expert_tiled_configs, moe_ffn, moe_route,
     route_from_logits, router_logits)
 from kdtree_numba.layers.moe_mma import moe_mma_config  # noqa: F401
-from kdtree_numba.layers.norm import rmsnorm
+from kdtree_numba.layers.norm import add_rmsnorm, rmsnorm
 from kdtree_numba.layers.rope import RopeSpec, YarnScaling, rope
 from kdtree_numba.layers.skinny import (  # noqa: F401
     ROWS_UNROLL, SkinnyConfig, skinny_config, skinny_threads)
@@ -67,7 +67,7 @@ from kdtree_numba.layers.tiled import (  # noqa: F401
     TILED_ALTERNATIVES, TiledConfig, tiled_config, tiled_depth, tiled_splits)
 from kdtree_numba.layers.workspace import Workspace
 
-__all__ = ["rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", "argmax",
+__all__ = ["rmsnorm", "add_rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", "argmax",
            "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
            "SkinnyConfig", "TiledConfig", "skinny_config", "tiled_config", "tiled_splits",
            "tiled_depth", "expert_tiled_configs", "expert_alternatives", "SKINNY_MAX_M"]

@@ -1,4 +1,6 @@
-"""``rmsnorm`` on the GPU: one block per row, fp32 sum of squares, the row in registers.
+"""``rmsnorm`` and ``add_rmsnorm`` on the GPU: one block per row, fp32 sum of squares, the
+row in registers; ``add_rmsnorm`` adds the residual to the row as it loads it and writes the
+sum beside the norm (one launch and one pass where ``x + delta`` then ``rmsnorm`` took two).
 
 Twin: reference/layers/norm.py; tolerance and design: docs/LAYERS.md.
 """
@@ -14,7 +16,7 @@ from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.workspace import device_f32, device_weight, result_array
 
-__all__ = ["rmsnorm"]
+__all__ = ["rmsnorm", "add_rmsnorm"]
 
 
 def _norm_threads():
@@ -27,14 +29,16 @@ _MAX_PER_THREAD = 32
 
 
 @functools.cache
-def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
+def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int, add: bool = False):
     """One block per row.  ``per_thread`` > 0: the thread's ``per_thread`` values (columns
     t + k*threads) are loaded at once into registers, all loads in flight together, and
     scaled from there: one pass over x and one round trip of memory latency, where a loop
     waits for each load in turn (a one-row norm is all latency: 6.6 us per call at Kimi's
     7168, run 80); the weight's values are loaded beside them.  0: the loop, for rows wider
     than _MAX_PER_THREAD * threads.  Both add a thread's squares in the same order (k
-    ascending), so they give the same bits."""
+    ascending), so they give the same bits.  ``add``: the row is ``x + delta`` (one fp32
+    add per value, the same rounding as a separate add), written to ``s`` as it is loaded;
+    without it ``delta`` and ``s`` are placeholders, never touched."""
     block_reduce = make_block_reduce(1, threads)
     warps = threads // 32
     scr = block_reduce_scratch_shape(1, threads)
@@ -42,9 +46,9 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
     regs = max(per_thread, 1)
 
     @kernel
-    def rmsnorm_rows(x, weight, y, eps):
+    def rmsnorm_rows(x, delta, s, weight, y, eps):
         """fp32 sum of squares (a thread's in column order, then the butterfly), then
-        w * (x * inv_rms)."""
+        w * (x * inv_rms); with ``add`` x + delta for x, stored to s."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
         acc = cuda.local.array(1, np.float32)
@@ -57,7 +61,7 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
         if per_thread:
             for k in range(per_thread):   # unrolled: independent loads, clamped in bounds
                 d = min(t + k * threads, d_total - 1)
-                v = x[row, d]
+                v = x[row, d] + delta[row, d] if add else x[row, d]
                 vals[k] = v if t + k * threads < d_total else np.float32(0.0)
                 # the weight's loads go out with x's, so their latency (HBM: a decode step
                 # streams gigabytes past L2) overlaps the sum's instead of following it
@@ -66,7 +70,9 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
                 ss += vals[k] * vals[k]
         else:
             for d in range(t, d_total, threads):
-                v = x[row, d]
+                v = x[row, d] + delta[row, d] if add else x[row, d]
+                if add:
+                    s[row, d] = v
                 ss += v * v
         acc[0] = ss
         block_reduce(acc, red, scratch)
@@ -75,17 +81,21 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int):
             for k in range(per_thread):
                 d = t + k * threads
                 if d < d_total:
+                    if add:
+                        s[row, d] = vals[k]
                     y[row, d] = wvals[k] * (vals[k] * inv)
         else:
             for d in range(t, d_total, threads):
                 wv = bf16_bits_to_f32(weight[d]) if is_bf16 else weight[d]
-                y[row, d] = wv * (x[row, d] * inv)
+                # the sum this thread stored above (its own columns: no barrier needed)
+                v = s[row, d] if add else x[row, d]
+                y[row, d] = wv * (v * inv)
     return rmsnorm_rows
 
 
-def rmsnorm(x, weight, eps: float, *, out=None, stream=0, workspace=None):
-    """See reference.rmsnorm.  Tolerance: 2e-6 relative (fp32 sum of squares)."""
-    xd = device_f32(x, "x", 2, stream)
+def _launch_norm(xd, delta, s, weight, eps: float, out, stream):
+    """y = rmsnorm(xd (+ delta, stored to s), weight) by one launch; delta and s None for
+    the plain norm."""
     wd, kind = device_weight(weight, stream)
     if tuple(wd.shape) != (xd.shape[1],):
         raise ValueError(f"rmsnorm wants weight [{xd.shape[1]}], got {wd.shape}")
@@ -95,6 +105,29 @@ def rmsnorm(x, weight, eps: float, *, out=None, stream=0, workspace=None):
         per_thread = -(-xd.shape[1] // threads)
         if per_thread > _MAX_PER_THREAD:
             per_thread = 0
-        _rmsnorm_kernel(threads, kind == "bf16", per_thread)[xd.shape[0], threads, stream](
-            xd, wd, y, np.float32(eps))
+        add = delta is not None
+        # without the add, x stands for delta and s (the kernel never touches them)
+        _rmsnorm_kernel(threads, kind == "bf16", per_thread, add)[
+            xd.shape[0], threads, stream](xd, delta if add else xd, s if add else xd, wd, y,
+                                          np.float32(eps))
     return y
+
+
+def rmsnorm(x, weight, eps: float, *, out=None, stream=0, workspace=None):
+    """See reference.rmsnorm.  Tolerance: 2e-6 relative (fp32 sum of squares)."""
+    return _launch_norm(device_f32(x, "x", 2, stream), None, None, weight, eps, out, stream)
+
+
+def add_rmsnorm(x, delta, weight, eps: float, *, out=None, sum_out=None, stream=0,
+                workspace=None):
+    """See reference.add_rmsnorm: ``(s, y)`` with ``s = x + delta`` (bitwise the float32 add)
+    and ``y = rmsnorm(s)`` (bitwise :func:`rmsnorm` of s), in one launch.  ``sum_out`` /
+    ``out``: result arrays for s / y (new ones otherwise); ``sum_out`` may be x itself, an
+    in-place residual (each element is read, then written, by one thread)."""
+    xd = device_f32(x, "x", 2, stream)
+    dd = device_f32(delta, "delta", 2, stream)
+    if tuple(dd.shape) != tuple(xd.shape):
+        raise ValueError(f"add_rmsnorm wants x and delta of one shape, got {tuple(xd.shape)} "
+                         f"and {tuple(dd.shape)}")
+    s = result_array(sum_out, xd.shape, np.float32, stream)
+    return s, _launch_norm(xd, dd, s, weight, eps, out, stream)

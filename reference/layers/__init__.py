@@ -13,6 +13,7 @@ float64 and returns float32 (int32 for indices).
 function                                        returns
 ==============================================  ===============================================
 rmsnorm(x [M,D], weight [D], eps)               [M,D]  ``weight * x / sqrt(mean(x^2) + eps)``
+add_rmsnorm(x, delta [M,D], weight, eps)        (s = x + delta in float32, rmsnorm(s, ...))
 rope(x [M,H,dr], positions [M], spec)           [M,H,dr] rotated, halves layout (rope.py)
 RopeSpec.softmax_scale(qk_head_dim)             tau = qk_head_dim^-0.5 * m(factor, mscale_all_dim)^2
 linear(x [M,K], w [N,K])                        [M,N]  ``x w^T``
@@ -41,12 +42,12 @@ from .embedding import embedding
 from .linear import linear
 from .moe import (check_routing_args, is_dense, moe_ffn, moe_route, route_from_logits,
                   router_logits, silu)
-from .norm import rmsnorm
+from .norm import add_rmsnorm, rmsnorm
 from .rope import RopeSpec, YarnScaling, rope, yarn_mscale
 
-__all__ = ["rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear", "embedding",
-           "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "silu",
-           "as_float64", "check_routing_args", "is_dense"]
+__all__ = ["rmsnorm", "add_rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear",
+           "embedding", "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn",
+           "silu", "as_float64", "check_routing_args", "is_dense"]
 
 # The attention references live in reference/attention/; one namespace for the whole model.
 # reference.attention imports nothing from reference.layers, so this makes no import circle.

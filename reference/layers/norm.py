@@ -9,7 +9,7 @@ import numpy as np
 
 from .common import as_float64
 
-__all__ = ["rmsnorm"]
+__all__ = ["rmsnorm", "add_rmsnorm"]
 
 
 def rmsnorm(x, weight, eps: float) -> np.ndarray:
@@ -19,3 +19,15 @@ def rmsnorm(x, weight, eps: float) -> np.ndarray:
         raise ValueError(f"rmsnorm wants x [M, D] and weight [D], got {x64.shape}, {w64.shape}")
     inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps)
     return (w64 * (x64 * inv)).astype(np.float32)
+
+
+def add_rmsnorm(x, delta, weight, eps: float):
+    """``(s, rmsnorm(s, weight, eps))`` with ``s = x + delta``: a residual add and the norm that
+    reads it (the model's two per layer).  ``s`` is the float32 sum, as ``x + delta`` on
+    float32 arrays rounds it (so the twin's is bitwise this one)."""
+    x32, d32 = np.asarray(x), np.asarray(delta)
+    if x32.dtype != np.float32 or d32.dtype != np.float32 or x32.shape != d32.shape:
+        raise ValueError(f"add_rmsnorm wants float32 x and delta of one shape, got "
+                         f"{x32.dtype} {x32.shape}, {d32.dtype} {d32.shape}")
+    s = x32 + d32
+    return s, rmsnorm(s, weight, eps)
