@@ -336,12 +336,13 @@ def test_configs_and_splits():
 
 
 @pytest.mark.parametrize("n, k, best", [(7168, 8192, 4), (2112, 7168, 8), (7168, 18432, 4),
-                                        (36864, 7168, 4), (163840, 7168, 1)])
+                                        (36864, 7168, 4), (163840, 7168, 1), (12288, 1536, 1)])
 def test_k_slices_stop_once_the_waves_are_three_quarters_full(n, k, best):
     """mma_splits doubles while more than a quarter of its waves' block slots (two blocks per
     SM) would idle: the slices the H200 sweep of 1-64 found fastest at M = 1 for o_proj, q_a +
     kv_a, 18432 -> 7168 and 7168 -> 36864 (runs 130-131; the old bound of four blocks per SM
-    gave o_proj 16, 1.26x slower), and the lm_head's 1280 tiles need none."""
+    gave o_proj 16, 1.26x slower), and the lm_head's 1280 tiles need none; q_b (K = 1536,
+    under MIN_SLICED_STAGES) ran fastest whole at M = 1, 33 and 65 (run 130)."""
     assert mm.mma_splits(n, k) == best
     # past 80 rows: warpgroup mma where the GPU has it (sm_90), else 64 x 128 on warps
     assert mm.mma_tile(81) == (mm.WGMMA_TILE if mm.wgmma_available() else

@@ -18,9 +18,9 @@ from kdtree_numba.compat import SIMULATOR, cuda
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
 from kdtree_numba.layers.common import GPU_SMS
 
-__all__ = ["PANEL", "SLICE_UNIT", "MmaConfig", "WARP_TILE", "WGMMA_TILE", "wgmma_available", "mma_tile",
-           "unsliced_tile", "mma_config", "mma_splits", "mma_error_coefficient",
-           "mma_alternatives"]
+__all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "MmaConfig", "WARP_TILE", "WGMMA_TILE",
+           "wgmma_available", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
+           "mma_error_coefficient", "mma_alternatives"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 
@@ -110,6 +110,11 @@ class MmaConfig:
 # result does not depend on M.  A stage of 128 that runs past its slice's end zero-fills the
 # rest, and mma steps of zeros add exactly 0.
 SLICE_UNIT = 64
+
+# K slices only from this many SLICE_UNITs of K (2048 elements): q_b's 24 ran faster whole at
+# every M (run 130; mma_splits); every product from 32 up (o_proj, q_a + kv_a, the dense FFN)
+# gained from its slices at M = 1 in the same sweep
+MIN_SLICED_STAGES = 32
 
 
 def mma_tile(m: int) -> MmaConfig:
@@ -219,15 +224,18 @@ def mma_splits(n: int, k: int) -> int:
     under four blocks per SM) and ran 45.2 / 56.8 / 76.1 us at M = 1 / 33 / 65, with 4 slices
     35.9 / 41.8 / 50.0 (its pick now); q_a + kv_a (7168 -> 2112) keeps 8, the best of 1-64
     at those M; 18432 -> 7168 gets 4, the best at M = 1 and 65, 7168 -> 36864 4, the best at
-    M = 1 (session 26, H200, docs/LAYERS.md).  A function of N and K only, never of M or the
-    tile, so the linear is batch invariant across M: a row's result is bitwise the same
-    whatever M (its partial sums, 8 S M N bytes written and read back, mostly in L2, grow
-    with M)."""
+    M = 1 (session 26, H200, docs/LAYERS.md).  Below :data:`MIN_SLICED_STAGES` of K none:
+    q_b (1536 -> 12288, 24 stages) ran 13.1 / 16.5 / 21.7 us at M = 1 / 33 / 65 whole and
+    13.0 / 20.6 / 28.4 in 2 slices (run 130): a block that short is mostly its ramp, and the
+    slices add the partial sums' round trip and a sum launch.  A function of N and K only,
+    never of M or the tile, so the linear is batch invariant across M: a row's result is
+    bitwise the same whatever M (its partial sums, 8 S M N bytes written and read back,
+    mostly in L2, grow with M)."""
     tiles = -(-n // 128)
     stages = -(-k // SLICE_UNIT)
     wave = 2 * GPU_SMS
     splits = 1
-    while splits < 64 and stages // (2 * splits) >= 8:
+    while splits < 64 and stages >= MIN_SLICED_STAGES and stages // (2 * splits) >= 8:
         slots = -(-tiles * splits // wave) * wave
         if 4 * (slots - tiles * splits) <= slots:
             break
