@@ -179,7 +179,7 @@ class Model(DeviceSteps):
                 lw.qkv_a = fused(p + "self_attn/q_a_proj",
                                  p + "self_attn/kv_a_proj_with_mqa")
                 lw.kv_a = lw.qkv_a[cfg.q_lora_rank:]
-            if cfg.is_dense_layer(layer):  # a dense FFN is a one-expert MoE with weight 1
+            if cfg.is_dense_layer(layer):  # one expert: moe_ffn's dense FFN (_ffn)
                 lw.gate_up = fused(p + "mlp/gate_proj", p + "mlp/up_proj")[None]
                 lw.down = w(p + "mlp/down_proj")[None]
             else:

@@ -767,10 +767,11 @@ def test_dense_ffn_is_the_one_expert_case(gpu_layers):
     assert np.all(np.abs(got - ref.moe_ffn(*args)) <= moe_tolerance(args))
 
 
-@pytest.mark.parametrize("method", ["auto", "skinny", "tiled"])
+@pytest.mark.parametrize("method", ["auto", "skinny", "tiled", "tensor-cores"])
 def test_dense_ffn_without_routing_equals_the_explicit_routing(gpu_layers, method):
     """A dense call (expert_idx, weight None) off tensor cores fills the one-expert routing on
-    the device: bitwise the explicit zeros / ones, within the tolerance of the reference."""
+    the device: bitwise the explicit zeros / ones, within the tolerance of the reference
+    ("tensor-cores" at I = 12, not a multiple of 8, falls back to "skinny" here)."""
     rng = np.random.default_rng(28)
     h, _, _, gu, dn, _, _ = moe_case(rng, 3, 16, 1, 12, 1, BF16, False)
     explicit = host(gpu_layers.moe_ffn(h, np.zeros((3, 1), np.int32),

@@ -334,8 +334,8 @@ for gate_up, work_list in itertools.product((True, False), (False, True)):
     log = ptxas(ptx, arch="sm_90a")
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
     local = len(re.findall(r"(?:ld|st)\.local", ptx))
-    print("wgmma kernel", "gate_up" if gate_up else "down", "spill", spill, "local", local,
-          flush=True)
+    print("wgmma kernel", "gate_up" if gate_up else "down", "work list" * work_list, "spill",
+          spill, "local", local, flush=True)
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16") == 4, "a wgmma per k16 step"
     assert "mma.sync" not in ptx and local == 0 and spill == 0
     # the SwiGLU's IEEE division would be a subroutine call, which serializes wgmma
@@ -415,6 +415,14 @@ def test_simulated_dense_ffn_runs_as_two_tensor_core_linears(needs_kernels, monk
     assert calls == [((2 * inter, d), "mma"), ((d, inter), "mma")]
     one, _ = _dense_check(h[1:], gate_up, down)
     assert one.tobytes() == got[1:].tobytes()
+    # the model's backend asks for "tensor-cores", which resolves to the same two linears
+    from kdtree_numba.layers import moe_ffn
+    calls.clear()
+    via = moe_ffn(h, None, None, gate_up, down, method="tensor-cores").copy_to_host()
+    assert calls == [((2 * inter, d), "mma"), ((d, inter), "mma")]
+    assert via.tobytes() == got.astype(np.float32).tobytes()
+    with pytest.raises(ValueError, match="configs"):
+        moe_ffn(h, None, None, gate_up, down, method="mma", configs=mm.mma_tile(1))
 
 
 @functools.cache
@@ -473,13 +481,25 @@ def test_gpu_moe_mma_rows_are_batch_invariant():
 def test_gpu_moe_mma_work_list_gives_the_full_grid_bits(m, monkeypatch):
     """KDTREE_MOE_WORK_LIST=1 at Kimi shapes (decode, verify, a prefill's 1100 tokens on the
     warpgroup tile): bit for bit the full grid's output, which the tests above bound."""
+    from kdtree_numba.layers import moe as moe_module
     from kdtree_numba.layers import moe_ffn
     _, device = _kimi_weights()
     h, idx, weight = _kimi_case(m, seed=m + 3)
+    tiles = []
+    real = moe_module.grouped_experts_mma
+
+    def spy(*args, **kw):
+        tiles.append(args[-1])
+        return real(*args, **kw)
+    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
     full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
     listed = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
+    counts = np.bincount(idx.ravel(), minlength=KIMI["n_experts"])
+    bm = moe_module.moe_mma_config(m, KIMI["top_k"], KIMI["n_experts"]).bm
+    assert tiles[0] is None                     # the full grid, then the list of every tile
+    assert int(tiles[1][2].copy_to_host()[0]) == int(np.sum(-(-counts // bm)))
     assert listed.tobytes() == full.tobytes()
 
 
@@ -524,13 +544,16 @@ def test_gpu_dense_ffn_as_sliced_linears_within_the_bound_and_batch_invariant():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [9, 33])
 @pytest.mark.parametrize("layers", ["dense", "routed", "dense,routed", "routed,dense",
-                                    "dense,routed,routed"])
-def test_gpu_moe_mma_graph_replay_equals_eager(layers, m):
+                                    "dense,routed,routed", "linears", "linears,routed"])
+def test_gpu_moe_mma_graph_replay_equals_eager(layers, m, monkeypatch):
     """A chain of FFN layers through moe_ffn(method="mma") as a model runs them (a dense FFN
-    of Kimi's width 18,432 as the one-expert case, then routed layers of 64 experts and a
-    shared expert): a CUDA-graph replay (kdtree_numba/graphs.py) gives the eager run's bits.
-    At 33 tokens the dense layer takes the 64-row tile and the routed ones the 16-row tile;
-    kimi-slice's DDTree diverged there under graphs with both on tensor cores (run 45)."""
+    of Kimi's width 18,432 as the one-expert case -- a prefill's -- or, "linears", without
+    routing as decode and verify run it: two sliced linears; then routed layers of 64 experts
+    and a shared expert, with "linears" over the work list): a CUDA-graph replay (graphs.py)
+    gives the eager run's bits.  At 33 tokens the dense layer takes the 64-row tile and the
+    routed ones the 16-row tile; kimi-slice's DDTree diverged there under graphs with both on
+    tensor cores (run 45)."""
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1" if "linears" in layers else "0")
     import cupy
 
     from kdtree_numba.backends import make_backend
@@ -544,9 +567,11 @@ def test_gpu_moe_mma_graph_replay_equals_eager(layers, m):
 
     def forward(x):
         for kind in layers.split(","):
-            if kind == "dense":        # as kdtree_numba/model.py's _ffn builds the routing
+            if kind == "dense":        # as kdtree_numba/model.py's _ffn runs a prefill's
                 y = be.ops.moe_ffn(x, cupy.zeros((m, 1), np.int32),
                                    cupy.ones((m, 1), np.float32), *dense, method="mma")
+            elif kind == "linears":    # ... and a decode's or a verify's
+                y = be.ops.moe_ffn(x, None, None, *dense, method="mma")
             else:
                 y = be.ops.moe_ffn(x, idx, weight, *routed, method="mma")
             x = x + y

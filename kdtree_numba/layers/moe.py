@@ -451,6 +451,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
                                               shared_down, stream) else "skinny"
     if dense and method == "mma":
+        if configs is not None:
+            raise ValueError("configs does not apply to the dense FFN under mma: its two "
+                             "linears take mma_config's tiles and K slices")
         return _swiglu_linears(hd, gud[0], dnd[0], y, method, stream, ws, "moe.dense")
     if dense:
         idx, wt = _dense_routing(m, ws, stream)
