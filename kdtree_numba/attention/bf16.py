@@ -44,7 +44,7 @@ from numba import float32, int32, uint32
 
 from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          masked_score, seen_new_keys)
+                                          block_row0, masked_score, seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
@@ -274,7 +274,7 @@ def build_kernel(cfg: Bf16TileConfig):
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         rg, kh = warp % RG, warp // RG
-        row0 = cuda.blockIdx.x * M
+        row0 = block_row0(M, CAUSAL)
         n_rows = n * heads
         tau2 = tau * LOG2E    # scores in log2 units: exp2 is one instruction, exp several
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,

@@ -31,7 +31,7 @@ from numba import float32, int32
 
 from kdtree_numba.attention.plan import TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          masked_score, row_tile_copier)
+                                          block_row0, masked_score, row_tile_copier)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
 from kdtree_numba.gpu.reduce import make_reduce_scatter, make_row_group_reducers
@@ -137,7 +137,7 @@ def build_kernel(cfg: TileConfig):
         smem = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
-        row0 = cuda.blockIdx.x * M
+        row0 = block_row0(M, CAUSAL)
         n_rows = n * heads
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
                                                      row0 + M - 1, heads)

@@ -42,7 +42,7 @@ from numba import float32, uint32
 
 from kdtree_numba.attention.plan import MmaTileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          masked_score, row_tile_copier)
+                                          block_row0, masked_score, row_tile_copier)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
 from kdtree_numba.gpu.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
@@ -224,7 +224,7 @@ def build_kernel(cfg: MmaTileConfig):
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         rg, kh = warp % RG, warp // RG
-        row0 = cuda.blockIdx.x * M
+        row0 = block_row0(M, CAUSAL)
         n_rows = n * heads
         b, split, prefix, kbeg, kend = block_keys(prefix_len, n, chunk, CAUSAL,
                                                      row0 + M - 1, heads)

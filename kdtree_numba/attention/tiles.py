@@ -16,7 +16,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES, cp_async16, cp_async_strided  # noqa: F401
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
-           "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier"]
+           "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -47,11 +47,25 @@ def block_keys(prefix_len, n, chunk, causal, last_row, heads):
     return b, split, prefix, first, end
 
 
-# Inlined on the GPU.  In the simulator a device function rather than a plain one (as
-# inline_device_function would leave it): the simulator points ``cuda`` at its fake module only
-# in the globals of the running kernel's module and of device functions being called, and this
-# module is no kernel's, so a plain function here would read the real numba.cuda's blockIdx.
+def block_row0(rows, causal):
+    """The first query-head row of this block (grid.x: row tiles of ``rows``).  With
+    ``causal`` the tiles go last first: a causal block's keys end after its last query, so its
+    work grows with its position, and the GPU starts blocks in index order -- in order, the
+    longest would run last and leave the tail to a few busy SMs (a 4,096-token prefill's 4,096
+    blocks, the last ~2x the mean); longest first, the tail is the shortest blocks.  Each block
+    computes the same rows over the same keys either way: only the start order changes."""
+    i = cuda.blockIdx.x
+    if causal:
+        i = cuda.gridDim.x - 1 - i
+    return i * rows
+
+
+# Inlined on the GPU.  In the simulator device functions rather than plain ones (as
+# inline_device_function would leave them): the simulator points ``cuda`` at its fake module
+# only in the globals of the running kernel's module and of device functions being called, and
+# this module is no kernel's, so a plain function here would read the real numba.cuda's blockIdx.
 block_keys = device_function(block_keys) if SIMULATOR else inline_device_function(block_keys)
+block_row0 = device_function(block_row0) if SIMULATOR else inline_device_function(block_row0)
 
 
 def seen_new_keys(visible, b, first_row, last_row, heads, tid, threads):
