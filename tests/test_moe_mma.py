@@ -264,22 +264,29 @@ def test_simulated_grouping_writes_the_work_list(needs_kernels):
         assert tiles[1].copy_to_host()[:n].tolist() == want_r
 
 
+def _record_work_lists(monkeypatch):
+    """The ``tiles`` argument of each grouped_experts_mma call moe_ffn makes from now on (None:
+    the full grid; else the work list's device arrays), in call order."""
+    from kdtree_numba.layers import moe as moe_module
+    seen = []
+    real = moe_module.grouped_experts_mma
+
+    def spy(*args, **kw):
+        seen.append(args[-1])
+        return real(*args, **kw)
+    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
+    return seen
+
+
 def test_simulated_work_list_gives_the_full_grid_bits(needs_kernels, monkeypatch):
     """KDTREE_MOE_WORK_LIST=1: the same outputs bit for bit as the full (expert, M tile)
     grid -- a block's tile, rows and K loop are the same, only its index differs (an expert
     of 20 tokens in two 16-row tiles, one of one token, one of none, a shared expert)."""
     from kdtree_numba import compat
-    from kdtree_numba.layers import moe as moe_module
     if not compat.SIMULATOR:
         pytest.skip("simulator only (the GPU test compares both at Kimi shapes)")
     monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
-    lists = []
-    real = moe_module.grouped_experts_mma
-
-    def spy(*args, **kw):
-        lists.append(args[-1])
-        return real(*args, **kw)
-    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
+    lists = _record_work_lists(monkeypatch)
     name, m, d, inter, s_inter, routing, cfg = SIM_CASES[1]
     args = _case(m + d, m, d, 5, inter, _routing_many_one_zero(m), s_inter)
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
@@ -485,13 +492,7 @@ def test_gpu_moe_mma_work_list_gives_the_full_grid_bits(m, monkeypatch):
     from kdtree_numba.layers import moe_ffn
     _, device = _kimi_weights()
     h, idx, weight = _kimi_case(m, seed=m + 3)
-    tiles = []
-    real = moe_module.grouped_experts_mma
-
-    def spy(*args, **kw):
-        tiles.append(args[-1])
-        return real(*args, **kw)
-    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
+    tiles = _record_work_lists(monkeypatch)
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
     full = moe_ffn(h, idx, weight, *device, method="mma").copy_to_host()
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
