@@ -67,8 +67,8 @@ from kdtree_numba.layers.tiled import (  # noqa: F401
     TILED_ALTERNATIVES, TiledConfig, tiled_config, tiled_depth, tiled_splits)
 from kdtree_numba.layers.workspace import Workspace
 
-__all__ = ["rmsnorm", "add_rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding", "argmax",
-           "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
+__all__ = ["rmsnorm", "add_rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding",
+           "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
            "SkinnyConfig", "TiledConfig", "skinny_config", "tiled_config", "tiled_splits",
            "tiled_depth", "expert_tiled_configs", "expert_alternatives", "SKINNY_MAX_M"]
 

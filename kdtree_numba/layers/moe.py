@@ -19,8 +19,8 @@ from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_redu
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
 from kdtree_numba.layers.linear import METHODS, linear
-from kdtree_numba.layers import moe_mma
-from kdtree_numba.layers.moe_mma import grouped_experts_mma, moe_mma_config, routed_tile_bound
+from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
+                                         work_list_enabled)
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
                                         skinny_kind, skinny_threads)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
@@ -602,7 +602,7 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
                          "8 and C-contiguous 16-byte aligned arrays; use method='auto'")
     cfg = config or moe_mma_config(m, top_k, n_experts)
     slot_of_entry, lists, tiles = _group_tokens(idx, n_experts, ws, stream,
-                                                cfg.bm if moe_mma.work_list_enabled() else 0)
+                                                cfg.bm if work_list_enabled() else 0)
     grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, min(n_entries, n_experts),
                         cfg, stream, ws, tiles)
     shared_y = None if shared is None else y_slot[n_entries:]   # the shared expert's rows

@@ -18,18 +18,19 @@ H200 has run it: docs/LAYERS.md), (tile t, N tile), t fastest: t < R is the t-th
 device-built list moe.py's grouping writes (``tile_expert``, ``tile_row``; blocks past its
 length ``n_tiles`` exit), t >= R the shared expert's tiles, R = :func:`routed_tile_bound`.  At
 a verify's 65 tokens over 64 experts the full grid launches 5 M tiles per expert for ~8
-tokens each: 4 of 5 blocks exit at once, 16 k of 21 k per launch; the list leaves ~1.8 k.  The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's
-tiles by tokens per expert), its K loop (``ring_function``: bf16 x and weights both by
-``cp.async`` through a ring of ``stages`` shared buffers, fp32 accumulation) and fragment
-layout.  Differences: the x rows are gathered (each thread's rows are fixed for the whole K
-loop, looked up once), and in the gate_up launch the weight tile interleaves gate and up rows
-per warp: of a warp's ``tn`` n8 tiles (a warpgroup tile's: all BN / 8) the first half are
-gate rows and the second half the up rows of the same intermediate columns, so the thread
-holding gate(row, col) also holds up(row, col) and applies SwiGLU in the epilogue (its
-division by ``div.approx`` at every tile: ``common.silu_approx``).  h is rounded to bf16 once
-per layer and ``act`` is stored as bf16 (the value the down GEMM multiplies either way), so
-both launches stream their x like their weights; run 60 found that x loaded through registers
-each stage, the design before, held decode to half the weight roof whatever the ring depth.
+tokens each: 4 of 5 blocks exit at once, 16 k of 21 k per launch; the list leaves ~1.8 k.
+The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's tiles by tokens per expert),
+its K loop (``ring_function``: bf16 x and weights both by ``cp.async`` through a ring of
+``stages`` shared buffers, fp32 accumulation) and fragment layout.  Differences: the x rows are
+gathered (each thread's rows are fixed for the whole K loop, looked up once), and in the
+gate_up launch the weight tile interleaves gate and up rows per warp: of a warp's ``tn`` n8
+tiles (a warpgroup tile's: all BN / 8) the first half are gate rows and the second half the up
+rows of the same intermediate columns, so the thread holding gate(row, col) also holds up(row,
+col) and applies SwiGLU in the epilogue (its division by ``div.approx`` at every tile:
+``common.silu_approx``).  h is rounded to bf16 once per layer and ``act`` is stored as bf16 (the
+value the down GEMM multiplies either way), so both launches stream their x like their weights;
+run 60 found that x loaded through registers each stage, the design before, held decode to half
+the weight roof whatever the ring depth.
 
 No K slices: every output is one fp32 mma chain over K in k16 steps in panel order, the same
 for every tile and stage depth (bk only groups the panels), so a token's row does not depend
@@ -269,16 +270,17 @@ def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, 
     has_shared = shared is not None
     h16 = round_to_bf16(hd, workspace, "moe.mma_h16", stream)
     act_pairs = act16.view(np.uint32)
+    # without a work list any int32 arrays stand for its three (never read); with one the
+    # kernel's max_active is the list's bound R
+    work = tiles or (lists[2], lists[2], lists[3])
+    bound = routed_tile_bound(n_entries, n_experts, cfg.bm) if tiles else max_active
+    grid_list = (n_entries, n_experts) if tiles else ()
     for gate_up, x16, w3, sw, out, n_r, n_s, k_r, k_s in (
             (True, h16, gud, sgu, act_pairs, inter, s_inter, d, d),
             (False, act16, dnd, sdn, y_slot, d, d, inter, s_inter)):
-        blocks, n_mtiles, n_ntiles = moe_mma_grid(
-            cfg, gate_up, m, max_active, has_shared, max(n_r, n_s),
-            *((n_entries, n_experts) if tiles else ()))
+        blocks, n_mtiles, n_ntiles = moe_mma_grid(cfg, gate_up, m, max_active, has_shared,
+                                                  max(n_r, n_s), *grid_list)
         dispatcher = moe_mma_kernel(cfg, gate_up, tiles is not None)
-        # without a work list any int32 arrays stand for its three (never read)
-        work = tiles or (lists[2], lists[2], lists[3])
-        bound = routed_tile_bound(n_entries, n_experts, cfg.bm) if tiles else max_active
         args = (x16, *lists, *work, w3, sw, out, bound, m, n_entries, n_r, n_s, k_r, k_s,
                 n_mtiles, n_ntiles)
         allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
