@@ -225,7 +225,7 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
 
 def print_bf16_table(rows):
     print("\n| shape | bf16 kernel | splits x rows | ms | TFLOP/s | roof ms | ours/roof "
-          "| share of HBM (4.1 TB/s) | max diff (tolerance) |")
+          f"| share of HBM ({HBM_BYTES_PER_S / 1e12:.2f} TB/s) | max diff (tolerance) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "ms" not in r:
@@ -286,6 +286,8 @@ def main(argv=None) -> int:
     if not compat.gpu_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
+    import card_roofs
+    print(f"# {card_roofs.describe(card_roofs.apply(sys.modules[__name__]))}")
     variants = args.variants.split(",") if args.variants else list(kernels.VARIANTS)
     if variants == ["none"]:
         variants = []

@@ -451,7 +451,7 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
           f"{n_params / 1e9:.2f} B parameters ({args.dtype}) "
           f"drawn on the device in {time.perf_counter() - t0:.1f} s; the engine holds "
           f"{every / 1e9:.2f} GB; one token reads {one / 1e9:.2f} GB: AR roof "
-          f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 (4.1 TB/s; its "
+          f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 ({HBM_BYTES_PER_S / 1e12:.2f} TB/s; its "
           f"{forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
           f"{1e3 * forward_flops(cfg, 1) / rate:.3f} ms at {rate / 1e12:.0f} TFLOP/s).  A "
           f"forward's roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / "
@@ -654,6 +654,9 @@ def main(argv=None):
                    help="seconds for the whole run (checked before each measurement)")
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
+    import engine_roof
+    import card_roofs
+    print(f"# {card_roofs.describe(card_roofs.apply(engine_roof, sys.modules[__name__]))}")
     try:
         args.budgets = _budgets(args.budgets) if args.budgets else None
     except ValueError as e:

@@ -673,6 +673,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     import cupy as cp
     from kdtree_numba import layers
+    import card_roofs
+    print(f"# {card_roofs.describe(card_roofs.apply(sys.modules[__name__]))}")
     ctx = dict(cp=cp, cuda=cuda, layers=layers, timer=GpuTimer(cp))
     print(f"# bench_layers on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
           f"roof {HBM_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU time per call (us)")

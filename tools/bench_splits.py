@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    import card_roofs
+    print(f"# {card_roofs.describe(card_roofs.apply(sys.modules[__name__]))}")
     rows = sweep(shapes, [int(v) for v in args.m.split(",")], args.calls, args.replays)
     if args.json:
         with open(args.json, "w") as f:
