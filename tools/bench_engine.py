@@ -28,8 +28,8 @@ one (which pays numba's first-call compilation and the CUDA-graph captures); the
 split (draft / tree / verify / accept / compact) comes from the engine's CUDA-event markers,
 which add no sync (docs/ENGINE.md).  Roof:
 weight-streaming bound of batch-1 decode, bytes of the weights one token touches (attention,
-dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the 4.1 TB/s HBM
-rate measured on the H200.  Goal: AR >= transformers; DDTree > AR.
+dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the HBM
+rate measured on the card that runs it (tools/card_roofs.py).  Goal: AR >= transformers; DDTree > AR.
 
 ``kimi-slice`` (kdtree_numba/device_weights.py: Kimi-K2's widths, 4 layers, 64 routed experts,
 23.5 GB of bf16 weights drawn by CuPy on the GPU in seconds; no HF export, no transformers
@@ -41,7 +41,7 @@ first runs each of them, and its JSON row keeps the budgets chosen and the polic
 Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
 bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
 row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
-chose) over 4.1 TB/s and its matrix FLOPs over 51 TFLOP/s (fp32 FMA; it binds only for wide
+chose) over the card's measured HBM rate and its matrix FLOPs over 51 TFLOP/s (fp32 FMA; it binds only for wide
 verifies); the row prints its mean decode or verify time per round beside the mean roof of
 those forwards, and its tok/s beside tokens / the sum of every forward's roof (prefill
 included, as in the measured tok/s).  The distinct experts are counted from the routing of an
@@ -454,7 +454,8 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
           f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 ({HBM_BYTES_PER_S / 1e12:.2f} TB/s; its "
           f"{forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
           f"{1e3 * forward_flops(cfg, 1) / rate:.3f} ms at {rate / 1e12:.0f} TFLOP/s).  A "
-          f"forward's roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / "
+          f"forward's roof: max(weight bytes it reads / "
+          f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, its FLOPs / "
           f"{rate / 1e12:.0f} TFLOP/s).  Greedy, {args.new_tokens} new tokens after a "
           f"{prompt_len}-token prompt per request; CUDA graphs "
           f"{'on' if model.graphs is not None else 'off'}; experts per step: "
@@ -681,7 +682,7 @@ def main(argv=None):
     budget = Budget(args.time_limit)
     rows: list = []
     print(f"Engine tokens/s, greedy, {args.new_tokens} new tokens; roof = weight bytes a "
-          f"forward reads / 4.1 TB/s; time limit {args.time_limit:.0f} s.")
+          f"forward reads / {HBM_BYTES_PER_S / 1e12:.2f} TB/s (measured on this card); time limit {args.time_limit:.0f} s.")
     if any(z not in DEVICE_SIZES for z in sizes):
         print(f"small/medium: batch 1, a {args.prompt_len or HOST_PROMPT_LEN}-token prompt, "
               f"roof = float32 bytes one token reads.")
