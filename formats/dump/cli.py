@@ -87,6 +87,8 @@ def _run(argv: list[str], out: list[str]) -> int:
         parser.error("a FILE is needed (or --sample OUT)")
     if args.slice and not args.dataset:
         parser.error("--slice goes with -d PATH")
+    if args.force:
+        parser.error("--force goes with --sample OUT (convert takes its own)")
     return inspect(args, out)
 
 
