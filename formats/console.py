@@ -1,14 +1,17 @@
 """How every console script of the project reports bad input: one line, exit 2 (issue 16).
 
-    from formats.console import UsageError, add_debug_flag, run_console
+    from formats.console import (ArgumentParser, UsageError, add_debug_flag,
+                                 refuse_existing, run_console, writing)
 
     def _main(argv: list[str]) -> int:
-        parser = argparse.ArgumentParser(prog="kdtr-thing")
+        parser = ArgumentParser(prog="kdtr-thing")    # its errors: one line, exit 2
         add_debug_flag(parser)                       # shows --debug in --help
         args = parser.parse_args(argv)
         if args.budget < 1:
             raise UsageError(f"--budget {args.budget}: must be at least 1")
-        ...
+        refuse_existing(args.out, args.force)        # an existing output needs --force
+        with writing(args.out):                      # a full disk: one line naming it
+            ...
         return 0
 
     def main(argv: list[str] | None = None) -> int:  # the console_scripts entry point
@@ -19,10 +22,19 @@
 a bad option or value), a ``KdtrError`` (a malformed or hostile input file; its message names
 the rule, the node and, where known, the file), an ``OSError`` about a path (missing file,
 directory, permission, a missing output folder), a ``UnicodeDecodeError`` (a binary file where
-text was wanted).  Ctrl-C is one line and exit 130.  Anything else is a bug: it propagates with
-its traceback (exit 1).  ``--debug`` anywhere on the command line (taken out before the script
-sees its arguments) or ``KDTREE_DEBUG=1`` in the environment re-raises expected failures too,
-so that their traceback shows.  argparse's own errors keep their usage line and exit 2.
+text was wanted), a full disk (ENOSPC, EDQUOT, EFBIG).  Ctrl-C is one line and exit 130.  A
+reader that goes away (``kdtree-run | head -c 20``) ends the script quietly with exit 141,
+what a shell reports for a process killed by SIGPIPE (``yes | head``).  Anything else is a
+bug: it propagates with its traceback (exit 1).  ``--debug`` anywhere on the command line
+(taken out before the script sees its arguments) or ``KDTREE_DEBUG=1`` in the environment
+re-raises expected failures too, so that their traceback shows.
+
+``ArgumentParser``'s errors (an unknown option, a bad choice, a missing argument) are the same
+one line and exit 2, not argparse's usage block; ``--help`` stays full.  ``refuse_existing``
+keeps an output file from being replaced without ``--force``; ``writing(path)`` turns a full
+disk while writing ``path`` (also as h5py reports it) into one line naming ``path``; the
+writers remove their partial output (they write a temporary file and rename it into place
+when complete).
 """
 from __future__ import annotations
 
