@@ -112,12 +112,14 @@ def test_closed_pipe_seen_when_stdout_is_flushed_after_main(capsys, monkeypatch)
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("which", ["kdtr-dump", "kdtree-run"])
+@pytest.mark.parametrize("which", ["kdtr-dump", "kdtree-run", "kdtree-run-text"])
 def test_every_script_ends_quietly_on_a_closed_pipe(which, tiny, capsys, monkeypatch):
     argv = {"kdtr-dump": [SAMPLE, "--summary"],
-            "kdtree-run": ["--model", str(tiny), "--backend", "reference",
-                           "--max-new-tokens", "2"]}[which]
-    main = console_scripts()[which]
+            "kdtree-run": ["--model", str(tiny), "--backend", "reference",   # id lines at the end
+                           "--max-new-tokens", "2"],
+            "kdtree-run-text": ["--backend", "reference", "--max-new-tokens", "2"],  # streamed
+            }[which]
+    main = console_scripts()[which.removesuffix("-text")]
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert main(argv) == EXIT_PIPE
     err = capsys.readouterr().err
