@@ -149,9 +149,8 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
 
 # For M <= STREAM_MAX_M rows (decode, verify, small batches) the weights are the only large
 # operand and the tiled kernel above is latency-bound: a 64-row tile holds few live rows, and
-# each of its K steps waits for a global load behind a barrier (run 63: 57 us for absorb_q
-# and 83 us for apply_uv per layer at M = 1, 62 and 94 us at M = 33, against ~4 us of weight
-# bytes).  The streaming kernel below gives each thread one output column of one head for a
+# each of its K steps waits for a global load behind a barrier (over ten times the time of
+# its weight bytes).  The streaming kernel below gives each thread one output column of one head for a
 # block of up to 16 rows (more rows: more row blocks, which re-read the weights from L2),
 # keeps those rows' x in shared memory, and has STREAM_UNROLL weights (64 bytes) in flight
 # per thread.

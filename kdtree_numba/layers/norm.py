@@ -33,8 +33,7 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int, add: bool = Fa
     """One block per row.  ``per_thread`` > 0: the thread's ``per_thread`` values (columns
     t + k*threads) are loaded at once into registers, all loads in flight together, and
     scaled from there: one pass over x and one round trip of memory latency, where a loop
-    waits for each load in turn (a one-row norm is all latency: 6.6 us per call at Kimi's
-    7168, run 80); the weight's values are loaded beside them.  0: the loop, for rows wider
+    waits for each load in turn (a one-row norm is all latency); the weight's values are loaded beside them.  0: the loop, for rows wider
     than _MAX_PER_THREAD * threads.  Both add a thread's squares in the same order (k
     ascending), so they give the same bits.  ``add``: the row is ``x + delta`` (one fp32
     add per value, the same rounding as a separate add), written to ``s`` as it is loaded;

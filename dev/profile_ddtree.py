@@ -3,7 +3,7 @@
 
     KDTREE_CUDA_LINEINFO=1 ncu --clock-control none -k regex:"topk_part|build" \
         --launch-skip 1 --launch-count 3 --section SpeedOfLight --section WarpStateStats \
-        python3 tools/profile_ddtree.py
+        python3 dev/profile_ddtree.py
 """
 import sys
 from pathlib import Path

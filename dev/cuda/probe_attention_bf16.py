@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
 """Time one bf16-cache attention plan on the decode shape, for a profiler to attach to.
 
-    python3 tools/probe_attention_bf16.py [KEYS]
+    python3 dev/cuda/probe_attention_bf16.py [KEYS]
     ncu --kernel-name regex:mla_attention_bf16 --launch-skip 2 --launch-count 1 \\
-        --section WarpStateStats python3 tools/probe_attention_bf16.py 32
+        --section WarpStateStats python3 dev/cuda/probe_attention_bf16.py 32
 
 Decode at Kimi-K2 widths (bs 64, n 1, H 64, r 512, dr 64, prefix 4,096) over a bf16 cache,
 ``KEYS`` keys per tile (``kdtree_numba.attention.plan.BF16_KEYS``, default 32): three warm-up
 calls (the kernel compiles on the first), then 20 timed back to back; prints the mean time,
 the split count and the block height.  docs/ATTENTION.md ("The bf16 cache") records what
-Nsight Compute said about it (runs 94-96).  Needs a GPU and CuPy.
+Nsight Compute said about it.  Needs a GPU and CuPy.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,8 +1,8 @@
 """Where a process's first tokens go on a GPU: each numba kernel compile, timed and marked
 as loaded from the disk cache (hit), compiled (miss) or already in memory.  Run it twice:
-the second process should be all hits.  (Issue 14 item 6's diagnostic; docs/GPU_RESULTS.md.)
+the second process should be all hits.  (Issue 14 item 6's diagnostic; docs/ENGINE.md.)
 
-    python3 tools/probe_kernel_cache.py [--lengths 4,5]
+    python3 dev/probe_kernel_cache.py [--lengths 4,5]
 """
 from __future__ import annotations
 

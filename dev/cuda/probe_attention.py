@@ -1,17 +1,14 @@
 #!/usr/bin/env python3
 """Time the attention kernel per key and per block slot, across batch sizes and split counts.
 
-    python3 tools/probe_attention.py [--variant NAME] [--json PATH]
+    python3 dev/cuda/probe_attention.py [--variant NAME] [--json PATH]
 
 A diagnostic beside tools/bench_attention.py (whose inputs and timer it uses): for each shape,
 the split count (chosen, or forced through ``keys_per_split``), the blocks and waves on this
 GPU, the time, TFLOP/s, and microseconds per key per block slot (time / waves / keys per
 block), which separates the kernel's own rate from wave quantisation and split merges.
-docs/GPU_RESULTS.md run 18 has its H200 output: decode (bs 64, n 1, P 4096) runs at ~0.59 us
-per key per block slot with two splits, one-wave shapes at ~0.56, DDTree verify at 0.54 (its
-row tiles share their request's keys in L2); that was the FFMA kernel, now ``--variant
-pipe16x2`` (the default is the kernel ``mla_attention`` picks, the tensor-core one).  Needs a
-GPU and CuPy.
+``--variant`` takes the package's kernels and dev/cuda/attention.py's layouts (default: the
+kernel ``mla_attention`` picks).  Needs a GPU and CuPy.
 """
 import argparse
 import json
@@ -21,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention as B  # noqa: E402
+from attention import register  # noqa: E402  (dev/cuda/attention.py: the other layouts)
 
 # (bs, n, prefix, keys_per_split or None for the plan's choice)
 CASES = [(64, 1, 4096, None), (64, 1, 4096, 4112), (64, 1, 4096, 1040), (64, 1, 4096, 1376),
@@ -37,6 +36,7 @@ def main(argv=None) -> None:
                         "(default: the one mla_attention picks)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
+    register()
     import cupy as cp
     from kdtree_numba import attention as A
     from kdtree_numba.attention import mla

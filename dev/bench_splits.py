@@ -1,15 +1,15 @@
 """The bf16 tensor-core linear's K slices at Kimi-K2's shapes: us per call for 1 to 64 slices.
 
-    python3 tools/bench_splits.py [--m 1,33,65] [--shapes q_b,o_proj] [--calls 5]
+    python3 dev/bench_splits.py [--m 1,33,65] [--shapes q_b,o_proj] [--calls 5]
                                   [--replays 10] [--json PATH]
 
 ``mma_splits(N, K)`` (kdtree_numba/layers/mma_plan.py) picks a linear's K slices from its
 weight's shape alone (so a row's bits do not depend on M); this sweep is what the rule is
-checked against (tests/test_layers_mma.py holds session 26's fastest picks).  Each (shape,
+checked against (tests/test_layers_mma.py holds its fastest picks).  Each (shape,
 M, slices) runs ``--calls`` linears captured in one CUDA graph (kdtree_numba/graphs.py),
 replayed ``--replays`` times between CUDA events: its time per call is the GPU's inside a
-replayed forward, launches included (the x rounding, the GEMM and, before session 27, the
-slice sum).  The table marks the rule's pick and the fastest, and sets the weight-streaming
+replayed forward, launches included (the x rounding, the GEMM and the slice sum where the
+tile does not add its own slices).  The table marks the rule's pick and the fastest, and sets the weight-streaming
 roof (bytes / 4.1 TB/s) beside them.  GPU only (a CUDA device, CuPy).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import os
 import sys
 
 os.environ.setdefault("NUMBA_DISABLE_PERFORMANCE_WARNINGS", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tools"), ROOT]      # engine_roof, profile_ops, card_roofs
 
 from engine_roof import HBM_BYTES_PER_S  # noqa: E402
 

@@ -1,21 +1,26 @@
 #!/usr/bin/env python3
-"""Run every attention variant once, each in its own process, against the float64 reference.
+"""The attention kernels that lost: validate each against the float64 reference, benchmark them.
 
-    python3 tools/check_attention_variants.py [--variants tf32x3,pipe16x2] [--bs 3] [--n 9]
+    python3 dev/cuda/attention.py check [--variants tf32x3,pipe16,...] [--bs 3] [--n 9]
         [--prefixes 0,5,200] [--heads 64] [--r 512] [--dr 64] [--tree DIR]
+    python3 dev/cuda/attention.py bench [tools/bench_attention.py's arguments]
 
-Why a process per variant: a kernel that faults (CUDA_ERROR_ILLEGAL_ADDRESS) leaves its CUDA
-context unusable, so in one process (tests/test_attention_gpu.py's ``check()``) the first
-faulting variant fails every test after it.  Here each variant prints one line: its maximum
-error beside ``fp32_error_bound``, or the error that ended its process.  ``--tree DIR``
-imports ``kdtree_numba`` and ``reference`` from another tree (``git archive C kdtree_numba
-reference | tar -x -C DIR``), and each line names the package directory its child imported,
-so a bisect cannot test this checkout by mistake (the script's own directory and its parent
-come first on ``sys.path`` otherwise: session 19's bisect fell into that).  Session 20
-bisected the FFMA variant pipe16x2's fault at Kimi widths on the H200 with it (an early
-return from commit 3fe0585; docs/GPU_RESULTS.md, runs 87-88).
-Kimi widths by default (a GPU); ``--heads 2 --r 64 --dr 16`` is small enough for the CUDA
-simulator (``NUMBA_ENABLE_CUDASIM=1``, FFMA variants only).
+The package ships two kernels (``kdtree_numba.attention.VARIANTS``): the 3xTF32 tensor-core
+``tf32x3`` and the FFMA layout ``pipe16x2`` where tensor cores cannot run.  :data:`LAYOUTS`
+holds the others, which compile from the same kernel bodies (ffma.py, mma.py) and compute the
+same function; :func:`register` adds them to the package's ``VARIANTS`` for this process, so
+``mla_attention(variant=...)`` and tools/bench_attention.py take them by name.
+docs/ATTENTION.md describes the layouts; docs/HISTORY.md what their measurements decided.
+
+``check`` runs every variant (default: the package's and these) once, each in its own process:
+a kernel that faults (CUDA_ERROR_ILLEGAL_ADDRESS) leaves its CUDA context unusable, so in one
+process the first faulting variant would fail every check after it.  Each variant prints one
+line: its maximum error beside ``fp32_error_bound``, or the error that ended its process.
+``--tree DIR`` imports ``kdtree_numba`` and ``reference`` from another tree (``git archive C
+kdtree_numba reference | tar -x -C DIR``), and each line names the package directory its child
+imported, so a bisect cannot test this checkout by mistake.  Kimi widths by default (a GPU);
+``--heads 2 --r 64 --dr 16`` is small enough for the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, FFMA layouts only).
 """
 from __future__ import annotations
 
@@ -25,8 +30,37 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+# Layouts of the FFMA kernel body (each stages 64 query-heads per block and gives each lane an
+# 8 x 4 -- wide16: 4 x 4 -- score block) and one of the tensor-core kernel:
+# pipe16:    256 threads, two stages of 16-key tiles; a warp scores an 8 x 16 block over all
+#            columns, 8 lanes split them, and the softmax runs in registers (one barrier less).
+# tile32:    256 threads, one stage of 32-key tiles (all cp.async issued at once, then waited
+#            on), 16 x 16 warp blocks, 4 lanes split the columns: half the tiles, load exposed.
+# wide16:    512 threads (16 warps: twice the latency hiding) at <= 128 registers each, two
+#            stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.  Its
+#            simulator layout is pipe16x2's (they differ only in the GPU thread count).
+# tf32x3acc: tf32x3 with short mma chains added in fp32 registers (MmaTileConfig.fp32_sums):
+#            the FFMA kernels' accuracy, at more time.
+LAYOUTS = {
+    "tf32x3acc": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
+    "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
+                   key_lanes=4, k_warps=1),
+    "tile32": dict(threads=256, keys=32, stages=1, lane_rows=8, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=1),
+    "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
+                   key_lanes=4, k_warps=2),
+}
+
+
+def register() -> dict:
+    """Add :data:`LAYOUTS` to the package's VARIANTS (this process only); returns VARIANTS."""
+    from kdtree_numba.attention import plan
+    for name, layout in LAYOUTS.items():
+        plan.VARIANTS.setdefault(name, layout)
+    return plan.VARIANTS
 
 
 def run_one(spec: dict) -> str:
@@ -37,6 +71,7 @@ def run_one(spec: dict) -> str:
     from kdtree_numba import attention as kernels
     from reference import attention as ref
     from reference.attention import tree_visible
+    register()
 
     rng = np.random.default_rng(spec["seed"])
     prefixes = np.asarray(spec["prefixes"], np.int32)
@@ -55,11 +90,23 @@ def run_one(spec: dict) -> str:
             f"[{Path(kernels.__file__).parents[1]}]")
 
 
+def bench(argv: list[str]) -> int:
+    """tools/bench_attention.py with :data:`LAYOUTS` registered (default: every variant)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    register()
+    import bench_attention
+    return bench_attention.main(argv)
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--one":       # the child process
         print(run_one(json.loads(sys.argv[2])))
         return 0
-    from kdtree_numba.attention import VARIANTS
+    if sys.argv[1:2] == ["bench"]:
+        return bench(sys.argv[2:])
+    if sys.argv[1:2] == ["check"]:
+        del sys.argv[1]
+    VARIANTS = register()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--bs", type=int, default=None, help="requests (default: len(prefixes))")
