@@ -5,12 +5,12 @@
 
 ``mma_splits(N, K)`` (kdtree_numba/layers/mma_plan.py) picks a linear's K slices from its
 weight's shape alone (so a row's bits do not depend on M); this sweep is what the rule is
-checked against (tests/test_layers_mma.py holds its fastest picks).  Each (shape,
-M, slices) runs ``--calls`` linears captured in one CUDA graph (kdtree_numba/graphs.py),
-replayed ``--replays`` times between CUDA events: its time per call is the GPU's inside a
-replayed forward, launches included (the x rounding, the GEMM and the slice sum where the
-tile does not add its own slices).  The table marks the rule's pick and the fastest, and sets the weight-streaming
-roof (bytes / 4.1 TB/s) beside them.  GPU only (a CUDA device, CuPy).
+checked against (tests/test_layers_mma.py holds its fastest picks).  Each (shape, M, slices)
+runs ``--calls`` linears captured in one CUDA graph (kdtree_numba/graphs.py), replayed
+``--replays`` times between CUDA events: its time per call is the GPU's inside a replayed
+forward, launches included (the x rounding, the GEMM and the slice sum where the tile does not
+add its own slices).  The table marks the rule's pick and the fastest, and sets the
+weight-streaming roof (bytes / 4.1 TB/s) beside them.  GPU only (a CUDA device, CuPy).
 """
 from __future__ import annotations
 

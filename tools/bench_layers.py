@@ -11,9 +11,10 @@
   cuBLAS reads twice the bytes) and against the roof max(weight bytes / 4.1 TB/s,
   2 M N K / 51 TFLOP/s).  Goals: >= 0.9x cuBLAS for M <= 16, >= 0.8x at M = 65.
 * MoE routing + expert FFN, M = 1 and 65, E = 384, k = 8, D = 7168, Im = Is = 2048, bf16 experts
-  (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof.
-  At M = 65: the tiled experts (auto), the skinny ones, and a uniform routing (every token 8
-  random experts: ~280 experts, memory-bound) beside the router-picked one (a few popular experts: ~50, more compute per byte).
+  (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof. At
+  M = 65: the tiled experts (auto), the skinny ones, and a uniform routing (every token 8 random
+  experts: ~280 experts, memory-bound) beside the router-picked one (a few popular experts: ~50,
+  more compute per byte).
 * RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
 * mma (only when asked for: ``--only mma``): linear(method="mma") (bf16 weights, x rounded to
   bf16, tensor cores) at M = 1, 8, 65, 512, 4096 for 7168->163840 (lm_head), 2048->7168 and

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GEMM tiles and MoE launch plans that lost: validate them against the defaults, time them.
 
-    python3 dev/cuda/layers.py check                  # GPU: every plan here gives the default's bits
+    python3 dev/cuda/layers.py check       # GPU: every plan here gives the default's bits
     python3 dev/cuda/layers.py bench [--only linear,variants,moe,sweep] [--sweep-shapes 7168x1536]
         [--sweep-dtypes bf16,f32] [--sweep-grid] [tools/bench_layers.py's other arguments]
 

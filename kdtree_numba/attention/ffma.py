@@ -3,9 +3,10 @@
 The contract (shapes, dtypes, masking, the empty-row rule) is the docstring of
 reference/attention/mla.py; this kernel computes the same thing in float32 on the device.  Its
 tile shape comes from plan.py (:class:`~kdtree_numba.attention.plan.TileConfig`, one per layout
-of :data:`~kdtree_numba.attention.plan.VARIANTS` that is not the tensor-core one), mla.py launches it and merges the splits, and
-the pieces it shares with the tensor-core kernel (mma.py) live in tiles.py.  docs/ATTENTION.md
-explains the kernel design and the measured speed; the short version:
+of :data:`~kdtree_numba.attention.plan.VARIANTS` that is not the tensor-core one), mla.py
+launches it and merges the splits, and the pieces it shares with the tensor-core kernel (mma.py)
+live in tiles.py.  docs/ATTENTION.md explains the kernel design and the measured speed; the
+short version:
 
 * One block owns a tile of ``rows`` flattened query-heads (row = i*H + h) of one request and one
   *split* (a contiguous range of key slots).  All query-heads of a request share the same keys

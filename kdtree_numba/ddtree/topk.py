@@ -487,10 +487,10 @@ def _topk_shared_bytes(warps: int, kl: int) -> int:
 def topk_config(k: int, rows: int = 1, vocab: int = 1, warps=None, vec=None,
                 parts=None) -> tuple[int, int, int, int]:
     """(warps, vec, kl, parts) for ``topk_logprobs``: ``warps`` per block, ``vec`` float4
-    groups per lane per iteration (4 * vec elements in flight per lane), kl = list length
-    (k rounded up to a power of two, at least a warp), ``parts`` blocks per row (a power of
-    two; > 1 adds a merge kernel).  Defaults: the fastest measured shape; parts grows until the grid has
-    ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
+    groups per lane per iteration (4 * vec elements in flight per lane), kl = list length (k
+    rounded up to a power of two, at least a warp), ``parts`` blocks per row (a power of two; >
+    1 adds a merge kernel).  Defaults: the fastest measured shape; parts grows until the grid
+    has ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
     merge cost about a tile each)."""
     kl = max(WARP, pow2_at_least(k))
     # At bs 64 x L 15 x V 163,840, k = 64, 2 warps of 8 float4 groups per lane beat 4 warps of

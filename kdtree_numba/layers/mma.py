@@ -19,13 +19,13 @@ in flight, one barrier per stage.  Shared tiles are 32-wide *panels* of K in nat
 rows of 64 bytes = four 16-byte chunks, chunk c of row r stored at c ^ ((r >> 1) & 3) (an XOR
 swizzle: the 8 rows one ldmatrix matrix reads sit in 8 bank quads).  Per panel and k16 step,
 ``ldmatrix.x4`` loads an m16 tile's A fragment or two n8 tiles' B fragments in register order
-(``.x2`` an odd last n8 tile), so ptxas needs no moves to assemble an A quad from rows g and
-g + 8 (a plain 128-bit load of one row would).  Each thread holds tm x tn m16n8 accumulator tiles.  An
-output's mma chain runs over its K slice in k16 steps in panel order whatever the tile (bk
-only groups panels into stages; the slices are cut in units of SLICE_UNIT = 64 at every bk,
-a stage past a slice's end zero-filled), and the K slices depend on N and K only
-(:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
-invariant.
+(``.x2`` an odd last n8 tile), so ptxas needs no moves to assemble an A quad from rows g
+and g + 8 (a plain 128-bit load of one row would).  Each thread holds tm x tn m16n8
+accumulator tiles.  An output's mma chain runs over its K slice in k16 steps in panel order
+whatever the tile (bk only groups panels into stages; the slices are cut in units of
+SLICE_UNIT = 64 at every bk, a stage past a slice's end zero-filled), and the K slices depend
+on N and K only (:func:`mma_splits`), so a row's result is the same at every M: the linear is
+batch invariant.
 
 The grouped MoE kernel (layers/moe_mma.py) shares the tile shape and the K loop
 (:func:`ring_function`, which takes per-thread row tables so that it can gather rows).

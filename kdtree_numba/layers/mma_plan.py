@@ -164,10 +164,10 @@ def wgmma_available() -> bool:
 
 def unsliced_tile(m: int) -> MmaConfig:
     """:func:`mma_tile` for the products without K slices (the grouped MoE's launches, the
-    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows
-    80 x 64 in 4 stages, not 80 x 128, which would halve their blocks (a dense FFN's down
-    projection: 56 blocks for 132 SMs, and a slower verify).  The same bits either way (no K slices); past 80 rows mma_tile's
-    (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
+    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows 80 x 64
+    in 4 stages, not 80 x 128, which would halve their blocks (a dense FFN's down projection: 56
+    blocks for 132 SMs, and a slower verify).  The same bits either way (no K slices); past 80
+    rows mma_tile's (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
     if max(1, -(-m // 16)) == 5:
         return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
     return mma_tile(m)
@@ -182,15 +182,15 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
 
 def mma_splits(n: int, k: int) -> int:
     """K slices: doubled (up to 64, each slice keeping >= 8 stages of 64: twice the deepest
-    ring) while more than a quarter of the block slots of the waves that one row of 128-wide
-    N tiles takes (the grid at M <= BM; two blocks per SM, what the 16- to 80-row tiles'
-    shared memory allows) would idle.  Past that, short slices only add ramps and partial
-    sums (a sweep of 1-64 slices at Kimi-K2's shapes picked this rule: dev/bench_splits.py,
-    docs/LAYERS.md).  Below :data:`MIN_SLICED_STAGES` of K none: a block that short is mostly
-    its ramp, and the slices add the partial sums' round trip and a sum launch.  A function of N and K only,
-    never of M or the tile, so the linear is batch invariant across M: a row's result is
-    bitwise the same whatever M (its partial sums, 8 S M N bytes written and read back,
-    mostly in L2, grow with M)."""
+    ring) while more than a quarter of the block slots of the waves that one row of 128-wide N
+    tiles takes (the grid at M <= BM; two blocks per SM, what the 16- to 80-row tiles' shared
+    memory allows) would idle.  Past that, short slices only add ramps and partial sums (a sweep
+    of 1-64 slices at Kimi-K2's shapes picked this rule: dev/bench_splits.py, docs/LAYERS.md).
+    Below :data:`MIN_SLICED_STAGES` of K none: a block that short is mostly its ramp, and the
+    slices add the partial sums' round trip and a sum launch.  A function of N and K only, never
+    of M or the tile, so the linear is batch invariant across M: a row's result is bitwise the
+    same whatever M (its partial sums, 8 S M N bytes written and read back, mostly in L2, grow
+    with M)."""
     tiles = -(-n // 128)
     stages = -(-k // SLICE_UNIT)
     wave = 2 * GPU_SMS

@@ -12,15 +12,16 @@ order.  The shared expert is one more "expert" of both launches: its slots are r
 
 Grid: (expert slot a, M tile, N tile), M tile fastest.  ``a < max_active`` is the a-th active
 expert (blocks past ``n_active`` or past the expert's token count exit at once: the grid is
-sized on the host from M, top_k and E only, no host read of the routing); ``a == max_active``
-is the shared expert.  Or, with the *work list* (``KDTREE_MOE_WORK_LIST=1``, read by
-:func:`work_list_enabled`; off by default until a GPU measurement decides), (tile t, N tile), t fastest: t < R is the t-th M tile of the
-device-built list moe.py's grouping writes (``tile_expert``, ``tile_row``; blocks past its
-length ``n_tiles`` exit), t >= R the shared expert's tiles, R = :func:`routed_tile_bound`.  At
-a verify's 65 tokens over 64 experts the full grid launches 5 M tiles per expert for ~8
-tokens each: 4 of 5 blocks exit at once, 16 k of 21 k per launch; the list leaves ~1.8 k.
-The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's tiles by tokens per expert),
-its K loop (``ring_function``: bf16 x and weights both by ``cp.async`` through a ring of
+sized on the host from M, top_k and E only, no host read of the routing); ``a == max_active`` is
+the shared expert.  Or, with the *work list* (``KDTREE_MOE_WORK_LIST=1``, read by
+:func:`work_list_enabled`; off by default until a GPU measurement decides), (tile t, N tile), t
+fastest: t < R is the t-th M tile of the device-built list moe.py's grouping writes
+(``tile_expert``, ``tile_row``; blocks past its length ``n_tiles`` exit), t >= R the shared
+expert's tiles, R = :func:`routed_tile_bound`.  At a verify's 65 tokens over 64 experts the full
+grid launches 5 M tiles per expert for ~8 tokens each: 4 of 5 blocks exit at once, 16 k of 21 k
+per launch; the list leaves ~1.8 k.
+The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's tiles by tokens per
+expert), its K loop (``ring_function``: bf16 x and weights both by ``cp.async`` through a ring of
 ``stages`` shared buffers, fp32 accumulation) and fragment layout.  Differences: the x rows are
 gathered (each thread's rows are fixed for the whole K loop, looked up once), and in the
 gate_up launch the weight tile interleaves gate and up rows per warp: of a warp's ``tn`` n8

@@ -1,9 +1,9 @@
 """The tiled GEMM: ``linear()`` above SKINNY_MAX_M rows and the MoE experts of such steps.
 
-Holds the shapes the heuristics pick (:func:`tiled_config`, K slices), the small device functions the generated kernels call, and
-:func:`tiled_kernel`, which compiles gemm_source.py's source for a config, weight kind and
-mode.  Twin: reference/layers/linear.py (the contract); design, tolerances and measurements:
-docs/LAYERS.md.
+Holds the shapes the heuristics pick (:func:`tiled_config`, K slices), the small device
+functions the generated kernels call, and :func:`tiled_kernel`, which compiles gemm_source.py's
+source for a config, weight kind and mode.  Twin: reference/layers/linear.py (the contract);
+design, tolerances and measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
