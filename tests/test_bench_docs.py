@@ -28,7 +28,7 @@ def test_every_component_has_a_table_with_the_documented_columns():
     assert len(components) == len(list(bench_docs.RESULTS.glob("*.json"))) >= 10
     header = "| " + " | ".join(bench_docs.COLUMNS) + " |"
     for c in components:
-        block = text[text.index(f"### {c['title']}\n"):]
+        block = text[text.index(f"## {c['title']}\n"):]
         assert block.split("\n\n", 3)[2].startswith(header), c["title"]
         for row in c["rows"]:      # each row's result and its measurement's command are shown
             m = c["measurements"][row["measurement"]]
@@ -58,7 +58,7 @@ def test_adding_a_result_is_one_file_and_the_generator(tmp_path, capsys):
     assert bench_docs.main(["--check"] + args) == 0
     row = next(line for line in docs.read_text().splitlines() if "200.0 us = 70%" in line)
     assert "| H100 | abc1234 | 2026-12-06 |" in row and "(3.3 TB/s)" in row
-    assert docs.read_text().count("### ") == bench_docs.BENCHMARKS.read_text().count("### ")
+    assert docs.read_text().count("\n## ") == bench_docs.BENCHMARKS.read_text().count("\n## ")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -104,7 +104,7 @@ def _cell(text: str) -> str:
 
 
 def render_component(c: dict) -> str:
-    lines = [f"### {c['title']}", "", c["about"], "",
+    lines = [f"## {c['title']}", "", c["about"], "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in c["rows"]:
         m = c["measurements"][row["measurement"]]
