@@ -293,10 +293,11 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     ``while_verifying()``: host work run once the verify is launched, while the device runs
     it (the last round's report: generate)."""
     be = model.backend
-    start = cache.lengths.astype(np.int32)
-    roots = req.roots()
-    draft_logits = drafter.propose(DraftContext(roots=be.asarray(roots),
-                                                positions=be.asarray(start)))
+    # the roots and their positions go up once: the drafter, the tree and the acceptance read
+    # these device copies
+    roots = be.asarray(req.roots())
+    start = be.asarray(cache.lengths.astype(np.int32))
+    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start))
     timer.lap("draft")
     # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
     # own buffers (no copies on the host's path from the read to the verify's launch); the
@@ -312,16 +313,16 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     timer.lap("verify")
     if while_verifying is not None:
         while_verifying()
-    acc_idx, acc_len, packed = model.accept(tree, logits, temperature, table, start,
-                                            borrow=True)
+    acc_idx, acc_len, packed, next_roots = model.accept(tree, logits, temperature, table,
+                                                        start, borrow=True)
     if on_round is not None:
         on_round(tree, acc_idx, acc_len)
-    # what the drafter is told, gathered on the device before the read: the row of the last
-    # accepted node (it chose the next root), the rows of the root and the accepted nodes
+    # what the drafter needs, gathered on the device before the read: the row of the last
+    # accepted node (it chose the next root), the rows of the root and the accepted nodes,
+    # the verified tokens
     hidden = model.last_accepted(parts[1], acc_idx, acc_len) if needs.hidden else None
     features = model.accepted_rows(parts[-1], acc_idx) if needs.feature_layers else None
-    next_roots, tokens = model.committed_views(packed, acc_len, be.asarray(roots),
-                                               with_tokens=needs.tokens)
+    tokens = model.committed_tokens(packed, roots) if needs.tokens else None
     timer.lap("accept")
     model.compact(cache, acc_idx, acc_len)
     timer.lap("compaction")

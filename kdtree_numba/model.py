@@ -23,7 +23,6 @@ builds their keys.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any, Mapping
 
 import numpy as np
@@ -39,7 +38,7 @@ from kdtree_numba.kvcache import CACHE_DTYPES, KVCache, WriteSlots
 from kdtree_numba.steps import DeviceSteps
 from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "pad_ragged",
+__all__ = ["ModelConfig", "Model", "LayerWeights", "weight_shapes", "causal_mask", "pad_ragged",
            "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
@@ -80,6 +79,34 @@ class ForwardInputs:
     logit_rows: object = None
     causal: bool = False
     prefill: bool = False
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights on the backend, in the layouts the kernels take (bundle
+    names in ``config.weight_shapes``).  Attention: ``q_proj`` without a q LoRA, else
+    ``qkv_a`` (q_a and kv_a stacked: one GEMM) with ``q_a_norm`` and ``q_b``; ``kv_a`` is
+    kv_a_proj_with_mqa (a row block of ``qkv_a`` when fused); ``kv_b`` float32 (absorbed
+    MLA's head products).  FFN: ``gate_up`` [E, 2I, D] (gate rows, then up rows) and
+    ``down`` [E, D, I], one expert for a dense layer; a MoE layer's ``router`` [E, D] and
+    ``router_bias`` [E] (float32) and its shared expert's ``shared_gate_up`` /
+    ``shared_down`` (None without one)."""
+    input_norm: Any
+    post_norm: Any
+    kv_a_norm: Any
+    kv_b: Any
+    o_proj: Any
+    kv_a: Any = None
+    q_proj: Any = None
+    qkv_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+    gate_up: Any = None
+    down: Any = None
+    router: Any = None
+    router_bias: Any = None
+    shared_gate_up: Any = None
+    shared_down: Any = None
 
 
 def _rebuild_attention_plans() -> None:
@@ -159,15 +186,11 @@ class Model(DeviceSteps):
         self.layers = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model/layers/{layer}/"
-            lw = SimpleNamespace(input_norm=w(p + "input_layernorm"),
-                                 post_norm=w(p + "post_attention_layernorm"),
-                                 kv_a=None,
-                                 kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
-                                 kv_b=w32(p + "self_attn/kv_b_proj"),
-                                 o_proj=w(p + "self_attn/o_proj"),
-                                 q_proj=None, qkv_a=None, q_a_norm=None, q_b=None,
-                                 router=None, router_bias=None, shared_gate_up=None,
-                                 shared_down=None)
+            lw = LayerWeights(input_norm=w(p + "input_layernorm"),
+                              post_norm=w(p + "post_attention_layernorm"),
+                              kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
+                              kv_b=w32(p + "self_attn/kv_b_proj"),
+                              o_proj=w(p + "self_attn/o_proj"))
             if cfg.q_lora_rank is None:
                 lw.q_proj = w(p + "self_attn/q_proj")
                 lw.kv_a = w(p + "self_attn/kv_a_proj_with_mqa")

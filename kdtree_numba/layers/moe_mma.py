@@ -42,10 +42,10 @@ Design, error bound and status: docs/LAYERS.md, "Grouped MoE on tensor cores".
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
@@ -82,7 +82,7 @@ def work_list_enabled() -> bool:
     """Whether moe_ffn(method="mma") launches over the device-built work list of M tiles
     (``KDTREE_MOE_WORK_LIST=1``) instead of the full (expert, M tile) grid; read per call, so
     a benchmark can time both in one process."""
-    return os.environ.get("KDTREE_MOE_WORK_LIST", "0") == "1"
+    return runtime.current().moe_work_list
 
 
 def routed_tile_bound(n_entries: int, n_experts: int, tile_rows: int) -> int:
