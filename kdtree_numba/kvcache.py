@@ -207,29 +207,29 @@ class KVCache:
         round's read): ``lengths`` takes them, no longer pending.  Nothing is uploaded (the
         device lengths already hold them); values outside what the commits allow are a
         ValueError."""
-        lengths = np.asarray(lengths, np.int64)
-        if lengths.shape != self.lengths.shape or np.any(lengths < self._floor) \
-                or np.any(lengths > self.lengths):
-            raise ValueError(f"confirmed lengths {lengths.tolist()} must lie between "
-                             f"{self._floor.tolist()} and {self.lengths.tolist()}")
-        self.lengths = lengths.copy()
-        self._floor = lengths.copy()
-        self.pending = False
+        self._set_host(lengths, self._floor, "confirmed lengths {} must lie between {} and {}")
 
     def truncate(self, lengths) -> None:
         """Roll requests back to shorter lengths (the slots past them become scratch; a paged
         layout frees its pages past them).  Sets both lengths (one upload), pending or not:
         while pending, ``lengths`` may not exceed the upper bound."""
+        lengths = self._set_host(lengths, np.zeros_like(self.lengths),
+                                 "truncate to {0} from {2}: lengths may only shrink")
+        self.device_lengths = self.backend.asarray(lengths.astype(np.int32))
+        self.layout.truncate(lengths)
+
+    def _set_host(self, lengths, low, message: str) -> np.ndarray:
+        """The host lengths set to ``lengths`` in ``[low, lengths]`` (ValueError ``message``
+        formatted with them, the low and the high end otherwise), exact again."""
         lengths = np.asarray(lengths, np.int64)
-        if lengths.shape != self.lengths.shape or np.any(lengths < 0) \
+        if lengths.shape != self.lengths.shape or np.any(lengths < low) \
                 or np.any(lengths > self.lengths):
-            raise ValueError(f"truncate to {lengths.tolist()} from {self.lengths.tolist()}: "
-                             f"lengths may only shrink")
+            raise ValueError(message.format(lengths.tolist(), low.tolist(),
+                                            self.lengths.tolist()))
         self.lengths = lengths.copy()
         self._floor = lengths.copy()
         self.pending = False
-        self.device_lengths = self.backend.asarray(lengths.astype(np.int32))
-        self.layout.truncate(lengths)
+        return lengths
 
     def compact_tree(self, ops, acc_idx, acc_len, lengths=None) -> None:
         """After a verify forward over a tree written at ``[lengths, lengths + B + 1)``: move

@@ -12,6 +12,7 @@ host lengths gave before.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -156,6 +157,30 @@ def test_pages_are_taken_as_requests_grow_and_freed_on_truncate():
     assert table.kv_indices.tolist() == [0, 1, 2, 3]
     assert table.kv_last_page_len.tolist() == [1, 3]
     assert cache.buffer_key()[0] == "paged:3" != KVCache(be, 1, 2, 12, 4, 2).buffer_key()[0]
+
+
+def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got():
+    """The dense layout's calls: attention on the layer's [bs, max_len, w] arrays with the
+    device lengths as its int32 prefix and the host's max_keys; compaction on the stacked
+    arrays with int64 past lengths, the kernel specialisation the engine has always launched
+    (so the same PTX runs)."""
+    calls = {}
+    ops = SimpleNamespace(mla_attention=lambda *a, **k: calls.setdefault("attention", (a, k)),
+                          compact_kv=lambda *a: calls.setdefault("compaction", a))
+    cache = KVCache(make_backend("reference"), 2, 2, 8, 4, 2)
+    cache.advance([3, 1])
+    slots = cache.write_slots(2)
+    cache.attend(ops, 1, "q_abs", "q_pe", slots, "visible", 0.5, causal=True)
+    args, hints = calls["attention"]
+    assert args[:2] == ("q_abs", "q_pe") and args[5:] == ("visible", 0.5)
+    assert args[2].shape == (2, 8, 4) and np.shares_memory(args[2], cache.c[1])
+    assert args[3].shape == (2, 8, 2) and np.shares_memory(args[3], cache.k_pe[1])
+    assert args[4] is cache.device_lengths and args[4].dtype == np.int32
+    assert hints == dict(max_keys=5, prefill=False, causal=True)
+    cache.compact_tree(ops, "acc_idx", "acc_len")
+    arrays, past, *rest = calls["compaction"]
+    assert arrays[0] is cache.c and arrays[1] is cache.k_pe and rest == ["acc_idx", "acc_len"]
+    assert past.dtype == np.int64 and past.tolist() == [3, 1]
 
 
 def test_the_numba_backend_refuses_a_paged_layout(needs_kernels):
