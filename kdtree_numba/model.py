@@ -250,7 +250,7 @@ class Model(DeviceSteps):
 
         tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device: a device
         ``tokens``, e.g. a drafter's own argmax, is used in place, never read back).  Writes the
-        new latents at slots ``[cache.lengths[b], + n)`` without committing them (module docstring).
+        new latents at ``[cache.lengths[b], + n)`` without committing them (module docstring).
         With ``return_hidden`` also returns the final normed hidden states [bs, n, D].
         ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
         shape; the BlockDrafter feeds MASK slots and target features this way).

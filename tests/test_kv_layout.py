@@ -270,6 +270,32 @@ def test_a_paged_generation_cache_is_reused_with_its_pool():
     assert len(cache.layout.free) + sum(map(len, cache.layout.pages)) == cache.layout.n_pages
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged:3"])
+def test_a_round_committed_by_device_counts_continues_as_one_committed_by_host_counts(layout):
+    """A verify, its compaction and a commit of acc_len left on the device (the host lengths
+    pending), then the next forward: the logits of the host-count path, bit for bit."""
+    model = tiny(layout)
+    out = []
+    for device in (False, True):
+        cache = model.new_cache(2, 32)
+        model.prefill(cache, [[3, 1, 4, 1, 5], [9, 2]])
+        start = cache.lengths.copy()
+        model.forward(np.arange(8).reshape(2, 4) + 7, start[:, None] + np.arange(4), cache,
+                      causal_mask(4, 2), causal=True)
+        acc_idx = np.array([[0, 2, -1, -1], [0, 1, 3, -1]], np.int32)
+        acc_len = np.array([2, 3], np.int32)
+        cache.compact_tree(model.backend.ops, acc_idx, acc_len)
+        cache.advance(acc_len, device=device)
+        assert cache.pending == device
+        assert cache.device_lengths.tolist() == (start + acc_len).tolist()
+        out.append(model.forward(np.array([[5], [6]]), (start + acc_len)[:, None], cache,
+                                 np.ones((2, 1, 1), bool)))
+        if device:
+            assert cache.lengths.tolist() == (start + 4).tolist()     # the bound
+            cache.confirm_lengths(start + acc_len)
+    assert out[0].tobytes() == out[1].tobytes()
+
+
 # ----------------------------------------------------------------------------- simulator
 
 def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels):

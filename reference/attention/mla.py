@@ -60,9 +60,9 @@ import numpy as np
 from ..paged import check_page_table, gather_pages
 from .projections import split_kv_b_proj
 
-__all__ = ["mla_attention", "paged_mla_attention", "naive_mla_attention", "visible_slots", "fp32_error_bound",
-           "bf16_error_bound", "bf16_operands", "bf16_round", "bf16_widen", "check_causal",
-           "UNIT_ROUNDOFF_F32", "UNIT_ROUNDOFF_BF16"]
+__all__ = ["mla_attention", "paged_mla_attention", "naive_mla_attention", "visible_slots",
+           "fp32_error_bound", "bf16_error_bound", "bf16_operands", "bf16_round", "bf16_widen",
+           "check_causal", "UNIT_ROUNDOFF_F32", "UNIT_ROUNDOFF_BF16"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
 UNIT_ROUNDOFF_BF16 = 2.0 ** -8    # 8 significant bits, round to nearest
