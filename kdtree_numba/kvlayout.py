@@ -36,7 +36,7 @@ class CacheFullError(RuntimeError):
 class PageTable:
     """A forward's page table on the device (int32; reference/paged.py): ``kv_indptr`` [bs + 1],
     ``kv_indices`` [pages in use], ``kv_last_page_len`` [bs]; it covers each request's
-    ``lengths + n`` slots exactly."""
+    ``lengths + n`` slots exactly (the host lengths: upper bounds while they are pending)."""
     kv_indptr: object
     kv_indices: object
     kv_last_page_len: object
