@@ -191,7 +191,9 @@ class KVCache:
                                  f"{grow.tolist()} within max_len {self.max_len}")
         self.lengths = self.lengths + grow
         if device:
-            self.device_lengths = self.device_lengths + counts.astype(np.int32)
+            # asarray: no copy for a device array (a host one forced by device=True goes up)
+            self.device_lengths = self.device_lengths + self.backend.asarray(counts).astype(
+                np.int32)
             self.pending = True
             self._written = 0
         elif self.pending:       # the host knows the counts, not the lengths: add them there

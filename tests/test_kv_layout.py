@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from kdtree_numba import compat
 from kdtree_numba.backends import bf16_bits, make_backend
 from kdtree_numba.bundle import random_weights, size_config
 from kdtree_numba.drafter import ModelDrafter, NoisyOracleDrafter
@@ -298,6 +299,8 @@ def test_a_round_committed_by_device_counts_continues_as_one_committed_by_host_c
 
 # ----------------------------------------------------------------------------- simulator
 
+@pytest.mark.skipif(not compat.SIMULATOR, reason="host arrays in and out: the numba backend "
+                    "runs here only in the CUDA simulator (on a GPU: tests/test_engine_gpu.py)")
 def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels):
     """Dense layout, numba kernels (simulator): the slots and attention of a cache whose
     lengths came from device counts equal those of host lengths, passed as before (host rows,
