@@ -38,6 +38,7 @@ import numpy as np
 from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_dflash_bundle,
                                  read_dflash_spec)
 from kdtree_numba.config import ModelConfig
+from kdtree_numba.drafting import Commit, DraftContext, TargetNeeds
 from kdtree_numba.kvcache import KVCache
 from kdtree_numba.model import Model
 
@@ -67,12 +68,14 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
 
 
 class DFlashDrafter:
-    """A DFlash block drafter for one target model (module docstring).
+    """A DFlash block drafter for one target model (module docstring), a
+    :class:`~kdtree_numba.drafting.Drafter`.
 
-    The engine feeds it: ``feature_layers`` tells it which target layers to capture;
-    :meth:`extend_context` takes the captured features of the newly verified tokens (the
-    prompt after prefill, the accepted nodes after a round); :meth:`propose` drafts from the
-    roots.  ``block_len`` (L = B - 1) is the tree's maximum depth."""
+    ``needs`` asks the target for the residual streams after ``feature_layers``; each commit's
+    features of the newly verified tokens (the prompt after prefill, the root and the
+    accepted nodes after a round) extend its context (:meth:`extend_context`);
+    :meth:`propose` drafts from the roots (:meth:`draft`).  ``block_len`` (L = B - 1) is the
+    tree's maximum depth."""
 
     def __init__(self, target: Model, config: ModelConfig, weights: Mapping[str, Any],
                  spec: DFlashSpec, name: str = "dflash"):
@@ -117,6 +120,10 @@ class DFlashDrafter:
         return self.model.vocab_size
 
     @property
+    def needs(self) -> TargetNeeds:
+        return TargetNeeds(feature_layers=self.feature_layers)
+
+    @property
     def context_lengths(self) -> np.ndarray:
         """Entries in each request's context (host int64 [bs])."""
         return self.cache.lengths.copy()
@@ -151,7 +158,13 @@ class DFlashDrafter:
                                    (features, cache.device_lengths))
         cache.advance(lengths)
 
-    def propose(self, roots):
+    def on_commit(self, commit: Commit) -> None:
+        self.extend_context(commit.features, commit.counts_host)
+
+    def propose(self, ctx: DraftContext):
+        return self.draft(ctx.roots)
+
+    def draft(self, roots):
         """Logits [bs, B - 1, V] float32 (device) of depths 1..B-1 under each request's root
         ``roots`` [bs] (host or device ints), which sits at the position after its context:
         one forward over ``[root, MASK x (B - 1)]``."""

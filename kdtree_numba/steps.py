@@ -177,6 +177,21 @@ class DeviceSteps:
             accept_phase(self.backend.ops, self.backend.xp, temperature, tree.max_depth),
             (logits,) + arrays, borrow=borrow)
 
+    def committed_views(self, packed, acc_len, roots, with_tokens: bool = False):
+        """(next roots [bs], tokens [bs, L + 2] or None) of a round, on the device, from its
+        packed committed tokens (:func:`pack_committed`), ``acc_len`` and its ``roots`` [bs]:
+        the bonus token (column ``acc_len``), and with ``with_tokens`` the root, the accepted
+        nodes and the bonus (``drafting.Commit.tokens``: the first acc_len entries are the
+        tokens whose KV the round committed, entry acc_len the bonus, the rest token 0).
+        Nothing is read."""
+        xp = self.backend.xp
+        col = acc_len.astype(np.int64)[:, None]
+        next_roots = xp.take_along_axis(packed, col, axis=1)[:, 0]
+        if not with_tokens:
+            return next_roots, None
+        tokens = xp.concatenate([roots.astype(np.int32)[:, None], packed[:, 1:]], axis=1)
+        return next_roots, xp.maximum(tokens, 0)       # padding: token 0, a valid id
+
     def last_accepted(self, rows, acc_idx, acc_len):
         """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's
         last accepted node: the row whose logits chose the bonus token, the next root."""
