@@ -48,18 +48,18 @@ DFLASH_TENSORS = ("dflash/fc", "dflash/hidden_norm", "dflash/mask_embedding")
 
 
 def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
-    """features [bs, m, k D], rows [bs, m] (cache slots = positions), prefix [bs] -> ():
-    fuse the features and write every drafter layer's latents of them (uncommitted; device
-    work only, so a CUDA graph can capture it)."""
+    """features [bs, m, k D], lengths [bs] (the cache's device lengths) -> (): fuse the
+    features and write every drafter layer's latents of them at the next m slots (slot =
+    position; uncommitted; device work only, so a CUDA graph can capture it)."""
     xp, ops, cfg = model.backend.xp, model.backend.ops, model.config
     r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
-    def run(features, rows, prefix):
+    def run(features, lengths):
         bs, m, width = features.shape
         x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
         f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
-        positions = xp.ascontiguousarray(rows.reshape(bs * m)).astype(np.int32)
-        slots = cache.device_slots(rows, prefix)
+        slots = cache.device_slots(lengths, m)
+        positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
         for layer in range(cfg.num_hidden_layers):
             c, k_pe = model.kv_latents(layer, f, positions)
             cache.write(layer, c.reshape(bs, m, r), k_pe.reshape(bs, m, dr), slots)
@@ -152,10 +152,10 @@ class DFlashDrafter:
         if np.any(lengths < 0) or np.any(lengths > m):
             raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
         if m:
-            rows, prefix = cache.slot_inputs(m)
+            cache.reserve(m)
             self.model.device_step(("dflash_context",) + cache.buffer_key(),
                                    context_phase(self.model, cache, self.fc, self.hidden_norm),
-                                   (features, rows, prefix))
+                                   (features, cache.device_lengths))
         cache.advance(lengths)
 
     def on_commit(self, commit: Commit) -> None:

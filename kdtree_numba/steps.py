@@ -110,7 +110,8 @@ def gather_phase(xp):
 
 
 def compaction_phase(ops, cache):
-    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
+    """lengths (the cache's device lengths), acc_idx, acc_len -> (): KVCache.compact_tree on
+    device inputs."""
     def run(lengths, acc_idx, acc_len):
         cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
         return ()
@@ -210,4 +211,4 @@ class DeviceSteps:
         them once it has read acc_len."""
         self.device_step(("compaction",) + cache.buffer_key(),
                          compaction_phase(self.backend.ops, cache),
-                         (cache.lengths, acc_idx, acc_len))
+                         (cache.device_lengths, acc_idx, acc_len))
