@@ -63,13 +63,17 @@ from typing import Sequence
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
+from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
 METHODS = ("ar", "chain", "ddtree")
-PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction")
+# "round": a whole DDTree round run as one device program (device_rounds)
+PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction",
+          "round")
 
 
 @dataclasses.dataclass
@@ -338,10 +342,43 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
 
 
+def _device_rounds(model, cache, drafter, req: _Requests, budget, k, temperature, seed: int,
+                   timer, stats, after_step) -> None:
+    """The rounds of a device-only drafter as device programs, each enqueued before the
+    previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
+    launched while it may still need tokens: running, and short of max_new_tokens by more
+    than the rounds in flight commit at the least (one token each)."""
+    bs = cache.batch
+    table = None
+    if temperature > 0:                 # the same uniforms, over the cache's whole capacity
+        table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
+    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), budget, k,
+                                         temperature, table)
+    try:
+        rounds.launch(req.active.copy())
+        timer.lap("round")
+        while rounds.in_flight:
+            ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
+                                           for out in req.out])
+            if ahead.any():             # the next round goes in before this one is read
+                rounds.launch(ahead)
+                timer.lap("round")
+            packed, ran = rounds.collect()
+            running = ran & req.active
+            stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(running)])
+            stats.budgets.append(budget)
+            stats.rounds += 1
+            for b in np.flatnonzero(running):
+                req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
+            after_step()
+    finally:
+        rounds.finish()
+
+
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int | str | AutoBudget = 32, temperature: float = 0.0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
-             on_round=None) -> GenerationResult:
+             on_round=None, device_rounds: bool | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -368,6 +405,12 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     reads nothing for it, so a hook that only copies keeps the one read per round; one that
     reads the device adds its reads (kdtree-run --plot copies, and reads one round after
     generation: kdtree_numba/plots.py, ``RoundRecorder``).
+    ``device_rounds``: run each DDTree or chain round as one device program, enqueued before
+    the last one's tokens are read (kdtree_numba/device_round.py; the same tokens): True asks
+    for it (a ValueError where the drafter cannot: it must be ``device_only``; a fixed
+    budget; no ``on_round``), None follows ``runtime.current().device_rounds``
+    (``KDTREE_DEVICE_ROUNDS=1``) where possible, False never.  Its rounds' device time is
+    the phase "round".
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -397,6 +440,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             budget, k = block_len, 1
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
+    possible = speculative and policy is None and on_round is None \
+        and device_rounds_possible(drafter)
+    if device_rounds and not possible:
+        raise ValueError("device_rounds needs a device-only drafter (its propose and "
+                         "on_commit read no host value), a fixed budget and no on_round hook")
+    on_device = possible and (runtime.current().device_rounds if device_rounds is None
+                              else bool(device_rounds))
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len)
@@ -413,6 +463,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     longest = max(p.size for p in prompts) + max_new_tokens
     verify_width = (policy.max_budget if policy else budget) + 1 if speculative else 1
     max_len = longest + verify_width + (block_len + 1 if speculative else 1)
+    if on_device:        # a round enqueued for a request its unread round finished
+        max_len += block_len + 1
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if speculative and temperature > 0 else None
@@ -443,6 +495,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
 
     if method == "ar":
         _ar_steps(model, cache, req, temperature, tables, timer, stats, after_step)
+    elif on_device:
+        _device_rounds(model, cache, drafter, req, budget, k, temperature, seed, timer, stats,
+                       after_step)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device

@@ -192,17 +192,37 @@ class KVCache:
         self.lengths = self.lengths + grow
         if device:
             # asarray: no copy for a device array (a host one forced by device=True goes up)
-            self.device_lengths = self.device_lengths + self.backend.asarray(counts).astype(
-                np.int32)
+            self.add_on_device(self.backend.asarray(counts))
             self.pending = True
             self._written = 0
         elif self.pending:       # the host knows the counts, not the lengths: add them there
             self._floor = self._floor + grow
-            self.device_lengths = self.device_lengths + self.backend.asarray(
-                grow.astype(np.int32))
+            self.add_on_device(self.backend.asarray(grow.astype(np.int32)))
         else:
             self._floor = self.lengths.copy()
-            self.device_lengths = self.backend.asarray(self.lengths.astype(np.int32))
+            self._set_device(self.lengths)
+
+    def add_on_device(self, counts) -> None:
+        """``device_lengths += counts`` ([bs] device ints) in place: device work only, no host
+        bookkeeping, so a CUDA graph can capture it (a device round program, whose host side
+        keeps the mirror with :meth:`expect_device_growth`).  The buffer itself never changes:
+        graphs captured against it stay valid."""
+        xp = self.backend.xp
+        xp.add(self.device_lengths, counts.astype(np.int32), out=self.device_lengths)
+
+    def expect_device_growth(self, floor, upper) -> None:
+        """The host side of device commits made elsewhere (:meth:`add_on_device` in a device
+        round program): the lengths are at least ``floor`` (host ints, the last read ones) and
+        at most ``upper``; pending until :meth:`confirm_lengths`."""
+        floor, upper = np.asarray(floor, np.int64), np.asarray(upper, np.int64)
+        if np.any(floor > upper) or np.any(upper > self.max_len):
+            raise CacheFullError(f"device commits may take the lengths to {upper.tolist()}, "
+                                 f"past max_len {self.max_len}")
+        self._floor, self.lengths, self.pending = floor.copy(), upper.copy(), True
+
+    def _set_device(self, lengths) -> None:
+        """``device_lengths`` set from host ints, written into the same buffer (one upload)."""
+        self.device_lengths[...] = self.backend.asarray(np.asarray(lengths, np.int32))
 
     def confirm_lengths(self, lengths) -> None:
         """The host learns the lengths its device counts made (host ints [bs], e.g. from the
@@ -217,7 +237,7 @@ class KVCache:
         while pending, ``lengths`` may not exceed the upper bound."""
         lengths = self._set_host(lengths, np.zeros_like(self.lengths),
                                  "truncate to {0} from {2}: lengths may only shrink")
-        self.device_lengths = self.backend.asarray(lengths.astype(np.int32))
+        self._set_device(lengths)
         self.layout.truncate(lengths)
 
     def _set_host(self, lengths, low, message: str) -> np.ndarray:

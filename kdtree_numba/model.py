@@ -416,6 +416,16 @@ class Model(DeviceSteps):
             inputs += (embeds,)
         return self.graphs.call(key, run, inputs, specs, borrow=borrow)
 
+    def run(self, inputs: ForwardInputs, cache: KVCache, *, return_hidden: bool = False,
+            capture_layers=(), embeds=None):
+        """The forward of one batch already on the device (:class:`ForwardInputs`: tokens,
+        positions, visibility and the cache slots, e.g. ``cache.device_slots`` of device
+        lengths): what :meth:`forward` runs after its checks and uploads, device work only,
+        so a CUDA graph can capture it (kdtree_numba/device_round.py runs a whole DDTree round
+        so).  Returns as :meth:`forward` does."""
+        return self._compute(inputs, cache, return_hidden, embeds,
+                             self._check_capture(capture_layers))
+
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
         """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
         graph can capture it."""

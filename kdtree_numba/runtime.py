@@ -11,7 +11,9 @@ Two kinds of switch:
   kernels compiled with source line info (``KDTREE_CUDA_LINEINFO=1``, for compute-sanitizer
   and Nsight Compute).
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
-  work list (``KDTREE_MOE_WORK_LIST=1``), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
+  (``KDTREE_DEVICE_ROUNDS=1``, kdtree_numba/device_round.py: opt-in until the GPU has run
+  it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``).
 
@@ -59,6 +61,7 @@ class RuntimeConfig:
     lineinfo: bool = False
     cuda_graphs: bool = True
     moe_work_list: bool = False
+    device_rounds: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
 
@@ -79,6 +82,7 @@ class RuntimeConfig:
                    lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
+                   device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env))
 
