@@ -90,7 +90,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from kdtree_numba import demo, plots  # noqa: E402
-from kdtree_numba.budget import AutoBudget  # noqa: E402
 from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_layer_ids,  # noqa: E402
                                  dflash_config, dflash_shapes, random_weights)
 from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
