@@ -377,6 +377,17 @@ def test_peers_are_rows_their_differences_reported_not_fatal(monkeypatch, capsys
     assert rows[0]["speedup"] == pytest.approx(2.0)          # AR: 3 tokens in 0.02 s
     cells = bench_demo.table(rows, "reference")
     assert "0/2 (differs)" in cells and "MISMATCH" not in cells
+    ar[1]["seconds"] = 0.06                 # --peer-prompts 1: compared with AR's first only
+    args = bench_demo.parse_args(["--max-new-tokens", "3", "--peer-prompts", "1"])
+    rows = []
+    stop = bench_demo.Stop(0)
+    try:
+        bench_demo.measure_peers(args, model, prompts, ar, bench_demo.Meters(model.backend),
+                                 stop, {}, rows)
+    finally:
+        stop.close()
+    assert [r["compared"] for r in rows] == [1, 1] and rows[0]["prompts"] == 1
+    assert rows[0]["speedup"] == pytest.approx(2.0)
 
 
 @pytest.mark.slow
@@ -398,3 +409,41 @@ def test_transformers_peers_on_the_cpu(tmp_path, capsys):
         assert r["new_tokens"] == 8 and r["tokens_per_s"] > 0 and r["warmup_seconds"] > 0
         assert r["identical"] == r["compared"] == 2
     assert data["peers"]["dtype"] == "float32" and data["peers"]["device"] == "cpu"
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+def test_gpu_meters_count_a_real_compile_and_read_nvml():
+    """The GPU-only instruments on a real device: a fresh kernel's first launch is counted
+    (and its second is not), NVML answers for the CUDA device, and the round clock keeps one
+    read per step on the numba backend."""
+    from numba import cuda
+
+    @cuda.jit
+    def fill(a, v):
+        i = cuda.grid(1)
+        if i < a.size:
+            a[i] = v
+
+    a = cuda.device_array(64, np.float32)
+    meter = timing.FirstCalls(True)
+    with meter.counting():
+        fill[1, 64](a, 1.0)
+    assert meter.kernels == 1 and meter.seconds > 0
+    with meter.counting():
+        fill[1, 64](a, 2.0)
+    assert meter.kernels == 0
+    import cupy
+    busy = timing.GpuBusy(cupy.cuda.Device().pci_bus_id, interval=0.01)
+    v = busy.read()
+    assert v is not None and 0.0 <= v <= 1.0
+    cfg = size_config("tiny", num_hidden_layers=1)
+    target = Model(cfg, dict(random_weights(cfg, 3)), "numba")
+    clock = timing.RoundClock(target.backend)
+    reads = target.backend.reads
+    with busy.sampling(), clock.timing():
+        res = generate(target, [[1, 2, 3]], 16, progress=clock.progress)
+    assert target.backend.reads - reads == 1 + res.stats.rounds
+    assert clock.last["rounds"] > 0 and 0 <= clock.last["wait"] <= clock.last["rounds"]
+    assert busy.share is None or 0.0 <= busy.share <= 1.0

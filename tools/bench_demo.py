@@ -5,7 +5,7 @@ code, beside the peers a user would try first.
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
         [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--[no-]peers]
-        [--hf-dtype float32] [--json PATH] [--plot PATH.png]
+        [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
 
 Target: ``--model`` (default the shipped demo target, kdtree_numba/demo).  Prompts: the first
 ``--prompts`` lines of ``--prompt-file`` (default all 128 held-out prompts on a GPU, 16 on the
@@ -23,7 +23,9 @@ L nodes), then DDTree at each budget (``auto``: kdtree_numba/budget.py); at T = 
 peers (``--no-peers`` skips them; tools/bench_demo_peers.py): transformers' ``generate()``
 greedy and with ``prompt_lookup_num_tokens=10``, on the target exported by
 tools/bundle_to_hf.py, in ``--hf-dtype`` (default float32, the export's dtype) on the same
-device (cuda when the engine runs on the GPU, else cpu), in this process.  A row is one
+device (cuda when the engine runs on the GPU, else cpu), in this process, on the first
+``--peer-prompts`` prompts (default all; their speedup is over AR's rate on the same
+prompts; they also stop at ``--time-limit``, keeping the prompts done).  A row is one
 method over all prompts: mean tau over all rounds (tokens committed per round: accepted nodes
 + the bonus; AR: 1), tokens/s = all new tokens over all ``generate`` seconds (end to end:
 prefill included, as ``GenerationStats``), speedup = that over AR's at the same temperature,
@@ -150,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "timing it (default: on a GPU)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="time transformers' generate() and its prompt lookup at T = 0 too")
+    p.add_argument("--peer-prompts", type=int, default=0,
+                   help="time the peers on the first N prompts only (0: all); their "
+                        "speedup is over AR on the same prompts")
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the peers' dtype (the export is float32: the bf16 weights exactly)")
     p.add_argument("--json", metavar="PATH", help="write everything measured as JSON")
@@ -157,6 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or (args.prompts is not None and args.prompts < 1):
         p.error("--prompts and --max-new-tokens must be >= 1")
+    if args.peer_prompts < 0:
+        p.error("--peer-prompts must be >= 0")
     if not args.budgets or min((b for b in args.budgets if b != "auto"), default=1) < 1:
         p.error("--budgets: one or more integers >= 1 or auto")
     if not args.temperature or min(args.temperature) < 0:
@@ -238,6 +245,11 @@ class Stop:
 
     def _on_signal(self, signum, frame):
         self.signalled = True
+
+    def expired(self) -> bool:
+        """A signal came, or the time limit has passed."""
+        return self.signalled or bool(self.limit and
+                                      time.perf_counter() - self.t0 > self.limit)
 
     def allows(self, name: str, estimate: float) -> bool:
         spent = time.perf_counter() - self.t0
@@ -538,6 +550,7 @@ def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, run
         print(f"bench_demo: peers not measured: {why}", file=sys.stderr)
         return dict(skipped=why)
     be = model.backend
+    prompts = prompts[:args.peer_prompts or len(prompts)]
     ends = [min(range(len(prompts)), key=lambda i: len(prompts[i]["ids"])),
             max(range(len(prompts)), key=lambda i: len(prompts[i]["ids"]))]
     with tempfile.TemporaryDirectory() as tmp:
@@ -554,6 +567,8 @@ def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, run
             got, timing = peers.time_peer(peer, prompts, args.max_new_tokens, extra,
                                           sorted(set(ends)), meters.busy, stop)
             runs[(name, None, 0.0)] = got
+            if len(got) < len(prompts):
+                stop.skipped.append(f"{name}: prompts after the first {len(got)}")
             row = peer_row(name, got, ar_runs, timing)
             rows.append(row)
             print(f"  {name} T=0: {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x AR), "
@@ -564,7 +579,10 @@ def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, run
 
 
 def peer_row(name, runs, ar_runs, timing) -> dict:
-    """A peer's row: summarise's fields that a peer has (no tau, rounds or split)."""
+    """A peer's row: summarise's fields that a peer has (no tau, rounds or split); its
+    speedup is over AR's rate on the same prompts (``--peer-prompts`` may time fewer)."""
+    keys = {r["key"] for r in runs}
+    ar_runs = [r for r in ar_runs if r["key"] in keys]
     compared, diffs = compare(runs, ar_runs)
     tps, ar_tps = _rate(runs), _rate(ar_runs) if ar_runs else 0.0
     busy = timing.get("gpu_busy")

@@ -98,7 +98,8 @@ def time_peer(peer: HFPeer, prompts, n: int, extra: dict, warm: list[int], busy,
               stop=None) -> tuple[list[dict], dict]:
     """``peer`` over every prompt with ``extra`` generate arguments, after its warm-up on
     the prompts at indices ``warm``; returns one record per prompt (key, id, tokens,
-    seconds, new_tokens; stopping early after a signal) and the timing facts (the warm-up's
+    seconds, new_tokens; stopping early after a signal or past the time limit: ``stop``,
+    bench_demo's Stop) and the timing facts (the warm-up's
     seconds, the GPU's busy share while timed: ``busy``, a bench_demo_timing.GpuBusy)."""
     t0 = time.perf_counter()
     for i in warm:
@@ -110,6 +111,6 @@ def time_peer(peer: HFPeer, prompts, n: int, extra: dict, warm: list[int], busy,
             tokens, seconds = peer.generate(rec["ids"], n, extra)
             out.append(dict(key=rec["key"], id=rec["label"], tokens=tokens, seconds=seconds,
                             new_tokens=len(tokens)))
-            if stop is not None and stop.signalled:
+            if stop is not None and stop.expired():      # a signal or the time limit
                 break
     return out, dict(warmup=warmup, gpu_busy=busy.share, gpu_busy_samples=busy.samples)
