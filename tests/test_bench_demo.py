@@ -106,14 +106,18 @@ def test_warm_up_prefills_first_then_pins_every_auto_candidate(monkeypatch):
         calls.append(("gen", prompts[0][0], b.pinned if isinstance(b, timing.PinnedBudget)
                       else b))
 
-    def fake_prefill(model, drafter, method, ids, bucket):
-        calls.append(("prefill", len(ids), bucket))
+    def fake_prefill(model, drafter, method, ids, cache):
+        calls.append(("prefill", len(ids), cache))
+
+    class State(timing.WarmState):
+        def cache(self, model, bucket):          # no model here: the bucket stands for it
+            return bucket
     monkeypatch.setattr(timing, "generate", fake_generate)
     monkeypatch.setattr(timing, "_prefill_like_generate", fake_prefill)
     drafter = SimpleNamespace(block_len=7, name="d")
     prompts = [{"ids": [7] * 30}, {"ids": [8] * 40}, {"ids": [9] * 30}]
-    seen: set = set()
-    got = timing.warm_up(None, drafter, prompts, "ddtree", "auto", 0.0, 4, 0, seen)
+    state = State()
+    got = timing.warm_up(None, drafter, prompts, "ddtree", "auto", 0.0, 4, 0, state)
     cands = list(AutoBudget().candidates)
     assert calls == [("prefill", 30, 512), ("prefill", 40, 512)] + \
         [("gen", 7, b) for b in cands] + [("gen", 7, "auto")] + \
@@ -121,11 +125,12 @@ def test_warm_up_prefills_first_then_pins_every_auto_candidate(monkeypatch):
     assert got["generate_calls"] == 2 * (len(cands) + 1) and got["prefills"] == 2
     assert got["buckets"] == [512]
     calls.clear()                           # a later row: the same prefills are not redone
-    timing.warm_up(None, drafter, prompts, "ddtree", 4, 0.0, 4, 0, seen)
-    assert calls == [("prefill", 30, 256), ("prefill", 40, 256), ("gen", 7, 4), ("gen", 8, 4)]
+    timing.warm_up(None, drafter, prompts, "ddtree", 4, 0.0, 4, 0, state)
+    assert calls == [("prefill", 30, 256), ("prefill", 40, 256)] + [("gen", 7, 4)] * 2 + \
+        [("gen", 8, 4)] * 2
     calls.clear()
-    timing.warm_up(None, drafter, prompts, "ddtree", 8, 0.0, 4, 0, seen)
-    assert calls == [("gen", 7, 8), ("gen", 8, 8)]
+    timing.warm_up(None, drafter, prompts, "ddtree", 8, 0.0, 4, 0, state)
+    assert calls == [("gen", 7, 8)] * 2 + [("gen", 8, 8)] * 2
 
 
 def test_pinned_budget_runs_its_budget_in_autos_cache(tiny):
@@ -137,14 +142,20 @@ def test_pinned_budget_runs_its_budget_in_autos_cache(tiny):
     assert target.generation_cache.max_len == timing.cache_bucket(3, 6, "ddtree", "auto", 3)
 
 
-def test_prefill_like_generate_leaves_the_cache_generate_reuses(tiny):
+def test_warm_prefills_run_in_a_scratch_cache_the_timed_prompts_never_meet(tiny):
+    """A prefill's CUDA-graph key names its cache's buffers: swept in the generation cache
+    it would make every timed prefill a second call, i.e. a capture."""
     target, drafter = tiny
     target.generation_cache = None
-    timing._prefill_like_generate(target, drafter, "ddtree", [1, 2, 3], 256)
-    cache = target.generation_cache
-    assert cache.max_len == 256 and int(cache.lengths[0]) == 3
+    state = timing.WarmState()
+    scratch = state.cache(target, 256)
+    timing._prefill_like_generate(target, drafter, "ddtree", [1, 2, 3], scratch)
+    assert scratch.max_len == 256 and int(scratch.lengths[0]) == 3
+    assert state.cache(target, 256) is scratch and int(scratch.lengths[0]) == 0   # emptied
     generate(target, [[1, 2, 3]], 2, method="ddtree", drafter=drafter, budget=4)
-    assert target.generation_cache is cache             # reused: its graphs would replay
+    gen = target.generation_cache
+    assert gen.max_len == 256 and gen is not scratch
+    assert gen.buffer_key() != scratch.buffer_key()
 
 
 # ----------------------------------------------------------------------------- the meters
@@ -256,7 +267,7 @@ def test_end_to_end_prompts_without_ids_warm_up_apart(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "MISMATCH" not in out
     assert "| method | budget | T | tau | tokens/s | speedup vs AR" in out
-    assert "warm-up s (untimed) |" in out and "warm-up: " in out and " s untimed" in out
+    assert "warm-up s (untimed) |" in out and "engine warm-up: " in out and " s untimed" in out
     assert "| method | budget | T | wall | wait | host |" in out
     data = json.loads(js.read_text())
     rows = data["rows"]
@@ -288,7 +299,7 @@ def test_end_to_end_auto_row_and_agreement(tmp_path, capsys):
                    "--json", str(js)]
     assert bench_demo.main(argv) == 0
     out = capsys.readouterr().out
-    assert "warm-up: off" in out and "MISMATCH" not in out
+    assert "engine warm-up: off" in out and "MISMATCH" not in out
     data = json.loads(js.read_text())
     auto = data["rows"][-1]
     assert auto["budget"] == "auto" and auto["identical"] == 2
@@ -329,6 +340,18 @@ def test_bad_prompt_file_is_one_line(tmp_path, line, why):
     with pytest.raises(SystemExit) as e:
         bench_demo.read_prompts(str(path), 4, SimpleNamespace(encode=lambda t: [0, 1]))
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compile_line_keeps_first_calls_apart_and_names_what_leaked_into_timing():
+    def row(method, warm, made, inside, caps):
+        return dict(method=method, warmup_seconds=warm, warmup_compile_seconds=made,
+                    timed_compile_seconds=inside, timed_graph_captures=caps)
+    rows = [row("ar", 30.0, 25.0, 0.5, 3), row("ddtree", 2.0, 1.0, 0.0, 0),
+            row("hf generate", 4.0, None, None, None)]
+    text = bench_demo.compile_line(rows)
+    assert text == ("engine warm-up: 32.0 s untimed, of which numba made kernels for 26.0 s; "
+                    "inside the timed rows: 0.50 s of kernel making, 3 graph captures\n"
+                    "peers' warm-up: 4.0 s untimed")
 
 
 class FakePeer:

@@ -51,13 +51,14 @@ which should read 0.
 
 Timing: by default on a GPU (``--warmup`` forces it on the CPU, ``--no-warmup`` skips it),
 before a row is timed its warm-up runs what the row will run for the first time: every
-distinct prompt length prefilled into each KV-cache capacity bucket the row will use, and a
-full ``generate`` on the shortest and the longest prompt of each bucket (``auto``: once per
-candidate budget, pinned, in auto's own cache, then as auto); the peers warm up on the
-shortest and longest prompt.  The warm-up's seconds (and the part numba spent making kernels)
-are a column and a line of their own, never in a row's timing.  ``--time-limit`` (seconds, 0:
-none) skips a configuration that would not fit, judged by the last one's time; SIGTERM and
-SIGINT stop after the current prompt; either way the tables hold what was measured.
+distinct prompt length prefilled into a scratch KV cache of each capacity bucket the row will
+use, and a full ``generate`` (twice) on the shortest and the longest prompt of each bucket
+(``auto``: once per candidate budget, pinned, in auto's own cache, then as auto); the peers
+warm up on the shortest and longest prompt.  The warm-up's seconds (and the part numba spent
+making kernels) are a column and a line of their own, never in a row's timing.
+``--time-limit`` (seconds, 0: none) skips a configuration that would not fit, judged by the
+last one's time; SIGTERM and SIGINT stop after the current prompt; either way the tables hold
+what was measured.
 
 Drafter agreement (last table): the drafter's top-1 agreement with the target's greedy
 continuation per block position, measured offline from the T = 0 AR continuation c_1..c_N of
@@ -101,7 +102,7 @@ from kdtree_numba.model import Model  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
 
 import bench_demo_peers as peers  # noqa: E402
-from bench_demo_timing import FirstCalls, GpuBusy, RoundClock, warm_up  # noqa: E402
+from bench_demo_timing import FirstCalls, GpuBusy, RoundClock, WarmState, warm_up  # noqa: E402
 
 PROMPT_FILE = os.path.join(ROOT, "tools", "data", "heldout_prompts.jsonl")
 TAU_GOAL, TAU_GOAL_BUDGET, CHAIN_GOAL = 5.0, 32, 1.25
@@ -273,7 +274,7 @@ class Meters:
             except Exception:       # no PCI id: the idle share is reported as unknown
                 pci = None
         self.busy = GpuBusy(pci)
-        self.prefilled: set = set()       # the warm-up's prefills so far (bench_demo_timing)
+        self.warm = WarmState()           # what the rows' warm-ups share (bench_demo_timing)
 
 
 def run_config(model, drafter, prompts, method, budget, temperature, args, warmup,
@@ -290,7 +291,7 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
     if warmup:
         with meters.first.counting():
             warm = warm_up(model, drafter, prompts, method, budget, temperature,
-                           args.max_new_tokens, args.seed, meters.prefilled)
+                           args.max_new_tokens, args.seed, meters.warm)
         warm.update(compile_seconds=meters.first.seconds, kernels=meters.first.kernels)
     out = []
     with meters.first.counting(), meters.busy.sampling():
@@ -483,21 +484,29 @@ def round_table(rows: list[dict]) -> str:
 
 
 def compile_line(rows: list[dict]) -> str:
-    """The warm-up's seconds (compiles, captures and its own generation, never in a row's
-    timing) and the first-call work inside the timed rows, in one line."""
-    warm = [r for r in rows if r["warmup_seconds"] is not None]
+    """The warm-ups' seconds (compiles, captures and their own generation, never in a row's
+    timing) and the first-call work inside the timed rows, the engine's and the peers'
+    apart."""
+    engine = [r for r in rows if r["method"] not in PEER_METHODS]
+    peer = [r for r in rows if r["method"] in PEER_METHODS]
+    warm = [r for r in engine if r["warmup_seconds"] is not None]
     if not warm:
-        return "warm-up: off (the rows' times include first calls: compiles, graph captures)"
-    made = [r["warmup_compile_seconds"] for r in warm if r["warmup_compile_seconds"] is not None]
-    inside = [r["timed_compile_seconds"] for r in rows
-              if r["timed_compile_seconds"] is not None]
-    caps = [r["timed_graph_captures"] for r in rows if r["timed_graph_captures"] is not None]
-    text = f"warm-up: {sum(r['warmup_seconds'] for r in warm):.1f} s untimed"
-    if made:
-        text += f", of which numba made kernels for {sum(made):.1f} s"
-    text += "; inside the timed rows: "
-    text += f"{sum(inside):.2f} s of kernel making" if inside else "kernel making not counted"
-    text += f", {sum(caps)} graph captures" if caps else ", no CUDA graphs"
+        text = "engine warm-up: off (its rows' times include first calls: compiles, captures)"
+    else:
+        text = f"engine warm-up: {sum(r['warmup_seconds'] for r in warm):.1f} s untimed"
+        made = [r["warmup_compile_seconds"] for r in warm
+                if r["warmup_compile_seconds"] is not None]
+        if made:
+            text += f", of which numba made kernels for {sum(made):.1f} s"
+        inside = [r["timed_compile_seconds"] for r in engine
+                  if r["timed_compile_seconds"] is not None]
+        caps = [r["timed_graph_captures"] for r in engine
+                if r["timed_graph_captures"] is not None]
+        text += "; inside the timed rows: " + (
+            f"{sum(inside):.2f} s of kernel making" if inside else "kernel making not counted")
+        text += f", {sum(caps)} graph captures" if caps else ", no CUDA graphs"
+    if peer:
+        text += f"\npeers' warm-up: {sum(r['warmup_seconds'] for r in peer):.1f} s untimed"
     return text
 
 

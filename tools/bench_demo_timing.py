@@ -10,13 +10,20 @@ multiple of ``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, t
 count, the verify width and the drafter's depth (:func:`cache_bucket`).  So per
 configuration (method, budget, temperature) the warm-up
 
-1. prefills every distinct prompt length of the timed prompts once into the cache of each
-   capacity bucket that configuration will use (the prefill ``generate`` makes: with the
-   drafter's feature layers, or the hidden state a block drafter needs);
-2. runs ``generate`` in full on the shortest and the longest timed prompt of each bucket
-   (its rounds repeat their shapes, so the second round captures what the first compiled);
-   for ``auto`` once per candidate budget, pinned, in auto's own (widest) cache, then once
-   as auto itself.
+1. prefills every distinct prompt length of the timed prompts once into a scratch cache of
+   each capacity bucket that configuration will use (the prefill ``generate`` makes: with
+   the drafter's feature layers, or the hidden state a block drafter needs; once per run,
+   :class:`WarmState` says why a scratch cache);
+2. then runs ``generate`` in full on the shortest and the longest timed prompt of each
+   bucket, twice (its rounds repeat their shapes, so the second round captures what the
+   first compiled; the second call captures the prompt's prefill); for ``auto`` once per
+   candidate budget, pinned, in auto's own (widest) cache, then once as auto itself.
+
+The prefills of the other prompts still run eagerly when timed (a prefill shape is captured
+on its second call, so a length the timed prompts repeat is captured then: the engine's
+behaviour for any caller), and the model keeps at most ``MAX_GRAPHS`` graphs
+(kdtree_numba/graphs.py, least recently used dropped): a row with more shapes than that, or
+whose prefill captures push its rounds' graphs out, recaptures them while timed.
 
 Whatever still ran for the first time inside a timed row is counted there, not hidden:
 :class:`FirstCalls` adds up the seconds numba spent making new kernels (compiles and
@@ -54,7 +61,7 @@ from kdtree_numba.budget import AutoBudget
 from kdtree_numba.engine import generate
 from kdtree_numba.model import CACHE_BUCKET
 
-__all__ = ["cache_bucket", "warm_plan", "warm_up", "PinnedBudget", "RoundClock",
+__all__ = ["cache_bucket", "warm_plan", "warm_up", "WarmState", "PinnedBudget", "RoundClock",
            "FirstCalls", "GpuBusy"]
 
 
@@ -100,10 +107,30 @@ class PinnedBudget(AutoBudget):
         return self.pinned
 
 
-def _prefill_like_generate(model, drafter, method: str, ids, bucket: int) -> None:
-    """The prefill ``generate`` makes for ``ids`` in a cache of capacity ``bucket``: the
-    model's generation cache (the one generate reuses), with what the drafter needs."""
-    cache = model.cache_for_generation(1, bucket)
+class WarmState:
+    """What the warm-ups of one run share: the (bucket, length, kind) prefills done, and one
+    scratch KV cache per bucket that they run in, kept for the whole run.  Not the model's
+    generation cache: a CUDA graph is captured on a key's second call and a prefill's key
+    names the cache's buffers, so a prefill swept in the generation cache would make every
+    timed prompt's prefill a capture; a scratch cache compiles the same kernels (the split
+    plan follows the capacity) under keys the timed prompts never meet (kept alive, so its
+    buffers' addresses are not handed to another cache)."""
+
+    def __init__(self):
+        self.prefilled: set = set()
+        self.caches: dict = {}
+
+    def cache(self, model, bucket: int):
+        if bucket not in self.caches:
+            self.caches[bucket] = model.new_cache(1, bucket)
+        cache = self.caches[bucket]
+        cache.truncate(np.zeros(1, np.int64))
+        return cache
+
+
+def _prefill_like_generate(model, drafter, method: str, ids, cache) -> None:
+    """The prefill ``generate`` makes for ``ids``, with what the drafter needs, in
+    ``cache``."""
     speculative = method != "ar"
     model.prefill(cache, [np.asarray(ids, np.int64)],
                   return_hidden=speculative and bool(getattr(drafter, "needs_target_hidden",
@@ -114,10 +141,10 @@ def _prefill_like_generate(model, drafter, method: str, ids, bucket: int) -> Non
 
 
 def warm_up(model, drafter, prompts, method: str, budget, temperature: float, max_new: int,
-            seed: int, prefilled: set | None = None) -> dict:
+            seed: int, state: WarmState | None = None) -> dict:
     """Run what the timed row will run for the first time (module docstring): first the
-    prefills (``prefilled``: the (bucket, length, kind) already done by an earlier row, kept
-    across rows), then the generate calls, so the rounds' CUDA graphs are the most recently
+    prefills (``state``: shared by the run's rows, so a later row skips what an earlier one
+    prefilled), then the generate calls, so the rounds' CUDA graphs are the most recently
     used when timing starts.  Returns its wall seconds, the generate calls and prefills it
     made, and the buckets it covered."""
     block_len = drafter.block_len if drafter is not None else 1
@@ -125,22 +152,24 @@ def warm_up(model, drafter, prompts, method: str, budget, temperature: float, ma
     plan = warm_plan(lengths, max_new, method, budget, block_len)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
               budget=budget or 32, temperature=temperature, seed=seed)
-    prefilled = set() if prefilled is None else prefilled
+    state = WarmState() if state is None else state
     kind = (method != "ar", getattr(drafter, "name", None))
     t0, calls, prefills = time.perf_counter(), 0, 0
     for bucket, (lens, _) in plan.items():
         for n in lens:
-            if (bucket, n, kind) in prefilled:
+            if (bucket, n, kind) in state.prefilled:
                 continue
             ids = next(r["ids"] for r in prompts if len(r["ids"]) == n)
-            _prefill_like_generate(model, drafter, method, ids, bucket)
-            prefilled.add((bucket, n, kind))
+            _prefill_like_generate(model, drafter, method, ids, state.cache(model, bucket))
+            state.prefilled.add((bucket, n, kind))
             prefills += 1
     for bucket, (_, ends) in plan.items():
         for i in ends:
-            pinned = [PinnedBudget(b) for b in AutoBudget().candidates] \
-                if budget == "auto" else []
-            for b in pinned + [kw["budget"]]:
+            # auto: each candidate pinned, then auto; the rest twice, so the prompt's own
+            # prefill (a key of the generation cache) is captured here, not when timed
+            runs = [PinnedBudget(b) for b in AutoBudget().candidates] + ["auto"] \
+                if budget == "auto" else [kw["budget"]] * 2
+            for b in runs:
                 generate(model, [prompts[i]["ids"]], max_new, **dict(kw, budget=b))
                 calls += 1
     return dict(seconds=time.perf_counter() - t0, generate_calls=calls, prefills=prefills,
