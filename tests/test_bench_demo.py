@@ -36,16 +36,6 @@ import bench_demo  # noqa: E402
 import bench_demo_peers  # noqa: E402
 import bench_demo_timing as timing  # noqa: E402
 
-needs_matplotlib = pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("matplotlib"),
-    reason="matplotlib (the plot extra; CI's test extra has it)")
-
-
-@pytest.fixture(autouse=True)
-def no_debug_env(monkeypatch):
-    monkeypatch.delenv("KDTREE_DEBUG", raising=False)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg = size_config("tiny", num_hidden_layers=1)
@@ -258,8 +248,8 @@ TINY = ["--prompts", "2", "--max-new-tokens", "4", "--drafter", "oracle:0.9", "-
         "reference", "--temperature", "0", "--no-peers"]
 
 
-@needs_matplotlib
 def test_end_to_end_prompts_without_ids_warm_up_apart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")          # --plot (the plot extra; CI's test extra)
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     argv = TINY + ["--budgets", "4", "--warmup", "--prompt-file", text_prompts(tmp_path),
                    "--json", str(js), "--plot", str(png)]

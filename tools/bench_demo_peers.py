@@ -34,7 +34,7 @@ def available() -> str | None:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        return f"transformers/torch not importable ({e.name}): pip install -e '.[hf]'"
+        return f"transformers/torch not importable ({e.name}): pip install -e '.[train]'"
     return None
 
 
