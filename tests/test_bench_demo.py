@@ -403,6 +403,24 @@ def test_peers_are_rows_their_differences_reported_not_fatal(monkeypatch, capsys
     assert rows[0]["speedup"] == pytest.approx(2.0)
 
 
+def test_a_peer_that_cannot_run_loses_no_engine_row(monkeypatch, capsys, tmp_path):
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: out of memory\nmore")
+    monkeypatch.setattr(bench_demo_peers, "available", lambda: None)
+    monkeypatch.setattr(bench_demo_peers, "export_target", broken)
+    js = tmp_path / "b.json"
+    argv = ["--prompts", "1", "--max-new-tokens", "2", "--budgets", "4", "--drafter",
+            "oracle:1", "--backend", "reference", "--temperature", "0", "--no-warmup",
+            "--agreement-stride", "0", "--prompt-file", text_prompts(tmp_path, ["x = 2\n"]),
+            "--json", str(js)]
+    assert bench_demo.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "bench_demo: peers failed: RuntimeError: CUDA error: out of memory\n" in err
+    data = json.loads(js.read_text())
+    assert [r["method"] for r in data["rows"]] == ["ar", "chain", "ddtree"]
+    assert data["peers"] == {"failed": "RuntimeError: CUDA error: out of memory"}
+
+
 @pytest.mark.slow
 def test_transformers_peers_on_the_cpu(tmp_path, capsys):
     """The real peers: the demo target exported by tools/bundle_to_hf.py, transformers'

@@ -553,18 +553,29 @@ def main(argv=None) -> int:
 def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, runs: dict,
                   rows: list) -> dict:
     """transformers' generate() and its prompt lookup on the exported target, at T = 0 beside
-    the engine's rows (tools/bench_demo_peers.py); returns what they ran with."""
+    the engine's rows (tools/bench_demo_peers.py); returns what they ran with.  A peer that
+    cannot run is one stderr line and ``failed`` in the JSON: the engine's rows, measured
+    already, are still printed and written."""
     why = peers.available()
     if why is not None:
         print(f"bench_demo: peers not measured: {why}", file=sys.stderr)
         return dict(skipped=why)
-    be = model.backend
     prompts = prompts[:args.peer_prompts or len(prompts)]
+    info: dict = {}
+    try:
+        _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info)
+    except Exception as e:       # transformers' failure must not lose the engine's rows
+        info["failed"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"bench_demo: peers failed: {info['failed']}", file=sys.stderr)
+    return info
+
+
+def _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info) -> None:
     ends = [min(range(len(prompts)), key=lambda i: len(prompts[i]["ids"])),
             max(range(len(prompts)), key=lambda i: len(prompts[i]["ids"]))]
     with tempfile.TemporaryDirectory() as tmp:
-        info = dict(export=peers.export_target(args.model, tmp))
-        peer = peers.HFPeer(tmp, args.hf_dtype, peers.peer_device(be.on_gpu))
+        info["export"] = peers.export_target(args.model, tmp)
+        peer = peers.HFPeer(tmp, args.hf_dtype, peers.peer_device(model.backend.on_gpu))
     info.update(peer.info)
     print(f"bench_demo: peers: {info['export']}; transformers {info['transformers']}, "
           f"{info['dtype']} on {info['device']}, attention {info['attention']}",
@@ -584,7 +595,6 @@ def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, run
                   f"identical {row['identical']}/{row['compared']}", file=sys.stderr)
     finally:
         peer.close()
-    return info
 
 
 def peer_row(name, runs, ar_runs, timing) -> dict:
