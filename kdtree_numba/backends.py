@@ -247,9 +247,10 @@ def _reference_ops() -> SimpleNamespace:
     ops.update({name: getattr(reference_ddtree, name) for name in DDTREE_OPS})
 
     def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
-                      prefill=False, causal=False):
-        """``reference.attention.mla_attention``; ``max_keys`` and ``prefill`` (the numba
-        twin's split-plan hints) do not change the result, so they are ignored."""
+                      prefill=False, causal=False, plans=None):
+        """``reference.attention.mla_attention``; ``max_keys``, ``prefill`` and ``plans``
+        (the numba twin's split-plan hints and plan cache) do not change the result, so they
+        are ignored."""
         return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible,
                                                  tau, causal=causal)
     ops["mla_attention"] = mla_attention

@@ -154,7 +154,9 @@ class DeviceRounds:
             self.drafter_cache.expect_device_growth(self.drafter_floor,
                                                     self.drafter_cache.lengths + grow)
         mask = active.astype(np.int32)
-        packed = self.model.device_step(self._key(), self._round, (mask,))
+        packed = self.model.device_step(self._key(), self._round, (mask,),
+                                        before_capture=getattr(self.drafter,
+                                                               "prepare_capture", None))
         self.in_flight.append((self.be.read_later(packed), active.copy()))
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:

@@ -182,6 +182,11 @@ class DFlashDrafter:
                                    (features, cache.device_lengths))
         return m
 
+    def prepare_capture(self) -> None:
+        """Before a CUDA graph captures a device round that runs this drafter: its model's
+        attention plans are made inside the capture, so their scratch is recorded with it."""
+        self.model.fresh_attention_plans()
+
     def on_commit(self, commit: Commit) -> None:
         """Extend the context by the commit's features: by its host counts where the engine
         has read them, else (a device round) by its device counts, on the device."""

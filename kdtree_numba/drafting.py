@@ -23,6 +23,12 @@ graph cannot read at all.  The one host value a commit carries is ``counts_host`
 the engine has already read with the round's committed tokens, for a drafter's own host
 bookkeeping (its cache's capacity).
 
+A drafter may declare ``device_only = True`` when its ``propose`` and ``on_commit`` read no
+host value (it accepts a commit whose ``counts_host`` is None): the engine may then run whole
+rounds as device programs captured in one CUDA graph (kdtree_numba/device_round.py); its
+optional ``prepare_capture()`` runs before such a capture (state that must be recorded with
+the graph, such as its model's attention plans, is made inside it).
+
 Adding a drafter (docs/ARCHITECTURE.md, "Adding a drafter"): a class with ``name``,
 ``vocab_size``, ``block_len``, ``needs`` and the three calls; ``engine.generate`` takes it as
 it is (tests/test_drafting.py adds one without touching the engine).

@@ -166,11 +166,12 @@ class KVCache:
         self.layout.write(self.k_pe[layer], slots, k_pe_new)
 
     def attend(self, ops, layer: int, q_abs, q_pe, slots: WriteSlots, visible, tau, *,
-               prefill: bool = False, causal: bool = False):
+               prefill: bool = False, causal: bool = False, plans=None):
         """``mla_attention`` of one layer over this cache (the layout's: KVLayout.attend) for
-        the n new tokens of :meth:`write_slots` ``slots``, already written."""
+        the n new tokens of :meth:`write_slots` ``slots``, already written; ``plans``: the
+        caller's attention plans (a model's PlanCache)."""
         return self.layout.attend(ops, self.c[layer], self.k_pe[layer], q_abs, q_pe, slots,
-                                  visible, tau, prefill=prefill, causal=causal)
+                                  visible, tau, prefill=prefill, causal=causal, plans=plans)
 
     def advance(self, counts, *, device: bool | None = None, upper=None) -> None:
         """Commit ``counts[b]`` newly written tokens per request.

@@ -82,7 +82,7 @@ class KVLayout:
         raise NotImplementedError
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
-               causal=False):
+               causal=False, plans=None):
         """``mla_attention`` (contract: reference/attention/mla.py) over one layer's arrays."""
         raise NotImplementedError
 
@@ -119,11 +119,12 @@ class DenseLayout(KVLayout):
         array[slots.batch, slots.rows] = values
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
-               causal=False):
+               causal=False, plans=None):
         # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths
         # array would give, so the numbers do not change
         return ops.mla_attention(q_abs, q_pe, ckv, kpe, slots.prefix, visible, tau,
-                                 max_keys=slots.max_keys, prefill=prefill, causal=causal)
+                                 max_keys=slots.max_keys, prefill=prefill, causal=causal,
+                                 plans=plans)
 
     def compact(self, ops, arrays, lengths, acc_idx, acc_len) -> None:
         # int64 past lengths: the compaction kernel's specialisation the engine has always
@@ -186,7 +187,7 @@ class PagedLayout(KVLayout):
         array[t.kv_indices[t.kv_indptr[slots.batch] + slots.rows // P], slots.rows % P] = values
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
-               causal=False):
+               causal=False, plans=None):
         t = slots.table
         return ops.paged_mla_attention(q_abs, q_pe, ckv, kpe, t.kv_indptr, t.kv_indices,
                                        t.kv_last_page_len, slots.prefix, visible, tau,

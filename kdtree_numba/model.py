@@ -110,12 +110,6 @@ class LayerWeights:
     shared_down: Any = None
 
 
-def _rebuild_attention_plans() -> None:
-    """Before each CUDA-graph capture: attention's cached split plans hold scratch between
-    calls, so they are dropped and rebuilt inside the capture, which records their scratch
-    with the graph (kdtree_numba/graphs.py)."""
-    numba_attention.clear_plan_cache()
-
 
 # ----------------------------------------------------------------------------- the model
 
@@ -145,6 +139,8 @@ class Model(DeviceSteps):
         self.backend: Backend = make_backend(backend)
         make_layout(self.kv_layout, 1, 1).check_backend(self.backend)   # refused before loading
         self.rope = _rope_spec(config)
+        # attention's plans (split counts, kernels, scratch) by shape: the model's own
+        self.attention_plans = numba_attention.PlanCache()
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights, shared or {})
         # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
@@ -258,7 +254,14 @@ class Model(DeviceSteps):
     def new_graphs(self) -> GraphCache:
         """An empty CUDA-graph cache for this model's forwards and steps (GPU numba backend
         only); ``model.graphs = model.new_graphs()`` starts counting afresh."""
-        return GraphCache(self.backend, before_capture=_rebuild_attention_plans)
+        return GraphCache(self.backend, before_capture=self.fresh_attention_plans)
+
+    def fresh_attention_plans(self) -> None:
+        """Before each CUDA-graph capture: attention plans hold scratch between calls, so the
+        capture starts a new plan cache, whose plans are made inside it and their scratch
+        recorded with the graph (kdtree_numba/graphs.py); a plan made outside could be
+        dropped, its scratch reused, while the graph still writes it."""
+        self.attention_plans = numba_attention.PlanCache()
 
     def graph_counts(self) -> tuple[int, int] | None:
         """(captures, replays) of the model's CUDA graphs so far; None where graphs are off."""
@@ -503,7 +506,7 @@ class Model(DeviceSteps):
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         u = cache.attend(ops, layer, q_abs, q_pe.reshape(bs, n, H, dr), slots, visible,
-                         self.tau, prefill=prefill, causal=causal)
+                         self.tau, prefill=prefill, causal=causal, plans=self.attention_plans)
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 

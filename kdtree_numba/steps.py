@@ -122,17 +122,20 @@ class DeviceSteps:
     """The device steps of decoding (module docstring), mixed into ``Model``: they use the
     model's ``backend``, ``graphs`` (a GraphCache, or None: eager) and ``vocab_size``."""
 
-    def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False):
+    def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False,
+                    before_capture=None):
         """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when
         it has them (GraphCache.call: captured on the key's second call), else run eagerly on
         device copies of ``inputs`` (host or device arrays).  ``key`` (its first entry names
         the kind of step) must name everything ``fn`` depends on besides the inputs, whose
         shapes and dtypes are added to it here.  ``borrow``: a replay's outputs are the
-        graph's own buffers, valid until the key's next call (GraphCache.call)."""
+        graph's own buffers, valid until the key's next call (GraphCache.call);
+        ``before_capture``: the key's own capture hook (GraphCache.call)."""
         be = self.backend
         if self.graphs is not None:
             specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
-            out = self.graphs.call(key + specs, fn, inputs, specs, borrow=borrow)
+            out = self.graphs.call(key + specs, fn, inputs, specs, borrow=borrow,
+                                   before_capture=before_capture)
             if out is not None:
                 return out
         return fn(*(be.asarray(a) for a in inputs))

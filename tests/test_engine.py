@@ -729,3 +729,22 @@ def test_numba_sampled_round_reads_the_device_once_in_simulator(needs_kernels):
                     seed=1).tokens
     assert dd.tokens == want and dd.stats.rounds == 1
     assert reads == 2 and syncs == 1
+
+
+def test_a_model_owns_its_attention_plans_and_starts_fresh_ones_before_a_capture():
+    """Plans (split counts, kernels, scratch) belong to the model that made them (no global
+    cache to clear): the model's forwards fill its own PlanCache, a capture's hook gives it
+    a new one, and the cache drops its least recently used plan past its capacity."""
+    from kdtree_numba.attention import PlanCache
+    model = tiny_model(0)
+    first = model.attention_plans
+    assert isinstance(first, PlanCache)
+    model.fresh_attention_plans()
+    assert model.attention_plans is not first and len(model.attention_plans) == 0
+    plans = PlanCache(capacity=2)
+    made = [plans.plan((1, n, 1, 8, 4, 16), 16, None, "pipe16x2", False, False, None, False)
+            for n in (1, 2, 3)] if compat.kernels_runnable() else []
+    if made:
+        assert len(plans) == 2
+        assert plans.plan((1, 3, 1, 8, 4, 16), 16, None, "pipe16x2", False, False, None,
+                          False) is made[2]

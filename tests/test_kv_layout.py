@@ -177,7 +177,7 @@ def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got():
     assert args[2].shape == (2, 8, 4) and np.shares_memory(args[2], cache.c[1])
     assert args[3].shape == (2, 8, 2) and np.shares_memory(args[3], cache.k_pe[1])
     assert args[4] is cache.device_lengths and args[4].dtype == np.int32
-    assert hints == dict(max_keys=5, prefill=False, causal=True)
+    assert hints == dict(max_keys=5, prefill=False, causal=True, plans=None)
     cache.compact_tree(ops, "acc_idx", "acc_len")
     arrays, past, *rest = calls["compaction"]
     assert arrays[0] is cache.c and arrays[1] is cache.k_pe and rest == ["acc_idx", "acc_len"]

@@ -19,8 +19,8 @@ mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``; GPU only)
 bf16.py         the block kernel of a bf16 latent cache (``ckv``, ``kpe`` as uint16 bits) on
                 bf16 tensor cores; ``Bf16TileConfig`` (plan.py) shapes it
 mla.py          ``mla_attention``: ``MlaAttentionPlan`` (plan -> block kernel -> merge), the
-                merge kernel, launch plumbing and the per-shape plan cache
-                (``clear_plan_cache``)
+                merge kernel, launch plumbing and ``PlanCache``, the plans of one owner (a
+                model) by problem shape
 projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 tensor cores
                 given ``bf16_head_weights``)
 ==============  ==============================================================================
@@ -33,7 +33,7 @@ package).  This package re-exports the public API that ``kdtree_numba.attention`
 from kdtree_numba.compat import to_device  # noqa: F401  (tests and tools stage inputs with it)
 
 from kdtree_numba.attention.mla import (MERGE_THREADS, MlaAttentionPlan,  # noqa: F401
-                                        clear_plan_cache, mla_attention)
+                                        PlanCache, clear_plan_cache, mla_attention)
 # build_kernel: the tensor-core kernel's builder, under its name in the old attention_mma module
 from kdtree_numba.attention.mma import build_kernel
 from kdtree_numba.attention.plan import (BLOCK_OVERHEAD_KEYS, DEFAULT_VARIANT,  # noqa: F401
@@ -50,7 +50,7 @@ from kdtree_numba.attention.tiles import (MAX_SHARED_BYTES, NEG_INF, ONE,  # noq
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
-           "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache",
+           "FALLBACK_VARIANT", "FFMA_VARIANTS", "PlanCache", "clear_plan_cache",
            "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
            "Bf16TileConfig", "bf16_fits", "BF16_VARIANT",
            "Bf16HeadWeights", "bf16_head_weights"]
