@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from formats.int4_group import Int4GroupWeight
 from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.bundle import open_bundle
@@ -140,6 +141,15 @@ class Model(DeviceSteps):
         cfg, weight = self.config, self.backend.weight
 
         def w(name):     # host arrays, or on the GPU device ones (Backend.weight)
+            # --- INT4-GROUP EXPERTS (issue 39), a stopgap until the Weight/format registry:
+            # the reference ops take an Int4GroupWeight as it is (reference/layers/common.py
+            # dequantises one expert at a time, float64); no numba kernel reads it yet.
+            if isinstance(weights[name], Int4GroupWeight):
+                if self.backend.name != "reference":
+                    raise ValueError(f"{name} is int4-group: only the reference backend runs "
+                                     f"int4 experts so far (the GPU kernels are a later step)")
+                return weights[name]
+            # --- end INT4-GROUP
             return weight(weights[name])
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
