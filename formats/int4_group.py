@@ -40,8 +40,9 @@ import numpy as np
 from .dtypes import pack_int4, unpack_int4
 
 __all__ = ["FORMAT", "ATTR_FORMAT", "ATTR_GROUP_SIZE", "PACKED", "SCALE", "MAX_GROUP_SIZE",
-           "Int4GroupWeight", "WeightFormatError", "check_layout", "packed_from_offset8_words",
-           "is_weight_group", "StoredLayout", "stored_layout", "read_weight", "write_weight", "describe", "dequantized_blocks"]
+           "Int4GroupWeight", "WeightFormatError", "check_group_size", "check_layout",
+           "packed_from_offset8_words", "is_weight_group", "StoredLayout", "stored_layout",
+           "read_weight", "write_weight", "describe", "dequantized_blocks"]
 
 FORMAT = "int4-group"
 ATTR_FORMAT = "weight.format"
@@ -62,7 +63,9 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _group_size(group_size, where: str) -> int:
+def check_group_size(group_size, where: str = "weight") -> int:
+    """``group_size`` as an int, or :class:`WeightFormatError`: an even integer in
+    [2, MAX_GROUP_SIZE] (not a bool, not a float)."""
     if not _is_int(group_size):
         raise WeightFormatError(f"{where}: group_size {group_size!r} is not an integer")
     g = int(group_size)
@@ -76,7 +79,7 @@ def check_layout(shape, scale_shape, group_size, where: str = "weight") -> int:
     """Validate an int4-group layout: logical ``shape`` ``[..., n]``, ``scale_shape``
     ``[..., n / g]``, ``group_size`` g.  Returns g as an int; a problem raises
     :class:`WeightFormatError` naming ``where`` and the field at fault."""
-    g = _group_size(group_size, where)
+    g = check_group_size(group_size, where)
     shape, scale_shape = tuple(int(d) for d in shape), tuple(int(d) for d in scale_shape)
     if not shape:
         raise WeightFormatError(f"{where}: a 0-d weight has no input dimension to group")
@@ -164,7 +167,7 @@ class Int4GroupWeight:
         bf16(absmax / 7)``, ``q = clip(rint(w / s), -8, 7)`` (an all-zero group: s = 0, q = 0).
         For tests and random bundles; real checkpoints come quantised (kdtr-import-hf)."""
         w = np.asarray(w, np.float64)
-        g = _group_size(group_size, "weight")
+        g = check_group_size(group_size, "weight")
         check_layout(w.shape, w.shape[:-1] + (w.shape[-1] // g,), g)
         groups = w.reshape(w.shape[:-1] + (w.shape[-1] // g, g))
         scale = (np.abs(groups).max(axis=-1) / 7.0).astype(SCALE_DTYPE)
