@@ -48,7 +48,8 @@ from formats.int4_group import (Int4GroupWeight, WeightFormatError, is_weight_gr
 from formats.paths import output_directory
 from kdtree_numba.config import ModelConfig, weight_shapes
 
-__all__ = ["BundleError", "read_bundle", "QUANTIZABLE", "open_bundle", "BundleWeights", "write_bundle",
+__all__ = ["BundleError", "read_bundle", "QUANTIZABLE", "open_bundle", "BundleWeights",
+           "write_bundle",
            "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "init_spec", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",

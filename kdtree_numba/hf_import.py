@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from formats.console import UsageError, add_debug_flag, run_console
+from formats.int4_group import Int4GroupWeight
 from formats.progress import ProgressBar
 from formats.safetensors_io import SafetensorsFile
 from kdtree_numba.bundle import BundleError, BundleTokenizer, check_output_path, write_bundle
@@ -273,10 +274,13 @@ def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
 
 
 def hf_state_dict(cfg: ModelConfig, weights) -> dict[str, np.ndarray]:
-    """Bundle weights -> the state dict ``save_pretrained`` writes (per-expert names)."""
+    """Bundle weights -> the state dict ``save_pretrained`` writes (per-expert names);
+    int4-group experts are dequantised (exactly, float32)."""
     out = {}
     for name in weight_shapes(cfg):
-        arr = np.asarray(weights[name])
+        arr = weights[name]
+        # int4-group experts leave as their exact values (float32 holds q * scale exactly)
+        arr = arr.dequantize(np.float32) if isinstance(arr, Int4GroupWeight) else np.asarray(arr)
         if name.endswith("mlp/experts/gate_up_proj") or name.endswith("mlp/experts/down_proj"):
             prefix = name.rsplit("/", 1)[0].replace("/", ".")
             Im = cfg.moe_intermediate_size

@@ -158,6 +158,21 @@ def test_damaged_packed_bytes_fail_the_checksum(tmp_path):
         read_weight(f["w"], verify=True)
 
 
+def test_hdf5_round_trip_keeps_the_weight(tmp_path):
+    rng = np.random.default_rng(7)
+    _, _, w = _weight(rng, (2, 4, 64), 32)
+    src, h5, back = tmp_path / "w.kdtr", tmp_path / "w.h5", tmp_path / "back.kdtr"
+    with kdtr.File(src, "w") as f:
+        write_weight(f, "w", w)
+    assert dump_main(["convert", str(src), str(h5)]) == 0
+    assert dump_main(["convert", str(h5), str(back)]) == 0
+    with kdtr.File(back) as f:
+        r = read_weight(f["w"])
+    np.testing.assert_array_equal(r.packed, w.packed)
+    np.testing.assert_array_equal(r.scale, w.scale)
+    assert r.group_size == 32
+
+
 def _write_group(path, attrs, members):
     with kdtr.File(path, "w") as f:
         g = f.create_group("w")
@@ -222,6 +237,15 @@ def test_int4_bundle_gives_the_dequantised_models_logits(tmp_path):
         b = Model.load(tmp_path / "d.kdtr", "reference").score(seq)
         np.testing.assert_array_equal(a, b)
         assert np.abs(a).max() > 1.0
+
+
+def test_hf_export_of_an_int4_bundle_holds_the_exact_values(tmp_path):
+    from kdtree_numba.hf_import import hf_state_dict
+    cfg, quant, exact = _int4_model()
+    got, want = hf_state_dict(cfg, quant), hf_state_dict(cfg, exact)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], np.asarray(want[k]), err_msg=k)
 
 
 def test_reference_moe_ffn_dequantises_int4_experts():

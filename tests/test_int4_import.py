@@ -234,9 +234,9 @@ def test_import_keeps_int4_and_matches_compressed_tensors_decompression(tmp_dir)
 @pytestmark_real
 def test_transformers_loads_the_checkpoint_and_agrees(tmp_dir):
     """transformers 5.24 loads a pack-quantized DeepseekV3 on the CPU, dequantising with
-    compressed-tensors in the checkpoint's bf16 (so its expert weights are q * scale rounded
-    to bf16, and held in bf16).  Our model on exactly those bf16 weights matches it to float32 accuracy; our
-    int4 model (exact q * scale) differs by that rounding only."""
+    compressed-tensors in the checkpoint's bf16 (its expert weights are q * scale rounded to
+    bf16, and held in bf16).  Our model on exactly those bf16 weights matches it to float32
+    accuracy; our int4 model (exact q * scale) differs by that rounding only."""
     cfg, out, hf_dir = fixture(tmp_dir)
     transformers.utils.logging.set_verbosity_error()
     with warnings.catch_warnings():
