@@ -350,6 +350,9 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str],
         kind = e.kind if e.target is None else f"{e.kind} -> {escape(e.target)}"
         row = [escape(e.path), kind, escape(e.dtype or ""), fmt_shape(e.shape),
                "" if e.nbytes is None else str(e.nbytes), str(e.attr_count)]
+        wf = (formats or {}).get(e.path, {})
+        if "format" in wf:   # a stored weight reads like the tensor it stands for
+            row[2:5] = [wf["format"], fmt_shape(wf["shape"]), str(wf["nbytes"])]
         if args.offsets:
             row.append("" if e.offset is None else str(e.offset))
         if stats:
