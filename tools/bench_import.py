@@ -1,7 +1,7 @@
 """Peak host memory of ``kdtr-import-hf`` against the largest tensor it writes.
 
-    python3 tools/bench_import.py [--size medium] [--experts 64] [--dtype auto]
-                                  [--int4-group G] [--json PATH]
+    python3 tools/bench_import.py [--size medium] [--experts 64] [--moe-intermediate IM]
+                                  [--dtype auto] [--int4-group G] [--json PATH]
 
 The issue's memory contract: the importer streams tensor by tensor (a Kimi-K2 checkpoint is
 about a terabyte), so its peak host memory stays near the largest tensor.  This script writes a
@@ -123,13 +123,17 @@ def main() -> int:
     parser.add_argument("--size", default="medium", help="kdtree_numba.bundle size")
     parser.add_argument("--experts", type=int, default=64, help="routed experts per layer")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--moe-intermediate", type=int, default=0, metavar="IM",
+                        help="each routed expert's intermediate size (0: the size's own)")
     parser.add_argument("--int4-group", type=int, default=0, metavar="G",
                         help="routed experts as a compressed-tensors pack-quantized "
                         "checkpoint with group size G (0: float32 checkpoint)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
 
-    cfg = size_config(args.size, n_routed_experts=args.experts)
+    cfg = size_config(args.size, n_routed_experts=args.experts,
+                      **({"moe_intermediate_size": args.moe_intermediate}
+                         if args.moe_intermediate else {}))
     with tempfile.TemporaryDirectory(prefix="bench_import_") as tmp:
         hf_dir, out = os.path.join(tmp, "hf"), os.path.join(tmp, "bundle.kdtr")
         t0 = time.perf_counter()
