@@ -60,11 +60,10 @@ def read_scheme(qc: Any) -> PackQuantScheme | None:
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise _bad("config_groups", groups, "must be a non-empty object of schemes")
-    for key in ("ignore",):
-        value = qc.get(key)
-        if value is not None and not (isinstance(value, list) and
-                                      all(isinstance(v, str) for v in value)):
-            raise _bad(key, value, "must be a list of strings")
+    ignore = qc.get("ignore")
+    if ignore is not None and not (isinstance(ignore, list) and
+                                   all(isinstance(v, str) for v in ignore)):
+        raise _bad("ignore", ignore, "must be a list of strings")
     sizes = {}
     for name, group in groups.items():
         sizes[name] = _group_size(f"config_groups.{name}", group)
@@ -141,20 +140,20 @@ def _expert(ck, module: str, rows: int, cols: int, g: int):
     return words, scale
 
 
-def stack_int4_experts(ck, prefix: str, E: int, which: str, shape,
+def stack_int4_experts(ck, prefix: str, which: str, shape,
                        scheme: PackQuantScheme) -> Int4GroupWeight:
     """A layer's routed experts as one int4-group weight: ``gate_up_proj`` [E, 2Im, D] (gate
     rows first) or ``down_proj`` [E, D, Im].  The output's packed bytes and scales are the only
     allocation: each expert's words are converted into their slice (``byte ^ 0x88``), so no
     expert is ever unpacked or dequantised."""
-    E_, rows, cols = (int(d) for d in shape)
+    E, rows, cols = (int(d) for d in shape)
     g = scheme.group_size
     if cols % g:
         raise BundleError(f"{prefix}mlp.experts.*.{which}: input dimension {cols} "
                           f"(config.json) is not a multiple of quantization_config's "
                           f"group_size {g}")
-    packed = np.empty((E_, rows, cols // 2), np.uint8)
-    scales = np.empty((E_, rows, cols // g), ml_dtypes.bfloat16)
+    packed = np.empty((E, rows, cols // 2), np.uint8)
+    scales = np.empty((E, rows, cols // g), ml_dtypes.bfloat16)
     parts = (("gate_proj", 0), ("up_proj", rows // 2)) if which == "gate_up_proj" else \
         (("down_proj", 0),)
     part_rows = rows // len(parts)

@@ -146,7 +146,7 @@ def _stack_experts(ck: _Checkpoint, prefix: str, E: int, which: str, shape, dtyp
         if ck.scheme is None:
             raise BundleError(f"tensor {first}.weight_packed: config.json has no "
                               f"compressed-tensors quantization_config to read it with")
-        return stack_int4_experts(ck, prefix, E, which, shape, ck.scheme)
+        return stack_int4_experts(ck, prefix, which, shape, ck.scheme)
     if fused in ck:
         arr = ck.get(fused)
         return _cast(arr, _out_dtype(arr, dtype))

@@ -156,7 +156,7 @@ def test_fuzzed_expert_tensors_are_refused_naming_the_tensor(field, which, exper
     ck[f"{module}.{field}"] = _MUTATIONS[field][which](ck[f"{module}.{field}"])
     shape = (E, 2 * Im, D) if proj == "gate_up_proj" else (E, D, Im)
     with pytest.raises(BundleError, match=f"tensor {module}.{field}") as e:
-        stack_int4_experts(ck, "model.layers.1.", E, proj, shape, PackQuantScheme(g))
+        stack_int4_experts(ck, "model.layers.1.", proj, shape, PackQuantScheme(g))
     assert "\n" not in str(e.value)
 
 
@@ -169,7 +169,7 @@ def test_extra_expert_tensors_are_refused(extra, why):
                           _expert_tensors(64, 32, 16, rng).items()})
     ck[f"model.layers.1.mlp.experts.0.down_proj.{extra}"] = np.zeros(2, np.int32)
     with pytest.raises(BundleError, match=f"down_proj.{extra}: {why}"):
-        stack_int4_experts(ck, "model.layers.1.", 1, "down_proj", (1, 64, 32),
+        stack_int4_experts(ck, "model.layers.1.", "down_proj", (1, 64, 32),
                            PackQuantScheme(16))
 
 
