@@ -31,7 +31,7 @@ import numpy as np
 from formats.int4_group import Int4GroupWeight
 from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import open_bundle
+from kdtree_numba.bundle import BundleError, open_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
@@ -145,9 +145,10 @@ class Model(DeviceSteps):
             # the reference ops take an Int4GroupWeight as it is (reference/layers/common.py
             # dequantises one expert at a time, float64); no numba kernel reads it yet.
             if isinstance(weights[name], Int4GroupWeight):
-                if self.backend.name != "reference":
-                    raise ValueError(f"{name} is int4-group: only the reference backend runs "
-                                     f"int4 experts so far (the GPU kernels are a later step)")
+                if self.backend.name != "reference":   # a BundleError: kdtree-run's one line
+                    raise BundleError(f"{name} is int4-group: only the reference backend "
+                                      f"runs int4 experts so far (--backend reference; the "
+                                      f"GPU kernels are a later step)")
                 return weights[name]
             # --- end INT4-GROUP
             return weight(weights[name])

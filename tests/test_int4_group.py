@@ -296,8 +296,28 @@ def test_malformed_int4_expert_in_a_bundle_names_the_tensor(tmp_path):
 
 def test_numba_backend_refuses_int4_experts_clearly(tmp_path):
     cfg, quant, _ = _int4_model()
-    with pytest.raises(ValueError, match="only the reference backend"):
+    with pytest.raises(BundleError, match="only the reference backend"):
         Model(cfg, quant, "numba")
+
+
+def test_kdtree_run_decodes_an_int4_bundle_on_the_reference_backend(tmp_path, capsys,
+                                                                    monkeypatch):
+    from kdtree_numba import compat
+    from kdtree_numba.cli import run_main
+    monkeypatch.delenv("KDTREE_DEBUG", raising=False)
+    cfg, quant, exact = _int4_model()
+    write_bundle(tmp_path / "q.kdtr", cfg, quant)
+    args = ["--model", str(tmp_path / "q.kdtr"), "--prompt-ids", "3,17,99", "--max-new-tokens",
+            "4", "--json"]
+    assert run_main(args + ["--backend", "reference"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["tokens"]
+    prompt = np.array([3, 17, 99])
+    from kdtree_numba.engine import generate
+    assert tokens == [generate(Model(cfg, exact, "reference"), [prompt], 4).tokens[0]]
+    if compat.kernels_runnable():      # the simulator: numba is a backend kdtree-run accepts
+        assert run_main(args + ["--backend", "numba"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "only the reference backend" in err, err
 
 
 # ----------------------------------------------------------------------------- kdtr-dump
