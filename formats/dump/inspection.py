@@ -378,12 +378,13 @@ def compute_stats(entries: list[Entry], args, formats: dict | None = None) -> di
     todo = [e for e in entries if e.decodable]
     formats = formats or {}
     weights = [e for e in entries if e.path in formats and "error" not in formats[e.path]]
-    total = sum(e.nbytes or 0 for e in todo) + sum(formats[e.path]["nbytes"] for e in weights)
+    total = sum(e.nbytes or 0 for e in todo)
     bar = ProgressBar("stats", force=args.progress)
     tick = ticker(total, bar)
     try:
         stats = {e.path: tensor_stats(e.tensor, tick) for e in todo}
         for e in weights:   # a stored weight format: statistics of its dequantised values
+            # (not ticked: its datasets' bytes, read again here, are counted above)
             stats[e.path] = tensor_stats(_Dequantized(e.source.file[e.path]))
         return stats
     finally:
