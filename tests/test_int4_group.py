@@ -206,6 +206,31 @@ def test_malformed_stored_weights_are_refused(tmp_path, attrs, members, why):
         read_weight(f["w"])
 
 
+_ATTR_VALUES = (st.booleans() | st.integers(-2**63, 2**63 - 1) | st.sampled_from([32, 16, 2, 64])
+                | st.floats(allow_nan=True) | st.text(max_size=12)
+                | st.sampled_from(["int4-group", "int4", ""])
+                | st.lists(st.text(max_size=4), min_size=1, max_size=3)
+                | st.lists(st.integers(-9, 99), min_size=1, max_size=3).map(np.array))
+
+
+@given(st.sampled_from(["weight.format", "weight.group_size"]), _ATTR_VALUES)
+def test_fuzzed_attributes_are_read_or_refused_with_a_format_error(tmp_path_factory, key,
+                                                                    value):
+    """A hostile file's attributes: any value is either the right one (read) or a
+    WeightFormatError, never another exception."""
+    attrs = {"weight.format": "int4-group", "weight.group_size": 32, key: value}
+    path = tmp_path_factory.mktemp("fuzz") / "w.kdtr"
+    _write_group(path, attrs, GOOD)
+    with kdtr.File(path) as f:
+        try:
+            w = read_weight(f["w"])
+        except WeightFormatError as e:
+            assert "\n" not in str(e)
+            return
+    assert (attrs["weight.format"], attrs["weight.group_size"]) == ("int4-group", 32)
+    assert w.group_size == 32
+
+
 # ----------------------------------------------------------------------------- bundles
 
 def _int4_model(seed=3, g=16):
