@@ -8,6 +8,9 @@
   the bundle, so peak memory is about the largest output tensor (a layer's stacked experts).
 * FP8 block-scaled weights are dequantised: ``W = q * S[i // 128, j // 128]`` with
   ``S = <name>_scale_inv`` (block size from ``quantization_config.weight_block_size``).
+* compressed-tensors ``pack-quantized`` INT4 routed experts (Kimi-K2's) stay int4: each layer's
+  experts become one int4-group weight (formats/int4_group.py) without being unpacked or
+  dequantised; the scheme and every packed tensor are checked first (hf_compressed.py).
 * Per-expert tensors are stacked into ``experts/gate_up_proj [E, 2Im, D]`` (gate rows first)
   and ``experts/down_proj [E, D, Im]``; transformers 5's fused names are accepted as well.
 * The MTP layer (index ``num_hidden_layers``, DeepSeek-V3) and other unused tensors (rotary
