@@ -285,9 +285,11 @@ def test_transformers_loads_the_checkpoint_and_agrees(tmp_dir):
     ours_bf16 = Model(cfg, as_hf, "reference").score(SEQ)
     scale = np.abs(want).max()
     assert scale > 1.0
-    assert np.abs(ours_bf16 - want).max() <= 1e-4 * scale          # test_hf_parity's bound
+    # test_hf_parity's bound (measured 1.0e-6 of the scale)
+    assert np.abs(ours_bf16 - want).max() <= 1e-4 * scale
     ours_int4 = Model(cfg, weights, "reference").score(SEQ)
-    assert 0 < np.abs(ours_int4 - want).max() <= 0.05 * scale       # bf16 rounding of q * s
+    # the bf16 rounding of q * s that transformers' weights carry (measured 3.2e-3)
+    assert 0 < np.abs(ours_int4 - want).max() <= 0.02 * scale
 
 
 def _run_cli(src, tmp_path, capsys):
