@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from formats.int4_group import Int4GroupWeight
+from formats.int4_group import Int4GroupWeight, packed_from_offset8_words
 from kdtree_numba.bundle import (QUANTIZABLE, BundleError, random_weights, read_bundle,
                                  size_config)
 from kdtree_numba.hf_compressed import PackQuantScheme, read_scheme, stack_int4_experts
@@ -204,6 +204,19 @@ except ImportError:
     HAVE_CT = False
 pytestmark_real = pytest.mark.skipif(not HAVE_CT, reason="needs torch, transformers and "
                                      "compressed-tensors (the test extra)")
+
+
+@pytestmark_real
+@pytest.mark.parametrize("n", [8, 12, 32, 70])
+def test_compressed_tensors_words_convert_to_our_packing(n):
+    """compressed-tensors' own packer (also a width that leaves padding nibbles in the last
+    word) -> packed_from_offset8_words = our int4 bytes of the same values."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    q = np.random.default_rng(n).integers(-8, 8, (3, n)).astype(np.int8)
+    words = pack_to_int32(torch.from_numpy(q), 4).numpy()
+    got = packed_from_offset8_words(words, n)
+    want = Int4GroupWeight.from_values(q, np.ones((3, n // 2), ml_dtypes.bfloat16), 2).packed
+    np.testing.assert_array_equal(got, want)
 
 
 @functools.lru_cache(maxsize=None)
