@@ -233,7 +233,7 @@ def stored_layout(group, where: str | None = None) -> StoredLayout:
 
 def _members(group, where: str):
     fmt = group.attrs.get(ATTR_FORMAT)
-    if fmt != FORMAT:
+    if not isinstance(fmt, str) or fmt != FORMAT:   # a hostile file may hold an array here
         raise WeightFormatError(f"{where}: {ATTR_FORMAT} {fmt!r}; this version reads "
                                 f"{FORMAT!r}")
     names = set(group.keys())

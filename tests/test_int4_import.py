@@ -28,12 +28,17 @@ from kdtree_numba.hf_import import import_hf, main as import_main
 from kdtree_numba.model import Model
 
 SEQ = np.array([3, 17, 99, 5, 64, 2, 1, 77, 8, 120, 33])
+# Kimi-K2's quantization_config, field for field (its ignore list shortened)
 GOOD_GROUP = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
               "format": None, "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                           "strategy": "group", "group_size": 32,
-                                          "dynamic": False, "actorder": None}}
+                                          "dynamic": False, "actorder": None,
+                                          "block_structure": None, "observer": "minmax",
+                                          "observer_kwargs": {}}}
 GOOD_QC = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-           "config_groups": {"group_0": GOOD_GROUP}, "ignore": ["lm_head"]}
+           "config_groups": {"group_0": GOOD_GROUP}, "kv_cache_scheme": None,
+           "quantization_status": "compressed",
+           "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}
 
 
 # ----------------------------------------------------------------------------- the scheme
