@@ -494,6 +494,8 @@ class File(Group):
         self._closed = True
         try:
             self._out.close()
+        except OSError:
+            pass   # flushing the rest fails as the write did (a full disk); the file goes anyway
         finally:
             if os.path.exists(self._tmp_path):
                 os.unlink(self._tmp_path)

@@ -52,11 +52,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import warnings
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.backends import map_arrays
 from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat's numpy fix
 
@@ -68,7 +68,7 @@ MAX_SEEN = 256         # keys remembered while waiting for their second call
 
 def graphs_enabled() -> bool:
     """Whether CUDA graphs are on (``KDTREE_CUDA_GRAPHS=0`` turns them off)."""
-    return os.environ.get("KDTREE_CUDA_GRAPHS", "1") != "0"
+    return runtime.current().cuda_graphs
 
 
 @dataclasses.dataclass

@@ -36,7 +36,8 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from formats.console import UsageError, add_debug_flag, run_console
+from formats.console import (ArgumentParser, UsageError, add_debug_flag, refuse_existing,
+                             run_console, writing)
 from formats.int4_group import Int4GroupWeight
 from formats.progress import ProgressBar
 from formats.safetensors_io import SafetensorsFile
@@ -312,7 +313,7 @@ def export_hf_checkpoint(cfg: ModelConfig, weights, out_dir) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kdtr-import-hf", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Convert a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint (config.json + "
         "safetensors, FP8 dequantised) into a KDTR model bundle.")
@@ -328,16 +329,19 @@ def _main(argv: list[str]) -> int:
                         help="no progress and no note about unused checkpoint tensors")
     parser.add_argument("--progress", action="store_true",
                         help="progress line on stderr even when it is not a terminal")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     check_output_path(args.out)
+    refuse_existing(args.out, args.force)
     bar = ProgressBar(f"import {args.hf_dir}", unit="tensor",
                       force=args.progress and not args.quiet)
     if args.quiet:
         bar.enabled = False
     try:
-        cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
-                        progress=bar, tokenizer=not args.no_tokenizer)
+        with writing(args.out):
+            cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
+                            progress=bar, tokenizer=not args.no_tokenizer)
     except BundleError as e:   # what the checkpoint holds is wrong: bad input, one line
         text = str(e)
         raise UsageError(text if text.startswith(args.hf_dir) else

@@ -23,7 +23,6 @@ builds their keys.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any, Mapping
 
 import numpy as np
@@ -37,10 +36,11 @@ from kdtree_numba.bundle import BundleError, open_bundle
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
 from kdtree_numba.graphs import GraphCache, graphs_enabled
 from kdtree_numba.kvcache import CACHE_DTYPES, KVCache, WriteSlots
+from kdtree_numba.kvlayout import layout_spec, make_layout
 from kdtree_numba.steps import DeviceSteps
 from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "pad_ragged",
+__all__ = ["ModelConfig", "Model", "LayerWeights", "weight_shapes", "causal_mask", "pad_ragged",
            "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
@@ -83,6 +83,34 @@ class ForwardInputs:
     prefill: bool = False
 
 
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights on the backend, in the layouts the kernels take (bundle
+    names in ``config.weight_shapes``).  Attention: ``q_proj`` without a q LoRA, else
+    ``qkv_a`` (q_a and kv_a stacked: one GEMM) with ``q_a_norm`` and ``q_b``; ``kv_a`` is
+    kv_a_proj_with_mqa (a row block of ``qkv_a`` when fused); ``kv_b`` float32 (absorbed
+    MLA's head products).  FFN: ``gate_up`` [E, 2I, D] (gate rows, then up rows) and
+    ``down`` [E, D, I], one expert for a dense layer; a MoE layer's ``router`` [E, D] and
+    ``router_bias`` [E] (float32) and its shared expert's ``shared_gate_up`` /
+    ``shared_down`` (None without one)."""
+    input_norm: Any
+    post_norm: Any
+    kv_a_norm: Any
+    kv_b: Any
+    o_proj: Any
+    kv_a: Any = None
+    q_proj: Any = None
+    qkv_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+    gate_up: Any = None
+    down: Any = None
+    router: Any = None
+    router_bias: Any = None
+    shared_gate_up: Any = None
+    shared_down: Any = None
+
+
 def _rebuild_attention_plans() -> None:
     """Before each CUDA-graph capture: attention's cached split plans hold scratch between
     calls, so they are dropped and rebuilt inside the capture, which records their scratch
@@ -97,7 +125,8 @@ class Model(DeviceSteps):
     of decoding (kdtree_numba/steps.py)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto", *,
-                 shared: Mapping[str, Any] | None = None, kv_cache: str = "float32"):
+                 shared: Mapping[str, Any] | None = None, kv_cache: str = "float32",
+                 kv_layout: str = "dense"):
         """``weights``: name -> array in bundle layout (``weight_shapes``): host arrays (a
         bundle's), or on a GPU device arrays as ``Backend.weight`` takes them (random weights
         built there: kdtree_numba/device_weights.py).
@@ -106,12 +135,16 @@ class Model(DeviceSteps):
         target's embedding and head, kdtree_numba/dflash.py: one copy on the device).
         ``kv_cache``: what the latent cache stores (kvcache.CACHE_DTYPES): "float32" (the
         accuracy default) or "bfloat16" (half the cache's bytes; attention then rounds its
-        queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md)."""
+        queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md).
+        ``kv_layout``: where the caches' token slots live (kdtree_numba/kvlayout.py): "dense"
+        (the GPU layout) or "paged:P" (pages of P slots; the reference backend only)."""
         if kv_cache not in CACHE_DTYPES:
             raise ValueError(f"kv_cache must be one of {CACHE_DTYPES}, got {kv_cache!r}")
         self.kv_cache = kv_cache
+        self.kv_layout = layout_spec(kv_layout)
         self.config = config
         self.backend: Backend = make_backend(backend)
+        make_layout(self.kv_layout, 1, 1).check_backend(self.backend)   # refused before loading
         self.rope = _rope_spec(config)
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights, shared or {})
@@ -170,15 +203,11 @@ class Model(DeviceSteps):
         self.layers = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model/layers/{layer}/"
-            lw = SimpleNamespace(input_norm=w(p + "input_layernorm"),
-                                 post_norm=w(p + "post_attention_layernorm"),
-                                 kv_a=None,
-                                 kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
-                                 kv_b=w32(p + "self_attn/kv_b_proj"),
-                                 o_proj=w(p + "self_attn/o_proj"),
-                                 q_proj=None, qkv_a=None, q_a_norm=None, q_b=None,
-                                 router=None, router_bias=None, shared_gate_up=None,
-                                 shared_down=None)
+            lw = LayerWeights(input_norm=w(p + "input_layernorm"),
+                              post_norm=w(p + "post_attention_layernorm"),
+                              kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
+                              kv_b=w32(p + "self_attn/kv_b_proj"),
+                              o_proj=w(p + "self_attn/o_proj"))
             if cfg.q_lora_rank is None:
                 lw.q_proj = w(p + "self_attn/q_proj")
                 lw.kv_a = w(p + "self_attn/kv_a_proj_with_mqa")
@@ -212,19 +241,20 @@ class Model(DeviceSteps):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty latent cache of ``batch`` requests and ``max_len`` slots, storing the
-        model's ``kv_cache`` dtype."""
+        model's ``kv_cache`` dtype in its ``kv_layout``."""
         cfg = self.config
         return KVCache(self.backend, cfg.num_hidden_layers, batch, max_len, cfg.kv_lora_rank,
-                       cfg.qk_rope_head_dim, dtype=self.kv_cache)
+                       cfg.qk_rope_head_dim, dtype=self.kv_cache, layout=self.kv_layout)
 
     def reuse_cache(self, previous: KVCache | None, batch: int, max_len: int) -> KVCache:
         """An empty cache for a new generation: ``previous`` emptied when it has ``batch``
-        requests and the same capacity bucket, else a new cache of ``max_len`` rounded up to a
+        requests and the same capacity bucket in the model's layout (KVLayout.reusable; a paged
+        cache's pages go back to its pool), else a new cache of ``max_len`` rounded up to a
         multiple of CACHE_BUCKET.  CUDA graphs are captured against a cache's buffers
         (kdtree_numba/graphs.py), so reusing them lets the next generation replay them."""
         bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
-        if previous is not None and previous.batch == batch and previous.max_len == bucket \
-                and previous.dtype == self.kv_cache:
+        if previous is not None and previous.dtype == self.kv_cache \
+                and previous.layout.reusable(self.kv_layout, batch, bucket):
             previous.truncate(np.zeros(batch, np.int64))
             return previous
         return self.new_cache(batch, bucket)
@@ -370,24 +400,25 @@ class Model(DeviceSteps):
                         capture: tuple, embeds, logit_rows, causal: bool, prefill: bool,
                         borrow: bool = False):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
-        must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
-        (KVCache.slot_inputs), so one graph serves every prefix length."""
+        must run eagerly.  The graph reads static buffers of the inputs and of the cache's
+        device lengths, from which it makes the slots (KVCache.device_slots), so one graph
+        serves every prefix length."""
         bs, n = tokens.shape
-        rows, prefix = cache.slot_inputs(n)
+        cache.reserve(n)
         selected = logit_rows is not None
         key = ("forward", bs, n, bool(return_hidden), capture, embeds is not None,
                selected, causal, prefill) + cache.buffer_key()
 
-        def run(tok, pos, vis, rows, prefix, *extra):
+        def run(tok, pos, vis, lengths, *extra):
             extra = list(extra)
             picked = extra.pop(0) if selected else None
-            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(rows, prefix), picked,
+            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(lengths, n), picked,
                                    causal, prefill)
             return self._compute(inputs, cache, return_hidden, extra[0] if extra else None,
                                  capture)
         specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
-                 ((bs, n), np.int64), ((bs,), np.int32))
-        inputs = (tokens, positions, visible, rows, prefix)
+                 ((bs,), np.int32))
+        inputs = (tokens, positions, visible, cache.device_lengths)
         if selected:
             specs += (((bs,), np.int64),)
             inputs += (logit_rows,)
@@ -395,6 +426,16 @@ class Model(DeviceSteps):
             specs += (((bs, n, self.config.hidden_size), np.float32),)
             inputs += (embeds,)
         return self.graphs.call(key, run, inputs, specs, borrow=borrow)
+
+    def run(self, inputs: ForwardInputs, cache: KVCache, *, return_hidden: bool = False,
+            capture_layers=(), embeds=None):
+        """The forward of one batch already on the device (:class:`ForwardInputs`: tokens,
+        positions, visibility and the cache slots, e.g. ``cache.device_slots`` of device
+        lengths): what :meth:`forward` runs after its checks and uploads, device work only,
+        so a CUDA graph can capture it (kdtree_numba/device_round.py runs a whole DDTree round
+        so).  Returns as :meth:`forward` does."""
+        return self._compute(inputs, cache, return_hidden, embeds,
+                             self._check_capture(capture_layers))
 
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
         """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
@@ -472,11 +513,8 @@ class Model(DeviceSteps):
         q_pe = ops.rope(q[:, :, dn:], positions, self.rope)     # rope reads the view
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
-        # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths
-        # array would give, so the numbers do not change
-        u = ops.mla_attention(q_abs, q_pe.reshape(bs, n, H, dr), cache.c[layer],
-                              cache.k_pe[layer], slots.prefix, visible, self.tau,
-                              max_keys=slots.max_keys, prefill=prefill, causal=causal)
+        u = cache.attend(ops, layer, q_abs, q_pe.reshape(bs, n, H, dr), slots, visible,
+                         self.tau, prefill=prefill, causal=causal)
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 

@@ -82,7 +82,8 @@ def tree_phase(ops, k: int, budget: int):
 
 def accept_phase(ops, xp, temperature: float, max_depth: int):
     """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
-    committed tokens): the target's choice at every node, the walk, the packing."""
+    committed tokens, next roots): the target's choice at every node, the walk, the packing
+    (the next roots are the bonus tokens, the last committed ones)."""
     def run(logits, *arrays):
         tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
         if temperature == 0:
@@ -93,7 +94,8 @@ def accept_phase(ops, xp, temperature: float, max_depth: int):
             table, start = arrays[len(TREE_ARRAYS):]
             u = tree_uniforms(xp, table, tree, start)
             acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
-        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt)
+        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt), \
+            nxt.astype(np.int32)
     return run
 
 
@@ -108,7 +110,8 @@ def gather_phase(xp):
 
 
 def compaction_phase(ops, cache):
-    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
+    """lengths (the cache's device lengths), acc_idx, acc_len -> (): KVCache.compact_tree on
+    device inputs."""
     def run(lengths, acc_idx, acc_len):
         cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
         return ()
@@ -163,11 +166,12 @@ class DeviceSteps:
 
     def accept(self, tree, logits, temperature: float, table=None, start=None,
                borrow: bool = False):
-        """(acc_idx, acc_len, packed) from the verify forward's logits [bs, W, V] over
-        ``tree``: greedy at T = 0, else sampled with the uniforms ``table[b, start_b + depth +
-        1]`` (``table`` [bs, P] float64 on the device, ``start`` [bs] int32).  ``packed``
-        [bs, 1 + L + 1] int32 holds acc_len and the committed tokens (:func:`pack_committed`):
-        the one array the engine reads.  ``borrow``: as in :meth:`draft_tree`."""
+        """(acc_idx, acc_len, packed, next_roots) from the verify forward's logits [bs, W, V]
+        over ``tree``: greedy at T = 0, else sampled with the uniforms ``table[b, start_b +
+        depth + 1]`` (``table`` [bs, P] float64 on the device, ``start`` [bs] int32).
+        ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the committed tokens
+        (:func:`pack_committed`): the one array the engine reads; ``next_roots`` [bs] int32
+        the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
         if temperature > 0:
             arrays += (table, start)
@@ -175,6 +179,15 @@ class DeviceSteps:
             ("accept", float(temperature), tree.max_depth),
             accept_phase(self.backend.ops, self.backend.xp, temperature, tree.max_depth),
             (logits,) + arrays, borrow=borrow)
+
+    def committed_tokens(self, packed, roots):
+        """A round's root, accepted nodes and bonus [bs, L + 2] on the device, from its packed
+        committed tokens (:func:`pack_committed`) and its ``roots`` [bs]
+        (``drafting.Commit.tokens``: the first acc_len entries are the tokens whose KV the
+        round committed, entry acc_len the bonus, the rest token 0).  Nothing is read."""
+        xp = self.backend.xp
+        tokens = xp.concatenate([roots.astype(np.int32)[:, None], packed[:, 1:]], axis=1)
+        return xp.maximum(tokens, 0)          # padding: token 0, a valid id
 
     def last_accepted(self, rows, acc_idx, acc_len):
         """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's
@@ -198,4 +211,4 @@ class DeviceSteps:
         them once it has read acc_len."""
         self.device_step(("compaction",) + cache.buffer_key(),
                          compaction_phase(self.backend.ops, cache),
-                         (cache.lengths, acc_idx, acc_len))
+                         (cache.device_lengths, acc_idx, acc_len))

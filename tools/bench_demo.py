@@ -67,8 +67,9 @@ from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_l
                                  dflash_config, dflash_shapes, random_weights)
 from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
 from kdtree_numba.drafter import NoisyOracleDrafter, load_drafter, parse_oracle_spec  # noqa: E402
+from kdtree_numba.drafting import Commit, DraftContext  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
-from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.model import Model, causal_mask  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
 
 PROMPT_FILE = os.path.join(ROOT, "tools", "data", "heldout_prompts.jsonl")
@@ -252,14 +253,13 @@ def summarise(method, budget, temperature, runs, ar_runs) -> dict:
                 time=split)
 
 
-def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> dict | None:
+def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> dict:
     """Top-1 agreement of the drafter's rows with the target's greedy continuation, per
-    depth (module docstring).  None for a drafter that needs the target's hidden state."""
-    if getattr(drafter, "needs_target_hidden", False):
-        return None
-    be, L = model.backend, drafter.block_len
+    depth (module docstring).  Any drafter: it is fed through its protocol (kdtree_numba/
+    drafting.py) what the target verified up to each anchor, from one prefill of the whole
+    sequence that returns whatever the drafter ``needs``."""
+    be, L, needs = model.backend, drafter.block_len, drafter.needs
     hits, counts, chain = np.zeros(L), np.zeros(L), []
-    features = getattr(drafter, "feature_layers", None)
     for rec, cont in zip(prompts, continuations):
         seq = np.asarray(list(rec["ids"]) + list(cont), np.int64)
         P, N = len(rec["ids"]), len(cont)
@@ -267,18 +267,30 @@ def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> di
         if not anchors:
             continue
         drafter.start(1, P + N + L + 2)
-        if features:
-            cache = model.new_cache(1, P + N + 1)
-            feats = model.prefill(cache, [seq[:P + N - 1]], capture_layers=features)[-1]
-            have = 0
+        cache = model.new_cache(1, P + N + 1)
+        out = model.prefill(cache, [seq[:P + N - 1]], capture_layers=needs.feature_layers)
+        parts = out if isinstance(out, tuple) else (out,)
+        feats = parts[-1] if needs.feature_layers else None
+        hidden = None
+        if needs.hidden:              # every row's final hidden state, from a full forward
+            full = model.new_cache(1, P + N)
+            hidden = model.forward(seq[None, :P + N - 1], np.arange(P + N - 1)[None],
+                                   full, causal_mask(P + N - 1), return_hidden=True)[1]
+        have = 0
         for j in anchors:
             root = P + j - 1                      # c_j's position; c_{j+d} is seq[root + d]
-            if features:
-                drafter.extend_context(feats[:, have:root], root - have)
-                have = root
-                logits = drafter.propose(np.array([seq[root]], np.int32))
-            else:
-                logits = drafter.propose([seq[:root + 1]])
+            n = root - have                       # tokens verified since the last anchor
+            drafter.on_commit(Commit(
+                counts=be.asarray(np.array([n], np.int32)),
+                next_roots=be.asarray(np.array([seq[root]], np.int32)),
+                counts_host=np.array([n], np.int64),
+                tokens=be.asarray(seq[None, have:root + 1].astype(np.int32)),
+                hidden=hidden[:, root - 1] if hidden is not None else None,
+                features=feats[:, have:root] if feats is not None else None))
+            have = root
+            logits = drafter.propose(DraftContext(
+                roots=be.asarray(np.array([seq[root]], np.int32)),
+                positions=be.asarray(np.array([root], np.int32))))
             top = np.asarray(be.to_host(logits))[0].argmax(axis=-1)
             known = min(L, N - j)
             ok = top[:known] == seq[root + 1:root + 1 + known]

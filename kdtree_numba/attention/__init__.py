@@ -3,18 +3,19 @@
 The numba twin of ``reference.attention``: the contract (shapes, dtypes, masking, the empty-row
 rule) is the docstring of reference/attention/mla.py (``mla_attention``) and
 reference/attention/projections.py (``absorb_q``, ``apply_uv``); these functions compute the same
-thing in float32 on the device.  docs/ATTENTION.md explains the kernel design and the measured
-speed.  One module per part:
+thing in float32 on the device.  docs/ATTENTION.md explains the kernel design (their speed:
+docs/BENCHMARKS.md).  One module per part:
 
 ==============  ==============================================================================
 module          holds
 ==============  ==============================================================================
 tiles.py        what both block kernels share: constants, ``block_keys`` (a block's request,
                 split and key range), ``masked_score``, the ``cp.async`` row-tile copier
-plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARIANTS``,
-                ``resolve_variant``, ``tile_config``, ``choose_splits``, ``mma_rows``
-ffma.py         the FFMA (CUDA-core) block kernel, one body for every layout of ``VARIANTS``
-mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``, ``"tf32x3acc"``; GPU only)
+plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARIANTS`` (the
+                default ``"tf32x3"`` and the fallback ``"pipe16x2"``), ``resolve_variant``,
+                ``tile_config``, ``choose_splits``, ``mma_rows``
+ffma.py         the FFMA (CUDA-core) block kernel, one body for any ``TileConfig`` layout
+mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``; GPU only)
 bf16.py         the block kernel of a bf16 latent cache (``ckv``, ``kpe`` as uint16 bits) on
                 bf16 tensor cores; ``Bf16TileConfig`` (plan.py) shapes it
 mla.py          ``mla_attention``: ``MlaAttentionPlan`` (plan -> block kernel -> merge), the

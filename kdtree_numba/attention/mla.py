@@ -110,8 +110,8 @@ class MlaAttentionPlan:
     ``prefill``: the call computes a prompt's rows, whose bits no decode or verify row must
     share; with ``batch_invariant`` each row then takes its keys in one split, which still
     depends on nothing but the request's own keys (a prompt gets the same bits alone or in a
-    batch, against any capacity) but writes no partial outputs: at 4,096 prompt tokens the
-    fixed splits cost 2.9x the time (run 121).  Without ``batch_invariant`` it changes nothing.
+    batch, against any capacity) but writes no partial outputs, which at thousands of prompt
+    tokens cost more than the splits save.  Without ``batch_invariant`` it changes nothing.
     ``rows``: query-heads per tensor-core block (16, 32, 64; None: :func:`~kdtree_numba.
     attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
     ``bf16_cache``: ckv and kpe hold bf16 bit patterns (uint16); the plan runs the bf16
