@@ -27,9 +27,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from formats.int4_group import Int4GroupWeight
 from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import open_bundle
+from kdtree_numba.bundle import BundleError, open_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
@@ -169,6 +170,16 @@ class Model(DeviceSteps):
         cfg, weight = self.config, self.backend.weight
 
         def w(name):     # host arrays, or on the GPU device ones (Backend.weight)
+            # --- INT4-GROUP EXPERTS (issue 39), a stopgap until the Weight/format registry:
+            # the reference ops take an Int4GroupWeight as it is (reference/layers/common.py
+            # dequantises one expert at a time, float64); no numba kernel reads it yet.
+            if isinstance(weights[name], Int4GroupWeight):
+                if self.backend.name != "reference":   # a BundleError: kdtree-run's one line
+                    raise BundleError(f"{name} is int4-group: only the reference backend "
+                                      f"runs int4 experts so far (--backend reference; the "
+                                      f"GPU kernels are a later step)")
+                return weights[name]
+            # --- end INT4-GROUP
             return weight(weights[name])
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)

@@ -15,12 +15,13 @@ import numpy as np
 from ..console import UsageError
 from ..dtypes import BY_NAME
 from ..errors import KdtrError
+from ..int4_group import ATTR_FORMAT, WeightFormatError, describe, dequantized_blocks
 from ..progress import ProgressBar, human_bytes, ticker
 from . import sources
 from .output import (EXIT_CORRUPT, EXIT_OK, LOW_FLOATS, SCHEMA_VERSION, escape, fmt_shape,
                      fmt_value, json_float, json_value, table)
-from .sources import (UNREADABLE_CODES, Entry, Tensor, normalize_key, open_source,
-                      result_shape, widen)
+from .sources import (UNREADABLE_CODES, Entry, KdtrSource, Tensor, normalize_key,
+                      open_source, result_shape, widen)
 
 PREVIEW_EDGE = 3                    # numpy edgeitems for -d previews
 PREVIEW_FULL = 1000                 # previews up to this many elements print whole
@@ -75,6 +76,46 @@ def _fmt_stat(x: Any) -> str:
     if isinstance(x, int):
         return str(x)
     return f"{x:.6g}"
+
+
+# ----------------------------------------------------------------------------- weight formats
+
+def weight_formats(entries: list[Entry]) -> dict[str, dict]:
+    """path -> what formats/int4_group.py's ``describe`` says of every KDTR group that stores
+    a weight format (``weight.format`` attribute); a malformed one -> ``{"error": ...}``."""
+    out = {}
+    for e in entries:
+        if e.kind != "group" or not e.attr_count or not isinstance(e.source, KdtrSource) \
+                or ATTR_FORMAT not in e.attrs:
+            continue
+        try:
+            out[e.path] = describe(e.source.file[e.path], e.path)
+        except WeightFormatError as err:
+            out[e.path] = {"error": str(err)}
+    return out
+
+
+def format_line(d: dict) -> str:
+    """One listing line for a stored weight format."""
+    if "error" in d:
+        return f"    weight format: MALFORMED: {escape(d['error'])}"
+    s = d["scale"]
+    return (f"    {d['format']}: group {d['group_size']}, {d['bits_per_weight']:.2f} bits/weight, "
+            f"weight {fmt_shape(d['shape'])}, {d['nbytes']:,} bytes; bf16 scales min "
+            f"{_fmt_stat(s['min'])} max {_fmt_stat(s['max'])} mean {_fmt_stat(s['mean'])}, "
+            f"{s['zero']} zero, {s['nonfinite']} non-finite")
+
+
+class _Dequantized:
+    """A stored weight format's dequantised values (float64) as ``tensor_stats`` reads a
+    dataset: ``--stats`` of an int4-group weight are those of ``q * scale``."""
+    dtype = BY_NAME["float64"]
+
+    def __init__(self, group):
+        self.group = group
+
+    def blocks(self, max_elems: int):
+        return dequantized_blocks(self.group, max_elems)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -258,11 +299,13 @@ def inspect(args, out: list[str]) -> int:
             entries = [e for e in entries
                        if any(fnmatch.fnmatchcase(e.rel, p) for p in pats)]
         stats = {}
+        formats = weight_formats(entries)
         if args.stats:
-            stats = compute_stats(entries, args)
+            stats = compute_stats(entries, args, formats)
         if args.json:
             doc = {"schema_version": SCHEMA_VERSION, "format": src.format, "file": args.file,
-                   "version": src.version, "nodes": [json_node(e, stats) for e in entries]}
+                   "version": src.version,
+                   "nodes": [json_node(e, stats, formats.get(e.path)) for e in entries]}
             if args.summary:
                 doc["summary"] = summarize(entries)
             out.append(json.dumps(doc, ensure_ascii=True, allow_nan=False))
@@ -271,23 +314,31 @@ def inspect(args, out: list[str]) -> int:
         if args.summary:
             print_summary(summarize(entries), out)
             return EXIT_OK
-        listing(entries, args, stats, out)
+        listing(entries, args, stats, out, formats)
     return EXIT_OK
 
 
-def json_node(e: Entry, stats: dict) -> dict:
+def json_node(e: Entry, stats: dict, weight_format: dict | None = None) -> dict:
     node = {"path": e.path, "kind": e.kind, "dtype": e.dtype,
             "shape": None if e.shape is None else list(e.shape), "nbytes": e.nbytes,
             "attrs": {k: json_value(v) for k, v in e.attrs.items()}}
     if e.target is not None:
         node["target"] = e.target
+    if weight_format is not None:
+        node["weight_format"] = {k: json_float(v) if isinstance(v, float) else v
+                                 for k, v in weight_format.items()}
+        if "scale" in weight_format:
+            node["weight_format"]["scale"] = {
+                k: json_float(v) if isinstance(v, float) else v
+                for k, v in weight_format["scale"].items()}
     if e.path in stats:
         node["stats"] = {k: json_float(v) if isinstance(v, float) else v
                          for k, v in stats[e.path].items()}
     return node
 
 
-def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
+def listing(entries: list[Entry], args, stats: dict, out: list[str],
+            formats: dict | None = None) -> None:
     head = ["PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "ATTRS"]
     if args.offsets:
         head.append("OFFSET")
@@ -299,6 +350,9 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         kind = e.kind if e.target is None else f"{e.kind} -> {escape(e.target)}"
         row = [escape(e.path), kind, escape(e.dtype or ""), fmt_shape(e.shape),
                "" if e.nbytes is None else str(e.nbytes), str(e.attr_count)]
+        wf = (formats or {}).get(e.path, {})
+        if "format" in wf:   # a stored weight reads like the tensor it stands for
+            row[2:5] = [wf["format"], fmt_shape(wf["shape"]), str(wf["nbytes"])]
         if args.offsets:
             row.append("" if e.offset is None else str(e.offset))
         if stats:
@@ -309,6 +363,8 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         if args.attrs and e.attr_count:
             attr_lines[len(rows) - 1] = [f"    @{escape(k)} = {fmt_value(v)}"
                                          for k, v in e.attrs.items()]
+        if formats and e.path in formats:
+            attr_lines.setdefault(len(rows) - 1, []).append(format_line(formats[e.path]))
     right = {4, 5} | ({6} if args.offsets else set())
     if stats:
         start = 7 if args.offsets else 6
@@ -318,13 +374,19 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         out.extend(attr_lines.get(i, ()))
 
 
-def compute_stats(entries: list[Entry], args) -> dict:
+def compute_stats(entries: list[Entry], args, formats: dict | None = None) -> dict:
     todo = [e for e in entries if e.decodable]
+    formats = formats or {}
+    weights = [e for e in entries if e.path in formats and "error" not in formats[e.path]]
     total = sum(e.nbytes or 0 for e in todo)
     bar = ProgressBar("stats", force=args.progress)
     tick = ticker(total, bar)
     try:
-        return {e.path: tensor_stats(e.tensor, tick) for e in todo}
+        stats = {e.path: tensor_stats(e.tensor, tick) for e in todo}
+        for e in weights:   # a stored weight format: statistics of its dequantised values
+            # (not ticked: its datasets' bytes, read again here, are counted above)
+            stats[e.path] = tensor_stats(_Dequantized(e.source.file[e.path]))
+        return stats
     finally:
         bar.close()
 
