@@ -364,3 +364,21 @@ def test_dump_shows_int4_group_weights(tmp_path, capsys):
     assert node["weight_format"]["scale"]["max"] == float(w.scale.astype(np.float64).max())
     assert node["stats"]["min"] == deq.min() and node["stats"]["max"] == deq.max()
     assert node["stats"]["mean"] == pytest.approx(deq.mean(), rel=1e-12)
+
+
+@pytest.mark.parametrize("sel, key", [
+    ("1,2,:", np.s_[1, 2, :]), ("0,::-1,60:", np.s_[0, ::-1, 60:]), ("...,5", np.s_[..., 5]),
+    (":,1:3,::-7", np.s_[:, 1:3, ::-7]), ("1,3,0:0", np.s_[1, 3, 0:0])])
+def test_dump_shows_the_dequantised_values_of_a_weight(tmp_path, capsys, sel, key):
+    rng = np.random.default_rng(8)
+    _, _, w = _weight(rng, (2, 4, 64), 32)
+    path = tmp_path / "w.kdtr"
+    with kdtr.File(path, "w") as f:
+        write_weight(f, "experts", w)
+    assert dump_main([str(path), "-d", "experts", "--slice", sel]) == 0
+    head, *body = capsys.readouterr().out.splitlines()
+    want = w.dequantize()[key]
+    assert head.startswith("/experts: int4-group dequantised, float64 [2, 4, 64]")
+    text = " ".join(body).replace("[", " ").replace("]", " ").split()
+    np.testing.assert_array_equal(np.array([float(t) for t in text]), want.reshape(-1))
+

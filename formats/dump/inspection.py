@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -15,7 +16,8 @@ import numpy as np
 from ..console import UsageError
 from ..dtypes import BY_NAME
 from ..errors import KdtrError
-from ..int4_group import ATTR_FORMAT, WeightFormatError, describe, dequantized_blocks
+from ..int4_group import (ATTR_FORMAT, Int4GroupWeight, WeightFormatError, describe,
+                          dequantized_blocks, read_weight, stored_layout)
 from ..progress import ProgressBar, human_bytes, ticker
 from . import sources
 from .output import (EXIT_CORRUPT, EXIT_OK, LOW_FLOATS, SCHEMA_VERSION, escape, fmt_shape,
@@ -107,15 +109,49 @@ def format_line(d: dict) -> str:
 
 
 class _Dequantized:
-    """A stored weight format's dequantised values (float64) as ``tensor_stats`` reads a
-    dataset: ``--stats`` of an int4-group weight are those of ``q * scale``."""
+    """A stored weight format's dequantised values (float64) as ``tensor_stats`` and
+    ``preview`` read a dataset: ``--stats`` and ``-d`` of an int4-group weight show ``q *
+    scale``."""
     dtype = BY_NAME["float64"]
 
     def __init__(self, group):
         self.group = group
+        self.shape = stored_layout(group).shape
 
     def blocks(self, max_elems: int):
         return dequantized_blocks(self.group, max_elems)
+
+    def read(self, key: tuple, normalized: bool = False) -> np.ndarray:
+        """The selection ``key`` of the values: the selected rows are dequantised whole, then
+        the last axis is selected."""
+        if not normalized:
+            key = normalize_key(key, self.shape)
+        w = read_weight(self.group, verify=False)
+        packed, scale = w.packed, w.scale
+        for axis in reversed(range(len(key) - 1)):   # from the back: an int drops its axis
+            idx = _indices(key[axis])
+            packed, scale = np.take(packed, idx, axis=axis), np.take(scale, idx, axis=axis)
+        values = Int4GroupWeight(packed, scale, w.group_size).dequantize()
+        return np.take(values, _indices(key[-1]), axis=-1)
+
+
+def _indices(k):
+    """A ``normalize_key`` entry (an int, or a slice with ``range`` semantics) for np.take."""
+    return k if isinstance(k, int) else np.arange(k.start, k.stop, k.step)
+
+
+def _weight_view(e: Entry):
+    """``-d`` of a stored weight format: a stand-in for the entry whose tensor is the
+    dequantised values, or None when ``e`` is no such group."""
+    if e.kind != "group" or not e.attr_count or not isinstance(e.source, KdtrSource) \
+            or ATTR_FORMAT not in e.attrs:
+        return None
+    try:
+        tensor = _Dequantized(e.source.file[e.path])
+    except WeightFormatError as err:
+        raise UsageError(f"-d {escape(e.path)}: {escape(str(err))}") from None
+    return SimpleNamespace(path=e.path, dtype=f"{e.attrs[ATTR_FORMAT]} dequantised, float64",
+                           shape=tensor.shape, tensor=tensor)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -396,6 +432,7 @@ def show_dataset(entries: list[Entry], args, out: list[str]) -> int:
     match = next((e for e in entries if e.path == want), None)
     if match is None:
         raise UsageError(f"-d {escape(want)}: no such dataset in {escape(args.file)}")
+    match = _weight_view(match) or match
     if match.tensor is None:
         raise UsageError(f"-d {escape(want)}: a {match.kind}"
                          + (f" of type {escape(match.dtype)}" if match.dtype else "")
