@@ -27,10 +27,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from formats.int4_group import Int4GroupWeight
 from kdtree_numba import attention as numba_attention
 from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.bundle import BundleError, open_bundle
+from kdtree_numba.bundle import open_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
 # here, where they were first documented.
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
@@ -38,6 +37,7 @@ from kdtree_numba.graphs import GraphCache, graphs_enabled
 from kdtree_numba.kvcache import CACHE_DTYPES, KVCache, WriteSlots
 from kdtree_numba.kvlayout import layout_spec, make_layout
 from kdtree_numba.steps import DeviceSteps
+from kdtree_numba.weights import load_weight
 from reference.layers import RopeSpec
 
 __all__ = ["ModelConfig", "Model", "LayerWeights", "weight_shapes", "causal_mask", "pad_ragged",
@@ -167,23 +167,13 @@ class Model(DeviceSteps):
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
-        cfg, weight = self.config, self.backend.weight
+        cfg, be = self.config, self.backend
 
-        def w(name):     # host arrays, or on the GPU device ones (Backend.weight)
-            # --- INT4-GROUP EXPERTS (issue 39), a stopgap until the Weight/format registry:
-            # the reference ops take an Int4GroupWeight as it is (reference/layers/common.py
-            # dequantises one expert at a time, float64); no numba kernel reads it yet.
-            if isinstance(weights[name], Int4GroupWeight):
-                if self.backend.name != "reference":   # a BundleError: kdtree-run's one line
-                    raise BundleError(f"{name} is int4-group: only the reference backend "
-                                      f"runs int4 experts so far (--backend reference; the "
-                                      f"GPU kernels are a later step)")
-                return weights[name]
-            # --- end INT4-GROUP
-            return weight(weights[name])
+        def w(name, use="linear"):   # through the format registry (kdtree_numba/weights.py)
+            return load_weight(be, name, weights[name], use)
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
-            return weight(weights[name], np.float32)
+            return load_weight(be, name, weights[name], "float32", np.float32)
 
         def fused(*names):  # gate rows first, then up rows (the kernels' gate_up layout)
             # joined by the backend: on a GPU each part goes up once, no joined host copy
@@ -191,25 +181,25 @@ class Model(DeviceSteps):
 
         self.embed = shared.get("model/embed_tokens")
         if self.embed is None:
-            self.embed = w("model/embed_tokens")
-        self.final_norm = w("model/norm")
+            self.embed = w("model/embed_tokens", "embedding")
+        self.final_norm = w("model/norm", "norm")
         self.lm_head = shared.get("lm_head")
         if self.lm_head is None:
             self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head")
         self.layers = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model/layers/{layer}/"
-            lw = LayerWeights(input_norm=w(p + "input_layernorm"),
-                              post_norm=w(p + "post_attention_layernorm"),
-                              kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
+            lw = LayerWeights(input_norm=w(p + "input_layernorm", "norm"),
+                              post_norm=w(p + "post_attention_layernorm", "norm"),
+                              kv_a_norm=w(p + "self_attn/kv_a_layernorm", "norm"),
                               kv_b=w32(p + "self_attn/kv_b_proj"),
                               o_proj=w(p + "self_attn/o_proj"))
             if cfg.q_lora_rank is None:
                 lw.q_proj = w(p + "self_attn/q_proj")
                 lw.kv_a = w(p + "self_attn/kv_a_proj_with_mqa")
             else:
-                lw.q_a_norm, lw.q_b = (w(p + "self_attn/" + n) for n in
-                                       ("q_a_layernorm", "q_b_proj"))
+                lw.q_a_norm = w(p + "self_attn/q_a_layernorm", "norm")
+                lw.q_b = w(p + "self_attn/q_b_proj")
                 # q_a and kv_a read the same input: one GEMM over their stacked rows
                 # (_attention); kv_a alone (kv_latents) is a row block (a view) of it
                 lw.qkv_a = fused(p + "self_attn/q_a_proj",
@@ -222,8 +212,8 @@ class Model(DeviceSteps):
                 # the router runs in fp32 or better, whatever the weights' storage dtype
                 lw.router = w32(p + "mlp/gate")
                 lw.router_bias = w32(p + "mlp/e_score_correction_bias")
-                lw.gate_up = w(p + "mlp/experts/gate_up_proj")
-                lw.down = w(p + "mlp/experts/down_proj")
+                lw.gate_up = w(p + "mlp/experts/gate_up_proj", "experts")
+                lw.down = w(p + "mlp/experts/down_proj", "experts")
                 if cfg.n_shared_experts:
                     lw.shared_gate_up = fused(p + "mlp/shared_experts/gate_proj",
                                               p + "mlp/shared_experts/up_proj")
