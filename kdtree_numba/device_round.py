@@ -157,28 +157,34 @@ class DeviceRounds:
         packed = self.model.device_step(self._key(), self._round, (mask,),
                                         before_capture=getattr(self.drafter,
                                                                "prepare_capture", None))
-        self.in_flight.append((self.be.read_later(packed), active.copy()))
+        self.in_flight.append((self.be.read_later(packed), active.copy(), grow))
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
         """Wait for the oldest round in flight and return its packed committed tokens
         [bs, 1 + L + 1] (host int32; ``steps.pack_committed``) and the requests it ran (its
         launch mask); the lengths it made are confirmed in the host mirrors."""
-        wait, active = self.in_flight.pop(0)
+        wait, active, _ = self.in_flight.pop(0)
         packed = np.asarray(wait())
         grow = np.where(active, packed[:, 0], 0).astype(np.int64)
         self.floor = self.floor + grow
         if self.drafter_floor is not None:
             self.drafter_floor = self.drafter_floor + grow
-        if not self.in_flight:                          # nothing else pending: exact again
-            self.cache.confirm_lengths(self.floor)
-            if self.drafter_cache is not None:
-                self.drafter_cache.confirm_lengths(self.drafter_floor)
+        # the host mirrors: exact again, or the read lengths plus the bounds still in flight
+        pending = sum((bound for _, _, bound in self.in_flight), np.zeros_like(self.floor))
+        for cache, floor in ((self.cache, self.floor),
+                             (self.drafter_cache, self.drafter_floor)):
+            if cache is None:
+                continue
+            if self.in_flight:
+                cache.expect_device_growth(floor, floor + pending)
+            else:
+                cache.confirm_lengths(floor)
         return packed, active
 
     def finish(self) -> None:
         """Drop the rounds still in flight (their requests had finished): wait for them, then
         roll both caches back to the last collected round's lengths."""
-        for wait, _ in self.in_flight:
+        for wait, _, _ in self.in_flight:
             wait()
         self.in_flight.clear()
         self.cache.truncate(self.floor)

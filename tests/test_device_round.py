@@ -65,3 +65,15 @@ def test_device_rounds_refuse_a_drafter_that_needs_the_host():
     with pytest.raises(ValueError, match="fixed budget"):
         generate(target, [[1, 2]], 4, method="ddtree", budget="auto", device_rounds=True,
                  drafter=dflash)
+
+
+def test_many_rounds_keep_the_host_bounds_tight():
+    """Sixty rounds with one always in flight: the host mirrors of both caches stay within one
+    round's bound of the truth (a bound that only grew would overflow the 256-slot cache
+    after ~50 rounds of 5), and the tokens are AR's."""
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7]]
+    res = generate(target, prompts, 60, method="ddtree", drafter=drafter, budget=6,
+                   device_rounds=True)
+    assert res.tokens == generate(target, prompts, 60).tokens
+    assert res.stats.rounds >= 40 and target.generation_cache.max_len == 256

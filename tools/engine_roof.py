@@ -116,7 +116,7 @@ class _EagerGraphs:
     def __init__(self, graphs):
         self.captures, self.replays = graphs.captures, graphs.replays
 
-    def call(self, key, fn, inputs, specs, borrow=False):
+    def call(self, key, fn, inputs, specs, borrow=False, before_capture=None):
         return None
 
 
