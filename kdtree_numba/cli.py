@@ -144,6 +144,12 @@ def _run_parser() -> argparse.ArgumentParser:
                    "docs/ATTENTION.md, 'The bf16 cache')")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="T > 0: sample only from the smallest set of most likely tokens whose "
+                   "probability is >= P, renormalised (1: off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="T > 0: sample only from the K most likely tokens, renormalised "
+                   "(0: off); with --top-p, top-k applies first")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")
@@ -283,6 +289,7 @@ def _run(argv: list[str]) -> int:
     try:
         result = generate(model, prompts, args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, eos=args.eos, progress=first_token.wrap(bar),
                           stream=stream, on_round=recorder)
     finally:

@@ -62,6 +62,12 @@ def check_options(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature:g}: must be a finite number >= 0 "
                          f"(0: greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UsageError(f"--top-p {args.top_p:g}: must lie in (0, 1] (the smallest set of "
+                         f"most likely tokens holding that much probability; 1: off)")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k {args.top_k}: must be an integer >= 0 (the k most likely "
+                         f"tokens; 0: off)")
     if isinstance(args.budget, str) and args.budget != "auto":
         raise UsageError(f"--budget {args.budget!r}: not an integer or auto (tree nodes "
                          f"verified per DDTree round)")
