@@ -49,6 +49,8 @@ KEYS = 64       # attention key block
 
 
 def _f32(a) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous:
+        return a                              # the common case, without dtype-name lookups
     a = np.asarray(a)
     if a.dtype.name == "bfloat16":
         a = a.astype(np.float32)

@@ -61,7 +61,8 @@ import numpy as np  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from kdtree_numba import demo, plots  # noqa: E402
+from kdtree_numba import compat, demo, plots  # noqa: E402
+from kdtree_numba.backends import make_backend  # noqa: E402
 from kdtree_numba.budget import AutoBudget  # noqa: E402
 from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_layer_ids,  # noqa: E402
                                  dflash_config, dflash_shapes, random_weights)
@@ -98,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the first N held-out prompts (default: 128 on a GPU, 16 on the CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", choices=["auto", "reference", "numba"], default="auto")
+    p.add_argument("--precision", choices=["float32", "float64"], default="float32",
+                   help="the reference backend's: float32 is the CPU path (kdtree_numba/cpu.py), "
+                   "float64 the exact reference")
     p.add_argument("--drafter", default=demo.DEFAULT_DRAFTER,
                    help="a drafter bundle (DFlash), oracle:A, or random-dflash[:SEED]")
     p.add_argument("--block-len", type=int, default=ORACLE_BLOCK_LEN,
@@ -345,7 +349,10 @@ def agreement_table(agree: dict | None, drafter_name: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = Model.load(args.model, args.backend)
+    name = args.backend if args.backend != "auto" else \
+        ("numba" if compat.gpu_available() else "reference")
+    model = Model.load(args.model, make_backend(
+        name, precision=args.precision if name == "reference" else "float64"))
     be = model.backend
     codec = load_codec(args.model)
     if codec is None:
@@ -370,7 +377,7 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     be = model.backend
     configs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
-          f"{be.name}, drafter {drafter.name} (L = {drafter.block_len}), temperatures "
+          f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter {drafter.name} (L = {drafter.block_len}), temperatures "
           f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
     rows, runs, last = [], {}, 0.0
     for t in args.temperature:
@@ -396,7 +403,8 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
         agree = drafter_agreement(model, drafter, [p for p in prompts if p.get("id") in done],
                                   [r["tokens"] for r in greedy], args.agreement_stride)
     report = table(rows, be.name)
-    print(f"\nbackend {be.name}, drafter {drafter.name}, {len(prompts)} prompts x "
+    print(f"\nbackend {be.name} ({be.precision if be.name == 'reference' else 'float32'}), "
+          f"drafter {drafter.name}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} new tokens, batch 1\n")
     print(report)
     print()
