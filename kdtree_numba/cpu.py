@@ -139,18 +139,50 @@ def _ffn(h, gate_up, down):
     return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down.T)
 
 
+def _dense_experts(h, expert_idx, weight, gate_up, down):
+    """Every row through every expert, two calls (one GEMM over the experts' stacked gate_up
+    rows, one batched GEMM for their down projections), then each row's chosen experts added
+    in ascending order: for a handful of experts, fewer and larger calls than one expert at a
+    time, and each row's bits still depend on that row alone."""
+    m, d = h.shape
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T).reshape(m, e, two_i)
+    g = gu[..., :inter]
+    act = np.ascontiguousarray((g / (np.float32(1.0) + np.exp(-g)) * gu[..., inter:])
+                               .transpose(1, 0, 2))                       # [E, M, I]
+    pad = -m % ROWS
+    if pad:
+        act = np.concatenate([act, np.zeros((e, pad, inter), np.float32)], axis=1)
+    y = np.matmul(act.reshape(e, -1, ROWS, inter), down.transpose(0, 2, 1)[:, None])
+    y = y.reshape(e, -1, d)
+    rows = np.arange(m)
+    out = np.zeros((m, d), np.float32)
+    for j in range(expert_idx.shape[1]):          # ascending expert index in every row
+        out += weight[:, j:j + 1] * y[expert_idx[:, j], rows]
+    return out
+
+
+DENSE_EXPERTS = 16      # up to this many experts a MoE layer runs them all (_dense_experts)
+
+
 def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None):
     """``reference.layers.moe_ffn`` in float32: each token's experts added in ascending
-    expert order, then the shared expert (per row, so batch invariant)."""
+    expert order, then the shared expert (per row, so batch invariant).  A layer of at most
+    DENSE_EXPERTS experts runs every expert on every row (_dense_experts), a larger one
+    expert by expert: which way depends only on the layer, so decode and verify agree."""
     if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
         return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]))
     h = _f32(h)
     expert_idx, weight = np.asarray(expert_idx), _f32(weight)
-    out = np.zeros_like(h)
-    for e in np.unique(expert_idx):
-        tokens, slots = np.nonzero(expert_idx == e)
-        out[tokens] += weight[tokens, slots][:, None] * _ffn(h[tokens], _f32(gate_up[e]),
-                                                             _f32(down[e]))
+    if gate_up.shape[0] <= DENSE_EXPERTS:
+        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down))
+    else:
+        out = np.zeros_like(h)
+        for e in np.unique(expert_idx):
+            tokens, slots = np.nonzero(expert_idx == e)
+            out[tokens] += weight[tokens, slots][:, None] * _ffn(h[tokens], _f32(gate_up[e]),
+                                                                 _f32(down[e]))
     if shared_gate_up is not None:
         out += _ffn(h, _f32(shared_gate_up), _f32(shared_down))
     return out
@@ -216,9 +248,9 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
         width = -(-int(length.max()) // KEYS) * KEYS
         lists = np.zeros((n, width), np.int64)
         lists[:, :p0] = np.arange(p0)
-        col = np.arange(n)
-        for i in range(n):
-            lists[i, p0:p0 + counts[i]] = p0 + col[visible[b, i]]
+        rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        lists[rows, p0 + np.arange(rows.size) - first[rows]] = p0 + cols
         listed = np.take_along_axis(s, np.broadcast_to(lists[:, None], (n, heads, width)),
                                     axis=2) * np.float32(tau)
         inside = np.arange(width)[None, :] < length[:, None]       # [n, width]
