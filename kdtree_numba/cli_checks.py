@@ -71,7 +71,7 @@ def check_options(args) -> None:
     if isinstance(args.budget, str) and args.budget != "auto":
         raise UsageError(f"--budget {args.budget!r}: not an integer or auto (tree nodes "
                          f"verified per DDTree round)")
-    if args.budget != "auto" and args.budget < 1:
+    if args.budget not in (None, "auto") and args.budget < 1:
         raise UsageError(f"--budget {args.budget}: must be an integer >= 1 (tree nodes "
                          f"verified per DDTree round) or auto")
     if args.block_len is not None and not 1 <= args.block_len <= MAX_DEPTH:
@@ -168,8 +168,16 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-def open_backend(name: str, gemm: str = "cuda-cores") -> Backend:
+def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None) -> Backend:
+    """kdtree-run's backend: without a GPU the reference backend's float32 CPU path
+    (kdtree_numba/cpu.py) unless ``--precision float64`` asks for the exact reference."""
+    resolved = name if name != "auto" else ("numba" if compat.gpu_available() else "reference")
+    if precision is not None and resolved != "reference":
+        raise UsageError(f"--precision {precision}: the reference backend's choice (the numba "
+                         f"backend computes in float32); drop it or use --backend reference")
     try:
+        if resolved == "reference":
+            return make_backend("reference", gemm=gemm, precision=precision or "float32")
         return make_backend(name, gemm=gemm)
     except compat.NoDeviceError:
         raise UsageError(f"--backend {name}: no CUDA GPU found here; use --backend reference "

@@ -36,7 +36,8 @@ import numpy as np
 from reference import attention as ref_attention
 from reference import layers as ref_layers
 
-__all__ = ["ROWS", "KEYS", "cpu_ops", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS"]
+__all__ = ["ROWS", "KEYS", "cpu_ops", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
+           "DEFAULT_BUDGET", "DENSE_EXPERTS"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -46,6 +47,9 @@ DEFAULT_BLAS_THREADS = 1
 
 ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shape; 4 was not)
 KEYS = 64       # attention key block
+# kdtree-run's DDTree budget on this path: ROWS - 1 nodes and the root fill one GEMM block, so
+# a verify costs about one decode (a 9th row would start a second block)
+DEFAULT_BUDGET = ROWS - 1
 
 
 def _f32(a) -> np.ndarray:
