@@ -280,6 +280,7 @@ def _run(argv: list[str]) -> int:
     check_options(args)
     source = read_prompts(args)
     backend = open_backend(args.backend, args.gemm, args.precision)
+    args.budget_defaulted = args.budget is None
     if args.budget is None:
         args.budget = DEFAULT_BUDGET if backend.name == "numba" else cpu.DEFAULT_BUDGET
     target = plan_model(args)

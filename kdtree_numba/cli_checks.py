@@ -398,7 +398,10 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
         raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
                          f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "
                          f"reference)")
-    if L > B and drafter.kind in ("model", "oracle"):   # one forward per depth: wasted work
+    # one forward per depth: wasted work (not said of the CPU's default budget, which is
+    # chosen for the verify's cost: the user asked for neither number)
+    if L > B and drafter.kind in ("model", "oracle") and not getattr(args, "budget_defaulted",
+                                                                      False):
         warn(f"--block-len {L} is above --budget {B}: a tree of {B} nodes is at most {B} "
              f"deep, so the drafter's last {L - B} steps per round are wasted")
     if backend.name == "reference":

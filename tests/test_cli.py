@@ -219,6 +219,21 @@ def test_budget_above_the_gpu_builder_is_refused_on_numba(capsys):
     assert "1024" in one_error_line(capsys, "kdtree-run")
 
 
+@pytest.mark.skipif(compat.gpu_available(), reason="the CPU default")
+def test_without_a_gpu_kdtree_run_takes_the_float32_cpu_path_and_says_so(capsys):
+    assert run_main(DD + ["--max-new-tokens", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "the float32 CPU path" in out.err and "--precision float64" in out.err
+    assert json.loads(out.out)["stats"]["budget"] == 7          # cpu.DEFAULT_BUDGET
+    assert run_main(["--max-new-tokens", "2", "--precision", "float64"]) == 0
+    assert "float64, the exact NumPy reference" in capsys.readouterr().err
+
+
+def test_precision_is_the_reference_backends_option(capsys):
+    assert run_main(["--backend", "numba", "--precision", "float32"]) == 2
+    assert "--precision float32" in one_error_line(capsys, "kdtree-run")
+
+
 def test_budget_above_the_limit_warns_with_the_cost_on_reference(capsys):
     assert run_main(DD + ["--backend", "reference", "--budget", "1500", "--max-new-tokens",
                           "1"]) == 0
