@@ -97,20 +97,7 @@ def add_rmsnorm(x, delta, weight, eps: float):
 
 def rope(x, positions, spec) -> np.ndarray:
     """``reference.layers.rope`` with float32 products (angles and cos/sin in float64)."""
-    x = _f32(x)
-    pos = np.asarray(positions)
-    m, _, dr = x.shape
-    if dr != spec.head_dim or pos.shape != (m,):
-        raise ValueError(f"rope wants x [M, H, {spec.head_dim}] and positions [M], "
-                         f"got {x.shape}, {pos.shape}")
-    angle = pos.astype(np.float64)[:, None] * spec.inv_freq()[None, :]
-    cos = (np.cos(angle) * spec.amplitude()).astype(np.float32)[:, None, :]
-    sin = (np.sin(angle) * spec.amplitude()).astype(np.float32)[:, None, :]
-    if spec.interleave:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        a, b = x[..., : dr // 2], x[..., dr // 2:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return ref_layers.rotate(_f32(x), positions, spec, np.float32)
 
 
 def moe_route(h, gate_w, bias=None, *, top_k: int, n_group: int = 1, topk_group: int = 1,
