@@ -214,10 +214,13 @@ def _padded_rows(a, rows: int) -> np.ndarray:
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
                   prefill=False, causal=False):
-    """``reference.attention.mla_attention`` in float32, batch invariant (module docstring);
-    float32 caches only (a bf16 cache is the GPU's)."""
+    """``reference.attention.mla_attention`` in float32, batch invariant (module docstring).
+    ``max_keys`` and ``prefill`` (the numba twin's split-plan hints) change nothing here.  A
+    bf16 cache (uint16 ckv/kpe) goes to the reference itself: its per-query loop takes the
+    same shapes for a node as for its decode, so it is batch invariant too, only slower."""
     if np.asarray(ckv).dtype == np.uint16:
-        raise TypeError("the float32 CPU path takes a float32 cache (--kv-cache float32)")
+        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                           causal=causal)
     q_abs, q_pe = _f32(q_abs), _f32(q_pe)
     visible = np.asarray(visible, bool)
     bs, n, heads, r = q_abs.shape

@@ -1,11 +1,14 @@
 """The demo pair's measurement (issue 14, "Measure"): AR, chain and DDTree on held-out code.
 
     python3 tools/bench_demo.py [--prompts N] [--max-new-tokens 128] [--backend auto]
+        [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
         [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--json PATH] [--plot PATH.png]
 
-Target: ``--model`` (default the shipped demo target, kdtree_numba/demo).  Prompts: the first
+Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``; the
+reference backend runs its float32 CPU path (kdtree_numba/cpu.py) unless ``--precision
+float64``.  Prompts: the first
 ``--prompts`` held-out prompts (default all 128 on a GPU, 16 on the CPU), each encoded as
 ``[bos] + encode(text)`` (docs/DEMO.md, "Prompt set").  Drafter (``--drafter``, default
 ``kdtree_numba.demo.DEFAULT_DRAFTER``): a DFlash drafter bundle (tools/train_drafter.py), any
