@@ -13,7 +13,7 @@ each level's mass pooled into one cell, so every cell expects >= 5.
 False-alarm rate: the threshold is the chi-square quantile at ``ALPHA`` = 1e-4 (Wilson-Hilferty
 approximation, accurate to a few percent of alpha at these degrees of freedom), so a correct
 sampler fails one configuration with probability ~1e-4 (the fast set's 6 checks: ~6e-4; the
-slow grid's 24: ~2.4e-3).  The seeds are fixed, so a passing run stays passing.  Power: the
+slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba backend: ~9e-4).  The seeds are fixed, so a passing run stays passing.  Power: the
 same statistic must reject AR's top-p 0.9 samples against the untruncated distribution
 (``test_the_check_rejects_the_wrong_distribution``), so it is not a check that cannot fail.
 """
@@ -38,9 +38,9 @@ MIN_EXPECTED = 5.0
 
 
 @functools.lru_cache(maxsize=None)
-def tiny() -> Model:
+def tiny(backend: str = "reference") -> Model:
     cfg = size_config("tiny", num_hidden_layers=2)
-    return Model(cfg, dict(random_weights(cfg, 3)), "reference")
+    return Model(cfg, dict(random_weights(cfg, 3)), backend)
 
 
 def truncated_probs(logits, temperature: float, top_p: float, top_k: int) -> np.ndarray:
@@ -121,8 +121,9 @@ def chi_square_rejects(samples, cells) -> tuple[bool, float, float]:
     return stat > threshold, stat, threshold
 
 
-def samples(method: str, n: int, temperature, top_p, top_k, seed: int = 0):
-    model = tiny()
+def samples(method: str, n: int, temperature, top_p, top_k, seed: int = 0,
+            backend: str = "reference"):
+    model = tiny(backend)
     drafter = None if method == "ar" else \
         NoisyOracleDrafter(model, 3, agreement=0.9, seed=seed, sharpness=1.5)
     out = generate(model, [PROMPT] * n, NEW, method=method, drafter=drafter, budget=6,
@@ -130,10 +131,10 @@ def samples(method: str, n: int, temperature, top_p, top_k, seed: int = 0):
     return out.tokens
 
 
-def check(method, n, temperature, top_p, top_k):
+def check(method, n, temperature, top_p, top_k, backend="reference"):
     expected = expected_cells(tiny(), n, temperature, top_p, top_k)
-    reject, stat, threshold = chi_square_rejects(samples(method, n, temperature, top_p, top_k),
-                                                 expected)
+    reject, stat, threshold = chi_square_rejects(
+        samples(method, n, temperature, top_p, top_k, backend=backend), expected)
     assert not reject, (f"{method} T={temperature} top_p={top_p} top_k={top_k}: chi-square "
                         f"{stat:.1f} > {threshold:.1f} over {len(expected[0])} cells")
 
@@ -153,6 +154,17 @@ def test_sampled_tokens_follow_the_target_distribution(method, temperature, top_
 @pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (0.9, 0), (1.0, 50), (0.9, 50)])
 def test_sampled_tokens_follow_the_target_distribution_grid(method, temperature, top_p, top_k):
     check(method, 2000, temperature, top_p, top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree"])
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 0.9, 50), (0.7, 1.0, 0),
+                                                       (1.0, 1.0, 50)])
+def test_sampled_tokens_follow_the_target_distribution_on_the_gpu(method, temperature, top_p,
+                                                                  top_k):
+    """The numba backend's samples (its sampling kernel, its forwards) against the exact
+    distribution of the same weights, enumerated on the reference."""
+    check(method, 2000, temperature, top_p, top_k, backend="numba")
 
 
 def test_the_check_rejects_the_wrong_distribution():
