@@ -37,10 +37,16 @@ NEW = 3                      # tokens per sample: the prefill's, then tree round
 MIN_EXPECTED = 5.0
 
 
+LOGIT_SCALE = 4.0   # random weights give a flat next-token distribution (top token ~7%);
+                    # sharper logits put the mass in cells the test can see
+
+
 @functools.lru_cache(maxsize=None)
 def tiny(backend: str = "reference") -> Model:
     cfg = size_config("tiny", num_hidden_layers=2)
-    return Model(cfg, dict(random_weights(cfg, 3)), backend)
+    weights = dict(random_weights(cfg, 3))
+    weights["lm_head"] = (weights["lm_head"] * LOGIT_SCALE).astype(weights["lm_head"].dtype)
+    return Model(cfg, weights, backend)
 
 
 def truncated_probs(logits, temperature: float, top_p: float, top_k: int) -> np.ndarray:
