@@ -4,7 +4,8 @@
         [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
-        [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--json PATH] [--plot PATH.png]
+        [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--json PATH]
+        [--plot PATH.png]
 
 Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``; the
 reference backend runs its float32 CPU path (kdtree_numba/cpu.py) unless ``--precision
@@ -121,6 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the drafter's agreement at every S-th anchor (0: not at all)")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds for the whole run; 0: no limit")
+    p.add_argument("--interleave", action="store_true",
+                   help="run every configuration on each prompt in turn (a shared machine's "
+                   "changing load then weighs on every row alike) instead of one "
+                   "configuration over all prompts at a time")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run each configuration once before timing it (default: on a GPU)")
     p.add_argument("--json", metavar="PATH", help="write everything measured as JSON")
@@ -228,6 +233,28 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
         if stop is not None and stop.signalled:
             break
     return out
+
+
+def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop, runs) -> list:
+    """``--interleave``: prompt by prompt, every configuration in turn, so that a load that
+    changes during the run (a shared machine) weighs on every row alike.  Stops after the
+    prompt in flight at a signal (``--time-limit`` is not applied)."""
+    for i, rec in enumerate(prompts):
+        for method, budget in configs:
+            got = run_config(model, drafter, [rec], method, budget, t, args, warmup and i == 0)
+            runs.setdefault((method, budget, t), []).extend(got)
+        if stop.signalled:
+            break
+    rows = []
+    for method, budget in configs:
+        got = runs[(method, budget, t)]
+        row = summarise(method, budget, t, got, runs.get(("ar", None, t), []))
+        rows.append(row)
+        name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
+        print(f"  {name}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s "
+              f"({row['speedup']:.2f}x AR), identical {row['identical']}/{row['compared']}",
+              file=sys.stderr)
+    return rows
 
 
 def summarise(method, budget, temperature, runs, ar_runs) -> dict:
@@ -380,10 +407,15 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     be = model.backend
     configs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
-          f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter {drafter.name} (L = {drafter.block_len}), temperatures "
-          f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
+          f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter "
+          f"{drafter.name} (L = {drafter.block_len}), temperatures {args.temperature}, "
+          f"warm-up {'on' if warmup else 'off'}"
+          f"{', interleaved' if args.interleave else ''}", file=sys.stderr)
     rows, runs, last = [], {}, 0.0
     for t in args.temperature:
+        if args.interleave:
+            rows += interleaved(model, drafter, prompts, configs, t, args, warmup, stop, runs)
+            continue
         for method, budget in configs:
             name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
             if not stop.allows(name, last):
