@@ -444,8 +444,16 @@ def _atomic_h5(path: str):
                                dir=directory)
     os.close(fd)
     try:
-        with h5py.File(tmp, "w", track_order=True) as out:
+        out = h5py.File(tmp, "w", track_order=True)
+        try:
             yield out
+        except BaseException:
+            # Closing flushes what is cached; after a failed write (a full disk) that fails
+            # too, and its error would hide the first one.  The file is removed below.
+            with contextlib.suppress(Exception):
+                out.close()
+            raise
+        out.close()
         umask = os.umask(0o022)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; give it a normal file's mode

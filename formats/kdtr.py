@@ -203,11 +203,26 @@ class Group(_Node):
             raise TypeError(f"{path!r} exists and is a dataset, not a group")
         return self._file._node(index)
 
-    def create_dataset(self, path: str, shape=None, dtype=None, data=None) -> "Dataset":
+    def create_dataset(self, path: str, shape=None, dtype=None, data=None, *,
+                       packed=None) -> "Dataset":
         """Write a dataset now (streamed to the temporary file).  ``data`` is converted to
         ``dtype`` when both are given; without ``data``, ``shape`` (and ``dtype``, default
-        float32) make a zero-filled dataset.  ``dtype="int4"`` packs int8 values in [-8, 7]."""
+        float32) make a zero-filled dataset.  ``dtype="int4"`` packs int8 values in [-8, 7].
+        ``packed``: an int4 dataset's stored bytes as they are (uint8 ``[..., last // 2]``, as
+        ``Dataset.packed()`` gives them), with ``shape`` the logical shape: written without
+        being unpacked (an importer that already holds packed nibbles never widens them)."""
         self._file._require_writable()
+        if packed is not None:
+            if data is not None or shape is None or dtype_for(dtype or "int4").name != "int4":
+                raise TypeError("create_dataset(packed=...) takes the logical shape, "
+                                "dtype='int4' and no data")
+            shape = tuple(int(s) for s in shape)
+            parent, last = self._make_parents(path)
+            if last in self._file._children[parent]:
+                raise ValueError(f"{path!r} already exists in {self.name!r}")
+            return self._file._node(writer.write_dataset(self._file, parent, last,
+                                                         dtype_for("int4"), shape, packed,
+                                                         packed=True))
         if data is None:
             if shape is None:
                 raise TypeError("create_dataset needs data or a shape")
@@ -479,6 +494,8 @@ class File(Group):
         self._closed = True
         try:
             self._out.close()
+        except OSError:
+            pass   # flushing the rest fails as the write did (a full disk); the file goes anyway
         finally:
             if os.path.exists(self._tmp_path):
                 os.unlink(self._tmp_path)

@@ -71,11 +71,22 @@ def _write_chunks(file, array: np.ndarray) -> int:
     return crc
 
 
-def write_dataset(file, parent: int, name: str, dt: DType, shape, array) -> int:
+def write_dataset(file, parent: int, name: str, dt: DType, shape, array, *,
+                  packed: bool = False) -> int:
+    """Stream one dataset; ``packed``: ``array`` is already int4's stored bytes (uint8
+    ``[..., shape[-1] // 2]``), written as it is."""
     where = file._paths[parent].rstrip("/") + "/" + name
     shape = tuple(int(s) for s in shape)
     count = _check_shape(dt, shape, where)
-    stored = None if array is None else _stored_bytes(dt, array)
+    if packed:
+        array = np.asarray(array)
+        want = shape[:-1] + (shape[-1] // 2,)
+        if not dt.packed or array.dtype != np.uint8 or array.shape != want:
+            raise ValueError(f"{where!r}: packed int4 bytes must be uint8 of shape {want}, "
+                             f"got {array.dtype} {array.shape}")
+        stored = array
+    else:
+        stored = None if array is None else _stored_bytes(dt, array)
     index = file._add_node(parent, name, L.KIND_DATASET)
     offset = L.align_up(file._cursor, file._align_log2)
     file._out.write(b"\0" * (offset - file._cursor))

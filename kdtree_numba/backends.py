@@ -54,6 +54,9 @@ LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", 
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
               "accept_sampled", "compact_kv")
+# the paged KV layout's ops (kdtree_numba/kvlayout.py): the reference's; the numba backend has
+# no paged kernels yet and refuses them (docs/ENGINE.md, "The KV cache")
+PAGED_OPS = {"paged_mla_attention": reference_attention, "compact_kv_paged": reference_ddtree}
 
 
 def bf16_bits(xp, x):
@@ -249,13 +252,24 @@ def _reference_ops() -> SimpleNamespace:
     ops.update({name: getattr(reference_ddtree, name) for name in DDTREE_OPS})
 
     def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
-                      prefill=False, causal=False):
-        """``reference.attention.mla_attention``; ``max_keys`` and ``prefill`` (the numba
-        twin's split-plan hints) do not change the result, so they are ignored."""
+                      prefill=False, causal=False, plans=None):
+        """``reference.attention.mla_attention``; ``max_keys``, ``prefill`` and ``plans``
+        (the numba twin's split-plan hints and plan cache) do not change the result, so they
+        are ignored."""
         return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible,
                                                  tau, causal=causal)
     ops["mla_attention"] = mla_attention
+    ops.update({name: getattr(module, name) for name, module in PAGED_OPS.items()})
     return SimpleNamespace(**ops)
+
+
+def _no_paged_kernel(name: str):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"{name}: the numba backend has no paged-KV kernels yet; the paged KV layout runs "
+            f"on the reference backend (docs/ENGINE.md, \"The KV cache\")")
+    refuse.__name__ = name
+    return refuse
 
 
 def map_arrays(fn, x, is_array=None):
@@ -334,6 +348,7 @@ def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamesp
            for module, names in ((numba_layers, LAYER_OPS), (numba_attention, ATTENTION_OPS),
                                  (numba_ddtree, DDTREE_OPS))
            for name in names}
+    ops.update({name: _no_paged_kernel(name) for name in PAGED_OPS})
     if gemm == "tensor-cores":
         # bf16 weights on tensor cores, everything else on kernels whose summation order does
         # not depend on M, and attention's keys split in fixed chunks: every op is then batch

@@ -20,7 +20,9 @@ Layout (docs/ENGINE.md has the full table)::
     /dflash/...             a DFlash drafter's (kdtree.bundle = "dflash_drafter": no embedding
                             and no lm_head, it runs on its target's; :func:`dflash_shapes`)
 
-Weights are float32, bfloat16 or float16.  ``read_bundle`` validates everything against the
+Weights are float32, bfloat16 or float16; the routed experts (:data:`QUANTIZABLE`) may instead
+be int4-group (formats/int4_group.py: a group of packed int4 and bf16 scales, read back as an
+``Int4GroupWeight``).  ``read_bundle`` validates everything against the
 config before the model sees it; any problem raises :class:`BundleError` naming the tensor.
 A bundle may carry its tokenizer (:class:`BundleTokenizer`, read by
 :func:`read_bundle_tokenizer`; kdtree_numba/text.py turns it into a codec), CRC-checked like
@@ -41,10 +43,13 @@ import numpy as np
 
 from formats import kdtr
 from formats.console import UsageError
+from formats.int4_group import (Int4GroupWeight, WeightFormatError, is_weight_group,
+                                read_weight, stored_layout, write_weight)
 from formats.paths import output_directory
 from kdtree_numba.config import ModelConfig, weight_shapes
 
-__all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_bundle",
+__all__ = ["BundleError", "read_bundle", "QUANTIZABLE", "open_bundle", "BundleWeights",
+           "write_bundle",
            "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "init_spec", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",
@@ -56,6 +61,9 @@ __all__ = ["BundleError", "read_bundle", "open_bundle", "BundleWeights", "write_
 BUNDLE_VERSION = 1
 BUNDLE_KINDS = ("model", "block_drafter", "dflash_drafter")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+# The tensors that may be stored int4-group (formats/int4_group.py) instead of a float dtype:
+# the routed experts, which Kimi-K2's checkpoints quantise; everything else stays float.
+QUANTIZABLE = ("mlp/experts/gate_up_proj", "mlp/experts/down_proj")
 # The tokenizer travels inside the bundle as the bytes of HF tokenizers' tokenizer.json (JSON:
 # nothing is ever unpickled), under a group that is not part of the model's tensors.
 TOKENIZER_DATASET = "tokenizer/json"
@@ -223,12 +231,18 @@ def write_bundle(path, config: ModelConfig,
             for key, value in rope_scaling.items():
                 sub.attrs[key] = value
         for name, array in items:
-            array = np.asarray(array)
+            if not isinstance(array, Int4GroupWeight):
+                array = np.asarray(array)
             _check_tensor(name, tuple(array.shape), expected, config)
             if name in seen:
                 raise BundleError(f"tensor {name} given twice")
             seen.add(name)
-            f.create_dataset(name, data=_cast(name, array, dtype))
+            if isinstance(array, Int4GroupWeight):   # stored as it is, whatever ``dtype``
+                _check_quantizable(name)
+                parent, leaf = name.rsplit("/", 1)
+                write_weight(f.require_group(parent), leaf, array)
+            else:
+                f.create_dataset(name, data=_cast(name, array, dtype))
             done = min(done + array.size * itemsize, total)
             del array   # else the loop variable keeps it alive while the next one is made
             if progress is not None:
@@ -254,6 +268,12 @@ def _check_tensor(name: str, shape: tuple, expected: Mapping[str, tuple], cfg: M
                           f"{tuple(expected[name])} (vocab_size={cfg.vocab_size}, hidden_size="
                           f"{cfg.hidden_size}, heads={cfg.num_attention_heads}, kv_lora_rank="
                           f"{cfg.kv_lora_rank}, n_routed_experts={cfg.n_routed_experts})")
+
+
+def _check_quantizable(name: str) -> None:
+    if not name.endswith(QUANTIZABLE):
+        raise BundleError(f"tensor {name}: only the routed experts ({', '.join(QUANTIZABLE)}) "
+                          f"may be int4-group; this tensor must be one of {WEIGHT_DTYPES}")
 
 
 def check_output_path(path) -> None:
@@ -316,13 +336,22 @@ class BundleWeights(Mapping):
     def __init__(self, path: str, datasets: Mapping[str, Any], verify: bool, progress=None):
         self.path, self.verify, self.progress = path, verify, progress
         self._datasets = dict(datasets)
-        self.total_bytes = sum(int(ds.nbytes) for ds in self._datasets.values())
+        self.total_bytes = sum(self._nbytes(ds) for ds in self._datasets.values())
         self.done_bytes = 0
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    @staticmethod
+    def _nbytes(node) -> int:
+        return stored_layout(node).nbytes if is_weight_group(node) else int(node.nbytes)
+
+    def __getitem__(self, name: str) -> np.ndarray | Int4GroupWeight:
+        """The tensor; an int4-group expert tensor (its layout checked at open) comes as an
+        ``Int4GroupWeight``, packed (formats/int4_group.py)."""
         ds = self._datasets[name]
-        array = ds.read(verify=True) if self.verify else ds[...]
-        self.done_bytes = min(self.done_bytes + int(ds.nbytes), self.total_bytes)
+        if is_weight_group(ds):
+            array = read_weight(ds, verify=self.verify, where=name)
+        else:
+            array = ds.read(verify=True) if self.verify else ds[...]
+        self.done_bytes = min(self.done_bytes + self._nbytes(ds), self.total_bytes)
         if self.progress is not None:
             self.progress(self.done_bytes, self.total_bytes)
         return array
@@ -355,27 +384,40 @@ def open_bundle(path, *, extra_shapes=None, verify: bool = True, progress=None,
                         **(extra_shapes or {}))
         present: dict[str, Any] = {}
 
+        weight_groups: set[str] = set()
+
         def collect(name, node):
-            # the tokenizer's bytes are not a tensor (any other name under tokenizer/ is)
-            if hasattr(node, "shape") and not name.startswith("config") and \
-                    name != TOKENIZER_DATASET:
+            # the tokenizer's bytes are not a tensor (any other name under tokenizer/ is); a
+            # weight format's group is one tensor, its members are not (visited after it)
+            if is_weight_group(node):
+                weight_groups.add(name)
+                present[name] = node
+            elif hasattr(node, "shape") and not name.startswith("config") and \
+                    name != TOKENIZER_DATASET and name.rsplit("/", 1)[0] not in weight_groups:
                 present[name] = node
         f.visititems(collect)
+
+        def shape_of(name):
+            node = present[name]
+            if is_weight_group(node):
+                _check_quantizable(name)
+                return stored_layout(node, name).shape   # validated, nothing read
+            return tuple(node.shape)
         try:
             for name in expected:   # in model order, so the first problem reported is the first
                 if name not in present:
                     raise BundleError(f"missing tensor {name} (expected shape "
                                       f"{tuple(expected[name])} for {_config_summary(config)})")
-                _check_tensor(name, tuple(present[name].shape), expected, config)
+                _check_tensor(name, shape_of(name), expected, config)
             ordered = {}
             for name in list(expected) + sorted(set(present) - set(expected)):
                 ds = present[name]
-                _check_tensor(name, tuple(ds.shape), expected, config)
-                if np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
+                _check_tensor(name, shape_of(name), expected, config)
+                if not is_weight_group(ds) and np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
                     raise BundleError(f"tensor {name} has dtype {ds.dtype}; weights must be one "
                                       f"of {WEIGHT_DTYPES}")
                 ordered[name] = ds
-        except BundleError as e:
+        except (BundleError, WeightFormatError) as e:
             raise BundleError(f"{path}: {e}") from None
         yield config, dict(f.attrs), BundleWeights(path, ordered, verify, progress)
 

@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from formats.console import UsageError, add_debug_flag, run_console
+from formats.console import (ArgumentParser, UsageError, add_debug_flag, refuse_existing,
+                             run_console, writing)
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
 from kdtree_numba import demo, kernel_cache, plots
@@ -86,10 +87,10 @@ def _progress_bar(args, desc: str, total=None, unit: str = "B") -> ProgressBar:
     return bar
 
 
-def _run_parser() -> argparse.ArgumentParser:
+def _run_parser() -> ArgumentParser:
     ids = ",".join(map(str, DEFAULT_PROMPT))
     text = repr(DEFAULT_TEXT_PROMPT)
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="kdtree-run", formatter_class=_HelpFormatter,
         description="Generate with a DeepSeek-V3/Kimi-K2-architecture model bundle: "
         "autoregressive (ar) or DDTree speculative decoding (ddtree).",
@@ -370,7 +371,7 @@ def run_main(argv=None) -> int:
 
 
 def _make_model(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="kdtr-make-model", formatter_class=_HelpFormatter,
         description="Write a deterministic random model bundle (weights O(0.1-1), so routing "
         "and attention are not trivial). A drafter is written for a target of the same "
@@ -391,9 +392,11 @@ def _make_model(argv: list[str]) -> int:
                    help="weight dtype")
     p.add_argument("--progress", action="store_true",
                    help="progress line on stderr even when it is not a terminal")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     add_debug_flag(p)
     args = p.parse_args(argv)
     check_output_path(args.out)
+    refuse_existing(args.out, args.force)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be an integer >= 0")
     role = ("dflash_drafter" if args.dflash_drafter else "block_drafter" if args.block_drafter
@@ -401,8 +404,9 @@ def _make_model(argv: list[str]) -> int:
     t0 = time.perf_counter()
     bar = _progress_bar(args, f"write {args.out}")
     try:
-        cfg = make_random_bundle(args.out, args.size, args.seed, args.dtype, role=role,
-                                 progress=bar)
+        with writing(args.out):
+            cfg = make_random_bundle(args.out, args.size, args.seed, args.dtype, role=role,
+                                     progress=bar)
     finally:
         bar.close()
     shapes = weight_shapes(cfg) if role != "dflash_drafter" else \

@@ -45,7 +45,8 @@ SLOW_ROUND_S = 10.0
 
 def budget_value(text: str):
     """``--budget`` as given: an int, ``"auto"``, or the text itself, which check_options
-    refuses in one line naming it (argparse's own type errors print the whole usage)."""
+    refuses naming the value and both forms (argparse's type error would say only
+    "invalid budget_value value")."""
     if text.strip().lower() == "auto":
         return "auto"
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 
@@ -30,18 +29,20 @@ if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls 
 
 from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
 
+from kdtree_numba import runtime  # noqa: E402
+
 __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_kernels",
            "kernel", "device_function", "to_device", "device_empty", "is_device_array",
            "NoDeviceError"]
 
-SIMULATOR: bool = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+SIMULATOR: bool = runtime.current().simulator
 
 
 def _install_cupy_pool():
     """Job 4: numba's device allocations from CuPy's pool, where CuPy imports (a broken CuPy
     keeps numba's own allocator rather than failing every allocation).  CuPy's array class
     when installed, else None."""
-    if SIMULATOR or os.environ.get("KDTREE_NUMBA_POOL", "1") == "0":
+    if SIMULATOR or not runtime.current().numba_pool:
         return None
     try:
         import cupy
@@ -58,7 +59,7 @@ _CUPY = _install_cupy_pool()
 
 # KDTREE_CUDA_LINEINFO=1 compiles every kernel with source line info, so compute-sanitizer and
 # ncu name the Python line of a fault (code generation is otherwise unchanged).
-LINEINFO: bool = os.environ.get("KDTREE_CUDA_LINEINFO", "0") == "1"
+LINEINFO: bool = runtime.current().lineinfo
 
 # jit options the simulator rejects with TypeError (lineinfo, register caps, launch bounds).
 _SIM_UNSUPPORTED = ("lineinfo", "max_registers", "launch_bounds", "cache")
@@ -142,7 +143,7 @@ def _cached_jit(fn, options: dict):
 def _fast_launches(dispatcher):
     """Job 5: the kernel launched through kdtree_numba/gpu/launch.py (``KDTREE_FAST_LAUNCH=0``:
     numba's own launch path)."""
-    if os.environ.get("KDTREE_FAST_LAUNCH", "1") == "0":
+    if not runtime.current().fast_launch:
         return dispatcher
     from kdtree_numba.gpu.launch import FastKernel
     return FastKernel(dispatcher)

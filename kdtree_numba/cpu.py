@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from formats.int4_group import Int4GroupWeight
 from reference import attention as ref_attention
 from reference import layers as ref_layers
 
@@ -55,6 +56,8 @@ DEFAULT_BUDGET = ROWS - 1
 def _f32(a) -> np.ndarray:
     if type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous:
         return a                              # the common case, without dtype-name lookups
+    if isinstance(a, Int4GroupWeight):        # q * bf16 scale: exact in float32
+        return a.dequantize(np.float32)
     a = np.asarray(a)
     if a.dtype.name == "bfloat16":
         a = a.astype(np.float32)

@@ -39,8 +39,9 @@ __all__ = ["KIMI_SLICE", "kimi_slice_config", "bf16_bits", "random_device_weight
 DEVICE_DTYPES = ("bfloat16", "float32")
 CHUNK = 1 << 26            # values drawn at once: 256 MiB of float32 scratch on the device
 
-# Kimi-K2-Instruct's widths (/work/shared/notes/mla-moe.md) with 4 layers (the first dense, as
-# in Kimi-K2) and 64 routed experts instead of 61 layers and 384: issue 15's benchmark target.
+# Kimi-K2-Instruct's widths (the config.json of moonshotai/Kimi-K2-Instruct) with 4 layers
+# (the first dense, as in Kimi-K2) and 64 routed experts instead of 61 layers and 384: issue
+# 15's benchmark target.
 KIMI_SLICE = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
                   moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=64,
                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,

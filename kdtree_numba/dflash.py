@@ -38,6 +38,7 @@ import numpy as np
 from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_dflash_bundle,
                                  read_dflash_spec)
 from kdtree_numba.config import ModelConfig
+from kdtree_numba.drafting import Commit, DraftContext, TargetNeeds
 from kdtree_numba.kvcache import KVCache
 from kdtree_numba.model import Model
 
@@ -47,18 +48,18 @@ DFLASH_TENSORS = ("dflash/fc", "dflash/hidden_norm", "dflash/mask_embedding")
 
 
 def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
-    """features [bs, m, k D], rows [bs, m] (cache slots = positions), prefix [bs] -> ():
-    fuse the features and write every drafter layer's latents of them (uncommitted; device
-    work only, so a CUDA graph can capture it)."""
+    """features [bs, m, k D], lengths [bs] (the cache's device lengths) -> (): fuse the
+    features and write every drafter layer's latents of them at the next m slots (slot =
+    position; uncommitted; device work only, so a CUDA graph can capture it)."""
     xp, ops, cfg = model.backend.xp, model.backend.ops, model.config
     r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
-    def run(features, rows, prefix):
+    def run(features, lengths):
         bs, m, width = features.shape
         x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
         f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
-        positions = xp.ascontiguousarray(rows.reshape(bs * m)).astype(np.int32)
-        slots = cache.device_slots(rows, prefix)
+        slots = cache.device_slots(lengths, m)
+        positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
         for layer in range(cfg.num_hidden_layers):
             c, k_pe = model.kv_latents(layer, f, positions)
             cache.write(layer, c.reshape(bs, m, r), k_pe.reshape(bs, m, dr), slots)
@@ -67,12 +68,14 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
 
 
 class DFlashDrafter:
-    """A DFlash block drafter for one target model (module docstring).
+    """A DFlash block drafter for one target model (module docstring), a
+    :class:`~kdtree_numba.drafting.Drafter`.
 
-    The engine feeds it: ``feature_layers`` tells it which target layers to capture;
-    :meth:`extend_context` takes the captured features of the newly verified tokens (the
-    prompt after prefill, the accepted nodes after a round); :meth:`propose` drafts from the
-    roots.  ``block_len`` (L = B - 1) is the tree's maximum depth."""
+    ``needs`` asks the target for the residual streams after ``feature_layers``; each commit's
+    features of the newly verified tokens (the prompt after prefill, the root and the
+    accepted nodes after a round) extend its context (:meth:`extend_context`);
+    :meth:`propose` drafts from the roots (:meth:`draft`).  ``block_len`` (L = B - 1) is the
+    tree's maximum depth."""
 
     def __init__(self, target: Model, config: ModelConfig, weights: Mapping[str, Any],
                  spec: DFlashSpec, name: str = "dflash"):
@@ -117,14 +120,29 @@ class DFlashDrafter:
         return self.model.vocab_size
 
     @property
+    def needs(self) -> TargetNeeds:
+        return TargetNeeds(feature_layers=self.feature_layers)
+
+    @property
     def context_lengths(self) -> np.ndarray:
         """Entries in each request's context (host int64 [bs])."""
         return self.cache.lengths.copy()
+
+    # propose and on_commit read no host value when the commit's host counts are absent:
+    # the engine may run whole rounds as one device program (kdtree_numba/device_round.py)
+    device_only = True
 
     def start(self, batch: int, max_len: int) -> None:
         """An empty context for ``batch`` requests of up to ``max_len`` positions (the last
         generation's cache when it fits, so its CUDA graphs replay)."""
         self.cache = self.model.reuse_cache(self.cache, batch, max_len)
+        B, xp = self.spec.block_size, self.model.backend.xp
+        # the block forward's token ids (unused: it takes embeddings) and visibility, on the
+        # device once, so a proposal uploads nothing; kept while the batch is (a captured
+        # device round holds their addresses)
+        if getattr(self, "_block", None) is None or self._block[0].shape[0] != batch:
+            self._block = (xp.zeros((batch, B), np.int32), xp.ones((batch, B, B), bool),
+                           xp.arange(B, dtype=np.int32))
 
     def _started(self, bs: int) -> KVCache:
         if self.cache is None or self.cache.batch != bs:
@@ -136,22 +154,51 @@ class DFlashDrafter:
         ``lengths[b]`` rows of ``features`` [bs, m, k D] (float32, device or host; the rows of
         the next tokens in order, the rest ignored), fused and injected into every layer's
         cache at the next positions, and committed."""
+        m = self._inject(features)
+        lengths = np.broadcast_to(np.asarray(lengths, np.int64), (int(features.shape[0]),))
+        if np.any(lengths < 0) or np.any(lengths > m):
+            raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
+        self.cache.advance(lengths)
+
+    def extend_on_device(self, features, counts) -> None:
+        """:meth:`extend_context` by device ``counts`` [bs] (never read): the same injection,
+        then the context lengths grow on the device.  The host's mirror of them is the
+        caller's (a device round program: ``KVCache.expect_device_growth``)."""
+        self._inject(features)
+        self.cache.add_on_device(counts)
+
+    def _inject(self, features) -> int:
+        """Fuse ``features`` [bs, m, k D] and write every layer's latents of them at the next
+        m slots (uncommitted); returns m."""
         bs, m, width = (int(d) for d in features.shape)
         cache = self._started(bs)
         if width != len(self.feature_layers) * self.model.config.hidden_size:
             raise ValueError(f"features must be [bs, m, {len(self.feature_layers)} * "
                              f"{self.model.config.hidden_size}], got {tuple(features.shape)}")
-        lengths = np.broadcast_to(np.asarray(lengths, np.int64), (bs,))
-        if np.any(lengths < 0) or np.any(lengths > m):
-            raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
         if m:
-            rows, prefix = cache.slot_inputs(m)
+            cache.reserve(m)
             self.model.device_step(("dflash_context",) + cache.buffer_key(),
                                    context_phase(self.model, cache, self.fc, self.hidden_norm),
-                                   (features, rows, prefix))
-        cache.advance(lengths)
+                                   (features, cache.device_lengths))
+        return m
 
-    def propose(self, roots):
+    def prepare_capture(self) -> None:
+        """Before a CUDA graph captures a device round that runs this drafter: its model's
+        attention plans are made inside the capture, so their scratch is recorded with it."""
+        self.model.fresh_attention_plans()
+
+    def on_commit(self, commit: Commit) -> None:
+        """Extend the context by the commit's features: by its host counts where the engine
+        has read them, else (a device round) by its device counts, on the device."""
+        if commit.counts_host is None:
+            self.extend_on_device(commit.features, commit.counts)
+        else:
+            self.extend_context(commit.features, commit.counts_host)
+
+    def propose(self, ctx: DraftContext):
+        return self.draft(ctx.roots)
+
+    def draft(self, roots):
         """Logits [bs, B - 1, V] float32 (device) of depths 1..B-1 under each request's root
         ``roots`` [bs] (host or device ints), which sits at the position after its context:
         one forward over ``[root, MASK x (B - 1)]``."""
@@ -163,7 +210,8 @@ class DFlashDrafter:
         first = ops.embedding(be.asarray(roots).astype(np.int32), self.model.embed)
         x = xp.concatenate([first.reshape(bs, 1, D),
                             xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
-        positions = cache.lengths[:, None] + np.arange(B)[None, :]
-        logits = self.model.forward(np.zeros((bs, B), np.int32), positions, cache,
-                                    np.ones((bs, B, B), bool), embeds=x)
+        tokens, visible, steps = self._block
+        # the context's device lengths: no host value, so a device round can capture it
+        positions = cache.device_lengths[:, None] + steps[None, :]
+        logits = self.model.forward(tokens, positions, cache, visible, embeds=x)
         return xp.ascontiguousarray(logits[:, 1:])

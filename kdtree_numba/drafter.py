@@ -1,20 +1,13 @@
-"""Drafters: what proposes the L future-position distributions a DDTree round builds on.
+"""The drafters: what proposes the L future-position distributions a DDTree round builds on.
 
-Every drafter has ``vocab_size``, ``block_len`` (L, the tree's maximum depth), ``name`` and
-
-* ``start(batch, max_len)``: reset for a new batch (max_len bounds its own caches);
-* ``propose(histories) -> logits [bs, L, V]`` float32 on the target's backend, where
-  ``histories[b]`` is request b's whole committed sequence (prompt + generated) and its last
-  token is the root the target verifies from.  Row d is the drafter's distribution for the token
-  at depth d + 1 under the root.
-
-Drafters keep their own state in sync from the histories alone (they compare with what they
-have cached), so the engine never has to tell them what was accepted.  On the GPU a drafter
-must not read the device: the round's one host read is the engine's (docs/ENGINE.md).
+Each implements the protocol of kdtree_numba/drafting.py (``needs``, ``start``,
+``propose(DraftContext)``, ``on_commit(Commit)``) over device arrays of the target's backend;
+the engine never asks which one it holds.  Row d of a proposal is the drafter's distribution
+for the token at depth d + 1 under the root.
 
 * :class:`ModelDrafter`: any model of this architecture (a bundle) run greedily for L steps
-  with its own KV cache; step d's logits are row d (conditionals along its own greedy chain).
-  Its greedy tokens stay on the device.
+  with its own KV cache of the verified sequence; step d's logits are row d (conditionals along
+  its own greedy chain).  Its greedy tokens stay on the device.
 * :class:`NoisyOracleDrafter`: FOR TESTS AND DEMOS ONLY.  It runs the *target* itself as a
   ModelDrafter (so it knows the target's greedy future) and replaces each row, with probability
   ``1 - agreement``, by noise whose top token is never the target's.  It costs L extra target
@@ -22,9 +15,11 @@ must not read the device: the round's one host read is the engine's (docs/ENGINE
 * :class:`BlockDrafter`: a DFlash-style block drafter: one forward over [root, MASK x (L)],
   bidirectional inside the block, conditioned on the target's hidden state at the root's
   parent through a learned projection (weights in a ``block_drafter`` bundle).
+* :class:`ReplayDrafter`: FOR BENCHMARKS.  It replays a known future (the target's own greedy
+  continuation, from an AR run) at a chosen agreement, for free: what the tree machinery
+  delivers when the drafter is good and costs nothing (tools/bench_engine.py's replay rows).
 * ``DFlashDrafter`` (kdtree_numba/dflash.py): the DFlash block drafter itself, with a KV
-  context of fused target features from several layers; the engine feeds it those features
-  and the roots instead of histories (its own ``propose(roots)``).
+  context of fused target features from several layers.
 """
 from __future__ import annotations
 
@@ -33,40 +28,37 @@ import numpy as np
 from kdtree_numba.bundle import (BundleError, block_drafter_shapes, open_bundle,
                                  read_bundle_config)
 from kdtree_numba.dflash import DFlashDrafter
-from kdtree_numba.model import Model
+from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
+from kdtree_numba.model import Model, causal_mask
 
 __all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "DFlashDrafter",
-           "load_drafter", "parse_oracle_spec", "ORACLE_FORM", "DEFAULT_AGREEMENT"]
+           "ReplayDrafter", "load_drafter", "parse_oracle_spec", "ORACLE_FORM",
+           "DEFAULT_AGREEMENT"]
 
 DEFAULT_AGREEMENT = 0.8
 ORACLE_FORM = "oracle[:AGREEMENT] with AGREEMENT in [0, 1], e.g. oracle:0.8"
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class ModelDrafter:
     """L greedy steps of a small model of the same architecture (module docstring).
 
-    Its KV cache holds, per request, the committed history it was last given (``cached[b]``,
-    host tokens whose KV is exact) followed by the KV of its own drafted chain (speculative,
-    never read back).  ``propose`` truncates to the part of ``cached[b]`` that the new history
-    still starts with (never past the new root) and feeds the rest in one forward: after a
-    round that committed m tokens that is exactly those m tokens (the accepted ones and the
-    bonus, the last being the new root), so the drafted chain's KV is recomputed rather than
-    compared on the host.  On a weight-streaming GPU an m-token forward costs about what a
-    1-token one does.
+    Its KV cache holds, per request, the sequence the target has verified (``committed[b]``
+    tokens, exact) followed by the KV of its own drafted chain (speculative, dropped at the
+    next proposal).  ``propose`` feeds the last commit's tokens (the verified ones and the
+    root: after the prefill the prompt and the first token, after a round the root, the
+    accepted nodes and the bonus) in one forward whose row at the root gives row 0 (on a
+    weight-streaming GPU an m-token forward costs about what a 1-token one does), then its
+    own argmax L - 1 times, all on the device.
     """
+    needs = TargetNeeds(tokens=True)
 
     def __init__(self, model: Model, block_len: int = 8, name: str = "model"):
         if block_len < 1:
             raise ValueError("block_len must be >= 1")
         self.model, self.block_len, self.name = model, int(block_len), name
         self.cache = None
-        self.cached: list[np.ndarray] = []
+        self.committed = np.zeros(0, np.int64)
+        self.pending = None          # the last commit's (tokens, host counts)
 
     @property
     def vocab_size(self) -> int:
@@ -82,30 +74,32 @@ class ModelDrafter:
     def start(self, batch: int, max_len: int) -> None:
         # the last generation's cache when it fits: the CUDA graphs of its forwards replay
         self.cache = self.model.reuse_cache(self.cache, batch, max_len)
-        self.cached = [np.zeros(0, np.int64) for _ in range(batch)]
+        self.committed = np.zeros(batch, np.int64)
+        self.pending = None
 
-    def _catch_up(self, histories):
-        """Feed each history's tokens past its exact cached prefix (at least the root);
-        returns the logits row of each root, [bs, V]."""
-        cache = self.cache
-        keep = np.array([min(_common_prefix(self.cached[b], h), h.size - 1)
-                         for b, h in enumerate(histories)], np.int64)
-        cache.truncate(keep)
-        logits = self.model.prefill(cache, [h[k:] for h, k in zip(histories, keep)])
-        self.cached = [h.copy() for h in histories]
-        return logits
+    def on_commit(self, commit: Commit) -> None:
+        self.pending = (commit.tokens, np.asarray(commit.counts_host, np.int64))
 
-    def propose(self, histories):
-        if self.cache is None or self.cache.batch != len(histories):
-            raise RuntimeError("call start(batch, max_len) before propose")
+    def propose(self, ctx: DraftContext):
         ops, xp = self.model.backend.ops, self.model.backend.xp
-        histories = [np.asarray(h, np.int64) for h in histories]
-        rows = [self._catch_up(histories)]
+        bs = int(ctx.roots.shape[0])
+        if self.cache is None or self.cache.batch != bs or self.pending is None:
+            raise RuntimeError(f"call start({bs}, max_len) and commit the prompt before "
+                               f"drafting for {bs} requests")
+        tokens, counts = self.pending
+        cache, m = self.cache, int(tokens.shape[1])
+        cache.truncate(self.committed)            # the drafted chain was speculative
+        # rows past the root are padding: written to scratch slots, never committed
+        logits = self.model.forward(tokens, self.committed[:, None] + np.arange(m)[None, :],
+                                    cache, causal_mask(m, bs), logit_rows=counts,
+                                    causal=True, prefill=True)[:, 0]
+        self.committed = self.committed + counts
+        cache.advance(counts + 1)                 # the verified tokens, then the root's slot
+        rows = [xp.ascontiguousarray(logits)]
         for _ in range(1, self.block_len):
             token = ops.argmax(rows[-1])          # on the device, fed straight back
-            logits = self.model.decode(self.cache, token)
-            self.cache.advance(1)
-            rows.append(xp.ascontiguousarray(logits))
+            rows.append(xp.ascontiguousarray(self.model.decode(cache, token)))
+            cache.advance(1)
         return xp.ascontiguousarray(xp.stack(rows, axis=1).astype(np.float32))
 
 
@@ -136,6 +130,8 @@ class NoisyOracleDrafter:
         self.name = f"oracle:{agreement:g}"
         self.rng = np.random.default_rng(self.seed)
 
+    needs = ModelDrafter.needs
+
     @property
     def vocab_size(self) -> int:
         return self.oracle.vocab_size
@@ -144,9 +140,12 @@ class NoisyOracleDrafter:
         self.oracle.start(batch, max_len)
         self.rng = np.random.default_rng(self.seed)
 
-    def propose(self, histories):
+    def on_commit(self, commit: Commit) -> None:
+        self.oracle.on_commit(commit)
+
+    def propose(self, ctx: DraftContext):
         be = self.oracle.model.backend
-        exact = np.array(be.to_host(self.oracle.propose(histories)), np.float32)
+        exact = np.array(be.to_host(self.oracle.propose(ctx)), np.float32)
         bs, L, V = exact.shape
         keep = self.rng.random((bs, L)) < self.agreement
         noise = (self.noise_scale * self.rng.standard_normal((bs, L, V))).astype(np.float32)
@@ -163,7 +162,7 @@ class BlockDrafter:
     The block is bidirectional (every slot sees every other), and each slot's input is its
     embedding (the root token's, or the learned MASK embedding) plus ``target_proj @ h``, where
     ``h`` [D_target] is the target's final normed hidden state at the position whose logits
-    chose the root (the engine passes it as ``target_hidden``).  That projected feature is the
+    chose the root (the commit's ``hidden``, :class:`~kdtree_numba.drafting.TargetNeeds`).  That projected feature is the
     only context the block gets: there is no drafter KV cache across rounds, so the drafter is
     stateless and never needs to resynchronise.  Output row d (d = 1..L) is the distribution
     of the token at depth d: DFlash's per-position marginals, as the tree builder expects.
@@ -174,7 +173,7 @@ class BlockDrafter:
     role="block_drafter")`` writes an untrained one (correct and lossless, tau ~ 1); training
     one is outside this project.
     """
-    needs_target_hidden = True
+    needs = TargetNeeds(hidden=True)
 
     def __init__(self, model: Model, target_proj, mask_embedding, block_len: int = 7,
                  name: str = "block"):
@@ -212,28 +211,88 @@ class BlockDrafter:
         return cls(model, target_proj, mask_embedding, L, name=f"block:{path}")
 
     def start(self, batch: int, max_len: int) -> None:
-        self.batch = batch
+        self.batch, self.hidden = batch, None
 
-    def propose(self, histories, target_hidden=None):
-        if target_hidden is None:
-            raise ValueError("BlockDrafter.propose needs the target's hidden state")
+    def on_commit(self, commit: Commit) -> None:
+        self.hidden = commit.hidden          # the target's state that chose the next roots
+
+    def propose(self, ctx: DraftContext):
         be, ops, xp = self.model.backend, self.model.backend.ops, self.model.backend.xp
-        bs, n = len(histories), self.block_len + 1
-        if tuple(target_hidden.shape) != (bs, self.target_hidden_size):
-            raise ValueError(f"target_hidden must be {(bs, self.target_hidden_size)}, got "
-                             f"{tuple(target_hidden.shape)}")
-        roots = np.array([int(h[-1]) for h in histories], np.int32)
+        bs, n = int(ctx.roots.shape[0]), self.block_len + 1
+        if self.hidden is None:
+            raise RuntimeError("BlockDrafter.propose before its first commit (the target's "
+                               "hidden state)")
+        if tuple(self.hidden.shape) != (bs, self.target_hidden_size):
+            raise ValueError(f"the target's hidden state must be {(bs, self.target_hidden_size)}"
+                             f", got {tuple(self.hidden.shape)}")
         x = xp.empty((bs, n, self.model.config.hidden_size), np.float32)
-        x[:, 0] = ops.embedding(be.asarray(roots), self.model.embed)
+        x[:, 0] = ops.embedding(be.asarray(ctx.roots).astype(np.int32), self.model.embed)
         x[:, 1:] = self.mask_embedding
-        x += ops.linear(xp.ascontiguousarray(target_hidden, dtype=np.float32),
+        x += ops.linear(xp.ascontiguousarray(self.hidden, dtype=np.float32),
                         self.target_proj)[:, None, :]
-        starts = np.array([len(h) - 1 for h in histories], np.int64)
+        positions = be.asarray(ctx.positions).astype(np.int32)[:, None] \
+            + xp.arange(n, dtype=np.int32)[None, :]
         cache = self.model.new_cache(bs, n)          # the block attends only within itself
-        logits = self.model.forward(np.zeros((bs, n), np.int32),
-                                    starts[:, None] + np.arange(n)[None, :], cache,
+        logits = self.model.forward(np.zeros((bs, n), np.int32), positions, cache,
                                     np.ones((bs, n, n), bool), embeds=x)
         return xp.ascontiguousarray(logits[:, 1:])
+
+
+class ReplayDrafter:
+    """Drafts a known future (benchmarks only, module docstring): row d peaks at the true token
+    at depth d + 1 with probability ``agreement``, else at a wrong one, with a runner-up so
+    trees are not chains.  ``futures[b]``: request b's whole sequence (prompt + the target's
+    greedy continuation).  Costs a [bs, L, V] fill of one reused device buffer, an upload of
+    the peaks' flat indices and one scatter a round (or, without ``on_device``, a host array
+    and its upload).  It keeps each root's position from the commits' host counts."""
+    PEAK, RUNNER_UP = 12.0, 6.0     # the true (or wrong) token's logit and the runner-up's
+    needs = NO_NEEDS
+
+    def __init__(self, backend, vocab: int, futures, agreement: float, block_len: int = 8,
+                 seed: int = 0, on_device: bool = False):
+        self.backend, self.vocab_size, self.block_len = backend, int(vocab), int(block_len)
+        self.futures, self.agreement, self.seed = futures, float(agreement), int(seed)
+        self.on_device = on_device
+        self.name = f"replay:{agreement:g}"
+        self._device = None      # on_device: (shape, logits buffer, the peaks' values)
+        self.positions = np.zeros(0, np.int64)
+
+    def start(self, batch: int, max_len: int) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.positions = np.zeros(batch, np.int64)
+
+    def on_commit(self, commit: Commit) -> None:
+        self.positions = self.positions + np.asarray(commit.counts_host, np.int64)
+
+    def propose(self, ctx: DraftContext):
+        bs, L, V = self.positions.size, self.block_len, self.vocab_size
+        # whole arrays, not a Python loop per position: the host builds this while the GPU
+        # idles; the same uniforms in the same order
+        rows, depths = np.indices((bs, L))
+        true = np.zeros((bs, L), np.int64)
+        for b, p in enumerate(self.positions):
+            ahead = np.asarray(self.futures[b][p + 1:p + 1 + L], np.int64)
+            true[b, :ahead.size] = ahead
+        hit = self.rng.random((bs, L)) < self.agreement
+        toks = np.where(hit, true, (true + 1 + depths) % V)
+        row_start = (rows * L + depths) * V
+        # the flat indices of every row's peak, then of its runner-up
+        flat = np.concatenate([(row_start + toks).ravel(),
+                               (row_start + (toks + 7) % V).ravel()])
+        if not self.on_device:
+            logits = np.zeros((bs, L, V), np.float32)
+            logits.reshape(-1)[flat] = np.repeat([self.PEAK, self.RUNNER_UP], bs * L)
+            return self.backend.asarray(logits)
+        # one buffer per shape, refilled in stream order (a round's tree has read the last
+        # logits before these writes run): three device calls a round
+        if self._device is None or self._device[0] != (bs, L, V):
+            values = np.repeat(np.float32([self.PEAK, self.RUNNER_UP]), bs * L)
+            self._device = ((bs, L, V), self.backend.xp.zeros((bs, L, V), np.float32),
+                            self.backend.asarray(values))
+        _, logits, values = self._device
+        logits.fill(0)
+        logits.reshape(-1)[self.backend.asarray(flat)] = values
+        return logits
 
 
 def parse_oracle_spec(spec: str) -> float | None:

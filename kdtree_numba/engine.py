@@ -21,10 +21,14 @@ token is the *root*: the next token fed to the target.  The target cache always 
   Each round commits the accepted nodes' tokens and the bonus token.
 * Chain round: the same with the drafter's own greedy chain instead of a tree (top-K with
   k = 1 and a budget of L: each node's one child is its row's argmax), for every drafter.
-* A DFlash drafter (kdtree_numba/dflash.py, ``feature_layers``) is fed the target's features
-  of the verified tokens: the prefill and each verify forward also return the residual stream
-  after those target layers, a device step gathers the accepted nodes' rows, and after the
-  round's read the drafter takes them as its new context (``extend_context``).
+* The drafter (kdtree_numba/drafting.py: the protocol) is asked once a round for its logits
+  (``propose`` of a ``DraftContext``: the roots and their positions) and told after the
+  prefill and after each round what the target verified (``on_commit`` of a ``Commit``):
+  with it, what its ``needs`` declares: the target's hidden state at the row that chose each
+  root, the residual streams after some target layers at the verified tokens (a DFlash
+  drafter's context, kdtree_numba/dflash.py), or the verified tokens.  The prefill and each
+  verify forward return exactly those, gathered on the device; the engine never asks what
+  kind of drafter it holds.
 
 Sampling (T > 0) is lossless *and* reproducible across methods: the token at absolute position p
 of request b is drawn by inverse CDF from the target's softmax at temperature T, truncated by
@@ -34,7 +38,8 @@ rule of ``sample_targets``; every method applies it to the target's logits) with
 a DDTree node at depth d samples the target's token at position ``start + d + 1`` with
 ``U_b[start + d + 1]`` (siblings share it; only one path is ever committed, so every committed
 token uses a fresh uniform and is an exact target sample).  Hence for a fixed seed DDTree and AR
-produce the same tokens at any temperature, up to float rounding of the logits flipping a draw
+produce the same tokens at any temperature, top-p and top-k, up to float rounding of the logits
+flipping a draw
 that sits on a CDF boundary (probability ~1e-7 per token).
 
 Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
@@ -61,13 +66,18 @@ from typing import Sequence
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
+from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
+from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
 from reference.ddtree import Sampling
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
 METHODS = ("ar", "chain", "ddtree")
-PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction")
+# "round": a whole DDTree round run as one device program (device_rounds)
+PHASES = ("prefill", "decode", "draft", "tree_build", "verify", "accept", "compaction",
+          "round")
 
 
 @dataclasses.dataclass
@@ -155,9 +165,7 @@ class _PhaseClock:
 class _Requests:
     """Host-side state of the batch: sequences, outputs, finished flags."""
 
-    def __init__(self, prompts, max_new_tokens, eos, keep_hidden: bool = False):
-        self.keep_hidden = keep_hidden
-        self.hidden = None      # target hidden state that chose each root (BlockDrafter input)
+    def __init__(self, prompts, max_new_tokens, eos):
         self.seq = [list(p) for p in prompts]
         self.out: list[list[int]] = [[] for _ in prompts]
         self.active = np.ones(len(prompts), bool)
@@ -195,27 +203,30 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
     return out
 
 
-def _choose(model, logits, sampling: Sampling, uniforms: np.ndarray) -> np.ndarray:
-    """Next token per request from logits [bs, V] (``Model.choose``: argmax at T = 0, else the
-    inverse-CDF rule with ``uniforms [bs]``).  The prefill's one host read (AR steps read theirs
-    one step late: ``_ar_steps``)."""
-    return np.asarray(model.backend.to_host(model.choose(logits, sampling, uniforms)),
-                      np.int64)
-
-
 def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, drafter,
-             capture: tuple):
-    bs = len(prompts)
+             needs: TargetNeeds):
+    """The prompts' one causal forward, the first token of each request (the prefill's host
+    read), and the drafter's first commit: the prompt, with what ``needs`` asks of the target."""
+    be, bs = model.backend, len(prompts)
     lens = np.array([p.size for p in prompts], np.int64)
-    out = model.prefill(cache, prompts, return_hidden=req.keep_hidden, capture_layers=capture)
+    out = model.prefill(cache, prompts, return_hidden=needs.hidden,
+                        capture_layers=needs.feature_layers)
     parts = out if isinstance(out, tuple) else (out,)
-    last = parts[0]
-    if req.keep_hidden:
-        req.hidden = parts[1]
     u = np.array([tables[b][lens[b]] for b in range(bs)])
-    first = _choose(model, last, sampling, u)
-    if capture:            # the prompt's features: the DFlash drafter's first context
-        drafter.extend_context(parts[-1], lens)
+    chosen = model.choose(parts[0], sampling, u)
+    first = np.asarray(be.to_host(chosen), np.int64)
+    if drafter is not None:
+        tokens = None
+        if needs.tokens:          # the prompt, then the first token (drafting.Commit)
+            ids = np.zeros((bs, int(lens.max()) + 1), np.int32)
+            for b, p in enumerate(prompts):
+                ids[b, :p.size] = p
+            tokens = be.asarray(ids)
+            tokens[be.xp.arange(bs), be.asarray(lens)] = chosen
+        drafter.on_commit(Commit(counts=be.asarray(lens.astype(np.int32)),
+                                 next_roots=chosen, counts_host=lens, tokens=tokens,
+                                 hidden=parts[1] if needs.hidden else None,
+                                 features=parts[-1] if needs.feature_layers else None))
     timer.lap("prefill")
     for b in range(bs):
         req.commit(b, [first[b]])
@@ -279,18 +290,8 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
         raise
 
 
-def _draft(drafter, req: _Requests, capture: tuple):
-    """The drafter's logits [bs, L, V] for this round (each kind is fed what it needs)."""
-    if capture:                       # DFlash: its context is already in its cache
-        return drafter.propose(req.roots())
-    histories = [np.asarray(s, np.int64) for s in req.seq]
-    if req.keep_hidden:
-        return drafter.propose(histories, target_hidden=req.hidden)
-    return drafter.propose(histories)
-
-
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table, timer,
-                  stats, k: int | None = None, capture: tuple = (), on_round=None,
+                  stats, k: int | None = None, needs: TargetNeeds = NO_NEEDS, on_round=None,
                   while_verifying=None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
@@ -299,50 +300,90 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     hook, handed the round's device arrays right after the acceptance.
     ``while_verifying()``: host work run once the verify is launched, while the device runs
     it (the last round's report: generate)."""
-    draft_logits = _draft(drafter, req, capture)
+    be = model.backend
+    # the roots and their positions go up once: the drafter, the tree and the acceptance read
+    # these device copies
+    roots = be.asarray(req.roots())
+    start = be.asarray(cache.lengths.astype(np.int32))
+    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start))
     timer.lap("draft")
-    start = cache.lengths.astype(np.int32)
     # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
     # own buffers (no copies on the host's path from the read to the verify's launch); the
     # round consumes them before its read, and the next round's replays come after it
-    tree, vin = model.draft_tree(draft_logits, req.roots(), start, budget, k, borrow=True)
+    tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
-                        return_hidden=req.keep_hidden, capture_layers=capture, causal=True,
-                        borrow=True)
+                        return_hidden=needs.hidden, capture_layers=needs.feature_layers,
+                        causal=True, borrow=True)
     parts = out if isinstance(out, tuple) else (out,)
     logits = parts[0]
     timer.lap("verify")
     if while_verifying is not None:
         while_verifying()
-    acc_idx, acc_len, packed = model.accept(tree, logits, sampling, table, start,
-                                            borrow=True)
+    acc_idx, acc_len, packed, next_roots = model.accept(tree, logits, sampling, table,
+                                                        start, borrow=True)
     if on_round is not None:
         on_round(tree, acc_idx, acc_len)
-    if req.keep_hidden:  # the row of the last accepted node chose the next root
-        req.hidden = model.last_accepted(parts[1], acc_idx, acc_len)
-    if capture:          # the features of the root and the accepted nodes, in order
-        accepted = model.accepted_rows(parts[-1], acc_idx)
+    # what the drafter needs, gathered on the device before the read: the row of the last
+    # accepted node (it chose the next root), the rows of the root and the accepted nodes,
+    # the verified tokens
+    hidden = model.last_accepted(parts[1], acc_idx, acc_len) if needs.hidden else None
+    features = model.accepted_rows(parts[-1], acc_idx) if needs.feature_layers else None
+    tokens = model.committed_tokens(packed, roots) if needs.tokens else None
     timer.lap("accept")
     model.compact(cache, acc_idx, acc_len)
     timer.lap("compaction")
-    packed = model.backend.to_host(packed)        # THE host read of the round
+    packed = be.to_host(packed)        # THE host read of the round
     active = req.active.copy()
     grow = np.where(active, packed[:, 0], 0)
     cache.advance(grow)
-    if capture:          # launches only: the drafter's context grows as the target's cache
-        drafter.extend_context(accepted, grow)
+    # launches only: a drafter's own context grows as the target's cache does
+    drafter.on_commit(Commit(counts=acc_len, next_roots=next_roots, counts_host=grow,
+                             tokens=tokens, hidden=hidden, features=features))
     stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(active)])
     for b in np.flatnonzero(active):
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
+
+
+def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
+                   timer, stats, after_step) -> None:
+    """The rounds of a device-only drafter as device programs, each enqueued before the
+    previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
+    launched while it may still need tokens: running, and short of max_new_tokens by more
+    than the rounds in flight commit at the least (one token each)."""
+    bs = cache.batch
+    table = None
+    if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
+        table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
+    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), budget, k,
+                                         sampling, table)
+    try:
+        rounds.launch(req.active.copy())
+        timer.lap("round")
+        while rounds.in_flight:
+            ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
+                                           for out in req.out])
+            if ahead.any():             # the next round goes in before this one is read
+                rounds.launch(ahead)
+                timer.lap("round")
+            packed, ran = rounds.collect()
+            running = ran & req.active
+            stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(running)])
+            stats.budgets.append(budget)
+            stats.rounds += 1
+            for b in np.flatnonzero(running):
+                req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
+            after_step()
+    finally:
+        rounds.finish()
 
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int | str | AutoBudget = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
-             on_round=None) -> GenerationResult:
+             on_round=None, device_rounds: bool | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -372,6 +413,12 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     reads nothing for it, so a hook that only copies keeps the one read per round; one that
     reads the device adds its reads (kdtree-run --plot copies, and reads one round after
     generation: kdtree_numba/plots.py, ``RoundRecorder``).
+    ``device_rounds``: run each DDTree or chain round as one device program, enqueued before
+    the last one's tokens are read (kdtree_numba/device_round.py; the same tokens): True asks
+    for it (a ValueError where the drafter cannot: it must be ``device_only``; a fixed
+    budget; no ``on_round``), None follows ``runtime.current().device_rounds``
+    (``KDTREE_DEVICE_ROUNDS=1``) where possible, False never.  Its rounds' device time is
+    the phase "round".
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -380,7 +427,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)
     bs = len(prompts)
-    block_len, k, capture = None, None, ()
+    block_len, k, needs = None, None, NO_NEEDS
     speculative = method != "ar"
     if speculative:
         if drafter is None:
@@ -398,8 +445,15 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         block_len = drafter.block_len
         if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
             budget, k = block_len, 1
-        capture = tuple(getattr(drafter, "feature_layers", None) or ())
+        needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
+    possible = speculative and policy is None and on_round is None \
+        and device_rounds_possible(drafter)
+    if device_rounds and not possible:
+        raise ValueError("device_rounds needs a device-only drafter (its propose and "
+                         "on_commit read no host value), a fixed budget and no on_round hook")
+    on_device = possible and (runtime.current().device_rounds if device_rounds is None
+                              else bool(device_rounds))
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len)
@@ -416,21 +470,23 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     longest = max(p.size for p in prompts) + max_new_tokens
     verify_width = (policy.max_budget if policy else budget) + 1 if speculative else 1
     max_len = longest + verify_width + (block_len + 1 if speculative else 1)
+    if on_device:        # a round enqueued for a request its unread round finished
+        max_len += block_len + 1
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
     cache = model.cache_for_generation(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
-    req = _Requests(prompts, max_new_tokens, eos,
-                    keep_hidden=speculative and getattr(drafter, "needs_target_hidden", False))
+    req = _Requests(prompts, max_new_tokens, eos)
     timer = _PhaseClock(be, stats)
     graphs_before = model.graph_counts()
     with be.deferred_frees():   # the drafter's old state dies here too
         if speculative:
             drafter.start(bs, max_len + block_len + 1)
             timer.lap("draft")
-        _prefill(model, cache, prompts, req, sampling, tables, timer, drafter, capture)
+        _prefill(model, cache, prompts, req, sampling, tables, timer,
+                 drafter if speculative else None, needs)
     timer.settle()
     total = bs * max_new_tokens
     if progress is not None:
@@ -446,6 +502,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
 
     if method == "ar":
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
+    elif on_device:
+        _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
+                       after_step)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device
@@ -462,7 +521,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 b = policy.next_budget() if policy else budget
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
-                              k, capture, on_round, while_verifying=report_owed)
+                              k, needs, on_round, while_verifying=report_owed)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     policy.observe(b, time.perf_counter() - t_round,

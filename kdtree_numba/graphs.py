@@ -52,11 +52,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import warnings
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.backends import map_arrays
 from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat's numpy fix
 
@@ -68,7 +68,7 @@ MAX_SEEN = 256         # keys remembered while waiting for their second call
 
 def graphs_enabled() -> bool:
     """Whether CUDA graphs are on (``KDTREE_CUDA_GRAPHS=0`` turns them off)."""
-    return os.environ.get("KDTREE_CUDA_GRAPHS", "1") != "0"
+    return runtime.current().cuda_graphs
 
 
 @dataclasses.dataclass
@@ -159,7 +159,7 @@ class GraphCache:
         held now."""
         return collections.Counter(key[0] for key in self._graphs)
 
-    def call(self, key, fn, inputs, specs, borrow: bool = False):
+    def call(self, key, fn, inputs, specs, borrow: bool = False, before_capture=None):
         """``fn(*device_inputs)`` through a graph when ``key`` has one or gets one now (its
         second call), else ``None``: the caller then runs it eagerly.  ``inputs`` (host or
         device arrays) are written into static buffers of ``specs`` ((shape, dtype) each, in
@@ -169,7 +169,10 @@ class GraphCache:
         a DDTree round made ~14).  A key captured by a borrowing call copies its outputs
         into memory of its own as its last nodes (module docstring); a borrowing call on a
         key captured without them gets copies.  ``key`` must name everything else ``fn``
-        depends on: ``fn`` itself is only run while capturing."""
+        depends on: ``fn`` itself is only run while capturing.  ``before_capture``: a hook of
+        this key's own, run after the cache's before the capture begins (the work of another
+        model recorded in it: a device round's drafter, whose attention plans must be made
+        inside the capture too)."""
         import cupy
         if cupy.cuda.get_current_stream().ptr != 0:
             # replays are ordered with the caller's work by the legacy stream's implicit
@@ -184,7 +187,8 @@ class GraphCache:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < 2:
                 return None
-            entry = self._capture(key, fn, specs, own_outputs=borrow)
+            entry = self._capture(key, fn, specs, own_outputs=borrow,
+                                  before_capture=before_capture)
             if entry is None:
                 return None
         self._graphs.move_to_end(key)
@@ -203,12 +207,13 @@ class GraphCache:
         outputs through :meth:`call`, never after a bare replay."""
         self._graphs[key].graph.launch(self.stream)
 
-    def _capture(self, key, fn, specs, own_outputs: bool = False):
+    def _capture(self, key, fn, specs, own_outputs: bool = False, before_capture=None):
         import cupy
         static = tuple(cupy.zeros(shape, dtype) for shape, dtype in specs)
         keep: list = []
-        if self.before_capture is not None:
-            self.before_capture()
+        for hook in (self.before_capture, before_capture):
+            if hook is not None:
+                hook()
         graph, outputs, error = None, None, None
         with _recording_numba_allocations(keep), cupy.cuda.using_allocator(self.pool.malloc), \
                 self.backend.on_stream(self.stream):

@@ -8,6 +8,9 @@
   the bundle, so peak memory is about the largest output tensor (a layer's stacked experts).
 * FP8 block-scaled weights are dequantised: ``W = q * S[i // 128, j // 128]`` with
   ``S = <name>_scale_inv`` (block size from ``quantization_config.weight_block_size``).
+* compressed-tensors ``pack-quantized`` INT4 routed experts (Kimi-K2's) stay int4: each layer's
+  experts become one int4-group weight (formats/int4_group.py) without being unpacked or
+  dequantised; the scheme and every packed tensor are checked first (hf_compressed.py).
 * Per-expert tensors are stacked into ``experts/gate_up_proj [E, 2Im, D]`` (gate rows first)
   and ``experts/down_proj [E, D, Im]``; transformers 5's fused names are accepted as well.
 * The MTP layer (index ``num_hidden_layers``, DeepSeek-V3) and other unused tensors (rotary
@@ -33,11 +36,14 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from formats.console import UsageError, add_debug_flag, run_console
+from formats.console import (ArgumentParser, UsageError, add_debug_flag, refuse_existing,
+                             run_console, writing)
+from formats.int4_group import Int4GroupWeight
 from formats.progress import ProgressBar
 from formats.safetensors_io import SafetensorsFile
 from kdtree_numba.bundle import BundleError, BundleTokenizer, check_output_path, write_bundle
 from kdtree_numba.config import ModelConfig, weight_shapes
+from kdtree_numba.hf_compressed import packed_module, read_scheme, stack_int4_experts
 from kdtree_numba.text import TextCodec, TokenizerError
 
 __all__ = ["import_hf", "main", "hf_source_names", "dequantize_fp8", "export_hf_checkpoint",
@@ -63,7 +69,7 @@ def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block=(FP8_BLOCK, FP8_B
 class _Checkpoint:
     """HF tensor name -> array, over every shard of a checkpoint directory."""
 
-    def __init__(self, hf_dir: str, block):
+    def __init__(self, hf_dir: str, block, scheme=None):
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as fh:
@@ -86,6 +92,7 @@ class _Checkpoint:
                     raise BundleError(f"model.safetensors.index.json says {name} is in {shard}, "
                                       f"it is not there")
         self.block = block
+        self.scheme = scheme       # compressed-tensors pack-quantized (hf_compressed.py) or None
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -94,6 +101,10 @@ class _Checkpoint:
     def get(self, name: str) -> np.ndarray:
         """The tensor, float32 if it was FP8 (dequantised), else as stored."""
         if name not in self.where:
+            if name.endswith(".weight") and packed_module(self, name[:-len(".weight")]):
+                raise BundleError(f"tensor {name[:-len('.weight')]}.weight_packed: only the "
+                                  f"routed experts may be int4 pack-quantized (the rest is "
+                                  f"imported as it is, never dequantised)")
             raise BundleError(f"the checkpoint has no tensor {name}")
         self.used.add(name)
         arr = self.files[self.where[name]].array(name)
@@ -134,6 +145,12 @@ def _cast(arr: np.ndarray, dtype: str) -> np.ndarray:
 def _stack_experts(ck: _Checkpoint, prefix: str, E: int, which: str, shape, dtype: str):
     """[E, 2Im, D] (gate rows, then up rows) or [E, D, Im], filled one expert at a time."""
     fused = f"{prefix}mlp.experts.{which}"
+    first = f"{prefix}mlp.experts.0.{'gate_proj' if which == 'gate_up_proj' else 'down_proj'}"
+    if packed_module(ck, first):     # int4 pack-quantized: stays int4 (hf_compressed.py)
+        if ck.scheme is None:
+            raise BundleError(f"tensor {first}.weight_packed: config.json has no "
+                              f"compressed-tensors quantization_config to read it with")
+        return stack_int4_experts(ck, prefix, which, shape, ck.scheme)
     if fused in ck:
         arr = ck.get(fused)
         return _cast(arr, _out_dtype(arr, dtype))
@@ -237,9 +254,11 @@ def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
     hf_dir = os.fspath(hf_dir)
     hf_config, cfg = read_hf_config(hf_dir)
     tok = read_hf_tokenizer(hf_dir, cfg) if tokenizer else None
-    block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size",
-                                                                    (FP8_BLOCK, FP8_BLOCK)))
-    ck = _Checkpoint(hf_dir, block)
+    qc = hf_config.get("quantization_config")
+    scheme = read_scheme(qc)     # compressed-tensors INT4, checked before anything is read
+    block = tuple((qc if isinstance(qc, dict) else {}).get("weight_block_size",
+                                                          (FP8_BLOCK, FP8_BLOCK)))
+    ck = _Checkpoint(hf_dir, block, scheme)
 
     def step(i, total, name, arr):
         if progress is not None:
@@ -259,10 +278,13 @@ def import_hf(hf_dir, out_path, *, dtype: str = "auto", quiet: bool = False,
 
 
 def hf_state_dict(cfg: ModelConfig, weights) -> dict[str, np.ndarray]:
-    """Bundle weights -> the state dict ``save_pretrained`` writes (per-expert names)."""
+    """Bundle weights -> the state dict ``save_pretrained`` writes (per-expert names);
+    int4-group experts are dequantised (exactly, float32)."""
     out = {}
     for name in weight_shapes(cfg):
-        arr = np.asarray(weights[name])
+        arr = weights[name]
+        # int4-group experts leave as their exact values (float32 holds q * scale exactly)
+        arr = arr.dequantize(np.float32) if isinstance(arr, Int4GroupWeight) else np.asarray(arr)
         if name.endswith("mlp/experts/gate_up_proj") or name.endswith("mlp/experts/down_proj"):
             prefix = name.rsplit("/", 1)[0].replace("/", ".")
             Im = cfg.moe_intermediate_size
@@ -291,7 +313,7 @@ def export_hf_checkpoint(cfg: ModelConfig, weights, out_dir) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kdtr-import-hf", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Convert a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint (config.json + "
         "safetensors, FP8 dequantised) into a KDTR model bundle.")
@@ -307,16 +329,19 @@ def _main(argv: list[str]) -> int:
                         help="no progress and no note about unused checkpoint tensors")
     parser.add_argument("--progress", action="store_true",
                         help="progress line on stderr even when it is not a terminal")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     check_output_path(args.out)
+    refuse_existing(args.out, args.force)
     bar = ProgressBar(f"import {args.hf_dir}", unit="tensor",
                       force=args.progress and not args.quiet)
     if args.quiet:
         bar.enabled = False
     try:
-        cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
-                        progress=bar, tokenizer=not args.no_tokenizer)
+        with writing(args.out):
+            cfg = import_hf(args.hf_dir, args.out, dtype=args.dtype, quiet=args.quiet,
+                            progress=bar, tokenizer=not args.no_tokenizer)
     except BundleError as e:   # what the checkpoint holds is wrong: bad input, one line
         text = str(e)
         raise UsageError(text if text.startswith(args.hf_dir) else

@@ -42,6 +42,8 @@ import stat
 import sys
 import warnings
 
+from kdtree_numba import runtime
+
 __all__ = ["cache_dir", "cache_is_warm", "generated_code", "describe", "closure_key",
            "UnstableClosure", "stable_cache_for"]
 
@@ -49,10 +51,8 @@ PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _enabled() -> bool:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
-        return False
-    return os.environ.get("KDTREE_KERNEL_CACHE", "1").strip().lower() not in ("0", "off", "no",
-                                                                               "false")
+    config = runtime.current()
+    return config.kernel_cache and not config.simulator
 
 
 def source_key() -> str:
@@ -67,7 +67,7 @@ def source_key() -> str:
         h.update(b"numba-cuda ?")
     h.update(sys.version.encode())
     # compile options that come from the environment, not the source
-    h.update(f"lineinfo={os.environ.get('KDTREE_CUDA_LINEINFO', '0')}".encode())
+    h.update(f"lineinfo={'1' if runtime.current().lineinfo else '0'}".encode())
     for root, dirs, files in os.walk(PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
         for name in sorted(files):
@@ -80,11 +80,7 @@ def source_key() -> str:
 
 
 def _base_dir() -> str:
-    explicit = os.environ.get("KDTREE_KERNEL_CACHE_DIR")
-    if explicit:
-        return os.path.abspath(os.path.expanduser(explicit))
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "kdtree-numba")
+    return runtime.current().kernel_cache_dir
 
 
 def _private_dir(path: str) -> bool:

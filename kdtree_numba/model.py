@@ -23,7 +23,6 @@ builds their keys.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any, Mapping
 
 import numpy as np
@@ -36,10 +35,12 @@ from kdtree_numba.bundle import open_bundle
 from kdtree_numba.config import HF_MODEL_TYPES, ModelConfig, weight_shapes
 from kdtree_numba.graphs import GraphCache, graphs_enabled
 from kdtree_numba.kvcache import CACHE_DTYPES, KVCache, WriteSlots
+from kdtree_numba.kvlayout import layout_spec, make_layout
 from kdtree_numba.steps import DeviceSteps
+from kdtree_numba.weights import load_weight
 from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "weight_shapes", "causal_mask", "pad_ragged",
+__all__ = ["ModelConfig", "Model", "LayerWeights", "weight_shapes", "causal_mask", "pad_ragged",
            "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
@@ -82,11 +83,33 @@ class ForwardInputs:
     prefill: bool = False
 
 
-def _rebuild_attention_plans() -> None:
-    """Before each CUDA-graph capture: attention's cached split plans hold scratch between
-    calls, so they are dropped and rebuilt inside the capture, which records their scratch
-    with the graph (kdtree_numba/graphs.py)."""
-    numba_attention.clear_plan_cache()
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights on the backend, in the layouts the kernels take (bundle
+    names in ``config.weight_shapes``).  Attention: ``q_proj`` without a q LoRA, else
+    ``qkv_a`` (q_a and kv_a stacked: one GEMM) with ``q_a_norm`` and ``q_b``; ``kv_a`` is
+    kv_a_proj_with_mqa (a row block of ``qkv_a`` when fused); ``kv_b`` float32 (absorbed
+    MLA's head products).  FFN: ``gate_up`` [E, 2I, D] (gate rows, then up rows) and
+    ``down`` [E, D, I], one expert for a dense layer; a MoE layer's ``router`` [E, D] and
+    ``router_bias`` [E] (float32) and its shared expert's ``shared_gate_up`` /
+    ``shared_down`` (None without one)."""
+    input_norm: Any
+    post_norm: Any
+    kv_a_norm: Any
+    kv_b: Any
+    o_proj: Any
+    kv_a: Any = None
+    q_proj: Any = None
+    qkv_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+    gate_up: Any = None
+    down: Any = None
+    router: Any = None
+    router_bias: Any = None
+    shared_gate_up: Any = None
+    shared_down: Any = None
+
 
 
 # ----------------------------------------------------------------------------- the model
@@ -96,7 +119,8 @@ class Model(DeviceSteps):
     of decoding (kdtree_numba/steps.py)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], backend="auto", *,
-                 shared: Mapping[str, Any] | None = None, kv_cache: str = "float32"):
+                 shared: Mapping[str, Any] | None = None, kv_cache: str = "float32",
+                 kv_layout: str = "dense"):
         """``weights``: name -> array in bundle layout (``weight_shapes``): host arrays (a
         bundle's), or on a GPU device arrays as ``Backend.weight`` takes them (random weights
         built there: kdtree_numba/device_weights.py).
@@ -105,13 +129,19 @@ class Model(DeviceSteps):
         target's embedding and head, kdtree_numba/dflash.py: one copy on the device).
         ``kv_cache``: what the latent cache stores (kvcache.CACHE_DTYPES): "float32" (the
         accuracy default) or "bfloat16" (half the cache's bytes; attention then rounds its
-        queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md)."""
+        queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md).
+        ``kv_layout``: where the caches' token slots live (kdtree_numba/kvlayout.py): "dense"
+        (the GPU layout) or "paged:P" (pages of P slots; the reference backend only)."""
         if kv_cache not in CACHE_DTYPES:
             raise ValueError(f"kv_cache must be one of {CACHE_DTYPES}, got {kv_cache!r}")
         self.kv_cache = kv_cache
+        self.kv_layout = layout_spec(kv_layout)
         self.config = config
         self.backend: Backend = make_backend(backend)
+        make_layout(self.kv_layout, 1, 1).check_backend(self.backend)   # refused before loading
         self.rope = _rope_spec(config)
+        # attention's plans (split counts, kernels, scratch) by shape: the model's own
+        self.attention_plans = numba_attention.PlanCache()
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights, shared or {})
         # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
@@ -137,13 +167,13 @@ class Model(DeviceSteps):
 
     # ---- weights: bundle tensors -> backend arrays in the layouts the kernels take
     def _load(self, weights: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
-        cfg, weight = self.config, self.backend.weight
+        cfg, be = self.config, self.backend
 
-        def w(name):     # host arrays, or on the GPU device ones (Backend.weight)
-            return weight(weights[name])
+        def w(name, use="linear"):   # through the format registry (kdtree_numba/weights.py)
+            return load_weight(be, name, weights[name], use)
 
         def w32(name):  # for kernels that take float32 only (absorb_q/apply_uv, the router)
-            return weight(weights[name], np.float32)
+            return load_weight(be, name, weights[name], "float32", np.float32)
 
         def fused(*names):  # gate rows first, then up rows (the kernels' gate_up layout)
             # joined by the backend: on a GPU each part goes up once, no joined host copy
@@ -151,29 +181,25 @@ class Model(DeviceSteps):
 
         self.embed = shared.get("model/embed_tokens")
         if self.embed is None:
-            self.embed = w("model/embed_tokens")
-        self.final_norm = w("model/norm")
+            self.embed = w("model/embed_tokens", "embedding")
+        self.final_norm = w("model/norm", "norm")
         self.lm_head = shared.get("lm_head")
         if self.lm_head is None:
             self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head")
         self.layers = []
         for layer in range(cfg.num_hidden_layers):
             p = f"model/layers/{layer}/"
-            lw = SimpleNamespace(input_norm=w(p + "input_layernorm"),
-                                 post_norm=w(p + "post_attention_layernorm"),
-                                 kv_a=None,
-                                 kv_a_norm=w(p + "self_attn/kv_a_layernorm"),
-                                 kv_b=w32(p + "self_attn/kv_b_proj"),
-                                 o_proj=w(p + "self_attn/o_proj"),
-                                 q_proj=None, qkv_a=None, q_a_norm=None, q_b=None,
-                                 router=None, router_bias=None, shared_gate_up=None,
-                                 shared_down=None)
+            lw = LayerWeights(input_norm=w(p + "input_layernorm", "norm"),
+                              post_norm=w(p + "post_attention_layernorm", "norm"),
+                              kv_a_norm=w(p + "self_attn/kv_a_layernorm", "norm"),
+                              kv_b=w32(p + "self_attn/kv_b_proj"),
+                              o_proj=w(p + "self_attn/o_proj"))
             if cfg.q_lora_rank is None:
                 lw.q_proj = w(p + "self_attn/q_proj")
                 lw.kv_a = w(p + "self_attn/kv_a_proj_with_mqa")
             else:
-                lw.q_a_norm, lw.q_b = (w(p + "self_attn/" + n) for n in
-                                       ("q_a_layernorm", "q_b_proj"))
+                lw.q_a_norm = w(p + "self_attn/q_a_layernorm", "norm")
+                lw.q_b = w(p + "self_attn/q_b_proj")
                 # q_a and kv_a read the same input: one GEMM over their stacked rows
                 # (_attention); kv_a alone (kv_latents) is a row block (a view) of it
                 lw.qkv_a = fused(p + "self_attn/q_a_proj",
@@ -186,8 +212,8 @@ class Model(DeviceSteps):
                 # the router runs in fp32 or better, whatever the weights' storage dtype
                 lw.router = w32(p + "mlp/gate")
                 lw.router_bias = w32(p + "mlp/e_score_correction_bias")
-                lw.gate_up = w(p + "mlp/experts/gate_up_proj")
-                lw.down = w(p + "mlp/experts/down_proj")
+                lw.gate_up = w(p + "mlp/experts/gate_up_proj", "experts")
+                lw.down = w(p + "mlp/experts/down_proj", "experts")
                 if cfg.n_shared_experts:
                     lw.shared_gate_up = fused(p + "mlp/shared_experts/gate_proj",
                                               p + "mlp/shared_experts/up_proj")
@@ -201,19 +227,20 @@ class Model(DeviceSteps):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty latent cache of ``batch`` requests and ``max_len`` slots, storing the
-        model's ``kv_cache`` dtype."""
+        model's ``kv_cache`` dtype in its ``kv_layout``."""
         cfg = self.config
         return KVCache(self.backend, cfg.num_hidden_layers, batch, max_len, cfg.kv_lora_rank,
-                       cfg.qk_rope_head_dim, dtype=self.kv_cache)
+                       cfg.qk_rope_head_dim, dtype=self.kv_cache, layout=self.kv_layout)
 
     def reuse_cache(self, previous: KVCache | None, batch: int, max_len: int) -> KVCache:
         """An empty cache for a new generation: ``previous`` emptied when it has ``batch``
-        requests and the same capacity bucket, else a new cache of ``max_len`` rounded up to a
+        requests and the same capacity bucket in the model's layout (KVLayout.reusable; a paged
+        cache's pages go back to its pool), else a new cache of ``max_len`` rounded up to a
         multiple of CACHE_BUCKET.  CUDA graphs are captured against a cache's buffers
         (kdtree_numba/graphs.py), so reusing them lets the next generation replay them."""
         bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
-        if previous is not None and previous.batch == batch and previous.max_len == bucket \
-                and previous.dtype == self.kv_cache:
+        if previous is not None and previous.dtype == self.kv_cache \
+                and previous.layout.reusable(self.kv_layout, batch, bucket):
             previous.truncate(np.zeros(batch, np.int64))
             return previous
         return self.new_cache(batch, bucket)
@@ -228,7 +255,14 @@ class Model(DeviceSteps):
     def new_graphs(self) -> GraphCache:
         """An empty CUDA-graph cache for this model's forwards and steps (GPU numba backend
         only); ``model.graphs = model.new_graphs()`` starts counting afresh."""
-        return GraphCache(self.backend, before_capture=_rebuild_attention_plans)
+        return GraphCache(self.backend, before_capture=self.fresh_attention_plans)
+
+    def fresh_attention_plans(self) -> None:
+        """Before each CUDA-graph capture: attention plans hold scratch between calls, so the
+        capture starts a new plan cache, whose plans are made inside it and their scratch
+        recorded with the graph (kdtree_numba/graphs.py); a plan made outside could be
+        dropped, its scratch reused, while the graph still writes it."""
+        self.attention_plans = numba_attention.PlanCache()
 
     def graph_counts(self) -> tuple[int, int] | None:
         """(captures, replays) of the model's CUDA graphs so far; None where graphs are off."""
@@ -359,24 +393,25 @@ class Model(DeviceSteps):
                         capture: tuple, embeds, logit_rows, causal: bool, prefill: bool,
                         borrow: bool = False):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
-        must run eagerly.  The graph reads static buffers of the inputs and of the cache slots
-        (KVCache.slot_inputs), so one graph serves every prefix length."""
+        must run eagerly.  The graph reads static buffers of the inputs and of the cache's
+        device lengths, from which it makes the slots (KVCache.device_slots), so one graph
+        serves every prefix length."""
         bs, n = tokens.shape
-        rows, prefix = cache.slot_inputs(n)
+        cache.reserve(n)
         selected = logit_rows is not None
         key = ("forward", bs, n, bool(return_hidden), capture, embeds is not None,
                selected, causal, prefill) + cache.buffer_key()
 
-        def run(tok, pos, vis, rows, prefix, *extra):
+        def run(tok, pos, vis, lengths, *extra):
             extra = list(extra)
             picked = extra.pop(0) if selected else None
-            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(rows, prefix), picked,
+            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(lengths, n), picked,
                                    causal, prefill)
             return self._compute(inputs, cache, return_hidden, extra[0] if extra else None,
                                  capture)
         specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
-                 ((bs, n), np.int64), ((bs,), np.int32))
-        inputs = (tokens, positions, visible, rows, prefix)
+                 ((bs,), np.int32))
+        inputs = (tokens, positions, visible, cache.device_lengths)
         if selected:
             specs += (((bs,), np.int64),)
             inputs += (logit_rows,)
@@ -384,6 +419,16 @@ class Model(DeviceSteps):
             specs += (((bs, n, self.config.hidden_size), np.float32),)
             inputs += (embeds,)
         return self.graphs.call(key, run, inputs, specs, borrow=borrow)
+
+    def run(self, inputs: ForwardInputs, cache: KVCache, *, return_hidden: bool = False,
+            capture_layers=(), embeds=None):
+        """The forward of one batch already on the device (:class:`ForwardInputs`: tokens,
+        positions, visibility and the cache slots, e.g. ``cache.device_slots`` of device
+        lengths): what :meth:`forward` runs after its checks and uploads, device work only,
+        so a CUDA graph can capture it (kdtree_numba/device_round.py runs a whole DDTree round
+        so).  Returns as :meth:`forward` does."""
+        return self._compute(inputs, cache, return_hidden, embeds,
+                             self._check_capture(capture_layers))
 
     def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
         """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
@@ -461,11 +506,8 @@ class Model(DeviceSteps):
         q_pe = ops.rope(q[:, :, dn:], positions, self.rope)     # rope reads the view
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
-        # a device prefix (no per-layer upload); max_keys keeps the split plan a host lengths
-        # array would give, so the numbers do not change
-        u = ops.mla_attention(q_abs, q_pe.reshape(bs, n, H, dr), cache.c[layer],
-                              cache.k_pe[layer], slots.prefix, visible, self.tau,
-                              max_keys=slots.max_keys, prefill=prefill, causal=causal)
+        u = cache.attend(ops, layer, q_abs, q_pe.reshape(bs, n, H, dr), slots, visible,
+                         self.tau, prefill=prefill, causal=causal, plans=self.attention_plans)
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 

@@ -82,7 +82,8 @@ def tree_phase(ops, k: int, budget: int):
 
 def accept_phase(ops, xp, sampling: Sampling, max_depth: int):
     """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
-    committed tokens): the target's choice at every node, the walk, the packing."""
+    committed tokens, next roots): the target's choice at every node, the walk, the packing
+    (the next roots are the bonus tokens, the last committed ones)."""
     def run(logits, *arrays):
         tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
         if sampling.greedy:
@@ -93,7 +94,8 @@ def accept_phase(ops, xp, sampling: Sampling, max_depth: int):
             table, start = arrays[len(TREE_ARRAYS):]
             u = tree_uniforms(xp, table, tree, start)
             acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, sampling, u)
-        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt)
+        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt), \
+            nxt.astype(np.int32)
     return run
 
 
@@ -108,7 +110,8 @@ def gather_phase(xp):
 
 
 def compaction_phase(ops, cache):
-    """lengths, acc_idx, acc_len -> (): KVCache.compact_tree on device inputs."""
+    """lengths (the cache's device lengths), acc_idx, acc_len -> (): KVCache.compact_tree on
+    device inputs."""
     def run(lengths, acc_idx, acc_len):
         cache.compact_tree(ops, acc_idx, acc_len, lengths=lengths)
         return ()
@@ -119,17 +122,20 @@ class DeviceSteps:
     """The device steps of decoding (module docstring), mixed into ``Model``: they use the
     model's ``backend``, ``graphs`` (a GraphCache, or None: eager) and ``vocab_size``."""
 
-    def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False):
+    def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False,
+                    before_capture=None):
         """``fn(*inputs)``, device work only, replayed from one of the model's CUDA graphs when
         it has them (GraphCache.call: captured on the key's second call), else run eagerly on
         device copies of ``inputs`` (host or device arrays).  ``key`` (its first entry names
         the kind of step) must name everything ``fn`` depends on besides the inputs, whose
         shapes and dtypes are added to it here.  ``borrow``: a replay's outputs are the
-        graph's own buffers, valid until the key's next call (GraphCache.call)."""
+        graph's own buffers, valid until the key's next call (GraphCache.call);
+        ``before_capture``: the key's own capture hook (GraphCache.call)."""
         be = self.backend
         if self.graphs is not None:
             specs = tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype)) for a in inputs)
-            out = self.graphs.call(key + specs, fn, inputs, specs, borrow=borrow)
+            out = self.graphs.call(key + specs, fn, inputs, specs, borrow=borrow,
+                                   before_capture=before_capture)
             if out is not None:
                 return out
         return fn(*(be.asarray(a) for a in inputs))
@@ -164,13 +170,13 @@ class DeviceSteps:
                                 (draft_logits, roots, start), borrow=borrow)
 
     def accept(self, tree, logits, sampling, table=None, start=None, borrow: bool = False):
-        """(acc_idx, acc_len, packed) from the verify forward's logits [bs, W, V] over
-        ``tree``: greedy at T = 0, else sampled (``sampling``: a Sampling or a bare
+        """(acc_idx, acc_len, packed, next_roots) from the verify forward's logits [bs, W, V]
+        over ``tree``: greedy at T = 0, else sampled (``sampling``: a Sampling or a bare
         temperature; top-p and top-k truncate every node's target distribution) with the
         uniforms ``table[b, start_b + depth + 1]`` (``table`` [bs, P] float64 on the device,
-        ``start`` [bs] int32).  ``packed``
-        [bs, 1 + L + 1] int32 holds acc_len and the committed tokens (:func:`pack_committed`):
-        the one array the engine reads.  ``borrow``: as in :meth:`draft_tree`."""
+        ``start`` [bs] int32).  ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the
+        committed tokens (:func:`pack_committed`): the one array the engine reads;
+        ``next_roots`` [bs] int32 the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
         sampling = as_sampling(sampling)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
         if not sampling.greedy:
@@ -179,6 +185,15 @@ class DeviceSteps:
             ("accept", sampling, tree.max_depth),
             accept_phase(self.backend.ops, self.backend.xp, sampling, tree.max_depth),
             (logits,) + arrays, borrow=borrow)
+
+    def committed_tokens(self, packed, roots):
+        """A round's root, accepted nodes and bonus [bs, L + 2] on the device, from its packed
+        committed tokens (:func:`pack_committed`) and its ``roots`` [bs]
+        (``drafting.Commit.tokens``: the first acc_len entries are the tokens whose KV the
+        round committed, entry acc_len the bonus, the rest token 0).  Nothing is read."""
+        xp = self.backend.xp
+        tokens = xp.concatenate([roots.astype(np.int32)[:, None], packed[:, 1:]], axis=1)
+        return xp.maximum(tokens, 0)          # padding: token 0, a valid id
 
     def last_accepted(self, rows, acc_idx, acc_len):
         """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's
@@ -202,4 +217,4 @@ class DeviceSteps:
         them once it has read acc_len."""
         self.device_step(("compaction",) + cache.buffer_key(),
                          compaction_phase(self.backend.ops, cache),
-                         (cache.lengths, acc_idx, acc_len))
+                         (cache.device_lengths, acc_idx, acc_len))

@@ -147,3 +147,27 @@ def test_no_module_uses_another_modules_private_name():
 def test_source_files_are_short(name):
     lines = MODULES[name].read_text().count("\n")
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines"
+
+
+# Where each package may read the environment: one module (docs/ARCHITECTURE.md).
+ENVIRONMENT_READERS = {"kdtree_numba": "kdtree_numba.runtime", "formats": "formats.console",
+                       "reference": None}
+
+
+def _environment_reads(name: str):
+    """Lines of ``name`` that read the process environment (``os.environ``, ``os.getenv``)."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "os" and node.attr in ("environ", "getenv", "environb"):
+            yield node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" \
+                and any(a.name in ("environ", "getenv") for a in node.names):
+            yield node.lineno
+
+
+def test_each_package_reads_the_environment_in_one_module():
+    found = [f"{name}:{line}" for name in MODULES for line in _environment_reads(name)
+             if ENVIRONMENT_READERS[name.split(".")[0]] != name]
+    assert found == [], "read the switch through kdtree_numba.runtime (formats: formats.console)"
+

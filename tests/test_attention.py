@@ -203,11 +203,10 @@ def _assert_matches_reference(prob, got):
     np.testing.assert_allclose(got, want, rtol=0, atol=ref.fp32_error_bound(**prob))
 
 
-VARIANT_NAMES = ("tf32x3", "tf32x3acc", "pipe16x2", "pipe16", "tile32", "wide16")  # VARIANTS
-FFMA_NAMES = VARIANT_NAMES[2:]   # the CUDA-core layouts: the only ones the simulator runs
-# Variants whose simulator layouts differ (wide16 differs from pipe16x2 only in its GPU thread
-# count, so the simulator runs the same kernel for both): the per-variant simulator tests.
-SIM_VARIANTS = ("pipe16x2", "pipe16", "tile32")
+VARIANT_NAMES = ("tf32x3", "pipe16x2")  # VARIANTS: the default and the fallback
+FFMA_NAMES = VARIANT_NAMES[1:]   # the CUDA-core layout: the only one the simulator runs
+SIM_VARIANTS = FFMA_NAMES        # the per-variant simulator tests (dev/cuda/attention.py
+                                 # checks the layouts that lost)
 
 
 def test_variant_names_here_are_the_modules_variants():
@@ -215,9 +214,7 @@ def test_variant_names_here_are_the_modules_variants():
                                         VARIANTS, sim_tile_config)
     assert tuple(VARIANTS) == VARIANT_NAMES and FFMA_VARIANTS == FFMA_NAMES
     assert DEFAULT_VARIANT == "tf32x3" and FALLBACK_VARIANT in FFMA_NAMES
-    assert sim_tile_config(8, 4, "wide16") == sim_tile_config(8, 4, "pipe16x2")
-    assert len({sim_tile_config(8, 4, v) for v in SIM_VARIANTS}) == len(SIM_VARIANTS)
-    for variant in VARIANT_NAMES[:2]:
+    for variant in VARIANT_NAMES[:1]:
         with pytest.raises(ValueError, match="tensor cores"):
             sim_tile_config(512, 64, variant)
 
@@ -230,7 +227,7 @@ def test_default_variant_is_the_tensor_core_kernel_where_its_tiles_fit(monkeypat
     assert A.resolve_variant(None, 128, 64) == "tf32x3"
     assert A.resolve_variant(None, 64, 16) == A.FALLBACK_VARIANT  # r + dr = 80: no whole halves
     assert A.resolve_variant(None, 96, 32) == A.FALLBACK_VARIANT  # r = 96: no whole halves
-    assert A.resolve_variant("tile32", 512, 64) == "tile32"
+    assert A.resolve_variant("pipe16x2", 512, 64) == "pipe16x2"
     with pytest.raises(ValueError, match="unknown attention variant"):
         A.resolve_variant("tf32", 512, 64)
     monkeypatch.setattr(plan, "SIMULATOR", True)
@@ -437,7 +434,7 @@ def test_batch_invariant_prefill_plan_takes_each_row_in_one_split(needs_kernels,
                                          batch_invariant=True)
         whole = kernels.MlaAttentionPlan(2, n, heads, r, dr, wide, variant=variant,
                                          batch_invariant=True, prefill=True)
-        # 16 keys rounded up to the layout's tile (tile32 on a GPU: 32)
+        # 16 keys rounded up to the layout's tile
         assert fixed.splits == -(-wide // fixed.chunk) >= 2 and whole.splits == 1
         got = kernels.mla_attention(**both, variant=variant, batch_invariant=True,
                                     prefill=True, causal=True).copy_to_host()
@@ -630,7 +627,7 @@ def test_tensor_core_tile_config_fits_sm90_shared_memory():
     from kdtree_numba.attention import MAX_SHARED_BYTES, gpu_tile_config
     cfg = gpu_tile_config(512, 64, "tf32x3")
     assert (cfg.threads, cfg.rows, cfg.keys, cfg.stages) == (256, 64, 16, 2)
-    assert not cfg.fp32_sums and gpu_tile_config(512, 64, "tf32x3acc").fp32_sums
+    assert not cfg.fp32_sums
     # queries + two key stages (576 + 4 floats a row) + the 8 warps' score exchange
     assert cfg.smem_bytes() == 4 * ((64 + 2 * 16) * 580 + 8 * 8 * 32) <= MAX_SHARED_BYTES
     for r, dr in [(64, 64), (128, 64), (256, 64)]:
@@ -669,7 +666,7 @@ from kdtree_numba.attention.mma import build_kernel
 f3, b3, f4 = T.float32[:, :, ::1], T.boolean[:, :, ::1], T.float32[:, :, :, ::1]
 sig = (f3, f3, f3, f3, T.int32[::1], b3, T.float32, T.int64, T.int64, T.int64, T.boolean,
        f3, f4, f4)
-for variant in ("tf32x3", "tf32x3acc"):
+for variant in ("tf32x3",):
     base = gpu_tile_config(512, 64, variant)
     for rows, causal in ((64, False), (32, False), (16, False), (64, True), (16, True)):
         cfg = dataclasses.replace(base, rows=rows, threads=4 * rows, causal=causal).validate()
@@ -680,18 +677,18 @@ for variant in ("tf32x3", "tf32x3acc"):
         print(variant, rows, causal, "mma", ptx.count("mma.sync"), "local", local, "spill",
               spill, flush=True)
         assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 216
-        # the 64-row kernel has always spilled a little at the 255-register ceiling (8 bytes,
-        # tf32x3acc 32); fewer rows must not add to it.  The causal kernel (each block's keys
+        # the 64-row kernel has always spilled a little at the 255-register ceiling (8
+        # bytes); fewer rows must not add to it.  The causal kernel (each block's keys
         # end after its last query, a value beside prefix + n) spills 24-28 bytes more:
         # loop-invariant values reloaded once per 16-key tile; measured when written
-        budget = (32 if cfg.fp32_sums else 8) + (28 if causal else 0)
+        budget = 8 + (28 if causal else 0)
         assert local == 0 and spill <= budget, (variant, rows, causal, spill)
 print("assembled")
 """
 
 
 def test_tensor_core_attention_compiles_for_hopper_at_every_row_count():
-    """The 3xTF32 kernel at 64, 32 and 16 rows (both variants) compiles for sm_90 with the
+    """The 3xTF32 kernel at 64, 32 and 16 rows compiles for sm_90 with the
     same mma count (the per-warp code does not change with the rows), no local memory, no
     more spills than the 64-row kernel, and ptxas assembles it (nvJitLink, no GPU needed)."""
     from ptx_check import HOPPER_PRELUDE, run_without_simulator
@@ -740,7 +737,7 @@ sig = (a3, a3, a3, a3, types.Array(types.int32, 1, "C"), types.Array(types.boole
 from numba.cuda.compiler import compile as compile_numba
 # (kernel, signature, is attention, stack-frame budget in bytes).  The attention budgets allow
 # the few spills ptxas makes outside the inner loops (checked in the SASS when written: the
-# score and P.V loops have no LDL/STL); wide16 runs at <= 128 registers and spills more.
+# score and P.V loops have no LDL/STL).
 import dataclasses
 kernels = [(mla._attention_kernel(dataclasses.replace(A.gpu_tile_config(512, 64, v),
                                                       causal=causal)), sig, True,
@@ -748,7 +745,7 @@ kernels = [(mla._attention_kernel(dataclasses.replace(A.gpu_tile_config(512, 64,
            for v in A.FFMA_VARIANTS for causal in (False, True)]
 # tf32x3(fast): loop-invariant values spilled before the tile loop (16 / 40 B), reloaded once
 # per tile, none in the mma loops
-for v in ("tf32x3", "tf32x3acc"):
+for v in ("tf32x3",):
     kernels.append((mla._attention_kernel(A.gpu_tile_config(512, 64, v)), sig, True, 48))
 kernels.append((mla._attention_kernel(A.gpu_tile_config(64, 16)), sig, True, 32))  # ragged
 # the bf16 cache's kernel (ckv, kpe uint16): 255 registers and 16-56 B of spills at 32-key
@@ -854,44 +851,3 @@ def test_committed_attention_vectors_are_reproduced_by_both_twins(needs_kernels)
                                            rtol=1e-6, atol=1e-7)
                 np.testing.assert_allclose(ref.apply_uv(case["inputs"]["u"], w, dv),
                                            case["outputs"]["o"], rtol=1e-6, atol=1e-7)
-
-
-def test_variant_checker_runs_each_variant_in_its_own_process():
-    """tools/check_attention_variants.py (the probe that isolates a faulting variant): each
-    variant in a child process, one line each with its error beside the bound; a variant
-    that cannot run here fails alone and sets the exit status."""
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_attention_variants.py"),
-                           "--variants", "pipe16x2,tf32x3,tile32", "--heads", "2", "--r", "64",
-                           "--dr", "16", "--n", "5", "--prefixes", "0,7"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 3, proc.stdout + proc.stderr
-    for line, variant in zip(lines, ("pipe16x2", "tf32x3", "tile32")):
-        assert line.split()[0] == variant
-    assert lines[1].split()[1] == "FAIL" and "tensor cores" in lines[1]  # no mma on the CPU
-    for line in (lines[0], lines[2]):
-        words = line.split()
-        assert words[1] == "ok" and float(words[4]) <= float(words[6].rstrip(")"))
-        assert words[7] == f"[{ROOT / 'kdtree_numba'}]"          # the package it imported
-
-
-def test_variant_checker_imports_the_tree_it_is_given(tmp_path):
-    """``--tree DIR`` (a bisect over exported trees): the children import DIR's package, not
-    the checkout the script lives in, and each line names the package directory imported (runs 81
-    and 84 ran 'old trees' that were this checkout); a DIR without the package is a usage
-    error."""
-    import shutil
-    for pkg in ("kdtree_numba", "reference"):
-        shutil.copytree(ROOT / pkg, tmp_path / pkg,
-                        ignore=shutil.ignore_patterns("demo", "__pycache__"))
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    tool = [sys.executable, str(ROOT / "tools" / "check_attention_variants.py")]
-    proc = subprocess.run(tool + ["--variants", "pipe16x2", "--heads", "2", "--r", "64", "--dr",
-                                  "16", "--n", "3", "--prefixes", "5", "--tree", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.split()[-1] == f"[{tmp_path / 'kdtree_numba'}]"
-    bad = subprocess.run(tool + ["--tree", str(tmp_path / "nowhere")], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "no kdtree_numba/attention package" in bad.stderr

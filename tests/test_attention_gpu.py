@@ -49,7 +49,7 @@ def make_problem(rng, prefix, n, visible, heads=H, r=R, dr=DR, tau=KIMI_TAU, boo
                 visible=np.asarray(visible, bool), tau=tau)
 
 
-VARIANTS = ("tf32x3", "tf32x3acc", "pipe16x2", "pipe16", "tile32", "wide16")  # all kernels
+VARIANTS = ("tf32x3", "pipe16x2")  # the package's kernels (the rest: dev/cuda/attention.py)
 
 
 def check(prob, variants=VARIANTS, **kwargs):
@@ -103,23 +103,6 @@ def test_decode_bs64_prefix4096_uses_key_splits():
     check(prob)
 
 
-def test_tensor_core_fp32_sums_keep_the_ffma_kernels_accuracy():
-    """tf32x3acc stops its mma chains after three 32-column score chunks and at an 8-key P V
-    step and adds them in fp32 registers: its error against the float64 reference must stay
-    within a small factor of the FFMA kernel's.  (tf32x3, whose chains run over the whole
-    split through the tensor core's own accumulation, is measured beside it for the message;
-    it only has to meet the fp32 bound, as in every other test.)"""
-    from kdtree_numba import attention as kernels
-    rng = np.random.default_rng(19)
-    n = 65
-    visible = np.stack([random_tree_visible(rng, n) for _ in range(2)])
-    prob = make_problem(rng, [8192, 6000], n, visible)
-    want = ref.mla_attention(**prob, out_dtype=np.float64)
-    err = {v: float(np.abs(kernels.mla_attention(**prob, variant=v).copy_to_host() - want).max())
-           for v in ("pipe16x2", "tf32x3acc", "tf32x3")}
-    assert err["tf32x3acc"] <= 4 * err["pipe16x2"], err
-
-
 def test_scores_far_above_the_running_max_rescale_the_accumulator():
     """Scores that climb by ~120 over the prefix (more than ln(FLT_MAX) = 88, so a reference
     point that lagged behind would overflow), a late spike of +40, and ordinary scores: the
@@ -152,7 +135,7 @@ def test_causal_prefill_padded_rows_and_rows_that_see_nothing():
     assert np.all(u[1, :20] == 0.0)
 
 
-@pytest.mark.parametrize("variant", ["tf32x3", "tf32x3acc"])
+@pytest.mark.parametrize("variant", ["tf32x3"])
 def test_causal_gives_the_same_bits_at_kimi_dims(variant):
     """causal=True stops each block after its last query's keys (prefill, DDTree masks): a
     prefill of 300 tokens after prefixes 0 and 129 and a 65-node tree verify at ragged
@@ -304,7 +287,7 @@ def test_random_shapes_masks_and_prefixes_match_reference(bs, n, heads, prefixes
           keys_per_split=keys_per_split)
 
 
-@pytest.mark.parametrize("variant", ["tf32x3", "tf32x3acc"])
+@pytest.mark.parametrize("variant", ["tf32x3"])
 @pytest.mark.parametrize("bs,n,prefix,batch_invariant", [(1, 1, 129, True), (1, 1, 700, False),
                                                          (2, 5, 300, True), (1, 33, 171, True)])
 def test_tensor_core_blocks_of_16_32_64_rows_give_the_same_bits(variant, bs, n, prefix,

@@ -1,11 +1,11 @@
-"""tools/bench_splits.py's host side: which slice counts it times and its table rows (the
+"""dev/bench_splits.py's host side: which slice counts it times and its table rows (the
 timing needs a GPU: run on the H200, docs/GPU_RESULTS.md)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))
 
 import bench_splits  # noqa: E402
 

@@ -69,3 +69,25 @@ def test_demo_pair_is_lossless_and_accepts_on_heldout_code_reference():
 @pytest.mark.gpu
 def test_demo_pair_is_lossless_and_accepts_on_heldout_code_numba():
     lossless_and_accepting("numba", 16, 96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_device_rounds_replay_one_graph_a_round_with_the_host_rounds_tokens(temperature):
+    """The demo pair's rounds as device programs (kdtree_numba/device_round.py) on the GPU:
+    the host-driven rounds' tokens and acceptances (AR's at T = 0), and from the second round
+    on each round one replay of its captured graph (the second generation captures nothing)."""
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(6)
+    kw = dict(method="ddtree", drafter=drafter, budget=32, temperature=temperature, seed=3)
+    for batch in (prompts[:1], prompts[1:4]):
+        host = generate(model, batch, 64, device_rounds=False, **kw)
+        first = generate(model, batch, 64, device_rounds=True, **kw)
+        again = generate(model, batch, 64, device_rounds=True, **kw)
+        assert first.tokens == host.tokens == again.tokens
+        assert first.stats.tau == host.stats.tau
+        if temperature == 0:
+            assert host.tokens == generate(model, batch, 64).tokens
+        assert first.stats.graph_captures >= 1
+        assert again.stats.graph_captures == 0 and again.stats.graph_replays >= again.stats.rounds

@@ -146,7 +146,7 @@ def run_schedule(drafter, k_width: int, propose_after=(0, 1, 2), seed: int = 3):
         assert drafter.context_lengths.tolist() == [len(c) for c in contexts]
         if step in propose_after:
             roots = rng.integers(0, drafter.vocab_size, bs)
-            logits = np.asarray(be.to_host(drafter.propose(roots)), np.float64)
+            logits = np.asarray(be.to_host(drafter.draft(roots)), np.float64)
             out.append((logits, [c.copy() for c in contexts], roots))
     return out
 

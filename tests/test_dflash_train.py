@@ -263,7 +263,7 @@ def test_block_logits_match_the_engine_drafter_on_the_reference_backend(tied):
     root = 4
     drafter.start(1, 32)
     drafter.extend_context(feats.astype(np.float32), [P])
-    got = np.asarray(drafter.propose(np.array([root], np.int32)))[0]
+    got = np.asarray(drafter.draft(np.array([root], np.int32)))[0]
     with torch.no_grad():
         ours = model(torch.tensor(feats, dtype=torch.float32), torch.tensor([[root]]),
                      torch.tensor([[P]]))[0, 0].double().numpy()

@@ -28,6 +28,7 @@ from kdtree_numba import compat
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.bundle import block_drafter_shapes, random_weights, size_config
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
+from kdtree_numba.drafting import TargetNeeds
 from kdtree_numba.engine import generate, uniform_table
 from kdtree_numba.kvcache import CacheFullError
 from kdtree_numba.config import weight_shapes
@@ -300,23 +301,34 @@ def test_block_drafter_gets_the_hidden_state_that_chose_the_root():
     oracle = NoisyOracleDrafter(model, 3, agreement=0.9, seed=0, sharpness=1.5)
 
     class Spy(BlockDrafter):
-        """Records the conditioning; drafts with the oracle (bushy, partly accepted trees)."""
+        """Records the conditioning it is committed and the roots' positions it is asked
+        about; drafts with the oracle (bushy, partly accepted trees), so it needs what both
+        need."""
+        needs = TargetNeeds(hidden=True, tokens=True)
+
         def start(self, batch, max_len):
+            super().start(batch, max_len)
             oracle.start(batch, max_len)
 
-        def propose(self, histories, target_hidden=None):
-            seen.append(([h.copy() for h in histories], np.array(target_hidden)))
-            super().propose(histories, target_hidden)
-            return oracle.propose(histories)
+        def on_commit(self, commit):
+            super().on_commit(commit)
+            oracle.on_commit(commit)
+
+        def propose(self, ctx):
+            seen.append((np.array(ctx.positions), np.array(self.hidden)))
+            super().propose(ctx)
+            return oracle.propose(ctx)
 
     mixed = Spy(*tiny_block_drafter_parts(0), block_len=3)
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
     res = generate(model, prompts, 10, method="ddtree", drafter=mixed, budget=8)
     assert res.tokens == generate(model, prompts, 10).tokens
     assert any(a > 1 for r in res.stats.tau for a in r)
-    for histories, hidden in seen:
-        for b, h in enumerate(histories):
-            if len(h) - len(prompts[b]) >= 10:       # finished: no longer updated
+    assert len(seen) == res.stats.rounds
+    for positions, hidden in seen:
+        for b, root_at in enumerate(positions):
+            h = np.array(list(prompts[b]) + res.tokens[b])[:root_at + 1]   # up to the root
+            if root_at + 1 - len(prompts[b]) >= 10:    # finished: no longer updated
                 continue
             cache = model.new_cache(1, h.size)
             _, want = model.forward(h[None, :-1], np.arange(h.size - 1)[None], cache,
@@ -717,3 +729,22 @@ def test_numba_sampled_round_reads_the_device_once_in_simulator(needs_kernels):
                     seed=1).tokens
     assert dd.tokens == want and dd.stats.rounds == 1
     assert reads == 2 and syncs == 1
+
+
+def test_a_model_owns_its_attention_plans_and_starts_fresh_ones_before_a_capture():
+    """Plans (split counts, kernels, scratch) belong to the model that made them (no global
+    cache to clear): the model's forwards fill its own PlanCache, a capture's hook gives it
+    a new one, and the cache drops its least recently used plan past its capacity."""
+    from kdtree_numba.attention import PlanCache
+    model = tiny_model(0)
+    first = model.attention_plans
+    assert isinstance(first, PlanCache)
+    model.fresh_attention_plans()
+    assert model.attention_plans is not first and len(model.attention_plans) == 0
+    plans = PlanCache(capacity=2)
+    made = [plans.plan((1, n, 1, 8, 4, 16), 16, None, "pipe16x2", False, False, None, False)
+            for n in (1, 2, 3)] if compat.kernels_runnable() else []
+    if made:
+        assert len(plans) == 2
+        assert plans.plan((1, 3, 1, 8, 4, 16), 16, None, "pipe16x2", False, False, None,
+                          False) is made[2]

@@ -8,12 +8,19 @@ import stat
 
 import pytest
 
-from kdtree_numba import kernel_cache
+from kdtree_numba import kernel_cache, runtime
+
+
+def _environment_decides(monkeypatch):
+    """The switches fixed at import (the simulator, line info) read from the environment as the
+    test sets it, as a process started with those variables would see them."""
+    monkeypatch.setattr(runtime, "current", runtime.RuntimeConfig.from_environment)
 
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """Caching on (as on a GPU machine), into tmp_path; the memoised directory forgotten."""
+    _environment_decides(monkeypatch)
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0")
     monkeypatch.setenv("KDTREE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KDTREE_KERNEL_CACHE", raising=False)
@@ -132,6 +139,7 @@ def test_the_closure_key_tells_configurations_apart_and_refuses_unstable_cells()
 
 
 def test_line_info_builds_get_their_own_directory(monkeypatch):
+    _environment_decides(monkeypatch)
     monkeypatch.delenv("KDTREE_CUDA_LINEINFO", raising=False)
     plain = kernel_cache.source_key()
     monkeypatch.setenv("KDTREE_CUDA_LINEINFO", "1")

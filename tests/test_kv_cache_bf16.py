@@ -43,7 +43,7 @@ def test_bf16_cache_rounds_on_write_and_holds_half_the_bytes():
     c = (rng.standard_normal((2, 3, 16)) * 30).astype(np.float32)
     c[0, 0, :2] = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8]             # ties go to even
     k_pe = rng.standard_normal((2, 3, 8)).astype(np.float32)
-    b16.lengths[:] = [2, 5]
+    b16.advance([2, 5])                       # the requests hold 2 and 5 tokens
     b16.write(1, c, k_pe)
     assert b16.c[1, 0, 2:5].tobytes() == oracle_bits(c[0]).tobytes()
     assert b16.c[1, 1, 5:8].tobytes() == oracle_bits(c[1]).tobytes()

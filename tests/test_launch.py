@@ -61,7 +61,7 @@ def test_equal_signatures_mean_equal_numba_types():
     the simulator's) of every stride pattern of small shapes, scalars of every kind: two
     arguments with one signature always get one numba type, so a kernel compiled for one is
     right for the other.  Stride 0 on a length-1 axis is where numba and numpy disagree on
-    contiguity (the w[None] case of docs/GPU_RESULTS.md run 72)."""
+    contiguity (the w[None] case, which once slowed every launch)."""
     from ptx_check import run_without_simulator
     out = run_without_simulator("""
 import itertools

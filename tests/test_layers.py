@@ -855,19 +855,13 @@ for k, n in [(7168, 1536), (7168, 576), (2048, 7168), (7168, 163840), (7168, 384
             configs.add(("tiled", dataclasses.replace(L.tiled_config(m, n, k), splits=1), kind))
 for m in (512, 4096):             # the float32 router past 16 rows (tensor-cores): x_major
     configs.add(("linear", L.skinny_config(m, 64, 7168, "f32"), "f32"))
-for change in L.TILED_ALTERNATIVES.values():     # what tools/bench_layers.py times
-    for kind in ("f32", "bf16"):
-        configs.add(("tiled_alternative", dataclasses.replace(L.tiled_config(65, 1536, 7168),
-                                                              **change, splits=1), kind))
 for m in (1, 3, 16):
     for k_in, gate_up in ((7168, True), (2048, False)):
         configs.add(("expert", L.expert_config(m, 8, 384, k_in, gate_up), gate_up))
 for m in (17, 65):
-    for what, plans in (("tiled_expert", [L.expert_tiled_configs(m)]),
-                        ("tiled_alternative", L.expert_alternatives(m).values())):
-        for cfg, _, _ in (launch for plan in plans for launch in plan):
-            for mode in ("gate_up", "down"):
-                configs.add((what, cfg, mode))
+    for cfg, _, _ in L.expert_tiled_configs(m):
+        for mode in ("gate_up", "down"):
+            configs.add(("tiled_expert", cfg, mode))
 bad = []
 for what, cfg, extra in sorted(configs, key=str):
     # skinny: no spills, and 3 blocks of 128 threads per SM: 65536 / (3 * 128) = 170
@@ -889,10 +883,7 @@ for what, cfg, extra in sorted(configs, key=str):
     if what.startswith("tiled"):
         # capped tiles (max_registers) may spill a few words, all outside the k loop (checked
         # in the SASS when the caps were chosen, docs/LAYERS.md); the accumulators never.
-        # The benchmark's alternatives only have to compile without local arrays.
         limit, spill_limit = (cfg.max_registers or 255), (160 if cfg.max_registers else 0)
-        if what == "tiled_alternative":
-            spill_limit = 1 << 20
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
     log = ptxas(ptx, cfg.max_registers if what.startswith("tiled") else 0)
     regs = int(re.findall(r"Used (\d+) registers", log)[0])

@@ -317,7 +317,6 @@ def test_configs_and_splits():
                                                           stages=3, splits=1)
     for n, k in [(1536, 7168), (7168, 2048), (163840, 7168), (200, 72), (12288, 1536)]:
         picks = [mm.mma_config(m, n, k) for m in (1, 9, 16, 17, 33, 65, 512, 4096)]
-        picks += [c for m in (1, 65) for c in mm.mma_alternatives(m, n, k).values()]
         # batch invariance: every tile of every M slices K alike (in units of 64 whatever
         # its stage: test_simulated_stages_of_128_slice_k_like_stages_of_64)
         assert {c.splits for c in picks} == {mm.mma_splits(n, k)}
@@ -479,7 +478,6 @@ ptxas(ptx)
 print("tile assembled")
 configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
-configs |= {c for m in (1, 65, 512) for c in mm.mma_alternatives(m, 7168, 2048).values()}
 wgmma_configs = {c for c in configs if c.wgmma}
 wgmma_configs |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True)}
 configs -= wgmma_configs
@@ -531,7 +529,7 @@ print("assembled")
 
 
 def test_mma_kernels_compile_to_hopper_ptx():
-    """The bf16 tile and every mma_config tile (and the benchmark's alternatives) compile for
+    """The bf16 tile and every mma_config tile compile for
     sm_90 with the m16n8k16 bf16 mma, cp.async and 128-bit shared loads, no local memory, no
     spills (uncapped), and ptxas assembles them (nvJitLink, no GPU needed)."""
     from ptx_check import run_without_simulator
@@ -597,12 +595,11 @@ def test_gpu_linear_mma_ragged_edges(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 65, 200])
-def test_gpu_linear_mma_alternatives_and_k_slices(m):
+def test_gpu_linear_mma_k_slices(m):
     import dataclasses
     n, k = 1000, 2048
     base = mm.mma_config(m, n, k)
-    plans = dict(mm.mma_alternatives(m, n, k), **{
-        f"splits={s}": dataclasses.replace(base, splits=s) for s in (1, 8)})
+    plans = {f"splits={s}": dataclasses.replace(base, splits=s) for s in (1, 8)}
     for name, cfg in plans.items():
         _check_linear(m, n, k, seed=5, config=cfg)
 
@@ -622,9 +619,6 @@ def test_gpu_linear_mma_is_batch_invariant(n, k):
             for m in (1, 9, 17, 33, 65, 512, 4096)}
     for m, y in rows.items():
         assert y.tobytes() == rows[4096][:m].tobytes(), m
-    for cfg in mm.mma_alternatives(65, n, k).values():
-        y = linear(x[:65], w16, method="mma", config=cfg).copy_to_host()
-        assert y.tobytes() == rows[65].tobytes(), cfg
 
 
 @pytest.mark.gpu

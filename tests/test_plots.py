@@ -1,19 +1,16 @@
-"""Pictures and the demo benchmark (issue 14, items 5 and "Measure").
+"""Pictures (issue 14, item 5).
 
 * ``kdtree-run --plot`` writes a PNG (DDTree and chain on the shipped demo target), and says
   so; without matplotlib it is one usage line naming the extra.
 * The engine's ``on_round`` hook: the rounds read the device exactly as without it (the one
   read per round of docs/ENGINE.md, "Sync points"), ``RoundRecorder.pick`` adds one read, and
   the round it returns is the one the engine committed (root, accepted tokens, bonus).
-* tools/bench_demo.py end to end on the reference backend at tiny settings: every method's
-  tokens equal AR's, the JSON and the plot are written; a mismatch is loud and exit 1.
+(tools/bench_demo.py, whose --plot draws plot_budget_curves, has its own tests:
+tests/test_bench_demo.py.)
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,10 +20,6 @@ from kdtree_numba.cli import run_main
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.model import Model
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
-import bench_demo  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 needs_matplotlib = pytest.mark.skipif(
@@ -127,73 +120,3 @@ def test_token_label_makes_whitespace_visible_and_escapes_mathtext():
     assert plots.token_label("$a$") == r"\$a\$"
     assert plots.token_label("abcdefghijklmnop") == "abcdefghijk\u2026"
     assert plots.token_label("") == "''"
-
-
-# ----------------------------------------------------------------------------- bench_demo
-
-TINY = ["--prompts", "2", "--max-new-tokens", "8", "--budgets", "4,8", "--drafter",
-        "oracle:0.9", "--backend", "reference"]
-
-
-def test_bench_demo_warms_every_candidate_budget_before_timing_auto(monkeypatch):
-    """The warm-up of ``--budgets auto`` runs each AutoBudget candidate on the first prompt,
-    then auto itself, before the timed prompts: auto may climb to a budget its own warm-up
-    never reached, whose first round would compile inside the timed run (run 90)."""
-    from kdtree_numba.budget import AutoBudget
-    calls = []
-
-    def fake_generate(model, prompts, n, **kw):
-        calls.append((prompts[0][0], kw["budget"]))
-        return SimpleNamespace(tokens=[[1]], stats=SimpleNamespace(
-            seconds=1.0, new_tokens=1, rounds=1, tau=[[1]], time={}))
-    monkeypatch.setattr(bench_demo, "generate", fake_generate)
-    args = SimpleNamespace(seed=0, max_new_tokens=4)
-    prompts = [{"id": i, "ids": [i]} for i in (7, 8)]
-    bench_demo.run_config(None, None, prompts, "ddtree", "auto", 0.0, args, warmup=True)
-    cands = list(AutoBudget().candidates)
-    assert calls == [(7, b) for b in cands] + [(7, "auto"), (7, "auto"), (8, "auto")]
-    calls.clear()
-    bench_demo.run_config(None, None, prompts, "ddtree", 32, 0.0, args, warmup=True)
-    assert calls == [(7, 32), (7, 32), (8, 32)]
-
-
-@needs_matplotlib
-def test_bench_demo_end_to_end_on_the_reference_backend(tmp_path, capsys):
-    js, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert bench_demo.main(TINY + ["--temperature", "0", "--json", str(js),
-                                   "--plot", str(png)]) == 0
-    out = capsys.readouterr().out
-    assert "| method | budget | T | tau | tokens/s | speedup vs AR" in out
-    assert "MISMATCH" not in out
-    data = json.loads(js.read_text())
-    rows = data["rows"]
-    assert [(r["method"], r["budget"]) for r in rows] == \
-        [("ar", None), ("chain", None), ("ddtree", 4), ("ddtree", 8)]
-    for r in rows:                      # lossless: every method gives AR's tokens
-        assert r["identical"] == r["compared"] == 2 and not r["mismatches"]
-        assert r["new_tokens"] == 16 and r["tokens_per_s"] > 0
-    assert rows[0]["tau"] == 1.0 and all(r["tau"] >= 1 for r in rows)
-    agree = data["agreement"]
-    assert len(agree["top1"]) == 7 and agree["anchors"][0] == 2 * 7   # anchors 1..7, 2 prompts
-    assert all(0 <= t <= 1 for t in agree["top1"] if t is not None)
-    assert is_png(png)
-
-
-def test_bench_demo_mismatch_is_loud_and_exit_1(monkeypatch, capsys):
-    real = bench_demo.generate
-
-    def broken(model, prompts, n, **kw):     # a "lossy" DDTree: its last token is off by one
-        res = real(model, prompts, n, **kw)
-        if kw["method"] == "ddtree":
-            res.tokens[0][-1] = (res.tokens[0][-1] + 1) % model.vocab_size
-        return res
-
-    monkeypatch.setattr(bench_demo, "generate", broken)
-    argv = ["--prompts", "1", "--max-new-tokens", "4", "--budgets", "4", "--drafter",
-            "oracle:1", "--backend", "reference", "--temperature", "0",
-            "--agreement-stride", "0"]
-    assert bench_demo.main(argv) == 1
-    captured = capsys.readouterr()
-    assert "**MISMATCH** 0/1" in captured.out
-    assert "MISMATCH: ddtree budget 4 T = 0, prompt 0: tokens differ from AR's from new " \
-           "token 3" in captured.err

@@ -1,17 +1,20 @@
-"""The demo pair's measurement (issue 14, "Measure"): AR, chain and DDTree on held-out code.
+"""The demo pair's measurement (issue 14, "Measure"; issue 36): AR, chain and DDTree on held-out
+code, beside the peers a user would try first.
 
     python3 tools/bench_demo.py [--prompts N] [--max-new-tokens 128] [--backend auto]
         [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
-        [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--json PATH]
-        [--plot PATH.png]
+        [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--[no-]peers]
+        [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
 
-Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``; the
+Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``: the
 reference backend runs its float32 CPU path (kdtree_numba/cpu.py) unless ``--precision
 float64``.  Prompts: the first
-``--prompts`` held-out prompts (default all 128 on a GPU, 16 on the CPU), each encoded as
-``[bos] + encode(text)`` (docs/DEMO.md, "Prompt set").  Drafter (``--drafter``, default
+``--prompts`` lines of ``--prompt-file`` (default all 128 held-out prompts on a GPU, 16 on the
+CPU), JSON objects with a ``text`` (an ``id`` is optional: rows compare prompts by their
+position, and print the ``id`` where there is one), each encoded as ``[bos] + encode(text)``
+(docs/DEMO.md, "Prompt set").  Drafter (``--drafter``, default
 ``kdtree_numba.demo.DEFAULT_DRAFTER``): a DFlash drafter bundle (tools/train_drafter.py), any
 drafter bundle ``kdtree-run`` takes, ``oracle:A`` (NoisyOracleDrafter: the target's own greedy
 future at agreement A, for the harness; it runs the target L times a round, so its speed
@@ -19,20 +22,48 @@ means nothing), or ``random-dflash[:SEED]`` (an untrained DFlash drafter for thi
 in memory: tau ~ 1, the cost of drafting and verifying without the gain).
 
 For each temperature, batch 1, every prompt: AR, then the chain (the drafter's greedy chain,
-L nodes), then DDTree at each budget.  A row is one method over all prompts: mean tau over all
-rounds (tokens committed per round: accepted nodes + the bonus; AR: 1), tokens/s = all new
-tokens over all ``generate`` seconds (prefill included, as ``GenerationStats``), speedup =
-that over AR's at the same temperature, rounds per prompt, ms per round in the draft and the
-verify phases, and how many prompts gave exactly AR's tokens.  At T = 0 every method must give
-AR's tokens (losslessness): a prompt that does not is a MISMATCH line on stderr, a MISMATCH
-cell in the table, and exit status 1 (after the table and the JSON are written).  At T > 0
-the engine draws each position's token with the same uniform for every method, so the tokens
-agree too, up to a float rounding flipping a draw (~1e-7 a token); counted, not fatal.
+L nodes), then DDTree at each budget (``auto``: kdtree_numba/budget.py); at T = 0 then the
+peers (``--no-peers`` skips them; tools/bench_demo_peers.py): transformers' ``generate()``
+greedy and with ``prompt_lookup_num_tokens=10``, on the target exported by
+tools/bundle_to_hf.py, in ``--hf-dtype`` (default float32, the export's dtype) on the same
+device (cuda when the engine runs on the GPU, else cpu), in this process, on the first
+``--peer-prompts`` prompts (default all; their speedup is over AR's rate on the same
+prompts; they also stop at ``--time-limit``, keeping the prompts done).  A row is one
+method over all prompts: mean tau over all rounds (tokens committed per round: accepted nodes
++ the bonus; AR: 1), tokens/s = all new tokens over all ``generate`` seconds (end to end:
+prefill included, as ``GenerationStats``), speedup = that over AR's at the same temperature,
+rounds per prompt, and how many prompts gave exactly AR's tokens.  At T = 0 every method must
+give AR's tokens (losslessness): a prompt that does not is a MISMATCH line on stderr, a
+MISMATCH cell in the table, and exit status 1 (after the tables and the JSON are written).  At
+T > 0 the engine draws each position's token with the same uniform for every method, so the
+tokens agree too, up to a float rounding flipping a draw (~1e-7 a token); counted, not fatal.
+The peers' agreement with AR's tokens is reported, never judged (another implementation's
+float32 forward can flip a near-tie argmax).
 
 The goal columns (DDTree rows; the issue judges them at T = 0): tau >= 5 at budget 32; tau
 >= 1.25x the chain's; tokens/s >= 2.5x AR on the numba backend, 2x on the reference backend.
 
-Drafter agreement (second table): the drafter's top-1 agreement with the target's greedy
+Per round (second table; tools/bench_demo_timing.py defines each): the wall time of the
+rounds on the host clock (from the prefill's read to generate's return, over the rounds),
+split into ``wait`` (the host blocked in the device's reads) and ``host`` (the rest: the
+host's own work); the device phases from the engine's CUDA events (their sum is the device
+timeline, idle gaps included, so it is not the busy time); the GPU's idle share (1 - NVML's
+busy share sampled over the row; GPU only); the prefill per prompt; and the first-call work
+still inside the timed prompts (kernels numba made and their seconds; CUDA graphs captured),
+which should read 0.
+
+Timing: by default on a GPU (``--warmup`` forces it on the CPU, ``--no-warmup`` skips it),
+before a row is timed its warm-up runs what the row will run for the first time: every
+distinct prompt length prefilled into a scratch KV cache of each capacity bucket the row will
+use, and a full ``generate`` (twice) on the shortest and the longest prompt of each bucket
+(``auto``: once per candidate budget, pinned, in auto's own cache, then as auto); the peers
+warm up on the shortest and longest prompt.  The warm-up's seconds (and the part numba spent
+making kernels) are a column and a line of their own, never in a row's timing.
+``--time-limit`` (seconds, 0: none) skips a configuration that would not fit, judged by the
+last one's time; SIGTERM and SIGINT stop after the current prompt; either way the tables hold
+what was measured.
+
+Drafter agreement (last table): the drafter's top-1 agreement with the target's greedy
 continuation per block position, measured offline from the T = 0 AR continuation c_1..c_N of
 every prompt.  For each anchor j (every ``--agreement-stride``-th of 1..N-1) the drafter gets
 the verified prefix, prompt + c_1..c_j with root c_j (a DFlash drafter: the target's features
@@ -41,12 +72,9 @@ history drafter: the sequence itself), proposes [L, V], and row d's argmax is co
 c_{j+d}.  ``chain tau`` is the mean of 1 + the leading matches over anchors with all L
 depths known: what the chain would commit per round from those anchors.
 
-Timing: on a GPU each configuration runs once on the first prompt before it is timed (numba
-compiles each kernel on its first call and the CUDA graphs capture on the second; ``auto``
-first runs every candidate budget of ``AutoBudget`` that way;
-``--no-warmup`` skips it, ``--warmup`` forces it on the CPU).  ``--time-limit`` (seconds, 0:
-none) skips a configuration that would not fit, judged by the last one's time; SIGTERM and
-SIGINT stop after the current prompt; either way the table holds what was measured.
+``--json PATH`` keeps everything: the settings, every row (its timing facts included), the
+peers' versions, dtype and device, and per prompt its tokens, seconds, rounds, tau, phase
+times, host split, budgets and graph captures.
 """
 from __future__ import annotations
 
@@ -55,6 +83,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
 # before numba is imported: its occupancy warnings would bury the table
@@ -64,22 +93,27 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from kdtree_numba import compat, demo, plots  # noqa: E402
 from kdtree_numba.backends import make_backend  # noqa: E402
-from kdtree_numba.budget import AutoBudget  # noqa: E402
 from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_layer_ids,  # noqa: E402
                                  dflash_config, dflash_shapes, random_weights)
 from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
 from kdtree_numba.drafter import NoisyOracleDrafter, load_drafter, parse_oracle_spec  # noqa: E402
+from kdtree_numba.drafting import Commit, DraftContext  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
-from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.model import Model, causal_mask  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
+
+import bench_demo_peers as peers  # noqa: E402
+from bench_demo_timing import FirstCalls, GpuBusy, RoundClock, WarmState, warm_up  # noqa: E402
 
 PROMPT_FILE = os.path.join(ROOT, "tools", "data", "heldout_prompts.jsonl")
 TAU_GOAL, TAU_GOAL_BUDGET, CHAIN_GOAL = 5.0, 32, 1.25
 SPEED_GOAL = {"numba": 2.5, "reference": 2.0}
 ORACLE_BLOCK_LEN = DFLASH_BLOCK_SIZE - 1     # the DFlash drafter's depth, so trees compare
+PEER_METHODS = tuple(name for name, _ in peers.PEERS)
 
 
 def _ints(text: str) -> list[int]:
@@ -122,17 +156,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the drafter's agreement at every S-th anchor (0: not at all)")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds for the whole run; 0: no limit")
-    p.add_argument("--interleave", action="store_true",
-                   help="run every configuration on each prompt in turn (a shared machine's "
-                   "changing load then weighs on every row alike) instead of one "
-                   "configuration over all prompts at a time")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each configuration once before timing it (default: on a GPU)")
+                   help="run what each configuration will run for the first time before "
+                        "timing it (default: on a GPU)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="time transformers' generate() and its prompt lookup at T = 0 too")
+    p.add_argument("--peer-prompts", type=int, default=0,
+                   help="time the peers on the first N prompts only (0: all); their "
+                        "speedup is over AR on the same prompts")
+    p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the peers' dtype (the export is float32: the bf16 weights exactly)")
     p.add_argument("--json", metavar="PATH", help="write everything measured as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="tau and speedup against the budget")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or (args.prompts is not None and args.prompts < 1):
         p.error("--prompts and --max-new-tokens must be >= 1")
+    if args.peer_prompts < 0:
+        p.error("--peer-prompts must be >= 0")
     if not args.budgets or min((b for b in args.budgets if b != "auto"), default=1) < 1:
         p.error("--budgets: one or more integers >= 1 or auto")
     if not args.temperature or min(args.temperature) < 0:
@@ -148,18 +188,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- inputs
 
 def read_prompts(path: str, n: int, codec) -> list[dict]:
-    """The first ``n`` prompts of ``path``, each with its ``ids`` (``[bos] + encode(text)``)."""
+    """The first ``n`` prompts of ``path`` (JSON lines; each needs ``text``, an ``id`` is
+    optional), each with its ``ids`` (``[bos] + encode(text)``), its position ``key`` (what
+    the rows compare by) and its ``label`` (the ``id``, else the position)."""
     out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip() and len(out) < n:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip() or len(out) >= n:
+                continue
+            try:
                 rec = json.loads(line)
-                rec["ids"] = codec.encode(rec["text"])
-                if "n_tokens" in rec and rec["n_tokens"] != len(rec["ids"]):
-                    print(f"bench_demo: warning: prompt {rec.get('id')} encodes to "
-                          f"{len(rec['ids'])} tokens, the file says {rec['n_tokens']}",
-                          file=sys.stderr)
-                out.append(rec)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"bench_demo: {path}:{lineno}: not JSON ({e.msg})")
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise SystemExit(f"bench_demo: {path}:{lineno}: a prompt needs a \"text\" "
+                                 f"string")
+            rec["key"] = len(out)
+            rec["label"] = rec.get("id", rec["key"])
+            rec["ids"] = codec.encode(rec["text"])
+            if "n_tokens" in rec and rec["n_tokens"] != len(rec["ids"]):
+                print(f"bench_demo: warning: prompt {rec['label']} encodes to "
+                      f"{len(rec['ids'])} tokens, the file says {rec['n_tokens']}",
+                      file=sys.stderr)
+            out.append(rec)
+    if not out:
+        raise SystemExit(f"bench_demo: {path}: no prompts")
     return out
 
 
@@ -202,6 +255,11 @@ class Stop:
     def _on_signal(self, signum, frame):
         self.signalled = True
 
+    def expired(self) -> bool:
+        """A signal came, or the time limit has passed."""
+        return self.signalled or bool(self.limit and
+                                      time.perf_counter() - self.t0 > self.limit)
+
     def allows(self, name: str, estimate: float) -> bool:
         spent = time.perf_counter() - self.t0
         if self.signalled or (self.limit and spent + estimate > self.limit):
@@ -210,90 +268,121 @@ class Stop:
         return True
 
 
+class Meters:
+    """The instruments of one run (tools/bench_demo_timing.py): the round clock, the count of
+    first-call work (numba's kernels; GPU only) and the GPU's busy share (NVML; GPU only)."""
+
+    def __init__(self, backend):
+        self.clock = RoundClock(backend)
+        self.first = FirstCalls(backend.on_gpu and backend.name == "numba")
+        pci = None
+        if backend.on_gpu:
+            try:
+                pci = backend.xp.cuda.Device().pci_bus_id
+            except Exception:       # no PCI id: the idle share is reported as unknown
+                pci = None
+        self.busy = GpuBusy(pci)
+        self.warm = WarmState()           # what the rows' warm-ups share (bench_demo_timing)
+
+
 def run_config(model, drafter, prompts, method, budget, temperature, args, warmup,
-               stop: Stop | None = None) -> list[dict]:
-    """Every prompt through one configuration: one record per prompt (stops early after a
-    signal)."""
+               stop: Stop | None = None, meters: Meters | None = None):
+    """Every prompt through one configuration, after its warm-up (``warmup``: what the timed
+    prompts will run for the first time, tools/bench_demo_timing.py).  Returns one record
+    per prompt (stopping early after a signal) and the row's timing facts: the warm-up's
+    seconds and what compiled in it, and inside the timed prompts the kernels numba made,
+    their seconds, and the GPU's busy share."""
+    meters = meters or Meters(model.backend)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
               budget=budget or 32, temperature=temperature, seed=args.seed)
+    warm = None
     if warmup:
-        # auto visits the candidates its measurements lead it to, so its own warm-up can
-        # miss some, whose first round then compiles inside the timed run (run 90 on the
-        # H200: 7.3 of auto's 9.5 s in one prompt's tree build); each one runs first
-        for b in AutoBudget().candidates if budget == "auto" else ():
-            generate(model, [prompts[0]["ids"]], args.max_new_tokens, **dict(kw, budget=b))
-        generate(model, [prompts[0]["ids"]], args.max_new_tokens, **kw)
+        with meters.first.counting():
+            warm = warm_up(model, drafter, prompts, method, budget, temperature,
+                           args.max_new_tokens, args.seed, meters.warm)
+        warm.update(compile_seconds=meters.first.seconds, kernels=meters.first.kernels)
     out = []
-    for rec in prompts:
-        res = generate(model, [rec["ids"]], args.max_new_tokens, **kw)
-        s = res.stats
-        out.append(dict(id=rec.get("id"), tokens=res.tokens[0], seconds=s.seconds,
-                        new_tokens=s.new_tokens, rounds=s.rounds,
-                        tau=[a for r in s.tau for a in r], time=dict(s.time)))
-        if stop is not None and stop.signalled:
-            break
-    return out
+    with meters.first.counting(), meters.busy.sampling():
+        for rec in prompts:
+            with meters.clock.timing():
+                res = generate(model, [rec["ids"]], args.max_new_tokens,
+                               progress=meters.clock.progress, **kw)
+            s = res.stats
+            out.append(dict(key=rec["key"], id=rec["label"], tokens=res.tokens[0],
+                            seconds=s.seconds, new_tokens=s.new_tokens, rounds=s.rounds,
+                            tau=[a for r in s.tau for a in r], time=dict(s.time),
+                            host=dict(meters.clock.last), budgets=list(s.budgets),
+                            graph_captures=s.graph_captures))
+            if stop is not None and stop.signalled:
+                break
+    timing = dict(warmup=warm, compile_seconds=meters.first.seconds,
+                  kernels=meters.first.kernels, gpu_busy=meters.busy.share,
+                  gpu_busy_samples=meters.busy.samples)
+    return out, timing
 
 
-def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop, runs) -> list:
-    """``--interleave``: prompt by prompt, every configuration in turn, so that a load that
-    changes during the run (a shared machine) weighs on every row alike.  Stops after the
-    prompt in flight at a signal (``--time-limit`` is not applied)."""
-    for i, rec in enumerate(prompts):
-        for method, budget in configs:
-            got = run_config(model, drafter, [rec], method, budget, t, args, warmup and i == 0)
-            runs.setdefault((method, budget, t), []).extend(got)
-        if stop.signalled:
-            break
-    rows = []
-    for method, budget in configs:
-        got = runs[(method, budget, t)]
-        row = summarise(method, budget, t, got, runs.get(("ar", None, t), []))
-        rows.append(row)
-        name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
-        print(f"  {name}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s "
-              f"({row['speedup']:.2f}x AR), identical {row['identical']}/{row['compared']}",
-              file=sys.stderr)
-    return rows
-
-
-def summarise(method, budget, temperature, runs, ar_runs) -> dict:
-    seconds = sum(r["seconds"] for r in runs)
-    tokens = sum(r["new_tokens"] for r in runs)
-    rounds = sum(r["rounds"] for r in runs)
-    taus = [a for r in runs for a in r["tau"]]
-    ar_by_id = {r["id"]: r for r in ar_runs}
+def compare(runs, ar_runs) -> tuple[int, list[dict]]:
+    """(prompts compared with AR's, the ones whose tokens differ: key, id, first new token
+    that differs), matching prompts by their position in the prompt file."""
+    ar_by_key = {r["key"]: r["tokens"] for r in ar_runs}
     diffs = []
     for r in runs:
-        want = ar_by_id[r["id"]]["tokens"] if r["id"] in ar_by_id else None
+        want = ar_by_key.get(r["key"])
         if want is not None and r["tokens"] != want:
             first = next((i for i, (a, b) in enumerate(zip(r["tokens"], want)) if a != b),
                          min(len(r["tokens"]), len(want)))
-            diffs.append(dict(id=r["id"], first=first))
-    compared = sum(1 for r in runs if r["id"] in ar_by_id)
+            diffs.append(dict(key=r["key"], id=r["id"], first=first))
+    return sum(1 for r in runs if r["key"] in ar_by_key), diffs
+
+
+def _rate(runs) -> float:
+    seconds = sum(r["seconds"] for r in runs)
+    return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def summarise(method, budget, temperature, runs, ar_runs, timing=None) -> dict:
+    """One row: speed, tau and losslessness over ``runs``, and per round the host clock's
+    wall / wait / host split and the device phases (ms; tools/bench_demo_timing.py)."""
+    timing = timing or {}
+    tokens, rounds = sum(r["new_tokens"] for r in runs), sum(r["rounds"] for r in runs)
+    taus = [a for r in runs for a in r["tau"]]
+    compared, diffs = compare(runs, ar_runs)
     split = {k: sum(r["time"][k] for r in runs) for k in runs[0]["time"]}
-    tps = tokens / seconds if seconds > 0 else 0.0
-    ar_tps = (sum(r["new_tokens"] for r in ar_runs) /
-              max(sum(r["seconds"] for r in ar_runs), 1e-12)) if ar_runs else 0.0
+    host = {k: sum(r["host"][k] for r in runs) for k in ("prefill", "rounds", "wait", "host")}
+    per_round = {k: 1e3 * v / max(rounds, 1) for k, v in split.items() if k != "prefill"}
+    tps, ar_tps = _rate(runs), _rate(ar_runs) if ar_runs else 0.0
+    captures = [r["graph_captures"] for r in runs if r["graph_captures"] is not None]
+    warm = timing.get("warmup")
+    busy = timing.get("gpu_busy")
     return dict(method=method, budget=budget, temperature=temperature, prompts=len(runs),
                 tau=float(np.mean(taus)) if taus else 1.0, tokens_per_s=tps,
                 speedup=tps / ar_tps if ar_tps else float("nan"),
-                rounds_per_prompt=rounds / len(runs), seconds=seconds, new_tokens=tokens,
-                draft_ms_per_round=1e3 * split.get("draft", 0.0) / max(rounds, 1),
-                verify_ms_per_round=1e3 * (split.get("verify", 0.0) + split.get("decode", 0.0))
-                / max(rounds, 1),
+                rounds_per_prompt=rounds / len(runs), seconds=sum(r["seconds"] for r in runs),
+                new_tokens=tokens,
+                draft_ms_per_round=per_round.get("draft", 0.0),
+                verify_ms_per_round=per_round.get("verify", 0.0) + per_round.get("decode", 0.0),
+                device_ms_per_round=per_round,
+                wall_ms_per_round=1e3 * host["rounds"] / max(rounds, 1),
+                wait_ms_per_round=1e3 * host["wait"] / max(rounds, 1),
+                host_ms_per_round=1e3 * host["host"] / max(rounds, 1),
+                prefill_ms_per_prompt=1e3 * host["prefill"] / len(runs),
+                gpu_idle_share=None if busy is None else 1.0 - busy,
+                warmup_seconds=warm["seconds"] if warm else None,
+                warmup_compile_seconds=warm.get("compile_seconds") if warm else None,
+                timed_compile_seconds=timing.get("compile_seconds"),
+                timed_kernels=timing.get("kernels"),
+                timed_graph_captures=sum(captures) if captures else None,
                 identical=compared - len(diffs), compared=compared, mismatches=diffs,
-                time=split)
+                time=split, timing=timing)
 
 
-def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> dict | None:
+def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> dict:
     """Top-1 agreement of the drafter's rows with the target's greedy continuation, per
-    depth (module docstring).  None for a drafter that needs the target's hidden state."""
-    if getattr(drafter, "needs_target_hidden", False):
-        return None
-    be, L = model.backend, drafter.block_len
+    depth (module docstring).  Any drafter: it is fed through its protocol (kdtree_numba/
+    drafting.py) what the target verified up to each anchor, from one prefill of the whole
+    sequence that returns whatever the drafter ``needs``."""
+    be, L, needs = model.backend, drafter.block_len, drafter.needs
     hits, counts, chain = np.zeros(L), np.zeros(L), []
-    features = getattr(drafter, "feature_layers", None)
     for rec, cont in zip(prompts, continuations):
         seq = np.asarray(list(rec["ids"]) + list(cont), np.int64)
         P, N = len(rec["ids"]), len(cont)
@@ -301,18 +390,30 @@ def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> di
         if not anchors:
             continue
         drafter.start(1, P + N + L + 2)
-        if features:
-            cache = model.new_cache(1, P + N + 1)
-            feats = model.prefill(cache, [seq[:P + N - 1]], capture_layers=features)[-1]
-            have = 0
+        cache = model.new_cache(1, P + N + 1)
+        out = model.prefill(cache, [seq[:P + N - 1]], capture_layers=needs.feature_layers)
+        parts = out if isinstance(out, tuple) else (out,)
+        feats = parts[-1] if needs.feature_layers else None
+        hidden = None
+        if needs.hidden:              # every row's final hidden state, from a full forward
+            full = model.new_cache(1, P + N)
+            hidden = model.forward(seq[None, :P + N - 1], np.arange(P + N - 1)[None],
+                                   full, causal_mask(P + N - 1), return_hidden=True)[1]
+        have = 0
         for j in anchors:
             root = P + j - 1                      # c_j's position; c_{j+d} is seq[root + d]
-            if features:
-                drafter.extend_context(feats[:, have:root], root - have)
-                have = root
-                logits = drafter.propose(np.array([seq[root]], np.int32))
-            else:
-                logits = drafter.propose([seq[:root + 1]])
+            n = root - have                       # tokens verified since the last anchor
+            drafter.on_commit(Commit(
+                counts=be.asarray(np.array([n], np.int32)),
+                next_roots=be.asarray(np.array([seq[root]], np.int32)),
+                counts_host=np.array([n], np.int64),
+                tokens=be.asarray(seq[None, have:root + 1].astype(np.int32)),
+                hidden=hidden[:, root - 1] if hidden is not None else None,
+                features=feats[:, have:root] if feats is not None else None))
+            have = root
+            logits = drafter.propose(DraftContext(
+                roots=be.asarray(np.array([seq[root]], np.int32)),
+                positions=be.asarray(np.array([root], np.int32))))
             top = np.asarray(be.to_host(logits))[0].argmax(axis=-1)
             known = min(L, N - j)
             ok = top[:known] == seq[root + 1:root + 1 + known]
@@ -331,18 +432,30 @@ def _yes(ok: bool) -> str:
     return "yes" if ok else "no"
 
 
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _same_cell(r: dict) -> str:
+    same = f"{r['identical']}/{r['compared']}"
+    if r["identical"] == r["compared"]:
+        return same
+    if r["method"] in PEER_METHODS:        # another implementation: reported, not judged
+        return f"{same} (differs)"
+    return f"**MISMATCH** {same}" if r["temperature"] == 0 else f"{same} (T > 0)"
+
+
 def table(rows: list[dict], backend: str) -> str:
+    """The summary: speed, tau, losslessness, the issue's goal columns, and each row's
+    warm-up seconds (outside its timing) beside it."""
     goal = SPEED_GOAL.get(backend, 2.0)
     head = ["method", "budget", "T", "tau", "tokens/s", "speedup vs AR", "rounds/prompt",
-            "ms/round draft / verify", "identical to AR", f"tau >= {TAU_GOAL:g} at B "
-            f"{TAU_GOAL_BUDGET}", f"tau >= {CHAIN_GOAL}x chain", f"tok/s >= {goal:g}x AR"]
+            "identical to AR", f"tau >= {TAU_GOAL:g} at B {TAU_GOAL_BUDGET}",
+            f"tau >= {CHAIN_GOAL}x chain", f"tok/s >= {goal:g}x AR", "warm-up s (untimed)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         chain = next((c for c in rows if c["method"] == "chain"
                       and c["temperature"] == r["temperature"]), None)
-        same = f"{r['identical']}/{r['compared']}"
-        if r["identical"] != r["compared"]:
-            same = f"**MISMATCH** {same}" if r["temperature"] == 0 else f"{same} (T > 0)"
         g1 = g2 = g3 = ""
         if r["method"] == "ddtree":
             if r["budget"] == TAU_GOAL_BUDGET:
@@ -351,13 +464,69 @@ def table(rows: list[dict], backend: str) -> str:
                 ratio = r["tau"] / chain["tau"]
                 g2 = f"{_yes(ratio >= CHAIN_GOAL)} ({ratio:.2f}x)"
             g3 = f"{_yes(r['speedup'] >= goal)} ({r['speedup']:.2f}x)"
-        split = "-" if r["method"] == "ar" else \
-            f"{r['draft_ms_per_round']:.1f} / {r['verify_ms_per_round']:.1f}"
+        peer = r["method"] in PEER_METHODS
         cells = [r["method"], str(r["budget"] or "-"), f"{r['temperature']:g}",
-                 f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                 f"{r['rounds_per_prompt']:.1f}", split, same, g1, g2, g3]
+                 "-" if peer else f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
+                 f"{r['speedup']:.2f}x", "-" if peer else f"{r['rounds_per_prompt']:.1f}",
+                 _same_cell(r), g1, g2, g3,
+                 "-" if r["warmup_seconds"] is None else f"{r['warmup_seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def round_table(rows: list[dict]) -> str:
+    """Per round (an AR step, a chain or DDTree round), ms: the host clock's wall time, the
+    part spent blocked in device reads and the host's own work; the device phases (CUDA
+    events, idle gaps included); the GPU's idle share (NVML); the prefill per prompt; and
+    the first-call work that still ran inside the timed prompts (should be 0)."""
+    head = ["method", "budget", "T", "wall", "wait", "host", "device: draft / tree / verify / "
+            "accept / compact (AR: decode)", "GPU idle", "prefill ms/prompt",
+            "inside timing: kernels made (s) / graph captures"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["method"] in PEER_METHODS:
+            continue
+        d = r["device_ms_per_round"]
+        dev = f"{d.get('decode', 0.0):.2f}" if r["method"] == "ar" else " / ".join(
+            f"{d.get(k, 0.0):.2f}" for k in ("draft", "tree_build", "verify", "accept",
+                                             "compaction"))
+        idle = "-" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.0f}%"
+        made = "-" if r["timed_kernels"] is None else \
+            f"{r['timed_kernels']} ({r['timed_compile_seconds']:.2f})"
+        caps = "-" if r["timed_graph_captures"] is None else str(r["timed_graph_captures"])
+        cells = [r["method"], str(r["budget"] or "-"), f"{r['temperature']:g}",
+                 _ms(r["wall_ms_per_round"]), _ms(r["wait_ms_per_round"]),
+                 _ms(r["host_ms_per_round"]), dev, idle, _ms(r["prefill_ms_per_prompt"]),
+                 f"{made} / {caps}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compile_line(rows: list[dict]) -> str:
+    """The warm-ups' seconds (compiles, captures and their own generation, never in a row's
+    timing) and the first-call work inside the timed rows, the engine's and the peers'
+    apart."""
+    engine = [r for r in rows if r["method"] not in PEER_METHODS]
+    peer = [r for r in rows if r["method"] in PEER_METHODS]
+    warm = [r for r in engine if r["warmup_seconds"] is not None]
+    if not warm:
+        text = "engine warm-up: off (its rows' times include first calls: compiles, captures)"
+    else:
+        text = f"engine warm-up: {sum(r['warmup_seconds'] for r in warm):.1f} s untimed"
+        made = [r["warmup_compile_seconds"] for r in warm
+                if r["warmup_compile_seconds"] is not None]
+        if made:
+            text += f", of which numba made kernels for {sum(made):.1f} s"
+        inside = [r["timed_compile_seconds"] for r in engine
+                  if r["timed_compile_seconds"] is not None]
+        caps = [r["timed_graph_captures"] for r in engine
+                if r["timed_graph_captures"] is not None]
+        text += "; inside the timed rows: " + (
+            f"{sum(inside):.2f} s of kernel making" if inside else "kernel making not counted")
+        text += f", {sum(caps)} graph captures" if caps else ", no CUDA graphs"
+    if peer:
+        text += f"\npeers' warm-up: {sum(r['warmup_seconds'] for r in peer):.1f} s untimed"
+    return text
 
 
 def agreement_table(agree: dict | None, drafter_name: str) -> str:
@@ -390,7 +559,7 @@ def main(argv=None) -> int:
     n = args.prompts or (128 if be.on_gpu else 16)
     prompts = read_prompts(args.prompt_file, n, codec)
     limit = model.config.max_position_embeddings
-    too_long = [r.get("id") for r in prompts if len(r["ids"]) + args.max_new_tokens > limit]
+    too_long = [r["label"] for r in prompts if len(r["ids"]) + args.max_new_tokens > limit]
     if too_long:
         sys.exit(f"bench_demo: prompts {too_long} + --max-new-tokens {args.max_new_tokens} "
                  f"exceed the model's context of {limit}")
@@ -403,50 +572,126 @@ def main(argv=None) -> int:
         stop.close()
 
 
+def measure_peers(args, model, prompts, ar_runs, meters: Meters, stop: Stop, runs: dict,
+                  rows: list) -> dict:
+    """transformers' generate() and its prompt lookup on the exported target, at T = 0 beside
+    the engine's rows (tools/bench_demo_peers.py); returns what they ran with.  A peer that
+    cannot run is one stderr line and ``failed`` in the JSON: the engine's rows, measured
+    already, are still printed and written."""
+    why = peers.available()
+    if why is not None:
+        print(f"bench_demo: peers not measured: {why}", file=sys.stderr)
+        return dict(skipped=why)
+    prompts = prompts[:args.peer_prompts or len(prompts)]
+    info: dict = {}
+    try:
+        _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info)
+    except Exception as e:       # transformers' failure must not lose the engine's rows
+        info["failed"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"bench_demo: peers failed: {info['failed']}", file=sys.stderr)
+    return info
+
+
+def _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info) -> None:
+    ends = [min(range(len(prompts)), key=lambda i: len(prompts[i]["ids"])),
+            max(range(len(prompts)), key=lambda i: len(prompts[i]["ids"]))]
+    with tempfile.TemporaryDirectory() as tmp:
+        info["export"] = peers.export_target(args.model, tmp)
+        peer = peers.HFPeer(tmp, args.hf_dtype, peers.peer_device(model.backend.on_gpu))
+    info.update(peer.info)
+    print(f"bench_demo: peers: {info['export']}; transformers {info['transformers']}, "
+          f"{info['dtype']} on {info['device']}, attention {info['attention']}",
+          file=sys.stderr)
+    try:
+        for name, extra in peers.PEERS:
+            if not stop.allows(f"{name} T=0", 0.0):
+                continue
+            got, timing = peers.time_peer(peer, prompts, args.max_new_tokens, extra,
+                                          sorted(set(ends)), meters.busy, stop)
+            runs[(name, None, 0.0)] = got
+            if len(got) < len(prompts):
+                stop.skipped.append(f"{name}: prompts after the first {len(got)}")
+            row = peer_row(name, got, ar_runs, timing)
+            rows.append(row)
+            print(f"  {name} T=0: {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x AR), "
+                  f"identical {row['identical']}/{row['compared']}", file=sys.stderr)
+    finally:
+        peer.close()
+
+
+def peer_row(name, runs, ar_runs, timing) -> dict:
+    """A peer's row: summarise's fields that a peer has (no tau, rounds or split); its
+    speedup is over AR's rate on the same prompts (``--peer-prompts`` may time fewer)."""
+    keys = {r["key"] for r in runs}
+    ar_runs = [r for r in ar_runs if r["key"] in keys]
+    compared, diffs = compare(runs, ar_runs)
+    tps, ar_tps = _rate(runs), _rate(ar_runs) if ar_runs else 0.0
+    busy = timing.get("gpu_busy")
+    return dict(method=name, budget=None, temperature=0.0, prompts=len(runs), tau=None,
+                tokens_per_s=tps, speedup=tps / ar_tps if ar_tps else float("nan"),
+                rounds_per_prompt=None, seconds=sum(r["seconds"] for r in runs),
+                new_tokens=sum(r["new_tokens"] for r in runs),
+                gpu_idle_share=None if busy is None else 1.0 - busy,
+                warmup_seconds=timing["warmup"]["seconds"], warmup_compile_seconds=None,
+                timed_compile_seconds=None, timed_kernels=None, timed_graph_captures=None,
+                identical=compared - len(diffs), compared=compared, mismatches=diffs,
+                timing=timing)
+
+
 def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     be = model.backend
+    meters = Meters(be)
     configs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
           f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter "
-          f"{drafter.name} (L = {drafter.block_len}), temperatures {args.temperature}, "
-          f"warm-up {'on' if warmup else 'off'}"
-          f"{', interleaved' if args.interleave else ''}", file=sys.stderr)
-    rows, runs, last = [], {}, 0.0
+          f"{drafter.name} (L = {drafter.block_len}), temperatures "
+          f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
+    rows, runs, last, peer_info = [], {}, 0.0, None
     for t in args.temperature:
-        if args.interleave:
-            rows += interleaved(model, drafter, prompts, configs, t, args, warmup, stop, runs)
-            continue
         for method, budget in configs:
             name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
             if not stop.allows(name, last):
                 continue
             t0 = time.perf_counter()
-            got = run_config(model, drafter, prompts, method, budget, t, args, warmup, stop)
+            got, timing = run_config(model, drafter, prompts, method, budget, t, args, warmup,
+                                     stop, meters)
             last = time.perf_counter() - t0
             runs[(method, budget, t)] = got
-            row = summarise(method, budget, t, got, runs.get(("ar", None, t), []))
+            row = summarise(method, budget, t, got, runs.get(("ar", None, t), []), timing)
             rows.append(row)
+            warm = "" if row["warmup_seconds"] is None else \
+                f", warm-up {row['warmup_seconds']:.1f} s apart"
             print(f"  {name}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x AR), identical {row['identical']}/"
-                  f"{row['compared']} ({last:.1f} s)", file=sys.stderr)
+                  f"{row['compared']} ({last:.1f} s{warm})", file=sys.stderr)
+        if t == 0 and args.peers and ("ar", None, 0.0) in runs and not stop.signalled:
+            peer_info = measure_peers(args, model, prompts, runs[("ar", None, 0.0)], meters,
+                                      stop, runs, rows)
     agree = None
     greedy = runs.get(("ar", None, 0.0))
     if args.agreement_stride > 0 and not stop.signalled:
         if greedy is None:        # no T = 0 in the list: the greedy continuations alone
-            greedy = run_config(model, None, prompts, "ar", None, 0.0, args, False)
-        done = {r["id"] for r in greedy}
-        agree = drafter_agreement(model, drafter, [p for p in prompts if p.get("id") in done],
+            greedy, _ = run_config(model, None, prompts, "ar", None, 0.0, args, False)
+        done = {r["key"] for r in greedy}
+        agree = drafter_agreement(model, drafter, [p for p in prompts if p["key"] in done],
                                   [r["tokens"] for r in greedy], args.agreement_stride)
-    report = table(rows, be.name)
     print(f"\nbackend {be.name} ({be.precision if be.name == 'reference' else 'float32'}), "
           f"drafter {drafter.name}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} new tokens, batch 1\n")
-    print(report)
+          f"{args.max_new_tokens} new tokens, batch 1, end to end (prefill included)\n")
+    print(table(rows, be.name))
+    print(f"\n{compile_line(rows)}\n\nper round, ms (docstring: wall = wait + host on the "
+          f"host clock; device phases from CUDA events, idle gaps included):\n")
+    print(round_table(rows))
+    if peer_info and "device" in peer_info:
+        print(f"\npeers: transformers {peer_info['transformers']} generate(), "
+              f"{peer_info['dtype']} on {peer_info['device']}, greedy; identical = their "
+              f"tokens equal the engine's AR tokens (reported, not judged)")
     print()
     print(agreement_table(agree, drafter.name))
     if stop.skipped:
         print(f"\nnot measured (time limit or signal): {', '.join(stop.skipped)}")
-    bad = [(r, m) for r in rows if r["temperature"] == 0 for m in r["mismatches"]]
+    bad = [(r, m) for r in rows if r["temperature"] == 0 and r["method"] not in PEER_METHODS
+           for m in r["mismatches"]]
     for r, m in bad:
         print(f"bench_demo: MISMATCH: {r['method']} budget {r['budget']} T = 0, prompt "
               f"{m['id']}: tokens differ from AR's from new token {m['first']}",
@@ -456,13 +701,13 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
             json.dump(dict(settings=dict(vars(args), backend=be.name, drafter=drafter.name,
                                          block_len=drafter.block_len,
                                          prompts=len(prompts), warmup=warmup),
-                           rows=rows, agreement=agree, skipped=stop.skipped,
-                           per_prompt={f"{m}:{b}:{t:g}": [
-                               {k: v for k, v in r.items() if k != "time"} for r in got]
-                               for (m, b, t), got in runs.items()}), f)
+                           rows=rows, agreement=agree, skipped=stop.skipped, peers=peer_info,
+                           per_prompt={f"{m}:{b}:{t:g}": got
+                                       for (m, b, t), got in runs.items()}), f)
     if args.plot:
         plots.plot_budget_curves(     # the curves are over the fixed budgets
-            args.plot, [r for r in rows if r["budget"] != "auto"], SPEED_GOAL.get(be.name),
+            args.plot, [r for r in rows if r["budget"] != "auto"
+                        and r["method"] not in PEER_METHODS], SPEED_GOAL.get(be.name),
             TAU_GOAL,
             f"{be.name} backend, drafter {drafter.name}, {len(prompts)} held-out prompts x "
             f"{args.max_new_tokens} tokens, batch 1")

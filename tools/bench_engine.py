@@ -28,8 +28,8 @@ one (which pays numba's first-call compilation and the CUDA-graph captures); the
 split (draft / tree / verify / accept / compact) comes from the engine's CUDA-event markers,
 which add no sync (docs/ENGINE.md).  Roof:
 weight-streaming bound of batch-1 decode, bytes of the weights one token touches (attention,
-dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the 4.1 TB/s HBM
-rate measured on the H200.  Goal: AR >= transformers; DDTree > AR.
+dense FFNs, router, top-k + shared experts, one embedding row, lm_head) over the HBM
+rate measured on the card that runs it (tools/card_roofs.py).  Goal: AR >= transformers; DDTree > AR.
 
 ``kimi-slice`` (kdtree_numba/device_weights.py: Kimi-K2's widths, 4 layers, 64 routed experts,
 23.5 GB of bf16 weights drawn by CuPy on the GPU in seconds; no HF export, no transformers
@@ -41,7 +41,7 @@ first runs each of them, and its JSON row keeps the budgets chosen and the polic
 Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
 bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
 row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
-chose) over 4.1 TB/s and its matrix FLOPs over 51 TFLOP/s (fp32 FMA; it binds only for wide
+chose) over the card's measured HBM rate and its matrix FLOPs over 51 TFLOP/s (fp32 FMA; it binds only for wide
 verifies); the row prints its mean decode or verify time per round beside the mean roof of
 those forwards, and its tok/s beside tokens / the sum of every forward's roof (prefill
 included, as in the measured tok/s).  The distinct experts are counted from the routing of an
@@ -77,7 +77,7 @@ from kdtree_numba.cli_checks import budget_value  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
                                  size_config)
 from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
-from kdtree_numba.drafter import ModelDrafter  # noqa: E402
+from kdtree_numba.drafter import ModelDrafter, ReplayDrafter  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
 from kdtree_numba.config import weight_shapes  # noqa: E402
@@ -93,61 +93,6 @@ BLOCK_LEN = 8
 DEVICE_SIZES = {"kimi-slice": kimi_slice_config}
 DEVICE_BUDGETS, DEVICE_PROMPT_LEN = "8,32,64,128,256", 128
 HOST_BUDGETS, HOST_PROMPT_LEN = "8,32,128", 32
-
-
-class ReplayDrafter:
-    """Drafts the target's known greedy future (bench only): row d peaks at the true token
-    at depth d + 1 with probability ``agreement``, else at a wrong one.  Costs only the host
-    construction and one upload of [bs, L, V] logits (or, ``on_device``, a [bs, L, V] fill
-    of one reused buffer on the device, an upload of the peaks' flat indices and one scatter).
-    """
-
-    PEAK, RUNNER_UP = 12.0, 6.0     # the true (or wrong) token's logit and the runner-up's
-
-    def __init__(self, backend, vocab: int, futures: list[list[int]], agreement: float,
-                 block_len: int = BLOCK_LEN, seed: int = 0, on_device: bool = False):
-        """``on_device``: write the logits on the device (zeros, then the peaks scattered)
-        instead of uploading a host array: the same logits, without ~170 MB of host work and
-        upload a round at batch 32 and Kimi's vocabulary (kimi-slice rows)."""
-        self.backend, self.vocab_size, self.block_len = backend, vocab, block_len
-        self.futures, self.agreement, self.seed = futures, agreement, seed
-        self.on_device = on_device
-        self.name = f"replay:{agreement:g}"
-        self._device = None      # on_device: (shape, logits buffer, the peaks' values)
-
-    def start(self, batch, max_len):
-        self.rng = np.random.default_rng(self.seed)
-
-    def propose(self, histories):
-        bs, L, V = len(histories), self.block_len, self.vocab_size
-        # whole arrays, not a Python loop per position: the host builds this while the GPU
-        # idles (~0.4 ms a round at batch 1, run 124); the same uniforms in the same order
-        rows, depths = np.indices((bs, L))
-        true = np.zeros((bs, L), np.int64)
-        for b, h in enumerate(histories):
-            ahead = np.asarray(self.futures[b][len(h):len(h) + L], np.int64)
-            true[b, :ahead.size] = ahead
-        hit = self.rng.random((bs, L)) < self.agreement
-        toks = np.where(hit, true, (true + 1 + depths) % V)
-        row_start = (rows * L + depths) * V
-        # the flat indices of every row's peak, then of its runner-up (so trees are not chains)
-        flat = np.concatenate([(row_start + toks).ravel(),
-                               (row_start + (toks + 7) % V).ravel()])
-        if not self.on_device:
-            logits = np.zeros((bs, L, V), np.float32)
-            logits.reshape(-1)[flat] = np.repeat([self.PEAK, self.RUNNER_UP], bs * L)
-            return self.backend.asarray(logits)
-        # one buffer per shape, refilled in stream order (a round's tree has read the last
-        # logits before these writes run): three device calls a round, where two 3-D fancy
-        # assignments took ~0.5 ms of host time at batch 1 (session 26)
-        if self._device is None or self._device[0] != (bs, L, V):
-            values = np.repeat(np.float32([self.PEAK, self.RUNNER_UP]), bs * L)
-            self._device = ((bs, L, V), self.backend.xp.zeros((bs, L, V), np.float32),
-                            self.backend.asarray(values))
-        _, logits, values = self._device
-        logits.fill(0)
-        logits.reshape(-1)[self.backend.asarray(flat)] = values
-        return logits
 
 
 def bytes_per_token(cfg) -> float:
@@ -454,7 +399,8 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
           f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 ({HBM_BYTES_PER_S / 1e12:.2f} TB/s; its "
           f"{forward_flops(cfg, 1) / 1e9:.1f} GFLOP take "
           f"{1e3 * forward_flops(cfg, 1) / rate:.3f} ms at {rate / 1e12:.0f} TFLOP/s).  A "
-          f"forward's roof: max(weight bytes it reads / 4.1 TB/s, its FLOPs / "
+          f"forward's roof: max(weight bytes it reads / "
+          f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, its FLOPs / "
           f"{rate / 1e12:.0f} TFLOP/s).  Greedy, {args.new_tokens} new tokens after a "
           f"{prompt_len}-token prompt per request; CUDA graphs "
           f"{'on' if model.graphs is not None else 'off'}; experts per step: "
@@ -681,7 +627,7 @@ def main(argv=None):
     budget = Budget(args.time_limit)
     rows: list = []
     print(f"Engine tokens/s, greedy, {args.new_tokens} new tokens; roof = weight bytes a "
-          f"forward reads / 4.1 TB/s; time limit {args.time_limit:.0f} s.")
+          f"forward reads / {HBM_BYTES_PER_S / 1e12:.2f} TB/s (measured on this card); time limit {args.time_limit:.0f} s.")
     if any(z not in DEVICE_SIZES for z in sizes):
         print(f"small/medium: batch 1, a {args.prompt_len or HOST_PROMPT_LEN}-token prompt, "
               f"roof = float32 bytes one token reads.")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the non-attention kernels on the GPU (H200), each against its physical roof.
 
-    python3 tools/bench_layers.py [--json PATH] [--only linear,variants,moe,norm,rope,sweep]
+    python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope]
     python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
     python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
 
@@ -10,24 +10,17 @@
   (cuBLAS SGEMM on fp32 weights: for a bf16 row that is the same matrix widened to fp32, i.e.
   cuBLAS reads twice the bytes) and against the roof max(weight bytes / 4.1 TB/s,
   2 M N K / 51 TFLOP/s).  Goals: >= 0.9x cuBLAS for M <= 16, >= 0.8x at M = 65.
-* variants (VARIANT_PLAN): at M = 1, fp32 weights, the skinny kernel's float32 load variants
-  (SkinnyConfig.f32_load: xchg = the default, stream = run 1's loads, cached), run 1's config
-  and a neighbouring rows/unroll; at M = 65 layers.TILED_ALTERNATIVES (and half the K slices
-  where there are > 8).  They all give the default's bits (tests/test_layers_gpu.py), so
-  only speed differs; the summary lists every variant that beat its default.
 * MoE routing + expert FFN, M = 1 and 65, E = 384, k = 8, D = 7168, Im = Is = 2048, bf16 experts
-  (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof.
-  At M = 65: the tiled experts (auto) with layers.expert_alternatives(65), the skinny ones,
-  and a uniform routing (every token 8 random experts: ~280 experts, memory-bound) beside the
-  router-picked one (a few popular experts: ~50, more compute per byte).
+  (Kimi-K2): weight bytes actually read (chosen experts + shared + fp32 router) vs the roof. At
+  M = 65: the tiled experts (auto), the skinny ones, and a uniform routing (every token 8 random
+  experts: ~280 experts, memory-bound) beside the router-picked one (a few popular experts: ~50,
+  more compute per byte).
 * RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
-* sweep: alternative SkinnyConfigs for two shapes, to retune ``skinny_config`` (while time
-  remains).
 * mma (only when asked for: ``--only mma``): linear(method="mma") (bf16 weights, x rounded to
   bf16, tensor cores) at M = 1, 8, 65, 512, 4096 for 7168->163840 (lm_head), 2048->7168 and
   7168->1536 (q_a), beside linear's default method on the same bf16 weights and cuBLAS bf16
   (CuPy, x in bf16 too), against the bf16 roofs max(weight bytes / 4.1 TB/s,
-  2 M N K / 989 TFLOP/s dense bf16); at M = 1, 65 and 512 also layers.mma_alternatives.
+  2 M N K / 989 TFLOP/s dense bf16).
 * moe_mma (only when asked for: ``--only moe_mma``): moe_ffn(method="mma") (grouped experts on
   tensor cores, shared expert in the same launches) beside moe_ffn's default on the same
   router-picked routing, Kimi-K2 (MOE_SHAPE), M = 1, 9, 33, 65, 257, against the roofs
@@ -35,6 +28,9 @@
   TFLOP/s); also a uniform routing (every token 8 random experts) at M = 65 and 257.  Each
   "mma" row is timed twice: the full (expert, M tile) grid and the work list
   (KDTREE_MOE_WORK_LIST=1, "mma work list").
+
+The tiles and plans that lost to the defaults, the skinny kernel's sweep, and the "variants"
+section that times them: ``python3 dev/cuda/layers.py bench`` (it runs this script with them).
 
 Timing: CUDA events around ``reps`` back-to-back calls, queued behind a sleeping "spacer" kernel
 so that host launch overhead is hidden (the GPU time is measured, as a CUDA graph would see
@@ -46,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -75,7 +70,6 @@ MOE_SHAPE = dict(n_experts=384, top_k=8, d=7168, inter=2048)                  # 
 MOE_MS = (1, 65)
 HIDDEN, ROPE_HEADS, ROPE_DIM, NOPE_DIM = 7168, 64, 64, 128
 NORM_MS, ROPE_MS = (1, 65, 1025), (65, 1025)
-SWEEP_SHAPES = ((7168, 1536), (7168, 576))
 MMA_SHAPES = [(7168, 163840), (2048, 7168), (7168, 1536)]      # (K, N): lm_head, o/down, q_a
 MMA_MS = (1, 8, 33, 65, 512, 4096)
 MMA_BUDGET_S = 150.0          # the mma section stops starting rows after this
@@ -175,47 +169,15 @@ def default_config(layers, m, n, k, dtype):
     return layers.tiled_config(m, n, k)
 
 
-# Which variants run where (the compiles cost ~1-4 s each; the run must stay < 3 min): the
-# float32 load variants at the three shapes run 1 missed at M = 1, tile alternatives at M = 65
-# for the vocabulary (both dtypes) and 7168->1536 (fp32: the bf16 kernels are the same code).
-VARIANT_PLAN = {(7168, 163840): {1: "loads+rows+run1", 65: ("f32", "bf16")},
-                (7168, 1536): {1: "loads+rows", 65: ("f32",)},
-                (2048, 7168): {1: "loads"}}
-
-
-def linear_variants(layers, m, n, k):
-    """(name, config, weights dtype) alternatives to the default at this shape."""
-    plan, out = VARIANT_PLAN.get((k, n), {}).get(m), []
-    if plan and m == 1:           # float32 streaming: the load variants, a neighbouring shape
-        base = layers.skinny_config(1, n, k, "f32")
-        out += [("stream", dataclasses.replace(base, f32_load="stream"), "f32"),
-                ("cached", dataclasses.replace(base, f32_load="cached"), "f32")]
-        if "run1" in plan:
-            out.append(("stream, run-1 config", run1_config(layers, n, k), "f32"))
-        if "rows" in plan:
-            rows, unroll = (8, 2) if base.rows == 8 else (base.rows * 2, base.unroll)
-            out.append((f"xchg rows={rows} unroll={unroll}",
-                        dataclasses.replace(base, rows=rows, unroll=unroll), "f32"))
-    elif plan:
-        base = layers.tiled_config(m, n, k)
-        for dtype in plan:
-            for name, change in layers.TILED_ALTERNATIVES.items():
-                out.append((name, dataclasses.replace(base, **change), dtype))
-            if base.splits > 8:
-                out.append((f"splits={base.splits // 2}",
-                            dataclasses.replace(base, splits=base.splits // 2), dtype))
-    return out
-
-
-def run1_config(layers, n, k):
-    """The M = 1 float32 kernel of the 2026-11-29 run: the most rows giving 2 blocks per SM,
-    plain streaming loads."""
-    rows, unroll = layers.ROWS_UNROLL[1][-1]
-    for cand in layers.ROWS_UNROLL[1]:
-        if -(-n // cand[0]) >= 2 * 132:
-            rows, unroll = cand
-            break
-    return layers.SkinnyConfig(1, rows, layers.skinny_threads(k), unroll, f32_load="stream")
+# Alternatives timed beside the defaults.  This script measures what the package ships, so
+# none here: dev/cuda/layers.py fills these with the plans that lost (and adds its sweep to
+# EXTRA_SECTIONS), then runs main().
+ALTERNATIVES = {
+    "linear": lambda layers, m, n, k: [],   # [(name, config, weights dtype)], section "variants"
+    "mma": lambda layers, m, n, k: {},      # {name: MmaConfig} at M = 1, 65, 512, K = 7168
+    "moe": lambda layers, m: {},            # {name: [(TiledConfig, cmin, cmax)]} past skinny
+}
+EXTRA_SECTIONS = {}   # name -> fn(ctx, results, deadline), run last while time remains
 
 
 def bench_linear(ctx, results, sections, deadline):
@@ -247,7 +209,7 @@ def bench_linear(ctx, results, sections, deadline):
                 print_row(row)
             if "variants" not in sections:
                 continue
-            for name, cfg, dtype in linear_variants(layers, m, n, k):
+            for name, cfg, dtype in ALTERNATIVES["linear"](layers, m, n, k):
                 if time.perf_counter() > deadline:
                     break
                 try:
@@ -317,7 +279,7 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
     roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
     plans = [("default", layers.mma_config(m, n, k))]
     if m in (1, 65, 512) and k == 7168:
-        plans += list(layers.mma_alternatives(m, n, k).items())
+        plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:
         if name != "default" and time.perf_counter() > deadline:
             break
@@ -409,7 +371,7 @@ def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
     if m > layers.SKINNY_MAX_M:
         out.append(("uniform routing", {}, uniform, n_uniform))
         out.append(("skinny", dict(method="skinny"), idx, n_used))
-        for name, plan in layers.expert_alternatives(m).items():
+        for name, plan in ALTERNATIVES["moe"](layers, m).items():
             out.append((name, dict(configs=plan), idx, n_used))
         out.append(("uniform routing, skinny", dict(method="skinny"), uniform, n_uniform))
     return out
@@ -527,56 +489,6 @@ def bench_norm_rope(ctx, results):
         print_row(results[-1])
 
 
-SWEEP = [(4, 2, 128, 1), (2, 4, 128, 1), (1, 4, 256, 1), (8, 1, 128, 1), (4, 1, 256, 1),
-         (4, 4, 64, 1), (2, 2, 128, 2), (1, 4, 128, 4)]
-
-
-def sweep_grid(layers, k):
-    """Every (rows, unroll) x float32 load kind at the batch-invariant thread count of k."""
-    return [layers.SkinnyConfig(1, rows, layers.skinny_threads(k), unroll, 1, load)
-            for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)
-            for load in ("xchg", "stream", "cached")]
-
-
-def bench_sweep(ctx, results, deadline, shapes=SWEEP_SHAPES, dtypes=("bf16", "f32"),
-                grid=False):
-    """Alternative (rows, unroll, threads, splits) for M = 1 at two shapes; ``grid``: every
-    (rows, unroll, float32 load) at the thread count linear() would use."""
-    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
-    nb = cuda.as_cuda_array
-    for k, n in shapes:
-        for dtype in dtypes:
-            esize = 2 if dtype == "bf16" else 4
-            ws = [cp.random.standard_normal((n, k), dtype=cp.float32)
-                  for _ in range(copies_for(n * k * esize, cap=16))]
-            x_cp, y_cp = (cp.random.standard_normal((1, k), dtype=cp.float32),
-                          cp.empty((1, n), cp.float32))
-            # cuBLAS fp32 SGEMM on the same shape, timed beside the sweep (it drifts by run)
-            t_cublas = timer([lambda w=w: cp.matmul(x_cp, w.T, out=y_cp) for w in ws],
-                             trials=5)[0] if dtype == "f32" else None
-            if dtype == "bf16":
-                ws = [(w.view(cp.uint32) >> 16).astype(cp.uint16) for w in ws]
-            ws = [nb(w) for w in ws]
-            x, y = nb(x_cp), nb(y_cp)
-            space = layers.Workspace()     # split-K buffers allocated once, not per call
-            configs = sweep_grid(layers, k) if grid else \
-                [layers.SkinnyConfig(1, rows, threads, unroll, splits)
-                 for rows, unroll, threads, splits in SWEEP]
-            for cfg in configs:
-                if time.perf_counter() > deadline:
-                    return
-                t, hb = timer([lambda w=w: layers.linear(x, w, out=y, config=cfg, workspace=space)
-                               for w in ws],
-                              trials=5)
-                nbytes = n * k * esize
-                results.append(dict(section="sweep", K=k, N=n, M=1, weights=dtype,
-                                    config=str(cfg), us=t * 1e6,
-                                    cublas_f32_us=t_cublas and t_cublas * 1e6,
-                                    vs_cublas=t_cublas and t_cublas / t,
-                                    roof_frac=nbytes / HBM_BYTES_PER_S / t, host_bound=hb))
-                print_row(results[-1])
-
-
 # ============================================================================ output
 
 COLUMNS = {
@@ -594,8 +506,6 @@ COLUMNS = {
     "mma": ["K", "N", "M", "variant", "us", "default_us", "vs_default", "cublas_bf16_us",
             "vs_cublas_bf16", "roof_us", "bound", "roof_frac", "gbps", "tflops", "config",
             "host_bound"],
-    "sweep": ["K", "N", "M", "weights", "config", "us", "cublas_f32_us", "vs_cublas",
-              "roof_frac", "host_bound"],
 }
 _last_section = [None]
 
@@ -660,16 +570,10 @@ def summary(results):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", default="linear,variants,moe,norm,rope,sweep",
+    parser.add_argument("--only", default="linear,moe,norm,rope",
                         help="comma-separated sections (default: all but mma, moe_mma)")
-    parser.add_argument("--sweep-shapes", help="K x N pairs for the sweep, e.g. 7168x1536")
-    parser.add_argument("--sweep-dtypes", default="bf16,f32")
-    parser.add_argument("--sweep-grid", action="store_true",
-                        help="sweep every (rows, unroll, f32 load) at linear()'s thread count")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
-    sweep_shapes = SWEEP_SHAPES if not args.sweep_shapes else tuple(
-        tuple(int(v) for v in pair.split("x")) for pair in args.sweep_shapes.split(","))
     t_start = time.perf_counter()
     import cupy as cp
     from kdtree_numba import layers
@@ -700,12 +604,13 @@ def main(argv=None) -> int:
             traceback.print_exc()
             print(f"\n{name} FAILED: {type(exc).__name__}: {exc}", flush=True)
             results.append(dict(section=name, error=f"{type(exc).__name__}: {exc}"))
-    if "sweep" in sections and time.perf_counter() - t_start < BUDGET_S - 40:
+    for name, fn in EXTRA_SECTIONS.items():
+        if name not in sections or time.perf_counter() - t_start >= BUDGET_S - 40:
+            continue
         try:
-            bench_sweep(ctx, results, deadline=t_start + BUDGET_S, shapes=sweep_shapes,
-                        dtypes=tuple(args.sweep_dtypes.split(",")), grid=args.sweep_grid)
+            fn(ctx, results, t_start + BUDGET_S)
         except Exception as exc:   # noqa: BLE001
-            print(f"\nsweep FAILED: {type(exc).__name__}: {exc}", flush=True)
+            print(f"\n{name} FAILED: {type(exc).__name__}: {exc}", flush=True)
     summary(results)
     print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
     if args.json:

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     bundle = args.bundle or os.path.join(tempfile.mkdtemp(), "target.kdtr")
     if not args.no_import:
-        rc = import_main([args.export_dir, bundle, "--quiet"])
+        rc = import_main([args.export_dir, bundle, "--quiet", "--force"])  # --bundle: rewritten
         if rc:
             return rc
     ours = Model.load(bundle, backend="reference")

@@ -2,7 +2,8 @@
 
 A forward at small batch is bound by the bytes of weights it reads, a wide one by its
 arithmetic; the roof of one forward is the larger of :func:`forward_bytes` /
-``HBM_BYTES_PER_S`` (4.1 TB/s, the H200's measured HBM rate) and :func:`forward_flops` /
+``HBM_BYTES_PER_S`` (a default of 4.1 TB/s, the H200's measured HBM rate; benchmarks replace it
+with the running card's own, tools/card_roofs.py) and :func:`forward_flops` /
 ``FLOPS_PER_S`` (51 TFLOP/s, the H200's fp32 FMA rate, at which the engine's GEMMs compute; the
 project's roof for its kernels, docs/LAYERS.md).  It reads every tensor once, except two,
 which it reads only in part:

@@ -10,11 +10,12 @@
 #                                        eight shards of them ran out of memory in run 111);
 #                                        SERIAL_T must leave ~30 s for the process's exit
 #                                        (run 119: killed after printing "21 passed" at 170 s)
-#   PRE_CMD='ncu ... python3 tools/profile_ddtree.py'   run alone first (GPU quiet)
+#   PRE_CMD='ncu ... python3 dev/profile_ddtree.py'     run alone first (GPU quiet)
 #   SAN_TESTS="tests/x.py::test_y"       under compute-sanitizer memcheck, beside the shards
 #   BENCHES="tools/bench_ddtree.py;tools/bench_layers.py --only moe"  BENCH_T=120
 # Logs are folded into $OUT/tests.log (the device tool returns only a few files); each
-# benchmark writes $OUT/NAME.md and $OUT/NAME.json.  docs/GPU_RESULTS.md records each call.
+# benchmark writes $OUT/NAME.md and $OUT/NAME.json.  docs/GPU_RESULTS.md keeps each check's last
+# result; a benchmark's numbers go into docs/results/*.json (tools/bench_docs.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci

@@ -42,7 +42,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_engine import DEVICE_SIZES, ReplayDrafter
+    from bench_engine import DEVICE_SIZES
+    from kdtree_numba.drafter import ReplayDrafter
     from probe_batch_invariance import build_model  # small / medium, or drawn on the device
     model = build_model(args.size, args.gemm, args.backend)
     cfg, be = model.config, model.backend

@@ -4,11 +4,13 @@
     kdtr-dump FILE -d PATH [--slice "0:4,:8"]
     kdtr-dump FILE --verify
     kdtr-dump diff A B [--atol X] [--rtol Y] [--json]
-    kdtr-dump convert SRC DST [--split-dots]
-    kdtr-dump --sample OUT
+    kdtr-dump convert SRC DST [--split-dots] [--force]
+    kdtr-dump --sample OUT [--force]
 
 Exit codes: 0 success (diff: same), 1 diff: files differ, 2 error (unreadable or missing file,
-bad arguments), 3 --verify: the file is corrupt.  User documentation: docs/KDTR_DUMP.md.
+bad arguments, an existing DST without --force, a full disk), 3 --verify: the file is corrupt,
+141 the reader of stdout went away (``| head``; no message).  User documentation:
+docs/KDTR_DUMP.md.
 Every string that comes from a file goes through ``escape`` before it reaches the terminal.
 
 The modules, each importing only those above it: ``output`` (escaping, value and table

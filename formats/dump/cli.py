@@ -2,11 +2,9 @@
 and the exit code (``main`` is the console script's entry point)."""
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-from ..console import add_debug_flag, run_console
+from ..console import ArgumentParser, add_debug_flag, refuse_existing, run_console, writing
 from .comparison import diff
 from .conversion import convert
 from .inspection import inspect
@@ -15,8 +13,8 @@ from .output import EXIT_OK, escape
 
 # ----------------------------------------------------------------------------- CLI
 
-def _inspect_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _inspect_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="kdtr-dump", description="Inspect a .kdtr, .h5 or .safetensors file. Other "
         "commands: 'kdtr-dump diff A B', 'kdtr-dump convert SRC DST' (see --help of each).")
     p.add_argument("file", nargs="?", help="the file to inspect")
@@ -37,12 +35,13 @@ def _inspect_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true",
                    help="progress bar on stderr even when it is not a terminal")
     p.add_argument("--sample", metavar="OUT", help="write the sample model to OUT and exit")
+    p.add_argument("--force", action="store_true", help="with --sample: replace OUT if it exists")
     add_debug_flag(p)
     return p
 
 
-def _diff_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdtr-dump diff", description="Compare two files "
+def _diff_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="kdtr-dump diff", description="Compare two files "
                                 "(any of .kdtr, .h5, .safetensors). Exit 0 same, 1 differ, "
                                 "2 error.")
     p.add_argument("a")
@@ -55,8 +54,8 @@ def _diff_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdtr-dump convert", description="Convert between .kdtr "
+def _convert_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="kdtr-dump convert", description="Convert between .kdtr "
                                 "and .h5; .safetensors as input. DST's extension picks the "
                                 "output format.")
     p.add_argument("src")
@@ -65,6 +64,7 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="safetensors input: turn '.' in tensor names into '/' (groups)")
     p.add_argument("--progress", action="store_true",
                    help="progress bar on stderr even when it is not a terminal")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
     add_debug_flag(p)
     return p
 
@@ -78,13 +78,17 @@ def _run(argv: list[str], out: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.sample:
         from ..sample import write_sample
-        write_sample(args.sample)
+        refuse_existing(args.sample, args.force)
+        with writing(args.sample):
+            write_sample(args.sample)
         out.append(f"wrote {escape(args.sample)}")
         return EXIT_OK
     if not args.file:
         parser.error("a FILE is needed (or --sample OUT)")
     if args.slice and not args.dataset:
         parser.error("--slice goes with -d PATH")
+    if args.force:
+        parser.error("--force goes with --sample OUT (convert takes its own)")
     return inspect(args, out)
 
 
@@ -109,11 +113,6 @@ def _emit(lines: list[str]) -> None:
     text = "\n".join(lines) + "\n"
     try:
         sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:   # `kdtr-dump big.kdtr | head`
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        sys.stdout.flush()   # a reader gone away (`| head`): run_console ends quietly, 141
     except UnicodeEncodeError:
         sys.stdout.write(text.encode("ascii", "backslashreplace").decode("ascii"))

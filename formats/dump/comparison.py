@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import sources
+from ..console import UsageError
 from .output import (EXIT_DIFFER, EXIT_OK, SCHEMA_VERSION, escape, fmt_shape, fmt_value,
                      json_value)
 from .sources import Tensor, open_source
@@ -46,10 +47,20 @@ def _rechunk(blocks: Iterator[np.ndarray], n: int) -> Iterator[np.ndarray]:
         yield np.concatenate(pending) if len(pending) > 1 else pending[0]
 
 
+def check_tolerances(atol: float, rtol: float) -> None:
+    """``--atol`` and ``--rtol`` must be finite and >= 0: a NaN tolerance would make every
+    comparison false (two files "the same" whatever they hold), an infinite one accept every
+    finite difference, a negative one refuse equal values (``UsageError`` naming the option)."""
+    for option, value in (("--atol", atol), ("--rtol", rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{option} {value:g}: must be a finite number >= 0")
+
+
 def compare_tensors(a: Tensor, b: Tensor, atol: float, rtol: float) -> dict:
     """Element-wise comparison in C order: ``|a - b| <= atol + rtol * |b|`` (b is the second
     file), NaN equal to NaN in the same place, equal infinities equal.  max_rel is
-    ``|a - b| / |b|`` (inf where b == 0 != a)."""
+    ``|a - b| / |b|`` (inf where b == 0 != a).  The tolerances: see ``check_tolerances``."""
+    check_tolerances(atol, rtol)
     n = max(1, sources.STATS_CHUNK_BYTES // 16)
     count = mismatched = nan_mismatch = 0
     max_abs = max_rel = 0.0
@@ -100,6 +111,7 @@ def _rel(diff: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def diff(args, out: list[str]) -> int:
+    check_tolerances(args.atol, args.rtol)   # before a file is opened
     with open_source(args.a) as sa, open_source(args.b) as sb:
         ea = {e.path: e for e in sa.entries()}
         eb = {e.path: e for e in sb.entries()}

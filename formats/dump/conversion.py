@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 
-from ..console import UsageError
+from ..console import UsageError, refuse_existing, writing
 from ..progress import ProgressBar
 from .output import EXIT_OK, escape
 from .sources import detect_format, open_source
-
 
 
 # ----------------------------------------------------------------------------- convert
@@ -32,16 +31,20 @@ def convert(args, out: list[str]) -> int:
         raise UsageError(f"{escape(args.dst)}: is a folder; DST names the file to write")
     if os.path.exists(args.dst) and os.path.samefile(args.src, args.dst):
         raise UsageError("SRC and DST are the same file")
+    refuse_existing(args.dst, args.force)
     bar = ProgressBar("convert", force=args.progress)
     try:
-        if src_fmt == "kdtr":
-            to_hdf5(args.src, args.dst, progress=bar)
-        elif src_fmt == "hdf5":
-            from_hdf5(args.src, args.dst, progress=bar)
-        elif dst_fmt == "kdtr":
-            safetensors_to_kdtr(args.src, args.dst, split_dots=args.split_dots, progress=bar)
-        else:
-            safetensors_to_hdf5(args.src, args.dst, split_dots=args.split_dots, progress=bar)
+        with writing(args.dst):
+            if src_fmt == "kdtr":
+                to_hdf5(args.src, args.dst, progress=bar)
+            elif src_fmt == "hdf5":
+                from_hdf5(args.src, args.dst, progress=bar)
+            elif dst_fmt == "kdtr":
+                safetensors_to_kdtr(args.src, args.dst, split_dots=args.split_dots,
+                                    progress=bar)
+            else:
+                safetensors_to_hdf5(args.src, args.dst, split_dots=args.split_dots,
+                                    progress=bar)
     finally:
         bar.close()
     with open_source(args.dst) as check:

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -15,12 +16,14 @@ import numpy as np
 from ..console import UsageError
 from ..dtypes import BY_NAME
 from ..errors import KdtrError
+from ..int4_group import (ATTR_FORMAT, Int4GroupWeight, WeightFormatError, describe,
+                          dequantized_blocks, read_weight, stored_layout)
 from ..progress import ProgressBar, human_bytes, ticker
 from . import sources
 from .output import (EXIT_CORRUPT, EXIT_OK, LOW_FLOATS, SCHEMA_VERSION, escape, fmt_shape,
                      fmt_value, json_float, json_value, table)
-from .sources import (UNREADABLE_CODES, Entry, Tensor, normalize_key, open_source,
-                      result_shape, widen)
+from .sources import (UNREADABLE_CODES, Entry, KdtrSource, Tensor, normalize_key,
+                      open_source, result_shape, widen)
 
 PREVIEW_EDGE = 3                    # numpy edgeitems for -d previews
 PREVIEW_FULL = 1000                 # previews up to this many elements print whole
@@ -75,6 +78,80 @@ def _fmt_stat(x: Any) -> str:
     if isinstance(x, int):
         return str(x)
     return f"{x:.6g}"
+
+
+# ----------------------------------------------------------------------------- weight formats
+
+def weight_formats(entries: list[Entry]) -> dict[str, dict]:
+    """path -> what formats/int4_group.py's ``describe`` says of every KDTR group that stores
+    a weight format (``weight.format`` attribute); a malformed one -> ``{"error": ...}``."""
+    out = {}
+    for e in entries:
+        if e.kind != "group" or not e.attr_count or not isinstance(e.source, KdtrSource) \
+                or ATTR_FORMAT not in e.attrs:
+            continue
+        try:
+            out[e.path] = describe(e.source.file[e.path], e.path)
+        except WeightFormatError as err:
+            out[e.path] = {"error": str(err)}
+    return out
+
+
+def format_line(d: dict) -> str:
+    """One listing line for a stored weight format."""
+    if "error" in d:
+        return f"    weight format: MALFORMED: {escape(d['error'])}"
+    s = d["scale"]
+    return (f"    {d['format']}: group {d['group_size']}, {d['bits_per_weight']:.2f} bits/weight, "
+            f"weight {fmt_shape(d['shape'])}, {d['nbytes']:,} bytes; bf16 scales min "
+            f"{_fmt_stat(s['min'])} max {_fmt_stat(s['max'])} mean {_fmt_stat(s['mean'])}, "
+            f"{s['zero']} zero, {s['nonfinite']} non-finite")
+
+
+class _Dequantized:
+    """A stored weight format's dequantised values (float64) as ``tensor_stats`` and
+    ``preview`` read a dataset: ``--stats`` and ``-d`` of an int4-group weight show ``q *
+    scale``."""
+    dtype = BY_NAME["float64"]
+
+    def __init__(self, group):
+        self.group = group
+        self.shape = stored_layout(group).shape
+
+    def blocks(self, max_elems: int):
+        return dequantized_blocks(self.group, max_elems)
+
+    def read(self, key: tuple, normalized: bool = False) -> np.ndarray:
+        """The selection ``key`` of the values: the selected rows are dequantised whole, then
+        the last axis is selected."""
+        if not normalized:
+            key = normalize_key(key, self.shape)
+        w = read_weight(self.group, verify=False)
+        packed, scale = w.packed, w.scale
+        for axis in reversed(range(len(key) - 1)):   # from the back: an int drops its axis
+            idx = _indices(key[axis])
+            packed, scale = np.take(packed, idx, axis=axis), np.take(scale, idx, axis=axis)
+        values = Int4GroupWeight(packed, scale, w.group_size).dequantize()
+        return np.take(values, _indices(key[-1]), axis=-1)
+
+
+def _indices(k):
+    """A ``normalize_key`` entry (an int, or a slice with ``range`` semantics) for np.take."""
+    return k if isinstance(k, int) else np.arange(k.start, k.stop, k.step)
+
+
+def _weight_view(e: Entry):
+    """``-d`` of a stored weight format: a stand-in for the entry whose tensor is the
+    dequantised values, or None when ``e`` is no such group."""
+    if e.kind != "group" or not e.attr_count or not isinstance(e.source, KdtrSource) \
+            or ATTR_FORMAT not in e.attrs:
+        return None
+    try:
+        tensor = _Dequantized(e.source.file[e.path])
+    except WeightFormatError as err:
+        raise UsageError(f"-d {escape(e.path)}: {escape(str(err))}") from None
+    return SimpleNamespace(path=e.path, dtype=f"{e.attrs[ATTR_FORMAT]} dequantised, float64",
+                           shape=tensor.shape, tensor=tensor)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -258,11 +335,13 @@ def inspect(args, out: list[str]) -> int:
             entries = [e for e in entries
                        if any(fnmatch.fnmatchcase(e.rel, p) for p in pats)]
         stats = {}
+        formats = weight_formats(entries)
         if args.stats:
-            stats = compute_stats(entries, args)
+            stats = compute_stats(entries, args, formats)
         if args.json:
             doc = {"schema_version": SCHEMA_VERSION, "format": src.format, "file": args.file,
-                   "version": src.version, "nodes": [json_node(e, stats) for e in entries]}
+                   "version": src.version,
+                   "nodes": [json_node(e, stats, formats.get(e.path)) for e in entries]}
             if args.summary:
                 doc["summary"] = summarize(entries)
             out.append(json.dumps(doc, ensure_ascii=True, allow_nan=False))
@@ -271,23 +350,31 @@ def inspect(args, out: list[str]) -> int:
         if args.summary:
             print_summary(summarize(entries), out)
             return EXIT_OK
-        listing(entries, args, stats, out)
+        listing(entries, args, stats, out, formats)
     return EXIT_OK
 
 
-def json_node(e: Entry, stats: dict) -> dict:
+def json_node(e: Entry, stats: dict, weight_format: dict | None = None) -> dict:
     node = {"path": e.path, "kind": e.kind, "dtype": e.dtype,
             "shape": None if e.shape is None else list(e.shape), "nbytes": e.nbytes,
             "attrs": {k: json_value(v) for k, v in e.attrs.items()}}
     if e.target is not None:
         node["target"] = e.target
+    if weight_format is not None:
+        node["weight_format"] = {k: json_float(v) if isinstance(v, float) else v
+                                 for k, v in weight_format.items()}
+        if "scale" in weight_format:
+            node["weight_format"]["scale"] = {
+                k: json_float(v) if isinstance(v, float) else v
+                for k, v in weight_format["scale"].items()}
     if e.path in stats:
         node["stats"] = {k: json_float(v) if isinstance(v, float) else v
                          for k, v in stats[e.path].items()}
     return node
 
 
-def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
+def listing(entries: list[Entry], args, stats: dict, out: list[str],
+            formats: dict | None = None) -> None:
     head = ["PATH", "KIND", "DTYPE", "SHAPE", "BYTES", "ATTRS"]
     if args.offsets:
         head.append("OFFSET")
@@ -299,6 +386,9 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         kind = e.kind if e.target is None else f"{e.kind} -> {escape(e.target)}"
         row = [escape(e.path), kind, escape(e.dtype or ""), fmt_shape(e.shape),
                "" if e.nbytes is None else str(e.nbytes), str(e.attr_count)]
+        wf = (formats or {}).get(e.path, {})
+        if "format" in wf:   # a stored weight reads like the tensor it stands for
+            row[2:5] = [wf["format"], fmt_shape(wf["shape"]), str(wf["nbytes"])]
         if args.offsets:
             row.append("" if e.offset is None else str(e.offset))
         if stats:
@@ -309,6 +399,8 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         if args.attrs and e.attr_count:
             attr_lines[len(rows) - 1] = [f"    @{escape(k)} = {fmt_value(v)}"
                                          for k, v in e.attrs.items()]
+        if formats and e.path in formats:
+            attr_lines.setdefault(len(rows) - 1, []).append(format_line(formats[e.path]))
     right = {4, 5} | ({6} if args.offsets else set())
     if stats:
         start = 7 if args.offsets else 6
@@ -318,13 +410,19 @@ def listing(entries: list[Entry], args, stats: dict, out: list[str]) -> None:
         out.extend(attr_lines.get(i, ()))
 
 
-def compute_stats(entries: list[Entry], args) -> dict:
+def compute_stats(entries: list[Entry], args, formats: dict | None = None) -> dict:
     todo = [e for e in entries if e.decodable]
+    formats = formats or {}
+    weights = [e for e in entries if e.path in formats and "error" not in formats[e.path]]
     total = sum(e.nbytes or 0 for e in todo)
     bar = ProgressBar("stats", force=args.progress)
     tick = ticker(total, bar)
     try:
-        return {e.path: tensor_stats(e.tensor, tick) for e in todo}
+        stats = {e.path: tensor_stats(e.tensor, tick) for e in todo}
+        for e in weights:   # a stored weight format: statistics of its dequantised values
+            # (not ticked: its datasets' bytes, read again here, are counted above)
+            stats[e.path] = tensor_stats(_Dequantized(e.source.file[e.path]))
+        return stats
     finally:
         bar.close()
 
@@ -334,6 +432,7 @@ def show_dataset(entries: list[Entry], args, out: list[str]) -> int:
     match = next((e for e in entries if e.path == want), None)
     if match is None:
         raise UsageError(f"-d {escape(want)}: no such dataset in {escape(args.file)}")
+    match = _weight_view(match) or match
     if match.tensor is None:
         raise UsageError(f"-d {escape(want)}: a {match.kind}"
                          + (f" of type {escape(match.dtype)}" if match.dtype else "")

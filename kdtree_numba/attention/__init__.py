@@ -3,23 +3,24 @@
 The numba twin of ``reference.attention``: the contract (shapes, dtypes, masking, the empty-row
 rule) is the docstring of reference/attention/mla.py (``mla_attention``) and
 reference/attention/projections.py (``absorb_q``, ``apply_uv``); these functions compute the same
-thing in float32 on the device.  docs/ATTENTION.md explains the kernel design and the measured
-speed.  One module per part:
+thing in float32 on the device.  docs/ATTENTION.md explains the kernel design (their speed:
+docs/BENCHMARKS.md).  One module per part:
 
 ==============  ==============================================================================
 module          holds
 ==============  ==============================================================================
 tiles.py        what both block kernels share: constants, ``block_keys`` (a block's request,
                 split and key range), ``masked_score``, the ``cp.async`` row-tile copier
-plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARIANTS``,
-                ``resolve_variant``, ``tile_config``, ``choose_splits``, ``mma_rows``
-ffma.py         the FFMA (CUDA-core) block kernel, one body for every layout of ``VARIANTS``
-mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``, ``"tf32x3acc"``; GPU only)
+plan.py         pure-Python planning: ``TileConfig`` / ``MmaTileConfig``, ``VARIANTS`` (the
+                default ``"tf32x3"`` and the fallback ``"pipe16x2"``), ``resolve_variant``,
+                ``tile_config``, ``choose_splits``, ``mma_rows``
+ffma.py         the FFMA (CUDA-core) block kernel, one body for any ``TileConfig`` layout
+mma.py          the 3xTF32 tensor-core block kernel (``"tf32x3"``; GPU only)
 bf16.py         the block kernel of a bf16 latent cache (``ckv``, ``kpe`` as uint16 bits) on
                 bf16 tensor cores; ``Bf16TileConfig`` (plan.py) shapes it
 mla.py          ``mla_attention``: ``MlaAttentionPlan`` (plan -> block kernel -> merge), the
-                merge kernel, launch plumbing and the per-shape plan cache
-                (``clear_plan_cache``)
+                merge kernel, launch plumbing and ``PlanCache``, the plans of one owner (a
+                model) by problem shape
 projections.py  ``absorb_q``, ``apply_uv`` (one small GEMM per head; on bf16 tensor cores
                 given ``bf16_head_weights``)
 ==============  ==============================================================================
@@ -32,7 +33,7 @@ package).  This package re-exports the public API that ``kdtree_numba.attention`
 from kdtree_numba.compat import to_device  # noqa: F401  (tests and tools stage inputs with it)
 
 from kdtree_numba.attention.mla import (MERGE_THREADS, MlaAttentionPlan,  # noqa: F401
-                                        clear_plan_cache, mla_attention)
+                                        PlanCache, clear_plan_cache, mla_attention)
 # build_kernel: the tensor-core kernel's builder, under its name in the old attention_mma module
 from kdtree_numba.attention.mma import build_kernel
 from kdtree_numba.attention.plan import (BLOCK_OVERHEAD_KEYS, DEFAULT_VARIANT,  # noqa: F401
@@ -49,7 +50,7 @@ from kdtree_numba.attention.tiles import (MAX_SHARED_BYTES, NEG_INF, ONE,  # noq
 
 __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileConfig",
            "tile_config", "choose_splits", "resolve_variant", "VARIANTS", "DEFAULT_VARIANT",
-           "FALLBACK_VARIANT", "FFMA_VARIANTS", "clear_plan_cache",
+           "FALLBACK_VARIANT", "FFMA_VARIANTS", "PlanCache", "clear_plan_cache",
            "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
            "Bf16TileConfig", "bf16_fits", "BF16_VARIANT",
            "Bf16HeadWeights", "bf16_head_weights"]

@@ -3,9 +3,10 @@
 The contract (shapes, dtypes, masking, the empty-row rule) is the docstring of
 reference/attention/mla.py; this kernel computes the same thing in float32 on the device.  Its
 tile shape comes from plan.py (:class:`~kdtree_numba.attention.plan.TileConfig`, one per layout
-of :data:`~kdtree_numba.attention.plan.VARIANTS`), mla.py launches it and merges the splits, and
-the pieces it shares with the tensor-core kernel (mma.py) live in tiles.py.  docs/ATTENTION.md
-explains the kernel design and the measured speed; the short version:
+of :data:`~kdtree_numba.attention.plan.VARIANTS` that is not the tensor-core one), mla.py
+launches it and merges the splits, and the pieces it shares with the tensor-core kernel (mma.py)
+live in tiles.py.  docs/ATTENTION.md explains the kernel design and the measured speed; the
+short version:
 
 * One block owns a tile of ``rows`` flattened query-heads (row = i*H + h) of one request and one
   *split* (a contiguous range of key slots).  All query-heads of a request share the same keys
@@ -143,9 +144,9 @@ def build_kernel(cfg: TileConfig):
                                                      row0 + M - 1, heads)
         # A split past the request's keys (kbeg >= kend) runs no key tile and writes nothing:
         # the merge skips it.  Not an early return, as the tensor-core kernel has: with one,
-        # pipe16x2 (the one layout that spills) as built by the H200's nvJitLink 13.0 read a
-        # garbage global address in this query copy (CUDA_ERROR_ILLEGAL_ADDRESS), though
-        # nothing the return skipped was wrong (docs/GPU_RESULTS.md, runs 80-89).  The copies
+        # pipe16x2 (the one layout that spills) as built by nvJitLink 13.0 read a garbage
+        # global address in this query copy (CUDA_ERROR_ILLEGAL_ADDRESS), though nothing the
+        # return skipped was wrong (docs/HISTORY.md).  The copies
         # stay in bounds either way (rows and key slots clamped, no bytes read past the end).
         has_keys = kbeg < kend
 

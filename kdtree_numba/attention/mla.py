@@ -5,8 +5,8 @@ reference/attention/mla.py; float32 on the device).  One :class:`MlaAttentionPla
 shape holds the decisions of plan.py (tile layout, split count), the block kernel for that
 layout (ffma.py or the tensor-core kernel of mma.py for a float32 cache, bf16.py for a bf16
 one), the merge kernel below and the buffers of
-the partial outputs; :func:`mla_attention` keeps one plan per shape (:func:`clear_plan_cache`
-forgets them).  docs/ATTENTION.md has the design and the measured speed.
+the partial outputs; :func:`mla_attention` keeps one plan per shape in its caller's
+:class:`PlanCache` (a model owns one).  docs/ATTENTION.md has the design and the measured speed.
 
 Long prefixes are split across blocks (flash-decoding): each split writes its unnormalised
 partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one split
@@ -14,6 +14,7 @@ the block kernel normalises and writes ``u`` directly.
 """
 from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
 
+import collections
 import dataclasses
 import math
 from functools import lru_cache
@@ -32,7 +33,7 @@ from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO, splits_with_keys
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
 from reference.attention import check_causal
 
-__all__ = ["mla_attention", "MlaAttentionPlan", "clear_plan_cache"]
+__all__ = ["mla_attention", "MlaAttentionPlan", "PlanCache", "clear_plan_cache"]
 
 
 @lru_cache(maxsize=None)
@@ -110,8 +111,8 @@ class MlaAttentionPlan:
     ``prefill``: the call computes a prompt's rows, whose bits no decode or verify row must
     share; with ``batch_invariant`` each row then takes its keys in one split, which still
     depends on nothing but the request's own keys (a prompt gets the same bits alone or in a
-    batch, against any capacity) but writes no partial outputs: at 4,096 prompt tokens the
-    fixed splits cost 2.9x the time (run 121).  Without ``batch_invariant`` it changes nothing.
+    batch, against any capacity) but writes no partial outputs, which at thousands of prompt
+    tokens cost more than the splits save.  Without ``batch_invariant`` it changes nothing.
     ``rows``: query-heads per tensor-core block (16, 32, 64; None: :func:`~kdtree_numba.
     attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
     ``bf16_cache``: ckv and kpe hold bf16 bit patterns (uint16); the plan runs the bf16
@@ -245,23 +246,49 @@ def _check_shapes(shape, q_abs, q_pe, ckv, kpe, prefix_len, visible, bf16_cache)
             raise ValueError(f"prefix_len + n must lie in [n, max_len={max_len}]: {p}")
 
 
-@lru_cache(maxsize=16)
-def _cached_plan(shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
-                 bf16_cache):
-    return MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
-                            variant=variant, batch_invariant=batch_invariant, prefill=prefill,
-                            rows=rows, bf16_cache=bf16_cache)
+class PlanCache:
+    """The attention plans of one owner (a model; FlashInfer's plan()/run()), one per problem
+    key, the least recently used dropped past ``capacity``.  A plan holds scratch between
+    calls, so a CUDA graph that launched a plan must keep its scratch alive: the model starts a
+    fresh cache before each capture (Model.new_graphs), whose plans are then made inside it
+    and their scratch recorded with the graph (kdtree_numba/graphs.py)."""
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = int(capacity)
+        self._plans: "collections.OrderedDict" = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plan(self, shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
+             bf16_cache) -> "MlaAttentionPlan":
+        key = (shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
+               bf16_cache)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
+                                    variant=variant, batch_invariant=batch_invariant,
+                                    prefill=prefill, rows=rows, bf16_cache=bf16_cache)
+            self._plans[key] = plan
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        return plan
+
+
+# the plans of callers that bring no cache of their own (tests, benchmarks, single calls)
+_UNOWNED = PlanCache()
 
 
 def clear_plan_cache() -> None:
-    """Forget the plans :func:`mla_attention` keeps per shape (and the kernels they hold), e.g.
-    before a CUDA-graph capture that must not reuse plans made outside it."""
-    _cached_plan.cache_clear()
+    """Forget the plans of callers without a :class:`PlanCache` of their own (a test that
+    patches a planning constant; a model's plans are its own)."""
+    _UNOWNED._plans.clear()
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
                   keys_per_split=None, variant=None, batch_invariant=False, prefill=False,
-                  rows=None, causal=False, stream=0):
+                  rows=None, causal=False, plans: PlanCache | None = None, stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -276,6 +303,7 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``batch_invariant`` (both: see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
+    ``plans``: the caller's :class:`PlanCache` (a model's; default: one for callers without).
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
@@ -283,7 +311,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
         max_keys = int(np.max(prefix_len)) + n if bs else n
     bf16_cache = np.dtype(ckv.dtype) == np.uint16
     invariant = bool(batch_invariant)
-    plan = _cached_plan(shape, max_keys, keys_per_split, variant, invariant,
-                        invariant and bool(prefill), rows, bf16_cache)
+    plan = (_UNOWNED if plans is None else plans).plan(
+        shape, max_keys, keys_per_split, variant, invariant, invariant and bool(prefill), rows,
+        bf16_cache)
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
                 causal=causal)

@@ -1,10 +1,10 @@
 """Absorbed-MLA attention on tensor cores: 3xTF32 ``mma.sync``, within the fp32 error bound.
 
 Same contract (reference/attention/mla.py), launch plumbing, split planning and merge as the
-FFMA kernel of ffma.py: mla.py's ``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"`` and
-``"tf32x3acc"`` variants, with the tile shape of plan.py's ``MmaTileConfig``; the pieces both
+FFMA kernel of ffma.py: mla.py's ``MlaAttentionPlan`` builds this kernel for the ``"tf32x3"``
+variant, with the tile shape of plan.py's ``MmaTileConfig``; the pieces both
 kernels share live in tiles.py.  This module holds only the block kernel.  docs/ATTENTION.md
-("The tensor-core kernel") has the design and its measurements; in short:
+("The tensor-core kernel") has the design; in short:
 
 * A block of 8 warps owns 64 flattened query-heads of one request and one key split, stages
   the queries in shared memory once and streams 16-key tiles through two ``cp.async`` stages,
@@ -25,12 +25,12 @@ kernels share live in tiles.py.  This module holds only the block kernel.  docs/
 * Every product is 3xTF32: x = hi + lo (``split_tf32_fast``), hi*hi + hi*lo + lo*hi.  Scores
   keep the three partial sums in separate accumulators (three independent mma chains per
   n-tile instead of one three times as long).
-* ``fp32_sums`` (``tf32x3acc``): the tensor core's fp32 accumulation does not round to
-  nearest, so a long chain of mma into one accumulator drifts (5-12x the FFMA kernels' error on
-  the benchmark's outputs, within the fp32 bound).  With it, mma chains stop after three
-  32-column score chunks and at one 8-key P V step, and their results are added to fp32
-  registers with FADD: the FFMA kernels' accuracy at 15-17% more time.  Without it
-  (``tf32x3``, the default) the chains run over the whole split.
+* ``fp32_sums``: the tensor core's fp32 accumulation does not round to nearest, so a long
+  chain of mma into one accumulator drifts (a few times the FFMA kernels' error, within the
+  fp32 bound).  With it, mma chains stop after three 32-column score chunks and at one 8-key
+  P V step, and their results are added to fp32 registers with FADD: the FFMA kernels'
+  accuracy, at more time.  The package's ``tf32x3`` runs without it (the chains run over the
+  whole split); dev/cuda/attention.py keeps the ``tf32x3acc`` layout that sets it.
 
 Tensor cores exist only on the GPU: the simulator runs the FFMA variants instead.
 """
@@ -103,8 +103,8 @@ def build_kernel(cfg: MmaTileConfig):
     SN = 4 * NT                           # score accumulators per lane (one set)
     FP32_SUMS = cfg.fp32_sums
     CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
-    # score chunks per fp32 fold: 3 (chains of 12 k-steps; GPU run 31 measured the accuracy
-    # and time of folding every chunk with a third of the adds); all chunks without fp32 sums
+    # score chunks per fp32 fold: 3 (chains of 12 k-steps: about the accuracy of folding
+    # every chunk with a third of the adds); all chunks without fp32 sums
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
     Q_OFF, KV_OFF = 0, M * QS
     XCH_OFF = KV_OFF + cfg.stages * N * QS

@@ -9,11 +9,11 @@ mla.py turns these decisions into an :class:`~kdtree_numba.attention.mla.
 MlaAttentionPlan` and launches it.  Contract of the function computed: reference/attention/mla.py;
 the layouts and their measured speed: docs/ATTENTION.md.
 
-Several tile layouts (:data:`VARIANTS`) compile from the one FFMA kernel body; one more,
-``"tf32x3"`` (with ``"tf32x3acc"``), is the tensor-core kernel of
-:mod:`kdtree_numba.attention.mma` (3xTF32, within the fp32 error bound, GPU only).
-``tools/bench_attention.py`` times them all; :func:`resolve_variant` picks
-:data:`DEFAULT_VARIANT` where it runs and :data:`FALLBACK_VARIANT` elsewhere.
+Two kernels ship (:data:`VARIANTS`): ``"tf32x3"``, the tensor-core kernel of
+:mod:`kdtree_numba.attention.mma` (3xTF32, within the fp32 error bound, GPU only), and
+``"pipe16x2"``, a tile layout of the FFMA kernel body that runs everywhere.
+:func:`resolve_variant` picks :data:`DEFAULT_VARIANT` where it runs and
+:data:`FALLBACK_VARIANT` elsewhere; ``tools/bench_attention.py`` times them.
 """
 from kdtree_numba.compat import SIMULATOR  # noqa: I001
 
@@ -166,7 +166,7 @@ class MmaTileConfig:
     rows: int = 64         # query-heads per block
     keys: int = 16         # key slots per tile: two m16n8k8 n-tiles (scores), k-steps (P V)
     stages: int = 2
-    fp32_sums: bool = False  # short mma chains added with FADD (tf32x3acc; docstring)
+    fp32_sums: bool = False  # short mma chains added with FADD (mma.py's docstring)
     causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
 
     @property
@@ -264,7 +264,7 @@ class Bf16TileConfig:
 
 
 BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
-# Keys per tile of the bf16 kernel: 32 on the GPU (16-key tiles were slower, run 96), 16 in the
+# Keys per tile of the bf16 kernel: 32 on the GPU (16-key tiles were slower), 16 in the
 # simulator, whose emulated mma costs two block barriers each.  A module variable so that
 # tools/bench_attention.py can time both and the tests can run 32-key tiles in the simulator.
 BF16_KEYS = 16 if SIMULATOR else 32
@@ -292,7 +292,7 @@ def mma_rows(row_count: int, splits: int, bs: int, sm_count: int) -> int:
     """Rows per tensor-core block: 64, halved (down to 16) while the grid (row tiles x splits
     x requests) would still fit in one wave of ``sm_count`` blocks.  A decode's 64 heads with
     one key split are one 64-row block on one SM, whose mma throughput then bounds the whole
-    attention (run 65: 63 us a layer); 16-row blocks put it on four.  Never past one wave:
+    attention; 16-row blocks put it on four.  Never past one wave:
     every block stages its split's keys, so a grid that already fills the GPU (a batch of
     long decodes, bound by the keys' bytes) would read them again for nothing.  Bits do not
     depend on the choice (MmaTileConfig)."""
@@ -314,37 +314,22 @@ def mma_fits(r: int, dr: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Kernel variants and the tile shape each one runs with
 # ---------------------------------------------------------------------------------------------
-# Layouts that compile from the same kernel body (docs/ATTENTION.md compares them).  All stage
-# 64 query-heads per block and give each lane an 8 x 4 (wide16: 4 x 4) score block.
-# pipe16x2: 256 threads, two stages of 16-key tiles; a warp scores a 16 x 16 block over half the
-#           columns, 4 lanes x 2 warps split the columns (fewest shared-memory wavefronts/FMA).
-# pipe16:   256 threads, two stages of 16-key tiles; a warp scores an 8 x 16 block over all
-#           columns, 8 lanes split them, and the softmax runs in registers (one barrier less).
-# tile32:   256 threads, one stage of 32-key tiles (all cp.async issued at once, then waited
-#           on), 16 x 16 warp blocks, 4 lanes split the columns: half the tiles, load exposed.
-# wide16:   512 threads (16 warps: twice the latency hiding) at <= 128 registers each, two
-#           stages of 16-key tiles, 4 x 16 outputs per thread; more instructions per FMA.
-# tf32x3:   the tensor-core kernel of kdtree_numba/attention/mma.py (3xTF32 mma.sync, same
-#           shared-memory layout and 16-key tiles as pipe16x2); GPU only, r and r + dr
-#           multiples of 64.  Its mma chains run over a whole split: 5-12x the FFMA error
-#           (within the fp32 bound), 1.06-1.25x of the roof.
-# tf32x3acc: the same with short mma chains added in fp32 registers: the FFMA kernels'
-#           accuracy at 15-17% more time (1.24-1.46x of the roof; docs/ATTENTION.md).
+# The kernels the package ships.  tf32x3 is the tensor-core kernel of kdtree_numba/attention/
+# mma.py (3xTF32 mma.sync, the same shared-memory layout and 16-key tiles as pipe16x2; GPU only,
+# r and r + dr multiples of 64): its mma chains run over a whole split, so its error is a few
+# times the FFMA kernels' while staying within the fp32 bound (tests/test_attention_gpu.py).
+# pipe16x2 is the FFMA (CUDA-core) layout that runs everywhere else -- the simulator, widths the
+# tensor-core tiles do not fit: 256 threads, two stages of 16-key tiles; a warp scores a 16 x 16
+# block over half the columns, 4 lanes x 2 warps split the columns (the fewest shared-memory
+# wavefronts per FMA).  The other layouts the FFMA body compiles to, and tf32x3 with fp32
+# sums, lost on the GPU: dev/cuda/attention.py keeps them (it adds them to this dict) and
+# compares them; docs/ATTENTION.md has the design and docs/BENCHMARKS.md the speed.
 VARIANTS = {
     "tf32x3": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=False),
-    "tf32x3acc": dict(threads=256, keys=16, stages=2, tensor_cores=True, fp32_sums=True),
     "pipe16x2": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=4, row_lanes=2,
                      key_lanes=4, k_warps=2),
-    "pipe16": dict(threads=256, keys=16, stages=2, lane_rows=8, k_lanes=8, row_lanes=1,
-                   key_lanes=4, k_warps=1),
-    "tile32": dict(threads=256, keys=32, stages=1, lane_rows=8, k_lanes=4, row_lanes=2,
-                   key_lanes=4, k_warps=1),
-    "wide16": dict(threads=512, keys=16, stages=2, lane_rows=4, k_lanes=4, row_lanes=2,
-                   key_lanes=4, k_warps=2),
 }
-# DEFAULT_VARIANT runs wherever it can (GPU, widths its tiles fit); elsewhere the best FFMA
-# layout: FALLBACK_VARIANT had the best worst case on the H200 (run 3, docs/GPU_RESULTS.md),
-# 1.52x / 1.51x / 1.73x of the roof at verify P4096 / P16384 / decode.
+# DEFAULT_VARIANT runs wherever it can (GPU, widths its tiles fit); FALLBACK_VARIANT elsewhere.
 DEFAULT_VARIANT = "tf32x3"
 FALLBACK_VARIANT = "pipe16x2"
 FFMA_VARIANTS = tuple(v for v in VARIANTS if not VARIANTS[v].get("tensor_cores"))

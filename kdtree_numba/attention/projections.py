@@ -149,17 +149,15 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
 
 # For M <= STREAM_MAX_M rows (decode, verify, small batches) the weights are the only large
 # operand and the tiled kernel above is latency-bound: a 64-row tile holds few live rows, and
-# each of its K steps waits for a global load behind a barrier (run 63: 57 us for absorb_q
-# and 83 us for apply_uv per layer at M = 1, 62 and 94 us at M = 33, against ~4 us of weight
-# bytes).  The streaming kernel below gives each thread one output column of one head for a
-# block of up to 16 rows (more rows: more row blocks, which re-read the weights from L2),
-# keeps those rows' x in shared memory, and has STREAM_UNROLL weights (64 bytes) in flight
-# per thread.
-# Each output is the same fp32 chain as the tiled kernel's, acc += x_k w_k for k ascending
-# from zero, so a row's bits do not depend on which kernel M picked: the projections stay
-# batch invariant (tests/test_attention_gpu.py compares the two kernels bitwise).  One
-# exception, harmless: the tiled kernel also adds the zero products of its padding past K,
-# which turns an exact -0 sum into +0 when K % 16 != 0.
+# each of its K steps waits for a global load behind a barrier (over ten times the time of its
+# weight bytes).  The streaming kernel below gives each thread one output column of one head for
+# a block of up to 16 rows (more rows: more row blocks, which re-read the weights from L2),
+# keeps those rows' x in shared memory, and has STREAM_UNROLL weights (64 bytes) in flight per
+# thread. Each output is the same fp32 chain as the tiled kernel's, acc += x_k w_k for k
+# ascending from zero, so a row's bits do not depend on which kernel M picked: the projections
+# stay batch invariant (tests/test_attention_gpu.py compares the two kernels bitwise).  One
+# exception, harmless: the tiled kernel also adds the zero products of its padding past K, which
+# turns an exact -0 sum into +0 when K % 16 != 0.
 STREAM_MAX_M = 64
 STREAM_ROWS = 16         # rows per block, at most
 STREAM_THREADS = 64

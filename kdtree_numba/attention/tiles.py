@@ -73,8 +73,8 @@ def seen_new_keys(visible, b, first_row, last_row, heads, tid, threads):
     its first query's own position + 1 when ``visible[b, q, j]`` holds for each of the
     block's queries q and j up to that bound, else 0.  Key tiles inside the cached keys and
     these are scored without reading the mask (a causal prefill's block skips it on every
-    tile but its diagonal one: run 118 had 101 ms of a 4,096-token prefill in attention, the
-    mask's loads and branches on every score); the scores are the same either way.  The
+    tile but its diagonal one, where otherwise most of a long prefill's attention time was
+    the mask's loads and branches on every score); the scores are the same either way.  The
     block's threads read the bytes once, then a barrier ANDs their findings (every thread
     of the block must call it)."""
     q_first = first_row // heads

@@ -371,8 +371,8 @@ def _topk_kernel(warps: int, vec: int, kl: int):
                 # candidates one lane holds (usually 1-2), not the positions any lane holds.
                 # xs[e] comes from an unrolled select: a runtime index would put xs in local
                 # memory (as would an ``if f == e: x = xs[f]`` loop, which LLVM turns back into
-                # xs[e]), and re-reading the logits was a dependent L2 load per position (the
-                # candidate path then took 37% of the kernel's time on the H200).
+                # xs[e]), and re-reading the logits was a dependent L2 load per position (a
+                # third of the kernel's time went to the candidate path).
                 while warp_any(cand != 0):
                     x = NEG_INF32
                     j = 0
@@ -487,16 +487,15 @@ def _topk_shared_bytes(warps: int, kl: int) -> int:
 def topk_config(k: int, rows: int = 1, vocab: int = 1, warps=None, vec=None,
                 parts=None) -> tuple[int, int, int, int]:
     """(warps, vec, kl, parts) for ``topk_logprobs``: ``warps`` per block, ``vec`` float4
-    groups per lane per iteration (4 * vec elements in flight per lane), kl = list length
-    (k rounded up to a power of two, at least a warp), ``parts`` blocks per row (a power of
-    two; > 1 adds a merge kernel).  Defaults: the H200 choice; parts grows until the grid has
-    ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
+    groups per lane per iteration (4 * vec elements in flight per lane), kl = list length (k
+    rounded up to a power of two, at least a warp), ``parts`` blocks per row (a power of two; >
+    1 adds a merge kernel).  Defaults: the fastest measured shape; parts grows until the grid
+    has ~4 blocks per multiprocessor, while each part keeps >= 4 tiles (a block's seed and final
     merge cost about a tile each)."""
     kl = max(WARP, pow2_at_least(k))
-    # H200 (bs 64 x L 15 x V 163,840, k = 64, docs/GPU_RESULTS.md runs 22-24): 2 warps of 8
-    # float4 groups per lane 242-243 us, 4 warps of 4 groups 253-254 us (8 warps of 4: 288 us,
-    # 1 of 8: 336 us): with short lists, fewer warps to merge and more loads in flight per lane
-    # win.  Longer lists keep 4 warps of 4 (their merges dominate; not re-measured).
+    # At bs 64 x L 15 x V 163,840, k = 64, 2 warps of 8 float4 groups per lane beat 4 warps of
+    # 4 groups (and 8 of 4, 1 of 8): with short lists, fewer warps to merge and more loads in
+    # flight per lane win.  Longer lists keep 4 warps of 4 (their merges dominate).
     short = kl <= 64 and not SIMULATOR
     if warps is None:
         warps = 2 if SIMULATOR or short else 4

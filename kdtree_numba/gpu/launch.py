@@ -2,11 +2,11 @@
 
 Why: numba's ``kernel[grid, block, stream, shared](*args)`` types every argument (a
 ``types.Array`` built per device array), runs the launch-configuration machinery, turns each
-array into a numba device array again (a CuPy array through ``as_cuda_array``: a driver call
-to check its pointer) and asks the driver for the current context several times.  An eager
-kimi-slice forward makes ~120 launches and spent ~30 ms of host time on 2.7 ms of GPU work
-(tools/profile_ops.py --host, docs/GPU_RESULTS.md run 69).  A first-seen shape (every prompt's
-prefill) runs eagerly, so this host time is latency users see.
+array into a numba device array again (a CuPy array through ``as_cuda_array``: a driver call to
+check its pointer) and asks the driver for the current context several times.  An eager
+kimi-slice forward makes ~120 launches, and their host time was ten times the forward's GPU time
+(tools/profile_ops.py --host shows it).  A first-seen shape (every prompt's prefill) runs
+eagerly, so this host time is latency users see.
 
 How: the first launch with a new *argument signature* (per array: its class, dtype, rank and
 contiguity; per scalar: its Python type) goes through numba as before, which compiles, loads

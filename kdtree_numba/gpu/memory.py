@@ -360,8 +360,8 @@ else:
         """cp.async of 16 bytes from a global address to a shared one (both from the address
         intrinsics); ``nbytes`` (0 or 16) are read, the rest zero-filled.  ``L2::256B``: a
         miss fetches the aligned 256 bytes around it into L2, so the next 15 chunks of a
-        weight row come from one DRAM burst: the bf16 GEMM's lm_head at M = 1 613 -> 539 us
-        with 256-byte stages, the grouped MoE's decode launches 0-5% faster (runs 110-111)."""
+        weight row come from one DRAM burst (what the bf16 GEMM's 256-byte decode stages
+        rely on)."""
         def codegen(context, builder, sig, args):
             s32 = builder.trunc(args[0], ir.IntType(32))
             n = context.cast(builder, args[2], sig.args[2], types.int32)

@@ -3,9 +3,9 @@ plugin (numba's NBEP 7), installed by kdtree_numba/compat.py on a GPU machine wi
 
 Why: numba allocates every device array with ``cuMemAlloc`` and frees it with ``cuMemFree``,
 which waits for the whole device.  An eager forward (a prompt's prefill, any shape that is
-not a replayed CUDA graph) makes ~120 such arrays; run 66 profiled kimi-slice's eager
-forward at 46 ms for 2.7 ms of GPU work, the allocation calls and the frees' device waits
-being most of it.  CuPy's pool hands out and takes back blocks without driver calls.
+not a replayed CUDA graph) makes ~120 such arrays; in a profile of kimi-slice's eager
+forward the allocation calls and the frees' device waits were most of its host time, over
+ten times its GPU work.  CuPy's pool hands out and takes back blocks without driver calls.
 
 The safety argument, and its limit: CuPy files a block under the stream that was CuPy's
 current stream when it was allocated, not the stream numba launched on, and hands a freed

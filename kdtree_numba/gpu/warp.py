@@ -15,16 +15,15 @@ shared memory in the simulator instead (``kdtree_numba.gpu.reduce``).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, device_function
 
 __all__ = ["WARP", "FULL_MASK", "syncwarp", "shfl_xor", "shfl_xor4", "shfl_idx", "ballot", "warp_any",
            "warp_max_f32", "warp_sum_f64", "redux_max2", "ballot2", "shfl_idx_pairs"]
 
-WARP = int(os.environ.get("KDTREE_SIM_WARP", "4")) if SIMULATOR else 32
+WARP = runtime.current().sim_warp if SIMULATOR else 32
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATOR:

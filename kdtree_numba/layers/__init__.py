@@ -54,9 +54,9 @@ from kdtree_numba.layers.common import CHUNK, GPU_SMS, SKINNY_MAX_M  # noqa: F40
 from kdtree_numba.layers.embedding import embedding
 from kdtree_numba.layers.linear import linear
 from kdtree_numba.layers.mma import (  # noqa: F401
-    MmaConfig, mma_alternatives, mma_config, mma_error_coefficient, mma_splits)
+    MmaConfig, mma_config, mma_error_coefficient, mma_splits)
 from kdtree_numba.layers.moe import (  # noqa: F401
-    expert_alternatives, expert_config, expert_tiled_configs, moe_ffn, moe_route,
+    expert_config, expert_tiled_configs, moe_ffn, moe_route,
     route_from_logits, router_logits)
 from kdtree_numba.layers.moe_mma import moe_mma_config  # noqa: F401
 from kdtree_numba.layers.norm import add_rmsnorm, rmsnorm
@@ -64,17 +64,18 @@ from kdtree_numba.layers.rope import RopeSpec, YarnScaling, rope
 from kdtree_numba.layers.skinny import (  # noqa: F401
     ROWS_UNROLL, SkinnyConfig, skinny_config, skinny_threads)
 from kdtree_numba.layers.tiled import (  # noqa: F401
-    TILED_ALTERNATIVES, TiledConfig, tiled_config, tiled_depth, tiled_splits)
+    TiledConfig, tiled_config, tiled_depth, tiled_splits)
 from kdtree_numba.layers.workspace import Workspace
 
 __all__ = ["rmsnorm", "add_rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding",
            "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
            "SkinnyConfig", "TiledConfig", "skinny_config", "tiled_config", "tiled_splits",
-           "tiled_depth", "expert_tiled_configs", "expert_alternatives", "SKINNY_MAX_M"]
+           "tiled_depth", "expert_tiled_configs", "SKINNY_MAX_M"]
 
 # Public too, though not in __all__ (the benchmarks and GPU tests use them): ROWS_UNROLL,
-# skinny_threads, TILED_ALTERNATIVES, expert_config, CHUNK, GPU_SMS, MmaConfig, mma_config,
-# mma_splits, mma_error_coefficient, mma_alternatives, moe_mma_config.
+# skinny_threads, expert_config, CHUNK, GPU_SMS, MmaConfig, mma_config, mma_splits,
+# mma_error_coefficient, moe_mma_config.  The tile plans that lost to the defaults are
+# dev/cuda/layers.py's.
 
 # The attention kernels live in kdtree_numba.attention; one namespace for the whole model.
 from kdtree_numba.attention import *  # noqa: E402,F401,F403

@@ -19,21 +19,20 @@ in flight, one barrier per stage.  Shared tiles are 32-wide *panels* of K in nat
 rows of 64 bytes = four 16-byte chunks, chunk c of row r stored at c ^ ((r >> 1) & 3) (an XOR
 swizzle: the 8 rows one ldmatrix matrix reads sit in 8 bank quads).  Per panel and k16 step,
 ``ldmatrix.x4`` loads an m16 tile's A fragment or two n8 tiles' B fragments in register order
-(``.x2`` an odd last n8 tile): the LDS.128 of one row that it replaced left ptxas to assemble
-each A quad from rows g and g + 8 with moves, 152 of a stage's 344 instructions at 80 x 64
-(run 102; 193 and none now).  Each thread holds tm x tn m16n8 accumulator tiles.  An
-output's mma chain runs over its K slice in k16 steps in panel order whatever the tile (bk
-only groups panels into stages; the slices are cut in units of SLICE_UNIT = 64 at every bk,
-a stage past a slice's end zero-filled), and the K slices depend on N and K only
-(:func:`mma_splits`), so a row's result is the same at every M: the linear is batch
-invariant.
+(``.x2`` an odd last n8 tile), so ptxas needs no moves to assemble an A quad from rows g
+and g + 8 (a plain 128-bit load of one row would).  Each thread holds tm x tn m16n8
+accumulator tiles.  An output's mma chain runs over its K slice in k16 steps in panel order
+whatever the tile (bk only groups panels into stages; the slices are cut in units of
+SLICE_UNIT = 64 at every bk, a stage past a slice's end zero-filled), and the K slices depend
+on N and K only (:func:`mma_splits`), so a row's result is the same at every M: the linear is
+batch invariant.
 
 The grouped MoE kernel (layers/moe_mma.py) shares the tile shape and the K loop
 (:func:`ring_function`, which takes per-thread row tables so that it can gather rows).
 
 ``MmaConfig(wgmma=True)`` multiplies the same staged panels with warpgroup mma (sm_90a;
-their layout is wgmma's 64-byte swizzle), bitwise the mma.sync rows on the H200: the tile past
-80 rows there (:data:`WGMMA_TILE`), whose blocks add their own K slices where the M x N tiles
+their layout is wgmma's 64-byte swizzle), bitwise the mma.sync rows: the tile past
+80 rows on sm_90 (:data:`WGMMA_TILE`), whose blocks add their own K slices where the M x N tiles
 fill the GPU (``slices_in_block``): docs/LAYERS.md, "Warpgroup mma".
 
 Needs K % 8 == 0 and C-contiguous, 16-byte aligned x and w (the 16-byte loads); linear() raises
@@ -61,13 +60,13 @@ from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, m
                                          wgmma_wait_1, wgmma_wait_all)
 from kdtree_numba.layers.common import GPU_SMS, sum_splits
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (re-exported: the GEMM's plan)
-    PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_alternatives, mma_config, mma_error_coefficient,
-    mma_splits, mma_tile, unsliced_tile, wgmma_available)
+    PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_config, mma_error_coefficient, mma_splits,
+    mma_tile, unsliced_tile, wgmma_available)
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_tile",
            "mma_config", "mma_splits", "accumulator_origin",
-           "mma_error_coefficient", "mma_alternatives", "stage_compute", "ring_function",
+           "mma_error_coefficient", "stage_compute", "ring_function",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
            "round_to_bf16", "mma_linear", "mma_head_products"]
 
@@ -145,8 +144,8 @@ else:
 
 # A thread's chunk copies go through *cursors* formed once per K loop: a global one stepped
 # by a constant per stage and a shared one per ring buffer.  On the GPU they are addresses
-# (the 64-bit index math of an element address per chunk and stage was about two thirds of
-# the linear's instructions: ncu, run 100); in the simulator element and word indices
+# (the 64-bit index math of an element address per chunk and stage would otherwise dominate
+# the linear's instructions); in the simulator element and word indices
 # (cursor = base + unit * index, base 0, unit 1).
 if SIMULATOR:
     ELEM, WORD = 1, 1
@@ -244,9 +243,8 @@ def stage_compute(cfg: MmaConfig):
         """acc += this stage's products: per panel and k16 step, one ldmatrix.x4 per m16 tile
         (its A fragment) and per two n8 tiles (their B fragments; x2 for an odd last one),
         then tm x tn mma.  ``arow`` / ``brow``: the lane's row g of the warp's first m16 / n8
-        tile.  The fragments arrive in register order: the LDS.128 of a row that this
-        replaced left ptxas 152 moves a stage at 80 x 64 to assemble A's (rows g, g + 8)
-        quads (run 102's SASS)."""
+        tile.  The fragments arrive in register order, so assembling A's (rows g, g + 8)
+        quads takes no moves."""
         lane = tid & 31
         a_base = a_at + (arow - (lane >> 2)) * WORDS      # the warp's first rows, panel 0
         b_base = b_at + (brow - (lane >> 2)) * WORDS
@@ -557,9 +555,8 @@ def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w
 
 
 # M x N tiles from which a warpgroup tile's blocks add their own K slices: two waves of blocks
-# without slices.  The slices' partial sums are 8 S M N bytes through memory: at M = 4096 the
-# 16 slices of o_proj (8192 -> 7168) wrote and read back 1.9 GB each way, and o_proj took
-# 3.5 ms, 0.17x cuBLAS (run 116); adding them in the block, 1.56 ms (run 119)
+# without slices.  The slices' partial sums are 8 S M N bytes through memory (gigabytes each
+# way at a prefill's M = 4096); added in the block they never leave it
 FOLD_MIN_TILES = 2 * GPU_SMS
 
 

@@ -20,7 +20,7 @@ from kdtree_numba.layers.common import GPU_SMS
 
 __all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "MmaConfig", "WARP_TILE", "WGMMA_TILE",
            "wgmma_available", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
-           "mma_error_coefficient", "mma_alternatives"]
+           "mma_error_coefficient"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 
@@ -36,7 +36,7 @@ class MmaConfig:
     by warpgroup mma (sm_90a) instead, warpgroup q taking rows 64q .. 64q + 63 and all BN
     columns (BM = 64 x threads / 128; wm, wn, tm and tn then only size the tile and the
     staging; at least 3 stages: :func:`ring_function`).  mma_tile's pick past 80 rows on
-    sm_90 GPUs (session 24: bitwise mma.sync's rows on the H200, 1.4x its speed at M = 512).
+    sm_90 GPUs (bitwise mma.sync's rows, and faster than it on a prefill's rows).
     ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
     adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
     memory, set by the launcher where the M x N tiles alone fill the GPU."""
@@ -111,28 +111,26 @@ class MmaConfig:
 # rest, and mma steps of zeros add exactly 0.
 SLICE_UNIT = 64
 
-# K slices only from this many SLICE_UNITs of K (2048 elements): q_b's 24 ran faster whole at
-# every M (run 130; mma_splits); every product from 32 up (o_proj, q_a + kv_a, the dense FFN)
-# gained from its slices at M = 1 in the same sweep
+# K slices only from this many SLICE_UNITs of K (2048 elements): a shorter product (q_b's 24)
+# runs faster whole at every M (mma_splits); every product from 32 up (o_proj, q_a + kv_a, the
+# dense FFN) gains from its slices at M = 1
 MIN_SLICED_STAGES = 32
 
 
 def mma_tile(m: int) -> MmaConfig:
     """The linear's tile for m rows (its K slices: :func:`mma_splits`).  Up to 16 rows (decode) 16
     x 128 in 3 stages of bk = 128: with cp.async's L2::256B prefetch (gpu/memory.py) each weight
-    row's 256 bytes of a stage come from DRAM as one burst: lm_head M = 1 613 -> 539 us, 0.80 ->
-    0.91 of the DRAM peak (runs 110-111; bk = 128 without the hint 627 us, the hint at bk = 64
-    606).  Elsewhere bk = 64.  Up to 80 rows one M tile of whole m16 tiles, 4 warps side by side
-    in N, so a verify's 33-80 rows read the weights once (two 64-row tiles did twice the mma
-    work at M = 65: the lm_head at 0.41x cuBLAS, run 62): BM x 128 (BM = 16 ceil(m / 16); 4
+    row's 256 bytes of a stage come from DRAM as one burst (neither bk = 128 without the hint
+    nor the hint at bk = 64 gets there).  Elsewhere bk = 64.  Up to 80 rows one M tile of whole
+    m16 tiles, 4 warps side by side in N, so a verify's 33-80 rows read the weights once (two
+    64-row tiles would do twice the mma work at M = 65): BM x 128 (BM = 16 ceil(m / 16); 4
     stages up to 32 rows, 3 from 33).  At 65-80 rows a warp's 80 x 32 fragments need 168
-    registers (no spill since the cursors of run 101); its ldmatrix bytes per mma are 0.58x
-    those of the 80 x 64 tile before, which waited on shared memory and L2 (run 107): lm_head
-    807 -> 670 us (run 108).  Past 80 rows 64 x 128 (4 warps of 32 x 64, 3 stages; 128 x 128
+    registers (no spill); its ldmatrix bytes per mma are 0.58x those of an 80 x 64 tile, which
+    waits on shared memory and L2.  Past 80 rows 64 x 128 (4 warps of 32 x 64, 3 stages; 128 x 128
     takes 166 registers at 256 threads: one block an SM), or where :func:`wgmma_available`
     128 x 128 by two warpgroups' wgmma in 4 stages (one stage's products in flight while the
     next is staged).  Every tile gives a row the same bits (bk and the K slices do not depend
-    on it; wgmma sums a k16 step as mma.sync does: equal bits on the H200, session 24).
+    on it; wgmma sums a k16 step as mma.sync does: equal bits, tests/test_layers_mma.py).
     Products without K slices take :func:`unsliced_tile`."""
     mt16 = max(1, -(-m // 16))             # m = 0 (an empty call) takes the 16-row tile
     if mt16 == 1:
@@ -144,8 +142,8 @@ def mma_tile(m: int) -> MmaConfig:
 
 # Past 80 rows without wgmma: 4 warps of 32 x 64, 3 stages
 WARP_TILE = MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
-# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): the lm_head at M = 512 in
-# 3078-3158 us (runs 115-119), 0.54x cuBLAS, where 64 x 128 on mma.sync took 4311-4417
+# 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): faster than WARP_TILE on a
+# prefill's rows (docs/BENCHMARKS.md)
 WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
 
 
@@ -166,11 +164,10 @@ def wgmma_available() -> bool:
 
 def unsliced_tile(m: int) -> MmaConfig:
     """:func:`mma_tile` for the products without K slices (the grouped MoE's launches, the
-    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows
-    80 x 64 in 4 stages, as before run 108, not 80 x 128, which would halve their blocks
-    (a dense FFN's down projection: 56 blocks for 132 SMs; the verify of 65 nodes 5.64 ->
-    6.00 ms in run 113).  The same bits either way (no K slices); past 80 rows mma_tile's
-    (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
+    per-head products), whose N tiles and heads are all their parallelism: at 65-80 rows 80 x 64
+    in 4 stages, not 80 x 128, which would halve their blocks (a dense FFN's down projection: 56
+    blocks for 132 SMs, and a slower verify).  The same bits either way (no K slices); past 80
+    rows mma_tile's (wgmma where available: a prefill's grouped experts, ~512 tokens each)."""
     if max(1, -(-m // 16)) == 5:
         return MmaConfig(wm=1, wn=4, tm=5, tn=2, stages=4)
     return mma_tile(m)
@@ -183,54 +180,17 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     return dataclasses.replace(mma_tile(m), splits=mma_splits(n, k))
 
 
-def mma_alternatives(m: int, n: int, k: int) -> dict:
-    """Other tiles tools/bench_layers.py times beside mma_config's pick (name -> MmaConfig;
-    past 80 rows both warpgroup and warp mma, whichever the GPU picked).
-    Every one keeps mma_splits' K slices (whole units of SLICE_UNIT at any bk), so each gives
-    bitwise the default's result: only speed differs."""
-    if m <= 16:       # the default is 16 x 128 in 3 stages of 128
-        shapes = {"bk64-4stage": dict(wm=1, wn=4, tm=1, tn=4, stages=4),   # before run 110
-                  "bk128-2stage": dict(wm=1, wn=4, tm=1, tn=4, bk=128, stages=2)}
-    elif m <= 80:
-        mt16 = -(-m // 16)
-        shapes = {"64x128": dict(wm=2, wn=2, tm=2, tn=8, stages=3),      # the tile of run 62
-                  f"{16 * mt16}x64": dict(wm=1, wn=4, tm=mt16, tn=2, stages=3)}
-        if mt16 == 5:   # the tiles before the default (run 108): narrower N, more ldmatrix
-            shapes.update({"80x64-4stage": dict(wm=1, wn=4, tm=5, tn=2, stages=4),
-                           "80x96": dict(wm=1, wn=4, tm=5, tn=3, stages=3)})
-    else:
-        shapes = {"128x128": dict(wm=4, wn=2, tm=2, tn=8, stages=3),
-                  "64x128-4stage": dict(wm=2, wn=2, tm=2, tn=8, stages=4),
-                  "32x128": dict(wm=1, wn=4, tm=2, tn=4, stages=4),
-                  "mma.sync-64x128": dataclasses.asdict(WARP_TILE),
-                  # warpgroup mma: 2 warpgroups of 64 x 128 (96 registers) or one; at 64 x
-                  # 256 NVVM leaves the 128 accumulators in local memory.  3 stages keep
-                  # one in flight beside the products (4: two)
-                  "wgmma-128x128-3stage": dict(dataclasses.asdict(WGMMA_TILE), stages=3),
-                  "wgmma-64x128": dict(wm=1, wn=4, tm=4, tn=4, stages=4, wgmma=True)}
-    out = {}
-    for name, shape in shapes.items():
-        cfg = MmaConfig(**dict(shape, splits=1))
-        out[name] = dataclasses.replace(cfg, splits=mma_splits(n, k))
-    return out
-
-
 def mma_splits(n: int, k: int) -> int:
     """K slices: doubled (up to 64, each slice keeping >= 8 stages of 64: twice the deepest
-    ring) while more than a quarter of the block slots of the waves that one row of 128-wide
-    N tiles takes (the grid at M <= BM; two blocks per SM, what the 16- to 80-row tiles'
-    shared memory allows) would idle.  Past that, short slices only add ramps and partial
-    sums: o_proj (8192 -> 7168, 56 N tiles) took 16 slices under the old rule (double while
-    under four blocks per SM) and ran 45.2 / 56.8 / 76.1 us at M = 1 / 33 / 65, with 4 slices
-    35.9 / 41.8 / 50.0 (its pick now); q_a + kv_a (7168 -> 2112) keeps 8, the best of 1-64
-    at those M; 18432 -> 7168 gets 4, the best at M = 1 and 65, 7168 -> 36864 4, the best at
-    M = 1 (session 26, H200, docs/LAYERS.md).  Below :data:`MIN_SLICED_STAGES` of K none:
-    q_b (1536 -> 12288, 24 stages) ran 13.1 / 16.5 / 21.7 us at M = 1 / 33 / 65 whole and
-    13.0 / 20.6 / 28.4 in 2 slices (run 130): a block that short is mostly its ramp, and the
-    slices add the partial sums' round trip and a sum launch.  A function of N and K only,
-    never of M or the tile, so the linear is batch invariant across M: a row's result is
-    bitwise the same whatever M (its partial sums, 8 S M N bytes written and read back,
-    mostly in L2, grow with M)."""
+    ring) while more than a quarter of the block slots of the waves that one row of 128-wide N
+    tiles takes (the grid at M <= BM; two blocks per SM, what the 16- to 80-row tiles' shared
+    memory allows) would idle.  Past that, short slices only add ramps and partial sums (a sweep
+    of 1-64 slices at Kimi-K2's shapes picked this rule: dev/bench_splits.py, docs/LAYERS.md).
+    Below :data:`MIN_SLICED_STAGES` of K none: a block that short is mostly its ramp, and the
+    slices add the partial sums' round trip and a sum launch.  A function of N and K only, never
+    of M or the tile, so the linear is batch invariant across M: a row's result is bitwise the
+    same whatever M (its partial sums, 8 S M N bytes written and read back, mostly in L2, grow
+    with M)."""
     tiles = -(-n // 128)
     stages = -(-k // SLICE_UNIT)
     wave = 2 * GPU_SMS

@@ -8,7 +8,6 @@ measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -23,14 +22,14 @@ from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, ro
                                          work_list_enabled)
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
                                         skinny_kind, skinny_threads)
-from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
+from kdtree_numba.layers.tiled import TiledConfig, tiled_kernel
 from kdtree_numba.layers.workspace import (Workspace, device_f32, device_weight, kernel_weight,
                                            launch_1d, load_kind_for, placeholder, result_array,
                                            workspace_buffer)
 from reference.layers import check_routing_args, is_dense
 
 __all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "expert_config",
-           "expert_tiled_configs", "expert_alternatives"]
+           "expert_tiled_configs"]
 
 # ============================================================================ MoE routing
 
@@ -377,27 +376,10 @@ def expert_tiled_configs(m: int):
     """[(TiledConfig, cmin, cmax)]: the launches of one tiled expert GEMM, each for the
     experts holding cmin <= count < cmax tokens (the others' blocks exit at once).  One launch
     of ``_expert_tile()`` for every count: an expert's tokens go through it in chunks of BM.
-    Measured on the H200 at M = 65 (router-picked Kimi-K2 batch, 56 experts, 2026-11-29,
-    tools/bench_layers.py --only moe): one class 3.92 ms; two classes (the 72-row tiled-linear
-    tile for experts of more than 32 tokens) 5.36 ms; the same with a 16-row small tile 7.38
-    ms.  The popular experts' one pass over their weights did not pay for running the two
-    classes one after the other.  Other plans: expert_alternatives(m)."""
+    Plans with two size classes (a bigger tile for the popular experts) were slower on a
+    router-picked Kimi-K2 batch: the popular experts' one pass over their weights did not pay
+    for running the two classes one after the other (dev/cuda/layers.py keeps them)."""
     return [(_expert_tile(), 1, 1 << 30)]
-
-
-def expert_alternatives(m: int) -> dict:
-    """Other launch plans for the routed experts at m tokens, which tools/bench_layers.py
-    times (every plan sums each output the same way: the results are bit-identical)."""
-    small = _expert_tile()
-    big = dataclasses.replace(tiled_config(max(m, 17), 0, 0), splits=1)
-    small16 = dataclasses.replace(small, wm=max(1, small.wm // 2), max_registers=168)  # BM/2
-    wide = TiledConfig(wm=1, wn=3, ly=2, tm=12, tn=8, bk=8, max_registers=168)   # 24 x 384
-    return {
-        "two-class": [(small, 1, small.bm + 1), (big, small.bm + 1, 1 << 30)],
-        "two-class-bm16": [(small16, 1, small16.bm + 1), (big, small16.bm + 1, 1 << 30)],
-        "small-bk8": [(dataclasses.replace(small, bk=8), 1, 1 << 30)],
-        "big-24x384": [(small, 1, 17), (wide, 17, 1 << 30)],
-    }
 
 
 def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None, *,

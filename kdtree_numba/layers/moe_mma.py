@@ -12,15 +12,16 @@ order.  The shared expert is one more "expert" of both launches: its slots are r
 
 Grid: (expert slot a, M tile, N tile), M tile fastest.  ``a < max_active`` is the a-th active
 expert (blocks past ``n_active`` or past the expert's token count exit at once: the grid is
-sized on the host from M, top_k and E only, no host read of the routing); ``a == max_active``
-is the shared expert.  Or, with the *work list* (``KDTREE_MOE_WORK_LIST=1``, off until the
-H200 has run it: docs/LAYERS.md), (tile t, N tile), t fastest: t < R is the t-th M tile of the
-device-built list moe.py's grouping writes (``tile_expert``, ``tile_row``; blocks past its
-length ``n_tiles`` exit), t >= R the shared expert's tiles, R = :func:`routed_tile_bound`.  At
-a verify's 65 tokens over 64 experts the full grid launches 5 M tiles per expert for ~8
-tokens each: 4 of 5 blocks exit at once, 16 k of 21 k per launch; the list leaves ~1.8 k.
-The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's tiles by tokens per expert),
-its K loop (``ring_function``: bf16 x and weights both by ``cp.async`` through a ring of
+sized on the host from M, top_k and E only, no host read of the routing); ``a == max_active`` is
+the shared expert.  Or, with the *work list* (``KDTREE_MOE_WORK_LIST=1``, read by
+:func:`work_list_enabled`; off by default until a GPU measurement decides), (tile t, N tile), t
+fastest: t < R is the t-th M tile of the device-built list moe.py's grouping writes
+(``tile_expert``, ``tile_row``; blocks past its length ``n_tiles`` exit), t >= R the shared
+expert's tiles, R = :func:`routed_tile_bound`.  At a verify's 65 tokens over 64 experts the full
+grid launches 5 M tiles per expert for ~8 tokens each: 4 of 5 blocks exit at once, 16 k of 21 k
+per launch; the list leaves ~1.8 k.
+The GEMM core is mma.py's: its tile shape (MmaConfig, the linear's tiles by tokens per
+expert), its K loop (``ring_function``: bf16 x and weights both by ``cp.async`` through a ring of
 ``stages`` shared buffers, fp32 accumulation) and fragment layout.  Differences: the x rows are
 gathered (each thread's rows are fixed for the whole K loop, looked up once), and in the
 gate_up launch the weight tile interleaves gate and up rows per warp: of a warp's ``tn`` n8
@@ -28,9 +29,9 @@ tiles (a warpgroup tile's: all BN / 8) the first half are gate rows and the seco
 rows of the same intermediate columns, so the thread holding gate(row, col) also holds up(row,
 col) and applies SwiGLU in the epilogue (its division by ``div.approx`` at every tile:
 ``common.silu_approx``).  h is rounded to bf16 once per layer and ``act`` is stored as bf16 (the
-value the down GEMM multiplies either way), so both launches stream their x like their weights;
-run 60 found that x loaded through registers each stage, the design before, held decode to half
-the weight roof whatever the ring depth.
+value the down GEMM multiplies either way), so both launches stream their x like their weights
+(x loaded through registers each stage held decode to half the weight roof whatever the ring
+depth).
 
 No K slices: every output is one fp32 mma chain over K in k16 steps in panel order, the same
 for every tile and stage depth (bk only groups the panels), so a token's row does not depend
@@ -41,10 +42,10 @@ Design, error bound and status: docs/LAYERS.md, "Grouped MoE on tensor cores".
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, kernel
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
@@ -67,12 +68,12 @@ def moe_mma_config(m: int, top_k: int, n_experts: int) -> MmaConfig:
     as the linear's decode tile: one DRAM burst with cp.async's L2::256B prefetch), else
     the tile of products without K slices (:func:`unsliced_tile`); a gate_up block covers
     BN / 2 intermediate columns of gate and of up.  Every tile gives the same bits (the
-    module docstring; run 46 checked three tiles on the H200)."""
+    module docstring; tests/test_moe_mma.py)."""
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
     if per <= 16:
         # 16 x 64: at one token a Kimi layer's gate_up is 9 experts x 32 tiles of 128 = 288
-        # blocks for 132 SMs, so a third of the SMs ran a third block while the rest idled
-        # (run 78: MoE at 1.30x its roof); 64-wide tiles double the blocks and halve the tail
+        # blocks for 132 SMs, so a third of the SMs run a third block while the rest idle;
+        # 64-wide tiles double the blocks and halve the tail
         return MmaConfig(wm=1, wn=4, tm=1, tn=2, bk=128, stages=3)
     return unsliced_tile(per)
 
@@ -81,7 +82,7 @@ def work_list_enabled() -> bool:
     """Whether moe_ffn(method="mma") launches over the device-built work list of M tiles
     (``KDTREE_MOE_WORK_LIST=1``) instead of the full (expert, M tile) grid; read per call, so
     a benchmark can time both in one process."""
-    return os.environ.get("KDTREE_MOE_WORK_LIST", "0") == "1"
+    return runtime.current().moe_work_list
 
 
 def routed_tile_bound(n_entries: int, n_experts: int, tile_rows: int) -> int:

@@ -31,14 +31,13 @@ _MAX_PER_THREAD = 32
 @functools.cache
 def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int, add: bool = False):
     """One block per row.  ``per_thread`` > 0: the thread's ``per_thread`` values (columns
-    t + k*threads) are loaded at once into registers, all loads in flight together, and
-    scaled from there: one pass over x and one round trip of memory latency, where a loop
-    waits for each load in turn (a one-row norm is all latency: 6.6 us per call at Kimi's
-    7168, run 80); the weight's values are loaded beside them.  0: the loop, for rows wider
-    than _MAX_PER_THREAD * threads.  Both add a thread's squares in the same order (k
-    ascending), so they give the same bits.  ``add``: the row is ``x + delta`` (one fp32
-    add per value, the same rounding as a separate add), written to ``s`` as it is loaded;
-    without it ``delta`` and ``s`` are placeholders, never touched."""
+    t + k*threads) are loaded at once into registers, all loads in flight together, and scaled
+    from there: one pass over x and one round trip of memory latency, where a loop waits for
+    each load in turn (a one-row norm is all latency); the weight's values are loaded beside
+    them.  0: the loop, for rows wider than _MAX_PER_THREAD * threads.  Both add a thread's
+    squares in the same order (k ascending), so they give the same bits.  ``add``: the row is
+    ``x + delta`` (one fp32 add per value, the same rounding as a separate add), written to
+    ``s`` as it is loaded; without it ``delta`` and ``s`` are placeholders, never touched."""
     block_reduce = make_block_reduce(1, threads)
     warps = threads // 32
     scr = block_reduce_scratch_shape(1, threads)

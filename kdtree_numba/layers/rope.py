@@ -68,7 +68,6 @@ def rope(x, positions, spec: RopeSpec, *, out=None, stream=0, workspace=None):
     if m:
         # a thread per pair up to 1024 (a decode's 64 heads x 32 pairs: two pairs a thread);
         # the loop over pairs waits for each load in turn, so fewer threads cost latency
-        # (128 threads: 16 pairs a thread, ~8 us for a decode's q_pe, run 80)
         pairs = h * (dr // 2)
         threads = 32 if SIMULATOR else min(1024, 32 * -(-pairs // 32))
         _rope_kernel(dr // 2, spec.interleave, threads)[m, threads, stream](

@@ -53,8 +53,8 @@ def _load8_cached(w, n, j):
 
 # float32 weights, f32_load="xchg" (the default).  A lane owns 8 consecutive floats (32 bytes)
 # per chunk, so the two plain 16-byte loads of a warp each touch 32 sectors and use half of
-# each: with L1 bypassed every sector crosses from L2 twice, and fp32 streaming stalled at
-# ~2.75 TB/s while bf16 (one dense 16-byte load per lane) reached 4.4 TB/s.  Here the lower
+# each: with L1 bypassed every sector crosses from L2 twice, and fp32 streaming stalls well
+# below bf16's rate (one dense 16-byte load per lane).  Here the lower
 # half-warp loads the first halves and the upper half-warp the second halves of the 32 chunks
 # of the warp's 1 KB span (two fully dense 512-byte loads), and one xor-16 exchange of four
 # floats gives every lane its own chunk back.  Same elements per lane, same order: results are
@@ -289,10 +289,9 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
     """Default kernel shape for an [m, k] x [n, k]^T product: the most weight rows per block
     that still gives every SM four blocks, x chunks times weight tiles (the simulator: the
     fewest blocks); threads from k alone (batch invariance; rows, unroll and the grid order
-    change no bit); ``x_major`` for an x that outgrows L2.  Four, not two: the 2026-11-29
-    sweep at M = 1 found rows=2 best for N = 1536 (768 blocks) and rows=1 for N = 576, not
-    the two-block choices rows=4 / 2.  See docs/LAYERS.md; tools/bench_layers.py --only
-    sweep."""
+    change no bit); ``x_major`` for an x that outgrows L2.  Four, not two: a sweep at M = 1
+    found rows=2 best for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block
+    choices rows=4 / 2.  See docs/LAYERS.md; the sweep: dev/cuda/layers.py."""
     mt = mt_for(m)
     choices = ROWS_UNROLL[mt]
     rows, unroll = choices[-1]
@@ -304,12 +303,11 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
     if wkind == "f32" and mt <= 2 and rows * unroll > 4 and (mt, rows) != (1, 2):
         # a float32 chunk is 32 bytes, twice bf16's: half the chunks give the same bytes in
         # flight per thread, and rows * unroll = 16 needed ~200 registers with the exchange.
-        # Not at one x row and two weight rows: the full sweep of run 13 (7168 -> 1536, the
-        # shape that picks rows = 2) timed unroll 4 at 14.3 us against 15.3 us for 2.
+        # Not at one x row and two weight rows: there (7168 -> 1536, the shape that picks
+        # rows = 2) the sweep found unroll 4 faster than 2.
         unroll = max(1, unroll // 2)
-    # x past what L2 keeps (and larger than the weight) came from HBM again per weight tile:
-    # the router at 4,096 rows, 1,721 -> 801 us with rows = 2 (889 us in the old order); at
-    # 65 rows, where x fits, the order cost 123 -> 151 us (run 123)
+    # x past what L2 keeps (and larger than the weight) would come from HBM again per weight
+    # tile (the router at a prefill's 4,096 rows); where x fits, the x-major order is slower
     x_bytes = m * k * 4
     x_major = x_bytes > X_MAJOR_MIN_BYTES and x_bytes > n * k * (4 if wkind == "f32" else 2)
     return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k), unroll=unroll, splits=1,

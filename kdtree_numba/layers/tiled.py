@@ -1,10 +1,9 @@
 """The tiled GEMM: ``linear()`` above SKINNY_MAX_M rows and the MoE experts of such steps.
 
-Holds the shapes the heuristics pick (:func:`tiled_config`, K slices, the benchmark's
-alternatives), the small device functions the generated kernels call, and
-:func:`tiled_kernel`, which compiles gemm_source.py's source for a config, weight kind and
-mode.  Twin: reference/layers/linear.py (the contract); design, tolerances and measurements:
-docs/LAYERS.md.
+Holds the shapes the heuristics pick (:func:`tiled_config`, K slices), the small device
+functions the generated kernels call, and :func:`tiled_kernel`, which compiles gemm_source.py's
+source for a config, weight kind and mode.  Twin: reference/layers/linear.py (the contract);
+design, tolerances and measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from kdtree_numba.gpu.memory import (ld_cached_f32x4, ld_shared_f32x4, ld_stream
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, silu
 from kdtree_numba.layers.gemm_source import TiledConfig, tiled_source
 
-__all__ = ["TiledConfig", "tiled_splits", "tiled_depth", "tiled_config", "TILED_ALTERNATIVES",
-           "tiled_kernel"]
+__all__ = ["TiledConfig", "tiled_splits", "tiled_depth", "tiled_config", "tiled_kernel"]
 
 
 def tiled_splits(n: int, k: int) -> int:
@@ -50,7 +48,7 @@ def tiled_config(m: int, n: int, k: int) -> TiledConfig:
     BM >= m rows up to 128 (tm 12 or 8, whichever pads less; M = 65 -> 3 warps of 2 x 16
     lanes, 72 x 128 tiles), else 96-row M tiles; splits from (n, k) only.  tm = 12 tiles hold
     96 accumulators: capped at 168 registers (a few bytes of spill outside the k loop, checked
-    with ptxas) so that 12 warps share an SM.  Alternatives: tools/bench_layers.py."""
+    with ptxas) so that 12 warps share an SM.  Other tiles: dev/cuda/layers.py."""
     splits = tiled_splits(n, k)
     if SIMULATOR:
         return TiledConfig(wm=1, wn=1, ly=2, tm=4, tn=8, bk=8, splits=splits)
@@ -62,16 +60,6 @@ def tiled_config(m: int, n: int, k: int) -> TiledConfig:
     # one- and two-warp tiles stage 4x / 2x the vectors per thread: left uncapped (they spill)
     return TiledConfig(wm=wm, wn=1, ly=2, tm=tm, tn=8, bk=8, splits=splits,
                        max_registers=168 if tm == 12 and wm >= 3 else 0)
-
-
-# Alternatives to tiled_config(65, ...) that tools/bench_layers.py times (the GPU tests check
-# that they give the default's bits: same K slices, same sums).  The tiles are 72 rows each.
-TILED_ALTERNATIVES = {
-    "bk16": dict(bk=16),                                     # half the barriers, +regs
-    "uncapped": dict(max_registers=0),                       # ~200 registers: 3 blocks/SM
-    "6warps-ly1": dict(wm=6, ly=1, tm=12, max_registers=168),    # 72 x 256 tiles
-    "9warps-tm8": dict(wm=9, ly=1, tm=8, max_registers=112),     # 64 accumulators
-}
 
 
 @device_function

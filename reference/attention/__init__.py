@@ -21,7 +21,8 @@ One module per part, named as in the numba twin where it has one:
 ==============  ==============================================================================
 module          contract of
 ==============  ==============================================================================
-mla.py          ``mla_attention`` (the table of arguments), ``naive_mla_attention``,
+mla.py          ``mla_attention`` (the table of arguments), ``paged_mla_attention`` (over a
+                paged cache: reference/paged.py), ``naive_mla_attention``,
                 ``fp32_error_bound``, ``visible_slots``, ``check_causal``
 projections.py  ``split_kv_b_proj``, ``absorb_q``, ``apply_uv``
 mask.py         ``tree_visible``
@@ -32,9 +33,10 @@ from __future__ import annotations
 from .mask import tree_visible
 from .mla import (UNIT_ROUNDOFF_BF16, UNIT_ROUNDOFF_F32, bf16_error_bound,  # noqa: F401
                   bf16_operands, bf16_round, bf16_widen, check_causal, fp32_error_bound,
-                  mla_attention, naive_mla_attention, visible_slots)
+                  mla_attention, naive_mla_attention, paged_mla_attention, visible_slots)
 from .projections import absorb_q, apply_uv, split_kv_b_proj
 
-__all__ = ["mla_attention", "absorb_q", "apply_uv", "naive_mla_attention", "split_kv_b_proj",
+__all__ = ["mla_attention", "paged_mla_attention", "absorb_q", "apply_uv",
+           "naive_mla_attention", "split_kv_b_proj",
            "visible_slots", "tree_visible", "fp32_error_bound", "bf16_error_bound",
            "bf16_operands", "bf16_round", "bf16_widen", "check_causal"]

@@ -43,6 +43,12 @@ all H heads of a query.
   implementation may also round each softmax weight to bf16 (relative error <= 2^-8) as long as
   it normalises by the sum of the rounded weights, so that ``u`` stays a convex combination of
   the value rows: :func:`bf16_error_bound` is its tolerance.
+* A **paged cache** (reference/paged.py): :func:`paged_mla_attention` takes the pools
+  ``ckv_pages [n_pages, P, r]`` and ``kpe_pages [n_pages, P, dr]`` and a page table
+  (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) in place of ``ckv`` and ``kpe``; request
+  b's slot t is its page table's slot t, and the result is this function's on those slots
+  (bit for bit: the same slots in the same order, the same float64 math).  The table must
+  cover ``P_b + n`` slots of each request.
 * Positions enter attention only through RoPE, which is applied to ``q_pe`` and ``kpe`` before
   this function, so the kernel itself never needs positions: a tree node's output equals plain
   causal attention over the prefix plus its root-to-node path (tested in tests/test_attention.py).
@@ -51,11 +57,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..paged import check_page_table, gather_pages
 from .projections import split_kv_b_proj
 
-__all__ = ["mla_attention", "naive_mla_attention", "visible_slots", "fp32_error_bound",
-           "bf16_error_bound", "bf16_operands", "bf16_round", "bf16_widen", "check_causal",
-           "UNIT_ROUNDOFF_F32", "UNIT_ROUNDOFF_BF16"]
+__all__ = ["mla_attention", "paged_mla_attention", "naive_mla_attention", "visible_slots",
+           "fp32_error_bound", "bf16_error_bound", "bf16_operands", "bf16_round", "bf16_widen",
+           "check_causal", "UNIT_ROUNDOFF_F32", "UNIT_ROUNDOFF_BF16"]
 
 UNIT_ROUNDOFF_F32 = 2.0 ** -24
 UNIT_ROUNDOFF_BF16 = 2.0 ** -8    # 8 significant bits, round to nearest
@@ -145,6 +152,23 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
             scores = tau * (q_abs[b, i] @ ckv[b, slots].T + q_pe[b, i] @ kpe[b, slots].T)
             u[b, i] = _softmax_weighted(scores, ckv[b, slots])
     return u.astype(out_dtype)
+
+
+def paged_mla_attention(q_abs, q_pe, ckv_pages, kpe_pages, kv_indptr, kv_indices,
+                        kv_last_page_len, prefix_len, visible, tau, out_dtype=np.float32,
+                        causal=False) -> np.ndarray:
+    """:func:`mla_attention` over a paged cache (module doc): each request's slots are gathered
+    through the page table into a dense cache, which :func:`mla_attention` then reads."""
+    kv_len = check_page_table(np.shape(ckv_pages)[0], np.shape(ckv_pages)[1], kv_indptr,
+                              kv_indices, kv_last_page_len)
+    n = np.shape(q_abs)[1]
+    if kv_len.shape != np.shape(prefix_len) or np.any(np.asarray(prefix_len) + n > kv_len):
+        raise ValueError(f"the page table covers {kv_len.tolist()} slots; prefix_len + n "
+                         f"needs {(np.asarray(prefix_len) + n).tolist()}")
+    table = (kv_indptr, kv_indices, kv_last_page_len)
+    return mla_attention(q_abs, q_pe, gather_pages(ckv_pages, *table),
+                         gather_pages(kpe_pages, *table), prefix_len, visible, tau,
+                         out_dtype=out_dtype, causal=causal)
 
 
 def naive_mla_attention(q_nope, q_pe, ckv, kpe, kv_b_proj, prefix_len, visible, tau,

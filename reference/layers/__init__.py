@@ -5,7 +5,9 @@ same functions on the GPU and points here.  Math, Hugging Face conventions, kern
 tolerances and the test-vector layout: docs/LAYERS.md.
 
 Conventions.  Activations are float32.  Weights are float32 or bfloat16 (``ml_dtypes.bfloat16``
-arrays: stored bf16, every product accumulated in float32 on the GPU, float64 here).  Weights
+arrays: stored bf16, every product accumulated in float32 on the GPU, float64 here), or here
+int4-group (``formats.int4_group.Int4GroupWeight``: dequantised exactly in float64 first,
+``common.as_float64``).  Weights
 use the Hugging Face layout ``[out, in]`` with ``y = x W^T``.  This reference computes in
 float64 and returns float32 (int32 for indices).
 

@@ -1,0 +1,188 @@
+"""A DDTree (or chain) round as one device program, and rounds enqueued one ahead of the host.
+
+The host-driven round (``engine._ddtree_round``) issues the drafter's forward, the tree, the
+verify, the acceptance, the compaction and the drafter's context update as separate launches
+with host work between them, then reads the committed tokens before it can start the next
+round: at the demo pair's size the device idles through most of that host time.  Here every
+piece of a round's state lives on the device (the roots, both caches' lengths), so a round
+needs no host value at all:
+
+    draft (drafter.propose)  ->  top-K, build, compile (start = the target's device lengths)
+    ->  verify (Model.run on device slots)  ->  accept (argmax or sampled)  ->  compaction
+    ->  the target's lengths += acc_len (active requests)  ->  the drafter's commit
+    (its context grows by the same counts)  ->  roots = the bonus tokens
+
+and :class:`DeviceRounds` replays it from one CUDA graph per (method, budget, batch, cache
+buffers) on the GPU (captured by the target model's graph cache on its second call, like every
+device step), eagerly elsewhere.  ``advance()`` enqueues the next round and starts the read of
+the one before it into pinned memory; the host commits that round's tokens while the device
+runs the next, so the device never waits for the host's read, bookkeeping or launch.
+
+A round enqueued for a request the last unread round has finished (eos, max_new_tokens) is
+wasted work whose tokens the host drops; its cache growth is bounded by L + 1 slots (the
+engine sizes the caches for it) and rolled back at the end.  Only a drafter whose ``propose``
+and ``on_commit`` need no host value (``device_only``: a commit without host counts) can run
+this way; ``engine.generate`` chooses it (docs/ENGINE.md, "Device rounds").
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from kdtree_numba.drafting import Commit, DraftContext
+from kdtree_numba.model import ForwardInputs
+from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
+from reference.ddtree import as_sampling
+
+__all__ = ["DeviceRounds", "device_rounds_possible"]
+
+# the programs of each generation cache (engine.generate reuses its cache, and so the
+# programs' device buffers, which their captured graphs hold): cache -> {key: DeviceRounds}
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def device_rounds_possible(drafter) -> bool:
+    """Whether ``drafter`` declares that a round can run without host values."""
+    return bool(getattr(drafter, "device_only", False))
+
+
+class DeviceRounds:
+    """Rounds of one generation as device programs, one ahead of the host (module docstring).
+
+    ``model``, ``cache``: the target and its KV cache (lengths committed up to the prompts);
+    ``drafter``: a device-only drafter already committed the prompt; ``roots`` [bs]: the
+    first tokens (host ints); ``budget``, ``k``: the tree (``k = 1``, ``budget = L``: the
+    chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and ``table``
+    (the uniforms, T > 0) as in ``DeviceSteps.accept``.
+    """
+
+    def __init__(self, model, cache, drafter, budget: int, k: int | None, sampling):
+        self.model, self.cache, self.drafter = model, cache, drafter
+        self.be, self.xp = model.backend, model.backend.xp
+        self.budget = int(budget)
+        self.k = min(self.budget, model.vocab_size) if k is None else int(k)
+        self.sampling = as_sampling(sampling)
+        self.needs = drafter.needs
+        self.width = self.budget + 1                    # verify rows: root + nodes
+        bs = cache.batch
+        # device state the program reads and writes in place (a graph holds the addresses)
+        self.roots = self.xp.zeros(bs, np.int32)
+        self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
+            if not self.sampling.greedy else None
+        self.in_flight: list = []                       # (read's wait, launch mask) per round
+        self.floor = self.drafter_floor = None
+        self.drafter_cache = None
+
+    @classmethod
+    def for_generation(cls, model, cache, drafter, roots, budget: int, k: int | None,
+                       sampling, table=None) -> "DeviceRounds":
+        """The program of ``cache`` for this drafter, tree and sampling (made once, then
+        reused by every generation on the same cache, so its CUDA graph replays), started on
+        the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
+        (host, T > 0; W >= cache.max_len + 2 is cut to it).  The target cache and the
+        drafter hold the prompts' commits."""
+        programs = _PROGRAMS.setdefault(cache, {})
+        key = (id(model), id(drafter), int(budget), k, as_sampling(sampling))
+        rounds = programs.get(key)
+        if rounds is None or rounds.drafter is not drafter:
+            rounds = programs[key] = cls(model, cache, drafter, budget, k, sampling)
+        rounds.restart(roots, table)
+        return rounds
+
+    def restart(self, roots, table=None) -> None:
+        """A new generation: the roots and uniforms written into the program's buffers, the
+        host mirrors taken from both caches (exact after the prefill's commits)."""
+        self.roots[...] = self.be.asarray(np.asarray(roots, np.int32))
+        if self.table is not None:
+            width = self.table.shape[1]
+            self.table[...] = self.be.asarray(np.ascontiguousarray(
+                np.asarray(table, np.float64)[:, :width]))
+        self.in_flight.clear()
+        self.floor = self.cache.lengths.copy()
+        # the drafter's context grows as the target's cache: its host mirror is kept alike
+        self.drafter_cache = getattr(self.drafter, "cache", None)
+        self.drafter_floor = None if self.drafter_cache is None \
+            else self.drafter_cache.lengths.copy()
+
+    # ---- the program: device work only, so a CUDA graph can capture it
+    def _round(self, active):
+        model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
+        start = cache.device_lengths.copy()             # the tree's root positions
+        draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start))
+        tree, vin = tree_phase(ops, self.k, self.budget)(draft_logits, self.roots, start)
+        bs, n = vin.input_ids.shape
+        inputs = ForwardInputs(vin.input_ids.astype(np.int32),
+                               vin.positions.astype(np.int32).reshape(bs * n),
+                               vin.visible.astype(bool), cache.device_slots(start, n),
+                               causal=True)
+        out = model.run(inputs, cache, return_hidden=self.needs.hidden,
+                        capture_layers=self.needs.feature_layers)
+        parts = out if isinstance(out, tuple) else (out,)
+        arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
+        if not self.sampling.greedy:
+            arrays += (self.table, start)
+        acc_idx, acc_len, packed, next_roots = accept_phase(
+            ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
+        counts = (acc_len.astype(np.int32) * active).astype(np.int32)
+        features = gather_phase(xp)(parts[-1], acc_idx) if self.needs.feature_layers else None
+        hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
+        cache.compact_tree(ops, acc_idx, acc_len, lengths=start)
+        cache.add_on_device(counts)
+        self.drafter.on_commit(Commit(counts=counts, next_roots=next_roots, counts_host=None,
+                                      hidden=hidden, features=features))
+        self.roots[...] = next_roots
+        return packed
+
+    def _key(self) -> tuple:
+        key = ("round", self.budget, self.k, self.sampling, self.width, self.needs)
+        key += self.cache.buffer_key()
+        if self.drafter_cache is not None:
+            key += self.drafter_cache.buffer_key()
+        return key + (id(self.drafter), id(self.roots), id(self.table))
+
+    # ---- the host side
+    def launch(self, active: np.ndarray) -> None:
+        """Enqueue one round for the requests ``active`` [bs] (host bools: running as far as
+        the host knows) and start the read of its committed tokens."""
+        # a round commits acc_len <= min(W, L + 1) tokens a request: the host mirrors grow by
+        # that bound until the read; first the room for what the round writes (the verify's
+        # W rows, the drafter's block of L + 1)
+        grow = np.where(active, min(self.width, self.drafter.block_len + 1), 0)
+        self.cache.reserve(self.width)
+        self.cache.expect_device_growth(self.floor, self.cache.lengths + grow)
+        if self.drafter_cache is not None:
+            self.drafter_cache.reserve(self.drafter.block_len + 1)
+            self.drafter_cache.expect_device_growth(self.drafter_floor,
+                                                    self.drafter_cache.lengths + grow)
+        mask = active.astype(np.int32)
+        packed = self.model.device_step(self._key(), self._round, (mask,),
+                                        before_capture=getattr(self.drafter,
+                                                               "prepare_capture", None))
+        self.in_flight.append((self.be.read_later(packed), active.copy()))
+
+    def collect(self) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for the oldest round in flight and return its packed committed tokens
+        [bs, 1 + L + 1] (host int32; ``steps.pack_committed``) and the requests it ran (its
+        launch mask); the lengths it made are confirmed in the host mirrors."""
+        wait, active = self.in_flight.pop(0)
+        packed = np.asarray(wait())
+        grow = np.where(active, packed[:, 0], 0).astype(np.int64)
+        self.floor = self.floor + grow
+        if self.drafter_floor is not None:
+            self.drafter_floor = self.drafter_floor + grow
+        if not self.in_flight:                          # nothing else pending: exact again
+            self.cache.confirm_lengths(self.floor)
+            if self.drafter_cache is not None:
+                self.drafter_cache.confirm_lengths(self.drafter_floor)
+        return packed, active
+
+    def finish(self) -> None:
+        """Drop the rounds still in flight (their requests had finished): wait for them, then
+        roll both caches back to the last collected round's lengths."""
+        for wait, _ in self.in_flight:
+            wait()
+        self.in_flight.clear()
+        self.cache.truncate(self.floor)
+        if self.drafter_cache is not None:
+            self.drafter_cache.truncate(self.drafter_floor)

@@ -1,0 +1,109 @@
+"""The drafter protocol: what the engine gives a drafter and what it gets back.
+
+A drafter proposes, once a round, the distributions of the L tokens after each request's root;
+the DDTree round builds its tree from them (docs/DDTREE.md).  The engine talks to every
+drafter through the three calls of :class:`Drafter` and never asks what kind it holds:
+
+* ``start(batch, max_len)``: a new batch;
+* ``propose(ctx: DraftContext) -> logits [bs, L, V]`` float32 on the target's backend;
+* ``on_commit(commit: Commit)``: what the target has just verified (the prompt after the
+  prefill, the root and the accepted nodes after a round) and the next roots.
+
+What a drafter needs from the target besides the tokens is declared once, in ``needs``
+(:class:`TargetNeeds`): the target's final hidden state at the row that chose each root (a
+block drafter's conditioning), the residual streams after some target layers (a DFlash
+drafter's context features), or the verified tokens themselves (a drafter with its own KV
+cache of the sequence).  The engine asks the target's forwards for exactly that, and hands it
+over in the :class:`Commit`.
+
+Every array in a context or a commit is a **device** array of the target's backend, never read
+by the engine for the drafter, and a drafter must not read them either: the round's one host
+read is the engine's (docs/ENGINE.md, "Sync points"), and a round captured whole into a CUDA
+graph cannot read at all.  The one host value a commit carries is ``counts_host``, the counts
+the engine has already read with the round's committed tokens, for a drafter's own host
+bookkeeping (its cache's capacity).
+
+A drafter may declare ``device_only = True`` when its ``propose`` and ``on_commit`` read no
+host value (it accepts a commit whose ``counts_host`` is None): the engine may then run whole
+rounds as device programs captured in one CUDA graph (kdtree_numba/device_round.py); its
+optional ``prepare_capture()`` runs before such a capture (state that must be recorded with
+the graph, such as its model's attention plans, is made inside it).
+
+Adding a drafter (docs/ARCHITECTURE.md, "Adding a drafter"): a class with ``name``,
+``vocab_size``, ``block_len``, ``needs`` and the three calls; ``engine.generate`` takes it as
+it is (tests/test_drafting.py adds one without touching the engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Drafter", "TargetNeeds", "DraftContext", "Commit", "NO_NEEDS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetNeeds:
+    """What a drafter needs from the target's forwards, besides the roots.
+
+    ``hidden``: the target's final normed hidden state [bs, D] at the row whose logits chose
+    each new root (``Commit.hidden``).  ``feature_layers``: the residual stream after each of
+    these target decoder layers (0-based), concatenated [k D], at every verified token
+    (``Commit.features``).  ``tokens``: the verified tokens themselves (``Commit.tokens``)."""
+    hidden: bool = False
+    feature_layers: tuple[int, ...] = ()
+    tokens: bool = False
+
+
+NO_NEEDS = TargetNeeds()
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """One round's question to the drafter (device arrays).
+
+    ``roots`` [bs] int32: each request's root, the last committed token, which the target's
+    verify feeds first.  ``positions`` [bs] int32: the root's position (the number of tokens
+    the target has cached for the request before it)."""
+    roots: object
+    positions: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """What the target verified since the last commit, for request b (device arrays).
+
+    ``counts`` [bs] int32: how many tokens the target's cache gained (the prompt's length
+    after the prefill; after a round the root and the accepted nodes: acc_len).
+    ``next_roots`` [bs] int32: the token each request continues from (the prefill's first new
+    token; a round's bonus token).  ``tokens`` [bs, m] int32 (``needs.tokens``): the verified
+    tokens in order followed by the next root: entries ``0 .. counts[b] - 1`` of row b are
+    verified, entry ``counts[b]`` is ``next_roots[b]``, the rest padding (token 0).  ``hidden`` [bs, D] float32
+    (``needs.hidden``): the target's final hidden state at the row that chose ``next_roots``.
+    ``features`` [bs, m, k D] float32 (``needs.feature_layers``): the captured rows of the
+    verified tokens, the first ``counts[b]`` valid.  ``counts_host`` (host int64 [bs]): the
+    counts as the engine has read them."""
+    counts: object
+    next_roots: object
+    counts_host: object
+    tokens: object = None
+    hidden: object = None
+    features: object = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The protocol every drafter implements (module docstring)."""
+    name: str
+    block_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def needs(self) -> TargetNeeds: ...
+
+    def start(self, batch: int, max_len: int) -> None: ...
+
+    def propose(self, ctx: DraftContext): ...
+
+    def on_commit(self, commit: Commit) -> None: ...

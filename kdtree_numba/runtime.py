@@ -1,0 +1,126 @@
+"""The package's runtime switches: one :class:`RuntimeConfig`, read from the environment here
+and nowhere else in ``kdtree_numba`` (tests/test_architecture.py checks it).
+
+Two kinds of switch:
+
+* **fixed at import** (:data:`FIXED_AT_IMPORT`): they decide how kernels are compiled and
+  launched, so they are read once, when the package is first imported, and never change in
+  that process: the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, numba's own switch), its warp
+  width (``KDTREE_SIM_WARP``, default 4), numba's allocations from CuPy's pool
+  (``KDTREE_NUMBA_POOL=0`` turns it off), the fast launch path (``KDTREE_FAST_LAUNCH=0``) and
+  kernels compiled with source line info (``KDTREE_CUDA_LINEINFO=1``, for compute-sanitizer
+  and Nsight Compute).
+* **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
+  work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
+  (``KDTREE_DEVICE_ROUNDS=1``, kdtree_numba/device_round.py: opt-in until the GPU has run
+  it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
+  or ``~/.cache/kdtree-numba``).
+
+An entry point builds the configuration once from its flags and the environment
+(:func:`configure`); library code asks :func:`current`.  Where nothing was configured,
+:func:`current` reads the per-call switches from the environment as it is at the call, so a
+process (a benchmark, a test's ``monkeypatch.setenv``) may flip them between calls.
+``formats/`` is a separate package and keeps its own one switch (``KDTREE_DEBUG``,
+formats/console.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+__all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "configure", "reset"]
+
+FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "lineinfo")
+_OFF = ("0", "off", "no", "false")
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in _OFF
+
+
+def _cache_dir(environ: Mapping[str, str]) -> str:
+    explicit = environ.get("KDTREE_KERNEL_CACHE_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "kdtree-numba")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Every runtime switch of the package (module docstring for each one's variable)."""
+    simulator: bool = False
+    sim_warp: int = 4
+    numba_pool: bool = True
+    fast_launch: bool = True
+    lineinfo: bool = False
+    cuda_graphs: bool = True
+    moe_work_list: bool = False
+    device_rounds: bool = False
+    kernel_cache: bool = True
+    kernel_cache_dir: str = ""
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "RuntimeConfig":
+        env = os.environ if environ is None else environ
+        warp = env.get("KDTREE_SIM_WARP", "4").strip() or "4"
+        try:
+            sim_warp = int(warp)
+        except ValueError:
+            raise ValueError(f"KDTREE_SIM_WARP={warp!r}: expected a whole number of lanes "
+                             f"(a power of two, 1 to 32)") from None
+        if sim_warp < 1 or sim_warp > 32 or sim_warp & (sim_warp - 1):
+            raise ValueError(f"KDTREE_SIM_WARP={sim_warp}: expected a power of two, 1 to 32")
+        return cls(simulator=env.get("NUMBA_ENABLE_CUDASIM", "0") == "1", sim_warp=sim_warp,
+                   numba_pool=_flag(env, "KDTREE_NUMBA_POOL", True),
+                   fast_launch=_flag(env, "KDTREE_FAST_LAUNCH", True),
+                   lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
+                   cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
+                   moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
+                   device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", False),
+                   kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
+                   kernel_cache_dir=_cache_dir(env))
+
+
+_AT_IMPORT = RuntimeConfig.from_environment()
+_configured: RuntimeConfig | None = None
+
+
+def current() -> RuntimeConfig:
+    """The configuration in force: the one :func:`configure` installed, else the environment's
+    per-call switches now beside the import-time ones."""
+    if _configured is not None:
+        return _configured
+    now = RuntimeConfig.from_environment()
+    return dataclasses.replace(now, **{f: getattr(_AT_IMPORT, f) for f in FIXED_AT_IMPORT})
+
+
+def configure(**changes) -> RuntimeConfig:
+    """Install the current configuration with ``changes`` (field names of RuntimeConfig) for the
+    rest of the process, e.g. ``configure(cuda_graphs=False)`` from a command-line flag.  A
+    switch fixed at import cannot change: asking for another value raises ValueError (set its
+    environment variable before the package is imported instead)."""
+    global _configured
+    names = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ValueError(f"unknown runtime switch(es) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(names))}")
+    base = current()
+    for name in FIXED_AT_IMPORT:
+        if name in changes and changes[name] != getattr(base, name):
+            raise ValueError(f"runtime switch {name} is fixed when kdtree_numba is imported "
+                             f"({getattr(base, name)!r}); set its environment variable first")
+    _configured = dataclasses.replace(base, **changes)
+    return _configured
+
+
+def reset() -> None:
+    """Forget :func:`configure`: the environment decides again."""
+    global _configured
+    _configured = None

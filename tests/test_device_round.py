@@ -1,0 +1,67 @@
+"""DDTree rounds as device programs enqueued one ahead of the host (kdtree_numba/device_round.py)
+on the reference backend: the same tokens as AR and as the host-driven round, every round's
+state on the device, the caches rolled back to the last read round, and the refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdtree_numba.engine import generate
+from kdtree_numba.drafter import ModelDrafter
+from test_dflash import _small_drafter_model, counted, target_and_drafter
+
+
+@pytest.mark.parametrize("method, budget", [("ddtree", 1), ("ddtree", 6), ("chain", 32)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_device_rounds_give_the_host_rounds_tokens(method, budget, temperature):
+    """Ragged batch, one request stopping at eos: AR's tokens (T = 0; at T > 0 the same
+    uniforms, so the host round's tokens), the same rounds and acceptances, one read per
+    round, and afterwards the drafter's context and the target's cache agree, exact (a
+    request that eos finished keeps the growth of the round that was in flight)."""
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1]]
+    ar = generate(target, prompts, 10, temperature=temperature, seed=4)
+    eos = ar.tokens[2][3]
+    kw = dict(method=method, drafter=drafter, budget=budget, temperature=temperature, seed=4,
+              eos=eos)
+    want = generate(target, prompts, 10, eos=eos).tokens
+    host = generate(target, prompts, 10, device_rounds=False, **kw)
+    res, reads, syncs = counted(target.backend, lambda: generate(
+        target, prompts, 10, device_rounds=True, **kw))
+    assert res.tokens == host.tokens
+    if temperature == 0:
+        assert res.tokens == want
+    assert reads == 1 + res.stats.rounds and syncs == 1
+    assert res.stats.time["round"] > 0 and res.stats.time["verify"] == 0
+    assert res.stats.tau == host.stats.tau and res.stats.rounds == host.stats.rounds
+    # the context and the target cache agree, and both are exact (not pending) after the end
+    cache = target.generation_cache
+    assert not cache.pending and not drafter.cache.pending
+    assert drafter.context_lengths.tolist() == cache.lengths.tolist()
+    np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
+
+
+def test_a_device_round_program_is_reused_by_the_next_generation():
+    """The second generation on the same cache runs the same program object (its buffers are
+    what a captured CUDA graph holds), restarted, with the first one's tokens."""
+    from kdtree_numba import device_round
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7], [2, 3]]
+    first = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
+                     device_rounds=True)
+    programs = dict(device_round._PROGRAMS[target.generation_cache])
+    again = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
+                     device_rounds=True)
+    assert again.tokens == first.tokens == generate(target, prompts, 12).tokens
+    assert dict(device_round._PROGRAMS[target.generation_cache]) == programs
+
+
+def test_device_rounds_refuse_a_drafter_that_needs_the_host():
+    target, _ = target_and_drafter()
+    with pytest.raises(ValueError, match="device-only drafter"):
+        generate(target, [[1, 2]], 4, method="ddtree", budget=4, device_rounds=True,
+                 drafter=ModelDrafter(_small_drafter_model(), 4))
+    _, dflash = target_and_drafter()
+    with pytest.raises(ValueError, match="fixed budget"):
+        generate(target, [[1, 2]], 4, method="ddtree", budget="auto", device_rounds=True,
+                 drafter=dflash)

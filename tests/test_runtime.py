@@ -1,0 +1,52 @@
+"""kdtree_numba/runtime.py: the package's switches read from the environment in one place,
+the import-time ones fixed, the per-call ones following the environment until an entry point
+configures them."""
+from __future__ import annotations
+
+import pytest
+
+from kdtree_numba import graphs, runtime
+from kdtree_numba.layers import moe_mma
+
+
+def test_from_environment_reads_every_switch():
+    env = {"NUMBA_ENABLE_CUDASIM": "1", "KDTREE_SIM_WARP": "8", "KDTREE_NUMBA_POOL": "0",
+           "KDTREE_FAST_LAUNCH": "off", "KDTREE_CUDA_LINEINFO": "1", "KDTREE_CUDA_GRAPHS": "0",
+           "KDTREE_MOE_WORK_LIST": "1", "KDTREE_DEVICE_ROUNDS": "1", "KDTREE_KERNEL_CACHE": "no",
+           "KDTREE_KERNEL_CACHE_DIR": "/tmp/kc"}
+    assert runtime.RuntimeConfig.from_environment(env) == runtime.RuntimeConfig(
+        simulator=True, sim_warp=8, numba_pool=False, fast_launch=False, lineinfo=True,
+        cuda_graphs=False, moe_work_list=True, device_rounds=True, kernel_cache=False,
+        kernel_cache_dir="/tmp/kc")
+    default = runtime.RuntimeConfig.from_environment({"XDG_CACHE_HOME": "/x"})
+    assert default.cuda_graphs and not default.moe_work_list and default.kernel_cache
+    assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
+
+
+@pytest.mark.parametrize("warp", ["three", "0", "6", "64"])
+def test_a_bad_simulator_warp_is_a_clear_error(warp):
+    with pytest.raises(ValueError, match="KDTREE_SIM_WARP"):
+        runtime.RuntimeConfig.from_environment({"KDTREE_SIM_WARP": warp})
+
+
+def test_per_call_switches_follow_the_environment_until_configured(monkeypatch):
+    monkeypatch.setenv("KDTREE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
+    assert not graphs.graphs_enabled() and moe_mma.work_list_enabled()
+    try:
+        runtime.configure(cuda_graphs=True, moe_work_list=False)
+        assert graphs.graphs_enabled() and not moe_mma.work_list_enabled()   # the entry point
+    finally:
+        runtime.reset()
+    assert not graphs.graphs_enabled()
+
+
+def test_import_time_switches_cannot_change(monkeypatch):
+    fixed = runtime.current().simulator
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0" if fixed else "1")
+    assert runtime.current().simulator == fixed          # read once, at import
+    with pytest.raises(ValueError, match="fixed when kdtree_numba is imported"):
+        runtime.configure(simulator=not fixed)
+    with pytest.raises(ValueError, match="unknown runtime switch"):
+        runtime.configure(graphs=False)
+    runtime.reset()
