@@ -28,12 +28,12 @@ simpler).
 from __future__ import annotations
 
 import ctypes
-import os
 from types import SimpleNamespace
 
 import numpy as np
 
 from formats.int4_group import Int4GroupWeight
+from kdtree_numba import runtime
 from reference import attention as ref_attention
 from reference import layers as ref_layers
 
@@ -216,9 +216,10 @@ def _padded_rows(a, rows: int) -> np.ndarray:
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
-                  prefill=False, causal=False):
+                  prefill=False, causal=False, plans=None):
     """``reference.attention.mla_attention`` in float32, batch invariant (module docstring).
-    ``max_keys`` and ``prefill`` (the numba twin's split-plan hints) change nothing here.  A
+    ``max_keys``, ``prefill`` and ``plans`` (the numba twin's split-plan hints and plan
+    cache) change nothing here.  A
     bf16 cache (uint16 ckv/kpe) goes to the reference itself: its per-query loop takes the
     same shapes for a node as for its decode, so it is batch invariant too, only slower."""
     if np.asarray(ckv).dtype == np.uint16:
@@ -298,8 +299,7 @@ def blas_threads(n: int | None = None) -> int | None:
     is set (the user's word wins), else DEFAULT_BLAS_THREADS.  Returns the count set, or None
     where no OpenBLAS was found (another BLAS keeps its own setting)."""
     if n is None:
-        env = os.environ.get("OPENBLAS_NUM_THREADS")
-        n = int(env) if env and env.isdigit() and int(env) > 0 else DEFAULT_BLAS_THREADS
+        n = runtime.current().blas_threads or DEFAULT_BLAS_THREADS
     setters = _openblas_setters()
     for fn in setters:
         fn(int(n))
