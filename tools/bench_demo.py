@@ -5,7 +5,7 @@ code, beside the peers a user would try first.
         [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
-        [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--[no-]peers]
+        [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--[no-]peers]
         [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
 
 Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``: the
@@ -156,6 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the drafter's agreement at every S-th anchor (0: not at all)")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds for the whole run; 0: no limit")
+    p.add_argument("--interleave", action="store_true",
+                   help="run every configuration on each prompt in turn (a shared machine's "
+                   "changing load then weighs on every row alike) instead of one "
+                   "configuration over all prompts at a time")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run what each configuration will run for the first time before "
                         "timing it (default: on a GPU)")
@@ -319,6 +323,31 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
                   kernels=meters.first.kernels, gpu_busy=meters.busy.share,
                   gpu_busy_samples=meters.busy.samples)
     return out, timing
+
+
+def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop,
+                meters: Meters) -> dict:
+    """``--interleave``: prompt by prompt, every configuration in turn (each warmed up on the
+    first), so that a load that changes during the run (a shared machine) weighs on every row
+    alike.  {(method, budget): (records, timing)} as run_config's, the timings of the first
+    prompt's call (its warm-up) with the compile counts summed over the prompts.
+    ``--time-limit`` is not applied; a signal stops after the prompt in flight."""
+    done: dict = {}
+    for i, rec in enumerate(prompts):
+        for method, budget in configs:
+            got, timing = run_config(model, drafter, [rec], method, budget, t, args,
+                                     warmup and i == 0, None, meters)
+            if (method, budget) not in done:
+                done[(method, budget)] = (got, timing)
+                continue
+            records, first = done[(method, budget)]
+            records.extend(got)
+            for key in ("compile_seconds", "kernels"):     # None where nothing counts them
+                if first[key] is not None and timing[key] is not None:
+                    first[key] += timing[key]
+        if stop.signalled:
+            break
+    return done
 
 
 def compare(runs, ar_runs) -> tuple[int, list[dict]]:
@@ -648,14 +677,20 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
           f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
     rows, runs, last, peer_info = [], {}, 0.0, None
     for t in args.temperature:
+        done = interleaved(model, drafter, prompts, configs, t, args, warmup, stop, meters) \
+            if args.interleave else {}
         for method, budget in configs:
             name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
-            if not stop.allows(name, last):
+            if args.interleave:
+                got, timing = done[(method, budget)]
+                last = sum(r["seconds"] for r in got)
+            elif not stop.allows(name, last):
                 continue
-            t0 = time.perf_counter()
-            got, timing = run_config(model, drafter, prompts, method, budget, t, args, warmup,
-                                     stop, meters)
-            last = time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                got, timing = run_config(model, drafter, prompts, method, budget, t, args,
+                                         warmup, stop, meters)
+                last = time.perf_counter() - t0
             runs[(method, budget, t)] = got
             row = summarise(method, budget, t, got, runs.get(("ar", None, t), []), timing)
             rows.append(row)
