@@ -13,9 +13,12 @@ each level's mass pooled into one cell, so every cell expects >= 5.
 False-alarm rate: the threshold is the chi-square quantile at ``ALPHA`` = 1e-4 (Wilson-Hilferty
 approximation, accurate to a few percent of alpha at these degrees of freedom), so a correct
 sampler fails one configuration with probability ~1e-4 (the fast set's 6 checks: ~6e-4; the
-slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba backend: ~9e-4).  The seeds are fixed, so a passing run stays passing.  Power: the
-same statistic must reject AR's top-p 0.9 samples against the untruncated distribution
+slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba backend: ~9e-4).  The seeds are
+fixed, so a passing run stays passing.  Power: the same statistic must reject AR's top-p 0.9
+samples against the untruncated distribution and its T = 1 samples against T = 0.7's
 (``test_the_check_rejects_the_wrong_distribution``), so it is not a check that cannot fail.
+The model's lm_head is scaled by LOGIT_SCALE: random weights give a flat next-token
+distribution whose mass sits in pooled cells, where the statistic sees little.
 """
 from __future__ import annotations
 
@@ -179,3 +182,5 @@ def test_the_check_rejects_the_wrong_distribution():
     got = samples("ar", n, 1.0, 0.9, 0)
     assert not chi_square_rejects(got, expected_cells(tiny(), n, 1.0, 0.9, 0))[0]
     assert chi_square_rejects(got, expected_cells(tiny(), n, 1.0, 1.0, 0))[0]
+    plain = samples("ar", n, 1.0, 1.0, 0)
+    assert chi_square_rejects(plain, expected_cells(tiny(), n, 0.7, 1.0, 0))[0]
