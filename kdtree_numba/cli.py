@@ -279,6 +279,9 @@ def _run(argv: list[str]) -> int:
     def warn(msg):
         _log(prog, f"warning: {msg}")
     check_options(args)
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k > 0):
+        warn("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they change "
+             "nothing")
     source = read_prompts(args)
     backend = open_backend(args.backend, args.gemm, args.precision)
     args.budget_defaulted = args.budget is None

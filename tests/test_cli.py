@@ -229,6 +229,12 @@ def test_without_a_gpu_kdtree_run_takes_the_float32_cpu_path_and_says_so(capsys)
     assert "float64, the exact NumPy reference" in capsys.readouterr().err
 
 
+def test_top_p_at_temperature_0_is_a_warning(capsys):
+    assert run_main(["--top-p", "0.5", "--max-new-tokens", "2"]) == 0
+    warning = [l for l in capsys.readouterr().err.splitlines() if "warning" in l]
+    assert len(warning) == 1 and "--temperature 0" in warning[0]
+
+
 def test_precision_is_the_reference_backends_option(capsys):
     assert run_main(["--backend", "numba", "--precision", "float32"]) == 2
     assert "--precision float32" in one_error_line(capsys, "kdtree-run")
