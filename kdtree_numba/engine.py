@@ -39,8 +39,7 @@ a DDTree node at depth d samples the target's token at position ``start + d + 1`
 ``U_b[start + d + 1]`` (siblings share it; only one path is ever committed, so every committed
 token uses a fresh uniform and is an exact target sample).  Hence for a fixed seed DDTree and AR
 produce the same tokens at any temperature, top-p and top-k, up to float rounding of the logits
-flipping a draw
-that sits on a CDF boundary (probability ~1e-7 per token).
+flipping a draw that sits on a CDF boundary (probability ~1e-7 per token).
 
 Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
 until every request is finished (their rows are computed and discarded).
