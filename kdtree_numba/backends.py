@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kdtree_numba import compat
+from kdtree_numba import compat, cpu
 from kdtree_numba import attention as numba_attention
 from kdtree_numba import ddtree as numba_ddtree
 from kdtree_numba import layers as numba_layers
@@ -41,10 +41,12 @@ from reference import ddtree as reference_ddtree
 from reference import layers as reference_layers
 from reference.layers.common import as_float64
 
-__all__ = ["Backend", "make_backend", "BACKEND_NAMES", "GEMM_CHOICES", "map_arrays", "bf16_bits"]
+__all__ = ["Backend", "make_backend", "BACKEND_NAMES", "GEMM_CHOICES", "PRECISIONS",
+           "map_arrays", "bf16_bits"]
 
 BACKEND_NAMES = ("auto", "reference", "numba")
 GEMM_CHOICES = ("cuda-cores", "tensor-cores")
+PRECISIONS = ("float64", "float32")    # the reference backend's: the contract, the CPU path
 
 # Every op the model and engine use; both backends must provide exactly these.
 LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", "moe_route",
@@ -90,6 +92,7 @@ class Backend:
     ops: SimpleNamespace
     on_gpu: bool
     gemm: str = "cuda-cores"          # make_backend's choice for bf16 projections and experts
+    precision: str = "float64"        # the reference backend's (kdtree_numba/cpu.py: float32)
     reads: int = 0
     syncs: int = 0
     _free_events: list = dataclasses.field(default_factory=list, repr=False)
@@ -127,8 +130,10 @@ class Backend:
             return a.astype(dtype)
         a = np.ascontiguousarray(a, dtype=dtype)
         if self.name == "reference" and np.dtype(a.dtype).name in ("bfloat16", "float16",
-                                                                   "float32"):
-            return as_float64(a)
+                                                                   "float32", "float64"):
+            # widened once here, not in every call
+            return as_float64(a) if self.precision == "float64" else \
+                np.ascontiguousarray(a.astype(np.float32))
         return self.asarray(a)
 
     def to_host(self, a) -> np.ndarray:
@@ -406,8 +411,13 @@ class _Bf16Heads:
         return with_bf16
 
 
-def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
+def make_backend(name: str = "auto", *, gemm: str = "cuda-cores",
+                 precision: str = "float64") -> Backend:
     """``"auto"`` | ``"reference"`` | ``"numba"`` (see the module docstring).
+
+    ``precision`` (reference only): "float64" (the contract, the tests' oracle) or "float32"
+    (kdtree_numba/cpu.py: the same functions in float32 through BLAS, batch invariant, so
+    DDTree's greedy tokens equal AR's; the CPU path kdtree-run takes without a GPU).
 
     ``gemm`` (numba only): "cuda-cores" (the default: every projection and expert in float32
     on CUDA cores) or "tensor-cores" (every projection, expert and the lm_head with bf16
@@ -428,13 +438,22 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores") -> Backend:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if name == "auto":
         name = "numba" if compat.gpu_available() else "reference"
     if name == "reference":
         if gemm != "cuda-cores":
             raise ValueError("gemm='tensor-cores' needs the numba backend (the reference "
                              "computes in float64)")
-        return Backend("reference", np, _reference_ops(), on_gpu=False)
+        ops = _reference_ops()
+        if precision == "float32":
+            ops = SimpleNamespace(**dict(vars(ops), **vars(cpu.cpu_ops())))
+            cpu.blas_threads()      # spinning BLAS threads on shared cores: cpu.py
+        return Backend("reference", np, ops, on_gpu=False, precision=precision)
+    if precision != "float64":
+        raise ValueError("precision='float32' is the reference backend's CPU path (the numba "
+                         "backend computes in float32 already)")
     compat.require_kernels()
     on_gpu = compat.gpu_available()
     if on_gpu:

@@ -33,7 +33,8 @@ from formats.console import (ArgumentParser, UsageError, add_debug_flag, refuse_
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
 from kdtree_numba import demo, kernel_cache, plots
-from kdtree_numba.backends import GEMM_CHOICES
+from kdtree_numba import cpu
+from kdtree_numba.backends import GEMM_CHOICES, PRECISIONS
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
 from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, budget_value,
@@ -52,6 +53,7 @@ __all__ = ["run_main", "make_model_main", "default_model", "DEFAULT_BLOCK_LEN"]
 
 DEFAULT_SEED = 0
 DEFAULT_BLOCK_LEN = 8
+DEFAULT_BUDGET = 32           # on a GPU; the CPU path's is cpu.DEFAULT_BUDGET
 
 
 def _log(prog: str, msg: str) -> None:
@@ -122,16 +124,22 @@ def _run_parser() -> ArgumentParser:
     p.add_argument("--method", choices=["ar", "chain", "ddtree"], default="ar",
                    help="ar: one token per forward; ddtree: draft a tree, verify it at once; "
                    "chain: verify the drafter's greedy chain (no tree)")
-    p.add_argument("--budget", type=budget_value, default=32, metavar="B",
-                   help="DDTree tree nodes verified per round, or 'auto': each round's budget "
-                   "chosen from the measured cost and acceptance of the rounds so far "
-                   "(candidates 8 to 256)")
+    p.add_argument("--budget", type=budget_value, default=None, metavar="B",
+                   help=f"DDTree tree nodes verified per round, or 'auto': each round's budget "
+                   f"chosen from the measured cost and acceptance of the rounds so far "
+                   f"(candidates 8 to 256) (default: {DEFAULT_BUDGET} on a GPU, "
+                   f"{cpu.DEFAULT_BUDGET} on the CPU: one verify fills one {cpu.ROWS}-row "
+                   f"GEMM block there)")
     p.add_argument("--block-len", type=int, default=None, metavar="L",
                    help=f"drafter steps per round, the tree's maximum depth (default: "
                    f"{DEFAULT_BLOCK_LEN}; a block drafter bundle drafts its own number)")
     p.add_argument("--backend", choices=["auto", "reference", "numba"], default="auto",
                    help="reference: NumPy, anywhere; numba: the CUDA kernels (a GPU); auto: "
                    "numba on a GPU, else reference")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                   help="the reference backend's arithmetic: float32 is the CPU path (BLAS, "
+                   "batch invariant, so DDTree stays lossless against AR; docs/ENGINE.md, "
+                   "'The CPU path'), float64 the exact reference (slow) (default: float32)")
     p.add_argument("--gemm", choices=list(GEMM_CHOICES), default="cuda-cores",
                    help="numba only: tensor-cores runs the projections, the experts and the "
                    "lm_head with bf16 weights on bf16 tensor cores (inputs rounded to bf16), "
@@ -145,6 +153,12 @@ def _run_parser() -> ArgumentParser:
                    "docs/ATTENTION.md, 'The bf16 cache')")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="T > 0: sample only from the smallest set of most likely tokens whose "
+                   "probability is >= P, renormalised (1: off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="T > 0: sample only from the K most likely tokens, renormalised "
+                   "(0: off); with --top-p, top-k applies first")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")
@@ -160,6 +174,20 @@ def _run_parser() -> ArgumentParser:
                    "(--method ddtree or chain; needs matplotlib: the plot extra)")
     add_debug_flag(p)
     return p
+
+
+def _backend_words(backend, args) -> str:
+    """The backend as kdtree-run names it: the CPU path says that it is one, and how to get
+    the exact reference instead."""
+    if backend.name != "reference":
+        return backend.name
+    if backend.precision == "float64":
+        return "reference (float64, the exact NumPy reference)"
+    threads = cpu.blas_threads()
+    budget = f", budget {args.budget}" if args.method == "ddtree" else ""
+    return (f"reference, the float32 CPU path (batch-invariant BLAS, "
+            f"{threads if threads else 'its own'} BLAS thread(s){budget}; --precision float64 "
+            f"for the exact reference)")
 
 
 def _load_model(args, target, backend):
@@ -251,8 +279,14 @@ def _run(argv: list[str]) -> int:
     def warn(msg):
         _log(prog, f"warning: {msg}")
     check_options(args)
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k > 0):
+        warn("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they change "
+             "nothing")
     source = read_prompts(args)
-    backend = open_backend(args.backend, args.gemm)
+    backend = open_backend(args.backend, args.gemm, args.precision)
+    args.budget_defaulted = args.budget is None
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET if backend.name == "numba" else cpu.DEFAULT_BUDGET
     target = plan_model(args)
     cfg, codec = target.config, target.codec
     prompts, where = encode_prompts(source, target)
@@ -266,8 +300,8 @@ def _run(argv: list[str]) -> int:
     t0 = time.perf_counter()
     model = _load_model(args, target, backend)
     drafter = _load_drafter(args, plan, model, backend)
-    _log(prog, f"backend {model.backend.name}, {len(prompts)} prompt(s), method {args.method}, "
-         f"loaded in {time.perf_counter() - t0:.2f} s; generating...")
+    _log(prog, f"backend {_backend_words(model.backend, args)}, {len(prompts)} prompt(s), "
+         f"method {args.method}, loaded in {time.perf_counter() - t0:.2f} s; generating...")
     stream = TextStream(codec) if as_text and len(prompts) == 1 and not args.json else None
     bar = _progress_bar(args, "generate", len(prompts) * args.max_new_tokens, "tok")
     # no heartbeat lines where the prompt is echoed and the text streams: they would cut it
@@ -284,6 +318,7 @@ def _run(argv: list[str]) -> int:
     try:
         result = generate(model, prompts, args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, eos=args.eos, progress=first_token.wrap(bar),
                           stream=stream, on_round=recorder)
     finally:

@@ -63,10 +63,16 @@ def check_options(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature {args.temperature:g}: must be a finite number >= 0 "
                          f"(0: greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UsageError(f"--top-p {args.top_p:g}: must lie in (0, 1] (the smallest set of "
+                         f"most likely tokens holding that much probability; 1: off)")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k {args.top_k}: must be an integer >= 0 (the k most likely "
+                         f"tokens; 0: off)")
     if isinstance(args.budget, str) and args.budget != "auto":
         raise UsageError(f"--budget {args.budget!r}: not an integer or auto (tree nodes "
                          f"verified per DDTree round)")
-    if args.budget != "auto" and args.budget < 1:
+    if args.budget not in (None, "auto") and args.budget < 1:
         raise UsageError(f"--budget {args.budget}: must be an integer >= 1 (tree nodes "
                          f"verified per DDTree round) or auto")
     if args.block_len is not None and not 1 <= args.block_len <= MAX_DEPTH:
@@ -163,8 +169,16 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-def open_backend(name: str, gemm: str = "cuda-cores") -> Backend:
+def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None) -> Backend:
+    """kdtree-run's backend: without a GPU the reference backend's float32 CPU path
+    (kdtree_numba/cpu.py) unless ``--precision float64`` asks for the exact reference."""
+    resolved = name if name != "auto" else ("numba" if compat.gpu_available() else "reference")
+    if precision is not None and resolved != "reference":
+        raise UsageError(f"--precision {precision}: the reference backend's choice (the numba "
+                         f"backend computes in float32); drop it or use --backend reference")
     try:
+        if resolved == "reference":
+            return make_backend("reference", gemm=gemm, precision=precision or "float32")
         return make_backend(name, gemm=gemm)
     except compat.NoDeviceError:
         raise UsageError(f"--backend {name}: no CUDA GPU found here; use --backend reference "
@@ -385,7 +399,10 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
         raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
                          f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "
                          f"reference)")
-    if L > B and drafter.kind in ("model", "oracle"):   # one forward per depth: wasted work
+    # one forward per depth: wasted work (not said of the CPU's default budget, which is
+    # chosen for the verify's cost: the user asked for neither number)
+    if L > B and drafter.kind in ("model", "oracle") and not getattr(args, "budget_defaulted",
+                                                                      False):
         warn(f"--block-len {L} is above --budget {B}: a tree of {B} nodes is at most {B} "
              f"deep, so the drafter's last {L - B} steps per round are wasted")
     if backend.name == "reference":

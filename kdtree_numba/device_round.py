@@ -33,6 +33,7 @@ import numpy as np
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.model import ForwardInputs
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
+from reference.ddtree import as_sampling
 
 __all__ = ["DeviceRounds", "device_rounds_possible"]
 
@@ -52,39 +53,40 @@ class DeviceRounds:
     ``model``, ``cache``: the target and its KV cache (lengths committed up to the prompts);
     ``drafter``: a device-only drafter already committed the prompt; ``roots`` [bs]: the
     first tokens (host ints); ``budget``, ``k``: the tree (``k = 1``, ``budget = L``: the
-    chain); ``temperature`` and ``table`` (the uniforms, T > 0) as in ``DeviceSteps.accept``.
+    chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and ``table``
+    (the uniforms, T > 0) as in ``DeviceSteps.accept``.
     """
 
-    def __init__(self, model, cache, drafter, budget: int, k: int | None, temperature: float):
+    def __init__(self, model, cache, drafter, budget: int, k: int | None, sampling):
         self.model, self.cache, self.drafter = model, cache, drafter
         self.be, self.xp = model.backend, model.backend.xp
         self.budget = int(budget)
         self.k = min(self.budget, model.vocab_size) if k is None else int(k)
-        self.temperature = float(temperature)
+        self.sampling = as_sampling(sampling)
         self.needs = drafter.needs
         self.width = self.budget + 1                    # verify rows: root + nodes
         bs = cache.batch
         # device state the program reads and writes in place (a graph holds the addresses)
         self.roots = self.xp.zeros(bs, np.int32)
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
-            if self.temperature > 0 else None
+            if not self.sampling.greedy else None
         self.in_flight: list = []                       # (read's wait, launch mask) per round
         self.floor = self.drafter_floor = None
         self.drafter_cache = None
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, budget: int, k: int | None,
-                       temperature: float, table=None) -> "DeviceRounds":
-        """The program of ``cache`` for this drafter, tree and temperature (made once, then
+                       sampling, table=None) -> "DeviceRounds":
+        """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
         (host, T > 0; W >= cache.max_len + 2 is cut to it).  The target cache and the
         drafter hold the prompts' commits."""
         programs = _PROGRAMS.setdefault(cache, {})
-        key = (id(model), id(drafter), int(budget), k, float(temperature))
+        key = (id(model), id(drafter), int(budget), k, as_sampling(sampling))
         rounds = programs.get(key)
         if rounds is None or rounds.drafter is not drafter:
-            rounds = programs[key] = cls(model, cache, drafter, budget, k, temperature)
+            rounds = programs[key] = cls(model, cache, drafter, budget, k, sampling)
         rounds.restart(roots, table)
         return rounds
 
@@ -118,10 +120,10 @@ class DeviceRounds:
                         capture_layers=self.needs.feature_layers)
         parts = out if isinstance(out, tuple) else (out,)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
-        if self.temperature > 0:
+        if not self.sampling.greedy:
             arrays += (self.table, start)
         acc_idx, acc_len, packed, next_roots = accept_phase(
-            ops, xp, self.temperature, tree.max_depth)(parts[0], *arrays)
+            ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
         counts = (acc_len.astype(np.int32) * active).astype(np.int32)
         features = gather_phase(xp)(parts[-1], acc_idx) if self.needs.feature_layers else None
         hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
@@ -133,7 +135,7 @@ class DeviceRounds:
         return packed
 
     def _key(self) -> tuple:
-        key = ("round", self.budget, self.k, self.temperature, self.width, self.needs)
+        key = ("round", self.budget, self.k, self.sampling, self.width, self.needs)
         key += self.cache.buffer_key()
         if self.drafter_cache is not None:
             key += self.drafter_cache.buffer_key()

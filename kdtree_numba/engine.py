@@ -1,7 +1,7 @@
 """Batched generation: autoregressive (AR), DDTree and greedy-chain speculative decoding.
 
 ``generate(model, prompts, max_new_tokens, method="ar"|"chain"|"ddtree", drafter=...,
-budget=32, temperature=0.0, seed=0, eos=None) -> GenerationResult``
+budget=32, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos=None) -> GenerationResult``
 
 Sequence bookkeeping (per request b): ``seq[b]`` = prompt + committed tokens.  The last committed
 token is the *root*: the next token fed to the target.  The target cache always holds
@@ -31,13 +31,15 @@ token is the *root*: the next token fed to the target.  The target cache always 
   kind of drafter it holds.
 
 Sampling (T > 0) is lossless *and* reproducible across methods: the token at absolute position p
-of request b is drawn by inverse CDF (``reference.ddtree.sample_targets``' rule) with the uniform
+of request b is drawn by inverse CDF from the target's softmax at temperature T, truncated by
+``top_k`` (0: off) and ``top_p`` (1: off) and renormalised (``reference.ddtree.Sampling``, the
+rule of ``sample_targets``; every method applies it to the target's logits) with the uniform
 ``U_b[p]`` from ``numpy.random.default_rng([seed, b])``.  AR uses ``U_b[p]`` for its token at p;
 a DDTree node at depth d samples the target's token at position ``start + d + 1`` with
 ``U_b[start + d + 1]`` (siblings share it; only one path is ever committed, so every committed
 token uses a fresh uniform and is an exact target sample).  Hence for a fixed seed DDTree and AR
-produce the same tokens at any temperature, up to float rounding of the logits flipping a draw
-that sits on a CDF boundary (probability ~1e-7 per token).
+produce the same tokens at any temperature, top-p and top-k, up to float rounding of the logits
+flipping a draw that sits on a CDF boundary (probability ~1e-7 per token).
 
 Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
 until every request is finished (their rows are computed and discarded).
@@ -67,6 +69,7 @@ from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
+from reference.ddtree import Sampling
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
 
@@ -199,7 +202,7 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
     return out
 
 
-def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer, drafter,
+def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, drafter,
              needs: TargetNeeds):
     """The prompts' one causal forward, the first token of each request (the prefill's host
     read), and the drafter's first commit: the prompt, with what ``needs`` asks of the target."""
@@ -209,7 +212,7 @@ def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer, 
                         capture_layers=needs.feature_layers)
     parts = out if isinstance(out, tuple) else (out,)
     u = np.array([tables[b][lens[b]] for b in range(bs)])
-    chosen = model.choose(parts[0], temperature, u)
+    chosen = model.choose(parts[0], sampling, u)
     first = np.asarray(be.to_host(chosen), np.int64)
     if drafter is not None:
         tokens = None
@@ -228,7 +231,7 @@ def _prefill(model, cache, prompts, req: _Requests, temperature, tables, timer, 
         req.commit(b, [first[b]])
 
 
-def _ar_steps(model, cache, req: _Requests, temperature, tables, timer, stats, after_step):
+def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, after_step):
     """AR steps, each launched one step ahead: step j+1 is enqueued on step j's chosen tokens
     while they are still on the device, and only then does the host read step j's tokens.  So
     the device never waits for the host's read, bookkeeping and launches between steps (on
@@ -254,7 +257,7 @@ def _ar_steps(model, cache, req: _Requests, temperature, tables, timer, stats, a
                     cache.advance(rows.astype(np.int64))
                     u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)]
                                   for b in range(bs)])
-                    chosen = model.choose(logits, temperature, u)
+                    chosen = model.choose(logits, sampling, u)
                     timer.lap("decode")
                     stats.rounds += 1
                     launched = (be.read_later(chosen), rows)
@@ -286,7 +289,7 @@ def _ar_steps(model, cache, req: _Requests, temperature, tables, timer, stats, a
         raise
 
 
-def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, table, timer,
+def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table, timer,
                   stats, k: int | None = None, needs: TargetNeeds = NO_NEEDS, on_round=None,
                   while_verifying=None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
@@ -317,7 +320,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
     timer.lap("verify")
     if while_verifying is not None:
         while_verifying()
-    acc_idx, acc_len, packed, next_roots = model.accept(tree, logits, temperature, table,
+    acc_idx, acc_len, packed, next_roots = model.accept(tree, logits, sampling, table,
                                                         start, borrow=True)
     if on_round is not None:
         on_round(tree, acc_idx, acc_len)
@@ -342,7 +345,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, temperature, ta
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
 
 
-def _device_rounds(model, cache, drafter, req: _Requests, budget, k, temperature, seed: int,
+def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
                    timer, stats, after_step) -> None:
     """The rounds of a device-only drafter as device programs, each enqueued before the
     previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
@@ -350,10 +353,10 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, temperature
     than the rounds in flight commit at the least (one token each)."""
     bs = cache.batch
     table = None
-    if temperature > 0:                 # the same uniforms, over the cache's whole capacity
+    if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
         table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), budget, k,
-                                         temperature, table)
+                                         sampling, table)
     try:
         rounds.launch(req.active.copy())
         timer.lap("round")
@@ -376,7 +379,8 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, temperature
 
 
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
-             budget: int | str | AutoBudget = 32, temperature: float = 0.0, seed: int = 0,
+             budget: int | str | AutoBudget = 32, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
              on_round=None, device_rounds: bool | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
@@ -387,6 +391,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     greedy tokens), or ``"auto"`` (or an ``AutoBudget``): each round's budget chosen from the
     measured cost and acceptance of the rounds so far (kdtree_numba/budget.py); the stats keep
     every round's budget (``budgets``) and the estimates (``budget_auto``).
+    ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: off) and ``top_k`` >= 0 (0: off):
+    how each token is drawn (``reference.ddtree.Sampling``, which checks them; top_p and
+    top_k are ignored at T = 0).
     ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
@@ -414,8 +421,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if temperature < 0 or not np.isfinite(temperature):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    sampling = Sampling(temperature, top_p, top_k)
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)
@@ -467,7 +473,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         max_len += block_len + 1
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
-    table = be.asarray(np.stack(tables)) if speculative and temperature > 0 else None
+    table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
     cache = model.cache_for_generation(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
@@ -478,7 +484,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         if speculative:
             drafter.start(bs, max_len + block_len + 1)
             timer.lap("draft")
-        _prefill(model, cache, prompts, req, temperature, tables, timer,
+        _prefill(model, cache, prompts, req, sampling, tables, timer,
                  drafter if speculative else None, needs)
     timer.settle()
     total = bs * max_new_tokens
@@ -494,9 +500,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             stream(req.out)
 
     if method == "ar":
-        _ar_steps(model, cache, req, temperature, tables, timer, stats, after_step)
+        _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
-        _device_rounds(model, cache, drafter, req, budget, k, temperature, seed, timer, stats,
+        _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
                        after_step)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
@@ -513,7 +519,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
                 b = policy.next_budget() if policy else budget
                 t_round = time.perf_counter()
-                _ddtree_round(model, cache, drafter, req, b, temperature, table, timer, stats,
+                _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
                               k, needs, on_round, while_verifying=report_owed)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost

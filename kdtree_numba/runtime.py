@@ -15,7 +15,8 @@ Two kinds of switch:
   (``KDTREE_DEVICE_ROUNDS=1``, kdtree_numba/device_round.py: opt-in until the GPU has run
   it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
-  or ``~/.cache/kdtree-numba``).
+  or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
+  read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
 
 An entry point builds the configuration once from its flags and the environment
 (:func:`configure`); library code asks :func:`current`.  Where nothing was configured,
@@ -43,6 +44,13 @@ def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     return value.strip().lower() not in _OFF
 
 
+def _positive(environ: Mapping[str, str], name: str) -> int:
+    """A positive whole number from ``name``; 0 where it is unset or is not one (OpenBLAS
+    itself ignores such a value)."""
+    value = environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 0
+
+
 def _cache_dir(environ: Mapping[str, str]) -> str:
     explicit = environ.get("KDTREE_KERNEL_CACHE_DIR")
     if explicit:
@@ -64,6 +72,7 @@ class RuntimeConfig:
     device_rounds: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
+    blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -84,7 +93,8 @@ class RuntimeConfig:
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
-                   kernel_cache_dir=_cache_dir(env))
+                   kernel_cache_dir=_cache_dir(env),
+                   blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
 
 
 _AT_IMPORT = RuntimeConfig.from_environment()

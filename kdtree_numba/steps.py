@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.ddtree import DraftTree
+from reference.ddtree import DraftTree, Sampling, as_sampling
 
 __all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "pack_committed",
            "tree_phase", "accept_phase", "gather_phase", "compaction_phase"]
@@ -80,20 +80,20 @@ def tree_phase(ops, k: int, budget: int):
     return run
 
 
-def accept_phase(ops, xp, temperature: float, max_depth: int):
+def accept_phase(ops, xp, sampling: Sampling, max_depth: int):
     """verify logits, the tree's arrays[, uniform table, start] -> (acc_idx, acc_len, packed
     committed tokens, next roots): the target's choice at every node, the walk, the packing
     (the next roots are the bonus tokens, the last committed ones)."""
     def run(logits, *arrays):
         tree = DraftTree(*arrays[:len(TREE_ARRAYS)], max_depth=max_depth)
-        if temperature == 0:
+        if sampling.greedy:
             bs, n, V = logits.shape
             target = ops.argmax(logits.reshape(bs * n, V)).reshape(bs, n)
             acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
         else:
             table, start = arrays[len(TREE_ARRAYS):]
             u = tree_uniforms(xp, table, tree, start)
-            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, temperature, u)
+            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, sampling, u)
         return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt), \
             nxt.astype(np.int32)
     return run
@@ -140,18 +140,20 @@ class DeviceSteps:
                 return out
         return fn(*(be.asarray(a) for a in inputs))
 
-    def choose(self, logits, temperature: float, uniforms: np.ndarray):
+    def choose(self, logits, sampling, uniforms: np.ndarray):
         """Next token per request from logits [bs, V], on the device ([bs] int): argmax at
-        T = 0, else the inverse-CDF rule of ``sample_targets`` (the same kernel DDTree uses)
-        with ``uniforms [bs]`` (host)."""
+        T = 0, else the inverse-CDF rule of ``sample_targets`` (the same kernel DDTree uses,
+        top-p and top-k included) with ``uniforms [bs]`` (host).  ``sampling``: a Sampling or
+        a bare temperature."""
         be, ops, xp = self.backend, self.backend.ops, self.backend.xp
+        sampling = as_sampling(sampling)
         logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
-        if temperature == 0:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
+        if sampling.greedy:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
             return self.device_step(("argmax",), ops.argmax, (logits,))
         bs = logits.shape[0]
         pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
         u = be.asarray(np.stack([uniforms, np.full(bs, 0.5)], axis=1))
-        tokens = ops.sample_targets(root_only_tree(be, bs), pair, temperature, u)
+        tokens = ops.sample_targets(root_only_tree(be, bs), pair, sampling, u)
         return tokens[:, 0]
 
     def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,
@@ -167,20 +169,21 @@ class DeviceSteps:
         return self.device_step(("tree", k, budget), tree_phase(self.backend.ops, k, budget),
                                 (draft_logits, roots, start), borrow=borrow)
 
-    def accept(self, tree, logits, temperature: float, table=None, start=None,
-               borrow: bool = False):
+    def accept(self, tree, logits, sampling, table=None, start=None, borrow: bool = False):
         """(acc_idx, acc_len, packed, next_roots) from the verify forward's logits [bs, W, V]
-        over ``tree``: greedy at T = 0, else sampled with the uniforms ``table[b, start_b +
-        depth + 1]`` (``table`` [bs, P] float64 on the device, ``start`` [bs] int32).
-        ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the committed tokens
-        (:func:`pack_committed`): the one array the engine reads; ``next_roots`` [bs] int32
-        the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
+        over ``tree``: greedy at T = 0, else sampled (``sampling``: a Sampling or a bare
+        temperature; top-p and top-k truncate every node's target distribution) with the
+        uniforms ``table[b, start_b + depth + 1]`` (``table`` [bs, P] float64 on the device,
+        ``start`` [bs] int32).  ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the
+        committed tokens (:func:`pack_committed`): the one array the engine reads;
+        ``next_roots`` [bs] int32 the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
+        sampling = as_sampling(sampling)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
-        if temperature > 0:
+        if not sampling.greedy:
             arrays += (table, start)
         return self.device_step(
-            ("accept", float(temperature), tree.max_depth),
-            accept_phase(self.backend.ops, self.backend.xp, temperature, tree.max_depth),
+            ("accept", sampling, tree.max_depth),
+            accept_phase(self.backend.ops, self.backend.xp, sampling, tree.max_depth),
             (logits,) + arrays, borrow=borrow)
 
     def committed_tokens(self, packed, roots):

@@ -99,6 +99,9 @@ CASES = [
      ["--max-new-tokens -5", ">= 0"]),
     ("temperature-negative", RUN, ["--temperature", "-1"], ["--temperature -1", ">= 0"]),
     ("temperature-nan", RUN, ["--temperature", "nan"], ["--temperature nan"]),
+    ("top-p-0", RUN, ["--top-p", "0"], ["--top-p 0", "(0, 1]"]),
+    ("top-p-above-1", RUN, ["--top-p", "1.5"], ["--top-p 1.5", "(0, 1]"]),
+    ("top-k-negative", RUN, ["--top-k", "-3"], ["--top-k -3", ">= 0"]),
     ("block-len-0", RUN, DD + ["--block-len", "0"], ["--block-len 0"]),
     ("seed-negative", RUN, ["--seed", "-1"], ["--seed -1"]),
     ("drafter-other-vocab", RUN, ["--model", "{d}/small.kdtr", "--drafter",
@@ -214,6 +217,27 @@ def test_tensor_cores_on_the_reference_backend_is_one_line(capsys):
 def test_budget_above_the_gpu_builder_is_refused_on_numba(capsys):
     assert run_main(DD + ["--backend", "numba", "--budget", "2000"]) == 2
     assert "1024" in one_error_line(capsys, "kdtree-run")
+
+
+@pytest.mark.skipif(compat.gpu_available(), reason="the CPU default")
+def test_without_a_gpu_kdtree_run_takes_the_float32_cpu_path_and_says_so(capsys):
+    assert run_main(DD + ["--max-new-tokens", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "the float32 CPU path" in out.err and "--precision float64" in out.err
+    assert json.loads(out.out)["stats"]["budget"] == 7          # cpu.DEFAULT_BUDGET
+    assert run_main(["--max-new-tokens", "2", "--precision", "float64"]) == 0
+    assert "float64, the exact NumPy reference" in capsys.readouterr().err
+
+
+def test_top_p_at_temperature_0_is_a_warning(capsys):
+    assert run_main(["--top-p", "0.5", "--max-new-tokens", "2"]) == 0
+    warning = [l for l in capsys.readouterr().err.splitlines() if "warning" in l]
+    assert len(warning) == 1 and "--temperature 0" in warning[0]
+
+
+def test_precision_is_the_reference_backends_option(capsys):
+    assert run_main(["--backend", "numba", "--precision", "float32"]) == 2
+    assert "--precision float32" in one_error_line(capsys, "kdtree-run")
 
 
 def test_budget_above_the_limit_warns_with_the_cost_on_reference(capsys):

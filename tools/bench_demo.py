@@ -2,12 +2,15 @@
 code, beside the peers a user would try first.
 
     python3 tools/bench_demo.py [--prompts N] [--max-new-tokens 128] [--backend auto]
+        [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
-        [--agreement-stride 1] [--time-limit S] [--[no-]warmup] [--[no-]peers]
+        [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--[no-]peers]
         [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
 
-Target: ``--model`` (default the shipped demo target, kdtree_numba/demo).  Prompts: the first
+Target: ``--model`` (default the shipped demo target, kdtree_numba/demo), on ``--backend``: the
+reference backend runs its float32 CPU path (kdtree_numba/cpu.py) unless ``--precision
+float64``.  Prompts: the first
 ``--prompts`` lines of ``--prompt-file`` (default all 128 held-out prompts on a GPU, 16 on the
 CPU), JSON objects with a ``text`` (an ``id`` is optional: rows compare prompts by their
 position, and print the ``id`` where there is one), each encoded as ``[bos] + encode(text)``
@@ -92,7 +95,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from kdtree_numba import demo, plots  # noqa: E402
+from kdtree_numba import compat, demo, plots  # noqa: E402
+from kdtree_numba.backends import make_backend  # noqa: E402
 from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_layer_ids,  # noqa: E402
                                  dflash_config, dflash_shapes, random_weights)
 from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
@@ -133,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the first N held-out prompts (default: 128 on a GPU, 16 on the CPU)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", choices=["auto", "reference", "numba"], default="auto")
+    p.add_argument("--precision", choices=["float32", "float64"], default="float32",
+                   help="the reference backend's: float32 is the CPU path (kdtree_numba/cpu.py), "
+                   "float64 the exact reference")
     p.add_argument("--drafter", default=demo.DEFAULT_DRAFTER,
                    help="a drafter bundle (DFlash), oracle:A, or random-dflash[:SEED]")
     p.add_argument("--block-len", type=int, default=ORACLE_BLOCK_LEN,
@@ -149,6 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the drafter's agreement at every S-th anchor (0: not at all)")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds for the whole run; 0: no limit")
+    p.add_argument("--interleave", action="store_true",
+                   help="run every configuration on each prompt in turn (a shared machine's "
+                   "changing load then weighs on every row alike) instead of one "
+                   "configuration over all prompts at a time")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run what each configuration will run for the first time before "
                         "timing it (default: on a GPU)")
@@ -312,6 +323,31 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
                   kernels=meters.first.kernels, gpu_busy=meters.busy.share,
                   gpu_busy_samples=meters.busy.samples)
     return out, timing
+
+
+def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop,
+                meters: Meters) -> dict:
+    """``--interleave``: prompt by prompt, every configuration in turn (each warmed up on the
+    first), so that a load that changes during the run (a shared machine) weighs on every row
+    alike.  {(method, budget): (records, timing)} as run_config's, the timings of the first
+    prompt's call (its warm-up) with the compile counts summed over the prompts.
+    ``--time-limit`` is not applied; a signal stops after the prompt in flight."""
+    done: dict = {}
+    for i, rec in enumerate(prompts):
+        for method, budget in configs:
+            got, timing = run_config(model, drafter, [rec], method, budget, t, args,
+                                     warmup and i == 0, None, meters)
+            if (method, budget) not in done:
+                done[(method, budget)] = (got, timing)
+                continue
+            records, first = done[(method, budget)]
+            records.extend(got)
+            for key in ("compile_seconds", "kernels"):     # None where nothing counts them
+                if first[key] is not None and timing[key] is not None:
+                    first[key] += timing[key]
+        if stop.signalled:
+            break
+    return done
 
 
 def compare(runs, ar_runs) -> tuple[int, list[dict]]:
@@ -541,7 +577,10 @@ def agreement_table(agree: dict | None, drafter_name: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = Model.load(args.model, args.backend)
+    name = args.backend if args.backend != "auto" else \
+        ("numba" if compat.gpu_available() else "reference")
+    model = Model.load(args.model, make_backend(
+        name, precision=args.precision if name == "reference" else "float64"))
     be = model.backend
     codec = load_codec(args.model)
     if codec is None:
@@ -633,18 +672,25 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     meters = Meters(be)
     configs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
-          f"{be.name}, drafter {drafter.name} (L = {drafter.block_len}), temperatures "
+          f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter "
+          f"{drafter.name} (L = {drafter.block_len}), temperatures "
           f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
     rows, runs, last, peer_info = [], {}, 0.0, None
     for t in args.temperature:
+        done = interleaved(model, drafter, prompts, configs, t, args, warmup, stop, meters) \
+            if args.interleave else {}
         for method, budget in configs:
             name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
-            if not stop.allows(name, last):
+            if args.interleave:
+                got, timing = done[(method, budget)]
+                last = sum(r["seconds"] for r in got)
+            elif not stop.allows(name, last):
                 continue
-            t0 = time.perf_counter()
-            got, timing = run_config(model, drafter, prompts, method, budget, t, args, warmup,
-                                     stop, meters)
-            last = time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                got, timing = run_config(model, drafter, prompts, method, budget, t, args,
+                                         warmup, stop, meters)
+                last = time.perf_counter() - t0
             runs[(method, budget, t)] = got
             row = summarise(method, budget, t, got, runs.get(("ar", None, t), []), timing)
             rows.append(row)
@@ -664,7 +710,8 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
         done = {r["key"] for r in greedy}
         agree = drafter_agreement(model, drafter, [p for p in prompts if p["key"] in done],
                                   [r["tokens"] for r in greedy], args.agreement_stride)
-    print(f"\nbackend {be.name}, drafter {drafter.name}, {len(prompts)} prompts x "
+    print(f"\nbackend {be.name} ({be.precision if be.name == 'reference' else 'float32'}), "
+          f"drafter {drafter.name}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} new tokens, batch 1, end to end (prefill included)\n")
     print(table(rows, be.name))
     print(f"\n{compile_line(rows)}\n\nper round, ms (docstring: wall = wait + host on the "

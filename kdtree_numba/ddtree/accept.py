@@ -6,7 +6,7 @@ Reference twin and contract: reference/ddtree/accept.py.  The kernels and why: d
 "compile_tree, accept, sampling, compaction".  Host plumbing shared with the other DDTree
 kernels: arrays.py.
 """
-from kdtree_numba.compat import cuda, kernel, SIMULATOR
+from kdtree_numba.compat import cuda, device_function, kernel, SIMULATOR
 
 import functools
 import math
@@ -16,6 +16,7 @@ import numpy as np
 from kdtree_numba import compat
 from kdtree_numba.ddtree.arrays import (INT32_MAX, NEG_INF32, any_on_device, device_view,
                                         outputs, to_host, tree_is_on_device, tree_on_device)
+from kdtree_numba.gpu.bits import f32_bits
 from kdtree_numba.gpu.reduce import block_max_f32
 from reference.ddtree.checks import check_per_slot, check_sample_args, check_tree
 from reference.ddtree.tree import DraftTree
@@ -82,17 +83,103 @@ def accept_greedy(tree: DraftTree, target_tokens, *, stream=0, out=None):
     return to_host(out, stream) if host else tuple(out)
 
 
+@device_function
+def _rank_key(x, j, vocab):
+    """The int64 rank key of token j with logit x: larger means ranked first (a larger logit;
+    ties: the smaller id).  The float's bits made order-preserving as a signed integer s
+    (negative floats have their low 31 bits flipped; x + 0 turns -0.0 into 0.0, which ties
+    it), then ``s * V + (V - 1 - j)``: for finite x every key lies in (-2^31 V, 2^31 V)."""
+    s = np.int64(f32_bits(x + np.float32(0.0)))
+    if s < 0:
+        s = s ^ np.int64(0x7FFFFFFF)
+    return s * np.int64(vocab) + np.int64(vocab - 1 - j)
+
+
+@device_function
+def _block_sum(count, mass, count_sh, mass_sh, t, threads):
+    """Block sums of one int64 and one float64 per thread: every thread adds the block's
+    values in thread order (the same bits on every thread and every run; two barriers, where
+    a tree takes log2(threads) + 2).  Every thread must call it."""
+    count_sh[t] = count
+    mass_sh[t] = mass
+    cuda.syncthreads()
+    total_count = np.int64(0)
+    total_mass = np.float64(0.0)
+    for k in range(threads):
+        total_count += count_sh[k]
+        total_mass += mass_sh[k]
+    cuda.syncthreads()           # before anyone writes the next sum
+    return total_count, total_mass
+
+
+@device_function
+def _above(logits, b, i, vocab, top, temperature, bound, with_mass, count_sh, mass_sh, t,
+           threads):
+    """(count, float64 mass) of the tokens whose rank key is > bound, over the block."""
+    count = np.int64(0)
+    mass = np.float64(0.0)
+    for j in range(t, vocab, threads):
+        x = logits[b, i, j]
+        if _rank_key(x, j, vocab) > bound:
+            count += 1
+            if with_mass:
+                mass += math.exp((np.float64(x) - top) / temperature)
+    return _block_sum(count, mass, count_sh, mass_sh, t, threads)
+
+
+@device_function
+def _keep_from(logits, b, i, vocab, top, temperature, top_p, top_k, count_sh, mass_sh, t,
+               threads):
+    """The smallest rank key the truncation keeps (reference/ddtree/sampling.py): top-k keeps
+    the keys >= t_k, the smallest bound with fewer than k keys above it; top-p then the keys
+    >= the smallest bound (>= t_k) with fewer than k keys and less than top_p * Z_k of mass
+    above it (Z_k: the mass of keys >= t_k).  Both by bisection: lo fails, hi holds."""
+    k = vocab if top_k <= 0 or top_k >= vocab else top_k
+    lo = np.int64(-(2 ** 31)) * np.int64(vocab)   # below every key
+    top_key = -lo - 1                              # at or above every key
+    hi = lo + 1                      # no top-k: every key is kept
+    if k < vocab:
+        hi = top_key
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            c, _ = _above(logits, b, i, vocab, top, temperature, mid, False, count_sh,
+                          mass_sh, t, threads)
+            if c < k:
+                hi = mid
+            else:
+                lo = mid
+    if top_p >= 1.0:
+        return hi
+    _, kept = _above(logits, b, i, vocab, top, temperature, hi - 1, True, count_sh, mass_sh,
+                     t, threads)
+    goal = top_p * kept
+    lo = hi - 1
+    hi = top_key
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        c, m = _above(logits, b, i, vocab, top, temperature, mid, True, count_sh, mass_sh, t,
+                      threads)
+        if c < k and m < goal:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 @functools.cache
 def _sample_kernel(threads: int):
-    """One block per (request, slot); padding slots write -1.  Pass 1: row max.  Pass 2: each
+    """One block per (request, slot); padding slots write -1.  Pass 1: row max.  With top-k
+    or top-p, the smallest kept rank key (``_keep_from``: bisection over the keys, each step a
+    block count and float64 mass above the candidate; the other tokens weigh 0).  Pass 2: each
     thread sums the float64 weights of its contiguous chunk; a block scan gives chunk
     prefixes.  Pass 3: each thread walks its chunk from its prefix and reports the first token
     whose running sum exceeds u * total; the smallest such token wins (shared atomic min)."""
 
     @kernel
-    def sample(n_nodes, logits, temperature, uniforms, tokens):
+    def sample(n_nodes, logits, temperature, top_p, top_k, uniforms, tokens):
         red32 = cuda.shared.array(threads, np.float32)
         scan = cuda.shared.array(threads, np.float64)
+        count_sh = cuda.shared.array(threads, np.int64)
         pick = cuda.shared.array(2, np.int32)   # [first crossing, last token with weight > 0]
         width = logits.shape[1]
         vocab = logits.shape[2]
@@ -107,16 +194,22 @@ def _sample_kernel(threads: int):
         for j in range(t, vocab, threads):
             top = max(top, logits[b, i, j])
         top = np.float64(block_max_f32(red32, top, t, threads))
+        keep = np.int64(-(2 ** 31)) * np.int64(vocab)   # below every key: nothing dropped
+        if top_k > 0 or top_p < 1.0:     # uniform across the block
+            keep = _keep_from(logits, b, i, vocab, top, temperature, top_p, top_k, count_sh,
+                              scan, t, threads)
         chunk = (vocab + threads - 1) // threads
         lo = min(t * chunk, vocab)
         hi = min(lo + chunk, vocab)
         mine = np.float64(0.0)
         last = -1
         for j in range(lo, hi):
-            w = math.exp((np.float64(logits[b, i, j]) - top) / temperature)
-            mine += w
-            if w > 0:
-                last = j
+            x = logits[b, i, j]
+            if _rank_key(x, j, vocab) >= keep:
+                w = math.exp((np.float64(x) - top) / temperature)
+                mine += w
+                if w > 0:
+                    last = j
         if t == 0:
             pick[0] = INT32_MAX
             pick[1] = -1
@@ -136,10 +229,12 @@ def _sample_kernel(threads: int):
         running = scan[t] - mine         # this chunk's exclusive prefix
         if running + mine > goal:
             for j in range(lo, hi):
-                running += math.exp((np.float64(logits[b, i, j]) - top) / temperature)
-                if running > goal:
-                    cuda.atomic.min(pick, 0, j)
-                    break
+                x = logits[b, i, j]
+                if _rank_key(x, j, vocab) >= keep:
+                    running += math.exp((np.float64(x) - top) / temperature)
+                    if running > goal:
+                        cuda.atomic.min(pick, 0, j)
+                        break
         cuda.syncthreads()
         if t == 0:
             tokens[b, i] = pick[0] if pick[0] != INT32_MAX else pick[1]
@@ -147,14 +242,13 @@ def _sample_kernel(threads: int):
     return sample
 
 
-def sample_targets(tree: DraftTree, target_logits, temperature: float, uniforms, *, stream=0,
-                   out=None):
-    """GPU twin of ``reference.ddtree.sample_targets``: equal tokens except when a uniform lies
-    within ~1e-12 (relative) of a CDF boundary (the twins sum float64 weights in different
-    orders).  Values (finite logits, uniforms in [0, 1)) are checked only for NumPy input.
-    ``out``: an optional [bs, B+1] int32 device array."""
-    bs, budget, _, temperature = check_sample_args(tree, target_logits, temperature,
-                                                   uniforms)
+def sample_targets(tree: DraftTree, target_logits, sampling, uniforms, *, stream=0, out=None):
+    """GPU twin of ``reference.ddtree.sample_targets`` (``sampling``: a Sampling, or a bare
+    temperature): equal tokens except when a uniform lies within ~1e-12 (relative) of a CDF
+    boundary, or a top-p prefix mass that close to its threshold (the twins sum float64
+    weights in different orders).  Values (finite logits, uniforms in [0, 1)) are checked only
+    for NumPy input.  ``out``: an optional [bs, B+1] int32 device array."""
+    bs, budget, _, sampling = check_sample_args(tree, target_logits, sampling, uniforms)
     if not any_on_device(target_logits) and not np.isfinite(target_logits).all():
         raise ValueError("target_logits must be finite")
     if not any_on_device(uniforms) and (np.any(uniforms < 0) or np.any(uniforms >= 1)):
@@ -168,15 +262,16 @@ def sample_targets(tree: DraftTree, target_logits, temperature: float, uniforms,
     threads = 8 if SIMULATOR else 512
     # (x - max) / T exactly as the reference writes it (multiplying by 1/T rounds differently).
     _sample_kernel(threads)[bs * (budget + 1), threads, stream](
-        d_tree.n_nodes, device_view(target_logits, stream), np.float64(temperature),
-        device_view(uniforms, stream), tokens)
+        d_tree.n_nodes, device_view(target_logits, stream), np.float64(sampling.temperature),
+        np.float64(sampling.top_p), np.int64(sampling.top_k), device_view(uniforms, stream),
+        tokens)
     return tokens.copy_to_host(stream=stream) if host else tokens
 
 
-def accept_sampled(tree: DraftTree, target_logits, temperature: float, uniforms, *, stream=0,
-                   out=None, targets_out=None):
+def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms, *, stream=0, out=None,
+                   targets_out=None):
     """GPU twin of ``reference.ddtree.accept_sampled``: sample_targets, then accept_greedy.
     ``out`` as for accept_greedy; ``targets_out`` receives the sampled target tokens."""
-    tokens = sample_targets(tree, target_logits, temperature, uniforms, stream=stream,
+    tokens = sample_targets(tree, target_logits, sampling, uniforms, stream=stream,
                             out=targets_out)
     return accept_greedy(tree, tokens, stream=stream, out=out)

@@ -11,7 +11,7 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
 
-__all__ = ["bits_to_f32", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
+__all__ = ["bits_to_f32", "f32_bits", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
            "pair_high_halves", "divmod_u32"]
 
 if SIMULATOR:
@@ -23,6 +23,10 @@ if SIMULATOR:
     def f64_bits(value):
         """The bits of a float64 as an int64."""
         return np.float64(value).view(np.int64)
+
+    def f32_bits(value):
+        """The bits of a float32 as an int32."""
+        return np.float32(value).view(np.int32)
 
     def pair_low_halves(x, y):
         return np.uint32((int(x) & 0xFFFF) | ((int(y) & 0xFFFF) << 16))
@@ -41,6 +45,11 @@ else:
     @device_function
     def bits_to_f32(bits):
         return libdevice.int_as_float(np.int32(bits))
+
+    @device_function
+    def f32_bits(value):
+        """The bits of a float32 as an int32."""
+        return libdevice.float_as_int(np.float32(value))
 
     @intrinsic
     def divmod_u32(typingctx, a, b):

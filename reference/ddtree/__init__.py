@@ -15,6 +15,7 @@ topk.py       ``topk_logprobs(logits, k) -> (lp, ids)``, the lp tolerance LP_ATO
 build.py      ``build_tree(lp, ids, budget) -> DraftTree`` and the DraftTree fields
 compile.py    ``compile_tree(tree, root_token, start) -> VerifyInput`` and its fields
 accept.py     ``accept_greedy``, ``sample_targets``, ``accept_sampled``
+sampling.py   ``Sampling``, ``kept_weights``, ``inverse_cdf_sample``
 compact.py    ``compact_kv(caches, past_len, acc_idx, acc_len) -> None``, ``compact_kv_paged``
 tree.py       the DraftTree and VerifyInput records
 checks.py     the argument checks both twins run (metadata only, so also on device arrays)
@@ -22,16 +23,19 @@ checks.py     the argument checks both twins run (metadata only, so also on devi
 """
 from __future__ import annotations
 
-from .accept import accept_greedy, accept_sampled, inverse_cdf_sample, sample_targets
+from .accept import accept_greedy, accept_sampled, sample_targets
 from .build import build_tree
 from .checks import (cache_list, check_accepted, check_array, check_build_args,
                      check_compact_args, check_int, check_per_request, check_per_slot,
-                     check_sample_args, check_temperature, check_topk_args, check_tree)
+                     check_sample_args, check_sampling, check_temperature, check_topk_args,
+                     check_tree)
 from .compact import compact_kv, compact_kv_paged
 from .compile import compile_tree
+from .sampling import Sampling, as_sampling, inverse_cdf_sample, kept_weights
 from .topk import LP_ATOL, LP_RTOL, topk_logprobs
 from .tree import DraftTree, VerifyInput
 
 __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_tree",
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
-           "compact_kv_paged", "LP_ATOL", "LP_RTOL"]
+           "compact_kv_paged", "LP_ATOL", "LP_RTOL", "Sampling", "as_sampling", "kept_weights",
+           "inverse_cdf_sample"]

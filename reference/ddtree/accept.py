@@ -11,23 +11,28 @@ reference/ddtree/__init__.py.
     (-1 padded), acc_len [bs] int32 in [1, L+1], next_token [bs] int32 = the first unmatched
     target token (the next root, the "bonus" token).
 
-``sample_targets(tree, target_logits, temperature, uniforms) -> target_tokens``
-    target_logits [bs, B+1, V] float32 (finite), temperature T > 0, uniforms [bs, B+1]
-    float32/64 in [0, 1).  Slot i <= n_nodes samples softmax(logits/T) by inverse CDF:
-    ``w_j = exp((f64(x_j) - f64(max x)) / T)``, ``token = min{t : sum_{j<=t} w_j > u * sum_j w_j}``
-    (the last token with w_j > 0 if rounding leaves none).  Padding slots get -1.  The twins
-    sum in different orders (both float64), so they agree exactly unless ``u`` lies within
-    ~1e-12 (relative) of a CDF boundary; tests draw u at least 1e-9 away from every boundary.
+``sample_targets(tree, target_logits, sampling, uniforms) -> target_tokens``
+    target_logits [bs, B+1, V] float32 (finite), ``sampling`` a ``Sampling`` with T > 0 (or a
+    bare temperature T > 0), uniforms [bs, B+1] float32/64 in [0, 1).  Slot i <= n_nodes draws
+    ``inverse_cdf_sample(logits[b, i], sampling, u[b, i])``: the softmax of logits / T,
+    truncated by top-k and top-p and renormalised, by inverse CDF over token ids
+    (reference/ddtree/sampling.py, the rule and its tie-breaking).  Padding slots get -1.  The
+    twins sum in different orders (both float64), so they agree exactly unless ``u`` lies within
+    ~1e-12 (relative) of a CDF boundary (or a top-p prefix mass that close to its threshold);
+    tests draw u at least 1e-9 away from every boundary.
 
-``accept_sampled(tree, target_logits, temperature, uniforms)``
-    ``= accept_greedy(tree, sample_targets(...))``.  Every committed token is a genuine target
-    sample, so the round is lossless for any tree (no draft probabilities needed).
+``accept_sampled(tree, target_logits, sampling, uniforms)``
+    ``= accept_greedy(tree, sample_targets(...))``.  Every committed token is a genuine sample
+    of the truncated target distribution at its context, so the round is lossless for any
+    tree (no draft probabilities needed): DDTree's and the chain's tokens follow AR's
+    distribution with the same top-p and top-k.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .checks import check_per_slot, check_sample_args, check_tree
+from .sampling import inverse_cdf_sample
 from .tree import DraftTree
 
 __all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample"]
@@ -56,18 +61,9 @@ def accept_greedy(tree: DraftTree, target_tokens):
     return acc_idx, acc_len, next_token
 
 
-def inverse_cdf_sample(row: np.ndarray, temperature: float, u: float) -> int:
-    """One inverse-CDF draw from softmax(row / T) (float64; definition: module docstring)."""
-    x = row.astype(np.float64)
-    w = np.exp((x - x.max()) / temperature)
-    cdf = np.cumsum(w)
-    t = int(np.searchsorted(cdf, u * cdf[-1], side="right"))   # first cdf > u * total
-    return t if t < row.size else int(np.flatnonzero(w > 0)[-1])
-
-
-def sample_targets(tree: DraftTree, target_logits, temperature: float, uniforms):
+def sample_targets(tree: DraftTree, target_logits, sampling, uniforms):
     """One target sample at every tree slot, -1 at padding (contract: module docstring)."""
-    bs, budget, _, temperature = check_sample_args(tree, target_logits, temperature, uniforms)
+    bs, budget, _, sampling = check_sample_args(tree, target_logits, sampling, uniforms)
     target_logits, uniforms = np.asarray(target_logits), np.asarray(uniforms, np.float64)
     if not np.isfinite(target_logits).all():
         raise ValueError("target_logits must be finite")
@@ -76,10 +72,10 @@ def sample_targets(tree: DraftTree, target_logits, temperature: float, uniforms)
     tokens = np.full((bs, budget + 1), -1, np.int32)
     for b in range(bs):
         for i in range(int(tree.n_nodes[b]) + 1):
-            tokens[b, i] = inverse_cdf_sample(target_logits[b, i], temperature, uniforms[b, i])
+            tokens[b, i] = inverse_cdf_sample(target_logits[b, i], sampling, uniforms[b, i])
     return tokens
 
 
-def accept_sampled(tree: DraftTree, target_logits, temperature: float, uniforms):
+def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms):
     """Sample the target at every node, then walk as greedy (contract: module docstring)."""
-    return accept_greedy(tree, sample_targets(tree, target_logits, temperature, uniforms))
+    return accept_greedy(tree, sample_targets(tree, target_logits, sampling, uniforms))

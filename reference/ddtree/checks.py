@@ -11,10 +11,12 @@ import numbers
 
 import numpy as np
 
+from .sampling import Sampling, as_sampling
 from .tree import DraftTree
 
 __all__ = ["check_array", "check_int", "check_topk_args", "check_build_args", "check_tree",
-           "check_per_request", "check_per_slot", "check_temperature", "check_sample_args",
+           "check_per_request", "check_per_slot", "check_temperature", "check_sampling",
+           "check_sample_args",
            "cache_list", "check_compact_args", "check_accepted"]
 
 
@@ -109,14 +111,27 @@ def check_temperature(temperature) -> float:
     return t
 
 
-def check_sample_args(tree, target_logits, temperature, uniforms) -> tuple[int, int, int, float]:
+def check_sampling(sampling):
+    """A Sampling (or a bare temperature) for a sampled choice: temperature > 0 (T = 0 is
+    accept_greedy's), the other fields as ``Sampling`` checks them."""
+    if not isinstance(sampling, Sampling):
+        check_temperature(sampling)
+    s = as_sampling(sampling)
+    if s.greedy:
+        raise ValueError("temperature must be finite and > 0 (use accept_greedy for T = 0), "
+                         "got 0.0")
+    return s
+
+
+def check_sample_args(tree, target_logits, sampling, uniforms):
+    """-> (bs, budget, V, the Sampling); ``sampling`` a Sampling or a bare temperature."""
     bs, budget, _ = check_tree(tree)
     check_array("target_logits", target_logits, 3, dtype=np.float32)
     if tuple(target_logits.shape[:2]) != (bs, budget + 1) or target_logits.shape[2] == 0:
         raise ValueError(f"target_logits must be ({bs}, {budget + 1}, V>0), got "
                          f"{tuple(target_logits.shape)}")
     check_per_slot("uniforms", uniforms, bs, budget + 1, "f")
-    return bs, budget, int(target_logits.shape[2]), check_temperature(temperature)
+    return bs, budget, int(target_logits.shape[2]), check_sampling(sampling)
 
 
 def cache_list(caches) -> list:

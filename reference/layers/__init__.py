@@ -45,10 +45,10 @@ from .linear import linear
 from .moe import (check_routing_args, is_dense, moe_ffn, moe_route, route_from_logits,
                   router_logits, silu)
 from .norm import add_rmsnorm, rmsnorm
-from .rope import RopeSpec, YarnScaling, rope, yarn_mscale
+from .rope import RopeSpec, YarnScaling, rope, rotate, yarn_mscale
 
-__all__ = ["rmsnorm", "add_rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "linear",
-           "embedding", "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn",
+__all__ = ["rmsnorm", "add_rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "rotate",
+           "linear", "embedding", "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn",
            "silu", "as_float64", "check_routing_args", "is_dense"]
 
 # The attention references live in reference/attention/; one namespace for the whole model.

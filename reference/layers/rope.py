@@ -21,7 +21,7 @@ import numpy as np
 
 from .common import as_float64
 
-__all__ = ["YarnScaling", "RopeSpec", "yarn_mscale", "rope"]
+__all__ = ["YarnScaling", "RopeSpec", "yarn_mscale", "rope", "rotate"]
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -118,17 +118,23 @@ def rope(x, positions, spec: RopeSpec) -> np.ndarray:
 
     The layout rules are in the module docstring; the output is always in halves layout.
     """
-    x64 = as_float64(x)
+    return rotate(x, positions, spec, np.float64).astype(np.float32)
+
+
+def rotate(x, positions, spec: RopeSpec, dtype) -> np.ndarray:
+    """:func:`rope` computed in ``dtype``: angles, cos and sin in float64, rounded to
+    ``dtype`` for the products (float64: the reference; float32: kdtree_numba/cpu.py's)."""
+    x64 = as_float64(x) if dtype == np.float64 else np.asarray(x, dtype)
     pos = np.asarray(positions)
     M, H, dr = x64.shape
     if dr != spec.head_dim or pos.shape != (M,):
         raise ValueError(f"rope wants x [M, H, {spec.head_dim}] and positions [M], "
                          f"got {x64.shape}, {pos.shape}")
     angle = pos.astype(np.float64)[:, None] * spec.inv_freq()[None, :]     # [M, dr/2]
-    cos = (np.cos(angle) * spec.amplitude())[:, None, :]
-    sin = (np.sin(angle) * spec.amplitude())[:, None, :]
+    cos = (np.cos(angle) * spec.amplitude()).astype(dtype)[:, None, :]
+    sin = (np.sin(angle) * spec.amplitude()).astype(dtype)[:, None, :]
     if spec.interleave:
         a, b = x64[..., 0::2], x64[..., 1::2]
     else:
         a, b = x64[..., : dr // 2], x64[..., dr // 2:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(np.float32)
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)

@@ -1,0 +1,315 @@
+"""The reference backend's float32 mode: the CPU path that pays (``make_backend("reference",
+precision="float32")``, kdtree-run's default without a GPU).
+
+The same functions as ``reference.layers`` / ``reference.attention`` (their contracts), in
+float32 through BLAS, and **batch invariant**: a token's row gets the same bits whether it is
+computed alone (an AR decode, M = 1) or among others (a verify, M = B + 1), so DDTree's greedy
+tokens equal AR's on this path as they do on the GPU's tensor-core path.  The float64 reference
+stays the contract and the tests' oracle; this mode agrees with it to float32 rounding.
+
+How the invariance is had (OpenBLAS picks its kernel, its small-matrix path and its thread
+split by the whole call's shape, so ``x @ w.T`` gives a row other bits at M = 1 than at M = 9;
+tests/test_cpu_path.py measures it):
+
+* every GEMM is a stack of fixed-shape products: the rows are padded to a multiple of ``ROWS``
+  and multiplied as ``[M / ROWS, ROWS, K] @ [K, N]`` (NumPy calls one BLAS GEMM per block, each
+  of the same shape), and a row's bits do not depend on its place in the block or on the
+  other rows (measured for every shape of the demo pair);
+* attention scores are computed per query against fixed blocks of ``KEYS`` cache slots, and
+  the softmax sums run over each query's key list (the cached prefix, then its visible new
+  keys in order) in fixed blocks of ``KEYS`` list positions, added block after block: a tree
+  node's list is exactly the list its token has in a decode, so the sums are too;
+* norms, RoPE, routing and the experts work row by row (per-row reductions, elementwise math,
+  experts in ascending index), so they are invariant by construction.
+
+Prefill rows go through the same code (their bits need not match anything, but one path is
+simpler).
+"""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+
+from formats.int4_group import Int4GroupWeight
+from kdtree_numba import runtime
+from reference import attention as ref_attention
+from reference import layers as ref_layers
+
+__all__ = ["ROWS", "KEYS", "cpu_ops", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
+           "DEFAULT_BUDGET", "DENSE_EXPERTS"]
+
+# OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
+# are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
+# wait: with 2 cores shared by other jobs a 2-thread GEMM took 21 ms instead of 0.4 ms (docs/
+# ENGINE.md, "The CPU path").
+DEFAULT_BLAS_THREADS = 1
+
+ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shape; 4 was not)
+KEYS = 64       # attention key block
+# kdtree-run's DDTree budget on this path: ROWS - 1 nodes and the root fill one GEMM block, so
+# a verify costs about one decode (a 9th row would start a second block)
+DEFAULT_BUDGET = ROWS - 1
+
+
+def _f32(a) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous:
+        return a                              # the common case, without dtype-name lookups
+    if isinstance(a, Int4GroupWeight):        # q * bf16 scale: exact in float32
+        return a.dequantize(np.float32)
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        a = a.astype(np.float32)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def blocked_matmul(x, wt) -> np.ndarray:
+    """``x [M, K] @ wt [K, N]`` in float32 as ROWS-row blocks of one shape (module doc)."""
+    x = _f32(x)
+    m, k = x.shape
+    pad = -m % ROWS
+    if pad:
+        x = np.concatenate([x, np.zeros((pad, k), np.float32)])
+    y = np.matmul(x.reshape(-1, ROWS, k), wt)
+    return y.reshape(-1, wt.shape[-1])[:m]
+
+
+def linear(x, w) -> np.ndarray:
+    """``reference.layers.linear`` in float32, batch invariant."""
+    x, w = np.asarray(x), np.asarray(w)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear wants x [M, K], w [N, K]; got {x.shape}, {w.shape}")
+    return blocked_matmul(x, _f32(w).T)
+
+
+def rmsnorm(x, weight, eps: float) -> np.ndarray:
+    """``reference.layers.rmsnorm`` in float32 (a per-row reduction)."""
+    x, w = _f32(x), _f32(weight)
+    if x.ndim != 2 or w.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm wants x [M, D] and weight [D], got {x.shape}, {w.shape}")
+    ms = np.einsum("md,md->m", x, x)[:, None] / np.float32(x.shape[1])
+    return w * (x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))))
+
+
+def add_rmsnorm(x, delta, weight, eps: float):
+    """``reference.layers.add_rmsnorm``: the float32 sum, then :func:`rmsnorm`."""
+    s = _f32(x) + _f32(delta)
+    return s, rmsnorm(s, weight, eps)
+
+
+def rope(x, positions, spec) -> np.ndarray:
+    """``reference.layers.rope`` with float32 products (angles and cos/sin in float64)."""
+    return ref_layers.rotate(_f32(x), positions, spec, np.float32)
+
+
+def moe_route(h, gate_w, bias=None, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+              norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+              scoring: str = "sigmoid"):
+    """``reference.layers.moe_route`` on float32 router logits: vectorised over the rows for
+    ungrouped sigmoid routing, the reference's own rule row by row otherwise."""
+    logits = blocked_matmul(h, _f32(gate_w).T).astype(np.float64)
+    e = logits.shape[1]
+    if n_group != 1 or scoring != "sigmoid":
+        return ref_layers.route_from_logits(
+            logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+            scoring=scoring)
+    ref_layers.check_routing_args(e, top_k, n_group, topk_group, scoring)
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    keys = scores + (0.0 if bias is None else np.asarray(bias, np.float64)[None, :])
+    ids = np.broadcast_to(np.arange(e), keys.shape)
+    chosen = np.sort(np.lexsort((ids, -keys), axis=-1)[:, :top_k], axis=1)
+    w = np.take_along_axis(scores, chosen, axis=1)
+    if norm_topk_prob:
+        w = w / (w.sum(axis=1, keepdims=True) + 1e-20)
+    return chosen.astype(np.int32), (w * routed_scaling_factor).astype(np.float32)
+
+
+def _ffn(h, gate_up, down):
+    inter = gate_up.shape[0] // 2
+    gu = blocked_matmul(h, gate_up.T)
+    g = gu[:, :inter]
+    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down.T)
+
+
+def _dense_experts(h, expert_idx, weight, gate_up, down):
+    """Every row through every expert, two calls (one GEMM over the experts' stacked gate_up
+    rows, one batched GEMM for their down projections), then each row's chosen experts added
+    in ascending order: for a handful of experts, fewer and larger calls than one expert at a
+    time, and each row's bits still depend on that row alone."""
+    m, d = h.shape
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T).reshape(m, e, two_i)
+    g = gu[..., :inter]
+    act = np.ascontiguousarray((g / (np.float32(1.0) + np.exp(-g)) * gu[..., inter:])
+                               .transpose(1, 0, 2))                       # [E, M, I]
+    pad = -m % ROWS
+    if pad:
+        act = np.concatenate([act, np.zeros((e, pad, inter), np.float32)], axis=1)
+    y = np.matmul(act.reshape(e, -1, ROWS, inter), down.transpose(0, 2, 1)[:, None])
+    y = y.reshape(e, -1, d)
+    rows = np.arange(m)
+    out = np.zeros((m, d), np.float32)
+    for j in range(expert_idx.shape[1]):          # ascending expert index in every row
+        out += weight[:, j:j + 1] * y[expert_idx[:, j], rows]
+    return out
+
+
+DENSE_EXPERTS = 16      # up to this many experts a MoE layer runs them all (_dense_experts)
+
+
+def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None):
+    """``reference.layers.moe_ffn`` in float32: each token's experts added in ascending
+    expert order, then the shared expert (per row, so batch invariant).  A layer of at most
+    DENSE_EXPERTS experts runs every expert on every row (_dense_experts), a larger one
+    expert by expert: which way depends only on the layer, so decode and verify agree."""
+    if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
+        return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]))
+    h = _f32(h)
+    expert_idx, weight = np.asarray(expert_idx), _f32(weight)
+    if gate_up.shape[0] <= DENSE_EXPERTS:
+        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down))
+    else:
+        out = np.zeros_like(h)
+        for e in np.unique(expert_idx):
+            tokens, slots = np.nonzero(expert_idx == e)
+            out[tokens] += weight[tokens, slots][:, None] * _ffn(h[tokens], _f32(gate_up[e]),
+                                                                 _f32(down[e]))
+    if shared_gate_up is not None:
+        out += _ffn(h, _f32(shared_gate_up), _f32(shared_down))
+    return out
+
+
+def _per_head(x, w):
+    """``x [bs, n, H, a] -> [bs, n, H, c]`` with ``w [H, a, c]``: per head, ROWS-row blocks."""
+    bs, n, heads, a = x.shape
+    m = bs * n
+    xh = np.ascontiguousarray(_f32(x).reshape(m, heads, a).transpose(1, 0, 2))
+    pad = -m % ROWS
+    if pad:
+        xh = np.concatenate([xh, np.zeros((heads, pad, a), np.float32)], axis=1)
+    y = np.matmul(xh.reshape(heads, -1, ROWS, a), w[:, None])      # [H, blocks, ROWS, c]
+    y = y.reshape(heads, -1, w.shape[-1])[:, :m]
+    return np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(bs, n, heads, -1)
+
+
+def absorb_q(q_nope, kv_b_proj):
+    """``reference.attention.absorb_q`` in float32."""
+    heads, dn = q_nope.shape[-2], q_nope.shape[-1]
+    w_uk, _ = ref_attention.split_kv_b_proj(_f32(kv_b_proj), heads, dn)
+    return _per_head(q_nope, np.ascontiguousarray(w_uk))
+
+
+def apply_uv(u, kv_b_proj, dv: int):
+    """``reference.attention.apply_uv`` in float32."""
+    heads = u.shape[-2]
+    _, w_uv = ref_attention.split_kv_b_proj(_f32(kv_b_proj), heads,
+                                            kv_b_proj.shape[0] // heads - dv)
+    return _per_head(u, np.ascontiguousarray(w_uv.transpose(0, 2, 1)))
+
+
+def _padded_rows(a, rows: int) -> np.ndarray:
+    pad = rows - a.shape[0]
+    return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+
+
+def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
+                  prefill=False, causal=False, plans=None):
+    """``reference.attention.mla_attention`` in float32, batch invariant (module docstring).
+    ``max_keys``, ``prefill`` and ``plans`` (the numba twin's split-plan hints and plan
+    cache) change nothing here.  A
+    bf16 cache (uint16 ckv/kpe) goes to the reference itself: its per-query loop takes the
+    same shapes for a node as for its decode, so it is batch invariant too, only slower."""
+    if np.asarray(ckv).dtype == np.uint16:
+        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                           causal=causal)
+    q_abs, q_pe = _f32(q_abs), _f32(q_pe)
+    visible = np.asarray(visible, bool)
+    bs, n, heads, r = q_abs.shape
+    ref_attention.check_causal(visible, causal)
+    u = np.zeros((bs, n, heads, r), np.float32)
+    q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
+    for b in range(bs):
+        p0 = int(prefix_len[b])
+        slots = p0 + n
+        span = -(-slots // KEYS) * KEYS
+        keys = _padded_rows(np.concatenate([ckv[b, :slots], kpe[b, :slots]], axis=-1), span)
+        # scores against every slot, one fixed-shape GEMM per (query, key block)
+        blocks = keys.reshape(-1, KEYS, keys.shape[-1]).transpose(0, 2, 1)
+        s = np.matmul(q[b][:, None], blocks[None])                  # [n, blocks, H, KEYS]
+        s = s.transpose(0, 2, 1, 3).reshape(n, heads, span)
+        # each query's key list: the prefix, then its visible new keys, in slot order
+        counts = visible[b].sum(axis=1)
+        length = p0 + counts
+        width = -(-int(length.max()) // KEYS) * KEYS
+        lists = np.zeros((n, width), np.int64)
+        lists[:, :p0] = np.arange(p0)
+        rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        lists[rows, p0 + np.arange(rows.size) - first[rows]] = p0 + cols
+        listed = np.take_along_axis(s, np.broadcast_to(lists[:, None], (n, heads, width)),
+                                    axis=2) * np.float32(tau)
+        inside = np.arange(width)[None, :] < length[:, None]       # [n, width]
+        listed = np.where(inside[:, None], listed, -np.inf)
+        top = listed.max(axis=2, keepdims=True)
+        p = np.exp(listed - top)
+        values = np.concatenate([ckv[b, :slots], np.ones((slots, 1), np.float32)], axis=-1)
+        acc = np.zeros((n, heads, r + 1), np.float32)
+        for k0 in range(0, width, KEYS):   # sums over list positions, block after block
+            pk = np.ascontiguousarray(p[:, :, k0:k0 + KEYS])
+            if k0 + KEYS <= p0:           # inside the shared prefix: one value block for all
+                acc += np.matmul(pk, values[k0:k0 + KEYS])
+            else:
+                idx = np.minimum(lists[:, k0:k0 + KEYS], slots - 1)
+                acc += np.matmul(pk, values[idx])
+        u[b] = acc[..., :r] / acc[..., r:]
+    return u
+
+
+def _openblas_setters():
+    """The ``*openblas_set_num_threads*`` entry points of the OpenBLAS libraries loaded in
+    this process (NumPy's wheels bundle one under a prefixed name); Linux only (it reads
+    /proc/self/maps), nothing elsewhere."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower()
+                     and line.split()[-1].startswith("/")}
+    except OSError:
+        return []
+    found = []
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                found.append(fn)
+                break
+    return found
+
+
+def blas_threads(n: int | None = None) -> int | None:
+    """Set OpenBLAS's thread count for this process: ``n``, else OPENBLAS_NUM_THREADS when it
+    is set (the user's word wins), else DEFAULT_BLAS_THREADS.  Returns the count set, or None
+    where no OpenBLAS was found (another BLAS keeps its own setting)."""
+    if n is None:
+        n = runtime.current().blas_threads or DEFAULT_BLAS_THREADS
+    setters = _openblas_setters()
+    for fn in setters:
+        fn(int(n))
+    return int(n) if setters else None
+
+
+def cpu_ops() -> SimpleNamespace:
+    """The float32 ops namespace: these functions, the reference's for the rest (embedding,
+    argmax, the DDTree kernels: integer or float64 work that is already batch invariant)."""
+    ops = dict(rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, rope=rope, linear=linear,
+               moe_route=moe_route, moe_ffn=moe_ffn, absorb_q=absorb_q, apply_uv=apply_uv,
+               mla_attention=mla_attention)
+    return SimpleNamespace(**ops)
