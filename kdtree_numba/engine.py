@@ -88,6 +88,9 @@ class GenerationStats:
     block_len: int | None
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
     rounds: int = 0                     # AR steps (with the one eos may waste) or DDTree rounds
+    # device rounds enqueued for requests that the round before them finished: their tokens
+    # are dropped (device_rounds only; AR's wasted step counts in rounds)
+    rounds_dropped: int = 0
     new_tokens: int = 0                 # committed tokens returned, all requests
     seconds: float = 0.0                # wall time of generate(), prefill included
     time: dict = dataclasses.field(default_factory=lambda: {p: 0.0 for p in PHASES})
@@ -368,6 +371,9 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
                 timer.lap("round")
             packed, ran = rounds.collect()
             running = ran & req.active
+            if not running.any():       # run ahead for requests its predecessor finished
+                stats.rounds_dropped += 1
+                continue
             stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(running)])
             stats.budgets.append(budget)
             stats.rounds += 1

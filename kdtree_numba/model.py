@@ -327,10 +327,7 @@ class Model(DeviceSteps):
         if embeds is not None and tuple(embeds.shape) != (bs, n, self.config.hidden_size):
             raise ValueError(f"embeds must be {(bs, n, self.config.hidden_size)}, got "
                              f"{tuple(embeds.shape)}")
-        # a prompt's forward runs eagerly: its width is one-off (captured on a second
-        # sight, prefill graphs of many prompt lengths would evict the decode and round
-        # graphs that every step replays, and a capture costs more than an eager prefill)
-        if self.graphs is not None and not prefill:
+        if self.graphs is not None:
             out = self._replay_forward(tokens, positions, cache, visible, return_hidden,
                                        capture, embeds, logit_rows, bool(causal),
                                        bool(prefill), borrow)

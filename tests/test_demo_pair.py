@@ -86,7 +86,7 @@ def test_gpu_device_rounds_replay_one_graph_a_round_with_the_host_rounds_tokens(
         first = generate(model, batch, 64, device_rounds=True, **kw)
         again = generate(model, batch, 64, device_rounds=True, **kw)
         assert first.tokens == host.tokens == again.tokens
-        assert first.stats.tau == host.stats.tau
+        assert first.stats.tau == host.stats.tau       # a round run ahead in vain: dropped
         if temperature == 0:
             assert host.tokens == generate(model, batch, 64).tokens
         assert first.stats.graph_captures >= 1

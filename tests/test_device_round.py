@@ -31,7 +31,7 @@ def test_device_rounds_give_the_host_rounds_tokens(method, budget, temperature):
     assert res.tokens == host.tokens
     if temperature == 0:
         assert res.tokens == want
-    assert reads == 1 + res.stats.rounds and syncs == 1
+    assert reads == 1 + res.stats.rounds + res.stats.rounds_dropped and syncs == 1
     assert res.stats.time["round"] > 0 and res.stats.time["verify"] == 0
     assert res.stats.tau == host.stats.tau and res.stats.rounds == host.stats.rounds
     # the context and the target cache agree, and both are exact (not pending) after the end
@@ -77,3 +77,19 @@ def test_many_rounds_keep_the_host_bounds_tight():
                    device_rounds=True)
     assert res.tokens == generate(target, prompts, 60).tokens
     assert res.stats.rounds >= 40 and target.generation_cache.max_len == 256
+
+
+def test_a_round_run_ahead_in_vain_is_dropped_not_counted():
+    """A round launched while its predecessor was unread, for a request the predecessor then
+    finished (it committed the last tokens): its tokens are dropped and it is counted apart,
+    so the rounds and acceptances equal the host-driven rounds'."""
+    target, drafter = target_and_drafter(vocab=8, seed=2)      # bushy, multi-token rounds
+    prompts = [[3, 1, 4, 1, 5]]
+    dropped = 0
+    for n in range(6, 16):
+        kw = dict(method="ddtree", drafter=drafter, budget=16)
+        host = generate(target, prompts, n, device_rounds=False, **kw)
+        dev = generate(target, prompts, n, device_rounds=True, **kw)
+        assert dev.tokens == host.tokens and dev.stats.tau == host.stats.tau
+        dropped += dev.stats.rounds_dropped
+    assert dropped > 0
