@@ -23,11 +23,11 @@ event on the GPU) that are read only once the device has passed them, so timing 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import dataclasses
 import inspect
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -56,7 +56,8 @@ DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "s
               "accept_sampled", "compact_kv")
 # the paged KV layout's ops (kdtree_numba/kvlayout.py): the reference's; the numba backend has
 # no paged kernels yet and refuses them (docs/ENGINE.md, "The KV cache")
-PAGED_OPS = {"paged_mla_attention": reference_attention, "compact_kv_paged": reference_ddtree}
+PAGED_OPS = ("paged_mla_attention", "compact_kv_paged")
+OP_NAMES = LAYER_OPS + ATTENTION_OPS + DDTREE_OPS + PAGED_OPS
 
 
 def bf16_bits(xp, x):
@@ -89,7 +90,7 @@ class Backend:
     with them."""
     name: str
     xp: object
-    ops: SimpleNamespace
+    ops: Ops
     on_gpu: bool
     gemm: str = "cuda-cores"          # make_backend's choice for bf16 projections and experts
     precision: str = "float64"        # the reference backend's (kdtree_numba/cpu.py: float32)
@@ -98,8 +99,8 @@ class Backend:
     _free_events: list = dataclasses.field(default_factory=list, repr=False)
     # the stream every numba op is launched on (None: each op's default, the legacy stream);
     # shared with the op wrappers, set by :meth:`on_stream`
-    _launch: SimpleNamespace = dataclasses.field(
-        default_factory=lambda: SimpleNamespace(stream=None), repr=False)
+    _launch: "LaunchSettings" = dataclasses.field(
+        default_factory=lambda: LaunchSettings(), repr=False)     # noqa: F821 (below)
 
     def asarray(self, a, dtype=None):
         """A host (or device) array as an ``xp`` array, on the device for a GPU backend.
@@ -246,21 +247,61 @@ class Backend:
             pending.clear()
 
 
-def _reference_ops() -> SimpleNamespace:
-    ops = {name: getattr(reference_layers, name) for name in LAYER_OPS}
-    ops.update({name: getattr(reference_attention, name) for name in ATTENTION_OPS})
-    ops.update({name: getattr(reference_ddtree, name) for name in DDTREE_OPS})
+class Ops:
+    """The kernels the model and the engine call: one attribute per op, named as in
+    ``reference.layers``, ``reference.attention`` and ``reference.ddtree`` (:data:`OP_NAMES`).
+    :class:`ReferenceOps` binds the NumPy references, :class:`NumbaOps` the numba twins; each
+    names every op in its ``__init__``, so a reader (or go-to-definition) finds the function an
+    ``ops.linear`` call runs."""
 
-    def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
-                      prefill=False, causal=False, plans=None):
-        """``reference.attention.mla_attention``; ``max_keys``, ``prefill`` and ``plans``
-        (the numba twin's split-plan hints and plan cache) do not change the result, so they
-        are ignored."""
-        return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible,
-                                                 tau, causal=causal)
-    ops["mla_attention"] = mla_attention
-    ops.update({name: getattr(module, name) for name, module in PAGED_OPS.items()})
-    return SimpleNamespace(**ops)
+    def replaced(self, **ops) -> "Ops":
+        """A copy with some ops swapped (a profiler's or a counter's wrappers)."""
+        unknown = sorted(set(ops) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(f"no op named {', '.join(unknown)}; ops: {', '.join(OP_NAMES)}")
+        other = copy.copy(self)
+        for name, fn in ops.items():
+            setattr(other, name, fn)
+        return other
+
+
+def _reference_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
+                             prefill=False, causal=False, plans=None):
+    """``reference.attention.mla_attention``; ``max_keys``, ``prefill`` and ``plans`` (the numba
+    twin's split-plan hints and plan cache) do not change the result, so they are ignored."""
+    return reference_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                             causal=causal)
+
+
+class ReferenceOps(Ops):
+    """The NumPy references (float64 inside, float32 out): the contracts."""
+
+    def __init__(self):
+        rl, ra, rd = reference_layers, reference_attention, reference_ddtree
+        self.rmsnorm, self.add_rmsnorm, self.rope = rl.rmsnorm, rl.add_rmsnorm, rl.rope
+        self.linear, self.embedding, self.argmax = rl.linear, rl.embedding, rl.argmax
+        self.moe_route, self.moe_ffn = rl.moe_route, rl.moe_ffn
+        self.mla_attention = _reference_mla_attention
+        self.absorb_q, self.apply_uv = ra.absorb_q, ra.apply_uv
+        self.topk_logprobs, self.build_tree = rd.topk_logprobs, rd.build_tree
+        self.compile_tree, self.accept_greedy = rd.compile_tree, rd.accept_greedy
+        self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
+        self.compact_kv = rd.compact_kv
+        self.paged_mla_attention = ra.paged_mla_attention
+        self.compact_kv_paged = rd.compact_kv_paged
+
+
+class CpuFloat32Ops(ReferenceOps):
+    """The reference's functions in float32 through BLAS, batch invariant (kdtree_numba/cpu.py:
+    the CPU path); the reference's own for the rest (embedding, argmax, the DDTree kernels:
+    integer or float64 work that is batch invariant already)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rmsnorm, self.add_rmsnorm, self.rope = cpu.rmsnorm, cpu.add_rmsnorm, cpu.rope
+        self.linear, self.moe_route, self.moe_ffn = cpu.linear, cpu.moe_route, cpu.moe_ffn
+        self.absorb_q, self.apply_uv = cpu.absorb_q, cpu.apply_uv
+        self.mla_attention = cpu.mla_attention
 
 
 def _no_paged_kernel(name: str):
@@ -338,29 +379,52 @@ def _wrapper(fn, convert, launch, on_gpu: bool):
     return wrapped
 
 
-def _numba_ops(on_gpu: bool, launch: SimpleNamespace, gemm: str) -> SimpleNamespace:
-    is_device, to_xp = _device_result_converter(on_gpu)
+class NumbaOps(Ops):
+    """The numba.cuda twins, each wrapped (:func:`_wrapper`): its device results converted
+    (CuPy views on a GPU, host copies under the simulator) and the backend's launch stream
+    passed.  ``gemm="tensor-cores"``: bf16 weights on tensor cores, everything else on kernels
+    whose summation order does not depend on M, and attention's keys split in fixed chunks:
+    every op is then batch invariant, which the rounding of x to bf16 needs (a last-bit
+    difference upstream flips a bf16 rounding and grows to ~1e-3)."""
 
-    def convert(x):
-        return map_arrays(to_xp, x, is_device)
+    def __init__(self, on_gpu: bool, launch, gemm: str):
+        is_device, to_xp = _device_result_converter(on_gpu)
 
-    ops = {name: _wrapper(getattr(module, name), convert, launch, on_gpu)
-           for module, names in ((numba_layers, LAYER_OPS), (numba_attention, ATTENTION_OPS),
-                                 (numba_ddtree, DDTREE_OPS))
-           for name in names}
-    ops.update({name: _no_paged_kernel(name) for name in PAGED_OPS})
-    if gemm == "tensor-cores":
-        # bf16 weights on tensor cores, everything else on kernels whose summation order does
-        # not depend on M, and attention's keys split in fixed chunks: every op is then batch
-        # invariant, which the rounding of x to bf16 needs -- a last-bit difference upstream
-        # flips a bf16 rounding and grows to ~1e-3 (tools/probe_batch_invariance.py)
-        for name in ("linear", "moe_route", "moe_ffn"):
-            ops[name] = functools.partial(ops[name], method="tensor-cores")
-        ops["mla_attention"] = functools.partial(ops["mla_attention"], batch_invariant=True)
-        heads = _Bf16Heads(launch, on_gpu)
-        ops["absorb_q"] = heads.passing_bf16(ops["absorb_q"], absorb=True)
-        ops["apply_uv"] = heads.passing_bf16(ops["apply_uv"], absorb=False)
-    return SimpleNamespace(**ops)
+        def convert(x):
+            return map_arrays(to_xp, x, is_device)
+
+        def wrap(fn):
+            return _wrapper(fn, convert, launch, on_gpu)
+        nl, na, nd = numba_layers, numba_attention, numba_ddtree
+        self.rmsnorm, self.add_rmsnorm = wrap(nl.rmsnorm), wrap(nl.add_rmsnorm)
+        self.rope, self.linear = wrap(nl.rope), wrap(nl.linear)
+        self.embedding, self.argmax = wrap(nl.embedding), wrap(nl.argmax)
+        self.moe_route, self.moe_ffn = wrap(nl.moe_route), wrap(nl.moe_ffn)
+        self.mla_attention = wrap(na.mla_attention)
+        self.absorb_q, self.apply_uv = wrap(na.absorb_q), wrap(na.apply_uv)
+        self.topk_logprobs, self.build_tree = wrap(nd.topk_logprobs), wrap(nd.build_tree)
+        self.compile_tree, self.accept_greedy = wrap(nd.compile_tree), wrap(nd.accept_greedy)
+        self.sample_targets = wrap(nd.sample_targets)
+        self.accept_sampled = wrap(nd.accept_sampled)
+        self.compact_kv = wrap(nd.compact_kv)
+        # no paged-KV kernels yet: the paged layout runs on the reference backend
+        self.paged_mla_attention = _no_paged_kernel("paged_mla_attention")
+        self.compact_kv_paged = _no_paged_kernel("compact_kv_paged")
+        if gemm == "tensor-cores":
+            self.linear = functools.partial(self.linear, method="tensor-cores")
+            self.moe_route = functools.partial(self.moe_route, method="tensor-cores")
+            self.moe_ffn = functools.partial(self.moe_ffn, method="tensor-cores")
+            self.mla_attention = functools.partial(self.mla_attention, batch_invariant=True)
+            heads = _Bf16Heads(launch, on_gpu)
+            self.absorb_q = heads.passing_bf16(self.absorb_q, absorb=True)
+            self.apply_uv = heads.passing_bf16(self.apply_uv, absorb=False)
+
+
+@dataclasses.dataclass
+class LaunchSettings:
+    """What the numba ops launch on (Backend.on_stream sets it): a stream, or None (the
+    default)."""
+    stream: object = None
 
 
 class _Bf16Heads:
@@ -374,7 +438,7 @@ class _Bf16Heads:
     capture raises (the conversion would only be recorded, never run): the capture then fails
     and that key runs eagerly, which converts the weight."""
 
-    def __init__(self, launch: SimpleNamespace, on_gpu: bool):
+    def __init__(self, launch: "LaunchSettings", on_gpu: bool):
         self.launch = launch
         self.on_gpu = on_gpu
         self.made: dict[int, tuple] = {}
@@ -446,9 +510,9 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores",
         if gemm != "cuda-cores":
             raise ValueError("gemm='tensor-cores' needs the numba backend (the reference "
                              "computes in float64)")
-        ops = _reference_ops()
+        ops = ReferenceOps()
         if precision == "float32":
-            ops = SimpleNamespace(**dict(vars(ops), **vars(cpu.cpu_ops())))
+            ops = CpuFloat32Ops()
             cpu.blas_threads()      # spinning BLAS threads on shared cores: cpu.py
         return Backend("reference", np, ops, on_gpu=False, precision=precision)
     if precision != "float64":
@@ -460,6 +524,6 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores",
         import cupy as xp
     else:
         xp = np
-    launch = SimpleNamespace(stream=None)
-    return Backend("numba", xp, _numba_ops(on_gpu, launch, gemm), on_gpu=on_gpu, _launch=launch,
+    launch = LaunchSettings()
+    return Backend("numba", xp, NumbaOps(on_gpu, launch, gemm), on_gpu=on_gpu, _launch=launch,
                    gemm=gemm)

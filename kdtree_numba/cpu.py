@@ -28,7 +28,6 @@ simpler).
 from __future__ import annotations
 
 import ctypes
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -37,7 +36,7 @@ from kdtree_numba import runtime
 from reference import attention as ref_attention
 from reference import layers as ref_layers
 
-__all__ = ["ROWS", "KEYS", "cpu_ops", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
+__all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "DENSE_EXPERTS"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
@@ -304,12 +303,3 @@ def blas_threads(n: int | None = None) -> int | None:
     for fn in setters:
         fn(int(n))
     return int(n) if setters else None
-
-
-def cpu_ops() -> SimpleNamespace:
-    """The float32 ops namespace: these functions, the reference's for the rest (embedding,
-    argmax, the DDTree kernels: integer or float64 work that is already batch invariant)."""
-    ops = dict(rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, rope=rope, linear=linear,
-               moe_route=moe_route, moe_ffn=moe_ffn, absorb_q=absorb_q, apply_uv=apply_uv,
-               mla_attention=mla_attention)
-    return SimpleNamespace(**ops)

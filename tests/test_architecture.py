@@ -171,3 +171,10 @@ def test_each_package_reads_the_environment_in_one_module():
              if ENVIRONMENT_READERS[name.split(".")[0]] != name]
     assert found == [], "read the switch through kdtree_numba.runtime (formats: formats.console)"
 
+
+
+def test_ops_and_weights_are_not_namespaces():
+    """The model's kernels and weights are typed objects a reader can follow, not
+    SimpleNamespace bags (go-to-definition stops at a namespace)."""
+    for name in ("kdtree_numba.backends", "kdtree_numba.model"):
+        assert "SimpleNamespace" not in MODULES[name].read_text(), name

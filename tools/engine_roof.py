@@ -24,7 +24,6 @@ of a forward selected, from a re-run of the same generation) or estimated for un
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
@@ -153,8 +152,7 @@ class RoutingCounter:
             self._rows[-1].append(distinct(idx, gate_w.shape[0]))
             return idx, weight
 
-        be.ops = SimpleNamespace(**dict(vars(be.ops), embedding=counting_embedding,
-                                        moe_route=counting_route))
+        be.ops = be.ops.replaced(embedding=counting_embedding, moe_route=counting_route)
         if self._graphs is not None:
             self.model.graphs = _EagerGraphs(self._graphs)
         return self
