@@ -45,6 +45,7 @@ from kdtree_numba.cli_output import TextStream, json_result, print_result, same_
 from kdtree_numba.config import weight_shapes
 from kdtree_numba.drafter import (ORACLE_FORM, BlockDrafter, DFlashDrafter, ModelDrafter,
                                   NoisyOracleDrafter)
+from kdtree_numba.device_round import device_rounds_possible
 from kdtree_numba.engine import generate
 from kdtree_numba.kvcache import CACHE_DTYPES
 from kdtree_numba.model import Model
@@ -151,6 +152,10 @@ def _run_parser() -> ArgumentParser:
                    "(attention then rounds its queries and weights to bf16 and runs on bf16 "
                    "tensor cores: tokens may differ from float32's at near-ties; "
                    "docs/ATTENTION.md, 'The bf16 cache')")
+    p.add_argument("--device-rounds", action="store_true",
+                   help="ddtree/chain with a DFlash drafter: run each round as one device "
+                   "program (one CUDA graph), enqueued before the last round is read; the same "
+                   "tokens (docs/ENGINE.md, 'Device rounds'; KDTREE_DEVICE_ROUNDS=1 too)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -300,6 +305,14 @@ def _run(argv: list[str]) -> int:
     t0 = time.perf_counter()
     model = _load_model(args, target, backend)
     drafter = _load_drafter(args, plan, model, backend)
+    if args.device_rounds:
+        why = ("needs --method ddtree or chain" if args.method == "ar" else
+               "needs a fixed --budget" if args.budget == "auto" else
+               "cannot run with --plot (it copies each round's tree)" if args.plot else
+               f"needs a device-only drafter (the DFlash drafter), not {drafter.name}"
+               if not device_rounds_possible(drafter) else None)
+        if why:
+            raise UsageError(f"--device-rounds {why}")
     _log(prog, f"backend {_backend_words(model.backend, args)}, {len(prompts)} prompt(s), "
          f"method {args.method}, loaded in {time.perf_counter() - t0:.2f} s; generating...")
     stream = TextStream(codec) if as_text and len(prompts) == 1 and not args.json else None
@@ -320,7 +333,8 @@ def _run(argv: list[str]) -> int:
                           drafter=drafter, budget=args.budget, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, eos=args.eos, progress=first_token.wrap(bar),
-                          stream=stream, on_round=recorder)
+                          stream=stream, on_round=recorder,
+                          device_rounds=True if args.device_rounds else None)
     finally:
         first_token.set()
         bar.close()

@@ -93,3 +93,24 @@ def test_a_round_run_ahead_in_vain_is_dropped_not_counted():
         assert dev.tokens == host.tokens and dev.stats.tau == host.stats.tau
         dropped += dev.stats.rounds_dropped
     assert dropped > 0
+
+
+def test_kdtree_run_device_rounds_give_the_same_text(capsys, monkeypatch):
+    """`kdtree-run --method ddtree --device-rounds` on the shipped pair prints what the
+    host-driven rounds print; a flag that cannot apply is one line, exit 2."""
+    import json
+    from kdtree_numba.cli import run_main
+    monkeypatch.delenv("KDTREE_DEBUG", raising=False)
+    args = ["--method", "ddtree", "--max-new-tokens", "12", "--json", "--budget", "8"]
+    outs = []
+    for extra in ([], ["--device-rounds"]):
+        assert run_main(args + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert outs[0] == outs[1]
+    for bad, why in ((["--method", "ar"], "needs --method ddtree or chain"),
+                     (["--method", "ddtree", "--budget", "auto"], "needs a fixed --budget"),
+                     (["--method", "ddtree", "--drafter", "oracle"], "needs a device-only")):
+        assert run_main(bad + ["--max-new-tokens", "2", "--device-rounds"]) == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines()
+               if "error" in line]
+        assert len(err) == 1 and why in err[0], err
