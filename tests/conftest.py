@@ -24,6 +24,13 @@ settings.register_profile("gpu", max_examples=300, deadline=None,
                                                  HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The simulator's launcher polls its threads without sleeping (over half of a kernel test's
+# time): tests/sim_scheduler.py makes it wait on a condition instead, same semantics.
+# KDTREE_SIM_POLLING=1 keeps numba-cuda's own loop (to compare, or to rule the patch out).
+if compat.SIMULATOR and os.environ.get("KDTREE_SIM_POLLING") != "1":
+    import sim_scheduler
+    sim_scheduler.install()
+
 
 def pytest_collection_modifyitems(config, items):
     if compat.gpu_available():
