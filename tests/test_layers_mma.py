@@ -549,6 +549,7 @@ print("assembled")
 """
 
 
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=600)
 def test_mma_kernels_compile_to_hopper_ptx():
     """The bf16 tile and every mma_config tile (and the benchmark's alternatives) compile for
     sm_90 with the m16n8k16 bf16 mma, cp.async and 128-bit shared loads, no local memory, no
