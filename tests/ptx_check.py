@@ -48,9 +48,23 @@ def _env() -> dict:
     return env
 
 
+_running: set = set()     # background processes, killed by stop_background
+
+
 def _run(script: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    args = [sys.executable, "-c", script]
+    with subprocess.Popen(args, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        _running.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            _running.discard(proc)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 # --- compiles in the background -----------------------------------------------------------
@@ -75,12 +89,14 @@ def start_in_background(checks) -> None:
 
 
 def stop_background() -> None:
-    """Drop the checks not started yet (a session that ends early); the running one ends on
-    its own (its timeout)."""
+    """Drop the checks not started yet and kill the running one (a session that ends before
+    their tests, as with -x, need not wait for NVVM)."""
     global _executor
     if _executor is not None:
         _executor.shutdown(wait=False, cancel_futures=True)
         _executor = None
+        for proc in list(_running):
+            proc.kill()
 
 
 def completed(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
