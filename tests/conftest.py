@@ -24,8 +24,21 @@ settings.register_profile("gpu", max_examples=300, deadline=None,
                                                  HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The simulator's launcher polls its threads without sleeping (over half of a kernel test's
+# time): tests/sim_scheduler.py makes it wait on a condition instead, same semantics.
+# KDTREE_SIM_POLLING=1 keeps numba-cuda's own loop (to compare, or to rule the patch out).
+if compat.SIMULATOR and os.environ.get("KDTREE_SIM_POLLING") != "1":
+    import sim_scheduler
+    sim_scheduler.install()
+
 
 def pytest_collection_modifyitems(config, items):
+    # Tests marked ``compile_check(script, timeout=...)`` run last: their scripts compile in
+    # the background meanwhile (tests/ptx_check.py), started once collection is final.
+    checks = [item for item in items if item.get_closest_marker("compile_check")]
+    if checks:
+        items[:] = [item for item in items if not item.get_closest_marker("compile_check")] \
+            + checks
     if compat.gpu_available():
         return
     why = ("no CUDA GPU here (simulator)" if compat.SIMULATOR else "no CUDA GPU here")
@@ -33,6 +46,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session):
+    import ptx_check
+    checks = []
+    for item in session.items:
+        mark = item.get_closest_marker("compile_check")
+        if mark is not None and not item.get_closest_marker("skip"):
+            checks.append((mark.args[0], mark.kwargs.get("timeout", 600)))
+    if checks and not session.config.option.collectonly:
+        ptx_check.start_in_background(checks)
+
+
+def pytest_sessionfinish(session):
+    import ptx_check
+    ptx_check.stop_background()
 
 
 @pytest.fixture

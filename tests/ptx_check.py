@@ -42,12 +42,75 @@ def ptxas(ptx, max_registers=0, arch="sm_90"):
 """
 
 
-def run_without_simulator(script: str, timeout: float = 600) -> str:
-    """Run ``script`` with ``python -c`` from the repository root; return its stdout."""
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+_running: set = set()     # background processes, killed by stop_background
+
+
+def _run(script: str, timeout: float) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-c", script]
+    with subprocess.Popen(args, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        _running.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            _running.discard(proc)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+# --- compiles in the background -----------------------------------------------------------
+# A compile check spends its time in NVVM, in its own process, while the rest of the suite
+# runs the simulator in one Python process, one core's worth (the GIL).  conftest.py starts
+# the checks of the collected tests marked ``compile_check`` on one background thread at the
+# start of the session (one subprocess at a time: the second core CI has) and runs those tests
+# last, where they only collect their results.  Started checks keep their own timeout.
+_executor = None
+_futures: dict = {}
+
+
+def start_in_background(checks) -> None:
+    """checks: (script, timeout) pairs, run one after another in that order."""
+    global _executor
+    from concurrent.futures import ThreadPoolExecutor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-check")
+    for script, timeout in checks:
+        if script not in _futures:
+            _futures[script] = _executor.submit(_run, script, timeout)
+
+
+def stop_background() -> None:
+    """Drop the checks not started yet and kill the running one (a session that ends before
+    their tests, as with -x, need not wait for NVVM)."""
+    global _executor
+    if _executor is not None:
+        _executor.shutdown(wait=False, cancel_futures=True)
+        _executor = None
+        for proc in list(_running):
+            proc.kill()
+
+
+def completed(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The finished process of ``script`` (its background run if one was started, waited for;
+    otherwise run now): a TimeoutExpired raises here either way."""
+    future = _futures.pop(script, None)
+    if future is not None and not future.cancelled():
+        return future.result()
+    return _run(script, timeout)
+
+
+def run_without_simulator(script: str, timeout: float = 600) -> str:
+    """Run ``script`` with ``python -c`` from the repository root; return its stdout."""
+    done = completed(script, timeout)
     if done.returncode == 77:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -703,9 +703,10 @@ print("compiled", len(jobs))
 """
 
 
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=600)
 def test_every_kernel_compiles_to_ptx_for_hopper():
     from ptx_check import run_without_simulator
-    assert "compiled 8" in run_without_simulator(PTX_SCRIPT)
+    assert "compiled 8" in run_without_simulator(PTX_SCRIPT, timeout=600)
 
 
 # ----------------------------------------------------------------------------- vectors

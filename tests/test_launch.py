@@ -56,14 +56,7 @@ def test_signature_leaves_host_arrays_and_objects_to_numba():
     assert _signature((2 ** 64,), rt) is None                       # numba refuses it
 
 
-def test_equal_signatures_mean_equal_numba_types():
-    """Real numba device arrays (no GPU needed to build one over a dummy pointer, but not
-    the simulator's) of every stride pattern of small shapes, scalars of every kind: two
-    arguments with one signature always get one numba type, so a kernel compiled for one is
-    right for the other.  Stride 0 on a length-1 axis is where numba and numpy disagree on
-    contiguity (the w[None] case, which once slowed every launch)."""
-    from ptx_check import run_without_simulator
-    out = run_without_simulator("""
+SIGNATURE_SCRIPT = """
 import itertools
 from types import SimpleNamespace
 import numpy as np
@@ -89,7 +82,18 @@ for a in args:
         checked += 1
     seen[k] = t
 print("ok", len(args), len(seen), checked)
-""", timeout=300)
+"""
+
+
+@pytest.mark.compile_check(SIGNATURE_SCRIPT, timeout=300)
+def test_equal_signatures_mean_equal_numba_types():
+    """Real numba device arrays (no GPU needed to build one over a dummy pointer, but not
+    the simulator's) of every stride pattern of small shapes, scalars of every kind: two
+    arguments with one signature always get one numba type, so a kernel compiled for one is
+    right for the other.  Stride 0 on a length-1 axis is where numba and numpy disagree on
+    contiguity (the w[None] case, which once slowed every launch)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(SIGNATURE_SCRIPT, timeout=300)
     words = out.split()
     assert words[-4] == "ok" and int(words[-3]) > 900 and int(words[-1]) > 500, out
 

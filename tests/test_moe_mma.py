@@ -351,6 +351,7 @@ print("assembled")
 """
 
 
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=600)
 def test_moe_mma_kernels_compile_to_hopper_ptx():
     """Both grouped kernels of every moe_mma_config tile at the Kimi-K2 batch sizes compile
     for sm_90 (m16n8k16 bf16 mma, cp.async, 128-bit shared loads), no local memory, and ptxas

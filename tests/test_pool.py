@@ -11,16 +11,18 @@ import numpy as np
 import pytest
 
 
+PLUGIN_SCRIPT = ("from numba import cuda\n"
+                 "from kdtree_numba.gpu.pool import CupyPoolMemoryManager\n"
+                 "cuda.set_memory_manager(CupyPoolMemoryManager)\n"
+                 "print('version', CupyPoolMemoryManager(context=None).interface_version)\n")
+
+
+@pytest.mark.compile_check(PLUGIN_SCRIPT, timeout=120)
 def test_plugin_speaks_numbas_emm_interface():
     """numba accepts the plugin (set_memory_manager checks its interface version); run
     without the simulator, which replaces numba's driver module."""
     from ptx_check import run_without_simulator
-    out = run_without_simulator(
-        "from numba import cuda\n"
-        "from kdtree_numba.gpu.pool import CupyPoolMemoryManager\n"
-        "cuda.set_memory_manager(CupyPoolMemoryManager)\n"
-        "print('version', CupyPoolMemoryManager(context=None).interface_version)\n",
-        timeout=120)
+    out = run_without_simulator(PLUGIN_SCRIPT, timeout=120)
     assert out.split()[-2:] == ["version", "1"]
 
 

@@ -176,6 +176,7 @@ print("assembled")
 """
 
 
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=300)
 def test_tile_kernel_assembles_for_hopper():
     from ptx_check import run_without_simulator
     assert "assembled" in run_without_simulator(PTX_SCRIPT, timeout=300)
@@ -206,6 +207,7 @@ print("assembled")
 """
 
 
+@pytest.mark.compile_check(WGMMA_SCRIPT, timeout=300)
 def test_hopper_launches_compile_for_sm_90a_where_wgmma_assembles():
     """wgmma (and setmaxnreg) exist only on the arch-specific target sm_90a.  numba-cuda 0.30
     compiles a kernel launched on a 9.0 device for compute_90a (its codegen appends "a"),
