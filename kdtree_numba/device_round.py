@@ -19,31 +19,28 @@ the one before it into pinned memory; the host commits that round's tokens while
 runs the next, so the device never waits for the host's read, bookkeeping or launch.
 
 A round enqueued for a request the last unread round has finished (eos, max_new_tokens) is
-wasted work whose tokens the host drops; its cache growth is bounded by L + 1 slots (the
-engine sizes the caches for it) and rolled back at the end.  Only a drafter whose ``propose``
+wasted work whose tokens the host drops (``stats.rounds_dropped`` where no request of it was
+still running); its cache growth is bounded by L + 1 slots (the engine sizes the caches for
+it) and stays in the caches' lengths, as the device made it.  Only a drafter whose ``propose``
 and ``on_commit`` need no host value (``device_only``: a commit without host counts) can run
 this way; ``engine.generate`` chooses it (docs/ENGINE.md, "Device rounds").
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from kdtree_numba.drafting import Commit, DraftContext
+from kdtree_numba.kvlayout import device_address
 from kdtree_numba.model import ForwardInputs
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
 
 __all__ = ["DeviceRounds", "device_rounds_possible"]
 
-# the programs of each generation cache (engine.generate reuses its cache, and so the
-# programs' device buffers, which their captured graphs hold): cache -> {key: DeviceRounds}
-_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 def device_rounds_possible(drafter) -> bool:
-    """Whether ``drafter`` declares that a round can run without host values."""
+    """Whether ``drafter`` declares that a round can run without host values (and so names
+    its device state: ``graph_key``)."""
     return bool(getattr(drafter, "device_only", False))
 
 
@@ -82,11 +79,12 @@ class DeviceRounds:
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
         (host, T > 0; W >= cache.max_len + 2 is cut to it).  The target cache and the
         drafter hold the prompts' commits."""
-        programs = _PROGRAMS.setdefault(cache, {})
+        # a cache's programs live on it (engine.generate reuses its cache, and so the
+        # programs' device buffers, which their captured graphs hold), and die with it
         key = (id(model), id(drafter), int(budget), k, as_sampling(sampling))
-        rounds = programs.get(key)
-        if rounds is None or rounds.drafter is not drafter:
-            rounds = programs[key] = cls(model, cache, drafter, budget, k, sampling)
+        rounds = cache.programs.get(key)
+        if rounds is None or rounds.drafter is not drafter or rounds.model is not model:
+            rounds = cache.programs[key] = cls(model, cache, drafter, budget, k, sampling)
         rounds.restart(roots, table)
         return rounds
 
@@ -135,11 +133,15 @@ class DeviceRounds:
         return packed
 
     def _key(self) -> tuple:
+        """Everything the captured round depends on besides its input: the tree and the
+        sampling, and the address of every device buffer it reads or writes in place (both
+        caches' arrays and lengths, the drafter's own state, the roots, the uniforms): a
+        buffer replaced (a drafter cache of another size, after a generation on this
+        target cache) makes another key, never a replay against freed memory."""
         key = ("round", self.budget, self.k, self.sampling, self.width, self.needs)
-        key += self.cache.buffer_key()
-        if self.drafter_cache is not None:
-            key += self.drafter_cache.buffer_key()
-        return key + (id(self.drafter), id(self.roots), id(self.table))
+        key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
+        return key + (device_address(self.roots),
+                      None if self.table is None else device_address(self.table))
 
     # ---- the host side
     def launch(self, active: np.ndarray) -> None:
@@ -184,8 +186,8 @@ class DeviceRounds:
         return packed, active
 
     def finish(self) -> None:
-        """Drop the rounds still in flight (their requests had finished): wait for them, then
-        roll both caches back to the last collected round's lengths."""
+        """Drop the rounds still in flight, if any (an exception in the loop): wait for them,
+        then set both caches to the last collected round's lengths."""
         for wait, _, _ in self.in_flight:
             wait()
         self.in_flight.clear()

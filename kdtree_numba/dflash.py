@@ -40,6 +40,7 @@ from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_df
 from kdtree_numba.config import ModelConfig
 from kdtree_numba.drafting import Commit, DraftContext, TargetNeeds
 from kdtree_numba.kvcache import KVCache
+from kdtree_numba.kvlayout import device_address
 from kdtree_numba.model import Model
 
 __all__ = ["DFlashDrafter", "context_phase"]
@@ -154,10 +155,11 @@ class DFlashDrafter:
         ``lengths[b]`` rows of ``features`` [bs, m, k D] (float32, device or host; the rows of
         the next tokens in order, the rest ignored), fused and injected into every layer's
         cache at the next positions, and committed."""
-        m = self._inject(features)
+        m = int(features.shape[1])
         lengths = np.broadcast_to(np.asarray(lengths, np.int64), (int(features.shape[0]),))
         if np.any(lengths < 0) or np.any(lengths > m):
             raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
+        self._inject(features)
         self.cache.advance(lengths)
 
     def extend_on_device(self, features, counts) -> None:
@@ -181,6 +183,12 @@ class DFlashDrafter:
                                    context_phase(self.model, cache, self.fc, self.hidden_norm),
                                    (features, cache.device_lengths))
         return m
+
+    def graph_key(self) -> tuple:
+        """The device state a captured device round reads and writes of this drafter: its
+        context cache's buffers and lengths, its block's constant arrays (addresses)."""
+        return self._started(self.cache.batch).buffer_key() + tuple(
+            device_address(a) for a in self._block)
 
     def prepare_capture(self) -> None:
         """Before a CUDA graph captures a device round that runs this drafter: its model's

@@ -25,9 +25,11 @@ bookkeeping (its cache's capacity).
 
 A drafter may declare ``device_only = True`` when its ``propose`` and ``on_commit`` read no
 host value (it accepts a commit whose ``counts_host`` is None): the engine may then run whole
-rounds as device programs captured in one CUDA graph (kdtree_numba/device_round.py); its
-optional ``prepare_capture()`` runs before such a capture (state that must be recorded with
-the graph, such as its model's attention plans, is made inside it).
+rounds as device programs captured in one CUDA graph (kdtree_numba/device_round.py).  Such a
+drafter names the device buffers a round reads and writes in place (``graph_key()``: their
+addresses, part of the graph's key), and its optional ``prepare_capture()`` runs before a
+capture (state that must be recorded with the graph, such as its model's attention plans, is
+made inside it).
 
 Adding a drafter (docs/ARCHITECTURE.md, "Adding a drafter"): a class with ``name``,
 ``vocab_size``, ``block_len``, ``needs`` and the three calls; ``engine.generate`` takes it as

@@ -361,8 +361,9 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), budget, k,
                                          sampling, table)
     try:
-        rounds.launch(req.active.copy())
-        timer.lap("round")
+        if req.active.any():
+            rounds.launch(req.active.copy())
+            timer.lap("round")
         while rounds.in_flight:
             ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
                                            for out in req.out])

@@ -85,6 +85,9 @@ class KVCache:
         self.device_lengths = backend.asarray(np.zeros(batch, np.int32))
         self.pending = False
         self._floor = self.lengths.copy()   # what the lengths are at least (exact unless pending)
+        # device programs built over this cache (kdtree_numba/device_round.py), which hold its
+        # buffers' addresses in their CUDA graphs: they live as long as the cache
+        self.programs: dict = {}
         self._written = 0                   # slots per request the last reserve made room for
 
     @property
@@ -265,9 +268,9 @@ class KVCache:
 
     def buffer_key(self) -> tuple:
         """The key of a CUDA graph that reads or writes the cache (KVLayout.key: the layout
-        and its arrays' addresses and shapes; the same buffers, reused by another cache
-        object, replay correctly)."""
-        return self.layout.key((self.c, self.k_pe))
+        and its arrays' addresses and shapes, the device lengths' among them; the same
+        buffers, reused by another cache object, replay correctly)."""
+        return self.layout.key((self.c, self.k_pe, self.device_lengths))
 
     def commit_tree(self, ops, acc_idx, acc_len, accepted, active=None) -> None:
         """:meth:`compact_tree`, then commit ``accepted[b]`` rows per request (host ints: the

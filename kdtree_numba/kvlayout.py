@@ -25,7 +25,7 @@ import heapq
 import numpy as np
 
 __all__ = ["KVLayout", "DenseLayout", "PagedLayout", "PageTable", "CacheFullError",
-           "make_layout", "layout_spec"]
+           "make_layout", "layout_spec", "device_address"]
 
 
 class CacheFullError(RuntimeError):
@@ -42,7 +42,9 @@ class PageTable:
     kv_last_page_len: object
 
 
-def _address(a) -> int:
+def device_address(a) -> int:
+    """The address of an array's first byte (device or host): what a CUDA graph that reads
+    it depends on."""
     iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
     return int(iface["data"][0])
 
@@ -96,7 +98,7 @@ class KVLayout:
     def key(self, arrays) -> tuple:
         """The layout's part of a CUDA graph's key: what a graph that reads or writes the cache
         depends on besides its inputs (the arrays' addresses and shapes, the spec)."""
-        return (self.spec,) + tuple((_address(a), tuple(a.shape)) for a in arrays)
+        return (self.spec,) + tuple((device_address(a), tuple(a.shape)) for a in arrays)
 
     def reusable(self, spec: str, batch: int, max_len: int) -> bool:
         """Whether an emptied cache of this layout serves a new generation of ``batch``

@@ -28,12 +28,18 @@ formats/console.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Mapping
 
 __all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "configure", "reset"]
 
 FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "lineinfo")
+# every variable a RuntimeConfig is read from
+VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
+             "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
+             "KDTREE_DEVICE_ROUNDS", "KDTREE_KERNEL_CACHE", "KDTREE_KERNEL_CACHE_DIR",
+             "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
 
@@ -77,15 +83,19 @@ class RuntimeConfig:
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> "RuntimeConfig":
         env = os.environ if environ is None else environ
-        warp = env.get("KDTREE_SIM_WARP", "4").strip() or "4"
-        try:
-            sim_warp = int(warp)
-        except ValueError:
-            raise ValueError(f"KDTREE_SIM_WARP={warp!r}: expected a whole number of lanes "
-                             f"(a power of two, 1 to 32)") from None
-        if sim_warp < 1 or sim_warp > 32 or sim_warp & (sim_warp - 1):
-            raise ValueError(f"KDTREE_SIM_WARP={sim_warp}: expected a power of two, 1 to 32")
-        return cls(simulator=env.get("NUMBA_ENABLE_CUDASIM", "0") == "1", sim_warp=sim_warp,
+        simulator = env.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+        sim_warp = 4
+        if simulator:               # the simulator's warp width: nothing else reads it
+            warp = env.get("KDTREE_SIM_WARP", "4").strip() or "4"
+            try:
+                sim_warp = int(warp)
+            except ValueError:
+                raise ValueError(f"KDTREE_SIM_WARP={warp!r}: expected a whole number of "
+                                 f"lanes (a power of two, 1 to 32)") from None
+            if sim_warp < 1 or sim_warp > 32 or sim_warp & (sim_warp - 1):
+                raise ValueError(f"KDTREE_SIM_WARP={sim_warp}: expected a power of two, 1 to "
+                                 f"32")
+        return cls(simulator=simulator, sim_warp=sim_warp,
                    numba_pool=_flag(env, "KDTREE_NUMBA_POOL", True),
                    fast_launch=_flag(env, "KDTREE_FAST_LAUNCH", True),
                    lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
@@ -106,7 +116,15 @@ def current() -> RuntimeConfig:
     per-call switches now beside the import-time ones."""
     if _configured is not None:
         return _configured
-    now = RuntimeConfig.from_environment()
+    # read per call (a benchmark or a test flips a switch between calls), but parsed once per
+    # distinct environment: the MoE asks on every call
+    return _from_values(tuple(os.environ.get(name) for name in VARIABLES))
+
+
+@functools.lru_cache(maxsize=16)
+def _from_values(values: tuple) -> RuntimeConfig:
+    env = {name: value for name, value in zip(VARIABLES, values) if value is not None}
+    now = RuntimeConfig.from_environment(env)
     return dataclasses.replace(now, **{f: getattr(_AT_IMPORT, f) for f in FIXED_AT_IMPORT})
 
 

@@ -100,7 +100,10 @@ def load_weight(backend, name: str, tensor, use: str, dtype=None):
     line (:class:`WeightFormatUnsupported`)."""
     if use not in USES:
         raise ValueError(f"weight use must be one of {USES}, got {use!r}")
-    fmt = format_of(tensor)
+    try:
+        fmt = format_of(tensor)
+    except TypeError as e:
+        raise WeightFormatUnsupported(f"{name}: {e}") from None
     uses = fmt.runs_on.get(backend.name, frozenset())
     if use not in uses:
         where = ", ".join(f"{b}: {', '.join(sorted(u))}" for b, u in fmt.runs_on.items())

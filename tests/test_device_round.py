@@ -44,16 +44,25 @@ def test_device_rounds_give_the_host_rounds_tokens(method, budget, temperature):
 def test_a_device_round_program_is_reused_by_the_next_generation():
     """The second generation on the same cache runs the same program object (its buffers are
     what a captured CUDA graph holds), restarted, with the first one's tokens."""
-    from kdtree_numba import device_round
     target, drafter = target_and_drafter()
     prompts = [[5, 6, 7], [2, 3]]
     first = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
                      device_rounds=True)
-    programs = dict(device_round._PROGRAMS[target.generation_cache])
+    programs = dict(target.generation_cache.programs)
+    (rounds,) = programs.values()
+    key = rounds._key()
     again = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
                      device_rounds=True)
     assert again.tokens == first.tokens == generate(target, prompts, 12).tokens
-    assert dict(device_round._PROGRAMS[target.generation_cache]) == programs
+    assert dict(target.generation_cache.programs) == programs and rounds._key() == key
+    # a longer generation on the same target cache but a larger drafter cache: the program
+    # is the same, its graph key is not (it names the drafter cache's buffers)
+    longer = generate(target, [[5, 6, 7]] * 2, 233, method="ddtree", drafter=drafter,
+                      budget=6, device_rounds=True)
+    assert target.generation_cache.programs[next(iter(programs))] is rounds
+    assert drafter.cache.max_len == 512 and rounds.cache.max_len == 256   # the same target cache
+    assert longer.tokens == generate(target, [[5, 6, 7]] * 2, 233).tokens
+    assert rounds._key() != key
 
 
 def test_device_rounds_refuse_a_drafter_that_needs_the_host():
@@ -114,3 +123,22 @@ def test_kdtree_run_device_rounds_give_the_same_text(capsys, monkeypatch):
         err = [line for line in capsys.readouterr().err.strip().splitlines()
                if "error" in line]
         assert len(err) == 1 and why in err[0], err
+
+
+def test_programs_live_as_long_as_their_cache_and_nothing_runs_for_no_request():
+    """A cache's device programs die with it (no global registry keeps the cache, the model
+    and the drafter alive); a generation whose every request ends at its first token runs no
+    round."""
+    import gc
+    import weakref
+    target, drafter = target_and_drafter()
+    res = generate(target, [[5, 6, 7]], 1, method="ddtree", drafter=drafter, budget=6,
+                   device_rounds=True)
+    assert res.stats.rounds == 0 and res.stats.rounds_dropped == 0 and len(res.tokens[0]) == 1
+    generate(target, [[5, 6, 7]], 6, method="ddtree", drafter=drafter, budget=6,
+             device_rounds=True)
+    cache = weakref.ref(target.generation_cache)
+    assert cache().programs
+    target.generation_cache = None
+    gc.collect()
+    assert cache() is None
