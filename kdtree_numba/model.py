@@ -288,8 +288,8 @@ class Model(DeviceSteps):
         ``(logits[, hidden][, features])`` when either extra is asked for.
         ``logit_rows`` [bs] (host ints in [0, n)): only row ``logit_rows[b]`` of request b
         goes through the lm_head, and logits are [bs, 1, V].  A prefill needs only its last
-        token's logits, and at 4,096 tokens the lm_head of every row was 11% of the forward
-        (47 ms of 437 on the H200, run 85).  On tensor cores the linear is batch invariant, so
+        token's logits (the lm_head of every row is a large share of a long prompt's
+        forward).  On tensor cores the linear is batch invariant, so
         the row gets the same bits either way; on CUDA cores a few rows take another kernel
         (last-bit differences).
         ``causal``: a promise that ``visible[b, i, j]`` is false for j > i (a prefill's causal
