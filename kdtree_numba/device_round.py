@@ -68,8 +68,7 @@ class DeviceRounds:
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
             if not self.sampling.greedy else None
         self.in_flight: list = []                       # (read's wait, launch mask) per round
-        self.floor = self.drafter_floor = None
-        self.drafter_cache = None
+        self.floor = None
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, budget: int, k: int | None,
@@ -98,10 +97,6 @@ class DeviceRounds:
                 np.asarray(table, np.float64)[:, :width]))
         self.in_flight.clear()
         self.floor = self.cache.lengths.copy()
-        # the drafter's context grows as the target's cache: its host mirror is kept alike
-        self.drafter_cache = getattr(self.drafter, "cache", None)
-        self.drafter_floor = None if self.drafter_cache is None \
-            else self.drafter_cache.lengths.copy()
 
     # ---- the program: device work only, so a CUDA graph can capture it
     def _round(self, active):
@@ -152,11 +147,7 @@ class DeviceRounds:
         # W rows, the drafter's block of L + 1)
         grow = np.where(active, min(self.width, self.drafter.block_len + 1), 0)
         self.cache.reserve(self.width)
-        self.cache.expect_device_growth(self.floor, self.cache.lengths + grow)
-        if self.drafter_cache is not None:
-            self.drafter_cache.reserve(self.drafter.block_len + 1)
-            self.drafter_cache.expect_device_growth(self.drafter_floor,
-                                                    self.drafter_cache.lengths + grow)
+        self._bound(self.floor, self.cache.lengths + grow)
         mask = active.astype(np.int32)
         packed = self.model.device_step(self._key(), self._round, (mask,),
                                         before_capture=getattr(self.drafter,
@@ -171,26 +162,27 @@ class DeviceRounds:
         packed = np.asarray(wait())
         grow = np.where(active, packed[:, 0], 0).astype(np.int64)
         self.floor = self.floor + grow
-        if self.drafter_floor is not None:
-            self.drafter_floor = self.drafter_floor + grow
         # the host mirrors: exact again, or the read lengths plus the bounds still in flight
         pending = sum((bound for _, _, bound in self.in_flight), np.zeros_like(self.floor))
-        for cache, floor in ((self.cache, self.floor),
-                             (self.drafter_cache, self.drafter_floor)):
-            if cache is None:
-                continue
-            if self.in_flight:
-                cache.expect_device_growth(floor, floor + pending)
-            else:
-                cache.confirm_lengths(floor)
+        self._bound(self.floor, self.floor + pending)
         return packed, active
+
+    def _bound(self, floor, upper) -> None:
+        """The host mirrors of the lengths the device rounds make: the target cache's, and the
+        drafter's own state, which grows as the target's cache does (``bound_lengths``:
+        also its capacity check, as the replays run no Python); exact where ``floor`` and
+        ``upper`` agree."""
+        if np.array_equal(floor, upper):
+            self.cache.confirm_lengths(floor)
+        else:
+            self.cache.expect_device_growth(floor, upper)
+        self.drafter.bound_lengths(floor, upper)
 
     def finish(self) -> None:
         """Drop the rounds still in flight, if any (an exception in the loop): wait for them,
-        then set both caches to the last collected round's lengths."""
+        then set the target cache to the last collected round's lengths (a drafter's state
+        starts afresh with the next generation's ``start``)."""
         for wait, _, _ in self.in_flight:
             wait()
         self.in_flight.clear()
         self.cache.truncate(self.floor)
-        if self.drafter_cache is not None:
-            self.drafter_cache.truncate(self.drafter_floor)

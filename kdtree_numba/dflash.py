@@ -190,6 +190,17 @@ class DFlashDrafter:
         return self._started(self.cache.batch).buffer_key() + tuple(
             device_address(a) for a in self._block)
 
+    def bound_lengths(self, floor, upper) -> None:
+        """A device round's host side (kdtree_numba/device_round.py): the context's lengths,
+        always the target cache's, lie in ``[floor, upper]`` (host ints; exact where equal),
+        and the room for a block after them is checked (its replays run no Python)."""
+        cache = self._started(len(floor))
+        if np.array_equal(floor, upper):
+            cache.confirm_lengths(floor)
+        else:
+            cache.expect_device_growth(floor, upper)
+            cache.check_room(self.spec.block_size)
+
     def prepare_capture(self) -> None:
         """Before a CUDA graph captures a device round that runs this drafter: its model's
         attention plans are made inside the capture, so their scratch is recorded with it."""

@@ -27,7 +27,8 @@ A drafter may declare ``device_only = True`` when its ``propose`` and ``on_commi
 host value (it accepts a commit whose ``counts_host`` is None): the engine may then run whole
 rounds as device programs captured in one CUDA graph (kdtree_numba/device_round.py).  Such a
 drafter names the device buffers a round reads and writes in place (``graph_key()``: their
-addresses, part of the graph's key), and its optional ``prepare_capture()`` runs before a
+addresses, part of the graph's key), keeps the host's view of its own state given the bounds
+of the target cache's lengths (``bound_lengths(floor, upper)``), and its optional ``prepare_capture()`` runs before a
 capture (state that must be recorded with the graph, such as its model's attention plans, is
 made inside it).
 
