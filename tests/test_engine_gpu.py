@@ -426,3 +426,38 @@ def test_gpu_graph_inputs_from_the_device_in_any_layout_and_dtype():
                 + (base[:, 4:] - step) + base[:, 1:5] * step)
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
     assert graphs.captures == 1 and graphs.replays == 3
+
+
+def test_gpu_host_inputs_go_up_without_waiting_for_the_device():
+    """A replay's host inputs go up through the input's own pinned buffers, stream-ordered:
+    the host does not wait for the work queued before it (a kernel sleeping ~100 ms here;
+    CuPy's synchronous ``set`` waited for it, so a step "one ahead" was not), and replays
+    queued back to back with different host values each read their own (two buffers in
+    turn, each rewritten only once its copy is done)."""
+    import time
+
+    import cupy
+
+    from kdtree_numba.graphs import GraphCache
+    _, gpu = pair("tiny")
+    graphs = GraphCache(gpu.backend)
+    spec = (((256,), np.float32),)
+
+    def call(value):
+        return graphs.call(("up",), lambda x: x * 3 + 1, (np.full(256, value, np.float32),),
+                           spec)
+
+    call(0)
+    call(0)                                               # eager, then captured
+    big = cupy.ones((8192, 8192), np.float32)
+    cupy.cuda.Device().synchronize()
+    for _ in range(6):                                    # ~100+ ms of queued work
+        big = big @ big * np.float32(1 / 8192)
+    t0 = time.perf_counter()
+    first = [call(v) for v in (1, 2)]                     # both buffers free: no wait
+    queued = time.perf_counter() - t0
+    rest = [call(v) for v in range(3, 9)]                 # waits for buffer 1's copy
+    for value, out in enumerate(first + rest, start=1):
+        np.testing.assert_array_equal(cupy.asnumpy(out), 3 * value + 1)
+    assert queued < 0.03, f"two replays with host inputs took {queued:.3f} s behind " \
+                          f"~100 ms of queued GEMMs: their uploads waited for the device"
