@@ -134,9 +134,9 @@ class DFlashDrafter:
     device_only = True
 
     def start(self, batch: int, max_len: int) -> None:
-        """An empty context for ``batch`` requests of up to ``max_len`` positions (the last
-        generation's cache when it fits, so its CUDA graphs replay)."""
-        self.cache = self.model.reuse_cache(self.cache, batch, max_len)
+        """An empty context for ``batch`` requests of up to ``max_len`` positions (a kept cache
+        of that batch and capacity when there is one, so its CUDA graphs replay)."""
+        self.cache = self.model.cache_for_generation(batch, max_len, owner="drafter")
         B, xp = self.spec.block_size, self.model.backend.xp
         # the block forward's token ids (unused: it takes embeddings) and visibility, on the
         # device once, so a proposal uploads nothing; kept while the batch is (a captured

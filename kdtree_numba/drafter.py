@@ -72,8 +72,8 @@ class ModelDrafter:
                    name=f"model:{path}")
 
     def start(self, batch: int, max_len: int) -> None:
-        # the last generation's cache when it fits: the CUDA graphs of its forwards replay
-        self.cache = self.model.reuse_cache(self.cache, batch, max_len)
+        # a kept cache of this batch and capacity: the CUDA graphs of its forwards replay
+        self.cache = self.model.cache_for_generation(batch, max_len, owner="drafter")
         self.committed = np.zeros(batch, np.int64)
         self.pending = None
 

@@ -63,7 +63,11 @@ from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat
 
 __all__ = ["GraphCache", "graphs_enabled"]
 
-MAX_GRAPHS = 24        # captured shapes kept per model (least recently used dropped)
+# captured graphs kept per model and kind (a key's first entry), the least recently used of
+# the kind dropped: a kind of its own for the prefills (one graph per prompt length, each
+# holding its activations) keeps them from pushing out the graphs every round replays
+MAX_GRAPHS = {"prefill": 8}
+MAX_GRAPHS_OF_A_KIND = 24
 MAX_SEEN = 256         # keys remembered while waiting for their second call
 
 
@@ -281,6 +285,7 @@ class GraphCache:
         self._graphs[key] = entry
         self._seen.pop(key, None)
         self.captures += 1
-        while len(self._graphs) > MAX_GRAPHS:
-            self._graphs.popitem(last=False)
+        same_kind = [k for k in self._graphs if k[0] == key[0]]
+        for old in same_kind[:-MAX_GRAPHS.get(key[0], MAX_GRAPHS_OF_A_KIND)]:
+            del self._graphs[old]
         return entry

@@ -22,6 +22,7 @@ builds their keys.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Mapping
 
@@ -46,6 +47,11 @@ __all__ = ["ModelConfig", "Model", "ForwardBatch", "LayerWeights", "weight_shape
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
 # one (and the CUDA graphs captured against it): Model.reuse_cache
 CACHE_BUCKET = 256
+# generation caches a model keeps per owner (engine, drafter), by capacity bucket, the least
+# recently used dropped: prompts of different lengths need caches of different buckets, and a
+# cache's CUDA graphs replay only on it, so with one cache kept, prompts alternating between
+# two buckets made a new cache, and recaptured every graph, on each generation
+GENERATION_CACHES = 4
 # q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (DeepSeek's code).
 LATENT_NORM_EPS = 1e-6
 
@@ -182,8 +188,8 @@ class Model(DeviceSteps):
         # None: everything runs eagerly (the reference backend, the simulator,
         # KDTREE_CUDA_GRAPHS=0)
         self.graphs: GraphCache | None = None
-        # engine.generate's KV cache, kept for the next generation (cache_for_generation)
-        self.generation_cache: KVCache | None = None
+        # the generations' KV caches, kept for the next generations (cache_for_generation)
+        self._generation_caches: collections.OrderedDict = collections.OrderedDict()
         if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
             self.graphs = self.new_graphs()
 
@@ -279,12 +285,35 @@ class Model(DeviceSteps):
             return previous
         return self.new_cache(batch, bucket)
 
-    def cache_for_generation(self, batch: int, max_len: int) -> KVCache:
-        """engine.generate's KV cache: the last generation's, emptied, when it fits
-        (:meth:`reuse_cache`), else a new one; kept in ``generation_cache`` for the next call,
-        so its CUDA graphs replay there (``model.generation_cache = None`` drops it)."""
-        self.generation_cache = self.reuse_cache(self.generation_cache, batch, max_len)
-        return self.generation_cache
+    def cache_for_generation(self, batch: int, max_len: int, owner: str = "engine") -> KVCache:
+        """A generation's KV cache: a kept one of ``owner``'s, emptied, when one has this
+        batch and capacity bucket (:meth:`reuse_cache`), else a new one, kept for the next
+        calls (up to GENERATION_CACHES per owner, the least recently used dropped), so the
+        CUDA graphs captured on it replay there.  ``owner`` keeps apart the caches of users
+        of one model (engine.generate's, a drafter's own context)."""
+        bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
+        key = (owner, int(batch), bucket)
+        cache = self.reuse_cache(self._generation_caches.pop(key, None), batch, max_len)
+        self._generation_caches[key] = cache
+        mine = [k for k in self._generation_caches if k[0] == owner]
+        for old in mine[:-GENERATION_CACHES]:
+            del self._generation_caches[old]
+        return cache
+
+    @property
+    def generation_cache(self) -> KVCache | None:
+        """engine.generate's most recent KV cache (None before the first generation)."""
+        mine = [c for (owner, *_), c in self._generation_caches.items() if owner == "engine"]
+        return mine[-1] if mine else None
+
+    @generation_cache.setter
+    def generation_cache(self, value: KVCache | None) -> None:
+        """``None`` drops every kept cache (and so the CUDA graphs' hold on them); a cache
+        becomes engine.generate's for its batch and capacity."""
+        if value is None:
+            self._generation_caches.clear()
+        else:
+            self._generation_caches[("engine", value.batch, value.max_len)] = value
 
     def new_graphs(self) -> GraphCache:
         """An empty CUDA-graph cache for this model's forwards and steps (GPU numba backend
@@ -423,8 +452,10 @@ class Model(DeviceSteps):
         embedded = batch.embeds is not None
         return_hidden, causal, prefill = (bool(batch.return_hidden), bool(batch.causal),
                                           bool(batch.prefill))
-        key = ("forward", bs, n, return_hidden, capture, embedded, selected, causal,
-               prefill) + cache.buffer_key()
+        # prefills are a kind of their own: one graph per prompt length, in a pool of their
+        # own (graphs.MAX_GRAPHS), so they never push out the decode and verify graphs
+        key = ("prefill" if prefill else "forward", bs, n, return_hidden, capture, embedded,
+               selected, causal) + cache.buffer_key()
 
         def run(tok, pos, vis, lengths, *extra):
             extra = list(extra)

@@ -209,6 +209,31 @@ def test_generation_cache_is_reused_by_the_next_generation():
     assert model.generation_cache.max_len == 2 * CACHE_BUCKET and len(big.tokens[0]) > 0
 
 
+def test_generation_caches_are_kept_per_bucket_and_owner():
+    """Prompts alternating between capacity buckets get back their bucket's cache each time
+    (each cache's CUDA graphs replay only on it), the engine's and a drafter's caches never
+    mix on one model, the least recently used goes beyond GENERATION_CACHES of an owner, and
+    ``generation_cache = None`` drops them all."""
+    from kdtree_numba.model import GENERATION_CACHES
+    model = tiny_model(0)
+    small, large = (model.cache_for_generation(1, n) for n in (10, CACHE_BUCKET + 10))
+    assert small.max_len == CACHE_BUCKET and large.max_len == 2 * CACHE_BUCKET
+    small.advance(np.array([5]))
+    assert model.cache_for_generation(1, 20) is small and small.lengths.tolist() == [0]
+    assert model.cache_for_generation(1, CACHE_BUCKET + 1) is large
+    assert model.generation_cache is large
+    mine = model.cache_for_generation(1, 10, owner="drafter")
+    assert mine is not small and model.cache_for_generation(1, 10, owner="drafter") is mine
+    more = [model.cache_for_generation(1, CACHE_BUCKET * k)
+            for k in range(3, 3 + GENERATION_CACHES)]
+    assert model.cache_for_generation(1, 10) is not small          # the oldest went
+    assert model.cache_for_generation(1, 10, owner="drafter") is mine   # another owner's stays
+    assert model.cache_for_generation(1, CACHE_BUCKET * (2 + GENERATION_CACHES)) is more[-1]
+    model.generation_cache = None
+    assert model.generation_cache is None
+    assert model.cache_for_generation(1, 10, owner="drafter") is not mine
+
+
 def test_cache_full_raises_naming_request_and_never_overwrites():
     model = tiny_model(0)
     cache = model.new_cache(2, 8)

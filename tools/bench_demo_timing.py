@@ -21,9 +21,11 @@ configuration (method, budget, temperature) the warm-up
 
 The prefills of the other prompts still run eagerly when timed (a prefill shape is captured
 on its second call, so a length the timed prompts repeat is captured then: the engine's
-behaviour for any caller), and the model keeps at most ``MAX_GRAPHS`` graphs
-(kdtree_numba/graphs.py, least recently used dropped): a row with more shapes than that, or
-whose prefill captures push its rounds' graphs out, recaptures them while timed.
+behaviour for any caller).  The model keeps a generation cache per capacity bucket
+(``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``MAX_GRAPHS`` graphs of a kind
+(kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their own, so
+they never push a round's graphs out): a row with more shapes than that recaptures them
+while timed.
 
 Whatever still ran for the first time inside a timed row is counted there, not hidden:
 :class:`FirstCalls` adds up the seconds numba spent making new kernels (compiles and

@@ -4,23 +4,25 @@
 
 For the demo pair (or ``--model`` / ``--drafter``) at T = 0, each budget is run with rounds
 as device programs (kdtree_numba/device_round.py) and, for comparison, with the host-driven
-round, on the same warmed prompts.  Around every round's launch (``DeviceRounds.launch``)
-the tool records a CUDA event before and after it on the round's stream, and host clocks
-around the launch and the wait for its tokens (``collect``), so per round:
+round, on the same warmed prompts (and AR first).  Around every round's replay (the
+``GraphCache.call`` of its "round" key) the tool records a CUDA event before and after it,
+and host clocks around ``DeviceRounds.launch`` and the wait for a round's tokens
+(``collect``), so per round:
 
-* ``device``: the event after the launch minus the event before it: the round's own device
-  time (its CUDA graph and the read of its tokens), since an event before the launch fires
-  only when the work enqueued before it is done;
-* ``gap``: the event before round r minus the event after round r - 1: the time the device
-  idled waiting for the host to launch round r (0 while the launch is ahead of the device);
+* ``device``: the event after the replay minus the event before it: the round's own device
+  time (its CUDA graph), since the event before it fires only once the work enqueued before
+  it is done;
+* ``gap``: the event before round r's replay minus the event after round r - 1's: the time
+  the device idled waiting for the host to launch round r (0 while the host is ahead);
 * ``launch`` / ``wait``: the host's time inside ``launch`` and blocked in ``collect``;
 * the captured round graph's nodes (kernels, copies, memsets) from the driver
   (``cuGraphGetNodes``), so its launches are counted, not guessed.
 
 The summary table gives, per budget, the wall time per round, the device time, the idle gap
-and its share of the round (issue 36's goal: <= 5 %), and the graph's kernel count beside
-(kernels x 2.5 us), a floor for a graph's kernel-to-kernel launch latency on an H100-class
-card (docs/BENCHMARKS.md cites the measured per-launch cost).  GPU only.
+and its share of the round (issue 36's goal: <= 5 %), the captures that still happened inside
+the timed generations (should read 0), and the graph's kernel count beside (kernels x 2.5
+us), an assumed order of a graph's kernel-to-kernel cost on an H100-class card: at the demo
+pair's widths a kernel does little more than launch.  GPU only.
 """
 from __future__ import annotations
 
@@ -66,25 +68,33 @@ def graph_nodes(graph) -> dict:
 
 
 class Timeline:
-    """Events and host clocks around ``DeviceRounds.launch`` and ``collect`` (module
-    docstring), installed on the class for the tool's process."""
+    """CUDA events around each round's replay (``GraphCache.call`` of a "round" key) and host
+    clocks around ``DeviceRounds.launch`` and ``collect`` (module docstring), installed on
+    the classes for the tool's process."""
 
     def __init__(self, cupy):
+        from kdtree_numba.graphs import GraphCache
         self.cp = cupy
         self.rounds: list[dict] = []
+        self.graph_call = GraphCache.call
         self.launch, self.collect = DeviceRounds.launch, DeviceRounds.collect
         timeline = self
 
-        def launch(rounds, active):
+        def call(graphs, key, *args, **kwargs):
+            if key[0] != "round":
+                return timeline.graph_call(graphs, key, *args, **kwargs)
             before = cupy.cuda.Event()
             before.record()
-            t0 = time.perf_counter()
-            timeline.launch(rounds, active)
-            t1 = time.perf_counter()
+            out = timeline.graph_call(graphs, key, *args, **kwargs)
             after = cupy.cuda.Event()
             after.record()
-            timeline.rounds.append(dict(before=before, after=after, launch=t1 - t0,
-                                        rounds=rounds))
+            timeline.rounds.append(dict(before=before, after=after, replayed=out is not None))
+            return out
+
+        def launch(rounds, active):
+            t0 = time.perf_counter()
+            timeline.launch(rounds, active)
+            timeline.rounds[-1].update(launch=time.perf_counter() - t0, program=rounds)
 
         def collect(rounds):
             t0 = time.perf_counter()
@@ -93,27 +103,32 @@ class Timeline:
                 time.perf_counter() - t0
             return out
 
+        GraphCache.call = call
         DeviceRounds.launch, DeviceRounds.collect = launch, collect
 
     def reset(self) -> None:
         self.rounds.clear()
 
     def summary(self, wall: float, n_rounds: int) -> dict:
+        """Per round: its replay's device time, the device's idle gap before it (the event
+        before a replay fires when the device reaches it: at once where the device waited
+        for the host, else when the work before it ends)."""
         self.cp.cuda.Device().synchronize()
-        rs = self.rounds
-        device = [self.cp.cuda.get_elapsed_time(r["before"], r["after"]) for r in rs]
-        gaps = [self.cp.cuda.get_elapsed_time(a["after"], b["before"])
-                for a, b in zip(rs, rs[1:])]
-        span = self.cp.cuda.get_elapsed_time(rs[0]["before"], rs[-1]["after"])
-        program = rs[-1]["rounds"]
+        rs = [r for r in self.rounds if r["replayed"]]
+        elapsed = self.cp.cuda.get_elapsed_time
+        device = [elapsed(r["before"], r["after"]) for r in rs]
+        gaps = [max(0.0, elapsed(a["after"], b["before"])) for a, b in zip(rs, rs[1:])]
+        span = elapsed(rs[0]["before"], rs[-1]["after"]) if rs else 0.0
+        program = self.rounds[-1]["program"]
         graph = program.model.graphs._graphs.get(program._key()) \
             if program.model.graphs is not None else None
-        return dict(launched=len(rs), committed_rounds=n_rounds,
+        return dict(launched=len(self.rounds), replayed=len(rs), committed_rounds=n_rounds,
                     wall_ms_per_round=1e3 * wall / max(n_rounds, 1),
-                    device_ms=float(np.mean(device)), gap_ms=float(np.mean(gaps or [0.0])),
+                    device_ms=float(np.mean(device or [0.0])),
+                    gap_ms=float(np.mean(gaps or [0.0])),
                     idle_share=float(sum(gaps) / span) if span > 0 else 0.0,
-                    launch_ms=1e3 * float(np.mean([r["launch"] for r in rs])),
-                    wait_ms=1e3 * float(np.mean([r.get("wait", 0.0) for r in rs])),
+                    launch_ms=1e3 * float(np.mean([r["launch"] for r in self.rounds])),
+                    wait_ms=1e3 * float(np.mean([r.get("wait", 0.0) for r in self.rounds])),
                     nodes=graph_nodes(graph.graph) if graph is not None else {})
 
 
@@ -145,7 +160,7 @@ def main(argv=None) -> int:
         for ids in prompts:                       # compile, capture, warm
             generate(model, [ids], args.max_new_tokens, **kw)
             generate(model, [ids], args.max_new_tokens, **kw)
-        walls, n_rounds, summaries = [], [], []
+        walls, n_rounds, summaries, captures = [], [], [], 0
         for ids in prompts:
             timeline.reset()
             t0 = time.perf_counter()
@@ -153,20 +168,23 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
             walls.append(wall)
             n_rounds.append(res.stats.rounds)
+            captures += res.stats.graph_captures or 0
             if device_rounds and timeline.rounds:
                 summaries.append(timeline.summary(wall, res.stats.rounds))
         row = dict(budget=budget or "ar", device_rounds=device_rounds,
                    tokens_per_s=len(prompts) * args.max_new_tokens / sum(walls),
-                   wall_ms_per_round=1e3 * sum(walls) / max(sum(n_rounds), 1))
+                   wall_ms_per_round=1e3 * sum(walls) / max(sum(n_rounds), 1),
+                   captures_timed=captures)
         if summaries:
-            for key in ("device_ms", "gap_ms", "idle_share", "launch_ms", "wait_ms"):
+            for key in ("device_ms", "gap_ms", "idle_share", "launch_ms", "wait_ms",
+                        "replayed", "launched"):
                 row[key] = float(np.mean([s[key] for s in summaries]))
             row["nodes"] = summaries[-1]["nodes"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| budget | rounds | tok/s | wall / round (ms) | device / round | idle gap | "
-          "idle share | host launch | host wait | graph kernels (x 2.5 us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "idle share | host launch | host wait | graph kernels (x 2.5 us) | captures timed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kernels = r.get("nodes", {}).get("kernel")
         floor = f"{kernels} ({kernels * LAUNCH_FLOOR_US / 1e3:.2f} ms)" if kernels else "-"
@@ -175,7 +193,8 @@ def main(argv=None) -> int:
         host = [f"{r[k]:.3f}" if k in r else "-" for k in ("launch_ms", "wait_ms")]
         print(f"| {r['budget']} | {'device' if r['device_rounds'] else 'host'} | "
               f"{r['tokens_per_s']:.1f} | {r['wall_ms_per_round']:.3f} | {cells[0]} | "
-              f"{cells[1]} | {share} | {host[0]} | {host[1]} | {floor} |")
+              f"{cells[1]} | {share} | {host[0]} | {host[1]} | {floor} | "
+              f"{r['captures_timed']} |")
     if args.json:
         with open(args.json, "w") as f:
             card = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
