@@ -431,11 +431,10 @@ def test_gpu_graph_inputs_from_the_device_in_any_layout_and_dtype():
 
 
 def test_gpu_host_inputs_go_up_without_waiting_for_the_device():
-    """A replay's host inputs go up through the input's own pinned buffers, stream-ordered:
-    the host does not wait for the work queued before it (a kernel sleeping ~100 ms here;
-    CuPy's synchronous ``set`` waited for it, so a step "one ahead" was not), and replays
-    queued back to back with different host values each read their own (two buffers in
-    turn, each rewritten only once its copy is done)."""
+    """A replay's host inputs are written stream-ordered: the host does not wait for the work
+    queued before it (~100 ms of float32 GEMMs here), so a decode step or a device round
+    launched one ahead really is ahead; and replays queued back to back with different host
+    values each read their own."""
     import time
 
     import cupy
@@ -456,9 +455,9 @@ def test_gpu_host_inputs_go_up_without_waiting_for_the_device():
     for _ in range(6):                                    # ~100+ ms of queued work
         big = big @ big * np.float32(1 / 8192)
     t0 = time.perf_counter()
-    first = [call(v) for v in (1, 2)]                     # both buffers free: no wait
+    first = [call(v) for v in (1, 2)]
     queued = time.perf_counter() - t0
-    rest = [call(v) for v in range(3, 9)]                 # waits for buffer 1's copy
+    rest = [call(v) for v in range(3, 9)]
     for value, out in enumerate(first + rest, start=1):
         np.testing.assert_array_equal(cupy.asnumpy(out), 3 * value + 1)
     assert queued < 0.03, f"two replays with host inputs took {queued:.3f} s behind " \
