@@ -102,7 +102,8 @@ class DeviceRounds:
     def _round(self, active):
         model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
         start = cache.device_lengths.copy()             # the tree's root positions
-        draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start))
+        draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start,
+                                                         depth=self.budget))
         tree, vin = tree_phase(ops, self.k, self.budget)(draft_logits, self.roots, start)
         # the verify's slots from the round's own device lengths: forward runs it eagerly
         # inside this program's capture (ForwardBatch.slots)

@@ -215,12 +215,13 @@ class DFlashDrafter:
             self.extend_context(commit.features, commit.counts_host)
 
     def propose(self, ctx: DraftContext):
-        return self.draft(ctx.roots)
+        return self.draft(ctx.roots, ctx.depth)
 
-    def draft(self, roots):
-        """Logits [bs, B - 1, V] float32 (device) of depths 1..B-1 under each request's root
-        ``roots`` [bs] (host or device ints), which sits at the position after its context:
-        one forward over ``[root, MASK x (B - 1)]``."""
+    def draft(self, roots, depth: int | None = None):
+        """Logits [bs, d, V] float32 (device) of depths 1..d (d = B - 1, or ``depth`` where
+        smaller) under each request's root ``roots`` [bs] (host or device ints), which sits
+        at the position after its context: one forward over ``[root, MASK x (B - 1)]``, the
+        lm_head on its rows 1..d only."""
         be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
         cache = self._started(len(roots))
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
@@ -232,5 +233,6 @@ class DFlashDrafter:
         tokens, visible, steps = self._block
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
-        logits = self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x), cache)
-        return xp.ascontiguousarray(logits[:, 1:])
+        d = B - 1 if depth is None else max(1, min(B - 1, int(depth)))
+        return self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,
+                                               logit_span=(1, 1 + d)), cache)

@@ -66,9 +66,13 @@ class DraftContext:
 
     ``roots`` [bs] int32: each request's root, the last committed token, which the target's
     verify feeds first.  ``positions`` [bs] int32: the root's position (the number of tokens
-    the target has cached for the request before it)."""
+    the target has cached for the request before it).  ``depth`` (a Python int, or None):
+    the deepest draft position the round can use (a tree of n nodes reaches depth n at
+    most): a drafter may return only the first ``min(L, depth)`` rows of logits (a block
+    drafter then runs its lm_head on those alone), never fewer."""
     roots: object
     positions: object
+    depth: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

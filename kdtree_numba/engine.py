@@ -308,7 +308,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     # these device copies
     roots = be.asarray(req.roots())
     start = be.asarray(cache.lengths.astype(np.int32))
-    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start))
+    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start, depth=budget))
     timer.lap("draft")
     # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
     # own buffers (no copies on the host's path from the read to the verify's launch); the

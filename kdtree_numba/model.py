@@ -93,6 +93,10 @@ class ForwardBatch:
     logits (the lm_head of every row is a large share of a long prompt's forward).  On tensor
     cores the linear is batch invariant, so the row gets the same bits either way; on CUDA
     cores a few rows take another kernel (last-bit differences).
+    ``logit_span`` (start, stop), Python ints with 0 <= start < stop <= n: only rows
+    ``start .. stop - 1`` of every request go through the lm_head, and logits are
+    [bs, stop - start, V] (a block drafter's round reads only the depths its tree can reach);
+    not with ``logit_rows``.
     ``causal``: a promise that ``visible[b, i, j]`` is false for j > i (a prefill's causal
     mask; a DDTree verify, whose parents precede their children): attention then skips the
     keys after each block's last token, the same bits for half a long prefill's work.
@@ -116,6 +120,7 @@ class ForwardBatch:
     visible: Any
     embeds: Any = None
     logit_rows: Any = None
+    logit_span: tuple | None = None
     causal: bool = False
     prefill: bool = False
     return_hidden: bool = False
@@ -368,14 +373,20 @@ class Model(DeviceSteps):
             if logit_rows.shape != (bs,) or np.any(logit_rows < 0) or np.any(logit_rows >= n):
                 raise ValueError(f"logit_rows must be [{bs}] row indices in [0, {n}), got "
                                  f"{logit_rows.tolist()}")
+        span = batch.logit_span
+        if span is not None:
+            span = tuple(int(i) for i in span)
+            if len(span) != 2 or not 0 <= span[0] < span[1] <= n or logit_rows is not None:
+                raise ValueError(f"logit_span must be (start, stop) with 0 <= start < stop <= "
+                                 f"{n}, and no logit_rows; got {batch.logit_span}")
         embeds = batch.embeds
         if embeds is not None and tuple(embeds.shape) != (bs, n, self.config.hidden_size):
             raise ValueError(f"embeds must be {(bs, n, self.config.hidden_size)}, got "
                              f"{tuple(embeds.shape)}")
         slots = batch.slots
         if slots is None and self.graphs is not None:
-            out = self._replay_forward(batch, tokens, visible, capture, logit_rows, cache,
-                                       borrow)
+            out = self._replay_forward(batch, tokens, visible, capture, logit_rows, span,
+                                       cache, borrow)
             if out is not None:
                 return out
         if slots is None:
@@ -388,7 +399,8 @@ class Model(DeviceSteps):
                               positions=be.asarray(batch.positions).astype(np.int32),
                               visible=be.asarray(visible).astype(bool), embeds=embeds,
                               logit_rows=None if logit_rows is None
-                              else be.asarray(logit_rows), causal=bool(batch.causal),
+                              else be.asarray(logit_rows), logit_span=span,
+                              causal=bool(batch.causal),
                               prefill=bool(batch.prefill),
                               return_hidden=bool(batch.return_hidden),
                               capture_layers=capture, slots=slots)
@@ -440,10 +452,10 @@ class Model(DeviceSteps):
         return logits[:, 0]
 
     def _replay_forward(self, batch: ForwardBatch, tokens, visible, capture: tuple, logit_rows,
-                        cache: KVCache, borrow: bool):
+                        span, cache: KVCache, borrow: bool):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
-        must run eagerly (``tokens``, ``visible``, ``capture``, ``logit_rows``: the batch's,
-        checked).  The graph reads static buffers of the inputs and of the cache's device
+        must run eagerly (``tokens``, ``visible``, ``capture``, ``logit_rows``, ``span``: the
+        batch's, checked).  The graph reads static buffers of the inputs and of the cache's device
         lengths, from which it makes the slots (KVCache.device_slots), so one graph serves
         every prefix length."""
         bs, n = tokens.shape
@@ -455,14 +467,15 @@ class Model(DeviceSteps):
         # prefills are a kind of their own: one graph per prompt length, in a pool of their
         # own (graphs.MAX_GRAPHS), so they never push out the decode and verify graphs
         key = ("prefill" if prefill else "forward", bs, n, return_hidden, capture, embedded,
-               selected, causal) + cache.buffer_key()
+               selected, span, causal) + cache.buffer_key()
 
         def run(tok, pos, vis, lengths, *extra):
             extra = list(extra)
             picked = extra.pop(0) if selected else None
             return self._compute(ForwardBatch(
                 tokens=tok, positions=pos, visible=vis, embeds=extra[0] if extra else None,
-                logit_rows=picked, causal=causal, prefill=prefill, return_hidden=return_hidden,
+                logit_rows=picked, logit_span=span, causal=causal, prefill=prefill,
+                return_hidden=return_hidden,
                 capture_layers=capture, slots=cache.device_slots(lengths, n)), cache)
         specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
                  ((bs,), np.int32))
@@ -503,7 +516,12 @@ class Model(DeviceSteps):
             x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill), next_norm, eps)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
-        if batch.logit_rows is None:
+        if batch.logit_span is not None:
+            start, stop = batch.logit_span
+            rows = be.xp.ascontiguousarray(h.reshape(bs, n, -1)[:, start:stop])
+            logits = ops.linear(rows.reshape(bs * (stop - start), -1),
+                                self.lm_head).reshape(bs, stop - start, cfg.vocab_size)
+        elif batch.logit_rows is None:
             logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
         else:   # one row per request: b n + logit_rows[b] of the flattened [bs n, D]
             picked = be.xp.arange(bs) * n + batch.logit_rows

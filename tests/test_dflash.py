@@ -147,6 +147,10 @@ def run_schedule(drafter, k_width: int, propose_after=(0, 1, 2), seed: int = 3):
         if step in propose_after:
             roots = rng.integers(0, drafter.vocab_size, bs)
             logits = np.asarray(be.to_host(drafter.draft(roots)), np.float64)
+            # a round whose tree reaches depth 2 at most: the lm_head on those rows alone
+            shallow = np.asarray(be.to_host(drafter.draft(roots, depth=2)), np.float64)
+            np.testing.assert_allclose(shallow, logits[:, :2], rtol=1e-5,
+                                       atol=1e-5 * np.abs(logits).max())
             out.append((logits, [c.copy() for c in contexts], roots))
     return out
 

@@ -142,6 +142,25 @@ def test_logit_rows_give_each_requests_row_of_the_full_forward_and_prefill_uses_
                 ids, positions, visible, logit_rows=bad), model.new_cache(2, 8))
 
 
+def test_logit_span_gives_those_rows_of_the_full_forward():
+    """forward(logit_span=(a, b)): logits [bs, b - a, V] equal rows a..b-1 of the full
+    forward's, bit for bit on the reference; a span out of range, empty, or with logit_rows
+    is a ValueError."""
+    model = tiny_model(3)
+    ids, _, visible = pad_ragged([np.array([5, 9, 100, 3, 77]), np.array([42, 8, 1, 2, 3])])
+    positions = np.tile(np.arange(5), (2, 1))
+    full = model.forward(ForwardBatch(ids, positions, visible), model.new_cache(2, 8))
+    part = model.forward(ForwardBatch(ids, positions, visible, logit_span=(1, 4)),
+                         model.new_cache(2, 8))
+    assert part.shape == (2, 3, model.vocab_size)
+    assert part.tobytes() == np.ascontiguousarray(full[:, 1:4]).tobytes()
+    for bad, rows in (((2, 2), None), ((0, 6), None), ((-1, 2), None), ((0, 1, 2), None),
+                      ((0, 2), [0, 0])):
+        with pytest.raises(ValueError, match="logit_span"):
+            model.forward(ForwardBatch(ids, positions, visible, logit_span=bad,
+                                       logit_rows=rows), model.new_cache(2, 8))
+
+
 def test_score_leaves_no_state_and_depends_on_prefix():
     model = tiny_model(2)
     a = model.score([1, 2, 3, 4])
