@@ -374,15 +374,17 @@ def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
     """Kernel shape for the expert GEMMs: mt ~ tokens per active expert; the most rows of
     ROWS_UNROLL (the grid, active experts x tiles, is large already).  ``rows`` counts outputs
     per block: a gate_up block streams 2*rows weight rows (gate and up).  ``int4``: the
-    W4A16 kinds, whose chunk of 32 weights is one 16-byte load as a bf16 chunk of 8 is, so
-    the same rows and unroll keep the same bytes in flight; threads from int4_threads."""
+    W4A16 kinds, whose chunk of 32 weights is one 16-byte load as a bf16 chunk of 8 is: the
+    same rows, one chunk in flight per row (the unpacking's registers), threads from
+    int4_threads."""
     mt = mt_for(max(1, -(-m * top_k // min(n_experts, m * top_k))))
     weight_rows, unroll = ROWS_UNROLL[mt][0]
     if SIMULATOR:   # no registers to spare there, but blocks cost: the most rows a block allows
         weight_rows = 32 // mt
     rows = weight_rows // 2 if gate_up else weight_rows
-    threads = int4_threads(k_in) if int4 else skinny_threads(k_in)
-    return SkinnyConfig(mt=mt, rows=rows, threads=threads, unroll=unroll)
+    if int4:   # a chunk is 4 words and a scale; unroll 2 took 168+ registers (ptxas, sm_90)
+        return SkinnyConfig(mt=mt, rows=rows, threads=int4_threads(k_in), unroll=1)
+    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
 
 
 def _expert_tile() -> TiledConfig:
