@@ -19,21 +19,11 @@ import pytest
 
 import reference.layers as ref
 from formats.int4_group import Int4GroupWeight
+from test_layers_gpu import cp, layers  # noqa: F401 (the fixtures)
 from w4a16_cases import moe_bound
 
 pytestmark = pytest.mark.gpu
 D, IM, E, TOP_K, G = 7168, 2048, 384, 8, 32
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def layers():
-    import kdtree_numba.layers as layers
-    return layers
 
 
 @pytest.fixture(scope="module")

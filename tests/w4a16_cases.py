@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from formats.int4_group import Int4GroupWeight
+from test_layers import moe_case
 
 U32 = 2.0 ** -24
 BF16 = ml_dtypes.bfloat16
@@ -61,17 +62,12 @@ def moe_bound(h, idx, wt, expert, shared=None):
 
 
 def int4_case(rng, m, d, n_experts, inter, top_k, group, shared=True):
-    """h, idx, wt, gate_up and down as Int4GroupWeight (scales ~0.3 / 4), bf16 shared."""
-    h = rng.standard_normal((m, d)).astype(np.float32)
+    """tests/test_layers.py's moe_case (bf16 shared expert) with its routed experts replaced
+    by int4-group ones: q uniform on [-8, 7], scales U[0.04, 0.1] (~the bf16 ones' spread)."""
+    h, idx, wt, _, _, sgu, sdn = moe_case(rng, m, d, n_experts, inter, top_k, BF16, shared)
 
     def weight(shape):
         q = rng.integers(-8, 8, shape).astype(np.int8)
         s = rng.uniform(0.04, 0.1, shape[:-1] + (shape[-1] // group,)).astype(BF16)
         return Int4GroupWeight.from_values(q, s, group)
-    gu, dn = weight((n_experts, 2 * inter, d)), weight((n_experts, d, inter))
-    sgu = (rng.standard_normal((2 * inter, d)) * 0.3).astype(BF16) if shared else None
-    sdn = (rng.standard_normal((d, inter)) * 0.3).astype(BF16) if shared else None
-    idx = np.sort(np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(m)]),
-                  axis=1).astype(np.int32)
-    wt = rng.uniform(0.1, 1.0, (m, top_k)).astype(np.float32)
-    return h, idx, wt, gu, dn, sgu, sdn
+    return h, idx, wt, weight((n_experts, 2 * inter, d)), weight((n_experts, d, inter)), sgu, sdn

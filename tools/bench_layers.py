@@ -422,17 +422,25 @@ def bench_moe_mma(ctx, results, deadline):
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def _verify_inputs(ctx, rng, m, gate, bias):
+    """(h, router-picked idx and weights, a uniform routing, out, workspace) of an M-row MoE
+    call at MOE_SHAPE, on the device."""
+    cp, layers, nb = ctx["cp"], ctx["layers"], ctx["cuda"].as_cuda_array
+    n_experts, top_k, d = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d"))
+    h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
+    idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
+    uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
+                                              for _ in range(m)]), axis=1).astype(np.int32)))
+    return h, idx, w, uniform, nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+
+
 def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
     """The rows of bench_moe_mma (the caller frees the weights, whatever happens here)."""
-    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    layers, timer = ctx["layers"], ctx["timer"]
     n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
     expert_bytes = 3 * inter * d * 2
     for m in MOE_MMA_MS:
-        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
-        idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
-        uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
-                                                  for _ in range(m)]), axis=1).astype(np.int32)))
-        out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+        h, idx, w, uniform, out, ws = _verify_inputs(ctx, rng, m, gate, bias)
         for routing, index in (("router", idx), ("uniform", uniform)):
             if routing == "uniform" and m < 65:
                 continue
@@ -499,16 +507,12 @@ def bench_int4(ctx, results, deadline, ms=INT4_MS):
 def _int4_rows(ctx, results, experts, shared, gate, bias, rng, deadline, ms):
     """bench_int4's int4 rows; returns the M = 1 call's (h, idx, w, its row) for the bf16
     comparison, or []."""
-    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    layers, timer = ctx["layers"], ctx["timer"]
     n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
     each, shared_bytes = 3 * inter * d * (0.5 + 2 / INT4_GROUP), 3 * inter * d * 2
     decode = []
     for m in ms:
-        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
-        idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
-        uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
-                                                  for _ in range(m)]), axis=1).astype(np.int32)))
-        out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+        h, idx, w, uniform, out, ws = _verify_inputs(ctx, rng, m, gate, bias)
         for routing, index in (("router", idx), ("uniform", uniform)):
             if (routing == "uniform" and m == 1) or time.perf_counter() > deadline:
                 continue
