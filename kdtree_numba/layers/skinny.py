@@ -153,14 +153,19 @@ def _load_w1(w, n, k, is_bf16):
 # nibble k % 8 of word k // 8 (lowest bits first), a two's complement q in [-8, 7], and its bf16
 # scale (uint16 bits [N, K/g]) is that of group k // g.  A chunk is 32 weights: one 16-byte
 # load ("i4") or four word loads, zero past the row end ("i4s", any K % 8 == 0).  Each word is
-# xor-ed with 0x8888_8888 once (q + 8, unsigned), each nibble u becomes the float 2^23 + u by
-# its bits (one OR) and minus 2^23 + 8 the exact q; a dot over 8 weights then takes the scale
-# once: acc += s * sum(x_i q_i).  Nothing wider than the packed words ever exists.
+# xor-ed with 0x8888_8888 once (u = q + 8, unsigned).  Nibble j of a 16-bit half (bits 4j..4j+3,
+# j < 4) becomes a float with one AND-OR, without a shift: (bits of 2^23) | (w & 0xF << 4j) is
+# 2^23 + u 16^j, and minus 2^23 + 8 16^j it is q 16^j exactly (integers below 2^24); the x
+# element it multiplies was scaled by 16^-j once per x load (a power of two: the product
+# rounds as x q does).  The high half takes one shift per word.  A dot over 8 weights then
+# takes the scale once: acc += s * sum(x_i q_i).  Nothing wider than the packed words exists.
 I4_CHUNK = 32                    # int4 weights per load step: one 16-byte vector of 4 words
 INT4_KINDS = ("i4", "i4s")
 _OFFSET8 = 0x88888888
-_MAGIC = 0x4B000000              # the float32 bits of 2^23: 2^23 + u for u < 2^23 by an OR
-_MAGIC_Q = 8388616.0             # 2^23 + 8: (2^23 + u) - (2^23 + 8) = u - 8 = q, exact
+_MAGIC = 0x4B000000              # the float32 bits of 2^23: 2^23 + v for v < 2^23 by an OR
+# 2^23 + 8 * 16^j: (2^23 + u 16^j) - (2^23 + 8 16^j) = (u - 8) 16^j = q 16^j, exact
+_MAGIC_Q = tuple(float(2 ** 23 + 8 * 16 ** j) for j in range(4))
+_X_SCALE = tuple(float(16.0 ** -j) for j in range(4))
 
 
 def int4_threads(k: int) -> int:
@@ -203,23 +208,32 @@ def _scale_at(ws, n, g):
 
 
 @device_function
-def _nib(u8, shift):
-    """q of the nibble at ``shift`` of an offset-8 word, as float32 (exact)."""
-    u = (u8 >> np.uint32(shift)) & np.uint32(15)
-    return bits_to_f32(np.uint32(_MAGIC) | u) - np.float32(_MAGIC_Q)
+def _x8_nibble_scaled(xv):
+    """x elements [8c, 8c+8) times 16^-j, j = their nibble's place in its half-word (0..3)."""
+    s1, s2, s3 = np.float32(_X_SCALE[1]), np.float32(_X_SCALE[2]), np.float32(_X_SCALE[3])
+    return (xv[0], xv[1] * s1, xv[2] * s2, xv[3] * s3, xv[4], xv[5] * s1, xv[6] * s2,
+            xv[7] * s3)
 
 
 @device_function
-def _fma8_q4(a, xv, u8, s):
-    """a + s * (x . q) over the 8 weights of one offset-8 word, in element order."""
-    p = xv[0] * _nib(u8, 0)
-    p += xv[1] * _nib(u8, 4)
-    p += xv[2] * _nib(u8, 8)
-    p += xv[3] * _nib(u8, 12)
-    p += xv[4] * _nib(u8, 16)
-    p += xv[5] * _nib(u8, 20)
-    p += xv[6] * _nib(u8, 24)
-    p += xv[7] * _nib(u8, 28)
+def _q16j(half, mask, magic_q):
+    """q 16^j of the nibble ``mask`` selects in a 16-bit half (module comment), exact."""
+    return bits_to_f32(np.uint32(_MAGIC) | (half & np.uint32(mask))) - np.float32(magic_q)
+
+
+@device_function
+def _fma8_q4(a, xs, u8, s):
+    """a + s * (x . q) over the 8 weights of one offset-8 word, in element order; ``xs``: the x
+    elements as :func:`_x8_nibble_scaled` gives them."""
+    hi = u8 >> np.uint32(16)
+    p = xs[0] * _q16j(u8, 0xF, _MAGIC_Q[0])
+    p += xs[1] * _q16j(u8, 0xF0, _MAGIC_Q[1])
+    p += xs[2] * _q16j(u8, 0xF00, _MAGIC_Q[2])
+    p += xs[3] * _q16j(u8, 0xF000, _MAGIC_Q[3])
+    p += xs[4] * _q16j(hi, 0xF, _MAGIC_Q[0])
+    p += xs[5] * _q16j(hi, 0xF0, _MAGIC_Q[1])
+    p += xs[6] * _q16j(hi, 0xF00, _MAGIC_Q[2])
+    p += xs[7] * _q16j(hi, 0xF000, _MAGIC_Q[3])
     return a + p * s
 
 
@@ -281,7 +295,8 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, gro
                f"        j += {threads}"]
     namespace = {"load_w8": _LOAD_W8.get(wkind), "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
                  "load_q4": _load_q4_scalar if wkind == "i4s" else _load_q4,
-                 "scale_at": _scale_at, "fma8_q4": _fma8_q4, "cuda": cuda}
+                 "scale_at": _scale_at, "fma8_q4": _fma8_q4, "scale_x8": _x8_nibble_scaled,
+                 "cuda": cuda}
     generated_code("\n".join(src), f"accumulate mt={mt} nr={nr} unroll={unroll} {wkind}"
                    + (f" g={group}" if int4 else ""), namespace)
     return device_function(namespace["accumulate"])
@@ -331,7 +346,7 @@ def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group):
         for m in range(mt):
             lines += [f"row = xrows[{m}]", "if row >= 0:"]
             for c in range(4):
-                lines.append(f"    xv = load_x8(x, row, 4 * {jj} + {c})")
+                lines.append(f"    xv = scale_x8(load_x8(x, row, 4 * {jj} + {c}))")
                 lines += [f"    acc[{m * nr + r}] = fma8_q4(acc[{m * nr + r}], xv, "
                           f"q{u}_{r}[{c}], s{u}_{r}_{c // words_per_scale})"
                           for r in range(nr)]
