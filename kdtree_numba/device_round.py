@@ -8,7 +8,7 @@ piece of a round's state lives on the device (the roots, both caches' lengths), 
 needs no host value at all:
 
     draft (drafter.propose)  ->  top-K, build, compile (start = the target's device lengths)
-    ->  verify (Model.run on device slots)  ->  accept (argmax or sampled)  ->  compaction
+    ->  verify (Model.forward on device slots)  ->  accept (argmax or sampled)  ->  compaction
     ->  the target's lengths += acc_len (active requests)  ->  the drafter's commit
     (its context grows by the same counts)  ->  roots = the bonus tokens
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.kvlayout import device_address
-from kdtree_numba.model import ForwardInputs
+from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
 
@@ -104,13 +104,13 @@ class DeviceRounds:
         start = cache.device_lengths.copy()             # the tree's root positions
         draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start))
         tree, vin = tree_phase(ops, self.k, self.budget)(draft_logits, self.roots, start)
-        bs, n = vin.input_ids.shape
-        inputs = ForwardInputs(vin.input_ids.astype(np.int32),
-                               vin.positions.astype(np.int32).reshape(bs * n),
-                               vin.visible.astype(bool), cache.device_slots(start, n),
-                               causal=True)
-        out = model.run(inputs, cache, return_hidden=self.needs.hidden,
-                        capture_layers=self.needs.feature_layers)
+        # the verify's slots from the round's own device lengths: forward runs it eagerly
+        # inside this program's capture (ForwardBatch.slots)
+        n = vin.input_ids.shape[1]
+        out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible,
+                                         causal=True, return_hidden=self.needs.hidden,
+                                         capture_layers=self.needs.feature_layers,
+                                         slots=cache.device_slots(start, n)), cache)
         parts = out if isinstance(out, tuple) else (out,)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
         if not self.sampling.greedy:

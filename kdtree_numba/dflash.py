@@ -10,7 +10,7 @@ block drafter"; the trained demo pair is docs/DEMO.md.  In short:
   No embedding and no lm_head: the drafter's :class:`~kdtree_numba.model.Model` gets the
   target's arrays (shared, not copied).
 * **Features.** ``feature(t)`` is the residual stream after each target layer of
-  ``spec.target_layer_ids`` at token t, concatenated [k D] (``Model.forward(...,
+  ``spec.target_layer_ids`` at token t, concatenated [k D] (``ForwardBatch(...,
   capture_layers=...)``: the prefill and the verify forward return them, nothing runs twice);
   fused ``f(t) = rmsnorm(fc feature(t), hidden_norm)``.
 * **Context.** The drafter's own KV cache holds, per request, one entry per token whose
@@ -41,7 +41,7 @@ from kdtree_numba.config import ModelConfig
 from kdtree_numba.drafting import Commit, DraftContext, TargetNeeds
 from kdtree_numba.kvcache import KVCache
 from kdtree_numba.kvlayout import device_address
-from kdtree_numba.model import Model
+from kdtree_numba.model import ForwardBatch, Model
 
 __all__ = ["DFlashDrafter", "context_phase"]
 
@@ -232,5 +232,5 @@ class DFlashDrafter:
         tokens, visible, steps = self._block
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
-        logits = self.model.forward(tokens, positions, cache, visible, embeds=x)
+        logits = self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x), cache)
         return xp.ascontiguousarray(logits[:, 1:])

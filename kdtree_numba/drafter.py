@@ -29,7 +29,7 @@ from kdtree_numba.bundle import (BundleError, block_drafter_shapes, open_bundle,
                                  read_bundle_config)
 from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
-from kdtree_numba.model import Model, causal_mask
+from kdtree_numba.model import ForwardBatch, Model, causal_mask
 
 __all__ = ["ModelDrafter", "NoisyOracleDrafter", "BlockDrafter", "DFlashDrafter",
            "ReplayDrafter", "load_drafter", "parse_oracle_spec", "ORACLE_FORM",
@@ -90,9 +90,9 @@ class ModelDrafter:
         cache, m = self.cache, int(tokens.shape[1])
         cache.truncate(self.committed)            # the drafted chain was speculative
         # rows past the root are padding: written to scratch slots, never committed
-        logits = self.model.forward(tokens, self.committed[:, None] + np.arange(m)[None, :],
-                                    cache, causal_mask(m, bs), logit_rows=counts,
-                                    causal=True, prefill=True)[:, 0]
+        logits = self.model.forward(ForwardBatch(
+            tokens, self.committed[:, None] + np.arange(m)[None, :], causal_mask(m, bs),
+            logit_rows=counts, causal=True, prefill=True), cache)[:, 0]
         self.committed = self.committed + counts
         cache.advance(counts + 1)                 # the verified tokens, then the root's slot
         rows = [xp.ascontiguousarray(logits)]
@@ -233,8 +233,8 @@ class BlockDrafter:
         positions = be.asarray(ctx.positions).astype(np.int32)[:, None] \
             + xp.arange(n, dtype=np.int32)[None, :]
         cache = self.model.new_cache(bs, n)          # the block attends only within itself
-        logits = self.model.forward(np.zeros((bs, n), np.int32), positions, cache,
-                                    np.ones((bs, n, n), bool), embeds=x)
+        logits = self.model.forward(ForwardBatch(np.zeros((bs, n), np.int32), positions,
+                                                 np.ones((bs, n, n), bool), embeds=x), cache)
         return xp.ascontiguousarray(logits[:, 1:])
 
 

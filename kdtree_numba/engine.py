@@ -69,6 +69,7 @@ from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
+from kdtree_numba.model import ForwardBatch
 from reference.ddtree import Sampling
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
@@ -315,9 +316,9 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
-    out = model.forward(vin.input_ids, vin.positions, cache, vin.visible,
-                        return_hidden=needs.hidden, capture_layers=needs.feature_layers,
-                        causal=True, borrow=True)
+    out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible, causal=True,
+                                     return_hidden=needs.hidden,
+                                     capture_layers=needs.feature_layers), cache, borrow=True)
     parts = out if isinstance(out, tuple) else (out,)
     logits = parts[0]
     timer.lap("verify")

@@ -14,7 +14,8 @@ decoding round, kdtree_numba/steps.py):
   which compiles and loads every kernel it needs (loading a module is not allowed while
   capturing), and one-off shapes such as a prefill never pay for a capture.
 * **Inputs**: the graph reads static device buffers; a replay first writes the call's inputs
-  (host or device arrays) into them.  The key must name everything else the captured work
+  (host or device arrays) into them, stream-ordered: a host array through pinned buffers of
+  the input's own (``_Upload``), never a synchronous copy that would wait for the device.  The key must name everything else the captured work
   depends on (a forward's: batch, n, whether hidden states are returned, the KV cache's
   buffers).
 * **Outputs** are copied out after each replay, so callers may keep them across calls (a
@@ -77,6 +78,7 @@ class _Graph:
     inputs: tuple                  # the static buffers the graph reads
     outputs: object                # what it writes (arrays, tuples/dataclasses of arrays)
     keep: list                     # numba allocations made while capturing
+    uploads: list                  # an input's _Upload, made when a host array first comes
     owned: bool = False            # outputs copied in the graph to memory of their own
 
 
@@ -87,12 +89,48 @@ def _own_memory(nbytes):
     return cupy.cuda.memory.MemoryPointer(cupy.cuda.memory.Memory(nbytes), 0)
 
 
-def _write(dst, src) -> None:
+class _Upload:
+    """The pinned staging buffers of one graph input written from host memory.
+
+    Why: CuPy's ``ndarray.set`` without a stream is a synchronous ``cudaMemcpy``, and one from
+    pageable memory first waits for the legacy stream to drain: every replay whose inputs
+    came from the host (a device round's launch mask, a decode step's host positions) waited
+    for all the work before it, so a step or round enqueued "one ahead" was enqueued only
+    once the previous one had finished.  Here the values go into pinned memory the input
+    owns and from there by ``cudaMemcpyAsync``, stream-ordered, no host wait.  Two buffers
+    in turn, each with an event recorded after its copy: a buffer is written again two
+    replays later, when its copy (queued before the replay two back) is long done."""
+
+    __slots__ = ("hosts", "events", "turn")
+    DEPTH = 2
+
+    def __init__(self, dst):
+        import cupy
+        self.hosts = [np.frombuffer(cupy.cuda.alloc_pinned_memory(max(dst.nbytes, 1)),
+                                    dst.dtype, dst.size) for _ in range(self.DEPTH)]
+        self.events = [cupy.cuda.Event(block=False, disable_timing=True)
+                       for _ in range(self.DEPTH)]
+        self.turn = 0
+
+    def write(self, dst, src) -> None:
+        import cupy
+        host, done = self.hosts[self.turn], self.events[self.turn]
+        self.turn = (self.turn + 1) % self.DEPTH
+        done.synchronize()                      # this buffer's previous copy is over
+        np.copyto(host, np.asarray(src).reshape(-1), casting="unsafe")
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, host.ctypes.data, dst.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        done.record(stream)
+
+
+def _write(dst, src, upload: _Upload) -> None:
     """Copy a host or device array into the CuPy buffer ``dst`` (same number of elements),
-    converting the dtype; stream-ordered, no host wait.  A device array of dst's dtype and
-    C order goes by one cudaMemcpyAsync: a few microseconds of host time where CuPy's
-    elementwise copy takes ~10-20, and a DDTree round writes a dozen inputs between its read
-    and its verify's launch."""
+    converting the dtype; stream-ordered, no host wait (a host array through ``upload``,
+    :class:`_Upload`).  A device array of dst's dtype and C order goes by one
+    cudaMemcpyAsync: a few microseconds of host time where CuPy's elementwise copy takes
+    ~10-20, and a DDTree round writes a dozen inputs between its read and its verify's
+    launch."""
     import cupy
     if hasattr(src, "__cuda_array_interface__"):
         src = cupy.asarray(src)
@@ -104,7 +142,9 @@ def _write(dst, src) -> None:
         else:
             dst[...] = src.reshape(dst.shape)
     else:
-        dst.set(np.ascontiguousarray(np.asarray(src), dtype=dst.dtype).reshape(dst.shape))
+        if np.size(src) != dst.size:
+            raise ValueError(f"a graph input of {dst.size} values got {np.size(src)}")
+        upload.write(dst, src)
 
 
 @contextlib.contextmanager
@@ -192,8 +232,10 @@ class GraphCache:
             if entry is None:
                 return None
         self._graphs.move_to_end(key)
-        for buf, src in zip(entry.inputs, inputs):
-            _write(buf, src)
+        for i, (buf, src) in enumerate(zip(entry.inputs, inputs)):
+            if entry.uploads[i] is None and not hasattr(src, "__cuda_array_interface__"):
+                entry.uploads[i] = _Upload(buf)
+            _write(buf, src, entry.uploads[i])
         entry.graph.launch(self.stream)
         self.replays += 1
         if borrow and entry.owned:
@@ -235,7 +277,7 @@ class GraphCache:
             warnings.warn(f"CUDA graph capture of {key[0]} {key[1:3]} failed, running it "
                           f"eagerly: {error!r}", RuntimeWarning, stacklevel=4)
             return None
-        entry = _Graph(graph, static, outputs, keep, owned=own_outputs)
+        entry = _Graph(graph, static, outputs, keep, [None] * len(static), owned=own_outputs)
         self._graphs[key] = entry
         self._seen.pop(key, None)
         self.captures += 1

@@ -5,8 +5,8 @@
 ``backend.ops`` (kernels) only, so the NumPy reference and the numba.cuda kernels execute the
 very same model code (kdtree_numba/backends.py).
 
-One forward serves every phase: ``model.forward(tokens [bs, n], positions [bs, n], cache,
-visible [bs, n, n]) -> logits [bs, n, V]`` writes the n new latents into the cache at
+One forward serves every phase: ``model.forward(ForwardBatch(tokens [bs, n], positions [bs, n],
+visible [bs, n, n]), cache) -> logits [bs, n, V]`` writes the n new latents into the cache at
 ``[len_b, len_b + n)`` (uncommitted: the caller commits, kvcache.py) and lets token i of request
 b attend to the cached prefix plus the new tokens j with ``visible[b, i, j]``.  A causal
 ``visible`` is prefill, n = 1 is decode, a DDTree ancestor mask with depth positions is tree
@@ -40,8 +40,8 @@ from kdtree_numba.steps import DeviceSteps
 from kdtree_numba.weights import load_weight
 from reference.layers import RopeSpec
 
-__all__ = ["ModelConfig", "Model", "LayerWeights", "weight_shapes", "causal_mask", "pad_ragged",
-           "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
+__all__ = ["ModelConfig", "Model", "ForwardBatch", "LayerWeights", "weight_shapes",
+           "causal_mask", "pad_ragged", "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
 # one (and the CUDA graphs captured against it): Model.reuse_cache
@@ -67,20 +67,54 @@ def pad_ragged(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, lengths, causal_mask(n, len(seqs))
 
 
-@dataclasses.dataclass
-class ForwardInputs:
-    """One forward's inputs on the device: tokens [bs, n] int32, positions [bs * n] int32,
-    visible [bs, n, n] bool and the cache slots (kvcache.WriteSlots); ``logit_rows`` [bs]
-    int64 or None: the one row per request whose logits the lm_head computes (all rows when
-    None); ``causal``: no token sees a new token after its own (attention may stop there);
-    ``prefill``: the rows are a prompt's (attention may plan its key splits for speed)."""
-    tokens: object
-    positions: object
-    visible: object
-    slots: WriteSlots
-    logit_rows: object = None
+# slotted, not frozen: a frozen dataclass's __init__ sets each field through
+# object.__setattr__ (1.7 us for these ten against 0.5), and every verify forward makes one on
+# the engine's host path; nothing writes a batch's fields after making it
+@dataclasses.dataclass(slots=True, eq=False)
+class ForwardBatch:
+    """One forward's batch, what :meth:`Model.forward` takes: n new tokens per request and
+    what to return for them.  Made once per forward by its caller (one small object holding
+    its arrays, never copying them).
+
+    ``tokens``, ``positions`` [bs, n] int and ``visible`` [bs, n, n] bool: host or device
+    arrays (a device ``tokens``, e.g. a drafter's own argmax, is used in place, never read
+    back); token i of request b sees the cached prefix and the new tokens j with
+    ``visible[b, i, j]``.
+    ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
+    shape; the block drafters feed MASK slots and target features this way).
+    ``logit_rows`` [bs] (host ints in [0, n)): only row ``logit_rows[b]`` of request b goes
+    through the lm_head, and logits are [bs, 1, V].  A prefill needs only its last token's
+    logits (the lm_head of every row is a large share of a long prompt's forward).  On tensor
+    cores the linear is batch invariant, so the row gets the same bits either way; on CUDA
+    cores a few rows take another kernel (last-bit differences).
+    ``causal``: a promise that ``visible[b, i, j]`` is false for j > i (a prefill's causal
+    mask; a DDTree verify, whose parents precede their children): attention then skips the
+    keys after each block's last token, the same bits for half a long prefill's work.
+    ``prefill``: the rows are a prompt's (:meth:`Model.prefill`, :meth:`Model.score`), whose
+    bits no later decode or verify must reproduce: batch-invariant attention then takes each
+    row's keys in one split instead of fixed chunks (kdtree_numba/attention/mla.py), 2.9x
+    faster at 4,096 tokens; a prompt still gets the same bits alone or in a batch.
+    ``return_hidden``: also return the final normed hidden states [bs, n, D].
+    ``capture_layers`` (decoder layer indices, 0-based): also return the residual stream
+    after each listed layer (before any final norm), concatenated in the order given:
+    features [bs, n, k * D] float32, the DFlash drafter's target features
+    (kdtree_numba/dflash.py), from the same pass.
+    ``slots`` (kvcache.WriteSlots): where the new latents go.  None (the usual): after the
+    cache's lengths (``cache.write_slots``).  Given: device slots the caller made
+    (``cache.device_slots`` of device lengths), for a device program that captures the forward
+    in a graph of its own (kdtree_numba/device_round.py); the forward then runs eagerly,
+    never from one of the model's graphs, whose key could not name them.
+    """
+    tokens: Any
+    positions: Any
+    visible: Any
+    embeds: Any = None
+    logit_rows: Any = None
     causal: bool = False
     prefill: bool = False
+    return_hidden: bool = False
+    capture_layers: tuple = ()
+    slots: WriteSlots | None = None
 
 
 @dataclasses.dataclass
@@ -270,42 +304,22 @@ class Model(DeviceSteps):
             return None
         return self.graphs.captures, self.graphs.replays
 
-    def forward(self, tokens, positions, cache: KVCache, visible, *, return_hidden=False,
-                embeds=None, capture_layers=(), logit_rows=None, causal=False,
-                prefill=False, borrow=False):
-        """Logits [bs, n, V] float32 (``backend.xp``) of n new tokens per request.
+    def forward(self, batch: ForwardBatch, cache: KVCache, *, borrow: bool = False):
+        """Logits [bs, n, V] float32 (``backend.xp``) of ``batch``'s n new tokens per request
+        (:class:`ForwardBatch`), or the tuple ``(logits[, hidden][, features])`` when it asks
+        for either extra.  Writes the new latents at ``[cache.lengths[b], + n)`` without
+        committing them (module docstring).
 
-        tokens, positions [bs, n] int; visible [bs, n, n] bool (host or device: a device
-        ``tokens``, e.g. a drafter's own argmax, is used in place, never read back).  Writes the
-        new latents at ``[cache.lengths[b], + n)`` without committing them (module docstring).
-        With ``return_hidden`` also returns the final normed hidden states [bs, n, D].
-        ``embeds`` [bs, n, D] float32 replaces the token embeddings (tokens then only give the
-        shape; the BlockDrafter feeds MASK slots and target features this way).
-        ``capture_layers`` (decoder layer indices, 0-based) also returns the residual stream
-        after each listed layer (before any final norm), concatenated in the order given:
-        features [bs, n, k * D] float32, the DFlash drafter's target features
-        (kdtree_numba/dflash.py), from the same pass.  Returns ``logits``, or the tuple
-        ``(logits[, hidden][, features])`` when either extra is asked for.
-        ``logit_rows`` [bs] (host ints in [0, n)): only row ``logit_rows[b]`` of request b
-        goes through the lm_head, and logits are [bs, 1, V].  A prefill needs only its last
-        token's logits (the lm_head of every row is a large share of a long prompt's
-        forward).  On tensor cores the linear is batch invariant, so
-        the row gets the same bits either way; on CUDA cores a few rows take another kernel
-        (last-bit differences).
-        ``causal``: a promise that ``visible[b, i, j]`` is false for j > i (a prefill's causal
-        mask; a DDTree verify, whose parents precede their children): attention then skips the
-        keys after each block's last token, the same bits for half a long prefill's work.
-        ``prefill``: the rows are a prompt's (:meth:`prefill`, :meth:`score`), whose bits no
-        later decode or verify must reproduce: batch-invariant attention then takes each row's
-        keys in one split instead of fixed chunks (kdtree_numba/attention/mla.py), 2.9x faster
-        at 4,096 tokens; a prompt still gets the same bits alone or in a batch.
         Host inputs are uploaded once per forward (asynchronous copies), so a forward never
         waits for the device.  On the GPU a shape seen before replays a CUDA graph
         (kdtree_numba/graphs.py); ``borrow``: its outputs may then be the graph's own buffers,
         which the next forward of this shape overwrites (the engine's verify, whose logits the
         round's acceptance reads at once), instead of copies.
         """
+        # borrow is a keyword, not a field of the batch: it says who owns the outputs (the
+        # caller until this shape's next replay), not what is computed; the values are the same
         be = self.backend
+        tokens, visible = batch.tokens, batch.visible
         tokens = tokens if hasattr(tokens, "shape") else np.asarray(tokens)
         if len(tokens.shape) != 2:
             raise ValueError(f"tokens must be [batch, n], got shape {tuple(tokens.shape)}")
@@ -315,7 +329,8 @@ class Model(DeviceSteps):
         visible = visible if hasattr(visible, "shape") else np.asarray(visible)
         if tuple(visible.shape) != (bs, n, n):
             raise ValueError(f"visible must be {(bs, n, n)}, got {tuple(visible.shape)}")
-        capture = self._check_capture(capture_layers)
+        capture = self._check_capture(batch.capture_layers)
+        logit_rows = batch.logit_rows
         if logit_rows is not None:
             given = np.asarray(logit_rows)
             if given.dtype.kind not in "iu":
@@ -324,29 +339,35 @@ class Model(DeviceSteps):
             if logit_rows.shape != (bs,) or np.any(logit_rows < 0) or np.any(logit_rows >= n):
                 raise ValueError(f"logit_rows must be [{bs}] row indices in [0, {n}), got "
                                  f"{logit_rows.tolist()}")
+        embeds = batch.embeds
         if embeds is not None and tuple(embeds.shape) != (bs, n, self.config.hidden_size):
             raise ValueError(f"embeds must be {(bs, n, self.config.hidden_size)}, got "
                              f"{tuple(embeds.shape)}")
-        if self.graphs is not None:
-            out = self._replay_forward(tokens, positions, cache, visible, return_hidden,
-                                       capture, embeds, logit_rows, bool(causal),
-                                       bool(prefill), borrow)
+        slots = batch.slots
+        if slots is None and self.graphs is not None:
+            out = self._replay_forward(batch, tokens, visible, capture, logit_rows, cache,
+                                       borrow)
             if out is not None:
                 return out
-        slots = cache.write_slots(n)
-        if self.graphs is not None:
-            # the graphs' split plan (the cache's capacity): eager calls then compile the
-            # kernels a capture will use (the merge), and give the same bits as a replay
-            slots = dataclasses.replace(slots, max_keys=cache.max_len)
-        inputs = ForwardInputs(tokens=be.asarray(tokens).astype(np.int32),
-                               positions=be.asarray(positions).astype(np.int32).reshape(bs * n),
-                               visible=be.asarray(visible).astype(bool), slots=slots,
-                               logit_rows=None if logit_rows is None
-                               else be.asarray(logit_rows), causal=bool(causal),
-                               prefill=bool(prefill))
-        return self._compute(inputs, cache, return_hidden, embeds, capture)
+        if slots is None:
+            slots = cache.write_slots(n)
+            if self.graphs is not None:
+                # the graphs' split plan (the cache's capacity): eager calls then compile the
+                # kernels a capture will use (the merge), and give the same bits as a replay
+                slots = dataclasses.replace(slots, max_keys=cache.max_len)
+        device = ForwardBatch(tokens=be.asarray(tokens).astype(np.int32),
+                              positions=be.asarray(batch.positions).astype(np.int32),
+                              visible=be.asarray(visible).astype(bool), embeds=embeds,
+                              logit_rows=None if logit_rows is None
+                              else be.asarray(logit_rows), causal=bool(batch.causal),
+                              prefill=bool(batch.prefill),
+                              return_hidden=bool(batch.return_hidden),
+                              capture_layers=capture, slots=slots)
+        return self._compute(device, cache)
 
     def _check_capture(self, layers) -> tuple[int, ...]:
+        if not layers:      # most forwards: nothing to build (a forward's host path)
+            return ()
         layers = tuple(int(j) for j in layers)
         bad = [j for j in layers if not 0 <= j < self.config.num_hidden_layers]
         if bad:
@@ -365,9 +386,9 @@ class Model(DeviceSteps):
         ids, lengths, visible = pad_ragged(seqs)
         positions = cache.lengths[:, None] + np.arange(ids.shape[1])[None, :]
         capture = self._check_capture(capture_layers)
-        out = self.forward(ids, positions, cache, visible, return_hidden=return_hidden,
-                           capture_layers=capture, logit_rows=lengths - 1, causal=True,
-                           prefill=True)
+        out = self.forward(ForwardBatch(ids, positions, visible, logit_rows=lengths - 1,
+                                        causal=True, prefill=True, return_hidden=return_hidden,
+                                        capture_layers=capture), cache)
         cache.advance(lengths)
         if not (return_hidden or capture):
             return out[:, 0]
@@ -385,58 +406,54 @@ class Model(DeviceSteps):
         position ``cache.lengths[b]``.  Written, not committed: the caller advances the cache
         (e.g. only for the requests still running)."""
         bs = cache.batch
-        logits = self.forward(tokens[:, None], cache.lengths[:, None].copy(), cache,
-                              np.ones((bs, 1, 1), bool))
+        logits = self.forward(ForwardBatch(tokens[:, None], cache.lengths[:, None].copy(),
+                                           np.ones((bs, 1, 1), bool)), cache)
         return logits[:, 0]
 
-    def _replay_forward(self, tokens, positions, cache: KVCache, visible, return_hidden: bool,
-                        capture: tuple, embeds, logit_rows, causal: bool, prefill: bool,
-                        borrow: bool = False):
+    def _replay_forward(self, batch: ForwardBatch, tokens, visible, capture: tuple, logit_rows,
+                        cache: KVCache, borrow: bool):
         """:meth:`forward` through one of the model's CUDA graphs, or ``None`` when this call
-        must run eagerly.  The graph reads static buffers of the inputs and of the cache's
-        device lengths, from which it makes the slots (KVCache.device_slots), so one graph
-        serves every prefix length."""
+        must run eagerly (``tokens``, ``visible``, ``capture``, ``logit_rows``: the batch's,
+        checked).  The graph reads static buffers of the inputs and of the cache's device
+        lengths, from which it makes the slots (KVCache.device_slots), so one graph serves
+        every prefix length."""
         bs, n = tokens.shape
         cache.reserve(n)
         selected = logit_rows is not None
-        key = ("forward", bs, n, bool(return_hidden), capture, embeds is not None,
-               selected, causal, prefill) + cache.buffer_key()
+        embedded = batch.embeds is not None
+        return_hidden, causal, prefill = (bool(batch.return_hidden), bool(batch.causal),
+                                          bool(batch.prefill))
+        key = ("forward", bs, n, return_hidden, capture, embedded, selected, causal,
+               prefill) + cache.buffer_key()
 
         def run(tok, pos, vis, lengths, *extra):
             extra = list(extra)
             picked = extra.pop(0) if selected else None
-            inputs = ForwardInputs(tok, pos, vis, cache.device_slots(lengths, n), picked,
-                                   causal, prefill)
-            return self._compute(inputs, cache, return_hidden, extra[0] if extra else None,
-                                 capture)
+            return self._compute(ForwardBatch(
+                tokens=tok, positions=pos, visible=vis, embeds=extra[0] if extra else None,
+                logit_rows=picked, causal=causal, prefill=prefill, return_hidden=return_hidden,
+                capture_layers=capture, slots=cache.device_slots(lengths, n)), cache)
         specs = (((bs, n), np.int32), ((bs * n,), np.int32), ((bs, n, n), np.bool_),
                  ((bs,), np.int32))
-        inputs = (tokens, positions, visible, cache.device_lengths)
+        inputs = (tokens, batch.positions, visible, cache.device_lengths)
         if selected:
             specs += (((bs,), np.int64),)
             inputs += (logit_rows,)
-        if embeds is not None:
+        if embedded:
             specs += (((bs, n, self.config.hidden_size), np.float32),)
-            inputs += (embeds,)
+            inputs += (batch.embeds,)
         return self.graphs.call(key, run, inputs, specs, borrow=borrow)
 
-    def run(self, inputs: ForwardInputs, cache: KVCache, *, return_hidden: bool = False,
-            capture_layers=(), embeds=None):
-        """The forward of one batch already on the device (:class:`ForwardInputs`: tokens,
-        positions, visibility and the cache slots, e.g. ``cache.device_slots`` of device
-        lengths): what :meth:`forward` runs after its checks and uploads, device work only,
-        so a CUDA graph can capture it (kdtree_numba/device_round.py runs a whole DDTree round
-        so).  Returns as :meth:`forward` does."""
-        return self._compute(inputs, cache, return_hidden, embeds,
-                             self._check_capture(capture_layers))
-
-    def _compute(self, inputs, cache: KVCache, return_hidden: bool, embeds, capture=()):
-        """The forward on device inputs (:class:`ForwardInputs`): only device work, so a CUDA
-        graph can capture it."""
+    def _compute(self, batch: ForwardBatch, cache: KVCache):
+        """The forward of a checked batch on the device (its arrays on the backend, its
+        ``capture_layers`` checked, its ``slots`` made): only device work, so a CUDA graph can
+        capture it."""
         ops, be, cfg = self.backend.ops, self.backend, self.config
-        tokens, positions, visible, slots = (inputs.tokens, inputs.positions, inputs.visible,
-                                             inputs.slots)
+        tokens, visible, slots = batch.tokens, batch.visible, batch.slots
         bs, n = tokens.shape
+        positions = batch.positions.reshape(bs * n)     # a view: [bs, n] or already flat
+        capture = batch.capture_layers
+        embeds = batch.embeds
         if embeds is None:
             x = ops.embedding(tokens.reshape(bs * n), self.embed)
         else:
@@ -450,19 +467,19 @@ class Model(DeviceSteps):
         norms = [lw.input_norm for lw in self.layers[1:]] + [self.final_norm]
         for layer, (lw, next_norm) in enumerate(zip(self.layers, norms)):
             attn = self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
-                                   inputs.causal, inputs.prefill)
+                                   batch.causal, batch.prefill)
             x, h = ops.add_rmsnorm(x, attn, lw.post_norm, eps)
-            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, inputs.prefill), next_norm, eps)
+            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill), next_norm, eps)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
-        if inputs.logit_rows is None:
+        if batch.logit_rows is None:
             logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
         else:   # one row per request: b n + logit_rows[b] of the flattened [bs n, D]
-            picked = be.xp.arange(bs) * n + inputs.logit_rows
+            picked = be.xp.arange(bs) * n + batch.logit_rows
             logits = ops.linear(be.xp.ascontiguousarray(h[picked]),
                                 self.lm_head).reshape(bs, 1, cfg.vocab_size)
         out = (logits,)
-        if return_hidden:
+        if batch.return_hidden:
             out += (h.reshape(bs, n, -1),)
         if capture:
             features = be.xp.concatenate([after[j] for j in capture], axis=1)
@@ -538,8 +555,8 @@ class Model(DeviceSteps):
         if T == 0:
             raise ValueError("score needs at least one token")
         cache = self.new_cache(1, T)
-        logits = self.forward(ids[None], np.arange(T)[None], cache, causal_mask(T), causal=True,
-                              prefill=True)
+        logits = self.forward(ForwardBatch(ids[None], np.arange(T)[None], causal_mask(T),
+                                           causal=True, prefill=True), cache)
         return np.asarray(self.backend.to_host(logits[0]), np.float32)
 
 

@@ -14,7 +14,7 @@ from kdtree_numba.bundle import random_weights, size_config
 from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
-from kdtree_numba.model import Model, causal_mask
+from kdtree_numba.model import ForwardBatch, Model, causal_mask
 from reference.attention import tree_visible
 
 # every GEMM shape of the demo pair (K, N), and a few of the tiny test models
@@ -60,8 +60,9 @@ def test_a_tree_verify_gives_each_node_the_bits_of_its_decode():
     depth = [0, 1, 1, 2, 2, 3]
     cache = model.new_cache(1, 32)
     model.prefill(cache, [prefix[:-1]])
-    verify = model.forward(np.array([tokens]), np.array([[len(prefix) - 1 + d for d in depth]]),
-                           cache, tree_visible(parents)[None])[0]
+    verify = model.forward(ForwardBatch(
+        np.array([tokens]), np.array([[len(prefix) - 1 + d for d in depth]]),
+        tree_visible(parents)[None]), cache)[0]
     for node in range(len(tokens)):
         path, j = [], node
         while j >= 0:
@@ -79,7 +80,8 @@ def test_a_causal_block_equals_its_decodes():
     model = tiny("float32")
     ids = np.array([[7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]])
     cache = model.new_cache(1, 16)
-    block = model.forward(ids, np.arange(ids.shape[1])[None], cache, causal_mask(ids.shape[1]))
+    block = model.forward(ForwardBatch(
+        ids, np.arange(ids.shape[1])[None], causal_mask(ids.shape[1])), cache)
     c = model.new_cache(1, 16)
     for i in range(ids.shape[1]):
         np.testing.assert_array_equal(model.decode(c, ids[:, i])[0], block[0, i])

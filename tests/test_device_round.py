@@ -8,6 +8,7 @@ import pytest
 
 from kdtree_numba.engine import generate
 from kdtree_numba.drafter import ModelDrafter
+from kdtree_numba.model import ForwardBatch, causal_mask
 from test_dflash import _small_drafter_model, counted, target_and_drafter
 
 
@@ -142,3 +143,35 @@ def test_programs_live_as_long_as_their_cache_and_nothing_runs_for_no_request():
     target.generation_cache = None
     gc.collect()
     assert cache() is None
+
+
+def test_a_batch_with_its_own_slots_writes_there_and_never_replays_a_graph(monkeypatch):
+    """ForwardBatch.slots, what a device round's verify passes (device slots made from its own
+    lengths, not the cache's): the logits and the latents are the default forward's at those
+    lengths, bit for bit, and the forward runs eagerly even where the model has CUDA graphs,
+    whose key could not name those slots (here a graph cache that fails on any call)."""
+    target, _ = target_and_drafter()
+    ids = np.array([[3, 1, 4], [1, 5, 9]])
+    caches, out = [], []
+    for own_slots in (False, True):
+        cache = target.new_cache(2, 16)
+        target.prefill(cache, [[5, 6, 7], [9, 8]])
+        lengths = cache.device_lengths.copy()
+        positions = cache.lengths[:, None] + np.arange(3)
+        slots = None
+        if own_slots:       # the cache's own lengths now say one token less
+            cache.truncate(cache.lengths - 1)
+            slots = cache.device_slots(lengths, 3)
+            monkeypatch.setattr(target, "graphs", _NoGraphs())
+        out.append(target.forward(ForwardBatch(ids, positions, causal_mask(3, 2), causal=True,
+                                               return_hidden=True, slots=slots), cache))
+        caches.append(cache)
+    for want, got in zip(*out):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(caches[1].c, caches[0].c)
+    np.testing.assert_array_equal(caches[1].k_pe, caches[0].k_pe)
+
+
+class _NoGraphs:
+    def call(self, *args, **kw):
+        raise AssertionError("a forward with its own slots went through the model's graphs")

@@ -34,7 +34,7 @@ from kdtree_numba.config import weight_shapes
 from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter, load_drafter
 from kdtree_numba.engine import generate
-from kdtree_numba.model import Model, causal_mask
+from kdtree_numba.model import ForwardBatch, Model, causal_mask
 from reference import ddtree as ref_ddtree
 
 LATENT_EPS = 1e-6     # kv_a_layernorm's eps in every DeepSeek-V3 layer
@@ -365,24 +365,23 @@ def test_capture_layers_returns_each_layers_residual_stream():
     target, _ = target_and_drafter()
     D, L = target.config.hidden_size, target.config.num_hidden_layers
     ids = np.array([[4, 8, 15, 16, 23]])
-    logits, hidden, feats = target.forward(ids, np.arange(5)[None], target.new_cache(1, 8),
-                                           causal_mask(5), return_hidden=True,
-                                           capture_layers=(1, 0, 1))
+    logits, hidden, feats = target.forward(ForwardBatch(
+        ids, np.arange(5)[None], causal_mask(5), return_hidden=True, capture_layers=(1, 0, 1)),
+        target.new_cache(1, 8))
     assert feats.shape == (1, 5, 3 * D) and feats.dtype == np.float32
     np.testing.assert_array_equal(feats[..., :D], feats[..., 2 * D:])
     from reference.layers import rmsnorm
     last = feats[0, :, :D]
     np.testing.assert_allclose(rmsnorm(last, target.final_norm, target.config.rms_norm_eps),
                                hidden[0], atol=1e-6)
-    np.testing.assert_array_equal(logits, target.forward(ids, np.arange(5)[None],
-                                                         target.new_cache(1, 8),
-                                                         causal_mask(5)))
+    np.testing.assert_array_equal(logits, target.forward(ForwardBatch(
+        ids, np.arange(5)[None], causal_mask(5)), target.new_cache(1, 8)))
     out = target.prefill(target.new_cache(2, 8), [[4, 8, 15], [16, 23, 42, 7, 1]],
                          capture_layers=(0,))
     assert out[1].shape == (2, 5, D)
     with pytest.raises(ValueError, match=f"layer {L} is not a decoder layer"):
-        target.forward(ids, np.arange(5)[None], target.new_cache(1, 8), causal_mask(5),
-                       capture_layers=(L,))
+        target.forward(ForwardBatch(
+            ids, np.arange(5)[None], causal_mask(5), capture_layers=(L,)), target.new_cache(1, 8))
 
 
 def test_capture_matches_transformers_layer_outputs(tmp_path):
@@ -414,8 +413,8 @@ def test_capture_matches_transformers_layer_outputs(tmp_path):
     ours = Model(cfg, weights, "reference")
     L, D, T = cfg.num_hidden_layers, cfg.hidden_size, seq.size
     order = (2, 0, 1)
-    _, feats = ours.forward(seq[None], np.arange(T)[None], ours.new_cache(1, T),
-                            causal_mask(T), capture_layers=order)
+    _, feats = ours.forward(ForwardBatch(
+        seq[None], np.arange(T)[None], causal_mask(T), capture_layers=order), ours.new_cache(1, T))
     feats = feats[0]
     want = np.hstack([seen[j] for j in order])
     assert np.abs(feats - want).max() <= 1e-4 * np.abs(want).max()

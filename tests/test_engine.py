@@ -32,7 +32,7 @@ from kdtree_numba.drafting import TargetNeeds
 from kdtree_numba.engine import generate, uniform_table
 from kdtree_numba.kvcache import CacheFullError
 from kdtree_numba.config import weight_shapes
-from kdtree_numba.model import CACHE_BUCKET, Model, causal_mask, pad_ragged
+from kdtree_numba.model import CACHE_BUCKET, ForwardBatch, Model, causal_mask, pad_ragged
 from reference import ddtree as ref_ddtree
 
 # Engine tests use a two-layer variant of the tiny config (one dense + one MoE layer, YaRN,
@@ -101,12 +101,14 @@ def test_prefill_then_decode_equals_score(overrides):
     tokens = np.zeros((2, n), np.int64)
     for b, p in enumerate(prompts):
         tokens[b, :p.size] = p
-    logits = model.forward(tokens, np.tile(np.arange(n), (2, 1)), cache, causal_mask(n, 2))
+    logits = model.forward(ForwardBatch(
+        tokens, np.tile(np.arange(n), (2, 1)), causal_mask(n, 2)), cache)
     cache.advance([p.size for p in prompts])
     rows = [[logits[b, :p.size]] for b, p in enumerate(prompts)]
     for step in range(3):
         tok = np.array([[11 + step], [11 + step]])
-        out = model.forward(tok, cache.lengths[:, None].copy(), cache, np.ones((2, 1, 1), bool))
+        out = model.forward(ForwardBatch(
+            tok, cache.lengths[:, None].copy(), np.ones((2, 1, 1), bool)), cache)
         cache.advance(1)
         for b in range(2):
             rows[b].append(out[b])
@@ -126,9 +128,9 @@ def test_logit_rows_give_each_requests_row_of_the_full_forward_and_prefill_uses_
     prompts = [np.array([5, 9, 100, 3, 77]), np.array([42, 8])]
     ids, lengths, visible = pad_ragged(prompts)
     positions = np.tile(np.arange(ids.shape[1]), (2, 1))
-    full = model.forward(ids, positions, model.new_cache(2, 8), visible)
-    picked = model.forward(ids, positions, model.new_cache(2, 8), visible,
-                           logit_rows=lengths - 1)
+    full = model.forward(ForwardBatch(ids, positions, visible), model.new_cache(2, 8))
+    picked = model.forward(ForwardBatch(
+        ids, positions, visible, logit_rows=lengths - 1), model.new_cache(2, 8))
     assert picked.shape == (2, 1, model.vocab_size)
     for b in range(2):
         assert picked[b, 0].tobytes() == full[b, lengths[b] - 1].tobytes()
@@ -136,7 +138,8 @@ def test_logit_rows_give_each_requests_row_of_the_full_forward_and_prefill_uses_
     assert last.tobytes() == picked[:, 0].tobytes()
     for bad in ([0], [0, 5], [-1, 0], [0.0, 1.0]):
         with pytest.raises(ValueError, match="logit_rows"):
-            model.forward(ids, positions, model.new_cache(2, 8), visible, logit_rows=bad)
+            model.forward(ForwardBatch(
+                ids, positions, visible, logit_rows=bad), model.new_cache(2, 8))
 
 
 def test_score_leaves_no_state_and_depends_on_prefix():
@@ -162,9 +165,10 @@ def test_verify_rows_equal_sequential_paths_and_compaction_equals_prefill():
     tree = ref_ddtree.build_tree(lp, ids, 9)
     vin = ref_ddtree.compile_tree(tree, np.array([root]), np.array([prefix.size]))
     cache = model.new_cache(1, 32)
-    model.forward(prefix[None], np.arange(prefix.size)[None], cache, causal_mask(prefix.size))
+    model.forward(ForwardBatch(
+        prefix[None], np.arange(prefix.size)[None], causal_mask(prefix.size)), cache)
     cache.advance(prefix.size)
-    logits = model.forward(vin.input_ids, vin.positions, cache, vin.visible)
+    logits = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible), cache)
     for node in range(int(tree.n_nodes[0]) + 1):
         seq = np.concatenate([prefix, [root], tree.token[0, path_to(tree, 0, node)]])
         np.testing.assert_allclose(logits[0, node], model.score(seq)[-1], rtol=0, atol=2e-5)
@@ -177,7 +181,7 @@ def test_verify_rows_equal_sequential_paths_and_compaction_equals_prefill():
     seq = np.concatenate([prefix, [root], tree.token[0, acc[1:]]])
     assert cache.lengths[0] == seq.size
     fresh = model.new_cache(1, 32)
-    model.forward(seq[None], np.arange(seq.size)[None], fresh, causal_mask(seq.size))
+    model.forward(ForwardBatch(seq[None], np.arange(seq.size)[None], causal_mask(seq.size)), fresh)
     np.testing.assert_allclose(cache.c[:, 0, :seq.size], fresh.c[:, 0, :seq.size], atol=1e-6)
     np.testing.assert_allclose(cache.k_pe[:, 0, :seq.size], fresh.k_pe[:, 0, :seq.size],
                                atol=1e-6)
@@ -208,14 +212,15 @@ def test_generation_cache_is_reused_by_the_next_generation():
 def test_cache_full_raises_naming_request_and_never_overwrites():
     model = tiny_model(0)
     cache = model.new_cache(2, 8)
-    model.forward(np.zeros((2, 3), np.int64), np.tile(np.arange(3), (2, 1)), cache,
-                  causal_mask(3, 2))
+    model.forward(ForwardBatch(
+        np.zeros((2, 3), np.int64), np.tile(np.arange(3), (2, 1)), causal_mask(3, 2)), cache)
     cache.advance([3, 6])
     before = (cache.c.copy(), cache.k_pe.copy())
     with pytest.raises(CacheFullError, match=r"request 1 holds 6 tokens and needs 3 more.*"
                                              r"max_len is 8"):
-        model.forward(np.ones((2, 3), np.int64), cache.lengths[:, None] + np.arange(3), cache,
-                      causal_mask(3, 2))
+        model.forward(ForwardBatch(
+            np.ones((2, 3), np.int64), cache.lengths[:, None] + np.arange(3), causal_mask(3, 2)),
+            cache)
     np.testing.assert_array_equal(cache.c, before[0])
     np.testing.assert_array_equal(cache.k_pe, before[1])
     assert cache.nbytes == before[0].nbytes + before[1].nbytes
@@ -331,8 +336,9 @@ def test_block_drafter_gets_the_hidden_state_that_chose_the_root():
             if root_at + 1 - len(prompts[b]) >= 10:    # finished: no longer updated
                 continue
             cache = model.new_cache(1, h.size)
-            _, want = model.forward(h[None, :-1], np.arange(h.size - 1)[None], cache,
-                                    causal_mask(h.size - 1), return_hidden=True)
+            _, want = model.forward(ForwardBatch(
+                h[None, :-1], np.arange(h.size - 1)[None], causal_mask(h.size - 1),
+                return_hidden=True), cache)
             np.testing.assert_allclose(hidden[b], want[0, -1], rtol=0, atol=2e-5)
 
 
@@ -546,10 +552,10 @@ def test_ddtree_reports_each_round_while_the_next_one_verifies():
     events, seen = [], []
     forward = model.forward
 
-    def spy_forward(*args, **kw):
-        if kw.get("causal") and not kw.get("prefill"):
+    def spy_forward(batch, cache, **kw):
+        if batch.causal and not batch.prefill:
             events.append("verify")
-        return forward(*args, **kw)
+        return forward(batch, cache, **kw)
     model.forward = spy_forward
     res = generate(model, [[1, 2, 3], [4, 5]], 9, method="ddtree", budget=4,
                    drafter=make_drafter("oracle_half", model, 3, 1),

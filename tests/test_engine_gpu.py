@@ -17,7 +17,7 @@ import pytest
 from kdtree_numba.bundle import random_weights, size_config
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate
-from kdtree_numba.model import Model
+from kdtree_numba.model import ForwardBatch, Model
 
 pytestmark = pytest.mark.gpu
 
@@ -43,8 +43,9 @@ def test_backend_is_gpu_and_cache_lives_on_device():
     assert gpu.backend.name == "numba" and gpu.backend.on_gpu
     cache = gpu.new_cache(2, 64)
     assert isinstance(cache.c, cupy.ndarray)
-    logits = gpu.forward(np.ones((2, 3), np.int64), np.tile(np.arange(3), (2, 1)), cache,
-                         np.tile(np.tri(3, dtype=bool), (2, 1, 1)))
+    logits = gpu.forward(ForwardBatch(
+        np.ones((2, 3), np.int64), np.tile(np.arange(3), (2, 1)),
+        np.tile(np.tri(3, dtype=bool), (2, 1, 1))), cache)
     assert isinstance(logits, cupy.ndarray) and logits.shape == (2, 3, 128)
 
 
@@ -285,8 +286,9 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
     prompt = rng.integers(0, gpu.vocab_size, (bs, 7))
     for cache in caches.values():
         gpu.graphs = None
-        gpu.forward(prompt, np.tile(np.arange(7), (bs, 1)), cache,
-                    np.tile(np.tri(7, dtype=bool), (bs, 1, 1)))
+        gpu.forward(ForwardBatch(
+            prompt, np.tile(np.arange(7), (bs, 1)), np.tile(np.tri(7, dtype=bool), (bs, 1, 1))),
+            cache)
         cache.advance([7, 5])            # ragged: request 1 keeps 5 of its 7
     gpu.graphs = graphs
     try:
@@ -298,7 +300,7 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
             for mode, cache in caches.items():
                 gpu.graphs = graphs if mode == "graph" else None
                 pos = cache.lengths[:, None] + depth
-                out[mode] = cupy.asnumpy(gpu.forward(tokens, pos, cache, vis))
+                out[mode] = cupy.asnumpy(gpu.forward(ForwardBatch(tokens, pos, vis), cache))
                 cache.advance([1, 1 + step % 2])
             np.testing.assert_allclose(out["graph"], out["eager"], rtol=1e-4, atol=1e-4)
     finally:
@@ -361,8 +363,8 @@ def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
     ref_cache = ref.new_cache(1, 32)
     with pytest.warns(RuntimeWarning, match="not capturable"):
         for step in range(4):
-            got = gpu.forward(tok, [[step]], cache, vis)
-            want = ref.forward(tok, [[step]], ref_cache, vis)
+            got = gpu.forward(ForwardBatch(tok, [[step]], vis), cache)
+            want = ref.forward(ForwardBatch(tok, [[step]], vis), ref_cache)
             np.testing.assert_allclose(gpu.backend.to_host(got), want, rtol=1e-4, atol=1e-4)
             cache.advance(1)
             ref_cache.advance(1)
@@ -426,3 +428,38 @@ def test_gpu_graph_inputs_from_the_device_in_any_layout_and_dtype():
                 + (base[:, 4:] - step) + base[:, 1:5] * step)
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
     assert graphs.captures == 1 and graphs.replays == 3
+
+
+def test_gpu_host_inputs_go_up_without_waiting_for_the_device():
+    """A replay's host inputs go up through the input's own pinned buffers, stream-ordered:
+    the host does not wait for the work queued before it (a kernel sleeping ~100 ms here;
+    CuPy's synchronous ``set`` waited for it, so a step "one ahead" was not), and replays
+    queued back to back with different host values each read their own (two buffers in
+    turn, each rewritten only once its copy is done)."""
+    import time
+
+    import cupy
+
+    from kdtree_numba.graphs import GraphCache
+    _, gpu = pair("tiny")
+    graphs = GraphCache(gpu.backend)
+    spec = (((256,), np.float32),)
+
+    def call(value):
+        return graphs.call(("up",), lambda x: x * 3 + 1, (np.full(256, value, np.float32),),
+                           spec)
+
+    call(0)
+    call(0)                                               # eager, then captured
+    big = cupy.ones((8192, 8192), np.float32)
+    cupy.cuda.Device().synchronize()
+    for _ in range(6):                                    # ~100+ ms of queued work
+        big = big @ big * np.float32(1 / 8192)
+    t0 = time.perf_counter()
+    first = [call(v) for v in (1, 2)]                     # both buffers free: no wait
+    queued = time.perf_counter() - t0
+    rest = [call(v) for v in range(3, 9)]                 # waits for buffer 1's copy
+    for value, out in enumerate(first + rest, start=1):
+        np.testing.assert_array_equal(cupy.asnumpy(out), 3 * value + 1)
+    assert queued < 0.03, f"two replays with host inputs took {queued:.3f} s behind " \
+                          f"~100 ms of queued GEMMs: their uploads waited for the device"

@@ -19,7 +19,7 @@ from kdtree_numba.cli import run_main
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.kvcache import KVCache
-from kdtree_numba.model import Model, causal_mask
+from kdtree_numba.model import ForwardBatch, Model, causal_mask
 
 
 def oracle_bits(x) -> np.ndarray:
@@ -94,10 +94,9 @@ def test_ddtree_greedy_equals_ar_over_a_bf16_cache_with_compaction():
 
 def test_numba_kernels_agree_with_the_reference_over_a_bf16_cache(needs_kernels):
     ids = np.array([[5, 17, 2, 99]])
-    got, want = (tiny("bfloat16", be).forward(ids, np.arange(4)[None],
-                                                tiny("bfloat16", be).new_cache(1, 8),
-                                                causal_mask(4), causal=True)
-                 for be in ("numba", "reference"))
+    got, want = (tiny("bfloat16", be).forward(
+        ForwardBatch(ids, np.arange(4)[None], causal_mask(4), causal=True),
+        tiny("bfloat16", be).new_cache(1, 8)) for be in ("numba", "reference"))
     got = np.asarray(tiny("bfloat16", "numba").backend.to_host(got), np.float32)
     want = np.asarray(want, np.float32)
     # the kernel also rounds its softmax weights to bf16 (2^-8 relative): logits move by a

@@ -25,7 +25,7 @@ from kdtree_numba.drafter import ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.kvcache import CacheFullError, KVCache
 from kdtree_numba.kvlayout import PagedLayout, layout_spec
-from kdtree_numba.model import Model, causal_mask
+from kdtree_numba.model import ForwardBatch, Model, causal_mask
 from reference.attention import mla_attention, paged_mla_attention
 from reference.ddtree import compact_kv, compact_kv_paged
 from reference.paged import check_page_table
@@ -281,16 +281,17 @@ def test_a_round_committed_by_device_counts_continues_as_one_committed_by_host_c
         cache = model.new_cache(2, 32)
         model.prefill(cache, [[3, 1, 4, 1, 5], [9, 2]])
         start = cache.lengths.copy()
-        model.forward(np.arange(8).reshape(2, 4) + 7, start[:, None] + np.arange(4), cache,
-                      causal_mask(4, 2), causal=True)
+        model.forward(ForwardBatch(
+            np.arange(8).reshape(2, 4) + 7, start[:, None] + np.arange(4), causal_mask(4, 2),
+            causal=True), cache)
         acc_idx = np.array([[0, 2, -1, -1], [0, 1, 3, -1]], np.int32)
         acc_len = np.array([2, 3], np.int32)
         cache.compact_tree(model.backend.ops, acc_idx, acc_len)
         cache.advance(acc_len, device=device)
         assert cache.pending == device
         assert cache.device_lengths.tolist() == (start + acc_len).tolist()
-        out.append(model.forward(np.array([[5], [6]]), (start + acc_len)[:, None], cache,
-                                 np.ones((2, 1, 1), bool)))
+        out.append(model.forward(ForwardBatch(
+            np.array([[5], [6]]), (start + acc_len)[:, None], np.ones((2, 1, 1), bool)), cache))
         if device:
             assert cache.lengths.tolist() == (start + 4).tolist()     # the bound
             cache.confirm_lengths(start + acc_len)

@@ -56,16 +56,18 @@ def test_prefill_forward_is_causal_and_takes_the_last_logits_only():
         def new_cache(self, bs, capacity):
             return SimpleNamespace(advance=lambda lengths: calls.append(("advance", lengths)))
 
-        def forward(self, tokens, positions, cache, visible, **kw):
-            calls.append((tokens.shape, positions[0, 0], visible.shape, kw))
+        def forward(self, batch, cache, **kw):
+            calls.append((batch.tokens.shape, batch.positions[0, 0], batch.visible.shape,
+                          batch, kw))
 
     profile_ops._forward(Fake(), 6, 3, prefill=True)()
     profile_ops._forward(Fake(), 6, 3)()
     prefix, advance, prefill, _, _, verify = calls
     assert prefix[:3] == ((1, 3), 0, (1, 3, 3)) and advance == ("advance", [3])
-    assert prefill[:3] == ((1, 6), 3, (1, 6, 6)) and prefill[3]["causal"] is True
-    assert prefill[3]["logit_rows"].tolist() == [5]
-    assert verify[:3] == ((1, 6), 3, (1, 6, 6)) and verify[3] == {}
+    assert prefill[:3] == ((1, 6), 3, (1, 6, 6)) and prefill[3].causal is True
+    assert prefill[3].prefill is True and prefill[3].logit_rows.tolist() == [5]
+    assert verify[:3] == ((1, 6), 3, (1, 6, 6)) and verify[4] == {}
+    assert (verify[3].causal, verify[3].prefill, verify[3].logit_rows) == (False, False, None)
 
 
 def test_weight_bytes_of_int4_experts_are_their_packed_bytes():

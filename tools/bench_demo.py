@@ -103,7 +103,7 @@ from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
 from kdtree_numba.drafter import NoisyOracleDrafter, load_drafter, parse_oracle_spec  # noqa: E402
 from kdtree_numba.drafting import Commit, DraftContext  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
-from kdtree_numba.model import Model, causal_mask  # noqa: E402
+from kdtree_numba.model import ForwardBatch, Model, causal_mask  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
 
 import bench_demo_peers as peers  # noqa: E402
@@ -426,8 +426,9 @@ def drafter_agreement(model, drafter, prompts, continuations, stride: int) -> di
         hidden = None
         if needs.hidden:              # every row's final hidden state, from a full forward
             full = model.new_cache(1, P + N)
-            hidden = model.forward(seq[None, :P + N - 1], np.arange(P + N - 1)[None],
-                                   full, causal_mask(P + N - 1), return_hidden=True)[1]
+            hidden = model.forward(ForwardBatch(
+                seq[None, :P + N - 1], np.arange(P + N - 1)[None], causal_mask(P + N - 1),
+                return_hidden=True), full)[1]
         have = 0
         for j in anchors:
             root = P + j - 1                      # c_j's position; c_{j+d} is seq[root + d]

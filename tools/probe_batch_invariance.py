@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from kdtree_numba.backends import GEMM_CHOICES, make_backend, map_arrays  # noqa: E402
 from kdtree_numba.bundle import SIZES, random_weights, size_config  # noqa: E402
 from kdtree_numba.device_weights import random_model  # noqa: E402
-from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.model import ForwardBatch, Model  # noqa: E402
 
 
 def build_model(size: str, gemm: str, backend: str, seed: int = 0,
@@ -200,16 +200,17 @@ def probe(model, n: int, prefix: int, seed: int = 0, batch: int = 1,
             # the verify's cache twice the decodes' capacity, as DDTree's exceeds AR's
             caches = [model.new_cache(batch, k * (prefix + nodes) + 16) for k in (1, 2)]
             for cache in caches:
-                model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal(prefix))
+                model.forward(ForwardBatch(
+                    tokens[:, :prefix], positions[:, :prefix], causal(prefix)), cache)
                 cache.advance([prefix] * batch)
             decodes = []
             for p in range(prefix, prefix + n):
-                decodes.append(recorder.run(lambda: model.forward(
-                    tokens[:, p:p + 1], positions[:, p:p + 1], caches[0], causal(1))))
+                decodes.append(recorder.run(lambda: model.forward(ForwardBatch(
+                    tokens[:, p:p + 1], positions[:, p:p + 1], causal(1)), caches[0])))
                 caches[0].advance([1] * batch)
-            verify = recorder.run(lambda: model.forward(
-                tree_tokens, np.tile(tree_pos, (batch, 1)), caches[1],
-                np.broadcast_to(tree_vis, (batch, nodes, nodes))))
+            verify = recorder.run(lambda: model.forward(ForwardBatch(
+                tree_tokens, np.tile(tree_pos, (batch, 1)),
+                np.broadcast_to(tree_vis, (batch, nodes, nodes))), caches[1]))
     finally:
         recorder.close()
     if len({len(d) for d in decodes} | {len(verify)}) != 1:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from kdtree_numba.engine import generate  # noqa: E402
-from kdtree_numba.model import causal_mask  # noqa: E402
+from kdtree_numba.model import ForwardBatch, causal_mask  # noqa: E402
 
 
 def main(argv=None):
@@ -70,12 +70,12 @@ def main(argv=None):
         cache = model.new_cache(1, 64)
         tok, pos, vis = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), causal_mask(1)
         for _ in range(3):                  # the first call compiles, the second captures
-            model.forward(tok, pos, cache, vis)
+            model.forward(ForwardBatch(tok, pos, vis), cache)
         be.synchronize()
         n = 20
         t0 = time.perf_counter()
         for _ in range(n):
-            model.forward(tok, pos, cache, vis)
+            model.forward(ForwardBatch(tok, pos, vis), cache)
         t_enqueue = (time.perf_counter() - t0) / n
         be.synchronize()
         t_all = (time.perf_counter() - t0) / n

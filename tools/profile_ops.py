@@ -41,7 +41,7 @@ from engine_roof import HBM_BYTES_PER_S  # noqa: E402
 from probe_batch_invariance import Recorder, build_model, eager_forwards  # noqa: E402
 
 from kdtree_numba.graphs import GraphCache  # noqa: E402
-from kdtree_numba.model import causal_mask  # noqa: E402
+from kdtree_numba.model import ForwardBatch, causal_mask  # noqa: E402
 
 
 def gpu_us(launch, replays: int) -> float:
@@ -96,11 +96,12 @@ def _forward(model, n: int, prefix: int, seed: int = 0, prefill: bool = False):
     tokens = rng.integers(0, model.config.vocab_size, (1, prefix + n))
     positions = np.arange(prefix + n)[None]
     cache = model.new_cache(1, prefix + n + 16)
-    model.forward(tokens[:, :prefix], positions[:, :prefix], cache, causal_mask(prefix))
+    model.forward(ForwardBatch(
+        tokens[:, :prefix], positions[:, :prefix], causal_mask(prefix)), cache)
     cache.advance([prefix])
     extra = dict(causal=True, prefill=True, logit_rows=np.array([n - 1])) if prefill else {}
-    return functools.partial(model.forward, tokens[:, prefix:], positions[:, prefix:], cache,
-                             causal_mask(n), **extra)
+    batch = ForwardBatch(tokens[:, prefix:], positions[:, prefix:], causal_mask(n), **extra)
+    return functools.partial(model.forward, batch, cache)
 
 
 def profile(model, n: int, prefix: int, replays: int, seed: int = 0, prefill: bool = False):

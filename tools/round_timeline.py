@@ -1,0 +1,187 @@
+"""Where a DDTree round's time goes on the GPU: a timeline of CUDA events and host clocks.
+
+    python3 tools/round_timeline.py [--prompts 8] [--budgets 8,32] [--max-new-tokens 128]
+
+For the demo pair (or ``--model`` / ``--drafter``) at T = 0, each budget is run with rounds
+as device programs (kdtree_numba/device_round.py) and, for comparison, with the host-driven
+round, on the same warmed prompts.  Around every round's launch (``DeviceRounds.launch``)
+the tool records a CUDA event before and after it on the round's stream, and host clocks
+around the launch and the wait for its tokens (``collect``), so per round:
+
+* ``device``: the event after the launch minus the event before it: the round's own device
+  time (its CUDA graph and the read of its tokens), since an event before the launch fires
+  only when the work enqueued before it is done;
+* ``gap``: the event before round r minus the event after round r - 1: the time the device
+  idled waiting for the host to launch round r (0 while the launch is ahead of the device);
+* ``launch`` / ``wait``: the host's time inside ``launch`` and blocked in ``collect``;
+* the captured round graph's nodes (kernels, copies, memsets) from the driver
+  (``cuGraphGetNodes``), so its launches are counted, not guessed.
+
+The summary table gives, per budget, the wall time per round, the device time, the idle gap
+and its share of the round (issue 36's goal: <= 5 %), and the graph's kernel count beside
+(kernels x 2.5 us), a floor for a graph's kernel-to-kernel launch latency on an H100-class
+card (docs/BENCHMARKS.md cites the measured per-launch cost).  GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kdtree_numba import compat, demo  # noqa: E402
+from kdtree_numba.backends import make_backend  # noqa: E402
+from kdtree_numba.device_round import DeviceRounds  # noqa: E402
+from kdtree_numba.engine import generate  # noqa: E402
+from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.text import load_codec  # noqa: E402
+
+LAUNCH_FLOOR_US = 2.5          # a kernel node's launch-to-launch floor inside a graph (H100)
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset"}
+
+
+def graph_nodes(graph) -> dict:
+    """Node counts by type of a CuPy ``Graph`` (its cudaGraph_t), from the driver."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.graph)
+    n = ctypes.c_size_t(0)
+    if cuda.cuGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
+        return {}
+    nodes = (ctypes.c_void_p * n.value)()
+    cuda.cuGraphGetNodes(handle, nodes, ctypes.byref(n))
+    counts: dict = {}
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        name = NODE_TYPES.get(kind.value, f"type{kind.value}")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class Timeline:
+    """Events and host clocks around ``DeviceRounds.launch`` and ``collect`` (module
+    docstring), installed on the class for the tool's process."""
+
+    def __init__(self, cupy):
+        self.cp = cupy
+        self.rounds: list[dict] = []
+        self.launch, self.collect = DeviceRounds.launch, DeviceRounds.collect
+        timeline = self
+
+        def launch(rounds, active):
+            before = cupy.cuda.Event()
+            before.record()
+            t0 = time.perf_counter()
+            timeline.launch(rounds, active)
+            t1 = time.perf_counter()
+            after = cupy.cuda.Event()
+            after.record()
+            timeline.rounds.append(dict(before=before, after=after, launch=t1 - t0,
+                                        rounds=rounds))
+
+        def collect(rounds):
+            t0 = time.perf_counter()
+            out = timeline.collect(rounds)
+            timeline.rounds[len(timeline.rounds) - len(rounds.in_flight) - 1]["wait"] = \
+                time.perf_counter() - t0
+            return out
+
+        DeviceRounds.launch, DeviceRounds.collect = launch, collect
+
+    def reset(self) -> None:
+        self.rounds.clear()
+
+    def summary(self, wall: float, n_rounds: int) -> dict:
+        self.cp.cuda.Device().synchronize()
+        rs = self.rounds
+        device = [self.cp.cuda.get_elapsed_time(r["before"], r["after"]) for r in rs]
+        gaps = [self.cp.cuda.get_elapsed_time(a["after"], b["before"])
+                for a, b in zip(rs, rs[1:])]
+        span = self.cp.cuda.get_elapsed_time(rs[0]["before"], rs[-1]["after"])
+        program = rs[-1]["rounds"]
+        graph = program.model.graphs._graphs.get(program._key()) \
+            if program.model.graphs is not None else None
+        return dict(launched=len(rs), committed_rounds=n_rounds,
+                    wall_ms_per_round=1e3 * wall / max(n_rounds, 1),
+                    device_ms=float(np.mean(device)), gap_ms=float(np.mean(gaps or [0.0])),
+                    idle_share=float(sum(gaps) / span) if span > 0 else 0.0,
+                    launch_ms=1e3 * float(np.mean([r["launch"] for r in rs])),
+                    wait_ms=1e3 * float(np.mean([r.get("wait", 0.0) for r in rs])),
+                    nodes=graph_nodes(graph.graph) if graph is not None else {})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--budgets", default="8,32")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--model", default=str(demo.TARGET))
+    p.add_argument("--drafter", default=str(demo.DRAFTER))
+    p.add_argument("--prompt-file", default=os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "data", "heldout_prompts.jsonl"))
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if not compat.gpu_available():
+        sys.exit("round_timeline: needs a GPU (it reads CUDA events and graphs)")
+    import cupy
+    from bench_demo import make_drafter, read_prompts
+    model = Model.load(args.model, make_backend("numba"))
+    codec = load_codec(args.model)
+    prompts = [r["ids"] for r in read_prompts(args.prompt_file, args.prompts, codec)]
+    drafter = make_drafter(args.drafter, model, 7, 0)
+    timeline = Timeline(cupy)
+    rows = []
+    configs = [(0, False)] + [(int(b), d) for b in args.budgets.split(",") for d in (True, False)]
+    for budget, device_rounds in configs:
+        kw = dict(method="ddtree", drafter=drafter, budget=budget,
+                  device_rounds=device_rounds) if budget else dict(method="ar")
+        for ids in prompts:                       # compile, capture, warm
+            generate(model, [ids], args.max_new_tokens, **kw)
+            generate(model, [ids], args.max_new_tokens, **kw)
+        walls, n_rounds, summaries = [], [], []
+        for ids in prompts:
+            timeline.reset()
+            t0 = time.perf_counter()
+            res = generate(model, [ids], args.max_new_tokens, **kw)
+            wall = time.perf_counter() - t0
+            walls.append(wall)
+            n_rounds.append(res.stats.rounds)
+            if device_rounds and timeline.rounds:
+                summaries.append(timeline.summary(wall, res.stats.rounds))
+        row = dict(budget=budget or "ar", device_rounds=device_rounds,
+                   tokens_per_s=len(prompts) * args.max_new_tokens / sum(walls),
+                   wall_ms_per_round=1e3 * sum(walls) / max(sum(n_rounds), 1))
+        if summaries:
+            for key in ("device_ms", "gap_ms", "idle_share", "launch_ms", "wait_ms"):
+                row[key] = float(np.mean([s[key] for s in summaries]))
+            row["nodes"] = summaries[-1]["nodes"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| budget | rounds | tok/s | wall / round (ms) | device / round | idle gap | "
+          "idle share | host launch | host wait | graph kernels (x 2.5 us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        kernels = r.get("nodes", {}).get("kernel")
+        floor = f"{kernels} ({kernels * LAUNCH_FLOOR_US / 1e3:.2f} ms)" if kernels else "-"
+        cells = [f"{r[k]:.3f}" if k in r else "-" for k in ("device_ms", "gap_ms")]
+        share = f"{100 * r['idle_share']:.1f} %" if "idle_share" in r else "-"
+        host = [f"{r[k]:.3f}" if k in r else "-" for k in ("launch_ms", "wait_ms")]
+        print(f"| {r['budget']} | {'device' if r['device_rounds'] else 'host'} | "
+              f"{r['tokens_per_s']:.1f} | {r['wall_ms_per_round']:.3f} | {cells[0]} | "
+              f"{cells[1]} | {share} | {host[0]} | {host[1]} | {floor} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            card = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+            json.dump(dict(card=card, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
