@@ -488,8 +488,9 @@ def bench_int4(ctx, results, deadline, ms=INT4_MS):
     experts = []
     for shape, std, seed in (((n_experts, 2 * inter, d), 0.014, 1),
                              ((n_experts, d, inter), 0.026, 3)):
-        w = random_int4_experts(cp, shape, std, seed, INT4_GROUP)     # 9.5 GB, packed
-        experts.append(Int4Experts(nb(w.words), nb(w.scale), w.group_size))
+        drawn = random_int4_experts(cp, shape, std, seed, INT4_GROUP)   # 9.5 GB, packed
+        experts.append(Int4Experts(nb(drawn.words), nb(drawn.scale), drawn.group_size))
+        del drawn          # the numba views keep the arrays; dropping them frees them
     shared = tuple(nb(cp.full(shape, 0x3C00, cp.uint16)) for shape in ((2 * inter, d),
                                                                        (d, inter)))
     gate = nb(cp.asarray((rng.standard_normal((n_experts, d)) * 0.02).astype(np.float32)))
@@ -545,7 +546,8 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound):
 
 def _bf16_decode_row(ctx, results, shared, decode):
     """The M = 1 call of bench_int4 with the 384 experts in bf16 (33.8 GB, a constant fill:
-    the values do not change the time); ``vs_int4``: its time over the int4 call's."""
+    the values do not change the time); sets the int4 row's ``vs_bf16``: this call's time
+    over the int4 call's."""
     cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
     n_experts, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "d", "inter"))
     h, idx, w, int4_row = decode
@@ -557,7 +559,6 @@ def _bf16_decode_row(ctx, results, shared, decode):
                                               workspace=ws)], trials=5)
         used = int4_row["experts_read"] - 1
         row = _moe_roof_row("bf16", 1, "router", used, (used + 1) * 3 * inter * d * 2, t, hb)
-        row["vs_bf16"] = None
         int4_row["vs_bf16"] = t / (int4_row["us"] * 1e-6)
         results.append(row)
         print_row(row)
