@@ -3,7 +3,8 @@ float64 reference (dequantise, then the matmul) at the derived bound of tests/w4
 their batch invariance, the registry's numba entry (packed on the device, never widened), and
 a tiny model with int4 experts giving the reference backend's tokens (AR and DDTree).
 
-Simulator shapes are tiny (each simulated thread costs ~120 us); the Kimi widths are
+Tiny shapes (each simulated thread costs ~120 us): CI runs them in the simulator, and they run
+as they are on a GPU (e.g. under compute-sanitizer); the Kimi widths are
 tests/test_w4a16_gpu.py's.
 """
 from __future__ import annotations
@@ -21,10 +22,6 @@ from kdtree_numba.layers.workspace import Int4Experts, int4_experts, int4_load_k
 from kdtree_numba.model import Model
 from kdtree_numba.weights import load_weight
 from w4a16_cases import int4_case, moe_bound
-
-pytestmark = pytest.mark.skipif(not compat.SIMULATOR, reason="simulator shapes: the GPU runs "
-                                "tests/test_w4a16_gpu.py")
-
 
 @pytest.fixture(scope="module")
 def layers():
