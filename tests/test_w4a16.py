@@ -126,13 +126,20 @@ def _int4_weights(cfg, group):
             for k, v in random_weights(cfg, 0)}
 
 
-def test_numba_model_holds_int4_experts_packed(layers):
+@pytest.mark.parametrize("source", ["weights", "bundle"])
+def test_numba_model_holds_int4_experts_packed(layers, tmp_path, source):
     """Issue 39's rule: no path keeps a bf16 or int8 copy of an INT4 expert.  The model holds
     each expert tensor as the packed words and the scales, exactly the stored weight's bytes
-    (4.5 bits a weight at group 32), and nothing else of it."""
+    (4.5 bits a weight at group 32), and nothing else of it: from weights in memory and from
+    a bundle read through its memory map."""
+    from kdtree_numba.bundle import write_bundle
     cfg = size_config("tiny")
     weights = _int4_weights(cfg, 32)
-    model = Model(cfg, weights, "numba")
+    if source == "bundle":
+        write_bundle(tmp_path / "q.kdtr", cfg, weights, dtype="bfloat16")
+        model = Model.load(tmp_path / "q.kdtr", "numba", verify=False)
+    else:
+        model = Model(cfg, weights, "numba")
     for j, lw in enumerate(model.layers):
         if cfg.is_dense_layer(j):
             continue
@@ -142,6 +149,8 @@ def test_numba_model_holds_int4_experts_packed(layers):
             assert kept.words.dtype == np.uint32 and kept.scale.dtype == np.uint16
             assert kept.nbytes == stored.nbytes == stored.size * 4.5 / 8
             assert kept.shape == stored.shape
+            words = kept.words.get() if hasattr(kept.words, "get") else kept.words  # CuPy
+            assert np.array_equal(np.asarray(words).view(np.uint8), stored.packed)
 
 
 def test_int4_model_gives_the_reference_backends_tokens(layers):
