@@ -14,7 +14,11 @@ refused at load with one line naming the tensor (:class:`WeightFormatUnsupported
   backends.
 * ``int4-group``: packed int4 with a bf16 scale per group of inputs (formats/int4_group.py,
   Kimi-K2's routed experts); the reference backend's ops take it as it is and dequantise
-  exactly (reference/layers/common.py); no numba kernel reads it yet.
+  exactly (reference/layers/common.py); the numba backend keeps it as
+  :class:`~kdtree_numba.layers.workspace.Int4Experts` (the packed bytes as uint32 words and
+  the bf16 scales, on the device: never a wider copy) for its W4A16 expert kernels
+  (kdtree_numba/layers/moe.py).  Random device weights (device_weights.py) may already be
+  ``Int4Experts``.
 
 Adding a format (docs/ARCHITECTURE.md, "Adding a weight format"): its module (layout,
 pack/unpack, the float64 reference dequantiser, the bundle round trip), one
@@ -29,6 +33,7 @@ import numpy as np
 
 from formats.int4_group import Int4GroupWeight
 from kdtree_numba.bundle import BundleError
+from kdtree_numba.layers.workspace import Int4Experts, int4_experts
 
 __all__ = ["WeightFormat", "FORMATS", "USES", "format_of", "load_weight",
            "WeightFormatUnsupported"]
@@ -68,7 +73,21 @@ def _as_backend_keeps_it(backend, tensor, dtype):
 
 def _packed_as_it_is(backend, tensor, dtype):
     # the reference ops dequantise an expert at a time (float64, exact): no wide copy
-    return tensor
+    if backend.name != "numba":
+        if isinstance(tensor, Int4Experts):
+            raise WeightFormatUnsupported("int4 experts drawn for the numba kernels "
+                                          "(Int4Experts) run on the numba backend only")
+        return tensor
+    # the numba kernels read the packed bytes as words beside the scales: the bytes go up as
+    # they are (a device-drawn Int4Experts is there already)
+    if isinstance(tensor, Int4Experts):
+        return tensor if not backend.on_gpu else Int4Experts(
+            backend.xp.asarray(tensor.words), backend.xp.asarray(tensor.scale),
+            tensor.group_size)
+    try:
+        return int4_experts(tensor, backend.xp if backend.on_gpu else np)
+    except ValueError as e:
+        raise WeightFormatUnsupported(str(e)) from None
 
 
 # a device array given to the model may already be bf16 bits (device_weights.py draws them)
@@ -79,8 +98,10 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
                  {"reference": ALL_USES, "numba": ALL_USES}),
     WeightFormat("f16", _float(("float16",)), _as_backend_keeps_it,
                  {"reference": ALL_USES, "numba": ALL_USES}),
-    WeightFormat("int4-group", lambda tensor: isinstance(tensor, Int4GroupWeight),
-                 _packed_as_it_is, {"reference": frozenset({"experts"})}),
+    WeightFormat("int4-group",
+                 lambda tensor: isinstance(tensor, (Int4GroupWeight, Int4Experts)),
+                 _packed_as_it_is, {"reference": frozenset({"experts"}),
+                                    "numba": frozenset({"experts"})}),
 )}
 
 
@@ -110,4 +131,7 @@ def load_weight(backend, name: str, tensor, use: str, dtype=None):
         raise WeightFormatUnsupported(
             f"{name} is {fmt.name}: the {backend.name} backend's kernels take no {fmt.name} "
             f"weight as {use} (where {fmt.name} runs: {where or 'nowhere yet'})")
-    return fmt.prepare(backend, tensor, dtype)
+    try:
+        return fmt.prepare(backend, tensor, dtype)
+    except WeightFormatUnsupported as e:     # a layout this backend's kernels do not take
+        raise WeightFormatUnsupported(f"{name}: {e}") from None

@@ -399,3 +399,69 @@ def test_bench_measures_the_first_call_that_captures_no_graph(monkeypatch):
         monkeypatch.setattr(bench_engine, "generate", fake)
         res = bench_engine.time_generate_batch(None, [[1]], 4, method="ar")
         assert res.call == want and len(calls) == want + 1 and calls[-1] == {"method": "ar"}
+
+
+# ----------------------------------------------------------------------------- kimi-k2-slice
+
+def test_kimi_k2_slice_is_kimi_with_all_384_experts_in_int4():
+    from kdtree_numba.device_weights import kimi_k2_slice_config
+    cfg = kimi_k2_slice_config()
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts,
+            cfg.num_hidden_layers, cfg.first_k_dense_replace) == (384, 8, 1, 4, 1)
+    assert bench_engine.DEVICE_EXPERTS["kimi-k2-slice"] == "int4"
+    # 3 MoE layers of 384 int4 experts: 9.5 GB a layer (notes/int4.md), never bf16's 33.8
+    itemsize = engine_roof.engine_itemsize(2, 0.5 + 2 / 32)
+    layer = sum(int(np.prod(s)) * itemsize(n) for n, s in weight_shapes(cfg).items()
+                if n.startswith("model/layers/1/mlp/experts/"))
+    assert 9.4e9 < layer < 9.6e9
+
+
+def test_random_int4_experts_are_packed_symmetric_and_chunk_free():
+    """Drawn as packed words: values in [-7, 7] (the -8 nibble folded onto 0), the scales the
+    asked spread, the same bits whatever the chunk."""
+    from formats.int4_group import Int4GroupWeight
+    from kdtree_numba.device_weights import random_int4_experts
+    w = random_int4_experts(np, (4, 32, 64), 0.05, seed=7)
+    assert isinstance(w, Int4GroupWeight) and w.shape == (4, 32, 64) and w.group_size == 32
+    q = w.values()
+    assert q.min() == -7 and q.max() == 7 and abs(q.mean()) < 0.3
+    assert 0.04 < w.dequantize().std() < 0.06
+    again = random_int4_experts(np, (4, 32, 64), 0.05, seed=7, chunk=100)
+    assert np.array_equal(again.packed, w.packed) and np.array_equal(again.scale, w.scale)
+    other = random_int4_experts(np, (4, 32, 64), 0.05, seed=8)
+    assert not np.array_equal(other.packed, w.packed)
+
+
+def test_kimi_k2_slice_rows_end_to_end(monkeypatch):
+    """bench_engine's kimi-k2-slice path on a tiny config through the reference backend: the
+    routed experts drawn int4, AR and replay DDTree rows lossless, the roofs priced at int4's
+    bytes for the experts (the MoE layer's bf16 comparison runs on the GPU only)."""
+    from formats.int4_group import Int4GroupWeight
+    monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-k2-slice",
+                        lambda: tiny_config(n_routed_experts=16))
+    made = []
+    plain = bench_engine.random_model
+
+    def spy(cfg, *a, **kw):
+        model = plain(cfg, *a, **kw)
+        made.append((kw.get("experts"), model))
+        return model
+    monkeypatch.setattr(bench_engine, "random_model", spy)
+    args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4], batches=[1],
+                              new_tokens=4, agreement=0.9, no_replay=False, no_layer=False,
+                              expert_count="uniform", gemm=["cuda-cores"], kv_cache="float32",
+                              json=None)
+    rows: list = []
+    bench_engine.bench_device_size("kimi-k2-slice", args, bench_engine.Budget(600), rows,
+                                   backend="reference")
+    assert [r["method"] for r in rows] == ["ar", "ddtree/replay"]
+    assert rows[1]["same_tokens_as_ar"] is True
+    (experts, model), = made
+    assert experts == "int4" and isinstance(model.layers[1].gate_up, Int4GroupWeight)
+    cfg = tiny_config(n_routed_experts=16)
+    int4 = engine_roof.forward_bytes(cfg, 1, [2, 2], engine_roof.engine_itemsize(2, 0.5625))
+    bf16 = engine_roof.forward_bytes(cfg, 1, [2, 2], engine_roof.engine_itemsize(2))
+    assert int4 < bf16
+    decode = [r for r in engine_roof.uniform_records(cfg, 6, [1])][1]
+    assert rows[0]["step_bytes_roof_ms"] == pytest.approx(
+        1e3 * engine_roof.roof_seconds(cfg, decode, engine_roof.engine_itemsize(2, 0.5625))[0])

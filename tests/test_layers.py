@@ -858,6 +858,9 @@ for m in (512, 4096):             # the float32 router past 16 rows (tensor-core
 for m in (1, 3, 16):
     for k_in, gate_up in ((7168, True), (2048, False)):
         configs.add(("expert", L.expert_config(m, 8, 384, k_in, gate_up), gate_up))
+for m in (1, 65, 200, 4096):      # W4A16 (int4 experts, group 32): every mt the sizes pick
+    for k_in, gate_up in ((7168, True), (2048, False)):
+        configs.add(("int4_expert", L.expert_config(m, 8, 384, k_in, gate_up, True), gate_up))
 for m in (17, 65):
     for cfg, _, _ in L.expert_tiled_configs(m):
         for mode in ("gate_up", "down"):
@@ -873,7 +876,13 @@ for what, cfg, extra in sorted(configs, key=str):
                                                        T.float32[:, :, ::1], i64, i64, i64, i64, i64)
     elif what == "expert":
         fn = _expert_kernel(cfg, "bf16", extra)
-        sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], f2, i64, i64, i64)
+        sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.float32[::1], f2, i64, i64, i64)
+    elif what == "int4_expert":
+        # the nibbles' unpacking holds more live values: <= 176 registers (168 measured at
+        # mt 2: 6 blocks of 64 threads per SM), still no spill and no local memory
+        limit = 176
+        fn = _expert_kernel(cfg, "i4", extra, 32)
+        sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2, i64, i64, i64)
     elif extra in ("f32", "bf16"):
         fn = tiled_kernel(cfg, extra, "linear")
         sig = (f2, u2 if extra == "bf16" else f2, f2, i64, i64, i64, i64, i64, i64)
@@ -901,8 +910,8 @@ sys.exit(1 if bad else 0)
 def test_kernels_compile_to_registers_only(tmp_path):
     """Every skinny/expert/tiled configuration the heuristics pick at real shapes, compiled to
     PTX for sm_90 and assembled by ptxas (nvJitLink) on a CPU machine: no local memory in the
-    PTX (accumulators in registers); skinny kernels no spills and <= 136 registers (3+ blocks
-    of 128 threads per SM); tiled kernels within their register cap and <= 160 bytes of
+    PTX (accumulators in registers); skinny kernels no spills and <= 144 registers (3+ blocks
+    of 128 threads per SM), the int4 (W4A16) expert kernels <= 176; tiled kernels within their register cap and <= 160 bytes of
     spill.  A GPU run would not notice: it would just be slow."""
     import os
     import subprocess

@@ -68,3 +68,14 @@ def test_prefill_forward_is_causal_and_takes_the_last_logits_only():
     assert prefill[3].prefill is True and prefill[3].logit_rows.tolist() == [5]
     assert verify[:3] == ((1, 6), 3, (1, 6, 6)) and verify[4] == {}
     assert (verify[3].causal, verify[3].prefill, verify[3].logit_rows) == (False, False, None)
+
+
+def test_weight_bytes_of_int4_experts_are_their_packed_bytes():
+    """kimi-k2-slice's routed experts (Int4Experts): charged at the packed words and scales."""
+    from kdtree_numba.layers.workspace import Int4Experts
+    h = np.zeros((2, 64), np.float32)
+    gate_up = Int4Experts(np.zeros((4, 6, 8), np.uint32), np.zeros((4, 6, 2), np.uint16), 32)
+    down = Int4Experts(np.zeros((4, 64, 1), np.uint32), np.zeros((4, 64, 1), np.uint16), 8)
+    idx = np.array([[0, 1], [1, 3]], np.int32)                  # experts 0, 1, 3 of 4
+    per_expert = (6 * 8 * 4 + 6 * 2 * 2) + (64 * 4 + 64 * 2)
+    assert profile_ops.weight_bytes("moe_ffn", (h, idx, None, gate_up, down)) == 3 * per_expert

@@ -46,3 +46,26 @@ def test_int4_group_experts_run_on_the_reference_only_as_experts():
         load_weight(be, "attn/o_proj", packed, "linear")
     with pytest.raises(ValueError, match="weight use must be one of"):
         load_weight(be, "x", packed, "lm_head")
+
+
+def test_int4_group_experts_stay_packed_on_the_numba_backend():
+    """The numba backend keeps int4-group experts as the packed words and bf16 scales its
+    W4A16 kernels read (their bytes, never a wider copy), as experts only."""
+    from kdtree_numba import compat
+    from kdtree_numba.layers.workspace import Int4Experts
+    if not compat.kernels_runnable():
+        pytest.skip("the numba backend needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    rng = np.random.default_rng(2)
+    packed = Int4GroupWeight.quantize(rng.standard_normal((2, 4, 64)).astype(np.float32), 32)
+    be = make_backend("numba")
+    kept = load_weight(be, "mlp/experts/gate_up_proj", packed, "experts")
+    assert isinstance(kept, Int4Experts) and kept.nbytes == packed.nbytes
+    words, scale = (a.get() if hasattr(a, "get") else a for a in (kept.words, kept.scale))
+    assert np.array_equal(np.asarray(words).view(np.uint8), packed.packed)
+    assert np.array_equal(np.asarray(scale), packed.scale.view(np.uint16))
+    assert load_weight(be, "again", kept, "experts") is kept        # drawn on the device
+    with pytest.raises(BundleError, match="attn/o_proj is int4-group: the numba backend's "
+                                          "kernels take no int4-group weight as linear"):
+        load_weight(be, "attn/o_proj", packed, "linear")
+    with pytest.raises(BundleError, match="^x: int4 experts drawn for the numba kernels"):
+        load_weight(make_backend("reference"), "x", kept, "experts")

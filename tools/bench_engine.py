@@ -4,6 +4,7 @@
                                   [--new-tokens 64] [--time-limit 150] [--json PATH] [--no-hf]
     python3 tools/bench_engine.py --sizes kimi-slice [--batches 1,8,32] [--time-limit 540]
                                   [--expert-count counted|uniform]
+    python3 tools/bench_engine.py --sizes kimi-k2-slice [--batches 1,8,32] [--no-layer]
 
 For each size a deterministic random target (bundle.py's ``small`` / ``medium``) is exported as
 an HF checkpoint, imported back with kdtr-import-hf (the path a real checkpoint takes) and run,
@@ -46,7 +47,17 @@ verifies); the row prints its mean decode or verify time per round beside the me
 those forwards, and its tok/s beside tokens / the sum of every forward's roof (prefill
 included, as in the measured tok/s).  The distinct experts are counted from the routing of an
 untimed eager re-run of the same generation (``--expert-count counted``, the default) or set to
-the uniform-routing expectation E (1 - (1 - k/E)^n) (``uniform``).  Between rows the CUDA
+the uniform-routing expectation E (1 - (1 - k/E)^n) (``uniform``).
+
+``kimi-k2-slice`` (issue 39): Kimi-K2 as it ships, the same widths with all 384 routed experts
+(top-8) in int4-group (W4A16, group 32; drawn as packed words on the device,
+device_weights.random_int4_experts: 9.5 GB a MoE layer, never a bf16 copy), the rest bf16;
+default budgets 8, 16, 32, 64.  Its rows are kimi-slice's, the experts' bytes priced at 0.5625
+a weight (the roofs' ``engine_itemsize``), so each verify's distinct experts (~116 of 384 at
+17 nodes under uniform routing) stand beside its bytes roof.  After its rows, with the model
+freed, one MoE layer's decode (M = 1, route + 8 routed + the shared expert) with its experts
+in int4 and then in bf16 (33.8 GB; tools/bench_layers.py's "int4" section; ``--no-layer``
+skips it), kept in the JSON as ``moe_layer_rows``.  Between rows the CUDA
 graphs are dropped (a verify graph holds GBs of activations at these widths); each row's
 warm-up call captures its own.
 """
@@ -76,7 +87,8 @@ from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget  # noqa: E402
 from kdtree_numba.cli_checks import budget_value  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
                                  size_config)
-from kdtree_numba.device_weights import kimi_slice_config, random_model  # noqa: E402
+from kdtree_numba.device_weights import (kimi_k2_slice_config, kimi_slice_config,  # noqa: E402
+                                         random_model)
 from kdtree_numba.drafter import ModelDrafter, ReplayDrafter  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.hf_import import export_hf_checkpoint, import_hf  # noqa: E402
@@ -90,8 +102,12 @@ from engine_roof import (FLOPS_PER_S, HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S,  # no
 BLOCK_LEN = 8
 # sizes whose random weights are drawn on the GPU (kdtree_numba/device_weights.py): no HF
 # export, no transformers baseline, no model drafter; their defaults
-DEVICE_SIZES = {"kimi-slice": kimi_slice_config}
+DEVICE_SIZES = {"kimi-slice": kimi_slice_config, "kimi-k2-slice": kimi_k2_slice_config}
 DEVICE_BUDGETS, DEVICE_PROMPT_LEN = "8,32,64,128,256", 128
+# kimi-k2-slice: Kimi-K2 as it ships, its 384 routed experts int4-group (group 32, W4A16)
+DEVICE_EXPERTS = {"kimi-k2-slice": "int4"}
+SIZE_BUDGETS = {"kimi-k2-slice": "8,16,32,64"}
+INT4_GROUP = 32
 HOST_BUDGETS, HOST_PROMPT_LEN = "8,32,128", 32
 
 
@@ -373,19 +389,49 @@ def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
             return
         be = make_backend(backend, gemm=gemm)
         bench_device_model(size, args, budget, out_rows, be)
+    if DEVICE_EXPERTS.get(size) == "int4" and backend == "numba" \
+            and not getattr(args, "no_layer", False):
+        if budget.allows("moe-layer", budget.last.get("moe-layer", 0.0)):
+            budget.run("moe-layer", lambda: moe_layer_rows())
+        else:
+            print(f"# {size}: time limit: skipping the MoE layer's int4 vs bf16 row",
+                  file=sys.stderr)
+
+
+LAYER_ROWS: list = []      # the MoE layer rows (tools/bench_layers.py's "int4" section)
+
+
+def moe_layer_rows():
+    """One Kimi-K2 MoE layer's decode (M = 1: route, then 8 routed experts + the shared one)
+    with its 384 experts in int4 and then in bf16 (33.8 GB, after the model and the int4
+    experts are freed): tools/bench_layers.py's "int4" section at M = 1, its rows printed
+    and kept in the JSON ("moe_layer_rows")."""
+    import cupy
+    import bench_layers
+    import card_roofs
+    from kdtree_numba import layers
+    from kdtree_numba.compat import cuda
+    card_roofs.apply(bench_layers)
+    ctx = dict(cp=cupy, cuda=cuda, layers=layers, timer=bench_layers.GpuTimer(cupy))
+    print("\n# one MoE layer (Kimi-K2: 384 experts, top-8, bf16 shared), decode M = 1: "
+          "int4-group experts vs bf16 experts")
+    rows: list = []
+    bench_layers.bench_int4(ctx, rows, time.perf_counter() + 120, ms=(1,))
+    LAYER_ROWS.extend(rows)
 
 
 def bench_device_model(size, args, budget: Budget, out_rows, backend):
     """bench_device_size's rows for one model of ``size`` on ``backend`` (a Backend: its
     ``gemm`` names the rows), its weights dropped at the end."""
     cfg = DEVICE_SIZES[size]()
+    experts = DEVICE_EXPERTS.get(size, "same")
     t0 = time.perf_counter()
     model = random_model(cfg, backend, seed=args.seed, dtype=args.dtype,
-                         kv_cache=args.kv_cache)
+                         kv_cache=args.kv_cache, experts=experts)
     model.backend.synchronize()
     n_params = sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
     stored = 2 if args.dtype == "bfloat16" else 4
-    itemsize = engine_itemsize(stored)
+    itemsize = engine_itemsize(stored, 0.5 + 2 / INT4_GROUP if experts == "int4" else None)
     k, E, n_moe = cfg.num_experts_per_tok, cfg.n_routed_experts, len(moe_layers(cfg))
     one = forward_bytes(cfg, 1, [k] * n_moe, itemsize)
     every = forward_bytes(cfg, cfg.vocab_size, [E] * n_moe, itemsize)
@@ -393,7 +439,8 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
     gemm = model.backend.gemm
     rate = TENSOR_FLOPS_PER_S if gemm.startswith("tensor-cores") else FLOPS_PER_S
     print(f"\n# {size}, GEMMs on {gemm}, {args.kv_cache} latent cache: "
-          f"{n_params / 1e9:.2f} B parameters ({args.dtype}) "
+          f"{n_params / 1e9:.2f} B parameters ({args.dtype}"
+          f"{', int4-group routed experts' if experts == 'int4' else ''}) "
           f"drawn on the device in {time.perf_counter() - t0:.1f} s; the engine holds "
           f"{every / 1e9:.2f} GB; one token reads {one / 1e9:.2f} GB: AR roof "
           f"{HBM_BYTES_PER_S / one:.0f} tok/s at batch 1 ({HBM_BYTES_PER_S / 1e12:.2f} TB/s; its "
@@ -407,7 +454,7 @@ def bench_device_model(size, args, budget: Budget, out_rows, backend):
           f"{args.expert_count}"
           f"{' (routing of an eager re-run)' if args.expert_count == 'counted' else ''}.")
     rng = np.random.default_rng(0)
-    budgets = args.budgets or _budgets(DEVICE_BUDGETS)
+    budgets = args.budgets or _budgets(SIZE_BUDGETS.get(size, DEVICE_BUDGETS))
     previous = None
     try:
         for bs in args.batches:
@@ -460,7 +507,8 @@ def finish_row(r, ar, hf_tps, out_rows, json_path):
 def write_json(out_rows, json_path):
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump({"rows": out_rows, "hbm_bytes_per_s": HBM_BYTES_PER_S}, fh, indent=1)
+            json.dump({"rows": out_rows, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+                       "moe_layer_rows": LAYER_ROWS}, fh, indent=1, default=str)
 
 
 def summarise(out_rows, json_path):
@@ -572,7 +620,8 @@ def main(argv=None):
                    help=f"small, medium (HF export + import) and {', '.join(DEVICE_SIZES)} "
                         f"(random weights drawn on the GPU)")
     p.add_argument("--budgets", help=f"DDTree budgets (default {HOST_BUDGETS}; "
-                                     f"{DEVICE_BUDGETS} for {', '.join(DEVICE_SIZES)}); "
+                                     f"{DEVICE_BUDGETS} for kimi-slice, "
+                                     f"{SIZE_BUDGETS['kimi-k2-slice']} for kimi-k2-slice); "
                                      f"'auto' adds a row whose every round picks among the "
                                      f"list's integers (kdtree-run's --budget auto)")
     p.add_argument("--batches", default="1",
@@ -596,6 +645,8 @@ def main(argv=None):
     p.add_argument("--agreement", type=float, default=0.9, help="replay drafter agreement")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-replay", action="store_true", help="skip the replay-drafter rows")
+    p.add_argument("--no-layer", action="store_true",
+                   help="kimi-k2-slice: skip the one-MoE-layer int4 vs bf16 experts rows")
     p.add_argument("--time-limit", type=float, default=150.0,
                    help="seconds for the whole run (checked before each measurement)")
     p.add_argument("--json", help="also write the rows as JSON here")

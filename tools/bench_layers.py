@@ -4,6 +4,7 @@
     python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope]
     python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
     python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
+    python3 tools/bench_layers.py --only int4     (the W4A16 MoE vs bf16 experts, < 90 s)
 
 * linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
   7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32 and bf16, against CuPy matmul
@@ -28,6 +29,15 @@
   TFLOP/s); also a uniform routing (every token 8 random experts) at M = 65 and 257.  Each
   "mma" row is timed twice: the full (expert, M tile) grid and the work list
   (KDTREE_MOE_WORK_LIST=1, "mma work list").
+
+* int4 (only when asked for: ``--only int4``): the W4A16 MoE (int4-group routed experts, group
+  32, Kimi-K2's MOE_SHAPE, a bf16 shared expert, moe_ffn's default method): M = 1 (one
+  token's INT4 expert GEMV, 8 routed + 1 shared; goal >= 0.75 of its HBM roof), M = 33 and
+  65 (the grouped W4A16 kernel over a verify's rows, router-picked and uniform routings; goal
+  >= 0.6 of the roof), each against max(bytes of the distinct experts read + shared / HBM
+  rate, 2 * 3 I D (M k + M) / 51 TFLOP/s); then the same M = 1 call with the 384 experts in
+  bf16 (33.8 GB, allocated after the int4 ones are freed): "vs_bf16" is how much faster int4
+  is (goal >= 2.3x; the bytes roof's ratio 2.77x).  < 90 s.
 
 The tiles and plans that lost to the defaults, the skinny kernel's sweep, and the "variants"
 section that times them: ``python3 dev/cuda/layers.py bench`` (it runs this script with them).
@@ -75,6 +85,9 @@ MMA_MS = (1, 8, 33, 65, 512, 4096)
 MMA_BUDGET_S = 150.0          # the mma section stops starting rows after this
 MOE_MMA_MS = (1, 9, 33, 65, 257)
 MOE_MMA_BUDGET_S = 80.0
+INT4_MS = (1, 33, 65)
+INT4_GROUP = 32                # Kimi-K2's checkpoints
+INT4_BUDGET_S = 80.0
 
 
 # ============================================================================ timing
@@ -409,17 +422,25 @@ def bench_moe_mma(ctx, results, deadline):
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def _verify_inputs(ctx, rng, m, gate, bias):
+    """(h, router-picked idx and weights, a uniform routing, out, workspace) of an M-row MoE
+    call at MOE_SHAPE, on the device."""
+    cp, layers, nb = ctx["cp"], ctx["layers"], ctx["cuda"].as_cuda_array
+    n_experts, top_k, d = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d"))
+    h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
+    idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
+    uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
+                                              for _ in range(m)]), axis=1).astype(np.int32)))
+    return h, idx, w, uniform, nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+
+
 def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
     """The rows of bench_moe_mma (the caller frees the weights, whatever happens here)."""
-    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    layers, timer = ctx["layers"], ctx["timer"]
     n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
     expert_bytes = 3 * inter * d * 2
     for m in MOE_MMA_MS:
-        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
-        idx, w = layers.moe_route(h, gate, bias, top_k=top_k, routed_scaling_factor=2.827)
-        uniform = nb(cp.asarray(np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
-                                                  for _ in range(m)]), axis=1).astype(np.int32)))
-        out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+        h, idx, w, uniform, out, ws = _verify_inputs(ctx, rng, m, gate, bias)
         for routing, index in (("router", idx), ("uniform", uniform)):
             if routing == "uniform" and m < 65:
                 continue
@@ -455,6 +476,100 @@ def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
                            if variant != "default" else "", host_bound=hb)
                 results.append(row)
                 print_row(row)
+
+
+def bench_int4(ctx, results, deadline, ms=INT4_MS):
+    """The W4A16 MoE rows (module docstring, "int4"), then M = 1 with bf16 experts."""
+    from kdtree_numba.device_weights import random_int4_experts
+    from kdtree_numba.layers.workspace import Int4Experts
+    cp, nb = ctx["cp"], ctx["cuda"].as_cuda_array
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    rng = np.random.default_rng(4)
+    experts = []
+    for shape, std, seed in (((n_experts, 2 * inter, d), 0.014, 1),
+                             ((n_experts, d, inter), 0.026, 3)):
+        drawn = random_int4_experts(cp, shape, std, seed, INT4_GROUP)   # 9.5 GB, packed
+        experts.append(Int4Experts(nb(drawn.words), nb(drawn.scale), drawn.group_size))
+        del drawn          # the numba views keep the arrays; dropping them frees them
+    shared = tuple(nb(cp.full(shape, 0x3C00, cp.uint16)) for shape in ((2 * inter, d),
+                                                                       (d, inter)))
+    gate = nb(cp.asarray((rng.standard_normal((n_experts, d)) * 0.02).astype(np.float32)))
+    bias = nb(cp.asarray((rng.standard_normal(n_experts) * 0.3).astype(np.float32)))
+    decode = []
+    try:
+        decode = _int4_rows(ctx, results, experts, shared, gate, bias, rng, deadline, ms)
+    finally:
+        del experts
+        cp.get_default_memory_pool().free_all_blocks()
+    if decode and time.perf_counter() < deadline:
+        _bf16_decode_row(ctx, results, shared, decode)
+
+
+def _int4_rows(ctx, results, experts, shared, gate, bias, rng, deadline, ms):
+    """bench_int4's int4 rows; returns the M = 1 call's (h, idx, w, its row) for the bf16
+    comparison, or []."""
+    layers, timer = ctx["layers"], ctx["timer"]
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    each, shared_bytes = 3 * inter * d * (0.5 + 2 / INT4_GROUP), 3 * inter * d * 2
+    decode = []
+    for m in ms:
+        h, idx, w, uniform, out, ws = _verify_inputs(ctx, rng, m, gate, bias)
+        for routing, index in (("router", idx), ("uniform", uniform)):
+            if (routing == "uniform" and m == 1) or time.perf_counter() > deadline:
+                continue
+            try:
+                t, hb = timer([lambda index=index: layers.moe_ffn(
+                    h, index, w, *experts, *shared, out=out, workspace=ws)], trials=5)
+            except Exception as exc:   # noqa: BLE001 -- report and go on
+                report_failure(results, "int4", f"M={m} {routing}", exc)
+                continue
+            used = len(np.unique(index.copy_to_host()))
+            row = _moe_roof_row("int4", m, routing, used, used * each + shared_bytes, t, hb)
+            results.append(row)
+            print_row(row)
+            if m == 1:
+                decode = (h, idx, w, row)
+    return decode
+
+
+def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound):
+    """A row of the int4 section: bytes of the distinct experts read (+ shared) and the FMAs
+    of M tokens' k + 1 experts on CUDA cores, the larger being the roof."""
+    top_k, d, inter = (MOE_SHAPE[k] for k in ("top_k", "d", "inter"))
+    flop_s = 2.0 * 3 * inter * d * (m * top_k + m) / FP32_FLOP_PER_S
+    roof = max(nbytes / HBM_BYTES_PER_S, flop_s)
+    return dict(section="int4", M=m, routing=routing, variant=variant, experts_read=used + 1,
+                us=t * 1e6, weight_bytes=nbytes, roof_us=roof * 1e6, roof_frac=roof / t,
+                bound="bytes" if nbytes / HBM_BYTES_PER_S >= flop_s else "flops",
+                gbps=nbytes / t / 1e9, host_bound=host_bound)
+
+
+def _bf16_decode_row(ctx, results, shared, decode):
+    """The M = 1 call of bench_int4 with the 384 experts in bf16 (33.8 GB, a constant fill:
+    the values do not change the time); sets the int4 row's ``vs_bf16``: this call's time
+    over the int4 call's."""
+    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    n_experts, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "d", "inter"))
+    h, idx, w, int4_row = decode
+    experts = tuple(nb(cp.full(shape, 0x3C00, cp.uint16)) for shape in (
+        (n_experts, 2 * inter, d), (n_experts, d, inter)))
+    try:
+        out, ws = nb(cp.empty((1, d), cp.float32)), layers.Workspace()
+        t, hb = timer([lambda: layers.moe_ffn(h, idx, w, *experts, *shared, out=out,
+                                              workspace=ws)], trials=5)
+        used = int4_row["experts_read"] - 1
+        row = _moe_roof_row("bf16", 1, "router", used, (used + 1) * 3 * inter * d * 2, t, hb)
+        int4_row["vs_bf16"] = t / (int4_row["us"] * 1e-6)
+        results.append(row)
+        print_row(row)
+        print(f"\nint4 vs bf16 experts, one MoE layer's decode (M = 1): "
+              f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
+              f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
+    except Exception as exc:   # noqa: BLE001 -- report and go on
+        report_failure(results, "int4", "M=1 bf16 experts", exc)
+    finally:
+        experts = None
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def bench_norm_rope(ctx, results):
@@ -501,6 +616,8 @@ COLUMNS = {
             "roof_frac", "gbps", "host_bound"],
     "moe_mma": ["M", "routing", "variant", "experts_read", "us", "vs_default", "weight_bytes",
                 "roof_us", "bound", "roof_frac", "gbps", "tflops", "config", "host_bound"],
+    "int4": ["M", "routing", "variant", "experts_read", "us", "weight_bytes", "roof_us",
+             "bound", "roof_frac", "gbps", "vs_bf16", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "mma": ["K", "N", "M", "variant", "us", "default_us", "vs_default", "cublas_bf16_us",
@@ -562,6 +679,10 @@ def summary(results):
             print(f"moe_mma M={r['M']} {r['routing']} {r['variant']}: {r['us']:.0f} us, "
                   f"{r['roof_frac']:.2f} of the {r['bound']} roof, "
                   f"{fmt(r['vs_default'])}x the default moe_ffn")
+        if r["section"] == "int4":
+            print(f"int4 M={r['M']} {r['routing']} {r['variant']}: {r['us']:.0f} us, "
+                  f"{r['roof_frac']:.2f} of the {r['bound']} roof ({r['experts_read']} "
+                  f"experts)" + (f", {r['vs_bf16']:.2f}x bf16" if r.get("vs_bf16") else ""))
         if r["section"] == "moe" and r["part"] == "expert_ffn":
             print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
                   f"({r['us']:.0f} us, {r['experts_read']} experts)")
@@ -571,7 +692,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--only", default="linear,moe,norm,rope",
-                        help="comma-separated sections (default: all but mma, moe_mma)")
+                        help="comma-separated sections (default: all but mma, moe_mma, "
+                             "int4)")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
     t_start = time.perf_counter()
@@ -589,7 +711,8 @@ def main(argv=None) -> int:
             ("norm", lambda: bench_norm_rope(ctx, results)),
             ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S)),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
-                                              time.perf_counter() + MOE_MMA_BUDGET_S))]
+                                              time.perf_counter() + MOE_MMA_BUDGET_S)),
+            ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S))]
     for name, fn in plan:
         if name not in sections and not (name == "norm" and "rope" in sections) \
                 and not (name == "linear" and "variants" in sections):

@@ -15,7 +15,8 @@ which it reads only in part:
 
 Bytes per element are what the engine holds (:func:`engine_itemsize`): the bundle's dtype,
 except the router, its bias and kv_b_proj, which ``Model`` keeps in float32 for the kernels that
-take float32 only.
+take float32 only, and int4-group routed experts (``kimi-k2-slice``: 0.5625 bytes a weight at
+group 32).
 
 The distinct experts are either counted (:class:`RoutingCounter`: the expert ids each MoE layer
 of a forward selected, from a re-run of the same generation) or estimated for uniform routing
@@ -37,10 +38,14 @@ TENSOR_FLOPS_PER_S = 989e12     # the H200's dense bf16 tensor-core rate (make_b
 FLOAT32_WEIGHTS = ("self_attn/kv_b_proj", "mlp/gate", "mlp/e_score_correction_bias")
 
 
-def engine_itemsize(stored_bytes: int):
+def engine_itemsize(stored_bytes: int, expert_bytes: float | None = None):
     """name -> bytes per element the engine holds for a model stored with ``stored_bytes``
-    per element (2 for bf16): the stored size, 4 for :data:`FLOAT32_WEIGHTS`."""
-    def itemsize(name: str) -> int:
+    per element (2 for bf16): the stored size, 4 for :data:`FLOAT32_WEIGHTS`, and
+    ``expert_bytes`` for the routed experts when they have their own format (int4-group at
+    group g: 0.5 + 2 / g, the packed nibbles and a bf16 scale per group)."""
+    def itemsize(name: str) -> float:
+        if expert_bytes is not None and "/experts/" in name:
+            return expert_bytes
         return 4 if name.endswith(FLOAT32_WEIGHTS) else stored_bytes
     return itemsize
 

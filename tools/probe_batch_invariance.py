@@ -57,7 +57,8 @@ def build_model(size: str, gemm: str, backend: str, seed: int = 0,
                                                  variant=attention_variant)
     if size in bench_engine.DEVICE_SIZES:
         return random_model(bench_engine.DEVICE_SIZES[size](), be, seed=seed,
-                            kv_cache=kv_cache)
+                            kv_cache=kv_cache,
+                            experts=bench_engine.DEVICE_EXPERTS.get(size, "same"))
     return Model(size_config(size), dict(random_weights(size_config(size), seed)), be)
 
 

@@ -1,6 +1,7 @@
 """Where a forward's GPU time goes: each op of one forward replayed alone in a CUDA graph.
 
-    python3 tools/profile_ops.py [--size kimi-slice] [--gemm tensor-cores] [--n 1,33,128]
+    python3 tools/profile_ops.py [--size kimi-slice|kimi-k2-slice] [--gemm tensor-cores]
+                                 [--n 1,33,128]
                                  [--prefix 128] [--replays 20] [--kv-cache float32]
                                  [--prefill] [--host]
 
@@ -12,7 +13,8 @@ wrapped.  Each op call is then captured alone in a CUDA graph (kdtree_numba/grap
 the arguments it had and replayed ``--replays`` times between two CUDA events: its time is the
 GPU's plus one graph launch, as inside the engine's replayed forward.  The table groups the
 calls by op and by weight shape, with the weight-bytes roof beside ``linear`` (its weight) and
-``moe_ffn`` (the experts the call's routing reads, plus the shared expert), and ends with the
+``moe_ffn`` (the experts the call's routing reads, plus the shared expert; ``kimi-k2-slice``'s
+int4 experts at their packed bytes), and ends with the
 whole forward replayed as the engine replays it (inputs written, outputs copied) and run
 eagerly (wall time, host launches inside: how a one-off shape such as a prompt's prefill
 runs).  The replayed forward's difference from the sum of the ops is the CuPy glue between

@@ -20,11 +20,13 @@ from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
 from kdtree_numba.layers.linear import METHODS, linear
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
-from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, make_accumulate, mt_for,
-                                        skinny_kind, skinny_threads)
+from kdtree_numba.layers.skinny import (INT4_KINDS, ROWS_UNROLL, SkinnyConfig, int4_chunks,
+                                        int4_threads, make_accumulate, mt_for, skinny_kind,
+                                        skinny_threads)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_kernel
-from kdtree_numba.layers.workspace import (Workspace, device_f32, device_weight, kernel_weight,
-                                           launch_1d, load_kind_for, placeholder, result_array,
+from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, device_weight,
+                                           int4_load_kind, kernel_weight, launch_1d,
+                                           load_kind_for, placeholder, result_array,
                                            workspace_buffer)
 from reference.layers import check_routing_args, is_dense
 
@@ -270,20 +272,36 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
 
 
 @functools.cache
-def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool):
-    """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block."""
+def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0):
+    """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
+    kinds (``group``: the weights' group size) read the expert's words and scales, the other
+    kinds its rows (``s3`` is then a placeholder)."""
     mt, r_out, threads = cfg.mt, cfg.rows, cfg.threads
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
-    accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load))
+    accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load),
+                                 group)
     block_reduce = make_block_reduce(nacc, threads)
     scr = block_reduce_scratch_shape(nacc, threads)
     red_shape = (warps + 1, nacc)
 
+    # the one difference of the int4 kinds: the expert's scales ride in accumulate's last
+    # argument (skinny.make_accumulate), where the float kinds take the shared scratch
+    if wkind in INT4_KINDS:
+        @device_function
+        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch):
+            accumulate(x, xrows, w3[e], wrows, 0, c1, acc, s3[e])
+    else:
+        @device_function
+        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch):
+            accumulate(x, xrows, w3[e], wrows, 0, c1, acc, scratch)
+
     @kernel
-    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, out, n_out, k8, tiles):
+    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                    tiles):
         """gate_up: out = act [slots, Im], x = h [M, D], w3 = gate_up [E, 2Im, D/..];
-        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..]."""
+        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..];
+        c1: the accumulate loop's chunks of a row."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
         a = cuda.blockIdx.x // tiles
@@ -291,7 +309,6 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool):
             return
         e = active[a]
         o0 = (cuda.blockIdx.x - a * tiles) * r_out
-        w = w3[e]
         wrows = cuda.local.array(nr, np.int32)
         xrows = cuda.local.array(mt, np.int32)
         acc = cuda.local.array(nacc, np.float32)
@@ -309,7 +326,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool):
                     xrows[m] = -1
             for i in range(nacc):
                 acc[i] = np.float32(0.0)
-            accumulate(x, xrows, w, wrows, 0, k8, acc, scratch)
+            accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch)
             block_reduce(acc, red, scratch)
             if t < mt * r_out:
                 m = t // r_out
@@ -352,15 +369,21 @@ def _combine_kernel(has_shared: bool):
     return combine
 
 
-def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool) -> SkinnyConfig:
+def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
+                  int4: bool = False) -> SkinnyConfig:
     """Kernel shape for the expert GEMMs: mt ~ tokens per active expert; the most rows of
     ROWS_UNROLL (the grid, active experts x tiles, is large already).  ``rows`` counts outputs
-    per block: a gate_up block streams 2*rows weight rows (gate and up)."""
+    per block: a gate_up block streams 2*rows weight rows (gate and up).  ``int4``: the
+    W4A16 kinds, whose chunk of 32 weights is one 16-byte load as a bf16 chunk of 8 is: the
+    same rows, one chunk in flight per row (the unpacking's registers), threads from
+    int4_threads."""
     mt = mt_for(max(1, -(-m * top_k // min(n_experts, m * top_k))))
     weight_rows, unroll = ROWS_UNROLL[mt][0]
     if SIMULATOR:   # no registers to spare there, but blocks cost: the most rows a block allows
         weight_rows = 32 // mt
     rows = weight_rows // 2 if gate_up else weight_rows
+    if int4:   # a chunk is 4 words and a scale; unroll 2 took 168+ registers (ptxas, sm_90)
+        return SkinnyConfig(mt=mt, rows=rows, threads=int4_threads(k_in), unroll=1)
     return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
 
 
@@ -396,7 +419,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     a choice by weights, never by M, and either kernel gives a row the same bits at every M).
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
     (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
-    Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ).
+    Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ),
+    or both :class:`~kdtree_numba.layers.workspace.Int4Experts` (int4-group, W4A16: the
+    weight-streaming kernels at every M, the nibbles unpacked and scaled in registers; "mma"
+    is refused, "tiled" and "tensor-cores" run them too, the shared expert as asked).
     The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
@@ -410,8 +436,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     else:
         idx = to_device(expert_idx, stream=stream)
         wt = device_f32(weight, "weight", 2, stream)
-    gud, kind = device_weight(gate_up, stream)
-    dnd, kind_down = device_weight(down, stream)
+    gud, kind = _expert_weight(gate_up, stream)
+    dnd, kind_down = _expert_weight(down, stream)
     m, d = hd.shape
     n_experts, two_im, _ = gud.shape
     inter = two_im // 2
@@ -432,6 +458,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     if method == "tensor-cores":
         method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
                                               shared_down, stream) else "skinny"
+    if kind == "i4" and method == "mma":
+        raise ValueError("moe_ffn(method='mma') takes bf16 experts; int4 experts run the "
+                         "W4A16 kernels (method 'auto', 'skinny' or 'tensor-cores')")
     if dense and method == "mma":
         if configs is not None:
             raise ValueError("configs does not apply to the dense FFN under mma: its two "
@@ -442,7 +471,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
                             configs, stream, ws)
-    tiled = method == "tiled" or (method == "auto" and m > SKINNY_MAX_M)
+    # int4 experts have one kernel at every M: the weight-streaming core, which reads each
+    # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
+    tiled = kind != "i4" and (method == "tiled" or (method == "auto" and m > SKINNY_MAX_M))
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
@@ -462,6 +493,17 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         shared_y = _swiglu_linears(hd, sgu, sdn, ws.get("moe.shared_y", (m, d), np.float32,
                                                         stream), method, stream, ws, "moe.shared")
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
+
+
+def _expert_weight(w, stream):
+    """(device weight, kind) of stacked expert weights: float32 / bf16 arrays as
+    device_weight gives them, :class:`Int4Experts` as "i4" (both arrays on the device)."""
+    if isinstance(w, Int4Experts):
+        return w.on_device(stream), "i4"
+    if type(w).__name__ == "Int4GroupWeight":
+        raise TypeError("moe_ffn takes int4 experts as Int4Experts (workspace.int4_experts "
+                        "keeps them packed), not an Int4GroupWeight")
+    return device_weight(w, stream)
 
 
 def _swiglu_linears(hd, gate_up, down, y, method: str, stream, ws, name: str):
@@ -592,16 +634,24 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
 
 
 def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream):
-    """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes)."""
+    """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes);
+    ``kind`` "i4": gud and dnd are device :class:`Int4Experts` (W4A16, the nibbles unpacked
+    and scaled in registers)."""
     n_experts, d, inter = dnd.shape
     for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
             (True, hd, gud, act, inter, d), (False, act, dnd, y_slot, d, inter)):
-        load_kind = load_kind_for(kind, k_in, x_in, w3)
-        cfg = expert_config(m, top_k, n_experts, k_in, is_gate_up)
+        cfg = expert_config(m, top_k, n_experts, k_in, is_gate_up, kind == "i4")
         tiles = -(-n_out // cfg.rows)
-        _expert_kernel(cfg, load_kind, is_gate_up)[max_active * tiles, cfg.threads, stream](
-            x_in, *lists, kernel_weight(w3, load_kind), out_buf, n_out, -(-k_in // CHUNK),
-            tiles)
+        if kind == "i4":
+            load_kind = int4_load_kind(k_in, x_in, w3)
+            weights, c1, group = (w3.words, w3.scale), int4_chunks(k_in), w3.group_size
+        else:
+            load_kind = load_kind_for(kind, k_in, x_in, w3)
+            weights, c1, group = (kernel_weight(w3, load_kind), placeholder()), \
+                -(-k_in // CHUNK), 0
+        _expert_kernel(cfg, load_kind, is_gate_up, group)[max_active * tiles, cfg.threads,
+                                                           stream](
+            x_in, *lists, *weights, out_buf, n_out, c1, tiles)
 
 
 def _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,

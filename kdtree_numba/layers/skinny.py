@@ -4,7 +4,8 @@
 and applies them to a few rows of x, so the weights come from HBM about once per call.  Holds
 the weight and x loaders (one per weight kind), the generated accumulate loop, SkinnyConfig
 and the shapes the heuristics pick, and the ``linear`` kernel; moe.py builds its expert kernels
-from the same accumulate loop.  Twin: reference/layers/linear.py (the contract).  Design,
+from the same accumulate loop, which also reads int4-group weights (W4A16: kinds "i4" / "i4s",
+the nibbles unpacked and scaled in registers, weights streamed once).  Twin: reference/layers/linear.py (the contract).  Design,
 tolerances and measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
@@ -15,14 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
-from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
+from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo, bits_to_f32
 from kdtree_numba.kernel_cache import generated_code
 from kdtree_numba.gpu.memory import ld_cached_f32x4, ld_stream_f32x4, ld_stream_u32x4
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor
 
 __all__ = ["SkinnyConfig", "ROWS_UNROLL", "skinny_threads", "skinny_config", "mt_for",
-           "skinny_kind", "make_accumulate", "skinny_linear_kernel"]
+           "skinny_kind", "make_accumulate", "skinny_linear_kernel", "I4_CHUNK", "INT4_KINDS",
+           "int4_threads", "int4_chunks"]
 
 
 @device_function
@@ -128,7 +130,8 @@ def _load_w8_bf16_scalar(w16, n, j):
 _LOAD_W8 = {"f32": _load_w8_f32, "f32x": _load_w8_f32_xchg, "f32c": _load8_cached,
             "bf16": _load_w8_bf16, "f32s": _load_w8_f32_scalar, "bf16s": _load_w8_bf16_scalar}
 _LOAD_X8 = {"f32": _load8_cached, "f32x": _load8_cached, "f32c": _load8_cached,
-            "bf16": _load8_cached, "f32s": _load_w8_f32_scalar, "bf16s": _load_w8_f32_scalar}
+            "bf16": _load8_cached, "f32s": _load_w8_f32_scalar, "bf16s": _load_w8_f32_scalar,
+            "i4": _load8_cached, "i4s": _load_w8_f32_scalar}
 _F32_LOAD_KIND = {"xchg": "f32x", "stream": "f32", "cached": "f32c"}
 
 
@@ -145,6 +148,95 @@ def _load_w1(w, n, k, is_bf16):
     return w[n, k]
 
 
+# ============================================================================ int4-group weights
+# An int4 row (formats/int4_group.py) reaches the kernels as uint32 words [N, K/8]: weight k is
+# nibble k % 8 of word k // 8 (lowest bits first), a two's complement q in [-8, 7], and its bf16
+# scale (uint16 bits [N, K/g]) is that of group k // g.  A chunk is 32 weights: one 16-byte
+# load ("i4") or four word loads, zero past the row end ("i4s", any K % 8 == 0).  Each word is
+# xor-ed with 0x8888_8888 once (u = q + 8, unsigned).  Nibble j of a 16-bit half (bits 4j..4j+3,
+# j < 4) becomes a float with one AND-OR, without a shift: (bits of 2^23) | (w & 0xF << 4j) is
+# 2^23 + u 16^j, and minus 2^23 + 8 16^j it is q 16^j exactly (integers below 2^24); the x
+# element it multiplies was scaled by 16^-j once per x load (a power of two: the product
+# rounds as x q does).  The high half takes one shift per word.  A dot over 8 weights then
+# takes the scale once: acc += s * sum(x_i q_i).  Nothing wider than the packed words exists.
+I4_CHUNK = 32                    # int4 weights per load step: one 16-byte vector of 4 words
+INT4_KINDS = ("i4", "i4s")
+_OFFSET8 = 0x88888888
+_MAGIC = 0x4B000000              # the float32 bits of 2^23: 2^23 + v for v < 2^23 by an OR
+# 2^23 + 8 * 16^j: (2^23 + u 16^j) - (2^23 + 8 16^j) = (u - 8) 16^j = q 16^j, exact
+_MAGIC_Q = tuple(float(2 ** 23 + 8 * 16 ** j) for j in range(4))
+_X_SCALE = tuple(float(16.0 ** -j) for j in range(4))
+
+
+def int4_threads(k: int) -> int:
+    """Threads per block of an int4 GEMM over reduction length k: ~2+ chunks of 32 weights
+    per thread, 32..256; from k alone (batch invariance), like :func:`skinny_threads`."""
+    return skinny_threads(k // 2)
+
+
+def int4_chunks(k: int) -> int:
+    """The number of 32-weight chunks of a row of k weights (the accumulate loop's ``c1``)."""
+    return -(-k // I4_CHUNK)
+
+
+@device_function
+def _load_q4(wq, n, j):
+    """Words [4j, 4j+4) of int4 row n (weights [32j, 32j+32)) as q + 8 nibbles."""
+    v = ld_stream_u32x4(wq, n, 4 * j)
+    f = np.uint32(_OFFSET8)
+    return (np.uint32(v[0]) ^ f, np.uint32(v[1]) ^ f, np.uint32(v[2]) ^ f,
+            np.uint32(v[3]) ^ f)
+
+
+@device_function
+def _word_at(wq, n, i):
+    return np.uint32(wq[n, i]) if i < wq.shape[1] else np.uint32(0)
+
+
+@device_function
+def _load_q4_scalar(wq, n, j):
+    """_load_q4 by scalar loads; a word past the row end is 0 (every q 0)."""
+    f = np.uint32(_OFFSET8)
+    return (_word_at(wq, n, 4 * j) ^ f, _word_at(wq, n, 4 * j + 1) ^ f,
+            _word_at(wq, n, 4 * j + 2) ^ f, _word_at(wq, n, 4 * j + 3) ^ f)
+
+
+@device_function
+def _scale_at(ws, n, g):
+    """The bf16 scale of group g of row n, as float32."""
+    return bf16_bits_to_f32(ws[n, g])
+
+
+@device_function
+def _x8_nibble_scaled(xv):
+    """x elements [8c, 8c+8) times 16^-j, j = their nibble's place in its half-word (0..3)."""
+    s1, s2, s3 = np.float32(_X_SCALE[1]), np.float32(_X_SCALE[2]), np.float32(_X_SCALE[3])
+    return (xv[0], xv[1] * s1, xv[2] * s2, xv[3] * s3, xv[4], xv[5] * s1, xv[6] * s2,
+            xv[7] * s3)
+
+
+@device_function
+def _q16j(half, mask, magic_q):
+    """q 16^j of the nibble ``mask`` selects in a 16-bit half (module comment), exact."""
+    return bits_to_f32(np.uint32(_MAGIC) | (half & np.uint32(mask))) - np.float32(magic_q)
+
+
+@device_function
+def _fma8_q4(a, xs, u8, s):
+    """a + s * (x . q) over the 8 weights of one offset-8 word, in element order; ``xs``: the x
+    elements as :func:`_x8_nibble_scaled` gives them."""
+    hi = u8 >> np.uint32(16)
+    p = xs[0] * _q16j(u8, 0xF, _MAGIC_Q[0])
+    p += xs[1] * _q16j(u8, 0xF0, _MAGIC_Q[1])
+    p += xs[2] * _q16j(u8, 0xF00, _MAGIC_Q[2])
+    p += xs[3] * _q16j(u8, 0xF000, _MAGIC_Q[3])
+    p += xs[4] * _q16j(hi, 0xF, _MAGIC_Q[0])
+    p += xs[5] * _q16j(hi, 0xF0, _MAGIC_Q[1])
+    p += xs[6] * _q16j(hi, 0xF00, _MAGIC_Q[2])
+    p += xs[7] * _q16j(hi, 0xF000, _MAGIC_Q[3])
+    return a + p * s
+
+
 # ============================================================================ skinny GEMM core
 # y[m, n] = sum_k x[m, k] w[n, k] for MT rows of x and NR rows of w per block.  The block's
 # threads split K into 8-element chunks (thread t takes chunks t, t+THREADS, ...), each thread
@@ -154,7 +246,7 @@ def _load_w1(w, n, k, is_bf16):
 # THREADS and the split only.
 
 @functools.cache
-def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str):
+def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, group: int = 0):
     """``accumulate(x, xrows, w, wrows, first, c1, acc, scratch)``: acc[m*NR + r] +=
     x[xrows[m]] . w[wrows[r]] over the chunks first + threadIdx, + THREADS, ... < c1.
 
@@ -165,7 +257,14 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str):
     Kind "f32x" exchanges weight halves across the warp, so its loops count iterations from
     block-uniform values only (``first``, ``c1``: every lane runs them, the compiler can see
     the warp converged at the shuffles) and skip the FMAs of lanes past c1; ``scratch`` is
-    only its (test-only) emulated exchange's shared buffer."""
+    only its (test-only) emulated exchange's shared buffer.  The int4 kinds ("i4", "i4s";
+    ``group``: weights per scale, a multiple of 8 dividing 32 or a multiple of 32) take ``w``
+    as the uint32 words [N, K/8] and ``scratch`` as the bf16 scales [N, K/g]; their chunks
+    hold 32 weights (:data:`I4_CHUNK`, ``c1`` = :func:`int4_chunks`)."""
+    int4 = wkind in INT4_KINDS
+    if int4 and (group % 8 or (group % I4_CHUNK and I4_CHUNK % group)):
+        raise ValueError(f"int4 group size {group}: a multiple of 8 that divides "
+                         f"{I4_CHUNK} or is a multiple of it")
     head = ["def accumulate(x, xrows, w, wrows, first, c1, acc, scratch):",
             "    j = first + cuda.threadIdx.x"]
     if wkind == "f32x":
@@ -180,17 +279,26 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str):
                *_chunk_group_source(mt, nr, threads, 1, "        ", True, guard=True),
                f"        j += {threads}", "        it += 1"]
     else:
+        def group_source(u):
+            if int4:
+                return _int4_group_source(mt, nr, threads, u, "        ", wkind == "i4s",
+                                          group)
+            return _chunk_group_source(mt, nr, threads, u, "        ", False)
+        if wkind == "i4s":   # the last group of a row: chunks past the row end clamp to it
+            head.append("    last_s = scratch.shape[1] - 1")
         src = [*head,
                f"    while j + {(unroll - 1) * threads} < c1:",
-               *_chunk_group_source(mt, nr, threads, unroll, "        ", False),
+               *group_source(unroll),
                f"        j += {unroll * threads}",
                "    while j < c1:",
-               *_chunk_group_source(mt, nr, threads, 1, "        ", False),
+               *group_source(1),
                f"        j += {threads}"]
-    namespace = {"load_w8": _LOAD_W8[wkind], "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
+    namespace = {"load_w8": _LOAD_W8.get(wkind), "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
+                 "load_q4": _load_q4_scalar if wkind == "i4s" else _load_q4,
+                 "scale_at": _scale_at, "fma8_q4": _fma8_q4, "scale_x8": _x8_nibble_scaled,
                  "cuda": cuda}
-    generated_code("\n".join(src), f"accumulate mt={mt} nr={nr} unroll={unroll} {wkind}",
-                   namespace)
+    generated_code("\n".join(src), f"accumulate mt={mt} nr={nr} unroll={unroll} {wkind}"
+                   + (f" g={group}" if int4 else ""), namespace)
     return device_function(namespace["accumulate"])
 
 
@@ -215,6 +323,33 @@ def _chunk_group_source(mt, nr, threads, unroll, indent, xchg, guard=False):
         lines += ["if j < c1:"] + ["    " + line for line in body]
     else:
         lines += body
+    return [indent + line for line in lines]
+
+
+def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group):
+    """The int4 twin of :func:`_chunk_group_source`: `unroll` chunks of 32 weights of the NR
+    rows (4 words and the chunk's 1, 2 or 4 scales each) loaded first, then per chunk, live x
+    row and 8-weight word: ``acc += s * (x . q)``, words in order."""
+    per = 1 if group % I4_CHUNK == 0 else I4_CHUNK // group     # scales per chunk
+    words_per_scale = 4 // per
+    lines = []
+    for u in range(unroll):
+        jj = f"(j + {u * threads})"
+        for r in range(nr):
+            lines.append(f"q{u}_{r} = load_q4(w, wrows[{r}], {jj})")
+            for c in range(per):
+                at = f"({jj} * {I4_CHUNK} + {8 * words_per_scale * c}) // {group}"
+                at = f"min({at}, last_s)" if scalar else at
+                lines.append(f"s{u}_{r}_{c} = scale_at(scratch, wrows[{r}], {at})")
+    for u in range(unroll):
+        jj = f"(j + {u * threads})"
+        for m in range(mt):
+            lines += [f"row = xrows[{m}]", "if row >= 0:"]
+            for c in range(4):
+                lines.append(f"    xv = scale_x8(load_x8(x, row, 4 * {jj} + {c}))")
+                lines += [f"    acc[{m * nr + r}] = fma8_q4(acc[{m * nr + r}], xv, "
+                          f"q{u}_{r}[{c}], s{u}_{r}_{c // words_per_scale})"
+                          for r in range(nr)]
     return [indent + line for line in lines]
 
 

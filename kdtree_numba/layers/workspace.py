@@ -7,17 +7,20 @@ the package docstring (kdtree_numba/layers/__init__.py) and docs/LAYERS.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
 from kdtree_numba import compat
 from kdtree_numba.compat import SIMULATOR, to_device
+from formats.int4_group import Int4GroupWeight
 from kdtree_numba.layers.common import CHUNK
 
 __all__ = ["Workspace", "workspace_buffer", "device_empty", "result_array", "weight_kind",
            "device_weight", "device_f32", "launch_1d", "load_kind_for", "kernel_weight",
-           "placeholder"]
+           "placeholder", "Int4Experts", "int4_experts", "int4_load_kind"]
 
 
 class Workspace:
@@ -121,3 +124,58 @@ def placeholder():
     """A 1-element device array passed where a kernel ignores an argument."""
     return to_device(np.zeros(1, np.float32))
 
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Int4Experts:
+    """Stacked int4-group expert weights (formats/int4_group.py) as the W4A16 kernels take
+    them: ``words`` uint32 ``[E, N, K/8]``, the packed bytes viewed as little-endian words
+    (weight k of a row is nibble k % 8 of word k // 8, a two's complement q), ``scale``
+    uint16 ``[E, N, K/g]`` (bf16 bits), ``group_size`` g.  Host (NumPy) or device (CuPy,
+    numba) arrays; the bytes are the packed weight's, no wider copy exists (``nbytes``)."""
+    words: Any
+    scale: Any
+    group_size: int
+
+    @property
+    def shape(self) -> tuple:
+        """The logical ``[E, N, K]``."""
+        e, n, kw = self.words.shape
+        return (int(e), int(n), 8 * int(kw))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.words.nbytes + self.scale.nbytes)
+
+    def on_device(self, stream=0) -> "Int4Experts":
+        """The same weight with both arrays on the device (zero-copy for device arrays)."""
+        return Int4Experts(to_device(self.words, stream=stream),
+                           to_device(self.scale, stream=stream), self.group_size)
+
+
+def int4_experts(weight: Int4GroupWeight, xp=np) -> Int4Experts:
+    """An ``[E, N, K]`` int4-group weight as :class:`Int4Experts` made by ``xp`` (NumPy or
+    CuPy: the packed bytes copied up as they are).  ValueError (one line) for what the
+    kernels do not take: K % 8 (a row in whole words) or a group size that is not a multiple
+    of 8 dividing 32 or a multiple of 32."""
+    if not isinstance(weight, Int4GroupWeight) or weight.ndim != 3:
+        raise ValueError("int4 experts must be an [E, N, K] int4-group weight")
+    k, g = weight.shape[-1], weight.group_size
+    if k % 8:
+        raise ValueError(f"the W4A16 kernels read whole 32-bit words: K = {k} is not a "
+                         f"multiple of 8")
+    if g % 8 or (g % 32 and 32 % g):
+        raise ValueError(f"the W4A16 kernels take group sizes 8, 16 and multiples of 32, "
+                         f"not {g}")
+    # little-endian words: the nibble order of the bytes (formats/int4_group.py)
+    words = np.ascontiguousarray(weight.packed).view("<u4").astype(np.uint32, copy=False)
+    scale = np.ascontiguousarray(weight.scale).view(np.uint16)
+    return Int4Experts(xp.asarray(words), xp.asarray(scale), g)
+
+
+def int4_load_kind(k: int, x, weight: Int4Experts) -> str:
+    """"i4" (16-byte chunks of 32 weights: K % 32 == 0, C-contiguous 16-byte aligned words
+    and x) or else "i4s" (word loads, zero past the row end: the same products in the same
+    order)."""
+    vector = k % 32 == 0 and load_kind_for("f32", k, x, weight.words) == "f32"
+    return "i4" if vector else "i4s"
