@@ -35,6 +35,7 @@ is nothing to cache.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -45,7 +46,7 @@ import warnings
 from kdtree_numba import runtime
 
 __all__ = ["cache_dir", "cache_is_warm", "generated_code", "describe", "closure_key",
-           "UnstableClosure", "stable_cache_for"]
+           "UnstableClosure", "stable_cache_for", "has_stable_key"]
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -210,6 +211,12 @@ def stable_cache_for(dispatcher):
     return dispatcher
 
 
+def has_stable_key(dispatcher) -> bool:
+    """True when ``dispatcher`` keeps its kernels on disk under a key every process computes
+    alike (what a precompile worker can fill for the run)."""
+    return type(getattr(dispatcher, "_cache", None)) is _stable_cache_class()
+
+
 @functools.cache
 def _stable_cache_class():
     import numba_cuda
@@ -222,6 +229,14 @@ def _stable_cache_class():
             self._closure = closure
             super().__init__(py_func)
 
+        def save_overload(self, sig, data):
+            # numba rewrites a function's whole index on each save and numbers a new entry's
+            # data file by the index it read: two processes saving into one index at once
+            # (the precompile workers, two runs) could lose an entry or, worse, give two keys
+            # one data file.  One lock per cache folder makes each save see the last.
+            with _folder_lock(self._cache_path):
+                super().save_overload(sig, data)
+
         def _index_key(self, sig, codegen):
             code = hashlib.sha256(self._py_func.__code__.co_code).hexdigest()
             key = (sig, codegen.magic_tuple(), numba_cuda.__version__,
@@ -230,6 +245,23 @@ def _stable_cache_class():
                 key += (("launch_config", self._launch_config_key),)
             return key
     return StableKeyCache
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str):
+    """An exclusive lock on ``folder``'s ``.save.lock`` (POSIX; elsewhere none)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    with open(os.path.join(folder, ".save.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def describe() -> str:
