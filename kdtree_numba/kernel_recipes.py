@@ -33,7 +33,8 @@ import threading
 import numpy as np
 
 __all__ = ["kernel_factory", "register", "recorded_entries", "recording_launches", "rebuild",
-           "decode_types", "encode_types", "entry_json", "RecipeError", "kernel_name"]
+           "decode_types", "encode_types", "entry_json", "RecipeError", "kernel_name",
+           "compile_counts"]
 
 
 class RecipeError(ValueError):
@@ -102,6 +103,17 @@ def recording_launches():
 def _typeof(value):
     from numba import typeof
     return typeof(value)
+
+
+def compile_counts() -> tuple[int, int]:
+    """(loaded from the disk cache, compiled) over every kernel of this process so far (a GPU
+    only: numba's own counters; the GPU test of kdtree_numba/precompile.py reads them)."""
+    hits = misses = 0
+    for _recipe, kernel in list(_KERNELS.values()):
+        dispatcher = getattr(kernel, "dispatcher", kernel)
+        hits += sum(getattr(dispatcher, "_cache_hits", {}).values())
+        misses += sum(getattr(dispatcher, "_cache_misses", {}).values())
+    return hits, misses
 
 
 def _signatures(py_func, kernel):
@@ -188,21 +200,38 @@ def _decode(value):
 
 # ----------------------------------------------------------------------------- numba types
 
+@functools.cache
+def _scalar_names() -> dict:
+    """numba's scalar types by the name ``numba.cuda.types`` gives them (float16, bfloat16,
+    int64, bool, ...): the JSON form of a scalar, or of an array's dtype."""
+    from numba.cuda import types
+    out = {}
+    for name in sorted(dir(types)):
+        value = getattr(types, name)
+        if isinstance(value, (types.Number, types.Boolean)) or \
+                type(value).__name__.lower().startswith("bfloat16"):
+            # its own name where that is one ("int64", not the alias "c_int64")
+            if name == str(value) or value not in out:
+                out[value] = name
+    return out
+
+
 def _encode_type(ty):
     from numba.cuda import types
     if isinstance(ty, types.Array):
         return {"array": _encode_type(ty.dtype), "ndim": ty.ndim, "layout": ty.layout,
                 "mutable": ty.mutable, "aligned": ty.aligned}
-    if isinstance(ty, (types.Integer, types.Float, types.Boolean)):
-        return str(ty)
-    raise RecipeError(f"argument type {ty} has no JSON form")
+    try:
+        return _scalar_names()[ty]
+    except (KeyError, TypeError):
+        raise RecipeError(f"argument type {ty} has no JSON form") from None
 
 
 def _decode_type(value):
     from numba.cuda import types
     if isinstance(value, str):
-        ty = types.boolean if value == "bool" else getattr(types, value, None)
-        if not isinstance(ty, types.Type):
+        ty = getattr(types, value, None)
+        if ty not in _scalar_names():
             raise RecipeError(f"unknown scalar type {value!r}")
         return ty
     return types.Array(_decode_type(value["array"]), value["ndim"], value["layout"],

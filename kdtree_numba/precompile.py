@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 
+from formats.console import ArgumentParser, UsageError, add_debug_flag, run_console
 from kdtree_numba import kernel_cache, kernel_recipes, runtime
 
 __all__ = ["profile", "read_manifest", "entries_for", "record", "compile_entries", "warm_up",
@@ -62,8 +63,8 @@ PROG = "kdtree-precompile"
 _PROCESS_NUMBERS = re.compile(r"B\d+v\d+B|(?<=_cudapy_smem_)\d+")
 
 
-class ManifestError(ValueError):
-    """A manifest file that is not one, or of another version."""
+class ManifestError(UsageError):
+    """A manifest file that is not one, or of another version (one line, exit 2)."""
 
 
 def _digest(text: str) -> str:
@@ -156,7 +157,7 @@ class PrecompileResult:
 
 def _describe(entry: dict) -> str:
     factory = entry.get("factory")
-    kernel = entry.get("kernel", "?").rpartition(":")[2]
+    kernel = entry.get("kernel", "?").rpartition(":")[2].rpartition(".")[2]
     if not factory:
         return kernel
     args = ", ".join(json.dumps(a, sort_keys=True) for a in factory.get("args", []))
@@ -167,20 +168,26 @@ def _worker_command(mode: str) -> list[str]:
     return [sys.executable, "-m", "kdtree_numba.precompile", "--worker", mode]
 
 
-def _child_env() -> dict:
+def _child_env(mode: str) -> dict:
+    """The workers' environment: this package first on the path, this process's cache folder,
+    and the simulator switch off where they compile (kept for "check", which compares what
+    a fresh process makes with what this one made)."""
     root = os.path.dirname(PACKAGE)
     path = runtime.child_environment().get("PYTHONPATH", "")
+    changes = {} if mode == "check" else {"NUMBA_ENABLE_CUDASIM": None}
     return runtime.child_environment(
         PYTHONPATH=os.pathsep.join(p for p in (root, path) if p),
         KDTREE_KERNEL_CACHE_DIR=runtime.current().kernel_cache_dir,
-        NUMBA_ENABLE_CUDASIM=None, NUMBA_DISABLE_PERFORMANCE_WARNINGS="1")
+        NUMBA_DISABLE_PERFORMANCE_WARNINGS="1", **changes)
 
 
 def compile_entries(entries: list[dict], processes: int | None = None, mode: str = "cache",
                     log=None, every: float = 5.0) -> PrecompileResult:
     """Compile ``entries`` on ``processes`` worker processes (default: one per core, at most
     one per entry).  ``mode`` "cache": into the disk cache (needs the GPU); "ptx": sm_90 PTX,
-    whose hash each reply carries.  ``log(line)`` gets progress lines."""
+    whose :func:`ptx_digest` each reply carries; "check": each kernel made again and described
+    (its name, its closure key's hash), nothing compiled.  ``log(line)`` gets progress
+    lines."""
     processes = max(1, min(processes or os.cpu_count() or 1, len(entries) or 1))
     result = PrecompileResult(processes)
     todo: queue.Queue = queue.Queue()
@@ -237,7 +244,7 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
         errors = tempfile.TemporaryFile()
         worker = subprocess.Popen(_worker_command(mode), stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=errors, text=True,
-                                  env=_child_env(), cwd=os.path.dirname(PACKAGE))
+                                  env=_child_env(mode), cwd=os.path.dirname(PACKAGE))
         t = threading.Thread(target=serve, args=(worker, errors), daemon=True)
         t.start()
         threads.append(t)
@@ -270,6 +277,14 @@ def _compile_one(entry: dict, mode: str) -> dict:
     kernel = kernel_recipes.rebuild(entry)
     argtypes = kernel_recipes.decode_types(entry["types"])
     dispatcher = getattr(kernel, "dispatcher", kernel)
+    if mode == "check":      # made again, nothing compiled: what the cache key is built from
+        py_func = getattr(dispatcher, "py_func", None) or dispatcher.fn
+        try:
+            closure = _digest(kernel_cache.closure_key(py_func))
+        except kernel_cache.UnstableClosure:
+            closure = "unstable"
+        return {"ok": True, "kernel": kernel_recipes.kernel_name(py_func),
+                "closure": closure, "types": [str(t) for t in argtypes]}
     if mode == "ptx":
         from numba import cuda
         options = {k: v for k, v in dispatcher.targetoptions.items()
@@ -340,9 +355,17 @@ def _log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    """``kdtree-precompile``: compile every kernel the manifests list into the disk cache
-    (an image's build step), or to PTX without a GPU (``--mode ptx``, a check)."""
-    p = argparse.ArgumentParser(prog=PROG, description=main.__doc__.split("\n\n")[0])
+    """The ``kdtree-precompile`` entry point; returns the exit code (2 for bad input, 1 when
+    a kernel failed)."""
+    return run_console(PROG, _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    p = ArgumentParser(
+        prog=PROG, description="Compile every kernel the kernel manifests list into the "
+        "kernel disk cache, in parallel (an image's build step: the first kdtree-run then only "
+        "loads), or to sm_90 PTX without a GPU (--mode ptx, a check).",
+        epilog="docs/ENGINE.md, 'First run on a GPU'.")
     p.add_argument("--manifest", action="append", metavar="FILE",
                    help=f"a kernel manifest (repeatable; default: the shipped one, {SHIPPED}, "
                    f"and this machine's, {local_manifest()})")
@@ -351,32 +374,28 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["cache", "ptx"], default="cache",
                    help="cache: into the kernel disk cache (needs the GPU); ptx: sm_90 PTX "
                    "only, a check that needs no GPU")
-    p.add_argument("--worker", choices=["cache", "ptx"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["cache", "ptx", "check"], help=argparse.SUPPRESS)
+    add_debug_flag(p)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
     if args.processes is not None and args.processes < 1:
-        p.error("--processes must be at least 1")
-    try:
-        paths = args.manifest or [SHIPPED, local_manifest()]
-        entries = [e for key in sorted({k for path in paths for k in read_manifest(path)})
-                   for e in entries_for(key, paths)]
-    except ManifestError as e:
-        _log(str(e))
-        return 2
-    seen, unique = set(), []
-    for e in entries:
-        text = json.dumps(e, sort_keys=True)
-        if text not in seen:
-            seen.add(text)
-            unique.append(e)
+        raise UsageError("--processes must be at least 1")
+    paths = args.manifest or [SHIPPED, local_manifest()]
+    unique, seen = [], set()
+    for key in sorted({k for path in paths for k in read_manifest(path)}):
+        for e in entries_for(key, paths):
+            text = json.dumps(e, sort_keys=True)
+            if text not in seen:
+                seen.add(text)
+                unique.append(e)
     if not unique:
-        _log(f"no kernels listed in {', '.join(paths)}")
-        return 2
+        raise UsageError(f"no kernels listed in {', '.join(paths)} (kdtree-run "
+                         f"--record-kernels FILE records a run's)")
     if args.mode == "cache" and kernel_cache.cache_dir() is None:
-        _log("the kernel cache is off (no GPU, KDTREE_KERNEL_CACHE=0, or a folder others can "
-             "write): nothing to fill; --mode ptx checks the kernels compile")
-        return 2
+        raise UsageError("the kernel cache is off (no GPU, KDTREE_KERNEL_CACHE=0, or a folder "
+                         "others can write): nothing to fill; --mode ptx checks the kernels "
+                         "compile")
     processes = max(1, min(args.processes or os.cpu_count() or 1, len(unique)))
     _log(f"compiling {len(unique)} kernels on {processes} processes ({args.mode})...")
     result = compile_entries(unique, processes, mode=args.mode, log=_log)
