@@ -44,6 +44,7 @@ import queue
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -125,8 +126,13 @@ def record(key: str, path: str | None = None) -> int:
     """Add what this process compiled or loaded to the manifest at ``path`` (default
     :func:`local_manifest`) under ``key``; returns how many entries were new.  Entries with no
     recipe are left out (they compile in the run, as before)."""
+    try:
+        profiles = read_manifest(path or local_manifest())
+    except ManifestError:
+        if path is not None:
+            raise
+        profiles = {}       # this machine's own file, unreadable: it starts again
     path = path or local_manifest()
-    profiles = read_manifest(path)
     old = {json.dumps(e, sort_keys=True) for e in profiles.get(key, [])}
     new = [e for e in kernel_recipes.recorded_entries() if "unrebuildable" not in e
            and json.dumps(e, sort_keys=True) not in old]
@@ -218,10 +224,7 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
                 worker.stdin.write(json.dumps({"id": current, "entry": entries[current]})
                                    + "\n")
                 worker.stdin.flush()
-                line = worker.stdout.readline()
-                if not line:
-                    raise EOFError
-                finish(current, json.loads(line))
+                finish(current, _reply(worker, current))
                 current = None
         except (EOFError, OSError, ValueError):
             errors.seek(0)
@@ -238,7 +241,6 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
                 pass
             worker.wait()
 
-    import tempfile
     threads = []
     for _ in range(processes):
         errors = tempfile.TemporaryFile()
@@ -257,6 +259,21 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
                 break
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _reply(worker: subprocess.Popen, wanted: int) -> dict:
+    """The worker's JSON answer for entry ``wanted``; a line that is not one (something the
+    compiler printed) is skipped.  EOFError when the worker is gone."""
+    while True:
+        line = worker.stdout.readline()
+        if not line:
+            raise EOFError
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(reply, dict) and reply.get("id") == wanted:
+            return reply
 
 
 # ----------------------------------------------------------------------------- a worker
