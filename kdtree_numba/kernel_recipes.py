@@ -64,7 +64,9 @@ def kernel_factory(fn):
             return fn(*args, **kwargs)
         finally:
             calls.pop()
-    return functools.cache(build)
+    cached = functools.cache(build)
+    cached.kernel_factory = True      # what rebuild() may call
+    return cached
 
 
 def kernel_name(py_func) -> str:
@@ -175,11 +177,21 @@ def _encode(value):
                       f"form")
 
 
-def _resolve(name: str):
+def _resolve(name: str, what: str):
+    """The object ``module:qualname`` names, only inside this package and only if it is
+    ``what`` ("factory": a kernel_factory; "kernel": a registered kernel; "dataclass"): a
+    manifest is data, and must not name any other callable."""
     module, _, qualname = name.partition(":")
+    if module.split(".")[0] != "kdtree_numba":
+        raise RecipeError(f"{name}: not a kdtree_numba name")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    ok = {"factory": lambda: getattr(obj, "kernel_factory", False) is True,
+          "kernel": lambda: any(k is obj for _r, k in list(_KERNELS.values())),
+          "dataclass": lambda: isinstance(obj, type) and dataclasses.is_dataclass(obj)}[what]
+    if not ok():
+        raise RecipeError(f"{name}: not a {'kernel factory' if what == 'factory' else what}")
     return obj
 
 
@@ -193,7 +205,7 @@ def _decode(value):
     if "numpy" in value:
         return np.dtype(value["numpy"]).type
     if "dataclass" in value:
-        cls = _resolve(value["dataclass"])
+        cls = _resolve(value["dataclass"], "dataclass")
         return cls(**{k: _decode(v) for k, v in value["fields"].items()})
     raise RecipeError(f"unknown value form {sorted(value)}")
 
@@ -262,10 +274,10 @@ def rebuild(entry: dict):
     factory = entry.get("factory")
     try:
         if factory is None:
-            kernel = _resolve(wanted)
+            kernel = _resolve(wanted, "kernel")
             made = {kernel_name(getattr(kernel, "py_func", kernel)): kernel}
         else:
-            fn = _resolve(factory["name"])
+            fn = _resolve(factory["name"], "factory")
             args = [_decode(a) for a in factory["args"]]
             kwargs = {k: _decode(v) for k, v in factory["kwargs"].items()}
             fn(*args, **kwargs)

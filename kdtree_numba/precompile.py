@@ -170,6 +170,14 @@ def _describe(entry: dict) -> str:
     return f"{kernel} from {factory['name'].rpartition(':')[2]}({args[:120]})"
 
 
+def cores() -> int:
+    """The cores this process may run on (the workers' default count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _worker_command(mode: str) -> list[str]:
     return [sys.executable, "-m", "kdtree_numba.precompile", "--worker", mode]
 
@@ -194,10 +202,12 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
     whose :func:`ptx_digest` each reply carries; "check": each kernel made again and described
     (its name, its closure key's hash), nothing compiled.  ``log(line)`` gets progress
     lines."""
-    processes = max(1, min(processes or os.cpu_count() or 1, len(entries) or 1))
+    processes = max(1, min(processes or cores(), len(entries) or 1))
     result = PrecompileResult(processes)
     todo: queue.Queue = queue.Queue()
-    for i, e in enumerate(entries):
+    # the big kernels (attention, the GEMMs) take the most arguments: started first, the
+    # pool does not end waiting on one of them alone
+    for i in sorted(range(len(entries)), key=lambda i: -len(entries[i].get("types", ()))):
         todo.put(i)
     lock, t0, done = threading.Lock(), time.perf_counter(), [0]
 
@@ -261,6 +271,11 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
     return result
 
 
+def _gpu() -> bool:
+    from kdtree_numba import compat
+    return compat.gpu_available()
+
+
 def _reply(worker: subprocess.Popen, wanted: int) -> dict:
     """The worker's JSON answer for entry ``wanted``; a line that is not one (something the
     compiler printed) is skipped.  EOFError when the worker is gone."""
@@ -308,8 +323,8 @@ def _compile_one(entry: dict, mode: str) -> dict:
                    if k in ("fastmath", "lineinfo", "launch_bounds", "debug", "opt")}
         ptx, _ = cuda.compile_ptx(dispatcher.py_func, argtypes, cc=(9, 0), **options)
         return {"ok": True, "ptx": ptx_digest(ptx)}
-    if kernel_cache.cache_dir() is None:
-        return {"ok": False, "error": "the kernel cache is off here"}
+    if not _gpu() or kernel_cache.cache_dir() is None:
+        return {"ok": False, "error": "no kernel cache to fill here (no GPU, or the cache off)"}
     if not kernel_cache.has_stable_key(dispatcher):
         return {"ok": False, "error": "no cache key that is the same in every process"}
     hits = sum(dispatcher._cache_hits.values())
@@ -354,7 +369,7 @@ def warm_up(key: str, log, force: bool = False, processes: int | None = None,
         log("no kernel manifest for this model yet: the kernels compile in this process "
             "(this run records them for the next first run)")
         return None
-    processes = max(1, min(processes or os.cpu_count() or 1, len(entries)))
+    processes = max(1, min(processes or cores(), len(entries)))
     log(f"compiling {len(entries)} kernels on {processes} processes into {where}...")
     result = compile_entries(entries, processes, log=log)
     failed = f", {len(result.failed)} failed (the run compiles those)" if result.failed else ""
@@ -409,17 +424,18 @@ def _main(argv: list[str]) -> int:
     if not unique:
         raise UsageError(f"no kernels listed in {', '.join(paths)} (kdtree-run "
                          f"--record-kernels FILE records a run's)")
-    if args.mode == "cache" and kernel_cache.cache_dir() is None:
-        raise UsageError("the kernel cache is off (no GPU, KDTREE_KERNEL_CACHE=0, or a folder "
-                         "others can write): nothing to fill; --mode ptx checks the kernels "
-                         "compile")
-    processes = max(1, min(args.processes or os.cpu_count() or 1, len(unique)))
+    if args.mode == "cache" and not (_gpu() and kernel_cache.cache_dir()):
+        raise UsageError("no kernel cache to fill here (no GPU, KDTREE_KERNEL_CACHE=0, or a "
+                         "folder others can write); --mode ptx checks the kernels compile")
+    processes = max(1, min(args.processes or cores(), len(unique)))
     _log(f"compiling {len(unique)} kernels on {processes} processes ({args.mode})...")
     result = compile_entries(unique, processes, mode=args.mode, log=_log)
     _log(f"done in {result.seconds:.1f} s: {result.compiled} compiled, {result.cached} already "
          f"cached, {len(result.failed)} failed")
-    for line in result.failed:
+    for line in result.failed[:10]:
         _log(f"failed: {line}")
+    if len(result.failed) > 10:
+        _log(f"... and {len(result.failed) - 10} more")
     return 1 if result.failed else 0
 
 

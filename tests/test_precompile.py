@@ -138,6 +138,26 @@ def test_a_frozen_dataclass_and_a_numpy_type_come_back_equal():
     assert tuple(kernel_recipes._decode(v) for v in encoded) == values
 
 
+def test_a_manifest_names_only_this_packages_kernel_factories_and_kernels():
+    """A manifest is data: rebuilding an entry calls nothing but a kernel_factory or a
+    registered kernel of kdtree_numba (never os.system, never another package function)."""
+    def entry(factory=None, kernel="kdtree_numba.layers.moe:_silu_mul"):
+        out = {"kernel": kernel, "types": []}
+        if factory:
+            out["factory"] = {"name": factory, "args": ["true"], "kwargs": {}}
+        return out
+    with pytest.raises(RecipeError, match="not a kdtree_numba name"):
+        kernel_recipes.rebuild(entry("os:system"))
+    with pytest.raises(RecipeError, match="not a kernel factory"):
+        kernel_recipes.rebuild(entry("kdtree_numba.precompile:main"))
+    with pytest.raises(RecipeError, match="not a kernel$"):
+        kernel_recipes.rebuild(entry(kernel="kdtree_numba.runtime:current"))
+    with pytest.raises(RecipeError, match="not a dataclass"):
+        kernel_recipes._decode({"dataclass": "kdtree_numba.runtime:current", "fields": {}})
+    # what the refusals leave alone
+    assert kernel_recipes.rebuild(entry()).py_func.__name__ == "_silu_mul"
+
+
 # ----------------------------------------------------------------------------- manifests
 
 def _write(path, profiles, version=precompile.VERSION):
