@@ -7,7 +7,10 @@ gives text anywhere; with ``--method ddtree`` and no ``--drafter`` that model dr
 ``kdtree_numba.demo.DEFAULT_DRAFTER``, the trained DFlash drafter shipped beside it.  With no
 prompt it uses the built-in text prompt ``def fibonacci(n):`` on a model with a tokenizer, the
 ids ``1,2,3,4`` on one without.  On a GPU it says whether the kernels load from the disk cache
-(kdtree_numba/kernel_cache.py) or compile now, with a line every 5 s until the first token.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
+(kdtree_numba/kernel_cache.py) or compile now, with a line every 5 s until the first token; a
+cold cache is first filled in parallel from a kernel manifest while the bundles load
+(``--precompile``; kdtree_numba/precompile.py), and each GPU run records its kernels for the
+next.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
 object: kdtree_numba/cli_output.py), notices, progress and stats go to stderr.
 
 Bad input is one line on stderr and exit 2, checked before any work starts
