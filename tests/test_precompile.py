@@ -176,6 +176,27 @@ def test_entries_for_a_profile_then_its_target_without_repeats(tmp_path):
     assert precompile.entries_for("t3/none", [a, str(tmp_path / "missing.json")]) == []
 
 
+def test_record_adds_only_new_rebuildable_entries_and_heals_this_machines_file(
+        tmp_path, monkeypatch):
+    broken = dict(SILU, unrebuildable="made outside any kernel_factory")
+    monkeypatch.setattr(kernel_recipes, "recorded_entries", lambda: [ARGMAX, SILU, broken])
+    out = str(tmp_path / "k.json")
+    assert precompile.record("t1/d1", out) == 2
+    assert precompile.record("t1/d1", out) == 0
+    assert precompile.record("t1/none", out) == 2
+    assert precompile.read_manifest(out) == {"t1/d1": [ARGMAX, SILU], "t1/none": [ARGMAX, SILU]}
+    # a named file that is no manifest is refused; this machine's own starts again
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(precompile.ManifestError):
+        precompile.record("t1/d1", str(tmp_path / "bad.json"))
+    monkeypatch.setenv("KDTREE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "manifest.json").write_text("{truncated")
+    assert precompile.local_manifest() == str(tmp_path / "cache" / "manifest.json")
+    assert precompile.record("t1/d1") == 2
+    assert precompile.read_manifest(precompile.local_manifest()) == {"t1/d1": [ARGMAX, SILU]}
+
+
 def test_a_file_that_is_no_manifest_is_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

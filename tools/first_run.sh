@@ -8,7 +8,8 @@
 #   2. that manifest shipped; a cold cache: kdtree-run compiles in parallel first (goal <= 20 s);
 #   3. the same command again (warm cache);
 #   4. an image's pre-warm: kdtree-precompile into a cold cache, then the run;
-#   5. the GPU test: an empty cache, the precompile, a run that compiles nothing.
+#   5. the GPU test: an empty cache, the precompile, a run that compiles nothing;
+#   6. the console scripts installed by python3's pip, run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
@@ -40,6 +41,12 @@ timed "image: kdtree-precompile" env KDTREE_KERNEL_CACHE_DIR=/tmp/kc_image \
 timed "image: then the run" env KDTREE_KERNEL_CACHE_DIR=/tmp/kc_image "${RUN[@]}" --method ddtree
 timed "pytest -m gpu tests/test_precompile.py" python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/test_precompile.py
+# the console scripts on the image: written by python3's own pip (a bare `pip` belonged to
+# another Python there, whose kdtree-run had no numpy), so they run the interpreter that works
+timed "console scripts (python3 -m pip install -e .)" bash -c 'python3 -m pip install -q \
+  --no-deps --no-build-isolation -e . && command -v kdtree-run kdtree-precompile && \
+  KDTREE_KERNEL_CACHE_DIR=/tmp/kc kdtree-run --prompt "def fibonacci(n):" --max-new-tokens 8 \
+  --method ddtree && kdtree-precompile --help > /dev/null'
 nproc >> "$LOG"; nvidia-smi --query-gpu=name --format=csv,noheader >> "$LOG" 2>&1
 grep -E "kdtree-(run|precompile): (compiling|\.\.\. done|done|kernels from|failed)|tok/s|passed|failed" \
   "$LOG" | tail -40
