@@ -98,7 +98,24 @@ def read_manifest(path: str) -> dict:
     if data.get("version") != VERSION:
         raise ManifestError(f"{path}: kernel manifest version {data.get('version')!r}; this "
                             f"kdtree-numba reads version {VERSION}")
-    return data["profiles"]
+    profiles = data.get("profiles")
+    if not isinstance(profiles, dict) or not all(
+            isinstance(es, list) and all(isinstance(e, dict) for e in es)
+            for es in profiles.values()):
+        raise ManifestError(f"{path}: a kernel manifest's profiles map names to lists of "
+                            f"entries")
+    return profiles
+
+
+def _unique(entries) -> list[dict]:
+    """``entries`` without repeats, in their order."""
+    seen, out = set(), []
+    for e in entries:
+        text = json.dumps(e, sort_keys=True)
+        if text not in seen:
+            seen.add(text)
+            out.append(e)
+    return out
 
 
 def entries_for(key: str, paths=None) -> list[dict]:
@@ -111,15 +128,8 @@ def entries_for(key: str, paths=None) -> list[dict]:
     manifests = [read_manifest(p) for p in paths]
     exact = [e for m in manifests for e in m.get(key, [])]
     target = key.split("/")[0] + "/"
-    chosen = exact or [e for m in manifests for k, es in m.items() if k.startswith(target)
-                       for e in es]
-    seen, out = set(), []
-    for e in chosen:
-        text = json.dumps(e, sort_keys=True)
-        if text not in seen:
-            seen.add(text)
-            out.append(e)
-    return out
+    return _unique(exact or [e for m in manifests for k, es in m.items()
+                             if k.startswith(target) for e in es])
 
 
 def record(key: str, path: str | None = None) -> int:
@@ -162,12 +172,13 @@ class PrecompileResult:
 
 
 def _describe(entry: dict) -> str:
+    """``KERNEL from FACTORY(ARGS)`` for a failure line (any entry, however malformed)."""
+    kernel = str(entry.get("kernel", "?")).rpartition(":")[2].rpartition(".")[2]
     factory = entry.get("factory")
-    kernel = entry.get("kernel", "?").rpartition(":")[2].rpartition(".")[2]
-    if not factory:
+    if not isinstance(factory, dict):
         return kernel
     args = ", ".join(json.dumps(a, sort_keys=True) for a in factory.get("args", []))
-    return f"{kernel} from {factory['name'].rpartition(':')[2]}({args[:120]})"
+    return f"{kernel} from {str(factory.get('name')).rpartition(':')[2]}({args[:120]})"
 
 
 def cores() -> int:
@@ -414,13 +425,7 @@ def _main(argv: list[str]) -> int:
     if args.processes is not None and args.processes < 1:
         raise UsageError("--processes must be at least 1")
     paths = args.manifest or [SHIPPED, local_manifest()]
-    unique, seen = [], set()
-    for key in sorted({k for path in paths for k in read_manifest(path)}):
-        for e in entries_for(key, paths):
-            text = json.dumps(e, sort_keys=True)
-            if text not in seen:
-                seen.add(text)
-                unique.append(e)
+    unique = _unique(e for path in paths for es in read_manifest(path).values() for e in es)
     if not unique:
         raise UsageError(f"no kernels listed in {', '.join(paths)} (kdtree-run "
                          f"--record-kernels FILE records a run's)")

@@ -208,6 +208,9 @@ def test_a_file_that_is_no_manifest_is_one_line(tmp_path):
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(precompile.ManifestError, match="no format"):
         precompile.read_manifest(str(bad))
+    for profiles in ([], {"t/none": "x"}, {"t/none": [1]}):
+        with pytest.raises(precompile.ManifestError, match="map names to lists of entries"):
+            precompile.read_manifest(_write(tmp_path / "p.json", profiles))
 
 
 def test_profile_follows_the_configs():
@@ -225,8 +228,9 @@ def test_failing_entries_and_a_dying_worker_come_back_as_one_line_each():
     missing = dict(SILU, kernel="kdtree_numba.layers.moe:no_such_kernel")
     renamed = dict(ARGMAX, factory=dict(ARGMAX["factory"],
                                         name="kdtree_numba.layers.argmax:gone"))
-    result = precompile.compile_entries([missing, SILU, renamed], 2, mode="check")
-    assert result.compiled == 1 and len(result.failed) == 2
+    malformed = {"kernel": 7, "factory": "x"}
+    result = precompile.compile_entries([missing, SILU, renamed, malformed], 2, mode="check")
+    assert result.compiled == 1 and len(result.failed) == 3
     assert all("\n" not in line for line in result.failed)
     assert any(line.startswith("no_such_kernel: RecipeError: ") and "no attribute" in line
                for line in result.failed)
