@@ -380,16 +380,24 @@ def warm_up(key: str, log, force: bool = False, processes: int | None = None,
         log("no kernel manifest for this model yet: the kernels compile in this process "
             "(this run records them for the next first run)")
         return None
+    result = _compile_saying(entries, processes, "cache", f" into {where}", log, shown=3)
+    if result.failed:
+        log("the run compiles the kernels that failed")
+    return result
+
+
+def _compile_saying(entries, processes, mode: str, where: str, log, shown: int):
+    """:func:`compile_entries` with its start, its end and the first ``shown`` failures
+    said through ``log``."""
     processes = max(1, min(processes or cores(), len(entries)))
-    log(f"compiling {len(entries)} kernels on {processes} processes into {where}...")
-    result = compile_entries(entries, processes, log=log)
-    failed = f", {len(result.failed)} failed (the run compiles those)" if result.failed else ""
+    log(f"compiling {len(entries)} kernels on {processes} processes{where}...")
+    result = compile_entries(entries, processes, mode=mode, log=log)
     log(f"... done in {result.seconds:.1f} s ({result.compiled} compiled, {result.cached} "
-        f"already cached{failed})")
-    for line in result.failed[:3]:
+        f"already cached, {len(result.failed)} failed)")
+    for line in result.failed[:shown]:
         log(f"  failed: {line}")
-    if len(result.failed) > 3:
-        log(f"  ... and {len(result.failed) - 3} more")
+    if len(result.failed) > shown:
+        log(f"  ... and {len(result.failed) - shown} more")
     return result
 
 
@@ -432,15 +440,8 @@ def _main(argv: list[str]) -> int:
     if args.mode == "cache" and not (_gpu() and kernel_cache.cache_dir()):
         raise UsageError("no kernel cache to fill here (no GPU, KDTREE_KERNEL_CACHE=0, or a "
                          "folder others can write); --mode ptx checks the kernels compile")
-    processes = max(1, min(args.processes or cores(), len(unique)))
-    _log(f"compiling {len(unique)} kernels on {processes} processes ({args.mode})...")
-    result = compile_entries(unique, processes, mode=args.mode, log=_log)
-    _log(f"done in {result.seconds:.1f} s: {result.compiled} compiled, {result.cached} already "
-         f"cached, {len(result.failed)} failed")
-    for line in result.failed[:10]:
-        _log(f"failed: {line}")
-    if len(result.failed) > 10:
-        _log(f"... and {len(result.failed) - 10} more")
+    where = f" into {kernel_cache.cache_dir()}" if args.mode == "cache" else " to sm_90 PTX"
+    result = _compile_saying(unique, args.processes, args.mode, where, _log, shown=10)
     return 1 if result.failed else 0
 
 
