@@ -32,6 +32,8 @@ import threading
 
 import numpy as np
 
+from kdtree_numba import runtime
+
 __all__ = ["kernel_factory", "register", "recorded_entries", "recording_launches", "rebuild",
            "decode_types", "encode_types", "entry_json", "RecipeError", "kernel_name",
            "compile_counts"]
@@ -45,7 +47,6 @@ _STACK = threading.local()      # .calls: the kernel_factory calls in progress o
 # py_func -> (recipe or None, kernel object); kernels live as long as their factory's cache
 _KERNELS: dict = {}
 _LAUNCHED: dict = {}            # simulator recording: py_func -> set of argument-type tuples
-_RECORDING = [False]
 
 
 def kernel_factory(fn):
@@ -85,10 +86,10 @@ def register(kernel, py_func) -> None:
 def recording_launches():
     """Under the simulator: note each kernel launch's argument types while inside (on a GPU
     the dispatchers keep their own overloads, and this does nothing)."""
-    from numba.cuda.simulator import kernel as sim
-    if not hasattr(sim, "FakeCUDAKernel"):
+    if not runtime.current().simulator:
         yield
         return
+    from numba.cuda.simulator import kernel as sim
     original = sim.FakeCUDAKernel.__call__
 
     def call(self, *args):
