@@ -219,8 +219,10 @@ def _record_kernels(prog: str, args, key: str, on_gpu: bool, warn) -> None:
         if on_gpu:
             precompile.record(key)
         if args.record_kernels:
-            n = precompile.record(key, args.record_kernels)
+            n, left_out = precompile.record(key, args.record_kernels)
             _log(prog, f"--record-kernels: {n} new kernel entries in {args.record_kernels}")
+            for line in left_out:
+                warn(f"--record-kernels: no recipe, left out (compiles in the run): {line}")
     except (precompile.ManifestError, OSError) as e:
         warn(f"kernels not recorded: {e}")
 

@@ -132,10 +132,10 @@ def entries_for(key: str, paths=None) -> list[dict]:
                              if k.startswith(target) for e in es])
 
 
-def record(key: str, path: str | None = None) -> int:
+def record(key: str, path: str | None = None) -> tuple[int, list[str]]:
     """Add what this process compiled or loaded to the manifest at ``path`` (default
-    :func:`local_manifest`) under ``key``; returns how many entries were new.  Entries with no
-    recipe are left out (they compile in the run, as before)."""
+    :func:`local_manifest`) under ``key``; returns how many entries were new and, one line
+    each, those left out for want of a recipe (they compile in the run, as before)."""
     try:
         profiles = read_manifest(path or local_manifest())
     except ManifestError:
@@ -144,10 +144,13 @@ def record(key: str, path: str | None = None) -> int:
         profiles = {}       # this machine's own file, unreadable: it starts again
     path = path or local_manifest()
     old = {json.dumps(e, sort_keys=True) for e in profiles.get(key, [])}
-    new = [e for e in kernel_recipes.recorded_entries() if "unrebuildable" not in e
+    entries = kernel_recipes.recorded_entries()
+    left_out = sorted({f"{e['kernel']}: {e['unrebuildable']}" for e in entries
+                       if "unrebuildable" in e})
+    new = [e for e in entries if "unrebuildable" not in e
            and json.dumps(e, sort_keys=True) not in old]
     if not new:
-        return 0
+        return 0, left_out
     profiles[key] = profiles.get(key, []) + new
     os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -156,7 +159,7 @@ def record(key: str, path: str | None = None) -> int:
                   sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
-    return len(new)
+    return len(new), left_out
 
 
 # ----------------------------------------------------------------------------- the pool
