@@ -225,7 +225,7 @@ def test_profile_follows_the_configs():
 
 # ----------------------------------------------------------------------------- workers
 
-def test_failing_entries_and_a_dying_worker_come_back_as_one_line_each():
+def test_failing_entries_come_back_as_one_line_each():
     missing = dict(SILU, kernel="kdtree_numba.layers.moe:no_such_kernel")
     renamed = dict(ARGMAX, factory=dict(ARGMAX["factory"],
                                         name="kdtree_numba.layers.argmax:gone"))
@@ -237,10 +237,17 @@ def test_failing_entries_and_a_dying_worker_come_back_as_one_line_each():
                for line in result.failed)
     assert any(line.startswith("argmax_rows from gone(128): RecipeError: ")
                for line in result.failed)
-    # a worker that exits before it answers: its entry fails with the worker's last word
-    dead = precompile.compile_entries([SILU], 1, mode="no-such-mode")
-    assert dead.compiled == 0 and len(dead.failed) == 1
-    assert "the worker died (exit 2)" in dead.failed[0] and "\n" not in dead.failed[0]
+
+
+
+def test_a_worker_that_dies_fails_its_entry_with_its_last_word(monkeypatch):
+    script = "import sys; sys.stderr.write('warming up\\nCUDA_ERROR_OUT_OF_MEMORY\\n'); sys.exit(3)"
+    monkeypatch.setattr(precompile, "_worker_command", lambda mode: [sys.executable, "-c",
+                                                                     script])
+    dead = precompile.compile_entries([SILU, ARGMAX], 2, mode="cache")
+    assert dead.compiled == 0 and len(dead.failed) == 2
+    assert all(line.endswith("the worker died (exit 3): CUDA_ERROR_OUT_OF_MEMORY")
+               for line in dead.failed)
 
 
 FAN_OUT_SCRIPT = HOPPER_PRELUDE + f"""
