@@ -221,7 +221,7 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
     todo: queue.Queue = queue.Queue()
     # the big kernels (attention, the GEMMs) take the most arguments: started first, the
     # pool does not end waiting on one of them alone
-    for i in sorted(range(len(entries)), key=lambda i: -len(entries[i].get("types", ()))):
+    for i in sorted(range(len(entries)), key=lambda i: -_size(entries[i])):
         todo.put(i)
     lock, t0, done = threading.Lock(), time.perf_counter(), [0]
 
@@ -264,6 +264,8 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
             except OSError:
                 pass
             worker.wait()
+            worker.stdout.close()
+            errors.close()
 
     threads = []
     for _ in range(processes):
@@ -281,8 +283,16 @@ def compile_entries(entries: list[dict], processes: int | None = None, mode: str
                 log(f"... {done[0]} of {len(entries)} kernels, "
                     f"{time.perf_counter() - t0:.0f} s")
                 break
+    for i in range(len(entries)):         # every worker died before it got to these
+        if i not in result.replies:
+            finish(i, {"ok": False, "error": "not tried: every worker had died"})
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _size(entry: dict) -> int:
+    types = entry.get("types")
+    return len(types) if isinstance(types, list) else 0
 
 
 def _gpu() -> bool:

@@ -248,6 +248,10 @@ def test_a_worker_that_dies_fails_its_entry_with_its_last_word(monkeypatch):
     assert dead.compiled == 0 and len(dead.failed) == 2
     assert all(line.endswith("the worker died (exit 3): CUDA_ERROR_OUT_OF_MEMORY")
                for line in dead.failed)
+    # one worker, three entries: the two it never got to are reported too
+    alone = precompile.compile_entries([SILU, ARGMAX, RMSNORM], 1, mode="cache")
+    assert len(alone.failed) == 3 and alone.compiled == alone.cached == 0
+    assert sum(line.endswith("not tried: every worker had died") for line in alone.failed) == 2
 
 
 FAN_OUT_SCRIPT = HOPPER_PRELUDE + f"""
