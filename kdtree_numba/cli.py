@@ -7,7 +7,10 @@ gives text anywhere; with ``--method ddtree`` and no ``--drafter`` that model dr
 ``kdtree_numba.demo.DEFAULT_DRAFTER``, the trained DFlash drafter shipped beside it.  With no
 prompt it uses the built-in text prompt ``def fibonacci(n):`` on a model with a tokenizer, the
 ids ``1,2,3,4`` on one without.  On a GPU it says whether the kernels load from the disk cache
-(kdtree_numba/kernel_cache.py) or compile now, with a line every 5 s until the first token.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
+(kdtree_numba/kernel_cache.py) or compile now, with a line every 5 s until the first token; a
+cold cache is first filled in parallel from a kernel manifest while the bundles load
+(``--precompile``; kdtree_numba/precompile.py), and each GPU run records its kernels for the
+next.  Stdout carries only the output (streamed text, text blocks, token ids or one JSON
 object: kdtree_numba/cli_output.py), notices, progress and stats go to stderr.
 
 Bad input is one line on stderr and exit 2, checked before any work starts
@@ -21,6 +24,7 @@ on a terminal (never in ``--json`` mode or when stderr is piped, unless ``--prog
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -32,7 +36,7 @@ from formats.console import (ArgumentParser, UsageError, add_debug_flag, refuse_
                              run_console, writing)
 from formats.errors import KdtrError
 from formats.progress import ProgressBar
-from kdtree_numba import demo, kernel_cache, plots
+from kdtree_numba import demo, kernel_cache, kernel_recipes, plots, precompile
 from kdtree_numba import cpu
 from kdtree_numba.backends import GEMM_CHOICES, PRECISIONS
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
@@ -177,8 +181,50 @@ def _run_parser() -> ArgumentParser:
     p.add_argument("--plot", metavar="PATH.png",
                    help="draw the run's acceptance-length histogram and one round's tree "
                    "(--method ddtree or chain; needs matplotlib: the plot extra)")
+    p.add_argument("--precompile", choices=["auto", "always", "off"], default="auto",
+                   help="numba on a GPU: compile the kernels the run needs in parallel, one "
+                   "process per core, into the kernel disk cache before it starts (auto: when "
+                   "the cache is cold and a kernel manifest lists this model's kernels; "
+                   "docs/ENGINE.md, 'First run on a GPU')")
+    p.add_argument("--record-kernels", metavar="FILE.json",
+                   help="numba backend: add the kernels this run compiled or loaded to the "
+                   "kernel manifest FILE.json (kdtree-precompile reads it; a GPU run also "
+                   "records into the cache folder's manifest.json by itself)")
     add_debug_flag(p)
     return p
+
+
+def _start_precompile(prog: str, args, key: str) -> threading.Thread | None:
+    """``--precompile``: the kernels compile in worker processes while this one loads the
+    bundles (kdtree_numba/precompile.py); the caller joins the thread before generating."""
+    if args.precompile == "off":
+        return None
+
+    def work():
+        try:
+            precompile.warm_up(key, lambda msg: _log(prog, msg),
+                               force=args.precompile == "always")
+        except (precompile.ManifestError, OSError) as e:
+            _log(prog, f"warning: no parallel precompile ({e}); the kernels compile in this "
+                 f"process")
+    thread = threading.Thread(target=work, name="precompile", daemon=True)
+    thread.start()
+    return thread
+
+
+def _record_kernels(prog: str, args, key: str, on_gpu: bool, warn) -> None:
+    """After a numba run: this machine's manifest learns the run's kernels (a GPU only: the
+    simulator's kernels are made for its narrower warps), and ``--record-kernels`` gets them."""
+    try:
+        if on_gpu:
+            precompile.record(key)
+        if args.record_kernels:
+            n, left_out = precompile.record(key, args.record_kernels)
+            _log(prog, f"--record-kernels: {n} new kernel entries in {args.record_kernels}")
+            for line in left_out:
+                warn(f"--record-kernels: no recipe, left out (compiles in the run): {line}")
+    except (precompile.ManifestError, OSError) as e:
+        warn(f"kernels not recorded: {e}")
 
 
 def _backend_words(backend, args) -> str:
@@ -302,9 +348,18 @@ def _run(argv: list[str]) -> int:
     if args.no_verify and files:
         _log(prog, f"--no-verify: the tensor checksums of {' and '.join(files)} are not "
              f"checked; a damaged bundle loads without a word")
+    if args.record_kernels and backend.name != "numba":
+        raise UsageError("--record-kernels needs --backend numba (the reference backend "
+                         "compiles no kernels)")
+    key = precompile.profile(cfg, plan and plan.kind, plan and plan.config) \
+        if backend.name == "numba" else None
+    warming = _start_precompile(prog, args, key) if backend.name == "numba" and \
+        backend.on_gpu else None
     t0 = time.perf_counter()
     model = _load_model(args, target, backend)
     drafter = _load_drafter(args, plan, model, backend)
+    if warming is not None:
+        warming.join()
     if args.device_rounds:
         why = ("needs --method ddtree or chain" if args.method == "ar" else
                "needs a fixed --budget" if args.budget == "auto" else
@@ -328,16 +383,23 @@ def _run(argv: list[str]) -> int:
         sys.stderr.flush()
     # --plot only: the rounds' trees are copied on the device, one is read afterwards
     recorder = plots.RoundRecorder(model.backend) if args.plot else None
+    # the simulator types no arguments: its launches are noted while --record-kernels asks
+    noting = kernel_recipes.recording_launches() if args.record_kernels and \
+        not model.backend.on_gpu else contextlib.nullcontext()
     try:
-        result = generate(model, prompts, args.max_new_tokens, method=args.method,
-                          drafter=drafter, budget=args.budget, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, eos=args.eos, progress=first_token.wrap(bar),
-                          stream=stream, on_round=recorder,
-                          device_rounds=True if args.device_rounds else None)
+        with noting:
+            result = generate(model, prompts, args.max_new_tokens, method=args.method,
+                              drafter=drafter, budget=args.budget,
+                              temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, eos=args.eos,
+                              progress=first_token.wrap(bar), stream=stream,
+                              on_round=recorder,
+                              device_rounds=True if args.device_rounds else None)
     finally:
         first_token.set()
         bar.close()
+    if key is not None:
+        _record_kernels(prog, args, key, model.backend.on_gpu, warn)
     stats = result.stats
     if args.json:
         print(json_result(result.tokens, codec, stats))

@@ -30,9 +30,11 @@ if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls 
 from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
 
 from kdtree_numba import runtime  # noqa: E402
+from kdtree_numba.kernel_recipes import kernel_factory, register  # noqa: E402
 
 __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_kernels",
-           "kernel", "device_function", "to_device", "device_empty", "is_device_array",
+           "kernel", "kernel_factory", "device_function", "to_device", "device_empty",
+           "is_device_array",
            "NoDeviceError"]
 
 SIMULATOR: bool = runtime.current().simulator
@@ -120,10 +122,16 @@ def kernel(fn=None, **options):
 
 def _jit(fn, options: dict):
     options = _filter_options(options)
-    # no GPU, nothing will compile: no cache directory made, no source hashed at import
-    if SIMULATOR or options.get("device") or not gpu_available():
+    if options.get("device"):
         return cuda.jit(**options)(fn)
-    return _fast_launches(_cached_jit(fn, options))
+    # no GPU, nothing will compile: no cache directory made, no source hashed at import
+    if SIMULATOR or not gpu_available():
+        made = cuda.jit(**options)(fn)
+    else:
+        made = _fast_launches(_cached_jit(fn, options))
+    # filed with its recipe, so kdtree_numba/precompile.py can make it in another process
+    register(made, fn)
+    return made
 
 
 def _cached_jit(fn, options: dict):

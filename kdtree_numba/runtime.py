@@ -32,7 +32,8 @@ import functools
 import os
 from typing import Mapping
 
-__all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "configure", "reset"]
+__all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "configure", "reset",
+           "child_environment"]
 
 FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "lineinfo")
 # every variable a RuntimeConfig is read from
@@ -152,3 +153,16 @@ def reset() -> None:
     """Forget :func:`configure`: the environment decides again."""
     global _configured
     _configured = None
+
+
+def child_environment(**changes: str | None) -> dict:
+    """This process's environment for a child process, with ``changes`` (None removes a
+    variable): the precompile workers (kdtree_numba/precompile.py) get the kernel cache
+    directory in force here and, where they must compile for real, no simulator switch."""
+    env = dict(os.environ)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env

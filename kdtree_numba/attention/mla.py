@@ -12,7 +12,7 @@ Long prefixes are split across blocks (flash-decoding): each split writes its un
 partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one split
 the block kernel normalises and writes ``u`` directly.
 """
-from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
+from kdtree_numba.compat import cuda, kernel, kernel_factory, to_device, SIMULATOR  # noqa: I001
 
 import collections
 import dataclasses
@@ -36,7 +36,7 @@ from reference.attention import check_causal
 __all__ = ["mla_attention", "MlaAttentionPlan", "PlanCache", "clear_plan_cache"]
 
 
-@lru_cache(maxsize=None)
+@kernel_factory
 def _attention_kernel(cfg):
     """Build the block kernel for one configuration (constants are closed over): the FFMA
     kernel of ffma.py for a TileConfig, the tensor-core one of mma.py for an MmaTileConfig,
@@ -51,7 +51,7 @@ def _attention_kernel(cfg):
 MERGE_THREADS = 128
 
 
-@lru_cache(maxsize=None)
+@kernel_factory
 def _merge_kernel(r: int):
     """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the
     splits that hold keys of request b (tiles.splits_with_keys: the others wrote nothing)."""

@@ -8,10 +8,9 @@ grid.z.  Given :class:`Bf16HeadWeights` instead (:func:`bf16_head_weights`, what
 the linear's mma kernel for all heads (layers/mma.py, ``mma_head_products``), x rounded to
 bf16 like every input in that mode.  docs/ATTENTION.md has the family's design.
 """
-from kdtree_numba.compat import cuda, kernel, to_device, SIMULATOR  # noqa: I001
+from kdtree_numba.compat import cuda, kernel, kernel_factory, to_device, SIMULATOR  # noqa: I001
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from numba import float32
@@ -93,7 +92,7 @@ def _gemm_tile():
     return _GemmTile(8, 8, 4, 4, 4) if SIMULATOR else _GemmTile(64, 64, 16, 16, 16)
 
 
-@lru_cache(maxsize=None)
+@kernel_factory
 def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
     """C[m, h*c_hs + col] = sum_k A[m, h*a_hs + k] * B_h[k, col] for every head h = blockIdx.z.
 
@@ -164,7 +163,7 @@ STREAM_THREADS = 64
 STREAM_UNROLL = 16
 
 
-@lru_cache(maxsize=None)
+@kernel_factory
 def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
     """The streaming per-head product for ``mt`` rows and K = ``k_size`` (both compile-time:
     x lives in shared memory, the accumulators in registers).  Same contract as

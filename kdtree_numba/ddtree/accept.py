@@ -6,9 +6,8 @@ Reference twin and contract: reference/ddtree/accept.py.  The kernels and why: d
 "compile_tree, accept, sampling, compaction".  Host plumbing shared with the other DDTree
 kernels: arrays.py.
 """
-from kdtree_numba.compat import cuda, device_function, kernel, SIMULATOR
+from kdtree_numba.compat import cuda, device_function, kernel, kernel_factory, SIMULATOR
 
-import functools
 import math
 
 import numpy as np
@@ -26,7 +25,7 @@ __all__ = ["accept_greedy", "sample_targets", "accept_sampled"]
 
 # ----------------------------------------------------------------------------- acceptance
 
-@functools.cache
+@kernel_factory
 def _accept_kernel(max_steps: int):
     """One block per request.  Step s: every thread tests its slots for ``parent == cur and
     token == nxt`` (at most one matches: siblings carry distinct tokens) and writes the match
@@ -166,7 +165,7 @@ def _keep_from(logits, b, i, vocab, top, temperature, top_p, top_k, count_sh, ma
     return hi
 
 
-@functools.cache
+@kernel_factory
 def _sample_kernel(threads: int):
     """One block per (request, slot); padding slots write -1.  Pass 1: row max.  With top-k
     or top-p, the smallest kept rank key (``_keep_from``: bisection over the keys, each step a

@@ -6,9 +6,8 @@ Reference twin and contract: reference/ddtree/build.py (``build_tree`` and the D
 fields).  The algorithm and why it was chosen: docs/DDTREE.md, "build_tree".  Host plumbing
 shared with the other DDTree kernels: arrays.py.
 """
-from kdtree_numba.compat import cuda, kernel, device_function, SIMULATOR
+from kdtree_numba.compat import cuda, kernel, kernel_factory, device_function, SIMULATOR
 
-import functools
 
 import numpy as np
 
@@ -288,7 +287,7 @@ def _pop_loop(lp, lp_c, cols, shift, b, budget, lane, lanes, per_lane, cand_s, c
     return n
 
 
-@functools.cache
+@kernel_factory
 def _build_kernel(threads: int, bcap: int):
     """One block per request; warp 0 pops (``lanes`` = one warp, or the whole block in the
     simulator's narrower blocks), all threads load the lp cache and write the tree."""

@@ -6,9 +6,8 @@ Reference twin and contract: reference/ddtree/compact.py.  The kernel and why: d
 "compile_tree, accept, sampling, compaction".  Host plumbing shared with the other DDTree
 kernels: arrays.py.
 """
-from kdtree_numba.compat import cuda, kernel, SIMULATOR
+from kdtree_numba.compat import cuda, kernel, kernel_factory, SIMULATOR
 
-import functools
 
 import numpy as np
 
@@ -21,7 +20,7 @@ __all__ = ["compact_kv", "compact_threads"]
 
 # ----------------------------------------------------------------------------- KV compaction
 
-@functools.cache
+@kernel_factory
 def _compact_kernel(max_rows: int, word):
     """Grid (bs * n_stack, column chunks); each thread owns one column of one request and
     copies its accepted rows through registers: all reads, then all writes (the aliasing

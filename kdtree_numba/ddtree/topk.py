@@ -6,7 +6,7 @@ Reference twin and contract: reference/ddtree/topk.py (ids exact, lp within LP_A
 The algorithm and why it was chosen: docs/DDTREE.md, "topk_logprobs".  Host plumbing shared
 with the other DDTree kernels: arrays.py.
 """
-from kdtree_numba.compat import cuda, kernel, device_function, SIMULATOR
+from kdtree_numba.compat import cuda, kernel, kernel_factory, device_function, SIMULATOR
 
 import functools
 import math
@@ -250,7 +250,7 @@ def _seed_groups(kl: int, warps: int, per_lane: int) -> int:
     return groups
 
 
-@functools.cache
+@kernel_factory
 def _topk_kernel(warps: int, vec: int, kl: int):
     """Top-k candidates and online logsumexp of one part of one row per block (grid rows x
     parts).  With one part it writes lp/ids; else each block writes its part's best k pairs
@@ -432,7 +432,7 @@ def _topk_kernel(warps: int, vec: int, kl: int):
     return topk_part
 
 
-@functools.cache
+@kernel_factory
 def _topk_merge_kernel(parts: int, kl: int, threads: int):
     """One block per row: merge the rows' ``parts`` sorted candidate lists, combine their
     (max, sum of exps) into the logsumexp, write lp and ids."""

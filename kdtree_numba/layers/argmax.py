@@ -4,12 +4,11 @@ Twin: reference/layers/argmax.py; docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
 from kdtree_numba.layers.workspace import device_f32, result_array
 
 __all__ = ["argmax"]
@@ -32,7 +31,7 @@ def _beats(v, i, best_v, best_i):
 _LOADS_IN_FLIGHT = 8
 
 
-@functools.cache
+@kernel_factory
 def _argmax_kernel(threads: int):
     @kernel
     def argmax_rows(logits, out):

@@ -4,19 +4,18 @@ Twin: reference/layers/embedding.py; docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, kernel, to_device
+from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.layers.workspace import device_weight, result_array
 
 __all__ = ["embedding"]
 
 
-@functools.cache
+@kernel_factory
 def _embedding_kernel(is_bf16: bool):
     @kernel
     def embed(ids, table, y):

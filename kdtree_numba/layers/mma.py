@@ -49,7 +49,7 @@ import functools
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
@@ -414,7 +414,7 @@ def mma_kernel(cfg: MmaConfig):
     return _mma_kernel_for(dataclasses.replace(cfg, splits=1))
 
 
-@functools.cache
+@kernel_factory
 def _mma_kernel_for(cfg: MmaConfig):
     """Under the simulator the kernel builds and runs up to its first mma, which raises
     NotImplementedError (gpu/tensorcore.py); tests/test_layers_mma.py swaps in a warp-level

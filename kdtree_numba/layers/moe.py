@@ -8,12 +8,11 @@ measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, to_device
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
@@ -46,7 +45,7 @@ def _key_beats(kf, f, ke, e):
     return kf > ke or (kf == ke and f < e)
 
 
-@functools.cache
+@kernel_factory
 def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
     group_size = n_experts // n_group
 
@@ -190,7 +189,7 @@ def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
 # 5. combine: out[m] = shared[m] + sum_j weight[m, j] y_slot[slot(m, j)], in j order.
 # Entry order inside an expert (atomics) varies, results do not: every slot has its own sums.
 
-@functools.cache
+@kernel_factory
 def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
     """The grouping (one block).  ``tile_rows`` > 0 also writes the work list of the grouped
     tensor-core kernels (moe_mma.py): each active expert's ``ceil(count / tile_rows)`` M tiles
@@ -271,7 +270,7 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
     return group_by_expert
 
 
-@functools.cache
+@kernel_factory
 def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0):
     """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
     kinds (``group``: the weights' group size) read the expert's words and scales, the other
@@ -351,7 +350,7 @@ def _silu_mul(gu, act):
         act[m, c] = silu(gu[m, c]) * gu[m, inter + c]
 
 
-@functools.cache
+@kernel_factory
 def _combine_kernel(has_shared: bool):
     @kernel
     def combine(y_slot, slot_of_entry, weight, shared_y, out):

@@ -41,12 +41,11 @@ Design, error bound and status: docs/LAYERS.md, "Grouped MoE on tensor cores".
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
 from kdtree_numba import runtime
-from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
@@ -108,7 +107,7 @@ def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_sha
     return (max_active + int(has_shared)) * n_mtiles * n_ntiles, n_mtiles, n_ntiles
 
 
-@functools.cache
+@kernel_factory
 def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
     """The grouped kernel for a tile shape (needs an even count of n8 accumulator tiles;
     cfg.splits is ignored), over the full grid or the work list (module docstring).  Under

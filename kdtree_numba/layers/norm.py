@@ -6,12 +6,11 @@ Twin: reference/layers/norm.py; tolerance and design: docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.workspace import device_f32, device_weight, result_array
@@ -28,7 +27,7 @@ def _norm_threads():
 _MAX_PER_THREAD = 32
 
 
-@functools.cache
+@kernel_factory
 def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int, add: bool = False):
     """One block per row.  ``per_thread`` > 0: the thread's ``per_thread`` values (columns
     t + k*threads) are loaded at once into registers, all loads in flight together, and scaled

@@ -10,14 +10,15 @@ import math
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, block_size_options, cuda, kernel, to_device
+from kdtree_numba.compat import (SIMULATOR, block_size_options, cuda, kernel, kernel_factory,
+                                 to_device)
 from kdtree_numba.layers.workspace import device_f32, result_array
 from reference.layers import RopeSpec, YarnScaling
 
 __all__ = ["RopeSpec", "YarnScaling", "rope"]
 
 
-@functools.cache
+@kernel_factory
 def _rope_kernel(half: int, interleave: bool, threads: int):
     @kernel(**block_size_options(threads))           # up to 1024 threads (it needs 40 registers)
     def rope_rows(x, positions, inv_freq, amplitude, y):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
 from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo, bits_to_f32
 from kdtree_numba.kernel_cache import generated_code
 from kdtree_numba.gpu.memory import ld_cached_f32x4, ld_stream_f32x4, ld_stream_u32x4
@@ -449,7 +449,7 @@ def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
                         x_major=x_major)
 
 
-@functools.cache
+@kernel_factory
 def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
     mt, nr, threads, x_major = cfg.mt, cfg.rows, cfg.threads, cfg.x_major
     nacc, warps = mt * nr, threads // 32

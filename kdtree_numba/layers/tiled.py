@@ -8,11 +8,10 @@ design, tolerances and measurements: docs/LAYERS.md.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
 from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo
 from kdtree_numba.kernel_cache import generated_code
 from kdtree_numba.gpu.memory import (ld_cached_f32x4, ld_shared_f32x4, ld_stream_f32x4,
@@ -174,7 +173,7 @@ def tiled_kernel(cfg: TiledConfig, wkind: str, mode: str = "linear"):
     return _tiled_kernel_for(dataclasses.replace(cfg, splits=1), wkind, mode)
 
 
-@functools.cache
+@kernel_factory
 def _tiled_kernel_for(cfg: TiledConfig, wkind: str, mode: str):
     if mode == "gate_up" and cfg.tn != 8:
         raise ValueError("the gate_up kernel pairs gate and up columns: it needs tn = 8")
