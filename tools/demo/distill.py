@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
 from .target import set_experts_impl
@@ -73,12 +74,16 @@ class FeatureTap:
 
 
 @torch.no_grad()
-def target_pass(model, tap: FeatureTap, ids: torch.Tensor, amp_dtype):
+def target_pass(model, tap: FeatureTap, ids: torch.Tensor, amp_dtype, keep_logits=False):
     """(features [bs, T, k*D], greedy [bs, T]): the target's argmax after each position,
-    teacher forced on ``ids``."""
+    teacher forced on ``ids``; with ``keep_logits`` also its logits [bs, T, V] (the soft
+    targets of sampled rows)."""
     with autocast(ids.device.type, amp_dtype):
         h = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        greedy = model.lm_head(h).argmax(-1)
+        logits = model.lm_head(h)
+        greedy = logits.argmax(-1)
+    if keep_logits:
+        return tap.features(), greedy, logits
     return tap.features(), greedy
 
 
@@ -115,8 +120,33 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
     differs from the continuation from depth 2 on: a chain is checked against the target's
     own choices, not the corpus's).  DFlash trains on target-generated responses for the same
     reason (docs/DEMO.md, "Training on the target's own text")."""
+    temps = torch.zeros(rows, device=stream.device)
+    return sampled_windows(model, stream, T, temps, prefix, amp_dtype, generator)
+
+
+def sample_next(logits: torch.Tensor, temps: torch.Tensor, generator=None) -> torch.Tensor:
+    """[rows] tokens: the argmax where ``temps`` is 0, else a draw from softmax(logits / t)
+    (the target's own sampling at that temperature, no top-p or top-k)."""
+    greedy = logits.argmax(-1)
+    hot = temps > 0
+    if not bool(hot.any()):
+        return greedy
+    scaled = logits.float() / torch.where(hot, temps, torch.ones_like(temps))[:, None]
+    drawn = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+    return torch.where(hot, drawn, greedy)
+
+
+@torch.no_grad()
+def sampled_windows(model, stream: torch.Tensor, T: int, temps: torch.Tensor, prefix: int,
+                    amp_dtype, generator=None) -> torch.Tensor:
+    """[rows, T] windows, rows = len(temps): ``prefix`` tokens of the stream (random starts),
+    then the target's own continuation to T tokens decoded with the KV cache, row r sampled at
+    temperature temps[r] (0: greedy).  At T > 0 the engine's DDTree walk checks the drafter
+    against the target's *samples*, so that is the text to learn from (DFlash trains on the
+    target's sampled responses and keeps most of its acceptance at T = 1)."""
     from transformers import DynamicCache
     dev = stream.device
+    rows = temps.numel()
     starts = torch.randint(0, stream.numel() - T - 1, (rows,), device=dev, generator=generator)
     ids = gather(stream, starts, T - 1).clone()
     cache = DynamicCache(config=model.config)
@@ -124,7 +154,7 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
         out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
         for t in range(prefix, T):
-            nxt = out.logits[:, -1].argmax(-1)
+            nxt = sample_next(out.logits[:, -1], temps, generator)
             ids[:, t] = nxt
             if t + 1 < T:
                 out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values,
@@ -132,14 +162,29 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
     return ids
 
 
+def row_temperatures(mix, rows: int, device) -> torch.Tensor:
+    """[rows] temperatures of one generation chunk: ``mix`` [(temperature, share), ...] laid
+    out in contiguous runs, round(share * rows) rows each (the last takes the remainder)."""
+    out, used = [], 0
+    for i, (t, share) in enumerate(mix):
+        n = rows - used if i == len(mix) - 1 else min(rows - used, round(share * rows))
+        out.append(torch.full((n,), float(t), device=device))
+        used += n
+    return torch.cat(out)
+
+
 def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, amp_dtype,
-                  seconds: float, seed: int, log=print, max_rows: int | None = None):
-    """Greedy windows (``greedy_windows``) in chunks of ``rows`` until ``seconds`` have passed
-    (the first chunk always runs) or ``max_rows`` are made; each chunk draws its own prefix
-    length from ``prefix_range`` (lo, hi), so the pool covers short and long prompts.
-    Returns (windows [N, T] int64, prefix lengths [N] int64) on the stream's device."""
+                  seconds: float, seed: int, log=print, max_rows: int | None = None,
+                  mix=((0.0, 1.0),)):
+    """Self-generated windows (``sampled_windows``) in chunks of ``rows`` until ``seconds``
+    have passed (the first chunk always runs) or ``max_rows`` are made; each chunk draws its
+    own prefix length from ``prefix_range`` (lo, hi), so the pool covers short and long
+    prompts, and splits its rows over the temperatures of ``mix`` [(temperature, share)]
+    (the default: all greedy).  Returns (windows [N, T] int64, prefix lengths [N] int64,
+    temperatures [N] float32) on the stream's device."""
     g = torch.Generator(device=stream.device).manual_seed(seed)
     lo, hi = prefix_range
+    temps = row_temperatures(mix, rows, stream.device)
     pool, prefixes = [], []
     t0 = time.monotonic()
     made = 0
@@ -147,7 +192,7 @@ def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, 
                        and (max_rows is None or made < max_rows)):
         p = int(torch.randint(lo, hi + 1, (1,), generator=torch.Generator().manual_seed(
             seed * 1_000_003 + len(pool))).item())
-        w = greedy_windows(model, stream, T, rows, p, amp_dtype, g)
+        w = sampled_windows(model, stream, T, temps, p, amp_dtype, g)
         pool.append(w)
         prefixes.append(torch.full((rows,), p, dtype=torch.long, device=stream.device))
         made += rows
@@ -155,8 +200,8 @@ def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, 
             dt = time.monotonic() - t0
             log(f"self-generated: {made} windows ({made * T / 1e6:.2f} M tokens, "
                 f"{sum(T - int(x[0]) for x in prefixes) * rows / max(dt, 1e-9) / 1e3:.1f}k "
-                f"greedy tokens/s) in {dt:.1f} s")
-    return torch.cat(pool), torch.cat(prefixes)
+                f"generated tokens/s) in {dt:.1f} s")
+    return torch.cat(pool), torch.cat(prefixes), temps.repeat(len(pool))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -283,6 +328,80 @@ def evaluate_greedy(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.
             "accepted_hist": torch.bincount(acc, minlength=B).tolist(),
             "top1": [round(v, 4) for v in (top1 / n).tolist()],
             "top4": [round(v, 4) for v in (top4 / n).tolist()]}
+
+
+def target_probs(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution [rows, .., V] (float32) at each row's temperature:
+    softmax(logits / t), one-hot on the argmax where t is 0 (greedy)."""
+    t = temps.float().view(-1, *([1] * (logits.dim() - 1)))
+    hot = t > 0
+    soft = (logits.float() / torch.where(hot, t, torch.ones_like(t))).softmax(-1)
+    onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.where(hot, soft, onehot)
+
+
+@torch.no_grad()
+def evaluate_sampled(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.Tensor,
+                     prefixes: torch.Tensor, temps: torch.Tensor, amp_dtype, *,
+                     anchors: int = 4, seed: int = 2468, chunk: int = 64) -> dict:
+    """The drafter's chain on held-out windows the target generated at each temperature
+    (``generate_pool`` with a mix on the held-out stream), per temperature, in expectation.
+
+    For each row and each of ``anchors`` anchors a inside the generated part (the same ones
+    for every drafter: fixed seed): the drafter proposes its argmax chain d_1..d_{B-1} after
+    x[..a]; one target pass over x[..a] d_1 .. d_{B-1} gives p_k = P_T(d_k | x[..a], d_<k),
+    the target's probability (at the row's temperature; an indicator of its argmax at 0) of
+    sampling the drafted token at depth k.  A chain round accepts depth k with probability
+    prod_{i<=k} p_i, so the expected tokens per round is tau = 1 + sum_k prod_{i<=k} p_i:
+    exact, no sampling noise (at T = 0 it is the measured greedy chain tau).  ``top4_mass``:
+    the target's probability mass on the drafter's top 4 at each depth along the drafted
+    chain (at depth 1: the chance a 4-wide first tree level holds the target's sample)."""
+    was = drafter.training
+    drafter.eval()
+    dev, B = pool.device, drafter.B
+    T = pool.shape[1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    steps = torch.arange(B - 1, device=dev)
+    sums: dict[float, dict] = {}
+    for i in range(0, pool.shape[0], chunk):
+        ids, pre, tt = pool[i:i + chunk], prefixes[i:i + chunk], temps[i:i + chunk]
+        n = ids.shape[0]
+        with autocast(dev.type, amp_dtype):
+            model.model(input_ids=ids, use_cache=False)
+        feats = tap.features()
+        for _ in range(anchors):
+            span = (T - B - pre + 1).clamp_min(1)
+            anc = (pre + (torch.rand(n, device=dev, generator=g) * span).long()).clamp_max(T - B)
+            with autocast(dev.type, amp_dtype):
+                logits = drafter(feats, block_roots(ids, anc[:, None]), anc[:, None])[:, 0]
+            draft = logits.argmax(-1)                                           # [n, B-1]
+            chain = ids.clone()
+            chain[torch.arange(n, device=dev)[:, None], anc[:, None] + 1 + steps] = draft
+            pos = anc[:, None] + steps                                          # a+k-1
+            with autocast(dev.type, amp_dtype):
+                h = model.model(input_ids=chain, use_cache=False).last_hidden_state
+                tl = model.lm_head(h[torch.arange(n, device=dev)[:, None], pos])
+            tap.out.clear()
+            p = target_probs(tl, tt)                                            # [n, B-1, V]
+            pk = p.gather(-1, draft[..., None])[..., 0]
+            reach = pk.cumprod(-1)
+            top4 = p.gather(-1, logits.topk(4, dim=-1).indices).sum(-1)
+            for t in tt.unique().tolist():
+                m = tt == t
+                acc = sums.setdefault(t, {"n": 0, "tau": 0.0, "p": 0, "reach": 0, "top4": 0})
+                acc["n"] += int(m.sum())
+                acc["tau"] += float((1 + reach[m].sum(-1)).sum())
+                acc["p"] = acc["p"] + pk[m].sum(0)
+                acc["reach"] = acc["reach"] + reach[m].sum(0)
+                acc["top4"] = acc["top4"] + top4[m].sum(0)
+    drafter.train(was)
+
+    def r(x, n):
+        return [round(v, 4) for v in (x / n).tolist()]
+    return {f"{t:g}": {"blocks": a["n"], "chain_tau": round(a["tau"] / a["n"], 4),
+                       "p_draft": r(a["p"], a["n"]), "reach": r(a["reach"], a["n"]),
+                       "top4_mass": r(a["top4"], a["n"])}
+            for t, a in sorted(sums.items())}
 
 
 @torch.no_grad()
