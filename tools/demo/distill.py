@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
 from .target import set_experts_impl
@@ -124,15 +123,23 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
     return sampled_windows(model, stream, T, temps, prefix, amp_dtype, generator)
 
 
-def sample_next(logits: torch.Tensor, temps: torch.Tensor, generator=None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temps: torch.Tensor, generator=None,
+                any_hot: bool | None = None) -> torch.Tensor:
     """[rows] tokens: the argmax where ``temps`` is 0, else a draw from softmax(logits / t)
-    (the target's own sampling at that temperature, no top-p or top-k)."""
+    (the target's own sampling at that temperature, no top-p or top-k).  The draw is the
+    exponential race argmax_v p_v / E_v, E_v ~ Exp(1) (an exact sample, and no device sync
+    as torch.multinomial's checks make); ``any_hot``: whether some t > 0, when known."""
     greedy = logits.argmax(-1)
-    hot = temps > 0
-    if not bool(hot.any()):
+    if any_hot is None:
+        any_hot = bool((temps > 0).any())
+    if not any_hot:
         return greedy
+    hot = temps > 0
     scaled = logits.float() / torch.where(hot, temps, torch.ones_like(temps))[:, None]
-    drawn = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+    # a draw of exactly 0 (a float32 uniform hitting its end) would give 0/0 = nan, which
+    # argmax takes for the largest: clamp to the smallest normal float, no other change
+    race = torch.empty_like(scaled).exponential_(generator=generator).clamp_min_(1.2e-38)
+    drawn = (scaled.softmax(-1) / race).argmax(-1)
     return torch.where(hot, drawn, greedy)
 
 
@@ -147,6 +154,7 @@ def sampled_windows(model, stream: torch.Tensor, T: int, temps: torch.Tensor, pr
     from transformers import DynamicCache
     dev = stream.device
     rows = temps.numel()
+    any_hot = bool((temps > 0).any())
     starts = torch.randint(0, stream.numel() - T - 1, (rows,), device=dev, generator=generator)
     ids = gather(stream, starts, T - 1).clone()
     cache = DynamicCache(config=model.config)
@@ -154,7 +162,7 @@ def sampled_windows(model, stream: torch.Tensor, T: int, temps: torch.Tensor, pr
         out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
         for t in range(prefix, T):
-            nxt = sample_next(out.logits[:, -1], temps, generator)
+            nxt = sample_next(out.logits[:, -1], temps, generator, any_hot)
             ids[:, t] = nxt
             if t + 1 < T:
                 out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values,
@@ -336,7 +344,7 @@ def target_probs(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     t = temps.float().view(-1, *([1] * (logits.dim() - 1)))
     hot = t > 0
     soft = (logits.float() / torch.where(hot, t, torch.ones_like(t))).softmax(-1)
-    onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    onehot = torch.zeros_like(soft).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(hot, soft, onehot)
 
 
