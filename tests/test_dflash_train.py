@@ -434,6 +434,7 @@ def test_tiny_sampled_run_end_to_end(tmp_path):
     assert m["train"]["step"] > 0 and ev["init"].endswith("demo-drafter.kdtr")
     for t in ("0", "0.7", "1"):
         assert 1.0 <= ev["after"][t]["chain_tau"] <= 16.0
+        assert m["chain_tau"]["after"][t] == ev["after"][t]["chain_tau"]
     assert {"drafter.kdtr", "drafter.safetensors", "metrics.json"} <= set(os.listdir(out))
     assert sorted(os.listdir(out / "ckpt")) == ["ckpt-00000.safetensors", "state.json"]
     from kdtree_numba.bundle import read_dflash_bundle

@@ -593,6 +593,10 @@ def main(argv=None) -> int:
                "pool_windows": {f"{t:g}": int(p.shape[0]) for t, p in pools.items()},
                "batch_rows": st["rows"],
                "heldout": ev, "written": written, "stages_s": stages.times,
+               # the headline: expected chain tokens per round on held-out generated text
+               "chain_tau": None if sampled_eval is None else {
+                   k: {t: v["chain_tau"] for t, v in sampled_eval[k].items()}
+                   for k in ("before", "after")},
                "wall_s": round(time.monotonic() - T_START, 1), "history": st["history"]}
     with open(os.path.join(args.out, "metrics.json"), "w") as fh:
         json.dump(metrics, fh, indent=1)
