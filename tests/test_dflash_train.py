@@ -442,3 +442,81 @@ def test_tiny_sampled_run_end_to_end(tmp_path):
     ref_config, _, ref_spec = read_dflash_bundle(os.path.join(repo, "kdtree_numba", "demo",
                                                               "demo-drafter.kdtr"))
     assert config == ref_config and spec == ref_spec
+
+
+def _tree_setup(seed: int):
+    from demo import distill
+    hf, model = _tiny_target(seed)
+    cfg = dflash.drafter_config(hf, **CFG_SIZES)
+    drafter = dflash.DFlashDrafter(cfg, (0, 1), 5, model.model.embed_tokens.weight)
+    drafter.init_weights(seed=seed + 1, std=0.3)
+    return model, drafter, distill.FeatureTap(model, (0, 1))
+
+
+def _tree_of(drafter, model, tap, pool, a, budget):
+    from reference.ddtree.build import build_tree
+    with torch.no_grad():
+        model(input_ids=pool)
+        feats = tap.features()
+        logits = drafter(feats, pool[:, a:a + 1], torch.full((pool.shape[0], 1), a))[:, 0]
+    top = logits.log_softmax(-1).topk(min(budget, logits.shape[-1]), dim=-1)
+    return build_tree(top.values.numpy(), top.indices.int().numpy(), budget)
+
+
+def test_evaluate_tree_at_t0_walks_the_greedy_continuation():
+    """At T = 0 the walk's tau is 1 + the number of the target's greedy tokens (after x[..a],
+    distill.greedy_continuation) that the tree holds as a path from its root."""
+    from demo import distill
+    model, drafter, tap = _tree_setup(3)
+    T, a, budget = 24, 19, 6                                  # a = T - B: the one anchor
+    pool = torch.randint(2, 40, (5, T))
+    got = distill.evaluate_tree(drafter, model, tap, pool, torch.full((5,), a),
+                                torch.zeros(5), None, budget=budget, anchors=1)
+    tree = _tree_of(drafter, model, tap, pool, a, budget)
+    _, cont = distill.greedy_continuation(model, tap, pool.clone(), torch.full((5,), a), 4, None)
+    taus = []
+    for r in range(5):
+        node, n = 0, 0
+        for c in cont[r].tolist():
+            kids = [s for s in range(1, budget + 1) if tree.parent[r, s] == node
+                    and tree.token[r, s] == c]
+            if not kids:
+                break
+            node, n = kids[0], n + 1
+        taus.append(1 + n)
+    assert got["0"]["blocks"] == 5 and got["0"]["tau"] == pytest.approx(np.mean(taus))
+    assert max(taus) > 1                                      # some walk went somewhere
+
+
+def test_evaluate_tree_at_t_estimates_the_expected_accepted_length():
+    """At T = 0.5 the mean of the walk's estimate over many walks matches the sum over tree
+    nodes of P(the target samples the node's path), computed by full forwards, within 5
+    standard errors.  Budget 48 over a vocabulary of 40: the whole first level and 8 nodes
+    below it, so the walk always descends once and then meets children or not by its draw."""
+    from demo import distill
+    model, drafter, tap = _tree_setup(4)
+    T, a, budget, temp = 24, 19, 48, 0.5
+    pool = torch.randint(2, 40, (2, T))
+    tree = _tree_of(drafter, model, tap, pool, a, budget)
+    exact = []
+    with torch.no_grad():
+        for r in range(2):
+            total = 1.0
+            for s in range(1, budget + 1):
+                path, node = [], s
+                while node > 0:
+                    path.insert(0, int(tree.token[r, node]))
+                    node = int(tree.parent[r, node])
+                prob = 1.0
+                for i, tok in enumerate(path):
+                    x = torch.tensor([pool[r, :a + 1].tolist() + path[:i]])
+                    prob *= (model(input_ids=x).logits[0, -1] / temp).softmax(-1)[tok].item()
+                total += prob
+            exact.append(total)
+    runs = [distill.evaluate_tree(drafter, model, tap, pool, torch.full((2,), a),
+                                  torch.full((2,), temp), None, budget=budget, anchors=1,
+                                  seed=k)["0.5"]["tau"] for k in range(60)]
+    se = np.std(runs) / np.sqrt(len(runs))
+    assert se > 0                                             # the draws matter
+    assert abs(np.mean(runs) - np.mean(exact)) < 5 * se
+    assert 2.0 < np.mean(exact) < 3.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
@@ -410,6 +411,87 @@ def evaluate_sampled(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch
                        "p_draft": r(a["p"], a["n"]), "reach": r(a["reach"], a["n"]),
                        "top4_mass": r(a["top4"], a["n"])}
             for t, a in sorted(sums.items())}
+
+
+def _children(tree, n: int) -> list[list[dict]]:
+    """Per row, per tree slot: {token: child slot} (a reference.ddtree DraftTree)."""
+    kids = [[{} for _ in range(tree.budget + 1)] for _ in range(n)]
+    for r in range(n):
+        for s in range(1, int(tree.n_nodes[r]) + 1):
+            kids[r][int(tree.parent[r, s])][int(tree.token[r, s])] = s
+    return kids
+
+
+@torch.no_grad()
+def evaluate_tree(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.Tensor,
+                  prefixes: torch.Tensor, temps: torch.Tensor, amp_dtype, *, budget: int,
+                  anchors: int = 2, seed: int = 1357, chunk: int = 64) -> dict:
+    """DDTree's tokens per round at ``budget`` on held-out generated windows, per temperature.
+
+    Per chunk of rows and each of ``anchors`` anchors a (one per chunk, inside every row's
+    generated part): the drafter's logits after x[..a] -> top-K log-probs -> the best-first
+    tree of ``budget`` nodes (reference.ddtree.build_tree, the engine's contract); then the
+    engine's walk with the target's KV cache: at the current node the target's distribution
+    P_T (the row's temperature; the argmax at 0) gives the mass m on the node's children,
+    a token is drawn from P_T, and the walk descends while the draw is a child.  tau = 1 +
+    the sum of m over the visited nodes: an unbiased estimate of 1 + E[accepted] (each step
+    succeeds with probability m given the walk so far), exact at T = 0."""
+    from reference.ddtree.build import build_tree
+    from transformers import DynamicCache
+    was = drafter.training
+    drafter.eval()
+    dev, B = pool.device, drafter.B
+    T, V = pool.shape[1], model.config.vocab_size
+    g = torch.Generator(device=dev).manual_seed(seed)
+    gcpu = np.random.default_rng(seed)
+    sums: dict[float, list] = {}
+    for i in range(0, pool.shape[0], chunk):
+        ids, tt = pool[i:i + chunk], temps[i:i + chunk]
+        n, lo = ids.shape[0], int(prefixes[i:i + chunk].max())
+        with autocast(dev.type, amp_dtype):
+            model.model(input_ids=ids, use_cache=False)
+        feats = tap.features()
+        for _ in range(anchors):
+            a = int(gcpu.integers(lo, max(lo, T - B) + 1))
+            anc = torch.full((n, 1), a, device=dev)
+            with autocast(dev.type, amp_dtype):
+                logits = drafter(feats, ids[:, a:a + 1], anc)[:, 0]              # [n, L, V]
+            top = logits.float().log_softmax(-1).topk(min(budget, V), dim=-1)
+            tree = build_tree(top.values.cpu().numpy(), top.indices.int().cpu().numpy(),
+                              budget)
+            kids = _children(tree, n)
+            with autocast(dev.type, amp_dtype):
+                out = model(input_ids=ids[:, :a + 1], past_key_values=DynamicCache(
+                    config=model.config), use_cache=True, logits_to_keep=1)
+            tap.out.clear()
+            node, alive = [0] * n, [True] * n
+            est = torch.ones(n, dtype=torch.float64, device=dev)
+            for _depth in range(B - 1):
+                last = out.logits[:, -1].float()
+                rows = [r for r in range(n) if alive[r] for _ in kids[r][node[r]]]
+                toks = [t for r in range(n) if alive[r] for t in kids[r][node[r]]]
+                mask = torch.zeros(n, V, device=dev)
+                mask[torch.tensor(rows, dtype=torch.long, device=dev),
+                     torch.tensor(toks, dtype=torch.long, device=dev)] = 1.0
+                est += (target_probs(last, tt) * mask).sum(-1).double()
+                drawn = sample_next(last, tt, g)
+                for r, y in enumerate(drawn.tolist()):
+                    nxt = kids[r][node[r]].get(y) if alive[r] else None
+                    alive[r], node[r] = nxt is not None, (nxt or 0)
+                if not any(alive):
+                    break
+                with autocast(dev.type, amp_dtype):
+                    out = model(input_ids=drawn[:, None], past_key_values=out.past_key_values,
+                                use_cache=True)
+                tap.out.clear()
+            for t in tt.unique().tolist():
+                m = tt == t
+                acc = sums.setdefault(t, [0, 0.0])
+                acc[0] += int(m.sum())
+                acc[1] += float(est[m].sum())
+    drafter.train(was)
+    return {f"{t:g}": {"blocks": n_, "tau": round(tot / n_, 4)}
+            for t, (n_, tot) in sorted(sums.items())}
 
 
 @torch.no_grad()
