@@ -410,7 +410,7 @@ def test_init_from_a_bundle_and_the_checkpoint_round_trip(tmp_path):
 def test_tiny_sampled_run_end_to_end(tmp_path):
     """``train_drafter.py --tiny --sampled`` on the shipped pair (CPU, ~100 s on 2 shared
     cores): fine-tunes the shipped drafter and writes the bundle, the drafter's files, ckpt/
-    and metrics.json with the before/after chain tau at T = 0, 0.7 and 1."""
+    and metrics.json with the before/after chain and DDTree (budget 7) tau at T = 0, 0.7, 1."""
     pytest.importorskip("transformers")
     import subprocess
     repo = os.path.dirname(TOOLS)
@@ -422,7 +422,7 @@ def test_tiny_sampled_run_end_to_end(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, os.path.join(TOOLS, "train_drafter.py"), "--tiny",
                           "--sampled", "--target", str(export), "--out", str(out),
-                          "--workers", "2", "--metrics", os.path.join(
+                          "--workers", "2", "--eval-budgets", "7", "--metrics", os.path.join(
                               repo, "docs", "gpu-runs",
                               "2026-12-01-run32-train_target-metrics.json")],
                          env=env, capture_output=True, text=True, timeout=400)
@@ -430,11 +430,14 @@ def test_tiny_sampled_run_end_to_end(tmp_path):
     with open(out / "metrics.json") as fh:
         m = json.load(fh)
     ev = m["heldout"]["sampled"]
-    assert set(ev["before"]) == set(ev["after"]) == {"0", "0.7", "1"}
+    assert set(ev["before"]) == set(ev["after"]) == {"chain", "tree_7"}
+    assert set(ev["before"]["tree_7"]) == set(ev["after"]["chain"]) == {"0", "0.7", "1"}
     assert m["train"]["step"] > 0 and ev["init"].endswith("demo-drafter.kdtr")
     for t in ("0", "0.7", "1"):
-        assert 1.0 <= ev["after"][t]["chain_tau"] <= 16.0
-        assert m["chain_tau"]["after"][t] == ev["after"][t]["chain_tau"]
+        assert 1.0 <= ev["after"]["chain"][t]["chain_tau"] <= 16.0
+        assert 1.0 <= ev["after"]["tree_7"][t]["tau"] <= 8.0             # at most 7 nodes
+        assert m["tau"]["after"]["chain"][t] == ev["after"]["chain"][t]["chain_tau"]
+        assert m["tau"]["before"]["tree_7"][t] == ev["before"]["tree_7"][t]["tau"]
     assert {"drafter.kdtr", "drafter.safetensors", "metrics.json"} <= set(os.listdir(out))
     assert sorted(os.listdir(out / "ckpt")) == ["ckpt-00000.safetensors", "state.json"]
     from kdtree_numba.bundle import read_dflash_bundle

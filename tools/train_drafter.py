@@ -126,6 +126,8 @@ def parse_args(argv=None):
     g.add_argument("--eval-temps", help="temperatures of the held-out generated windows the "
                                         "drafter is measured on before and after (default "
                                         "none; --sampled 0,0.7,1)")
+    g.add_argument("--eval-budgets", help="DDTree budgets of the tree measure on those windows "
+                                          "(default 7,32; tiny none)")
     g.add_argument("--eval-sampled-rows", type=int,
                    help="held-out generated windows, split over --eval-temps (default 384; "
                         "tiny 6)")
@@ -143,6 +145,8 @@ DEFAULTS = {"full": dict(minutes=5.0, reserve=50.0, seq=512, train_mb=64.0, held
 for _p, _n in (("full", 384), ("tiny", 6)):
     DEFAULTS[_p].update(lr=1e-3, gen_mix="0:1", soft=False, eval_temps="",
                         eval_sampled_rows=_n, init=None,
+                        # the tree's walk decodes step by step: too slow for the CPU smoke
+                        eval_budgets="7,32" if _p == "full" else "",
                         # the smoke test trains a few steps however loaded the machine is
                         min_steps=3 if _p == "tiny" else 0)
 # --sampled (issue 37): a fine-tune of the shipped drafter, so a lower peak; greedy rows keep
@@ -170,6 +174,7 @@ def settings(args) -> dict:
              overrides={k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)})
     s["gen_mix"] = parse_mix(s["gen_mix"])
     s["eval_temps"] = [float(t) for t in s["eval_temps"].split(",") if t.strip()]
+    s["eval_budgets"] = [int(b) for b in s["eval_budgets"].split(",") if b.strip()]
     if any(t < 0 for t in s["eval_temps"]):
         sys.exit(f"train_drafter: --eval-temps {s['eval_temps']}: temperatures must be >= 0")
     return s
@@ -401,6 +406,18 @@ def train(drafter, opt, model, tap, streams, pools, s, device, amp_dtype, stop_a
     return st
 
 
+def measure_sampled(drafter, model, tap, heldout, amp_dtype, s) -> dict:
+    """The chain's expected tau (distill.evaluate_sampled) and DDTree's tau at each of
+    --eval-budgets (distill.evaluate_tree) on the held-out generated windows, by temperature."""
+    from demo import distill
+    out = {"chain": distill.evaluate_sampled(drafter, model, tap, *heldout, amp_dtype,
+                                             chunk=s["eval_chunk"])}
+    for b in s["eval_budgets"]:
+        out[f"tree_{b}"] = distill.evaluate_tree(drafter, model, tap, *heldout, amp_dtype,
+                                                 budget=b, chunk=s["eval_chunk"])
+    return out
+
+
 def load_init(drafter, path: str, cfg: dict, dspec: dict, log) -> None:
     """Start from ``path``: a drafter bundle (.kdtr: its config and dflash attributes must be
     this call's) or a drafter.safetensors under the bundle's names."""
@@ -546,13 +563,14 @@ def main(argv=None) -> int:
                         dev_streams["heldout"], s["seq"], rows, (lo, hi), amp_dtype, 0.0,
                         s["seed"] + 1, log, mix=[(t, 1.0 / n_t) for t in s["eval_temps"]])
         sampled_eval = {"init": s["init"] or s["resume"], "rows": rows}
-        sampled_eval["before"] = stages.run("evaluate_before", distill.evaluate_sampled,
-                                            drafter, model, tap, *ho, amp_dtype,
-                                            chunk=s["eval_chunk"])
+        sampled_eval["before"] = stages.run("evaluate_before", measure_sampled, drafter, model,
+                                            tap, ho, amp_dtype, s)
         # the same measure after training costs about as much again
         stop_at -= stages.times["evaluate_before"]
-        log("before: chain tau " + ", ".join(f"T {t}: {v['chain_tau']:.3f}" for t, v in
-                                             sampled_eval["before"].items())
+        log("before: tau " + "; ".join(
+            f"{m} " + ", ".join(f"T {t}: {v.get('chain_tau', v.get('tau')):.3f}"
+                                for t, v in r.items())
+            for m, r in sampled_eval["before"].items())
             + f" ({time.monotonic() - t0:.1f} s with the held-out generation)")
     log(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, experts "
         f"{experts_impl}; training until {stop_at - T_START:.0f} s")
@@ -561,9 +579,8 @@ def main(argv=None) -> int:
                     device, amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every,
                     step0)
     if sampled_eval is not None:
-        sampled_eval["after"] = stages.run("evaluate_after", distill.evaluate_sampled,
-                                           drafter, model, tap, *ho, amp_dtype,
-                                           chunk=s["eval_chunk"])
+        sampled_eval["after"] = stages.run("evaluate_after", measure_sampled, drafter, model,
+                                           tap, ho, amp_dtype, s)
     greedy_pool = sampled_eval is None and 0.0 in pools
     ev = stages.run("evaluate", distill.evaluate, drafter, model, tap, dev_streams["heldout"],
                     s["seq"], amp_dtype, windows=s["eval_windows"], anchors=s["anchors"],
@@ -597,8 +614,9 @@ def main(argv=None) -> int:
                "batch_rows": st["rows"],
                "heldout": ev, "written": written, "stages_s": stages.times,
                # the headline: expected chain tokens per round on held-out generated text
-               "chain_tau": None if sampled_eval is None else {
-                   k: {t: v["chain_tau"] for t, v in sampled_eval[k].items()}
+               "tau": None if sampled_eval is None else {
+                   k: {m: {t: v.get("chain_tau", v.get("tau")) for t, v in r.items()}
+                       for m, r in sampled_eval[k].items()}
                    for k in ("before", "after")},
                "wall_s": round(time.monotonic() - T_START, 1), "history": st["history"]}
     with open(os.path.join(args.out, "metrics.json"), "w") as fh:
@@ -623,10 +641,14 @@ def main(argv=None) -> int:
                  ("accepted histogram 0..B-1", str(fr["accepted_hist"]))]
     gr = ev["greedy"]
     if sampled_eval:
-        for t in sampled_eval["before"]:
-            b, a = sampled_eval["before"][t], sampled_eval["after"][t]
-            rows.append((f"held-out T {t}: chain tau before -> after",
-                         f"{b['chain_tau']:.3f} -> {a['chain_tau']:.3f} ({a['blocks']} blocks)"))
+        for t in sampled_eval["before"]["chain"]:
+            for m, name in [("chain", "chain"), *((f"tree_{b}", f"DDTree budget {b}")
+                                                  for b in s["eval_budgets"])]:
+                b, a = sampled_eval["before"][m][t], sampled_eval["after"][m][t]
+                rows.append((f"held-out T {t}: {name} tau before -> after",
+                             f"{b.get('chain_tau', b.get('tau')):.3f} -> "
+                             f"{a.get('chain_tau', a.get('tau')):.3f} ({a['blocks']} blocks)"))
+            b, a = sampled_eval["before"]["chain"][t], sampled_eval["after"]["chain"][t]
             rows.append((f"held-out T {t}: top-4 mass depth 1..3 before -> after",
                          " ".join(f"{v:.3f}" for v in b["top4_mass"][:3]) + " -> "
                          + " ".join(f"{v:.3f}" for v in a["top4_mass"][:3])))
