@@ -273,7 +273,7 @@ def test_block_logits_match_the_engine_drafter_on_the_reference_backend(tied):
     assert np.abs(got - ours).max() / scale < 2e-5
 
 
-# ----------------------------------------------------------------------------- sampled text (issue 37)
+# ------------------------------------------------------------------ sampled text (issue 37)
 
 def _tiny_target(seed: int = 0):
     pytest.importorskip("transformers")
