@@ -2,6 +2,7 @@
 
     python3 tools/train_drafter.py --target .train/export --out $OUT --minutes 5   # the H200
     python3 tools/train_drafter.py --tiny --target EXPORT_DIR --out /tmp/dft          # CPU smoke
+    python3 tools/train_drafter.py --sampled --target EXPORT_DIR --out $OUT --minutes 8  # T > 0
 
 The target is the trained HF export (``config.json``, safetensors, ``tokenizer.json``),
 frozen.  A call rebuilds the corpus exactly as the target's trainer did (``tools/demo/
@@ -25,6 +26,15 @@ against the target's own greedy continuations) and writes into ``--out``:
                            turns these two files into the KDTR bundle)
     drafter.kdtr           the bundle, when kdtree_numba.bundle has write_dflash_bundle
     metrics.json           settings, sizes, stage times, progress history, held-out results
+    ckpt/                  weights + AdamW moments (bf16 safetensors) and state.json: --resume
+
+``--sampled`` (issue 37) fine-tunes a drafter (``--init``: the shipped bundle by default, or
+``--resume`` a previous call's ``ckpt/``) on the target's greedy *and sampled* continuations
+(``--gen-mix``: T = 0, 0.7 and 1), the sampled rows with soft targets (``--soft``: KL to the
+target's distribution at the row's temperature), and measures the drafter before and after on
+held-out windows the target generated at each of ``--eval-temps`` (``distill.evaluate_sampled``:
+the chain's expected tokens per round at that temperature).  Every call also writes ``ckpt/``
+(weights and AdamW moments, safetensors + JSON) for ``--resume``.
 
 The recipe and the numbers: docs/DEMO.md.  The spec of the drafter: docs/DEMO.md, "The DFlash
 drafter".  SIGTERM/SIGINT end training early; evaluation and export still run.
@@ -56,6 +66,9 @@ def parse_args(argv=None):
                                      "full preset)")
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke test: 300 files, windows of 128, batch 4, 8 anchors")
+    p.add_argument("--sampled", action="store_true",
+                   help="fine-tune on greedy + sampled text with soft targets (issue 37): the "
+                        "defaults of --gen-mix, --soft, --eval-temps, --lr, --init change")
     p.add_argument("--minutes", type=float, help="wall-clock budget from the process start "
                                                  "(default 5; tiny 1.5)")
     p.add_argument("--reserve", type=float, help="seconds kept for evaluation and export "
@@ -85,11 +98,21 @@ def parse_args(argv=None):
     g.add_argument("--self-frac", type=float, default=0.75,
                    help="share of each batch taken from the greedy windows (the rest from the "
                         "corpus, teacher forced)")
-    g.add_argument("--init", help="a drafter.safetensors to start from (a previous call's)")
+    g.add_argument("--gen-mix", help="TEMP:SHARE,... temperatures of the generated windows "
+                                     "and their shares (default 0:1; --sampled "
+                                     "0:0.4,0.7:0.3,1:0.3)")
+    g.add_argument("--soft", action=argparse.BooleanOptionalAction, default=None,
+                   help="sampled rows: KL to the target's distribution at the row's "
+                        "temperature (default with --sampled) instead of the sampled token")
+    g.add_argument("--init", help="a drafter to start from: a previous call's "
+                                  "drafter.safetensors or a drafter bundle .kdtr (--sampled: "
+                                  "the shipped kdtree_numba/demo/demo-drafter.kdtr)")
+    g.add_argument("--resume", help="a previous call's ckpt/ folder: weights, AdamW moments, "
+                                    "step (instead of --init)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch", type=int, help="windows per step (default 64; tiny 4)")
     g.add_argument("--anchors", type=int, help="blocks per window (default 64; tiny 8)")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, help="peak (default 1e-3; --sampled 5e-4)")
     g.add_argument("--warmup", type=float, default=0.03, help="share of the training time")
     g.add_argument("--min-lr-frac", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -100,6 +123,14 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-windows", type=int, help="teacher-forced windows (default 64)")
     g.add_argument("--eval-rows", type=int, help="free-running rows (default 512)")
+    g.add_argument("--eval-temps", help="temperatures of the held-out generated windows the "
+                                        "drafter is measured on before and after (default "
+                                        "none; --sampled 0,0.7,1)")
+    g.add_argument("--eval-budgets", help="DDTree budgets of the tree measure on those windows "
+                                          "(default 7,32; tiny none)")
+    g.add_argument("--eval-sampled-rows", type=int,
+                   help="held-out generated windows, split over --eval-temps (default 384; "
+                        "tiny 6)")
     return p.parse_args(argv)
 
 
@@ -111,21 +142,56 @@ DEFAULTS = {"full": dict(minutes=5.0, reserve=50.0, seq=512, train_mb=64.0, held
             "tiny": dict(minutes=1.5, reserve=20.0, seq=128, train_mb=0.3, heldout_mb=0.2,
                          batch=4, anchors=8, eval_windows=8, eval_rows=32, eval_chunk=8,
                          gen_seconds=8.0, gen_rows=4, prefix="8,48")}
+for _p, _n in (("full", 384), ("tiny", 6)):
+    DEFAULTS[_p].update(lr=1e-3, gen_mix="0:1", soft=False, eval_temps="",
+                        eval_sampled_rows=_n, init=None,
+                        # the tree's walk decodes step by step: too slow for the CPU smoke
+                        eval_budgets="7,32" if _p == "full" else "",
+                        # the smoke test trains a few steps however loaded the machine is
+                        min_steps=3 if _p == "tiny" else 0)
+# --sampled (issue 37): a fine-tune of the shipped drafter, so a lower peak; greedy rows keep
+# T = 0 acceptance, the T = 0.7 and 1 rows teach the spread the sampled walk meets
+SHIPPED_DRAFTER = os.path.join(REPO, "kdtree_numba", "demo", "demo-drafter.kdtr")
+SAMPLED = dict(lr=5e-4, gen_mix="0:0.4,0.7:0.3,1:0.3", soft=True, eval_temps="0,0.7,1",
+               init=SHIPPED_DRAFTER, minutes=8.0, reserve=40.0, gen_seconds=120.0)
+SAMPLED_TINY = dict(SAMPLED, minutes=1.25, reserve=15.0, gen_seconds=6.0)
 
 
 def settings(args) -> dict:
     preset = "tiny" if args.tiny else "full"
-    s = dict(DEFAULTS[preset], preset=preset)
+    s = dict(DEFAULTS[preset], preset=preset, sampled=args.sampled)
+    if args.sampled:
+        s.update(SAMPLED_TINY if args.tiny else SAMPLED)
     for k in s:
         if getattr(args, k, None) is not None:
             s[k] = getattr(args, k)
-    s.update(lr=args.lr, warmup=args.warmup, min_lr_frac=args.min_lr_frac,
+    if args.resume:
+        s["init"] = None                  # the checkpoint's weights, not a bundle's
+    s.update(warmup=args.warmup, min_lr_frac=args.min_lr_frac, resume=args.resume,
              weight_decay=args.weight_decay, clip=args.clip, gamma=args.gamma, seed=args.seed,
              layers=args.layers, block_size=args.block_size, self_frac=args.self_frac,
-             init=args.init,
              target_layer_ids=[int(j) for j in args.target_layers.split(",")],
              overrides={k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)})
+    s["gen_mix"] = parse_mix(s["gen_mix"])
+    s["eval_temps"] = [float(t) for t in s["eval_temps"].split(",") if t.strip()]
+    s["eval_budgets"] = [int(b) for b in s["eval_budgets"].split(",") if b.strip()]
+    if any(t < 0 for t in s["eval_temps"]):
+        sys.exit(f"train_drafter: --eval-temps {s['eval_temps']}: temperatures must be >= 0")
     return s
+
+
+def parse_mix(text: str) -> list[tuple[float, float]]:
+    """``0:0.4,1:0.6`` -> [(0.0, 0.4), (1.0, 0.6)], shares normalised to sum 1."""
+    try:
+        mix = [(float(t), float(w)) for t, w in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        sys.exit(f"train_drafter: --gen-mix {text!r}: expected TEMP:SHARE,... (e.g. 0:0.5,1:0.5)")
+    if any(t < 0 or w < 0 for t, w in mix) or sum(w for _, w in mix) <= 0 \
+            or len({t for t, _ in mix}) != len(mix):
+        sys.exit(f"train_drafter: --gen-mix {text!r}: temperatures >= 0, each once, shares "
+                 f">= 0 with a positive sum")
+    total = sum(w for _, w in mix)
+    return sorted((t, w / total) for t, w in mix if w > 0)
 
 
 def corpus_hp(args, tiny: bool, log) -> tuple[dict, dict | None]:
@@ -211,23 +277,49 @@ def build_drafter(args, s, model, device, log):
     return drafter, cfg, dspec
 
 
-def train(drafter, model, tap, streams, pool, s, device, amp_dtype, stop_at, should_stop, log,
-          print_every: float) -> dict:
-    """``pool``: greedy windows [N, T] (distill.generate_pool) or None; each batch takes
-    round(self_frac * batch) rows of it at random, the rest from the corpus stream."""
+def batch_plan(pools: dict, s: dict) -> list[tuple[float, int]]:
+    """[(temperature, rows per batch)] of the generated pools: round(self_frac * batch) rows
+    split over the temperatures by their --gen-mix shares, greedy first (the rest of a batch
+    comes from the corpus).  Fixed per batch, so a step slices without asking the device."""
+    if not pools:
+        return []
+    n_self = min(s["batch"], round(s["batch"] * s["self_frac"]))
+    shares = dict(s["gen_mix"])
+    plan, used = [], 0
+    temps = sorted(pools)
+    for i, t in enumerate(temps):
+        n = n_self - used if i == len(temps) - 1 else min(n_self - used,
+                                                          round(n_self * shares[t]))
+        plan.append((t, n))
+        used += n
+    return [(t, n) for t, n in plan if n > 0]
+
+
+def train(drafter, opt, model, tap, streams, pools, s, device, amp_dtype, stop_at,
+          should_stop, log, print_every: float, step0: int = 0) -> dict:
+    """``pools``: {temperature: generated windows [N, T]} (distill.generate_pool; may be
+    empty); each batch takes rows of each pool at random as ``batch_plan`` says, the rest
+    from the corpus stream.  Corpus and greedy rows learn the target's teacher-forced argmax
+    (cross-entropy); sampled rows the target's distribution at their temperature
+    (``--soft``: KL) or the sampled token itself."""
     import torch
     from demo import dflash, distill, trainer
     T, B, A, bs = s["seq"], s["block_size"], s["anchors"], s["batch"]
-    opt = trainer.make_optimizer(drafter, s["lr"], s["weight_decay"], 0.95)
-    sampler = trainer.WindowSampler(streams.numel(), T - 1, s["seed"])
-    n_self = 0 if pool is None else min(bs, round(bs * s["self_frac"]))
+    sampler = trainer.WindowSampler(streams.numel(), T - 1, s["seed"] + step0)
+    plan = batch_plan(pools, s)
+    n_self = sum(n for _, n in plan)
+    n_greedy = sum(n for t, n in plan if t == 0)
+    n_hard = bs - n_self + n_greedy                 # rows whose labels are argmaxes
+    hot_temps = torch.tensor([t for t, n in plan if t > 0 for _ in range(n)],
+                             dtype=torch.float32, device=device)
     w = dflash.position_weights(B, s["gamma"], device)
-    gen = torch.Generator(device=device).manual_seed(s["seed"])
+    gen = torch.Generator(device=device).manual_seed(s["seed"] + step0)
     t0 = time.monotonic()
     total = max(1.0, stop_at - t0)
-    st = {"step": 0, "seqs": 0, "history": []}
-    acc = {"loss": torch.zeros((), device=device), "top1": torch.zeros(B - 1, device=device),
-           "n": 0, "blocks": 0, "seqs": 0, "t": t0}
+    st = {"step": step0, "seqs": 0, "history": [], "rows": {"corpus": bs - n_self,
+                                                            **{f"{t:g}": n for t, n in plan}}}
+    acc = {"loss": torch.zeros((), device=device), "kl": torch.zeros((), device=device),
+           "top1": torch.zeros(B - 1, device=device), "n": 0, "blocks": 0, "seqs": 0, "t": t0}
     drafter.train()
 
     def report(lr):
@@ -238,41 +330,63 @@ def train(drafter, model, tap, streams, pool, s, device, amp_dtype, stop_at, sho
                "loss": round(acc["loss"].item() / max(1, acc["n"]), 4), "lr": lr,
                "tok_s": round(acc["seqs"] * T / dt), "blocks_s": round(acc["blocks"] / dt),
                "top1": [round(v, 3) for v in top1], "epoch": sampler.epoch}
+        if len(hot_temps) and s["soft"]:
+            row["kl_sampled"] = round(acc["kl"].item() / max(1, acc["n"]), 4)
         st["history"].append(row)
         log(f"step {row['step']:5d} | {row['tok_s'] / 1e3:6.1f}k tok/s "
-            f"{row['blocks_s'] / 1e3:6.1f}k blocks/s | loss {row['loss']:.4f} | lr {lr:.2e} | "
-            f"top-1 by slot {' '.join(f'{v:.2f}' for v in top1)} | epoch {sampler.epoch}")
+            f"{row['blocks_s'] / 1e3:6.1f}k blocks/s | loss {row['loss']:.4f}"
+            + (f" (KL of sampled rows {row['kl_sampled']:.4f})" if "kl_sampled" in row else "")
+            + f" | lr {lr:.2e} | top-1 by slot {' '.join(f'{v:.2f}' for v in top1)} | "
+            f"epoch {sampler.epoch}")
         acc["loss"].zero_()
+        acc["kl"].zero_()
         acc["top1"].zero_()
         acc.update(n=0, blocks=0, seqs=0, t=now)
 
     t_report = t0
     lr = 0.0
+    soft = bool(s["soft"]) and len(hot_temps) > 0
     while True:
         now = time.monotonic()
-        if now >= stop_at or should_stop():
+        if should_stop() or (now >= stop_at and st["step"] - step0 >= s["min_steps"]):
             break
-        lr = lr_at((now - t0) / total, s["lr"], s["warmup"], s["min_lr_frac"])
+        lr = lr_at(min(1.0, (now - t0) / total), s["lr"], s["warmup"], s["min_lr_frac"])
         for grp in opt.param_groups:
             grp["lr"] = lr
         parts = [] if n_self == bs else [trainer.gather(streams, sampler.next_starts_on(
             bs - n_self, device), T - 1)]
-        if n_self:
-            parts.append(pool[torch.randint(0, pool.shape[0], (n_self,), device=device,
+        for t, n in plan:
+            pool = pools[t]
+            parts.append(pool[torch.randint(0, pool.shape[0], (n,), device=device,
                                             generator=gen)])
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]
-        feats, greedy = distill.target_pass(model, tap, ids, amp_dtype)
+        out = distill.target_pass(model, tap, ids, amp_dtype, keep_logits=soft)
+        feats, greedy = out[0], out[1]
         anchors = distill.random_anchors(bs, A, T, B, device, gen)
         labels = distill.block_labels(greedy, anchors, B)
+        if len(hot_temps) and not soft:         # the sampled token: DFlash's hard labels
+            labels[n_hard:] = distill.block_labels(ids[n_hard:, 1:], anchors[n_hard:], B)
         with trainer.autocast(device.type, amp_dtype):
             logits = drafter(feats, distill.block_roots(ids, anchors), anchors)
-        loss = dflash.weighted_ce(logits, labels, w)
+        if soft:
+            pos = (anchors[n_hard:, :, None] + torch.arange(B - 1, device=device)).flatten(1)
+            tl = out[2][n_hard:].gather(1, pos[..., None].expand(-1, -1, out[2].shape[-1]))
+            probs = distill.target_probs(tl.view(*labels[n_hard:].shape, -1), hot_temps)
+            kl = dflash.weighted_kl(logits[n_hard:], probs, w)
+            loss = kl * (bs - n_hard) / bs
+            if n_hard:
+                loss = loss + dflash.weighted_ce(logits[:n_hard], labels[:n_hard], w) \
+                    * n_hard / bs
+        else:
+            loss = dflash.weighted_ce(logits, labels, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), s["clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             acc["loss"] += loss.detach()
+            if soft:
+                acc["kl"] += kl.detach()
             acc["top1"] += (logits.argmax(-1) == labels).flatten(0, 1).sum(0)
         acc["n"] += 1
         acc["blocks"] += bs * A
@@ -286,8 +400,76 @@ def train(drafter, model, tap, streams, pool, s, device, amp_dtype, stop_at, sho
         report(lr)
     st["trained_s"] = round(time.monotonic() - t0, 1)
     st["epochs"] = round(st["seqs"] * (bs - n_self) / bs * (T - 1) / streams.numel(), 3)
-    st["pool_passes"] = round(st["seqs"] * n_self / bs / pool.shape[0], 3) if n_self else 0.0
+    st["pool_passes"] = (round(st["seqs"] * n_self / bs / sum(p.shape[0] for p in
+                                                              pools.values()), 3)
+                         if n_self else 0.0)
     return st
+
+
+def measure_sampled(drafter, model, tap, heldout, amp_dtype, s) -> dict:
+    """The chain's expected tau (distill.evaluate_sampled) and DDTree's tau at each of
+    --eval-budgets (distill.evaluate_tree) on the held-out generated windows, by temperature."""
+    from demo import distill
+    out = {"chain": distill.evaluate_sampled(drafter, model, tap, *heldout, amp_dtype,
+                                             chunk=s["eval_chunk"])}
+    for b in s["eval_budgets"]:
+        out[f"tree_{b}"] = distill.evaluate_tree(drafter, model, tap, *heldout, amp_dtype,
+                                                 budget=b, chunk=s["eval_chunk"])
+    return out
+
+
+def load_init(drafter, path: str, cfg: dict, dspec: dict, log) -> None:
+    """Start from ``path``: a drafter bundle (.kdtr: its config and dflash attributes must be
+    this call's) or a drafter.safetensors under the bundle's names."""
+    if path.endswith(".kdtr"):
+        import numpy as np
+        from kdtree_numba.bundle import read_dflash_bundle
+        from kdtree_numba.config import ModelConfig
+        config, weights, spec = read_dflash_bundle(path)
+        want = (ModelConfig(**cfg), tuple(dspec["target_layer_ids"]), dspec["block_size"])
+        have = (config, tuple(spec.target_layer_ids), spec.block_size)
+        if have != want:
+            sys.exit(f"train_drafter: --init {path}: its drafter (layers {config.num_hidden_layers}"
+                     f", target layers {have[1]}, B {have[2]}) is not this call's (layers "
+                     f"{cfg['num_hidden_layers']}, target layers {want[1]}, B {want[2]}); "
+                     f"pass matching --layers/--target-layers/--block-size/--set")
+        weights = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+    else:
+        from safetensors.torch import load_file
+        weights = load_file(path)
+    drafter.load_bundle_tensors(weights)
+    log(f"drafter initialised from {path}")
+
+
+CKPT_KIND = "dflash_drafter"
+
+
+def save_ckpt(ckpt_dir: str, drafter, opt, cfg: dict, dspec: dict, st: dict, s: dict):
+    """``ckpt/``: weights and AdamW moments (bf16 safetensors, demo/checkpoint.py) and
+    state.json (step, drafter config); what ``--resume`` reads."""
+    from demo import checkpoint
+    names = checkpoint.save_checkpoint(ckpt_dir, drafter, opt, {
+        "kind": CKPT_KIND, "step": st["step"], "config": cfg, "dflash": dspec,
+        "settings": {k: v for k, v in s.items() if k != "overrides"}})
+    return [os.path.join("ckpt", n) for n in names]
+
+
+def resume(ckpt_dir: str, drafter, opt, cfg: dict, dspec: dict, log) -> int:
+    """Restore ``--resume``'s weights, moments and RNG states; returns its step."""
+    from demo import checkpoint
+    try:
+        state, tensors = checkpoint.read_checkpoint(ckpt_dir)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"train_drafter: --resume {e}")
+    if state.get("kind") != CKPT_KIND:
+        sys.exit(f"train_drafter: --resume {ckpt_dir}: a {state.get('kind', 'target')!r} "
+                 f"checkpoint, not a drafter's")
+    if state["config"] != json.loads(json.dumps(cfg)) or state["dflash"] != dspec:
+        sys.exit(f"train_drafter: --resume {ckpt_dir}: its drafter config differs from this "
+                 f"call's (layers, sizes, target layers or block size)")
+    checkpoint.restore(drafter, opt, state, tensors)
+    log(f"resumed from {ckpt_dir} at step {state['step']}")
+    return int(state["step"])
 
 
 def export(drafter, cfg, dspec, s, out: str, log) -> list[str]:
@@ -354,35 +536,70 @@ def main(argv=None) -> int:
     tap = distill.FeatureTap(model, s["target_layer_ids"])
     drafter, cfg, dspec = stages.run("drafter", build_drafter, args, s, model, device, log)
     dev_streams = {k: torch.from_numpy(v).to(device) for k, v in streams.items()}
-    if s["init"]:
-        from safetensors.torch import load_file
-        drafter.load_bundle_tensors(load_file(s["init"]))
-        log(f"drafter initialised from {s['init']}")
-    pool = None
+    from demo import trainer
+    opt = trainer.make_optimizer(drafter, s["lr"], s["weight_decay"], 0.95)
+    step0 = 0
+    if s["resume"]:
+        step0 = stages.run("resume", resume, s["resume"], drafter, opt, cfg, dspec, log)
+    elif s["init"]:
+        load_init(drafter, s["init"], cfg, dspec, log)
+    pools, lo, hi = {}, *(int(v) for v in s["prefix"].split(","))
     if s["gen_seconds"] > 0 and s["self_frac"] > 0:
-        lo, hi = (int(v) for v in s["prefix"].split(","))
-        pool, _ = stages.run("generate", distill.generate_pool, model, dev_streams["train"],
-                             s["seq"], s["gen_rows"], (lo, hi), amp_dtype, s["gen_seconds"],
-                             s["seed"], log)
+        # a resumed call draws other windows (the seed moves with the step)
+        pool, _, temps = stages.run("generate", distill.generate_pool, model,
+                                    dev_streams["train"], s["seq"], s["gen_rows"], (lo, hi),
+                                    amp_dtype, s["gen_seconds"], s["seed"] + step0, log,
+                                    mix=s["gen_mix"])
+        pools = {t: pool[(temps - t).abs() < 1e-6] for t, _ in s["gen_mix"]}
+        pools = {t: p for t, p in pools.items() if p.shape[0]}
+        log("generated windows by temperature: "
+            + ", ".join(f"T {t:g}: {p.shape[0]}" for t, p in pools.items()))
+    sampled_eval = None
+    if s["eval_temps"]:
+        t0 = time.monotonic()
+        n_t = len(s["eval_temps"])
+        rows = max(n_t, s["eval_sampled_rows"] // n_t * n_t)
+        ho = stages.run("generate_heldout", distill.generate_pool, model,
+                        dev_streams["heldout"], s["seq"], rows, (lo, hi), amp_dtype, 0.0,
+                        s["seed"] + 1, log, mix=[(t, 1.0 / n_t) for t in s["eval_temps"]])
+        sampled_eval = {"init": s["init"] or s["resume"], "rows": rows}
+        sampled_eval["before"] = stages.run("evaluate_before", measure_sampled, drafter, model,
+                                            tap, ho, amp_dtype, s)
+        # the same measure after training costs about as much again
+        stop_at -= stages.times["evaluate_before"]
+        log("before: tau " + "; ".join(
+            f"{m} " + ", ".join(f"T {t}: {v.get('chain_tau', v.get('tau')):.3f}"
+                                for t, v in r.items())
+            for m, r in sampled_eval["before"].items())
+            + f" ({time.monotonic() - t0:.1f} s with the held-out generation)")
     log(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, experts "
         f"{experts_impl}; training until {stop_at - T_START:.0f} s")
 
-    st = stages.run("train", train, drafter, model, tap, dev_streams["train"], pool, s, device,
-                    amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every)
+    st = stages.run("train", train, drafter, opt, model, tap, dev_streams["train"], pools, s,
+                    device, amp_dtype, stop_at, lambda: stop["asked"], log, args.print_every,
+                    step0)
+    if sampled_eval is not None:
+        sampled_eval["after"] = stages.run("evaluate_after", measure_sampled, drafter, model,
+                                           tap, ho, amp_dtype, s)
+    greedy_pool = sampled_eval is None and 0.0 in pools
     ev = stages.run("evaluate", distill.evaluate, drafter, model, tap, dev_streams["heldout"],
                     s["seq"], amp_dtype, windows=s["eval_windows"], anchors=s["anchors"],
                     free_rows=s["eval_rows"], gamma=s["gamma"], chunk=s["eval_chunk"],
                     deadline=T_START + 60 * s["minutes"] - EXPORT_S
-                    - (GREEDY_EVAL_S if pool is not None else 0.0))
+                    - (GREEDY_EVAL_S if greedy_pool else 0.0))
     ev["greedy"] = None
-    if pool is not None:
-        hp_pool, hp_pre = stages.run("generate_heldout", distill.generate_pool, model,
-                                     dev_streams["heldout"], s["seq"], min(s["gen_rows"], 128),
-                                     (lo, hi), amp_dtype, 0.0, s["seed"] + 1, log)
+    ev["sampled"] = sampled_eval
+    if greedy_pool:
+        hp_pool, hp_pre, _ = stages.run("generate_heldout", distill.generate_pool, model,
+                                        dev_streams["heldout"], s["seq"],
+                                        min(s["gen_rows"], 128), (lo, hi), amp_dtype, 0.0,
+                                        s["seed"] + 1, log)
         ev["greedy"] = stages.run("evaluate_greedy", distill.evaluate_greedy, drafter, model,
                                   tap, hp_pool, hp_pre, amp_dtype, anchors=s["anchors"],
                                   chunk=s["eval_chunk"])
     written = stages.run("export", export, drafter, cfg, dspec, s, args.out, log)
+    written += stages.run("checkpoint", save_ckpt, os.path.join(args.out, "ckpt"), drafter, opt,
+                          cfg, dspec, st, s)
 
     metrics = {"settings": s, "target": os.path.abspath(args.target), "device": str(device),
                "versions": {"torch": torch.__version__,
@@ -393,8 +610,14 @@ def main(argv=None) -> int:
                            "bf16_mib": dflash.bf16_mib(drafter), "config": cfg, "dflash": dspec},
                "train": {k: st[k] for k in ("step", "seqs", "trained_s", "epochs",
                                             "pool_passes")},
-               "pool_windows": 0 if pool is None else int(pool.shape[0]),
+               "pool_windows": {f"{t:g}": int(p.shape[0]) for t, p in pools.items()},
+               "batch_rows": st["rows"],
                "heldout": ev, "written": written, "stages_s": stages.times,
+               # the headline: expected chain tokens per round on held-out generated text
+               "tau": None if sampled_eval is None else {
+                   k: {m: {t: v.get("chain_tau", v.get("tau")) for t, v in r.items()}
+                       for m, r in sampled_eval[k].items()}
+                   for k in ("before", "after")},
                "wall_s": round(time.monotonic() - T_START, 1), "history": st["history"]}
     with open(os.path.join(args.out, "metrics.json"), "w") as fh:
         json.dump(metrics, fh, indent=1)
@@ -417,6 +640,18 @@ def main(argv=None) -> int:
                                                      f"{fr['tau_from_top1']:.3f}"),
                  ("accepted histogram 0..B-1", str(fr["accepted_hist"]))]
     gr = ev["greedy"]
+    if sampled_eval:
+        for t in sampled_eval["before"]["chain"]:
+            for m, name in [("chain", "chain"), *((f"tree_{b}", f"DDTree budget {b}")
+                                                  for b in s["eval_budgets"])]:
+                b, a = sampled_eval["before"][m][t], sampled_eval["after"][m][t]
+                rows.append((f"held-out T {t}: {name} tau before -> after",
+                             f"{b.get('chain_tau', b.get('tau')):.3f} -> "
+                             f"{a.get('chain_tau', a.get('tau')):.3f} ({a['blocks']} blocks)"))
+            b, a = sampled_eval["before"]["chain"][t], sampled_eval["after"]["chain"][t]
+            rows.append((f"held-out T {t}: top-4 mass depth 1..3 before -> after",
+                         " ".join(f"{v:.3f}" for v in b["top4_mass"][:3]) + " -> "
+                         + " ".join(f"{v:.3f}" for v in a["top4_mass"][:3])))
     if gr:
         rows += [("top-1 by depth (held-out greedy text)",
                   " ".join(f"{v:.3f}" for v in gr["top1"])),

@@ -296,6 +296,15 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (ce * weights).sum(-1).mean()
 
 
+def weighted_kl(logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor):
+    """Mean over blocks of sum_k w_k KL(p_k || softmax(logits_k)): the soft-target loss
+    (``probs`` [.., B-1, V], the target's distribution at each slot).  Its gradient is the
+    soft cross-entropy's; the entropy term only makes 0 the floor of what is reported."""
+    logq = logits.float().log_softmax(-1)
+    kl = (torch.special.xlogy(probs, probs) - probs * logq).sum(-1)
+    return (kl * weights).sum(-1).mean()
+
+
 def param_count(model: DFlashDrafter) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -315,5 +324,5 @@ def expected_tau(acc: list[float]) -> float:
 
 
 __all__ = ["DFlashDrafter", "drafter_config", "bundle_names", "block_mask", "rope_tables",
-           "rope_halves", "position_weights", "weighted_ce", "expected_tau", "param_count",
-           "bf16_mib", "DEFAULT_SIZES", "TARGET_LAYER_IDS", "BLOCK_SIZE", "GAMMA"]
+           "rope_halves", "position_weights", "weighted_ce", "weighted_kl", "expected_tau",
+           "param_count", "bf16_mib", "DEFAULT_SIZES", "TARGET_LAYER_IDS", "BLOCK_SIZE", "GAMMA"]

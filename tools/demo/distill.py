@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .dflash import DFlashDrafter, expected_tau, position_weights, weighted_ce
@@ -73,12 +74,16 @@ class FeatureTap:
 
 
 @torch.no_grad()
-def target_pass(model, tap: FeatureTap, ids: torch.Tensor, amp_dtype):
+def target_pass(model, tap: FeatureTap, ids: torch.Tensor, amp_dtype, keep_logits=False):
     """(features [bs, T, k*D], greedy [bs, T]): the target's argmax after each position,
-    teacher forced on ``ids``."""
+    teacher forced on ``ids``; with ``keep_logits`` also its logits [bs, T, V] (the soft
+    targets of sampled rows)."""
     with autocast(ids.device.type, amp_dtype):
         h = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        greedy = model.lm_head(h).argmax(-1)
+        logits = model.lm_head(h)
+        greedy = logits.argmax(-1)
+    if keep_logits:
+        return tap.features(), greedy, logits
     return tap.features(), greedy
 
 
@@ -115,8 +120,42 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
     differs from the continuation from depth 2 on: a chain is checked against the target's
     own choices, not the corpus's).  DFlash trains on target-generated responses for the same
     reason (docs/DEMO.md, "Training on the target's own text")."""
+    temps = torch.zeros(rows, device=stream.device)
+    return sampled_windows(model, stream, T, temps, prefix, amp_dtype, generator)
+
+
+def sample_next(logits: torch.Tensor, temps: torch.Tensor, generator=None,
+                any_hot: bool | None = None) -> torch.Tensor:
+    """[rows] tokens: the argmax where ``temps`` is 0, else a draw from softmax(logits / t)
+    (the target's own sampling at that temperature, no top-p or top-k).  The draw is the
+    exponential race argmax_v p_v / E_v, E_v ~ Exp(1) (an exact sample, and no device sync
+    as torch.multinomial's checks make); ``any_hot``: whether some t > 0, when known."""
+    greedy = logits.argmax(-1)
+    if any_hot is None:
+        any_hot = bool((temps > 0).any())
+    if not any_hot:
+        return greedy
+    hot = temps > 0
+    scaled = logits.float() / torch.where(hot, temps, torch.ones_like(temps))[:, None]
+    # a draw of exactly 0 (a float32 uniform hitting its end) would give 0/0 = nan, which
+    # argmax takes for the largest: clamp to the smallest normal float, no other change
+    race = torch.empty_like(scaled).exponential_(generator=generator).clamp_min_(1.2e-38)
+    drawn = (scaled.softmax(-1) / race).argmax(-1)
+    return torch.where(hot, drawn, greedy)
+
+
+@torch.no_grad()
+def sampled_windows(model, stream: torch.Tensor, T: int, temps: torch.Tensor, prefix: int,
+                    amp_dtype, generator=None) -> torch.Tensor:
+    """[rows, T] windows, rows = len(temps): ``prefix`` tokens of the stream (random starts),
+    then the target's own continuation to T tokens decoded with the KV cache, row r sampled at
+    temperature temps[r] (0: greedy).  At T > 0 the engine's DDTree walk checks the drafter
+    against the target's *samples*, so that is the text to learn from (DFlash trains on the
+    target's sampled responses and keeps most of its acceptance at T = 1)."""
     from transformers import DynamicCache
     dev = stream.device
+    rows = temps.numel()
+    any_hot = bool((temps > 0).any())
     starts = torch.randint(0, stream.numel() - T - 1, (rows,), device=dev, generator=generator)
     ids = gather(stream, starts, T - 1).clone()
     cache = DynamicCache(config=model.config)
@@ -124,7 +163,7 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
         out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
         for t in range(prefix, T):
-            nxt = out.logits[:, -1].argmax(-1)
+            nxt = sample_next(out.logits[:, -1], temps, generator, any_hot)
             ids[:, t] = nxt
             if t + 1 < T:
                 out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values,
@@ -132,14 +171,29 @@ def greedy_windows(model, stream: torch.Tensor, T: int, rows: int, prefix: int, 
     return ids
 
 
+def row_temperatures(mix, rows: int, device) -> torch.Tensor:
+    """[rows] temperatures of one generation chunk: ``mix`` [(temperature, share), ...] laid
+    out in contiguous runs, round(share * rows) rows each (the last takes the remainder)."""
+    out, used = [], 0
+    for i, (t, share) in enumerate(mix):
+        n = rows - used if i == len(mix) - 1 else min(rows - used, round(share * rows))
+        out.append(torch.full((n,), float(t), device=device))
+        used += n
+    return torch.cat(out)
+
+
 def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, amp_dtype,
-                  seconds: float, seed: int, log=print, max_rows: int | None = None):
-    """Greedy windows (``greedy_windows``) in chunks of ``rows`` until ``seconds`` have passed
-    (the first chunk always runs) or ``max_rows`` are made; each chunk draws its own prefix
-    length from ``prefix_range`` (lo, hi), so the pool covers short and long prompts.
-    Returns (windows [N, T] int64, prefix lengths [N] int64) on the stream's device."""
+                  seconds: float, seed: int, log=print, max_rows: int | None = None,
+                  mix=((0.0, 1.0),)):
+    """Self-generated windows (``sampled_windows``) in chunks of ``rows`` until ``seconds``
+    have passed (the first chunk always runs) or ``max_rows`` are made; each chunk draws its
+    own prefix length from ``prefix_range`` (lo, hi), so the pool covers short and long
+    prompts, and splits its rows over the temperatures of ``mix`` [(temperature, share)]
+    (the default: all greedy).  Returns (windows [N, T] int64, prefix lengths [N] int64,
+    temperatures [N] float32) on the stream's device."""
     g = torch.Generator(device=stream.device).manual_seed(seed)
     lo, hi = prefix_range
+    temps = row_temperatures(mix, rows, stream.device)
     pool, prefixes = [], []
     t0 = time.monotonic()
     made = 0
@@ -147,7 +201,7 @@ def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, 
                        and (max_rows is None or made < max_rows)):
         p = int(torch.randint(lo, hi + 1, (1,), generator=torch.Generator().manual_seed(
             seed * 1_000_003 + len(pool))).item())
-        w = greedy_windows(model, stream, T, rows, p, amp_dtype, g)
+        w = sampled_windows(model, stream, T, temps, p, amp_dtype, g)
         pool.append(w)
         prefixes.append(torch.full((rows,), p, dtype=torch.long, device=stream.device))
         made += rows
@@ -155,8 +209,8 @@ def generate_pool(model, stream: torch.Tensor, T: int, rows: int, prefix_range, 
             dt = time.monotonic() - t0
             log(f"self-generated: {made} windows ({made * T / 1e6:.2f} M tokens, "
                 f"{sum(T - int(x[0]) for x in prefixes) * rows / max(dt, 1e-9) / 1e3:.1f}k "
-                f"greedy tokens/s) in {dt:.1f} s")
-    return torch.cat(pool), torch.cat(prefixes)
+                f"generated tokens/s) in {dt:.1f} s")
+    return torch.cat(pool), torch.cat(prefixes), temps.repeat(len(pool))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -283,6 +337,161 @@ def evaluate_greedy(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.
             "accepted_hist": torch.bincount(acc, minlength=B).tolist(),
             "top1": [round(v, 4) for v in (top1 / n).tolist()],
             "top4": [round(v, 4) for v in (top4 / n).tolist()]}
+
+
+def target_probs(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution [rows, .., V] (float32) at each row's temperature:
+    softmax(logits / t), one-hot on the argmax where t is 0 (greedy)."""
+    t = temps.float().view(-1, *([1] * (logits.dim() - 1)))
+    hot = t > 0
+    soft = (logits.float() / torch.where(hot, t, torch.ones_like(t))).softmax(-1)
+    onehot = torch.zeros_like(soft).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(hot, soft, onehot)
+
+
+@torch.no_grad()
+def evaluate_sampled(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.Tensor,
+                     prefixes: torch.Tensor, temps: torch.Tensor, amp_dtype, *,
+                     anchors: int = 4, seed: int = 2468, chunk: int = 64) -> dict:
+    """The drafter's chain on held-out windows the target generated at each temperature
+    (``generate_pool`` with a mix on the held-out stream), per temperature, in expectation.
+
+    For each row and each of ``anchors`` anchors a inside the generated part (the same ones
+    for every drafter: fixed seed): the drafter proposes its argmax chain d_1..d_{B-1} after
+    x[..a]; one target pass over x[..a] d_1 .. d_{B-1} gives p_k = P_T(d_k | x[..a], d_<k),
+    the target's probability (at the row's temperature; an indicator of its argmax at 0) of
+    sampling the drafted token at depth k.  A chain round accepts depth k with probability
+    prod_{i<=k} p_i, so the expected tokens per round is tau = 1 + sum_k prod_{i<=k} p_i:
+    exact, no sampling noise (at T = 0 it is the measured greedy chain tau).  ``top4_mass``:
+    the target's probability mass on the drafter's top 4 at each depth along the drafted
+    chain (at depth 1: the chance a 4-wide first tree level holds the target's sample)."""
+    was = drafter.training
+    drafter.eval()
+    dev, B = pool.device, drafter.B
+    T = pool.shape[1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    steps = torch.arange(B - 1, device=dev)
+    sums: dict[float, dict] = {}
+    for i in range(0, pool.shape[0], chunk):
+        ids, pre, tt = pool[i:i + chunk], prefixes[i:i + chunk], temps[i:i + chunk]
+        n = ids.shape[0]
+        with autocast(dev.type, amp_dtype):
+            model.model(input_ids=ids, use_cache=False)
+        feats = tap.features()
+        for _ in range(anchors):
+            span = (T - B - pre + 1).clamp_min(1)
+            anc = (pre + (torch.rand(n, device=dev, generator=g) * span).long()).clamp_max(T - B)
+            with autocast(dev.type, amp_dtype):
+                logits = drafter(feats, block_roots(ids, anc[:, None]), anc[:, None])[:, 0]
+            draft = logits.argmax(-1)                                           # [n, B-1]
+            chain = ids.clone()
+            chain[torch.arange(n, device=dev)[:, None], anc[:, None] + 1 + steps] = draft
+            pos = anc[:, None] + steps                                          # a+k-1
+            with autocast(dev.type, amp_dtype):
+                h = model.model(input_ids=chain, use_cache=False).last_hidden_state
+                tl = model.lm_head(h[torch.arange(n, device=dev)[:, None], pos])
+            tap.out.clear()
+            p = target_probs(tl, tt)                                            # [n, B-1, V]
+            pk = p.gather(-1, draft[..., None])[..., 0]
+            reach = pk.cumprod(-1)
+            top4 = p.gather(-1, logits.topk(4, dim=-1).indices).sum(-1)
+            for t in tt.unique().tolist():
+                m = tt == t
+                acc = sums.setdefault(t, {"n": 0, "tau": 0.0, "p": 0, "reach": 0, "top4": 0})
+                acc["n"] += int(m.sum())
+                acc["tau"] += float((1 + reach[m].sum(-1)).sum())
+                acc["p"] = acc["p"] + pk[m].sum(0)
+                acc["reach"] = acc["reach"] + reach[m].sum(0)
+                acc["top4"] = acc["top4"] + top4[m].sum(0)
+    drafter.train(was)
+
+    def r(x, n):
+        return [round(v, 4) for v in (x / n).tolist()]
+    return {f"{t:g}": {"blocks": a["n"], "chain_tau": round(a["tau"] / a["n"], 4),
+                       "p_draft": r(a["p"], a["n"]), "reach": r(a["reach"], a["n"]),
+                       "top4_mass": r(a["top4"], a["n"])}
+            for t, a in sorted(sums.items())}
+
+
+def _children(tree, n: int) -> list[list[dict]]:
+    """Per row, per tree slot: {token: child slot} (a reference.ddtree DraftTree)."""
+    kids = [[{} for _ in range(tree.budget + 1)] for _ in range(n)]
+    for r in range(n):
+        for s in range(1, int(tree.n_nodes[r]) + 1):
+            kids[r][int(tree.parent[r, s])][int(tree.token[r, s])] = s
+    return kids
+
+
+@torch.no_grad()
+def evaluate_tree(drafter: DFlashDrafter, model, tap: FeatureTap, pool: torch.Tensor,
+                  prefixes: torch.Tensor, temps: torch.Tensor, amp_dtype, *, budget: int,
+                  anchors: int = 2, seed: int = 1357, chunk: int = 64) -> dict:
+    """DDTree's tokens per round at ``budget`` on held-out generated windows, per temperature.
+
+    Per chunk of rows and each of ``anchors`` anchors a (one per chunk, inside every row's
+    generated part): the drafter's logits after x[..a] -> top-K log-probs -> the best-first
+    tree of ``budget`` nodes (reference.ddtree.build_tree, the engine's contract); then the
+    engine's walk with the target's KV cache: at the current node the target's distribution
+    P_T (the row's temperature; the argmax at 0) gives the mass m on the node's children,
+    a token is drawn from P_T, and the walk descends while the draw is a child.  tau = 1 +
+    the sum of m over the visited nodes: an unbiased estimate of 1 + E[accepted] (each step
+    succeeds with probability m given the walk so far), exact at T = 0."""
+    from reference.ddtree.build import build_tree
+    from transformers import DynamicCache
+    was = drafter.training
+    drafter.eval()
+    dev, B = pool.device, drafter.B
+    T, V = pool.shape[1], model.config.vocab_size
+    g = torch.Generator(device=dev).manual_seed(seed)
+    gcpu = np.random.default_rng(seed)
+    sums: dict[float, list] = {}
+    for i in range(0, pool.shape[0], chunk):
+        ids, tt = pool[i:i + chunk], temps[i:i + chunk]
+        n, lo = ids.shape[0], int(prefixes[i:i + chunk].max())
+        with autocast(dev.type, amp_dtype):
+            model.model(input_ids=ids, use_cache=False)
+        feats = tap.features()
+        for _ in range(anchors):
+            a = int(gcpu.integers(lo, max(lo, T - B) + 1))
+            anc = torch.full((n, 1), a, device=dev)
+            with autocast(dev.type, amp_dtype):
+                logits = drafter(feats, ids[:, a:a + 1], anc)[:, 0]              # [n, L, V]
+            top = logits.float().log_softmax(-1).topk(min(budget, V), dim=-1)
+            tree = build_tree(top.values.cpu().numpy(), top.indices.int().cpu().numpy(),
+                              budget)
+            kids = _children(tree, n)
+            with autocast(dev.type, amp_dtype):
+                out = model(input_ids=ids[:, :a + 1], past_key_values=DynamicCache(
+                    config=model.config), use_cache=True, logits_to_keep=1)
+            tap.out.clear()
+            node, alive = [0] * n, [True] * n
+            est = torch.ones(n, dtype=torch.float64, device=dev)
+            for _depth in range(B - 1):
+                last = out.logits[:, -1].float()
+                rows = [r for r in range(n) if alive[r] for _ in kids[r][node[r]]]
+                toks = [t for r in range(n) if alive[r] for t in kids[r][node[r]]]
+                mask = torch.zeros(n, V, device=dev)
+                mask[torch.tensor(rows, dtype=torch.long, device=dev),
+                     torch.tensor(toks, dtype=torch.long, device=dev)] = 1.0
+                est += (target_probs(last, tt) * mask).sum(-1).double()
+                drawn = sample_next(last, tt, g)
+                for r, y in enumerate(drawn.tolist()):
+                    nxt = kids[r][node[r]].get(y) if alive[r] else None
+                    alive[r], node[r] = nxt is not None, (nxt or 0)
+                if not any(alive):
+                    break
+                with autocast(dev.type, amp_dtype):
+                    out = model(input_ids=drawn[:, None], past_key_values=out.past_key_values,
+                                use_cache=True)
+                tap.out.clear()
+            for t in tt.unique().tolist():
+                m = tt == t
+                acc = sums.setdefault(t, [0, 0.0])
+                acc[0] += int(m.sum())
+                acc[1] += float(est[m].sum())
+    drafter.train(was)
+    return {f"{t:g}": {"blocks": n_, "tau": round(tot / n_, 4)}
+            for t, (n_, tot) in sorted(sums.items())}
 
 
 @torch.no_grad()
