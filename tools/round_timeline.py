@@ -93,7 +93,10 @@ class Timeline:
 
         def launch(rounds, active):
             t0 = time.perf_counter()
+            n = len(timeline.rounds)
             timeline.launch(rounds, active)
+            if len(timeline.rounds) == n:          # no graph call (graphs off): eager
+                timeline.rounds.append(dict(replayed=False))
             timeline.rounds[-1].update(launch=time.perf_counter() - t0, program=rounds)
 
         def collect(rounds):
