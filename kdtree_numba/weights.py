@@ -81,7 +81,9 @@ def _packed_as_it_is(backend, tensor, dtype):
     # the numba kernels read the packed bytes as words beside the scales: the bytes go up as
     # they are (a device-drawn Int4Experts is there already)
     if isinstance(tensor, Int4Experts):
-        return tensor if not backend.on_gpu else Int4Experts(
+        on_device = all(hasattr(a, "__cuda_array_interface__")
+                        for a in (tensor.words, tensor.scale))
+        return tensor if on_device or not backend.on_gpu else Int4Experts(
             backend.xp.asarray(tensor.words), backend.xp.asarray(tensor.scale),
             tensor.group_size)
     try:

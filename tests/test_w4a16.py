@@ -17,6 +17,7 @@ from formats.int4_group import Int4GroupWeight
 from kdtree_numba import compat
 from kdtree_numba.backends import make_backend
 from kdtree_numba.bundle import QUANTIZABLE, BundleError, random_weights, size_config
+from kdtree_numba.compat import to_device
 from kdtree_numba.layers.skinny import make_accumulate
 from kdtree_numba.layers.workspace import Int4Experts, int4_experts, int4_load_kind
 from kdtree_numba.model import Model
@@ -29,6 +30,11 @@ def layers():
         pytest.skip("numba kernels need a GPU or NUMBA_ENABLE_CUDASIM=1")
     import kdtree_numba.layers as layers
     return layers
+
+
+def on_device(experts):
+    """Int4Experts with numba device arrays, as the kernels receive them."""
+    return Int4Experts(to_device(experts.words), to_device(experts.scale), experts.group_size)
 
 
 def host(a):
@@ -58,8 +64,9 @@ def check(got, case):
 def test_int4_experts_match_the_reference(layers, m, d, inter, group, kinds):
     case = int4_case(np.random.default_rng(40 + group), m, d, 5, inter, 2, group)
     h, _, _, gu, dn = case[:5]
-    assert (int4_load_kind(d, h, int4_experts(gu)), int4_load_kind(inter, h,
-                                                                    int4_experts(dn))) == kinds
+    # the kinds moe_ffn picks from the device arrays it runs on (alignment is an address's)
+    hd, gud, dnd = to_device(h), on_device(int4_experts(gu)), on_device(int4_experts(dn))
+    assert (int4_load_kind(d, hd, gud), int4_load_kind(inter, hd, dnd)) == kinds
     check(run(layers, case), case)
 
 
@@ -165,7 +172,8 @@ def test_int4_model_gives_the_reference_backends_tokens(layers):
     ref_model, sim = Model(cfg, weights, "reference"), Model(cfg, weights, "numba")
     seq = [3, 9, 27, 17]
     # float32 kernels vs the float64 reference, O(1) logits (measured ~1e-6)
-    np.testing.assert_allclose(sim.score(seq), ref_model.score(seq), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(sim.backend.to_host(sim.score(seq)), ref_model.score(seq),
+                               rtol=0, atol=1e-4)
     want = generate(ref_model, [seq], 3).tokens
     assert generate(sim, [seq], 3).tokens == want
     dd = generate(sim, [seq], 3, method="ddtree", budget=2,
