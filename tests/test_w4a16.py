@@ -87,6 +87,20 @@ def test_grouped_rows_stream_popular_experts_in_chunks_and_are_batch_invariant(l
     assert np.array_equal(one[0], got[-1])
 
 
+def test_with_a_shared_expert_tensor_cores_keeps_a_rows_bits(layers):
+    """With a bf16 shared expert too, "tensor-cores" gives a verify-sized call's row the bits
+    it gets alone: the shared expert's linear streams its weights at every M as the int4
+    kernels do (under "auto" it goes tiled above SKINNY_MAX_M, as beside bf16 experts; on
+    the H100 the last bits then moved at 33 and 65 rows)."""
+    m = layers.SKINNY_MAX_M + 1
+    case = list(int4_case(np.random.default_rng(43), m, 32, 6, 16, 2, 16, shared=True))
+    got = run(layers, case, method="tensor-cores")
+    check(got, case)
+    one = run(layers, [case[0][-1:], case[1][-1:], case[2][-1:], *case[3:]],
+              method="tensor-cores")
+    assert np.array_equal(one[0], got[-1])
+
+
 def test_int4_experts_refuse_what_the_kernels_do_not_take(layers):
     rng = np.random.default_rng(42)
     h, idx, wt, gu, dn, _, _ = int4_case(rng, 2, 32, 4, 16, 2, 16, shared=False)

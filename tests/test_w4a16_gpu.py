@@ -77,19 +77,24 @@ def reference(cp, h, idx, wt, gate_up, down, sgu, sdn):
 def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool):
     """M = 1: one token's 8 routed experts (the decode GEMV); 33 / 65: a verify's rows, their
     routing drawn from ``pool`` experts so that several hold many tokens (more than one mt
-    chunk) and the float64 reference stays affordable.  A row alone gives its batch bits."""
+    chunk) and the float64 reference stays affordable.  A row alone gives its batch bits
+    under "tensor-cores" (the engine's batch-invariant setting: the int4 kernels at every M,
+    the shared expert's linear streaming its weights at every M too; under "auto" that
+    linear goes tiled above 16 rows, as for bf16 experts, and run 141 saw the last bits move)."""
     rng = np.random.default_rng(m)
     experts = rng.choice(E, pool, replace=False)
     idx = np.sort(np.stack([rng.choice(experts, TOP_K, replace=False) for _ in range(m)]),
                   axis=1).astype(np.int32)
     wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
     h = rng.standard_normal((m, D)).astype(np.float32)
-    got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts)))
+    got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts,
+                                               method="tensor-cores")))
     want, bound = reference(cp, h, idx, wt, *kimi_experts)
     err = np.abs(got - want)
     assert np.all(err <= bound), f"max err {err.max():.3g}, ratio {(err / bound).max():.3g}"
     assert np.abs(want).max() > 1e-2
-    alone = cp.asnumpy(cp.asarray(layers.moe_ffn(h[-1:], idx[-1:], wt[-1:], *kimi_experts)))
+    alone = cp.asnumpy(cp.asarray(layers.moe_ffn(h[-1:], idx[-1:], wt[-1:], *kimi_experts,
+                                                 method="tensor-cores")))
     assert np.array_equal(alone[0], got[-1])
 
 
