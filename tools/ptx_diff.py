@@ -529,6 +529,9 @@ def _resolve(name: str):
 
 
 def _decode(value):
+    """A factory argument from its JSON form (kernel_recipes.py's ``_decode``, which the older
+    trees lack, so the worker carries its own): classes resolved in this tree, where they may
+    have moved, and a class that no longer takes the fields is LookupError (unmapped)."""
     import numpy as np
     if isinstance(value, (bool, int, float, str, type(None))):
         return value
@@ -765,7 +768,9 @@ def without_unused_params(text: str) -> str:
                      if i not in {j for j, _ in declared})
     used = [name for _, name in declared if re.search(re.escape(name) + r"\b", body)]
     drop = {i for i, name in declared if name not in used}
-    kept = "\n".join(line for i, line in enumerate(lines) if i not in drop)
+    # a kept declaration's comma depends on whether a dropped one followed it
+    kept = "\n".join(line.rstrip(",") if i in {j for j, _ in declared} else line
+                     for i, line in enumerate(lines) if i not in drop)
     renames = {name: f"PARAM{n}" for n, name in enumerate(used)}
     kept = re.sub(r"SYM\d+_param_\d+\b", lambda m: renames.get(m.group(0), m.group(0)), kept)
     return _renumber_registers(kept)
