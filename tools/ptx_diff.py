@@ -31,6 +31,10 @@ parameters the kernel never reads differ: :func:`without_unused_params`), ``diff
 call's JSON.  A difference's normalised PTX (both sides) and diff land in ``--out``, with
 ptxas's registers, spills and constant bank of both (nvJitLink).  Exit 1 on a difference,
 unmapped entry or error that no ``--expect-changed`` covers.
+
+What it does not see: a planner (``skinny_config``, ``mma_config``, the attention plan, ...)
+that now picks other factory arguments at a shape; both trees compile the newer tree's
+choices.  The planners' own tests cover those.
 """
 from __future__ import annotations
 
