@@ -255,17 +255,17 @@ def test_batch_invariant_plan_gives_a_decode_row_the_bits_of_the_same_row_in_a_v
 
 
 def test_prefill_plan_gives_a_prompt_its_bits_alone_or_batched(needs_kernels, monkeypatch):
-    """A bf16 cache's prefill plan (one split a row) gives a causal 20-token prefill the same
-    bits alone and beside another request against a larger cache, where the fixed plan (16
-    keys, rounded up to the tile's: 16 in the simulator, 32 on a GPU) would split its 37 keys
-    (tests/test_attention.py: the float32 layouts)."""
+    """A bf16 cache's prefill plan (one split a row) gives a causal 12-token prefill after 25
+    cached tokens the same bits alone and beside another request against a larger cache,
+    where the fixed plan (16 keys, rounded up to the tile's: 16 in the simulator, 32 on a
+    GPU) would split its 37 keys (tests/test_attention.py: the float32 layouts)."""
     from kdtree_numba.attention import MlaAttentionPlan, mla
     monkeypatch.setattr(mla, "INVARIANT_SPLIT_KEYS", 16)
     mla.clear_plan_cache()
     rng = np.random.default_rng(9)
-    n = 20
+    n = 12                       # the simulator's cost grows with n x keys: a short prefill
     causal = np.broadcast_to(np.tril(np.ones((n, n), bool)), (2, n, n)).copy()
-    both = problem(rng, [17, 2], n, causal, 4, 64, 16, max_len=60)
+    both = problem(rng, [25, 2], n, causal, 4, 64, 16, max_len=60)
     alone = {k: (v[:1, :37] if k in ("ckv", "kpe") else v[:1])
              if isinstance(v, np.ndarray) else v for k, v in both.items()}
     try:
