@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kdtree_numba.compat import SIMULATOR
 from reference import attention as ref
 from reference.attention import tree_visible
 
@@ -142,6 +143,9 @@ CASES = [
     ("long causal prefill", [3], 48, "causal", 4, 32, 8, None),
     ("long causal prefill, a hole", [3], 48, "causal-hole", 4, 32, 8, None),
 ]
+# slow in the simulator only (~30 s each there): the hole's case runs the same unmasked tiles
+# before its last query's block masks them again, so CI keeps that one
+SLOW_IN_SIMULATOR = {"long causal prefill"}
 
 
 def _visible(rng, kind, bs, n):
@@ -154,8 +158,9 @@ def _visible(rng, kind, bs, n):
                      for _ in range(bs)])
 
 
-@pytest.mark.parametrize("name, prefix, n, kind, heads, r, dr, kps", CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, prefix, n, kind, heads, r, dr, kps", [
+    pytest.param(*c, id=c[0], marks=pytest.mark.slow if SIMULATOR and c[0] in SLOW_IN_SIMULATOR
+                 else ()) for c in CASES])
 def test_bf16_kernel_matches_the_reference_within_the_bound(name, prefix, n, kind, heads, r, dr,
                                                             kps, needs_kernels):
     rng = np.random.default_rng(len(name))
