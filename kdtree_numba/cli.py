@@ -58,7 +58,9 @@ __all__ = ["run_main", "make_model_main", "default_model", "DEFAULT_BLOCK_LEN"]
 
 DEFAULT_SEED = 0
 DEFAULT_BLOCK_LEN = 8
-DEFAULT_BUDGET = 32           # on a GPU; the CPU path's is cpu.DEFAULT_BUDGET
+# on a GPU (the CPU path's is cpu.DEFAULT_BUDGET): the demo pair's best fixed budget on the
+# H100 with host rounds and with device rounds alike (docs/BENCHMARKS.md, "Demo pair")
+DEFAULT_BUDGET = 8
 
 
 def _log(prog: str, msg: str) -> None:
