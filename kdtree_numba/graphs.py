@@ -96,9 +96,9 @@ def _write(dst, src) -> None:
     converting the dtype; stream-ordered, no host wait (a small host array goes up through
     the driver's staging buffer; tests/test_engine_gpu.py checks that such a replay does
     not wait for the work queued before it).  A device array of dst's dtype and C order
-    goes by one cudaMemcpyAsync: a few microseconds of host time where
-    CuPy's elementwise copy takes ~10-20, and a DDTree round writes a dozen inputs between
-    its read and its verify's launch."""
+    goes by one cudaMemcpyAsync: a few microseconds of host time where CuPy's elementwise
+    copy takes ~10-20, and a DDTree round writes a dozen inputs between its read and its
+    verify's launch."""
     import cupy
     if hasattr(src, "__cuda_array_interface__"):
         src = cupy.asarray(src)

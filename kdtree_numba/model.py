@@ -73,6 +73,12 @@ def pad_ragged(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, lengths, causal_mask(n, len(seqs))
 
 
+def _bucket(max_len: int) -> int:
+    """A generation cache's capacity for ``max_len`` slots: the next multiple of
+    CACHE_BUCKET."""
+    return -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
+
+
 # slotted, not frozen: a frozen dataclass's __init__ sets each field through
 # object.__setattr__ (1.7 us for these ten against 0.5), and every verify forward makes one on
 # the engine's host path; nothing writes a batch's fields after making it
@@ -283,7 +289,7 @@ class Model(DeviceSteps):
         cache's pages go back to its pool), else a new cache of ``max_len`` rounded up to a
         multiple of CACHE_BUCKET.  CUDA graphs are captured against a cache's buffers
         (kdtree_numba/graphs.py), so reusing them lets the next generation replay them."""
-        bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
+        bucket = _bucket(max_len)
         if previous is not None and previous.dtype == self.kv_cache \
                 and previous.layout.reusable(self.kv_layout, batch, bucket):
             previous.truncate(np.zeros(batch, np.int64))
@@ -296,8 +302,7 @@ class Model(DeviceSteps):
         calls (up to GENERATION_CACHES per owner, the least recently used dropped), so the
         CUDA graphs captured on it replay there.  ``owner`` keeps apart the caches of users
         of one model (engine.generate's, a drafter's own context)."""
-        bucket = -(-int(max_len) // CACHE_BUCKET) * CACHE_BUCKET
-        key = (owner, int(batch), bucket)
+        key = (owner, int(batch), _bucket(max_len))
         cache = self.reuse_cache(self._generation_caches.pop(key, None), batch, max_len)
         self._generation_caches[key] = cache
         mine = [k for k in self._generation_caches if k[0] == owner]

@@ -32,11 +32,6 @@ def layers():
     return layers
 
 
-def on_device(experts):
-    """Int4Experts with numba device arrays, as the kernels receive them."""
-    return Int4Experts(to_device(experts.words), to_device(experts.scale), experts.group_size)
-
-
 def host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
@@ -65,7 +60,7 @@ def test_int4_experts_match_the_reference(layers, m, d, inter, group, kinds):
     case = int4_case(np.random.default_rng(40 + group), m, d, 5, inter, 2, group)
     h, _, _, gu, dn = case[:5]
     # the kinds moe_ffn picks from the device arrays it runs on (alignment is an address's)
-    hd, gud, dnd = to_device(h), on_device(int4_experts(gu)), on_device(int4_experts(dn))
+    hd, gud, dnd = to_device(h), int4_experts(gu).on_device(), int4_experts(dn).on_device()
     assert (int4_load_kind(d, hd, gud), int4_load_kind(inter, hd, dnd)) == kinds
     check(run(layers, case), case)
 
