@@ -364,7 +364,6 @@ def _run(argv: list[str]) -> int:
         warming.join()
     if args.device_rounds:
         why = ("needs --method ddtree or chain" if args.method == "ar" else
-               "needs a fixed --budget" if args.budget == "auto" else
                "cannot run with --plot (it copies each round's tree)" if args.plot else
                f"needs a device-only drafter (the DFlash drafter), not {drafter.name}"
                if not device_rounds_possible(drafter) else None)

@@ -27,6 +27,8 @@ this way; ``engine.generate`` chooses it (docs/ENGINE.md, "Device rounds").
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kdtree_numba.drafting import Commit, DraftContext
@@ -48,31 +50,37 @@ class DeviceRounds:
     """Rounds of one generation as device programs, one ahead of the host (module docstring).
 
     ``model``, ``cache``: the target and its KV cache (lengths committed up to the prompts);
-    ``drafter``: a device-only drafter already committed the prompt; ``roots`` [bs]: the
-    first tokens (host ints); ``budget``, ``k``: the tree (``k = 1``, ``budget = L``: the
-    chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and ``table``
-    (the uniforms, T > 0) as in ``DeviceSteps.accept``.
+    ``drafter``: a device-only drafter already committed the prompt; ``k``: the tree's
+    branching (None: as many as the budget, ``min(budget, V)``; ``k = 1`` with ``budget = L``
+    is the chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and
+    ``table`` (the uniforms, T > 0) as in ``DeviceSteps.accept``.  The budget is each
+    launch's own (``--budget auto`` changes it between rounds): the rounds of every budget
+    share the program's state (the roots, the caches' lengths, the rounds in flight), one
+    CUDA graph per budget.
     """
 
-    def __init__(self, model, cache, drafter, budget: int, k: int | None, sampling):
+    def __init__(self, model, cache, drafter, k: int | None, sampling):
         self.model, self.cache, self.drafter = model, cache, drafter
         self.be, self.xp = model.backend, model.backend.xp
-        self.budget = int(budget)
-        self.k = min(self.budget, model.vocab_size) if k is None else int(k)
+        self.fixed_k = None if k is None else int(k)
         self.sampling = as_sampling(sampling)
         self.needs = drafter.needs
-        self.width = self.budget + 1                    # verify rows: root + nodes
         bs = cache.batch
         # device state the program reads and writes in place (a graph holds the addresses)
         self.roots = self.xp.zeros(bs, np.int32)
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
             if not self.sampling.greedy else None
-        self.in_flight: list = []                       # (read's wait, launch mask) per round
+        self.in_flight: list = []          # (read's wait, launch mask, growth bound) per round
         self.floor = None
 
+    def k(self, budget: int) -> int:
+        """The tree's branching at ``budget``."""
+        return min(int(budget), self.model.vocab_size) if self.fixed_k is None \
+            else self.fixed_k
+
     @classmethod
-    def for_generation(cls, model, cache, drafter, roots, budget: int, k: int | None,
-                       sampling, table=None) -> "DeviceRounds":
+    def for_generation(cls, model, cache, drafter, roots, k: int | None, sampling,
+                       table=None) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
@@ -80,10 +88,10 @@ class DeviceRounds:
         drafter hold the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
-        key = (id(model), id(drafter), int(budget), k, as_sampling(sampling))
+        key = (id(model), id(drafter), k, as_sampling(sampling))
         rounds = cache.programs.get(key)
         if rounds is None or rounds.drafter is not drafter or rounds.model is not model:
-            rounds = cache.programs[key] = cls(model, cache, drafter, budget, k, sampling)
+            rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling)
         rounds.restart(roots, table)
         return rounds
 
@@ -99,12 +107,12 @@ class DeviceRounds:
         self.floor = self.cache.lengths.copy()
 
     # ---- the program: device work only, so a CUDA graph can capture it
-    def _round(self, active):
+    def _round(self, budget: int, active):
         model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
         start = cache.device_lengths.copy()             # the tree's root positions
         draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start,
-                                                         depth=self.budget))
-        tree, vin = tree_phase(ops, self.k, self.budget)(draft_logits, self.roots, start)
+                                                         depth=budget))
+        tree, vin = tree_phase(ops, self.k(budget), budget)(draft_logits, self.roots, start)
         # the verify's slots from the round's own device lengths: forward runs it eagerly
         # inside this program's capture (ForwardBatch.slots)
         n = vin.input_ids.shape[1]
@@ -128,29 +136,32 @@ class DeviceRounds:
         self.roots[...] = next_roots
         return packed
 
-    def _key(self) -> tuple:
-        """Everything the captured round depends on besides its input: the tree and the
-        sampling, and the address of every device buffer it reads or writes in place (both
-        caches' arrays and lengths, the drafter's own state, the roots, the uniforms): a
+    def key(self, budget: int) -> tuple:
+        """Everything the captured round at ``budget`` depends on besides its input: the tree
+        and the sampling, and the address of every device buffer it reads or writes in place
+        (both caches' arrays and lengths, the drafter's own state, the roots, the uniforms): a
         buffer replaced (a drafter cache of another size, after a generation on this
-        target cache) makes another key, never a replay against freed memory."""
-        key = ("round", self.budget, self.k, self.sampling, self.width, self.needs)
+        target cache) makes another key, never a replay against freed memory.  (The graph
+        cache's key adds the input's shape.)"""
+        key = ("round", int(budget), self.k(budget), self.sampling, self.needs)
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
         return key + (device_address(self.roots),
                       None if self.table is None else device_address(self.table))
 
     # ---- the host side
-    def launch(self, active: np.ndarray) -> None:
-        """Enqueue one round for the requests ``active`` [bs] (host bools: running as far as
-        the host knows) and start the read of its committed tokens."""
-        # a round commits acc_len <= min(W, L + 1) tokens a request: the host mirrors grow by
-        # that bound until the read; first the room for what the round writes (the verify's
-        # W rows, the drafter's block of L + 1)
-        grow = np.where(active, min(self.width, self.drafter.block_len + 1), 0)
-        self.cache.reserve(self.width)
+    def launch(self, active: np.ndarray, budget: int) -> None:
+        """Enqueue one round of ``budget`` nodes for the requests ``active`` [bs] (host bools:
+        running as far as the host knows) and start the read of its committed tokens."""
+        # a round commits acc_len <= min(W, L + 1) tokens a request (W = budget + 1 verify
+        # rows): the host mirrors grow by that bound until the read; first the room for what
+        # the round writes (the verify's W rows, the drafter's block of L + 1)
+        width = int(budget) + 1
+        grow = np.where(active, min(width, self.drafter.block_len + 1), 0)
+        self.cache.reserve(width)
         self._bound(self.floor, self.cache.lengths + grow)
         mask = active.astype(np.int32)
-        packed = self.model.device_step(self._key(), self._round, (mask,),
+        packed = self.model.device_step(self.key(budget),
+                                        functools.partial(self._round, int(budget)), (mask,),
                                         before_capture=getattr(self.drafter,
                                                                "prepare_capture", None))
         self.in_flight.append((self.be.read_later(packed), active.copy(), grow))

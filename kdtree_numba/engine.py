@@ -350,34 +350,49 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
 
 
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
-                   timer, stats, after_step) -> None:
+                   timer, stats, after_step, policy: AutoBudget | None = None) -> None:
     """The rounds of a device-only drafter as device programs, each enqueued before the
     previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
-    than the rounds in flight commit at the least (one token each)."""
+    than the rounds in flight commit at the least (one token each).
+
+    With ``policy`` (``--budget auto``) each launch asks it for its budget, one round before
+    the last one's tokens are read, and a round's cost is the wall time from the previous
+    read's end to its own: with a round always in flight the device runs them back to back,
+    so that is the round's device time, or more where the host is late (also a cost)."""
     bs = cache.batch
     table = None
     if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
         table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
-    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), budget, k,
-                                         sampling, table)
+    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
+                                         table)
+    budgets = []                        # of the rounds in flight, oldest first
+
+    def launch(active):
+        b = policy.next_budget() if policy else budget
+        rounds.launch(active, b)
+        budgets.append(b)
+        timer.lap("round")
     try:
         if req.active.any():
-            rounds.launch(req.active.copy())
-            timer.lap("round")
+            launch(req.active.copy())
+        read_end = time.perf_counter()
         while rounds.in_flight:
             ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
                                            for out in req.out])
             if ahead.any():             # the next round goes in before this one is read
-                rounds.launch(ahead)
-                timer.lap("round")
+                launch(ahead)
             packed, ran = rounds.collect()
+            b = budgets.pop(0)
+            cost, read_end = time.perf_counter() - read_end, time.perf_counter()
             running = ran & req.active
             if not running.any():       # run ahead for requests its predecessor finished
                 stats.rounds_dropped += 1
                 continue
-            stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(running)])
-            stats.budgets.append(budget)
+            stats.tau.append([int(packed[b_, 0]) for b_ in np.flatnonzero(running)])
+            stats.budgets.append(b)
+            if policy:
+                policy.observe(b, cost, float(np.mean(stats.tau[-1])))
             stats.rounds += 1
             for b in np.flatnonzero(running):
                 req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
@@ -422,8 +437,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     generation: kdtree_numba/plots.py, ``RoundRecorder``).
     ``device_rounds``: run each DDTree or chain round as one device program, enqueued before
     the last one's tokens are read (kdtree_numba/device_round.py; the same tokens): True asks
-    for it (a ValueError where the drafter cannot: it must be ``device_only``; a fixed
-    budget; no ``on_round``), None follows ``runtime.current().device_rounds``
+    for it (a ValueError where the drafter cannot: it must be ``device_only``; no
+    ``on_round``), None follows ``runtime.current().device_rounds``
     (``KDTREE_DEVICE_ROUNDS=1``) where possible, False never.  Its rounds' device time is
     the phase "round".
     """
@@ -454,11 +469,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             budget, k = block_len, 1
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
-    possible = speculative and policy is None and on_round is None \
-        and device_rounds_possible(drafter)
+    possible = speculative and on_round is None and device_rounds_possible(drafter)
     if device_rounds and not possible:
         raise ValueError("device_rounds needs a device-only drafter (its propose and "
-                         "on_commit read no host value), a fixed budget and no on_round hook")
+                         "on_commit read no host value) and no on_round hook")
     on_device = possible and (runtime.current().device_rounds if device_rounds is None
                               else bool(device_rounds))
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
@@ -511,7 +525,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
-                       after_step)
+                       after_step, policy)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device

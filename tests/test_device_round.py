@@ -50,20 +50,23 @@ def test_a_device_round_program_is_reused_by_the_next_generation():
     first = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
                      device_rounds=True)
     programs = dict(target.generation_cache.programs)
-    (rounds,) = programs.values()
-    key = rounds._key()
+    # this drafter's greedy budget-6 program (with KDTREE_DEVICE_ROUNDS=1 the tests before
+    # this one leave programs of their own on the same cache)
+    (rounds,) = [p for p in programs.values()
+                 if p.drafter is drafter and p.fixed_k is None and p.sampling.greedy]
+    key = rounds.key(6)
     again = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=6,
                      device_rounds=True)
     assert again.tokens == first.tokens == generate(target, prompts, 12).tokens
-    assert dict(target.generation_cache.programs) == programs and rounds._key() == key
+    assert dict(target.generation_cache.programs) == programs and rounds.key(6) == key
     # a longer generation on the same target cache but a larger drafter cache: the program
     # is the same, its graph key is not (it names the drafter cache's buffers)
     longer = generate(target, [[5, 6, 7]] * 2, 233, method="ddtree", drafter=drafter,
                       budget=6, device_rounds=True)
-    assert target.generation_cache.programs[next(iter(programs))] is rounds
+    assert rounds in target.generation_cache.programs.values()
     assert drafter.cache.max_len == 512 and rounds.cache.max_len == 256   # the same target cache
     assert longer.tokens == generate(target, [[5, 6, 7]] * 2, 233).tokens
-    assert rounds._key() != key
+    assert rounds.key(6) != key
 
 
 def test_device_rounds_refuse_a_drafter_that_needs_the_host():
@@ -71,10 +74,29 @@ def test_device_rounds_refuse_a_drafter_that_needs_the_host():
     with pytest.raises(ValueError, match="device-only drafter"):
         generate(target, [[1, 2]], 4, method="ddtree", budget=4, device_rounds=True,
                  drafter=ModelDrafter(_small_drafter_model(), 4))
-    _, dflash = target_and_drafter()
-    with pytest.raises(ValueError, match="fixed budget"):
-        generate(target, [[1, 2]], 4, method="ddtree", budget="auto", device_rounds=True,
-                 drafter=dflash)
+    with pytest.raises(ValueError, match="on_round"):
+        generate(target, [[1, 2]], 4, method="ddtree", budget=4, device_rounds=True,
+                 drafter=target_and_drafter()[1], on_round=lambda *a: None)
+
+
+def test_auto_budget_runs_on_device_rounds():
+    """``--budget auto`` with device rounds: each launch takes the policy's budget (one
+    program, a graph per budget), every round's cost reaches the policy, and the tokens are
+    AR's."""
+    from kdtree_numba.budget import AutoBudget
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
+    policy = AutoBudget(candidates=(2, 4, 8), start=4)
+    res = generate(target, prompts, 40, method="ddtree", drafter=drafter, budget=policy,
+                   device_rounds=True)
+    assert res.tokens == generate(target, prompts, 40).tokens
+    assert res.stats.time["round"] > 0 and res.stats.budget == "auto"
+    assert len(res.stats.budgets) == res.stats.rounds
+    assert set(res.stats.budgets) == {2, 4, 8}          # it probed both neighbours
+    summary = res.stats.budget_auto["per_budget"]
+    assert sum(v["rounds"] for v in summary.values()) == res.stats.rounds
+    programs = [p for p in target.generation_cache.programs.values() if p.drafter is drafter]
+    assert len(programs) == 1
 
 
 def test_many_rounds_keep_the_host_bounds_tight():
@@ -113,12 +135,11 @@ def test_kdtree_run_device_rounds_give_the_same_text(capsys, monkeypatch):
     monkeypatch.delenv("KDTREE_DEBUG", raising=False)
     args = ["--method", "ddtree", "--max-new-tokens", "12", "--json", "--budget", "8"]
     outs = []
-    for extra in ([], ["--device-rounds"]):
+    for extra in ([], ["--device-rounds"], ["--device-rounds", "--budget", "auto"]):
         assert run_main(args + extra) == 0
         outs.append(json.loads(capsys.readouterr().out)["tokens"])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     for bad, why in ((["--method", "ar"], "needs --method ddtree or chain"),
-                     (["--method", "ddtree", "--budget", "auto"], "needs a fixed --budget"),
                      (["--method", "ddtree", "--drafter", "oracle"], "needs a device-only")):
         assert run_main(bad + ["--max-new-tokens", "2", "--device-rounds"]) == 2
         err = [line for line in capsys.readouterr().err.strip().splitlines()

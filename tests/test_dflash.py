@@ -573,11 +573,13 @@ def test_gpu_dflash_propose_matches_the_oracle():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device_rounds", [False, True])
 @pytest.mark.parametrize("method", ["ddtree", "chain"])
-def test_gpu_dflash_generation_equals_ar_and_replays(method):
+def test_gpu_dflash_generation_equals_ar_and_replays(method, device_rounds):
     """The small target with a random DFlash drafter on the GPU: the AR tokens twice (the
-    second call replays the first one's graphs: the block forward, the context injection,
-    the feature gather), one read per round."""
+    second call replays the first one's graphs: host-driven rounds the block forward, the
+    context injection, the feature gather; device rounds the whole round), one read per
+    round (device rounds: and per round enqueued for a request already finished)."""
     tcfg = size_config("small")
     tw = dict(random_weights(tcfg, 0))
     gpu = Model(tcfg, tw, "numba")
@@ -590,11 +592,16 @@ def test_gpu_dflash_generation_equals_ar_and_replays(method):
     want = generate(gpu, prompts, 24).tokens
     for _ in range(2):
         res, reads, syncs = counted(gpu.backend, lambda: generate(
-            gpu, prompts, 24, method=method, drafter=drafter, budget=16))
+            gpu, prompts, 24, method=method, drafter=drafter, budget=16,
+            device_rounds=device_rounds))
         assert res.tokens == want
-        assert reads == 1 + res.stats.rounds and syncs == 1
+        assert reads == 1 + res.stats.rounds + res.stats.rounds_dropped and syncs == 1
+        assert (res.stats.time["round"] > 0) == device_rounds
     if gpu.graphs is not None:
         assert gpu.graphs.failures == 0 and drafter.model.graphs.failures == 0
-        assert gpu.graphs.kinds()["accepted_rows"] == 1, gpu.graphs.kinds()
-        kinds = drafter.model.graphs.kinds()
-        assert kinds["forward"] >= 1 and kinds["dflash_context"] >= 1, kinds
+        if device_rounds:
+            assert gpu.graphs.kinds()["round"] == 1, gpu.graphs.kinds()
+        else:
+            assert gpu.graphs.kinds()["accepted_rows"] == 1, gpu.graphs.kinds()
+            kinds = drafter.model.graphs.kinds()
+            assert kinds["forward"] >= 1 and kinds["dflash_context"] >= 1, kinds

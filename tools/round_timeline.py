@@ -91,13 +91,14 @@ class Timeline:
             timeline.rounds.append(dict(before=before, after=after, replayed=out is not None))
             return out
 
-        def launch(rounds, active):
+        def launch(rounds, active, budget):
             t0 = time.perf_counter()
             n = len(timeline.rounds)
-            timeline.launch(rounds, active)
+            timeline.launch(rounds, active, budget)
             if len(timeline.rounds) == n:          # no graph call (graphs off): eager
                 timeline.rounds.append(dict(replayed=False))
-            timeline.rounds[-1].update(launch=time.perf_counter() - t0, program=rounds)
+            timeline.rounds[-1].update(launch=time.perf_counter() - t0, program=rounds,
+                                       budget=budget)
 
         def collect(rounds):
             t0 = time.perf_counter()
@@ -122,9 +123,10 @@ class Timeline:
         device = [elapsed(r["before"], r["after"]) for r in rs]
         gaps = [max(0.0, elapsed(a["after"], b["before"])) for a, b in zip(rs, rs[1:])]
         span = elapsed(rs[0]["before"], rs[-1]["after"]) if rs else 0.0
-        program = self.rounds[-1]["program"]
-        graph = program.model.graphs._graphs.get(program._key()) \
-            if program.model.graphs is not None else None
+        program, budget = self.rounds[-1]["program"], self.rounds[-1]["budget"]
+        key = program.key(budget)           # the graph cache's key adds the input's specs
+        graphs = program.model.graphs._graphs if program.model.graphs is not None else {}
+        graph = next((g for k, g in graphs.items() if k[:len(key)] == key), None)
         return dict(launched=len(self.rounds), replayed=len(rs), committed_rounds=n_rounds,
                     wall_ms_per_round=1e3 * wall / max(n_rounds, 1),
                     device_ms=float(np.mean(device or [0.0])),

@@ -1,0 +1,223 @@
+"""Which kernels an AR step and a DDTree round run on the GPU, and what each one costs.
+
+    python3 tools/round_kernels.py [--prompts 2] [--budgets 8,32] [--max-new-tokens 64]
+                                   [--top 30] [--json PATH]
+
+tools/round_timeline.py gives a round's device time; this names its kernels (issue 36, item 1:
+"each kernel of the demo target's and the drafter's forwards").  For the demo pair (or
+``--model`` / ``--drafter``) at T = 0 it runs AR and, per budget, DDTree with device rounds
+(one CUDA graph a round), warmed, then once more under torch's profiler, whose CUPTI kernel
+records hold every kernel of the process (numba's, CuPy's, inside CUDA graphs too).  Every
+replay of the engine's graph cache (``GraphCache.call``) is bracketed by two empty marker
+kernels on the legacy stream, with which the graph's replays are ordered, so the kernels
+between a pair are that replay's.  Per kind of replay ("forward n=1": an AR step; "round
+b=8": a device round; prefills and the drafter's own graphs apart) the tool prints:
+
+* kernels per replay, their summed durations (``busy``) and the replay's ``span`` (first
+  kernel's start to last kernel's end): ``span - busy`` is what the graph spends between its
+  kernels (launch latency and dependencies), ``span / kernels`` the cost of a node;
+* the kernels themselves (numba's mangled names shortened to module.function), per replay:
+  launches, mean and summed microseconds, so a fusion's gain can be read off beforehand.
+
+Kernels outside any bracket (the engine's eager work between replays: an AR step's sampling)
+are counted per generated token.  GPU only, with torch (the ``hf`` extra) for the profiler.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kdtree_numba import compat, demo  # noqa: E402
+from kdtree_numba.backends import make_backend  # noqa: E402
+from kdtree_numba.engine import generate  # noqa: E402
+from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.text import load_codec  # noqa: E402
+
+BEGIN, END = "kdtree_replay_begin", "kdtree_replay_end"
+MARKERS = (r'extern "C" __global__ void kdtree_replay_begin() {}'
+           r' extern "C" __global__ void kdtree_replay_end() {}')
+
+
+def short_name(name: str) -> str:
+    """``module.function`` of a numba kernel's Itanium-mangled name (``_ZN<len><part>...``);
+    other names (CuPy's) as they are."""
+    if not name.startswith("_ZN"):
+        return name.split("(")[0]
+    parts, i = [], 3
+    while i < len(name) and name[i].isdigit():
+        m = re.match(r"\d+", name[i:])
+        n = int(m.group())
+        i += len(m.group())
+        parts.append(name[i:i + n])
+        i += n
+    parts = [p for p in parts if p not in ("cudapy",)]
+    return ".".join(parts[-2:]) if parts else name
+
+
+def label(key) -> str:
+    """A readable kind of graph replay from its ``GraphCache`` key."""
+    kind = key[0]
+    if kind == "round":
+        return f"round b={key[1]}"
+    if kind in ("forward", "prefill"):
+        return f"{kind} bs={key[1]} n={key[2]}"
+    return str(kind)
+
+
+class Brackets:
+    """Marker kernels around every ``GraphCache.call`` that replays (installed for the tool's
+    process); ``labels`` the replays' kinds in launch order."""
+
+    def __init__(self, cupy):
+        from kdtree_numba.graphs import GraphCache
+        module = cupy.RawModule(code=MARKERS)
+        begin, end = module.get_function(BEGIN), module.get_function(END)
+        self.labels: list[str] = []
+        self.active = False
+        original = GraphCache.call
+        brackets = self
+
+        def call(graphs, key, *args, **kwargs):
+            if not brackets.active or key not in graphs._graphs:
+                return original(graphs, key, *args, **kwargs)   # eager or captured now
+            begin((1,), (1,), ())
+            out = original(graphs, key, *args, **kwargs)
+            end((1,), (1,), ())
+            brackets.labels.append(label(key))
+            return out
+
+        GraphCache.call = call
+
+
+def kernel_records(trace_path: str) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every kernel in a Chrome trace from torch's
+    profiler, by start."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
+          if e.get("cat") == "kernel"]
+    return sorted(ks)
+
+
+def segment(records, labels) -> tuple[dict, list]:
+    """Kernels between each begin/end marker pair, by the pair's label; the rest apart."""
+    per_label: dict = collections.defaultdict(list)
+    outside, inside, k = [], None, 0
+    for ts, dur, name in records:
+        if name == BEGIN:
+            inside = []
+        elif name == END:
+            if inside is not None and k < len(labels):
+                per_label[labels[k]].append(inside)
+            inside, k = None, k + 1
+        elif inside is not None:
+            inside.append((ts, dur, short_name(name)))
+        else:
+            outside.append((ts, dur, short_name(name)))
+    return per_label, outside
+
+
+def summarise(replays: list) -> dict:
+    """Per replay: kernels, busy and span (us), and the kernels by name."""
+    busy = [sum(d for _, d, _ in r) for r in replays if r]
+    span = [r[-1][0] + r[-1][1] - r[0][0] for r in replays if r]
+    names: dict = collections.defaultdict(list)
+    for r in replays:
+        for _, d, n in r:
+            names[n].append(d)
+    count = len(replays)
+    kernels = sorted(((n, len(ds) / count, float(np.mean(ds)), sum(ds) / count)
+                      for n, ds in names.items()), key=lambda t: -t[3])
+    return dict(replays=count, kernels=float(np.mean([len(r) for r in replays])),
+                busy_us=float(np.mean(busy)), span_us=float(np.mean(span)),
+                by_kernel=[dict(name=n, per_replay=c, mean_us=m, us_per_replay=t)
+                           for n, c, m, t in kernels])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--budgets", default="8,32")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--top", type=int, default=30, help="kernels listed per kind of replay")
+    p.add_argument("--model", default=str(demo.TARGET))
+    p.add_argument("--drafter", default=str(demo.DRAFTER))
+    p.add_argument("--prompt-file", default=os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "data", "heldout_prompts.jsonl"))
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if not compat.gpu_available():
+        sys.exit("round_kernels: needs a GPU (it reads CUPTI's kernel records)")
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        sys.exit("round_kernels: needs torch for its profiler (pip install -e .[hf])")
+    import cupy
+    from bench_demo import make_drafter, read_prompts
+    torch.cuda.init()
+    model = Model.load(args.model, make_backend("numba"))
+    codec = load_codec(args.model)
+    prompts = [r["ids"] for r in read_prompts(args.prompt_file, args.prompts, codec)]
+    drafter = make_drafter(args.drafter, model, 7, 0)
+    brackets = Brackets(cupy)
+    result = dict(card=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), configs=[])
+    for budget in [0] + [int(b) for b in args.budgets.split(",")]:
+        kw = dict(method="ddtree", drafter=drafter, budget=budget, device_rounds=True) \
+            if budget else dict(method="ar")
+        for ids in prompts:                       # compile, capture, warm
+            generate(model, [ids], args.max_new_tokens, **kw)
+            generate(model, [ids], args.max_new_tokens, **kw)
+        brackets.labels.clear()
+        brackets.active = True
+        cupy.cuda.Device().synchronize()
+        tokens = rounds = 0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for ids in prompts:
+                res = generate(model, [ids], args.max_new_tokens, **kw)
+                tokens += res.stats.new_tokens
+                rounds += res.stats.rounds
+            cupy.cuda.Device().synchronize()
+        brackets.active = False
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(trace)
+            records = kernel_records(trace)
+        per_label, outside = segment(records, brackets.labels)
+        config = dict(method=f"ddtree b={budget}" if budget else "ar", tokens=tokens,
+                      rounds=rounds, kernels_recorded=len(records),
+                      outside_per_token=len(outside) / max(tokens, 1),
+                      outside_us_per_token=sum(d for _, d, _ in outside) / max(tokens, 1),
+                      replays={lab: summarise(rs) for lab, rs in per_label.items()})
+        result["configs"].append(config)
+        print(f"\n## {config['method']}  ({result['card']}; {len(prompts)} prompts x "
+              f"{args.max_new_tokens} tokens; {len(records)} kernels recorded; outside the "
+              f"graphs {config['outside_per_token']:.1f} kernels, "
+              f"{config['outside_us_per_token']:.1f} us a token)")
+        for lab, s in sorted(config["replays"].items(), key=lambda t: -t[1]["replays"]):
+            print(f"\n### {lab}: {s['replays']} replays; {s['kernels']:.1f} kernels, busy "
+                  f"{s['busy_us']:.1f} us, span {s['span_us']:.1f} us, between kernels "
+                  f"{s['span_us'] - s['busy_us']:.1f} us "
+                  f"({(s['span_us'] - s['busy_us']) / max(s['kernels'] - 1, 1):.2f} us a gap)")
+            print("| kernel | per replay | mean us | us per replay |\n|---|---|---|---|")
+            for k in s["by_kernel"][:args.top]:
+                print(f"| {k['name']} | {k['per_replay']:.2f} | {k['mean_us']:.2f} | "
+                      f"{k['us_per_replay']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
