@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from kdtree_numba import compat, cpu
+from kdtree_numba import compat, cpu, runtime
 from kdtree_numba import attention as numba_attention
 from kdtree_numba import ddtree as numba_ddtree
 from kdtree_numba import layers as numba_layers
@@ -50,7 +50,7 @@ PRECISIONS = ("float64", "float32")    # the reference backend's: the contract, 
 
 # Every op the model and engine use; both backends must provide exactly these.
 LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", "moe_route",
-             "moe_ffn")
+             "moe_ffn", "mla_latents", "mla_q_split")
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
               "accept_sampled", "compact_kv")
@@ -265,6 +265,22 @@ class Ops:
         return other
 
 
+def latents_by_parts(ops, xp) -> tuple:
+    """``(mla_latents, mla_q_split)`` (reference/attention/latents.py) made of ``ops``'s
+    rmsnorm and rope and ``xp``'s copies, as the model ran them before the fused kernels: the
+    numba backend's without ``KDTREE_FUSED_LATENTS`` (the same bits), the CPU path's."""
+    def mla_latents(x, q_norm, kv_norm, positions, spec, eps, *, q_lora, rank):
+        q_a = ops.rmsnorm(x[:, :q_lora], q_norm, eps) if q_lora else None
+        c = ops.rmsnorm(x[:, q_lora:q_lora + rank], kv_norm, eps)
+        k_pe = ops.rope(xp.ascontiguousarray(x[:, q_lora + rank:]).reshape(
+            x.shape[0], 1, spec.head_dim), positions, spec)
+        return q_a, c, k_pe
+
+    def mla_q_split(q, positions, spec, *, dn):
+        return xp.ascontiguousarray(q[:, :, :dn]), ops.rope(q[:, :, dn:], positions, spec)
+    return mla_latents, mla_q_split
+
+
 def _reference_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
                              prefill=False, causal=False, plans=None):
     """``reference.attention.mla_attention``; ``max_keys``, ``prefill`` and ``plans`` (the numba
@@ -283,6 +299,7 @@ class ReferenceOps(Ops):
         self.moe_route, self.moe_ffn = rl.moe_route, rl.moe_ffn
         self.mla_attention = _reference_mla_attention
         self.absorb_q, self.apply_uv = ra.absorb_q, ra.apply_uv
+        self.mla_latents, self.mla_q_split = rl.mla_latents, rl.mla_q_split
         self.topk_logprobs, self.build_tree = rd.topk_logprobs, rd.build_tree
         self.compile_tree, self.accept_greedy = rd.compile_tree, rd.accept_greedy
         self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
@@ -302,6 +319,7 @@ class CpuFloat32Ops(ReferenceOps):
         self.linear, self.moe_route, self.moe_ffn = cpu.linear, cpu.moe_route, cpu.moe_ffn
         self.absorb_q, self.apply_uv = cpu.absorb_q, cpu.apply_uv
         self.mla_attention = cpu.mla_attention
+        self.mla_latents, self.mla_q_split = latents_by_parts(self, np)
 
 
 def _no_paged_kernel(name: str):
@@ -387,7 +405,7 @@ class NumbaOps(Ops):
     every op is then batch invariant, which the rounding of x to bf16 needs (a last-bit
     difference upstream flips a bf16 rounding and grows to ~1e-3)."""
 
-    def __init__(self, on_gpu: bool, launch, gemm: str):
+    def __init__(self, on_gpu: bool, launch, gemm: str, xp, fused_latents: bool = False):
         is_device, to_xp = _device_result_converter(on_gpu)
 
         def convert(x):
@@ -402,6 +420,9 @@ class NumbaOps(Ops):
         self.moe_route, self.moe_ffn = wrap(nl.moe_route), wrap(nl.moe_ffn)
         self.mla_attention = wrap(na.mla_attention)
         self.absorb_q, self.apply_uv = wrap(na.absorb_q), wrap(na.apply_uv)
+        # one launch each, or the norms, ropes and copies they replace (runtime.py)
+        self.mla_latents, self.mla_q_split = (wrap(nl.mla_latents), wrap(nl.mla_q_split)) \
+            if fused_latents else latents_by_parts(self, xp)
         self.topk_logprobs, self.build_tree = wrap(nd.topk_logprobs), wrap(nd.build_tree)
         self.compile_tree, self.accept_greedy = wrap(nd.compile_tree), wrap(nd.accept_greedy)
         self.sample_targets = wrap(nd.sample_targets)
@@ -525,5 +546,5 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores",
     else:
         xp = np
     launch = LaunchSettings()
-    return Backend("numba", xp, NumbaOps(on_gpu, launch, gemm), on_gpu=on_gpu, _launch=launch,
-                   gemm=gemm)
+    ops = NumbaOps(on_gpu, launch, gemm, xp, runtime.current().fused_latents)
+    return Backend("numba", xp, ops, on_gpu=on_gpu, _launch=launch, gemm=gemm)

@@ -549,18 +549,16 @@ class Model(DeviceSteps):
         return self._latents(lw, self.backend.ops.linear(h, lw.kv_a), positions)
 
     def _latents(self, lw, kv, positions):
-        """(c, k_pe) of ``kv = h kv_a^T`` [M, r + dr] (a view is fine: rmsnorm reads rows)."""
-        xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
-        r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        c = ops.rmsnorm(kv[:, :r], lw.kv_a_norm, LATENT_NORM_EPS)
-        k_pe = ops.rope(xp.ascontiguousarray(kv[:, r:]).reshape(kv.shape[0], 1, dr), positions,
-                        self.rope)
+        """(c, k_pe) of ``kv = h kv_a^T`` [M, r + dr]."""
+        _, c, k_pe = self.backend.ops.mla_latents(kv, None, lw.kv_a_norm, positions, self.rope,
+                                                  LATENT_NORM_EPS, q_lora=0,
+                                                  rank=self.config.kv_lora_rank)
         return c, k_pe
 
     def _attention(self, lw, layer, h, positions, cache, slots, visible, bs, n, causal=False,
                    prefill=False):
         """Absorbed MLA of one layer; writes this layer's latents of the n tokens."""
-        xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
+        ops, cfg = self.backend.ops, self.config
         M, H = bs * n, cfg.num_attention_heads
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, \
             cfg.kv_lora_rank
@@ -569,12 +567,11 @@ class Model(DeviceSteps):
             c, k_pe = self.kv_latents(layer, h, positions)
         else:
             qkv = ops.linear(h, lw.qkv_a)                  # [M, q_lora + r + dr]: q_a | kv_a
-            q_lora = cfg.q_lora_rank
-            q = ops.linear(ops.rmsnorm(qkv[:, :q_lora], lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
-            c, k_pe = self._latents(lw, qkv[:, q_lora:], positions)
-        q = q.reshape(M, H, dn + dr)
-        q_nope = xp.ascontiguousarray(q[:, :, :dn]).reshape(bs, n, H, dn)
-        q_pe = ops.rope(q[:, :, dn:], positions, self.rope)     # rope reads the view
+            q_a, c, k_pe = ops.mla_latents(qkv, lw.q_a_norm, lw.kv_a_norm, positions, self.rope,
+                                           LATENT_NORM_EPS, q_lora=cfg.q_lora_rank, rank=r)
+            q = ops.linear(q_a, lw.q_b)
+        q_nope, q_pe = ops.mla_q_split(q.reshape(M, H, dn + dr), positions, self.rope, dn=dn)
+        q_nope = q_nope.reshape(bs, n, H, dn)
         cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         u = cache.attend(ops, layer, q_abs, q_pe.reshape(bs, n, H, dr), slots, visible,

@@ -13,7 +13,9 @@ Two kinds of switch:
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
   work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
   (``KDTREE_DEVICE_ROUNDS=1``, kdtree_numba/device_round.py: opt-in until the GPU has run
-  it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  it), an MLA layer's norms and ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``,
+  kdtree_numba/layers/latents.py, read when a numba backend is made: opt-in until the GPU
+  has run it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
@@ -39,8 +41,8 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 # every variable a RuntimeConfig is read from
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
-             "KDTREE_DEVICE_ROUNDS", "KDTREE_KERNEL_CACHE", "KDTREE_KERNEL_CACHE_DIR",
-             "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
+             "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_KERNEL_CACHE",
+             "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
 
@@ -77,6 +79,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     moe_work_list: bool = False
     device_rounds: bool = False
+    fused_latents: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -103,6 +106,7 @@ class RuntimeConfig:
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", False),
+                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

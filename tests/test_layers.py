@@ -565,10 +565,10 @@ def test_rmsnorm_register_and_loop_kernels_give_the_same_bits(gpu_layers):
     add a thread's squares in the same order, so they agree bit for bit; widths on both sides
     of a multiple of the thread count, and the widest the register kernel takes."""
     from kdtree_numba.compat import to_device
-    from kdtree_numba.layers.norm import _MAX_PER_THREAD, _norm_threads, _rmsnorm_kernel
-    threads = _norm_threads()
+    from kdtree_numba.layers.norm import MAX_PER_THREAD, norm_threads, _rmsnorm_kernel
+    threads = norm_threads()
     rng = np.random.default_rng(4)
-    for d in (1, threads - 1, threads + 3, _MAX_PER_THREAD * threads):
+    for d in (1, threads - 1, threads + 3, MAX_PER_THREAD * threads):
         x = (rng.standard_normal((2, d)) * 3).astype(np.float32)
         w = rng.uniform(0.5, 1.5, d).astype(np.float32)
         got = host(gpu_layers.rmsnorm(x, w, 1e-6))
@@ -583,12 +583,12 @@ def test_rmsnorm_register_and_loop_kernels_give_the_same_bits(gpu_layers):
 def test_add_rmsnorm_is_the_add_then_the_norm_bit_for_bit(gpu_layers):
     """add_rmsnorm(x, delta) = (x + delta, rmsnorm(x + delta)) with both outputs bitwise the
     separate float32 add and rmsnorm (so the model's numbers do not move), on the register
-    kernel and the loop kernel (rows wider than _MAX_PER_THREAD * threads), bf16 weights
+    kernel and the loop kernel (rows wider than MAX_PER_THREAD * threads), bf16 weights
     too; within the reference's tolerance; and in place (sum_out = x)."""
     from kdtree_numba.compat import to_device
-    from kdtree_numba.layers.norm import _MAX_PER_THREAD, _norm_threads
+    from kdtree_numba.layers.norm import MAX_PER_THREAD, norm_threads
     rng = np.random.default_rng(12)
-    for d in (40, _MAX_PER_THREAD * _norm_threads() + 5):
+    for d in (40, MAX_PER_THREAD * norm_threads() + 5):
         for dtype in (np.float32, BF16):
             x = (rng.standard_normal((3, d)) * 3).astype(np.float32)
             delta = (rng.standard_normal((3, d)) * 0.1).astype(np.float32)

@@ -28,6 +28,8 @@ gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM beh
 
 * ``norm``        -- rmsnorm, add_rmsnorm;
 * ``rope``        -- rope (RopeSpec and YarnScaling are the reference's own classes);
+* ``latents``     -- mla_latents, mla_q_split: an MLA layer's norms and ropes between its
+  projections, one launch each (bitwise norm's and rope's);
 * ``linear``      -- linear(): picks the skinny or the tiled GEMM and launches it;
 * ``skinny``      -- the weight-streaming GEMM (SkinnyConfig, skinny_config);
 * ``tiled``       -- the tiled GEMM (tiled_config, its K slices, the kernel factory);
@@ -52,6 +54,7 @@ from __future__ import annotations
 from kdtree_numba.layers.argmax import argmax
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, SKINNY_MAX_M  # noqa: F401
 from kdtree_numba.layers.embedding import embedding
+from kdtree_numba.layers.latents import mla_latents, mla_q_split
 from kdtree_numba.layers.linear import linear
 from kdtree_numba.layers.mma import (  # noqa: F401
     MmaConfig, mma_config, mma_error_coefficient, mma_splits)
@@ -70,7 +73,7 @@ from kdtree_numba.layers.workspace import Workspace
 __all__ = ["rmsnorm", "add_rmsnorm", "RopeSpec", "YarnScaling", "rope", "linear", "embedding",
            "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn", "Workspace",
            "SkinnyConfig", "TiledConfig", "skinny_config", "tiled_config", "tiled_splits",
-           "tiled_depth", "expert_tiled_configs", "SKINNY_MAX_M"]
+           "tiled_depth", "expert_tiled_configs", "SKINNY_MAX_M", "mla_latents", "mla_q_split"]
 
 # Public too, though not in __all__ (the benchmarks and GPU tests use them): ROWS_UNROLL,
 # skinny_threads, expert_config, CHUNK, GPU_SMS, MmaConfig, mma_config, mma_splits,

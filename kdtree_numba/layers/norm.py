@@ -15,16 +15,17 @@ from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.workspace import device_f32, device_weight, result_array
 
-__all__ = ["rmsnorm", "add_rmsnorm"]
+__all__ = ["rmsnorm", "add_rmsnorm", "norm_threads", "MAX_PER_THREAD"]
 
 
-def _norm_threads():
+def norm_threads():
+    """A norm's block (the fused MLA latents' too: attention/latents.py sums as this does)."""
     return 32 if SIMULATOR else 256
 
 
-# Values a thread keeps in registers (row width <= _MAX_PER_THREAD * threads: Kimi's 7168 at
+# Values a thread keeps in registers (row width <= MAX_PER_THREAD * threads: Kimi's 7168 at
 # 256 threads takes 28); wider rows take the loop kernel.
-_MAX_PER_THREAD = 32
+MAX_PER_THREAD = 32
 
 
 @kernel_factory
@@ -33,7 +34,7 @@ def _rmsnorm_kernel(threads: int, is_bf16: bool, per_thread: int, add: bool = Fa
     t + k*threads) are loaded at once into registers, all loads in flight together, and scaled
     from there: one pass over x and one round trip of memory latency, where a loop waits for
     each load in turn (a one-row norm is all latency); the weight's values are loaded beside
-    them.  0: the loop, for rows wider than _MAX_PER_THREAD * threads.  Both add a thread's
+    them.  0: the loop, for rows wider than MAX_PER_THREAD * threads.  Both add a thread's
     squares in the same order (k ascending), so they give the same bits.  ``add``: the row is
     ``x + delta`` (one fp32 add per value, the same rounding as a separate add), written to
     ``s`` as it is loaded; without it ``delta`` and ``s`` are placeholders, never touched."""
@@ -99,9 +100,9 @@ def _launch_norm(xd, delta, s, weight, eps: float, out, stream):
         raise ValueError(f"rmsnorm wants weight [{xd.shape[1]}], got {wd.shape}")
     y = result_array(out, xd.shape, np.float32, stream)
     if xd.shape[0]:
-        threads = _norm_threads()
+        threads = norm_threads()
         per_thread = -(-xd.shape[1] // threads)
-        if per_thread > _MAX_PER_THREAD:
+        if per_thread > MAX_PER_THREAD:
             per_thread = 0
         add = delta is not None
         # without the add, x stands for delta and s (the kernel never touches them)

@@ -15,7 +15,7 @@ from kdtree_numba.compat import (SIMULATOR, block_size_options, cuda, kernel, ke
 from kdtree_numba.layers.workspace import device_f32, result_array
 from reference.layers import RopeSpec, YarnScaling
 
-__all__ = ["RopeSpec", "YarnScaling", "rope"]
+__all__ = ["RopeSpec", "YarnScaling", "rope", "rope_tables"]
 
 
 @kernel_factory
@@ -49,7 +49,7 @@ def _rope_kernel(half: int, interleave: bool, threads: int):
 
 
 @functools.cache
-def _rope_tables(spec: RopeSpec):
+def rope_tables(spec: RopeSpec):
     """(inv_freq on the device, float64; amplitude), copied once per spec and process."""
     return to_device(spec.inv_freq()), float(spec.amplitude())
 
@@ -64,7 +64,7 @@ def rope(x, positions, spec: RopeSpec, *, out=None, stream=0, workspace=None):
     if dr != spec.head_dim or tuple(pd.shape) != (m,):
         raise ValueError(f"rope wants x [M, H, {spec.head_dim}] and positions [M], got "
                          f"{xd.shape}, {pd.shape}")
-    inv_freq, amplitude = _rope_tables(spec)
+    inv_freq, amplitude = rope_tables(spec)
     y = result_array(out, (m, h, dr), np.float32, stream)
     if m:
         # a thread per pair up to 1024 (a decode's 64 heads x 32 pairs: two pairs a thread);

@@ -17,6 +17,9 @@ function                                        returns
 rmsnorm(x [M,D], weight [D], eps)               [M,D]  ``weight * x / sqrt(mean(x^2) + eps)``
 add_rmsnorm(x, delta [M,D], weight, eps)        (s = x + delta in float32, rmsnorm(s, ...))
 rope(x [M,H,dr], positions [M], spec)           [M,H,dr] rotated, halves layout (rope.py)
+mla_latents(x [M,q+r+dr], q_norm, kv_norm,      (rmsnorm(x[:, :q]), rmsnorm(x[:, q:q+r]),
+            positions, spec, eps, q_lora, rank)  rope(x[:, q+r:])): an MLA layer's latents
+mla_q_split(q [M,H,dn+dr], positions, spec, dn) (q[..., :dn], rope(q[..., dn:])) (latents.py)
 RopeSpec.softmax_scale(qk_head_dim)             tau = qk_head_dim^-0.5 * m(factor, mscale_all_dim)^2
 linear(x [M,K], w [N,K])                        [M,N]  ``x w^T``
 embedding(ids [M], table [V,D])                 [M,D]  ``table[ids]`` as float32
@@ -32,7 +35,8 @@ moe_ffn(h, None, None, gate_up [1,2I,D],        [M,D]  the dense FFN ``FFN_0(h[m
 
 The rules behind the table live with the code: the RoPE layout and YaRN in rope.py, routing and
 the MoE FFN in moe.py.  One module per kernel family (the numba twin mirrors the names): norm.py
-(rmsnorm), rope.py, linear.py, embedding.py, argmax.py, moe.py; common.py holds ``as_float64``.
+(rmsnorm), rope.py, latents.py (the two composed, as an MLA layer needs them), linear.py,
+embedding.py, argmax.py, moe.py; common.py holds ``as_float64``.
 
 This namespace also re-exports ``reference.attention`` (one namespace for the whole model).
 """
@@ -41,6 +45,7 @@ from __future__ import annotations
 from .argmax import argmax
 from .common import as_float64
 from .embedding import embedding
+from .latents import mla_latents, mla_q_split
 from .linear import linear
 from .moe import (check_routing_args, is_dense, moe_ffn, moe_route, route_from_logits,
                   router_logits, silu)
@@ -49,7 +54,7 @@ from .rope import RopeSpec, YarnScaling, rope, rotate, yarn_mscale
 
 __all__ = ["rmsnorm", "add_rmsnorm", "YarnScaling", "RopeSpec", "yarn_mscale", "rope", "rotate",
            "linear", "embedding", "argmax", "router_logits", "route_from_logits", "moe_route", "moe_ffn",
-           "silu", "as_float64", "check_routing_args", "is_dense"]
+           "silu", "as_float64", "check_routing_args", "is_dense", "mla_latents", "mla_q_split"]
 
 # The attention references live in reference/attention/; one namespace for the whole model.
 # reference.attention imports nothing from reference.layers, so this makes no import circle.

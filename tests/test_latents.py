@@ -1,0 +1,172 @@
+"""An MLA layer's norms and ropes between its projections, fused (kdtree_numba/layers/latents.py)
+against the reference (reference/layers/latents.py) and, bit for bit, against the separate
+norm, rope and copy launches they replace; and a model gives the same logits with them or
+without (``KDTREE_FUSED_LATENTS``)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import reference.layers as rl
+from kdtree_numba import layers as nl
+from kdtree_numba.backends import latents_by_parts, make_backend
+
+BF16 = ml_dtypes.bfloat16
+SPECS = {
+    "interleaved": rl.RopeSpec(1e4, 8, True),
+    "halves+yarn": rl.RopeSpec(5e4, 8, False, rl.YarnScaling(32.0, 64, 1.0, 1.0, 1.0, 0.5)),
+}
+
+
+def host(a):
+    """A numba device array, a CuPy array or a NumPy one, as NumPy."""
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def _case(seed, m, q_lora, rank, dr, weight_dtype):
+    rng = np.random.default_rng(seed)
+    x = (3 * rng.standard_normal((m, q_lora + rank + dr))).astype(np.float32)
+    q_norm = rng.uniform(0.5, 1.5, q_lora).astype(weight_dtype) if q_lora else None
+    kv_norm = rng.uniform(0.5, 1.5, rank).astype(weight_dtype)
+    positions = rng.integers(0, 4000, m).astype(np.int32)
+    return x, q_norm, kv_norm, positions
+
+
+@pytest.fixture(scope="module")
+def unfused():
+    """The numba backend's ops by parts (what the model ran before the fused kernels)."""
+    be = make_backend("numba")
+    return latents_by_parts(be.ops, be.xp)
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("q_lora, rank, m, dtype", [(12, 16, 3, np.float32), (0, 16, 2, BF16),
+                                                    (40, 36, 1, BF16)])
+def test_fused_latents_equal_the_parts_bitwise_and_the_reference(spec, q_lora, rank, m, dtype,
+                                                                 unfused):
+    """Segments narrower and wider than the simulator's 32-thread block, no q LoRA, f32 and
+    bf16 norm weights, both rope layouts (YaRN's amplitude included)."""
+    spec = SPECS[spec]
+    x, q_norm, kv_norm, pos = _case(7, m, q_lora, rank, spec.head_dim, dtype)
+    eps = 1e-6
+    got = nl.mla_latents(x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
+    parts = unfused[0](x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
+    want = rl.mla_latents(x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
+    assert (got[0] is None) == (q_lora == 0) == (want[0] is None)
+    for g, p, w in zip(got, parts, want):
+        if w is None:
+            continue
+        g, p = host(g), host(p)
+        assert g.shape == w.shape and g.dtype == np.float32
+        np.testing.assert_array_equal(g, p)                 # the same arithmetic
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_fused_q_split_equals_the_parts_bitwise_and_the_reference(spec, unfused):
+    spec = SPECS[spec]
+    rng = np.random.default_rng(3)
+    m, heads, dn = 3, 5, 12
+    q = (2 * rng.standard_normal((m, heads, dn + spec.head_dim))).astype(np.float32)
+    pos = rng.integers(0, 4000, m).astype(np.int32)
+    got = [host(a) for a in nl.mla_q_split(q, pos, spec, dn=dn)]
+    parts = unfused[1](q, pos, spec, dn=dn)
+    want = rl.mla_q_split(q, pos, spec, dn=dn)
+    for g, p, w in zip(got, parts, want):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g, host(p))
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[0], q[:, :, :dn])      # the copy is exact
+
+
+def test_latents_refuse_bad_shapes():
+    spec = SPECS["interleaved"]
+    x, q_norm, kv_norm, pos = _case(0, 2, 8, 16, 8, np.float32)
+    for bad in (dict(q_lora=8, rank=15), dict(q_lora=0, rank=24)):   # widths / q norm given
+        with pytest.raises(ValueError, match="mla_latents wants"):
+            nl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, **bad)
+        with pytest.raises(ValueError, match="mla_latents wants"):
+            rl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, **bad)
+    with pytest.raises(ValueError, match="mla_latents wants"):
+        nl.mla_latents(x, q_norm, kv_norm, pos[:1], spec, 1e-6, q_lora=8, rank=16)
+    with pytest.raises(ValueError, match="mla_q_split wants"):
+        nl.mla_q_split(x.reshape(2, 1, 32), pos, spec, dn=8)
+    with pytest.raises(ValueError, match="wider than"):
+        wide = np.zeros((1, 2048 + 8), np.float32)
+        nl.mla_latents(wide, None, np.ones(2048, np.float32), pos[:1], spec, 1e-6, q_lora=0,
+                       rank=2048)
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora):
+    """The tiny config's attention (q LoRA, YaRN), and without a q LoRA (a DFlash drafter's):
+    a tree-verify-shaped forward of 3 tokens after 2 cached ones, fused and by parts, bit for
+    bit (narrowed: the simulator runs a thread per GPU thread)."""
+    from kdtree_numba.bundle import random_weights, size_config
+    from kdtree_numba.model import ForwardBatch, Model
+    # one (dense) layer: the latents are the attention's; the experts would only cost time
+    cfg = size_config("tiny", num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                      vocab_size=64, q_lora_rank=48 if q_lora else None)
+    weights = dict(random_weights(cfg, 1))
+    outs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("KDTREE_FUSED_LATENTS", fused)
+        model = Model(cfg, weights, make_backend("numba"))
+        # the switch took: the fused kernels' op, or the parts'
+        assert (getattr(model.backend.ops.mla_latents, "__wrapped__", None) is
+                nl.mla_latents) == (fused == "1")
+        cache = model.new_cache(1, 8)
+        cache.advance(2)               # two cached slots (zeros): the keys attention reads
+        toks = np.array([[3, 11, 6]], np.int32)
+        pos = np.array([[2, 3, 3]], np.int32)
+        visible = np.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
+        outs.append(model.backend.to_host(model.forward(ForwardBatch(toks, pos, visible),
+                                                        cache)))
+    assert np.isfinite(outs[0]).all() and outs[0].std() > 0
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 65])
+@pytest.mark.parametrize("q_lora, rank, dr, heads, dn", [(1536, 512, 64, 64, 128),
+                                                        (128, 128, 32, 8, 32)])
+def test_gpu_fused_latents_equal_the_parts_bitwise(m, q_lora, rank, dr, heads, dn, unfused):
+    """Kimi-K2's widths and the demo model's, a decode and a 64-node verify: the butterfly
+    reduction of two sums gives each the bits of the norm kernel's one (gpu/reduce.py)."""
+    spec = rl.RopeSpec(5e4, dr, True, rl.YarnScaling(32.0, 4096, 1.0, 1.0, 1.0, 1.0))
+    x, q_norm, kv_norm, pos = _case(11, m, q_lora, rank, dr, BF16)
+    got = nl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
+    parts = unfused[0](x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
+    want = rl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
+    for g, p, w in zip(got, parts, want):
+        np.testing.assert_array_equal(host(g), host(p))
+        np.testing.assert_allclose(host(g), w, rtol=2e-6, atol=1e-6)
+    q = np.random.default_rng(2).standard_normal((m, heads, dn + dr)).astype(np.float32)
+    for g, p in zip(nl.mla_q_split(q, pos, spec, dn=dn), unfused[1](q, pos, spec, dn=dn)):
+        np.testing.assert_array_equal(host(g), host(p))
+
+
+@pytest.mark.gpu
+def test_gpu_demo_pair_gives_the_same_tokens_fused(monkeypatch):
+    """The shipped pair, AR and DDTree (host and device rounds), fused and by parts: the
+    same tokens (the fused kernels give the parts' bits)."""
+    from kdtree_numba import demo
+    from kdtree_numba.drafter import load_drafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    prompts = [[5, 6, 7, 8, 9, 10], [300, 301, 302]]
+    runs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("KDTREE_FUSED_LATENTS", fused)
+        target = Model.load(demo.TARGET, make_backend("numba"))
+        drafter = load_drafter(str(demo.DRAFTER), target)
+        runs.append([generate(target, prompts, 40).tokens]
+                    + [generate(target, prompts, 40, method="ddtree", drafter=drafter,
+                                budget=8, device_rounds=d).tokens for d in (False, True)])
+    assert runs[0] == runs[1]
+    assert runs[1][0] == runs[1][1] == runs[1][2]
