@@ -266,15 +266,21 @@ class Ops:
 
 
 def latents_by_parts(ops, xp) -> tuple:
-    """``(mla_latents, mla_q_split)`` (reference/attention/latents.py) made of ``ops``'s
-    rmsnorm and rope and ``xp``'s copies, as the model ran them before the fused kernels: the
-    numba backend's without ``KDTREE_FUSED_LATENTS`` (the same bits), the CPU path's."""
-    def mla_latents(x, q_norm, kv_norm, positions, spec, eps, *, q_lora, rank):
+    """``(mla_latents, mla_q_split)`` (reference/layers/latents.py) made of ``ops``'s rmsnorm
+    and rope and ``xp``'s copies, as the model ran them before the fused kernels: the
+    reference backends' ops, and the numba backend's without ``KDTREE_FUSED_LATENTS`` (the
+    same bits as the fused ones).  ``into`` (a kvcache.LatentStore): c and k_pe go to its rows
+    instead (bf16 bits for a bf16 store) and come back as None, as the fused op does."""
+    def mla_latents(x, q_norm, kv_norm, positions, spec, eps, *, q_lora, rank, into=None):
         q_a = ops.rmsnorm(x[:, :q_lora], q_norm, eps) if q_lora else None
         c = ops.rmsnorm(x[:, q_lora:q_lora + rank], kv_norm, eps)
         k_pe = ops.rope(xp.ascontiguousarray(x[:, q_lora + rank:]).reshape(
             x.shape[0], 1, spec.head_dim), positions, spec)
-        return q_a, c, k_pe
+        if into is None:
+            return q_a, c, k_pe
+        for store, values in ((into.c, c), (into.k_pe, k_pe.reshape(x.shape[0], -1))):
+            store[into.rows] = bf16_bits(xp, values) if store.dtype == np.uint16 else values
+        return q_a, None, None
 
     def mla_q_split(q, positions, spec, *, dn):
         return xp.ascontiguousarray(q[:, :, :dn]), ops.rope(q[:, :, dn:], positions, spec)
@@ -299,7 +305,8 @@ class ReferenceOps(Ops):
         self.moe_route, self.moe_ffn = rl.moe_route, rl.moe_ffn
         self.mla_attention = _reference_mla_attention
         self.absorb_q, self.apply_uv = ra.absorb_q, ra.apply_uv
-        self.mla_latents, self.mla_q_split = rl.mla_latents, rl.mla_q_split
+        # the composition (rl.mla_latents is the same one, without a cache to write into)
+        self.mla_latents, self.mla_q_split = latents_by_parts(self, np)
         self.topk_logprobs, self.build_tree = rd.topk_logprobs, rd.build_tree
         self.compile_tree, self.accept_greedy = rd.compile_tree, rd.accept_greedy
         self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
@@ -319,7 +326,7 @@ class CpuFloat32Ops(ReferenceOps):
         self.linear, self.moe_route, self.moe_ffn = cpu.linear, cpu.moe_route, cpu.moe_ffn
         self.absorb_q, self.apply_uv = cpu.absorb_q, cpu.apply_uv
         self.mla_attention = cpu.mla_attention
-        self.mla_latents, self.mla_q_split = latents_by_parts(self, np)
+        # mla_latents, mla_q_split: ReferenceOps's composition, of these norms and ropes
 
 
 def _no_paged_kernel(name: str):

@@ -53,7 +53,6 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
     features and write every drafter layer's latents of them at the next m slots (slot =
     position; uncommitted; device work only, so a CUDA graph can capture it)."""
     xp, ops, cfg = model.backend.xp, model.backend.ops, model.config
-    r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
     def run(features, lengths):
         bs, m, width = features.shape
@@ -62,8 +61,7 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
         slots = cache.device_slots(lengths, m)
         positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
         for layer in range(cfg.num_hidden_layers):
-            c, k_pe = model.kv_latents(layer, f, positions)
-            cache.write(layer, c.reshape(bs, m, r), k_pe.reshape(bs, m, dr), slots)
+            model.kv_latents(layer, f, positions, into=cache.latent_store(layer, slots))
         return ()
     return run
 

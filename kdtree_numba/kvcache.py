@@ -39,7 +39,7 @@ import numpy as np
 from kdtree_numba.backends import bf16_bits
 from kdtree_numba.kvlayout import CacheFullError, KVLayout, PageTable, make_layout
 
-__all__ = ["KVCache", "CacheFullError", "WriteSlots", "CACHE_DTYPES"]
+__all__ = ["KVCache", "CacheFullError", "WriteSlots", "LatentStore", "CACHE_DTYPES"]
 
 CACHE_DTYPES = ("float32", "bfloat16")   # what the latents are stored as
 
@@ -48,14 +48,28 @@ CACHE_DTYPES = ("float32", "bfloat16")   # what the latents are stored as
 class WriteSlots:
     """Where one forward's n new tokens go, made once and used by every layer:
     ``batch`` [bs, 1] and ``rows`` [bs, n] (device index arrays: request b's new token slots
-    ``lengths_b + j``; the layout maps them to its storage), ``prefix`` [bs] int32 (the device
-    lengths: attention's prefix), ``max_keys`` (host int >= ``max(lengths) + n``: the attention
-    kernels' split-plan hint) and ``table`` (a paged layout's page table, else None)."""
+    ``lengths_b + j``), ``storage`` [bs, n] (where the layout keeps them: rows of a layer's
+    array viewed as ``[slots, width]``, KVLayout.storage_rows), ``prefix`` [bs] int32 (the
+    device lengths: attention's prefix), ``max_keys`` (host int >= ``max(lengths) + n``: the
+    attention kernels' split-plan hint) and ``table`` (a paged layout's page table, else
+    None)."""
     batch: object
     rows: object
+    storage: object
     prefix: object
     max_keys: int
     table: PageTable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentStore:
+    """One layer's cache as a fused latents kernel writes it (kdtree_numba/layers/latents.py):
+    ``c`` [slots, r] and ``k_pe`` [slots, dr] (float32, or uint16 bf16 bits for a bf16 cache:
+    rounded to nearest, ties to even, as :meth:`KVCache.write` rounds) and the ``rows`` [M]
+    of the forward's M new tokens there."""
+    c: object
+    k_pe: object
+    rows: object
 
 
 class KVCache:
@@ -151,10 +165,12 @@ class KVCache:
         Attention's split plan covers the whole capacity (``max_keys = max_len``), so one graph
         serves every length."""
         xp = self.backend.xp
-        return WriteSlots(batch=xp.arange(self.batch, dtype=np.int64)[:, None],
-                          rows=lengths[:, None] + xp.arange(n, dtype=np.int64)[None, :],
-                          prefix=lengths, max_keys=self.max_len,
-                          table=self.layout.table if table is None else table)
+        table = self.layout.table if table is None else table
+        batch = xp.arange(self.batch, dtype=np.int64)[:, None]
+        rows = lengths[:, None] + xp.arange(n, dtype=np.int64)[None, :]
+        return WriteSlots(batch=batch, rows=rows,
+                          storage=self.layout.storage_rows(batch, rows, table), prefix=lengths,
+                          max_keys=self.max_len, table=table)
 
     def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
         """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr] (float32; rounded to
@@ -167,6 +183,13 @@ class KVCache:
             c_new, k_pe_new = bf16_bits(xp, c_new), bf16_bits(xp, k_pe_new)
         self.layout.write(self.c[layer], slots, c_new)
         self.layout.write(self.k_pe[layer], slots, k_pe_new)
+
+    def latent_store(self, layer: int, slots: WriteSlots) -> LatentStore:
+        """Layer ``layer``'s arrays and the rows of ``slots`` there, for ``mla_latents(...,
+        into=)``: the latents go straight into the cache, with :meth:`write`'s rounding."""
+        c, k_pe = self.c[layer], self.k_pe[layer]
+        return LatentStore(c.reshape(-1, c.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]),
+                           slots.storage.reshape(-1))
 
     def attend(self, ops, layer: int, q_abs, q_pe, slots: WriteSlots, visible, tau, *,
                prefill: bool = False, causal: bool = False, plans=None):

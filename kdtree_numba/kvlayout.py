@@ -14,8 +14,8 @@ and cache reuse learn that map:
   then.  Reference backend only: the numba backend has no paged kernels yet and refuses it.
 
 A layout is built for one cache (``make_layout(spec, batch, max_len)``): a paged one holds that
-cache's page lists.  Every method below runs on the host; ``write``, ``attend`` and ``compact``
-only launch device work, and no method reads the device.
+cache's page lists.  Every method below runs on the host; ``storage_rows``, ``write``,
+``attend`` and ``compact`` only launch device work, and no method reads the device.
 """
 from __future__ import annotations
 
@@ -78,10 +78,17 @@ class KVLayout:
         them (the cache has already checked ``lengths + n <= max_len``)."""
         return None
 
-    def write(self, array, slots, values) -> None:
-        """``values`` [bs, n, width] into one layer's ``array`` at the slots' rows
-        (``slots``: a kvcache.WriteSlots)."""
+    def storage_rows(self, batch, rows, table):
+        """Where request ``batch[b]``'s slots ``rows[b, j]`` ([bs, 1], [bs, n] device int64)
+        live in one layer's array viewed as ``[slots, width]`` (:meth:`write`; the fused
+        latents write there directly: kdtree_numba/layers/latents.py): [bs, n] int64, device
+        work only (a CUDA graph captures it).  ``table``: a paged layout's page table."""
         raise NotImplementedError
+
+    def write(self, array, slots, values) -> None:
+        """``values`` [bs, n, width] into one layer's ``array`` at the slots' storage rows
+        (``slots``: a kvcache.WriteSlots)."""
+        array.reshape(-1, array.shape[-1])[slots.storage] = values
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
                causal=False, plans=None):
@@ -117,8 +124,8 @@ class DenseLayout(KVLayout):
     def slots(self) -> int:
         return self.batch * self.max_len
 
-    def write(self, array, slots, values) -> None:
-        array[slots.batch, slots.rows] = values
+    def storage_rows(self, batch, rows, table):
+        return batch * self.max_len + rows
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
                causal=False, plans=None):
@@ -184,9 +191,10 @@ class PagedLayout(KVLayout):
                                  for a in (indptr, indices, last)))
         return self.table
 
-    def write(self, array, slots, values) -> None:
-        t, P = slots.table, self.page_size
-        array[t.kv_indices[t.kv_indptr[slots.batch] + slots.rows // P], slots.rows % P] = values
+    def storage_rows(self, batch, rows, table):
+        P = self.page_size
+        return table.kv_indices[table.kv_indptr[batch] + rows // P].astype(np.int64) * P + \
+            rows % P
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
                causal=False, plans=None):

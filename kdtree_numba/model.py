@@ -540,39 +540,38 @@ class Model(DeviceSteps):
             out += (features.reshape(bs, n, len(capture) * cfg.hidden_size),)
         return out if len(out) > 1 else logits
 
-    def kv_latents(self, layer: int, h, positions):
+    def kv_latents(self, layer: int, h, positions, into=None):
         """What layer ``layer`` caches for the normed inputs ``h`` [M, D] at ``positions`` [M]
         (int32, device): the latent ``c = rmsnorm(kv[:r])`` [M, r] and the rotated rope key
-        ``k_pe = rope(kv[r:])`` [M, 1, dr], with ``kv = h kv_a^T``.  The attention uses it for
-        its own tokens; a DFlash drafter injects its fused target features through it."""
+        ``k_pe = rope(kv[r:])`` [M, 1, dr], with ``kv = h kv_a^T``; with ``into`` (a
+        ``KVCache.latent_store``) written there instead, and ``(None, None)`` returned.  The
+        attention uses it for its own tokens; a DFlash drafter injects its fused target
+        features through it."""
         lw = self.layers[layer]
-        return self._latents(lw, self.backend.ops.linear(h, lw.kv_a), positions)
-
-    def _latents(self, lw, kv, positions):
-        """(c, k_pe) of ``kv = h kv_a^T`` [M, r + dr]."""
-        _, c, k_pe = self.backend.ops.mla_latents(kv, None, lw.kv_a_norm, positions, self.rope,
-                                                  LATENT_NORM_EPS, q_lora=0,
-                                                  rank=self.config.kv_lora_rank)
+        _, c, k_pe = self.backend.ops.mla_latents(
+            self.backend.ops.linear(h, lw.kv_a), None, lw.kv_a_norm, positions, self.rope,
+            LATENT_NORM_EPS, q_lora=0, rank=self.config.kv_lora_rank, into=into)
         return c, k_pe
 
     def _attention(self, lw, layer, h, positions, cache, slots, visible, bs, n, causal=False,
                    prefill=False):
-        """Absorbed MLA of one layer; writes this layer's latents of the n tokens."""
+        """Absorbed MLA of one layer; writes this layer's latents of the n tokens (straight
+        into the cache: ``mla_latents(into=)``)."""
         ops, cfg = self.backend.ops, self.config
         M, H = bs * n, cfg.num_attention_heads
-        dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, \
-            cfg.kv_lora_rank
+        dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        into = cache.latent_store(layer, slots)
         if lw.q_proj is not None:
             q = ops.linear(h, lw.q_proj)
-            c, k_pe = self.kv_latents(layer, h, positions)
+            self.kv_latents(layer, h, positions, into)
         else:
             qkv = ops.linear(h, lw.qkv_a)                  # [M, q_lora + r + dr]: q_a | kv_a
-            q_a, c, k_pe = ops.mla_latents(qkv, lw.q_a_norm, lw.kv_a_norm, positions, self.rope,
-                                           LATENT_NORM_EPS, q_lora=cfg.q_lora_rank, rank=r)
+            q_a, _, _ = ops.mla_latents(qkv, lw.q_a_norm, lw.kv_a_norm, positions, self.rope,
+                                        LATENT_NORM_EPS, q_lora=cfg.q_lora_rank,
+                                        rank=cfg.kv_lora_rank, into=into)
             q = ops.linear(q_a, lw.q_b)
         q_nope, q_pe = ops.mla_q_split(q.reshape(M, H, dn + dr), positions, self.rope, dn=dn)
         q_nope = q_nope.reshape(bs, n, H, dn)
-        cache.write(layer, c.reshape(bs, n, r), k_pe.reshape(bs, n, dr), slots)
         q_abs = ops.absorb_q(q_nope, lw.kv_b)
         u = cache.attend(ops, layer, q_abs, q_pe.reshape(bs, n, H, dr), slots, visible,
                          self.tau, prefill=prefill, causal=causal, plans=self.attention_plans)

@@ -82,6 +82,38 @@ def test_fused_q_split_equals_the_parts_bitwise_and_the_reference(spec, unfused)
     np.testing.assert_array_equal(got[0], q[:, :, :dn])      # the copy is exact
 
 
+@pytest.mark.parametrize("store", [np.float32, np.uint16])
+def test_fused_latents_write_into_a_cache_store_as_the_parts_do(store, unfused):
+    """``into``: c and k_pe go straight to the store's rows (a bf16 cache's bits rounded as
+    KVCache.write rounds); the rest of the store is untouched; both return (q_a, None, None)."""
+    from kdtree_numba.kvcache import LatentStore
+    spec = SPECS["halves+yarn"]
+    m, q_lora, rank, dr = 3, 12, 16, spec.head_dim
+    x, q_norm, kv_norm, pos = _case(5, m, q_lora, rank, dr, BF16)
+    rows = np.array([7, 2, 4], np.int64)
+    fill = np.uint16(0xABCD) if store == np.uint16 else np.float32(-7.5)
+    got = []
+    for fn in (nl.mla_latents, unfused[0]):
+        into = LatentStore(np.full((9, rank), fill, store), np.full((9, dr), fill, store), rows)
+        q_a, c, k_pe = fn(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank,
+                          into=into)
+        assert c is None and k_pe is None
+        got.append((host(q_a), into.c, into.k_pe))
+    _, want_c, want_k = rl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora,
+                                       rank=rank)
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    c, k_pe = got[0][1], got[0][2]
+    untouched = np.setdiff1d(np.arange(9), rows)
+    assert (c[untouched] == fill).all() and (k_pe[untouched] == fill).all()
+    if store == np.uint16:       # widen the bits: within a bf16 rounding of the reference
+        c, k_pe = (np.asarray(a, np.uint32) << 16 for a in (c, k_pe))
+        c, k_pe = c.view(np.float32), k_pe.view(np.float32)
+    tol = dict(rtol=2 ** -8, atol=1e-6) if store == np.uint16 else dict(rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(c[rows], want_c, **tol)
+    np.testing.assert_allclose(k_pe[rows], want_k[:, 0], **tol)
+
+
 def test_latents_refuse_bad_shapes():
     spec = SPECS["interleaved"]
     x, q_norm, kv_norm, pos = _case(0, 2, 8, 16, 8, np.float32)

@@ -22,6 +22,7 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
+from kdtree_numba.gpu.tensorcore import pack_bf16x2
 from kdtree_numba.layers.norm import MAX_PER_THREAD, norm_threads
 from kdtree_numba.layers.rope import rope_tables
 from kdtree_numba.layers.workspace import device_f32, device_weight, result_array
@@ -31,10 +32,13 @@ __all__ = ["mla_latents", "mla_q_split"]
 
 @kernel_factory
 def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: bool,
-                    half: int, interleave: bool):
+                    half: int, interleave: bool, store: str = ""):
     """One block per token.  ``per_q`` / ``per_c``: the values of the q / kv segment a thread
     keeps in registers (columns t + k*threads, as layers/norm.py's kernel loads them; per_q 0:
-    no q LoRA)."""
+    no q LoRA).  ``store``: "" (c [M, r] and k_pe [M, 1, dr] of their own), "f32" or "bf16"
+    (c and k_pe are a cache layer's [slots, r] and [slots, dr], row ``rows[token]``, float32
+    or bf16 bits rounded to nearest even as the cache's own write rounds)."""
+    bits = store == "bf16"
     block_reduce = make_block_reduce(2, threads)
     warps = threads // 32
     scr = block_reduce_scratch_shape(2, threads)
@@ -42,7 +46,7 @@ def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: 
     rq, rc = max(per_q, 1), max(per_c, 1)
 
     @kernel
-    def latents_rows(x, q_w, c_w, positions, inv_freq, amplitude, q_a, c, k_pe, eps):
+    def latents_rows(x, q_w, c_w, positions, inv_freq, amplitude, q_a, c, k_pe, rows, eps):
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
         acc = cuda.local.array(2, np.float32)
@@ -52,6 +56,7 @@ def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: 
         cw = cuda.local.array(rc, np.float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
+        dst = rows[row] if store else row           # the token's row in c and k_pe
         q_lora = q_a.shape[1] if per_q else 0
         r = c.shape[1]
         # every load first (independent, in flight together), then the sums in column order
@@ -84,8 +89,16 @@ def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: 
             else:
                 a = np.float64(x[row, base + i])
                 b = np.float64(x[row, base + i + half])
-            k_pe[row, 0, i] = np.float32(a * cs - b * sn)
-            k_pe[row, 0, i + half] = np.float32(b * cs + a * sn)
+            lo, hi = np.float32(a * cs - b * sn), np.float32(b * cs + a * sn)
+            if not store:
+                k_pe[dst, 0, i] = lo
+                k_pe[dst, 0, i + half] = hi
+            elif bits:
+                k_pe[dst, i] = np.uint16(pack_bf16x2(lo, hi) & 0xFFFF)
+                k_pe[dst, i + half] = np.uint16(pack_bf16x2(hi, lo) & 0xFFFF)
+            else:
+                k_pe[dst, i] = lo
+                k_pe[dst, i + half] = hi
         acc[0] = sq
         acc[1] = sc
         block_reduce(acc, red, scratch)
@@ -99,7 +112,11 @@ def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: 
         for k in range(per_c):
             d = t + k * threads
             if d < r:
-                c[row, d] = cw[k] * (cv[k] * inv_c)
+                v = cw[k] * (cv[k] * inv_c)
+                if bits:
+                    c[dst, d] = np.uint16(pack_bf16x2(v, v) & 0xFFFF)
+                else:
+                    c[dst, d] = v
     return latents_rows
 
 
@@ -146,9 +163,12 @@ def _per_thread(width: int, threads: int) -> int:
 
 
 def mla_latents(x, q_norm, kv_norm, positions, spec, eps: float, *, q_lora: int, rank: int,
-                stream=0, workspace=None):
-    """See reference.attention.mla_latents: ``(q_a, c, k_pe)`` in one launch, bitwise what
-    the norms and the rope give by parts (module docstring)."""
+                into=None, stream=0, workspace=None):
+    """See reference.layers.mla_latents: ``(q_a, c, k_pe)`` in one launch, bitwise what the
+    norms and the rope give by parts (module docstring).  ``into`` (a kvcache.LatentStore):
+    c and k_pe go straight to its rows (a cache layer; bf16 bits for a bf16 cache, rounded
+    as KVCache.write rounds) and come back as None: the two scatters into the cache that
+    followed are gone too."""
     xd = device_f32(x, "x", 2, stream)
     pd = to_device(positions, stream=stream)
     m, dr = xd.shape[0], spec.head_dim
@@ -164,14 +184,35 @@ def mla_latents(x, q_norm, kv_norm, positions, spec, eps: float, *, q_lora: int,
                          f"{tuple(qw.shape)} and {tuple(cw.shape)}")
     threads = norm_threads()
     per_q, per_c = _per_thread(q_lora, threads), _per_thread(rank, threads)
-    c = result_array(None, (m, rank), np.float32, stream)
-    k_pe = result_array(None, (m, 1, dr), np.float32, stream)
+    store = ""
+    if into is None:
+        c = result_array(None, (m, rank), np.float32, stream)
+        k_pe = result_array(None, (m, 1, dr), np.float32, stream)
+        rows = pd                                    # a placeholder, never read
+    else:
+        c, k_pe, rows = (to_device(a, stream=stream) for a in (into.c, into.k_pe, into.rows))
+        store = "bf16" if np.dtype(c.dtype) == np.uint16 else "f32"
+        if tuple(c.shape[1:]) != (rank,) or tuple(k_pe.shape[1:]) != (dr,) or \
+                tuple(rows.shape) != (m,) or c.dtype != k_pe.dtype or \
+                np.dtype(c.dtype) not in (np.float32, np.uint16):
+            raise ValueError(f"mla_latents wants a store of c [S, {rank}], k_pe [S, {dr}] "
+                             f"(float32 or uint16 bf16 bits) and rows [{m}], got "
+                             f"{tuple(c.shape)} {c.dtype}, {tuple(k_pe.shape)} {k_pe.dtype}, "
+                             f"{tuple(rows.shape)}")
+    # without a q LoRA a 2-d placeholder the kernel never touches
     q_a = result_array(None, (m, q_lora), np.float32, stream) if q_lora else c
     if m:
         inv_freq, amplitude = rope_tables(spec)
         _latents_kernel(threads, per_q, per_c, q_kind == "bf16", c_kind == "bf16", dr // 2,
-                        spec.interleave)[m, threads, stream](
-            xd, qw, cw, pd, inv_freq, amplitude, q_a, c, k_pe, np.float32(eps))
+                        spec.interleave, store)[m, threads, stream](
+            xd, qw, cw, pd, inv_freq, amplitude, q_a, c, k_pe, rows, np.float32(eps))
+    if into is not None:
+        # a host store (the simulator's cache arrays are NumPy): the kernel wrote a device
+        # copy; its rows come back in place
+        for store, written in ((into.c, c), (into.k_pe, k_pe)):
+            if isinstance(store, np.ndarray):
+                store[...] = written.copy_to_host(stream=stream)
+        c = k_pe = None
     return (q_a if q_lora else None), c, k_pe
 
 
