@@ -126,7 +126,7 @@ class DeviceRounds:
             arrays += (self.table, start)
         acc_idx, acc_len, packed, next_roots = accept_phase(
             ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
-        counts = (acc_len.astype(np.int32) * active).astype(np.int32)
+        counts = (acc_len.astype(np.int32, copy=False) * active).astype(np.int32, copy=False)
         features = gather_phase(xp)(parts[-1], acc_idx) if self.needs.feature_layers else None
         hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
         cache.compact_tree(ops, acc_idx, acc_len, lengths=start)

@@ -225,7 +225,7 @@ class DFlashDrafter:
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
         roots = roots if hasattr(roots, "__cuda_array_interface__") \
             else np.asarray(roots, np.int32)
-        first = ops.embedding(be.asarray(roots).astype(np.int32), self.model.embed)
+        first = ops.embedding(be.asarray(roots).astype(np.int32, copy=False), self.model.embed)
         x = xp.concatenate([first.reshape(bs, 1, D),
                             xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
         tokens, visible, steps = self._block

@@ -235,7 +235,7 @@ class KVCache:
         keeps the mirror with :meth:`expect_device_growth`).  The buffer itself never changes:
         graphs captured against it stay valid."""
         xp = self.backend.xp
-        xp.add(self.device_lengths, counts.astype(np.int32), out=self.device_lengths)
+        xp.add(self.device_lengths, counts.astype(np.int32, copy=False), out=self.device_lengths)
 
     def expect_device_growth(self, floor, upper) -> None:
         """The host side of device commits made elsewhere (:meth:`add_on_device` in a device

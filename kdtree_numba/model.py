@@ -400,9 +400,13 @@ class Model(DeviceSteps):
                 # the graphs' split plan (the cache's capacity): eager calls then compile the
                 # kernels a capture will use (the merge), and give the same bits as a replay
                 slots = dataclasses.replace(slots, max_keys=cache.max_len)
-        device = ForwardBatch(tokens=be.asarray(tokens).astype(np.int32),
-                              positions=be.asarray(batch.positions).astype(np.int32),
-                              visible=be.asarray(visible).astype(bool), embeds=embeds,
+        # copy=False: a device input already of its dtype (a round's tree, the drafter's
+        # constant block) is read in place, not copied by a launch of its own
+        device = ForwardBatch(tokens=be.asarray(tokens).astype(np.int32, copy=False),
+                              positions=be.asarray(batch.positions).astype(np.int32,
+                                                                           copy=False),
+                              visible=be.asarray(visible).astype(bool, copy=False),
+                              embeds=embeds,
                               logit_rows=None if logit_rows is None
                               else be.asarray(logit_rows), logit_span=span,
                               causal=bool(batch.causal),

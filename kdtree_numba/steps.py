@@ -63,12 +63,12 @@ def pack_committed(xp, tree, acc_idx, acc_len, next_token):
     1..m the committed tokens (the accepted nodes after the root, then the bonus token), the
     rest -1.  Reading it is the round's only host read."""
     path = xp.take_along_axis(tree.token, xp.maximum(acc_idx[:, 1:], 0), axis=1)   # [bs, L]
-    m = acc_len.astype(np.int32)[:, None]
+    m = acc_len.astype(np.int32, copy=False)[:, None]
     col = xp.arange(acc_idx.shape[1], dtype=np.int32)[None, :]                    # 0..L
-    padded = xp.concatenate([path.astype(np.int32), xp.zeros_like(m)], axis=1)
-    bonus = next_token.astype(np.int32)[:, None]
+    padded = xp.concatenate([path.astype(np.int32, copy=False), xp.zeros_like(m)], axis=1)
+    bonus = next_token.astype(np.int32, copy=False)[:, None]
     committed = xp.where(col < m - 1, padded, xp.where(col == m - 1, bonus, np.int32(-1)))
-    return xp.concatenate([m, committed.astype(np.int32)], axis=1)
+    return xp.concatenate([m, committed.astype(np.int32, copy=False)], axis=1)
 
 
 def tree_phase(ops, k: int, budget: int):
@@ -192,15 +192,16 @@ class DeviceSteps:
         (``drafting.Commit.tokens``: the first acc_len entries are the tokens whose KV the
         round committed, entry acc_len the bonus, the rest token 0).  Nothing is read."""
         xp = self.backend.xp
-        tokens = xp.concatenate([roots.astype(np.int32)[:, None], packed[:, 1:]], axis=1)
+        tokens = xp.concatenate([roots.astype(np.int32, copy=False)[:, None], packed[:, 1:]],
+                                axis=1)
         return xp.maximum(tokens, 0)          # padding: token 0, a valid id
 
     def last_accepted(self, rows, acc_idx, acc_len):
         """``rows`` [bs, W, ...] (e.g. the verify forward's hidden states) at each request's
         last accepted node: the row whose logits chose the bonus token, the next root."""
         xp = self.backend.xp
-        last = xp.take_along_axis(acc_idx, xp.maximum(acc_len.astype(np.int32) - 1, 0)[:, None],
-                                  axis=1)[:, 0]
+        before = xp.maximum(acc_len.astype(np.int32, copy=False) - 1, 0)
+        last = xp.take_along_axis(acc_idx, before[:, None], axis=1)[:, 0]
         return rows[xp.arange(rows.shape[0]), last]
 
     def accepted_rows(self, rows, acc_idx):
