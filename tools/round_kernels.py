@@ -37,11 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kdtree_numba import compat, demo  # noqa: E402
+from kdtree_numba import compat  # noqa: E402
 from kdtree_numba.backends import make_backend  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
+from round_timeline import pair_arguments  # noqa: E402
 
 BEGIN, END = "kdtree_replay_begin", "kdtree_replay_end"
 MARKERS = (r'extern "C" __global__ void kdtree_replay_begin() {}'
@@ -146,15 +147,8 @@ def summarise(replays: list) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--budgets", default="8,32")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    pair_arguments(p, prompts=2, tokens=64)
     p.add_argument("--top", type=int, default=30, help="kernels listed per kind of replay")
-    p.add_argument("--model", default=str(demo.TARGET))
-    p.add_argument("--drafter", default=str(demo.DRAFTER))
-    p.add_argument("--prompt-file", default=os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "data", "heldout_prompts.jsonl"))
-    p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if not compat.gpu_available():
         sys.exit("round_kernels: needs a GPU (it reads CUPTI's kernel records)")

@@ -137,16 +137,22 @@ class Timeline:
                     nodes=graph_nodes(graph.graph) if graph is not None else {})
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
+def pair_arguments(p: argparse.ArgumentParser, prompts: int, tokens: int) -> None:
+    """The options this tool and tools/round_kernels.py share: the pair, the prompts, the
+    budgets, the JSON output."""
+    p.add_argument("--prompts", type=int, default=prompts)
     p.add_argument("--budgets", default="8,32")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=tokens)
     p.add_argument("--model", default=str(demo.TARGET))
     p.add_argument("--drafter", default=str(demo.DRAFTER))
     p.add_argument("--prompt-file", default=os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "data", "heldout_prompts.jsonl"))
     p.add_argument("--json", metavar="PATH")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pair_arguments(p, prompts=8, tokens=128)
     args = p.parse_args(argv)
     if not compat.gpu_available():
         sys.exit("round_timeline: needs a GPU (it reads CUDA events and graphs)")

@@ -1,0 +1,41 @@
+"""tools/round_kernels.py's bookkeeping on made-up CUPTI records (the tool itself needs a GPU):
+kernel names shortened, kernels assigned to the replay between their markers, per-replay sums."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+
+import round_kernels as rk  # noqa: E402
+
+
+def test_numba_names_shorten_to_module_and_function():
+    mangled = ("_ZN12kdtree_numba6layers4norm12rmsnorm_rowsB2v1B94cw51cXTLSUwv1sDUaKthqqNFVIE"
+               "E5ArrayIfLi2E1C7mutable7alignedE")
+    assert rk.short_name(mangled) == "norm.rmsnorm_rows"
+    assert rk.short_name("_ZN6cudapy5numba4cuda3foo7kernel_E") == "foo.kernel_"
+    assert rk.short_name("cupy_copy__float32_float32") == "cupy_copy__float32_float32"
+    assert rk.short_name("void gemm_kernel(float*, int)") == "void gemm_kernel"
+
+
+def test_kernels_between_markers_belong_to_that_replay():
+    records = [(0.0, 1.0, "stray"), (1.0, 0.1, rk.BEGIN), (2.0, 3.0, "_ZN1a3aaaE"),
+               (6.0, 2.0, "_ZN1a3bbbE"), (9.0, 0.1, rk.END), (10.0, 0.5, "argmax"),
+               (11.0, 0.1, rk.BEGIN), (12.0, 4.0, "_ZN1a3aaaE"), (17.0, 0.1, rk.END)]
+    per_label, outside = rk.segment(records, ["round b=8", "round b=8"])
+    assert [n for _, _, n in outside] == ["stray", "argmax"]
+    s = rk.summarise(per_label["round b=8"])
+    assert s["replays"] == 2 and s["kernels"] == 1.5
+    assert s["busy_us"] == pytest.approx((5.0 + 4.0) / 2)
+    assert s["span_us"] == pytest.approx((8.0 - 2.0 + 4.0) / 2)   # first start to last end
+    top = s["by_kernel"][0]
+    assert top["name"] == "a.aaa" and top["per_replay"] == 1.0 and top["mean_us"] == 3.5
+
+
+def test_labels_name_the_kind_of_replay():
+    assert rk.label(("round", 8, 8, None)) == "round b=8"
+    assert rk.label(("forward", 1, 9, False)) == "forward bs=1 n=9"
+    assert rk.label(("dflash_context", 1)) == "dflash_context"
