@@ -24,7 +24,7 @@ from statistics import median
 
 __all__ = ["AutoBudget", "BudgetEstimate", "DEFAULT_CANDIDATES"]
 
-DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256)
+DEFAULT_CANDIDATES = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclasses.dataclass

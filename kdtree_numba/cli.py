@@ -134,7 +134,7 @@ def _run_parser() -> ArgumentParser:
     p.add_argument("--budget", type=budget_value, default=None, metavar="B",
                    help=f"DDTree tree nodes verified per round, or 'auto': each round's budget "
                    f"chosen from the measured cost and acceptance of the rounds so far "
-                   f"(candidates 8 to 256) (default: {DEFAULT_BUDGET} on a GPU, "
+                   f"(candidates 2 to 256) (default: {DEFAULT_BUDGET} on a GPU, "
                    f"{cpu.DEFAULT_BUDGET} on the CPU: one verify fills one {cpu.ROWS}-row "
                    f"GEMM block there)")
     p.add_argument("--block-len", type=int, default=None, metavar="L",

@@ -59,7 +59,7 @@ def test_it_follows_the_text_when_acceptance_changes():
 
 
 def test_candidates_respect_the_cap_and_bad_settings_are_refused():
-    assert AutoBudget(max_budget=40).candidates == (8, 16, 32)
+    assert AutoBudget(max_budget=40).candidates == (2, 4, 8, 16, 32)
     assert AutoBudget(start=100).start == 128
     with pytest.raises(ValueError):
         AutoBudget(candidates=(512,), max_budget=256)
