@@ -37,7 +37,7 @@ from reference import attention as ref_attention
 from reference import layers as ref_layers
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "DENSE_EXPERTS"]
+           "DEFAULT_BUDGET", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -126,10 +126,16 @@ def moe_route(h, gate_w, bias=None, *, top_k: int, n_group: int = 1, topk_group:
 
 
 def _ffn(h, gate_up, down):
-    inter = gate_up.shape[0] // 2
-    gu = blocked_matmul(h, gate_up.T)
+    return _ffn_t(h, gate_up.T, down.T)
+
+
+def _ffn_t(h, gate_up_t, down_t):
+    """The SwiGLU FFN of ``h`` with ``gate_up_t`` [D, 2I] (gate columns first), ``down_t``
+    [I, D]: transposed weights, views or copies."""
+    inter = gate_up_t.shape[1] // 2
+    gu = blocked_matmul(h, gate_up_t)
     g = gu[:, :inter]
-    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down.T)
+    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down_t)
 
 
 def _dense_experts(h, expert_idx, weight, gate_up, down):
@@ -265,6 +271,71 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
                 acc += np.matmul(pk, values[idx])
         u[b] = acc[..., :r] / acc[..., r:]
     return u
+
+
+def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
+                        prefill=False, causal=False, plans=None):
+    """``reference.attention.mla_attention`` in float32 for rows whose bits need match no
+    other call's (a drafter's block, :func:`drafter_ops`): per request one GEMM of all its
+    queries against all its keys, the softmax over the whole row.  Not batch invariant."""
+    if np.asarray(ckv).dtype == np.uint16:
+        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                           causal=causal)
+    q_abs, q_pe = _f32(q_abs), _f32(q_pe)
+    visible = np.asarray(visible, bool)
+    bs, n, heads, r = q_abs.shape
+    ref_attention.check_causal(visible, causal)
+    u = np.empty((bs, n, heads, r), np.float32)
+    for b in range(bs):
+        p0 = int(prefix_len[b])
+        c, k = ckv[b, :p0 + n], kpe[b, :p0 + n]
+        s = (np.matmul(q_abs[b], c.T) + np.matmul(q_pe[b], k.T)) * np.float32(tau)
+        s[:, :, p0:] = np.where(visible[b][:, None, :], s[:, :, p0:], -np.inf)
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        u[b] = np.matmul(p, c) / p.sum(axis=2, keepdims=True)
+    return u
+
+
+class _TransposedWeights:
+    """``linear`` and the dense FFN on a contiguous ``[K, N]`` copy of each weight, made on
+    its first use and kept with the weight (so its id cannot be reused while the entry
+    lives): BLAS reads it 1.5-3x faster than the ``[N, K]`` weight's transposed view (8-row
+    blocks, one thread: the demo's lm_head 1.0 against 1.5 ms, 256 x 1536 0.16 against
+    0.29 ms), at the cost of a second copy of each weight."""
+
+    def __init__(self):
+        self.made: dict[int, tuple] = {}
+
+    def t(self, w) -> np.ndarray:
+        """The contiguous transpose of a 2-D weight, or of a dense FFN's only expert."""
+        hit = self.made.get(id(w))
+        if hit is None or hit[0] is not w:
+            two_d = _f32(w[0] if np.ndim(w) == 3 else w)
+            hit = self.made[id(w)] = (w, np.ascontiguousarray(two_d.T))
+        return hit[1]
+
+    def linear(self, x, w) -> np.ndarray:
+        if np.ndim(w) != 2 or np.ndim(x) != 2 or np.shape(x)[1] != np.shape(w)[1]:
+            raise ValueError(f"linear wants x [M, K], w [N, K]; got {np.shape(x)}, "
+                             f"{np.shape(w)}")
+        return blocked_matmul(x, self.t(w))
+
+    def moe_ffn(self, h, expert_idx, weight, gate_up, down, shared_gate_up=None,
+                shared_down=None) -> np.ndarray:
+        if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
+            return _ffn_t(_f32(h), self.t(gate_up), self.t(down))
+        return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down)
+
+
+def drafter_ops(ops):
+    """The CPU path's ops for a drafter (kdtree_numba/dflash.py): a draft only shapes the
+    tree, every committed token is the target's, so its rows need not be batch invariant:
+    ``linear`` and the dense FFN on transposed weight copies (:class:`_TransposedWeights`;
+    the shared lm_head's too, 8 MB for the demo's) and :func:`dense_mla_attention`; the rest
+    as ``ops``."""
+    weights = _TransposedWeights()
+    return ops.replaced(linear=weights.linear, moe_ffn=weights.moe_ffn,
+                        mla_attention=dense_mla_attention)
 
 
 def _openblas_setters():
