@@ -28,6 +28,7 @@ simpler).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -220,6 +221,19 @@ def _padded_rows(a, rows: int) -> np.ndarray:
     return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
 
+@functools.lru_cache(maxsize=64)
+def _after_own(n: int) -> np.ndarray:
+    return np.triu(np.ones((n, n), bool), 1)
+
+
+def _check_causal(visible, causal: bool) -> None:
+    """``reference.attention.check_causal`` (its error names the query), after a cheaper
+    test that nothing breaks the promise: every verify makes one check a layer (the
+    reference's took ~50 us each)."""
+    if causal and np.logical_and(visible, _after_own(visible.shape[-1])).any():
+        ref_attention.check_causal(visible, causal)
+
+
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
                   prefill=False, causal=False, plans=None):
     """``reference.attention.mla_attention`` in float32, batch invariant (module docstring).
@@ -233,14 +247,15 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
     q_abs, q_pe = _f32(q_abs), _f32(q_pe)
     visible = np.asarray(visible, bool)
     bs, n, heads, r = q_abs.shape
-    ref_attention.check_causal(visible, causal)
+    _check_causal(visible, causal)
     u = np.zeros((bs, n, heads, r), np.float32)
     q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
     for b in range(bs):
         p0 = int(prefix_len[b])
         slots = p0 + n
         span = -(-slots // KEYS) * KEYS
-        keys = _padded_rows(np.concatenate([ckv[b, :slots], kpe[b, :slots]], axis=-1), span)
+        keys = np.zeros((span, r + kpe.shape[-1]), np.float32)     # zero rows pad the span
+        keys[:slots, :r], keys[:slots, r:] = ckv[b, :slots], kpe[b, :slots]
         # scores against every slot, one fixed-shape GEMM per (query, key block)
         blocks = keys.reshape(-1, KEYS, keys.shape[-1]).transpose(0, 2, 1)
         s = np.matmul(q[b][:, None], blocks[None])                  # [n, blocks, H, KEYS]
@@ -253,14 +268,17 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
         lists[:, :p0] = np.arange(p0)
         rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
         first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        lists[rows, p0 + np.arange(rows.size) - first[rows]] = p0 + cols
-        listed = np.take_along_axis(s, np.broadcast_to(lists[:, None], (n, heads, width)),
-                                    axis=2) * np.float32(tau)
-        inside = np.arange(width)[None, :] < length[:, None]       # [n, width]
-        listed = np.where(inside[:, None], listed, -np.inf)
+        places = p0 + np.arange(rows.size) - first[rows]
+        lists[rows, places] = p0 + cols
+        # the listed scores (-inf past each list's end): the prefix is every list's start,
+        # copied as a slice; only the new keys are gathered
+        listed = np.full((n, heads, width), -np.inf, np.float32)
+        listed[:, :, :p0] = s[:, :, :p0] * np.float32(tau)
+        listed[rows, :, places] = s[rows, :, p0 + cols] * np.float32(tau)
         top = listed.max(axis=2, keepdims=True)
         p = np.exp(listed - top)
-        values = np.concatenate([ckv[b, :slots], np.ones((slots, 1), np.float32)], axis=-1)
+        values = np.ones((slots, r + 1), np.float32)
+        values[:, :r] = ckv[b, :slots]
         acc = np.zeros((n, heads, r + 1), np.float32)
         for k0 in range(0, width, KEYS):   # sums over list positions, block after block
             pk = np.ascontiguousarray(p[:, :, k0:k0 + KEYS])
@@ -284,7 +302,7 @@ def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_
     q_abs, q_pe = _f32(q_abs), _f32(q_pe)
     visible = np.asarray(visible, bool)
     bs, n, heads, r = q_abs.shape
-    ref_attention.check_causal(visible, causal)
+    _check_causal(visible, causal)
     u = np.empty((bs, n, heads, r), np.float32)
     for b in range(bs):
         p0 = int(prefix_len[b])

@@ -127,6 +127,14 @@ def test_dense_attention_agrees_with_the_reference():
     got = cpu.dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix, visible, 0.3)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    # a mask that breaks causal=True is refused by both attentions, naming the query
+    trees = np.stack([visible[0], visible[0]])
+    late = trees.copy()
+    late[1, 2, 4] = True
+    for attend in (cpu.dense_mla_attention, cpu.mla_attention):
+        attend(q_abs, q_pe, ckv, kpe, prefix, trees, 0.3, causal=True)        # trees: fine
+        with pytest.raises(ValueError, match="query 2 of request 1 sees new key 4"):
+            attend(q_abs, q_pe, ckv, kpe, prefix, late, 0.3, causal=True)
 
 
 def test_drafter_ops_agree_with_the_reference():
