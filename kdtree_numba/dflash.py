@@ -169,6 +169,8 @@ class DFlashDrafter:
         lengths = np.broadcast_to(np.asarray(lengths, np.int64), (int(features.shape[0]),))
         if np.any(lengths < 0) or np.any(lengths > m):
             raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
+        if self.trim_block:      # the CPU path: only the rows that enter a context (a round's
+            features = features[:, :int(lengths.max())]    # commit fills 1.7 of 16 at T = 1)
         self._inject(features)
         self.cache.advance(lengths)
 

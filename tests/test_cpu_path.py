@@ -169,15 +169,20 @@ def _dflash_on(precision: str, block_size: int) -> DFlashDrafter:
 def test_a_cpu_path_drafter_forwards_the_rows_its_depth_needs():
     """On the float32 CPU path a proposal of depth d forwards the block's first d + 1 rows:
     its logits are those of a block-(d + 1) drafter on the float64 reference; without a
-    depth, the whole block's.  Off that path the block stays whole."""
+    depth, the whole block's.  Off that path the block stays whole.  (The context grows by
+    a commit's rows that enter it alone on the CPU path: the same context.)"""
     rng = np.random.default_rng(8)
     feats = rng.standard_normal((2, 6, 2 * 64)).astype(np.float32)
+    more = rng.standard_normal((2, 5, 2 * 64)).astype(np.float32)
     roots = np.array([5, 17])
 
     def propose(precision, block_size, depth):
         drafter = _dflash_on(precision, block_size)
         drafter.start(2, 32)
         drafter.extend_context(feats, np.array([6, 4]))
+        # a round's commit: 5 rows, of which 1 and 2 enter (the CPU path injects 2 rows)
+        drafter.extend_context(more, np.array([1, 2]))
+        assert drafter.context_lengths.tolist() == [7, 6]
         return np.asarray(drafter.draft(roots, depth), np.float64), drafter.trim_block
     for depth, block in ((2, 3), (None, 6)):
         got, trims = propose("float32", 6, depth)
