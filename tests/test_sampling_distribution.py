@@ -14,9 +14,10 @@ False-alarm rate: the threshold is the chi-square quantile at ``ALPHA`` = 1e-4 (
 approximation, accurate to a few percent of alpha at these degrees of freedom), so a correct
 sampler fails one configuration with probability ~1e-4 (the fast set's 8 checks, 2 of them
 on the float32 CPU path: ~8e-4; the slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba
-backend: ~9e-4).  The seeds are fixed, so a passing run stays passing.  Power: the same statistic must reject AR's top-p 0.9
-samples against the untruncated distribution and its T = 1 samples against T = 0.7's
-(``test_the_check_rejects_the_wrong_distribution``), so it is not a check that cannot fail.
+backend: ~9e-4).  The seeds are fixed, so a passing run stays passing.  Power: the same
+statistic must reject AR's top-p 0.9 samples against the untruncated distribution and its
+T = 1 samples against T = 0.7's (``test_the_check_rejects_the_wrong_distribution``), so it
+is not a check that cannot fail.
 The model's lm_head is scaled by LOGIT_SCALE: random weights give a flat next-token
 distribution whose mass sits in pooled cells, where the statistic sees little.
 """
