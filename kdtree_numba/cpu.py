@@ -24,6 +24,11 @@ tests/test_cpu_path.py measures it):
 
 Prefill rows go through the same code (their bits need not match anything, but one path is
 simpler).
+
+A drafter's rows need no invariance (a draft only shapes the tree; every committed token is
+the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its weights in
+contiguous transposed copies (BLAS reads them 1.4-1.7x faster) and one-GEMM attention
+(:func:`dense_mla_attention`).
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ DEFAULT_BLAS_THREADS = 1
 
 ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shape; 4 was not)
 KEYS = 64       # attention key block
-# kdtree-run's DDTree budget on this path: ROWS - 1 nodes and the root fill one GEMM block, so
-# a verify costs about one decode (a 9th row would start a second block)
+# kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
+# one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
+# the demo pair's best of 3, 5 and 7 at T = 1 too (docs/BENCHMARKS.md, "Demo pair")
 DEFAULT_BUDGET = ROWS - 1
 
 
@@ -315,21 +321,27 @@ def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_
 
 
 class _TransposedWeights:
-    """``linear`` and the dense FFN on a contiguous ``[K, N]`` copy of each weight, made on
-    its first use and kept with the weight (so its id cannot be reused while the entry
-    lives): BLAS reads it 1.5-3x faster than the ``[N, K]`` weight's transposed view (8-row
-    blocks, one thread: the demo's lm_head 1.0 against 1.5 ms, 256 x 1536 0.16 against
-    0.29 ms), at the cost of a second copy of each weight."""
+    """``linear`` and the dense FFN on a contiguous ``[K, N]`` copy of each weight of at most
+    COPY_BYTES, made on its first use and kept with the weight (so its id cannot be reused
+    while the entry lives): BLAS reads it 1.4-1.7x faster than the ``[N, K]`` weight's
+    transposed view when the weight comes from memory, as a round's do (8-row blocks, one
+    thread, weights cycled through 80 MB: 256 x 1536 0.27 against 0.41 ms, 256 x 2048 0.33
+    against 0.55).  A larger weight (the demo's 8 MB lm_head) is read from memory at the same
+    speed either way (2.3 against 2.2 ms), so it is not copied."""
+
+    COPY_BYTES = 4 << 20
 
     def __init__(self):
         self.made: dict[int, tuple] = {}
 
     def t(self, w) -> np.ndarray:
-        """The contiguous transpose of a 2-D weight, or of a dense FFN's only expert."""
+        """The transpose of a 2-D weight, or of a dense FFN's only expert: a contiguous copy
+        up to COPY_BYTES, else a view."""
         hit = self.made.get(id(w))
         if hit is None or hit[0] is not w:
             two_d = _f32(w[0] if np.ndim(w) == 3 else w)
-            hit = self.made[id(w)] = (w, np.ascontiguousarray(two_d.T))
+            wt = np.ascontiguousarray(two_d.T) if two_d.nbytes <= self.COPY_BYTES else two_d.T
+            hit = self.made[id(w)] = (w, wt)
         return hit[1]
 
     def linear(self, x, w) -> np.ndarray:
@@ -348,9 +360,8 @@ class _TransposedWeights:
 def drafter_ops(ops):
     """The CPU path's ops for a drafter (kdtree_numba/dflash.py): a draft only shapes the
     tree, every committed token is the target's, so its rows need not be batch invariant:
-    ``linear`` and the dense FFN on transposed weight copies (:class:`_TransposedWeights`;
-    the shared lm_head's too, 8 MB for the demo's) and :func:`dense_mla_attention`; the rest
-    as ``ops``."""
+    ``linear`` and the dense FFN on transposed weight copies (:class:`_TransposedWeights`)
+    and :func:`dense_mla_attention`; the rest as ``ops``."""
     weights = _TransposedWeights()
     return ops.replaced(linear=weights.linear, moe_ffn=weights.moe_ffn,
                         mla_attention=dense_mla_attention)

@@ -23,7 +23,8 @@ block drafter"; the trained demo pair is docs/DEMO.md.  In short:
   ``P .. P + B - 1`` (P = context length), bidirectional inside the block, attending to the
   whole context; logits of slots 1..B-1 are the marginals of depths 1..B-1 the tree is built
   from.  The block's latents are written uncommitted at ``[P, P + B)`` and overwritten by the
-  next context.
+  next context.  On the CPU path (``trim_block``) a proposal of depth d < B - 1 runs the
+  block's first d + 1 rows only, and a commit injects only the rows that enter the context.
 
 Everything runs through the drafter's Model and the backend's ops, so the reference backend
 and the numba kernels both run it (no kernel of its own); on the GPU the context injection

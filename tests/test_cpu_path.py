@@ -152,6 +152,12 @@ def test_drafter_ops_agree_with_the_reference():
     want = ref_layers.moe_ffn(x, None, None, gate_up, down)
     np.testing.assert_allclose(ops.moe_ffn(x, None, None, gate_up, down), want, rtol=0,
                                atol=1e-5 * np.abs(want).max())
+    # a weight over 4 MiB (the demo's lm_head) is read through its transposed view instead
+    big = rng.standard_normal((4200, 256)).astype(np.float32)
+    x256 = rng.standard_normal((3, 256)).astype(np.float32)
+    want = ref_layers.linear(x256, big)
+    np.testing.assert_allclose(ops.linear(x256, big), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="linear wants"):
         ops.linear(x, w.T)
 
