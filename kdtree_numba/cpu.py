@@ -232,6 +232,17 @@ def _after_own(n: int) -> np.ndarray:
     return np.triu(np.ones((n, n), bool), 1)
 
 
+def _attend(kernel, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, causal: bool):
+    """``kernel`` on float32 queries and a float32 cache, ``causal`` checked; a bf16 cache
+    (uint16 ckv/kpe) goes to the reference itself."""
+    if np.asarray(ckv).dtype == np.uint16:
+        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                           causal=causal)
+    visible = np.asarray(visible, bool)
+    _check_causal(visible, causal)
+    return kernel(_f32(q_abs), _f32(q_pe), ckv, kpe, prefix_len, visible, tau)
+
+
 def _check_causal(visible, causal: bool) -> None:
     """``reference.attention.check_causal`` (its error names the query), after a cheaper
     test that nothing breaks the promise: every verify makes one check a layer (the
@@ -247,13 +258,12 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
     cache) change nothing here.  A
     bf16 cache (uint16 ckv/kpe) goes to the reference itself: its per-query loop takes the
     same shapes for a node as for its decode, so it is batch invariant too, only slower."""
-    if np.asarray(ckv).dtype == np.uint16:
-        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
-                                           causal=causal)
-    q_abs, q_pe = _f32(q_abs), _f32(q_pe)
-    visible = np.asarray(visible, bool)
+    return _attend(_invariant_attention, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                   causal)
+
+
+def _invariant_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
     bs, n, heads, r = q_abs.shape
-    _check_causal(visible, causal)
     u = np.zeros((bs, n, heads, r), np.float32)
     q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
     for b in range(bs):
@@ -302,13 +312,11 @@ def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_
     """``reference.attention.mla_attention`` in float32 for rows whose bits need match no
     other call's (a drafter's block, :func:`drafter_ops`): per request one GEMM of all its
     queries against all its keys, the softmax over the whole row.  Not batch invariant."""
-    if np.asarray(ckv).dtype == np.uint16:
-        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
-                                           causal=causal)
-    q_abs, q_pe = _f32(q_abs), _f32(q_pe)
-    visible = np.asarray(visible, bool)
+    return _attend(_dense_attention, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, causal)
+
+
+def _dense_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
     bs, n, heads, r = q_abs.shape
-    _check_causal(visible, causal)
     u = np.empty((bs, n, heads, r), np.float32)
     for b in range(bs):
         p0 = int(prefix_len[b])
