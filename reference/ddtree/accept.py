@@ -97,9 +97,8 @@ def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms):
     """The greedy walk on target samples, each slot's drawn when the walk reaches it
     (contract: module docstring; = accept_greedy(tree, sample_targets(...)))."""
     bs, _, sampling, target_logits, uniforms = _checked_sampling(
-        tree, target_logits, sampling, uniforms)
-    _, _, max_depth = check_tree(tree)
+        tree, target_logits, sampling, uniforms)      # the tree checked too
 
     def target_at(b: int, slot: int) -> int:
         return inverse_cdf_sample(target_logits[b, slot], sampling, uniforms[b, slot])
-    return _walk(tree, bs, max_depth, target_at)
+    return _walk(tree, bs, int(tree.max_depth), target_at)
