@@ -55,7 +55,8 @@ ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shap
 KEYS = 64       # attention key block
 # kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
 # one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
-# the demo pair's best of 3, 5 and 7 at T = 1 too (docs/BENCHMARKS.md, "Demo pair")
+# at T = 1 the demo pair's budgets 3, 5 and 7 measured within noise of each other (docs/
+# ENGINE.md, "The CPU path")
 DEFAULT_BUDGET = ROWS - 1
 
 
@@ -220,11 +221,6 @@ def apply_uv(u, kv_b_proj, dv: int):
     _, w_uv = ref_attention.split_kv_b_proj(_f32(kv_b_proj), heads,
                                             kv_b_proj.shape[0] // heads - dv)
     return _per_head(u, np.ascontiguousarray(w_uv.transpose(0, 2, 1)))
-
-
-def _padded_rows(a, rows: int) -> np.ndarray:
-    pad = rows - a.shape[0]
-    return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
 
 @functools.lru_cache(maxsize=64)
