@@ -24,10 +24,16 @@ tests/test_cpu_path.py measures it):
 
 Prefill rows go through the same code (their bits need not match anything, but one path is
 simpler).
+
+A drafter's rows need no invariance (a draft only shapes the tree; every committed token is
+the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its weights in
+contiguous transposed copies (BLAS reads them 1.4-1.7x faster) and one-GEMM attention
+(:func:`dense_mla_attention`).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -37,7 +43,7 @@ from reference import attention as ref_attention
 from reference import layers as ref_layers
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "DENSE_EXPERTS"]
+           "DEFAULT_BUDGET", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -47,8 +53,10 @@ DEFAULT_BLAS_THREADS = 1
 
 ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shape; 4 was not)
 KEYS = 64       # attention key block
-# kdtree-run's DDTree budget on this path: ROWS - 1 nodes and the root fill one GEMM block, so
-# a verify costs about one decode (a 9th row would start a second block)
+# kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
+# one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
+# at T = 1 the demo pair's budgets 3, 5 and 7 measured within noise of each other (docs/
+# ENGINE.md, "The CPU path")
 DEFAULT_BUDGET = ROWS - 1
 
 
@@ -126,10 +134,16 @@ def moe_route(h, gate_w, bias=None, *, top_k: int, n_group: int = 1, topk_group:
 
 
 def _ffn(h, gate_up, down):
-    inter = gate_up.shape[0] // 2
-    gu = blocked_matmul(h, gate_up.T)
+    return _ffn_t(h, gate_up.T, down.T)
+
+
+def _ffn_t(h, gate_up_t, down_t):
+    """The SwiGLU FFN of ``h`` with ``gate_up_t`` [D, 2I] (gate columns first), ``down_t``
+    [I, D]: transposed weights, views or copies."""
+    inter = gate_up_t.shape[1] // 2
+    gu = blocked_matmul(h, gate_up_t)
     g = gu[:, :inter]
-    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down.T)
+    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down_t)
 
 
 def _dense_experts(h, expert_idx, weight, gate_up, down):
@@ -209,9 +223,28 @@ def apply_uv(u, kv_b_proj, dv: int):
     return _per_head(u, np.ascontiguousarray(w_uv.transpose(0, 2, 1)))
 
 
-def _padded_rows(a, rows: int) -> np.ndarray:
-    pad = rows - a.shape[0]
-    return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+@functools.lru_cache(maxsize=64)
+def _after_own(n: int) -> np.ndarray:
+    return np.triu(np.ones((n, n), bool), 1)
+
+
+def _attend(kernel, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, causal: bool):
+    """``kernel`` on float32 queries and a float32 cache, ``causal`` checked; a bf16 cache
+    (uint16 ckv/kpe) goes to the reference itself."""
+    if np.asarray(ckv).dtype == np.uint16:
+        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                                           causal=causal)
+    visible = np.asarray(visible, bool)
+    _check_causal(visible, causal)
+    return kernel(_f32(q_abs), _f32(q_pe), ckv, kpe, prefix_len, visible, tau)
+
+
+def _check_causal(visible, causal: bool) -> None:
+    """``reference.attention.check_causal`` (its error names the query), after a cheaper
+    test that nothing breaks the promise: every verify makes one check a layer (the
+    reference's took ~50 us each)."""
+    if causal and np.logical_and(visible, _after_own(visible.shape[-1])).any():
+        ref_attention.check_causal(visible, causal)
 
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
@@ -221,20 +254,20 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
     cache) change nothing here.  A
     bf16 cache (uint16 ckv/kpe) goes to the reference itself: its per-query loop takes the
     same shapes for a node as for its decode, so it is batch invariant too, only slower."""
-    if np.asarray(ckv).dtype == np.uint16:
-        return ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
-                                           causal=causal)
-    q_abs, q_pe = _f32(q_abs), _f32(q_pe)
-    visible = np.asarray(visible, bool)
+    return _attend(_invariant_attention, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau,
+                   causal)
+
+
+def _invariant_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
     bs, n, heads, r = q_abs.shape
-    ref_attention.check_causal(visible, causal)
     u = np.zeros((bs, n, heads, r), np.float32)
     q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
     for b in range(bs):
         p0 = int(prefix_len[b])
         slots = p0 + n
         span = -(-slots // KEYS) * KEYS
-        keys = _padded_rows(np.concatenate([ckv[b, :slots], kpe[b, :slots]], axis=-1), span)
+        keys = np.zeros((span, r + kpe.shape[-1]), np.float32)     # zero rows pad the span
+        keys[:slots, :r], keys[:slots, r:] = ckv[b, :slots], kpe[b, :slots]
         # scores against every slot, one fixed-shape GEMM per (query, key block)
         blocks = keys.reshape(-1, KEYS, keys.shape[-1]).transpose(0, 2, 1)
         s = np.matmul(q[b][:, None], blocks[None])                  # [n, blocks, H, KEYS]
@@ -247,14 +280,17 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
         lists[:, :p0] = np.arange(p0)
         rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
         first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        lists[rows, p0 + np.arange(rows.size) - first[rows]] = p0 + cols
-        listed = np.take_along_axis(s, np.broadcast_to(lists[:, None], (n, heads, width)),
-                                    axis=2) * np.float32(tau)
-        inside = np.arange(width)[None, :] < length[:, None]       # [n, width]
-        listed = np.where(inside[:, None], listed, -np.inf)
+        places = p0 + np.arange(rows.size) - first[rows]
+        lists[rows, places] = p0 + cols
+        # the listed scores (-inf past each list's end): the prefix is every list's start,
+        # copied as a slice; only the new keys are gathered
+        listed = np.full((n, heads, width), -np.inf, np.float32)
+        listed[:, :, :p0] = s[:, :, :p0] * np.float32(tau)
+        listed[rows, :, places] = s[rows, :, p0 + cols] * np.float32(tau)
         top = listed.max(axis=2, keepdims=True)
         p = np.exp(listed - top)
-        values = np.concatenate([ckv[b, :slots], np.ones((slots, 1), np.float32)], axis=-1)
+        values = np.ones((slots, r + 1), np.float32)
+        values[:, :r] = ckv[b, :slots]
         acc = np.zeros((n, heads, r + 1), np.float32)
         for k0 in range(0, width, KEYS):   # sums over list positions, block after block
             pk = np.ascontiguousarray(p[:, :, k0:k0 + KEYS])
@@ -265,6 +301,74 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
                 acc += np.matmul(pk, values[idx])
         u[b] = acc[..., :r] / acc[..., r:]
     return u
+
+
+def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
+                        prefill=False, causal=False, plans=None):
+    """``reference.attention.mla_attention`` in float32 for rows whose bits need match no
+    other call's (a drafter's block, :func:`drafter_ops`): per request one GEMM of all its
+    queries against all its keys, the softmax over the whole row.  Not batch invariant."""
+    return _attend(_dense_attention, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, causal)
+
+
+def _dense_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
+    bs, n, heads, r = q_abs.shape
+    u = np.empty((bs, n, heads, r), np.float32)
+    for b in range(bs):
+        p0 = int(prefix_len[b])
+        c, k = ckv[b, :p0 + n], kpe[b, :p0 + n]
+        s = (np.matmul(q_abs[b], c.T) + np.matmul(q_pe[b], k.T)) * np.float32(tau)
+        s[:, :, p0:] = np.where(visible[b][:, None, :], s[:, :, p0:], -np.inf)
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        u[b] = np.matmul(p, c) / p.sum(axis=2, keepdims=True)
+    return u
+
+
+class _TransposedWeights:
+    """``linear`` and the dense FFN on a contiguous ``[K, N]`` copy of each weight of at most
+    COPY_BYTES, made on its first use and kept with the weight (so its id cannot be reused
+    while the entry lives): BLAS reads it 1.4-1.7x faster than the ``[N, K]`` weight's
+    transposed view when the weight comes from memory, as a round's do (8-row blocks, one
+    thread, weights cycled through 80 MB: 256 x 1536 0.27 against 0.41 ms, 256 x 2048 0.33
+    against 0.55).  A larger weight (the demo's 8 MB lm_head) is read from memory at the same
+    speed either way (2.3 against 2.2 ms), so it is not copied."""
+
+    COPY_BYTES = 4 << 20
+
+    def __init__(self):
+        self.made: dict[int, tuple] = {}
+
+    def t(self, w) -> np.ndarray:
+        """The transpose of a 2-D weight, or of a dense FFN's only expert: a contiguous copy
+        up to COPY_BYTES, else a view."""
+        hit = self.made.get(id(w))
+        if hit is None or hit[0] is not w:
+            two_d = _f32(w[0] if np.ndim(w) == 3 else w)
+            wt = np.ascontiguousarray(two_d.T) if two_d.nbytes <= self.COPY_BYTES else two_d.T
+            hit = self.made[id(w)] = (w, wt)
+        return hit[1]
+
+    def linear(self, x, w) -> np.ndarray:
+        if np.ndim(w) != 2 or np.ndim(x) != 2 or np.shape(x)[1] != np.shape(w)[1]:
+            raise ValueError(f"linear wants x [M, K], w [N, K]; got {np.shape(x)}, "
+                             f"{np.shape(w)}")
+        return blocked_matmul(x, self.t(w))
+
+    def moe_ffn(self, h, expert_idx, weight, gate_up, down, shared_gate_up=None,
+                shared_down=None) -> np.ndarray:
+        if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
+            return _ffn_t(_f32(h), self.t(gate_up), self.t(down))
+        return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down)
+
+
+def drafter_ops(ops):
+    """The CPU path's ops for a drafter (kdtree_numba/dflash.py): a draft only shapes the
+    tree, every committed token is the target's, so its rows need not be batch invariant:
+    ``linear`` and the dense FFN on transposed weight copies (:class:`_TransposedWeights`)
+    and :func:`dense_mla_attention`; the rest as ``ops``."""
+    weights = _TransposedWeights()
+    return ops.replaced(linear=weights.linear, moe_ffn=weights.moe_ffn,
+                        mla_attention=dense_mla_attention)
 
 
 def _openblas_setters():

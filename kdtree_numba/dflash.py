@@ -23,7 +23,8 @@ block drafter"; the trained demo pair is docs/DEMO.md.  In short:
   ``P .. P + B - 1`` (P = context length), bidirectional inside the block, attending to the
   whole context; logits of slots 1..B-1 are the marginals of depths 1..B-1 the tree is built
   from.  The block's latents are written uncommitted at ``[P, P + B)`` and overwritten by the
-  next context.
+  next context.  On the CPU path (``trim_block``) a proposal of depth d < B - 1 runs the
+  block's first d + 1 rows only, and a commit injects only the rows that enter the context.
 
 Everything runs through the drafter's Model and the backend's ops, so the reference backend
 and the numba kernels both run it (no kernel of its own); on the GPU the context injection
@@ -31,10 +32,12 @@ and the block forward replay CUDA graphs once their shapes repeat, and nothing i
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
 
+from kdtree_numba import cpu
 from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_dflash_bundle,
                                  read_dflash_spec)
 from kdtree_numba.config import ModelConfig
@@ -89,6 +92,14 @@ class DFlashDrafter:
             if tuple(own[tensor].shape) != expected[tensor]:
                 raise BundleError(f"tensor {tensor} has shape {tuple(own[tensor].shape)}, "
                                   f"expected {expected[tensor]}")
+        # On the CPU path (the reference backend in float32) a proposal of depth d forwards
+        # the block's first d + 1 rows only (draft): its cost grows with the rows there,
+        # and the mask rows past d, which no tree of that depth reads, moved the demo pair's
+        # tau by < 1% (docs/ENGINE.md, "The CPU path"); its ops need not be batch invariant
+        # (cpu.drafter_ops).  Elsewhere the full block, as trained, on the target's ops.
+        self.trim_block = be.name == "reference" and be.precision == "float32"
+        if self.trim_block:
+            be = dataclasses.replace(be, ops=cpu.drafter_ops(be.ops))
         self.model = Model(config, weights, be, shared={"model/embed_tokens": target.embed,
                                                         "lm_head": target.lm_head})
         self.fc = be.asarray(np.ascontiguousarray(own["dflash/fc"]))
@@ -157,6 +168,8 @@ class DFlashDrafter:
         lengths = np.broadcast_to(np.asarray(lengths, np.int64), (int(features.shape[0]),))
         if np.any(lengths < 0) or np.any(lengths > m):
             raise ValueError(f"lengths {lengths.tolist()} must lie in [0, {m}]")
+        if self.trim_block:      # the CPU path: only the rows that enter a context (a round's
+            features = features[:, :int(lengths.max())]    # commit fills 1.7 of 16 at T = 1)
         self._inject(features)
         self.cache.advance(lengths)
 
@@ -219,18 +232,22 @@ class DFlashDrafter:
         """Logits [bs, d, V] float32 (device) of depths 1..d (d = B - 1, or ``depth`` where
         smaller) under each request's root ``roots`` [bs] (host or device ints), which sits
         at the position after its context: one forward over ``[root, MASK x (B - 1)]``, the
-        lm_head on its rows 1..d only."""
+        lm_head on its rows 1..d only.  With ``trim_block`` (the CPU path) the forward is
+        over ``[root, MASK x d]``: the rows a tree of depth d can use."""
         be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
         cache = self._started(len(roots))
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
+        d = B - 1 if depth is None else max(1, min(B - 1, int(depth)))
+        tokens, visible, steps = self._block
+        if self.trim_block and d + 1 < B:
+            B = d + 1
+            tokens, visible, steps = tokens[:, :B], visible[:, :B, :B], steps[:B]
         roots = roots if hasattr(roots, "__cuda_array_interface__") \
             else np.asarray(roots, np.int32)
         first = ops.embedding(be.asarray(roots).astype(np.int32, copy=False), self.model.embed)
         x = xp.concatenate([first.reshape(bs, 1, D),
                             xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
-        tokens, visible, steps = self._block
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
-        d = B - 1 if depth is None else max(1, min(B - 1, int(depth)))
         return self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,
                                                logit_span=(1, 1 + d)), cache)

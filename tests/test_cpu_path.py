@@ -10,11 +10,14 @@ import pytest
 
 from kdtree_numba import cpu, demo
 from kdtree_numba.backends import make_backend
-from kdtree_numba.bundle import random_weights, size_config
+from kdtree_numba.bundle import (DFlashSpec, dflash_config, dflash_shapes, random_weights,
+                                 size_config)
 from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.model import ForwardBatch, Model, causal_mask
+from reference import attention as ref_attention
+from reference import layers as ref_layers
 from reference.attention import tree_visible
 
 # every GEMM shape of the demo pair (K, N), and a few of the tiny test models
@@ -107,6 +110,93 @@ def test_the_demo_pair_is_lossless_on_the_float32_path():
     dd = generate(model, [codec_ids], 24, method="ddtree",
                   drafter=DFlashDrafter.load(demo.DRAFTER, model), budget=8)
     assert dd.tokens == ar.tokens
+
+
+def test_dense_attention_agrees_with_the_reference():
+    """cpu.dense_mla_attention (a drafter's, not batch invariant) against the float64
+    reference: ragged prefixes, a mask over the new keys."""
+    rng = np.random.default_rng(5)
+    bs, n, heads, r, dr, cap = 2, 5, 3, 16, 8, 40
+    q_abs = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
+    q_pe = rng.standard_normal((bs, n, heads, dr)).astype(np.float32)
+    ckv = rng.standard_normal((bs, cap, r)).astype(np.float32)
+    kpe = rng.standard_normal((bs, cap, dr)).astype(np.float32)
+    prefix = np.array([7, 30])
+    visible = np.stack([tree_visible([-1, 0, 0, 1, 2]), np.ones((n, n), bool)])
+    want = ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, prefix, visible, 0.3)
+    got = cpu.dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix, visible, 0.3)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    # a mask that breaks causal=True is refused by both attentions, naming the query
+    trees = np.stack([visible[0], visible[0]])
+    late = trees.copy()
+    late[1, 2, 4] = True
+    for attend in (cpu.dense_mla_attention, cpu.mla_attention):
+        attend(q_abs, q_pe, ckv, kpe, prefix, trees, 0.3, causal=True)        # trees: fine
+        with pytest.raises(ValueError, match="query 2 of request 1 sees new key 4"):
+            attend(q_abs, q_pe, ckv, kpe, prefix, late, 0.3, causal=True)
+
+
+def test_drafter_ops_agree_with_the_reference():
+    """cpu.drafter_ops: linear and the dense FFN on transposed weight copies, to float32
+    rounding of the float64 reference; a second call reuses the copy and gives the same."""
+    rng = np.random.default_rng(6)
+    ops = cpu.drafter_ops(make_backend("reference", precision="float32").ops)
+    x = rng.standard_normal((9, 24)).astype(np.float32)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    want = ref_layers.linear(x, w)
+    np.testing.assert_allclose(ops.linear(x, w), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(ops.linear(x, w), ops.linear(x, w))
+    gate_up = rng.standard_normal((1, 32, 24)).astype(np.float32)
+    down = rng.standard_normal((1, 24, 16)).astype(np.float32)
+    want = ref_layers.moe_ffn(x, None, None, gate_up, down)
+    np.testing.assert_allclose(ops.moe_ffn(x, None, None, gate_up, down), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    # a weight over 4 MiB (the demo's lm_head) is read through its transposed view instead
+    big = rng.standard_normal((4200, 256)).astype(np.float32)
+    x256 = rng.standard_normal((3, 256)).astype(np.float32)
+    want = ref_layers.linear(x256, big)
+    np.testing.assert_allclose(ops.linear(x256, big), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="linear wants"):
+        ops.linear(x, w.T)
+
+
+def _dflash_on(precision: str, block_size: int) -> DFlashDrafter:
+    tcfg = size_config("tiny", num_hidden_layers=2, vocab_size=64, rope_scaling=None)
+    dcfg = dflash_config(tcfg, num_hidden_layers=1, intermediate_size=32)
+    spec = DFlashSpec((1, 0), block_size, tcfg.hidden_size, tcfg.vocab_size, 2)
+    target = Model(tcfg, dict(random_weights(tcfg, 3)),
+                   make_backend("reference", precision=precision))
+    return DFlashDrafter(target, dcfg, dict(random_weights(dcfg, 4, dflash_shapes(dcfg, 2))),
+                         spec)
+
+
+def test_a_cpu_path_drafter_forwards_the_rows_its_depth_needs():
+    """On the float32 CPU path a proposal of depth d forwards the block's first d + 1 rows:
+    its logits are those of a block-(d + 1) drafter on the float64 reference; without a
+    depth, the whole block's.  Off that path the block stays whole.  (The context grows by
+    a commit's rows that enter it alone on the CPU path: the same context.)"""
+    rng = np.random.default_rng(8)
+    feats = rng.standard_normal((2, 6, 2 * 64)).astype(np.float32)
+    more = rng.standard_normal((2, 5, 2 * 64)).astype(np.float32)
+    roots = np.array([5, 17])
+
+    def propose(precision, block_size, depth):
+        drafter = _dflash_on(precision, block_size)
+        drafter.start(2, 32)
+        drafter.extend_context(feats, np.array([6, 4]))
+        # a round's commit: 5 rows, of which 1 and 2 enter (the CPU path injects 2 rows)
+        drafter.extend_context(more, np.array([1, 2]))
+        assert drafter.context_lengths.tolist() == [7, 6]
+        return np.asarray(drafter.draft(roots, depth), np.float64), drafter.trim_block
+    for depth, block in ((2, 3), (None, 6)):
+        got, trims = propose("float32", 6, depth)
+        want, whole = propose("float64", block, depth)
+        assert trims and not whole
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    full, _ = propose("float64", 6, 2)          # the whole block's rows 1..2 differ
+    assert np.abs(full - propose("float64", 3, 2)[0]).max() > 1e-3
 
 
 def test_blas_threads_sets_a_count():

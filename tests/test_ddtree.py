@@ -372,6 +372,39 @@ def test_sampled_accept_commits_tokens_distributed_as_the_target():
     assert chi_square(counts, p_wrong) > critical
 
 
+@pytest.mark.parametrize("sampling", [ref.Sampling(0.7), ref.Sampling(1.0, top_p=0.9),
+                                      ref.Sampling(1.3, top_k=3)])
+def test_sampled_accept_draws_only_the_visited_slots(monkeypatch, sampling):
+    """accept_sampled draws a slot's target token only when the walk reaches it, with the
+    outputs of the composition it is defined as: accept_greedy on every slot's sample."""
+    from reference.ddtree import accept as accept_module
+    bs, vocab, budget = 6, 6, 12
+    tree = tree_for(7, bs, 4, vocab, budget)
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((bs, budget + 1, vocab)).astype(np.float32)
+    # most of each node's mass on its first child's token, so walks go deep and also stop
+    for b in range(bs):
+        for c in range(1, int(tree.n_nodes[b]) + 1):
+            logits[b, tree.parent[b, c], tree.token[b, c]] += 2.5 * (tree.rank[b, c] == 0)
+    u = rng.random((bs, budget + 1))
+    want = ref.accept_greedy(tree, ref.sample_targets(tree, logits, sampling, u))
+    drawn = []
+    real = accept_module.inverse_cdf_sample
+
+    def counting(row, s, uniform):
+        drawn.append(float(uniform))
+        return real(row, s, uniform)
+    monkeypatch.setattr(accept_module, "inverse_cdf_sample", counting)
+    got = ref.accept_sampled(tree, logits, sampling, u)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+    acc_idx, acc_len = got[0], got[1]
+    assert acc_len.max() >= 3                             # some walks go deep
+    visited = [float(u[b, slot]) for b in range(bs) for slot in acc_idx[b, :acc_len[b]]]
+    assert drawn == visited          # one draw per visited slot (the root, accepted nodes)
+    assert len(drawn) < int(tree.n_nodes.sum()) + bs     # fewer than sample_targets' draws
+
+
 @pytest.mark.parametrize("temperature, error", [(0.0, ValueError), (-1.0, ValueError),
                                                 (float("nan"), ValueError), ("1", TypeError)])
 def test_sample_targets_rejects_bad_temperature(temperature, error):

@@ -12,11 +12,12 @@ each level's mass pooled into one cell, so every cell expects >= 5.
 
 False-alarm rate: the threshold is the chi-square quantile at ``ALPHA`` = 1e-4 (Wilson-Hilferty
 approximation, accurate to a few percent of alpha at these degrees of freedom), so a correct
-sampler fails one configuration with probability ~1e-4 (the fast set's 6 checks: ~6e-4; the
-slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba backend: ~9e-4).  The seeds are
-fixed, so a passing run stays passing.  Power: the same statistic must reject AR's top-p 0.9
-samples against the untruncated distribution and its T = 1 samples against T = 0.7's
-(``test_the_check_rejects_the_wrong_distribution``), so it is not a check that cannot fail.
+sampler fails one configuration with probability ~1e-4 (the fast set's 8 checks, 2 of them
+on the float32 CPU path: ~8e-4; the slow grid's 16: ~1.6e-3; the `gpu` set's 9, on the numba
+backend: ~9e-4).  The seeds are fixed, so a passing run stays passing.  Power: the same
+statistic must reject AR's top-p 0.9 samples against the untruncated distribution and its
+T = 1 samples against T = 0.7's (``test_the_check_rejects_the_wrong_distribution``), so it
+is not a check that cannot fail.
 The model's lm_head is scaled by LOGIT_SCALE: random weights give a flat next-token
 distribution whose mass sits in pooled cells, where the statistic sees little.
 """
@@ -28,6 +29,7 @@ import math
 import numpy as np
 import pytest
 
+from kdtree_numba.backends import make_backend
 from kdtree_numba.bundle import random_weights, size_config
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
@@ -46,10 +48,13 @@ LOGIT_SCALE = 4.0   # random weights give a flat next-token distribution (top to
 
 @functools.lru_cache(maxsize=None)
 def tiny(backend: str = "reference") -> Model:
+    """The test model on ``backend``: a backend name, or "cpu" for the reference backend's
+    float32 CPU path (kdtree_numba/cpu.py)."""
     cfg = size_config("tiny", num_hidden_layers=2)
     weights = dict(random_weights(cfg, 3))
     weights["lm_head"] = (weights["lm_head"] * LOGIT_SCALE).astype(weights["lm_head"].dtype)
-    return Model(cfg, weights, backend)
+    return Model(cfg, weights, make_backend("reference", precision="float32")
+                 if backend == "cpu" else backend)
 
 
 def truncated_probs(logits, temperature: float, top_p: float, top_k: int) -> np.ndarray:
@@ -174,6 +179,15 @@ def test_sampled_tokens_follow_the_target_distribution_on_the_gpu(method, temper
     """The numba backend's samples (its sampling kernel, its forwards) against the exact
     distribution of the same weights, enumerated on the reference."""
     check(method, 2000, temperature, top_p, top_k, backend="numba")
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", FAST)
+def test_the_cpu_paths_ddtree_samples_follow_the_target_distribution(temperature, top_p,
+                                                                     top_k):
+    """The float32 CPU path (kdtree-run's without a GPU): DDTree's samples, its acceptance
+    drawing only the slots its walk visits, against the exact distribution enumerated on the
+    float64 reference (the paths' logits differ by float32 rounding)."""
+    check("ddtree", 400, temperature, top_p, top_k, backend="cpu")
 
 
 def test_the_check_rejects_the_wrong_distribution():

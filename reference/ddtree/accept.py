@@ -25,7 +25,11 @@ reference/ddtree/__init__.py.
     ``= accept_greedy(tree, sample_targets(...))``.  Every committed token is a genuine sample
     of the truncated target distribution at its context, so the round is lossless for any
     tree (no draft probabilities needed): DDTree's and the chain's tokens follow AR's
-    distribution with the same top-p and top-k.
+    distribution with the same top-p and top-k.  The walk reads a slot's target token only
+    when it reaches the slot, so this reference draws at the visited slots alone (the root,
+    the accepted nodes): the same outputs as drawing every slot, at a fraction of the cost
+    when few nodes are accepted (each draw is a softmax over the vocabulary; the CPU path
+    runs this function).
 """
 from __future__ import annotations
 
@@ -38,10 +42,9 @@ from .tree import DraftTree
 __all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample"]
 
 
-def accept_greedy(tree: DraftTree, target_tokens):
-    """Accepted root-to-node path and the next root token (contract: module docstring)."""
-    bs, budget, max_depth = check_tree(tree)
-    target = np.asarray(check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu"))
+def _walk(tree: DraftTree, bs: int, max_depth: int, target_at):
+    """The acceptance walk of every request, ``target_at(b, slot)`` the target's token after
+    a slot, asked only for the slots the walk reaches (contract: module docstring)."""
     acc_idx = np.full((bs, max_depth + 1), -1, np.int32)
     acc_len = np.zeros(bs, np.int32)
     next_token = np.zeros(bs, np.int32)
@@ -50,25 +53,39 @@ def accept_greedy(tree: DraftTree, target_tokens):
         children: dict[int, dict[int, int]] = {}
         for c in range(1, n + 1):
             children.setdefault(int(tree.parent[b, c]), {})[int(tree.token[b, c])] = c
-        path, cur, nxt = [0], 0, int(target[b, 0])
+        path, cur, nxt = [0], 0, target_at(b, 0)
         while nxt in children.get(cur, {}):
             cur = children[cur][nxt]
             path.append(cur)
-            nxt = int(target[b, cur])
+            nxt = target_at(b, cur)
         acc_idx[b, :len(path)] = path
         acc_len[b] = len(path)
         next_token[b] = nxt
     return acc_idx, acc_len, next_token
 
 
-def sample_targets(tree: DraftTree, target_logits, sampling, uniforms):
-    """One target sample at every tree slot, -1 at padding (contract: module docstring)."""
+def accept_greedy(tree: DraftTree, target_tokens):
+    """Accepted root-to-node path and the next root token (contract: module docstring)."""
+    bs, budget, max_depth = check_tree(tree)
+    target = np.asarray(check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu"))
+    return _walk(tree, bs, max_depth, lambda b, slot: int(target[b, slot]))
+
+
+def _checked_sampling(tree: DraftTree, target_logits, sampling, uniforms):
+    """(bs, budget, the Sampling, logits, float64 uniforms) after sample_targets' checks."""
     bs, budget, _, sampling = check_sample_args(tree, target_logits, sampling, uniforms)
     target_logits, uniforms = np.asarray(target_logits), np.asarray(uniforms, np.float64)
     if not np.isfinite(target_logits).all():
         raise ValueError("target_logits must be finite")
     if np.any(uniforms < 0) or np.any(uniforms >= 1):
         raise ValueError("uniforms must lie in [0, 1)")
+    return bs, budget, sampling, target_logits, uniforms
+
+
+def sample_targets(tree: DraftTree, target_logits, sampling, uniforms):
+    """One target sample at every tree slot, -1 at padding (contract: module docstring)."""
+    bs, budget, sampling, target_logits, uniforms = _checked_sampling(
+        tree, target_logits, sampling, uniforms)
     tokens = np.full((bs, budget + 1), -1, np.int32)
     for b in range(bs):
         for i in range(int(tree.n_nodes[b]) + 1):
@@ -77,5 +94,11 @@ def sample_targets(tree: DraftTree, target_logits, sampling, uniforms):
 
 
 def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms):
-    """Sample the target at every node, then walk as greedy (contract: module docstring)."""
-    return accept_greedy(tree, sample_targets(tree, target_logits, sampling, uniforms))
+    """The greedy walk on target samples, each slot's drawn when the walk reaches it
+    (contract: module docstring; = accept_greedy(tree, sample_targets(...)))."""
+    bs, _, sampling, target_logits, uniforms = _checked_sampling(
+        tree, target_logits, sampling, uniforms)      # the tree checked too
+
+    def target_at(b: int, slot: int) -> int:
+        return inverse_cdf_sample(target_logits[b, slot], sampling, uniforms[b, slot])
+    return _walk(tree, bs, int(tree.max_depth), target_at)
