@@ -265,16 +265,22 @@ class Ops:
         return other
 
 
-def latents_by_parts(ops, xp) -> tuple:
-    """``(mla_latents, mla_q_split)`` (reference/layers/latents.py) made of ``ops``'s rmsnorm
-    and rope and ``xp``'s copies, as the model ran them before the fused kernels: the
-    reference backends' ops, and the numba backend's without ``KDTREE_FUSED_LATENTS`` (the
-    same bits as the fused ones).  ``into`` (a kvcache.LatentStore): c and k_pe go to its rows
-    instead (bf16 bits for a bf16 store) and come back as None, as the fused op does."""
-    def mla_latents(x, q_norm, kv_norm, positions, spec, eps, *, q_lora, rank, into=None):
-        q_a = ops.rmsnorm(x[:, :q_lora], q_norm, eps) if q_lora else None
-        c = ops.rmsnorm(x[:, q_lora:q_lora + rank], kv_norm, eps)
-        k_pe = ops.rope(xp.ascontiguousarray(x[:, q_lora + rank:]).reshape(
+class LatentsByParts:
+    """``mla_latents`` and ``mla_q_split`` (reference/layers/latents.py) made of the ops' own
+    ``rmsnorm`` and ``rope`` and the copies of ``glue`` (the backend's array module), as the
+    model ran them before the fused kernels: the reference backends' ops, and the numba
+    backend's without ``KDTREE_FUSED_LATENTS`` (the same bits as the fused ones).  Methods,
+    not closures, so an :meth:`Ops.replaced` copy's norms and ropes are the ones they call.
+    ``into`` (a kvcache.LatentStore): c and k_pe go to its rows instead (bf16 bits for a bf16
+    store) and come back as None, as the fused op does."""
+    glue = np
+
+    def mla_latents(self, x, q_norm, kv_norm, positions, spec, eps, *, q_lora, rank,
+                    into=None):
+        xp = self.glue
+        q_a = self.rmsnorm(x[:, :q_lora], q_norm, eps) if q_lora else None
+        c = self.rmsnorm(x[:, q_lora:q_lora + rank], kv_norm, eps)
+        k_pe = self.rope(xp.ascontiguousarray(x[:, q_lora + rank:]).reshape(
             x.shape[0], 1, spec.head_dim), positions, spec)
         if into is None:
             return q_a, c, k_pe
@@ -282,9 +288,9 @@ def latents_by_parts(ops, xp) -> tuple:
             store[into.rows] = bf16_bits(xp, values) if store.dtype == np.uint16 else values
         return q_a, None, None
 
-    def mla_q_split(q, positions, spec, *, dn):
-        return xp.ascontiguousarray(q[:, :, :dn]), ops.rope(q[:, :, dn:], positions, spec)
-    return mla_latents, mla_q_split
+    def mla_q_split(self, q, positions, spec, *, dn):
+        return self.glue.ascontiguousarray(q[:, :, :dn]), self.rope(q[:, :, dn:], positions,
+                                                                    spec)
 
 
 def _reference_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
@@ -295,8 +301,10 @@ def _reference_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *,
                                              causal=causal)
 
 
-class ReferenceOps(Ops):
-    """The NumPy references (float64 inside, float32 out): the contracts."""
+class ReferenceOps(LatentsByParts, Ops):
+    """The NumPy references (float64 inside, float32 out): the contracts (``mla_latents``
+    and ``mla_q_split`` their composition, :class:`LatentsByParts`; rl.mla_latents is the same
+    one, without a cache to write into)."""
 
     def __init__(self):
         rl, ra, rd = reference_layers, reference_attention, reference_ddtree
@@ -305,8 +313,6 @@ class ReferenceOps(Ops):
         self.moe_route, self.moe_ffn = rl.moe_route, rl.moe_ffn
         self.mla_attention = _reference_mla_attention
         self.absorb_q, self.apply_uv = ra.absorb_q, ra.apply_uv
-        # the composition (rl.mla_latents is the same one, without a cache to write into)
-        self.mla_latents, self.mla_q_split = latents_by_parts(self, np)
         self.topk_logprobs, self.build_tree = rd.topk_logprobs, rd.build_tree
         self.compile_tree, self.accept_greedy = rd.compile_tree, rd.accept_greedy
         self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
@@ -326,7 +332,6 @@ class CpuFloat32Ops(ReferenceOps):
         self.linear, self.moe_route, self.moe_ffn = cpu.linear, cpu.moe_route, cpu.moe_ffn
         self.absorb_q, self.apply_uv = cpu.absorb_q, cpu.apply_uv
         self.mla_attention = cpu.mla_attention
-        # mla_latents, mla_q_split: ReferenceOps's composition, of these norms and ropes
 
 
 def _no_paged_kernel(name: str):
@@ -404,7 +409,7 @@ def _wrapper(fn, convert, launch, on_gpu: bool):
     return wrapped
 
 
-class NumbaOps(Ops):
+class NumbaOps(LatentsByParts, Ops):
     """The numba.cuda twins, each wrapped (:func:`_wrapper`): its device results converted
     (CuPy views on a GPU, host copies under the simulator) and the backend's launch stream
     passed.  ``gemm="tensor-cores"``: bf16 weights on tensor cores, everything else on kernels
@@ -427,9 +432,10 @@ class NumbaOps(Ops):
         self.moe_route, self.moe_ffn = wrap(nl.moe_route), wrap(nl.moe_ffn)
         self.mla_attention = wrap(na.mla_attention)
         self.absorb_q, self.apply_uv = wrap(na.absorb_q), wrap(na.apply_uv)
-        # one launch each, or the norms, ropes and copies they replace (runtime.py)
-        self.mla_latents, self.mla_q_split = (wrap(nl.mla_latents), wrap(nl.mla_q_split)) \
-            if fused_latents else latents_by_parts(self, xp)
+        # one launch each, or (LatentsByParts) the norms, ropes and copies they replace
+        self.glue = xp
+        if fused_latents:                           # runtime.py: opt-in for now
+            self.mla_latents, self.mla_q_split = wrap(nl.mla_latents), wrap(nl.mla_q_split)
         self.topk_logprobs, self.build_tree = wrap(nd.topk_logprobs), wrap(nd.build_tree)
         self.compile_tree, self.accept_greedy = wrap(nd.compile_tree), wrap(nd.accept_greedy)
         self.sample_targets = wrap(nd.sample_targets)

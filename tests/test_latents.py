@@ -4,13 +4,15 @@ norm, rope and copy launches they replace; and a model gives the same logits wit
 without (``KDTREE_FUSED_LATENTS``)."""
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 import reference.layers as rl
 from kdtree_numba import layers as nl
-from kdtree_numba.backends import latents_by_parts, make_backend
+from kdtree_numba.backends import LatentsByParts, make_backend
 
 BF16 = ml_dtypes.bfloat16
 SPECS = {
@@ -38,8 +40,9 @@ def _case(seed, m, q_lora, rank, dr, weight_dtype):
 @pytest.fixture(scope="module")
 def unfused():
     """The numba backend's ops by parts (what the model ran before the fused kernels)."""
-    be = make_backend("numba")
-    return latents_by_parts(be.ops, be.xp)
+    ops = make_backend("numba").ops      # its own norms and ropes, whatever the switch says
+    return (functools.partial(LatentsByParts.mla_latents, ops),
+            functools.partial(LatentsByParts.mla_q_split, ops))
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
@@ -112,6 +115,25 @@ def test_fused_latents_write_into_a_cache_store_as_the_parts_do(store, unfused):
     tol = dict(rtol=2 ** -8, atol=1e-6) if store == np.uint16 else dict(rtol=2e-6, atol=1e-6)
     np.testing.assert_allclose(c[rows], want_c, **tol)
     np.testing.assert_allclose(k_pe[rows], want_k[:, 0], **tol)
+
+
+def test_by_parts_latents_call_a_replaced_copys_norms():
+    """A profiler's or a counter's ``Ops.replaced`` copy sees the norms and the rope that
+    mla_latents and mla_q_split run (methods of the copy, not closures over the original)."""
+    ops = make_backend("reference").ops
+    calls = []
+
+    def counted(name):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            return getattr(ops, name)(*args, **kwargs)
+        return fn
+    spy = ops.replaced(rmsnorm=counted("rmsnorm"), rope=counted("rope"))
+    spec = SPECS["interleaved"]
+    x, q_norm, kv_norm, pos = _case(1, 2, 8, 16, spec.head_dim, np.float32)
+    spy.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=8, rank=16)
+    spy.mla_q_split(x[:, :24].reshape(2, 2, 12), pos, spec, dn=4)
+    assert calls == ["rmsnorm", "rmsnorm", "rope", "rope"]
 
 
 def test_latents_refuse_bad_shapes():
