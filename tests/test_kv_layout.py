@@ -4,8 +4,9 @@ The proof of the paged layout runs on the reference backend: attention over a pa
 equals attention over the dense cache holding the same slots, bit for bit (Hypothesis, random
 ragged lengths and page orders), paged compaction moves the rows dense compaction moves (across
 page boundaries), latents written straight into a paged store (``KVCache.latent_store``, the
-model's every write) land where the page lists say, and a tiny model over paged caches of page sizes 1, 3 and 16 gives the dense
-layout's logits exactly and DDTree's greedy tokens equal AR's.  The device lengths are checked
+model's every write) land where the page lists say, and a tiny model over paged caches of page
+sizes 1, 3 and 16 gives the dense layout's logits exactly and DDTree's greedy tokens equal
+AR's.  The device lengths are checked
 on the reference backend (pending commits, capacity bounds) and, under the CUDA simulator, on
 the dense numba path: write slots, attention and compaction from device lengths give what the
 host lengths gave before.
