@@ -3,13 +3,15 @@ on the reference backend: the same tokens as AR and as the host-driven round, ev
 state on the device, the caches rolled back to the last read round, and the refusals."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from kdtree_numba.engine import generate
 from kdtree_numba.drafter import ModelDrafter
 from kdtree_numba.model import ForwardBatch, causal_mask
-from test_dflash import _small_drafter_model, counted, target_and_drafter
+from test_dflash import _small_drafter_model, counted, parts2, target_and_drafter
 
 
 @pytest.mark.parametrize("method, budget", [("ddtree", 1), ("ddtree", 6), ("chain", 32)])
@@ -224,15 +226,27 @@ class _CyclingBudget:
         return Cycling()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_budgets_changing_every_round_on_device_give_ar_tokens(temperature):
+@functools.lru_cache(maxsize=None)
+def _paged_pair(layout: str):
+    """target_and_drafter's pair with the target's cache in ``layout``."""
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    tcfg, tw, dcfg, dw, spec = parts2()
+    target = Model(tcfg, tw, "reference", kv_layout=layout)
+    return target, DFlashDrafter(target, dcfg, dw, spec)
+
+
+@pytest.mark.parametrize("temperature, layout", [(0.0, "dense"), (0.8, "dense"),
+                                                 (0.0, "paged:3")])
+def test_budgets_changing_every_round_on_device_give_ar_tokens(temperature, layout):
     """A policy whose budget changes at every launch (1 to 20 nodes: a tree shallower than
     the block, and one wider than the block's L + 1 bound), a ragged batch with one request
     stopping at eos mid-run: AR's tokens (T > 0: the same uniforms), the host rounds' rounds
     and acceptances under the same policy, each round observed at the budget it ran with,
-    and both caches exact afterwards."""
+    and both caches exact afterwards; a paged target cache too (each launch reserves pages
+    for its own width after the bound of the round in flight)."""
     cycle = (7, 1, 20, 2, 11, 3)
-    target, drafter = target_and_drafter()
+    target, drafter = target_and_drafter() if layout == "dense" else _paged_pair(layout)
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1]]
     ar = generate(target, prompts, 14, temperature=temperature, seed=4)
     eos = ar.tokens[2][3]
