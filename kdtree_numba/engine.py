@@ -358,8 +358,12 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
 
     With ``policy`` (``--budget auto``) each launch asks it for its budget, one round before
     the last one's tokens are read, and a round's cost is the wall time from the previous
-    read's end to its own: with a round always in flight the device runs them back to back,
-    so that is the round's device time, or more where the host is late (also a cost)."""
+    read's end to its own, less the next round's launch made in between, plus its own
+    launch: with a round always in flight (a replayed graph, whose launch returns at once)
+    the device runs them back to back, so that is the round's device time, or more where the
+    host is late (also a cost); where a launch runs its round before returning (the
+    reference backend, the simulator, an eager round) the wall time between the reads is the
+    next round's, and its own launch is its cost."""
     bs = cache.batch
     table = None
     if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
@@ -368,11 +372,15 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
                                          table)
     budgets = []                        # of the rounds in flight, oldest first
 
-    def launch(active):
+    def launch(active) -> float:
+        """The round's launch; its wall time."""
         b = policy.next_budget() if policy else budget
+        t = time.perf_counter()
         rounds.launch(active, b)
-        budgets.append(b)
+        launched = time.perf_counter() - t
+        budgets.append((b, launched))
         timer.lap("round")
+        return launched
     try:
         if req.active.any():
             launch(req.active.copy())
@@ -380,11 +388,12 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         while rounds.in_flight:
             ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
                                            for out in req.out])
-            if ahead.any():             # the next round goes in before this one is read
-                launch(ahead)
+            # the next round goes in before this one is read
+            next_launch = launch(ahead) if ahead.any() else 0.0
             packed, ran = rounds.collect()
-            b = budgets.pop(0)
-            cost, read_end = time.perf_counter() - read_end, time.perf_counter()
+            b, own_launch = budgets.pop(0)
+            now = time.perf_counter()
+            cost, read_end = now - read_end - next_launch + own_launch, now
             running = ran & req.active
             if not running.any():       # run ahead for requests its predecessor finished
                 stats.rounds_dropped += 1

@@ -3,13 +3,15 @@ on the reference backend: the same tokens as AR and as the host-driven round, ev
 state on the device, the caches rolled back to the last read round, and the refusals."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from kdtree_numba.engine import generate
 from kdtree_numba.drafter import ModelDrafter
 from kdtree_numba.model import ForwardBatch, causal_mask
-from test_dflash import _small_drafter_model, counted, target_and_drafter
+from test_dflash import _small_drafter_model, counted, parts2, target_and_drafter
 
 
 @pytest.mark.parametrize("method, budget", [("ddtree", 1), ("ddtree", 6), ("chain", 32)])
@@ -79,11 +81,13 @@ def test_device_rounds_refuse_a_drafter_that_needs_the_host():
                  drafter=target_and_drafter()[1], on_round=lambda *a: None)
 
 
-def test_auto_budget_runs_on_device_rounds():
+def test_auto_budget_runs_on_device_rounds(monkeypatch):
     """``--budget auto`` with device rounds: each launch takes the policy's budget (one
     program, a graph per budget), every round's cost reaches the policy, and the tokens are
-    AR's."""
+    AR's.  A round costs 1 / budget seconds of a fake clock, so the policy (start 4) climbs
+    through both neighbours whatever the machine's timing."""
     from kdtree_numba.budget import AutoBudget
+    _fake_round_clock(monkeypatch, lambda b: 1.0 / b)
     target, drafter = target_and_drafter()
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
     policy = AutoBudget(candidates=(2, 4, 8), start=4)
@@ -196,3 +200,124 @@ def test_a_batch_with_its_own_slots_writes_there_and_never_replays_a_graph(monke
 class _NoGraphs:
     def call(self, *args, **kw):
         raise AssertionError("a forward with its own slots went through the model's graphs")
+
+
+class _CyclingBudget:
+    """A policy of its own (an AutoBudget by type, as generate() asks, none of its logic):
+    the next budget of a fixed cycle at every call, widths 2..21 changing every round, so
+    consecutive rounds in flight have different widths; it records what it is told."""
+
+    def __new__(cls, cycle):
+        from kdtree_numba.budget import AutoBudget
+
+        class Cycling(AutoBudget):
+            def __init__(self):
+                super().__init__(candidates=sorted(set(cycle)), start=cycle[0])
+                self.calls, self.seen = 0, []
+
+            def next_budget(self):
+                self.calls += 1
+                return cycle[(self.calls - 1) % len(cycle)]
+
+            def observe(self, budget, seconds, tau):
+                assert seconds >= 0 and tau >= 1
+                self.seen.append(budget)
+                super().observe(budget, seconds, tau)
+        return Cycling()
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_pair(layout: str):
+    """target_and_drafter's pair with the target's cache in ``layout``."""
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    tcfg, tw, dcfg, dw, spec = parts2()
+    target = Model(tcfg, tw, "reference", kv_layout=layout)
+    return target, DFlashDrafter(target, dcfg, dw, spec)
+
+
+@pytest.mark.parametrize("temperature, layout", [(0.0, "dense"), (0.8, "dense"),
+                                                 (0.0, "paged:3")])
+def test_budgets_changing_every_round_on_device_give_ar_tokens(temperature, layout):
+    """A policy whose budget changes at every launch (1 to 20 nodes: a tree shallower than
+    the block, and one wider than the block's L + 1 bound), a ragged batch with one request
+    stopping at eos mid-run: AR's tokens (T > 0: the same uniforms), the host rounds' rounds
+    and acceptances under the same policy, each round observed at the budget it ran with,
+    and both caches exact afterwards; a paged target cache too (each launch reserves pages
+    for its own width after the bound of the round in flight)."""
+    cycle = (7, 1, 20, 2, 11, 3)
+    target, drafter = target_and_drafter() if layout == "dense" else _paged_pair(layout)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1]]
+    ar = generate(target, prompts, 14, temperature=temperature, seed=4)
+    eos = ar.tokens[2][3]
+    want = generate(target, prompts, 14, temperature=temperature, seed=4, eos=eos).tokens
+    runs = []
+    for on_device in (False, True):
+        policy = _CyclingBudget(cycle)
+        res = generate(target, prompts, 14, method="ddtree", drafter=drafter, budget=policy,
+                       temperature=temperature, seed=4, eos=eos, device_rounds=on_device)
+        assert res.tokens == want
+        assert policy.seen == res.stats.budgets and len(res.stats.budgets) == res.stats.rounds
+        runs.append((res, policy))
+    (host, _), (dev, policy) = runs
+    assert dev.stats.budgets == host.stats.budgets == \
+        [cycle[i % len(cycle)] for i in range(dev.stats.rounds)]
+    assert dev.stats.tau == host.stats.tau
+    assert policy.calls == dev.stats.rounds + dev.stats.rounds_dropped
+    cache = target.generation_cache
+    assert not cache.pending and not drafter.cache.pending
+    assert drafter.context_lengths.tolist() == cache.lengths.tolist()
+    np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
+
+
+def _fake_round_clock(monkeypatch, cost, asynchronous=False):
+    """The engine's ``time`` made a fake clock on which a device round of budget b takes
+    ``cost(b)`` seconds and nothing else takes any time.  Synchronous: ``launch`` runs the
+    round (the reference backend, the simulator, an eager GPU round); asynchronous: as a
+    replayed graph, ``launch`` returns at once, the device runs the rounds back to back and
+    ``collect`` waits for the oldest."""
+    from types import SimpleNamespace
+    from kdtree_numba import engine
+    from kdtree_numba.device_round import DeviceRounds
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    real_round, real_launch, real_collect = (DeviceRounds._round, DeviceRounds.launch,
+                                            DeviceRounds.collect)
+    done = []                             # async: when each round in flight ends
+
+    def run_round(self, budget, active):
+        if not asynchronous:
+            clock.now += cost(budget)
+        return real_round(self, budget, active)
+
+    def launch(self, active, budget):
+        real_launch(self, active, budget)
+        if asynchronous:
+            done.append(max([clock.now] + done[-1:]) + cost(budget))
+
+    def collect(self):
+        if asynchronous:
+            clock.now = max(clock.now, done.pop(0))
+        return real_collect(self)
+    monkeypatch.setattr(DeviceRounds, "_round", run_round)
+    monkeypatch.setattr(DeviceRounds, "launch", launch)
+    monkeypatch.setattr(DeviceRounds, "collect", collect)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
+    """The cost a policy observes for a device round is that round's own, whatever the budget
+    of the next one, whether a launch runs its round or only enqueues it
+    (:func:`_fake_round_clock`): budgets change every round, so a cost charged to the wrong
+    round shows."""
+    _fake_round_clock(monkeypatch, float, asynchronous)
+    target, drafter = target_and_drafter()
+    policy = _CyclingBudget((3, 9, 1, 6))
+    costs = []
+    observe = policy.observe
+    policy.observe = lambda b, seconds, tau: (costs.append((b, seconds)),
+                                              observe(b, seconds, tau))
+    res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
+                   budget=policy, device_rounds=True)
+    assert res.stats.rounds > 4 and len(set(res.stats.budgets)) == 4
+    assert costs == [(b, float(b)) for b in res.stats.budgets]

@@ -3,8 +3,10 @@
 The proof of the paged layout runs on the reference backend: attention over a paged pool
 equals attention over the dense cache holding the same slots, bit for bit (Hypothesis, random
 ragged lengths and page orders), paged compaction moves the rows dense compaction moves (across
-page boundaries), and a tiny model over paged caches of page sizes 1, 3 and 16 gives the dense
-layout's logits exactly and DDTree's greedy tokens equal AR's.  The device lengths are checked
+page boundaries), latents written straight into a paged store (``KVCache.latent_store``, the
+model's every write) land where the page lists say, and a tiny model over paged caches of page
+sizes 1, 3 and 16 gives the dense layout's logits exactly and DDTree's greedy tokens equal
+AR's.  The device lengths are checked
 on the reference backend (pending commits, capacity bounds) and, under the CUDA simulator, on
 the dense numba path: write slots, attention and compaction from device lengths give what the
 host lengths gave before.
@@ -29,6 +31,7 @@ from kdtree_numba.model import ForwardBatch, Model, causal_mask
 from reference.attention import mla_attention, paged_mla_attention
 from reference.ddtree import compact_kv, compact_kv_paged
 from reference.paged import check_page_table
+import reference.layers as rl
 
 PAGE_SIZES = (1, 3, 16)
 
@@ -218,6 +221,50 @@ def test_device_counts_leave_the_host_lengths_pending_with_a_safe_bound():
     cache.confirm_lengths([6, 6])
     assert not cache.pending and cache.lengths.tolist() == [6, 6]
     cache.check_room(4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), bs=st.integers(1, 3), page_size=st.integers(1, 5),
+       bf16=st.booleans(), data=st.data())
+def test_latents_written_into_a_paged_store_land_where_its_pages_say(seed, bs, page_size,
+                                                                     bf16, data):
+    """What the model's attention does every layer: ``mla_latents(into=latent_store(...))``
+    at the storage rows of a forward's slots.  Forwards of 1..4 tokens after ragged lengths
+    that grow unevenly (so a request's pages interleave with the others' and its writes
+    cross page boundaries), on a paged cache and a dense one: read slot by slot through the
+    layout's own page lists, the pool holds what the dense cache holds at every slot any
+    forward wrote (committed or not), bit for bit."""
+    rng = np.random.default_rng(seed)
+    be = make_backend("reference")
+    rank, dr, max_len = 3, 2, 16
+    dtype = "bfloat16" if bf16 else "float32"
+    paged = KVCache(be, 2, bs, max_len, rank, dr, dtype, layout=f"paged:{page_size}")
+    dense = KVCache(be, 2, bs, max_len, rank, dr, dtype)
+    written = np.zeros(bs, np.int64)       # per request: the slots some forward wrote
+    for _ in range(data.draw(st.integers(1, 4))):
+        n = data.draw(st.integers(1, 4))
+        if int(paged.lengths.max()) + n > max_len:
+            break
+        x = rng.standard_normal((bs * n, rank + dr)).astype(np.float32)
+        positions = rng.integers(0, 50, bs * n).astype(np.int32)
+        for cache in (paged, dense):
+            slots = cache.write_slots(n)
+            for layer in range(2):
+                be.ops.mla_latents(x + layer, None, np.ones(rank), positions,
+                                   rl.RopeSpec(1e4, dr, False), 1e-6, q_lora=0, rank=rank,
+                                   into=cache.latent_store(layer, slots))
+        written = np.maximum(written, paged.lengths + n)
+        grow = [data.draw(st.integers(0, n)) for _ in range(bs)]
+        for cache in (paged, dense):
+            cache.advance(grow)
+    for pool, want in ((paged.c, dense.c), (paged.k_pe, dense.k_pe)):
+        for b, held in enumerate(paged.layout.pages):
+            assert len(held) * page_size >= written[b]
+            got = np.stack([pool[:, held[t // page_size], t % page_size]
+                            for t in range(int(written[b]))], axis=1).reshape(
+                                2, int(written[b]), -1)
+            np.testing.assert_array_equal(got, want[:, b, :int(written[b])])
+            assert np.any(got != 0) or written[b] == 0
 
 
 # ----------------------------------------------------------------------------- the proof

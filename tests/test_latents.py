@@ -136,6 +136,51 @@ def test_by_parts_latents_call_a_replaced_copys_norms():
     assert calls == ["rmsnorm", "rmsnorm", "rope", "rope"]
 
 
+@pytest.mark.parametrize("store", [np.float32, np.uint16])
+def test_fused_latents_without_a_q_lora_write_a_wide_store_as_the_parts_do(store, unfused):
+    """No q LoRA (q_a's placeholder is then the store itself, never written), a kv segment
+    wider than the block and not a multiple of it (40 columns, 32 threads), a rope key of
+    8 pairs over 32 threads, rows out of order: the store's rows bit for bit the parts'
+    (a bf16 cache's bits rounded as ``bf16_bits``, ties included), the rest untouched."""
+    from kdtree_numba.backends import bf16_bits
+    from kdtree_numba.kvcache import LatentStore
+    spec = rl.RopeSpec(1e4, 16, True)
+    m, rank, dr = 4, 40, spec.head_dim
+    x, _, kv_norm, pos = _case(9, m, 0, rank, dr, np.float32)
+    # values on a bf16 tie (the 16 bits dropped are exactly 0x8000): after the norm with a
+    # weight of ones most are not ties any more, so the rope's exactly representable inputs
+    # at position 0 carry them (cos 1, sin 0: the rotated key is its input)
+    ties = (np.arange(1, 1 + m * dr, dtype=np.uint32) << 16 | 0x8000).view(np.float32)
+    x[:, rank:] = ties.reshape(m, dr)
+    pos[:2] = 0
+    rows = np.array([5, 0, 9, 3], np.int64)
+    fill = np.uint16(0x1234) if store == np.uint16 else np.float32(3.25)
+    got = []
+    for fn in (nl.mla_latents, unfused[0]):
+        into = LatentStore(np.full((11, rank), fill, store), np.full((11, dr), fill, store),
+                           rows)
+        q_a, c, k_pe = fn(x, None, kv_norm, pos, spec, 1e-6, q_lora=0, rank=rank, into=into)
+        assert q_a is None and c is None and k_pe is None
+        got.append((into.c, into.k_pe))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    _, want_c, want_k = rl.mla_latents(x, None, kv_norm, pos, spec, 1e-6, q_lora=0, rank=rank)
+    c, k_pe = got[0]
+    if store == np.uint16:
+        tied = want_k[:2, 0]                 # exact at position 0: ties to even
+        assert ((tied.view(np.uint32) & 0xFFFF) == 0x8000).all()
+        np.testing.assert_array_equal(k_pe[rows[:2]], bf16_bits(np, tied))
+        assert (k_pe[rows[:2]] % 2 == 0).all()
+        want_c, want_k = bf16_bits(np, want_c), bf16_bits(np, want_k[:, 0])
+        assert np.abs(c[rows].astype(np.int32) - want_c).max() <= 1       # one bf16 ulp
+        assert np.abs(k_pe[rows].astype(np.int32) - want_k).max() <= 1
+    else:
+        np.testing.assert_allclose(c[rows], want_c, rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(k_pe[rows], want_k[:, 0], rtol=2e-6, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(11), rows)
+    assert (c[untouched] == fill).all() and (k_pe[untouched] == fill).all()
+
+
 def test_latents_refuse_bad_shapes():
     spec = SPECS["interleaved"]
     x, q_norm, kv_norm, pos = _case(0, 2, 8, 16, 8, np.float32)
@@ -154,11 +199,13 @@ def test_latents_refuse_bad_shapes():
                        rank=2048)
 
 
-@pytest.mark.parametrize("q_lora", [True, False])
-def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora):
+@pytest.mark.parametrize("q_lora, kv_cache", [(True, "float32"), (False, "float32"),
+                                              (True, "bfloat16")])
+def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora, kv_cache):
     """The tiny config's attention (q LoRA, YaRN), and without a q LoRA (a DFlash drafter's):
     a tree-verify-shaped forward of 3 tokens after 2 cached ones, fused and by parts, bit for
-    bit (narrowed: the simulator runs a thread per GPU thread)."""
+    bit, logits and the cache's latents (a bf16 cache too: the fused kernel's own rounding);
+    narrowed: the simulator runs a thread per GPU thread."""
     from kdtree_numba.bundle import random_weights, size_config
     from kdtree_numba.model import ForwardBatch, Model
     # one (dense) layer: the latents are the attention's; the experts would only cost time
@@ -168,7 +215,7 @@ def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora):
     outs = []
     for fused in ("0", "1"):
         monkeypatch.setenv("KDTREE_FUSED_LATENTS", fused)
-        model = Model(cfg, weights, make_backend("numba"))
+        model = Model(cfg, weights, make_backend("numba"), kv_cache=kv_cache)
         # the switch took: the fused kernels' op, or the parts'
         assert (getattr(model.backend.ops.mla_latents, "__wrapped__", None) is
                 nl.mla_latents) == (fused == "1")
@@ -177,10 +224,14 @@ def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora):
         toks = np.array([[3, 11, 6]], np.int32)
         pos = np.array([[2, 3, 3]], np.int32)
         visible = np.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
-        outs.append(model.backend.to_host(model.forward(ForwardBatch(toks, pos, visible),
-                                                        cache)))
-    assert np.isfinite(outs[0]).all() and outs[0].std() > 0
-    np.testing.assert_array_equal(outs[0], outs[1])
+        outs.append((model.backend.to_host(model.forward(ForwardBatch(toks, pos, visible),
+                                                         cache)),
+                     host(cache.c).copy(), host(cache.k_pe).copy()))
+    assert np.isfinite(outs[0][0]).all() and outs[0][0].std() > 0
+    assert outs[0][1].dtype == (np.uint16 if kv_cache == "bfloat16" else np.float32)
+    assert np.any(outs[0][1][:, 0, 2:5] != 0) and not np.any(outs[0][1][:, 0, 5:])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -39,3 +39,18 @@ def test_labels_name_the_kind_of_replay():
     assert rk.label(("round", 8, 8, None)) == "round b=8"
     assert rk.label(("forward", 1, 9, False)) == "forward bs=1 n=9"
     assert rk.label(("dflash_context", 1)) == "dflash_context"
+
+
+def test_a_kernel_made_by_a_factory_shortens_to_its_module_and_name():
+    """Every kernel here is made inside a factory (``@kernel_factory``), so numba mangles its
+    qualified name ``module.<factory>.<locals>.<kernel>`` (``<locals>`` escaped): the name
+    is still ``module.function``, as numba's own mangler writes it."""
+    from numba.core import itanium_mangler, types
+    mangled = itanium_mangler.mangle(
+        "kdtree_numba.layers.latents._latents_kernel.<locals>.latents_rows",
+        [types.float32[:, ::1]], uid=7)
+    assert "_3clocals_3e" in mangled
+    assert rk.short_name(mangled) == "latents.latents_rows"
+    nested = itanium_mangler.mangle("kdtree_numba.gpu.reduce.make_block_reduce.<locals>."
+                                    "outer.<locals>.block_reduce", [], uid=1)
+    assert rk.short_name(nested) == "reduce.block_reduce"

@@ -62,6 +62,11 @@ def short_name(name: str) -> str:
         parts.append(name[i:i + n])
         i += n
     parts = [p for p in parts if p not in ("cudapy",)]
+    # a kernel made in a factory (every @kernel_factory's): ``<factory>.<locals>.<kernel>``,
+    # "<locals>" escaped; the factory is not the module
+    while "_3clocals_3e" in parts:
+        i = parts.index("_3clocals_3e")
+        del parts[max(i - 1, 0):i + 1]
     return ".".join(parts[-2:]) if parts else name
 
 
