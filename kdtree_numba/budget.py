@@ -13,18 +13,22 @@ tau(b) / cost(b).
 It climbs: it starts at ``start``, measures the neighbours (half and double) of the best
 budget so far before trusting it, and every ``reprobe`` rounds measures again the neighbour
 it has not seen for longest, since the text (and with it tau) drifts.  A budget's cost is the
-median of its last rounds, ignoring its very first round when there are others (the first
-round of a shape may compile kernels or capture a CUDA graph); its tau is a running mean
-that forgets (``decay``), to follow the text.
+median of its last rounds, ignoring its first :data:`WARM_ROUNDS` once there are more (a
+shape's first call runs eagerly and may compile kernels, its second captures its CUDA
+graph: kdtree_numba/graphs.py); its tau is a running mean that forgets (``decay``), to follow
+the text.
 """
 from __future__ import annotations
 
 import dataclasses
 from statistics import median
 
-__all__ = ["AutoBudget", "BudgetEstimate", "DEFAULT_CANDIDATES"]
+__all__ = ["AutoBudget", "BudgetEstimate", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
 
 DEFAULT_CANDIDATES = (2, 4, 8, 16, 32, 64, 128, 256)
+# a budget's rounds that may be slower than its steady state: the first (eager: compiles),
+# the second (the CUDA graph's capture)
+WARM_ROUNDS = 2
 
 
 @dataclasses.dataclass
@@ -37,9 +41,9 @@ class BudgetEstimate:
     last_round: int = -1             # the policy's round counter at its latest sample
 
     def cost(self) -> float:
-        """Median of the last 8 rounds' seconds, the first round excluded once there are
-        others (it may have compiled or captured)."""
-        xs = self.seconds[1:] if len(self.seconds) > 1 else self.seconds
+        """Median of the last 8 rounds' seconds, the first :data:`WARM_ROUNDS` excluded once
+        there are more (they may have compiled or captured); before that the fastest so far."""
+        xs = self.seconds[WARM_ROUNDS:] or [min(self.seconds)]
         return median(xs[-8:])
 
     def rate(self) -> float:
@@ -76,7 +80,7 @@ class AutoBudget:
         return [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
 
     def _measured(self, b: int) -> bool:
-        return len(self.est[b].seconds) >= 2     # one round past its possible warm-up
+        return len(self.est[b].seconds) > WARM_ROUNDS     # one round past its warm-up
 
     def best(self) -> int:
         """The measured budget with the highest expected rate (the start before any)."""
