@@ -244,14 +244,18 @@ def test_gpu_fused_latents_equal_the_parts_bitwise(m, q_lora, rank, dr, heads, d
     """Kimi-K2's widths and the demo model's, a decode and a 64-node verify: the butterfly
     reduction of two sums gives each the bits of the norm kernel's one (gpu/reduce.py)."""
     spec = rl.RopeSpec(5e4, dr, True, rl.YarnScaling(32.0, 4096, 1.0, 1.0, 1.0, 1.0))
-    x, q_norm, kv_norm, pos = _case(11, m, q_lora, rank, dr, BF16)
+    x_host, q_norm, kv_norm, pos_host = _case(11, m, q_lora, rank, dr, BF16)
+    be = make_backend("numba")
+    x, pos = be.asarray(x_host), be.asarray(pos_host)   # device arrays, as the model's are
     got = nl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
     parts = unfused[0](x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
-    want = rl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank)
+    want = rl.mla_latents(x_host, q_norm, kv_norm, pos_host, spec, 1e-6, q_lora=q_lora,
+                          rank=rank)
     for g, p, w in zip(got, parts, want):
         np.testing.assert_array_equal(host(g), host(p))
         np.testing.assert_allclose(host(g), w, rtol=2e-6, atol=1e-6)
-    q = np.random.default_rng(2).standard_normal((m, heads, dn + dr)).astype(np.float32)
+    q = be.asarray(np.random.default_rng(2).standard_normal((m, heads, dn + dr))
+                   .astype(np.float32))
     for g, p in zip(nl.mla_q_split(q, pos, spec, dn=dn), unfused[1](q, pos, spec, dn=dn)):
         np.testing.assert_array_equal(host(g), host(p))
 

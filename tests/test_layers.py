@@ -429,13 +429,19 @@ def test_linear_tiled_layouts_and_splits_match_reference(gpu_layers, cfg):
     assert np.all(np.abs(got - ref.linear(x, w)) <= fp32_dot_bound(x, w, depth))
 
 
-def test_linear_tiled_rows_are_batch_invariant_and_auto_picks_it(gpu_layers):
-    """Above SKINNY_MAX_M rows ``auto`` runs the tiled kernel, whose per-output summation
-    order depends on the weight shape only: row i of a 17-row call equals row i of a 3-row
-    tiled call (and of the whole 17-row call split differently into M tiles)."""
+def test_linear_tiled_rows_are_batch_invariant_and_auto_picks_it(gpu_layers, monkeypatch):
+    """Above SKINNY_MAX_M rows ``auto`` runs the tiled kernel for a weight over
+    SMALL_WEIGHT_BYTES (here the bound is lowered: the simulator cannot afford megabytes),
+    whose per-output summation order depends on the weight shape only: row i of a 17-row call
+    equals row i of a 3-row tiled call (and of the whole 17-row call split differently into M
+    tiles).  A small weight stays on the skinny kernel."""
+    from kdtree_numba.layers import common
     rng = np.random.default_rng(32)
     x = rng.standard_normal((gpu_layers.SKINNY_MAX_M + 1, 24)).astype(np.float32)
     w = rng.standard_normal((5, 24)).astype(np.float32)
+    assert np.array_equal(host(gpu_layers.linear(x, w)),
+                          host(gpu_layers.linear(x, w, method="skinny")))
+    monkeypatch.setattr(common, "SMALL_WEIGHT_BYTES", w.nbytes - 1)
     full = host(gpu_layers.linear(x, w))
     assert np.array_equal(full, host(gpu_layers.linear(x, w, method="tiled")))
     few = host(gpu_layers.linear(x[-3:], w, method="tiled"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, sum_splits
+from kdtree_numba.layers.common import CHUNK, takes_tiled, sum_splits
 from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
 from kdtree_numba.layers.skinny import SkinnyConfig, skinny_config, skinny_linear_kernel
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
@@ -27,7 +27,8 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
 
     ``method``: "skinny" (weight streaming: each weight element read once per ``mt`` rows of
     x), "tiled" (register-blocked shared-memory GEMM: each weight element read once per BM
-    rows, BM >= M up to 128), or "auto": skinny up to SKINNY_MAX_M rows, else tiled.
+    rows, BM >= M up to 128), or "auto": skinny up to SKINNY_MAX_M rows, else tiled (a small
+    weight at a verify's rows stays skinny: ``common.takes_tiled``).
     ``config`` (a SkinnyConfig or TiledConfig) overrides the kernel shape and with it the
     method.  Both use 16-byte vector loads when K % 8 == 0 and x, w are C-contiguous and
     16-byte aligned, scalar loads otherwise.  Error vs the float64 reference: at most
@@ -66,7 +67,8 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     if method == "tensor-cores":
         method = "skinny"
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
-        method == "auto" and m > SKINNY_MAX_M and not isinstance(config, SkinnyConfig))
+        method == "auto" and takes_tiled(m, n * k * (2 if kind == "bf16" else 4))
+        and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)
     if not tiled:
         cfg = config if isinstance(config, SkinnyConfig) else skinny_config(m, n, k, kind)

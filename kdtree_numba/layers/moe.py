@@ -15,7 +15,7 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
                                      tree_reduce)
-from kdtree_numba.layers.common import CHUNK, SKINNY_MAX_M, pow2_ceil, silu
+from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
 from kdtree_numba.layers.linear import METHODS, linear
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
@@ -409,7 +409,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     """See reference.moe_ffn.  Tokens are grouped by expert on the device.  ``method`` picks
     the routed experts' kernels: "skinny" (each active expert's weights streamed once per
     ``mt`` of its tokens), "tiled" (read once per BM of its tokens, register-blocked) or
-    "auto": skinny up to SKINNY_MAX_M tokens, else tiled.  The shared expert is two
+    "auto": skinny up to SKINNY_MAX_M tokens, else tiled (a small expert at a
+    verify's rows stays skinny: ``common.takes_tiled``).  The shared expert is two
     :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
     same way).  "mma" (opt-in, never picked by "auto"; bf16 weights only,
     layers/moe_mma.py): both GEMMs of every routed expert
@@ -472,7 +473,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                             configs, stream, ws)
     # int4 experts have one kernel at every M: the weight-streaming core, which reads each
     # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
-    tiled = kind != "i4" and (method == "tiled" or (method == "auto" and m > SKINNY_MAX_M))
+    expert_bytes = two_im * d * (2 if kind == "bf16" else 4)
+    tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
+                                                    takes_tiled(m, expert_bytes)))
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
