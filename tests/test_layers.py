@@ -431,7 +431,7 @@ def test_linear_tiled_layouts_and_splits_match_reference(gpu_layers, cfg):
 
 def test_linear_tiled_rows_are_batch_invariant_and_auto_picks_it(gpu_layers, monkeypatch):
     """Above SKINNY_MAX_M rows ``auto`` runs the tiled kernel for a weight over
-    SMALL_WEIGHT_BYTES (here the bound is lowered: the simulator cannot afford megabytes),
+    SMALL_WEIGHT_ELEMENTS (here the bound is lowered: the simulator cannot afford millions),
     whose per-output summation order depends on the weight shape only: row i of a 17-row call
     equals row i of a 3-row tiled call (and of the whole 17-row call split differently into M
     tiles).  A small weight stays on the skinny kernel."""
@@ -441,7 +441,7 @@ def test_linear_tiled_rows_are_batch_invariant_and_auto_picks_it(gpu_layers, mon
     w = rng.standard_normal((5, 24)).astype(np.float32)
     assert np.array_equal(host(gpu_layers.linear(x, w)),
                           host(gpu_layers.linear(x, w, method="skinny")))
-    monkeypatch.setattr(common, "SMALL_WEIGHT_BYTES", w.nbytes - 1)
+    monkeypatch.setattr(common, "SMALL_WEIGHT_ELEMENTS", w.size - 1)
     full = host(gpu_layers.linear(x, w))
     assert np.array_equal(full, host(gpu_layers.linear(x, w, method="tiled")))
     few = host(gpu_layers.linear(x[-3:], w, method="tiled"))

@@ -67,7 +67,7 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     if method == "tensor-cores":
         method = "skinny"
     tiled = isinstance(config, TiledConfig) or (method == "tiled" and config is None) or (
-        method == "auto" and takes_tiled(m, n * k * (2 if kind == "bf16" else 4))
+        method == "auto" and takes_tiled(m, n * k)
         and not isinstance(config, SkinnyConfig))
     load_kind = load_kind_for(kind, k, xd, wd)
     if not tiled:

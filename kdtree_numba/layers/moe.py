@@ -473,9 +473,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                             configs, stream, ws)
     # int4 experts have one kernel at every M: the weight-streaming core, which reads each
     # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
-    expert_bytes = two_im * d * (2 if kind == "bf16" else 4)
     tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
-                                                    takes_tiled(m, expert_bytes)))
+                                                    takes_tiled(m, two_im * d)))
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
