@@ -108,10 +108,21 @@ class Backend:
         On the GPU a bfloat16 (ml_dtypes) array travels as its uint16 bit pattern: CuPy has no
         bfloat16, and the numba kernels (linear, moe_ffn, rmsnorm, embedding) read uint16
         weights as bf16 bits (kdtree_numba/layers/workspace.py)."""
-        if self.on_gpu and getattr(a, "dtype", None) is not None \
+        # the kind first: a dtype's name is built anew on every access (a DDTree round's host
+        # path made ~100 such checks)
+        if self.on_gpu and getattr(getattr(a, "dtype", None), "kind", None) == "V" \
                 and np.dtype(a.dtype).name == "bfloat16":
             return self.xp.asarray(np.ascontiguousarray(a).view(np.uint16))
         return self.xp.asarray(a) if dtype is None else self.xp.asarray(a, dtype=dtype)
+
+    def upload_into(self, dst, host) -> None:
+        """The host array ``host`` written into the device array ``dst`` in place (one
+        stream-ordered copy on the GPU: no temporary device array, no copy kernel)."""
+        values = np.ascontiguousarray(np.asarray(host), dtype=dst.dtype).reshape(dst.shape)
+        if hasattr(dst, "set"):       # CuPy's host-to-device copy into the buffer
+            dst.set(values)
+        else:
+            dst[...] = values
 
     def weight(self, a, dtype=None):
         """A model weight as this backend keeps it (``dtype``: widened to it first, as the

@@ -249,7 +249,7 @@ class KVCache:
 
     def _set_device(self, lengths) -> None:
         """``device_lengths`` set from host ints, written into the same buffer (one upload)."""
-        self.device_lengths[...] = self.backend.asarray(np.asarray(lengths, np.int32))
+        self.backend.upload_into(self.device_lengths, lengths)
 
     def confirm_lengths(self, lengths) -> None:
         """The host learns the lengths its device counts made (host ints [bs], e.g. from the
