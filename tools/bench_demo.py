@@ -56,7 +56,8 @@ Timing: by default on a GPU (``--warmup`` forces it on the CPU, ``--no-warmup`` 
 before a row is timed its warm-up runs what the row will run for the first time: every
 distinct prompt length prefilled into a scratch KV cache of each capacity bucket the row will
 use, and a full ``generate`` (twice) on the shortest and the longest prompt of each bucket
-(``auto``: once per candidate budget, pinned, in auto's own cache, then as auto); the peers
+(``auto``: once per candidate budget, pinned, in auto's own cache, then as auto; the timed
+``auto`` row then keeps one AutoBudget across its prompts, as a serving loop would); the peers
 warm up on the shortest and longest prompt.  The warm-up's seconds (and the part numba spent
 making kernels) are a column and a line of their own, never in a row's timing.
 ``--time-limit`` (seconds, 0: none) skips a configuration that would not fit, judged by the
@@ -97,6 +98,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from kdtree_numba import compat, demo, plots  # noqa: E402
 from kdtree_numba.backends import make_backend  # noqa: E402
+from kdtree_numba.budget import AutoBudget  # noqa: E402
 from kdtree_numba.bundle import (DFLASH_BLOCK_SIZE, DFlashSpec, default_target_layer_ids,  # noqa: E402
                                  dflash_config, dflash_shapes, random_weights)
 from kdtree_numba.dflash import DFlashDrafter  # noqa: E402
@@ -299,6 +301,11 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
     meters = meters or Meters(model.backend)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
               budget=budget or 32, temperature=temperature, seed=args.seed)
+    if budget == "auto":
+        # one policy across the row's timed prompts, as a serving loop keeps it: what its
+        # rounds measured carries over (budget="auto" alone climbs afresh in every generate,
+        # a third of a 128-token generation spent probing); fresh at the row's start
+        kw["budget"] = AutoBudget()
     warm = None
     if warmup:
         with meters.first.counting():
