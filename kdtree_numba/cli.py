@@ -159,10 +159,12 @@ def _run_parser() -> ArgumentParser:
                    "(attention then rounds its queries and weights to bf16 and runs on bf16 "
                    "tensor cores: tokens may differ from float32's at near-ties; "
                    "docs/ATTENTION.md, 'The bf16 cache')")
-    p.add_argument("--device-rounds", action="store_true",
+    p.add_argument("--device-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="ddtree/chain with a DFlash drafter: run each round as one device "
                    "program (one CUDA graph), enqueued before the last round is read; the same "
-                   "tokens (docs/ENGINE.md, 'Device rounds'; KDTREE_DEVICE_ROUNDS=1 too)")
+                   "tokens (default: on a GPU, where it pays; docs/ENGINE.md, 'Device "
+                   "rounds'; KDTREE_DEVICE_ROUNDS=0/1 too); --no-device-rounds: the "
+                   "host-driven round")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -396,7 +398,7 @@ def _run(argv: list[str]) -> int:
                               top_k=args.top_k, seed=args.seed, eos=args.eos,
                               progress=first_token.wrap(bar), stream=stream,
                               on_round=recorder,
-                              device_rounds=True if args.device_rounds else None)
+                              device_rounds=args.device_rounds)
     finally:
         first_token.set()
         bar.close()

@@ -447,9 +447,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``device_rounds``: run each DDTree or chain round as one device program, enqueued before
     the last one's tokens are read (kdtree_numba/device_round.py; the same tokens): True asks
     for it (a ValueError where the drafter cannot: it must be ``device_only``; no
-    ``on_round``), None follows ``runtime.current().device_rounds``
-    (``KDTREE_DEVICE_ROUNDS=1``) where possible, False never.  Its rounds' device time is
-    the phase "round".
+    ``on_round``), None follows ``runtime.current().device_rounds`` where possible
+    (``KDTREE_DEVICE_ROUNDS``; unset: on where the backend runs on a GPU, where they pay:
+    docs/BENCHMARKS.md), False never.  Its rounds' device time is the phase "round".
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -482,8 +482,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if device_rounds and not possible:
         raise ValueError("device_rounds needs a device-only drafter (its propose and "
                          "on_commit read no host value) and no on_round hook")
-    on_device = possible and (runtime.current().device_rounds if device_rounds is None
-                              else bool(device_rounds))
+    if device_rounds is None:
+        device_rounds = runtime.current().device_rounds
+    on_device = possible and bool(model.backend.on_gpu if device_rounds is None
+                                  else device_rounds)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len)

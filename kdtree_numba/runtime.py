@@ -12,10 +12,10 @@ Two kinds of switch:
   and Nsight Compute).
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
   work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
-  (``KDTREE_DEVICE_ROUNDS=1``, kdtree_numba/device_round.py: opt-in until the GPU has run
-  it), an MLA layer's norms and ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``,
-  kdtree_numba/layers/latents.py, read when a numba backend is made: opt-in until the GPU
-  has run it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
+  ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
+  ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
+  is made; ``KDTREE_FUSED_LATENTS=0`` runs the separate kernels), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
@@ -46,7 +46,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
 _OFF = ("0", "off", "no", "false")
 
 
-def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+def _flag(environ: Mapping[str, str], name: str, default: bool | None) -> bool | None:
     value = environ.get(name)
     if value is None or not value.strip():
         return default
@@ -78,8 +78,8 @@ class RuntimeConfig:
     lineinfo: bool = False
     cuda_graphs: bool = True
     moe_work_list: bool = False
-    device_rounds: bool = False
-    fused_latents: bool = False
+    device_rounds: bool | None = None    # None: where the backend runs on a GPU
+    fused_latents: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -105,8 +105,8 @@ class RuntimeConfig:
                    lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
-                   device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", False),
-                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
+                   device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
+                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
