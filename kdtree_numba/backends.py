@@ -445,7 +445,7 @@ class NumbaOps(LatentsByParts, Ops):
         self.absorb_q, self.apply_uv = wrap(na.absorb_q), wrap(na.apply_uv)
         # one launch each, or (LatentsByParts) the norms, ropes and copies they replace
         self.glue = xp
-        if fused_latents:                           # runtime.py: KDTREE_FUSED_LATENTS=0 turns off
+        if fused_latents:                           # runtime.py: KDTREE_FUSED_LATENTS=1
             self.mla_latents, self.mla_q_split = wrap(nl.mla_latents), wrap(nl.mla_q_split)
         self.topk_logprobs, self.build_tree = wrap(nd.topk_logprobs), wrap(nd.build_tree)
         self.compile_tree, self.accept_greedy = wrap(nd.compile_tree), wrap(nd.accept_greedy)

@@ -14,8 +14,9 @@ Two kinds of switch:
   work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
   (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
-  ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
-  is made; ``KDTREE_FUSED_LATENTS=0`` runs the separate kernels), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``, kdtree_numba/layers/latents.py,
+  read when a numba backend is made: checked on the GPU, opt-in until the shipped kernel
+  manifest holds them, or a first run would compile them one by one), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
@@ -79,7 +80,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     moe_work_list: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
-    fused_latents: bool = True
+    fused_latents: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -106,7 +107,7 @@ class RuntimeConfig:
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
-                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
+                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
