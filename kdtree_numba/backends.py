@@ -295,8 +295,7 @@ class LatentsByParts:
             x.shape[0], 1, spec.head_dim), positions, spec)
         if into is None:
             return q_a, c, k_pe
-        for store, values in ((into.c, c), (into.k_pe, k_pe.reshape(x.shape[0], -1))):
-            store[into.rows] = bf16_bits(xp, values) if store.dtype == np.uint16 else values
+        into.put(c, k_pe.reshape(x.shape[0], -1))
         return q_a, None, None
 
     def mla_q_split(self, q, positions, spec, *, dn):

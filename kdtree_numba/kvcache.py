@@ -64,12 +64,20 @@ class WriteSlots:
 @dataclasses.dataclass(frozen=True)
 class LatentStore:
     """One layer's cache as a fused latents kernel writes it (kdtree_numba/layers/latents.py):
-    ``c`` [slots, r] and ``k_pe`` [slots, dr] (float32, or uint16 bf16 bits for a bf16 cache:
-    rounded to nearest, ties to even, as :meth:`KVCache.write` rounds) and the ``rows`` [M]
-    of the forward's M new tokens there."""
+    ``c`` [slots, r] and ``k_pe`` [slots, dr] (float32, or uint16 bf16 bits for a bf16 cache)
+    and the ``rows`` [M] of the forward's M new tokens there; ``xp`` the arrays' module."""
     c: object
     k_pe: object
     rows: object
+    xp: object = np
+
+    def put(self, c, k_pe) -> None:
+        """``c`` [M, r] and ``k_pe`` [M, dr] (float32) at the rows, each one scatter; rounded
+        to bf16 (to nearest, ties to even) for a store of bits: every cache write, the parts'
+        of ``mla_latents(into=)`` and :meth:`KVCache.write`, and the fused kernel's rounding."""
+        for store, values in ((self.c, c), (self.k_pe, k_pe)):
+            store[self.rows] = bf16_bits(self.xp, values) if store.dtype == np.uint16 \
+                else values
 
 
 class KVCache:
@@ -178,18 +186,15 @@ class KVCache:
         committed).  ``slots``: this forward's :meth:`write_slots` (made here if not given)."""
         if slots is None:
             slots = self.write_slots(c_new.shape[1])
-        if self.dtype == "bfloat16":
-            xp = self.backend.xp
-            c_new, k_pe_new = bf16_bits(xp, c_new), bf16_bits(xp, k_pe_new)
-        self.layout.write(self.c[layer], slots, c_new)
-        self.layout.write(self.k_pe[layer], slots, k_pe_new)
+        m = c_new.shape[0] * c_new.shape[1]
+        self.latent_store(layer, slots).put(c_new.reshape(m, -1), k_pe_new.reshape(m, -1))
 
     def latent_store(self, layer: int, slots: WriteSlots) -> LatentStore:
-        """Layer ``layer``'s arrays and the rows of ``slots`` there, for ``mla_latents(...,
-        into=)``: the latents go straight into the cache, with :meth:`write`'s rounding."""
+        """Layer ``layer``'s arrays and the rows of ``slots`` there (``mla_latents(...,
+        into=)`` writes the latents straight into the cache; :meth:`write` through it)."""
         c, k_pe = self.c[layer], self.k_pe[layer]
         return LatentStore(c.reshape(-1, c.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]),
-                           slots.storage.reshape(-1))
+                           slots.storage.reshape(-1), self.backend.xp)
 
     def attend(self, ops, layer: int, q_abs, q_pe, slots: WriteSlots, visible, tau, *,
                prefill: bool = False, causal: bool = False, plans=None):

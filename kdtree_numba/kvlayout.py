@@ -14,8 +14,8 @@ and cache reuse learn that map:
   then.  Reference backend only: the numba backend has no paged kernels yet and refuses it.
 
 A layout is built for one cache (``make_layout(spec, batch, max_len)``): a paged one holds that
-cache's page lists.  Every method below runs on the host; ``storage_rows``, ``write``,
-``attend`` and ``compact`` only launch device work, and no method reads the device.
+cache's page lists.  Every method below runs on the host; ``storage_rows``, ``attend`` and
+``compact`` only launch device work, and no method reads the device.
 """
 from __future__ import annotations
 
@@ -80,15 +80,11 @@ class KVLayout:
 
     def storage_rows(self, batch, rows, table):
         """Where request ``batch[b]``'s slots ``rows[b, j]`` ([bs, 1], [bs, n] device int64)
-        live in one layer's array viewed as ``[slots, width]`` (:meth:`write`; the fused
-        latents write there directly: kdtree_numba/layers/latents.py): [bs, n] int64, device
-        work only (a CUDA graph captures it).  ``table``: a paged layout's page table."""
+        live in one layer's array viewed as ``[slots, width]``: [bs, n] int64, device work
+        only (a CUDA graph captures it).  ``table``: a paged layout's page table.  Every cache
+        write goes there: one scatter (kvcache.LatentStore.put) or the fused latents kernel
+        (kdtree_numba/layers/latents.py)."""
         raise NotImplementedError
-
-    def write(self, array, slots, values) -> None:
-        """``values`` [bs, n, width] into one layer's ``array`` at the slots' storage rows
-        (``slots``: a kvcache.WriteSlots)."""
-        array.reshape(-1, array.shape[-1])[slots.storage] = values
 
     def attend(self, ops, ckv, kpe, q_abs, q_pe, slots, visible, tau, *, prefill=False,
                causal=False, plans=None):
