@@ -63,9 +63,11 @@ from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat
 __all__ = ["GraphCache", "graphs_enabled"]
 
 # captured graphs kept per model and kind (a key's first entry), the least recently used of
-# the kind dropped: a kind of its own for the prefills (one graph per prompt length, each
-# holding its activations) keeps them from pushing out the graphs every round replays
-MAX_GRAPHS = {"prefill": 8}
+# the kind dropped: a kind of its own for the prefills (one graph per padded prompt length,
+# model.prefill_rows, and cache; each holding its activations) keeps them from pushing out
+# the graphs every round replays; 16 hold the held-out prompts' 7 lengths in the 2-3 cache
+# capacities they need
+MAX_GRAPHS = {"prefill": 16}
 MAX_GRAPHS_OF_A_KIND = 24
 MAX_SEEN = 256         # keys remembered while waiting for their second call
 

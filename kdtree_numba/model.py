@@ -42,7 +42,8 @@ from kdtree_numba.weights import load_weight
 from reference.layers import RopeSpec
 
 __all__ = ["ModelConfig", "Model", "ForwardBatch", "LayerWeights", "weight_shapes",
-           "causal_mask", "pad_ragged", "LATENT_NORM_EPS", "HF_MODEL_TYPES", "CACHE_BUCKET"]
+           "causal_mask", "pad_ragged", "prefill_rows", "LATENT_NORM_EPS", "HF_MODEL_TYPES",
+           "CACHE_BUCKET"]
 
 # generation caches are sized in steps of this many tokens, so that the next generation can reuse
 # one (and the CUDA graphs captured against it): Model.reuse_cache
@@ -61,12 +62,27 @@ def causal_mask(n: int, bs: int = 1) -> np.ndarray:
     return np.broadcast_to(np.tri(n, dtype=bool), (bs, n, n)).copy()
 
 
-def pad_ragged(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def prefill_rows(n: int) -> int:
+    """The rows a padded prefill of n tokens runs (``Model.pad_prefills``): the next power of
+    two from 16 to 64, then the next multiple of 64, or of 1/16 to 1/8 of n past 1,024.  A
+    prompt's CUDA graph is captured per row count (kdtree_numba/graphs.py), so the held-out
+    prompts' 93 lengths share 7 graphs; the padding's cost is a launch-bound model's nothing
+    below ~128 rows and at most 1/8 of a long prompt's compute."""
+    n = int(n)
+    if n <= 64:
+        return max(16, 1 << (n - 1).bit_length())
+    step = max(64, 1 << ((n - 1).bit_length() - 4))
+    return -(-n // step) * step
+
+
+def pad_ragged(seqs, rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids [bs, n] int64, lengths [bs] int64, visible [bs, n, n])`` of ragged token
-    sequences: right-padded with 0 to the longest (n) and the causal mask, the inputs of one
-    prefill-shaped forward (the padding rows are computed and ignored)."""
+    sequences: right-padded with 0 to n (``rows``, else the longest) and the causal mask, the
+    inputs of one prefill-shaped forward (the padding rows are computed and ignored)."""
     lengths = np.array([len(s) for s in seqs], np.int64)
-    n = int(lengths.max())
+    n = int(lengths.max()) if rows is None else int(rows)
+    if n < int(lengths.max()):
+        raise ValueError(f"rows {n} < the longest sequence's {int(lengths.max())} tokens")
     ids = np.zeros((len(seqs), n), np.int64)
     for b, s in enumerate(seqs):
         ids[b, :lengths[b]] = s
@@ -199,6 +215,8 @@ class Model(DeviceSteps):
         # None: everything runs eagerly (the reference backend, the simulator,
         # KDTREE_CUDA_GRAPHS=0)
         self.graphs: GraphCache | None = None
+        # None: prefills are padded (prefill_rows) on the GPU (prefill_width)
+        self.pad_prefills: bool | None = None
         # the generations' KV caches, kept for the next generations (cache_for_generation)
         self._generation_caches: collections.OrderedDict = collections.OrderedDict()
         if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
@@ -431,9 +449,10 @@ class Model(DeviceSteps):
         prefix in one causal forward (:func:`pad_ragged`), and commit them.  Returns the logits
         [bs, V] of each request's last token, plus its final hidden state [bs, D] with
         ``return_hidden``, plus with ``capture_layers`` the features (:meth:`forward`) of every
-        fed token, [bs, n, k * D] with n the longest sequence (rows past ``len(seqs[b])`` are
+        fed token, [bs, n, k * D] with n :meth:`prefill_width` (rows past ``len(seqs[b])`` are
         padding), on the device."""
-        ids, lengths, visible = pad_ragged(seqs)
+        ids, lengths, visible = pad_ragged(
+            seqs, self.prefill_width(cache, max(len(s) for s in seqs)))
         positions = cache.lengths[:, None] + np.arange(ids.shape[1])[None, :]
         capture = self._check_capture(capture_layers)
         out = self.forward(ForwardBatch(ids, positions, visible, logit_rows=lengths - 1,
@@ -450,6 +469,21 @@ class Model(DeviceSteps):
         if capture:
             parts += (out[-1],)
         return parts
+
+    def prefill_width(self, cache: KVCache, n: int) -> int:
+        """The rows a prefill of up to n tokens a request runs on ``cache``: n, or where
+        prefills are padded (``pad_prefills``; by default on the GPU, where the forwards replay
+        CUDA graphs, also with the graphs off, so that both give the same bits)
+        :func:`prefill_rows` (n), as far as the cache has room.  Unpadded, every prompt length
+        is a graph of its own, captured on its second sight, and a prompt of a new length
+        runs eagerly: a forward's ~200 launches issued one by one from Python."""
+        pad = self.pad_prefills
+        if pad is None:
+            pad = self.backend.on_gpu and self.backend.name == "numba"
+        if not pad:
+            return int(n)
+        room = cache.max_len - int(np.max(cache.lengths))
+        return max(int(n), min(prefill_rows(n), room))
 
     def decode(self, cache: KVCache, tokens):
         """Logits [bs, V] of one new token per request (``tokens`` [bs], host or device) at
@@ -473,7 +507,7 @@ class Model(DeviceSteps):
         embedded = batch.embeds is not None
         return_hidden, causal, prefill = (bool(batch.return_hidden), bool(batch.causal),
                                           bool(batch.prefill))
-        # prefills are a kind of their own: one graph per prompt length, in a pool of their
+        # prefills are a kind of their own: one graph per padded length, in a pool of their
         # own (graphs.MAX_GRAPHS), so they never push out the decode and verify graphs
         key = ("prefill" if prefill else "forward", bs, n, return_hidden, capture, embedded,
                selected, span, causal) + cache.buffer_key()

@@ -79,13 +79,14 @@ def test_cache_bucket_crosses_at_the_engines_max_len():
     assert timing.cache_bucket(214, 10, "ddtree", 16, 15) == 512
 
 
-def test_warm_plan_takes_each_buckets_lengths_and_its_shortest_and_longest():
-    lengths = [30, 200, 40, 250, 30, 120]
+def test_warm_plan_takes_each_buckets_lengths_its_shortest_longest_and_padded_lengths():
+    lengths = [30, 200, 40, 250, 30, 120, 60]
     plan = timing.warm_plan(lengths, 4, "ar", None, 7)
-    # AR: max_len = n + 4 + 2 -> 256 up to n = 250
-    assert plan == {256: ([30, 40, 120, 200, 250], [0, 3])}
+    # AR: max_len = n + 4 + 2 -> 256 up to n = 250; padded prefills of 32 (30), 64 (40, 60),
+    # 128 (120) and 256 rows (200, 250): each one's shortest prompt, and the longest
+    assert plan == {256: ([30, 40, 60, 120, 200, 250], [0, 1, 2, 3, 5])}
     plan = timing.warm_plan(lengths, 10, "ar", None, 7)
-    assert plan == {256: ([30, 40, 120, 200], [0, 1]), 512: ([250], [3])}
+    assert plan == {256: ([30, 40, 60, 120, 200], [0, 1, 2, 5]), 512: ([250], [3])}
 
 
 def test_warm_up_prefills_first_then_pins_every_auto_candidate(monkeypatch):

@@ -15,13 +15,15 @@ configuration (method, budget, temperature) the warm-up
    the drafter's feature layers, or the hidden state a block drafter needs; once per run,
    :class:`WarmState` says why a scratch cache);
 2. then runs ``generate`` in full on the shortest and the longest timed prompt of each
-   bucket, twice (its rounds repeat their shapes, so the second round captures what the
-   first compiled; the second call captures the prompt's prefill); for ``auto`` once per
-   candidate budget, pinned, in auto's own (widest) cache, then once as auto itself.
+   bucket and on one prompt of each padded prefill length in it (``prefill_rows``: on the
+   GPU a prompt runs as the next of a few row counts, each a CUDA graph), twice (its rounds
+   repeat their shapes, so the second round captures what the first compiled; the second
+   call captures the prompt's prefill); for ``auto`` once per candidate budget, pinned, in
+   auto's own (widest) cache, then once as auto itself.
 
-The prefills of the other prompts still run eagerly when timed (a prefill shape is captured
-on its second call, so a length the timed prompts repeat is captured then: the engine's
-behaviour for any caller).  The model keeps a generation cache per capacity bucket
+So the timed prompts' prefills replay graphs of their padded length (the engine's behaviour
+for any caller: a padded length is captured on its second call).  The model keeps a
+generation cache per capacity bucket
 (``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``MAX_GRAPHS`` graphs of a kind
 (kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their own, so
 they never push a round's graphs out): a row with more shapes than that recaptures them
@@ -61,7 +63,7 @@ import numpy as np
 
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.engine import generate
-from kdtree_numba.model import CACHE_BUCKET
+from kdtree_numba.model import CACHE_BUCKET, prefill_rows
 
 __all__ = ["cache_bucket", "warm_plan", "warm_up", "WarmState", "PinnedBudget", "RoundClock",
            "FirstCalls", "GpuBusy"]
@@ -83,17 +85,24 @@ def cache_bucket(prompt_len: int, max_new: int, method: str, budget, block_len: 
 
 
 def warm_plan(lengths, max_new: int, method: str, budget, block_len: int) -> dict:
-    """bucket -> (distinct prompt lengths in it, [index of the shortest prompt, index of the
-    longest]) over the timed prompts' ``lengths``."""
+    """bucket -> (distinct prompt lengths in it, indices of the prompts to generate from: the
+    shortest, the longest, and one of each padded prefill length, ``prefill_rows``, whose
+    CUDA graph a generation's cache of the bucket captures) over the timed prompts'
+    ``lengths``."""
     plan: dict = {}
     for i, n in enumerate(lengths):
         lens, ends = plan.setdefault(cache_bucket(n, max_new, method, budget, block_len),
                                      (set(), []))
         lens.add(int(n))
         ends.append(i)
-    return {b: (sorted(lens), sorted({min(ends, key=lambda i: lengths[i]),
-                                      max(ends, key=lambda i: lengths[i])}))
-            for b, (lens, ends) in sorted(plan.items())}
+
+    def chosen(ends):
+        by_rows = {}
+        for i in sorted(ends, key=lambda i: lengths[i]):
+            by_rows.setdefault(prefill_rows(lengths[i]), i)
+        return sorted({min(ends, key=lambda i: lengths[i]),
+                       max(ends, key=lambda i: lengths[i])} | set(by_rows.values()))
+    return {b: (sorted(lens), chosen(ends)) for b, (lens, ends) in sorted(plan.items())}
 
 
 class PinnedBudget(AutoBudget):
