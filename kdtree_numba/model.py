@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from kdtree_numba import attention as numba_attention
+from kdtree_numba import attention as numba_attention, runtime
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.bundle import open_bundle
 # ModelConfig, weight_shapes and HF_MODEL_TYPES live in config.py; they stay importable from
@@ -215,7 +215,7 @@ class Model(DeviceSteps):
         # None: everything runs eagerly (the reference backend, the simulator,
         # KDTREE_CUDA_GRAPHS=0)
         self.graphs: GraphCache | None = None
-        # None: prefills are padded (prefill_rows) on the GPU (prefill_width)
+        # None: prefills are padded (prefill_rows) on the GPU where the runtime says so
         self.pad_prefills: bool | None = None
         # the generations' KV caches, kept for the next generations (cache_for_generation)
         self._generation_caches: collections.OrderedDict = collections.OrderedDict()
@@ -472,14 +472,15 @@ class Model(DeviceSteps):
 
     def prefill_width(self, cache: KVCache, n: int) -> int:
         """The rows a prefill of up to n tokens a request runs on ``cache``: n, or where
-        prefills are padded (``pad_prefills``; by default on the GPU, where the forwards replay
-        CUDA graphs, also with the graphs off, so that both give the same bits)
-        :func:`prefill_rows` (n), as far as the cache has room.  Unpadded, every prompt length
+        prefills are padded (``pad_prefills``; by default on the GPU under the runtime's
+        ``pad_prefills`` switch, ``KDTREE_PAD_PREFILLS=1``, graphs on or off, so that both give
+        the same bits) :func:`prefill_rows` (n), as far as the cache has room.  Unpadded, every prompt length
         is a graph of its own, captured on its second sight, and a prompt of a new length
         runs eagerly: a forward's ~200 launches issued one by one from Python."""
         pad = self.pad_prefills
         if pad is None:
-            pad = self.backend.on_gpu and self.backend.name == "numba"
+            pad = self.backend.on_gpu and self.backend.name == "numba" and \
+                runtime.current().pad_prefills
         if not pad:
             return int(n)
         room = cache.max_len - int(np.max(cache.lengths))

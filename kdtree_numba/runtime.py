@@ -16,7 +16,9 @@ Two kinds of switch:
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
   ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``, kdtree_numba/layers/latents.py,
   read when a numba backend is made: checked on the GPU, opt-in until the shipped kernel
-  manifest holds them, or a first run would compile them one by one), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  manifest holds them, or a first run would compile them one by one), prefills padded to a
+  few row counts on the GPU (``KDTREE_PAD_PREFILLS=1``, ``Model.prefill_width``: opt-in until
+  the GPU suite has run it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
@@ -42,7 +44,8 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 # every variable a RuntimeConfig is read from
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
-             "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_KERNEL_CACHE",
+             "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS",
+             "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -81,6 +84,7 @@ class RuntimeConfig:
     moe_work_list: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = False
+    pad_prefills: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -108,6 +112,7 @@ class RuntimeConfig:
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
+                   pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

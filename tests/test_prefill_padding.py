@@ -96,3 +96,35 @@ def test_generation_with_padded_prefills_gives_the_same_tokens(method, budget, t
     assert got.tokens == want
     if method != "ar":      # the drafter's context holds the real tokens' features only
         assert drafter.context_lengths.tolist() == target.generation_cache.lengths.tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_padded_prefills_share_graphs_and_keep_ddtree_equal_to_ar():
+    """The demo pair on the GPU with padded prefills: the held-out prompts' first logits
+    within float rounding of the unpadded prefill's (another row count may take another GEMM
+    kernel), DDTree (device rounds) = AR token for token, and prompts of different lengths in
+    one padded length share one prefill graph: captured on the second, replayed after."""
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    from test_demo_pair import heldout_ids
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = [p for p in heldout_ids(40) if 65 <= len(p) <= 128][:4]
+    assert len(prompts) == 4 and len({len(p) for p in prompts}) > 1
+    first = {}
+    for on in (False, True):
+        with padding(model, on):
+            first[on] = [np.asarray(model.backend.to_host(
+                model.prefill(model.new_cache(1, 512), [p])), np.float32) for p in prompts]
+    for a, b in zip(first[False], first[True]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * float(np.abs(a).max()))
+    with padding(model, True):
+        model.graphs = model.new_graphs()
+        for p in prompts:
+            ar = generate(model, [p], 48)
+            dd = generate(model, [p], 48, method="ddtree", drafter=drafter, budget=16)
+            assert dd.tokens == ar.tokens
+        # AR's and DDTree's prefill (with the drafter's features) at 128 rows: two graphs,
+        # each captured on its second prompt
+        assert model.graphs.kinds()["prefill"] == 2
