@@ -12,9 +12,12 @@ import contextlib
 import numpy as np
 import pytest
 
+from kdtree_numba import compat
+from kdtree_numba.backends import make_backend
+from kdtree_numba.bundle import random_weights, size_config
 from kdtree_numba.engine import generate
 from kdtree_numba.kvcache import CacheFullError
-from kdtree_numba.model import prefill_rows
+from kdtree_numba.model import Model, prefill_rows
 from test_dflash import target_and_drafter
 
 
@@ -106,7 +109,6 @@ def test_gpu_padded_prefills_share_graphs_and_keep_ddtree_equal_to_ar():
     one padded length share one prefill graph: captured on the second, replayed after."""
     from kdtree_numba import demo
     from kdtree_numba.dflash import DFlashDrafter
-    from kdtree_numba.model import Model
     from test_demo_pair import heldout_ids
     model = Model.load(demo.TARGET, "numba")
     drafter = DFlashDrafter.load(demo.DRAFTER, model)
@@ -128,3 +130,29 @@ def test_gpu_padded_prefills_share_graphs_and_keep_ddtree_equal_to_ar():
         # AR's and DDTree's prefill (with the drafter's features) at 128 rows: two graphs,
         # each captured on its second prompt
         assert model.graphs.kinds()["prefill"] == 2
+
+
+@pytest.mark.skipif(not compat.SIMULATOR, reason="the numba backend runs here only in the CUDA "
+                    "simulator")
+def test_numba_padded_prefill_gives_the_unpadded_rows_in_simulator(needs_kernels):
+    """The numba kernels over padding rows (the causal prefill plan, the MoE grouping of the
+    padding tokens): the real rows' logits and cache entries are the unpadded prefill's."""
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=32,
+                      hidden_size=16,
+                      intermediate_size=16, moe_intermediate_size=8, kv_lora_rank=16,
+                      q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                      num_attention_heads=1)
+    model = Model(cfg, dict(random_weights(cfg, 3)), make_backend("numba"))
+    prompts = [[5, 6, 7, 8, 9]]
+    out = {}
+    for on in (False, True):
+        with padding(model, on):
+            cache = model.new_cache(1, 24)
+            logits = model.prefill(cache, prompts)
+            out[on] = (np.asarray(logits), np.asarray(cache.c), np.asarray(cache.k_pe))
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=0, atol=1e-5)
+    for b, p in enumerate(prompts):
+        n = len(p)
+        for i in (1, 2):
+            np.testing.assert_allclose(out[True][i][:, b, :n], out[False][i][:, b, :n],
+                                       rtol=0, atol=1e-5)
