@@ -174,6 +174,10 @@ def _run_parser() -> ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="T > 0: sample only from the K most likely tokens, renormalised "
                    "(0: off); with --top-p, top-k applies first")
+    p.add_argument("--draft-temperature", type=float, default=None, metavar="TD",
+                   help="ddtree: build each round's tree from the drafter's logits / TD (> 1 "
+                   "spreads the budget over more candidates per depth); the tree's shape only, "
+                   "never the tokens (default: 1; docs/ENGINE.md, 'Draft temperature')")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")
@@ -339,6 +343,8 @@ def _run(argv: list[str]) -> int:
     if args.temperature == 0 and (args.top_p < 1 or args.top_k > 0):
         warn("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they change "
              "nothing")
+    if args.draft_temperature is not None and args.method != "ddtree":
+        warn(f"--draft-temperature shapes DDTree's trees; --method {args.method} ignores it")
     source = read_prompts(args)
     backend = open_backend(args.backend, args.gemm, args.precision)
     args.budget_defaulted = args.budget is None
@@ -397,6 +403,7 @@ def _run(argv: list[str]) -> int:
                               drafter=drafter, budget=args.budget,
                               temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, eos=args.eos,
+                              draft_temperature=args.draft_temperature,
                               progress=first_token.wrap(bar), stream=stream,
                               on_round=recorder,
                               device_rounds=args.device_rounds)

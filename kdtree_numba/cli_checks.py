@@ -69,6 +69,10 @@ def check_options(args) -> None:
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must be an integer >= 0 (the k most likely "
                          f"tokens; 0: off)")
+    td = args.draft_temperature
+    if td is not None and not (math.isfinite(td) and td > 0):
+        raise UsageError(f"--draft-temperature {td:g}: must be a finite number > 0 (the tree "
+                         f"is built from the drafter's logits / it; 1: as they are)")
     if isinstance(args.budget, str) and args.budget != "auto":
         raise UsageError(f"--budget {args.budget!r}: not an integer or auto (tree nodes "
                          f"verified per DDTree round)")

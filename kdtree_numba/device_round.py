@@ -53,14 +53,17 @@ class DeviceRounds:
     ``drafter``: a device-only drafter already committed the prompt; ``k``: the tree's
     branching (None: as many as the budget, ``min(budget, V)``; ``k = 1`` with ``budget = L``
     is the chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and
-    ``table`` (the uniforms, T > 0) as in ``DeviceSteps.accept``.  The budget is each
+    ``table`` (the uniforms, T > 0) as in ``DeviceSteps.accept``; ``draft_temperature``: the
+    tree's t_d (``steps.draft_temperature``; 1: the logits as they are).  The budget is each
     launch's own (``--budget auto`` changes it between rounds): the rounds of every budget
     share the program's state (the roots, the caches' lengths, the rounds in flight), one
     CUDA graph per budget.
     """
 
-    def __init__(self, model, cache, drafter, k: int | None, sampling):
+    def __init__(self, model, cache, drafter, k: int | None, sampling,
+                 draft_temperature: float = 1.0):
         self.model, self.cache, self.drafter = model, cache, drafter
+        self.draft_temperature = float(draft_temperature)
         self.be, self.xp = model.backend, model.backend.xp
         self.fixed_k = None if k is None else int(k)
         self.sampling = as_sampling(sampling)
@@ -80,7 +83,7 @@ class DeviceRounds:
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, k: int | None, sampling,
-                       table=None) -> "DeviceRounds":
+                       table=None, draft_temperature: float = 1.0) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
@@ -88,10 +91,11 @@ class DeviceRounds:
         drafter hold the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
-        key = (id(model), id(drafter), k, as_sampling(sampling))
+        key = (id(model), id(drafter), k, as_sampling(sampling), float(draft_temperature))
         rounds = cache.programs.get(key)
         if rounds is None or rounds.drafter is not drafter or rounds.model is not model:
-            rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling)
+            rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling,
+                                               draft_temperature)
         rounds.restart(roots, table)
         return rounds
 
@@ -112,7 +116,8 @@ class DeviceRounds:
         start = cache.device_lengths.copy()             # the tree's root positions
         draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start,
                                                          depth=budget))
-        tree, vin = tree_phase(ops, self.k(budget), budget)(draft_logits, self.roots, start)
+        tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature)(
+            draft_logits, self.roots, start)
         # the verify's slots from the round's own device lengths: forward runs it eagerly
         # inside this program's capture (ForwardBatch.slots)
         n = vin.input_ids.shape[1]
@@ -138,12 +143,13 @@ class DeviceRounds:
 
     def key(self, budget: int) -> tuple:
         """Everything the captured round at ``budget`` depends on besides its input: the tree
-        and the sampling, and the address of every device buffer it reads or writes in place
+        (its t_d too) and the sampling, and the address of every device buffer it reads or writes in place
         (both caches' arrays and lengths, the drafter's own state, the roots, the uniforms): a
         buffer replaced (a drafter cache of another size, after a generation on this
         target cache) makes another key, never a replay against freed memory.  (The graph
         cache's key adds the input's shape.)"""
-        key = ("round", int(budget), self.k(budget), self.sampling, self.needs)
+        key = ("round", int(budget), self.k(budget), self.draft_temperature, self.sampling,
+               self.needs)
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
         return key + (device_address(self.roots),
                       None if self.table is None else device_address(self.table))

@@ -1,7 +1,8 @@
 """Batched generation: autoregressive (AR), DDTree and greedy-chain speculative decoding.
 
 ``generate(model, prompts, max_new_tokens, method="ar"|"chain"|"ddtree", drafter=...,
-budget=32, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos=None) -> GenerationResult``
+budget=32, temperature=0.0, top_p=1.0, top_k=0, seed=0, eos=None, draft_temperature=None)
+-> GenerationResult``
 
 Sequence bookkeeping (per request b): ``seq[b]`` = prompt + committed tokens.  The last committed
 token is the *root*: the next token fed to the target.  The target cache always holds
@@ -13,7 +14,8 @@ token is the *root*: the next token fed to the target.  The target cache always 
   ahead: step j + 1 is launched on step j's tokens while they are still on the device, before
   the host reads them (``_ar_steps``), so the device does not idle through the host's read and
   launches between steps.
-* DDTree round (docs/DDTREE.md, docs/ENGINE.md): drafter logits [bs, L, V] -> ``topk_logprobs``
+* DDTree round (docs/DDTREE.md, docs/ENGINE.md): drafter logits [bs, L, V] (/ the draft
+  temperature t_d where it is not 1: ``steps.draft_temperature``) -> ``topk_logprobs``
   (k = min(budget, V)) -> ``build_tree`` -> ``compile_tree`` (start = cache lengths) -> ONE
   target forward over [root + B nodes] with the ancestor mask (KV written at [len, len+B+1)) ->
   accept (``accept_greedy`` on the target's argmax at T = 0, ``accept_sampled`` at T > 0) ->
@@ -70,6 +72,7 @@ from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
 from kdtree_numba.model import ForwardBatch
+from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from reference.ddtree import Sampling
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
@@ -87,6 +90,7 @@ class GenerationStats:
     batch: int
     budget: int | str | None            # "auto": chosen per round (kdtree_numba/budget.py)
     block_len: int | None
+    draft_temperature: float | None = None  # t_d the DDTree trees were built with (ddtree only)
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
     rounds: int = 0                     # AR steps (with the one eos may waste) or DDTree rounds
     # device rounds enqueued for requests that the round before them finished: their tokens
@@ -295,14 +299,15 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
 
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table, timer,
                   stats, k: int | None = None, needs: TargetNeeds = NO_NEEDS, on_round=None,
-                  while_verifying=None):
+                  while_verifying=None, draft_temperature: float = 1.0):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
     the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
     round's one read, then (DFlash) the drafter's context update.  ``on_round``: generate's
     hook, handed the round's device arrays right after the acceptance.
     ``while_verifying()``: host work run once the verify is launched, while the device runs
-    it (the last round's report: generate)."""
+    it (the last round's report: generate).  ``draft_temperature``: the tree's t_d
+    (``steps.draft_temperature``)."""
     be = model.backend
     # the roots and their positions go up once: the drafter, the tree and the acceptance read
     # these device copies
@@ -313,7 +318,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
     # own buffers (no copies on the host's path from the read to the verify's launch); the
     # round consumes them before its read, and the next round's replays come after it
-    tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True)
+    tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True,
+                                 draft_temperature=draft_temperature)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible, causal=True,
@@ -350,7 +356,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
 
 
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
-                   timer, stats, after_step, policy: AutoBudget | None = None) -> None:
+                   timer, stats, after_step, policy: AutoBudget | None = None,
+                   draft_temperature: float = 1.0) -> None:
     """The rounds of a device-only drafter as device programs, each enqueued before the
     previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
@@ -369,7 +376,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
         table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
-                                         table)
+                                         table, draft_temperature)
     budgets = []                        # of the rounds in flight, oldest first
 
     def launch(active) -> float:
@@ -414,7 +421,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
              budget: int | str | AutoBudget = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
-             on_round=None, device_rounds: bool | None = None) -> GenerationResult:
+             on_round=None, device_rounds: bool | None = None,
+             draft_temperature: float | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -426,6 +434,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: off) and ``top_k`` >= 0 (0: off):
     how each token is drawn (``reference.ddtree.Sampling``, which checks them; top_p and
     top_k are ignored at T = 0).
+    ``draft_temperature`` ("ddtree"): the t_d its trees are built with, from the drafter's
+    logits / t_d (``steps.draft_temperature``: None is the default policy, a number > 0 a
+    fixed t_d); it shapes the tree only, never the tokens (the acceptance reads the target
+    alone), and the chain, the drafter's argmax at each depth, ignores it.
     ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
     with the tokens committed so far (all requests) and at most ``len(prompts) *
     max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
@@ -454,6 +466,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     sampling = Sampling(temperature, top_p, top_k)
+    t_d = resolve_draft_temperature(sampling, draft_temperature)
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)
@@ -475,7 +488,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                              f"{model.vocab_size}")
         block_len = drafter.block_len
         if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
-            budget, k = block_len, 1
+            budget, k, t_d = block_len, 1, 1.0
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
     possible = speculative and on_round is None and device_rounds_possible(drafter)
@@ -488,7 +501,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                                   else device_rounds)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
-                            block_len=block_len)
+                            block_len=block_len,
+                            draft_temperature=t_d if method == "ddtree" else None)
     # Device arrays of earlier work (the last generate()'s final round, dropped when it
     # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
     # the device.  Free them here, before the clock starts, not in the middle of a round.
@@ -536,7 +550,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
-                       after_step, policy)
+                       after_step, policy, t_d)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device
@@ -553,7 +567,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 b = policy.next_budget() if policy else budget
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
-                              k, needs, on_round, while_verifying=report_owed)
+                              k, needs, on_round, while_verifying=report_owed,
+                              draft_temperature=t_d)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     policy.observe(b, time.perf_counter() - t_round,

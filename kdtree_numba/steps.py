@@ -10,7 +10,8 @@ eagerly otherwise.  None of them reads the device: the round's one host read is 
 
 A DDTree round (docs/DDTREE.md for the kernels):
 
-* :meth:`~DeviceSteps.draft_tree`: drafter logits -> ``topk_logprobs`` -> ``build_tree`` ->
+* :meth:`~DeviceSteps.draft_tree`: drafter logits (divided by the draft temperature t_d where
+  it is not 1: :func:`draft_temperature`) -> ``topk_logprobs`` -> ``build_tree`` ->
   ``compile_tree`` (graph key "tree");
 * the verify forward (``Model.forward`` on the VerifyInput);
 * :meth:`~DeviceSteps.accept`: the target's choice at every node (argmax at T = 0, the
@@ -29,10 +30,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.ddtree import DraftTree, Sampling, as_sampling
+from reference.ddtree import DraftTree, Sampling, as_sampling, check_draft_temperature
 
 __all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "tree_phase",
-           "accept_phase", "gather_phase", "compaction_phase"]
+           "accept_phase", "gather_phase", "compaction_phase", "draft_temperature"]
+
+
+def draft_temperature(sampling, value=None) -> float:
+    """The draft temperature t_d a round builds its tree with: the tree is built from the
+    drafter's logits / t_d (top-K log-softmax, then the best-first build), so t_d > 1 spreads
+    the budget over more of each depth's candidates.  The acceptance never reads the draft
+    (every committed token is the target's own choice or sample), so t_d changes how many
+    tokens a round commits, never which.  ``value``: a fixed t_d (finite, > 0), or None for
+    the default: 1 (the logits as they are) at every temperature (docs/ENGINE.md,
+    "Draft temperature", has the measurements behind it).  ``sampling``: a Sampling or a
+    bare temperature."""
+    if value is not None:
+        return check_draft_temperature(value)
+    as_sampling(sampling)
+    return 1.0
+
 
 TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")
 
@@ -59,9 +76,14 @@ def tree_uniforms(xp, table, tree, start):
     return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
 
 
-def tree_phase(ops, k: int, budget: int):
-    """draft logits, roots, start -> (tree, verify inputs): top-K, build, compile."""
+def tree_phase(ops, k: int, budget: int, draft_temperature: float = 1.0):
+    """draft logits, roots, start -> (tree, verify inputs): top-K of the logits / t_d (float32
+    division; none at t_d = 1, so no extra launch there), build, compile."""
+    scale = np.float32(check_draft_temperature(draft_temperature))
+
     def run(draft_logits, roots, start):
+        if scale != 1:
+            draft_logits = draft_logits / scale
         lp, ids = ops.topk_logprobs(draft_logits, k)
         tree = ops.build_tree(lp, ids, budget)
         return tree, ops.compile_tree(tree, roots, start)
@@ -146,16 +168,18 @@ class DeviceSteps:
         return tokens[:, 0]
 
     def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,
-                   borrow: bool = False):
+                   borrow: bool = False, draft_temperature: float = 1.0):
         """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
         [bs] and the tree's start positions [bs] (the cache lengths): top-K with
-        ``k = min(budget, V)`` (or the ``k`` given), the best-first build of ``budget`` nodes,
-        the compile.  ``k = 1, budget = L`` builds the drafter's greedy chain (each node has
+        ``k = min(budget, V)`` (or the ``k`` given) of the logits / ``draft_temperature``
+        (:func:`draft_temperature`), the best-first build of ``budget`` nodes, the compile.  ``k = 1, budget = L`` builds the drafter's greedy chain (each node has
         one child, its row's argmax): the engine's "chain" method.  ``borrow``: the arrays
         may be a CUDA graph's own, which the next call of this shape overwrites (the engine's
         round uses them before then; :meth:`device_step`)."""
         k = min(budget, self.vocab_size) if k is None else int(k)
-        return self.device_step(("tree", k, budget), tree_phase(self.backend.ops, k, budget),
+        t_d = float(draft_temperature)
+        return self.device_step(("tree", k, budget, t_d),
+                                tree_phase(self.backend.ops, k, budget, t_d),
                                 (draft_logits, roots, start), borrow=borrow)
 
     def accept(self, tree, logits, sampling, table=None, start=None, borrow: bool = False):

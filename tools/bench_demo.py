@@ -3,7 +3,8 @@ code, beside the peers a user would try first.
 
     python3 tools/bench_demo.py [--prompts N] [--max-new-tokens 128] [--backend auto]
         [--precision float32]
-        [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1] [--seed 0]
+        [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1]
+        [--draft-temperature default] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
         [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--[no-]peers]
         [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
@@ -22,7 +23,10 @@ means nothing), or ``random-dflash[:SEED]`` (an untrained DFlash drafter for thi
 in memory: tau ~ 1, the cost of drafting and verifying without the gain).
 
 For each temperature, batch 1, every prompt: AR, then the chain (the drafter's greedy chain,
-L nodes), then DDTree at each budget (``auto``: kdtree_numba/budget.py); at T = 0 then the
+L nodes), then DDTree at each budget (``auto``: kdtree_numba/budget.py) and each
+``--draft-temperature`` (comma-separated: numbers > 0 and ``default``, the engine's policy;
+one DDTree row per pair, t_d shown beside the budget; docs/ENGINE.md, "Draft
+temperature"); at T = 0 then the
 peers (``--no-peers`` skips them; tools/bench_demo_peers.py): transformers' ``generate()``
 greedy and with ``prompt_lookup_num_tokens=10``, on the target exported by
 tools/bundle_to_hf.py, in ``--hf-dtype`` (default float32, the export's dtype) on the same
@@ -132,6 +136,12 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _draft_temperatures(text: str) -> list:
+    """Numbers and ``default`` (None: generate's own policy)."""
+    return [None if x.strip().lower() == "default" else float(x) for x in text.split(",")
+            if x.strip()]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -150,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DDTree budgets, comma-separated; 'auto' adds a row of --budget auto")
     p.add_argument("--temperature", type=_floats, default=[0.0, 1.0],
                    help="temperatures, comma-separated")
+    p.add_argument("--draft-temperature", type=_draft_temperatures, default=[None],
+                   help="DDTree's draft temperatures t_d (its trees from the drafter's logits "
+                   "/ t_d), comma-separated numbers > 0 or 'default'")
     p.add_argument("--seed", type=int, default=0, help="sampling and oracle seed")
     p.add_argument("--model", default=str(demo.TARGET), help="target bundle")
     p.add_argument("--prompt-file", default=PROMPT_FILE,
@@ -183,6 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--budgets: one or more integers >= 1 or auto")
     if not args.temperature or min(args.temperature) < 0:
         p.error("--temperature: one or more numbers >= 0")
+    if not args.draft_temperature or not all(
+            t is None or (np.isfinite(t) and t > 0) for t in args.draft_temperature):
+        p.error("--draft-temperature: one or more finite numbers > 0 or 'default'")
     if args.plot:
         try:
             plots.require_matplotlib()
@@ -292,7 +308,7 @@ class Meters:
 
 
 def run_config(model, drafter, prompts, method, budget, temperature, args, warmup,
-               stop: Stop | None = None, meters: Meters | None = None):
+               stop: Stop | None = None, meters: Meters | None = None, draft_temp=None):
     """Every prompt through one configuration, after its warm-up (``warmup``: what the timed
     prompts will run for the first time, tools/bench_demo_timing.py).  Returns one record
     per prompt (stopping early after a signal) and the row's timing facts: the warm-up's
@@ -300,7 +316,8 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
     their seconds, and the GPU's busy share."""
     meters = meters or Meters(model.backend)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
-              budget=budget or 32, temperature=temperature, seed=args.seed)
+              budget=budget or 32, temperature=temperature, seed=args.seed,
+              draft_temperature=draft_temp)
     if budget == "auto":
         # one policy across the row's timed prompts, as a serving loop keeps it: what its
         # rounds measured carries over (budget="auto" alone climbs afresh in every generate,
@@ -310,7 +327,7 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
     if warmup:
         with meters.first.counting():
             warm = warm_up(model, drafter, prompts, method, budget, temperature,
-                           args.max_new_tokens, args.seed, meters.warm)
+                           args.max_new_tokens, args.seed, meters.warm, draft_temp)
         warm.update(compile_seconds=meters.first.seconds, kernels=meters.first.kernels)
     out = []
     with meters.first.counting(), meters.busy.sampling():
@@ -336,18 +353,19 @@ def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop,
                 meters: Meters) -> dict:
     """``--interleave``: prompt by prompt, every configuration in turn (each warmed up on the
     first), so that a load that changes during the run (a shared machine) weighs on every row
-    alike.  {(method, budget): (records, timing)} as run_config's, the timings of the first
+    alike.  {(method, budget, t_d): (records, timing)} as run_config's, the timings of the first
     prompt's call (its warm-up) with the compile counts summed over the prompts.
     ``--time-limit`` is not applied; a signal stops after the prompt in flight."""
     done: dict = {}
     for i, rec in enumerate(prompts):
-        for method, budget in configs:
+        for config in configs:
+            method, budget, td = config
             got, timing = run_config(model, drafter, [rec], method, budget, t, args,
-                                     warmup and i == 0, None, meters)
-            if (method, budget) not in done:
-                done[(method, budget)] = (got, timing)
+                                     warmup and i == 0, None, meters, td)
+            if config not in done:
+                done[config] = (got, timing)
                 continue
-            records, first = done[(method, budget)]
+            records, first = done[config]
             records.extend(got)
             for key in ("compile_seconds", "kernels"):     # None where nothing counts them
                 if first[key] is not None and timing[key] is not None:
@@ -376,7 +394,7 @@ def _rate(runs) -> float:
     return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
 
 
-def summarise(method, budget, temperature, runs, ar_runs, timing=None) -> dict:
+def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_temp=None) -> dict:
     """One row: speed, tau and losslessness over ``runs``, and per round the host clock's
     wall / wait / host split and the device phases (ms; tools/bench_demo_timing.py)."""
     timing = timing or {}
@@ -390,7 +408,8 @@ def summarise(method, budget, temperature, runs, ar_runs, timing=None) -> dict:
     captures = [r["graph_captures"] for r in runs if r["graph_captures"] is not None]
     warm = timing.get("warmup")
     busy = timing.get("gpu_busy")
-    return dict(method=method, budget=budget, temperature=temperature, prompts=len(runs),
+    return dict(method=method, budget=budget, temperature=temperature,
+                draft_temperature=draft_temp, prompts=len(runs),
                 tau=float(np.mean(taus)) if taus else 1.0, tokens_per_s=tps,
                 speedup=tps / ar_tps if ar_tps else float("nan"),
                 rounds_per_prompt=rounds / len(runs), seconds=sum(r["seconds"] for r in runs),
@@ -473,6 +492,12 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _budget_cell(r: dict) -> str:
+    """The budget, and the draft temperature a row fixed (none: generate's default)."""
+    td = r.get("draft_temperature")
+    return str(r["budget"] or "-") + ("" if td is None else f" (t_d {td:g})")
+
+
 def _same_cell(r: dict) -> str:
     same = f"{r['identical']}/{r['compared']}"
     if r["identical"] == r["compared"]:
@@ -502,7 +527,7 @@ def table(rows: list[dict], backend: str) -> str:
                 g2 = f"{_yes(ratio >= CHAIN_GOAL)} ({ratio:.2f}x)"
             g3 = f"{_yes(r['speedup'] >= goal)} ({r['speedup']:.2f}x)"
         peer = r["method"] in PEER_METHODS
-        cells = [r["method"], str(r["budget"] or "-"), f"{r['temperature']:g}",
+        cells = [r["method"], _budget_cell(r), f"{r['temperature']:g}",
                  "-" if peer else f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
                  f"{r['speedup']:.2f}x", "-" if peer else f"{r['rounds_per_prompt']:.1f}",
                  _same_cell(r), g1, g2, g3,
@@ -531,7 +556,7 @@ def round_table(rows: list[dict]) -> str:
         made = "-" if r["timed_kernels"] is None else \
             f"{r['timed_kernels']} ({r['timed_compile_seconds']:.2f})"
         caps = "-" if r["timed_graph_captures"] is None else str(r["timed_graph_captures"])
-        cells = [r["method"], str(r["budget"] or "-"), f"{r['temperature']:g}",
+        cells = [r["method"], _budget_cell(r), f"{r['temperature']:g}",
                  _ms(r["wall_ms_per_round"]), _ms(r["wait_ms_per_round"]),
                  _ms(r["host_ms_per_round"]), dev, idle, _ms(r["prefill_ms_per_prompt"]),
                  f"{made} / {caps}"]
@@ -645,7 +670,7 @@ def _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info) -
                 continue
             got, timing = peers.time_peer(peer, prompts, args.max_new_tokens, extra,
                                           sorted(set(ends)), meters.busy, stop)
-            runs[(name, None, 0.0)] = got
+            runs[(name, None, 0.0, None)] = got
             if len(got) < len(prompts):
                 stop.skipped.append(f"{name}: prompts after the first {len(got)}")
             row = peer_row(name, got, ar_runs, timing)
@@ -678,7 +703,8 @@ def peer_row(name, runs, ar_runs, timing) -> dict:
 def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     be = model.backend
     meters = Meters(be)
-    configs = [("ar", None), ("chain", None)] + [("ddtree", b) for b in args.budgets]
+    configs = [("ar", None, None), ("chain", None, None)] + [
+        ("ddtree", b, td) for td in args.draft_temperature for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
           f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter "
           f"{drafter.name} (L = {drafter.block_len}), temperatures "
@@ -687,31 +713,33 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
     for t in args.temperature:
         done = interleaved(model, drafter, prompts, configs, t, args, warmup, stop, meters) \
             if args.interleave else {}
-        for method, budget in configs:
-            name = f"{method}{'' if budget is None else f' B={budget}'} T={t:g}"
+        for method, budget, td in configs:
+            name = f"{method}{'' if budget is None else f' B={budget}'}" \
+                f"{'' if td is None else f' t_d={td:g}'} T={t:g}"
             if args.interleave:
-                got, timing = done[(method, budget)]
+                got, timing = done[(method, budget, td)]
                 last = sum(r["seconds"] for r in got)
             elif not stop.allows(name, last):
                 continue
             else:
                 t0 = time.perf_counter()
                 got, timing = run_config(model, drafter, prompts, method, budget, t, args,
-                                         warmup, stop, meters)
+                                         warmup, stop, meters, td)
                 last = time.perf_counter() - t0
-            runs[(method, budget, t)] = got
-            row = summarise(method, budget, t, got, runs.get(("ar", None, t), []), timing)
+            runs[(method, budget, t, td)] = got
+            row = summarise(method, budget, t, got, runs.get(("ar", None, t, None), []),
+                            timing, td)
             rows.append(row)
             warm = "" if row["warmup_seconds"] is None else \
                 f", warm-up {row['warmup_seconds']:.1f} s apart"
             print(f"  {name}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x AR), identical {row['identical']}/"
                   f"{row['compared']} ({last:.1f} s{warm})", file=sys.stderr)
-        if t == 0 and args.peers and ("ar", None, 0.0) in runs and not stop.signalled:
-            peer_info = measure_peers(args, model, prompts, runs[("ar", None, 0.0)], meters,
-                                      stop, runs, rows)
+        if t == 0 and args.peers and ("ar", None, 0.0, None) in runs and not stop.signalled:
+            peer_info = measure_peers(args, model, prompts, runs[("ar", None, 0.0, None)],
+                                      meters, stop, runs, rows)
     agree = None
-    greedy = runs.get(("ar", None, 0.0))
+    greedy = runs.get(("ar", None, 0.0, None))
     if args.agreement_stride > 0 and not stop.signalled:
         if greedy is None:        # no T = 0 in the list: the greedy continuations alone
             greedy, _ = run_config(model, None, prompts, "ar", None, 0.0, args, False)
@@ -745,13 +773,14 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
                                          block_len=drafter.block_len,
                                          prompts=len(prompts), warmup=warmup),
                            rows=rows, agreement=agree, skipped=stop.skipped, peers=peer_info,
-                           per_prompt={f"{m}:{b}:{t:g}": got
-                                       for (m, b, t), got in runs.items()}), f)
+                           per_prompt={f"{m}:{b}:{t:g}" + ("" if td is None else f":{td:g}"):
+                                       got for (m, b, t, td), got in runs.items()}), f)
     if args.plot:
-        plots.plot_budget_curves(     # the curves are over the fixed budgets
-            args.plot, [r for r in rows if r["budget"] != "auto"
-                        and r["method"] not in PEER_METHODS], SPEED_GOAL.get(be.name),
-            TAU_GOAL,
+        first_td = args.draft_temperature[0]    # the curves: fixed budgets at the first t_d
+        plots.plot_budget_curves(args.plot, [
+            r for r in rows if r["budget"] != "auto" and r["method"] not in PEER_METHODS
+            and (r["method"] != "ddtree" or r["draft_temperature"] == first_td)],
+            SPEED_GOAL.get(be.name), TAU_GOAL,
             f"{be.name} backend, drafter {drafter.name}, {len(prompts)} held-out prompts x "
             f"{args.max_new_tokens} tokens, batch 1")
     return 1 if bad else 0

@@ -152,17 +152,19 @@ def _prefill_like_generate(model, drafter, method: str, ids, cache) -> None:
 
 
 def warm_up(model, drafter, prompts, method: str, budget, temperature: float, max_new: int,
-            seed: int, state: WarmState | None = None) -> dict:
+            seed: int, state: WarmState | None = None, draft_temperature=None) -> dict:
     """Run what the timed row will run for the first time (module docstring): first the
     prefills (``state``: shared by the run's rows, so a later row skips what an earlier one
     prefilled), then the generate calls, so the rounds' CUDA graphs are the most recently
     used when timing starts.  Returns its wall seconds, the generate calls and prefills it
-    made, and the buckets it covered."""
+    made, and the buckets it covered.  ``draft_temperature``: generate's (a DDTree tree's
+    t_d is part of its CUDA graphs' keys)."""
     block_len = drafter.block_len if drafter is not None else 1
     lengths = [len(r["ids"]) for r in prompts]
     plan = warm_plan(lengths, max_new, method, budget, block_len)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
-              budget=budget or 32, temperature=temperature, seed=seed)
+              budget=budget or 32, temperature=temperature, seed=seed,
+              draft_temperature=draft_temperature)
     state = WarmState() if state is None else state
     kind = (method != "ar", getattr(drafter, "name", None))
     t0, calls, prefills = time.perf_counter(), 0, 0

@@ -26,9 +26,9 @@ from __future__ import annotations
 from .accept import accept_greedy, accept_sampled, pack_committed, sample_targets
 from .build import build_tree
 from .checks import (cache_list, check_accepted, check_array, check_build_args,
-                     check_compact_args, check_int, check_per_request, check_per_slot,
-                     check_sample_args, check_sampling, check_temperature, check_topk_args,
-                     check_tree)
+                     check_compact_args, check_draft_temperature, check_int,
+                     check_per_request, check_per_slot, check_sample_args, check_sampling,
+                     check_temperature, check_topk_args, check_tree)
 from .compact import compact_kv, compact_kv_paged
 from .compile import compile_tree
 from .sampling import Sampling, as_sampling, inverse_cdf_sample, kept_weights

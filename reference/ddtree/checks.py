@@ -16,7 +16,7 @@ from .tree import DraftTree
 
 __all__ = ["check_array", "check_int", "check_topk_args", "check_build_args", "check_tree",
            "check_per_request", "check_per_slot", "check_temperature", "check_sampling",
-           "check_sample_args",
+           "check_sample_args", "check_draft_temperature",
            "cache_list", "check_compact_args", "check_accepted"]
 
 
@@ -108,6 +108,17 @@ def check_temperature(temperature) -> float:
     if not (np.isfinite(t) and t > 0):
         raise ValueError(f"temperature must be finite and > 0 (use accept_greedy for T = 0), "
                          f"got {t}")
+    return t
+
+
+def check_draft_temperature(value) -> float:
+    """A draft temperature t_d: a finite real > 0 (the tree is built from the drafter's logits
+    divided by it; 1: the logits as they are)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"draft_temperature must be a real number, got {type(value).__name__}")
+    t = float(value)
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"draft_temperature must be finite and > 0, got {t}")
     return t
 
 
