@@ -739,7 +739,7 @@ jobs = [
     (build._build_kernel(128, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
     (compile._tree_rows, (i1, i2, i2, i2, T.int64[::1], i1, i2, i2, i3)),
     (compile._tree_mask, (i1, i2, i3, T.boolean[:, :, ::1])),
-    (accept._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1)),
+    (accept._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1, i2)),
     (accept._sample_kernel(512), (i1, f3, T.float64, T.float64, T.int64, T.float64[:, ::1],
                                   i2)),
     (compact._compact_kernel(16, np.uint64), (T.uint64[:, :, :, ::1], i1, i2, i1)),
