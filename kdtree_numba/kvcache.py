@@ -111,6 +111,10 @@ class KVCache:
         # buffers' addresses in their CUDA graphs: they live as long as the cache
         self.programs: dict = {}
         self._written = 0                   # slots per request the last reserve made room for
+        # device_slots' index ranges, made once: on the GPU each arange was a launch of its
+        # own in every forward (a DDTree round makes three forwards' slots)
+        self._requests = xp.arange(batch, dtype=np.int64)[:, None]
+        self._steps = xp.arange(self.max_len, dtype=np.int64)[None, :]
 
     @property
     def batch(self) -> int:
@@ -172,10 +176,9 @@ class KVCache:
         capture it; ``table``: the layout's (default: its last :meth:`reserve`'s).
         Attention's split plan covers the whole capacity (``max_keys = max_len``), so one graph
         serves every length."""
-        xp = self.backend.xp
         table = self.layout.table if table is None else table
-        batch = xp.arange(self.batch, dtype=np.int64)[:, None]
-        rows = lengths[:, None] + xp.arange(n, dtype=np.int64)[None, :]
+        batch = self._requests
+        rows = lengths[:, None] + self._steps[:, :n]
         return WriteSlots(batch=batch, rows=rows,
                           storage=self.layout.storage_rows(batch, rows, table), prefix=lengths,
                           max_keys=self.max_len, table=table)
