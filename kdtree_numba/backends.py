@@ -538,8 +538,8 @@ def make_backend(name: str = "auto", *, gemm: str = "cuda-cores",
     path at scattered tree slots can differ in attention's last bits (docs/ENGINE.md, "Tensor
     cores").  Under "cuda-cores" the GEMMs switch kernels at 16 rows and attention plans its
     key splits by the number of tokens: a verify agrees with a decode to rounding (~1e-6), so
-    DDTree's tokens equal AR's except at near-ties.  The two settings round differently, so their tokens can differ from each
-    other (docs/ENGINE.md, "Tensor cores")."""
+    DDTree's tokens equal AR's except at near-ties.  The two settings round differently, so
+    their tokens can differ from each other (docs/ENGINE.md, "Tensor cores")."""
     if isinstance(name, Backend):
         return name
     if name not in BACKEND_NAMES:

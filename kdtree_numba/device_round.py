@@ -143,11 +143,11 @@ class DeviceRounds:
 
     def key(self, budget: int) -> tuple:
         """Everything the captured round at ``budget`` depends on besides its input: the tree
-        (its t_d too) and the sampling, and the address of every device buffer it reads or writes in place
-        (both caches' arrays and lengths, the drafter's own state, the roots, the uniforms): a
-        buffer replaced (a drafter cache of another size, after a generation on this
-        target cache) makes another key, never a replay against freed memory.  (The graph
-        cache's key adds the input's shape.)"""
+        (its t_d too) and the sampling, and the address of every device buffer it reads or
+        writes in place (both caches' arrays and lengths, the drafter's own state, the roots,
+        the uniforms): a buffer replaced (a drafter cache of another size, after a generation
+        on this target cache) makes another key, never a replay against freed memory.  (The
+        graph cache's key adds the input's shape.)"""
         key = ("round", int(budget), self.k(budget), self.draft_temperature, self.sampling,
                self.needs)
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())

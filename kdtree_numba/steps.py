@@ -183,8 +183,9 @@ class DeviceSteps:
         """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
         [bs] and the tree's start positions [bs] (the cache lengths): top-K with
         ``k = min(budget, V)`` (or the ``k`` given) of the logits / ``draft_temperature``
-        (:func:`draft_temperature`), the best-first build of ``budget`` nodes, the compile.  ``k = 1, budget = L`` builds the drafter's greedy chain (each node has
-        one child, its row's argmax): the engine's "chain" method.  ``borrow``: the arrays
+        (:func:`draft_temperature`), the best-first build of ``budget`` nodes, the compile.
+        ``k = 1, budget = L`` builds the drafter's greedy chain (each node has one child, its
+        row's argmax): the engine's "chain" method.  ``borrow``: the arrays
         may be a CUDA graph's own, which the next call of this shape overwrites (the engine's
         round uses them before then; :meth:`device_step`)."""
         k = min(budget, self.vocab_size) if k is None else int(k)
