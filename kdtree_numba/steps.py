@@ -16,8 +16,9 @@ A DDTree round (docs/DDTREE.md for the kernels):
 * the verify forward (``Model.forward`` on the VerifyInput);
 * :meth:`~DeviceSteps.accept`: the target's choice at every node (argmax at T = 0, the
   uniforms ``U_b[start + depth + 1]`` at T > 0), the walk (``accept_greedy`` /
-  ``accept_sampled``), and the packing of acc_len and the committed tokens into one int32
-  array, the round's one read (graph key "accept");
+  ``accept_sampled``) with the packing of acc_len and the committed tokens into one int32
+  array in the walk's launch (``reference.ddtree.pack_committed``), the round's one read
+  (graph key "accept");
 * :meth:`~DeviceSteps.accepted_rows`: with a DFlash drafter, the verify's captured target
   features at the accepted nodes (graph key "accepted_rows"), the drafter's next context;
 * :meth:`~DeviceSteps.compact`: ``compact_kv`` of the accepted rows (graph key "compaction").
@@ -31,8 +32,8 @@ import numpy as np
 
 from reference.ddtree import DraftTree, Sampling, as_sampling, check_draft_temperature
 
-__all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "pack_committed",
-           "tree_phase", "accept_phase", "gather_phase", "compaction_phase", "draft_temperature"]
+__all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "tree_phase",
+           "accept_phase", "gather_phase", "compaction_phase", "draft_temperature"]
 
 
 def draft_temperature(sampling, value=None) -> float:
@@ -75,19 +76,6 @@ def tree_uniforms(xp, table, tree, start):
     return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
 
 
-def pack_committed(xp, tree, acc_idx, acc_len, next_token):
-    """One int32 array [bs, 1 + (L + 1)] built on the device: column 0 is acc_len m, columns
-    1..m the committed tokens (the accepted nodes after the root, then the bonus token), the
-    rest -1.  Reading it is the round's only host read."""
-    path = xp.take_along_axis(tree.token, xp.maximum(acc_idx[:, 1:], 0), axis=1)   # [bs, L]
-    m = acc_len.astype(np.int32, copy=False)[:, None]
-    col = xp.arange(acc_idx.shape[1], dtype=np.int32)[None, :]                    # 0..L
-    padded = xp.concatenate([path.astype(np.int32, copy=False), xp.zeros_like(m)], axis=1)
-    bonus = next_token.astype(np.int32, copy=False)[:, None]
-    committed = xp.where(col < m - 1, padded, xp.where(col == m - 1, bonus, np.int32(-1)))
-    return xp.concatenate([m, committed.astype(np.int32, copy=False)], axis=1)
-
-
 def tree_phase(ops, k: int, budget: int, draft_temperature: float = 1.0):
     """draft logits, roots, start -> (tree, verify inputs): top-K of the logits / t_d (float32
     division; none at t_d = 1, so no extra launch there), build, compile."""
@@ -111,13 +99,14 @@ def accept_phase(ops, xp, sampling: Sampling, max_depth: int):
         if sampling.greedy:
             bs, n, V = logits.shape
             target = ops.argmax(logits.reshape(bs * n, V)).reshape(bs, n)
-            acc_idx, acc_len, nxt = ops.accept_greedy(tree, target)
+            acc_idx, acc_len, nxt, packed = ops.accept_greedy(tree, target, pack=True)
         else:
             table, start = arrays[len(TREE_ARRAYS):]
             u = tree_uniforms(xp, table, tree, start)
-            acc_idx, acc_len, nxt = ops.accept_sampled(tree, logits, sampling, u)
-        return acc_idx, acc_len, pack_committed(xp, tree, acc_idx, acc_len, nxt), \
-            nxt.astype(np.int32)
+            acc_idx, acc_len, nxt, packed = ops.accept_sampled(tree, logits, sampling, u,
+                                                               pack=True)
+        # the walk's own int32 outputs: no copies (each was a launch of its own)
+        return acc_idx, acc_len, packed, nxt
     return run
 
 
@@ -200,7 +189,7 @@ class DeviceSteps:
         temperature; top-p and top-k truncate every node's target distribution) with the
         uniforms ``table[b, start_b + depth + 1]`` (``table`` [bs, P] float64 on the device,
         ``start`` [bs] int32).  ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the
-        committed tokens (:func:`pack_committed`): the one array the engine reads;
+        committed tokens (``reference.ddtree.pack_committed``): the one array the engine reads;
         ``next_roots`` [bs] int32 the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
         sampling = as_sampling(sampling)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
@@ -213,7 +202,7 @@ class DeviceSteps:
 
     def committed_tokens(self, packed, roots):
         """A round's root, accepted nodes and bonus [bs, L + 2] on the device, from its packed
-        committed tokens (:func:`pack_committed`) and its ``roots`` [bs]
+        committed tokens (``reference.ddtree.pack_committed``) and its ``roots`` [bs]
         (``drafting.Commit.tokens``: the first acc_len entries are the tokens whose KV the
         round committed, entry acc_len the bonus, the rest token 0).  Nothing is read."""
         xp = self.backend.xp

@@ -322,9 +322,16 @@ def test_accept_greedy_walks_matching_children_until_the_first_mismatch(
         seed, bs, n_rows, vocab, budget, p_follow):
     tree = tree_for(seed, bs, n_rows, vocab, budget, "ties")
     target = targets_following(tree, seed, p_follow)
-    acc_idx, acc_len, nxt = ref.accept_greedy(tree, target)
+    acc_idx, acc_len, nxt, packed = ref.accept_greedy(tree, target, pack=True)
     assert acc_idx.shape == (bs, n_rows + 1) and acc_idx.dtype == np.int32
     check_accepted_walk(tree, target, acc_idx, acc_len, nxt)
+    # packed: acc_len, then what the round commits, which is the target's choice after the
+    # root and after each accepted node, then -1
+    assert packed.shape == (bs, n_rows + 2) and packed.dtype == np.int32
+    for b in range(bs):
+        m = int(acc_len[b])
+        want = [m] + [int(target[b, acc_idx[b, s]]) for s in range(m)] + [-1] * (n_rows + 1 - m)
+        assert packed[b].tolist() == want
 
 
 def test_accept_greedy_follows_a_full_path():
@@ -599,8 +606,11 @@ def test_numba_compile_tree_is_bit_identical(gpu, seed, bs, n_rows, vocab, budge
 def test_numba_accept_greedy_is_bit_identical(gpu, seed, bs, n_rows, vocab, budget, p_follow):
     tree = tree_for(seed, bs, n_rows, vocab, budget, "ties")
     target = targets_following(tree, seed, p_follow)
-    for want, got in zip(ref.accept_greedy(tree, target), gpu.accept_greedy(tree, target)):
-        np.testing.assert_array_equal(got, want)
+    pack = bool(seed % 2)
+    want, got = ref.accept_greedy(tree, target, pack), gpu.accept_greedy(tree, target, pack)
+    assert len(got) == len(want) == 3 + pack
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
 
 
 def uniforms_off_boundaries(tree, logits, temperature, seed, gap=1e-9):
@@ -629,8 +639,8 @@ def test_numba_sampled_accept_matches_reference(gpu, seed, bs, vocab, budget, te
     u = uniforms_off_boundaries(tree, logits, temperature, seed)
     np.testing.assert_array_equal(gpu.sample_targets(tree, logits, temperature, u),
                                   ref.sample_targets(tree, logits, temperature, u))
-    for want, got in zip(ref.accept_sampled(tree, logits, temperature, u),
-                         gpu.accept_sampled(tree, logits, temperature, u)):
+    for want, got in zip(ref.accept_sampled(tree, logits, temperature, u, pack=True),
+                         gpu.accept_sampled(tree, logits, temperature, u, pack=True)):
         np.testing.assert_array_equal(got, want)
 
 
@@ -677,6 +687,10 @@ def test_numba_fills_preallocated_outputs(gpu):
     acc = tuple(cuda.device_array_like(a) for a in ref.accept_greedy(want, target))
     gpu.accept_greedy(out, cuda.to_device(target), out=acc)
     for got, w in zip(acc, ref.accept_greedy(want, target)):
+        np.testing.assert_array_equal(got.copy_to_host(), w)
+    acc = tuple(cuda.device_array_like(a) for a in ref.accept_greedy(want, target, pack=True))
+    gpu.accept_greedy(out, cuda.to_device(target), pack=True, out=acc)
+    for got, w in zip(acc, ref.accept_greedy(want, target, pack=True)):
         np.testing.assert_array_equal(got.copy_to_host(), w)
     with pytest.raises(ValueError, match="out acc_len"):
         gpu.accept_greedy(out, target, out=(acc[0], acc[0], acc[2]))
@@ -725,7 +739,7 @@ jobs = [
     (build._build_kernel(128, 1024), (f3, i3, T.int64, i1, i2, i2, i2, i2, T.float64[:, ::1])),
     (compile._tree_rows, (i1, i2, i2, i2, T.int64[::1], i1, i2, i2, i3)),
     (compile._tree_mask, (i1, i2, i3, T.boolean[:, :, ::1])),
-    (accept._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1)),
+    (accept._accept_kernel(15), (i1, i2, i2, i2, i2, i1, i1, i2)),
     (accept._sample_kernel(512), (i1, f3, T.float64, T.float64, T.int64, T.float64[:, ::1],
                                   i2)),
     (compact._compact_kernel(16, np.uint64), (T.uint64[:, :, :, ::1], i1, i2, i1)),

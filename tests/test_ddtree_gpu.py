@@ -254,8 +254,10 @@ def test_accept_greedy_real_shape_bit_identical(gpu, bs, budget):
     lp, ids = ref.topk_logprobs(make_logits(6, (bs, L, budget), "ties"), budget)
     tree = ref.build_tree(lp, ids, budget)
     target = targets_following(tree, 2, 0.9)
-    for got, want in zip(gpu.accept_greedy(tree, target), ref.accept_greedy(tree, target)):
-        np.testing.assert_array_equal(got, want)
+    got, want = gpu.accept_greedy(tree, target, True), ref.accept_greedy(tree, target, True)
+    assert len(got) == len(want) == 4          # the packed committed tokens too
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_sampled_accept_real_vocab_matches_reference(gpu):

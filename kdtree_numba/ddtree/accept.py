@@ -32,7 +32,7 @@ def _accept_kernel(max_steps: int):
     to found[s]; one barrier; everybody follows it.  At most L steps, L barriers."""
 
     @kernel
-    def accept(n_nodes, token, parent, target, acc_idx, acc_len, next_token):
+    def accept(n_nodes, token, parent, target, acc_idx, acc_len, next_token, packed):
         found = cuda.shared.array(max_steps, np.int32)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.x
@@ -58,27 +58,38 @@ def _accept_kernel(max_steps: int):
             length += 1
         if t == 0:
             acc_idx[b, 0] = 0
+            packed[b, 0] = length
             for s in range(1, length):
                 acc_idx[b, s] = found[s - 1]
+                packed[b, s] = token[b, found[s - 1]]
             acc_len[b] = length
             next_token[b] = nxt
+            packed[b, length] = nxt
+            for s in range(length + 1, max_steps + 2):
+                packed[b, s] = -1
 
     return accept
 
 
-def accept_greedy(tree: DraftTree, target_tokens, *, stream=0, out=None):
-    """GPU twin of ``reference.ddtree.accept_greedy``, bit-identical.  ``out``: optional
-    (acc_idx, acc_len, next_token) device arrays."""
+def accept_greedy(tree: DraftTree, target_tokens, pack: bool = False, *, stream=0, out=None):
+    """GPU twin of ``reference.ddtree.accept_greedy``, bit-identical; ``pack``: the packed
+    committed tokens too, written by the same launch (a DDTree round's one read, where CuPy
+    glue took ten launches).  ``out``: optional (acc_idx, acc_len, next_token[, packed])
+    device arrays."""
     bs, budget, max_depth = check_tree(tree)
     check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu")
     host = not (tree_is_on_device(tree) or any_on_device(target_tokens)) and out is None
     compat.require_kernels()
     d_tree = tree_on_device(tree, stream)
-    out = outputs(out, [("acc_idx", (bs, max_depth + 1), np.int32),
-                        ("acc_len", (bs,), np.int32), ("next_token", (bs,), np.int32)], stream)
+    specs = [("acc_idx", (bs, max_depth + 1), np.int32), ("acc_len", (bs,), np.int32),
+             ("next_token", (bs,), np.int32), ("packed", (bs, max_depth + 2), np.int32)]
+    out = outputs(out, specs if out is None or len(out) == 4 else specs[:3], stream)
+    if len(out) == 3:           # the caller's three arrays: the packing goes to a scratch one
+        out += outputs(None, specs[3:], stream)
     threads = 32 if SIMULATOR else 256
     _accept_kernel(max_depth)[bs, threads, stream](d_tree.n_nodes, d_tree.token, d_tree.parent,
                                                    device_view(target_tokens, stream), *out)
+    out = out if pack else out[:3]
     return to_host(out, stream) if host else tuple(out)
 
 
@@ -267,10 +278,11 @@ def sample_targets(tree: DraftTree, target_logits, sampling, uniforms, *, stream
     return tokens.copy_to_host(stream=stream) if host else tokens
 
 
-def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms, *, stream=0, out=None,
-                   targets_out=None):
+def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms, pack: bool = False, *,
+                   stream=0, out=None, targets_out=None):
     """GPU twin of ``reference.ddtree.accept_sampled``: sample_targets, then accept_greedy.
-    ``out`` as for accept_greedy; ``targets_out`` receives the sampled target tokens."""
+    ``pack`` and ``out`` as for accept_greedy; ``targets_out`` receives the sampled target
+    tokens."""
     tokens = sample_targets(tree, target_logits, sampling, uniforms, stream=stream,
                             out=targets_out)
-    return accept_greedy(tree, tokens, stream=stream, out=out)
+    return accept_greedy(tree, tokens, pack, stream=stream, out=out)

@@ -4,12 +4,13 @@ of ``accept_greedy``, ``sample_targets`` and ``accept_sampled``.
 Package conventions (batched over ``bs`` requests, int32 indices, padding -1):
 reference/ddtree/__init__.py.
 
-``accept_greedy(tree, target_tokens) -> (acc_idx, acc_len, next_token)``
+``accept_greedy(tree, target_tokens, pack=False) -> (acc_idx, acc_len, next_token[, packed])``
     target_tokens [bs, B+1] int: the target's choice after each slot (padding ignored).
     Walk: ``cur = 0, nxt = target[0]; while a child c of cur has token[c] == nxt: accept c,
     cur = c, nxt = target[c]``.  acc_idx [bs, L+1] int32 = accepted slots starting with 0
     (-1 padded), acc_len [bs] int32 in [1, L+1], next_token [bs] int32 = the first unmatched
-    target token (the next root, the "bonus" token).
+    target token (the next root, the "bonus" token).  With ``pack``, also
+    :func:`pack_committed` of them: what a round commits, as one array to read.
 
 ``sample_targets(tree, target_logits, sampling, uniforms) -> target_tokens``
     target_logits [bs, B+1, V] float32 (finite), ``sampling`` a ``Sampling`` with T > 0 (or a
@@ -21,8 +22,8 @@ reference/ddtree/__init__.py.
     ~1e-12 (relative) of a CDF boundary (or a top-p prefix mass that close to its threshold);
     tests draw u at least 1e-9 away from every boundary.
 
-``accept_sampled(tree, target_logits, sampling, uniforms)``
-    ``= accept_greedy(tree, sample_targets(...))``.  Every committed token is a genuine sample
+``accept_sampled(tree, target_logits, sampling, uniforms, pack=False)``
+    ``= accept_greedy(tree, sample_targets(...), pack)``.  Every committed token is a genuine sample
     of the truncated target distribution at its context, so the round is lossless for any
     tree (no draft probabilities needed): DDTree's and the chain's tokens follow AR's
     distribution with the same top-p and top-k.  The walk reads a slot's target token only
@@ -39,7 +40,24 @@ from .checks import check_per_slot, check_sample_args, check_tree
 from .sampling import inverse_cdf_sample
 from .tree import DraftTree
 
-__all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample"]
+__all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample",
+           "pack_committed"]
+
+
+def pack_committed(token, acc_idx, acc_len, next_token) -> np.ndarray:
+    """int32 [bs, 1 + (L + 1)] of a walk: column 0 acc_len m, columns 1..m the committed
+    tokens (the accepted nodes' ``token`` after the root, then ``next_token``, the bonus),
+    the rest -1.  A DDTree round's one host read (kdtree_numba/steps.py)."""
+    token, acc_idx = np.asarray(token), np.asarray(acc_idx)
+    acc_len, next_token = np.asarray(acc_len), np.asarray(next_token)
+    bs, width = acc_idx.shape
+    packed = np.full((bs, 1 + width), -1, np.int32)
+    for b in range(bs):
+        m = int(acc_len[b])
+        packed[b, 0] = m
+        packed[b, 1:m] = token[b, acc_idx[b, 1:m]]
+        packed[b, m] = next_token[b]
+    return packed
 
 
 def _walk(tree: DraftTree, bs: int, max_depth: int, target_at):
@@ -64,11 +82,15 @@ def _walk(tree: DraftTree, bs: int, max_depth: int, target_at):
     return acc_idx, acc_len, next_token
 
 
-def accept_greedy(tree: DraftTree, target_tokens):
+def _packed(tree: DraftTree, walk, pack: bool):
+    return walk + (pack_committed(tree.token, *walk),) if pack else walk
+
+
+def accept_greedy(tree: DraftTree, target_tokens, pack: bool = False):
     """Accepted root-to-node path and the next root token (contract: module docstring)."""
     bs, budget, max_depth = check_tree(tree)
     target = np.asarray(check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu"))
-    return _walk(tree, bs, max_depth, lambda b, slot: int(target[b, slot]))
+    return _packed(tree, _walk(tree, bs, max_depth, lambda b, slot: int(target[b, slot])), pack)
 
 
 def _checked_sampling(tree: DraftTree, target_logits, sampling, uniforms):
@@ -93,7 +115,7 @@ def sample_targets(tree: DraftTree, target_logits, sampling, uniforms):
     return tokens
 
 
-def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms):
+def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms, pack: bool = False):
     """The greedy walk on target samples, each slot's drawn when the walk reaches it
     (contract: module docstring; = accept_greedy(tree, sample_targets(...)))."""
     bs, _, sampling, target_logits, uniforms = _checked_sampling(
@@ -101,4 +123,4 @@ def accept_sampled(tree: DraftTree, target_logits, sampling, uniforms):
 
     def target_at(b: int, slot: int) -> int:
         return inverse_cdf_sample(target_logits[b, slot], sampling, uniforms[b, slot])
-    return _walk(tree, bs, int(tree.max_depth), target_at)
+    return _packed(tree, _walk(tree, bs, int(tree.max_depth), target_at), pack)
