@@ -25,7 +25,8 @@ from kdtree_numba.gpu.bits import bf16_bits_to_f32
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
 from kdtree_numba.layers.norm import MAX_PER_THREAD, norm_threads
-from kdtree_numba.layers.rope import rope_tables
+from kdtree_numba.layers.rope import (fill_rope_table, pair_columns, rope_angle, rope_tables,
+                                       rotate_pair)
 from kdtree_numba.layers.workspace import device_f32, device_weight, result_array
 
 __all__ = ["mla_latents", "mla_q_split"]
@@ -81,16 +82,10 @@ def _latents_kernel(threads: int, per_q: int, per_c: int, q_bf16: bool, c_bf16: 
         p = np.float64(positions[row])
         base = q_lora + r
         for i in range(t, half, threads):
-            angle = p * inv_freq[i]
-            cs = math.cos(angle) * amplitude
-            sn = math.sin(angle) * amplitude
-            if interleave:
-                a = np.float64(x[row, base + 2 * i])
-                b = np.float64(x[row, base + 2 * i + 1])
-            else:
-                a = np.float64(x[row, base + i])
-                b = np.float64(x[row, base + i + half])
-            lo, hi = np.float32(a * cs - b * sn), np.float32(b * cs + a * sn)
+            cs, sn = rope_angle(p, inv_freq[i], amplitude)
+            ia, ib = pair_columns(i, half, interleave)
+            lo, hi = rotate_pair(np.float64(x[row, base + ia]), np.float64(x[row, base + ib]),
+                                 cs, sn)
             if not store:
                 k_pe[dst, 0, i] = lo
                 k_pe[dst, 0, i + half] = hi
@@ -135,23 +130,15 @@ def _q_split_kernel(threads: int, half: int, interleave: bool):
         for j in range(t, heads * dn, threads):
             h = j // dn
             q_nope[row, h, j - h * dn] = q[row, h, j - h * dn]
-        p = np.float64(positions[row])
-        for i in range(t, half, threads):
-            angle = p * inv_freq[i]
-            cs[i] = math.cos(angle) * amplitude
-            sn[i] = math.sin(angle) * amplitude
+        fill_rope_table(cs, sn, np.float64(positions[row]), inv_freq, amplitude, t, threads,
+                        half)
         cuda.syncthreads()
         for j in range(t, heads * half, threads):
             h = j // half
             i = j - h * half
-            if interleave:
-                a = np.float64(q[row, h, dn + 2 * i])
-                b = np.float64(q[row, h, dn + 2 * i + 1])
-            else:
-                a = np.float64(q[row, h, dn + i])
-                b = np.float64(q[row, h, dn + i + half])
-            q_pe[row, h, i] = np.float32(a * cs[i] - b * sn[i])
-            q_pe[row, h, i + half] = np.float32(b * cs[i] + a * sn[i])
+            ia, ib = pair_columns(i, half, interleave)
+            q_pe[row, h, i], q_pe[row, h, i + half] = rotate_pair(
+                np.float64(q[row, h, dn + ia]), np.float64(q[row, h, dn + ib]), cs[i], sn[i])
     return q_split_rows
 
 

@@ -10,12 +10,47 @@ import math
 
 import numpy as np
 
-from kdtree_numba.compat import (SIMULATOR, block_size_options, cuda, kernel, kernel_factory,
-                                 to_device)
+from kdtree_numba.compat import (SIMULATOR, block_size_options, cuda, device_function, kernel,
+                                 kernel_factory, to_device)
 from kdtree_numba.layers.workspace import device_f32, result_array
 from reference.layers import RopeSpec, YarnScaling
 
-__all__ = ["RopeSpec", "YarnScaling", "rope", "rope_tables"]
+__all__ = ["RopeSpec", "YarnScaling", "rope", "rope_tables", "rope_angle", "fill_rope_table",
+           "pair_columns", "rotate_pair"]
+
+
+# The arithmetic every rope kernel shares (this one, and the fused latents and q split of
+# layers/latents.py): float64 angles and rotation, one rounding to float32, so each matches
+# the reference to ~1 float32 ulp.
+
+@device_function
+def rope_angle(p, inv_freq_i, amplitude):
+    """(cos, sin) of the angle p * inv_freq_i, each times the YaRN amplitude (float64)."""
+    angle = p * inv_freq_i
+    return math.cos(angle) * amplitude, math.sin(angle) * amplitude
+
+
+@device_function
+def fill_rope_table(cs, sn, p, inv_freq, amplitude, t, threads, half):
+    """A block's shared cos/sin table of position p: thread t fills pairs t, t + threads, ..."""
+    for i in range(t, half, threads):
+        cs[i], sn[i] = rope_angle(p, inv_freq[i], amplitude)
+
+
+@device_function
+def pair_columns(i, half, interleave):
+    """The two columns rotated together as pair i: (2i, 2i + 1) interleaved, else
+    (i, i + half) (NeoX halves)."""
+    if interleave:
+        return 2 * i, 2 * i + 1
+    return i, i + half
+
+
+@device_function
+def rotate_pair(a, b, c, s):
+    """Pair (a, b) (float64) rotated by (c, s): the two float32 outputs, at columns i and
+    i + half of the result."""
+    return np.float32(a * c - b * s), np.float32(b * c + a * s)
 
 
 @kernel_factory
@@ -28,23 +63,15 @@ def _rope_kernel(half: int, interleave: bool, threads: int):
         sn = cuda.shared.array(half, np.float64)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
-        p = np.float64(positions[row])
-        for i in range(t, half, threads):
-            angle = p * inv_freq[i]
-            cs[i] = math.cos(angle) * amplitude
-            sn[i] = math.sin(angle) * amplitude
+        fill_rope_table(cs, sn, np.float64(positions[row]), inv_freq, amplitude, t, threads,
+                        half)
         cuda.syncthreads()
         for q in range(t, x.shape[1] * half, threads):
             h = q // half
             i = q - h * half
-            if interleave:
-                a = np.float64(x[row, h, 2 * i])
-                b = np.float64(x[row, h, 2 * i + 1])
-            else:
-                a = np.float64(x[row, h, i])
-                b = np.float64(x[row, h, i + half])
-            y[row, h, i] = np.float32(a * cs[i] - b * sn[i])
-            y[row, h, i + half] = np.float32(b * cs[i] + a * sn[i])
+            ia, ib = pair_columns(i, half, interleave)
+            y[row, h, i], y[row, h, i + half] = rotate_pair(
+                np.float64(x[row, h, ia]), np.float64(x[row, h, ib]), cs[i], sn[i])
     return rope_rows
 
 
