@@ -473,8 +473,8 @@ class Model(DeviceSteps):
     def prefill_width(self, cache: KVCache, n: int) -> int:
         """The rows a prefill of up to n tokens a request runs on ``cache``: n, or where
         prefills are padded :func:`prefill_rows` (n), as far as the cache has room.
-        ``pad_prefills`` decides; None: on the GPU when the runtime's switch is on
-        (``KDTREE_PAD_PREFILLS=1``), graphs or not, so that both give the same bits.
+        ``pad_prefills`` decides; None: on the GPU unless the runtime's switch is off
+        (``KDTREE_PAD_PREFILLS=0``), graphs or not, so that both give the same bits.
         Unpadded, every prompt length is a graph of its own, captured on its second sight,
         and a prompt of a new length runs eagerly: ~200 launches issued from Python."""
         pad = self.pad_prefills

@@ -17,8 +17,8 @@ Two kinds of switch:
   ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``, kdtree_numba/layers/latents.py,
   read when a numba backend is made: checked on the GPU, opt-in until the shipped kernel
   manifest holds them, or a first run would compile them one by one), prefills padded to a
-  few row counts on the GPU (``KDTREE_PAD_PREFILLS=1``, ``Model.prefill_width``: opt-in until
-  the GPU suite has run it), the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
+  few row counts on the GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off),
+  the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
   turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
   or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
@@ -84,7 +84,7 @@ class RuntimeConfig:
     moe_work_list: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = False
-    pad_prefills: bool = False
+    pad_prefills: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -112,7 +112,7 @@ class RuntimeConfig:
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
-                   pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", False),
+                   pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
