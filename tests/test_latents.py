@@ -13,6 +13,7 @@ import pytest
 import reference.layers as rl
 from kdtree_numba import layers as nl
 from kdtree_numba.backends import LatentsByParts, make_backend
+from kdtree_numba.layers.norm import MAX_PER_THREAD, norm_threads
 
 BF16 = ml_dtypes.bfloat16
 SPECS = {
@@ -26,6 +27,19 @@ def host(a):
     if hasattr(a, "copy_to_host"):
         return a.copy_to_host()
     return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def dev(a):
+    """``a`` on the numba backend's device (CuPy on a GPU, NumPy in the simulator), as the
+    model's arrays are: the ops by parts run CuPy glue there, which takes no host array."""
+    return None if a is None else make_backend("numba").asarray(a)
+
+
+def _store(fill, shape_c, shape_k, rows):
+    """A LatentStore of ``fill`` on the numba backend's device."""
+    from kdtree_numba.kvcache import LatentStore
+    xp = make_backend("numba").xp
+    return LatentStore(dev(np.full(shape_c, fill)), dev(np.full(shape_k, fill)), dev(rows), xp)
 
 
 def _case(seed, m, q_lora, rank, dr, weight_dtype):
@@ -55,8 +69,9 @@ def test_fused_latents_equal_the_parts_bitwise_and_the_reference(spec, q_lora, r
     spec = SPECS[spec]
     x, q_norm, kv_norm, pos = _case(7, m, q_lora, rank, spec.head_dim, dtype)
     eps = 1e-6
-    got = nl.mla_latents(x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
-    parts = unfused[0](x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
+    got = nl.mla_latents(dev(x), q_norm, kv_norm, dev(pos), spec, eps, q_lora=q_lora,
+                         rank=rank)
+    parts = unfused[0](dev(x), q_norm, kv_norm, dev(pos), spec, eps, q_lora=q_lora, rank=rank)
     want = rl.mla_latents(x, q_norm, kv_norm, pos, spec, eps, q_lora=q_lora, rank=rank)
     assert (got[0] is None) == (q_lora == 0) == (want[0] is None)
     for g, p, w in zip(got, parts, want):
@@ -75,8 +90,8 @@ def test_fused_q_split_equals_the_parts_bitwise_and_the_reference(spec, unfused)
     m, heads, dn = 3, 5, 12
     q = (2 * rng.standard_normal((m, heads, dn + spec.head_dim))).astype(np.float32)
     pos = rng.integers(0, 4000, m).astype(np.int32)
-    got = [host(a) for a in nl.mla_q_split(q, pos, spec, dn=dn)]
-    parts = unfused[1](q, pos, spec, dn=dn)
+    got = [host(a) for a in nl.mla_q_split(dev(q), dev(pos), spec, dn=dn)]
+    parts = unfused[1](dev(q), dev(pos), spec, dn=dn)
     want = rl.mla_q_split(q, pos, spec, dn=dn)
     for g, p, w in zip(got, parts, want):
         assert g.shape == w.shape
@@ -89,7 +104,6 @@ def test_fused_q_split_equals_the_parts_bitwise_and_the_reference(spec, unfused)
 def test_fused_latents_write_into_a_cache_store_as_the_parts_do(store, unfused):
     """``into``: c and k_pe go straight to the store's rows (a bf16 cache's bits rounded as
     KVCache.write rounds); the rest of the store is untouched; both return (q_a, None, None)."""
-    from kdtree_numba.kvcache import LatentStore
     spec = SPECS["halves+yarn"]
     m, q_lora, rank, dr = 3, 12, 16, spec.head_dim
     x, q_norm, kv_norm, pos = _case(5, m, q_lora, rank, dr, BF16)
@@ -97,11 +111,11 @@ def test_fused_latents_write_into_a_cache_store_as_the_parts_do(store, unfused):
     fill = np.uint16(0xABCD) if store == np.uint16 else np.float32(-7.5)
     got = []
     for fn in (nl.mla_latents, unfused[0]):
-        into = LatentStore(np.full((9, rank), fill, store), np.full((9, dr), fill, store), rows)
-        q_a, c, k_pe = fn(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora, rank=rank,
-                          into=into)
+        into = _store(store(fill), (9, rank), (9, dr), rows)
+        q_a, c, k_pe = fn(dev(x), q_norm, kv_norm, dev(pos), spec, 1e-6, q_lora=q_lora,
+                          rank=rank, into=into)
         assert c is None and k_pe is None
-        got.append((host(q_a), into.c, into.k_pe))
+        got.append((host(q_a), host(into.c), host(into.k_pe)))
     _, want_c, want_k = rl.mla_latents(x, q_norm, kv_norm, pos, spec, 1e-6, q_lora=q_lora,
                                        rank=rank)
     for a, b in zip(*got):
@@ -143,7 +157,6 @@ def test_fused_latents_without_a_q_lora_write_a_wide_store_as_the_parts_do(store
     8 pairs over 32 threads, rows out of order: the store's rows bit for bit the parts'
     (a bf16 cache's bits rounded as ``bf16_bits``, ties included), the rest untouched."""
     from kdtree_numba.backends import bf16_bits
-    from kdtree_numba.kvcache import LatentStore
     spec = rl.RopeSpec(1e4, 16, True)
     m, rank, dr = 4, 40, spec.head_dim
     x, _, kv_norm, pos = _case(9, m, 0, rank, dr, np.float32)
@@ -157,11 +170,11 @@ def test_fused_latents_without_a_q_lora_write_a_wide_store_as_the_parts_do(store
     fill = np.uint16(0x1234) if store == np.uint16 else np.float32(3.25)
     got = []
     for fn in (nl.mla_latents, unfused[0]):
-        into = LatentStore(np.full((11, rank), fill, store), np.full((11, dr), fill, store),
-                           rows)
-        q_a, c, k_pe = fn(x, None, kv_norm, pos, spec, 1e-6, q_lora=0, rank=rank, into=into)
+        into = _store(store(fill), (11, rank), (11, dr), rows)
+        q_a, c, k_pe = fn(dev(x), None, kv_norm, dev(pos), spec, 1e-6, q_lora=0, rank=rank,
+                          into=into)
         assert q_a is None and c is None and k_pe is None
-        got.append((into.c, into.k_pe))
+        got.append((host(into.c), host(into.k_pe)))
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
     _, want_c, want_k = rl.mla_latents(x, None, kv_norm, pos, spec, 1e-6, q_lora=0, rank=rank)
@@ -193,10 +206,11 @@ def test_latents_refuse_bad_shapes():
         nl.mla_latents(x, q_norm, kv_norm, pos[:1], spec, 1e-6, q_lora=8, rank=16)
     with pytest.raises(ValueError, match="mla_q_split wants"):
         nl.mla_q_split(x.reshape(2, 1, 32), pos, spec, dn=8)
+    rank = MAX_PER_THREAD * norm_threads() + 1       # one column more than a block keeps
     with pytest.raises(ValueError, match="wider than"):
-        wide = np.zeros((1, 2048 + 8), np.float32)
-        nl.mla_latents(wide, None, np.ones(2048, np.float32), pos[:1], spec, 1e-6, q_lora=0,
-                       rank=2048)
+        wide = np.zeros((1, rank + 8), np.float32)
+        nl.mla_latents(wide, None, np.ones(rank, np.float32), pos[:1], spec, 1e-6, q_lora=0,
+                       rank=rank)
 
 
 @pytest.mark.parametrize("q_lora, kv_cache", [(True, "float32"), (False, "float32"),
