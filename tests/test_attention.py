@@ -485,12 +485,19 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
 
 @pytest.mark.parametrize("bs, n, r, dn", [(1, 1, 8, 4), (2, 3, 8, 4), (2, 3, 6, 4),
                                           (3, 7, 8, 4), (5, 13, 8, 4), (2, 1, 36, 20)],
-                         ids=["decode", "6 rows", "r % 4 != 0", "21 rows: 2 row blocks",
+                         ids=["decode", "6 rows", "r % 4 != 0", "21 rows",
                               "65 rows: tiled only", "K > 16, K % 16 != 0: the unrolled tail"])
-def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, needs_kernels):
+@pytest.mark.parametrize("reread", ["default", "one row block"])
+def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, reread, needs_kernels,
+                                                     monkeypatch):
     """Both kernels of the per-head products (streaming up to 64 rows, tiled) match the
     reference, and give each other's bits (one fp32 chain per output in k order), which
-    keeps the projections batch invariant across the M where "auto" switches."""
+    keeps the projections batch invariant across the M where "auto" switches; the streaming
+    kernel at one row a block (these weights' default) and at the most rows a block
+    (stream_rows allowed no weight re-reads: 21 rows are then two blocks of 16)."""
+    from kdtree_numba.attention import projections
+    if reread != "default":
+        monkeypatch.setattr(projections, "STREAM_REREAD_BYTES", 1)
     kernels = _numba()
     rng = np.random.default_rng(5)
     heads, dv = 2, 4
@@ -512,6 +519,18 @@ def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, needs_kernels
     if bs * n > 64:
         with pytest.raises(ValueError, match="M <= 64"):
             kernels.absorb_q(q_nope, kv_b_proj, kernel_kind="stream")
+
+
+def test_stream_rows_trade_serial_chains_for_weight_rereads():
+    """The streaming head kernel's rows a block: one for the demo model's head weights
+    (128 KiB: a 17-row verify re-reads them 17 times from L2), the most (16) for Kimi-K2's
+    in float32 (16 MiB: one pass), a power of two in between."""
+    from kdtree_numba.attention.projections import STREAM_REREAD_BYTES, stream_rows
+    demo, kimi = 8 * 128 * 32 * 4, 64 * 512 * 128 * 4
+    assert [stream_rows(m, demo) for m in (1, 16, 17, 64)] == [1, 1, 1, 2]
+    assert [stream_rows(m, kimi) for m in (1, 2, 5, 17, 64)] == [1, 2, 8, 16, 16]
+    assert stream_rows(33, STREAM_REREAD_BYTES // 4) == 16       # 4 row blocks: 9 rows -> 16
+    assert stream_rows(33, STREAM_REREAD_BYTES // 8) == 8
 
 
 def _bf16_case(seed, bs, n, heads, dn, dv, r):

@@ -197,17 +197,22 @@ def test_absorb_q_and_apply_uv_at_kimi_dims():
                                ref.apply_uv(u, kv_b_proj, dv), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("bs, n", [(1, 1), (1, 5), (16, 1), (2, 8), (1, 33), (1, 64)])
-def test_absorb_q_and_apply_uv_streaming_equals_tiled_at_kimi_dims(bs, n):
+@pytest.mark.parametrize("bs, n, dims", [(1, 1, "kimi"), (1, 5, "kimi"), (16, 1, "kimi"),
+                                         (2, 8, "kimi"), (1, 33, "kimi"), (1, 64, "kimi"),
+                                         (1, 1, "demo"), (1, 16, "demo"), (1, 17, "demo"),
+                                         (1, 33, "demo")])
+def test_absorb_q_and_apply_uv_streaming_equals_tiled(bs, n, dims):
     """Up to 64 rows "auto" streams the weights (one column per thread, x in shared
     memory); its bits equal the tiled kernel's, which M > 64 takes: a decode's projections
-    equal a verify's row for row (batch invariance), and both match the reference."""
+    equal a verify's row for row (batch invariance), and both match the reference.  At
+    Kimi-K2's widths 16 rows a block, at the demo model's one (stream_rows)."""
     from kdtree_numba import attention as kernels
     rng = np.random.default_rng(16 + bs * n)
-    dn = dv = 128
-    kv_b_proj = (rng.standard_normal((H * (dn + dv), R)) / np.sqrt(R)).astype(np.float32)
-    q_nope = rng.standard_normal((bs, n, H, dn)).astype(np.float32)
-    u = rng.standard_normal((bs, n, H, R)).astype(np.float32)
+    heads, r, dn = (H, R, 128) if dims == "kimi" else (8, 128, 32)
+    dv = dn
+    kv_b_proj = (rng.standard_normal((heads * (dn + dv), r)) / np.sqrt(r)).astype(np.float32)
+    q_nope = rng.standard_normal((bs, n, heads, dn)).astype(np.float32)
+    u = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
     out = {}
     for kind in ("stream", "tiled"):
         out[kind] = (kernels.absorb_q(q_nope, kv_b_proj, kernel_kind=kind).copy_to_host(),

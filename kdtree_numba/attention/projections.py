@@ -159,6 +159,22 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
 # turns an exact -0 sum into +0 when K % 16 != 0.
 STREAM_MAX_M = 64
 STREAM_ROWS = 16         # rows per block, at most
+# A block re-reads its head's weights (from L2 after the first), so fewer rows a block give
+# more blocks and shorter serial chains (a thread's rows x K FMAs) for more weight reads.  At
+# the demo model's widths (128 KiB of head weights a call) the chains decide: its 17-row
+# verify's per-head products took 8-14 us a launch at 16 rows a block against 2-3 us for a
+# decode's one; at Kimi-K2's (16 MiB in float32) the reads do.  So a call takes as few rows a
+# block as keep its weight reads within this many bytes (stream_rows).
+STREAM_REREAD_BYTES = 4 << 20
+
+
+def stream_rows(m: int, weight_bytes: int) -> int:
+    """Rows of x per streaming block for an M-row call over ``weight_bytes`` of head weights:
+    a power of two, at most STREAM_ROWS.  Any choice gives every row the same bits (each
+    output is one fp32 chain over k ascending), so it is free to follow the cost."""
+    blocks = max(1, STREAM_REREAD_BYTES // max(1, int(weight_bytes)))   # row blocks allowed
+    rows = -(-int(m) // blocks)
+    return min(1 << max(0, (rows - 1).bit_length()), STREAM_ROWS)
 STREAM_THREADS = 64
 STREAM_UNROLL = 16
 
@@ -239,7 +255,7 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
     """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
     its x fits the static shared memory), else the tiled one; ``kernel_kind`` ("stream",
     "tiled") forces one (tests)."""
-    mt = min(1 << max(0, (m - 1).bit_length()), STREAM_ROWS)   # rows per block
+    mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize)
     stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:
