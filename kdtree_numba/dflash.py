@@ -144,7 +144,6 @@ class DFlashDrafter:
             self.vocab_ids = be.asarray(ids)
             head = be.xp.ascontiguousarray(be.xp.take(target.lm_head, self.vocab_ids, axis=0))
             self.draft_vocab = int(ids.size)
-        self.vocab_rank = rank
         self.model = Model(config, weights, be, shared={"model/embed_tokens": target.embed,
                                                         "lm_head": head})
         self.fc = be.asarray(np.ascontiguousarray(own["dflash/fc"]))

@@ -32,6 +32,10 @@ of the target cache's lengths (``bound_lengths(floor, upper)``), and its optiona
 capture (state that must be recorded with the graph, such as its model's attention plans, is
 made inside it).
 
+A drafter whose logits rank only some tokens (the others masked: a DFlash drafter's
+``draft_vocab``, kdtree_numba/dflash.py) says how many in ``draft_vocab`` (None or absent: all);
+the engine refuses a round whose top-K would reach past them.
+
 Adding a drafter (docs/ARCHITECTURE.md, "Adding a drafter"): a class with ``name``,
 ``vocab_size``, ``block_len``, ``needs`` and the three calls; ``engine.generate`` takes it as
 it is (tests/test_drafting.py adds one without touching the engine).

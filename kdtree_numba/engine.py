@@ -447,6 +447,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: off) and ``top_k`` >= 0 (0: off):
     how each token is drawn (``reference.ddtree.Sampling``, which checks them; top_p and
     top_k are ignored at T = 0).
+    A drafter that ranks only its ``draft_vocab`` tokens (kdtree_numba/dflash.py) needs a
+    DDTree top-K k = min(budget, V) of at most that many (ValueError otherwise).
     ``draft_temperature`` ("ddtree"): the t_d its trees are built with, from the drafter's
     logits / t_d (``steps.draft_temperature``: None is the default policy, a number > 0 a
     fixed t_d); it shapes the tree only, never the tokens (the acceptance reads the target
