@@ -70,7 +70,7 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
-from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
+from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from reference.ddtree import Sampling
@@ -417,19 +417,6 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         rounds.finish()
 
 
-def _check_draft_vocab(drafter, budget, vocab: int) -> None:
-    """A drafter that ranks only its ``draft_vocab`` tokens (the rest masked,
-    kdtree_numba/dflash.py) must rank at least the k = min(budget, V) a round's top-K takes
-    (the largest an automatic budget may choose; a chain's k: 1), or the tree would take
-    masked tokens."""
-    cover = getattr(drafter, "draft_vocab", None)
-    largest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
-    if cover is not None and min(largest, vocab) > cover:
-        raise ValueError(f"budget {largest} takes each depth's top {min(largest, vocab)} "
-                         f"tokens, but the drafter ranks only its draft vocabulary of {cover}: "
-                         f"a budget <= {cover} or a larger draft vocabulary")
-
-
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int | str | AutoBudget = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,
@@ -504,7 +491,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         block_len = drafter.block_len
         if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
             budget, k, t_d = block_len, 1, 1.0
-        _check_draft_vocab(drafter, budget if k is None else k, model.vocab_size)
+        if k is None:                 # DDTree's top-K: k = min(budget, V); auto: its largest
+            largest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
+            check_top_k(drafter, min(largest, model.vocab_size))
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
     possible = speculative and on_round is None and device_rounds_possible(drafter)

@@ -119,10 +119,10 @@ def test_the_draft_vocabulary_checks():
         DFlashDrafter(target, dcfg, weights, spec, draft_vocab=129)
     assert DFlashDrafter(target, dcfg, weights, spec, draft_vocab=128).draft_vocab is None
     cut = DFlashDrafter(target, dcfg, weights, spec, draft_vocab=5)
-    with pytest.raises(ValueError, match="budget 6 takes each depth's top 6 tokens, but the "
-                       "drafter ranks only its draft vocabulary of 5"):
+    with pytest.raises(ValueError, match="takes each depth's top 6 tokens, but the drafter "
+                       "ranks only its draft vocabulary of 5"):
         generate(target, [[1, 2]], 4, method="ddtree", drafter=cut, budget=6)
-    with pytest.raises(ValueError, match="budget 256 takes each depth.s top 128"):   # auto
+    with pytest.raises(ValueError, match="top 128 tokens"):   # auto's largest, 256, over V
         generate(target, [[1, 2]], 4, method="ddtree", drafter=cut, budget="auto")
     generate(target, [[1, 2]], 4, method="chain", drafter=cut)    # k = 1
     generate(target, [[1, 2]], 4, method="ddtree", drafter=cut, budget=5)
