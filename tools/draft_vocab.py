@@ -64,8 +64,12 @@ def prompt_exclusions(path: str) -> tuple[set[str], set[str]]:
                     break
             else:                      # the standard library: .../lib/pythonX.Y/REL
                 parts = p.split("/")
-                at = max(i for i, s in enumerate(parts) if s.startswith("python"))
-                root, rel = "stdlib", "/".join(parts[at + 1:])
+                at = [i for i, s in enumerate(parts) if s.startswith("python") and
+                      s[6:7].isdigit()]
+                if not at:
+                    raise ValueError(f"{path}: prompt {rec.get('id')}'s path {p} is in "
+                                     f"neither a site-packages nor a pythonX.Y directory")
+                root, rel = "stdlib", "/".join(parts[at[-1] + 1:])
             groups.add(f"{root}:{os.path.dirname(rel) or rel}")
     return groups, hashes
 
