@@ -333,8 +333,9 @@ class ReferenceOps(LatentsByParts, Ops):
 
 class CpuFloat32Ops(ReferenceOps):
     """The reference's functions in float32 through BLAS, batch invariant (kdtree_numba/cpu.py:
-    the CPU path); the reference's own for the rest (embedding, argmax, the DDTree kernels:
-    integer or float64 work that is batch invariant already)."""
+    the CPU path), and its vectorised top-K; the reference's own for the rest (embedding,
+    argmax, the other DDTree kernels: integer or float64 work that is batch invariant
+    already)."""
 
     def __init__(self):
         super().__init__()
@@ -342,6 +343,7 @@ class CpuFloat32Ops(ReferenceOps):
         self.linear, self.moe_route, self.moe_ffn = cpu.linear, cpu.moe_route, cpu.moe_ffn
         self.absorb_q, self.apply_uv = cpu.absorb_q, cpu.apply_uv
         self.mla_attention = cpu.mla_attention
+        self.topk_logprobs = cpu.topk_logprobs       # the reference's ids, fewer passes
 
 
 def _no_paged_kernel(name: str):

@@ -19,6 +19,8 @@ Layout (docs/ENGINE.md has the full table)::
                             tokenizer.format = "hf-tokenizers-json", tokenizer.bos_id)
     /dflash/...             a DFlash drafter's (kdtree.bundle = "dflash_drafter": no embedding
                             and no lm_head, it runs on its target's; :func:`dflash_shapes`)
+    /dflash/vocab_rank      optional, int32 [V]: the target's token ids, most frequent first
+                            (tools/draft_vocab.py; :func:`check_vocab_rank`)
 
 Weights are float32, bfloat16 or float16; the routed experts (:data:`QUANTIZABLE`) may instead
 be int4-group (formats/int4_group.py: a group of packed int4 and bf16 scales, read back as an
@@ -56,7 +58,7 @@ __all__ = ["BundleError", "read_bundle", "QUANTIZABLE", "open_bundle", "BundleWe
            "read_bundle_tokenizer", "TOKENIZER_DATASET", "TOKENIZER_FORMAT",
            "DFlashSpec", "DFLASH_BLOCK_SIZE", "DFLASH_SHARED", "default_target_layer_ids",
            "dflash_config", "dflash_shapes", "write_dflash_bundle", "read_dflash_spec",
-           "open_dflash_bundle", "read_dflash_bundle"]
+           "open_dflash_bundle", "read_dflash_bundle", "DFLASH_VOCAB_RANK", "check_vocab_rank"]
 
 BUNDLE_VERSION = 1
 BUNDLE_KINDS = ("model", "block_drafter", "dflash_drafter")
@@ -192,7 +194,8 @@ def write_bundle(path, config: ModelConfig,
                  extra_shapes: Mapping[str, tuple] | None = None,
                  extra_attrs: Mapping[str, Any] | None = None, progress=None,
                  tokenizer: BundleTokenizer | None = None,
-                 shapes: Mapping[str, tuple] | None = None) -> None:
+                 shapes: Mapping[str, tuple] | None = None,
+                 optional: Mapping[str, tuple] | None = None) -> None:
     """Write a bundle atomically, one tensor at a time (an iterable of (name, array) is
     consumed lazily, so peak memory is about one tensor).  Names and shapes are checked
     against the config as they arrive; a missing or extra tensor raises BundleError and leaves
@@ -201,7 +204,8 @@ def write_bundle(path, config: ModelConfig,
     ``dtype``'s bytes per element, float32's when it is None).  ``tokenizer``: stored as
     ``tokenizer/json`` with its root attributes (:class:`BundleTokenizer`).  ``shapes``: the
     tensors the bundle holds, name -> shape, instead of the config's ``weight_shapes`` (a
-    DFlash drafter's: :func:`dflash_shapes`)."""
+    DFlash drafter's: :func:`dflash_shapes`).  ``optional``: integer datasets that may be
+    given besides them, name -> shape (stored int32; a DFlash drafter's token ranking)."""
     if kind not in BUNDLE_KINDS:
         raise BundleError(f"bundle kind must be one of {BUNDLE_KINDS}, got {kind!r}")
     expected = dict(weight_shapes(config) if shapes is None else shapes,
@@ -233,10 +237,13 @@ def write_bundle(path, config: ModelConfig,
         for name, array in items:
             if not isinstance(array, Int4GroupWeight):
                 array = np.asarray(array)
-            _check_tensor(name, tuple(array.shape), expected, config)
             if name in seen:
                 raise BundleError(f"tensor {name} given twice")
             seen.add(name)
+            if name in (optional or {}):
+                f.create_dataset(name, data=_index_array(name, array, optional[name]))
+                continue
+            _check_tensor(name, tuple(array.shape), expected, config)
             if isinstance(array, Int4GroupWeight):   # stored as it is, whatever ``dtype``
                 _check_quantizable(name)
                 parent, leaf = name.rsplit("/", 1)
@@ -268,6 +275,25 @@ def _check_tensor(name: str, shape: tuple, expected: Mapping[str, tuple], cfg: M
                           f"{tuple(expected[name])} (vocab_size={cfg.vocab_size}, hidden_size="
                           f"{cfg.hidden_size}, heads={cfg.num_attention_heads}, kv_lora_rank="
                           f"{cfg.kv_lora_rank}, n_routed_experts={cfg.n_routed_experts})")
+
+
+def _check_index(name: str, array, shape: tuple) -> None:
+    """An optional integer dataset (``optional`` of :func:`write_bundle` / :func:`open_bundle`)
+    has an integer dtype and ``shape`` (metadata only), else BundleError naming it."""
+    dtype = np.dtype(array.dtype)
+    if dtype.kind not in "iu":
+        raise BundleError(f"{name} has dtype {dtype}; it must hold integers")
+    if tuple(array.shape) != tuple(shape):
+        raise BundleError(f"{name} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+
+
+def _index_array(name: str, array, shape: tuple) -> np.ndarray:
+    """:func:`_check_index`, then the values as int32 (BundleError where one does not fit)."""
+    _check_index(name, array, shape)
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    if array.size and (array.min() < lo or array.max() > hi):
+        raise BundleError(f"{name} holds values beyond int32")
+    return np.asarray(array, np.int32)
 
 
 def _check_quantizable(name: str) -> None:
@@ -359,20 +385,24 @@ class BundleWeights(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._datasets)
 
+    def __contains__(self, name) -> bool:      # without reading it (Mapping's would)
+        return name in self._datasets
+
     def __len__(self) -> int:
         return len(self._datasets)
 
 
 @contextlib.contextmanager
 def open_bundle(path, *, extra_shapes=None, verify: bool = True, progress=None,
-                shapes=None) -> Iterator[tuple[ModelConfig, dict, BundleWeights]]:
+                shapes=None, optional=None) -> Iterator[tuple[ModelConfig, dict, BundleWeights]]:
     """``(config, root attributes, weights)`` of a validated bundle, open for the ``with``
     block; ``weights`` is a :class:`BundleWeights` (read on access, CRC32C-checked unless
     ``verify=False``).  Every tensor the config implies must be present with its shape and a
     float dtype, and no other tensor may be present (``extra_shapes`` adds allowed ones, e.g.
     a BlockDrafter's; ``shapes`` replaces the config's ``weight_shapes``, as in
-    :func:`write_bundle`); the first problem raises :class:`BundleError` naming the file and
-    the tensor, before any weight is read."""
+    :func:`write_bundle`; ``optional``: integer datasets that may be present, name -> shape);
+    the first problem raises :class:`BundleError` naming the file and the tensor, before any
+    weight is read."""
     path = os.fspath(path)
     with _open(path) as f:
         kind = f.attrs.get("kdtree.bundle", "model")
@@ -412,6 +442,10 @@ def open_bundle(path, *, extra_shapes=None, verify: bool = True, progress=None,
             ordered = {}
             for name in list(expected) + sorted(set(present) - set(expected)):
                 ds = present[name]
+                if name in (optional or {}) and not is_weight_group(ds):
+                    _check_index(name, ds, optional[name])     # nothing read
+                    ordered[name] = ds
+                    continue
                 _check_tensor(name, shape_of(name), expected, config)
                 if not is_weight_group(ds) and np.dtype(ds.dtype).name not in WEIGHT_DTYPES:
                     raise BundleError(f"tensor {name} has dtype {ds.dtype}; weights must be one "
@@ -508,6 +542,25 @@ def make_random_bundle(path, size: str = "tiny", seed: int = 0, dtype: str = "fl
 DFLASH_BLOCK_SIZE = 8
 # the target's tensors a DFlash drafter runs on and never stores
 DFLASH_SHARED = ("model/embed_tokens", "lm_head")
+# optional: the target's token ids by frequency, most frequent first (tools/draft_vocab.py), so
+# a drafter can rank only the N most frequent (kdtree_numba/dflash.py, ``draft_vocab``)
+DFLASH_VOCAB_RANK = "dflash/vocab_rank"
+
+
+def check_vocab_rank(rank, vocab: int) -> np.ndarray:
+    """A token ranking as int32 [vocab], or BundleError saying what is wrong: it must be
+    integers of shape [vocab], each id of 0..vocab - 1 exactly once."""
+    rank = _index_array(DFLASH_VOCAB_RANK, np.asarray(rank), (vocab,))
+    if rank.size and (rank.min() < 0 or rank.max() >= vocab):
+        bad = rank[(rank < 0) | (rank >= vocab)][0]
+        raise BundleError(f"{DFLASH_VOCAB_RANK} holds {bad}, not a token id of the "
+                          f"vocabulary of {vocab} (0..{vocab - 1})")
+    counts = np.bincount(rank, minlength=vocab)
+    if (counts != 1).any():
+        twice = int(np.argmax(counts > 1))
+        raise BundleError(f"{DFLASH_VOCAB_RANK} is not a permutation of 0..{vocab - 1}: token "
+                          f"{twice} appears {counts[twice]} times")
+    return rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,15 +673,20 @@ def write_dflash_bundle(path, config: ModelConfig, weights, *, target_layer_ids,
                         target_num_layers: int, dtype: str | None = None,
                         progress=None) -> DFlashSpec:
     """Write a ``dflash_drafter`` bundle (atomic, streamed as :func:`write_bundle`):
-    ``weights`` (a mapping or (name, array) pairs) holds exactly :func:`dflash_shapes`;
+    ``weights`` (a mapping or (name, array) pairs) holds exactly :func:`dflash_shapes`, and
+    optionally :data:`DFLASH_VOCAB_RANK` (checked: :func:`check_vocab_rank`);
     the :class:`DFlashSpec` goes to the root attributes.  Returns the spec."""
     spec = DFlashSpec(tuple(target_layer_ids), block_size, target_hidden_size,
                       target_vocab_size, target_num_layers)
     problem = spec.config_problem(config)
     if problem:
         raise BundleError(f"{os.fspath(path)}: {problem}")
-    write_bundle(path, config, weights, dtype=dtype, kind="dflash_drafter",
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    checked = ((name, check_vocab_rank(array, config.vocab_size)
+                if name == DFLASH_VOCAB_RANK else array) for name, array in items)
+    write_bundle(path, config, checked, dtype=dtype, kind="dflash_drafter",
                  shapes=dflash_shapes(config, len(spec.target_layer_ids)),
+                 optional={DFLASH_VOCAB_RANK: (config.vocab_size,)},
                  extra_attrs=spec.to_attrs(), progress=progress)
     return spec
 
@@ -652,11 +710,18 @@ def read_dflash_spec(path) -> tuple[ModelConfig, DFlashSpec]:
 @contextlib.contextmanager
 def open_dflash_bundle(path, *, verify: bool = True, progress=None):
     """``(config, weights, spec)`` of a validated ``dflash_drafter`` bundle, open for the
-    ``with`` block (weights read on access, as :func:`open_bundle`)."""
+    ``with`` block (weights read on access, as :func:`open_bundle`).  ``weights`` holds
+    :data:`DFLASH_VOCAB_RANK` where the bundle has one, checked here (read once)."""
     config, spec = read_dflash_spec(path)
     with open_bundle(path, verify=verify, progress=progress,
-                     shapes=dflash_shapes(config, len(spec.target_layer_ids))) \
+                     shapes=dflash_shapes(config, len(spec.target_layer_ids)),
+                     optional={DFLASH_VOCAB_RANK: (config.vocab_size,)}) \
             as (config, _, weights):
+        if DFLASH_VOCAB_RANK in weights:
+            try:
+                check_vocab_rank(weights[DFLASH_VOCAB_RANK], config.vocab_size)
+            except BundleError as e:
+                raise BundleError(f"{os.fspath(path)}: {e}") from None
         yield config, weights, spec
 
 

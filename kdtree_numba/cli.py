@@ -178,6 +178,12 @@ def _run_parser() -> ArgumentParser:
                    help="ddtree: build each round's tree from the drafter's logits / TD (> 1 "
                    "spreads the budget over more candidates per depth); the tree's shape only, "
                    "never the tokens (default: 1; docs/ENGINE.md, 'Draft temperature')")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="ddtree/chain with a DFlash drafter: its lm_head ranks only the N most "
+                   "frequent tokens of its bundle's ranking (tools/draft_vocab.py), the rest "
+                   "never drafted; the tree's tokens only, never the tokens committed (default: "
+                   "the whole vocabulary; 0: the whole vocabulary; docs/ENGINE.md, 'Draft "
+                   "vocabulary')")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")
@@ -284,7 +290,7 @@ def _load_drafter(args, plan, model, backend):
                                      progress=bar)
         if plan.kind == "dflash":
             return DFlashDrafter.load(plan.path, model, verify=not args.no_verify,
-                                      progress=bar)
+                                      progress=bar, draft_vocab=args.draft_vocab)
         return ModelDrafter.load(plan.path, backend, plan.block_len,
                                  verify=not args.no_verify, progress=bar)
     except (BundleError, KdtrError, OSError) as e:
@@ -345,6 +351,8 @@ def _run(argv: list[str]) -> int:
              "nothing")
     if args.draft_temperature is not None and args.method != "ddtree":
         warn(f"--draft-temperature shapes DDTree's trees; --method {args.method} ignores it")
+    if args.draft_vocab and args.method == "ar":
+        warn("--draft-vocab shapes a drafter's proposals; --method ar ignores it")
     source = read_prompts(args)
     backend = open_backend(args.backend, args.gemm, args.precision)
     args.budget_defaulted = args.budget is None

@@ -66,6 +66,9 @@ def check_options(args) -> None:
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UsageError(f"--top-p {args.top_p:g}: must lie in (0, 1] (the smallest set of "
                          f"most likely tokens holding that much probability; 1: off)")
+    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
+        raise UsageError(f"--draft-vocab {args.draft_vocab}: must be an integer >= 0 (the "
+                         f"drafter ranks the N most frequent tokens; 0: all)")
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must be an integer >= 0 (the k most likely "
                          f"tokens; 0: off)")
@@ -399,6 +402,7 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
     L = drafter.block_len
     B = L if args.method == "chain" else (
         AutoBudget().max_budget if args.budget == "auto" else args.budget)
+    _check_draft_vocab(getattr(args, "draft_vocab", None), args.method, B, V, drafter)
     if backend.name == "numba" and B > MAX_GPU_BUDGET:
         raise UsageError(f"--budget {B}: the GPU tree builder holds at most {MAX_GPU_BUDGET} "
                          f"nodes; use --budget {MAX_GPU_BUDGET} or less (or --backend "
@@ -418,6 +422,23 @@ def check_against_model(args, prompts, where, cfg: ModelConfig, drafter: Drafter
                  f"on the NumPy reference that takes roughly {_duration(seconds)} per round "
                  f"(a 2-core estimate) and a {nodes} x {nodes} mask of {mask_gb:.1f} GB per "
                  f"prompt; budgets of 8 to 256 are the useful range")
+
+
+def _check_draft_vocab(n, method: str, budget: int, vocab: int, drafter: DrafterPlan) -> None:
+    """--draft-vocab N: a DFlash drafter's option (its bundle's token ranking), within the
+    vocabulary, and at least the top-K a DDTree round takes (k = the budget)."""
+    if not n:
+        return
+    if drafter.kind != "dflash":
+        raise UsageError(f"--draft-vocab {n}: a DFlash drafter's option (it ranks only the N "
+                         f"most frequent tokens of its bundle's ranking); this drafter is a "
+                         f"{drafter.kind} drafter")
+    if n > vocab:
+        raise UsageError(f"--draft-vocab {n}: the vocabulary holds {vocab} tokens")
+    if method == "ddtree" and min(budget, vocab) > n:
+        raise UsageError(f"--draft-vocab {n}: a DDTree round of --budget {budget} takes each "
+                         f"depth's top {min(budget, vocab)} tokens; give N >= that or a "
+                         f"smaller budget")
 
 
 def _duration(seconds: float) -> str:

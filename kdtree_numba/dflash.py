@@ -26,6 +26,13 @@ block drafter"; the trained demo pair is docs/DEMO.md.  In short:
   next context.  On the CPU path (``trim_block``) a proposal of depth d < B - 1 runs the
   block's first d + 1 rows only, and a commit injects only the rows that enter the context.
 
+* **Draft vocabulary** (``draft_vocab`` N, FR-Spec's frequency-ranked drafting): with a
+  bundle that ranks the target's tokens by frequency (``dflash/vocab_rank``,
+  tools/draft_vocab.py), the lm_head runs on a contiguous copy of the N most frequent tokens'
+  rows (made once, in id order) and every other token's logit is :data:`MASKED_LOGIT`: the
+  same [bs, d, V] logits, a head read N / V as large.  The tree then holds only those tokens;
+  the acceptance reads the target alone, so the tokens committed are the same.
+
 Everything runs through the drafter's Model and the backend's ops, so the reference backend
 and the numba kernels both run it (no kernel of its own); on the GPU the context injection
 and the block forward replay CUDA graphs once their shapes repeat, and nothing is read back.
@@ -38,7 +45,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from kdtree_numba import cpu
-from kdtree_numba.bundle import (BundleError, DFlashSpec, dflash_shapes, open_dflash_bundle,
+from kdtree_numba.bundle import (DFLASH_VOCAB_RANK, BundleError, DFlashSpec,
+                                 check_vocab_rank, dflash_shapes, open_dflash_bundle,
                                  read_dflash_spec)
 from kdtree_numba.config import ModelConfig
 from kdtree_numba.drafting import Commit, DraftContext, TargetNeeds
@@ -46,9 +54,33 @@ from kdtree_numba.kvcache import KVCache
 from kdtree_numba.kvlayout import device_address
 from kdtree_numba.model import ForwardBatch, Model
 
-__all__ = ["DFlashDrafter", "context_phase"]
+__all__ = ["DFlashDrafter", "context_phase", "MASKED_LOGIT", "subset_ids"]
 
 DFLASH_TENSORS = ("dflash/fc", "dflash/hidden_norm", "dflash/mask_embedding")
+# the logit of a token outside the draft vocabulary: finite (top-K takes finite logits only),
+# far below any real logit, and still finite divided by any draft temperature >= 1e-8 (the
+# tree is built from logits / t_d); its softmax weight is exactly 0 in float32 and float64
+MASKED_LOGIT = np.float32(-1e30)
+
+
+def subset_ids(rank, n: int | None) -> np.ndarray | None:
+    """The token ids a draft vocabulary of ``n`` keeps, ascending (int32), from a ranking
+    (``check_vocab_rank``'s, most frequent first): the first ``n``; None for the whole
+    vocabulary (``n`` None, 0 or the vocabulary's size).  ValueError for n outside
+    [0, V]; BundleError when n asks for a cut and there is no ranking."""
+    if n is None or n == 0:
+        return None
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"draft_vocab must be an int or None, got {type(n).__name__}")
+    vocab = None if rank is None else len(rank)
+    if n < 0 or (vocab is not None and n > vocab):
+        raise ValueError(f"draft_vocab {n}: must lie in [1, {vocab or 'V'}] (0 or None: "
+                         f"the whole vocabulary)")
+    if rank is None:
+        raise BundleError(f"draft_vocab {n} needs the drafter bundle's token ranking "
+                          f"({DFLASH_VOCAB_RANK}, written by tools/draft_vocab.py); this "
+                          f"drafter has none")
+    return None if n == vocab else np.sort(np.asarray(rank[:n], np.int32))
 
 
 def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
@@ -77,10 +109,13 @@ class DFlashDrafter:
     features of the newly verified tokens (the prompt after prefill, the root and the
     accepted nodes after a round) extend its context (:meth:`extend_context`);
     :meth:`propose` drafts from the roots (:meth:`draft`).  ``block_len`` (L = B - 1) is the
-    tree's maximum depth."""
+    tree's maximum depth.  ``draft_vocab`` (module docstring): None or 0, the whole
+    vocabulary; N, the N most frequent tokens of ``weights``' ranking (``dflash/vocab_rank``;
+    :func:`subset_ids`); the drafter's ``draft_vocab`` is then N (None where it ranks all),
+    which a DDTree budget's top-K must not exceed (``engine.generate`` checks)."""
 
     def __init__(self, target: Model, config: ModelConfig, weights: Mapping[str, Any],
-                 spec: DFlashSpec, name: str = "dflash"):
+                 spec: DFlashSpec, name: str = "dflash", *, draft_vocab: int | None = None):
         problem = spec.config_problem(config) or spec.target_problem(target.config)
         if problem:
             raise BundleError(problem)
@@ -100,8 +135,17 @@ class DFlashDrafter:
         self.trim_block = be.name == "reference" and be.precision == "float32"
         if self.trim_block:
             be = dataclasses.replace(be, ops=cpu.drafter_ops(be.ops))
+        rank = weights[DFLASH_VOCAB_RANK] if DFLASH_VOCAB_RANK in weights else None
+        if rank is not None:
+            rank = check_vocab_rank(rank, config.vocab_size)
+        ids = subset_ids(rank, draft_vocab)
+        head, self.vocab_ids, self.draft_vocab = target.lm_head, None, None
+        if ids is not None:       # the kept rows, contiguous, once: the head each draft reads
+            self.vocab_ids = be.asarray(ids)
+            head = be.xp.ascontiguousarray(be.xp.take(target.lm_head, self.vocab_ids, axis=0))
+            self.draft_vocab = int(ids.size)
         self.model = Model(config, weights, be, shared={"model/embed_tokens": target.embed,
-                                                        "lm_head": target.lm_head})
+                                                        "lm_head": head})
         self.fc = be.asarray(np.ascontiguousarray(own["dflash/fc"]))
         self.hidden_norm = be.asarray(np.ascontiguousarray(own["dflash/hidden_norm"]))
         self.mask_embedding = be.asarray(np.asarray(own["dflash/mask_embedding"], np.float32))
@@ -111,19 +155,21 @@ class DFlashDrafter:
         self.cache: KVCache | None = None
 
     @classmethod
-    def load(cls, path, target: Model, *, verify: bool = True,
-             progress=None) -> "DFlashDrafter":
+    def load(cls, path, target: Model, *, verify: bool = True, progress=None,
+             draft_vocab: int | None = None) -> "DFlashDrafter":
         """A ``dflash_drafter`` bundle for ``target``, on the target's backend.  A drafter
         trained for another target (hidden size, vocabulary, a feature layer the target lacks,
         another number of layers) raises :class:`BundleError` naming the mismatch before any
-        weight is read.  ``verify``, ``progress``: as in ``Model.load``."""
+        weight is read.  ``verify``, ``progress``: as in ``Model.load``; ``draft_vocab``: as
+        in the constructor (the bundle's ranking)."""
         _, spec = read_dflash_spec(path)
         problem = spec.target_problem(target.config)
         if problem:
             raise BundleError(f"{path}: {problem}")
         with open_dflash_bundle(path, verify=verify, progress=progress) as \
                 (config, weights, spec):
-            return cls(target, config, weights, spec, name=f"dflash:{path}")
+            return cls(target, config, weights, spec, name=f"dflash:{path}",
+                       draft_vocab=draft_vocab)
 
     @property
     def vocab_size(self) -> int:
@@ -233,7 +279,8 @@ class DFlashDrafter:
         smaller) under each request's root ``roots`` [bs] (host or device ints), which sits
         at the position after its context: one forward over ``[root, MASK x (B - 1)]``, the
         lm_head on its rows 1..d only.  With ``trim_block`` (the CPU path) the forward is
-        over ``[root, MASK x d]``: the rows a tree of depth d can use."""
+        over ``[root, MASK x d]``: the rows a tree of depth d can use.  With a draft
+        vocabulary the head covers its tokens only, the others' logits MASKED_LOGIT."""
         be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
         cache = self._started(len(roots))
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
@@ -249,5 +296,10 @@ class DFlashDrafter:
                             xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
-        return self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,
-                                               logit_span=(1, 1 + d)), cache)
+        logits = self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,
+                                                 logit_span=(1, 1 + d)), cache)
+        if self.vocab_ids is None:
+            return logits
+        full = xp.full((bs, d, self.vocab_size), MASKED_LOGIT, np.float32)
+        full[:, :, self.vocab_ids] = logits
+        return full

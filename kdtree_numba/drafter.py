@@ -315,17 +315,22 @@ def parse_oracle_spec(spec: str) -> float | None:
 
 
 def load_drafter(spec: str, target: Model, block_len: int = 8, seed: int = 0, *,
-                 verify: bool = True, progress=None):
+                 verify: bool = True, progress=None, draft_vocab: int | None = None):
     """A drafter from a CLI spec: a model bundle (ModelDrafter), a block_drafter bundle
     (BlockDrafter, its own block length), a dflash_drafter bundle (DFlashDrafter for
     ``target``, its own block size; kdtree_numba/dflash.py), or ``oracle[:AGREEMENT]``
-    (tests/demos).  ``verify``, ``progress``: as in ``Model.load``, for a bundle."""
+    (tests/demos).  ``verify``, ``progress``: as in ``Model.load``, for a bundle;
+    ``draft_vocab``: a DFlash drafter's (ValueError for another drafter, where not None/0)."""
     agreement = parse_oracle_spec(spec)
     if agreement is not None:
         return NoisyOracleDrafter(target, block_len, agreement, seed)
     kind = read_bundle_config(spec)[1].get("kdtree.bundle")
+    if kind == "dflash_drafter":
+        return DFlashDrafter.load(spec, target, verify=verify, progress=progress,
+                                  draft_vocab=draft_vocab)
+    if draft_vocab:
+        raise ValueError(f"draft_vocab {draft_vocab}: a DFlash drafter's option; {spec} is a "
+                         f"{kind or 'model'} bundle")
     if kind == "block_drafter":
         return BlockDrafter.load(spec, target.backend, verify=verify, progress=progress)
-    if kind == "dflash_drafter":
-        return DFlashDrafter.load(spec, target, verify=verify, progress=progress)
     return ModelDrafter.load(spec, target.backend, block_len, verify=verify, progress=progress)

@@ -32,6 +32,10 @@ of the target cache's lengths (``bound_lengths(floor, upper)``), and its optiona
 capture (state that must be recorded with the graph, such as its model's attention plans, is
 made inside it).
 
+A drafter whose logits rank only some tokens (the others masked: a DFlash drafter's
+``draft_vocab``, kdtree_numba/dflash.py) says how many in ``draft_vocab`` (None or absent: all);
+the engine refuses a round whose top-K would reach past them (:func:`check_top_k`).
+
 Adding a drafter (docs/ARCHITECTURE.md, "Adding a drafter"): a class with ``name``,
 ``vocab_size``, ``block_len``, ``needs`` and the three calls; ``engine.generate`` takes it as
 it is (tests/test_drafting.py adds one without touching the engine).
@@ -41,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Drafter", "TargetNeeds", "DraftContext", "Commit", "NO_NEEDS"]
+__all__ = ["Drafter", "TargetNeeds", "DraftContext", "Commit", "NO_NEEDS", "check_top_k"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +118,14 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext): ...
 
     def on_commit(self, commit: Commit) -> None: ...
+
+
+def check_top_k(drafter, k: int) -> None:
+    """A round's top-K of ``k`` tokens a depth must lie within what ``drafter`` ranks: its
+    ``draft_vocab`` where it declares one (module docstring), else every token.  ValueError
+    otherwise: the tree would take masked tokens."""
+    cover = getattr(drafter, "draft_vocab", None)
+    if cover is not None and k > cover:
+        raise ValueError(f"a DDTree round of this budget takes each depth's top {k} tokens, "
+                         f"but the drafter ranks only its draft vocabulary of {cover}: a "
+                         f"budget <= {cover} or a larger draft vocabulary")

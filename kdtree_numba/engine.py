@@ -70,7 +70,7 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
-from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds
+from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from reference.ddtree import Sampling
@@ -434,6 +434,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: off) and ``top_k`` >= 0 (0: off):
     how each token is drawn (``reference.ddtree.Sampling``, which checks them; top_p and
     top_k are ignored at T = 0).
+    A drafter that ranks only its ``draft_vocab`` tokens (kdtree_numba/dflash.py) needs a
+    DDTree top-K k = min(budget, V) of at most that many (ValueError otherwise).
     ``draft_temperature`` ("ddtree"): the t_d its trees are built with, from the drafter's
     logits / t_d (``steps.draft_temperature``: None is the default policy, a number > 0 a
     fixed t_d); it shapes the tree only, never the tokens (the acceptance reads the target
@@ -489,6 +491,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         block_len = drafter.block_len
         if method == "chain":         # the drafter's greedy chain: L nodes, one per depth
             budget, k, t_d = block_len, 1, 1.0
+        if k is None:                 # DDTree's top-K: k = min(budget, V); auto: its largest
+            largest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
+            check_top_k(drafter, min(largest, model.vocab_size))
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
     possible = speculative and on_round is None and device_rounds_possible(drafter)

@@ -193,7 +193,9 @@ class Model(DeviceSteps):
         built there: kdtree_numba/device_weights.py).
         ``shared``: arrays already on ``backend`` used as they are instead of
         ``weights[name]``, for "model/embed_tokens" and "lm_head" (a DFlash drafter runs on its
-        target's embedding and head, kdtree_numba/dflash.py: one copy on the device).
+        target's embedding and head, kdtree_numba/dflash.py: one copy on the device).  A
+        shared "lm_head" may hold fewer rows than the vocabulary (a drafter's head over its N
+        most frequent tokens, ``DFlashDrafter(draft_vocab=N)``): the logits are then [.., N].
         ``kv_cache``: what the latent cache stores (kvcache.CACHE_DTYPES): "float32" (the
         accuracy default) or "bfloat16" (half the cache's bytes; attention then rounds its
         queries and weights to bf16 and runs on bf16 tensor cores, docs/ATTENTION.md).
@@ -564,13 +566,13 @@ class Model(DeviceSteps):
             start, stop = batch.logit_span
             rows = be.xp.ascontiguousarray(h.reshape(bs, n, -1)[:, start:stop])
             logits = ops.linear(rows.reshape(bs * (stop - start), -1),
-                                self.lm_head).reshape(bs, stop - start, cfg.vocab_size)
+                                self.lm_head).reshape(bs, stop - start, -1)
         elif batch.logit_rows is None:
-            logits = ops.linear(h, self.lm_head).reshape(bs, n, cfg.vocab_size)
+            logits = ops.linear(h, self.lm_head).reshape(bs, n, -1)
         else:   # one row per request: b n + logit_rows[b] of the flattened [bs n, D]
             picked = be.xp.arange(bs) * n + batch.logit_rows
             logits = ops.linear(be.xp.ascontiguousarray(h[picked]),
-                                self.lm_head).reshape(bs, 1, cfg.vocab_size)
+                                self.lm_head).reshape(bs, 1, -1)
         out = (logits,)
         if batch.return_hidden:
             out += (h.reshape(bs, n, -1),)

@@ -4,7 +4,7 @@ code, beside the peers a user would try first.
     python3 tools/bench_demo.py [--prompts N] [--max-new-tokens 128] [--backend auto]
         [--precision float32]
         [--drafter SPEC] [--budgets 8,16,32,64,128] [--temperature 0,1]
-        [--draft-temperature default] [--seed 0]
+        [--draft-temperature default] [--draft-vocab default] [--seed 0]
         [--model BUNDLE] [--prompt-file tools/data/heldout_prompts.jsonl]
         [--agreement-stride 1] [--time-limit S] [--interleave] [--[no-]warmup] [--[no-]peers]
         [--peer-prompts N] [--hf-dtype float32] [--json PATH] [--plot PATH.png]
@@ -26,7 +26,9 @@ For each temperature, batch 1, every prompt: AR, then the chain (the drafter's g
 L nodes), then DDTree at each budget (``auto``: kdtree_numba/budget.py) and each
 ``--draft-temperature`` (comma-separated: numbers > 0 and ``default``, the engine's policy;
 one DDTree row per pair, t_d shown beside the budget; docs/ENGINE.md, "Draft
-temperature"); at T = 0 then the
+temperature") and each ``--draft-vocab`` (comma-separated: N, the DFlash drafter's N most
+frequent tokens, ``full`` or ``default``; one drafter each, the first also drafts the chain
+and the agreement; docs/ENGINE.md, "Draft vocabulary"); at T = 0 then the
 peers (``--no-peers`` skips them; tools/bench_demo_peers.py): transformers' ``generate()``
 greedy and with ``prompt_lookup_num_tokens=10``, on the target exported by
 tools/bundle_to_hf.py, in ``--hf-dtype`` (default float32, the export's dtype) on the same
@@ -113,7 +115,7 @@ from kdtree_numba.model import ForwardBatch, Model, causal_mask  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
 
 import bench_demo_peers as peers  # noqa: E402
-from bench_demo_timing import FirstCalls, GpuBusy, RoundClock, WarmState, warm_up  # noqa: E402
+from bench_demo_timing import Meters, warm_up  # noqa: E402
 
 PROMPT_FILE = os.path.join(ROOT, "tools", "data", "heldout_prompts.jsonl")
 TAU_GOAL, TAU_GOAL_BUDGET, CHAIN_GOAL = 5.0, 32, 1.25
@@ -142,6 +144,14 @@ def _draft_temperatures(text: str) -> list:
             if x.strip()]
 
 
+def _draft_vocabs(text: str) -> list:
+    """Integers >= 1, ``full`` (0: the whole vocabulary) and ``default`` (None: the drafter's
+    own policy)."""
+    words = {"default": None, "full": 0}
+    return [words[x.strip().lower()] if x.strip().lower() in words else int(x)
+            for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -163,6 +173,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-temperature", type=_draft_temperatures, default=[None],
                    help="DDTree's draft temperatures t_d (its trees from the drafter's logits "
                    "/ t_d), comma-separated numbers > 0 or 'default'")
+    p.add_argument("--draft-vocab", type=_draft_vocabs, default=[None],
+                   help="the DFlash drafter's draft vocabularies (its N most frequent tokens), "
+                   "comma-separated integers >= 1, 'full' or 'default'")
     p.add_argument("--seed", type=int, default=0, help="sampling and oracle seed")
     p.add_argument("--model", default=str(demo.TARGET), help="target bundle")
     p.add_argument("--prompt-file", default=PROMPT_FILE,
@@ -199,6 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.draft_temperature or not all(
             t is None or (np.isfinite(t) and t > 0) for t in args.draft_temperature):
         p.error("--draft-temperature: one or more finite numbers > 0 or 'default'")
+    if not args.draft_vocab or any(n is not None and n < 0 for n in args.draft_vocab):
+        p.error("--draft-vocab: one or more integers >= 1, 'full' or 'default'")
     if args.plot:
         try:
             plots.require_matplotlib()
@@ -250,13 +265,13 @@ def random_dflash(model: Model, seed: int) -> DFlashDrafter:
     return DFlashDrafter(model, draft, weights, spec, name=f"random-dflash:{seed}")
 
 
-def make_drafter(spec: str, model: Model, block_len: int, seed: int):
+def make_drafter(spec: str, model: Model, block_len: int, seed: int, draft_vocab=None):
     if spec == "random-dflash" or spec.startswith("random-dflash:"):
         return random_dflash(model, int(spec.partition(":")[2] or 0))
     agreement = parse_oracle_spec(spec)
     if agreement is not None:
         return NoisyOracleDrafter(model, block_len, agreement, seed)
-    return load_drafter(spec, model, block_len, seed)
+    return load_drafter(spec, model, block_len, seed, draft_vocab=draft_vocab)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -288,23 +303,6 @@ class Stop:
             self.skipped.append(name)
             return False
         return True
-
-
-class Meters:
-    """The instruments of one run (tools/bench_demo_timing.py): the round clock, the count of
-    first-call work (numba's kernels; GPU only) and the GPU's busy share (NVML; GPU only)."""
-
-    def __init__(self, backend):
-        self.clock = RoundClock(backend)
-        self.first = FirstCalls(backend.on_gpu and backend.name == "numba")
-        pci = None
-        if backend.on_gpu:
-            try:
-                pci = backend.xp.cuda.Device().pci_bus_id
-            except Exception:       # no PCI id: the idle share is reported as unknown
-                pci = None
-        self.busy = GpuBusy(pci)
-        self.warm = WarmState()           # what the rows' warm-ups share (bench_demo_timing)
 
 
 def run_config(model, drafter, prompts, method, budget, temperature, args, warmup,
@@ -349,18 +347,19 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
     return out, timing
 
 
-def interleaved(model, drafter, prompts, configs, t, args, warmup, stop: Stop,
+def interleaved(model, drafters, prompts, configs, t, args, warmup, stop: Stop,
                 meters: Meters) -> dict:
     """``--interleave``: prompt by prompt, every configuration in turn (each warmed up on the
     first), so that a load that changes during the run (a shared machine) weighs on every row
-    alike.  {(method, budget, t_d): (records, timing)} as run_config's, the timings of the first
+    alike.  {(method, budget, t_d, draft vocab): (records, timing)} as run_config's (the
+    drafter of ``drafters``' draft vocabulary), the timings of the first
     prompt's call (its warm-up) with the compile counts summed over the prompts.
     ``--time-limit`` is not applied; a signal stops after the prompt in flight."""
     done: dict = {}
     for i, rec in enumerate(prompts):
         for config in configs:
-            method, budget, td = config
-            got, timing = run_config(model, drafter, [rec], method, budget, t, args,
+            method, budget, td, nv = config
+            got, timing = run_config(model, drafters[nv], [rec], method, budget, t, args,
                                      warmup and i == 0, None, meters, td)
             if config not in done:
                 done[config] = (got, timing)
@@ -394,7 +393,8 @@ def _rate(runs) -> float:
     return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
 
 
-def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_temp=None) -> dict:
+def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_temp=None,
+              draft_vocab=None) -> dict:
     """One row: speed, tau and losslessness over ``runs``, and per round the host clock's
     wall / wait / host split and the device phases (ms; tools/bench_demo_timing.py)."""
     timing = timing or {}
@@ -409,7 +409,7 @@ def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_tem
     warm = timing.get("warmup")
     busy = timing.get("gpu_busy")
     return dict(method=method, budget=budget, temperature=temperature,
-                draft_temperature=draft_temp, prompts=len(runs),
+                draft_temperature=draft_temp, draft_vocab=draft_vocab, prompts=len(runs),
                 tau=float(np.mean(taus)) if taus else 1.0, tokens_per_s=tps,
                 speedup=tps / ar_tps if ar_tps else float("nan"),
                 rounds_per_prompt=rounds / len(runs), seconds=sum(r["seconds"] for r in runs),
@@ -493,9 +493,11 @@ def _ms(v) -> str:
 
 
 def _budget_cell(r: dict) -> str:
-    """The budget, and the draft temperature a row fixed (none: generate's default)."""
-    td = r.get("draft_temperature")
-    return str(r["budget"] or "-") + ("" if td is None else f" (t_d {td:g})")
+    """The budget, and the draft temperature and vocabulary a row fixed (none: the
+    defaults)."""
+    td, nv = r.get("draft_temperature"), r.get("draft_vocab")
+    return str(r["budget"] or "-") + ("" if td is None else f" (t_d {td:g})") + (
+        "" if nv is None else f" (V_d {nv or 'full'})")
 
 
 def _same_cell(r: dict) -> str:
@@ -625,11 +627,12 @@ def main(argv=None) -> int:
     if too_long:
         sys.exit(f"bench_demo: prompts {too_long} + --max-new-tokens {args.max_new_tokens} "
                  f"exceed the model's context of {limit}")
-    drafter = make_drafter(args.drafter, model, args.block_len, args.seed)
+    drafters = {n: make_drafter(args.drafter, model, args.block_len, args.seed, n)
+                for n in args.draft_vocab}
     warmup = be.on_gpu if args.warmup is None else args.warmup
     stop = Stop(args.time_limit)
     try:
-        return measure(args, model, drafter, prompts, warmup, stop)
+        return measure(args, model, drafters, prompts, warmup, stop)
     finally:
         stop.close()
 
@@ -670,7 +673,7 @@ def _time_peers(args, model, prompts, ar_runs, meters, stop, runs, rows, info) -
                 continue
             got, timing = peers.time_peer(peer, prompts, args.max_new_tokens, extra,
                                           sorted(set(ends)), meters.busy, stop)
-            runs[(name, None, 0.0, None)] = got
+            runs[(name, None, 0.0, None, None)] = got
             if len(got) < len(prompts):
                 stop.skipped.append(f"{name}: prompts after the first {len(got)}")
             row = peer_row(name, got, ar_runs, timing)
@@ -700,46 +703,51 @@ def peer_row(name, runs, ar_runs, timing) -> dict:
                 timing=timing)
 
 
-def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
+def measure(args, model, drafters, prompts, warmup, stop: Stop) -> int:
     be = model.backend
     meters = Meters(be)
-    configs = [("ar", None, None), ("chain", None, None)] + [
-        ("ddtree", b, td) for td in args.draft_temperature for b in args.budgets]
+    first = args.draft_vocab[0]       # its drafter drafts the chain and the agreement
+    drafter = drafters[first]
+    configs = [("ar", None, None, first), ("chain", None, None, first)] + [
+        ("ddtree", b, td, nv) for nv in args.draft_vocab for td in args.draft_temperature
+        for b in args.budgets]
     print(f"bench_demo: {len(prompts)} prompts x {args.max_new_tokens} new tokens, backend "
           f"{be.name} ({be.precision if be.name == 'reference' else 'float32'}), drafter "
           f"{drafter.name} (L = {drafter.block_len}), temperatures "
           f"{args.temperature}, warm-up {'on' if warmup else 'off'}", file=sys.stderr)
     rows, runs, last, peer_info = [], {}, 0.0, None
     for t in args.temperature:
-        done = interleaved(model, drafter, prompts, configs, t, args, warmup, stop, meters) \
+        done = interleaved(model, drafters, prompts, configs, t, args, warmup, stop, meters) \
             if args.interleave else {}
-        for method, budget, td in configs:
+        for method, budget, td, nv in configs:
+            vd = "" if nv is None or method == "ar" else f" V_d={nv or 'full'}"
             name = f"{method}{'' if budget is None else f' B={budget}'}" \
-                f"{'' if td is None else f' t_d={td:g}'} T={t:g}"
+                f"{'' if td is None else f' t_d={td:g}'}{vd} T={t:g}"
             if args.interleave:
-                got, timing = done[(method, budget, td)]
+                got, timing = done[(method, budget, td, nv)]
                 last = sum(r["seconds"] for r in got)
             elif not stop.allows(name, last):
                 continue
             else:
                 t0 = time.perf_counter()
-                got, timing = run_config(model, drafter, prompts, method, budget, t, args,
-                                         warmup, stop, meters, td)
+                got, timing = run_config(model, drafters[nv], prompts, method, budget, t,
+                                         args, warmup, stop, meters, td)
                 last = time.perf_counter() - t0
-            runs[(method, budget, t, td)] = got
-            row = summarise(method, budget, t, got, runs.get(("ar", None, t, None), []),
-                            timing, td)
+            runs[(method, budget, t, td, nv)] = got
+            row = summarise(method, budget, t, got, runs.get(("ar", None, t, None, first), []),
+                            timing, td, None if method == "ar" else nv)
             rows.append(row)
             warm = "" if row["warmup_seconds"] is None else \
                 f", warm-up {row['warmup_seconds']:.1f} s apart"
             print(f"  {name}: tau {row['tau']:.2f}, {row['tokens_per_s']:.1f} tok/s "
                   f"({row['speedup']:.2f}x AR), identical {row['identical']}/"
                   f"{row['compared']} ({last:.1f} s{warm})", file=sys.stderr)
-        if t == 0 and args.peers and ("ar", None, 0.0, None) in runs and not stop.signalled:
-            peer_info = measure_peers(args, model, prompts, runs[("ar", None, 0.0, None)],
-                                      meters, stop, runs, rows)
+        ar0 = ("ar", None, 0.0, None, first)
+        if t == 0 and args.peers and ar0 in runs and not stop.signalled:
+            peer_info = measure_peers(args, model, prompts, runs[ar0], meters, stop, runs,
+                                      rows)
     agree = None
-    greedy = runs.get(("ar", None, 0.0, None))
+    greedy = runs.get(("ar", None, 0.0, None, first))
     if args.agreement_stride > 0 and not stop.signalled:
         if greedy is None:        # no T = 0 in the list: the greedy continuations alone
             greedy, _ = run_config(model, None, prompts, "ar", None, 0.0, args, False)
@@ -773,13 +781,15 @@ def measure(args, model, drafter, prompts, warmup, stop: Stop) -> int:
                                          block_len=drafter.block_len,
                                          prompts=len(prompts), warmup=warmup),
                            rows=rows, agreement=agree, skipped=stop.skipped, peers=peer_info,
-                           per_prompt={f"{m}:{b}:{t:g}" + ("" if td is None else f":{td:g}"):
-                                       got for (m, b, t, td), got in runs.items()}), f)
+                           per_prompt={f"{m}:{b}:{t:g}" + ("" if td is None else f":{td:g}")
+                                       + ("" if nv is None else f":V{nv}"): got
+                                       for (m, b, t, td, nv), got in runs.items()}), f)
     if args.plot:
         first_td = args.draft_temperature[0]    # the curves: fixed budgets at the first t_d
         plots.plot_budget_curves(args.plot, [
             r for r in rows if r["budget"] != "auto" and r["method"] not in PEER_METHODS
-            and (r["method"] != "ddtree" or r["draft_temperature"] == first_td)],
+            and (r["method"] != "ddtree" or (r["draft_temperature"], r["draft_vocab"]) ==
+                 (first_td, first))],
             SPEED_GOAL.get(be.name), TAU_GOAL,
             f"{be.name} backend, drafter {drafter.name}, {len(prompts)} held-out prompts x "
             f"{args.max_new_tokens} tokens, batch 1")

@@ -339,3 +339,20 @@ class GpuBusy:
             thread.join()
             self.samples = len(got)
             self.share = float(np.mean(got)) if got else None
+
+
+class Meters:
+    """The instruments of one bench_demo run: the round clock, the count of first-call work
+    (numba's kernels; GPU only) and the GPU's busy share (NVML; GPU only)."""
+
+    def __init__(self, backend):
+        self.clock = RoundClock(backend)
+        self.first = FirstCalls(backend.on_gpu and backend.name == "numba")
+        pci = None
+        if backend.on_gpu:
+            try:
+                pci = backend.xp.cuda.Device().pci_bus_id
+            except Exception:       # no PCI id: the idle share is reported as unknown
+                pci = None
+        self.busy = GpuBusy(pci)
+        self.warm = WarmState()           # what the rows' warm-ups share

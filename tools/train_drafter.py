@@ -423,7 +423,7 @@ def load_init(drafter, path: str, cfg: dict, dspec: dict, log) -> None:
     this call's) or a drafter.safetensors under the bundle's names."""
     if path.endswith(".kdtr"):
         import numpy as np
-        from kdtree_numba.bundle import read_dflash_bundle
+        from kdtree_numba.bundle import DFLASH_VOCAB_RANK, read_dflash_bundle
         from kdtree_numba.config import ModelConfig
         config, weights, spec = read_dflash_bundle(path)
         want = (ModelConfig(**cfg), tuple(dspec["target_layer_ids"]), dspec["block_size"])
@@ -433,7 +433,9 @@ def load_init(drafter, path: str, cfg: dict, dspec: dict, log) -> None:
                      f", target layers {have[1]}, B {have[2]}) is not this call's (layers "
                      f"{cfg['num_hidden_layers']}, target layers {want[1]}, B {want[2]}); "
                      f"pass matching --layers/--target-layers/--block-size/--set")
-        weights = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+        # the token ranking (tools/draft_vocab.py) is no weight: rerun the tool on the export
+        weights = {k: np.asarray(v, np.float32) for k, v in weights.items()
+                   if k != DFLASH_VOCAB_RANK}
     else:
         from safetensors.torch import load_file
         weights = load_file(path)
