@@ -351,3 +351,24 @@ def test_moe_step_replays_from_a_cuda_graph(cp, layers, m):
     graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(cp.asnumpy(out), eager)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, inter", [(256, 768), (D, 2048)], ids=["demo", "kimi-shared"])
+def test_dense_ffn_as_skinny_linears_is_the_one_expert_bitwise(layers, d, inter, bf16):
+    """The dense FFN on the weight-streaming kernels runs as two skinny linears around SwiGLU
+    (3 launches, its rows in parallel blocks): bit for bit the one-expert MoE it replaced
+    (the same core, threads from K alone), at a decode's and a tree verify's rows, at the
+    demo model's widths and a Kimi-K2-wide expert's."""
+    rng = np.random.default_rng(40 + d)
+    dtype = ml_dtypes.bfloat16 if bf16 else np.float32
+    gu = (rng.standard_normal((1, 2 * inter, d)) / np.sqrt(d)).astype(dtype)
+    dn = (rng.standard_normal((1, d, inter)) / np.sqrt(inter)).astype(dtype)
+    for m in (1, 16, 17, 33):
+        h = rng.standard_normal((m, d)).astype(np.float32)
+        dense = host(layers.moe_ffn(h, None, None, gu, dn))
+        one = host(layers.moe_ffn(h, np.zeros((m, 1), np.int32), np.ones((m, 1), np.float32),
+                                  gu, dn))
+        assert dense.tobytes() == one.tobytes(), m
+        want = ref.moe_ffn(h[:2], None, None, gu, dn)
+        np.testing.assert_allclose(dense[:2], want, rtol=1e-4, atol=1e-4)

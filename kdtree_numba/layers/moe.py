@@ -426,8 +426,12 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
-    SwiGLU; with the other methods as the one-expert MoE, its routing (zeros, ones) filled on
-    the device, the same bits as passing that routing."""
+    SwiGLU; where the weight-streaming kernels take it (the rows "skinny" or "auto" give
+    them) as two skinny :func:`linear` calls around SwiGLU: the one expert's bits (the same
+    core, its threads from K alone) in 3 launches instead of 5 (the routing's fill, the
+    grouping and the combine go), and its rows in parallel blocks, where one expert's block
+    runs its rows' chunks one after another; tiled as the one-expert MoE, its routing (zeros,
+    ones) filled on the device, the same bits as passing that routing."""
     hd = device_f32(h, "h", 2, stream)
     dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
     ws = workspace if workspace is not None else Workspace()
@@ -466,15 +470,17 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
             raise ValueError("configs does not apply to the dense FFN under mma: its two "
                              "linears take mma_config's tiles and K slices")
         return _swiglu_linears(hd, gud[0], dnd[0], y, method, stream, ws, "moe.dense")
+    # int4 experts have one kernel at every M: the weight-streaming core, which reads each
+    # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
+    tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
+                                                    takes_tiled(m, two_im * d)))
+    if dense and not tiled and kind != "i4":
+        return _swiglu_linears(hd, gud[0], dnd[0], y, "skinny", stream, ws, "moe.dense")
     if dense:
         idx, wt = _dense_routing(m, ws, stream)
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
                             configs, stream, ws)
-    # int4 experts have one kernel at every M: the weight-streaming core, which reads each
-    # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
-    tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
-                                                    takes_tiled(m, two_im * d)))
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
     y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
