@@ -433,7 +433,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     core, its threads from K alone) in 3 launches instead of 5 (the routing's fill, the
     grouping and the combine go), and its rows in parallel blocks, where one expert's block
     runs its rows' chunks one after another; tiled as the one-expert MoE, its routing (zeros,
-    ones) filled on the device, the same bits as passing that routing."""
+    ones) filled on the device, the same bits as passing that routing; with
+    ``KDTREE_LEAN_ROUND=1`` that routing's grouping is made once per M and the down GEMM
+    writes the output (2 launches, where fill, group, gate_up, down and combine were 5), the
+    same bits again."""
     hd = device_f32(h, "h", 2, stream)
     dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
     ws = workspace if workspace is not None else Workspace()
