@@ -224,7 +224,8 @@ def _counted_kernel_call(real):
         if self._device or sim._kernel_context:
             return real(self, *args)
         fn = self.fn
-        COUNTER.add(f"kernel {fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", kernel=True)
+        module = (fn.__module__ or "generated").rsplit('.', 1)[-1]     # tiled.py's: exec'd
+        COUNTER.add(f"kernel {module}.{fn.__name__}", kernel=True)
         with COUNTER.silenced():
             return real(self, *(_plain(a) for a in args))
     return call
