@@ -94,7 +94,10 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
         x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
         f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
         slots = cache.device_slots(lengths, m)
-        positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
+        if slots.rows is None:     # KDTREE_LEAN_ROUND: one int32 add (the same positions)
+            positions = cache.positions(lengths, m)
+        else:
+            positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
         for layer in range(cfg.num_hidden_layers):
             model.kv_latents(layer, f, positions, into=cache.latent_store(layer, slots))
         return ()

@@ -54,7 +54,9 @@ class WriteSlots:
     array viewed as ``[slots, width]``, KVLayout.storage_rows), ``prefix`` [bs] int32 (the
     device lengths: attention's prefix), ``max_keys`` (host int >= ``max(lengths) + n``: the
     attention kernels' split-plan hint) and ``table`` (a paged layout's page table, else
-    None)."""
+    None).  With ``KDTREE_LEAN_ROUND=1`` a dense cache's slots leave ``rows`` None (no forward
+    reads them; :meth:`KVCache.positions` gives a context's positions): one launch a forward,
+    the storage rows, where the rows and the layout's storage rows took three."""
     batch: object
     rows: object
     storage: object
@@ -121,6 +123,7 @@ class KVCache:
         # forward's storage rows are then one add, where the layout's took two more launches)
         self._storage = self._requests * self.max_len + self._steps \
             if layout.spec == "dense" else None
+        self._positions = xp.arange(self.max_len, dtype=np.int32)[None, :]
 
     @property
     def batch(self) -> int:
@@ -184,13 +187,18 @@ class KVCache:
         serves every length."""
         table = self.layout.table if table is None else table
         batch = self._requests
-        rows = lengths[:, None] + self._steps[:, :n]
         if self._storage is not None and runtime.current().lean_round:
-            storage = lengths[:, None] + self._storage[:, :n]      # integers: the same rows
+            rows, storage = None, lengths[:, None] + self._storage[:, :n]   # the same integers
         else:
+            rows = lengths[:, None] + self._steps[:, :n]
             storage = self.layout.storage_rows(batch, rows, table)
         return WriteSlots(batch=batch, rows=rows, storage=storage, prefix=lengths,
                           max_keys=self.max_len, table=table)
+
+    def positions(self, lengths, n: int):
+        """The positions [bs n] int32 of n new tokens per request after device ``lengths``
+        [bs] int32 (position = slot): one launch, from an int32 range made with the cache."""
+        return (lengths[:, None] + self._positions[:, :n]).reshape(-1)
 
     def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
         """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr] (float32; rounded to

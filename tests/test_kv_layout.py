@@ -202,7 +202,8 @@ def test_the_numba_backend_refuses_a_paged_layout(needs_kernels):
         layout_spec("paged:0")
 
 
-def test_device_counts_leave_the_host_lengths_pending_with_a_safe_bound():
+def test_device_counts_leave_the_host_lengths_pending_with_a_safe_bound(monkeypatch):
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")       # the slots' rows (the lean's: None)
     be = make_backend("reference")
     cache = KVCache(be, 1, 2, 10, 4, 2)
     cache.advance([3, 1])
@@ -354,10 +355,12 @@ def test_a_round_committed_by_device_counts_continues_as_one_committed_by_host_c
 
 @pytest.mark.skipif(not compat.SIMULATOR, reason="host arrays in and out: the numba backend "
                     "runs here only in the CUDA simulator (on a GPU: tests/test_engine_gpu.py)")
-def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels):
+def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels,
+                                                                       monkeypatch):
     """Dense layout, numba kernels (simulator): the slots and attention of a cache whose
     lengths came from device counts equal those of host lengths, passed as before (host rows,
     an uploaded prefix), bit for bit; compaction from device lengths equals the reference's."""
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")       # the slots' rows (the lean's: None)
     be = make_backend("numba")
     rng = np.random.default_rng(3)
     bs, n, H, r, dr = 2, 3, 2, 16, 8
