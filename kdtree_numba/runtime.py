@@ -21,8 +21,8 @@ Two kinds of switch:
   a DDTree round's glue cut to fewer launches (``KDTREE_LEAN_ROUND=1``: index ranges and
   constants kept, copies the round does not need skipped; the same bits; opt-in until the
   GPU suite has run it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
-  (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
-  or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
+  (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
+  ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
 
 An entry point builds the configuration once from its flags and the environment
