@@ -31,6 +31,7 @@ import functools
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.kvlayout import device_address
 from kdtree_numba.model import ForwardBatch
@@ -71,6 +72,8 @@ class DeviceRounds:
         bs = cache.batch
         # device state the program reads and writes in place (a graph holds the addresses)
         self.roots = self.xp.zeros(bs, np.int32)
+        # the requests' index column, made once (KDTREE_LEAN_ROUND: the features' gather)
+        self.requests = self.xp.arange(bs, dtype=np.int64)[:, None]
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
             if not self.sampling.greedy else None
         self.in_flight: list = []          # (read's wait, launch mask, growth bound) per round
@@ -113,7 +116,10 @@ class DeviceRounds:
     # ---- the program: device work only, so a CUDA graph can capture it
     def _round(self, budget: int, active):
         model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
-        start = cache.device_lengths.copy()             # the tree's root positions
+        lean = runtime.current().lean_round
+        # the tree's root positions: with KDTREE_LEAN_ROUND the lengths themselves, no copy,
+        # as nothing writes them before the round's last read of them (add_on_device below)
+        start = cache.device_lengths if lean else cache.device_lengths.copy()
         draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start,
                                                          depth=budget))
         tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature)(
@@ -132,7 +138,8 @@ class DeviceRounds:
         acc_idx, acc_len, packed, next_roots = accept_phase(
             ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
         counts = (acc_len.astype(np.int32, copy=False) * active).astype(np.int32, copy=False)
-        features = gather_phase(xp)(parts[-1], acc_idx) if self.needs.feature_layers else None
+        features = gather_phase(xp, self.requests if lean else None)(parts[-1], acc_idx) \
+            if self.needs.feature_layers else None
         hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
         cache.compact_tree(ops, acc_idx, acc_len, lengths=start)
         cache.add_on_device(counts)
@@ -152,7 +159,8 @@ class DeviceRounds:
                self.needs)
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
         return key + (device_address(self.roots),
-                      None if self.table is None else device_address(self.table))
+                      None if self.table is None else device_address(self.table),
+                      device_address(self.requests))
 
     # ---- the host side
     def launch(self, active: np.ndarray, budget: int) -> None:

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from kdtree_numba import cpu
+from kdtree_numba import cpu, runtime
 from kdtree_numba.bundle import (DFLASH_VOCAB_RANK, BundleError, DFlashSpec,
                                  check_vocab_rank, dflash_shapes, open_dflash_bundle,
                                  read_dflash_spec)
@@ -94,7 +94,10 @@ def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
         x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
         f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
         slots = cache.device_slots(lengths, m)
-        positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
+        if slots.rows is None:     # KDTREE_LEAN_ROUND: one int32 add (the same positions)
+            positions = cache.positions(lengths, m)
+        else:
+            positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
         for layer in range(cfg.num_hidden_layers):
             model.kv_latents(layer, f, positions, into=cache.latent_store(layer, slots))
         return ()
@@ -199,6 +202,11 @@ class DFlashDrafter:
         if getattr(self, "_block", None) is None or self._block[0].shape[0] != batch:
             self._block = (xp.zeros((batch, B), np.int32), xp.ones((batch, B, B), bool),
                            xp.arange(B, dtype=np.int32))
+            # KDTREE_LEAN_ROUND: the block's embeddings, its mask rows written once; a
+            # proposal writes row 0 only (one copy, where the concatenation copied both parts)
+            D = self.model.config.hidden_size
+            self._embeds = xp.empty((batch, B, D), np.float32)
+            self._embeds[:, 1:] = self.mask_embedding
 
     def _started(self, bs: int) -> KVCache:
         if self.cache is None or self.cache.batch != bs:
@@ -245,7 +253,7 @@ class DFlashDrafter:
         """The device state a captured device round reads and writes of this drafter: its
         context cache's buffers and lengths, its block's constant arrays (addresses)."""
         return self._started(self.cache.batch).buffer_key() + tuple(
-            device_address(a) for a in self._block)
+            device_address(a) for a in self._block + (self._embeds,))
 
     def bound_lengths(self, floor, upper) -> None:
         """A device round's host side (kdtree_numba/device_round.py): the context's lengths,
@@ -292,8 +300,12 @@ class DFlashDrafter:
         roots = roots if hasattr(roots, "__cuda_array_interface__") \
             else np.asarray(roots, np.int32)
         first = ops.embedding(be.asarray(roots).astype(np.int32, copy=False), self.model.embed)
-        x = xp.concatenate([first.reshape(bs, 1, D),
-                            xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
+        if B == self.spec.block_size and runtime.current().lean_round:
+            x = self._embeds
+            x[:, 0] = first
+        else:
+            x = xp.concatenate([first.reshape(bs, 1, D),
+                                xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
         logits = self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,

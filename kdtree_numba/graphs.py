@@ -182,6 +182,9 @@ class GraphCache:
         model recorded in it: a device round's drafter, whose attention plans must be made
         inside the capture too)."""
         import cupy
+        if runtime.current().lean_round:
+            # the lean glue is other work than the default's: never a graph of the other one
+            key = key + ("lean_round",)
         if cupy.cuda.get_current_stream().ptr != 0:
             # replays are ordered with the caller's work by the legacy stream's implicit
             # synchronisation: a caller on another stream runs eagerly

@@ -36,8 +36,10 @@ import dataclasses
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.backends import bf16_bits
-from kdtree_numba.kvlayout import CacheFullError, KVLayout, PageTable, make_layout
+from kdtree_numba.kvlayout import (CacheFullError, KVLayout, PageTable, device_address,
+                                   make_layout)
 
 __all__ = ["KVCache", "CacheFullError", "WriteSlots", "LatentStore", "CACHE_DTYPES"]
 
@@ -52,7 +54,9 @@ class WriteSlots:
     array viewed as ``[slots, width]``, KVLayout.storage_rows), ``prefix`` [bs] int32 (the
     device lengths: attention's prefix), ``max_keys`` (host int >= ``max(lengths) + n``: the
     attention kernels' split-plan hint) and ``table`` (a paged layout's page table, else
-    None)."""
+    None).  With ``KDTREE_LEAN_ROUND=1`` a dense cache's slots leave ``rows`` None (no forward
+    reads them; :meth:`KVCache.positions` gives a context's positions): one launch a forward,
+    the storage rows, where the rows and the layout's storage rows took three."""
     batch: object
     rows: object
     storage: object
@@ -115,6 +119,11 @@ class KVCache:
         # own in every forward (a DDTree round makes three forwards' slots)
         self._requests = xp.arange(batch, dtype=np.int64)[:, None]
         self._steps = xp.arange(self.max_len, dtype=np.int64)[None, :]
+        # a dense layout's storage rows of every slot, b max_len + j (KDTREE_LEAN_ROUND: a
+        # forward's storage rows are then one add, where the layout's took two more launches)
+        self._storage = self._requests * self.max_len + self._steps \
+            if layout.spec == "dense" else None
+        self._positions = xp.arange(self.max_len, dtype=np.int32)[None, :]
 
     @property
     def batch(self) -> int:
@@ -178,10 +187,18 @@ class KVCache:
         serves every length."""
         table = self.layout.table if table is None else table
         batch = self._requests
-        rows = lengths[:, None] + self._steps[:, :n]
-        return WriteSlots(batch=batch, rows=rows,
-                          storage=self.layout.storage_rows(batch, rows, table), prefix=lengths,
+        if self._storage is not None and runtime.current().lean_round:
+            rows, storage = None, lengths[:, None] + self._storage[:, :n]   # the same integers
+        else:
+            rows = lengths[:, None] + self._steps[:, :n]
+            storage = self.layout.storage_rows(batch, rows, table)
+        return WriteSlots(batch=batch, rows=rows, storage=storage, prefix=lengths,
                           max_keys=self.max_len, table=table)
+
+    def positions(self, lengths, n: int):
+        """The positions [bs n] int32 of n new tokens per request after device ``lengths``
+        [bs] int32 (position = slot): one launch, from an int32 range made with the cache."""
+        return (lengths[:, None] + self._positions[:, :n]).reshape(-1)
 
     def write(self, layer: int, c_new, k_pe_new, slots: WriteSlots | None = None) -> None:
         """Latents of n new tokens per request, [bs, n, r] and [bs, n, dr] (float32; rounded to
@@ -301,7 +318,9 @@ class KVCache:
         """The key of a CUDA graph that reads or writes the cache (KVLayout.key: the layout
         and its arrays' addresses and shapes, the device lengths' among them; the same
         buffers, reused by another cache object, replay correctly)."""
-        return self.layout.key((self.c, self.k_pe, self.device_lengths))
+        key = self.layout.key((self.c, self.k_pe, self.device_lengths))
+        # the lean slots' storage rows (KDTREE_LEAN_ROUND), which a captured forward reads
+        return key if self._storage is None else key + (device_address(self._storage),)
 
     def commit_tree(self, ops, acc_idx, acc_len, accepted, active=None) -> None:
         """:meth:`compact_tree`, then commit ``accepted[b]`` rows per request (host ints: the

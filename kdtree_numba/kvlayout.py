@@ -24,6 +24,8 @@ import heapq
 
 import numpy as np
 
+from kdtree_numba import runtime
+
 __all__ = ["KVLayout", "DenseLayout", "PagedLayout", "PageTable", "CacheFullError",
            "make_layout", "layout_spec", "device_address"]
 
@@ -133,8 +135,11 @@ class DenseLayout(KVLayout):
 
     def compact(self, ops, arrays, lengths, acc_idx, acc_len) -> None:
         # int64 past lengths: the compaction kernel's specialisation the engine has always
-        # launched (the cache's device lengths are int32)
-        ops.compact_kv(arrays, lengths.astype(np.int64), acc_idx, acc_len)
+        # launched (the cache's device lengths are int32); KDTREE_LEAN_ROUND passes the int32
+        # lengths as they are (the same rows; no copy, one specialisation more to compile)
+        past = lengths if runtime.current().lean_round and lengths.dtype == np.int32 \
+            else lengths.astype(np.int64)
+        ops.compact_kv(arrays, past, acc_idx, acc_len)
 
 
 class PagedLayout(KVLayout):

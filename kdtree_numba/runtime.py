@@ -18,9 +18,11 @@ Two kinds of switch:
   read when a numba backend is made: checked on the GPU, opt-in until the shipped kernel
   manifest holds them, or a first run would compile them one by one), prefills padded to a
   few row counts on the GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off),
-  the on-disk kernel cache (``KDTREE_KERNEL_CACHE=0``
-  turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default ``$XDG_CACHE_HOME/kdtree-numba``
-  or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
+  a DDTree round's glue cut to fewer launches (``KDTREE_LEAN_ROUND=1``: index ranges and
+  constants kept, copies the round does not need skipped; the same bits; opt-in until the
+  GPU suite has run it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
+  (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
+  ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
 
 An entry point builds the configuration once from its flags and the environment
@@ -45,7 +47,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS",
-             "KDTREE_KERNEL_CACHE",
+             "KDTREE_LEAN_ROUND", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -85,6 +87,7 @@ class RuntimeConfig:
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = False
     pad_prefills: bool = True
+    lean_round: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -113,6 +116,7 @@ class RuntimeConfig:
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
+                   lean_round=_flag(env, "KDTREE_LEAN_ROUND", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

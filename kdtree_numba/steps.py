@@ -110,10 +110,14 @@ def accept_phase(ops, xp, sampling: Sampling, max_depth: int):
     return run
 
 
-def gather_phase(xp):
+def gather_phase(xp, requests=None):
     """rows [bs, W, F], acc_idx [bs, L + 1] -> the rows of the accepted nodes [bs, L + 1, F]
-    (padding indices -1 read slot 0)."""
+    (padding indices -1 read slot 0).  ``requests``: the column 0..bs-1 [bs, 1] made once by
+    the caller (KDTREE_LEAN_ROUND: two launches, where the arange and the int64 copy of the
+    indices were two more; the same rows)."""
     def run(rows, acc_idx):
+        if requests is not None:
+            return rows[requests, xp.maximum(acc_idx, 0)]
         bs = rows.shape[0]
         idx = xp.maximum(acc_idx, 0).astype(np.int64)
         return rows[xp.arange(bs, dtype=np.int64)[:, None], idx]

@@ -163,11 +163,12 @@ def test_pages_are_taken_as_requests_grow_and_freed_on_truncate():
     assert cache.buffer_key()[0] == "paged:3" != KVCache(be, 1, 2, 12, 4, 2).buffer_key()[0]
 
 
-def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got():
+def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got(monkeypatch):
     """The dense layout's calls: attention on the layer's [bs, max_len, w] arrays with the
     device lengths as its int32 prefix and the host's max_keys; compaction on the stacked
     arrays with int64 past lengths, the kernel specialisation the engine has always launched
-    (so the same PTX runs)."""
+    (so the same PTX runs); with KDTREE_LEAN_ROUND=1 the int32 lengths themselves."""
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")
     calls = {}
     ops = SimpleNamespace(mla_attention=lambda *a, **k: calls.setdefault("attention", (a, k)),
                           compact_kv=lambda *a: calls.setdefault("compaction", a))
@@ -185,6 +186,10 @@ def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got():
     arrays, past, *rest = calls["compaction"]
     assert arrays[0] is cache.c and arrays[1] is cache.k_pe and rest == ["acc_idx", "acc_len"]
     assert past.dtype == np.int64 and past.tolist() == [3, 1]
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "1")
+    calls.clear()
+    cache.compact_tree(ops, "acc_idx", "acc_len")
+    assert calls["compaction"][1] is cache.device_lengths
 
 
 def test_the_numba_backend_refuses_a_paged_layout(needs_kernels):
@@ -197,7 +202,8 @@ def test_the_numba_backend_refuses_a_paged_layout(needs_kernels):
         layout_spec("paged:0")
 
 
-def test_device_counts_leave_the_host_lengths_pending_with_a_safe_bound():
+def test_device_counts_leave_the_host_lengths_pending_with_a_safe_bound(monkeypatch):
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")       # the slots' rows (the lean's: None)
     be = make_backend("reference")
     cache = KVCache(be, 1, 2, 10, 4, 2)
     cache.advance([3, 1])
@@ -349,10 +355,12 @@ def test_a_round_committed_by_device_counts_continues_as_one_committed_by_host_c
 
 @pytest.mark.skipif(not compat.SIMULATOR, reason="host arrays in and out: the numba backend "
                     "runs here only in the CUDA simulator (on a GPU: tests/test_engine_gpu.py)")
-def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels):
+def test_device_lengths_drive_the_dense_numba_path_as_host_lengths_did(needs_kernels,
+                                                                       monkeypatch):
     """Dense layout, numba kernels (simulator): the slots and attention of a cache whose
     lengths came from device counts equal those of host lengths, passed as before (host rows,
     an uploaded prefix), bit for bit; compaction from device lengths equals the reference's."""
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")       # the slots' rows (the lean's: None)
     be = make_backend("numba")
     rng = np.random.default_rng(3)
     bs, n, H, r, dr = 2, 3, 2, 16, 8

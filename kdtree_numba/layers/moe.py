@@ -8,10 +8,12 @@ measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
                                      tree_reduce)
@@ -431,7 +433,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     core, its threads from K alone) in 3 launches instead of 5 (the routing's fill, the
     grouping and the combine go), and its rows in parallel blocks, where one expert's block
     runs its rows' chunks one after another; tiled as the one-expert MoE, its routing (zeros,
-    ones) filled on the device, the same bits as passing that routing."""
+    ones) filled on the device, the same bits as passing that routing; with
+    ``KDTREE_LEAN_ROUND=1`` that routing's grouping is made once per M and the down GEMM
+    writes the output (2 launches, where fill, group, gate_up, down and combine were 5), the
+    same bits again."""
     hd = device_f32(h, "h", 2, stream)
     dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
     ws = workspace if workspace is not None else Workspace()
@@ -476,21 +481,29 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                                                     takes_tiled(m, two_im * d)))
     if dense and not tiled and kind != "i4":
         return _swiglu_linears(hd, gud[0], dnd[0], y, "skinny", stream, ws, "moe.dense")
-    if dense:
+    # the dense FFN left (tiled, int4): with KDTREE_LEAN_ROUND its constant routing's grouping
+    # made once (_dense_lists), where the fill, the grouping and the combine were 3 launches
+    lean = dense and method != "mma" and runtime.current().lean_round
+    if dense and not lean:
         idx, wt = _dense_routing(m, ws, stream)
     if method == "mma":
         return _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y,
                             configs, stream, ws)
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
-    y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
-    slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream)
+    if lean:    # KDTREE_LEAN_ROUND: slot m is token m, so the down GEMM writes y itself
+        y_slot, lists = y, _dense_lists(m)
+    else:
+        y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
+        slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream)
     if tiled:
         _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                        top_k, stream, configs)
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                         top_k, stream)
+    if lean:
+        return y
 
     shared_y = None
     if shared_gate_up is not None:
@@ -544,6 +557,19 @@ def _dense_routing(m: int, ws, stream):
     grid, block = launch_1d(m, 256)
     _fill_dense_routing[grid, block, stream](idx, wt)
     return idx, wt
+
+
+@functools.cache
+def _dense_lists(m: int):
+    """The grouping of the dense FFN's constant routing (every token to expert 0, weight 1),
+    made once per M and kept for the process (a captured CUDA graph reads these addresses):
+    token_of_slot = 0..M-1, offsets [0, M], active [0], n_active [1].  The expert kernels give
+    every slot its own sums, so slot m holding token m (the group kernel's atomics order
+    them as they come) changes no bit, and the combine it skips adds y_slot times 1 to 0.0,
+    which changes none either: a sum that starts at +0.0 is never -0.0.  Made where the
+    first call of a shape runs eagerly (an upload, as ``placeholder``), never in a capture."""
+    return (to_device(np.arange(m, dtype=np.int32)), to_device(np.array([0, m], np.int32)),
+            to_device(np.zeros(1, np.int32)), to_device(np.ones(1, np.int32)))
 
 
 def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):

@@ -1,0 +1,157 @@
+"""KDTREE_LEAN_ROUND=1 (runtime.lean_round): a DDTree round's glue cut to fewer launches with
+the same bits.  In the CUDA simulator, on a tiny pair with the demo pair's structure, the
+launches of one device round and of one AR step are counted by site (tests/launch_counter.py)
+with the switch off and on: the same tokens, the same cache contents and logits bit for bit,
+and exactly the launches the switch removes fewer.  The GPU twins run the demo pair with CUDA
+graphs (docs/ENGINE.md, "Device rounds")."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import launch_counter
+from kdtree_numba import compat
+
+sim_only = pytest.mark.skipif(not compat.SIMULATOR, reason="the launch counter wraps the "
+                              "CUDA simulator")
+
+# the sites of one device round whose launches the switch removes (+) or adds (-), for
+# ``forwards`` forwards (the verify, the block forward, the context injection); the dense FFN
+# at these rows runs as two skinny linears (moe_ffn), which the switch leaves as they are
+
+
+def expected_cut(forwards: int, drafter: bool) -> collections.Counter:
+    cut = collections.Counter({
+        "kvlayout.DenseLayout.storage_rows: multiply": forwards,
+        "kvlayout.DenseLayout.storage_rows: add": forwards,
+    })
+    if drafter:
+        cut.update({"device_round.DeviceRounds._round: copy": 1,
+                    "kvlayout.DenseLayout.compact: astype": 1,
+                    "steps.gather_phase.<locals>.run: arange": 1,
+                    "steps.gather_phase.<locals>.run: astype": 1,
+                    "dflash.DFlashDrafter.draft: concatenate": 2,
+                    "dflash.DFlashDrafter.draft: setitem": -1,
+                    # the context's positions: one int32 add for the rows' add and astype
+                    "dflash.context_phase.<locals>.run: astype": 1,
+                    "kvcache.KVCache.positions: add": -1})
+    return cut
+
+
+def _difference(before, after) -> collections.Counter:
+    keys = set(before) | set(after)
+    return collections.Counter({k: before.get(k, 0) - after.get(k, 0) for k in keys
+                                if before.get(k, 0) != after.get(k, 0)})
+
+
+# a 2-layer target (the first dense, then MoE with a shared expert) and a 2-layer drafter
+TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidden_size=16,
+              intermediate_size=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+              qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=1,
+              moe_intermediate_size=8)
+
+
+def _run(monkeypatch, lean: bool):
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
+    target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
+    rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
+    # the drafter's context after DDTree, the target's cache after AR, one more proposal's
+    # logits and one more decode's (the drafter's block, the dense FFN, the slots)
+    dcache, tcache = drafter.cache, target.generation_cache
+    roots = np.array([7, 2], np.int32)
+    logits = (np.array(drafter.draft(roots)), np.array(target.decode(tcache, roots)))
+    caches = tuple(np.array(a) for a in (dcache.c, dcache.k_pe, tcache.c, tcache.k_pe))
+    return rnd, step, dd, ar, logits, caches
+
+
+@sim_only
+def test_the_lean_round_gives_the_same_bits_with_fewer_launches(monkeypatch, needs_kernels):
+    with launch_counter.installed():
+        off = _run(monkeypatch, False)
+        on = _run(monkeypatch, True)
+    assert on[2] == off[2] == on[3] == off[3]              # DDTree's tokens, AR's tokens
+    for a, b in zip(on[4] + on[5], off[4] + off[5]):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    # a round: three forwards' slots, and the round's own glue
+    assert _difference(off[0], on[0]) == expected_cut(3, True)
+    assert _difference(off[1], on[1]) == expected_cut(1, False)        # an AR step
+    assert sum(off[0].values()) - sum(on[0].values()) == 11
+
+
+@sim_only
+@pytest.mark.parametrize("m", [1, 5, 130])
+def test_the_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m, needs_kernels):
+    """moe_ffn's dense path (no routing given): tiled (M > 128 for a small weight) with the
+    constant grouping made once, the one-expert MoE's bits in two launches where it took
+    five; skinny, the two linears around SwiGLU either way (three launches)."""
+    from kdtree_numba.layers import moe_ffn
+    rng = np.random.default_rng(m)
+    h = rng.standard_normal((m, 16)).astype(np.float32)
+    gate_up = rng.standard_normal((1, 24, 16)).astype(np.float32)
+    down = rng.standard_normal((1, 16, 12)).astype(np.float32)
+    out = {}
+    with launch_counter.installed() as counter:
+        for lean in (False, True):
+            monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
+            with counter.window() as got:
+                out[lean] = np.array(moe_ffn(h, None, None, gate_up, down).copy_to_host())
+            assert sum(got.values()) == ((2 if lean else 5) if m > 128 else 3), got
+    np.testing.assert_array_equal(out[True].view(np.uint32), out[False].view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature):
+    """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
+    switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's
+    context and the target's cache the same bits, and the second lean generation captures
+    nothing (every lean round replays its own graph, keyed apart from the default's)."""
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    from test_demo_pair import heldout_ids
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(4)
+    for budget in (8, 16):
+        kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
+                  seed=5, device_rounds=True)
+        runs = []
+        for lean in ("0", "1", "1"):
+            monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+            res = generate(model, prompts, 64, **kw)
+            # every request's committed slots (past them: scratch) of both caches
+            committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
+                                                             drafter.cache)
+                         for a in (cache.c, cache.k_pe) for b, n in enumerate(cache.lengths)]
+            runs.append((res, committed))
+        (off, off_caches), (on, on_caches), (again, _) = runs
+        assert on.tokens == off.tokens == again.tokens and on.stats.tau == off.stats.tau
+        if temperature == 0:
+            assert on.tokens == generate(model, prompts, 64).tokens
+        for a, b in zip(on_caches, off_caches):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert again.stats.graph_captures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 17, 33, 68, 200])
+def test_gpu_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m):
+    """The demo's dense FFN widths (D 256, I 768) at an AR step's, verify's and block's rows:
+    the lean path's two launches give the one-expert MoE's bits."""
+    import cupy
+    from kdtree_numba.layers import moe_ffn
+    rng = np.random.default_rng(m)
+    h = cupy.asarray(rng.standard_normal((m, 256)).astype(np.float32))
+    gate_up = cupy.asarray(rng.standard_normal((1, 1536, 256)).astype(np.float32) * 0.05)
+    down = cupy.asarray(rng.standard_normal((1, 256, 768)).astype(np.float32) * 0.05)
+    out = {}
+    for lean in ("0", "1"):
+        monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+        out[lean] = cupy.asnumpy(cupy.asarray(moe_ffn(h, None, None, gate_up, down)))
+    np.testing.assert_array_equal(out["1"].view(np.uint32), out["0"].view(np.uint32))
