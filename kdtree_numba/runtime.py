@@ -19,8 +19,9 @@ Two kinds of switch:
   manifest holds them, or a first run would compile them one by one), prefills padded to a
   few row counts on the GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off),
   a DDTree round's glue cut to fewer launches (``KDTREE_LEAN_ROUND=1``: index ranges and
-  constants kept, copies the round does not need skipped; the same bits; opt-in until the
-  GPU suite has run it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
+  constants kept, copies the round does not need skipped, the dense FFN as two linears, the
+  per-head products at fewer rows a block; the same bits; opt-in until the GPU suite has run
+  it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
   ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
   read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).

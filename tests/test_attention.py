@@ -487,16 +487,18 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
                                           (3, 7, 8, 4), (5, 13, 8, 4), (2, 1, 36, 20)],
                          ids=["decode", "6 rows", "r % 4 != 0", "21 rows",
                               "65 rows: tiled only", "K > 16, K % 16 != 0: the unrolled tail"])
-@pytest.mark.parametrize("reread", ["default", "one row block"])
-def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, reread, needs_kernels,
+@pytest.mark.parametrize("rows", ["as M", "lean", "lean, no re-reads"])
+def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, rows, needs_kernels,
                                                      monkeypatch):
     """Both kernels of the per-head products (streaming up to 64 rows, tiled) match the
     reference, and give each other's bits (one fp32 chain per output in k order), which
     keeps the projections batch invariant across the M where "auto" switches; the streaming
-    kernel at one row a block (these weights' default) and at the most rows a block
-    (stream_rows allowed no weight re-reads: 21 rows are then two blocks of 16)."""
+    kernel at as many rows a block as M has (up to 16), and with KDTREE_LEAN_ROUND at one
+    row a block (these weights' stream_rows) or at the most (stream_rows allowed no weight
+    re-reads: 21 rows are then two blocks of 16)."""
     from kdtree_numba.attention import projections
-    if reread != "default":
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "0" if rows == "as M" else "1")
+    if rows == "lean, no re-reads":
         monkeypatch.setattr(projections, "STREAM_REREAD_BYTES", 1)
     kernels = _numba()
     rng = np.random.default_rng(5)

@@ -201,12 +201,14 @@ def test_absorb_q_and_apply_uv_at_kimi_dims():
                                          (2, 8, "kimi"), (1, 33, "kimi"), (1, 64, "kimi"),
                                          (1, 1, "demo"), (1, 16, "demo"), (1, 17, "demo"),
                                          (1, 33, "demo")])
-def test_absorb_q_and_apply_uv_streaming_equals_tiled(bs, n, dims):
+def test_absorb_q_and_apply_uv_streaming_equals_tiled(bs, n, dims, monkeypatch):
     """Up to 64 rows "auto" streams the weights (one column per thread, x in shared
     memory); its bits equal the tiled kernel's, which M > 64 takes: a decode's projections
     equal a verify's row for row (batch invariance), and both match the reference.  At
-    Kimi-K2's widths 16 rows a block, at the demo model's one (stream_rows)."""
+    Kimi-K2's widths 16 rows a block, at the demo model's with KDTREE_LEAN_ROUND one
+    (stream_rows)."""
     from kdtree_numba import attention as kernels
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if dims == "demo" else "0")
     rng = np.random.default_rng(16 + bs * n)
     heads, r, dn = (H, R, 128) if dims == "kimi" else (8, 128, 32)
     dv = dn

@@ -355,11 +355,13 @@ def test_moe_step_replays_from_a_cuda_graph(cp, layers, m):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("d, inter", [(256, 768), (D, 2048)], ids=["demo", "kimi-shared"])
-def test_dense_ffn_as_skinny_linears_is_the_one_expert_bitwise(layers, d, inter, bf16):
-    """The dense FFN on the weight-streaming kernels runs as two skinny linears around SwiGLU
-    (3 launches, its rows in parallel blocks): bit for bit the one-expert MoE it replaced
-    (the same core, threads from K alone), at a decode's and a tree verify's rows, at the
-    demo model's widths and a Kimi-K2-wide expert's."""
+def test_dense_ffn_as_skinny_linears_is_the_one_expert_bitwise(layers, d, inter, bf16,
+                                                              monkeypatch):
+    """With KDTREE_LEAN_ROUND the dense FFN on the weight-streaming kernels runs as two
+    skinny linears around SwiGLU (3 launches, its rows in parallel blocks): bit for bit the
+    one-expert MoE (the same core, threads from K alone), at a decode's and a tree verify's
+    rows, at the demo model's widths and a Kimi-K2-wide expert's."""
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", "1")
     rng = np.random.default_rng(40 + d)
     dtype = ml_dtypes.bfloat16 if bf16 else np.float32
     gu = (rng.standard_normal((1, 2 * inter, d)) / np.sqrt(d)).astype(dtype)

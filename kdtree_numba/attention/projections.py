@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import float32
 
-from kdtree_numba import compat
+from kdtree_numba import compat, runtime
 from kdtree_numba.attention.tiles import ZERO
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
 
@@ -164,7 +164,8 @@ STREAM_ROWS = 16         # rows per block, at most
 # the demo model's widths (128 KiB of head weights a call) the chains decide: its 17-row
 # verify's per-head products took 8-14 us a launch at 16 rows a block against 2-3 us for a
 # decode's one; at Kimi-K2's (16 MiB in float32) the reads do.  So a call takes as few rows a
-# block as keep its weight reads within this many bytes (stream_rows).
+# block as keep its weight reads within this many bytes (stream_rows), with
+# KDTREE_LEAN_ROUND=1 until a GPU has run it; else as many rows as M has, up to 16.
 STREAM_REREAD_BYTES = 4 << 20
 
 
@@ -255,7 +256,10 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
     """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
     its x fits the static shared memory), else the tiled one; ``kernel_kind`` ("stream",
     "tiled") forces one (tests)."""
-    mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize)
+    if runtime.current().lean_round:
+        mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize)
+    else:
+        mt = min(1 << max(0, (m - 1).bit_length()), STREAM_ROWS)
     stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:

@@ -428,15 +428,14 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
-    SwiGLU; where the weight-streaming kernels take it (the rows "skinny" or "auto" give
-    them) as two skinny :func:`linear` calls around SwiGLU: the one expert's bits (the same
-    core, its threads from K alone) in 3 launches instead of 5 (the routing's fill, the
-    grouping and the combine go), and its rows in parallel blocks, where one expert's block
-    runs its rows' chunks one after another; tiled as the one-expert MoE, its routing (zeros,
-    ones) filled on the device, the same bits as passing that routing; with
-    ``KDTREE_LEAN_ROUND=1`` that routing's grouping is made once per M and the down GEMM
-    writes the output (2 launches, where fill, group, gate_up, down and combine were 5), the
-    same bits again."""
+    SwiGLU; with the other methods as the one-expert MoE, its routing (zeros, ones) filled on
+    the device, the same bits as passing that routing.  With ``KDTREE_LEAN_ROUND=1`` (until
+    a GPU has run it): where the weight-streaming kernels take it (the rows "skinny" or "auto"
+    give them) as two skinny :func:`linear` calls around SwiGLU, the one expert's bits (the
+    same core, its threads from K alone) in 3 launches instead of 5 and its rows in parallel
+    blocks, where one expert's block runs its rows' chunks one after another; tiled, that
+    routing's grouping made once per M and the down GEMM writing the output (2 launches where
+    fill, group, gate_up, down and combine were 5), the same bits again."""
     hd = device_f32(h, "h", 2, stream)
     dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
     ws = workspace if workspace is not None else Workspace()
@@ -479,11 +478,11 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
     tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
                                                     takes_tiled(m, two_im * d)))
-    if dense and not tiled and kind != "i4":
+    lean = dense and method != "mma" and runtime.current().lean_round
+    if lean and not tiled and kind != "i4":
         return _swiglu_linears(hd, gud[0], dnd[0], y, "skinny", stream, ws, "moe.dense")
     # the dense FFN left (tiled, int4): with KDTREE_LEAN_ROUND its constant routing's grouping
     # made once (_dense_lists), where the fill, the grouping and the combine were 3 launches
-    lean = dense and method != "mma" and runtime.current().lean_round
     if dense and not lean:
         idx, wt = _dense_routing(m, ws, stream)
     if method == "mma":
