@@ -23,8 +23,9 @@ Two kinds of switch:
   per-head products at fewer rows a block; the same bits; opt-in until the GPU suite has run
   it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
-  ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS threads (``OPENBLAS_NUM_THREADS``,
-  read when a float32 reference backend is made: kdtree_numba/cpu.py; default 1).
+  ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS
+  threads (``OPENBLAS_NUM_THREADS``, read when a float32 reference backend is made:
+  kdtree_numba/cpu.py; default 1).
 
 An entry point builds the configuration once from its flags and the environment
 (:func:`configure`); library code asks :func:`current`.  Where nothing was configured,

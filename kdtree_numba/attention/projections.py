@@ -169,13 +169,17 @@ STREAM_ROWS = 16         # rows per block, at most
 STREAM_REREAD_BYTES = 4 << 20
 
 
-def stream_rows(m: int, weight_bytes: int) -> int:
-    """Rows of x per streaming block for an M-row call over ``weight_bytes`` of head weights:
-    a power of two, at most STREAM_ROWS.  Any choice gives every row the same bits (each
-    output is one fp32 chain over k ascending), so it is free to follow the cost."""
-    blocks = max(1, STREAM_REREAD_BYTES // max(1, int(weight_bytes)))   # row blocks allowed
+def stream_rows(m: int, weight_bytes: int | None) -> int:
+    """Rows of x per streaming block for an M-row call over ``weight_bytes`` of head weights
+    (None: no re-reads, the one row block of M's rows): a power of two, at most STREAM_ROWS.
+    Any choice gives every row the same bits (each output is one fp32 chain over k
+    ascending), so it is free to follow the cost."""
+    blocks = 1 if weight_bytes is None else \
+        max(1, STREAM_REREAD_BYTES // max(1, int(weight_bytes)))       # row blocks allowed
     rows = -(-int(m) // blocks)
     return min(1 << max(0, (rows - 1).bit_length()), STREAM_ROWS)
+
+
 STREAM_THREADS = 64
 STREAM_UNROLL = 16
 
@@ -256,10 +260,8 @@ def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, 
     """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
     its x fits the static shared memory), else the tiled one; ``kernel_kind`` ("stream",
     "tiled") forces one (tests)."""
-    if runtime.current().lean_round:
-        mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize)
-    else:
-        mt = min(1 << max(0, (m - 1).bit_length()), STREAM_ROWS)
+    lean = runtime.current().lean_round
+    mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize if lean else None)
     stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:

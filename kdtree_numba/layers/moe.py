@@ -478,7 +478,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     # active expert's words once per mt of its tokens (docs/LAYERS.md, "W4A16 experts")
     tiled = kind != "i4" and (method == "tiled" or (method == "auto" and
                                                     takes_tiled(m, two_im * d)))
-    lean = dense and method != "mma" and runtime.current().lean_round
+    lean = dense and runtime.current().lean_round      # (the dense FFN under mma returned)
     if lean and not tiled and kind != "i4":
         return _swiglu_linears(hd, gud[0], dnd[0], y, "skinny", stream, ws, "moe.dense")
     # the dense FFN left (tiled, int4): with KDTREE_LEAN_ROUND its constant routing's grouping
