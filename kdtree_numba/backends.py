@@ -280,7 +280,7 @@ class LatentsByParts:
     """``mla_latents`` and ``mla_q_split`` (reference/layers/latents.py) made of the ops' own
     ``rmsnorm`` and ``rope`` and the copies of ``glue`` (the backend's array module), as the
     model ran them before the fused kernels: the reference backends' ops, and the numba
-    backend's without ``KDTREE_FUSED_LATENTS`` (the same bits as the fused ones).  Methods,
+    backend's with ``KDTREE_FUSED_LATENTS=0`` (the same bits as the fused ones).  Methods,
     not closures, so an :meth:`Ops.replaced` copy's norms and ropes are the ones they call.
     ``into`` (a kvcache.LatentStore): c and k_pe go to its rows instead (bf16 bits for a bf16
     store) and come back as None, as the fused op does."""
@@ -446,7 +446,7 @@ class NumbaOps(LatentsByParts, Ops):
         self.absorb_q, self.apply_uv = wrap(na.absorb_q), wrap(na.apply_uv)
         # one launch each, or (LatentsByParts) the norms, ropes and copies they replace
         self.glue = xp
-        if fused_latents:                           # runtime.py: KDTREE_FUSED_LATENTS=1
+        if fused_latents:                           # runtime.py: KDTREE_FUSED_LATENTS
             self.mla_latents, self.mla_q_split = wrap(nl.mla_latents), wrap(nl.mla_q_split)
         self.topk_logprobs, self.build_tree = wrap(nd.topk_logprobs), wrap(nd.build_tree)
         self.compile_tree, self.accept_greedy = wrap(nd.compile_tree), wrap(nd.accept_greedy)

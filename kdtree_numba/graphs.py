@@ -167,6 +167,17 @@ class GraphCache:
         held now."""
         return collections.Counter(key[0] for key in self._graphs)
 
+    @staticmethod
+    def stored_key(key) -> tuple:
+        """The key a graph of ``key`` is held under now: the lean round's glue
+        (``KDTREE_LEAN_ROUND``) is other work than the full glue's, so never a graph of the
+        other one."""
+        return key if runtime.current().lean_round else key + ("full_glue",)
+
+    def holds(self, key) -> bool:
+        """Whether a call of ``key`` now would replay a captured graph."""
+        return self.stored_key(key) in self._graphs
+
     def call(self, key, fn, inputs, specs, borrow: bool = False, before_capture=None):
         """``fn(*device_inputs)`` through a graph when ``key`` has one or gets one now (its
         second call), else ``None``: the caller then runs it eagerly.  ``inputs`` (host or
@@ -182,9 +193,7 @@ class GraphCache:
         model recorded in it: a device round's drafter, whose attention plans must be made
         inside the capture too)."""
         import cupy
-        if runtime.current().lean_round:
-            # the lean glue is other work than the default's: never a graph of the other one
-            key = key + ("lean_round",)
+        key = self.stored_key(key)
         if cupy.cuda.get_current_stream().ptr != 0:
             # replays are ordered with the caller's work by the legacy stream's implicit
             # synchronisation: a caller on another stream runs eagerly

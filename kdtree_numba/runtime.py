@@ -14,14 +14,13 @@ Two kinds of switch:
   work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
   (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
-  ropes fused into one launch each (``KDTREE_FUSED_LATENTS=1``, kdtree_numba/layers/latents.py,
-  read when a numba backend is made: checked on the GPU, opt-in until the shipped kernel
-  manifest holds them, or a first run would compile them one by one), prefills padded to a
-  few row counts on the GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off),
-  a DDTree round's glue cut to fewer launches (``KDTREE_LEAN_ROUND=1``: index ranges and
-  constants kept, copies the round does not need skipped, the dense FFN as two linears, the
-  per-head products at fewer rows a block; the same bits; opt-in until the GPU suite has run
-  it: docs/ENGINE.md, "Device rounds"), the on-disk kernel cache
+  ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
+  is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
+  GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
+  cut to fewer launches (index ranges and constants kept, copies the round does not need
+  skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
+  same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"), the
+  on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
   ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS
   threads (``OPENBLAS_NUM_THREADS``, read when a float32 reference backend is made:
@@ -87,9 +86,9 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     moe_work_list: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
-    fused_latents: bool = False
+    fused_latents: bool = True
     pad_prefills: bool = True
-    lean_round: bool = False
+    lean_round: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -116,9 +115,9 @@ class RuntimeConfig:
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
-                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", False),
+                   fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
-                   lean_round=_flag(env, "KDTREE_LEAN_ROUND", False),
+                   lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

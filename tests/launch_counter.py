@@ -19,11 +19,11 @@ GPU would make is counted where it is made:
 
 Work inside a numba op (its own host code) is the kernels it launches, nothing else.
 
-    NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=$PWD python3 tests/launch_counter.py [--lean]
+    NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=$PWD python3 tests/launch_counter.py [--full-glue]
 
 prints the table for a tiny pair with the demo pair's structure (a 6-layer target whose first
 layer is dense, a 2-layer DFlash drafter reading layers 1, 3, 5): the counts do not depend on
-the widths.  ``--lean`` sets ``KDTREE_LEAN_ROUND=1`` (docs/ENGINE.md, "Device rounds").
+the widths.  ``--full-glue`` sets ``KDTREE_LEAN_ROUND=0`` (docs/ENGINE.md, "Device rounds").
 """
 from __future__ import annotations
 
@@ -349,14 +349,13 @@ def table(counts: collections.Counter) -> list[tuple[str, int]]:
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lean", action="store_true", help="KDTREE_LEAN_ROUND=1")
+    p.add_argument("--full-glue", action="store_true", help="KDTREE_LEAN_ROUND=0")
     p.add_argument("--budget", type=int, default=4)
     args = p.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         p.error("run with NUMBA_ENABLE_CUDASIM=1 (the counter wraps the CUDA simulator)")
-    if args.lean:
-        os.environ["KDTREE_LEAN_ROUND"] = "1"
-    os.environ.setdefault("KDTREE_FUSED_LATENTS", "1")    # as the GPU runs measured it
+    if args.full_glue:
+        os.environ["KDTREE_LEAN_ROUND"] = "0"
     with installed():
         target, drafter = tiny_pair(*DEMO_LIKE)
         rnd, step, _, _ = round_and_step(target, drafter, args.budget, [[3, 9, 4]])

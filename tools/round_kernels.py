@@ -94,7 +94,7 @@ class Brackets:
         brackets = self
 
         def call(graphs, key, *args, **kwargs):
-            if not brackets.active or key not in graphs._graphs:
+            if not brackets.active or not graphs.holds(key):
                 return original(graphs, key, *args, **kwargs)   # eager or captured now
             begin((1,), (1,), ())
             out = original(graphs, key, *args, **kwargs)

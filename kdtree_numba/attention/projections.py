@@ -164,8 +164,8 @@ STREAM_ROWS = 16         # rows per block, at most
 # the demo model's widths (128 KiB of head weights a call) the chains decide: its 17-row
 # verify's per-head products took 8-14 us a launch at 16 rows a block against 2-3 us for a
 # decode's one; at Kimi-K2's (16 MiB in float32) the reads do.  So a call takes as few rows a
-# block as keep its weight reads within this many bytes (stream_rows), with
-# KDTREE_LEAN_ROUND=1 until a GPU has run it; else as many rows as M has, up to 16.
+# block as keep its weight reads within this many bytes (stream_rows); with
+# KDTREE_LEAN_ROUND=0 as many rows as M has, up to 16.
 STREAM_REREAD_BYTES = 4 << 20
 
 

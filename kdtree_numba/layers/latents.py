@@ -11,8 +11,7 @@ both go through one block reduction whose summation tree depends only on the thr
 (gpu/reduce.py), and the rope's angles and products are rope.py's in float64; so
 the results are bitwise those of the parts (tests/test_latents.py checks it), and a model
 gives the same tokens with the fused ops or without (``KDTREE_FUSED_LATENTS``,
-kdtree_numba/runtime.py: run 147 checked the bits on an H100; opt-in until the shipped kernel
-manifest holds these kernels).
+kdtree_numba/runtime.py, on by default; run 147 checked the bits on an H100).
 """
 from __future__ import annotations
 

@@ -429,8 +429,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
     SwiGLU; with the other methods as the one-expert MoE, its routing (zeros, ones) filled on
-    the device, the same bits as passing that routing.  With ``KDTREE_LEAN_ROUND=1`` (until
-    a GPU has run it): where the weight-streaming kernels take it (the rows "skinny" or "auto"
+    the device, the same bits as passing that routing.  With the lean round
+    (``KDTREE_LEAN_ROUND``, on by default): where the weight-streaming kernels take it (the rows "skinny" or "auto"
     give them) as two skinny :func:`linear` calls around SwiGLU, the one expert's bits (the
     same core, its threads from K alone) in 3 launches instead of 5 and its rows in parallel
     blocks, where one expert's block runs its rows' chunks one after another; tiled, that
