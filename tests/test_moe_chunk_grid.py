@@ -19,6 +19,7 @@ from kdtree_numba.layers import moe
 from kdtree_numba.layers.moe_mma import routed_tile_bound
 from kdtree_numba.layers.common import pow2_ceil
 from kdtree_numba.layers.workspace import Workspace, int4_experts, int4_load_kind
+from ptx_check import HOPPER_PRELUDE
 from test_layers import BF16, moe_case
 from w4a16_cases import U32, g_dense, int4_case, moe_bound, swiglu_abs
 
@@ -254,6 +255,52 @@ def test_narrow_scan_groups_as_the_full_one(layers, monkeypatch, n_experts, top_
             tokens[idx.ravel() == e])
     np.testing.assert_array_equal(token1[slot1], tokens)
     np.testing.assert_array_equal(token0[slot0], tokens)
+
+
+# ------------------------------------------------------------------ registers (sm_90 ptxas)
+
+PTX_SCRIPT = HOPPER_PRELUDE + r"""
+import kdtree_numba.layers as L
+from kdtree_numba.layers.moe import _expert_kernel, expert_chunk_bound
+f2, i1, i64 = T.float32[:, ::1], T.int32[::1], T.int64
+bad = []
+# the demo pair's widths (E 8, k 2) at a verify's and a block's rows, Kimi-K2's at 17 rows
+for m, top_k, n_experts, k_in, gate_up, int4 in (
+        (17, 2, 8, 256, True, False), (17, 2, 8, 128, False, False),
+        (33, 2, 8, 128, False, False), (9, 2, 8, 256, True, True),
+        (17, 8, 384, 7168, True, False), (17, 8, 384, 2048, False, True)):
+    cfg = L.expert_config(m, top_k, n_experts, k_in, gate_up, int4)
+    chunks = expert_chunk_bound(m, top_k, n_experts, cfg.mt)
+    weights = T.uint16[:, :, ::1] if int4 else T.float32[::1]
+    sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], weights, f2, i64, i64, i64)
+    regs = []
+    for recipe in ((), (chunks,)):
+        fn = _expert_kernel(cfg, "i4" if int4 else "bf16", gate_up, 32 if int4 else 0,
+                            *recipe)
+        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+        log = ptxas(ptx)
+        regs.append(int(re.findall(r"Used (\d+) registers", log)[0]))
+        spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+        local = len(re.findall(r"(?:ld|st)\.local", ptx))
+        print(m, top_k, n_experts, k_in, gate_up, int4, cfg.mt, recipe, "regs", regs[-1],
+              "spills", spills, "local", local, flush=True)
+        if spills or local or regs[-1] > (176 if int4 else 144):
+            bad.append((m, n_experts, k_in, gate_up, recipe))
+    if regs[1] > regs[0] + 8:      # a register step: the chunk grid costs next to nothing
+        bad.append((m, n_experts, k_in, gate_up, regs))
+print("BAD", bad)
+print("assembled" if not bad else "failed")
+"""
+
+
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=300)
+def test_chunk_grid_kernels_compile_to_registers_alone():
+    """The chunk grid's expert kernels (the demo's widths, Kimi-K2's) compile for sm_90 with
+    no local memory and no spills, within test_layers' register limits (144; int4 176) and
+    at most one allocation step (8) above the one-chunk kernel's (measured: the same)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(PTX_SCRIPT, timeout=300)
+    assert out.splitlines()[-1] == "assembled", out[-2000:]
 
 
 # ----------------------------------------------------------------------------- GPU twins
