@@ -20,22 +20,10 @@ from kdtree_numba.layers.moe_mma import routed_tile_bound
 from kdtree_numba.layers.common import pow2_ceil
 from kdtree_numba.layers.workspace import Workspace, int4_experts, int4_load_kind
 from ptx_check import HOPPER_PRELUDE
-from test_layers import BF16, moe_case
+from test_layers import BF16, gpu_layers, host, moe_case   # noqa: F401 (a fixture)
 from w4a16_cases import U32, g_dense, int4_case, moe_bound, swiglu_abs
 
 SWITCH = "KDTREE_MOE_CHUNK_GRID"
-
-
-@pytest.fixture(scope="module")
-def layers():
-    if not compat.kernels_runnable():
-        pytest.skip("numba kernels need a GPU or NUMBA_ENABLE_CUDASIM=1")
-    import kdtree_numba.layers as layers
-    return layers
-
-
-def host(a):
-    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
 class LaunchLog:
@@ -139,7 +127,7 @@ CASES = [  # (kind, m, d, inter, E, top_k, routing, C in the simulator, where mt
 
 @pytest.mark.parametrize("kind, m, d, inter, n_experts, top_k, name, sim_chunks", CASES,
                          ids=[f"{c[0]}-M{c[1]}-E{c[4]}k{c[5]}-{c[6]}" for c in CASES])
-def test_chunk_grid_gives_the_one_chunk_grids_bits(layers, monkeypatch, kind, m, d, inter,
+def test_chunk_grid_gives_the_one_chunk_grids_bits(gpu_layers, monkeypatch, kind, m, d, inter,
                                                    n_experts, top_k, name, sim_chunks):
     """gate_up's act and down's y_slot from the same grouped lists under both grids, bit for
     bit, every slot's row written, with the launch shapes expected; then moe_ffn end to end
@@ -188,7 +176,7 @@ def test_chunk_grid_gives_the_one_chunk_grids_bits(layers, monkeypatch, kind, m,
     full = {}
     for on in ("0", "1"):
         monkeypatch.setenv(SWITCH, on)
-        full[on] = host(layers.moe_ffn(h, idx, wt, gud, dnd, method="skinny"))
+        full[on] = host(gpu_layers.moe_ffn(h, idx, wt, gud, dnd, method="skinny"))
     np.testing.assert_array_equal(full["1"].view(np.uint32), full["0"].view(np.uint32))
     check_reference(kind, full["1"], h, idx, wt, gu, dn)
 
@@ -205,7 +193,7 @@ def group_threads(n_entries: int, n_experts: int, chunk_grid: bool) -> int:
 
 @pytest.mark.parametrize("n_experts, top_k, m, tile_rows", [(8, 2, 7, 0), (5, 3, 4, 2),
                                                             (40, 2, 9, 0), (1, 1, 6, 4)])
-def test_narrow_scan_groups_as_the_full_one(layers, monkeypatch, n_experts, top_k, m,
+def test_narrow_scan_groups_as_the_full_one(gpu_layers, monkeypatch, n_experts, top_k, m,
                                             tile_rows):
     """The grouping with the scan over pow2(E) lanes (8 of 32 threads at E 8; all 32 at E
     40, two experts a lane; one lane, no round, for the dense FFN's E 1) writes the lists of

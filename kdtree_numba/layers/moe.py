@@ -185,7 +185,9 @@ def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
 #    per-expert offsets, the compact list of active experts, each entry's slot, each slot's token.
 # 2. expert_gate_up: grid = (active expert, tile of R intermediate rows); the block streams R
 #    gate rows and the R matching up rows of that expert once and applies them to all the
-#    expert's tokens (MT at a time), writing act[slot] = silu(gate h) * (up h).
+#    expert's tokens (MT at a time), writing act[slot] = silu(gate h) * (up h); with
+#    KDTREE_MOE_CHUNK_GRID the grid is (active expert, tile, chunk), each MT-token chunk
+#    (up to expert_chunk_bound of them) in a block of its own.
 # 3. expert_down: same grid over D; y_slot[slot] = down_e act[slot].
 # 4. shared expert: two linear() calls around a silu-mul kernel.
 # 5. combine: out[m] = shared[m] + sum_j weight[m, j] y_slot[slot(m, j)], in j order.
