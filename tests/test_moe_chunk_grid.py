@@ -181,6 +181,28 @@ def test_chunk_grid_gives_the_one_chunk_grids_bits(gpu_layers, monkeypatch, kind
     check_reference(kind, full["1"], h, idx, wt, gu, dn)
 
 
+@pytest.mark.parametrize("kind, lean", [("bf16", "0"), ("i4", "1")])
+def test_dense_ffn_over_the_chunk_grid_keeps_its_bits(gpu_layers, monkeypatch, kind, lean):
+    """The dense FFN on the expert kernel (one expert holding every row, C = ceil(M / mt)):
+    bf16 without the lean round (its device-filled routing grouped), int4 with it (the
+    constant lists, _dense_lists): the switch on gives the bits of the switch off."""
+    monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+    rng = np.random.default_rng(29)
+    h, _, _, gu, dn = expert_inputs(kind, 6, 32, 16, 1, 1, rng)
+    if kind == "i4":
+        gu, dn = int4_experts(gu), int4_experts(dn)
+    log = LaunchLog(monkeypatch)
+    out = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(SWITCH, on)
+        out[on] = host(gpu_layers.moe_ffn(h, None, None, gu, dn, method="skinny"))
+    np.testing.assert_array_equal(out["1"].view(np.uint32), out["0"].view(np.uint32))
+    experts = log.of("_expert_kernel")
+    assert len(experts) == 4
+    for (recipe, grid0, _), (_, grid1, _) in zip(experts[:2], experts[2:]):
+        assert grid1 == grid0 * -(-6 // recipe[0].mt) > grid0
+
+
 def group_threads(n_entries: int, n_experts: int, chunk_grid: bool) -> int:
     """The grouping's block size: 32 in the simulator; 1024 on the GPU, with the chunk grid
     pow2(max(entries, E)) within 32..1024."""
