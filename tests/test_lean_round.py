@@ -113,6 +113,48 @@ def test_the_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m, n
 
 # ----------------------------------------------------------------------------- the GPU
 
+def demo_pair():
+    """(the demo target on the numba backend, its DFlash drafter)."""
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    model = Model.load(demo.TARGET, "numba")
+    return model, DFlashDrafter.load(demo.DRAFTER, model)
+
+
+def demo_runs(monkeypatch, model, drafter, variable, values, budget, temperature):
+    """[(result, committed)] of generate() on 4 held-out prompts, 64 tokens, DDTree device
+    rounds at ``budget`` (CUDA graphs on the GPU), once with ``variable`` set to each of
+    ``values``; committed: every request's committed slots (past them: scratch) of the
+    target's and the drafter's caches."""
+    from kdtree_numba.engine import generate
+    from test_demo_pair import heldout_ids
+    kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
+              seed=5, device_rounds=True)
+    runs = []
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        res = generate(model, heldout_ids(4), 64, **kw)
+        committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
+                                                         drafter.cache)
+                     for a in (cache.c, cache.k_pe) for b, n in enumerate(cache.lengths)]
+        runs.append((res, committed))
+    return runs
+
+
+def assert_same_rounds(runs):
+    """runs (demo_runs of a switch off, on, on): the same tokens and acceptances, the caches'
+    committed bits the same, and the graphs keyed apart (graphs.GraphCache.stored_key): the
+    run with the switch on captures what the run with it off did (a key's second call
+    captures it), and the one after it only the keys the first one called once."""
+    (off, off_caches), (on, on_caches), (again, _) = runs
+    assert on.tokens == off.tokens == again.tokens and on.stats.tau == off.stats.tau
+    for a, b in zip(on_caches, off_caches):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert on.stats.graph_captures == off.stats.graph_captures > 0
+    assert again.stats.graph_captures < on.stats.graph_captures
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature):
@@ -120,36 +162,15 @@ def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's
     context and the target's cache the same bits, and the lean rounds' graphs their own (keyed
     apart from the full glue's: graphs.GraphCache.stored_key)."""
-    from kdtree_numba import demo
-    from kdtree_numba.dflash import DFlashDrafter
     from kdtree_numba.engine import generate
-    from kdtree_numba.model import Model
     from test_demo_pair import heldout_ids
-    model = Model.load(demo.TARGET, "numba")
-    drafter = DFlashDrafter.load(demo.DRAFTER, model)
-    prompts = heldout_ids(4)
+    model, drafter = demo_pair()
     for budget in (8, 16):
-        kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
-                  seed=5, device_rounds=True)
-        runs = []
-        for lean in ("0", "1", "1"):
-            monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
-            res = generate(model, prompts, 64, **kw)
-            # every request's committed slots (past them: scratch) of both caches
-            committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
-                                                             drafter.cache)
-                         for a in (cache.c, cache.k_pe) for b, n in enumerate(cache.lengths)]
-            runs.append((res, committed))
-        (off, off_caches), (on, on_caches), (again, _) = runs
-        assert on.tokens == off.tokens == again.tokens and on.stats.tau == off.stats.tau
+        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_LEAN_ROUND", ("0", "1", "1"),
+                         budget, temperature)
+        assert_same_rounds(runs)
         if temperature == 0:
-            assert on.tokens == generate(model, prompts, 64).tokens
-        for a, b in zip(on_caches, off_caches):
-            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-        # keyed apart: the lean run captures what the full run did (a key's second call
-        # captures it), and the lean run after it only the keys the first one called once
-        assert on.stats.graph_captures == off.stats.graph_captures > 0
-        assert again.stats.graph_captures < on.stats.graph_captures
+            assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens
 
 
 @pytest.mark.gpu

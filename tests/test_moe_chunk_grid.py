@@ -351,3 +351,16 @@ def test_gpu_chunk_grid_at_the_demo_widths_gives_the_same_bits(monkeypatch, kind
             assert grid1 == grid0 * (1 if m == 1 else 3)
         (_, _, threads0), (_, _, threads1) = log.of("_group_kernel")
         assert (threads0, threads1) == (1024, group_threads(m * top_k, n_experts, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_chunk_grid_gives_the_demo_pairs_rounds(monkeypatch, temperature):
+    """The demo pair's DDTree device rounds at budget 16 (17-row verifies) with CUDA graphs,
+    the chunk grid off, on, on: the same tokens and acceptances, the caches' committed bits,
+    and the chunk grid's rounds captured as graphs of their own (the grid is capturable:
+    its bound comes from the shapes alone)."""
+    from test_lean_round import assert_same_rounds, demo_pair, demo_runs
+    model, drafter = demo_pair()
+    assert_same_rounds(demo_runs(monkeypatch, model, drafter, SWITCH, ("0", "1", "1"), 16,
+                                 temperature))

@@ -60,3 +60,21 @@ def test_import_time_switches_cannot_change(monkeypatch):
     with pytest.raises(ValueError, match="unknown runtime switch"):
         runtime.configure(graphs=False)
     runtime.reset()
+
+
+def test_graph_keys_name_the_switches_that_change_a_graphs_launches(monkeypatch):
+    """A graph captured under one setting of the lean round or the MoE chunk grid is never
+    replayed under the other (graphs.GraphCache.stored_key)."""
+    key = ("forward", 17)
+    keys = set()
+    for lean in ("1", "0"):
+        for chunk in ("0", "1"):
+            monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+            monkeypatch.setenv("KDTREE_MOE_CHUNK_GRID", chunk)
+            stored = graphs.GraphCache.stored_key(key)
+            assert stored[:2] == key
+            keys.add(stored)
+    assert len(keys) == 4
+    monkeypatch.delenv("KDTREE_LEAN_ROUND")
+    monkeypatch.delenv("KDTREE_MOE_CHUNK_GRID")
+    assert graphs.GraphCache.stored_key(key) == key       # the defaults: the key itself
