@@ -128,39 +128,62 @@ def test_a_graph_of_the_full_glue_is_never_replayed_by_the_lean_round(monkeypatc
 
 # ----------------------------------------------------------------------------- the GPU
 
+def demo_pair():
+    """(the demo target on the numba backend, its DFlash drafter)."""
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    model = Model.load(demo.TARGET, "numba")
+    return model, DFlashDrafter.load(demo.DRAFTER, model)
+
+
+def demo_runs(monkeypatch, model, drafter, variable, values, budget, temperature):
+    """[(result, committed)] of generate() on 4 held-out prompts, 64 tokens, DDTree device
+    rounds at ``budget`` (CUDA graphs on the GPU), once with ``variable`` set to each of
+    ``values``; committed: every request's committed slots (past them: scratch) of the
+    target's and the drafter's caches."""
+    from kdtree_numba.engine import generate
+    from test_demo_pair import heldout_ids
+    kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
+              seed=5, device_rounds=True)
+    runs = []
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        res = generate(model, heldout_ids(4), 64, **kw)
+        committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
+                                                         drafter.cache)
+                     for a in (cache.c, cache.k_pe) for b, n in enumerate(cache.lengths)]
+        runs.append((res, committed))
+    return runs
+
+
+def assert_same_rounds(runs):
+    """runs (demo_runs of a switch off, on, on): the same tokens and acceptances, the caches'
+    committed bits the same, the last run replaying graphs.  (How many graphs a run captures
+    depends on which keys the run before it called once, so no count is asserted: the keying
+    is test_a_graph_of_the_full_glue_is_never_replayed_by_the_lean_round's.)"""
+    (off, off_caches), (on, on_caches), (again, _) = runs
+    assert on.tokens == off.tokens == again.tokens and on.stats.tau == off.stats.tau
+    for a, b in zip(on_caches, off_caches):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert again.stats.graph_replays > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature):
     """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's
     context and the target's cache the same bits."""
-    from kdtree_numba import demo
-    from kdtree_numba.dflash import DFlashDrafter
     from kdtree_numba.engine import generate
-    from kdtree_numba.model import Model
     from test_demo_pair import heldout_ids
-    model = Model.load(demo.TARGET, "numba")
-    drafter = DFlashDrafter.load(demo.DRAFTER, model)
-    prompts = heldout_ids(4)
+    model, drafter = demo_pair()
     for budget in (8, 16):
-        kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
-                  seed=5, device_rounds=True)
-        runs = []
-        for lean in ("0", "1", "1"):
-            monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
-            res = generate(model, prompts, 64, **kw)
-            # every request's committed slots (past them: scratch) of both caches
-            committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
-                                                             drafter.cache)
-                         for a in (cache.c, cache.k_pe) for b, n in enumerate(cache.lengths)]
-            runs.append((res, committed))
-        (off, off_caches), (on, on_caches), (again, _) = runs
-        assert on.tokens == off.tokens == again.tokens and on.stats.tau == off.stats.tau
+        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_LEAN_ROUND", ("0", "1", "1"),
+                         budget, temperature)
+        assert_same_rounds(runs)
         if temperature == 0:
-            assert on.tokens == generate(model, prompts, 64).tokens
-        for a, b in zip(on_caches, off_caches):
-            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-        assert again.stats.graph_replays > 0
+            assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@
     python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
     python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
     python3 tools/bench_layers.py --only int4     (the W4A16 MoE vs bf16 experts, < 90 s)
+    python3 tools/bench_layers.py --only moe_chunk (the MoE chunk grid at the demo's widths)
 
 * linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
   7168->1536, 7168->576, 2048->7168, 7168->163840, weights fp32 and bf16, against CuPy matmul
@@ -38,6 +39,11 @@
   rate, 2 * 3 I D (M k + M) / 51 TFLOP/s); then the same M = 1 call with the 384 experts in
   bf16 (33.8 GB, allocated after the int4 ones are freed): "vs_bf16" is how much faster int4
   is (goal >= 2.3x; the bytes roof's ratio 2.77x).  < 90 s.
+* moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
+  pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
+  and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,
+  alternately (the grouping, gate_up, down and the combine: the switch's whole effect; the
+  weights stay in L2, as in the demo's rounds).  < 30 s.
 
 The tiles and plans that lost to the defaults, the skinny kernel's sweep, and the "variants"
 section that times them: ``python3 dev/cuda/layers.py bench`` (it runs this script with them).
@@ -88,6 +94,8 @@ MOE_MMA_BUDGET_S = 80.0
 INT4_MS = (1, 33, 65)
 INT4_GROUP = 32                # Kimi-K2's checkpoints
 INT4_BUDGET_S = 80.0
+DEMO_MOE = dict(n_experts=8, top_k=2, d=256, inter=128)        # docs/DEMO.md: the target's MoE
+MOE_CHUNK_MS = (1, 9, 17, 33)
 
 
 # ============================================================================ timing
@@ -405,6 +413,44 @@ def _environment(**values):
                 os.environ[k] = v
 
 
+def bench_moe_chunk(ctx, results, deadline):
+    """moe_ffn(method="skinny") at DEMO_MOE with the chunk grid off and on (module docstring):
+    the two timed alternately, three rounds of 3 trials each, the median of each's trials."""
+    cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
+    n_experts, top_k, d, inter = (DEMO_MOE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    rng = np.random.default_rng(11)
+    gate_up = nb(cp.full((n_experts, 2 * inter, d), 0x3C00, cp.uint16))     # bf16 0.0078
+    down = nb(cp.full((n_experts, d, inter), 0x3C00, cp.uint16))
+    for m in MOE_CHUNK_MS:
+        h = nb(cp.asarray(rng.standard_normal((m, d)).astype(np.float32)))
+        w = nb(cp.asarray(rng.uniform(0.1, 1.0, (m, top_k)).astype(np.float32)))
+        spread = np.sort(np.stack([rng.choice(n_experts, top_k, replace=False)
+                                   for _ in range(m)]), axis=1)
+        popular = np.sort(np.stack([[3, e] for e in rng.choice([0, 1, 2, 4, 5, 6, 7], m)]),
+                          axis=1)
+        out, ws = nb(cp.empty((m, d), cp.float32)), layers.Workspace()
+        for routing, idx in (("spread", spread), ("popular", popular)):
+            if time.perf_counter() > deadline:
+                print(f"\n(moe_chunk: time budget, stopped before M={m} {routing})")
+                return
+            index = nb(cp.asarray(idx.astype(np.int32)))
+            samples = {"0": [], "1": []}
+            for _ in range(3):
+                for grid in ("0", "1"):
+                    with _environment(KDTREE_MOE_CHUNK_GRID=grid):
+                        t, hb = timer([lambda: layers.moe_ffn(h, index, w, gate_up, down,
+                                                              out=out, workspace=ws,
+                                                              method="skinny")], trials=3)
+                    samples[grid].append((t, hb))
+            t_off = statistics.median(t for t, _ in samples["0"])
+            for grid, name in (("0", "one-chunk grid"), ("1", "chunk grid")):
+                t = statistics.median(t for t, _ in samples[grid])
+                results.append(dict(section="moe_chunk", M=m, routing=routing, variant=name,
+                                    us=t * 1e6, vs_default=t_off / t,
+                                    host_bound=any(hb for _, hb in samples[grid])))
+                print_row(results[-1])
+
+
 def bench_moe_mma(ctx, results, deadline):
     """moe_ffn(method="mma") beside the default method, router-picked and uniform routings."""
     cp, cuda = ctx["cp"], ctx["cuda"]
@@ -616,6 +662,7 @@ COLUMNS = {
             "roof_frac", "gbps", "host_bound"],
     "moe_mma": ["M", "routing", "variant", "experts_read", "us", "vs_default", "weight_bytes",
                 "roof_us", "bound", "roof_frac", "gbps", "tflops", "config", "host_bound"],
+    "moe_chunk": ["M", "routing", "variant", "us", "vs_default", "host_bound"],
     "int4": ["M", "routing", "variant", "experts_read", "us", "weight_bytes", "roof_us",
              "bound", "roof_frac", "gbps", "vs_bf16", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
@@ -693,7 +740,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--only", default="linear,moe,norm,rope",
                         help="comma-separated sections (default: all but mma, moe_mma, "
-                             "int4)")
+                             "int4, moe_chunk)")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
     t_start = time.perf_counter()
@@ -712,7 +759,8 @@ def main(argv=None) -> int:
             ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S)),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
                                               time.perf_counter() + MOE_MMA_BUDGET_S)),
-            ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S))]
+            ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S)),
+            ("moe_chunk", lambda: bench_moe_chunk(ctx, results, time.perf_counter() + 60))]
     for name, fn in plan:
         if name not in sections and not (name == "norm" and "rope" in sections) \
                 and not (name == "linear" and "variants" in sections):

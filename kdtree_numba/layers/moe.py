@@ -32,7 +32,7 @@ from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, d
 from reference.layers import check_routing_args, is_dense
 
 __all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "expert_config",
-           "expert_tiled_configs"]
+           "expert_chunk_bound", "expert_tiled_configs"]
 
 # ============================================================================ MoE routing
 
@@ -185,29 +185,38 @@ def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
 #    per-expert offsets, the compact list of active experts, each entry's slot, each slot's token.
 # 2. expert_gate_up: grid = (active expert, tile of R intermediate rows); the block streams R
 #    gate rows and the R matching up rows of that expert once and applies them to all the
-#    expert's tokens (MT at a time), writing act[slot] = silu(gate h) * (up h).
+#    expert's tokens (MT at a time), writing act[slot] = silu(gate h) * (up h); with
+#    KDTREE_MOE_CHUNK_GRID the grid is (active expert, tile, chunk), each MT-token chunk
+#    (up to expert_chunk_bound of them) in a block of its own.
 # 3. expert_down: same grid over D; y_slot[slot] = down_e act[slot].
 # 4. shared expert: two linear() calls around a silu-mul kernel.
 # 5. combine: out[m] = shared[m] + sum_j weight[m, j] y_slot[slot(m, j)], in j order.
 # Entry order inside an expert (atomics) varies, results do not: every slot has its own sums.
 
 @kernel_factory
-def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
+def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0, lanes: int = 0):
     """The grouping (one block).  ``tile_rows`` > 0 also writes the work list of the grouped
     tensor-core kernels (moe_mma.py): each active expert's ``ceil(count / tile_rows)`` M tiles
     in expert order, ``tile_expert[t]``, ``tile_row[t]`` (its first slot row), and their
-    number ``n_tiles[0]``; with 0 those three arguments are placeholders, never touched."""
-    seg = -(-n_experts // threads)
+    number ``n_tiles[0]``; with 0 those three arguments are placeholders, never touched.
+    ``lanes`` (0: all the threads): the threads that sum and scan the per-expert counts, the
+    first ``lanes`` of the block; the scan takes log2(lanes) rounds of two block barriers,
+    where 1024 threads over the demo's 8 experts took 10 (``KDTREE_MOE_CHUNK_GRID``: lanes
+    from E alone, _group_shape).  The lists do not depend on it: the same prefix sums."""
+    lanes = lanes or threads
+    narrow = lanes < threads           # (a constant: the full-width scan's code as it was)
+    seg = -(-n_experts // lanes)
 
     @kernel
     def group_by_expert(idx_flat, top_k, offsets, active, n_active, slot_of_entry,
                         token_of_slot, tile_expert, tile_row, n_tiles):
         count = cuda.shared.array(n_experts, np.int32)
         start = cuda.shared.array(n_experts, np.int32)
-        scan_c = cuda.shared.array(threads, np.int32)
-        scan_a = cuda.shared.array(threads, np.int32)
-        scan_t = cuda.shared.array(threads, np.int32)
+        scan_c = cuda.shared.array(lanes, np.int32)
+        scan_a = cuda.shared.array(lanes, np.int32)
+        scan_t = cuda.shared.array(lanes, np.int32)
         t = cuda.threadIdx.x
+        scans = not narrow or t < lanes
         n_entries = idx_flat.shape[0]
         for e in range(t, n_experts, threads):
             count[e] = 0
@@ -220,42 +229,49 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
         mine_c = 0
         mine_a = 0
         mine_t = 0
-        for e in range(t * seg, min(t * seg + seg, n_experts)):
-            mine_c += count[e]
-            mine_a += 1 if count[e] > 0 else 0
-            if tile_rows > 0:
-                mine_t += (count[e] + tile_rows - 1) // tile_rows
-        scan_c[t] = mine_c
-        scan_a[t] = mine_a
-        scan_t[t] = mine_t
+        if scans:       # a thread past the lanes holds no experts: t * seg >= n_experts
+            for e in range(t * seg, min(t * seg + seg, n_experts)):
+                mine_c += count[e]
+                mine_a += 1 if count[e] > 0 else 0
+                if tile_rows > 0:
+                    mine_t += (count[e] + tile_rows - 1) // tile_rows
+            scan_c[t] = mine_c
+            scan_a[t] = mine_a
+            scan_t[t] = mine_t
         cuda.syncthreads()
         offset = 1
-        while offset < threads:        # Hillis-Steele inclusive scan of the three totals
-            vc = scan_c[t] + (scan_c[t - offset] if t >= offset else 0)
-            va = scan_a[t] + (scan_a[t - offset] if t >= offset else 0)
-            vt = scan_t[t] + (scan_t[t - offset] if t >= offset else 0)
+        while offset < lanes:          # Hillis-Steele inclusive scan of the three totals
+            vc = 0
+            va = 0
+            vt = 0
+            if scans:
+                vc = scan_c[t] + (scan_c[t - offset] if t >= offset else 0)
+                va = scan_a[t] + (scan_a[t - offset] if t >= offset else 0)
+                vt = scan_t[t] + (scan_t[t - offset] if t >= offset else 0)
             cuda.syncthreads()
-            scan_c[t] = vc
-            scan_a[t] = va
-            scan_t[t] = vt
+            if scans:
+                scan_c[t] = vc
+                scan_a[t] = va
+                scan_t[t] = vt
             cuda.syncthreads()
             offset *= 2
-        at_c = scan_c[t] - mine_c
-        at_a = scan_a[t] - mine_a
-        at_t = scan_t[t] - mine_t
-        for e in range(t * seg, min(t * seg + seg, n_experts)):
-            start[e] = at_c
-            offsets[e] = at_c
-            if count[e] > 0:
-                active[at_a] = e
-                at_a += 1
-            if tile_rows > 0:
-                for r0 in range(0, count[e], tile_rows):
-                    tile_expert[at_t] = e
-                    tile_row[at_t] = r0
-                    at_t += 1
-            at_c += count[e]
-        if t == threads - 1:
+        if scans:
+            at_c = scan_c[t] - mine_c
+            at_a = scan_a[t] - mine_a
+            at_t = scan_t[t] - mine_t
+            for e in range(t * seg, min(t * seg + seg, n_experts)):
+                start[e] = at_c
+                offsets[e] = at_c
+                if count[e] > 0:
+                    active[at_a] = e
+                    at_a += 1
+                if tile_rows > 0:
+                    for r0 in range(0, count[e], tile_rows):
+                        tile_expert[at_t] = e
+                        tile_row[at_t] = r0
+                        at_t += 1
+                at_c += count[e]
+        if t == lanes - 1:
             offsets[n_experts] = scan_c[t]
             n_active[0] = scan_a[t]
             if tile_rows > 0:
@@ -273,10 +289,15 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0):
 
 
 @kernel_factory
-def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0):
+def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
+                   chunks: int = 1):
     """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
     kinds (``group``: the weights' group size) read the expert's words and scales, the other
-    kinds its rows (``s3`` is then a placeholder)."""
+    kinds its rows (``s3`` is then a placeholder).  ``chunks``: blocks per (active expert, N
+    tile), adjacent in the grid; block c of them takes the expert's mt-token chunks c,
+    c + chunks, ... (1: today's grid, every chunk in one block one after another; the
+    chunk grid, ``KDTREE_MOE_CHUNK_GRID``, passes :func:`expert_chunk_bound`).  Each output
+    is one block's reduction over K whichever block holds its chunk: the same bits."""
     mt, r_out, threads = cfg.mt, cfg.rows, cfg.threads
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
@@ -305,11 +326,15 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0)
         c1: the accumulate loop's chunks of a row."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
-        a = cuda.blockIdx.x // tiles
+        # block = (active slot a, N tile, chunk c), c fastest: a tile's chunk blocks run side
+        # by side and read its weight rows from L2 after the first (chunks 1: c = 0)
+        at = cuda.blockIdx.x // chunks
+        c = cuda.blockIdx.x - at * chunks
+        a = at // tiles
         if a >= n_active[0]:
             return
         e = active[a]
-        o0 = (cuda.blockIdx.x - a * tiles) * r_out
+        o0 = (at - a * tiles) * r_out
         wrows = cuda.local.array(nr, np.int32)
         xrows = cuda.local.array(mt, np.int32)
         acc = cuda.local.array(nacc, np.float32)
@@ -319,7 +344,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0)
                 wrows[r_out + r] = n_out + min(o0 + r, n_out - 1)
         t = cuda.threadIdx.x
         s_end = offsets[e + 1]
-        for s0 in range(offsets[e], s_end, mt):
+        for s0 in range(offsets[e] + c * mt, s_end, chunks * mt):   # none: the block exits
             for m in range(mt):
                 if s0 + m < s_end:
                     xrows[m] = token_of_slot[s0 + m] if gate_up else s0 + m
@@ -386,6 +411,25 @@ def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
     if int4:   # a chunk is 4 words and a scale; unroll 2 took 168+ registers (ptxas, sm_90)
         return SkinnyConfig(mt=mt, rows=rows, threads=int4_threads(k_in), unroll=1)
     return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
+
+
+def expert_chunk_bound(m: int, top_k: int, n_experts: int, mt: int) -> int:
+    """Blocks per (active expert, N tile) of the chunk grid (``KDTREE_MOE_CHUNK_GRID``):
+    min(ceil(M / mt), ceil(2 R / A)), from the shapes alone (no routing read on the host, so
+    a CUDA graph captures the launch).  A = min(E, M k) slots, R = moe_mma.routed_tile_bound
+    the most mt-chunks any routing of the M k entries needs in all.  An expert holds at most
+    M tokens (a token picks k distinct experts), so ceil(M / mt) blocks take every chunk of
+    every expert at once; the second term caps the (slot, chunk) blocks at
+    A * ceil(2R / A) < 2R + A where at most R can work, so the blocks that exit at once stay
+    within about twice the most that work.  Where it binds (many experts, few tokens each:
+    Kimi-K2 at a verify's rows, R = A, 2 blocks), an expert past 2 chunks runs the rest in
+    its blocks' loop, ceil(chunks / 2) one after another where it ran all of them; so does a
+    routing that repeats an expert in a row.  The demo pair (E 8, k 2) gets 3 at M = 9, 17
+    and 33: every chunk in a block of its own.  Never below 1."""
+    n_entries = m * top_k
+    slots = max(1, min(n_experts, n_entries))
+    need = routed_tile_bound(n_entries, n_experts, mt)
+    return max(1, min(-(-m // mt), -(-2 * need // slots)))
 
 
 def _expert_tile() -> TiledConfig:
@@ -571,6 +615,21 @@ def _dense_lists(m: int):
             to_device(np.zeros(1, np.int32)), to_device(np.ones(1, np.int32)))
 
 
+def _group_shape(n_entries: int, n_experts: int) -> tuple[int, int]:
+    """(threads, scan lanes) of the grouping: 1024 threads scanning (32 in the simulator);
+    with ``KDTREE_MOE_CHUNK_GRID`` the threads from the M k entries and E (a power of two,
+    32 to 1024: every entry and expert a thread where they fit), the scan over pow2(E) of
+    them.  Fewer threads change only the order of the atomics that number an expert's
+    entries, which moves no output bit (every slot has its own sums, the combine goes in
+    entry order); the lanes change nothing at all."""
+    threads = 32 if SIMULATOR else 1024
+    if not runtime.current().moe_chunk_grid:
+        return threads, threads
+    if not SIMULATOR:
+        threads = min(threads, max(32, pow2_ceil(max(n_entries, n_experts))))
+    return threads, min(threads, pow2_ceil(n_experts))
+
+
 def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):
     """The device-side grouping of the M * k (token, expert) entries by expert: returns
     (slot_of_entry, (token_of_slot, offsets, active, n_active), tiles), the lists every
@@ -589,9 +648,10 @@ def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):
         tiles = (ws.get("moe.tile_expert", (bound,), np.int32, stream),
                  ws.get("moe.tile_row", (bound,), np.int32, stream),
                  ws.get("moe.n_tiles", (1,), np.int32, stream))
-    threads = 32 if SIMULATOR else 1024
+    threads, lanes = _group_shape(n_entries, n_experts)
+    recipe = (n_experts, threads, tile_rows) + ((lanes,) if lanes < threads else ())
     # without a work list, any int32 arrays stand for its three (the kernel never reads them)
-    _group_kernel(n_experts, threads, tile_rows)[1, threads, stream](
+    _group_kernel(*recipe)[1, threads, stream](
         idx.reshape(n_entries), idx.shape[1], offsets, active, n_active, slot_of_entry,
         token_of_slot, *(tiles or (active, active, n_active)))
     return slot_of_entry, (token_of_slot, offsets, active, n_active), tiles
@@ -670,10 +730,14 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
     ``kind`` "i4": gud and dnd are device :class:`Int4Experts` (W4A16, the nibbles unpacked
     and scaled in registers)."""
     n_experts, d, inter = dnd.shape
+    chunk_grid = runtime.current().moe_chunk_grid
     for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
             (True, hd, gud, act, inter, d), (False, act, dnd, y_slot, d, inter)):
         cfg = expert_config(m, top_k, n_experts, k_in, is_gate_up, kind == "i4")
         tiles = -(-n_out // cfg.rows)
+        # KDTREE_MOE_CHUNK_GRID: an expert's mt-token chunks in blocks of their own; one
+        # chunk block asks for the one-chunk grid's kernel itself (the same recipe)
+        chunks = expert_chunk_bound(m, top_k, n_experts, cfg.mt) if chunk_grid else 1
         if kind == "i4":
             load_kind = int4_load_kind(k_in, x_in, w3)
             weights, c1, group = (w3.words, w3.scale), int4_chunks(k_in), w3.group_size
@@ -681,8 +745,8 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
             load_kind = load_kind_for(kind, k_in, x_in, w3)
             weights, c1, group = (kernel_weight(w3, load_kind), placeholder()), \
                 -(-k_in // CHUNK), 0
-        _expert_kernel(cfg, load_kind, is_gate_up, group)[max_active * tiles, cfg.threads,
-                                                           stream](
+        recipe = (cfg, load_kind, is_gate_up, group) + ((chunks,) if chunks > 1 else ())
+        _expert_kernel(*recipe)[max_active * tiles * chunks, cfg.threads, stream](
             x_in, *lists, *weights, out_buf, n_out, c1, tiles)
 
 
