@@ -48,7 +48,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS",
-             "KDTREE_LEAN_ROUND", "KDTREE_KERNEL_CACHE",
+             "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -89,6 +89,7 @@ class RuntimeConfig:
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
+    auto_v2: bool = False       # --budget auto's second policy (issue 36)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -118,6 +119,7 @@ class RuntimeConfig:
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
+                   auto_v2=_flag(env, "KDTREE_AUTO_V2", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
