@@ -19,28 +19,26 @@ graph: kdtree_numba/graphs.py); its tau is a running mean that forgets (``decay`
 the text.
 
 With ``KDTREE_AUTO_V2=1`` (``runtime.current().auto_v2`` when the policy is made, or
-``v2=True``; issue 36: on the GPU auto lost ~25% to the best fixed budget), two more rules:
+``v2=True``; issue 36: on the GPU auto lost ~25% to the best fixed budget):
 
 * **Only replayed rounds are costs.**  The engine says of each round whether it replayed a
   captured CUDA graph (``observe(..., steady=True)``) or ran eagerly or captured one
   (``steady=False``: an eager round launches its ~200 kernels from Python, ~0.1 s, a hundred
   replayed rounds' time); an unsteady round's tau counts, its seconds do not (unless a
   budget's rounds stay unsteady past :data:`WARM_ROUNDS` in a row: then that is its cost),
-  and where the engine knows (``steady`` not None) no round is set aside as warm-up.  Without graphs
-  (``steady=None``: the CPU, the simulator) the :data:`WARM_ROUNDS` rule stays.
-* **A first probe must be able to pay.**  An unmeasured neighbour n of the best budget b is
-  probed only when an optimistic extrapolation from b and its measured other neighbour m says
-  n could beat b: tau concave in log(budget) (a doubling gains no more than the last one did),
-  the cost at least linear in the nodes past m's slope (:meth:`AutoBudget.could_pay`).  On the
-  demo pair (cost 0.66 / 0.74 / 0.86 ms and tau 3.9 / 4.5 / 4.8 at 8 / 16 / 32) that keeps
-  it off 64..256 (each a slower round, and on the GPU a CUDA graph per cache it runs in)
-  and off 4 and 2.  The periodic re-probes still visit both neighbours of the best.
+  and where the engine knows (``steady`` not None) no round is set aside as warm-up.
+  Without graphs (``steady=None``: the CPU, the simulator) the :data:`WARM_ROUNDS` rule
+  stays.
+* **Room for every candidate's round graph.**  The device round's CUDA graphs are kept per
+  budget and per (target cache, drafter cache) pair: kdtree_numba/graphs.py keeps 64 of that
+  kind instead of 24, so the graphs a warm-up captured for every candidate are still there
+  when the timed rounds probe them (a probe is then one replayed round, not an eager round
+  and a capture).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from statistics import median
 
 from kdtree_numba import runtime
@@ -103,7 +101,7 @@ class BudgetEstimate:
 class AutoBudget:
     """Chooses each round's budget (module docstring).  ``next_budget()`` before a round,
     ``observe(budget, seconds, tau, steady=None)`` after it; ``summary()`` for the stats.
-    ``v2``: the two rules of ``KDTREE_AUTO_V2`` (None: ``runtime.current().auto_v2``)."""
+    ``v2``: ``KDTREE_AUTO_V2``'s steady costs (None: ``runtime.current().auto_v2``)."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int = 32, reprobe: int = 16,
                  decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None):
@@ -139,38 +137,15 @@ class AutoBudget:
             return self.start
         return max(done, key=lambda b: (self.est[b].rate(), -b))
 
-    def could_pay(self, n: int, b: int) -> bool:
-        """Whether the unmeasured neighbour ``n`` of the best budget ``b`` could beat it, on an
-        optimistic extrapolation from ``b`` and its other neighbour ``m`` (module docstring):
-        tau(n) <= tau(b) + (tau(b) - tau(m)) * log(n / b) / log(b / m) (tau concave in
-        log(budget)), cost(n) >= cost(b) + slope * (n - b) with slope = (cost(b) - cost(m))
-        / (b - m) clipped to >= 0 (at least linear in the nodes): True where the bound beats
-        rate(b), or where ``m`` is not measured yet (no evidence)."""
-        others = [m for m in self._neighbours(b) if m != n]
-        if not others or not self._measured(others[0]):
-            return True
-        m, eb = others[0], self.est[b]
-        em = self.est[m]
-        slope_tau = (eb.tau - em.tau) / math.log(b / m)          # per unit of log(budget)
-        slope_cost = max((eb.cost() - em.cost()) / (b - m), 0.0)
-        tau = eb.tau + slope_tau * math.log(n / b)
-        cost = eb.cost() + slope_cost * (n - b)
-        if cost <= 0:
-            return True
-        return tau / cost > eb.rate()
-
     def next_budget(self) -> int:
         best = self.best()
         if not self._measured(best):
             return best
         for n in self._neighbours(best):
-            if not self._measured(n) and (not self.v2 or self.could_pay(n, best)):
+            if not self._measured(n):
                 return n
         if self.reprobe and self.round % self.reprobe == self.reprobe - 1:
-            near = self._neighbours(best)
-            if self.v2:        # a neighbour never measured, as it could not pay, stays so
-                near = [n for n in near if self._measured(n)]
-            return min(near or [best], key=lambda b: self.est[b].last_round)
+            return min(self._neighbours(best) or [best], key=lambda b: self.est[b].last_round)
         return best
 
     def observe(self, budget: int, seconds: float, tau: float,
