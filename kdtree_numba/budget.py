@@ -23,8 +23,8 @@ With ``KDTREE_AUTO_V2=1`` (``runtime.current().auto_v2`` when the policy is made
 
 * **Only replayed rounds are costs.**  The engine says of each round whether it replayed a
   captured CUDA graph (``observe(..., steady=True)``) or ran eagerly or captured one
-  (``steady=False``: an eager round launches its ~200 kernels from Python, ~0.1 s, a hundred
-  replayed rounds' time); an unsteady round's tau counts, its seconds do not (unless a
+  (``steady=False``: an eager round launches its ~200 kernels one by one from Python, the
+  time of many replayed rounds); an unsteady round's tau counts, its seconds do not (unless a
   budget's rounds stay unsteady past :data:`WARM_ROUNDS` in a row: then that is its cost),
   and where the engine knows (``steady`` not None) no round is set aside as warm-up.
   Without graphs (``steady=None``: the CPU, the simulator) the :data:`WARM_ROUNDS` rule

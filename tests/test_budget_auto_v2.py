@@ -4,7 +4,8 @@ rounds) with one policy kept across 128 prompts of ~30 rounds, as tools/bench_de
 row keeps it.  The round graphs are modelled by GraphCache's rules (a key's second call
 captures, the least recently used of a kind dropped: ``graphs.evicted``) over the keys a
 device round makes (a budget in a (target cache, drafter cache) pair), with an eager round
-and a capture each costing what ~200 launches from Python do.  Then KDTREE_AUTO_V2's steady
+and a capture each costing an assumed 50 ms (~200 launches one by one from Python; not
+measured here).  Then KDTREE_AUTO_V2's steady
 costs, the engine's steady flags, and top-K's k per round."""
 from __future__ import annotations
 
@@ -256,3 +257,36 @@ def test_top_k_takes_each_rounds_own_budget(monkeypatch, device_rounds):
     res = generate_ddtree(target, drafter, policy, device_rounds, prompts=([5, 6, 7], [9, 8]))
     assert {b for _, b in seen} == {4, 8, 24} and len(seen) >= res.stats.rounds
     assert all(k == min(b, 16) for k, b in seen)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_v2_rounds_replay_and_are_told_so(monkeypatch):
+    """The demo pair's device rounds on the GPU with KDTREE_AUTO_V2, every round another of
+    the 8 candidates: the first generation runs each budget eagerly, then captures it; the
+    next ones tell the policy every round replayed (the real graph counts), and the third
+    captures nothing at all (the second captured the prompt's prefill, a key of auto's cache
+    seen twice); the tokens are AR's each time."""
+    monkeypatch.setenv("KDTREE_AUTO_V2", "1")
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    from tests.test_demo_pair import heldout_ids
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(1)
+    want = generate(model, prompts, 128).tokens
+    told = []
+    for _ in range(3):
+        policy = _Recording(DEFAULT_CANDIDATES)
+        res = generate(model, prompts, 128, method="ddtree", drafter=drafter, budget=policy,
+                       device_rounds=True)
+        assert res.tokens == want
+        told.append(policy.told)
+    assert res.stats.graph_captures == 0 and res.stats.rounds >= 16
+    assert model.graphs.kinds()["round"] >= len(DEFAULT_CANDIDATES)
+    for later in told[1:]:
+        assert [s for _, s in later] == [True] * len(later)
+    first = told[0]
+    assert [s for _, s in first[:2 * len(DEFAULT_CANDIDATES)]] == \
+        [False] * (2 * len(DEFAULT_CANDIDATES))          # each budget's eager run, its capture
