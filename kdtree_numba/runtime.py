@@ -19,8 +19,10 @@ Two kinds of switch:
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
   cut to fewer launches (index ranges and constants kept, copies the round does not need
   skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
-  same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"), the
-  on-disk kernel cache
+  same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"),
+  ``--budget auto``'s second policy (``KDTREE_AUTO_V2=1``, off until a GPU run measures it:
+  only rounds that replayed a CUDA graph timed, kdtree_numba/budget.py, and room for a round
+  graph per candidate in every cache pair, kdtree_numba/graphs.py), the on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
   ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS
   threads (``OPENBLAS_NUM_THREADS``, read when a float32 reference backend is made:
