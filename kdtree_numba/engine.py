@@ -355,6 +355,15 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
 
 
+def _replayed(before, after) -> bool | None:
+    """Whether the one graph call between two ``model.graph_counts()`` (captures, replays)
+    replayed a captured graph: False where it captured one (a capture replays it at once) or
+    ran eagerly, None where graphs are off."""
+    if before is None or after is None:
+        return None
+    return after[0] == before[0] and after[1] == before[1] + 1
+
+
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
                    timer, stats, after_step, policy: AutoBudget | None = None,
                    draft_temperature: float = 1.0) -> None:
@@ -377,15 +386,17 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
                                          table, draft_temperature)
-    budgets = []                        # of the rounds in flight, oldest first
+    budgets = []                        # of the rounds in flight, oldest first: [b, launch s,
+    # steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
 
     def launch(active) -> float:
         """The round's launch; its wall time."""
         b = policy.next_budget() if policy else budget
+        before = model.graph_counts()
         t = time.perf_counter()
         rounds.launch(active, b)
         launched = time.perf_counter() - t
-        budgets.append((b, launched))
+        budgets.append([b, launched, _replayed(before, model.graph_counts())])
         timer.lap("round")
         return launched
     try:
@@ -398,7 +409,11 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             # the next round goes in before this one is read
             next_launch = launch(ahead) if ahead.any() else 0.0
             packed, ran = rounds.collect()
-            b, own_launch = budgets.pop(0)
+            b, own_launch, steady = budgets.pop(0)
+            if steady and ahead.any() and budgets[-1][2] is False:
+                # the next launch ran eagerly (or captured) while this round ran: the read
+                # came early, so the device time its cost subtracts is not the round's own
+                steady = False
             now = time.perf_counter()
             cost, read_end = now - read_end - next_launch + own_launch, now
             running = ran & req.active
@@ -408,7 +423,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             stats.tau.append([int(packed[b_, 0]) for b_ in np.flatnonzero(running)])
             stats.budgets.append(b)
             if policy:
-                policy.observe(b, cost, float(np.mean(stats.tau[-1])))
+                policy.observe(b, cost, float(np.mean(stats.tau[-1])), steady=steady)
             stats.rounds += 1
             for b in np.flatnonzero(running):
                 req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
@@ -570,14 +585,20 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         while req.active.any():
             with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
                 b = policy.next_budget() if policy else budget
+                before = model.graph_counts()
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
                               k, needs, on_round, while_verifying=report_owed,
                               draft_temperature=t_d)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
+                    after = model.graph_counts()
+                    # a round of several graphs: one that captured is not steady; whether
+                    # any step ran eagerly for its first time is not known (WARM_ROUNDS)
                     policy.observe(b, time.perf_counter() - t_round,
-                                   float(np.mean(stats.tau[-1])))
+                                   float(np.mean(stats.tau[-1])),
+                                   steady=None if before is None or after[0] == before[0]
+                                   else False)
             stats.rounds += 1
             owed = True
         report_owed()

@@ -60,7 +60,7 @@ from kdtree_numba import runtime
 from kdtree_numba.backends import map_arrays
 from kdtree_numba.compat import cuda as numba_cuda    # numba.cuda, after compat's numpy fix
 
-__all__ = ["GraphCache", "graphs_enabled"]
+__all__ = ["GraphCache", "graphs_enabled", "max_graphs", "evicted"]
 
 # captured graphs kept per model and kind (a key's first entry), the least recently used of
 # the kind dropped: a kind of its own for the prefills (one graph per padded prompt length,
@@ -69,7 +69,29 @@ __all__ = ["GraphCache", "graphs_enabled"]
 # capacities they need
 MAX_GRAPHS = {"prefill": 16}
 MAX_GRAPHS_OF_A_KIND = 24
+# KDTREE_AUTO_V2 (issue 36): a device round's graph per budget and per (target cache, drafter
+# cache) pair, so --budget auto's 8 candidates in the 4 generation caches a model keeps
+# (model.GENERATION_CACHES), each beside its drafter cache of the same capacity bucket or the
+# next, need up to 64: with 24, auto's warm-up captures were evicted and its timed rows
+# recaptured them (run 150: 12 captures, each after an eager round of ~200 launches from
+# Python).  Captures draw on one pool whose freed blocks later captures reuse (GraphCache), so
+# a graph holds little memory of its own beyond its outputs and recorded allocations.
+MAX_GRAPHS_AUTO_V2 = {"round": 64}
 MAX_SEEN = 256         # keys remembered while waiting for their second call
+
+
+def max_graphs(kind) -> int:
+    """The captured graphs of ``kind`` (a key's first entry) a GraphCache keeps now."""
+    if runtime.current().auto_v2 and kind in MAX_GRAPHS_AUTO_V2:
+        return MAX_GRAPHS_AUTO_V2[kind]
+    return MAX_GRAPHS.get(kind, MAX_GRAPHS_OF_A_KIND)
+
+
+def evicted(keys, kind) -> list:
+    """Of ``keys`` (held graphs' keys, least recently used first), those of ``kind`` to drop:
+    all but the last :func:`max_graphs` of it."""
+    same_kind = [k for k in keys if k[0] == kind]
+    return same_kind[:-max_graphs(kind)]
 
 
 def graphs_enabled() -> bool:
@@ -263,7 +285,6 @@ class GraphCache:
         self._graphs[key] = entry
         self._seen.pop(key, None)
         self.captures += 1
-        same_kind = [k for k in self._graphs if k[0] == key[0]]
-        for old in same_kind[:-MAX_GRAPHS.get(key[0], MAX_GRAPHS_OF_A_KIND)]:
+        for old in evicted(self._graphs, key[0]):
             del self._graphs[old]
         return entry

@@ -22,8 +22,10 @@ Two kinds of switch:
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
   cut to fewer launches (index ranges and constants kept, copies the round does not need
   skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
-  same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"), the
-  on-disk kernel cache
+  same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"),
+  ``--budget auto``'s second policy (``KDTREE_AUTO_V2=1``, off until a GPU run measures it:
+  only rounds that replayed a CUDA graph timed, kdtree_numba/budget.py, and room for a round
+  graph per candidate in every cache pair, kdtree_numba/graphs.py), the on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
   ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS
   threads (``OPENBLAS_NUM_THREADS``, read when a float32 reference backend is made:
@@ -51,7 +53,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS",
-             "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_KERNEL_CACHE",
+             "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -93,6 +95,7 @@ class RuntimeConfig:
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
+    auto_v2: bool = False       # --budget auto's second policy (issue 36)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -123,6 +126,7 @@ class RuntimeConfig:
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
+                   auto_v2=_flag(env, "KDTREE_AUTO_V2", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -219,10 +219,11 @@ class _CyclingBudget:
                 self.calls += 1
                 return cycle[(self.calls - 1) % len(cycle)]
 
-            def observe(self, budget, seconds, tau):
+            def observe(self, budget, seconds, tau, steady=None):
                 assert seconds >= 0 and tau >= 1
+                assert steady is None           # the simulator: no CUDA graphs
                 self.seen.append(budget)
-                super().observe(budget, seconds, tau)
+                super().observe(budget, seconds, tau, steady)
         return Cycling()
 
 
@@ -315,8 +316,8 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
     policy = _CyclingBudget((3, 9, 1, 6))
     costs = []
     observe = policy.observe
-    policy.observe = lambda b, seconds, tau: (costs.append((b, seconds)),
-                                              observe(b, seconds, tau))
+    policy.observe = lambda b, seconds, tau, steady=None: (costs.append((b, seconds)),
+                                                           observe(b, seconds, tau, steady))
     res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
                    budget=policy, device_rounds=True)
     assert res.stats.rounds > 4 and len(set(res.stats.budgets)) == 4

@@ -24,10 +24,11 @@ configuration (method, budget, temperature) the warm-up
 So the timed prompts' prefills replay graphs of their padded length (the engine's behaviour
 for any caller: a padded length is captured on its second call).  The model keeps a
 generation cache per capacity bucket
-(``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``MAX_GRAPHS`` graphs of a kind
-(kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their own, so
-they never push a round's graphs out): a row with more shapes than that recaptures them
-while timed.
+(``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``graphs.max_graphs(kind)`` graphs
+of a kind (kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their
+own, so they never push a round's graphs out; auto's 8 candidates in 4 cache pairs need 32
+round graphs, room for which only ``KDTREE_AUTO_V2=1`` makes): a row with more shapes than
+that recaptures them while timed.
 
 Whatever still ran for the first time inside a timed row is counted there, not hidden:
 :class:`FirstCalls` adds up the seconds numba spent making new kernels (compiles and
