@@ -11,11 +11,14 @@ Two kinds of switch:
   kernels compiled with source line info (``KDTREE_CUDA_LINEINFO=1``, for compute-sanitizer
   and Nsight Compute).
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
-  work list (``KDTREE_MOE_WORK_LIST=1``), DDTree rounds as device programs enqueued one ahead
-  (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
-  ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
-  ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
-  is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
+  work list (``KDTREE_MOE_WORK_LIST=1``), int4 (W4A16) experts on tensor cores where
+  ``method="auto"`` leaves weight streaming and under ``"tensor-cores"``
+  (``KDTREE_INT4_MMA=1``: opt-in until a GPU validates it; layers/moe_int4_mma.py), DDTree
+  rounds as device programs enqueued one ahead (kdtree_numba/device_round.py: by default where
+  the backend runs on a GPU; ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on
+  everywhere), an MLA layer's norms and ropes fused into one launch each
+  (kdtree_numba/layers/latents.py, read when a numba backend is made;
+  ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
   cut to fewer launches (index ranges and constants kept, copies the round does not need
   skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
@@ -47,6 +50,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 # every variable a RuntimeConfig is read from
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
+             "KDTREE_INT4_MMA",
              "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS",
              "KDTREE_LEAN_ROUND", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
@@ -85,6 +89,7 @@ class RuntimeConfig:
     lineinfo: bool = False
     cuda_graphs: bool = True
     moe_work_list: bool = False
+    int4_mma: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = True
     pad_prefills: bool = True
@@ -114,6 +119,7 @@ class RuntimeConfig:
                    lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
+                   int4_mma=_flag(env, "KDTREE_INT4_MMA", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),

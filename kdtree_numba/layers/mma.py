@@ -68,7 +68,8 @@ __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_t
            "mma_config", "mma_splits", "accumulator_origin",
            "mma_error_coefficient", "stage_compute", "ring_function",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
-           "round_to_bf16", "mma_linear", "mma_head_products"]
+           "round_to_bf16", "mma_linear", "mma_head_products", "copy_chunk", "shared_base",
+           "array_base", "ELEM", "WORD"]
 
 WORDS = PANEL // 2  # uint32 words of a panel row (64 bytes)
 
@@ -183,6 +184,9 @@ else:
 
 _w_stage_slot = inline_device_function(w_stage_slot)
 _c_position = inline_device_function(c_position)
+# the staging primitives, for the W4A16 kernel's own ring (layers/moe_int4_mma.py): on the GPU
+# copy_chunk moves any 16 bytes between the addresses; in the simulator 8 bf16
+copy_chunk, shared_base, array_base = _copy_chunk, _shared_base, _array_base
 
 
 # ------------------------------------------------------------------ kernel

@@ -249,15 +249,16 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
 
 
 def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, cfg: MmaConfig,
-                        stream=0, workspace=None, tiles=None):
+                        stream=0, workspace=None, tiles=None, h16=None):
     """The two launches.  hd [M, D] float32; lists = (token_of_slot, offsets, active,
     n_active) of moe.py's grouping; ``tiles``: its work list (tile_expert, tile_row, n_tiles)
     of cfg.bm-row tiles, or None for the full grid; gud [E, 2I, D] and dnd [E, D, I] uint16
     bf16 bits;
     shared = (sgu [2Is, D], sdn [D, Is]) or None; act16 [n_entries + M, max(I, Is)] uint16
     (bf16 bits) and y_slot [n_entries + M, D] float32 (the shared expert's rows last).  h is
-    rounded to bf16 once, into a workspace buffer, as mma_linear does.  Checks are
-    moe_ffn's."""
+    rounded to bf16 once, into a workspace buffer, as mma_linear does, unless ``h16`` gives
+    it (the W4A16 path, whose shared expert runs here alone: ``max_active`` 0, gud and dnd
+    its own weights as one expert).  Checks are moe_ffn's."""
     m, d = hd.shape
     n_experts, two_i, _ = gud.shape
     inter = two_i // 2
@@ -268,7 +269,8 @@ def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, 
         sgu, sdn = shared
         s_inter = sdn.shape[1]
     has_shared = shared is not None
-    h16 = round_to_bf16(hd, workspace, "moe.mma_h16", stream)
+    if h16 is None:
+        h16 = round_to_bf16(hd, workspace, "moe.mma_h16", stream)
     act_pairs = act16.view(np.uint32)
     # without a work list any int32 arrays stand for its three (never read); with one the
     # kernel's max_active is the list's bound R
