@@ -16,6 +16,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from ptx_check import HOPPER_PRELUDE
 
 import reference.layers as ref
 from formats.int4_group import Int4GroupWeight
@@ -236,3 +237,53 @@ def test_gpu_w4a16_mma_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatc
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
     assert run().tobytes() == got.tobytes()
 
+
+
+# ------------------------------------------------------------------ sm_90 PTX, any machine
+
+PTX_SCRIPT = HOPPER_PRELUDE + r"""
+import itertools
+from kdtree_numba.layers.moe_int4_mma import int4_mma_config, int4_mma_kernel
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+f2, u2, i1 = T.float32[:, ::1], T.uint16[:, ::1], T.int32[::1]
+configs = {int4_mma_config(m, 8, 384) for m in (1, 33, 65)}
+configs |= {int4_mma_config(m, 1, 1) for m in (24, 40, 64)}   # 2-4 m16 tiles
+for cfg, gate_up, work_list in itertools.product(sorted(configs, key=str), (True, False),
+                                                 (False, True)):
+    out = T.uint32[:, ::1] if gate_up else f2           # act as bf16 pairs, or y_slot
+    sig = (u2,) + (i1,) * 7 + (T.uint32[:, :, ::1], T.uint16[:, :, ::1], out) + (T.int64,) * 5
+    ptx, _ = cuda.compile_ptx(int4_mma_kernel(cfg, gate_up, work_list, 32).py_func, sig,
+                              cc=(9, 0))
+    log = ptxas(ptx)
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    regs = int(re.findall(r"Used (\d+) registers", log)[0])
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    print("kernel", cfg, "gate_up" if gate_up else "down", "work list" * work_list, "mma",
+          ptx.count(MMA), "prmt", ptx.count("prmt.b32"), "regs", regs, "spill", spill,
+          "local", local, flush=True)
+    # a panel's mma and unpacking once (the panel loop), or once per panel (unrolled)
+    assert ptx.count(MMA) in (2 * cfg.tm * cfg.tn, 2 * cfg.tm * cfg.tn * cfg.panels), "mma"
+    assert ptx.count("fma.rn.bf16x2") == 4 * cfg.tn * ptx.count(MMA) // (2 * cfg.tm * cfg.tn)
+    assert "cp.async.cg.shared.global" in ptx
+    assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
+    assert local == 0 and spill == 0, "local memory"
+# a group of 128 (the chain carried across panels and stages)
+cfg = int4_mma_config(33, 8, 384)
+sig = (u2,) + (i1,) * 7 + (T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2) + (T.int64,) * 5
+ptx, _ = cuda.compile_ptx(int4_mma_kernel(cfg, False, False, 128).py_func, sig, cc=(9, 0))
+log = ptxas(ptx)
+assert not re.findall(r"(?:ld|st)\.local", ptx) and "spill stores" not in log.replace(
+    "0 bytes spill stores", ""), log
+print("assembled")
+"""
+
+
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=900)
+def test_w4a16_mma_kernels_compile_to_hopper_ptx():
+    """Both W4A16 kernels of every int4_mma_config tile (Kimi-K2's verify sizes, and the 32-
+    to 64-row tiles) compile for sm_90: 2 tm tn mma and 4 tn bf16x2 FMAs (the unpacking) a
+    panel, cp.async in a ring, no local memory, and ptxas assembles them without spills."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(PTX_SCRIPT, timeout=900)
+    assert "assembled" in out.splitlines()[-1], out[-2000:]

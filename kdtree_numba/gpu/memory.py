@@ -212,13 +212,15 @@ else:
                     return builder.shl(v, ir.Constant(i32, 2))
                 start = builder.add(builder.ptrtoint(shared, i32), bytes32(args[1]))
                 addr = builder.add(start, bytes32(args[2]))
-                fnty = ir.FunctionType(ir.LiteralStructType([i32] * n), [i32])
+                # one output is the value itself (LLVM takes no one-member struct there)
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * n) if n > 1 else i32,
+                                       [i32])
                 # side effect: kept in program order with the barriers and cp.async around it
                 asm = ir.InlineAsm(fnty, asm_text, ",".join(["=r"] * n + ["r"]),
                                    side_effect=True)
                 res = builder.call(asm, [addr])
-                return context.make_tuple(builder, ret,
-                                          [builder.extract_value(res, i) for i in range(n)])
+                parts = [builder.extract_value(res, i) for i in range(n)] if n > 1 else [res]
+                return context.make_tuple(builder, ret, parts)
             return ret(array, base, offset), codegen
         load.__name__ = load.__qualname__ = name
         load.__doc__ = doc

@@ -174,7 +174,7 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
     P = cfg.panels
     PER_ROW = BK // 8                                      # x chunks per tile row and stage
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, HALF = 4 * TM * TN, TN // 2
+    NACC, NAV, HALF = 4 * TM * TN, 8 * TM, TN // 2         # accumulators, A words, half
     COLS = BN // 2 if gate_up else BN
     A_STAGE, B_STAGE, S_STAGE = cfg.stage_words
     B_BASE = STAGES * A_STAGE
@@ -362,7 +362,7 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         tmp = cuda.local.array(NACC, float32)
-        av = cuda.local.array(8 * TM, uint32)
+        av = cuda.local.array(NAV, uint32)
         xcur = cuda.local.array(XC, int64)      # gathered x rows, then cursors
         xsm = cuda.local.array(XC, int64)       # their shared word offsets in a stage
         wcur = cuda.local.array(WC, int64)
