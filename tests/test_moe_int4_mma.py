@@ -21,10 +21,10 @@ from ptx_check import HOPPER_PRELUDE
 import reference.layers as ref
 from formats.int4_group import Int4GroupWeight
 from kdtree_numba.layers import mma as mm
-from test_layers_gpu import cp, layers  # noqa: F401 (the GPU test's fixtures)
+from test_layers_gpu import cp, layers  # noqa: F401,F811 (the GPU test's fixtures)
 from test_layers_mma import _warp_mma_emulation, bf16_bits
 from test_moe_mma import _record_work_lists, _routing_many_one_zero, moe_mma_bound
-from test_w4a16_gpu import D, E, TOP_K, host_expert, kimi_experts, reference  # noqa: F401
+from test_w4a16_gpu import D, E, TOP_K, expert_loader, kimi_experts, reference  # noqa: F401
 
 BF16 = ml_dtypes.bfloat16
 
@@ -218,14 +218,8 @@ def test_gpu_w4a16_mma_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatc
                                                     *kimi_experts, method=method)))
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "0")
     got = run()
-    want, cuda_bound = reference(cp, h, idx, wt, *kimi_experts)
-    cache = {}
-
-    def expert(e):
-        if e not in cache:
-            cache[e] = (host_expert(cp, gate_up, e).dequantize(),
-                        host_expert(cp, down, e).dequantize())
-        return cache[e]
+    expert = expert_loader(cp, gate_up, down)          # float64, each expert once
+    want, cuda_bound = reference(cp, h, idx, wt, *kimi_experts, expert=expert)
     bound = moe_mma_bound(h, idx, wt, None, None, cp.asnumpy(sgu), cp.asnumpy(sdn),
                           expert=expert)
     err = np.abs(got - want)
@@ -236,7 +230,6 @@ def test_gpu_w4a16_mma_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatc
     assert np.array_equal(run(slice(m - 1, m))[0], got[-1])
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
     assert run().tobytes() == got.tobytes()
-
 
 
 # ------------------------------------------------------------------ sm_90 PTX, any machine

@@ -665,6 +665,23 @@ def _int4_mma_picked(method: str, hd, gu4, dn4, shared_gate_up, shared_down, str
     return takes
 
 
+def _grouped_buffers(hd, gate_up, top_k: int, shared_gate_up, shared_down, ws, stream):
+    """(shared expert (gate_up, down) on the device or None, act16 [Mk + M, max(I, Is)] uint16,
+    y_slot [Mk + M, D] float32) of the grouped tensor-core paths, the shared expert's rows
+    last; ValueError for a shared expert that is not bf16."""
+    m, d = hd.shape
+    inter = gate_up.shape[1] // 2
+    shared, s_inter = None, inter
+    if shared_gate_up is not None:
+        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
+        if skind != "bf16":
+            raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
+        shared, s_inter = (sgu, sdn), sdn.shape[1]
+    rows = m * top_k + m
+    return (shared, ws.get("moe.mma_act16", (rows, max(inter, s_inter)), np.uint16, stream),
+            ws.get("moe.mma_y_slot", (rows, d), np.float32, stream))
+
+
 def _moe_ffn_int4_mma(hd, idx, wt, gu4, dn4, shared_gate_up, shared_down, y, config, stream,
                       ws):
     """The W4A16 experts on tensor cores: the grouping, the two launches of
@@ -672,16 +689,11 @@ def _moe_ffn_int4_mma(hd, idx, wt, gu4, dn4, shared_gate_up, shared_down, y, con
     grouped kernel alone (its rows of the same act16 / y_slot; the tile of one expert of M
     tokens), then the ordered combine.  h is rounded to bf16 once for both.  ``config``: an
     Int4MmaConfig replacing int4_mma_config's tile, or anything else (ignored)."""
-    m, d = hd.shape
-    n_experts, two_im, _ = gu4.shape
-    inter, top_k = two_im // 2, idx.shape[1]
-    shared, s_inter = None, inter
-    if shared_gate_up is not None:
-        sgu, sdn, _ = _shared_weights(shared_gate_up, shared_down, d, stream)
-        shared, s_inter = (sgu, sdn), sdn.shape[1]
+    m = hd.shape[0]
+    n_experts, top_k = gu4.shape[0], idx.shape[1]
     n_entries = m * top_k
-    act16 = ws.get("moe.mma_act16", (n_entries + m, max(inter, s_inter)), np.uint16, stream)
-    y_slot = ws.get("moe.mma_y_slot", (n_entries + m, d), np.float32, stream)
+    shared, act16, y_slot = _grouped_buffers(hd, gu4, top_k, shared_gate_up, shared_down, ws,
+                                             stream)
     cfg = config if isinstance(config, Int4MmaConfig) else int4_mma_config(m, top_k, n_experts)
     slot_of_entry, lists, tiles = _group_tokens(idx, n_experts, ws, stream,
                                                 cfg.bm if work_list_enabled() else 0)
@@ -706,18 +718,11 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
     m, d = hd.shape
     n_experts, two_im, _ = gud.shape
     inter, top_k = two_im // 2, idx.shape[1]
-    shared, s_inter = None, inter
-    if shared_gate_up is not None:
-        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
-        s_inter = sdn.shape[1]
-        if skind != "bf16":
-            raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
-        shared = (sgu, sdn)
     ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
-    width = max(inter, s_inter)
-    act16 = ws.get("moe.mma_act16", (n_entries + m, width), np.uint16, stream)
-    y_slot = ws.get("moe.mma_y_slot", (n_entries + m, d), np.float32, stream)
+    shared, act16, y_slot = _grouped_buffers(hd, gud, top_k, shared_gate_up, shared_down, ws,
+                                             stream)
+    s_inter = inter if shared is None else shared[1].shape[1]
     if kind != "bf16" or any(load_kind_for(kind, k, *arrays) != "bf16" for k, arrays in (
             (d, (hd, gud, dnd, act16, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
         raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "

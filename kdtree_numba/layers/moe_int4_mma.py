@@ -46,14 +46,13 @@ from kdtree_numba.gpu.bits import (bits_to_f32, int4_pair0_bf16, int4_pair1_bf16
                                    int4_pair2_bf16, int4_pair3_bf16)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, allow_large_shared_memory, block_sync,
-                                     cp_async_commit, cp_async_wait_1, cp_async_wait_2,
-                                     cp_async_wait_all, ld_shared_word, ld_shared_words2,
-                                     ld_shared_words4, store_nowrap_2d)
-from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16, pack_bf16x2
-from kdtree_numba.layers.common import silu_approx
-from kdtree_numba.layers.mma import (ELEM, WORD, array_base, c_position, copy_chunk,
+                                     cp_async_commit, cp_async_wait_all, ld_shared_word,
+                                     ld_shared_words2, ld_shared_words4)
+from kdtree_numba.gpu.tensorcore import mma_bf16_m16n8k16
+from kdtree_numba.layers.mma import (ELEM, WORD, array_base, copy_chunk, ring_wait,
                                      shared_base, w_stage_slot)
-from kdtree_numba.layers.moe_mma import routed_tile_bound
+from kdtree_numba.layers.mma_plan import WarpTiles
+from kdtree_numba.layers.moe_mma import expert_tile_io, routed_tile_bound
 
 __all__ = ["Int4MmaConfig", "int4_mma_config", "int4_mma_kernel", "grouped_int4_mma",
            "int4_mma_group_ok", "PANEL_WEIGHTS"]
@@ -61,7 +60,6 @@ __all__ = ["Int4MmaConfig", "int4_mma_config", "int4_mma_kernel", "grouped_int4_
 PANEL_WEIGHTS = 32        # weights of a panel: one 16-byte chunk of a packed row, two k16 steps
 
 _w_stage_slot = inline_device_function(w_stage_slot)
-_c_position = inline_device_function(c_position)
 
 if SIMULATOR:
     from kdtree_numba.gpu.memory import cp_async16
@@ -82,7 +80,7 @@ def int4_mma_group_ok(group_size: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Int4MmaConfig:
+class Int4MmaConfig(WarpTiles):
     """Tile shape: ``wm`` x ``wn`` warps of ``tm`` m16 by ``tn`` n8 tiles (BM = 16 wm tm,
     BN = 8 wn tn, tn even: gate and up halves), K stages of ``bk`` (whole panels of 32) in a
     ring of ``stages`` buffers of bf16 x [BM, bk], packed words [BN, bk / 8] and float32
@@ -94,18 +92,6 @@ class Int4MmaConfig:
     tn: int = 2
     bk: int = 256
     stages: int = 4
-
-    @property
-    def bm(self) -> int:
-        return 16 * self.wm * self.tm
-
-    @property
-    def bn(self) -> int:
-        return 8 * self.wn * self.tn
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.wm * self.wn
 
     @property
     def panels(self) -> int:
@@ -174,26 +160,18 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
     P = cfg.panels
     PER_ROW = BK // 8                                      # x chunks per tile row and stage
     XC, WC = cfg.x_chunks, cfg.w_chunks
-    NACC, NAV, HALF = 4 * TM * TN, 8 * TM, TN // 2         # accumulators, A words, half
+    NACC, NAV = 4 * TM * TN, 8 * TM                        # accumulators, A words
     COLS = BN // 2 if gate_up else BN
     A_STAGE, B_STAGE, S_STAGE = cfg.stage_words
     B_BASE = STAGES * A_STAGE
     S_BASE = B_BASE + STAGES * B_STAGE
     AHEAD = STAGES - 1
-    PENDING = AHEAD - 1
     X_STEP, W_STEP = ELEM * BK, W_ELEM * (BK // 8)         # cursor advances per stage
     GROUP = group
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16
-
-    @inline_device_function
-    def wait_oldest():
-        if PENDING == 2:
-            cp_async_wait_2()
-        elif PENDING == 1:
-            cp_async_wait_1()
-        else:
-            cp_async_wait_all()
+    weight_row, store_tile = expert_tile_io(TM, TN, gate_up)
+    wait_oldest = ring_wait(STAGES - 2)                    # STAGES - 1 stages in flight
 
     @inline_device_function
     def issue(smem, sbase, buf, x16, xbase, xcur, xsm, w, wbase, wcur, wsm, step, room_x,
@@ -382,45 +360,18 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
             xcur[u] = -1
             if m0 + row < count:
                 xcur[u] = token_of_slot[s_begin + m0 + row] if gate_up else s_begin + m0 + row
-        for u in range(WC):            # the weight row of each staged chunk, as moe_mma's
+        for u in range(WC):            # the weight row of each staged chunk
             c = tid + u * THREADS
             row = c // P
             wsm[u] = (c - row * P) * BN + row
-            wrow[u] = -1
-            if gate_up:                # a warp's n8 tiles: half gate rows, then their up rows
-                q = row // (8 * TN)
-                j = (row - q * 8 * TN) // 8
-                col = col0 + q * (4 * TN) + 8 * (j % HALF) + row % 8
-                if col < n_out:
-                    wrow[u] = col if j < HALF else n_out + col
-            elif col0 + row < n_out:
-                wrow[u] = col0 + row
+            wrow[u] = weight_row(row, col0, n_out)
         for i in range(NACC):
             acc[i] = ZERO
         run_ring(acc, tmp, av, smem, x16, xcur, xsm, w, s2, wcur, wsm, wrow, sraw, k_in, arow,
                  brow, tid)
 
-        row0 = wm_i * (16 * TM)
-        ocol = wn_i * (8 * TN)
-        for i in range(TM):
-            for j in range(HALF if gate_up else TN):
-                for h in range(2):     # accumulators 2h, 2h + 1: one row, columns c, c + 1
-                    r, c = _c_position(lane, 2 * h)
-                    row = m0 + row0 + 16 * i + r
-                    o = 4 * (i * TN + j) + 2 * h
-                    if gate_up:        # c is even and n_out % 8 == 0: c + 1 < n_out too
-                        col = col0 + (ocol >> 1) + 8 * j + c
-                        ou = o + 4 * HALF
-                        if row < count and col < n_out:
-                            store_nowrap_2d(out, s_begin + row, col >> 1, pack_bf16x2(
-                                silu_approx(acc[o]) * acc[ou],
-                                silu_approx(acc[o + 1]) * acc[ou + 1]))
-                    else:
-                        col = col0 + ocol + 8 * j + c
-                        if row < count and col < n_out:
-                            store_nowrap_2d(out, s_begin + row, col, acc[o])
-                        if row < count and col + 1 < n_out:
-                            store_nowrap_2d(out, s_begin + row, col + 1, acc[o + 1])
+        store_tile(out, acc, lane, wm_i * (16 * TM), wn_i * (8 * TN), m0, col0, count, s_begin,
+                   n_out)
 
     return grouped_int4_mma_kernel
 
