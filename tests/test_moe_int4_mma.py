@@ -2,7 +2,8 @@
 (kdtree_numba/layers/moe_int4_mma.py; docs/LAYERS.md, "W4A16 on tensor cores").
 
 Anywhere (CI): the simulator runs both W4A16 launches and the bf16 shared expert's, the warp's
-mma emulated by the PTX ISA fragment layout (tests/test_layers_mma.py's emulation), against
+mma emulated by the PTX ISA fragment layout (tests/test_layers_mma.py's emulation; on a GPU
+the same tiny cases run on the real mma), against
 reference.layers.moe_ffn (the int4 weights dequantised exactly) within the grouped MoE's bound
 (tests/test_moe_mma.py's, the weights' float64 values exact): routings with experts of many
 (> BM), one and zero tokens, K ragged against the stage, groups of 32 and of 128 across
@@ -31,15 +32,15 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture
 def emulated(needs_kernels, monkeypatch):
-    """The simulator with the warp's mma emulated in both kernels: the W4A16 one and the
-    bf16 one that runs the shared expert (mma.py's stage_compute)."""
+    """Under the simulator, the warp's mma emulated in both kernels: the W4A16 one and the
+    bf16 one that runs the shared expert (mma.py's stage_compute).  On a GPU the tiny cases
+    run as they are, on the real mma (and under compute-sanitizer)."""
     from kdtree_numba import compat
     from kdtree_numba.layers import moe_int4_mma
-    if not compat.SIMULATOR:
-        pytest.skip("simulator only (the GPU tests run the real mma)")
-    emulation = _warp_mma_emulation()
-    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", emulation)
-    monkeypatch.setattr(moe_int4_mma, "mma_bf16_m16n8k16", emulation)
+    if compat.SIMULATOR:
+        emulation = _warp_mma_emulation()
+        monkeypatch.setattr(mm, "mma_bf16_m16n8k16", emulation)
+        monkeypatch.setattr(moe_int4_mma, "mma_bf16_m16n8k16", emulation)
     return moe_int4_mma
 
 
@@ -92,7 +93,7 @@ def _config(**kw):
     return Int4MmaConfig(**{**dict(wm=1, wn=1, tm=1, tn=2, bk=64, stages=3), **kw})
 
 
-SIM_CASES = [   # (name, M, D, I, Is, routing (None: many/one/zero), group, Int4MmaConfig)
+TINY_CASES = [   # (name, M, D, I, Is, routing (None: many/one/zero), group, Int4MmaConfig)
     ("many/one/zero, 2 M tiles, shared", 20, 64, 32, 32, None, 32, {}),
     ("K ragged against the stage", 3, 160, 96, 0, [[0, 2], [2, 4], [0, 1]], 32, {}),
     ("groups of 128 across 4 stages round a 3-ring", 2, 256, 128, 0, [[1, 3], [3, 4]], 128,
@@ -102,15 +103,15 @@ SIM_CASES = [   # (name, M, D, I, Is, routing (None: many/one/zero), group, Int4
 ]
 
 
-@pytest.mark.parametrize("name, m, d, inter, s_inter, routing, group, cfg", SIM_CASES,
-                         ids=[c[0] for c in SIM_CASES])
-def test_simulated_w4a16_moe_within_the_bound(name, m, d, inter, s_inter, routing, group, cfg,
-                                              emulated):
+@pytest.mark.parametrize("name, m, d, inter, s_inter, routing, group, cfg", TINY_CASES,
+                         ids=[c[0] for c in TINY_CASES])
+def test_tiny_w4a16_moe_within_the_bound(name, m, d, inter, s_inter, routing, group, cfg,
+                                         emulated):
     idx = _routing_many_one_zero(m) if routing is None else routing
     _check(_case(m + d, m, d, 5, inter, idx, s_inter, group), configs=_config(**cfg))
 
 
-def test_simulated_rows_are_batch_invariant_and_the_work_list_gives_the_grid_bits(
+def test_tiny_rows_are_batch_invariant_and_the_work_list_gives_the_grid_bits(
         emulated, monkeypatch):
     """A token's row alone gives its batch's bits (one chain per output in K order, the same
     in every tile); the work list (KDTREE_MOE_WORK_LIST=1) gives the full grid's bits (an
@@ -138,7 +139,10 @@ def _swapped_halves(pair):
 @pytest.mark.parametrize("fault", ["nibble order", "scale"])
 def test_simulated_bound_has_teeth(fault, emulated, monkeypatch):
     """The bound fails a kernel that swaps the two nibbles of a byte (the even weight in the
-    high half) or doubles the group scale."""
+    high half) or doubles the group scale (simulator only: the faults are Python)."""
+    from kdtree_numba import compat
+    if not compat.SIMULATOR:
+        pytest.skip("the faults are patched into the simulator's Python kernel")
     if fault == "nibble order":
         monkeypatch.setattr(emulated, "int4_pair1_bf16",
                             _swapped_halves(emulated.int4_pair1_bf16))
