@@ -129,6 +129,21 @@ def test_tiny_rows_are_batch_invariant_and_the_work_list_gives_the_grid_bits(
     assert one.tobytes() == full[7:8].astype(np.float32).tobytes()
 
 
+def test_tiny_dense_int4_ffn_runs_as_one_expert(emulated):
+    """A dense FFN with int4 weights (expert_idx, weight None; one expert, no shared one)
+    under "mma": its routing filled on the device, the one-expert W4A16 launches, within the
+    bound of the reference's dense FFN."""
+    from kdtree_numba.layers import moe_ffn
+    from kdtree_numba.layers.workspace import int4_experts
+    h, idx, wt, gu, dn, _, _ = _case(9, 18, 64, 1, 32, np.zeros((18, 1)), 0)
+    got = moe_ffn(h, None, None, int4_experts(gu), int4_experts(dn), method="mma",
+                  configs=_config()).copy_to_host()
+    want = ref.moe_ffn(h, None, None, gu, dn)
+    bound = moe_mma_bound(h, idx, np.ones_like(wt), None, None,
+                          expert=lambda e: (gu[e].dequantize(), dn[e].dequantize()))
+    assert np.all(np.abs(got - want) <= bound) and np.abs(want).max() > 0.1
+
+
 def _swapped_halves(pair):
     def swapped(word, shifted):
         v = int(pair(word, shifted))
