@@ -203,6 +203,8 @@ def test_w4a16_mma_refuses_what_it_cannot_take(needs_kernels):
         _run(args)
     with pytest.raises(ValueError, match="Int4MmaConfig"):
         _config(tn=1)
+    with pytest.raises(TypeError, match="Int4MmaConfig"):
+        _run(_case(8, 2, 32, 3, 32, [[0, 1], [1, 2]], 0), configs=mm.mma_tile(1))
     with pytest.raises(ValueError, match="group sizes that are multiples of 32"):
         from kdtree_numba.layers.moe_int4_mma import int4_mma_kernel
         int4_mma_kernel(_config(), True, False, 16)

@@ -470,6 +470,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         return y
     if kind == "i4" and _int4_mma_picked(method, hd, gud, dnd, shared_gate_up, shared_down,
                                           stream):
+        if method == "mma" and not (configs is None or isinstance(configs, Int4MmaConfig)):
+            raise TypeError("moe_ffn(method='mma') with int4 experts takes an Int4MmaConfig "
+                            "as configs")
         if dense:
             idx, wt = _dense_routing(m, ws, stream)
         return _moe_ffn_int4_mma(hd, idx, wt, gud, dnd, shared_gate_up, shared_down, y,
@@ -688,7 +691,8 @@ def _moe_ffn_int4_mma(hd, idx, wt, gu4, dn4, shared_gate_up, shared_down, y, con
     layers/moe_int4_mma.py over the routed experts, the bf16 shared expert through moe_mma's
     grouped kernel alone (its rows of the same act16 / y_slot; the tile of one expert of M
     tokens), then the ordered combine.  h is rounded to bf16 once for both.  ``config``: an
-    Int4MmaConfig replacing int4_mma_config's tile, or anything else (ignored)."""
+    Int4MmaConfig replacing int4_mma_config's tile, or anything else (the bf16 kernels'
+    configs, which "auto" and "tensor-cores" may carry: ignored)."""
     m = hd.shape[0]
     n_experts, top_k = gu4.shape[0], idx.shape[1]
     n_entries = m * top_k
