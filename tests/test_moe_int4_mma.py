@@ -301,3 +301,38 @@ def test_w4a16_mma_kernels_compile_to_hopper_ptx():
     from ptx_check import run_without_simulator
     out = run_without_simulator(PTX_SCRIPT, timeout=900)
     assert "assembled" in out.splitlines()[-1], out[-2000:]
+
+
+def test_the_unpacking_ptx_sequence_equals_the_simulator_twin():
+    """gpu/bits.py's int4_pair{i}_bf16 on the GPU is PRMT (its selector), LOP3 (mask, magic,
+    LUT) and a bf16x2 FMA (x 1 - 136): those steps, evaluated here by the PTX ISA's
+    definitions with the module's constants, give the simulator twin's bf16 pair for every
+    byte of random words (what the tests above run)."""
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import bits
+    if not compat.SIMULATOR:
+        pytest.skip("the twin is the simulator's (on a GPU the names are the intrinsics)")
+
+    def prmt(a, b, sel):
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        return sum(src[(sel >> 4 * k) & 7] << 8 * k for k in range(4))
+
+    def lop3(a, b, c, lut):
+        return sum(((lut >> ((((a >> n) & 1) << 2) | (((b >> n) & 1) << 1) | ((c >> n) & 1)))
+                    & 1) << n for n in range(32))
+
+    def fma_bf16x2(a, b, c):
+        def half(x, k):
+            return float(np.uint32(((x >> 16 * k) & 0xFFFF) << 16).view(np.float32))
+        out = [half(a, k) * half(b, k) + half(c, k) for k in range(2)]   # exact: small ints
+        return sum((int(np.float32(v).view(np.uint32)) >> 16) << 16 * k
+                   for k, v in enumerate(out))
+    twins = (bits.int4_pair0_bf16, bits.int4_pair1_bf16, bits.int4_pair2_bf16,
+             bits.int4_pair3_bf16)
+    rng = np.random.default_rng(10)
+    for word in [0, 0xFFFFFFFF, 0x88888888, 0x01234567] + rng.integers(0, 1 << 32, 200).tolist():
+        for i, twin in enumerate(twins):
+            p = prmt(word, word >> 4, bits._int4_pair_selector(i))
+            p = lop3(p, bits._I4_MASK, bits._I4_MAGIC, bits._I4_LUT)
+            got = fma_bf16x2(p, bits._BF16X2_ONE, bits._BF16X2_M136)
+            assert got == int(twin(np.uint32(word), np.uint32(word >> 4))), (hex(word), i)

@@ -128,8 +128,15 @@ if not SIMULATOR:
 # are 128 + mantissa, and n ^ 8 = q + 8 for a two's complement nibble n); one bf16x2 FMA (x 1
 # - 136) leaves q, exact (integers below 2^8).  Three instructions per two weights; the
 # W4A16 tensor-core kernel (layers/moe_int4_mma.py) builds its B fragments with them.
-_I4_MASK, _I4_MAGIC = 0x000F000F, 0x43084308
+_I4_MASK, _I4_MAGIC, _I4_LUT = 0x000F000F, 0x43084308, 0x6A   # LUT: (a & b) ^ c
 _BF16X2_ONE, _BF16X2_M136 = 0x3F803F80, 0xC308C308
+
+
+def _int4_pair_selector(i: int) -> int:
+    """PRMT's selector for byte i: result bytes 0, 1 <- the word's byte i, bytes 2, 3 <- the
+    shifted word's byte i (source bytes 4-7)."""
+    return i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
+
 
 if SIMULATOR:
     def _int4_pair_py(i):
@@ -146,7 +153,7 @@ if SIMULATOR:
         _int4_pair_py(i) for i in range(4))
 else:
     def _int4_pair(i: int):
-        selector = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
+        selector = _int4_pair_selector(i)
 
         @intrinsic
         def pair(typingctx, word, shifted):
@@ -157,7 +164,8 @@ else:
                 fnty = ir.FunctionType(i32, [i32, i32])
                 asm = ("{\n\t.reg .b32 %i4p, %i4one, %i4off;\n\t"
                        f"prmt.b32 %i4p, $1, $2, {selector:#06x};\n\t"
-                       f"lop3.b32 %i4p, %i4p, {_I4_MASK:#010x}, {_I4_MAGIC:#010x}, 0x6a;\n\t"
+                       f"lop3.b32 %i4p, %i4p, {_I4_MASK:#010x}, {_I4_MAGIC:#010x}, "
+                       f"{_I4_LUT:#04x};\n\t"
                        f"mov.b32 %i4one, {_BF16X2_ONE:#010x};\n\t"
                        f"mov.b32 %i4off, {_BF16X2_M136:#010x};\n\t"
                        "fma.rn.bf16x2 $0, %i4p, %i4one, %i4off;\n\t}")
