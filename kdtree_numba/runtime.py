@@ -11,9 +11,11 @@ Two kinds of switch:
   kernels compiled with source line info (``KDTREE_CUDA_LINEINFO=1``, for compute-sanitizer
   and Nsight Compute).
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
-  work list (``KDTREE_MOE_WORK_LIST=1``), the weight-streaming MoE experts' chunk grid (an
-  expert's mt-token chunks in blocks of their own, and the grouping's scan over the experts
-  alone, on fewer threads: the same bits; ``KDTREE_MOE_CHUNK_GRID=1``, off until a GPU
+  work list (``KDTREE_MOE_WORK_LIST=1``), int4 (W4A16) experts on tensor cores where
+  ``method="auto"`` leaves weight streaming and under ``"tensor-cores"``
+  (``KDTREE_INT4_MMA=1``: opt-in until a GPU validates it; layers/moe_int4_mma.py), the
+  weight-streaming MoE experts' chunk grid (an expert's mt-token chunks in blocks of their
+  own, and the grouping's scan over the experts alone, on fewer threads: the same bits; ``KDTREE_MOE_CHUNK_GRID=1``, off until a GPU
   measures it: docs/LAYERS.md, "MoE FFN"), DDTree rounds as device programs enqueued one ahead
   (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
@@ -52,8 +54,8 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 # every variable a RuntimeConfig is read from
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
-             "KDTREE_MOE_CHUNK_GRID", "KDTREE_DEVICE_ROUNDS", "KDTREE_FUSED_LATENTS",
-             "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2", "KDTREE_KERNEL_CACHE",
+             "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
+             "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -91,6 +93,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     moe_work_list: bool = False
     moe_chunk_grid: bool = False
+    int4_mma: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = True
     pad_prefills: bool = True
@@ -122,6 +125,7 @@ class RuntimeConfig:
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", False),
+                   int4_mma=_flag(env, "KDTREE_INT4_MMA", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),

@@ -55,17 +55,22 @@ def _expert_bound(x, gu, dn, splits=(1, 1)):
     return y, e_y
 
 
-def moe_mma_bound(h, idx, weight, gate_up, down, sgu=None, sdn=None):
-    """Per-output bound of moe_ffn(method="mma") against ref.moe_ffn."""
+def moe_mma_bound(h, idx, weight, gate_up, down, sgu=None, sdn=None, expert=None):
+    """Per-output bound of moe_ffn(method="mma") against ref.moe_ffn; ``expert(e)`` ->
+    (gate_up, down) of expert e as float64 values (the int4 experts' dequantised weights,
+    exact), by default the bf16 bits ``gate_up[e]``, ``down[e]`` widened."""
     h64 = h.astype(np.float64)
     w64 = weight.astype(np.float64)
     m, d = h.shape
     err = np.zeros((m, d))
     mag = np.zeros((m, d))
+    if expert is None:
+        def expert(e):
+            return (bf16_value(gate_up[e]).astype(np.float64),
+                    bf16_value(down[e]).astype(np.float64))
     for e in np.unique(idx):
         tokens, js = np.nonzero(idx == e)
-        y, e_y = _expert_bound(h64[tokens], bf16_value(gate_up[e]).astype(np.float64),
-                               bf16_value(down[e]).astype(np.float64))
+        y, e_y = _expert_bound(h64[tokens], *expert(e))
         wj = np.abs(w64[tokens, js])[:, None]
         np.add.at(err, tokens, wj * e_y)
         np.add.at(mag, tokens, wj * (np.abs(y) + e_y))
@@ -264,17 +269,17 @@ def test_simulated_grouping_writes_the_work_list(needs_kernels):
         assert tiles[1].copy_to_host()[:n].tolist() == want_r
 
 
-def _record_work_lists(monkeypatch):
-    """The ``tiles`` argument of each grouped_experts_mma call moe_ffn makes from now on (None:
-    the full grid; else the work list's device arrays), in call order."""
+def _record_work_lists(monkeypatch, launcher="grouped_experts_mma"):
+    """The ``tiles`` argument (the last) of each call of moe.py's ``launcher`` moe_ffn makes
+    from now on (None: the full grid; else the work list's device arrays), in call order."""
     from kdtree_numba.layers import moe as moe_module
     seen = []
-    real = moe_module.grouped_experts_mma
+    real = getattr(moe_module, launcher)
 
     def spy(*args, **kw):
         seen.append(args[-1])
         return real(*args, **kw)
-    monkeypatch.setattr(moe_module, "grouped_experts_mma", spy)
+    monkeypatch.setattr(moe_module, launcher, spy)
     return seen
 
 

@@ -48,13 +48,9 @@ def host_expert(cp, w, e) -> Int4GroupWeight:
                            cp.asnumpy(w.scale[e]).view(ml_dtypes.bfloat16), w.group_size)
 
 
-def reference(cp, h, idx, wt, gate_up, down, sgu, sdn):
-    """reference.moe_ffn, one used expert at a time (its own float64 dequantisation: the
-    whole layer would be 100+ GB of float64), plus the shared expert; and the bound."""
-    def bf16(a):
-        return cp.asnumpy(a).view(ml_dtypes.bfloat16)
-    out = ref.moe_ffn(h, np.zeros((len(h), 1), np.int32), np.ones((len(h), 1), np.float32),
-                      bf16(sgu)[None], bf16(sdn)[None])
+def expert_loader(cp, gate_up, down):
+    """``expert(e)`` -> expert e's (gate_up, down) dequantised in float64 on the host, each
+    made once."""
     cache = {}
 
     def expert(e):
@@ -62,6 +58,18 @@ def reference(cp, h, idx, wt, gate_up, down, sgu, sdn):
             cache[e] = (host_expert(cp, gate_up, e).dequantize(),
                         host_expert(cp, down, e).dequantize())
         return cache[e]
+    return expert
+
+
+def reference(cp, h, idx, wt, gate_up, down, sgu, sdn, expert=None):
+    """reference.moe_ffn, one used expert at a time (its own float64 dequantisation: the
+    whole layer would be 100+ GB of float64; ``expert``: an :func:`expert_loader` to share),
+    plus the shared expert; and the bound."""
+    def bf16(a):
+        return cp.asnumpy(a).view(ml_dtypes.bfloat16)
+    out = ref.moe_ffn(h, np.zeros((len(h), 1), np.int32), np.ones((len(h), 1), np.float32),
+                      bf16(sgu)[None], bf16(sdn)[None])
+    expert = expert or expert_loader(cp, gate_up, down)
     for e in np.unique(idx):
         rows, cols = np.nonzero(idx == e)
         gu, dn = expert(int(e))

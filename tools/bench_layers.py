@@ -38,7 +38,10 @@
   >= 0.6 of the roof), each against max(bytes of the distinct experts read + shared / HBM
   rate, 2 * 3 I D (M k + M) / 51 TFLOP/s); then the same M = 1 call with the 384 experts in
   bf16 (33.8 GB, allocated after the int4 ones are freed): "vs_bf16" is how much faster int4
-  is (goal >= 2.3x; the bytes roof's ratio 2.77x).  < 90 s.
+  is (goal >= 2.3x; the bytes roof's ratio 2.77x).  At M = 33 and 65 also the W4A16
+  tensor-core kernels (moe_ffn(method="mma"), layers/moe_int4_mma.py; goal >= 0.6 of the same
+  bytes roof, the FLOP roof at 989 TFLOP/s): "mma" (int4_mma_config's tile, full grid), "mma
+  work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  < 3 min.
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
   and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,
@@ -92,8 +95,13 @@ MMA_BUDGET_S = 150.0          # the mma section stops starting rows after this
 MOE_MMA_MS = (1, 9, 33, 65, 257)
 MOE_MMA_BUDGET_S = 80.0
 INT4_MS = (1, 33, 65)
+INT4_MMA_MS = (33, 65)          # the W4A16 tensor-core rows (moe_ffn(method="mma"))
+# the other tiles they time (work list on), beside int4_mma_config's: 128 columns (half the
+# x re-reads), stages of 128 (6 blocks an SM), 4 warps along N of 4 n8 tiles in 3 stages
+INT4_MMA_TILES = (("16x128 3x256", dict(tn=4, stages=3)), ("16x64 4x128", dict(bk=128)),
+                  ("16x64 3x512", dict(bk=512, stages=3)))
 INT4_GROUP = 32                # Kimi-K2's checkpoints
-INT4_BUDGET_S = 80.0
+INT4_BUDGET_S = 200.0
 DEMO_MOE = dict(n_experts=8, top_k=2, d=256, inter=128)        # docs/DEMO.md: the target's MoE
 MOE_CHUNK_MS = (1, 9, 17, 33)
 
@@ -575,14 +583,46 @@ def _int4_rows(ctx, results, experts, shared, gate, bias, rng, deadline, ms):
             print_row(row)
             if m == 1:
                 decode = (h, idx, w, row)
+            if m in INT4_MMA_MS:
+                _int4_mma_rows(ctx, results, experts, shared, (h, index, w, out, ws), m,
+                               routing, used * each + shared_bytes, used, deadline)
     return decode
 
 
-def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound):
+def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used, deadline):
+    """The W4A16 tensor-core kernels (moe_ffn(method="mma"), layers/moe_int4_mma.py) on the
+    same call: int4_mma_config's tile over the full grid and over the work list, then the
+    other tiles of INT4_MMA_TILES; each beside the same bytes roof (tensor-core FLOPs)."""
+    from kdtree_numba.layers.moe_int4_mma import Int4MmaConfig, int4_mma_config
+    layers, timer = ctx["layers"], ctx["timer"]
+    h, index, w, out, ws = call
+    n_experts, top_k = MOE_SHAPE["n_experts"], MOE_SHAPE["top_k"]
+    picked = int4_mma_config(m, top_k, n_experts)
+    variants = [("mma", picked, "0"), ("mma work list", picked, "1")] + [
+        (f"mma {name}", Int4MmaConfig(**kw), "1") for name, kw in INT4_MMA_TILES]
+    for variant, cfg, work_list in variants:
+        if time.perf_counter() > deadline:
+            return
+        try:
+            with _environment(KDTREE_MOE_WORK_LIST=work_list):
+                t, hb = timer([lambda cfg=cfg: layers.moe_ffn(
+                    h, index, w, *experts, *shared, method="mma", configs=cfg, out=out,
+                    workspace=ws)], trials=5)
+        except Exception as exc:   # noqa: BLE001 -- report and go on
+            report_failure(results, "int4", f"M={m} {routing} {variant}", exc)
+            continue
+        row = _moe_roof_row(variant, m, routing, used, nbytes, t, hb, BF16_FLOP_PER_S)
+        row["config"] = str(cfg)
+        results.append(row)
+        print_row(row)
+
+
+def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=None):
     """A row of the int4 section: bytes of the distinct experts read (+ shared) and the FMAs
-    of M tokens' k + 1 experts on CUDA cores, the larger being the roof."""
+    of M tokens' k + 1 experts on CUDA cores (``flop_rate``: or another unit's), the larger
+    being the roof."""
     top_k, d, inter = (MOE_SHAPE[k] for k in ("top_k", "d", "inter"))
-    flop_s = 2.0 * 3 * inter * d * (m * top_k + m) / FP32_FLOP_PER_S
+    flop_s = 2.0 * 3 * inter * d * (m * top_k + m) / (flop_rate or FP32_FLOP_PER_S)
     roof = max(nbytes / HBM_BYTES_PER_S, flop_s)
     return dict(section="int4", M=m, routing=routing, variant=variant, experts_read=used + 1,
                 us=t * 1e6, weight_bytes=nbytes, roof_us=roof * 1e6, roof_frac=roof / t,
@@ -664,7 +704,7 @@ COLUMNS = {
                 "roof_us", "bound", "roof_frac", "gbps", "tflops", "config", "host_bound"],
     "moe_chunk": ["M", "routing", "variant", "us", "vs_default", "host_bound"],
     "int4": ["M", "routing", "variant", "experts_read", "us", "weight_bytes", "roof_us",
-             "bound", "roof_frac", "gbps", "vs_bf16", "host_bound"],
+             "bound", "roof_frac", "gbps", "vs_bf16", "config", "host_bound"],
     "rmsnorm": ["M", "D", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "rope": ["M", "heads", "us", "bytes", "gbps", "roof_us", "roof_frac", "host_bound"],
     "mma": ["K", "N", "M", "variant", "us", "default_us", "vs_default", "cublas_bf16_us",

@@ -12,7 +12,8 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["bits_to_f32", "f32_bits", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
-           "pair_high_halves", "divmod_u32"]
+           "pair_high_halves", "divmod_u32", "int4_pair0_bf16",
+           "int4_pair1_bf16", "int4_pair2_bf16", "int4_pair3_bf16"]
 
 if SIMULATOR:
     def _bits_to_f32_py(bits):
@@ -117,3 +118,63 @@ if not SIMULATOR:
                             "(x & 0xFFFF) | (y << 16): the low bf16 of x, then the low of y.")
     pair_high_halves = _prmt("pair_high_halves", 0x7632,
                              "(x >> 16) | (y & 0xFFFF0000): the high bf16 of x, then of y.")
+
+
+# ============================================================================ int4 nibbles
+# Byte i of a word of int4 weights (two's complement nibbles, the even weight in the low one)
+# -> one uint32 of two bf16 (the even weight in the low half), exactly q: a PRMT puts the low
+# nibble at bits 0-3 and, from ``shifted`` = word >> 4, the high one at bits 16-19; a LOP3
+# masks them and XORs 0x4308 into each half, which makes the bf16 128 + (q + 8) (bits 0x43xx
+# are 128 + mantissa, and n ^ 8 = q + 8 for a two's complement nibble n); one bf16x2 FMA (x 1
+# - 136) leaves q, exact (integers below 2^8).  Three instructions per two weights; the
+# W4A16 tensor-core kernel (layers/moe_int4_mma.py) builds its B fragments with them.
+_I4_MASK, _I4_MAGIC, _I4_LUT = 0x000F000F, 0x43084308, 0x6A   # LUT: (a & b) ^ c
+_BF16X2_ONE, _BF16X2_M136 = 0x3F803F80, 0xC308C308
+
+
+def _int4_pair_selector(i: int) -> int:
+    """PRMT's selector for byte i: result bytes 0, 1 <- the word's byte i, bytes 2, 3 <- the
+    shifted word's byte i (source bytes 4-7)."""
+    return i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
+
+
+if SIMULATOR:
+    def _int4_pair_py(i):
+        def pair(word, shifted):
+            word = int(word)
+            halves = []
+            for n in ((word >> 8 * i) & 0xF, (word >> (8 * i + 4)) & 0xF):
+                q = n - 16 if n >= 8 else n
+                halves.append(int(np.float32(q).view(np.uint32)) >> 16)
+            return np.uint32(halves[0] | (halves[1] << 16))
+        return pair
+
+    int4_pair0_bf16, int4_pair1_bf16, int4_pair2_bf16, int4_pair3_bf16 = (
+        _int4_pair_py(i) for i in range(4))
+else:
+    def _int4_pair(i: int):
+        selector = _int4_pair_selector(i)
+
+        @intrinsic
+        def pair(typingctx, word, shifted):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                fnty = ir.FunctionType(i32, [i32, i32])
+                asm = ("{\n\t.reg .b32 %i4p, %i4one, %i4off;\n\t"
+                       f"prmt.b32 %i4p, $1, $2, {selector:#06x};\n\t"
+                       f"lop3.b32 %i4p, %i4p, {_I4_MASK:#010x}, {_I4_MAGIC:#010x}, "
+                       f"{_I4_LUT:#04x};\n\t"
+                       f"mov.b32 %i4one, {_BF16X2_ONE:#010x};\n\t"
+                       f"mov.b32 %i4off, {_BF16X2_M136:#010x};\n\t"
+                       "fma.rn.bf16x2 $0, %i4p, %i4one, %i4off;\n\t}")
+                return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), args)
+            return sig, codegen
+        pair.__name__ = pair.__qualname__ = f"int4_pair{i}_bf16"
+        pair.__doc__ = (f"Byte {i} of an int4 word (``shifted`` = word >> 4) as two bf16 q "
+                        f"(module comment above).")
+        return pair
+
+    int4_pair0_bf16, int4_pair1_bf16, int4_pair2_bf16, int4_pair3_bf16 = (
+        _int4_pair(i) for i in range(4))

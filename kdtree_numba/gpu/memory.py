@@ -15,9 +15,11 @@ the one it was tuned with:
   of L1 so the activations stay there), *cached* goes through L1.
 * ``ld_shared_f32x4`` (``a[off:off+4]`` of a 1-d shared array): inline PTX ``ld.shared.v4.f32``;
   ``ld_shared_words4(a, base, offset)`` the same for a uint32 array (``ld.shared.v4.b32``: the
-  bf16 attention's operands), its address formed in 32 bits from the array's shared base, a
-  per-lane word base and a constant word offset, which ptxas folds into the load (the bf16
-  attention kernel: its 64-bit index math was a third of its instructions).
+  bf16 attention's operands; ``ld_shared_words2`` / ``ld_shared_word``: two words / one, the
+  W4A16 tensor-core kernel's scales and packed weights), its address formed in 32 bits from
+  the array's shared base, a per-lane word base and a constant word offset, which ptxas folds
+  into the load (the bf16 attention kernel: its 64-bit index math was a third of its
+  instructions).
 * ``ldmatrix_x4(a, base, offset)`` / ``ldmatrix_x2``: ``ldmatrix.sync.aligned.m8n8.x4`` / ``.x2``
   ``.shared.b16`` from a uint32 shared array, the lane's row address formed as in
   ``ld_shared_words4``: a warp-collective load (lane i gives the address of row i % 8 of
@@ -44,7 +46,8 @@ from kdtree_numba.gpu.launch import STATIC_SHARED_BYTES, FastKernel, allow_dynam
 from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
-           "ld_shared_words4", "ldmatrix_x4", "ldmatrix_x2",
+           "ld_shared_words4", "ld_shared_words2", "ld_shared_word", "ldmatrix_x4",
+           "ldmatrix_x2",
            "load_global_invariant_f32x4", "load_f32x4",
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
@@ -71,6 +74,12 @@ if SIMULATOR:
 
     def ld_shared_words4(a, base, offset):
         return _lds4_py(a, base + offset)
+
+    def ld_shared_words2(a, base, offset):
+        return (a[base + offset], a[base + offset + 1])
+
+    def ld_shared_word(a, base, offset):
+        return (a[base + offset],)
 
     def _ldmatrix_py(a, base, offset):
         raise NotImplementedError("ldmatrix is warp-collective: the simulator has no twin")
@@ -203,18 +212,27 @@ else:
                     return builder.shl(v, ir.Constant(i32, 2))
                 start = builder.add(builder.ptrtoint(shared, i32), bytes32(args[1]))
                 addr = builder.add(start, bytes32(args[2]))
-                fnty = ir.FunctionType(ir.LiteralStructType([i32] * n), [i32])
+                # one output is the value itself (LLVM takes no one-member struct there)
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * n) if n > 1 else i32,
+                                       [i32])
                 # side effect: kept in program order with the barriers and cp.async around it
                 asm = ir.InlineAsm(fnty, asm_text, ",".join(["=r"] * n + ["r"]),
                                    side_effect=True)
                 res = builder.call(asm, [addr])
-                return context.make_tuple(builder, ret,
-                                          [builder.extract_value(res, i) for i in range(n)])
+                parts = [builder.extract_value(res, i) for i in range(n)] if n > 1 else [res]
+                return context.make_tuple(builder, ret, parts)
             return ret(array, base, offset), codegen
         load.__name__ = load.__qualname__ = name
         load.__doc__ = doc
         return intrinsic(load)
 
+    ld_shared_word = _shared_words_intrinsic(
+        "ld_shared_word", 1, "ld.shared.b32 $0, [$1];",
+        "``(a[base + offset],)`` of a 1-d uint32 shared array (a 1-tuple), one ``ld.shared``.")
+    ld_shared_words2 = _shared_words_intrinsic(
+        "ld_shared_words2", 2, "ld.shared.v2.b32 {$0, $1}, [$2];",
+        "``a[base + offset : + 2]`` of a 1-d uint32 shared array (8-byte aligned) as one "
+        "``ld.shared.v2.b32``.")
     ld_shared_words4 = _shared_words_intrinsic(
         "ld_shared_words4", 4, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
         "``a[base + offset : + 4]`` of a 1-d uint32 shared array as one ``ld.shared.v4.b32``.")

@@ -66,9 +66,10 @@ from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_tile",
            "mma_config", "mma_splits", "accumulator_origin",
-           "mma_error_coefficient", "stage_compute", "ring_function",
+           "mma_error_coefficient", "stage_compute", "ring_function", "ring_wait",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
-           "round_to_bf16", "mma_linear", "mma_head_products"]
+           "round_to_bf16", "mma_linear", "mma_head_products", "copy_chunk", "shared_base",
+           "array_base", "ELEM", "WORD"]
 
 WORDS = PANEL // 2  # uint32 words of a panel row (64 bytes)
 
@@ -183,6 +184,9 @@ else:
 
 _w_stage_slot = inline_device_function(w_stage_slot)
 _c_position = inline_device_function(c_position)
+# the staging primitives, for the W4A16 kernel's own ring (layers/moe_int4_mma.py): on the GPU
+# copy_chunk moves any 16 bytes between the addresses; in the simulator 8 bf16
+copy_chunk, shared_base, array_base = _copy_chunk, _shared_base, _array_base
 
 
 # ------------------------------------------------------------------ kernel
@@ -270,6 +274,21 @@ def stage_compute(cfg: MmaConfig):
 
 
 @functools.cache
+def ring_wait(pending: int):
+    """``wait_oldest()`` of a cp.async ring that leaves ``pending`` (0-2) commit groups in
+    flight: this thread's copies of the oldest stage in flight have landed."""
+    @inline_device_function
+    def wait_oldest():
+        if pending == 2:
+            cp_async_wait_2()
+        elif pending == 1:
+            cp_async_wait_1()
+        else:
+            cp_async_wait_all()
+    return wait_oldest
+
+
+@functools.cache
 def ring_function(cfg: MmaConfig):
     """The K loop every kernel on this tile shape shares (the linear below, the grouped expert
     kernel of moe_mma.py): ``run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end,
@@ -334,16 +353,7 @@ def ring_function(cfg: MmaConfig):
             _copy_chunk(smem, chunk_cursor(ws, sbase + WORD * B_BASE, buf * B_STAGE, u, tid, BN),
                         w16, wcur[u] + step * STEP if ok else wbase, 16 if ok else 0)
 
-    @inline_device_function
-    def wait_oldest():
-        """This thread's copies of the oldest stage in flight have landed."""
-        if PENDING == 2:
-            cp_async_wait_2()
-        elif PENDING == 1:
-            cp_async_wait_1()
-        else:
-            cp_async_wait_all()
-
+    wait_oldest = ring_wait(PENDING)
     compute = stage_compute(cfg)
 
     @inline_device_function

@@ -18,15 +18,33 @@ from kdtree_numba.compat import SIMULATOR, cuda
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
 from kdtree_numba.layers.common import GPU_SMS
 
-__all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "MmaConfig", "WARP_TILE", "WGMMA_TILE",
+__all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "WarpTiles", "MmaConfig", "WARP_TILE",
+           "WGMMA_TILE",
            "wgmma_available", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
            "mma_error_coefficient"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
 
 
+class WarpTiles:
+    """The block tile of ``wm`` x ``wn`` warps of ``tm`` m16 by ``tn`` n8 tiles (fields of
+    the dataclass that derives from it): BM x BN outputs, 32 wm wn threads."""
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.wm * self.tm
+
+    @property
+    def bn(self) -> int:
+        return 8 * self.wn * self.tn
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+
 @dataclass(frozen=True)
-class MmaConfig:
+class MmaConfig(WarpTiles):
     """Tile shape: ``wm`` x ``wn`` warps (warp w: wm_i = w % wm, wn_i = w // wm), each ``tm``
     m16 tiles by ``tn`` n8 tiles; K stages of ``bk`` (a multiple of 32) in a ring of
     ``stages`` shared-memory buffers (2 to 4; the cp.async ring of both kernels, linear and
@@ -50,18 +68,6 @@ class MmaConfig:
     stages: int = 3
     wgmma: bool = False
     slices_in_block: bool = False
-
-    @property
-    def bm(self) -> int:
-        return 16 * self.wm * self.tm
-
-    @property
-    def bn(self) -> int:
-        return 8 * self.wn * self.tn
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.wm * self.wn
 
     @property
     def stage_bytes(self) -> int:

@@ -19,6 +19,9 @@ from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_redu
                                      tree_reduce)
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
 from kdtree_numba.layers.linear import METHODS, linear
+from kdtree_numba.layers.mma import round_to_bf16
+from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
+                                              int4_mma_group_ok)
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
 from kdtree_numba.layers.skinny import (INT4_KINDS, ROWS_UNROLL, SkinnyConfig, int4_chunks,
@@ -467,8 +470,10 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ),
     or both :class:`~kdtree_numba.layers.workspace.Int4Experts` (int4-group, W4A16: the
-    weight-streaming kernels at every M, the nibbles unpacked and scaled in registers; "mma"
-    is refused, "tiled" and "tensor-cores" run them too, the shared expert as asked).
+    weight-streaming kernels at every M, the nibbles unpacked and scaled in registers;
+    "tiled" and "tensor-cores" run them too, the shared expert as asked; "mma" runs the
+    W4A16 tensor-core kernels, layers/moe_int4_mma.py, which ``KDTREE_INT4_MMA=1`` lets
+    "tensor-cores" and "auto" pick: :func:`_int4_mma_picked`).
     The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
@@ -507,12 +512,18 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     y = result_array(out, (m, d), np.float32, stream)
     if m == 0:
         return y
+    if kind == "i4" and _int4_mma_picked(method, hd, gud, dnd, shared_gate_up, shared_down,
+                                          stream):
+        if method == "mma" and not (configs is None or isinstance(configs, Int4MmaConfig)):
+            raise TypeError("moe_ffn(method='mma') with int4 experts takes an Int4MmaConfig "
+                            "as configs")
+        if dense:
+            idx, wt = _dense_routing(m, ws, stream)
+        return _moe_ffn_int4_mma(hd, idx, wt, gud, dnd, shared_gate_up, shared_down, y,
+                                 configs, stream, ws)
     if method == "tensor-cores":
         method = "mma" if _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up,
                                               shared_down, stream) else "skinny"
-    if kind == "i4" and method == "mma":
-        raise ValueError("moe_ffn(method='mma') takes bf16 experts; int4 experts run the "
-                         "W4A16 kernels (method 'auto', 'skinny' or 'tensor-cores')")
     if dense and method == "mma":
         if configs is not None:
             raise ValueError("configs does not apply to the dense FFN under mma: its two "
@@ -683,11 +694,82 @@ def _mma_takes_experts(hd, gud, dnd, kind, shared_gate_up, shared_down, stream) 
     d, inter = hd.shape[1], dnd.shape[2]
     if kind != "bf16" or inter % 8 or load_kind_for(kind, d, hd, gud, dnd) != "bf16":
         return False
+    return _mma_takes_shared(d, shared_gate_up, shared_down, stream)
+
+
+def _mma_takes_shared(d: int, shared_gate_up, shared_down, stream) -> bool:
+    """Whether the grouped bf16 kernel takes the shared expert (none, or bf16, Is % 8)."""
     if shared_gate_up is not None:
         _, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
         if skind != "bf16" or sdn.shape[1] % 8:
             return False
     return True
+
+
+def _int4_mma_picked(method: str, hd, gu4, dn4, shared_gate_up, shared_down, stream) -> bool:
+    """Whether int4 experts run on tensor cores (layers/moe_int4_mma.py): always under "mma"
+    (ValueError where the kernels cannot take them), and with ``KDTREE_INT4_MMA=1`` (opt-in
+    until a GPU validates the kernel) under "tensor-cores" at every M, as bf16 experts, and
+    under "auto" where bf16 experts leave weight streaming (``common.takes_tiled``: a
+    verify's or a prefill's rows).  They take group sizes that are multiples of 32, D and I
+    multiples of 32 with C-contiguous 16-byte aligned words and h, and a bf16 shared expert
+    (Is % 8) or none."""
+    m, d = hd.shape
+    if method != "mma" and not (runtime.current().int4_mma and (
+            method == "tensor-cores" or method == "auto" and takes_tiled(m, gu4.shape[1] * d))):
+        return False
+    takes = (int4_mma_group_ok(gu4.group_size) and int4_mma_group_ok(dn4.group_size)
+             and int4_load_kind(d, hd, gu4) == "i4" and int4_load_kind(dn4.shape[2], hd, dn4)
+             == "i4" and _mma_takes_shared(d, shared_gate_up, shared_down, stream))
+    if method == "mma" and not takes:
+        raise ValueError("moe_ffn(method='mma') takes bf16 experts, or int4 experts of group "
+                         "sizes multiple of 32 (D, I multiples of 32, aligned arrays) with a "
+                         "bf16 shared expert; use method 'auto', 'skinny' or 'tensor-cores'")
+    return takes
+
+
+def _grouped_buffers(hd, gate_up, top_k: int, shared_gate_up, shared_down, ws, stream):
+    """(shared expert (gate_up, down) on the device or None, act16 [Mk + M, max(I, Is)] uint16,
+    y_slot [Mk + M, D] float32) of the grouped tensor-core paths, the shared expert's rows
+    last; ValueError for a shared expert that is not bf16."""
+    m, d = hd.shape
+    inter = gate_up.shape[1] // 2
+    shared, s_inter = None, inter
+    if shared_gate_up is not None:
+        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
+        if skind != "bf16":
+            raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
+        shared, s_inter = (sgu, sdn), sdn.shape[1]
+    rows = m * top_k + m
+    return (shared, ws.get("moe.mma_act16", (rows, max(inter, s_inter)), np.uint16, stream),
+            ws.get("moe.mma_y_slot", (rows, d), np.float32, stream))
+
+
+def _moe_ffn_int4_mma(hd, idx, wt, gu4, dn4, shared_gate_up, shared_down, y, config, stream,
+                      ws):
+    """The W4A16 experts on tensor cores: the grouping, the two launches of
+    layers/moe_int4_mma.py over the routed experts, the bf16 shared expert through moe_mma's
+    grouped kernel alone (its rows of the same act16 / y_slot; the tile of one expert of M
+    tokens), then the ordered combine.  h is rounded to bf16 once for both.  ``config``: an
+    Int4MmaConfig replacing int4_mma_config's tile, or anything else (the bf16 kernels'
+    configs, which "auto" and "tensor-cores" may carry: ignored)."""
+    m = hd.shape[0]
+    n_experts, top_k = gu4.shape[0], idx.shape[1]
+    n_entries = m * top_k
+    shared, act16, y_slot = _grouped_buffers(hd, gu4, top_k, shared_gate_up, shared_down, ws,
+                                             stream)
+    cfg = config if isinstance(config, Int4MmaConfig) else int4_mma_config(m, top_k, n_experts)
+    slot_of_entry, lists, tiles = _group_tokens(idx, n_experts, ws, stream,
+                                                cfg.bm if work_list_enabled() else 0)
+    h16 = round_to_bf16(hd, ws, "moe.mma_h16", stream)
+    grouped_int4_mma(h16, lists, gu4, dn4, act16, y_slot, min(n_entries, n_experts), cfg,
+                     stream, tiles)
+    if shared is None:
+        return _combine(y_slot, slot_of_entry, wt, None, y, stream)
+    one = tuple(a.reshape(1, *a.shape) for a in shared)
+    grouped_experts_mma(hd, lists, *one, shared, act16, y_slot, 0, moe_mma_config(m, 1, 1),
+                        stream, ws, h16=h16)
+    return _combine(y_slot, slot_of_entry, wt, y_slot[n_entries:], y, stream)
 
 
 def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, config, stream,
@@ -700,18 +782,11 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
     m, d = hd.shape
     n_experts, two_im, _ = gud.shape
     inter, top_k = two_im // 2, idx.shape[1]
-    shared, s_inter = None, inter
-    if shared_gate_up is not None:
-        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
-        s_inter = sdn.shape[1]
-        if skind != "bf16":
-            raise ValueError("moe_ffn(method='mma') takes bf16 weights only")
-        shared = (sgu, sdn)
     ws = workspace if workspace is not None else Workspace()
     n_entries = m * top_k
-    width = max(inter, s_inter)
-    act16 = ws.get("moe.mma_act16", (n_entries + m, width), np.uint16, stream)
-    y_slot = ws.get("moe.mma_y_slot", (n_entries + m, d), np.float32, stream)
+    shared, act16, y_slot = _grouped_buffers(hd, gud, top_k, shared_gate_up, shared_down, ws,
+                                             stream)
+    s_inter = inter if shared is None else shared[1].shape[1]
     if kind != "bf16" or any(load_kind_for(kind, k, *arrays) != "bf16" for k, arrays in (
             (d, (hd, gud, dnd, act16, y_slot) + (shared or ())), (inter, ()), (s_inter, ()))):
         raise ValueError("moe_ffn(method='mma') takes bf16 weights, D, I and Is multiples of "

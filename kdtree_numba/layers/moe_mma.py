@@ -41,6 +41,7 @@ Design, error bound and status: docs/LAYERS.md, "Grouped MoE on tensor cores".
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 
@@ -55,7 +56,7 @@ from kdtree_numba.layers.mma import (MmaConfig, accumulator_origin, c_position, 
                                      unsliced_tile, round_to_bf16, w_stage_slot)
 
 __all__ = ["moe_mma_config", "moe_mma_kernel", "moe_mma_grid", "grouped_experts_mma",
-           "routed_tile_bound", "work_list_enabled"]
+           "routed_tile_bound", "work_list_enabled", "expert_tile_io"]
 
 _w_stage_slot = inline_device_function(w_stage_slot)
 _c_position = inline_device_function(c_position)
@@ -107,6 +108,57 @@ def moe_mma_grid(cfg: MmaConfig, gate_up: bool, m: int, max_active: int, has_sha
     return (max_active + int(has_shared)) * n_mtiles * n_ntiles, n_mtiles, n_ntiles
 
 
+@functools.cache
+def expert_tile_io(ftm: int, ftn: int, gate_up: bool):
+    """``(weight_row, store_tile)`` of a grouped expert kernel whose threads hold ftm x ftn
+    accumulator tiles in mma.sync's C layout (this module's kernel and moe_int4_mma.py's):
+
+    * ``weight_row(row, col0, n_out)``: the expert's weight row of row ``row`` of a block's
+      weight tile (-1: none).  gate_up: of each group of ftn n8 tiles (a warp's; wgmma: all
+      BN) the first half are gate rows and the second half the up rows of the same
+      intermediate columns, so the thread holding gate(row, c) holds up(row, c);
+    * ``store_tile(out, acc, lane, row0, ocol, m0, col0, count, s_begin, n_out)``: the
+      epilogue from the warp's first accumulator tile at (row0, ocol) of the block's tile:
+      gate_up ``act[slot, c] = silu(gate) * up`` as bf16 pairs (``common.silu_approx``), down
+      ``y_slot[slot, c]``; rows past ``count`` and columns past ``n_out`` not written."""
+    HALF = ftn // 2
+
+    @inline_device_function
+    def weight_row(row, col0, n_out):
+        if gate_up:
+            q = row // (8 * ftn)
+            j = (row - q * 8 * ftn) // 8
+            col = col0 + q * (4 * ftn) + 8 * (j % HALF) + row % 8
+            if col < n_out:
+                return col if j < HALF else n_out + col
+        elif col0 + row < n_out:
+            return col0 + row
+        return -1
+
+    @inline_device_function
+    def store_tile(out, acc, lane, row0, ocol, m0, col0, count, s_begin, n_out):
+        for i in range(ftm):
+            for j in range(HALF if gate_up else ftn):
+                for h in range(2):     # accumulators 2h, 2h + 1: one row, columns c, c + 1
+                    r, c = _c_position(lane, 2 * h)
+                    row = m0 + row0 + 16 * i + r
+                    o = 4 * (i * ftn + j) + 2 * h
+                    if gate_up:        # c is even and n_out % 8 == 0: c + 1 < n_out too
+                        col = col0 + (ocol >> 1) + 8 * j + c
+                        ou = o + 4 * HALF
+                        if row < count and col < n_out:
+                            store_nowrap_2d(out, s_begin + row, col >> 1, pack_bf16x2(
+                                silu_approx(acc[o]) * acc[ou],
+                                silu_approx(acc[o + 1]) * acc[ou + 1]))
+                    else:
+                        col = col0 + ocol + 8 * j + c
+                        if row < count and col < n_out:
+                            store_nowrap_2d(out, s_begin + row, col, acc[o])
+                        if row < count and col + 1 < n_out:
+                            store_nowrap_2d(out, s_begin + row, col + 1, acc[o + 1])
+    return weight_row, store_tile
+
+
 @kernel_factory
 def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
     """The grouped kernel for a tile shape (needs an even count of n8 accumulator tiles;
@@ -121,7 +173,6 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
                          f"(gate and up halves), got {cfg}")
     WM, TM, TN, BK = cfg.wm, cfg.tm, cfg.tn, cfg.bk
     BM, BN, THREADS = cfg.bm, cfg.bn, cfg.threads
-    HALF = FTN // 2
     run_ring = ring_function(cfg)
     origin = accumulator_origin(cfg)
     XC, WC = cfg.x_chunks, cfg.w_chunks
@@ -130,6 +181,7 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
     WGMMA = cfg.wgmma
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16
+    weight_row, store_tile = expert_tile_io(FTM, FTN, gate_up)
 
     @kernel
     def grouped_expert_mma(x16, token_of_slot, offsets, active, n_active, tile_expert,
@@ -211,53 +263,28 @@ def moe_mma_kernel(cfg: MmaConfig, gate_up: bool, work_list: bool = False):
                     xrow[u] = m0 + row
         for u in range(WC):            # the weight row of each staged chunk
             row, kk, off = _w_stage_slot(tid + u * THREADS, BN, BK)
-            wrow[u] = -1
-            if gate_up:                # N group q's n8 tiles (a warp's; wgmma: all BN):
-                q = row // (8 * FTN)   # half of them gate rows, then their up rows
-                j = (row - q * 8 * FTN) // 8
-                col = col0 + q * (4 * FTN) + 8 * (j % HALF) + row % 8
-                if col < n_out:
-                    wrow[u] = col if j < HALF else n_out + col
-            elif col0 + row < n_out:
-                wrow[u] = col0 + row
+            wrow[u] = weight_row(row, col0, n_out)
         for i in range(NACC):
             acc[i] = ZERO
         run_ring(acc, av, bv, smem, x16, xrow, w, wrow, 0, k_end, arow, brow, tid)
 
         row0, ocol = origin(warp, wm_i)
-        for i in range(FTM):
-            for j in range(HALF if gate_up else FTN):
-                for h in range(2):     # accumulators 2h, 2h + 1: one row, columns c, c + 1
-                    r, c = _c_position(lane, 2 * h)
-                    row = m0 + row0 + 16 * i + r
-                    o = 4 * (i * FTN + j) + 2 * h
-                    if gate_up:        # c is even and n_out % 8 == 0: c + 1 < n_out too
-                        col = col0 + (ocol >> 1) + 8 * j + c
-                        ou = o + 4 * HALF
-                        if row < count and col < n_out:
-                            store_nowrap_2d(out, s_begin + row, col >> 1, pack_bf16x2(
-                                silu_approx(acc[o]) * acc[ou],
-                                silu_approx(acc[o + 1]) * acc[ou + 1]))
-                    else:
-                        col = col0 + ocol + 8 * j + c
-                        if row < count and col < n_out:
-                            store_nowrap_2d(out, s_begin + row, col, acc[o])
-                        if row < count and col + 1 < n_out:
-                            store_nowrap_2d(out, s_begin + row, col + 1, acc[o + 1])
+        store_tile(out, acc, lane, row0, ocol, m0, col0, count, s_begin, n_out)
 
     return grouped_expert_mma
 
 
 def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, cfg: MmaConfig,
-                        stream=0, workspace=None, tiles=None):
+                        stream=0, workspace=None, tiles=None, h16=None):
     """The two launches.  hd [M, D] float32; lists = (token_of_slot, offsets, active,
     n_active) of moe.py's grouping; ``tiles``: its work list (tile_expert, tile_row, n_tiles)
     of cfg.bm-row tiles, or None for the full grid; gud [E, 2I, D] and dnd [E, D, I] uint16
     bf16 bits;
     shared = (sgu [2Is, D], sdn [D, Is]) or None; act16 [n_entries + M, max(I, Is)] uint16
     (bf16 bits) and y_slot [n_entries + M, D] float32 (the shared expert's rows last).  h is
-    rounded to bf16 once, into a workspace buffer, as mma_linear does.  Checks are
-    moe_ffn's."""
+    rounded to bf16 once, into a workspace buffer, as mma_linear does, unless ``h16`` gives
+    it (the W4A16 path, whose shared expert runs here alone: ``max_active`` 0, gud and dnd
+    its own weights as one expert).  Checks are moe_ffn's."""
     m, d = hd.shape
     n_experts, two_i, _ = gud.shape
     inter = two_i // 2
@@ -268,7 +295,8 @@ def grouped_experts_mma(hd, lists, gud, dnd, shared, act16, y_slot, max_active, 
         sgu, sdn = shared
         s_inter = sdn.shape[1]
     has_shared = shared is not None
-    h16 = round_to_bf16(hd, workspace, "moe.mma_h16", stream)
+    if h16 is None:
+        h16 = round_to_bf16(hd, workspace, "moe.mma_h16", stream)
     act_pairs = act16.view(np.uint32)
     # without a work list any int32 arrays stand for its three (never read); with one the
     # kernel's max_active is the list's bound R
