@@ -1,5 +1,5 @@
 """MoE routing and the expert FFN on the GPU: ``router_logits``, ``route_from_logits``,
-``moe_route``, ``moe_ffn``, and the kernel shapes of the routed experts.
+``moe_route``, ``moe_ffn`` (the routed experts' kernel shapes: moe_shapes.py).
 
 Twin: reference/layers/moe.py (the routing rules and the FFN are its docstring).  The experts
 reuse the GEMM cores: skinny.py's accumulate loop (expert kernels below) and tiled.py's
@@ -24,10 +24,11 @@ from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, i
                                               int4_mma_group_ok)
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
-from kdtree_numba.layers.skinny import (INT4_KINDS, ROWS_UNROLL, SkinnyConfig, int4_chunks,
-                                        int4_threads, make_accumulate, mt_for, skinny_kind,
-                                        skinny_threads)
-from kdtree_numba.layers.tiled import TiledConfig, tiled_kernel
+from kdtree_numba.layers.moe_shapes import (expert_chunk_bound, expert_config,
+                                            expert_tiled_configs)
+from kdtree_numba.layers.skinny import (INT4_KINDS, SkinnyConfig, int4_chunks, make_accumulate,
+                                        skinny_kind)
+from kdtree_numba.layers.tiled import tiled_kernel
 from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, device_weight,
                                            int4_load_kind, kernel_weight, launch_1d,
                                            load_kind_for, placeholder, result_array,
@@ -396,61 +397,6 @@ def _combine_kernel(has_shared: bool):
                     total += weight[m, j] * y_slot[s, d]
             out[m, d] = total
     return combine
-
-
-def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
-                  int4: bool = False) -> SkinnyConfig:
-    """Kernel shape for the expert GEMMs: mt ~ tokens per active expert; the most rows of
-    ROWS_UNROLL (the grid, active experts x tiles, is large already).  ``rows`` counts outputs
-    per block: a gate_up block streams 2*rows weight rows (gate and up).  ``int4``: the
-    W4A16 kinds, whose chunk of 32 weights is one 16-byte load as a bf16 chunk of 8 is: the
-    same rows, one chunk in flight per row (the unpacking's registers), threads from
-    int4_threads."""
-    mt = mt_for(max(1, -(-m * top_k // min(n_experts, m * top_k))))
-    weight_rows, unroll = ROWS_UNROLL[mt][0]
-    if SIMULATOR:   # no registers to spare there, but blocks cost: the most rows a block allows
-        weight_rows = 32 // mt
-    rows = weight_rows // 2 if gate_up else weight_rows
-    if int4:   # a chunk is 4 words and a scale; unroll 2 took 168+ registers (ptxas, sm_90)
-        return SkinnyConfig(mt=mt, rows=rows, threads=int4_threads(k_in), unroll=1)
-    return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
-
-
-def expert_chunk_bound(m: int, top_k: int, n_experts: int, mt: int) -> int:
-    """Blocks per (active expert, N tile) of the chunk grid (``KDTREE_MOE_CHUNK_GRID``):
-    min(ceil(M / mt), ceil(2 R / A)), from the shapes alone (no routing read on the host, so
-    a CUDA graph captures the launch).  A = min(E, M k) slots, R = moe_mma.routed_tile_bound
-    the most mt-chunks any routing of the M k entries needs in all.  An expert holds at most
-    M tokens (a token picks k distinct experts), so ceil(M / mt) blocks take every chunk of
-    every expert at once; the second term caps the (slot, chunk) blocks at
-    A * ceil(2R / A) < 2R + A where at most R can work, so the blocks that exit at once stay
-    within about twice the most that work.  Where it binds (many experts, few tokens each:
-    Kimi-K2 at a verify's rows, R = A, 2 blocks), an expert past 2 chunks runs the rest in
-    its blocks' loop, ceil(chunks / 2) one after another where it ran all of them; so does a
-    routing that repeats an expert in a row.  The demo pair (E 8, k 2) gets 3 at M = 9, 17
-    and 33: every chunk in a block of its own.  Never below 1."""
-    n_entries = m * top_k
-    slots = max(1, min(n_experts, n_entries))
-    need = routed_tile_bound(n_entries, n_experts, mt)
-    return max(1, min(-(-m // mt), -(-2 * need // slots)))
-
-
-def _expert_tile() -> TiledConfig:
-    """The expert GEMM tile: BM = 32 rows (4 warps along M, one 8-row group each) by BN = 256
-    (32 lanes along N: 128 gate + 128 up outputs), so a warp with no live row skips its FMAs
-    and one with 1-4 live rows does half of them."""
-    return (TiledConfig(wm=1, wn=1, ly=1, tm=4, tn=8, bk=8) if SIMULATOR else
-            TiledConfig(wm=4, wn=1, ly=1, tm=8, tn=8, bk=16))
-
-
-def expert_tiled_configs(m: int):
-    """[(TiledConfig, cmin, cmax)]: the launches of one tiled expert GEMM, each for the
-    experts holding cmin <= count < cmax tokens (the others' blocks exit at once).  One launch
-    of ``_expert_tile()`` for every count: an expert's tokens go through it in chunks of BM.
-    Plans with two size classes (a bigger tile for the popular experts) were slower on a
-    router-picked Kimi-K2 batch: the popular experts' one pass over their weights did not pay
-    for running the two classes one after the other (dev/cuda/layers.py keeps them)."""
-    return [(_expert_tile(), 1, 1 << 30)]
 
 
 def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None, *,
