@@ -432,6 +432,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         rounds.finish()
 
 
+@runtime.holding
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int | str | AutoBudget = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,

@@ -47,7 +47,7 @@ import functools
 import os
 from typing import Mapping
 
-__all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "configure", "reset",
+__all__ = ["RuntimeConfig", "FIXED_AT_IMPORT", "current", "holding", "configure", "reset",
            "child_environment"]
 
 FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "lineinfo")
@@ -138,13 +138,17 @@ class RuntimeConfig:
 
 _AT_IMPORT = RuntimeConfig.from_environment()
 _configured: RuntimeConfig | None = None
+_held: RuntimeConfig | None = None
 
 
 def current() -> RuntimeConfig:
-    """The configuration in force: the one :func:`configure` installed, else the environment's
-    per-call switches now beside the import-time ones."""
+    """The configuration in force: the one :func:`configure` installed, else the one a
+    :func:`holding` call holds, else the environment's per-call switches now beside the
+    import-time ones."""
     if _configured is not None:
         return _configured
+    if _held is not None:
+        return _held
     # read per call (a benchmark or a test flips a switch between calls), but parsed once per
     # distinct environment: the MoE asks on every call
     return _from_values(tuple(os.environ.get(name) for name in VARIABLES))
@@ -155,6 +159,26 @@ def _from_values(values: tuple) -> RuntimeConfig:
     env = {name: value for name, value in zip(VARIABLES, values) if value is not None}
     now = RuntimeConfig.from_environment(env)
     return dataclasses.replace(now, **{f: getattr(_AT_IMPORT, f) for f in FIXED_AT_IMPORT})
+
+
+def holding(fn):
+    """Decorate ``fn`` (engine.generate) to run with the configuration in force at its call
+    held for the whole call: the per-call switches read from the environment once, where
+    each :func:`current` read ~20 variables (a DDTree round asks several times; run 151's
+    host profile of a replayed round found a sixth of generate()'s host time there).  A
+    switch flipped between calls still takes effect; one flipped inside the call does not.
+    Inside a held call, a nested one keeps the outer one's; :func:`configure` wins always."""
+    @functools.wraps(fn)
+    def held_call(*args, **kwargs):
+        global _held
+        if _configured is not None or _held is not None:
+            return fn(*args, **kwargs)
+        _held = current()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _held = None
+    return held_call
 
 
 def configure(**changes) -> RuntimeConfig:

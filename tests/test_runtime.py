@@ -80,3 +80,35 @@ def test_graph_keys_name_the_switches_that_change_a_graphs_launches(monkeypatch)
     monkeypatch.delenv("KDTREE_LEAN_ROUND")
     monkeypatch.delenv("KDTREE_MOE_CHUNK_GRID")
     assert graphs.GraphCache.stored_key(key) == key       # the defaults: the key itself
+
+
+def test_a_held_call_reads_the_switches_once(monkeypatch):
+    """runtime.holding (engine.generate): the switches in force at the call hold for the
+    whole call, a nested held call keeps them, the next call reads the environment again,
+    and configure() wins over a held call."""
+    runtime.reset()
+    seen = []
+
+    @runtime.holding
+    def call(flip_to=None, nested=False):
+        seen.append(runtime.current().cuda_graphs)
+        if flip_to is not None:
+            monkeypatch.setenv("KDTREE_CUDA_GRAPHS", flip_to)
+            seen.append(runtime.current().cuda_graphs)
+        if nested:
+            call()
+
+    monkeypatch.setenv("KDTREE_CUDA_GRAPHS", "1")
+    call(flip_to="0", nested=True)
+    assert seen == [True, True, True]            # the flip waits for the next call
+    assert not runtime.current().cuda_graphs      # outside a call: the environment now
+    seen.clear()
+    call()
+    assert seen == [False]
+    try:
+        runtime.configure(cuda_graphs=True)
+        seen.clear()
+        call()
+        assert seen == [True]
+    finally:
+        runtime.reset()
