@@ -167,7 +167,7 @@ def test_the_dense_layout_hands_the_kernels_the_arrays_they_always_got(monkeypat
     """The dense layout's calls: attention on the layer's [bs, max_len, w] arrays with the
     device lengths as its int32 prefix and the host's max_keys; compaction on the stacked
     arrays with int64 past lengths, the kernel specialisation the engine has always launched
-    (so the same PTX runs); with KDTREE_LEAN_ROUND=1 the int32 lengths themselves."""
+    (so the same PTX runs); with the lean round (the default) the int32 lengths themselves."""
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "0")
     calls = {}
     ops = SimpleNamespace(mla_attention=lambda *a, **k: calls.setdefault("attention", (a, k)),
