@@ -5,9 +5,12 @@ signature compiles it (numba; the kernel cache, kdtree_numba/kernel_cache.py, tu
 into a load from disk in a later process), and the tiled GEMMs and attention are configured
 by the row count, so each prefill width can need its own kernels; the decode and verify
 forwards and the round's device steps are captured as CUDA graphs on their second call, and
-a graph's key names the KV cache's buffers, whose capacity ``generate`` rounds up to a
-multiple of ``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token
-count, the verify width and the drafter's depth (:func:`cache_bucket`).  So per
+a graph's key names the KV cache's buffers (a device round's: the target's and the
+drafter's, which take one capacity), whose capacity ``generate`` rounds up to a multiple of
+``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token count, the
+verify width, the drafter's depth and, with device rounds, the round run ahead
+(``engine.cache_slots``, :func:`cache_bucket`; the warm-up asks ``engine.runs_device_rounds``
+as ``generate`` does).  So per
 configuration (method, budget, temperature) the warm-up
 
 1. prefills every distinct prompt length of the timed prompts once into a scratch cache of
@@ -26,9 +29,11 @@ for any caller: a padded length is captured on its second call).  The model keep
 generation cache per capacity bucket
 (``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``graphs.max_graphs(kind)`` graphs
 of a kind (kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their
-own, so they never push a round's graphs out; auto's 8 candidates in 4 cache pairs need 32
-round graphs, room for which only ``KDTREE_AUTO_V2=1`` makes): a row with more shapes than
-that recaptures them while timed.
+own, so they never push a round's graphs out; auto's 8 candidates need 8 round graphs per
+bucket, 16 for the 40 first held-out prompts' 2 buckets, within the kind's 24, and
+``KDTREE_AUTO_V2=1`` keeps 64): a row with more shapes than that recaptures them while
+timed.  tests/test_bench_demo_graph_keys.py runs a row's warm-up and timed prompts under
+GraphCache's rules over the real keys and asserts every timed call replays.
 
 Whatever still ran for the first time inside a timed row is counted there, not hidden:
 :class:`FirstCalls` adds up the seconds numba spent making new kernels (compiles and
