@@ -75,7 +75,8 @@ from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from reference.ddtree import Sampling
 
-__all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table"]
+__all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table",
+           "cache_slots", "runs_device_rounds"]
 
 METHODS = ("ar", "chain", "ddtree")
 # "round": a whole DDTree round run as one device program (device_rounds)
@@ -432,6 +433,50 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         rounds.finish()
 
 
+def cache_slots(longest: int, method: str, budget, block_len: int | None,
+                on_device: bool = False) -> int:
+    """The slots a generation's KV caches need for sequences of up to ``longest`` tokens (the
+    longest prompt plus ``max_new_tokens``): room past them for the last round's growth of a
+    request that finishes in it (up to L + 1 accepted tokens; AR: its one step), with device
+    rounds (``on_device``) for one more round run ahead of the host (enqueued for a request
+    its unread round finished: kdtree_numba/device_round.py), and then for the widest write:
+    the target's verify block (the largest budget + 1 rows; AR's one token) or a drafter's
+    block after its context (L + 1 rows).  ``budget``: the DDTree budget, an AutoBudget or
+    ``"auto"`` (its largest candidate); the chain's is L.
+
+    ``generate`` gives the target's cache and the drafter's context this one capacity, rounded
+    up to the same bucket (``Model.cache_for_generation``): a device round's CUDA graph names
+    both caches' buffers, and a drafter cache sized on its own fell in the next bucket for the
+    prompts near a bucket's end, a (target, drafter) pair of its own whose graphs a warm-up on
+    other prompts never captured (issue 36: run 151's auto row captured 7 while timed)."""
+    if method == "ar":
+        return int(longest) + 2
+    if method == "chain":
+        budget = block_len
+    elif budget == "auto":
+        budget = AutoBudget()
+    widest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
+    block = int(block_len) + 1
+    return int(longest) + block * (2 if on_device else 1) + max(widest + 1, block)
+
+
+def runs_device_rounds(model, method: str, drafter, device_rounds: bool | None = None,
+                       on_round=None) -> bool:
+    """Whether ``generate`` runs its rounds as device programs (its ``device_rounds``
+    argument: True asks for them, a ValueError where the drafter cannot or ``on_round`` is
+    set; None follows ``runtime.current().device_rounds``, unset on where the backend runs on
+    a GPU; False never)."""
+    possible = method != "ar" and on_round is None and device_rounds_possible(drafter)
+    if device_rounds and not possible:
+        raise ValueError("device_rounds needs a device-only drafter (its propose and "
+                         "on_commit read no host value) and no on_round hook")
+    if not possible:
+        return False
+    if device_rounds is None:
+        device_rounds = runtime.current().device_rounds
+    return bool(model.backend.on_gpu if device_rounds is None else device_rounds)
+
+
 @runtime.holding
 def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter=None,
              budget: int | str | AutoBudget = 32, temperature: float = 0.0,
@@ -512,14 +557,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             check_top_k(drafter, min(largest, model.vocab_size))
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
-    possible = speculative and on_round is None and device_rounds_possible(drafter)
-    if device_rounds and not possible:
-        raise ValueError("device_rounds needs a device-only drafter (its propose and "
-                         "on_commit read no host value) and no on_round hook")
-    if device_rounds is None:
-        device_rounds = runtime.current().device_rounds
-    on_device = possible and bool(model.backend.on_gpu if device_rounds is None
-                                  else device_rounds)
+    on_device = runs_device_rounds(model, method, drafter, device_rounds, on_round)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len,
@@ -532,17 +570,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     t0 = time.perf_counter()
     if max_new_tokens == 0:
         return GenerationResult([[] for _ in prompts], stats)
-    # Room for the longest sequence, one verify block past it, and the last round's growth
-    # of a request that finishes in it (up to L + 1 accepted tokens) before it stops.
-    longest = max(p.size for p in prompts) + max_new_tokens
-    verify_width = (policy.max_budget if policy else budget) + 1 if speculative else 1
-    max_len = longest + verify_width + (block_len + 1 if speculative else 1)
-    if on_device:        # a round enqueued for a request its unread round finished
-        max_len += block_len + 1
+    max_len = cache_slots(max(p.size for p in prompts) + max_new_tokens, method,
+                          policy or budget, block_len, on_device)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
+    # (a drafter's context takes the same capacity: cache_slots)
     cache = model.cache_for_generation(bs, max_len)
     stats.kv_cache_bytes = cache.nbytes
     req = _Requests(prompts, max_new_tokens, eos)
@@ -550,7 +584,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     graphs_before = model.graph_counts()
     with be.deferred_frees():   # the drafter's old state dies here too
         if speculative:
-            drafter.start(bs, max_len + block_len + 1)
+            drafter.start(bs, cache.max_len)
             timer.lap("draft")
         _prefill(model, cache, prompts, req, sampling, tables, timer,
                  drafter if speculative else None, needs)

@@ -68,11 +68,16 @@ def test_cache_bucket_is_the_cache_generate_makes(tiny, method, budget, prompt_l
 
 
 def test_cache_bucket_crosses_at_the_engines_max_len():
-    # max_len = prompt + new + verify (budget + 1) + L + 1; AR: prompt + new + 1 + 1
+    # max_len = prompt + new + L + 1 + the wider of the verify (budget + 1) and the drafter's
+    # block (L + 1), with device rounds L + 1 more; AR: prompt + new + 1 + 1
     assert timing.cache_bucket(254, 0, "ar", None, 7) == 256
     assert timing.cache_bucket(255, 0, "ar", None, 7) == 512
-    assert timing.cache_bucket(103, 128, "ddtree", 8, 15) == 256      # 103+128+9+16 = 256
-    assert timing.cache_bucket(104, 128, "ddtree", 8, 15) == 512
+    assert timing.cache_bucket(96, 128, "ddtree", 8, 15) == 256       # 96+128+16+16 = 256
+    assert timing.cache_bucket(97, 128, "ddtree", 8, 15) == 512
+    assert timing.cache_bucket(95, 128, "ddtree", 16, 15) == 256      # 95+128+16+17 = 256
+    assert timing.cache_bucket(96, 128, "ddtree", 16, 15) == 512
+    assert timing.cache_bucket(79, 128, "ddtree", 16, 15, on_device=True) == 256   # +16
+    assert timing.cache_bucket(80, 128, "ddtree", 16, 15, on_device=True) == 512
     assert timing.cache_bucket(10, 10, "ddtree", "auto", 15) == 512   # 10+10+257+16
     assert timing.cache_bucket(10, 10, "ddtree", timing.PinnedBudget(8), 15) == 512
     assert timing.cache_bucket(214, 10, "chain", 999, 15) == 256      # the chain: L nodes

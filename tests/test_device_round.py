@@ -61,13 +61,16 @@ def test_a_device_round_program_is_reused_by_the_next_generation():
                      device_rounds=True)
     assert again.tokens == first.tokens == generate(target, prompts, 12).tokens
     assert dict(target.generation_cache.programs) == programs and rounds.key(6) == key
-    # a longer generation on the same target cache but a larger drafter cache: the program
-    # is the same, its graph key is not (it names the drafter cache's buffers)
-    longer = generate(target, [[5, 6, 7]] * 2, 233, method="ddtree", drafter=drafter,
+    # the drafter's context takes the target cache's capacity (engine.cache_slots); a new
+    # drafter cache beside the same target cache (its kept ones dropped): the program is the
+    # same, its graph key is not (it names the drafter cache's buffers)
+    assert drafter.cache.max_len == rounds.cache.max_len == 256
+    drafter.model.generation_cache = None
+    longer = generate(target, [[5, 6, 7]] * 2, 33, method="ddtree", drafter=drafter,
                       budget=6, device_rounds=True)
     assert rounds in target.generation_cache.programs.values()
-    assert drafter.cache.max_len == 512 and rounds.cache.max_len == 256   # the same target cache
-    assert longer.tokens == generate(target, [[5, 6, 7]] * 2, 233).tokens
+    assert drafter.cache.max_len == rounds.cache.max_len == 256
+    assert longer.tokens == generate(target, [[5, 6, 7]] * 2, 33).tokens
     assert rounds.key(6) != key
 
 

@@ -5,9 +5,12 @@ signature compiles it (numba; the kernel cache, kdtree_numba/kernel_cache.py, tu
 into a load from disk in a later process), and the tiled GEMMs and attention are configured
 by the row count, so each prefill width can need its own kernels; the decode and verify
 forwards and the round's device steps are captured as CUDA graphs on their second call, and
-a graph's key names the KV cache's buffers, whose capacity ``generate`` rounds up to a
-multiple of ``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token
-count, the verify width and the drafter's depth (:func:`cache_bucket`).  So per
+a graph's key names the KV cache's buffers (a device round's: the target's and the
+drafter's, which take one capacity), whose capacity ``generate`` rounds up to a multiple of
+``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token count, the
+verify width, the drafter's depth and, with device rounds, the round run ahead
+(``engine.cache_slots``, :func:`cache_bucket`; the warm-up asks ``engine.runs_device_rounds``
+as ``generate`` does).  So per
 configuration (method, budget, temperature) the warm-up
 
 1. prefills every distinct prompt length of the timed prompts once into a scratch cache of
@@ -26,9 +29,11 @@ for any caller: a padded length is captured on its second call).  The model keep
 generation cache per capacity bucket
 (``GENERATION_CACHES``, kdtree_numba/model.py) and at most ``graphs.max_graphs(kind)`` graphs
 of a kind (kdtree_numba/graphs.py, least recently used dropped; the prefills a kind of their
-own, so they never push a round's graphs out; auto's 8 candidates in 4 cache pairs need 32
-round graphs, room for which only ``KDTREE_AUTO_V2=1`` makes): a row with more shapes than
-that recaptures them while timed.
+own, so they never push a round's graphs out; auto's 8 candidates need 8 round graphs per
+bucket, 16 for the 40 first held-out prompts' 2 buckets, within the kind's 24, and
+``KDTREE_AUTO_V2=1`` keeps 64): a row with more shapes than that recaptures them while
+timed.  tests/test_bench_demo_graph_keys.py runs a row's warm-up and timed prompts under
+GraphCache's rules over the real keys and asserts every timed call replays.
 
 Whatever still ran for the first time inside a timed row is counted there, not hidden:
 :class:`FirstCalls` adds up the seconds numba spent making new kernels (compiles and
@@ -63,37 +68,34 @@ import time
 import numpy as np
 
 from kdtree_numba.budget import AutoBudget
-from kdtree_numba.engine import generate
+from kdtree_numba.engine import cache_slots, generate, runs_device_rounds
 from kdtree_numba.model import CACHE_BUCKET, prefill_rows
 
 __all__ = ["cache_bucket", "warm_plan", "warm_up", "WarmState", "PinnedBudget", "RoundClock",
            "FirstCalls", "GpuBusy"]
 
 
-def cache_bucket(prompt_len: int, max_new: int, method: str, budget, block_len: int) -> int:
+def cache_bucket(prompt_len: int, max_new: int, method: str, budget, block_len: int,
+                 on_device: bool = False) -> int:
     """The KV-cache capacity ``generate`` gives one prompt of ``prompt_len`` tokens at batch
-    1: its ``max_len`` (the longest sequence, one verify block past it and a last round's
-    growth) rounded up to CACHE_BUCKET as ``Model.reuse_cache`` does.  tests/test_bench_demo.py
-    holds it to the cache the engine makes."""
-    speculative = method != "ar"
-    if method == "chain":
-        budget = block_len
-    elif budget == "auto" or isinstance(budget, AutoBudget):
-        budget = (budget if isinstance(budget, AutoBudget) else AutoBudget()).max_budget
-    verify = budget + 1 if speculative else 1
-    max_len = prompt_len + max_new + verify + (block_len + 1 if speculative else 1)
-    return -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
+    1, its target cache's and its drafter's alike: ``engine.cache_slots`` (with device rounds,
+    ``on_device``, room for the round run ahead) rounded up to CACHE_BUCKET as
+    ``Model.cache_for_generation`` does.  tests/test_bench_demo.py and
+    tests/test_bench_demo_graph_keys.py hold it to the caches the engine makes."""
+    slots = cache_slots(prompt_len + max_new, method, budget, block_len, on_device)
+    return -(-slots // CACHE_BUCKET) * CACHE_BUCKET
 
 
-def warm_plan(lengths, max_new: int, method: str, budget, block_len: int) -> dict:
+def warm_plan(lengths, max_new: int, method: str, budget, block_len: int,
+              on_device: bool = False) -> dict:
     """bucket -> (distinct prompt lengths in it, indices of the prompts to generate from: the
     shortest, the longest, and one of each padded prefill length, ``prefill_rows``, whose
     CUDA graph a generation's cache of the bucket captures) over the timed prompts'
-    ``lengths``."""
+    ``lengths`` (``on_device``: generate runs device rounds, :func:`cache_bucket`)."""
     plan: dict = {}
     for i, n in enumerate(lengths):
-        lens, ends = plan.setdefault(cache_bucket(n, max_new, method, budget, block_len),
-                                     (set(), []))
+        lens, ends = plan.setdefault(cache_bucket(n, max_new, method, budget, block_len,
+                                                  on_device), (set(), []))
         lens.add(int(n))
         ends.append(i)
 
@@ -162,7 +164,9 @@ def warm_up(model, drafter, prompts, method: str, budget, temperature: float, ma
     t_d is part of its CUDA graphs' keys)."""
     block_len = drafter.block_len if drafter is not None else 1
     lengths = [len(r["ids"]) for r in prompts]
-    plan = warm_plan(lengths, max_new, method, budget, block_len)
+    # the timed rows' generate calls decide the same way (no device_rounds argument)
+    on_device = runs_device_rounds(model, method, drafter)
+    plan = warm_plan(lengths, max_new, method, budget, block_len, on_device)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
               budget=budget or 32, temperature=temperature, seed=seed,
               draft_temperature=draft_temperature)
