@@ -58,8 +58,8 @@ ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shap
 KEYS = 64       # attention key block
 # kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
 # one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
-# at T = 1 the demo pair's budgets 3, 5 and 7 measured within noise of each other (docs/
-# ENGINE.md, "The CPU path")
+# at T = 1, with the tree kept to SAMPLED_DEPTH, budget 7 ran 1.15x AR against budget 5's 1.11x
+# (docs/ENGINE.md, "The CPU path")
 DEFAULT_BUDGET = ROWS - 1
 # the deepest draft row a DDTree round reads on this path at T > 0 (steps.tree_depth): at T = 1
 # the demo pair commits ~1.7 tokens a round, so nodes past depth 2 are rarely reached; a tree of
