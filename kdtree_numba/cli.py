@@ -137,8 +137,8 @@ def _run_parser() -> ArgumentParser:
                    f"chosen from the measured cost and acceptance of the rounds so far "
                    f"(candidates 2 to 256) (default: {DEFAULT_BUDGET} on a GPU, "
                    f"{cpu.DEFAULT_BUDGET} on the CPU at any temperature: one verify fills "
-                   f"one {cpu.ROWS}-row GEMM block there; the best measured at T = 0, at "
-                   f"T = 1 as good as 3 or 5)")
+                   f"one {cpu.ROWS}-row GEMM block there; the best measured at T = 0 and, "
+                   f"its tree kept to depth {cpu.SAMPLED_DEPTH}, at T = 1)")
     p.add_argument("--block-len", type=int, default=None, metavar="L",
                    help=f"drafter steps per round, the tree's maximum depth (default: "
                    f"{DEFAULT_BLOCK_LEN}; a block drafter bundle drafts its own number)")

@@ -45,8 +45,8 @@ from reference import layers as ref_layers
 from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention",
-           "topk_logprobs", "ARGMAX_TOPK"]
+           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention",
+           "topk_logprobs", "ARGMAX_TOPK", "weight_side_matmul"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -58,9 +58,15 @@ ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shap
 KEYS = 64       # attention key block
 # kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
 # one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
-# at T = 1 the demo pair's budgets 3, 5 and 7 measured within noise of each other (docs/
-# ENGINE.md, "The CPU path")
+# at T = 1, with the tree kept to SAMPLED_DEPTH, budget 7 ran 1.15x AR against budget 5's 1.11x
+# (docs/ENGINE.md, "The CPU path")
 DEFAULT_BUDGET = ROWS - 1
+# the deepest draft row a DDTree round reads on this path at T > 0 (steps.tree_depth): at T = 1
+# the demo pair commits ~1.7 tokens a round, so nodes past depth 2 are rarely reached; a tree of
+# budget 7 kept to depths 1-2 spends them on more depth-1 and depth-2 candidates (tau 1.74
+# against 1.71 uncapped on 8 held-out prompts; cap 3: 1.73, cap 1: 1.59) and its drafter block
+# is 3 rows, its top-K 2 rows (docs/ENGINE.md, "The CPU path")
+SAMPLED_DEPTH = 2
 
 
 def _f32(a) -> np.ndarray:
@@ -136,17 +142,17 @@ def moe_route(h, gate_w, bias=None, *, top_k: int, n_group: int = 1, topk_group:
     return chosen.astype(np.int32), (w * routed_scaling_factor).astype(np.float32)
 
 
-def _ffn(h, gate_up, down):
-    return _ffn_t(h, gate_up.T, down.T)
+def _invariant_matmul(x, w) -> np.ndarray:
+    return blocked_matmul(x, w.T)
 
 
-def _ffn_t(h, gate_up_t, down_t):
-    """The SwiGLU FFN of ``h`` with ``gate_up_t`` [D, 2I] (gate columns first), ``down_t``
-    [I, D]: transposed weights, views or copies."""
-    inter = gate_up_t.shape[1] // 2
-    gu = blocked_matmul(h, gate_up_t)
+def _ffn(h, gate_up, down, matmul=_invariant_matmul):
+    """The SwiGLU FFN of ``h`` with ``gate_up`` [2I, D] (gate rows first), ``down`` [D, I];
+    ``matmul(x, w)`` is ``x @ w.T`` (batch invariant unless the caller says otherwise)."""
+    inter = gate_up.shape[0] // 2
+    gu = matmul(h, gate_up)
     g = gu[:, :inter]
-    return blocked_matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down_t)
+    return matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down)
 
 
 def _dense_experts(h, expert_idx, weight, gate_up, down):
@@ -363,50 +369,41 @@ def topk_logprobs(logits, k: int):
     return lp.reshape(bs, n_rows, k), ids.astype(np.int32).reshape(bs, n_rows, k)
 
 
-class _TransposedWeights:
-    """``linear`` and the dense FFN on a contiguous ``[K, N]`` copy of each weight of at most
-    COPY_BYTES, made on its first use and kept with the weight (so its id cannot be reused
-    while the entry lives): BLAS reads it 1.4-1.7x faster than the ``[N, K]`` weight's
-    transposed view when the weight comes from memory, as a round's do (8-row blocks, one
-    thread, weights cycled through 80 MB: 256 x 1536 0.27 against 0.41 ms, 256 x 2048 0.33
-    against 0.55).  A larger weight (the demo's 8 MB lm_head) is read from memory at the same
-    speed either way (2.3 against 2.2 ms), so it is not copied."""
+def weight_side_matmul(x, w) -> np.ndarray:
+    """``x [M, K] @ w [N, K].T`` computed as ``(w @ x_pad.T).T``, the rows padded to a multiple
+    of ROWS: with a few rows OpenBLAS runs this faster than ``x @ w.T`` on the transposed view
+    or on a contiguous transposed copy, and copies no weight (8 rows, one thread, weights
+    cycled through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18 on the view and
+    0.85 on a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch invariant by contract
+    (drafter rows only)."""
+    x = _f32(x)
+    m, k = x.shape
+    pad = -m % ROWS
+    if pad:
+        x = np.concatenate([x, np.zeros((pad, k), np.float32)])
+    return np.ascontiguousarray(np.matmul(w, x.T).T[:m])
 
-    COPY_BYTES = 4 << 20
 
-    def __init__(self):
-        self.made: dict[int, tuple] = {}
+def _drafter_linear(x, w) -> np.ndarray:
+    if np.ndim(w) != 2 or np.ndim(x) != 2 or np.shape(x)[1] != np.shape(w)[1]:
+        raise ValueError(f"linear wants x [M, K], w [N, K]; got {np.shape(x)}, {np.shape(w)}")
+    return weight_side_matmul(x, _f32(w))
 
-    def t(self, w) -> np.ndarray:
-        """The transpose of a 2-D weight, or of a dense FFN's only expert: a contiguous copy
-        up to COPY_BYTES, else a view."""
-        hit = self.made.get(id(w))
-        if hit is None or hit[0] is not w:
-            two_d = _f32(w[0] if np.ndim(w) == 3 else w)
-            wt = np.ascontiguousarray(two_d.T) if two_d.nbytes <= self.COPY_BYTES else two_d.T
-            hit = self.made[id(w)] = (w, wt)
-        return hit[1]
 
-    def linear(self, x, w) -> np.ndarray:
-        if np.ndim(w) != 2 or np.ndim(x) != 2 or np.shape(x)[1] != np.shape(w)[1]:
-            raise ValueError(f"linear wants x [M, K], w [N, K]; got {np.shape(x)}, "
-                             f"{np.shape(w)}")
-        return blocked_matmul(x, self.t(w))
-
-    def moe_ffn(self, h, expert_idx, weight, gate_up, down, shared_gate_up=None,
-                shared_down=None) -> np.ndarray:
-        if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
-            return _ffn_t(_f32(h), self.t(gate_up), self.t(down))
+def _drafter_moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None,
+                     shared_down=None) -> np.ndarray:
+    """A dense FFN (the DFlash drafter's) by :func:`weight_side_matmul`; a MoE as moe_ffn."""
+    if not ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
         return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down)
+    return _ffn(h, _f32(gate_up[0]), _f32(down[0]), weight_side_matmul)
 
 
 def drafter_ops(ops):
     """The CPU path's ops for a drafter (kdtree_numba/dflash.py): a draft only shapes the
     tree, every committed token is the target's, so its rows need not be batch invariant:
-    ``linear`` and the dense FFN on transposed weight copies (:class:`_TransposedWeights`)
-    and :func:`dense_mla_attention`; the rest as ``ops``."""
-    weights = _TransposedWeights()
-    return ops.replaced(linear=weights.linear, moe_ffn=weights.moe_ffn,
+    ``linear`` and the dense FFN as :func:`weight_side_matmul` on the weights as stored, and
+    :func:`dense_mla_attention`; the rest as ``ops``."""
+    return ops.replaced(linear=_drafter_linear, moe_ffn=_drafter_moe_ffn,
                         mla_attention=dense_mla_attention)
 
 

@@ -73,6 +73,7 @@ from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
+from kdtree_numba.steps import tree_depth
 from reference.ddtree import Sampling
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table",
@@ -300,7 +301,8 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
 
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table, timer,
                   stats, k: int | None = None, needs: TargetNeeds = NO_NEEDS, on_round=None,
-                  while_verifying=None, draft_temperature: float = 1.0):
+                  while_verifying=None, draft_temperature: float = 1.0,
+                  max_depth: int | None = None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
     the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
@@ -308,13 +310,17 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     hook, handed the round's device arrays right after the acceptance.
     ``while_verifying()``: host work run once the verify is launched, while the device runs
     it (the last round's report: generate).  ``draft_temperature``: the tree's t_d
-    (``steps.draft_temperature``)."""
+    (``steps.draft_temperature``).  ``max_depth``: the tree's depth cap (``steps.tree_depth``;
+    None: the budget's)."""
     be = model.backend
     # the roots and their positions go up once: the drafter, the tree and the acceptance read
     # these device copies
     roots = be.asarray(req.roots())
     start = be.asarray(cache.lengths.astype(np.int32))
-    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start, depth=budget))
+    depth = budget if max_depth is None else min(budget, max_depth)
+    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start, depth=depth))
+    if max_depth is not None and draft_logits.shape[1] > depth:   # a drafter of whole blocks
+        draft_logits = draft_logits[:, :depth]
     timer.lap("draft")
     # borrowed: the tree, the verify's outputs and the acceptance may be their CUDA graphs'
     # own buffers (no copies on the host's path from the read to the verify's launch); the
@@ -557,6 +563,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
             check_top_k(drafter, min(largest, model.vocab_size))
         needs = drafter.needs
     policy = budget if isinstance(budget, AutoBudget) else None
+    # DDTree's depth cap (the CPU path at T > 0); the chain verifies the drafter's whole block
+    max_depth = tree_depth(model.backend, sampling) if method == "ddtree" else None
     on_device = runs_device_rounds(model, method, drafter, device_rounds, on_round)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
@@ -624,7 +632,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
                               k, needs, on_round, while_verifying=report_owed,
-                              draft_temperature=t_d)
+                              draft_temperature=t_d, max_depth=max_depth)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     after = model.graph_counts()

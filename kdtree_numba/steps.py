@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kdtree_numba import cpu
 from reference.ddtree import DraftTree, Sampling, as_sampling, check_draft_temperature
 
 __all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "tree_phase",
@@ -49,6 +50,19 @@ def draft_temperature(sampling, value=None) -> float:
         return check_draft_temperature(value)
     as_sampling(sampling)
     return 1.0
+
+
+def tree_depth(backend, sampling) -> int | None:
+    """The deepest draft row a DDTree round reads (its tree's depth at most), or None for the
+    budget's own (a tree of n nodes reaches depth n): ``cpu.SAMPLED_DEPTH`` on the CPU path
+    (the reference backend in float32) at T > 0, where a round commits so few tokens that the
+    budget pays more spent wide than deep and the drafter's shorter block costs less; None
+    elsewhere (T = 0's trees, the GPU's, the float64 reference's stay as they were).  The
+    cap shapes the tree only: the acceptance reads the target alone."""
+    if as_sampling(sampling).temperature > 0 and backend.name == "reference" \
+            and backend.precision == "float32":
+        return cpu.SAMPLED_DEPTH
+    return None
 
 
 TREE_ARRAYS = ("n_nodes", "token", "parent", "depth", "rank", "score")

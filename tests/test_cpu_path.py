@@ -16,6 +16,7 @@ from kdtree_numba.dflash import DFlashDrafter
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.model import ForwardBatch, Model, causal_mask
+from kdtree_numba.steps import tree_depth
 from reference import attention as ref_attention
 from reference import layers as ref_layers
 from reference.attention import tree_visible
@@ -102,6 +103,27 @@ def test_greedy_speculation_equals_ar_on_the_float32_path(method):
     assert spec.stats.mean_tau > 1
 
 
+def test_a_sampled_tree_on_the_float32_path_is_capped_in_depth():
+    """steps.tree_depth: cpu.SAMPLED_DEPTH on the float32 CPU path at T > 0, None at T = 0 and
+    on the float64 reference.  generate's DDTree trees there stay within it at T = 1 (and
+    reach it) though the drafter returns its whole block of 3 rows; at T = 0 the same drafter's
+    trees go deeper, and the chain keeps its block at T = 1."""
+    f32, f64 = tiny("float32"), tiny("float64")
+    assert tree_depth(f32.backend, 1.0) == cpu.SAMPLED_DEPTH == 2
+    assert tree_depth(f32.backend, 0.0) is None and tree_depth(f64.backend, 1.0) is None
+
+    def deepest(method, temperature):
+        drafter = NoisyOracleDrafter(f32, 3, agreement=0.9, seed=1, sharpness=1.5)
+        seen = []
+        generate(f32, [[7, 7, 7], [1, 2, 3, 4, 5]], 16, method=method, drafter=drafter,
+                 budget=6, temperature=temperature, seed=3,
+                 on_round=lambda tree, idx, n: seen.append(int(np.max(tree.depth))))
+        return max(seen)
+    assert deepest("ddtree", 1.0) == 2
+    assert deepest("ddtree", 0.0) == 3
+    assert deepest("chain", 1.0) == 3
+
+
 def test_the_demo_pair_is_lossless_on_the_float32_path():
     be = make_backend("reference", precision="float32")
     model = Model.load(demo.TARGET, be)
@@ -138,26 +160,30 @@ def test_dense_attention_agrees_with_the_reference():
 
 
 def test_drafter_ops_agree_with_the_reference():
-    """cpu.drafter_ops: linear and the dense FFN on transposed weight copies, to float32
-    rounding of the float64 reference; a second call reuses the copy and gives the same."""
+    """cpu.drafter_ops: linear and the dense FFN as weight-side GEMMs on the weights as
+    stored, to float32 rounding of the float64 reference, for 1 to 17 rows (padding to the
+    8-row blocks and past them), a weight of the demo lm_head's shape included; repeated
+    calls give the same bits."""
     rng = np.random.default_rng(6)
     ops = cpu.drafter_ops(make_backend("reference", precision="float32").ops)
-    x = rng.standard_normal((9, 24)).astype(np.float32)
     w = rng.standard_normal((40, 24)).astype(np.float32)
-    want = ref_layers.linear(x, w)
-    np.testing.assert_allclose(ops.linear(x, w), want, rtol=0, atol=1e-5 * np.abs(want).max())
-    np.testing.assert_array_equal(ops.linear(x, w), ops.linear(x, w))
     gate_up = rng.standard_normal((1, 32, 24)).astype(np.float32)
     down = rng.standard_normal((1, 24, 16)).astype(np.float32)
-    want = ref_layers.moe_ffn(x, None, None, gate_up, down)
-    np.testing.assert_allclose(ops.moe_ffn(x, None, None, gate_up, down), want, rtol=0,
-                               atol=1e-5 * np.abs(want).max())
-    # a weight over 4 MiB (the demo's lm_head) is read through its transposed view instead
-    big = rng.standard_normal((4200, 256)).astype(np.float32)
-    x256 = rng.standard_normal((3, 256)).astype(np.float32)
-    want = ref_layers.linear(x256, big)
-    np.testing.assert_allclose(ops.linear(x256, big), want, rtol=0,
-                               atol=1e-5 * np.abs(want).max())
+    big = rng.standard_normal((8192, 256)).astype(np.float32)
+    for m in (1, 3, 8, 9, 17):
+        x = rng.standard_normal((m, 24)).astype(np.float32)
+        want = ref_layers.linear(x, w)
+        got = ops.linear(x, w)
+        assert got.shape == (m, 40) and got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(ops.linear(x, w), got)
+        want = ref_layers.moe_ffn(x, None, None, gate_up, down)
+        np.testing.assert_allclose(ops.moe_ffn(x, None, None, gate_up, down), want, rtol=0,
+                                   atol=1e-5 * np.abs(want).max())
+        x256 = rng.standard_normal((m, 256)).astype(np.float32)
+        want = ref_layers.linear(x256, big)
+        np.testing.assert_allclose(ops.linear(x256, big), want, rtol=0,
+                                   atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="linear wants"):
         ops.linear(x, w.T)
 
