@@ -54,9 +54,10 @@ class WriteSlots:
     array viewed as ``[slots, width]``, KVLayout.storage_rows), ``prefix`` [bs] int32 (the
     device lengths: attention's prefix), ``max_keys`` (host int >= ``max(lengths) + n``: the
     attention kernels' split-plan hint) and ``table`` (a paged layout's page table, else
-    None).  With the lean round (``KDTREE_LEAN_ROUND``) a dense cache's slots leave ``rows`` None (no forward
-    reads them; :meth:`KVCache.positions` gives a context's positions): one launch a forward,
-    the storage rows, where the rows and the layout's storage rows took three."""
+    None).  With the lean round (``KDTREE_LEAN_ROUND``) a dense cache's slots leave ``rows``
+    None (no forward reads them; :meth:`KVCache.positions` gives a context's positions): one
+    launch a forward, the storage rows, where the rows and the layout's storage rows took
+    three."""
     batch: object
     rows: object
     storage: object

@@ -15,9 +15,10 @@ Two kinds of switch:
   ``method="auto"`` leaves weight streaming and under ``"tensor-cores"``
   (``KDTREE_INT4_MMA=1``: opt-in until a GPU validates it; layers/moe_int4_mma.py), the
   weight-streaming MoE experts' chunk grid (an expert's mt-token chunks in blocks of their
-  own, and the grouping's scan over the experts alone, on fewer threads: the same bits; ``KDTREE_MOE_CHUNK_GRID=1``, off until a GPU
-  measures it: docs/LAYERS.md, "MoE FFN"), DDTree rounds as device programs enqueued one ahead
-  (kdtree_numba/device_round.py: by default where the backend runs on a GPU;
+  own, and the grouping's scan over the experts alone, on fewer threads: the same bits;
+  ``KDTREE_MOE_CHUNK_GRID=1``, off until a GPU measures it: docs/LAYERS.md, "MoE FFN"), DDTree
+  rounds as device programs enqueued one ahead (kdtree_numba/device_round.py: by default where
+  the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
@@ -55,7 +56,8 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
-             "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2", "KDTREE_KERNEL_CACHE",
+             "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
+             "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 

@@ -1,9 +1,9 @@
 """The lean round (runtime.lean_round, on by default; ``KDTREE_LEAN_ROUND=0`` turns it off): a
-DDTree round's glue cut to fewer launches with the same bits.  In the CUDA simulator, on a tiny pair with the demo pair's structure, the
-launches of one device round and of one AR step are counted by site (tests/launch_counter.py)
-with the switch off and on: the same tokens, the same cache contents and logits bit for bit,
-and exactly the launches the switch removes fewer.  The GPU twins run the demo pair with CUDA
-graphs (docs/ENGINE.md, "Device rounds")."""
+DDTree round's glue cut to fewer launches with the same bits.  In the CUDA simulator, on a tiny
+pair with the demo pair's structure, the launches of one device round and of one AR step are
+counted by site (tests/launch_counter.py) with the switch off and on: the same tokens, the same
+cache contents and logits bit for bit, and exactly the launches the switch removes fewer.  The
+GPU twins run the demo pair with CUDA graphs (docs/ENGINE.md, "Device rounds")."""
 from __future__ import annotations
 
 import collections

@@ -11,8 +11,8 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, device_function
 
-__all__ = ["bits_to_f32", "f32_bits", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32", "pair_low_halves",
-           "pair_high_halves", "divmod_u32", "int4_pair0_bf16",
+__all__ = ["bits_to_f32", "f32_bits", "f64_bits", "bf16_lo", "bf16_hi", "bf16_bits_to_f32",
+           "pair_low_halves", "pair_high_halves", "divmod_u32", "int4_pair0_bf16",
            "int4_pair1_bf16", "int4_pair2_bf16", "int4_pair3_bf16"]
 
 if SIMULATOR:

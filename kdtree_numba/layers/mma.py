@@ -6,8 +6,9 @@ Holds the index math of the shared-memory tiles and fragments as plain functions
 calls them as device functions; tests/test_layers_mma.py replays a whole block with them in
 NumPy against the PTX ISA's fragment layout), the kernel factory and the launcher, and
 re-exports the plain-Python plan of layers/mma_plan.py (:class:`MmaConfig`,
-:func:`mma_config`, :func:`mma_splits`: the shapes linear() uses).  Twin: reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md,
-"bf16 tensor-core linear".
+:func:`mma_config`, :func:`mma_splits`: the shapes linear() uses).  Twin:
+reference/layers/linear.py; design, tolerance and measurements: docs/LAYERS.md, "bf16
+tensor-core linear".
 
 In short: x is rounded to bf16 once per call (``_round_to_bf16_pairs``, ``cvt.rn.bf16x2.f32``)
 into a workspace buffer; a block of ``wm x wn`` warps owns a BM x BN output tile (BM = 16 wm

@@ -425,12 +425,12 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
     SwiGLU; with the other methods as the one-expert MoE, its routing (zeros, ones) filled on
     the device, the same bits as passing that routing.  With the lean round
-    (``KDTREE_LEAN_ROUND``, on by default): where the weight-streaming kernels take it (the rows "skinny" or "auto"
-    give them) as two skinny :func:`linear` calls around SwiGLU, the one expert's bits (the
-    same core, its threads from K alone) in 3 launches instead of 5 and its rows in parallel
-    blocks, where one expert's block runs its rows' chunks one after another; tiled, that
-    routing's grouping made once per M and the down GEMM writing the output (2 launches where
-    fill, group, gate_up, down and combine were 5), the same bits again."""
+    (``KDTREE_LEAN_ROUND``, on by default): where the weight-streaming kernels take it (the rows
+    "skinny" or "auto" give them) as two skinny :func:`linear` calls around SwiGLU, the one
+    expert's bits (the same core, its threads from K alone) in 3 launches instead of 5 and its
+    rows in parallel blocks, where one expert's block runs its rows' chunks one after another;
+    tiled, that routing's grouping made once per M and the down GEMM writing the output (2
+    launches where fill, group, gate_up, down and combine were 5), the same bits again."""
     hd = device_f32(h, "h", 2, stream)
     dense = is_dense(expert_idx, weight, gate_up, shared_gate_up)
     ws = workspace if workspace is not None else Workspace()
