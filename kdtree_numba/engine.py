@@ -399,11 +399,12 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     def launch(active) -> float:
         """The round's launch; its wall time."""
         b = policy.next_budget() if policy else budget
-        before = model.graph_counts()
+        before = model.graph_counts() if policy else None    # only a policy asks
         t = time.perf_counter()
         rounds.launch(active, b)
         launched = time.perf_counter() - t
-        budgets.append([b, launched, _replayed(before, model.graph_counts())])
+        budgets.append([b, launched, _replayed(before, model.graph_counts()) if policy
+                        else None])
         timer.lap("round")
         return launched
     try:
@@ -628,7 +629,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         while req.active.any():
             with be.deferred_frees():   # numba frees wait for the round's read (backends.py)
                 b = policy.next_budget() if policy else budget
-                before = model.graph_counts()
+                before = model.graph_counts() if policy else None
                 t_round = time.perf_counter()
                 _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
                               k, needs, on_round, while_verifying=report_owed,

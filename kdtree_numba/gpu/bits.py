@@ -97,7 +97,9 @@ def bf16_bits_to_f32(bits16):
 
 
 if not SIMULATOR:
-    def _prmt(name: str, selector: int, doc: str):
+    def _asm_u32x2(name: str, asm: str, doc: str):
+        """An intrinsic ``name(x, y) -> uint32`` of two uint32 running the PTX ``asm`` ($0 the
+        result, $1 and $2 the operands)."""
         @intrinsic
         def pair(typingctx, x, y):
             sig = types.uint32(types.uint32, types.uint32)
@@ -105,12 +107,14 @@ if not SIMULATOR:
             def codegen(context, builder, sig, args):
                 i32 = ir.IntType(32)
                 fnty = ir.FunctionType(i32, [i32, i32])
-                asm = ir.InlineAsm(fnty, f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
-                return builder.call(asm, args)
+                return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), args)
             return sig, codegen
         pair.__name__ = pair.__qualname__ = name
         pair.__doc__ = doc
         return pair
+
+    def _prmt(name: str, selector: int, doc: str):
+        return _asm_u32x2(name, f"prmt.b32 $0, $1, $2, {selector:#06x};", doc)
 
     # One PRMT each, where the shifts and masks they stand for compiled to up to three
     # instructions (the bf16 attention kernel builds 128 of these words per key tile).
@@ -153,28 +157,15 @@ if SIMULATOR:
         _int4_pair_py(i) for i in range(4))
 else:
     def _int4_pair(i: int):
-        selector = _int4_pair_selector(i)
-
-        @intrinsic
-        def pair(typingctx, word, shifted):
-            sig = types.uint32(types.uint32, types.uint32)
-
-            def codegen(context, builder, sig, args):
-                i32 = ir.IntType(32)
-                fnty = ir.FunctionType(i32, [i32, i32])
-                asm = ("{\n\t.reg .b32 %i4p, %i4one, %i4off;\n\t"
-                       f"prmt.b32 %i4p, $1, $2, {selector:#06x};\n\t"
-                       f"lop3.b32 %i4p, %i4p, {_I4_MASK:#010x}, {_I4_MAGIC:#010x}, "
-                       f"{_I4_LUT:#04x};\n\t"
-                       f"mov.b32 %i4one, {_BF16X2_ONE:#010x};\n\t"
-                       f"mov.b32 %i4off, {_BF16X2_M136:#010x};\n\t"
-                       "fma.rn.bf16x2 $0, %i4p, %i4one, %i4off;\n\t}")
-                return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), args)
-            return sig, codegen
-        pair.__name__ = pair.__qualname__ = f"int4_pair{i}_bf16"
-        pair.__doc__ = (f"Byte {i} of an int4 word (``shifted`` = word >> 4) as two bf16 q "
-                        f"(module comment above).")
-        return pair
+        asm = ("{\n\t.reg .b32 %i4p, %i4one, %i4off;\n\t"
+               f"prmt.b32 %i4p, $1, $2, {_int4_pair_selector(i):#06x};\n\t"
+               f"lop3.b32 %i4p, %i4p, {_I4_MASK:#010x}, {_I4_MAGIC:#010x}, {_I4_LUT:#04x};\n\t"
+               f"mov.b32 %i4one, {_BF16X2_ONE:#010x};\n\t"
+               f"mov.b32 %i4off, {_BF16X2_M136:#010x};\n\t"
+               "fma.rn.bf16x2 $0, %i4p, %i4one, %i4off;\n\t}")
+        return _asm_u32x2(f"int4_pair{i}_bf16", asm,
+                          f"Byte {i} of an int4 word (``shifted`` = word >> 4) as two bf16 q "
+                          f"(module comment above).")
 
     int4_pair0_bf16, int4_pair1_bf16, int4_pair2_bf16, int4_pair3_bf16 = (
         _int4_pair(i) for i in range(4))
