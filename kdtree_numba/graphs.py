@@ -198,7 +198,7 @@ class GraphCache:
         to time it must run what it asked for)."""
         now = runtime.current()
         return key + (() if now.lean_round else ("full_glue",)) + (
-            ("moe_chunk_grid",) if now.moe_chunk_grid else ())
+            () if now.moe_chunk_grid else ("one_chunk_grid",))
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

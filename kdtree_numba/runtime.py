@@ -16,7 +16,7 @@ Two kinds of switch:
   (``KDTREE_INT4_MMA=1``: opt-in until a GPU validates it; layers/moe_int4_mma.py), the
   weight-streaming MoE experts' chunk grid (an expert's mt-token chunks in blocks of their
   own, and the grouping's scan over the experts alone, on fewer threads: the same bits;
-  ``KDTREE_MOE_CHUNK_GRID=1``, off until a GPU measures it: docs/LAYERS.md, "MoE FFN"), DDTree
+  ``KDTREE_MOE_CHUNK_GRID=0`` turns it off: docs/LAYERS.md, "MoE FFN"), DDTree
   rounds as device programs enqueued one ahead (kdtree_numba/device_round.py: by default where
   the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
@@ -94,7 +94,7 @@ class RuntimeConfig:
     lineinfo: bool = False
     cuda_graphs: bool = True
     moe_work_list: bool = False
-    moe_chunk_grid: bool = False
+    moe_chunk_grid: bool = True
     int4_mma: bool = False
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = True
@@ -126,7 +126,7 @@ class RuntimeConfig:
                    lineinfo=_flag(env, "KDTREE_CUDA_LINEINFO", False),
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
-                   moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", False),
+                   moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", True),
                    int4_mma=_flag(env, "KDTREE_INT4_MMA", False),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),

@@ -19,12 +19,20 @@ def test_numba_names_shorten_to_module_and_function():
     assert rk.short_name("_ZN6cudapy5numba4cuda3foo7kernel_E") == "foo.kernel_"
     assert rk.short_name("cupy_copy__float32_float32") == "cupy_copy__float32_float32"
     assert rk.short_name("void gemm_kernel(float*, int)") == "void gemm_kernel"
+    # CUPTI's records hold the demangled name (run 153)
+    assert rk.short_name("kdtree_numba::layers::norm::_rmsnorm_kernel::_3clocals_3e::"
+                         "rmsnorm_rows[abi:v4][abi:cw51cXTLSUwv1sD_3d_3d]") == "norm.rmsnorm_rows"
+
+
+def test_launch_shapes_tell_one_kernels_launches_apart():
+    assert rk.launch_shape({"grid": [8, 1, 1], "block": [128, 1, 1]}) == " <<<8x1x1, 128x1x1>>>"
+    assert rk.launch_shape({}) == ""
 
 
 def test_kernels_between_markers_belong_to_that_replay():
-    records = [(0.0, 1.0, "stray"), (1.0, 0.1, rk.BEGIN), (2.0, 3.0, "_ZN1a3aaaE"),
-               (6.0, 2.0, "_ZN1a3bbbE"), (9.0, 0.1, rk.END), (10.0, 0.5, "argmax"),
-               (11.0, 0.1, rk.BEGIN), (12.0, 4.0, "_ZN1a3aaaE"), (17.0, 0.1, rk.END)]
+    records = [(0.0, 1.0, "stray", ""), (1.0, 0.1, rk.BEGIN, ""), (2.0, 3.0, "_ZN1a3aaaE", ""),
+               (6.0, 2.0, "_ZN1a3bbbE", ""), (9.0, 0.1, rk.END, ""), (10.0, 0.5, "argmax", ""),
+               (11.0, 0.1, rk.BEGIN, ""), (12.0, 4.0, "_ZN1a3aaaE", ""), (17.0, 0.1, rk.END, "")]
     per_label, outside = rk.segment(records, ["round b=8", "round b=8"])
     assert [n for _, _, n in outside] == ["stray", "argmax"]
     s = rk.summarise(per_label["round b=8"])

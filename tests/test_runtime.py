@@ -14,17 +14,18 @@ def test_from_environment_reads_every_switch():
            "KDTREE_FAST_LAUNCH": "off", "KDTREE_CUDA_LINEINFO": "1", "KDTREE_CUDA_GRAPHS": "0",
            "KDTREE_MOE_WORK_LIST": "1", "KDTREE_DEVICE_ROUNDS": "1", "KDTREE_KERNEL_CACHE": "no",
            "KDTREE_KERNEL_CACHE_DIR": "/tmp/kc", "KDTREE_PAD_PREFILLS": "0",
-           "KDTREE_LEAN_ROUND": "0", "KDTREE_FUSED_LATENTS": "off", "KDTREE_MOE_CHUNK_GRID": "1",
+           "KDTREE_LEAN_ROUND": "0", "KDTREE_FUSED_LATENTS": "off", "KDTREE_MOE_CHUNK_GRID": "0",
            "KDTREE_AUTO_V2": "1", "KDTREE_INT4_MMA": "1"}
     assert runtime.RuntimeConfig.from_environment(env) == runtime.RuntimeConfig(
         simulator=True, sim_warp=8, numba_pool=False, fast_launch=False, lineinfo=True,
         cuda_graphs=False, moe_work_list=True, device_rounds=True, kernel_cache=False,
         kernel_cache_dir="/tmp/kc", pad_prefills=False, lean_round=False, fused_latents=False,
-        moe_chunk_grid=True, auto_v2=True, int4_mma=True)
+        moe_chunk_grid=False, auto_v2=True, int4_mma=True)
     default = runtime.RuntimeConfig.from_environment({"XDG_CACHE_HOME": "/x"})
     assert default.cuda_graphs and not default.moe_work_list and default.kernel_cache
-    assert not default.moe_chunk_grid and not default.int4_mma   # opt-in until a GPU runs them
+    assert not default.int4_mma                                  # opt-in until a GPU runs it
     assert default.pad_prefills and default.lean_round and default.fused_latents
+    assert default.moe_chunk_grid
     assert not default.auto_v2
     assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
 
@@ -41,16 +42,16 @@ def test_a_bad_simulator_warp_is_a_clear_error_under_the_simulator_alone(warp):
 def test_per_call_switches_follow_the_environment_until_configured(monkeypatch):
     monkeypatch.setenv("KDTREE_CUDA_GRAPHS", "0")
     monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
-    monkeypatch.setenv("KDTREE_MOE_CHUNK_GRID", "1")
+    monkeypatch.setenv("KDTREE_MOE_CHUNK_GRID", "0")
     assert not graphs.graphs_enabled() and moe_mma.work_list_enabled()
-    assert runtime.current().moe_chunk_grid
+    assert not runtime.current().moe_chunk_grid
     try:
-        runtime.configure(cuda_graphs=True, moe_work_list=False, moe_chunk_grid=False)
+        runtime.configure(cuda_graphs=True, moe_work_list=False, moe_chunk_grid=True)
         assert graphs.graphs_enabled() and not moe_mma.work_list_enabled()   # the entry point
-        assert not runtime.current().moe_chunk_grid
+        assert runtime.current().moe_chunk_grid
     finally:
         runtime.reset()
-    assert not graphs.graphs_enabled() and runtime.current().moe_chunk_grid
+    assert not graphs.graphs_enabled() and not runtime.current().moe_chunk_grid
 
 
 def test_import_time_switches_cannot_change(monkeypatch):

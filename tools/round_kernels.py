@@ -51,16 +51,20 @@ MARKERS = (r'extern "C" __global__ void kdtree_replay_begin() {}'
 
 def short_name(name: str) -> str:
     """``module.function`` of a numba kernel's Itanium-mangled name (``_ZN<len><part>...``);
-    other names (CuPy's) as they are."""
-    if not name.startswith("_ZN"):
+    or of the demangled ``a::b::c[abi:...]`` that CUPTI records; other names (CuPy's) as
+    they are."""
+    if "::" in name and not name.startswith("_ZN"):
+        parts = re.sub(r"\[abi:[^\]]*\]", "", name.split("(")[0]).split("::")
+    elif not name.startswith("_ZN"):
         return name.split("(")[0]
-    parts, i = [], 3
-    while i < len(name) and name[i].isdigit():
-        m = re.match(r"\d+", name[i:])
-        n = int(m.group())
-        i += len(m.group())
-        parts.append(name[i:i + n])
-        i += n
+    else:
+        parts, i = [], 3
+        while i < len(name) and name[i].isdigit():
+            m = re.match(r"\d+", name[i:])
+            n = int(m.group())
+            i += len(m.group())
+            parts.append(name[i:i + n])
+            i += n
     parts = [p for p in parts if p not in ("cudapy",)]
     # a kernel made in a factory (every @kernel_factory's): ``<factory>.<locals>.<kernel>``,
     # "<locals>" escaped; the factory is not the module
@@ -105,13 +109,23 @@ class Brackets:
         GraphCache.call = call
 
 
-def kernel_records(trace_path: str) -> list[tuple[float, float, str]]:
-    """(start us, duration us, name) of every kernel in a Chrome trace from torch's
-    profiler, by start."""
+def launch_shape(args: dict) -> str:
+    """`` grid x block`` of a kernel record's args (CUPTI's), or "" where the trace has none:
+    one kernel's launches of different shapes (a router's 8 outputs, an lm_head's 8,192) are
+    then listed apart."""
+    grid, block = args.get("grid"), args.get("block")
+    if not grid or not block:
+        return ""
+    return " <<<%s, %s>>>" % ("x".join(map(str, grid)), "x".join(map(str, block)))
+
+
+def kernel_records(trace_path: str) -> list[tuple[float, float, str, str]]:
+    """(start us, duration us, name, launch shape) of every kernel in a Chrome trace from
+    torch's profiler, by start."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    ks = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
-          if e.get("cat") == "kernel"]
+    ks = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"], launch_shape(e.get("args", {})))
+          for e in events if e.get("cat") == "kernel"]
     return sorted(ks)
 
 
@@ -119,7 +133,7 @@ def segment(records, labels) -> tuple[dict, list]:
     """Kernels between each begin/end marker pair, by the pair's label; the rest apart."""
     per_label: dict = collections.defaultdict(list)
     outside, inside, k = [], None, 0
-    for ts, dur, name in records:
+    for ts, dur, name, shape in records:
         if name == BEGIN:
             inside = []
         elif name == END:
@@ -127,9 +141,9 @@ def segment(records, labels) -> tuple[dict, list]:
                 per_label[labels[k]].append(inside)
             inside, k = None, k + 1
         elif inside is not None:
-            inside.append((ts, dur, short_name(name)))
+            inside.append((ts, dur, short_name(name) + shape))
         else:
-            outside.append((ts, dur, short_name(name)))
+            outside.append((ts, dur, short_name(name) + shape))
     return per_label, outside
 
 
