@@ -487,6 +487,22 @@ def test_skinny_x_major_grid_gives_the_same_bits_and_is_picked_for_a_large_x(gpu
     assert not gpu_layers.skinny_config(16, 2112, 7168, "bf16").x_major
 
 
+def test_x_rows_a_block_move_no_bit(gpu_layers):
+    """``skinny_config(..., mt=)`` (dev/cuda/layers.py's "rows" sweep) changes only how many x
+    rows a block takes: a row's sums are the same at mt 4, 2 and 1, for both weight kinds, with
+    a partial last chunk (M = 7)."""
+    rng = np.random.default_rng(19)
+    x = rng.standard_normal((7, 64)).astype(np.float32)
+    w = rng.standard_normal((6, 64)).astype(np.float32)
+    for kind, wd in (("f32", w), ("bf16", w.astype(BF16))):
+        got = [host(gpu_layers.linear(x, wd, config=gpu_layers.skinny_config(7, 6, 64, kind,
+                                                                             mt=mt)))
+               for mt in (4, 2, 1)]
+        assert got[0].tobytes() == got[1].tobytes() == got[2].tobytes(), kind
+    with pytest.raises(ValueError, match="mt must be one of"):
+        gpu_layers.skinny_config(7, 6, 64, "f32", mt=3)
+
+
 def test_f32_exchange_load_gives_every_lane_its_chunk(gpu_layers):
     """The xchg loader itself, with the shuffle emulated through shared memory: lanes 0-15
     load the first halves of the warp's chunks, lanes 16-31 the second halves, and one xor-16

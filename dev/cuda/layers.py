@@ -2,7 +2,8 @@
 """The GEMM tiles and MoE launch plans that lost: validate them against the defaults, time them.
 
     python3 dev/cuda/layers.py check       # GPU: every plan here gives the default's bits
-    python3 dev/cuda/layers.py bench [--only linear,variants,moe,sweep] [--sweep-shapes 7168x1536]
+    python3 dev/cuda/layers.py bench [--only linear,variants,moe,sweep,rows]
+        [--sweep-shapes 7168x1536]
         [--sweep-dtypes bf16,f32] [--sweep-grid] [tools/bench_layers.py's other arguments]
 
 The package ships one heuristic per kernel (``tiled_config``, ``mma_config``,
@@ -13,7 +14,9 @@ The package ships one heuristic per kernel (``tiled_config``, ``mma_config``,
 * :func:`expert_alternatives`: other launch plans of the tiled routed experts;
 * :func:`linear_variants`: the skinny kernel's float32 load variants and neighbouring shapes
   (the "variants" section of tools/bench_layers.py), and :func:`bench_sweep` (section
-  "sweep"): alternative SkinnyConfigs at M = 1.
+  "sweep"): alternative SkinnyConfigs at M = 1; :func:`bench_rows` (section "rows", only
+  when asked for): the x rows a skinny block takes (``mt``) at the demo pair's shapes and a
+  verify's rows.
 
 Every plan keeps the default's K slices and summation order, so each gives bitwise the
 default's result and only speed differs: ``check`` asserts that on the GPU.  ``bench`` runs
@@ -194,6 +197,47 @@ def bench_sweep(bench, ctx, results, deadline, shapes=SWEEP_SHAPES, dtypes=("bf1
                 bench.print_row(results[-1])
 
 
+# ---------------------------------------------------------------------------- x rows a block
+# The demo pair's linears (docs/DEMO.md: D 256, q/kv latents 128, 8 heads, the router's 8 fp32
+# outputs, the dense FFN 768, the vocabulary 8,192) at a decode's and a verify's rows: at 17
+# rows mt_for gives 16-row chunks (16 + 1), a block streaming its weight rows against 16 x
+# rows, and run 153 put those launches at 4.4-10.7 us against 2.8 at one row.
+ROWS_SHAPES = ((256, 8, "f32"), (256, 256, "bf16"), (128, 256, "bf16"), (256, 512, "bf16"),
+               (256, 1536, "bf16"), (768, 256, "bf16"), (256, 8192, "bf16"))
+ROWS_MS = (1, 9, 17, 33)
+ROWS_COLUMNS = ["K", "N", "M", "weights", "mt", "config", "us", "vs_default", "host_bound"]
+
+
+def bench_rows(bench, ctx, results, deadline):
+    """linear() at ROWS_SHAPES x ROWS_MS with every x-rows-a-block ``mt`` up to mt_for's (the
+    same bits: skinny_config), the weights in L2 as in a round."""
+    cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
+    nb = cuda.as_cuda_array
+    rng = np.random.default_rng(5)
+    for k, n, dtype in ROWS_SHAPES:
+        w = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+        if dtype == "bf16":
+            w = (w.view(cp.uint32) >> 16).astype(cp.uint16)
+        w = nb(w)
+        for m in ROWS_MS:
+            x = nb(cp.asarray(rng.standard_normal((m, k)).astype(np.float32)))
+            y, space = nb(cp.empty((m, n), cp.float32)), layers.Workspace()
+            default = skinny_config(m, n, k, dtype)
+            t_default = None
+            for mt in sorted((v for v in (16, 8, 4, 2, 1) if v <= default.mt), reverse=True):
+                if time.perf_counter() > deadline:
+                    return
+                cfg = skinny_config(m, n, k, dtype, mt=mt)
+                t, hb = timer([lambda c=cfg: layers.linear(x, w, out=y, config=c,
+                                                           workspace=space)], trials=5)
+                t_default = t if cfg == default else t_default
+                results.append(dict(section="rows", K=k, N=n, M=m, weights=dtype, mt=mt,
+                                    config=str(cfg), us=t * 1e6,
+                                    vs_default=t_default / t if t_default else None,
+                                    host_bound=hb))
+                bench.print_row(results[-1])
+
+
 def bench(argv: list[str]) -> int:
     """tools/bench_layers.py with the alternatives above and the sweep."""
     ap = argparse.ArgumentParser(description="dev/cuda/layers.py bench")
@@ -210,6 +254,8 @@ def bench(argv: list[str]) -> int:
         linear=linear_variants, mma=lambda layers, m, n, k: mma_alternatives(m, n, k),
         moe=lambda layers, m: expert_alternatives(m))
     bench_layers.COLUMNS["sweep"] = SWEEP_COLUMNS
+    bench_layers.COLUMNS["rows"] = ROWS_COLUMNS
+    bench_layers.EXTRA_SECTIONS["rows"] = functools.partial(bench_rows, bench_layers)
     bench_layers.EXTRA_SECTIONS["sweep"] = functools.partial(
         bench_sweep, bench_layers, shapes=shapes, dtypes=tuple(args.sweep_dtypes.split(",")),
         grid=args.sweep_grid)

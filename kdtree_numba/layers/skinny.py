@@ -420,14 +420,19 @@ ROWS_UNROLL = {1: ((8, 2), (4, 2), (2, 4), (1, 4)),
                16: ((2, 2), (1, 1))}
 
 
-def skinny_config(m: int, n: int, k: int, wkind: str) -> SkinnyConfig:
+def skinny_config(m: int, n: int, k: int, wkind: str, mt: int | None = None) -> SkinnyConfig:
     """Default kernel shape for an [m, k] x [n, k]^T product: the most weight rows per block
     that still gives every SM four blocks, x chunks times weight tiles (the simulator: the
     fewest blocks); threads from k alone (batch invariance; rows, unroll and the grid order
     change no bit); ``x_major`` for an x that outgrows L2.  Four, not two: a sweep at M = 1
     found rows=2 best for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block
-    choices rows=4 / 2.  See docs/LAYERS.md; the sweep: dev/cuda/layers.py."""
-    mt = mt_for(m)
+    choices rows=4 / 2.  ``mt``: x rows a block other than :func:`mt_for`'s (a power of two;
+    it moves no bit, so only the time decides it: dev/cuda/layers.py's "rows" section).
+    See docs/LAYERS.md; the sweep: dev/cuda/layers.py."""
+    if mt is None:
+        mt = mt_for(m)
+    elif mt not in ROWS_UNROLL:
+        raise ValueError(f"mt must be one of {sorted(ROWS_UNROLL)}, got {mt}")
     choices = ROWS_UNROLL[mt]
     rows, unroll = choices[-1]
     m_chunks = -(-m // mt)
