@@ -400,6 +400,28 @@ def mt_for(m: int) -> int:
     return min(pow2_ceil(m), 4 if SIMULATOR else 16)
 
 
+# x rows a block for a small weight (at most this many elements: a small model's projections
+# and lm_head; every Kimi-K2 weight is larger) at a verify's rows, by its size.  A block of
+# mt_for's 16 x rows against one or two weight rows serialises 16 rows of FMAs per thread
+# where a launch-bound round's small weights leave blocks to spare.  dev/cuda/layers.py's
+# "rows" sweep (run 154, H100, the demo pair's shapes at 9 / 17 / 33 rows): the fp32 router
+# (8 x 256) 5.6 / 6.8 / 6.9 us at mt 16 against 3.9 / 3.8 / 3.8 at mt 2, the FFN's down (256 x
+# 768) 7.0 -> 5.5 us at 17 rows, the lm_head (8,192 x 256) 19.6 -> 14.0 us at mt 8.  The bits
+# do not depend on mt (skinny_config).
+SMALL_WEIGHT_ELEMENTS = 1 << 21
+SMALL_WEIGHT_MT = ((1 << 18, 2), (1 << 20, 4), (SMALL_WEIGHT_ELEMENTS, 8))
+
+
+def small_weight_mt(m: int, n: int, k: int) -> int:
+    """x rows a block for an [m, k] x [n, k]^T product (module note above SMALL_WEIGHT_MT):
+    mt_for's, or less for a small weight."""
+    mt = mt_for(m)
+    for elements, cap in SMALL_WEIGHT_MT:
+        if n * k <= elements:
+            return min(mt, cap)
+    return mt
+
+
 def skinny_threads(k: int) -> int:
     """Threads per block for reduction length k: ~4+ chunks per thread, 32..256.  A function of
     k alone, so a row's summation order never depends on how many rows a call has."""
@@ -426,11 +448,11 @@ def skinny_config(m: int, n: int, k: int, wkind: str, mt: int | None = None) -> 
     fewest blocks); threads from k alone (batch invariance; rows, unroll and the grid order
     change no bit); ``x_major`` for an x that outgrows L2.  Four, not two: a sweep at M = 1
     found rows=2 best for N = 1536 (768 blocks) and rows=1 for N = 576, not the two-block
-    choices rows=4 / 2.  ``mt``: x rows a block other than :func:`mt_for`'s (a power of two;
-    it moves no bit, so only the time decides it: dev/cuda/layers.py's "rows" section).
+    choices rows=4 / 2.  ``mt``: x rows a block other than :func:`small_weight_mt`'s (a power
+    of two; it moves no bit, so only the time decides it: dev/cuda/layers.py's "rows").
     See docs/LAYERS.md; the sweep: dev/cuda/layers.py."""
     if mt is None:
-        mt = mt_for(m)
+        mt = small_weight_mt(m, n, k)
     elif mt not in ROWS_UNROLL:
         raise ValueError(f"mt must be one of {sorted(ROWS_UNROLL)}, got {mt}")
     choices = ROWS_UNROLL[mt]
