@@ -2,12 +2,17 @@
 """Benchmark the DDTree numba kernels on a GPU against their roofs and goals (docs/DDTREE.md).
 
     python3 tools/bench_ddtree.py [--json PATH] [--quick]
+    python3 tools/bench_ddtree.py --demo      (top-K at a demo round's shape only, < 60 s)
 
 * top-K log-probs, bs=64, L=15, V=163840: device time vs the HBM roof (logits bytes / bandwidth,
   with the bandwidth measured here by a CuPy device copy, and the nominal 4.1 TB/s); goal:
   >= 60% of the measured roof.  The default configuration (warps, vec, parts: see
   ``kdtree_numba.ddtree.topk_config``) at k = 64/256/1024, a few alternatives at k = 64, and a
   small batch (bs=4, where the default splits every row over several blocks).
+* ``--demo``: top-K at the shape of the demo pair's round (one request: the drafter's L = 15
+  rows of V = 8,192 logits, k = 8 / 16 / 32, the logits in L2 as the round leaves them),
+  the default configuration beside other parts / warps / vec: run 153 timed the round's
+  one top-K launch at 17 us, a tenth of a decode step.
 * build_tree, bs=64, L=15, budgets 64/256/1024: device time vs the reference's host heap on the
   same batch; goals: <= 50 us at budget 64, >= 100x faster than the heap at every budget.
 * accept_greedy + compact_kv, bs=64, 61 layers x latent width 576 as bf16 bit patterns (uint16)
@@ -154,6 +159,44 @@ def bench_topk(timer: Timer, bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
+DEMO_L, DEMO_VOCAB = 15, 8192
+DEMO_KS = (8, 16, 32)
+DEMO_CONFIGS = [(None, None, None)] + [(w, v, p) for p in (1, 2, 4, 8) for w, v in
+                                       ((2, 8), (4, 4), (1, 8), (4, 2))]
+
+
+def bench_topk_demo(timer: Timer) -> list[dict]:
+    """Top-K at the demo round's shape (module docstring): every DEMO_CONFIGS that
+    topk_config accepts, no L2 flush."""
+    rng = np.random.default_rng(1)
+    data = cuda.to_device(rng.standard_normal((DEMO_L, DEMO_VOCAB), np.float32) * 3)
+    rows = []
+    for k in DEMO_KS:
+        lp = cuda.device_array((DEMO_L, k), np.float32)
+        ids = cuda.device_array((DEMO_L, k), np.int32)
+        default = gpu.topk_config(k, DEMO_L, DEMO_VOCAB)
+        seen = set()
+        for warps, vec, parts in DEMO_CONFIGS:
+            try:
+                config = gpu.topk_config(k, DEMO_L, DEMO_VOCAB, warps, vec, parts)
+            except ValueError:
+                continue
+            if config in seen:
+                continue
+            seen.add(config)
+
+            def launch(stream, k=k, config=config):
+                gpu_topk._launch_topk(data, k, lp, ids, config, stream)
+
+            us = timer.median_us(launch, 30, flush=False)
+            w, v, _, p = config
+            rows.append(row(f"topk_logprobs k={k} (warps={w}, vec={v}, parts={p})"
+                            + (" default" if config == default else ""),
+                            f"1x{DEMO_L}x{DEMO_VOCAB} f32", us, "a demo round's top-K",
+                            "-", "-"))
+    return rows
+
+
 def bench_build(timer: Timer, quick: bool) -> list[dict]:
     rows = []
     for budget in BUDGETS:
@@ -267,6 +310,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--quick", action="store_true", help="fewer runs and configurations")
+    parser.add_argument("--demo", action="store_true",
+                        help="only top-K at the demo pair's round shape")
     args = parser.parse_args(argv)
     if not compat.gpu_available():
         print("bench_ddtree: no CUDA GPU here", file=sys.stderr)
@@ -277,9 +322,10 @@ def main(argv=None) -> int:
     meta = dict(device=name.decode() if isinstance(name, bytes) else str(name),
                 bandwidth_tbs=bandwidth / 1e12)
     rows = []
-    for part in (lambda: bench_topk(timer, bandwidth, args.quick),
-                 lambda: bench_build(timer, args.quick),
-                 lambda: bench_accept_compact(timer, bandwidth)):
+    parts = [lambda: bench_topk_demo(timer)] if args.demo else [
+        lambda: bench_topk(timer, bandwidth, args.quick), lambda: bench_build(timer, args.quick),
+        lambda: bench_accept_compact(timer, bandwidth)]
+    for part in parts:
         t0 = time.perf_counter()
         rows += part()
         print(f"[{time.perf_counter() - t0:.0f} s] {rows[-1]['kernel']} ...", file=sys.stderr,
