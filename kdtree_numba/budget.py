@@ -41,15 +41,23 @@ import collections
 import dataclasses
 from statistics import median
 
+import numpy as np
+
 from kdtree_numba import runtime
 
-__all__ = ["AutoBudget", "BudgetEstimate", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
+__all__ = ["AutoBudget", "BudgetEstimate", "PairedTau", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
 
 DEFAULT_CANDIDATES = (2, 4, 8, 16, 32, 64, 128, 256)
 # a budget's rounds that may be slower than its steady state: the first (eager: compiles),
 # the second (the CUDA graph's capture)
 WARM_ROUNDS = 2
 RECENT = 8       # a budget's cost: the median of its last RECENT rounds
+# v2: a budget's steady rounds before its cost is trusted; the rate its run may give up for
+# the acceptance of every budget below it; how near the best rate a budget below the one run
+# must be to have its cost re-measured
+MIN_COST = 3
+SLACK = 0.03
+REFRESH = 0.15
 
 
 @dataclasses.dataclass
@@ -98,13 +106,70 @@ class BudgetEstimate:
         return self.tau / c if c > 0 else 0.0
 
 
+class PairedTau:
+    """Acceptance per candidate budget from nested trees (module docstring, "Paired tau").
+
+    A round run at the candidate of index i adds, for every candidate j <= i, the tokens the
+    round would have committed at candidate j (its counterfactual acceptance; where the round
+    gave only its own tau, just that).  ``tau(anchor)`` then estimates every candidate's
+    acceptance on the same text: candidates up to ``anchor`` from the rounds run at or above
+    it (each of those rounds measured all of them), a candidate above it as the anchor's
+    estimate times the paired ratio of the two over the rounds run at or above that candidate.
+    Samples forget with a horizon of ``horizon`` rounds (weights growing by 1 / (1 - 1 /
+    horizon) a round, renormalised now and then)."""
+
+    def __init__(self, candidates, horizon: float = 256.0):
+        self.candidates = tuple(candidates)
+        n = len(self.candidates)
+        self.sums = np.zeros((n, n))       # [run at i, measured j]: weighted tau sums
+        self.weights = np.zeros((n, n))    # [run at i, measured j]: their weights
+        self.growth = 1.0 / (1.0 - 1.0 / float(horizon))
+        self.w = 1.0
+
+    def add(self, i: int, taus) -> None:
+        """A round run at candidate index ``i``: ``taus`` [i + 1] the acceptance it gave each
+        candidate up to it, or one float: its own only."""
+        self.w *= self.growth
+        if self.w > 1e100:                 # renormalise: only ratios of weights matter
+            self.sums /= self.w
+            self.weights /= self.w
+            self.w = 1.0
+        if np.ndim(taus) == 0:
+            self.sums[i, i] += self.w * float(taus)
+            self.weights[i, i] += self.w
+        else:
+            self.sums[i, :i + 1] += self.w * np.asarray(taus, np.float64)
+            self.weights[i, :i + 1] += self.w
+
+    def tau(self, anchor: int) -> np.ndarray:
+        """[n] the estimated acceptance of every candidate, anchored at candidate index
+        ``anchor`` (NaN where no round measured it)."""
+        # at_or_above[L, j]: over the rounds run at candidates >= L
+        s = np.cumsum(self.sums[::-1], axis=0)[::-1]
+        w = np.cumsum(self.weights[::-1], axis=0)[::-1]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = s / w                   # mean[L, j]: candidate j's mean over runs >= L
+            out = mean[anchor].copy()      # j <= anchor: the rounds run at >= anchor
+            diag = np.diagonal(mean)       # j's own mean over runs >= j
+            ratio = diag / mean[np.arange(len(out)), anchor]   # j : anchor, runs >= j
+        above = np.arange(len(out)) > anchor
+        out[above] = out[anchor] * ratio[above]
+        # no paired sample (nothing run at or above the anchor, or rounds that gave only their
+        # own tau): the candidate's own mean
+        return np.where(np.isfinite(out), out, diag)
+
+
 class AutoBudget:
     """Chooses each round's budget (module docstring).  ``next_budget()`` before a round,
-    ``observe(budget, seconds, tau, steady=None)`` after it; ``summary()`` for the stats.
-    ``v2``: ``KDTREE_AUTO_V2``'s steady costs (None: ``runtime.current().auto_v2``)."""
+    ``observe(budget, seconds, tau, steady=None, paths=None)`` after it; ``summary()`` for
+    the stats.  ``v2``: ``KDTREE_AUTO_V2``'s steady costs and paired acceptance (None:
+    ``runtime.current().auto_v2``); ``horizon`` (v2): the rounds its acceptance estimates
+    remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
+    largest such (it measures every smaller budget's acceptance at once)."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int = 32, reprobe: int = 16,
-                 decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None):
+                 decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None,
+                 horizon: float = 256.0, slack: float = SLACK):
         cands = sorted({int(b) for b in candidates if int(b) >= 1 and
                         (max_budget is None or int(b) <= max_budget)})
         if not cands:
@@ -112,12 +177,25 @@ class AutoBudget:
                              f"{max_budget}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if not horizon > 1:
+            raise ValueError(f"horizon must be > 1 round, got {horizon}")
+        if not 0 <= slack < 1:
+            raise ValueError(f"slack must be in [0, 1), got {slack}")
         self.candidates = tuple(cands)
         self.start = min(cands, key=lambda b: (abs(b - start), b))
         self.reprobe, self.decay = int(reprobe), float(decay)
         self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
         self.est = {b: BudgetEstimate(b) for b in cands}
         self.round = 0
+        # v2: paired acceptance, the budget run between probes, the probes' alternation
+        self.index = {b: i for i, b in enumerate(cands)}
+        self._cands = np.array(cands, np.int64)
+        self.paired = PairedTau(cands, horizon)
+        self.slack = float(slack)
+        self.home = self.start
+        self._probe_up = False
+        self._tau = np.full(len(cands), np.nan)
+        self._rate = np.full(len(cands), np.nan)
 
     @property
     def max_budget(self) -> int:
@@ -132,12 +210,19 @@ class AutoBudget:
 
     def best(self) -> int:
         """The measured budget with the highest expected rate (the start before any)."""
+        if self.v2:
+            rated = np.flatnonzero(np.isfinite(self._rate))
+            if not len(rated):
+                return self.start
+            return self.candidates[max(rated, key=lambda i: (self._rate[i], i))]
         done = [b for b in self.candidates if self.est[b].timed]
         if not done:
             return self.start
         return max(done, key=lambda b: (self.est[b].rate(), -b))
 
     def next_budget(self) -> int:
+        if self.v2:
+            return self._next_v2()
         best = self.best()
         if not self._measured(best):
             return best
@@ -149,22 +234,123 @@ class AutoBudget:
         return best
 
     def observe(self, budget: int, seconds: float, tau: float,
-                steady: bool | None = None) -> None:
+                steady: bool | None = None, paths=None) -> None:
         """A round at ``budget`` took ``seconds`` and committed ``tau`` tokens a request;
         ``steady``: whether it replayed a CUDA graph (None: unknown; module docstring; v2
-        only, the v1 policy takes every round as of unknown steadiness)."""
+        only, the v1 policy takes every round as of unknown steadiness); ``paths`` (v2): the
+        slots of each running request's accepted nodes (increasing, root excluded:
+        ``reference.ddtree.accepted_slots``), from which every smaller candidate's
+        acceptance on this round follows (module docstring, "Paired tau"); None: only
+        ``tau``, for ``budget`` itself."""
         e = self.est[budget]
         e.add(seconds, steady if self.v2 else None)
         e.tau = float(tau) if e.rounds == 0 else (1 - self.decay) * e.tau + self.decay * tau
         e.rounds += 1
         e.last_round = self.round
         self.round += 1
+        if self.v2:
+            i = self.index[budget]
+            self.paired.add(i, float(tau) if paths is None else self.counterfactual(i, paths))
+            self._update_v2()
+
+    def counterfactual(self, i: int, paths) -> np.ndarray:
+        """[i + 1] the mean tokens a round's requests would have committed at each candidate
+        up to index ``i``: the accepted nodes among a candidate's first b slots, plus the
+        bonus token (``paths``: as in :meth:`observe`; exact where the trees nest: module
+        docstring)."""
+        budgets = self._cands[:i + 1]
+        total = np.zeros(i + 1)
+        for slots in paths:
+            total += np.searchsorted(np.asarray(slots), budgets, side="right")
+        return 1.0 + total / max(len(paths), 1)
+
+    # ---- v2: paired acceptance, steady costs (module docstring)
+    def _costed(self, i: int) -> bool:
+        return len(self.est[self.candidates[i]].recent) >= MIN_COST
+
+    def _update_v2(self) -> None:
+        """The estimates after a round: every candidate's acceptance (anchored at the budget
+        run between probes), the rates of those with a cost, and that budget anew."""
+        self._tau = self.paired.tau(self.index[self.home])
+        rate = np.full(len(self.candidates), np.nan)
+        for i, b in enumerate(self.candidates):
+            if self._costed(i) and np.isfinite(self._tau[i]):
+                rate[i] = self._tau[i] / max(self.est[b].cost(), 1e-12)
+        self._rate = rate
+        if np.isfinite(rate).any():
+            top = np.nanmax(rate)
+            self.home = self.candidates[max(i for i in range(len(rate))
+                                            if rate[i] >= (1 - self.slack) * top)]
+
+    def _cost_floor(self, i: int) -> float:
+        """The least candidate i's round can cost, from the measured ones: a narrower tree
+        costs no more (the nearest cheaper measured candidate's cost below it), and its cost
+        per node is no smaller (cost(b) >= cost(m) b / m for the nearest measured m above)."""
+        above = [j for j in range(i + 1, len(self.candidates)) if self._costed(j)]
+        if above:
+            j = above[0]
+            return self.est[self.candidates[j]].cost() * self.candidates[i] / self.candidates[j]
+        below = [j for j in range(i) if self._costed(j)]
+        return self.est[self.candidates[below[-1]]].cost() if below else 0.0
+
+    def _plausible(self, i: int, best_rate: float) -> bool:
+        """Whether candidate i (no cost yet) could beat ``best_rate``: its acceptance (paired;
+        above every budget run: the top one's plus that top's last doubling's gain, as
+        acceptance grows less with each doubling) over its cost floor."""
+        tau = self._tau[i]
+        if not np.isfinite(tau):
+            known = np.flatnonzero(np.isfinite(self._tau))
+            if not len(known) or i != known[-1] + 1:
+                return False               # reached by climbing, one candidate at a time
+            top = known[-1]
+            gain = self._tau[top] - self._tau[top - 1] if top else np.inf
+            tau = self._tau[top] + (gain if np.isfinite(gain) else np.inf)
+        floor = self._cost_floor(i)
+        return floor <= 0 or tau / floor >= best_rate
+
+    def _next_v2(self) -> int:
+        if self.round == 0:
+            return self.start
+        rates = self._rate[np.isfinite(self._rate)]
+        best_rate = float(rates.max()) if len(rates) else 0.0
+        # 1. a budget that could win but has no steady cost yet: measure it (the widest
+        #    first: its rounds measure the acceptance of all below it)
+        for i in reversed(range(len(self.candidates))):
+            if not self._costed(i) and self._plausible(i, best_rate):
+                return self.candidates[i]
+        # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
+        #    acceptance on the same text, and its cost), or the stalest cost below it that
+        #    is within REFRESH of the best rate (costs drift slowly: the context grows)
+        half = max(self.reprobe // 2, 1)
+        h = self.index[self.home]
+        if self.reprobe and self.round % half == half - 1:
+            self._probe_up = not self._probe_up
+            if self._probe_up and h + 1 < len(self.candidates):
+                return self.candidates[h + 1]
+            near = [b for i, b in enumerate(self.candidates[:h])
+                    if np.isfinite(self._rate[i]) and self._rate[i] >= (1 - REFRESH) * best_rate]
+            if near:
+                return min(near, key=lambda b: self.est[b].last_round)
+        return self.home
 
     def summary(self) -> dict:
         """Per budget that ran: rounds, tau, cost (ms) and rate (None where no round of it was
-        timed: v2's unsteady rounds); and the best budget now."""
-        rows = {b: {"rounds": e.rounds, "tau": round(e.tau, 3),
+        timed: v2's unsteady rounds); and the best budget now.  v2: tau is the paired
+        estimate (module docstring), and ``paired_tau`` has it for every candidate a round
+        measured."""
+        def tau(b, e):
+            return float(self._tau[self.index[b]]) if self.v2 and np.isfinite(
+                self._tau[self.index[b]]) else e.tau
+
+        def rate(b, e):
+            return tau(b, e) / e.cost() if e.cost() > 0 else 0.0
+        rows = {b: {"rounds": e.rounds, "tau": round(tau(b, e), 3),
                     "round_ms": round(1e3 * e.cost(), 3) if e.timed else None,
-                    "tokens_per_s": round(e.rate(), 1) if e.timed else None}
+                    "tokens_per_s": round(rate(b, e), 1) if e.timed else None}
                 for b, e in self.est.items() if e.rounds}
-        return {"candidates": list(self.candidates), "best": self.best(), "per_budget": rows}
+        out = {"candidates": list(self.candidates), "best": self.best(), "per_budget": rows}
+        if self.v2:
+            out["paired_tau"] = {b: round(float(t), 3) for b, t in zip(self.candidates,
+                                                                       self._tau)
+                                 if np.isfinite(t)}
+        return out
