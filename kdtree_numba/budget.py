@@ -56,7 +56,7 @@ RECENT = 8       # a budget's cost: the median of its last RECENT rounds
 # the acceptance of every budget below it; how near the best rate a budget below the one run
 # must be to have its cost re-measured
 MIN_COST = 3
-SLACK = 0.03
+SLACK = 0.01
 REFRESH = 0.15
 
 
@@ -121,8 +121,10 @@ class PairedTau:
     def __init__(self, candidates, horizon: float = 256.0):
         self.candidates = tuple(candidates)
         n = len(self.candidates)
-        self.sums = np.zeros((n, n))       # [run at i, measured j]: weighted tau sums
-        self.weights = np.zeros((n, n))    # [run at i, measured j]: their weights
+        # [L, j]: weighted sums of candidate j's acceptance over the rounds run at a
+        # candidate >= L, and their weights (kept cumulative: a round's add is one slice)
+        self.sums = np.zeros((n, n))
+        self.weights = np.zeros((n, n))
         self.growth = 1.0 / (1.0 - 1.0 / float(horizon))
         self.w = 1.0
 
@@ -135,23 +137,20 @@ class PairedTau:
             self.weights /= self.w
             self.w = 1.0
         if np.ndim(taus) == 0:
-            self.sums[i, i] += self.w * float(taus)
-            self.weights[i, i] += self.w
+            self.sums[:i + 1, i] += self.w * float(taus)
+            self.weights[:i + 1, i] += self.w
         else:
-            self.sums[i, :i + 1] += self.w * np.asarray(taus, np.float64)
-            self.weights[i, :i + 1] += self.w
+            self.sums[:i + 1, :i + 1] += self.w * np.asarray(taus, np.float64)[None, :]
+            self.weights[:i + 1, :i + 1] += self.w
 
     def tau(self, anchor: int) -> np.ndarray:
         """[n] the estimated acceptance of every candidate, anchored at candidate index
         ``anchor`` (NaN where no round measured it)."""
-        # at_or_above[L, j]: over the rounds run at candidates >= L
-        s = np.cumsum(self.sums[::-1], axis=0)[::-1]
-        w = np.cumsum(self.weights[::-1], axis=0)[::-1]
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = s / w                   # mean[L, j]: candidate j's mean over runs >= L
-            out = mean[anchor].copy()      # j <= anchor: the rounds run at >= anchor
-            diag = np.diagonal(mean)       # j's own mean over runs >= j
-            ratio = diag / mean[np.arange(len(out)), anchor]   # j : anchor, runs >= j
+            mean = self.sums / self.weights   # [L, j]: j's mean over the runs >= L
+            out = mean[anchor].copy()         # j <= anchor: the rounds run at >= anchor
+            diag = np.diagonal(mean)          # j's own mean over the runs >= j
+            ratio = diag / mean[:, anchor]    # j : anchor over the runs >= j
         above = np.arange(len(out)) > anchor
         out[above] = out[anchor] * ratio[above]
         # no paired sample (nothing run at or above the anchor, or rounds that gave only their
@@ -194,7 +193,9 @@ class AutoBudget:
         self.slack = float(slack)
         self.home = self.start
         self._probe_up = False
-        self._tau = np.full(len(cands), np.nan)
+        self._tau = np.full(len(cands), np.nan)     # paired acceptance (v2)
+        self._cost = np.full(len(cands), np.nan)    # steady cost, once trusted (v2)
+        self._costed_at: list = []                  # the indices with one
         self._rate = np.full(len(cands), np.nan)
 
     @property
@@ -251,7 +252,7 @@ class AutoBudget:
         if self.v2:
             i = self.index[budget]
             self.paired.add(i, float(tau) if paths is None else self.counterfactual(i, paths))
-            self._update_v2()
+            self._update_v2(i)
 
     def counterfactual(self, i: int, paths) -> np.ndarray:
         """[i + 1] the mean tokens a round's requests would have committed at each candidate
@@ -266,63 +267,73 @@ class AutoBudget:
 
     # ---- v2: paired acceptance, steady costs (module docstring)
     def _costed(self, i: int) -> bool:
-        return len(self.est[self.candidates[i]].recent) >= MIN_COST
+        return bool(np.isfinite(self._cost[i]))
 
-    def _update_v2(self) -> None:
-        """The estimates after a round: every candidate's acceptance (anchored at the budget
-        run between probes), the rates of those with a cost, and that budget anew."""
+    def _update_v2(self, i: int) -> None:
+        """The estimates after a round at candidate i: its cost (once it has MIN_COST steady
+        rounds), every candidate's acceptance (anchored at the budget run between probes),
+        the rates of those with a cost, and that budget anew."""
+        e = self.est[self.candidates[i]]
+        self._cost[i] = max(e.cost(), 1e-12) if len(e.recent) >= MIN_COST else np.nan
         self._tau = self.paired.tau(self.index[self.home])
-        rate = np.full(len(self.candidates), np.nan)
-        for i, b in enumerate(self.candidates):
-            if self._costed(i) and np.isfinite(self._tau[i]):
-                rate[i] = self._tau[i] / max(self.est[b].cost(), 1e-12)
-        self._rate = rate
-        if np.isfinite(rate).any():
-            top = np.nanmax(rate)
-            self.home = self.candidates[max(i for i in range(len(rate))
-                                            if rate[i] >= (1 - self.slack) * top)]
+        self._rate = self._tau / self._cost          # NaN without a cost or an acceptance
+        self._costed_at = np.flatnonzero(np.isfinite(self._cost)).tolist()
+        rated = np.flatnonzero(np.isfinite(self._rate))
+        if len(rated):
+            top = self._rate[rated].max()
+            self.home = self.candidates[rated[self._rate[rated] >= (1 - self.slack) * top][-1]]
 
     def _cost_floor(self, i: int) -> float:
         """The least candidate i's round can cost, from the measured ones: a narrower tree
         costs no more (the nearest cheaper measured candidate's cost below it), and its cost
         per node is no smaller (cost(b) >= cost(m) b / m for the nearest measured m above)."""
-        above = [j for j in range(i + 1, len(self.candidates)) if self._costed(j)]
+        costed = self._costed_at
+        above = [j for j in costed if j > i]
         if above:
             j = above[0]
-            return self.est[self.candidates[j]].cost() * self.candidates[i] / self.candidates[j]
-        below = [j for j in range(i) if self._costed(j)]
-        return self.est[self.candidates[below[-1]]].cost() if below else 0.0
+            return float(self._cost[j]) * self.candidates[i] / self.candidates[j]
+        below = [j for j in costed if j < i]
+        return float(self._cost[below[-1]]) if below else 0.0
 
     def _plausible(self, i: int, best_rate: float) -> bool:
-        """Whether candidate i (no cost yet) could beat ``best_rate``: its acceptance (paired;
-        above every budget run: the top one's plus that top's last doubling's gain, as
-        acceptance grows less with each doubling) over its cost floor."""
+        """Whether candidate i (no cost yet) could beat ``best_rate``: its acceptance over its
+        cost floor.  Its acceptance: the paired estimate; where none (unpaired rounds) that
+        of the nearest wider candidate measured (a narrower tree accepts no more); above
+        every budget run, the widest one's plus its last doubling's gain (acceptance grows
+        less with each doubling), for the next candidate only (the others are reached by
+        climbing)."""
         tau = self._tau[i]
         if not np.isfinite(tau):
             known = np.flatnonzero(np.isfinite(self._tau))
-            if not len(known) or i != known[-1] + 1:
-                return False               # reached by climbing, one candidate at a time
-            top = known[-1]
-            gain = self._tau[top] - self._tau[top - 1] if top else np.inf
-            tau = self._tau[top] + (gain if np.isfinite(gain) else np.inf)
+            wider = known[known > i]
+            if len(wider):
+                tau = self._tau[wider[0]]
+            elif len(known) and i == known[-1] + 1:
+                top = known[-1]
+                gain = self._tau[top] - self._tau[top - 1] if top else np.inf
+                tau = self._tau[top] + (gain if np.isfinite(gain) else np.inf)
+            else:
+                return False
         floor = self._cost_floor(i)
         return floor <= 0 or tau / floor >= best_rate
 
     def _next_v2(self) -> int:
-        if self.round == 0:
-            return self.start
+        h = self.index[self.home]
+        if not self._costed(h):            # first the budget it runs: the rates' baseline
+            return self.home
         rates = self._rate[np.isfinite(self._rate)]
         best_rate = float(rates.max()) if len(rates) else 0.0
-        # 1. a budget that could win but has no steady cost yet: measure it (the widest
-        #    first: its rounds measure the acceptance of all below it)
-        for i in reversed(range(len(self.candidates))):
-            if not self._costed(i) and self._plausible(i, best_rate):
-                return self.candidates[i]
+        # 1. a budget that could win but has no steady cost yet: measure it (one already
+        #    begun first, then the widest: its rounds measure the acceptance of all below it)
+        could = [i for i in range(len(self.candidates))
+                 if i not in self._costed_at and self._plausible(i, best_rate)]
+        if could:
+            begun = [i for i in could if self.est[self.candidates[i]].recent]
+            return self.candidates[(begun or could)[-1]]
         # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
         #    acceptance on the same text, and its cost), or the stalest cost below it that
         #    is within REFRESH of the best rate (costs drift slowly: the context grows)
         half = max(self.reprobe // 2, 1)
-        h = self.index[self.home]
         if self.reprobe and self.round % half == half - 1:
             self._probe_up = not self._probe_up
             if self._probe_up and h + 1 < len(self.candidates):
