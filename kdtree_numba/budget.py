@@ -34,6 +34,45 @@ With ``KDTREE_AUTO_V2=1`` (``runtime.current().auto_v2`` when the policy is made
   kind instead of 24, so the graphs a warm-up captured for every candidate are still there
   when the timed rounds probe them (a probe is then one replayed round, not an eager round
   and a capture).
+* **Paired tau.**  Per-round tau varies ~55% and prompts differ more than budgets do (the
+  demo pair's 8 / 16 / 32 are 3-7% apart), so means of each budget's own rounds, each on
+  other text, wander.  But the trees nest: the builder pops best-first, so the tree at
+  budget b is the first b nodes of the tree at any B >= b (k = min(b, V) changes nothing a
+  b-node tree can hold, as a node of rank r needs its r elder siblings, nor does a drafter
+  block cut to depth b, as a node at depth d needs its d - 1 ancestors; ties are broken by
+  rank path, the same in both).  A node's target token does not depend on the tree around
+  it (its logits see only its ancestors; at T > 0 it is drawn with the uniform of its
+  position, ``U_b[start + depth + 1]``, in every tree that holds it).  So the walk of a
+  round at B, truncated to the slots <= b, is exactly the walk the tree at b would have
+  made: the round's accepted slots (the tail of its one read:
+  ``reference.ddtree.pack_committed``; the engine passes them as ``observe(...,
+  paths=...)``) give every candidate b <= B its tokens on the same text, 1 + #{accepted
+  slots <= b}.  Exact at every temperature, up to float rounding of verifies of other widths
+  (as the lossless claim is), and on the CPU path (the reference backend in float32) where
+  a budget under the drafter's block runs a block cut to it, whose logits differ slightly:
+  there an estimate.  :class:`PairedTau` keeps, per (budget run, budget measured), sums
+  that forget over ``horizon`` rounds; a candidate's tau is its mean over the rounds run at
+  or above the budget the policy runs (the "home" budget), and a candidate above home the
+  home's times their paired ratio over the rounds run at or above that candidate.  Rounds
+  that give no slots (a caller's ``observe`` without ``paths``) add their own tau alone and
+  the estimates fall back to each budget's own mean.
+* **The choice.**  rate(b) = tau(b) / cost(b), cost the median of the steady rounds above,
+  trusted after :data:`MIN_COST` of them.  It runs ``start`` until it has a cost, then the
+  widest budget within ``slack`` (1%) of the best rate.  A budget without a cost is measured
+  (its :data:`MIN_COST` rounds in a row, the widest first, as its rounds measure every
+  budget below it) only where it could win: its tau over a cost floor from the measured
+  ones (a narrower tree costs no more than a measured one below it, and no less per node
+  than the nearest measured one above: cost(b) >= cost(m) b / m) beats the best rate; for
+  the one candidate above every budget run, its tau bound is the widest one's plus that
+  one's last doubling's gain.  So on the demo pair's machine 2 and 4 cost three rounds each,
+  once, and their paired tau then rules them out, while on a machine where every node is
+  dear (Kimi-K2's experts) they win; the candidates are not cut for any one pair.  Every
+  ``reprobe`` / 2 rounds, by turns, one round at the candidate above home (its tau paired
+  with home's, its cost) or at the stalest-costed candidate below home within
+  :data:`REFRESH` (15%) of the best rate.  On simulated rounds with paired acceptance
+  (tests/test_budget_paired.py: 128 prompts of 30 rounds, one policy) it gets 97-98% of the
+  best fixed budget's rate on the demo pair's costs, a CPU-like and a MoE-like curve, where
+  v1 gets 93-96%.
 """
 from __future__ import annotations
 

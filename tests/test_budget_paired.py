@@ -91,10 +91,8 @@ def oracle_pair():
     from kdtree_numba.drafter import NoisyOracleDrafter
     from kdtree_numba.model import Model
     cfg = size_config("tiny", num_hidden_layers=1)
-    weights = dict(random_weights(cfg, 3))
-    target = Model(cfg, weights, "reference")
-    return target, NoisyOracleDrafter(Model(cfg, weights, "reference"), 6, agreement=0.8,
-                                      seed=1, sharpness=3.0)
+    target = Model(cfg, dict(random_weights(cfg, 3)), "reference")   # its own oracle
+    return target, NoisyOracleDrafter(target, 6, agreement=0.8, seed=1, sharpness=3.0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
@@ -262,3 +260,52 @@ def test_the_engine_under_auto_v2_is_lossless(device_rounds, temperature):
     # every round at b measured every candidate <= b: the smallest, every round
     assert policy.paired.weights[:, 0].sum() > 0 and len(set(res.stats.budgets)) >= 2
     assert res.stats.budget_auto["paired_tau"]
+
+
+def demo_counterfactual_check(backend: str, device_rounds: bool):
+    """The demo pair's first round from 16 states (held-out prompts and AR continuations of
+    them) run at 64: the counterfactual acceptance of 4 .. 32 against running each.  Returns
+    (mismatched requests, requests, budgets where the means differ by > 2%)."""
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    from tests.test_demo_pair import heldout_ids
+    model = Model.load(demo.TARGET, backend)
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    seeds = heldout_ids(8)
+    ar = generate(model, seeds, 24).tokens
+    prompts = seeds + [s + a[:20] for s, a in zip(seeds, ar)]
+    cands, big = (4, 8, 16, 32), 64
+    kw = dict(method="ddtree", drafter=drafter, device_rounds=device_rounds)
+    pinned = Pinned(big, cands + (big,))
+    assert generate(model, prompts, 2, budget=pinned, **kw).stats.rounds == 1
+    paths = pinned.rounds[0]
+    bad, off, means = 0, [], []
+    for b in cands:
+        want = [1 + sum(s <= b for s in p) for p in paths]
+        got = generate(model, prompts, 2, budget=b, **kw).stats.tau[0]
+        bad += sum(g != w for g, w in zip(got, want))
+        if abs(np.mean(got) - np.mean(want)) > 0.02 * np.mean(got):
+            off.append(b)
+        means.append(np.mean(want))
+    assert means[0] < means[-1]            # the budgets differ: the check can fail
+    return bad, len(cands) * len(prompts), off
+
+
+@pytest.mark.slow
+def test_the_demo_pairs_counterfactual_on_the_reference_backend():
+    """The trained pair on the float64 reference (its drafter's full block at every budget):
+    exact."""
+    bad, total, off = demo_counterfactual_check("reference", False)
+    assert bad == 0 and not off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_rounds", [True, False])
+def test_gpu_the_demo_pairs_counterfactual(device_rounds):
+    """On the GPU (device rounds: the accepted slots come through the round graph's one
+    read).  A verify of another width may round a node's logits differently and flip a
+    near-tie argmax, so a rare request may differ; the means agree within 2%."""
+    bad, total, off = demo_counterfactual_check("numba", device_rounds)
+    assert bad <= 0.05 * total and not off, (bad, total, off)
