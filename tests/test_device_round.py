@@ -323,8 +323,8 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
     policy = _CyclingBudget((3, 9, 1, 6))
     costs = []
     observe = policy.observe
-    policy.observe = lambda b, seconds, tau, steady=None: (costs.append((b, seconds)),
-                                                           observe(b, seconds, tau, steady))
+    policy.observe = lambda b, seconds, tau, steady=None, paths=None: (
+        costs.append((b, seconds)), observe(b, seconds, tau, steady, paths))
     res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
                    budget=policy, device_rounds=True)
     assert res.stats.rounds > 4 and len(set(res.stats.budgets)) == 4
