@@ -262,10 +262,11 @@ def test_the_engine_under_auto_v2_is_lossless(device_rounds, temperature):
     assert res.stats.budget_auto["paired_tau"]
 
 
-def demo_counterfactual_check(backend: str, device_rounds: bool):
+def demo_counterfactual_check(backend, device_rounds: bool):
     """The demo pair's first round from 16 states (held-out prompts and AR continuations of
-    them) run at 64: the counterfactual acceptance of 4 .. 32 against running each.  Returns
-    (mismatched requests, requests, budgets where the means differ by > 2%)."""
+    them) run at 64 on ``backend`` (a name or a Backend): the counterfactual acceptance of
+    4 .. 32 against running each.  Returns (mismatched requests, requests, budgets where the
+    means differ by > 2%)."""
     from kdtree_numba import demo
     from kdtree_numba.dflash import DFlashDrafter
     from kdtree_numba.engine import generate
@@ -294,11 +295,16 @@ def demo_counterfactual_check(backend: str, device_rounds: bool):
 
 
 @pytest.mark.slow
-def test_the_demo_pairs_counterfactual_on_the_reference_backend():
-    """The trained pair on the float64 reference (its drafter's full block at every budget):
-    exact."""
-    bad, total, off = demo_counterfactual_check("reference", False)
-    assert bad == 0 and not off
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_the_demo_pairs_counterfactual_on_the_reference_backend(precision):
+    """The trained pair on the float64 reference (its drafter's full block at every
+    budget): exact.  On the CPU path (float32) a budget under the drafter's block drafts
+    with a block cut to it (dflash.py, ``trim_block``), whose logits differ slightly from the
+    full block's: an estimate there, held to the GPU's tolerance (these 16 states: exact)."""
+    from kdtree_numba.backends import make_backend
+    bad, total, off = demo_counterfactual_check(make_backend("reference", precision=precision),
+                                                False)
+    assert (bad == 0 if precision == "float64" else bad <= 0.05 * total) and not off
 
 
 @pytest.mark.gpu
