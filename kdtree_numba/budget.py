@@ -372,7 +372,8 @@ class AutoBudget:
         could = [i for i in range(len(self.candidates))
                  if i not in self._costed_at and self._plausible(i, best_rate)]
         if could:
-            begun = [i for i in could if self.est[self.candidates[i]].recent]
+            # begun: it ran (an eager or capturing first round leaves no cost behind)
+            begun = [i for i in could if self.est[self.candidates[i]].rounds]
             return self.candidates[(begun or could)[-1]]
         # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
         #    acceptance on the same text, and its cost), or the stalest cost below it that

@@ -223,7 +223,21 @@ def test_v2_is_within_10_percent_of_the_best_fixed_budget(seed):
     assert sum(mix[b] for b in (8, 16, 32)) >= 0.9 * sum(mix.values()), dict(mix)
 
 
-def test_paired_tau_estimates():
+def test_v2_finishes_a_begun_cost_before_the_next_budget():
+    """A budget's first rounds run eagerly or capture (steady False: no cost); the policy
+    stays on it until MIN_COST replays give it one, rather than walking on to a wider budget
+    whose acceptance the unsteady round made known (each new budget: two more slow rounds)."""
+    p = AutoBudget(candidates=(16, 32, 64, 128), start=32, v2=True)
+    told = []
+    for r in range(12):
+        b = p.next_budget()
+        told.append(b)
+        steady = told.count(b) > 2
+        p.observe(b, 1e-3, 1 + min(b, 64) / 16, steady=steady,
+                  paths=[list(range(1, min(b, 64) // 16 + 1))])
+    # 32 (2 unsteady + 3 steady), then 64 the same; 128 only once 64 has a cost
+    assert told[:10] == [32] * 5 + [64] * 5, told
+
     """PairedTau against hand sums: rounds at 16 measured 4 and 16; one at 4 measured 4
     only; a round that gave only its own tau (paths None) adds to its budget alone."""
     p = PairedTau((4, 16), horizon=1e12)        # no forgetting: plain means
