@@ -60,20 +60,23 @@ With ``KDTREE_AUTO_V2=1`` (``runtime.current().auto_v2`` when the policy is made
 * **The choice.**  rate(b) = tau(b) / cost(b), cost the median of the steady rounds above,
   trusted after :data:`MIN_COST` of them.  It runs ``start`` until it has a cost, then the
   widest budget within ``slack`` (1%) of the best rate.  A budget without a cost is measured
-  (its :data:`MIN_COST` rounds in a row, the widest first, as its rounds measure every
-  budget below it) only where it could win: its tau over a cost floor from the measured
-  ones (a narrower tree costs no more than a measured one below it, and no less per node
-  than the nearest measured one above: cost(b) >= cost(m) b / m) beats the best rate; for
-  the one candidate above every budget run, its tau bound is the widest one's plus that
-  one's last doubling's gain.  So on the demo pair's machine 2 and 4 cost three rounds each,
-  once, and their paired tau then rules them out, while on a machine where every node is
-  dear (Kimi-K2's experts) they win; the candidates are not cut for any one pair.  Every
-  ``reprobe`` / 2 rounds, by turns, one round at the candidate above home (its tau paired
-  with home's, its cost) or at the stalest-costed candidate below home within
-  :data:`REFRESH` (15%) of the best rate.  On simulated rounds with paired acceptance
-  (tests/test_budget_paired.py: 128 prompts of 30 rounds, one policy) it gets 97-98% of the
-  best fixed budget's rate on the demo pair's costs, a CPU-like and a MoE-like curve, where
-  v1 gets 93-96%.
+  (until it has one, one begun first, then the widest, as its rounds measure every budget
+  below it) only where it could win: its tau over a cost floor beats the best rate.  The
+  floor, from the measured budgets: a wider tree costs no less than the nearest measured
+  one below it; a narrower one no less per node than the nearest measured one above
+  (cost(b) >= cost(m) b / m), and, with two measured above, saves per node no more than
+  they differ per node, less :data:`SECANT_MARGIN` (10%).  Above every budget run, only the
+  next candidate, its tau bound the widest one's plus that one's last doubling's gain.  So
+  on the demo pair's machine 2 and 4 are ruled out without a round (or after three, where
+  the costs measured first leave them a chance), while where every node is dear (Kimi-K2's
+  experts) they win; the candidates are not cut for any one pair.  Every ``reprobe`` / 2
+  rounds, by turns, one round at the candidate above home (its tau paired with home's, its
+  cost) or at the stalest-costed candidate below home within :data:`REFRESH` (15%) of the
+  best rate.  On simulated rounds with paired acceptance (tests/test_budget_paired.py: 128
+  prompts of 30 rounds, one policy) it gets 97-99% of the best fixed budget's rate on the
+  demo pair's costs, a CPU-like and a MoE-like curve, where v1 gets 93-96%; 84-92% where
+  each budget's first two rounds cost 50 ms more (no warm-up: every budget it tries runs
+  eagerly, then captures), v1 75-92%.
 """
 from __future__ import annotations
 
@@ -98,6 +101,8 @@ RECENT = 8       # a budget's cost: the median of its last RECENT rounds
 MIN_COST = 3
 SLACK = 0.01
 REFRESH = 0.15
+# v2: how far below the two nearest measured budgets' secant a narrower budget's cost may lie
+SECANT_MARGIN = 0.1
 # v2: the rounds its acceptance estimates remember (~4 of the demo row's prompts; 32 to 256
 # gave 97.7-98.0% of the best fixed rate on tests/test_budget_paired.py's simulated rows, so
 # the shorter memory, which follows a change of text sooner, costs little)
@@ -328,16 +333,23 @@ class AutoBudget:
             self.home = self.candidates[rated[self._rate[rated] >= (1 - self.slack) * top][-1]]
 
     def _cost_floor(self, i: int) -> float:
-        """The least candidate i's round can cost, from the measured ones: a narrower tree
-        costs no more (the nearest cheaper measured candidate's cost below it), and its cost
-        per node is no smaller (cost(b) >= cost(m) b / m for the nearest measured m above)."""
-        costed = self._costed_at
+        """The least candidate i's round can cost, from the measured ones: a wider tree
+        costs no less (the nearest measured candidate's cost below it); a narrower one no
+        less per node (cost(b) >= cost(m) b / m, m the nearest measured above), and, with two
+        measured above, saves per node no more than they differ per node, less
+        :data:`SECANT_MARGIN` (a round's fixed part, the draft and the launches, stays)."""
+        costed, b = self._costed_at, self.candidates[i]
         above = [j for j in costed if j > i]
-        if above:
-            j = above[0]
-            return float(self._cost[j]) * self.candidates[i] / self.candidates[j]
-        below = [j for j in costed if j < i]
-        return float(self._cost[below[-1]]) if below else 0.0
+        if not above:
+            below = [j for j in costed if j < i]
+            return float(self._cost[below[-1]]) if below else 0.0
+        m, c = self.candidates[above[0]], float(self._cost[above[0]])
+        floor = c * b / m
+        if len(above) > 1:
+            m2, c2 = self.candidates[above[1]], float(self._cost[above[1]])
+            slope = max(c2 - c, 0.0) / (m2 - m)
+            floor = max(floor, (1 - SECANT_MARGIN) * (c - slope * (m - b)))
+        return floor
 
     def _plausible(self, i: int, best_rate: float) -> bool:
         """Whether candidate i (no cost yet) could beat ``best_rate``: its acceptance over its
