@@ -268,9 +268,13 @@ def test_the_engine_under_auto_v2_is_lossless(device_rounds, temperature):
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
     want = generate(target, prompts, 20, temperature=temperature, seed=2).tokens
     policy = AutoBudget(candidates=(2, 4, 8, 16), v2=True, reprobe=4)
+    be = target.backend
+    reads = be.reads
     res = generate(target, prompts, 20, method="ddtree", drafter=drafter, budget=policy,
                    device_rounds=device_rounds, temperature=temperature, seed=2)
     assert res.tokens == want
+    # the slots came in the rounds' own reads: the prefill's, then one a round
+    assert be.reads - reads == 1 + res.stats.rounds + res.stats.rounds_dropped
     assert sum(e.rounds for e in policy.est.values()) == res.stats.rounds
     # every round at b measured every candidate <= b: the smallest, every round
     assert policy.paired.weights[:, 0].sum() > 0 and len(set(res.stats.budgets)) >= 2
