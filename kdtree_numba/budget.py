@@ -34,6 +34,49 @@ With ``KDTREE_AUTO_V2=1`` (``runtime.current().auto_v2`` when the policy is made
   kind instead of 24, so the graphs a warm-up captured for every candidate are still there
   when the timed rounds probe them (a probe is then one replayed round, not an eager round
   and a capture).
+* **Paired tau.**  Per-round tau varies ~55% and prompts differ more than budgets do (the
+  demo pair's 8 / 16 / 32 are 3-7% apart), so means of each budget's own rounds, each on
+  other text, wander.  But the trees nest: the builder pops best-first, so the tree at
+  budget b is the first b nodes of the tree at any B >= b (k = min(b, V) changes nothing a
+  b-node tree can hold, as a node of rank r needs its r elder siblings, nor does a drafter
+  block cut to depth b, as a node at depth d needs its d - 1 ancestors; ties are broken by
+  rank path, the same in both).  A node's target token does not depend on the tree around
+  it (its logits see only its ancestors; at T > 0 it is drawn with the uniform of its
+  position, ``U_b[start + depth + 1]``, in every tree that holds it).  So the walk of a
+  round at B, truncated to the slots <= b, is exactly the walk the tree at b would have
+  made: the round's accepted slots (the tail of its one read:
+  ``reference.ddtree.pack_committed``; the engine passes them as ``observe(...,
+  paths=...)``) give every candidate b <= B its tokens on the same text, 1 + #{accepted
+  slots <= b}.  Exact at every temperature, up to float rounding of verifies of other widths
+  (as the lossless claim is); an estimate on the CPU path (the reference backend in
+  float32), where a budget under the drafter's block drafts with a block cut to it, whose
+  logits differ slightly.  :class:`PairedTau` keeps, per (budget run, budget measured),
+  sums that forget over ``horizon`` (:data:`HORIZON`, 128) rounds; a candidate's tau is its
+  mean over the rounds run at or above the budget the policy runs (the "home" budget), and
+  a candidate above home the home's times their paired ratio over the rounds run at or
+  above that candidate.  Rounds that give no slots (a caller's ``observe`` without
+  ``paths``) add their own tau alone, and the estimates fall back to each budget's own
+  mean.
+* **The choice.**  rate(b) = tau(b) / cost(b), cost the median of the steady rounds above,
+  trusted after :data:`MIN_COST` of them.  It runs ``start`` until it has a cost, then the
+  widest budget within ``slack`` (1%) of the best rate.  A budget without a cost is measured
+  (until it has one, one begun first, then the widest, as its rounds measure every budget
+  below it) only where it could win: its tau over a cost floor beats the best rate.  The
+  floor, from the measured budgets: a wider tree costs no less than the nearest measured
+  one below it; a narrower one no less per node than the nearest measured one above
+  (cost(b) >= cost(m) b / m), and, with two measured above, saves per node no more than
+  they differ per node, less :data:`SECANT_MARGIN` (10%).  Above every budget run, only the
+  next candidate, its tau bound the widest one's plus that one's last doubling's gain.  So
+  on the demo pair's machine 2 and 4 are ruled out without a round (or after three, where
+  the costs measured first leave them a chance), while where every node is dear (Kimi-K2's
+  experts) they win; the candidates are not cut for any one pair.  Every ``reprobe`` / 2
+  rounds, by turns, one round at the candidate above home (its tau paired with home's, its
+  cost) or at the stalest-costed candidate below home within :data:`REFRESH` (15%) of the
+  best rate.  On simulated rounds with paired acceptance (tests/test_budget_paired.py: 128
+  prompts of 30 rounds, one policy) it gets 97-99% of the best fixed budget's rate on the
+  demo pair's costs, a CPU-like and a MoE-like curve, where v1 gets 93-96%; 84-92% where
+  each budget's first two rounds cost 50 ms more (no warm-up: every budget it tries runs
+  eagerly, then captures), v1 75-92%.
 """
 from __future__ import annotations
 
@@ -41,15 +84,29 @@ import collections
 import dataclasses
 from statistics import median
 
+import numpy as np
+
 from kdtree_numba import runtime
 
-__all__ = ["AutoBudget", "BudgetEstimate", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
+__all__ = ["AutoBudget", "BudgetEstimate", "PairedTau", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
 
 DEFAULT_CANDIDATES = (2, 4, 8, 16, 32, 64, 128, 256)
 # a budget's rounds that may be slower than its steady state: the first (eager: compiles),
 # the second (the CUDA graph's capture)
 WARM_ROUNDS = 2
 RECENT = 8       # a budget's cost: the median of its last RECENT rounds
+# v2: a budget's steady rounds before its cost is trusted; the rate its run may give up for
+# the acceptance of every budget below it; how near the best rate a budget below the one run
+# must be to have its cost re-measured
+MIN_COST = 3
+SLACK = 0.01
+REFRESH = 0.15
+# v2: how far below the two nearest measured budgets' secant a narrower budget's cost may lie
+SECANT_MARGIN = 0.1
+# v2: the rounds its acceptance estimates remember (~4 of the demo row's prompts; 32 to 256
+# gave 97.7-98.0% of the best fixed rate on tests/test_budget_paired.py's simulated rows, so
+# the shorter memory, which follows a change of text sooner, costs little)
+HORIZON = 128.0
 
 
 @dataclasses.dataclass
@@ -98,13 +155,69 @@ class BudgetEstimate:
         return self.tau / c if c > 0 else 0.0
 
 
+class PairedTau:
+    """Acceptance per candidate budget from nested trees (module docstring, "Paired tau").
+
+    A round run at the candidate of index i adds, for every candidate j <= i, the tokens the
+    round would have committed at candidate j (its counterfactual acceptance; where the round
+    gave only its own tau, just that).  ``tau(anchor)`` then estimates every candidate's
+    acceptance on the same text: candidates up to ``anchor`` from the rounds run at or above
+    it (each of those rounds measured all of them), a candidate above it as the anchor's
+    estimate times the paired ratio of the two over the rounds run at or above that candidate.
+    Samples forget with a horizon of ``horizon`` rounds (weights growing by 1 / (1 - 1 /
+    horizon) a round, renormalised now and then)."""
+
+    def __init__(self, candidates, horizon: float = HORIZON):
+        self.candidates = tuple(candidates)
+        n = len(self.candidates)
+        # [L, j]: weighted sums of candidate j's acceptance over the rounds run at a
+        # candidate >= L, and their weights (kept cumulative: a round's add is one slice)
+        self.sums = np.zeros((n, n))
+        self.weights = np.zeros((n, n))
+        self.growth = 1.0 / (1.0 - 1.0 / float(horizon))
+        self.w = 1.0
+
+    def add(self, i: int, taus) -> None:
+        """A round run at candidate index ``i``: ``taus`` [i + 1] the acceptance it gave each
+        candidate up to it, or one float: its own only."""
+        self.w *= self.growth
+        if self.w > 1e100:                 # renormalise: only ratios of weights matter
+            self.sums /= self.w
+            self.weights /= self.w
+            self.w = 1.0
+        if np.ndim(taus) == 0:
+            self.sums[:i + 1, i] += self.w * float(taus)
+            self.weights[:i + 1, i] += self.w
+        else:
+            self.sums[:i + 1, :i + 1] += self.w * np.asarray(taus, np.float64)[None, :]
+            self.weights[:i + 1, :i + 1] += self.w
+
+    def tau(self, anchor: int) -> np.ndarray:
+        """[n] the estimated acceptance of every candidate, anchored at candidate index
+        ``anchor`` (NaN where no round measured it)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = self.sums / self.weights   # [L, j]: j's mean over the runs >= L
+            out = mean[anchor].copy()         # j <= anchor: the rounds run at >= anchor
+            diag = np.diagonal(mean)          # j's own mean over the runs >= j
+            ratio = diag / mean[:, anchor]    # j : anchor over the runs >= j
+        above = np.arange(len(out)) > anchor
+        out[above] = out[anchor] * ratio[above]
+        # no paired sample (nothing run at or above the anchor, or rounds that gave only their
+        # own tau): the candidate's own mean
+        return np.where(np.isfinite(out), out, diag)
+
+
 class AutoBudget:
     """Chooses each round's budget (module docstring).  ``next_budget()`` before a round,
-    ``observe(budget, seconds, tau, steady=None)`` after it; ``summary()`` for the stats.
-    ``v2``: ``KDTREE_AUTO_V2``'s steady costs (None: ``runtime.current().auto_v2``)."""
+    ``observe(budget, seconds, tau, steady=None, paths=None)`` after it; ``summary()`` for
+    the stats.  ``v2``: ``KDTREE_AUTO_V2``'s steady costs and paired acceptance (None:
+    ``runtime.current().auto_v2``); ``horizon`` (v2): the rounds its acceptance estimates
+    remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
+    largest such (it measures every smaller budget's acceptance at once)."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int = 32, reprobe: int = 16,
-                 decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None):
+                 decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None,
+                 horizon: float = HORIZON, slack: float = SLACK):
         cands = sorted({int(b) for b in candidates if int(b) >= 1 and
                         (max_budget is None or int(b) <= max_budget)})
         if not cands:
@@ -112,12 +225,27 @@ class AutoBudget:
                              f"{max_budget}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if not horizon > 1:
+            raise ValueError(f"horizon must be > 1 round, got {horizon}")
+        if not 0 <= slack < 1:
+            raise ValueError(f"slack must be in [0, 1), got {slack}")
         self.candidates = tuple(cands)
         self.start = min(cands, key=lambda b: (abs(b - start), b))
         self.reprobe, self.decay = int(reprobe), float(decay)
         self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
         self.est = {b: BudgetEstimate(b) for b in cands}
         self.round = 0
+        # v2: paired acceptance, the budget run between probes, the probes' alternation
+        self.index = {b: i for i, b in enumerate(cands)}
+        self._cands = np.array(cands, np.int64)
+        self.paired = PairedTau(cands, horizon)
+        self.slack = float(slack)
+        self.home = self.start
+        self._probe_up = False
+        self._tau = np.full(len(cands), np.nan)     # paired acceptance (v2)
+        self._cost = np.full(len(cands), np.nan)    # steady cost, once trusted (v2)
+        self._costed_at: list = []                  # the indices with one
+        self._rate = np.full(len(cands), np.nan)
 
     @property
     def max_budget(self) -> int:
@@ -132,12 +260,19 @@ class AutoBudget:
 
     def best(self) -> int:
         """The measured budget with the highest expected rate (the start before any)."""
+        if self.v2:
+            rated = np.flatnonzero(np.isfinite(self._rate))
+            if not len(rated):
+                return self.start
+            return self.candidates[max(rated, key=lambda i: (self._rate[i], i))]
         done = [b for b in self.candidates if self.est[b].timed]
         if not done:
             return self.start
         return max(done, key=lambda b: (self.est[b].rate(), -b))
 
     def next_budget(self) -> int:
+        if self.v2:
+            return self._next_v2()
         best = self.best()
         if not self._measured(best):
             return best
@@ -149,22 +284,141 @@ class AutoBudget:
         return best
 
     def observe(self, budget: int, seconds: float, tau: float,
-                steady: bool | None = None) -> None:
+                steady: bool | None = None, paths=None) -> None:
         """A round at ``budget`` took ``seconds`` and committed ``tau`` tokens a request;
         ``steady``: whether it replayed a CUDA graph (None: unknown; module docstring; v2
-        only, the v1 policy takes every round as of unknown steadiness)."""
+        only, the v1 policy takes every round as of unknown steadiness); ``paths`` (v2): the
+        slots of each running request's accepted nodes (increasing, root excluded:
+        ``reference.ddtree.accepted_slots``), from which every smaller candidate's
+        acceptance on this round follows (module docstring, "Paired tau"); None: only
+        ``tau``, for ``budget`` itself."""
         e = self.est[budget]
         e.add(seconds, steady if self.v2 else None)
         e.tau = float(tau) if e.rounds == 0 else (1 - self.decay) * e.tau + self.decay * tau
         e.rounds += 1
         e.last_round = self.round
         self.round += 1
+        if self.v2:
+            i = self.index[budget]
+            self.paired.add(i, float(tau) if paths is None else self.counterfactual(i, paths))
+            self._update_v2(i)
+
+    def counterfactual(self, i: int, paths) -> np.ndarray:
+        """[i + 1] the mean tokens a round's requests would have committed at each candidate
+        up to index ``i``: the accepted nodes among a candidate's first b slots, plus the
+        bonus token (``paths``: as in :meth:`observe`; exact where the trees nest: module
+        docstring)."""
+        budgets = self._cands[:i + 1]
+        total = np.zeros(i + 1)
+        for slots in paths:
+            total += np.searchsorted(np.asarray(slots), budgets, side="right")
+        return 1.0 + total / max(len(paths), 1)
+
+    # ---- v2: paired acceptance, steady costs (module docstring)
+    def _costed(self, i: int) -> bool:
+        return bool(np.isfinite(self._cost[i]))
+
+    def _update_v2(self, i: int) -> None:
+        """The estimates after a round at candidate i: its cost (once it has MIN_COST steady
+        rounds), every candidate's acceptance (anchored at the budget run between probes),
+        the rates of those with a cost, and that budget anew."""
+        e = self.est[self.candidates[i]]
+        self._cost[i] = max(e.cost(), 1e-12) if len(e.recent) >= MIN_COST else np.nan
+        self._tau = self.paired.tau(self.index[self.home])
+        self._rate = self._tau / self._cost          # NaN without a cost or an acceptance
+        self._costed_at = np.flatnonzero(np.isfinite(self._cost)).tolist()
+        rated = np.flatnonzero(np.isfinite(self._rate))
+        if len(rated):
+            top = self._rate[rated].max()
+            self.home = self.candidates[rated[self._rate[rated] >= (1 - self.slack) * top][-1]]
+
+    def _cost_floor(self, i: int) -> float:
+        """The least candidate i's round can cost, from the measured ones: a wider tree
+        costs no less (the nearest measured candidate's cost below it); a narrower one no
+        less per node (cost(b) >= cost(m) b / m, m the nearest measured above), and, with two
+        measured above, saves per node no more than they differ per node, less
+        :data:`SECANT_MARGIN` (a round's fixed part, the draft and the launches, stays)."""
+        costed, b = self._costed_at, self.candidates[i]
+        above = [j for j in costed if j > i]
+        if not above:
+            below = [j for j in costed if j < i]
+            return float(self._cost[below[-1]]) if below else 0.0
+        m, c = self.candidates[above[0]], float(self._cost[above[0]])
+        floor = c * b / m
+        if len(above) > 1:
+            m2, c2 = self.candidates[above[1]], float(self._cost[above[1]])
+            slope = max(c2 - c, 0.0) / (m2 - m)
+            floor = max(floor, (1 - SECANT_MARGIN) * (c - slope * (m - b)))
+        return floor
+
+    def _plausible(self, i: int, best_rate: float) -> bool:
+        """Whether candidate i (no cost yet) could beat ``best_rate``: its acceptance over its
+        cost floor.  Its acceptance: the paired estimate; where none (unpaired rounds) that
+        of the nearest wider candidate measured (a narrower tree accepts no more); above
+        every budget run, the widest one's plus its last doubling's gain (acceptance grows
+        less with each doubling), for the next candidate only (the others are reached by
+        climbing)."""
+        tau = self._tau[i]
+        if not np.isfinite(tau):
+            known = np.flatnonzero(np.isfinite(self._tau))
+            wider = known[known > i]
+            if len(wider):
+                tau = self._tau[wider[0]]
+            elif len(known) and i == known[-1] + 1:
+                top = known[-1]
+                gain = self._tau[top] - self._tau[top - 1] if top else np.inf
+                tau = self._tau[top] + (gain if np.isfinite(gain) else np.inf)
+            else:
+                return False
+        floor = self._cost_floor(i)
+        return floor <= 0 or tau / floor >= best_rate
+
+    def _next_v2(self) -> int:
+        h = self.index[self.home]
+        if not self._costed(h):            # first the budget it runs: the rates' baseline
+            return self.home
+        rates = self._rate[np.isfinite(self._rate)]
+        best_rate = float(rates.max()) if len(rates) else 0.0
+        # 1. a budget that could win but has no steady cost yet: measure it (one already
+        #    begun first, then the widest: its rounds measure the acceptance of all below it)
+        could = [i for i in range(len(self.candidates))
+                 if i not in self._costed_at and self._plausible(i, best_rate)]
+        if could:
+            # begun: it ran (an eager or capturing first round leaves no cost behind)
+            begun = [i for i in could if self.est[self.candidates[i]].rounds]
+            return self.candidates[(begun or could)[-1]]
+        # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
+        #    acceptance on the same text, and its cost), or the stalest cost below it that
+        #    is within REFRESH of the best rate (costs drift slowly: the context grows)
+        half = max(self.reprobe // 2, 1)
+        if self.reprobe and self.round % half == half - 1:
+            self._probe_up = not self._probe_up
+            if self._probe_up and h + 1 < len(self.candidates):
+                return self.candidates[h + 1]
+            near = [b for i, b in enumerate(self.candidates[:h])
+                    if np.isfinite(self._rate[i]) and self._rate[i] >= (1 - REFRESH) * best_rate]
+            if near:
+                return min(near, key=lambda b: self.est[b].last_round)
+        return self.home
 
     def summary(self) -> dict:
         """Per budget that ran: rounds, tau, cost (ms) and rate (None where no round of it was
-        timed: v2's unsteady rounds); and the best budget now."""
-        rows = {b: {"rounds": e.rounds, "tau": round(e.tau, 3),
+        timed: v2's unsteady rounds); and the best budget now.  v2: tau is the paired
+        estimate (module docstring), and ``paired_tau`` has it for every candidate a round
+        measured."""
+        def tau(b, e):
+            return float(self._tau[self.index[b]]) if self.v2 and np.isfinite(
+                self._tau[self.index[b]]) else e.tau
+
+        def rate(b, e):
+            return tau(b, e) / e.cost() if e.cost() > 0 else 0.0
+        rows = {b: {"rounds": e.rounds, "tau": round(tau(b, e), 3),
                     "round_ms": round(1e3 * e.cost(), 3) if e.timed else None,
-                    "tokens_per_s": round(e.rate(), 1) if e.timed else None}
+                    "tokens_per_s": round(rate(b, e), 1) if e.timed else None}
                 for b, e in self.est.items() if e.rounds}
-        return {"candidates": list(self.candidates), "best": self.best(), "per_budget": rows}
+        out = {"candidates": list(self.candidates), "best": self.best(), "per_budget": rows}
+        if self.v2:
+            out["paired_tau"] = {b: round(float(t), 3) for b, t in zip(self.candidates,
+                                                                       self._tau)
+                                 if np.isfinite(t)}
+        return out

@@ -431,7 +431,9 @@ def _run(argv: list[str]) -> int:
         per = stats.budget_auto["per_budget"]
         _log(prog, f"--budget auto: best {stats.budget_auto['best']}; rounds, tau and round "
              f"time per budget: " + ", ".join(
-                 f"{b}: {r['rounds']} x {r['tau']:.2f} in {r['round_ms']:.1f} ms"
+                 f"{b}: {r['rounds']} x {r['tau']:.2f} in " + (
+                     f"{r['round_ms']:.1f} ms" if r['round_ms'] is not None
+                     else "(no steady round)")
                  for b, r in per.items()))
     split = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stats.time.items() if v > 0)
     tau = f", mean tau {stats.mean_tau:.2f}" if args.method != "ar" else ""

@@ -181,9 +181,10 @@ class DeviceRounds:
         self.in_flight.append((self.be.read_later(packed), active.copy(), grow))
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for the oldest round in flight and return its packed committed tokens
-        [bs, 1 + L + 1] (host int32; ``reference.ddtree.pack_committed``) and the requests it
-        ran (its launch mask); the lengths it made are confirmed in the host mirrors."""
+        """Wait for the oldest round in flight and return its packed committed tokens and
+        accepted slots [bs, 2 (L + 1)] (host int32; ``reference.ddtree.pack_committed``) and
+        the requests it ran (its launch mask); the lengths it made are confirmed in the host
+        mirrors."""
         wait, active, _ = self.in_flight.pop(0)
         packed = np.asarray(wait())
         grow = np.where(active, packed[:, 0], 0).astype(np.int64)

@@ -74,7 +74,7 @@ from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, c
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from kdtree_numba.steps import tree_depth
-from reference.ddtree import Sampling
+from reference.ddtree import Sampling, accepted_slots
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table",
            "cache_slots", "runs_device_rounds"]
@@ -360,6 +360,14 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     stats.tau.append([int(packed[b, 0]) for b in np.flatnonzero(active)])
     for b in np.flatnonzero(active):
         req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
+    return packed, active
+
+
+def _paths(packed, rows) -> list:
+    """The accepted nodes' slots of the requests ``rows`` (host bools) from a round's packed
+    read: what ``--budget auto`` learns every smaller budget's acceptance from
+    (kdtree_numba/budget.py, "Paired tau"); no read of its own."""
+    return [accepted_slots(packed, b) for b in np.flatnonzero(rows)]
 
 
 def _replayed(before, after) -> bool | None:
@@ -431,7 +439,8 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             stats.tau.append([int(packed[b_, 0]) for b_ in np.flatnonzero(running)])
             stats.budgets.append(b)
             if policy:
-                policy.observe(b, cost, float(np.mean(stats.tau[-1])), steady=steady)
+                policy.observe(b, cost, float(np.mean(stats.tau[-1])), steady=steady,
+                               paths=_paths(packed, running))
             stats.rounds += 1
             for b in np.flatnonzero(running):
                 req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
@@ -631,9 +640,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 b = policy.next_budget() if policy else budget
                 before = model.graph_counts() if policy else None
                 t_round = time.perf_counter()
-                _ddtree_round(model, cache, drafter, req, b, sampling, table, timer, stats,
-                              k, needs, on_round, while_verifying=report_owed,
-                              draft_temperature=t_d, max_depth=max_depth)
+                packed, ran = _ddtree_round(
+                    model, cache, drafter, req, b, sampling, table, timer, stats, k, needs,
+                    on_round, while_verifying=report_owed, draft_temperature=t_d,
+                    max_depth=max_depth)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     after = model.graph_counts()
@@ -642,7 +652,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                     policy.observe(b, time.perf_counter() - t_round,
                                    float(np.mean(stats.tau[-1])),
                                    steady=None if before is None or after[0] == before[0]
-                                   else False)
+                                   else False, paths=_paths(packed, ran))
             stats.rounds += 1
             owed = True
         report_owed()

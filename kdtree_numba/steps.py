@@ -16,8 +16,8 @@ A DDTree round (docs/DDTREE.md for the kernels):
 * the verify forward (``Model.forward`` on the VerifyInput);
 * :meth:`~DeviceSteps.accept`: the target's choice at every node (argmax at T = 0, the
   uniforms ``U_b[start + depth + 1]`` at T > 0), the walk (``accept_greedy`` /
-  ``accept_sampled``) with the packing of acc_len and the committed tokens into one int32
-  array in the walk's launch (``reference.ddtree.pack_committed``), the round's one read
+  ``accept_sampled``) with the packing of acc_len, the committed tokens and the accepted
+  slots into one int32 array in the walk's launch (``reference.ddtree.pack_committed``), the round's one read
   (graph key "accept");
 * :meth:`~DeviceSteps.accepted_rows`: with a DFlash drafter, the verify's captured target
   features at the accepted nodes (graph key "accepted_rows"), the drafter's next context;
@@ -206,8 +206,9 @@ class DeviceSteps:
         over ``tree``: greedy at T = 0, else sampled (``sampling``: a Sampling or a bare
         temperature; top-p and top-k truncate every node's target distribution) with the
         uniforms ``table[b, start_b + depth + 1]`` (``table`` [bs, P] float64 on the device,
-        ``start`` [bs] int32).  ``packed`` [bs, 1 + L + 1] int32 holds acc_len and the
-        committed tokens (``reference.ddtree.pack_committed``): the one array the engine reads;
+        ``start`` [bs] int32).  ``packed`` [bs, 2 (L + 1)] int32 holds acc_len, the committed
+        tokens and the accepted nodes' slots (``reference.ddtree.pack_committed``): the one
+        array the engine reads;
         ``next_roots`` [bs] int32 the bonus tokens.  ``borrow``: as in :meth:`draft_tree`."""
         sampling = as_sampling(sampling)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
@@ -224,8 +225,9 @@ class DeviceSteps:
         (``drafting.Commit.tokens``: the first acc_len entries are the tokens whose KV the
         round committed, entry acc_len the bonus, the rest token 0).  Nothing is read."""
         xp = self.backend.xp
-        tokens = xp.concatenate([roots.astype(np.int32, copy=False)[:, None], packed[:, 1:]],
-                                axis=1)
+        width = packed.shape[1] // 2          # L + 1: the accepted slots follow the tokens
+        tokens = xp.concatenate([roots.astype(np.int32, copy=False)[:, None],
+                                 packed[:, 1:1 + width]], axis=1)
         return xp.maximum(tokens, 0)          # padding: token 0, a valid id
 
     def last_accepted(self, rows, acc_idx, acc_len):

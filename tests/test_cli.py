@@ -256,6 +256,23 @@ def test_budget_auto_runs_and_reports_its_choices(capsys):
     assert "--budget auto: best" in out.err
 
 
+def test_budget_auto_line_names_a_budget_without_a_steady_round(capsys, monkeypatch):
+    """KDTREE_AUTO_V2 keeps no cost of a budget whose rounds all ran eagerly or captured
+    (round_ms None): the line says so instead of failing to format it."""
+    from kdtree_numba.budget import AutoBudget
+    real = AutoBudget.summary
+
+    def summary(self):
+        out = real(self)
+        for row in out["per_budget"].values():
+            row["round_ms"] = row["tokens_per_s"] = None
+        return out
+    monkeypatch.setattr(AutoBudget, "summary", summary)
+    assert run_main(DD + ["--budget", "auto", "--max-new-tokens", "6"]) == 0
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "--budget auto: best" in ln]
+    assert len(line) == 1 and "(no steady round)" in line[0]
+
+
 def test_drafter_with_method_ar_is_a_warning(files, capsys):
     assert run_main(["--drafter", str(files / "tiny_drafter.kdtr"), "--max-new-tokens",
                      "2"]) == 0

@@ -326,12 +326,14 @@ def test_accept_greedy_walks_matching_children_until_the_first_mismatch(
     assert acc_idx.shape == (bs, n_rows + 1) and acc_idx.dtype == np.int32
     check_accepted_walk(tree, target, acc_idx, acc_len, nxt)
     # packed: acc_len, then what the round commits, which is the target's choice after the
-    # root and after each accepted node, then -1
-    assert packed.shape == (bs, n_rows + 2) and packed.dtype == np.int32
+    # root and after each accepted node, then -1; then the accepted nodes' slots, then -1
+    assert packed.shape == (bs, 2 * (n_rows + 1)) and packed.dtype == np.int32
     for b in range(bs):
         m = int(acc_len[b])
         want = [m] + [int(target[b, acc_idx[b, s]]) for s in range(m)] + [-1] * (n_rows + 1 - m)
-        assert packed[b].tolist() == want
+        slots = acc_idx[b, 1:m].tolist()
+        assert packed[b].tolist() == want + slots + [-1] * (n_rows + 1 - m)
+        assert ref.accepted_slots(packed, b).tolist() == slots
 
 
 def test_accept_greedy_follows_a_full_path():

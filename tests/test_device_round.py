@@ -222,11 +222,15 @@ class _CyclingBudget:
                 self.calls += 1
                 return cycle[(self.calls - 1) % len(cycle)]
 
-            def observe(self, budget, seconds, tau, steady=None):
+            def observe(self, budget, seconds, tau, steady=None, paths=None):
                 assert seconds >= 0 and tau >= 1
                 assert steady is None           # the simulator: no CUDA graphs
+                # the round's accepted slots, from its one read: tau of them, with the bonus
+                assert tau == np.mean([len(p) + 1 for p in paths])
+                assert all(0 < p[0] and np.all(np.diff(p) > 0) and p[-1] <= budget
+                           for p in paths if len(p))
                 self.seen.append(budget)
-                super().observe(budget, seconds, tau, steady)
+                super().observe(budget, seconds, tau, steady, paths)
         return Cycling()
 
 
@@ -319,8 +323,8 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
     policy = _CyclingBudget((3, 9, 1, 6))
     costs = []
     observe = policy.observe
-    policy.observe = lambda b, seconds, tau, steady=None: (costs.append((b, seconds)),
-                                                           observe(b, seconds, tau, steady))
+    policy.observe = lambda b, seconds, tau, steady=None, paths=None: (
+        costs.append((b, seconds)), observe(b, seconds, tau, steady, paths))
     res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
                    budget=policy, device_rounds=True)
     assert res.stats.rounds > 4 and len(set(res.stats.budgets)) == 4

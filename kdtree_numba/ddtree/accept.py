@@ -62,10 +62,13 @@ def _accept_kernel(max_steps: int):
             for s in range(1, length):
                 acc_idx[b, s] = found[s - 1]
                 packed[b, s] = token[b, found[s - 1]]
+                packed[b, max_steps + 1 + s] = found[s - 1]   # the accepted slots' tail
             acc_len[b] = length
             next_token[b] = nxt
             packed[b, length] = nxt
             for s in range(length + 1, max_steps + 2):
+                packed[b, s] = -1
+            for s in range(max_steps + 1 + length, 2 * max_steps + 2):
                 packed[b, s] = -1
 
     return accept
@@ -73,8 +76,8 @@ def _accept_kernel(max_steps: int):
 
 def accept_greedy(tree: DraftTree, target_tokens, pack: bool = False, *, stream=0, out=None):
     """GPU twin of ``reference.ddtree.accept_greedy``, bit-identical; ``pack``: the packed
-    committed tokens too, written by the same launch (a DDTree round's one read, where CuPy
-    glue took ten launches).  ``out``: optional (acc_idx, acc_len, next_token[, packed])
+    committed tokens and accepted slots too (``reference.ddtree.pack_committed``), written by
+    the same launch (a DDTree round's one read, where CuPy glue took ten launches).  ``out``: optional (acc_idx, acc_len, next_token[, packed])
     device arrays."""
     bs, budget, max_depth = check_tree(tree)
     check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu")
@@ -82,7 +85,7 @@ def accept_greedy(tree: DraftTree, target_tokens, pack: bool = False, *, stream=
     compat.require_kernels()
     d_tree = tree_on_device(tree, stream)
     specs = [("acc_idx", (bs, max_depth + 1), np.int32), ("acc_len", (bs,), np.int32),
-             ("next_token", (bs,), np.int32), ("packed", (bs, max_depth + 2), np.int32)]
+             ("next_token", (bs,), np.int32), ("packed", (bs, 2 * max_depth + 2), np.int32)]
     out = outputs(out, specs if out is None or len(out) == 4 else specs[:3], stream)
     if len(out) == 3:           # the caller's three arrays: the packing goes to a scratch one
         out += outputs(None, specs[3:], stream)

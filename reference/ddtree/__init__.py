@@ -23,7 +23,7 @@ checks.py     the argument checks both twins run (metadata only, so also on devi
 """
 from __future__ import annotations
 
-from .accept import accept_greedy, accept_sampled, pack_committed, sample_targets
+from .accept import accept_greedy, accept_sampled, accepted_slots, pack_committed, sample_targets
 from .build import build_tree
 from .checks import (cache_list, check_accepted, check_array, check_build_args,
                      check_compact_args, check_draft_temperature, check_int,
@@ -38,4 +38,4 @@ from .tree import DraftTree, VerifyInput
 __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_tree",
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
            "compact_kv_paged", "LP_ATOL", "LP_RTOL", "Sampling", "as_sampling", "kept_weights",
-           "inverse_cdf_sample", "pack_committed"]
+           "inverse_cdf_sample", "pack_committed", "accepted_slots"]

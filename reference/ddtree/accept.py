@@ -41,23 +41,35 @@ from .sampling import inverse_cdf_sample
 from .tree import DraftTree
 
 __all__ = ["accept_greedy", "sample_targets", "accept_sampled", "inverse_cdf_sample",
-           "pack_committed"]
+           "pack_committed", "accepted_slots"]
 
 
 def pack_committed(token, acc_idx, acc_len, next_token) -> np.ndarray:
-    """int32 [bs, 1 + (L + 1)] of a walk: column 0 acc_len m, columns 1..m the committed
+    """int32 [bs, 2 (L + 1)] of a walk: column 0 acc_len m, columns 1..m the committed
     tokens (the accepted nodes' ``token`` after the root, then ``next_token``, the bonus),
-    the rest -1.  A DDTree round's one host read (kdtree_numba/steps.py)."""
+    columns 1..L + 1 past them -1; then columns L + 2 .. L + m the accepted nodes' slots
+    ``acc_idx[1:m]`` (increasing: parents precede children), the rest -1.  A DDTree round's
+    one host read (kdtree_numba/steps.py); the slots are what ``--budget auto`` learns every
+    smaller budget's acceptance from (:func:`accepted_slots`, kdtree_numba/budget.py)."""
     token, acc_idx = np.asarray(token), np.asarray(acc_idx)
     acc_len, next_token = np.asarray(acc_len), np.asarray(next_token)
     bs, width = acc_idx.shape
-    packed = np.full((bs, 1 + width), -1, np.int32)
+    packed = np.full((bs, 2 * width), -1, np.int32)
     for b in range(bs):
         m = int(acc_len[b])
         packed[b, 0] = m
         packed[b, 1:m] = token[b, acc_idx[b, 1:m]]
         packed[b, m] = next_token[b]
+        packed[b, width + 1:width + m] = acc_idx[b, 1:m]
     return packed
+
+
+def accepted_slots(packed, b: int) -> np.ndarray:
+    """Request ``b``'s accepted nodes' slots (root excluded, increasing) from a
+    :func:`pack_committed` array (host)."""
+    width = packed.shape[1] // 2
+    m = int(packed[b, 0])
+    return packed[b, width + 1:width + m]
 
 
 def _walk(tree: DraftTree, bs: int, max_depth: int, target_at):
