@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ptx_check import HOPPER_PRELUDE
 
 from reference import attention as ref
 from reference.attention import tree_visible
@@ -110,3 +111,94 @@ def test_the_switch_picks_the_fused_plan_and_keys_graphs_apart(monkeypatch, need
     assert graphs.holds(("round", 16, 4))
     monkeypatch.setenv("KDTREE_FEWER_LAUNCHES", "0")
     assert not graphs.holds(("round", 16, 4))
+
+
+# ----------------------------------------------------------------------------- the GPU
+
+FUSED_PTX = r"""
+import dataclasses
+from kdtree_numba.attention import gpu_tile_config
+from kdtree_numba.attention.plan import bf16_tile_config
+from kdtree_numba.attention import bf16, ffma, mma
+f3, b3, f4 = T.float32[:, :, ::1], T.boolean[:, :, ::1], T.float32[:, :, :, ::1]
+for name, cfg, build in (("pipe16x2", gpu_tile_config(512, 64, "pipe16x2"), ffma.build_kernel),
+                         ("tf32x3", gpu_tile_config(512, 64, "tf32x3"), mma.build_kernel),
+                         ("bf16", bf16_tile_config(512, 64), bf16.build_kernel)):
+    kv = T.uint16[:, :, ::1] if name == "bf16" else f3
+    sig = (f3, f3, kv, kv, T.int32[::1], b3, T.float32, T.int64, T.int64, T.int64, T.boolean,
+           f3, f4, f4)
+    spills = []
+    for fused in (False, True):
+        ptx, _ = cuda.compile_ptx(build(dataclasses.replace(cfg, fused_merge=fused)).py_func,
+                                  sig, cc=(9, 0))
+        log = ptxas(ptx)
+        spills.append(sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)))
+        loads = ptx.count("ld.global.cg")
+        print(name, fused, "ld.global.cg", loads, "atom", ptx.count("atom.global.add.f32"),
+              "spill", spills[-1], flush=True)
+        assert (loads > 0) == fused and (ptx.count("atom.global.add.f32") > 0) == fused
+    # the merge runs after the main loop: it may not add spills to the loop's registers
+    assert spills[1] <= spills[0] + 16, (name, spills)
+print("assembled")
+"""
+
+
+@pytest.mark.slow      # six sm_90 compiles (minutes); skipped (exit 77) without NVVM
+@pytest.mark.compile_check(HOPPER_PRELUDE + FUSED_PTX, timeout=600)
+def test_the_fused_merge_kernels_compile_for_hopper():
+    """The three block kernels with the in-kernel merge compile for sm_90 and assemble: the
+    merge's L2 loads and its atomic count are there (and absent from the plain kernels), and
+    it adds at most 16 bytes of spills (nvJitLink; no GPU needed, but NVVM)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(HOPPER_PRELUDE + FUSED_PTX, timeout=600)
+    assert out.splitlines()[-1] == "assembled", out[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["tf32x3", "pipe16x2", "bf16"])
+@pytest.mark.parametrize("bs, n, prefix, invariant", [
+    (1, 1, [4000], True), (4, 1, [700, 129, 0, 2000], False), (2, 17, [1000, 130], True),
+    (1, 33, [300], False)])
+def test_gpu_fused_merge_gives_the_merge_kernels_bits(variant, bs, n, prefix, invariant):
+    """Kimi widths (H 64, r 512, dr 64) on the GPU, decodes and verifies (tree masks, causal),
+    batch-invariant plans (128-key splits: up to 32 splits) and modelled ones: the in-kernel
+    merge's outputs equal the merge kernel's bit for bit, over three calls of one plan (its
+    counters reset by each call) with other calls between them."""
+    import cupy
+    from kdtree_numba.attention import PlanCache, mla_attention
+    rng = np.random.default_rng(n + bs)
+    bf16 = variant == "bf16"
+    prob = _problem(rng, bs, n, 64, 512, 64, max(prefix) + n + 5, prefix, "tree", bf16=bf16)
+    prob["q_abs"] *= 0.05
+    prob = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in prob.items()}
+    plans = PlanCache()
+    kw = dict(batch_invariant=invariant, variant=None if bf16 else variant, plans=plans)
+    outs = {}
+    for round_ in range(3):
+        for fused in (False, True):
+            for causal in (False, True):
+                u = mla_attention(**prob, fused_merge=fused, causal=causal, **kw)
+                outs.setdefault((fused, causal), []).append(cupy.asnumpy(cupy.asarray(u)))
+    assert any(p.fused_merge for p in plans._plans.values())   # several splits were merged
+    for causal in (False, True):
+        want = outs[(False, causal)][0]
+        for got in outs[(True, causal)] + outs[(False, causal)]:
+            assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_fewer_launches_give_the_same_rounds(monkeypatch, temperature):
+    """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
+    switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's context
+    and the target's cache the same bits, the last run replaying graphs."""
+    from kdtree_numba.engine import generate
+    from test_demo_pair import heldout_ids
+    from test_lean_round import assert_same_rounds, demo_pair, demo_runs
+    model, drafter = demo_pair()
+    for budget in (8, 16):
+        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_FEWER_LAUNCHES", ("0", "1", "1"),
+                         budget, temperature)
+        assert_same_rounds(runs)
+        if temperature == 0:
+            assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens

@@ -137,8 +137,8 @@ def build_kernel(cfg: Bf16TileConfig):
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
-    if FUSED_MERGE:
-        merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL)
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
     CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile

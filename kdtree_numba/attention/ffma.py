@@ -94,8 +94,8 @@ def build_kernel(cfg: TileConfig):
     copy_keys = row_tile_copier(cfg, N)
     copy_queries = row_tile_copier(cfg, M)
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
-    if FUSED_MERGE:
-        merge = merge_when_last(cfg.r, M, T, CAUSAL)
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, T, CAUSAL) if FUSED_MERGE else None
 
     QSTEP = 4 * KSP                       # floats between a lane's column quads
 

@@ -105,8 +105,8 @@ def build_kernel(cfg: MmaTileConfig):
     FP32_SUMS = cfg.fp32_sums
     CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
-    if FUSED_MERGE:
-        merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL)
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
     # score chunks per fp32 fold: 3 (chains of 12 k-steps: about the accuracy of folding
     # every chunk with a third of the adds); all chunks without fp32 sums
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
