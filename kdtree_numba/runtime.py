@@ -29,7 +29,8 @@ Two kinds of switch:
   fewer launches in the small forwards (``KDTREE_FEWER_LAUNCHES=1``, off until a GPU run
   validates it: attention's key splits merged by the block kernel's last block instead of a
   merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
-  the same bits),
+  a captured layer's residual sum written into the features by its norm, no concatenation,
+  kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
   ``--budget auto``'s second policy (``KDTREE_AUTO_V2=1``, off until a GPU run measures it:
   only rounds that replayed a CUDA graph timed, kdtree_numba/budget.py, and room for a round
   graph per candidate in every cache pair, kdtree_numba/graphs.py), the on-disk kernel cache

@@ -6,7 +6,9 @@ Attention's key splits merged by the block kernel's last block of each row tile
 for bit, on the FFMA kernel and the bf16 one, with causal and tree masks, rows whose keys end
 before the last split, splits past a request's keys (never written, never read: the partial
 buffers start as NaN), and over repeated calls (the arrival counters go back to zero).  The
-tensor-core (tf32x3) kernel runs only on a GPU: tests/test_attention_gpu.py's twin."""
+tensor-core (tf32x3) kernel runs only on a GPU: the GPU twins below.  The engine under the
+switch (DDTree = AR, the same bits, the launches it removes: the merges, and the features'
+concatenation a verify made) is tests/test_lean_round.py's launch-count test."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,6 +92,26 @@ def test_the_bf16_kernels_last_block_merges_with_the_merge_kernels_bits(needs_ke
     want = _call(separate, prob, False)
     assert _call(fused, prob, False).tobytes() == want.tobytes()
     assert (fused.part_ml.copy_to_host()[:, 2, 0, 0] == 0).all()
+
+
+def test_add_rmsnorm_writes_its_sum_into_a_column_block_of_the_features(needs_kernels):
+    """A captured layer's norm under the switch: s written into columns [D, 2D) of a wider
+    array (a host one, as the simulator's model has, and a device one, as a GPU's), the same
+    bits as a fresh s, the other columns untouched."""
+    from kdtree_numba.compat import to_device
+    from kdtree_numba.layers import add_rmsnorm
+    rng = np.random.default_rng(14)
+    x, delta = (rng.standard_normal((3, 40)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(40).astype(np.float32)
+    s, y = (np.array(a.copy_to_host()) for a in add_rmsnorm(x, delta, w, 1e-6))
+    for on_device in (False, True):
+        features = np.full((3, 120), 7.0, np.float32)
+        into = to_device(features) if on_device else features
+        s2, y2 = add_rmsnorm(x, delta, w, 1e-6, sum_out=into[:, 40:80])
+        got = into.copy_to_host() if on_device else into
+        assert got[:, 40:80].tobytes() == s.tobytes() == s2.copy_to_host().tobytes()
+        assert (got[:, :40] == 7).all() and (got[:, 80:] == 7).all()
+        assert y2.copy_to_host().tobytes() == y.tobytes()
 
 
 def test_the_switch_picks_the_fused_plan_and_keys_graphs_apart(monkeypatch, needs_kernels):
@@ -192,13 +214,5 @@ def test_gpu_fewer_launches_give_the_same_rounds(monkeypatch, temperature):
     """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's context
     and the target's cache the same bits, the last run replaying graphs."""
-    from kdtree_numba.engine import generate
-    from test_demo_pair import heldout_ids
-    from test_lean_round import assert_same_rounds, demo_pair, demo_runs
-    model, drafter = demo_pair()
-    for budget in (8, 16):
-        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_FEWER_LAUNCHES", ("0", "1", "1"),
-                         budget, temperature)
-        assert_same_rounds(runs)
-        if temperature == 0:
-            assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens
+    from test_lean_round import switch_keeps_the_rounds
+    switch_keeps_the_rounds(monkeypatch, "KDTREE_FEWER_LAUNCHES", temperature)

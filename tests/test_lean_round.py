@@ -89,10 +89,13 @@ def test_the_lean_round_gives_the_same_bits_with_fewer_launches(monkeypatch, nee
     # KDTREE_FEWER_LAUNCHES (tests/test_fewer_launches.py): the round's two attention plans
     # with more than one key split, each called by both layers, merge their splits in the
     # block kernel; each plan's arrival counters are zeroed by one launch on its first call
-    # (inside a CUDA graph's capture: once per replay).  The AR step's plan has one split.
+    # (inside a CUDA graph's capture: once per replay).  The verify's captured layers (0 and
+    # 1) write their residual sums into the features, no concatenation.  The AR step's plan
+    # has one split, and it captures no layers.
     assert _difference(on[0], fewer[0]) == collections.Counter({
         "attention.mla.MlaAttentionPlan.__call__: kernel mla.merge_splits": 4,
-        "attention.mla.MlaAttentionPlan.__call__: kernel mla._zero_counters": -2})
+        "attention.mla.MlaAttentionPlan.__call__: kernel mla._zero_counters": -2,
+        "model.Model._compute: concatenate": 2})
     assert _difference(on[1], fewer[1]) == collections.Counter()
     # a round: three forwards' slots, three dense FFNs (the target's, the drafter's two),
     # and the round's own glue; an AR step: one forward's slots, one dense FFN
@@ -187,12 +190,18 @@ def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature
     """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's
     context and the target's cache the same bits."""
+    switch_keeps_the_rounds(monkeypatch, "KDTREE_LEAN_ROUND", temperature)
+
+
+def switch_keeps_the_rounds(monkeypatch, variable, temperature):
+    """The demo pair's device rounds at budgets 8 and 16 with ``variable`` off, on, on:
+    assert_same_rounds, and at T = 0 AR's tokens (AR run with the switch on)."""
     from kdtree_numba.engine import generate
     from test_demo_pair import heldout_ids
     model, drafter = demo_pair()
     for budget in (8, 16):
-        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_LEAN_ROUND", ("0", "1", "1"),
-                         budget, temperature)
+        runs = demo_runs(monkeypatch, model, drafter, variable, ("0", "1", "1"), budget,
+                         temperature)
         assert_same_rounds(runs)
         if temperature == 0:
             assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens
