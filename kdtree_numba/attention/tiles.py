@@ -252,7 +252,8 @@ def merge_when_last(r: int, rows: int, threads: int, causal: bool):
     def merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid):
         splits = cuda.gridDim.y
         tile = row0 // rows
-        cuda.threadfence()      # this thread's partials reach L2 before the block's count
+        cuda.threadfence()      # every thread's partials reach L2 (fenced) ...
+        cuda.syncthreads()      # ... before thread 0 counts the block
         last = 0
         if tid == 0:
             arrived = cuda.atomic.add(part_ml, (b, splits, tile, 0), ONE)
