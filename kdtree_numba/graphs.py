@@ -192,13 +192,15 @@ class GraphCache:
     @staticmethod
     def stored_key(key) -> tuple:
         """The key a graph of ``key`` is held under now: the lean round's glue
-        (``KDTREE_LEAN_ROUND``) is other work than the full glue's, and the MoE's chunk grid
-        (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, so never a
+        (``KDTREE_LEAN_ROUND``) is other work than the full glue's, the MoE's chunk grid
+        (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, and the fused
+        launches (``KDTREE_FEWER_LAUNCHES``) other kernels than the separate ones, so never a
         graph of the other one (the same bits either way, but a process that flips a switch
         to time it must run what it asked for)."""
         now = runtime.current()
         return key + (() if now.lean_round else ("full_glue",)) + (
-            () if now.moe_chunk_grid else ("one_chunk_grid",))
+            () if now.moe_chunk_grid else ("one_chunk_grid",)) + (
+            ("fewer_launches",) if now.fewer_launches else ())
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

@@ -550,6 +550,14 @@ class Model(DeviceSteps):
             x = be.xp.ascontiguousarray(be.asarray(embeds).reshape(bs * n, cfg.hidden_size),
                                         dtype=np.float32)
         after = {}             # the residual stream after each captured layer
+        # KDTREE_FEWER_LAUNCHES: a captured layer's residual sum is written by its norm
+        # straight into its columns of the features (add_rmsnorm's sum_out), where a
+        # concatenation copied each (one launch per captured layer); the same values.  The
+        # numba ops only (the reference's add_rmsnorm has no sum_out).
+        D = cfg.hidden_size
+        features = (be.xp.empty((bs * n, len(capture) * D), np.float32)
+                    if capture and be.name == "numba" and runtime.current().fewer_launches
+                    and len(set(capture)) == len(capture) else None)
         eps = cfg.rms_norm_eps
         h = ops.rmsnorm(x, self.layers[0].input_norm, eps)   # config: >= 1 layer
         # each residual add runs inside the norm that reads its sum (add_rmsnorm): the next
@@ -559,7 +567,11 @@ class Model(DeviceSteps):
             attn = self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
                                    batch.causal, batch.prefill)
             x, h = ops.add_rmsnorm(x, attn, lw.post_norm, eps)
-            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill), next_norm, eps)
+            into = {}
+            if features is not None and layer in capture:
+                i = capture.index(layer)
+                into = dict(sum_out=features[:, i * D:(i + 1) * D])
+            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill), next_norm, eps, **into)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
         if batch.logit_span is not None:
@@ -577,7 +589,8 @@ class Model(DeviceSteps):
         if batch.return_hidden:
             out += (h.reshape(bs, n, -1),)
         if capture:
-            features = be.xp.concatenate([after[j] for j in capture], axis=1)
+            if features is None:
+                features = be.xp.concatenate([after[j] for j in capture], axis=1)
             out += (features.reshape(bs, n, len(capture) * cfg.hidden_size),)
         return out if len(out) > 1 else logits
 

@@ -26,6 +26,11 @@ Two kinds of switch:
   cut to fewer launches (index ranges and constants kept, copies the round does not need
   skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
   same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"),
+  fewer launches in the small forwards (``KDTREE_FEWER_LAUNCHES=1``, off until a GPU run
+  validates it: attention's key splits merged by the block kernel's last block instead of a
+  merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
+  a captured layer's residual sum written into the features by its norm, no concatenation,
+  kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
   ``--budget auto``'s second policy (``KDTREE_AUTO_V2=1``, off until a GPU run measures it:
   only rounds that replayed a CUDA graph timed, kdtree_numba/budget.py, and room for a round
   graph per candidate in every cache pair, kdtree_numba/graphs.py), the on-disk kernel cache
@@ -57,7 +62,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
-             "KDTREE_KERNEL_CACHE",
+             "KDTREE_FEWER_LAUNCHES", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -101,6 +106,7 @@ class RuntimeConfig:
     pad_prefills: bool = True
     lean_round: bool = True
     auto_v2: bool = False       # --budget auto's second policy (issue 36)
+    fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -133,6 +139,7 @@ class RuntimeConfig:
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
                    auto_v2=_flag(env, "KDTREE_AUTO_V2", False),
+                   fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -2,7 +2,8 @@
 DDTree round's glue cut to fewer launches with the same bits.  In the CUDA simulator, on a tiny
 pair with the demo pair's structure, the launches of one device round and of one AR step are
 counted by site (tests/launch_counter.py) with the switch off and on: the same tokens, the same
-cache contents and logits bit for bit, and exactly the launches the switch removes fewer.  The
+cache contents and logits bit for bit, and exactly the launches the switch removes fewer; and
+so with ``KDTREE_FEWER_LAUNCHES=1`` on top (its attention merges).  The
 GPU twins run the demo pair with CUDA graphs (docs/ENGINE.md, "Device rounds")."""
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidde
               moe_intermediate_size=8)
 
 
-def _run(monkeypatch, lean: bool):
+def _run(monkeypatch, lean: bool, fewer: bool = False):
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
+    monkeypatch.setenv("KDTREE_FEWER_LAUNCHES", "1" if fewer else "0")
     target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
     rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
     # the drafter's context after DDTree, the target's cache after AR, one more proposal's
@@ -79,9 +81,22 @@ def test_the_lean_round_gives_the_same_bits_with_fewer_launches(monkeypatch, nee
     with launch_counter.installed():
         off = _run(monkeypatch, False)
         on = _run(monkeypatch, True)
-    assert on[2] == off[2] == on[3] == off[3]              # DDTree's tokens, AR's tokens
-    for a, b in zip(on[4] + on[5], off[4] + off[5]):
+        fewer = _run(monkeypatch, True, fewer=True)
+    assert on[2] == off[2] == on[3] == off[3] == fewer[2] == fewer[3]  # DDTree's, AR's tokens
+    for a, b, c in zip(on[4] + on[5], off[4] + off[5], fewer[4] + fewer[5]):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        np.testing.assert_array_equal(c.view(np.uint8), b.view(np.uint8))
+    # KDTREE_FEWER_LAUNCHES (tests/test_fewer_launches.py): the round's two attention plans
+    # with more than one key split, each called by both layers, merge their splits in the
+    # block kernel; each plan's arrival counters are zeroed by one launch on its first call
+    # (inside a CUDA graph's capture: once per replay).  The verify's captured layers (0 and
+    # 1) write their residual sums into the features, no concatenation.  The AR step's plan
+    # has one split, and it captures no layers.
+    assert _difference(on[0], fewer[0]) == collections.Counter({
+        "attention.mla.MlaAttentionPlan.__call__: kernel mla.merge_splits": 4,
+        "attention.mla.MlaAttentionPlan.__call__: kernel mla._zero_counters": -2,
+        "model.Model._compute: concatenate": 2})
+    assert _difference(on[1], fewer[1]) == collections.Counter()
     # a round: three forwards' slots, three dense FFNs (the target's, the drafter's two),
     # and the round's own glue; an AR step: one forward's slots, one dense FFN
     assert _difference(off[0], on[0]) == expected_cut(3, True, 3)
@@ -175,12 +190,18 @@ def test_gpu_lean_rounds_give_the_default_rounds_tokens(monkeypatch, temperature
     """The demo pair on the GPU with CUDA graphs, device rounds at budgets 8 and 16, the
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's
     context and the target's cache the same bits."""
+    switch_keeps_the_rounds(monkeypatch, "KDTREE_LEAN_ROUND", temperature)
+
+
+def switch_keeps_the_rounds(monkeypatch, variable, temperature):
+    """The demo pair's device rounds at budgets 8 and 16 with ``variable`` off, on, on:
+    assert_same_rounds, and at T = 0 AR's tokens (AR run with the switch on)."""
     from kdtree_numba.engine import generate
     from test_demo_pair import heldout_ids
     model, drafter = demo_pair()
     for budget in (8, 16):
-        runs = demo_runs(monkeypatch, model, drafter, "KDTREE_LEAN_ROUND", ("0", "1", "1"),
-                         budget, temperature)
+        runs = demo_runs(monkeypatch, model, drafter, variable, ("0", "1", "1"), budget,
+                         temperature)
         assert_same_rounds(runs)
         if temperature == 0:
             assert runs[1][0].tokens == generate(model, heldout_ids(4), 64).tokens

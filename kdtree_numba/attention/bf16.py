@@ -44,7 +44,8 @@ from numba import float32, int32, uint32
 
 from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          block_row0, masked_score, seen_new_keys)
+                                          block_row0, masked_score, merge_when_last,
+                                          seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
@@ -135,6 +136,9 @@ def build_kernel(cfg: Bf16TileConfig):
     STAGES = cfg.stages
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
+    FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
     CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
@@ -424,5 +428,7 @@ def build_kernel(cfg: Bf16TileConfig):
                    kh, t, writes_ml)
         finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
                    kh, t, writes_ml)
+        if FUSED_MERGE:     # the blocks that ran keys count themselves; the last merges
+            merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_bf16

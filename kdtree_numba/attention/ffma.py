@@ -32,7 +32,8 @@ from numba import float32, int32
 
 from kdtree_numba.attention.plan import TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          block_row0, masked_score, row_tile_copier)
+                                          block_row0, masked_score, merge_when_last,
+                                          row_tile_copier)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
 from kdtree_numba.gpu.reduce import make_reduce_scatter, make_row_group_reducers
@@ -92,6 +93,9 @@ def build_kernel(cfg: TileConfig):
     reduce_scatter = make_reduce_scatter(SC, KL, SCR_OFF)
     copy_keys = row_tile_copier(cfg, N)
     copy_queries = row_tile_copier(cfg, M)
+    FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, T, CAUSAL) if FUSED_MERGE else None
 
     QSTEP = 4 * KSP                       # floats between a lane's column quads
 
@@ -303,5 +307,8 @@ def build_kernel(cfg: TileConfig):
                         else:
                             store_f32x4(part_o, (b, split, row0 + row, col), acc[x], acc[x + 1],
                                    acc[x + 2], acc[x + 3])
+        if FUSED_MERGE:
+            if has_keys:    # the blocks that ran keys count themselves; the last merges
+                merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_tiles

@@ -9,19 +9,20 @@ the partial outputs; :func:`mla_attention` keeps one plan per shape in its calle
 :class:`PlanCache` (a model owns one).  docs/ATTENTION.md has the design and the measured speed.
 
 Long prefixes are split across blocks (flash-decoding): each split writes its unnormalised
-partial output and (reference max, sum); :func:`_merge_kernel` combines them.  With one split
+partial output and (reference max, sum); :func:`_merge_kernel` combines them, or with
+``fused_merge`` (``KDTREE_FEWER_LAUNCHES=1``) the block kernel's last block of each row tile
+does (tiles.merge_when_last: one launch a call instead of two, the same bits).  With one split
 the block kernel normalises and writes ``u`` directly.
 """
 from kdtree_numba.compat import cuda, kernel, kernel_factory, to_device, SIMULATOR  # noqa: I001
 
 import collections
 import dataclasses
-import math
 from functools import lru_cache
 
 import numpy as np
 
-from kdtree_numba import compat
+from kdtree_numba import compat, runtime
 from kdtree_numba.attention.bf16 import build_kernel as build_bf16_kernel
 from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
@@ -29,8 +30,8 @@ from kdtree_numba.attention.plan import (BF16_VARIANT, INVARIANT_SPLIT_KEYS, Bf1
                                          MmaTileConfig, bf16_tile_config,
                                          choose_splits, mma_rows, resolve_variant,
                                          tile_config)
-from kdtree_numba.attention.tiles import NEG_INF, ONE, ZERO, splits_with_keys
-from kdtree_numba.gpu.memory import allow_large_shared_memory, load_f32x4, store_f32x4
+from kdtree_numba.attention.tiles import request_keys, split_merge, splits_with_keys
+from kdtree_numba.gpu.memory import allow_large_shared_memory
 from reference.attention import check_causal
 
 __all__ = ["mla_attention", "MlaAttentionPlan", "PlanCache", "clear_plan_cache"]
@@ -54,34 +55,29 @@ MERGE_THREADS = 128
 @kernel_factory
 def _merge_kernel(r: int):
     """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the
-    splits that hold keys of request b (tiles.splits_with_keys: the others wrote nothing)."""
+    splits that hold keys of request b (tiles.splits_with_keys: the others wrote nothing);
+    tiles.split_merge's arithmetic, which the in-kernel merge shares."""
     DV4 = r // 4
+    merge_quad = split_merge(False)
 
     @kernel
     def merge_splits(part_o, part_ml, prefix_len, n, heads, causal, chunk, all_splits, out):
         row, b = cuda.blockIdx.x, cuda.blockIdx.y
-        keys = prefix_len[b] + (row // heads + 1 if causal else n)
+        keys = request_keys(prefix_len[b], n, causal, row, heads)
         splits = splits_with_keys(keys, chunk, all_splits)
-        m_max = NEG_INF
-        for s in range(splits):
-            m_max = max(m_max, part_ml[b, s, row, 0])
-        m_safe = m_max if m_max > NEG_INF else ZERO
-        total = ZERO
-        for s in range(splits):
-            total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
-        scale = ONE / total if total > ZERO else ZERO
         for quad in range(cuda.threadIdx.x, DV4, cuda.blockDim.x):
-            y0 = y1 = y2 = y3 = ZERO
-            for s in range(splits):
-                w = math.exp(part_ml[b, s, row, 0] - m_safe)
-                x0, x1, x2, x3 = load_f32x4(part_o, (b, s, row, 4 * quad))
-                y0 += w * x0
-                y1 += w * x1
-                y2 += w * x2
-                y3 += w * x3
-            store_f32x4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
+            merge_quad(part_o, part_ml, out, b, row, quad, splits)
 
     return merge_splits
+
+
+@kernel
+def _zero_counters(part_ml, at):
+    """part_ml[:, at, :, 0] = 0: the arrival counters of the in-kernel merge (the plan's first
+    call; inside a CUDA graph's capture, each replay's: MlaAttentionPlan)."""
+    b = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, part_ml.shape[2], cuda.blockDim.x):
+        part_ml[b, at, i, 0] = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,11 +113,20 @@ class MlaAttentionPlan:
     attention.plan.mma_rows` picks the most that fill the GPU); the bits do not depend on it.
     ``bf16_cache``: ckv and kpe hold bf16 bit patterns (uint16); the plan runs the bf16
     kernel (bf16.py; ``variant`` must then be None or ``"bf16"``, the plan's variant).
+    ``fused_merge`` (``KDTREE_FEWER_LAUNCHES``): with more than one split, the block kernel's
+    last block of each row tile merges them (tiles.merge_when_last) where a second launch did:
+    the same bits.  Its arrival counters are ``part_ml[:, splits, tile, 0]`` (float32 counts,
+    so the kernel's argument types stay those of the plain one), set to zero by one small
+    launch on the plan's first call and back to zero by each call's merging blocks.  A plan
+    first called inside a CUDA graph's capture records that launch in the graph, so each
+    replay starts from zeros, whatever another graph wrote meanwhile into the memory its pool
+    shares (kdtree_numba/graphs.py): one launch a replay per such plan, where the merge kernel
+    took one per call.
     """
 
     def __init__(self, bs, n, heads, r, dr, max_len, *, max_keys=None, keys_per_split=None,
                  variant=None, batch_invariant=False, prefill=False, rows=None,
-                 bf16_cache=False, stream=0):
+                 bf16_cache=False, fused_merge=False, stream=0):
         compat.require_kernels()
         self.shape = (bs, n, heads, r, dr, max_len)
         self.bf16_cache = bool(bf16_cache)
@@ -161,14 +166,19 @@ class MlaAttentionPlan:
             raise ValueError(f"rows= picks a tensor-core block shape; variant {variant!r} "
                              f"has a fixed one")
         self.grid = (row_tiles, self.splits, bs)
+        self.fused_merge = bool(fused_merge) and self.splits > 1
+        self.counters_zeroed = not self.fused_merge
+        if self.fused_merge:
+            self.cfg = dataclasses.replace(self.cfg, fused_merge=True)
         self.attn = _attention_kernel(self.cfg)
         self.attn_causal = None     # the causal=True build, made on first use
-        self.merge = _merge_kernel(r) if self.splits > 1 else None
+        self.merge = _merge_kernel(r) if self.splits > 1 and not self.fused_merge else None
         if self.splits > 1:
             self.part_o = compat.device_empty((bs, self.splits, self.n_rows, r), np.float32,
                                               stream)
-            self.part_ml = compat.device_empty((bs, self.splits, self.n_rows, 2), np.float32,
-                                               stream)
+            # with the fused merge, one more "split": the row tiles' arrival counters
+            self.part_ml = compat.device_empty(
+                (bs, self.splits + self.fused_merge, self.n_rows, 2), np.float32, stream)
         else:  # unused by the kernel, but typed arguments must exist
             self.part_o = compat.device_empty((1, 1, 1, 4), np.float32, stream)
             self.part_ml = compat.device_empty((1, 1, 1, 2), np.float32, stream)
@@ -202,8 +212,11 @@ class MlaAttentionPlan:
             self.attn_causal = _attention_kernel(dataclasses.replace(self.cfg, causal=True))
         attn = self.attn_causal if causal else self.attn
         allow_large_shared_memory(attn, args, nbytes)
+        if not self.counters_zeroed:
+            _zero_counters[bs, 32, st](self.part_ml, np.int64(self.splits))
+            self.counters_zeroed = True
         attn[self.grid, self.cfg.threads, st, nbytes](*args)
-        if not direct:
+        if self.merge is not None:
             self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](
                 self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(heads),
                 bool(causal), np.int64(self.chunk), np.int64(self.splits), out3)
@@ -261,14 +274,15 @@ class PlanCache:
         return len(self._plans)
 
     def plan(self, shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
-             bf16_cache) -> "MlaAttentionPlan":
+             bf16_cache, fused_merge=False) -> "MlaAttentionPlan":
         key = (shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
-               bf16_cache)
+               bf16_cache, fused_merge)
         plan = self._plans.get(key)
         if plan is None:
             plan = MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
                                     variant=variant, batch_invariant=batch_invariant,
-                                    prefill=prefill, rows=rows, bf16_cache=bf16_cache)
+                                    prefill=prefill, rows=rows, bf16_cache=bf16_cache,
+                                    fused_merge=fused_merge)
             self._plans[key] = plan
             while len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
@@ -288,7 +302,8 @@ def clear_plan_cache() -> None:
 
 def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, max_keys=None,
                   keys_per_split=None, variant=None, batch_invariant=False, prefill=False,
-                  rows=None, causal=False, plans: PlanCache | None = None, stream=0):
+                  rows=None, causal=False, fused_merge=None, plans: PlanCache | None = None,
+                  stream=0):
     """Absorbed-MLA attention on the device; contract in reference/attention/mla.py.
 
     Inputs may be NumPy, numba device or CuPy arrays (float32; ``visible`` bool or uint8;
@@ -303,6 +318,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``batch_invariant`` (both: see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
+    ``fused_merge``: the key splits merged in the block kernel (see :class:`MlaAttentionPlan`;
+    None: ``KDTREE_FEWER_LAUNCHES``, kdtree_numba/runtime.py).
     ``plans``: the caller's :class:`PlanCache` (a model's; default: one for callers without).
     """
     bs, n, heads, r = q_abs.shape
@@ -311,8 +328,10 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
         max_keys = int(np.max(prefix_len)) + n if bs else n
     bf16_cache = np.dtype(ckv.dtype) == np.uint16
     invariant = bool(batch_invariant)
+    if fused_merge is None:
+        fused_merge = runtime.current().fewer_launches
     plan = (_UNOWNED if plans is None else plans).plan(
         shape, max_keys, keys_per_split, variant, invariant, invariant and bool(prefill), rows,
-        bf16_cache)
+        bf16_cache, bool(fused_merge))
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
                 causal=causal)

@@ -42,7 +42,8 @@ from numba import float32, uint32
 
 from kdtree_numba.attention.plan import MmaTileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          block_row0, masked_score, row_tile_copier)
+                                          block_row0, masked_score, merge_when_last,
+                                          row_tile_copier)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_all, load_f32x4, store_f32x4
 from kdtree_numba.gpu.tensorcore import mma_tf32_m16n8k8, split_tf32_fast
@@ -103,6 +104,9 @@ def build_kernel(cfg: MmaTileConfig):
     SN = 4 * NT                           # score accumulators per lane (one set)
     FP32_SUMS = cfg.fp32_sums
     CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
+    FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
     # score chunks per fp32 fold: 3 (chains of 12 k-steps: about the accuracy of folding
     # every chunk with a third of the adds); all chunks without fp32 sums
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
@@ -339,5 +343,7 @@ def build_kernel(cfg: MmaTileConfig):
                    kh * RH, t, writes_ml)
         finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
                    kh * RH, t, writes_ml)
+        if FUSED_MERGE:     # the blocks that ran keys count themselves; the last merges
+            merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_mma

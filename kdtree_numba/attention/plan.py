@@ -66,6 +66,7 @@ class TileConfig:
     score_pad: int = 8     # floats added to a score-tile row (rows + 8: conflict-free softmax)
     scratch: int = 0       # floats of shared scratch (the simulator's stand-in for shuffles)
     causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
+    fused_merge: bool = False  # the last split's block merges (tiles.merge_when_last)
 
     @property
     def d(self):           # key width r + dr
@@ -168,6 +169,7 @@ class MmaTileConfig:
     stages: int = 2
     fp32_sums: bool = False  # short mma chains added with FADD (mma.py's docstring)
     causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
+    fused_merge: bool = False  # the last split's block merges (tiles.merge_when_last)
 
     @property
     def d(self):
@@ -217,6 +219,7 @@ class Bf16TileConfig:
     keys: int = 32         # key slots per tile
     stages: int = 2
     causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
+    fused_merge: bool = False  # the last split's block merges (tiles.merge_when_last)
 
     @property
     def d(self):

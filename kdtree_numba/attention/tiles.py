@@ -9,14 +9,18 @@ docs/ATTENTION.md has the design.
 """
 from kdtree_numba.compat import SIMULATOR, cuda, device_function  # noqa: I001
 
+import math
+
 import numpy as np
 from numba import int32
 
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import MAX_SHARED_BYTES, cp_async16, cp_async_strided  # noqa: F401
+from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_strided,  # noqa: F401
+                                     load_f32x4, load_l2_f32, load_l2_f32x4, store_f32x4)
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
-           "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier"]
+           "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier",
+           "request_keys", "split_merge", "merge_when_last"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -27,6 +31,15 @@ RESCALE_SLACK = np.float32(8.0)  # online softmax: lag of the reference point be
 # ---------------------------------------------------------------------------------------------
 # Block geometry and masking, shared by the FFMA and the tensor-core kernels
 # ---------------------------------------------------------------------------------------------
+@inline_device_function
+def request_keys(prefix, n, causal, row, heads):
+    """The key slots a row (query * heads + head) of a request with ``prefix`` cached keys
+    may see: prefix + n, or with ``causal`` those up to its own query's."""
+    if causal:
+        return prefix + min(n - 1, row // heads) + 1
+    return prefix + n
+
+
 def block_keys(prefix_len, n, chunk, causal, last_row, heads):
     """(b, split, prefix, first, end) of this block (grid: row tiles x splits x requests):
     its request b, key split, the request's cached length, and the key slots [first, end):
@@ -37,9 +50,7 @@ def block_keys(prefix_len, n, chunk, causal, last_row, heads):
     row of the block, so skipping them changes no bit (a masked key adds exact zeros)."""
     split, b = cuda.blockIdx.y, cuda.blockIdx.z
     prefix = prefix_len[b]
-    keys = prefix + n
-    if causal:
-        keys = prefix + min(n - 1, last_row // heads) + 1
+    keys = request_keys(prefix, n, causal, last_row, heads)
     first = split * chunk
     end = min(first + chunk, keys)
     if split == cuda.gridDim.y - 1:
@@ -181,3 +192,83 @@ def row_tile_copier(cfg, rows: int):
                 cp_async16(smem, off + i * QS + 4 * (DV4 + quad), rope,
                            (b, min(first + i, limit - 1), 4 * quad), nbytes)
     return issue_any
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging the key splits: mla.py's merge kernel, or the block kernels' last block to finish
+# ---------------------------------------------------------------------------------------------
+@inline_device_function
+def _load(arr, idx):
+    return arr[idx]
+
+
+def split_merge(coherent: bool):
+    """``merge_quad(part_o, part_ml, out, b, row, quad, splits)``: columns 4 quad .. + 3 of
+    out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s) over the
+    row's first ``splits`` splits (the others hold none of its keys and wrote nothing).  The
+    one arithmetic of both merges (mla.py's kernel and :func:`merge_when_last`), so their
+    bits are equal.  ``coherent``: the partials are read from L2 (``ld.global.cg``), as a
+    block must read what other blocks of its own kernel wrote (gpu/memory.py)."""
+    load4 = load_l2_f32x4 if coherent else load_f32x4
+    load1 = load_l2_f32 if coherent else _load
+
+    @inline_device_function
+    def merge_quad(part_o, part_ml, out, b, row, quad, splits):
+        m_max = NEG_INF
+        for s in range(splits):
+            m_max = max(m_max, load1(part_ml, (b, s, row, 0)))
+        m_safe = m_max if m_max > NEG_INF else ZERO
+        total = ZERO
+        for s in range(splits):
+            total += math.exp(load1(part_ml, (b, s, row, 0)) - m_safe) * \
+                load1(part_ml, (b, s, row, 1))
+        scale = ONE / total if total > ZERO else ZERO
+        y0 = y1 = y2 = y3 = ZERO
+        for s in range(splits):
+            w = math.exp(load1(part_ml, (b, s, row, 0)) - m_safe)
+            x0, x1, x2, x3 = load4(part_o, (b, s, row, 4 * quad))
+            y0 += w * x0
+            y1 += w * x1
+            y2 += w * x2
+            y3 += w * x3
+        store_f32x4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
+    return merge_quad
+
+
+def merge_when_last(r: int, rows: int, threads: int, causal: bool):
+    """``merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)``, called
+    by every thread of a block kernel (``threads``, ``rows`` query-heads from row0) after it
+    wrote its split's partial output and (max, sum): the in-kernel merge of
+    ``KDTREE_FEWER_LAUNCHES`` (docs/ATTENTION.md, "Merging in the kernel").  Each block
+    fences its writes and counts itself in the arrival counter of its (row tile, request),
+    ``part_ml[b, splits, tile, 0]`` (a float32 count: exact, and the kernel keeps its
+    argument types); the block that arrives last -- of the splits that hold the tile's keys,
+    the ones that run -- merges every row of the tile with :func:`split_merge`'s arithmetic,
+    in split order, as mla.py's merge kernel would, and sets the counter back to 0 for the
+    next call (and the next replay of a CUDA graph).  Only blocks with keys may call it."""
+    DV4 = r // 4
+    merge_quad = split_merge(True)
+
+    def merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid):
+        splits = cuda.gridDim.y
+        tile = row0 // rows
+        cuda.threadfence()      # every thread's partials reach L2 (fenced) ...
+        cuda.syncthreads()      # ... before thread 0 counts the block
+        last = 0
+        if tid == 0:
+            arrived = cuda.atomic.add(part_ml, (b, splits, tile, 0), ONE)
+            running = splits_with_keys(request_keys(prefix, n, causal, row0 + rows - 1,
+                                                    heads), chunk, splits)
+            last = int32(arrived == running - 1)
+        if cuda.syncthreads_or(last):   # every other split's partials are in L2
+            cuda.threadfence()
+            for i in range(tid, rows * DV4, threads):
+                row = row0 + i // DV4
+                if row < n_rows:
+                    keys = request_keys(prefix, n, causal, row, heads)
+                    merge_quad(part_o, part_ml, out, b, row, i % DV4,
+                               splits_with_keys(keys, chunk, splits))
+            if tid == 0:
+                part_ml[b, splits, tile, 0] = ZERO
+    # device_function under the simulator for the reason of block_keys' comment
+    return device_function(merge) if SIMULATOR else inline_device_function(merge)

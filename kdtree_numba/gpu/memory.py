@@ -31,6 +31,10 @@ the one it was tuned with:
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
   the column): LLVM ``<4 x float>`` accesses with align 16 in the generic address space (NVVM
   turns them into ld/st.{shared,global}.v4.f32).
+* ``load_l2_f32x4`` / ``load_l2_f32`` (same indexing as ``load_f32x4``; one element):
+  ``ld.global.cg`` (cached in L2 only), never moved across a fence or barrier: what other
+  blocks of the running kernel wrote and fenced (attention's in-kernel merge of its key
+  splits, attention/tiles.py), which an L1 line filled earlier in the kernel could hide.
 
 Callers guarantee 16-byte alignment: every offset and stride used with them is a multiple of 4
 elements, and device allocations are 256-byte aligned.  Under the CUDA simulator each primitive
@@ -52,7 +56,7 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
            "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
-           "STATIC_SHARED_BYTES", "device_address"]
+           "STATIC_SHARED_BYTES", "device_address", "load_l2_f32x4", "load_l2_f32"]
 
 if SIMULATOR:
     _ZERO = np.float32(0.0)
@@ -96,6 +100,11 @@ if SIMULATOR:
             return (arr[head + (k,)], arr[head + (k + 1,)], arr[head + (k + 2,)],
                     arr[head + (k + 3,)])
         return arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3]
+
+    load_l2_f32x4 = load_f32x4    # the simulator has no caches to bypass
+
+    def load_l2_f32(arr, idx):
+        return arr[idx]
 
     def store_f32x4(arr, idx, x0, x1, x2, x3):
         if isinstance(idx, tuple):
@@ -327,6 +336,38 @@ else:
                 vec = builder.insert_element(vec, val, ir.Constant(ir.IntType(32), e))
             builder.store(vec, vptr, align=16)
         return types.void(arr, idx, x0, x1, x2, x3), codegen
+
+    def _make_load_l2(n):
+        """An intrinsic ``load(arr, idx)``: ``n`` (1 or 4) float32 from arr[idx] (idx an int or
+        a tuple, the column last) by one ``ld.global.cg`` (module docstring).  A side effect
+        with a memory clobber: LLVM must not hoist it above the fence, atomic and barrier
+        that say the data is there."""
+        @intrinsic
+        def load(typingctx, arr, idx):
+            _check_f32x4(arr, idx)      # a float32 array indexed by idx
+            ret = types.UniTuple(types.float32, 4) if n == 4 else types.float32
+
+            def codegen(context, builder, sig, args):
+                ptr = element_pointer(context, builder, sig.args[0], args[0], sig.args[1],
+                                      args[1])
+                f32 = ir.FloatType()
+                outs = ir.LiteralStructType([f32] * 4) if n == 4 else f32
+                regs = "{$0, $1, $2, $3}" if n == 4 else "$0"
+                vec = ".v4" if n == 4 else ""
+                asm = (f"{{\n\t.reg .u64 %l2g;\n\tcvta.to.global.u64 %l2g, ${n};\n\t"
+                       f"ld.global.cg{vec}.f32 {regs}, [%l2g];\n\t}}")
+                fnty = ir.FunctionType(outs, [ptr.type])
+                res = builder.call(ir.InlineAsm(fnty, asm, ",".join(["=f"] * n) +
+                                                ",l,~{memory}", side_effect=True), [ptr])
+                if n == 1:
+                    return res
+                return context.make_tuple(builder, ret,
+                                          [builder.extract_value(res, i) for i in range(4)])
+            return ret(arr, idx), codegen
+        return load
+
+    load_l2_f32x4 = _make_load_l2(4)
+    load_l2_f32 = _make_load_l2(1)
 
     @intrinsic
     def cp_async16(typingctx, dst, dst_idx, src, src_idx, nbytes):
