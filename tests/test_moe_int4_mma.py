@@ -26,6 +26,7 @@ from test_layers_gpu import cp, layers  # noqa: F401,F811 (the GPU test's fixtur
 from test_layers_mma import _warp_mma_emulation, bf16_bits
 from test_moe_mma import _record_work_lists, _routing_many_one_zero, moe_mma_bound
 from test_w4a16_gpu import D, E, TOP_K, expert_loader, kimi_experts, reference  # noqa: F401
+from w4a16_cases import bench_layers
 
 BF16 = ml_dtypes.bfloat16
 
@@ -278,6 +279,25 @@ def test_gpu_w4a16_mma_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatc
     assert run().tobytes() == got.tobytes()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [t[0] for t in bench_layers().INT4_MMA_TILES])
+def test_gpu_bench_tiles_give_the_picked_tiles_bits(cp, layers, kimi_experts, tile,
+                                                    monkeypatch):
+    """Kimi widths at 33 rows (several experts of many tokens, most of one or two): each
+    tile tools/bench_layers.py times beside int4_mma_config's (INT4_MMA_TILES, work list
+    on, as the bench runs them) gives the picked tile's bits.  Run it before the bench: a
+    tile that faulted there would end its CUDA context."""
+    from kdtree_numba.layers.moe_int4_mma import Int4MmaConfig
+    h, idx, wt = _kimi_routing(33, 24, 34)
+    kw = next(t[1] for t in bench_layers().INT4_MMA_TILES if t[0] == tile)
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
+
+    def run(cfg=None):
+        return cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts, method="mma",
+                                                    configs=cfg)))
+    assert run(Int4MmaConfig(**kw)).tobytes() == run().tobytes()
+
+
 # ------------------------------------------------------------------ sm_90 PTX, any machine
 
 PTX_SCRIPT = HOPPER_PRELUDE + r"""
@@ -366,10 +386,11 @@ def test_the_unpacking_ptx_sequence_equals_the_simulator_twin():
 # ------------------------------------------------------------------ the bench's variants
 
 VARIANTS_PTX_SCRIPT = HOPPER_PRELUDE + r"""
-import dataclasses, importlib.util
+import dataclasses
 from kdtree_numba.layers.moe import _expert_kernel
 from kdtree_numba.layers.moe_int4_mma import Int4MmaConfig, int4_mma_config, int4_mma_kernel
 from kdtree_numba.layers.moe_shapes import expert_config
+import importlib.util
 spec = importlib.util.spec_from_file_location("bench_layers", "tools/bench_layers.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)

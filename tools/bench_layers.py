@@ -703,7 +703,8 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
 def _bf16_decode_row(ctx, results, shared, decode):
     """The M = 1 call of bench_int4 with the 384 experts in bf16 (33.8 GB, a constant fill:
     the values do not change the time); sets the int4 row's ``vs_bf16``: this call's time
-    over the int4 call's."""
+    over the int4 call's, and the same on each M = 1 variant's row (the GEMV variants, the
+    tensor-core kernels), then prints them, fastest first."""
     cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
     n_experts, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "d", "inter"))
     h, idx, w, int4_row = decode
@@ -721,6 +722,12 @@ def _bf16_decode_row(ctx, results, shared, decode):
         print(f"\nint4 vs bf16 experts, one MoE layer's decode (M = 1): "
               f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
               f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
+        decode_rows = [r for r in results if r.get("section") == "int4" and r.get("M") == 1
+                       and "us" in r and r is not row]
+        for r in sorted(decode_rows, key=lambda r: r["us"]):
+            r["vs_bf16"] = t / (r["us"] * 1e-6)
+            print(f"  {r['variant']}: {r['us']:.1f} us, {r['roof_frac']:.2f} of the roof, "
+                  f"{r['vs_bf16']:.2f}x bf16", flush=True)
     except Exception as exc:   # noqa: BLE001 -- report and go on
         report_failure(results, "int4", "M=1 bf16 experts", exc)
     finally:
