@@ -241,17 +241,17 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
         wrows = cuda.local.array(nr, np.int32)
         xrows = cuda.local.array(mt, np.int32)
         acc = cuda.local.array(nacc, np.float32)
-        s_begin, s_end = offsets[e], offsets[e + 1]
         first = (at - a * spans) * span
-        if prefetch and s_begin < s_end:
+        if prefetch:    # as soon as the expert is known: before its token lists are read
             prefetch_tile(w3, s3, e, first * r_out, n_out)
+        s_begin, s_end = offsets[e], offsets[e + 1]
         if span == 1:
             run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, first * r_out, c, s_begin,
                      s_end, wrows, xrows, acc, red, scratch)
         else:
             last = min(first + span, tiles)
             for tile in range(first, last):
-                if prefetch and tile + 1 < last and s_begin < s_end:   # one tile ahead
+                if prefetch and tile + 1 < last:      # the next tile's rows, one tile ahead
                     prefetch_tile(w3, s3, e, (tile + 1) * r_out, n_out)
                 run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, tile * r_out, c,
                          s_begin, s_end, wrows, xrows, acc, red, scratch)
