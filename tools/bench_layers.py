@@ -44,7 +44,7 @@
   work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  At
   M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: L2 bulk
   prefetch, N tiles a block, chunks in flight, rows, threads), and "mma" / "mma work list"
-  on the same call.  < 6 min (each variant's kernels compile on first use).
+  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each variant's kernels compile on first use).
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
   and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,
@@ -123,7 +123,8 @@ INT4_MMA_TILES = (("16x64 4x256", dict(bk=256)), ("16x64 4x64", dict(bk=64)),
 # 2, capped at 144 registers: no spill), twice the rows (168 / 178 registers), twice or half
 # the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the thread
 # counts give the default's bits.  Then "mma" and "mma work list": the W4A16 tensor-core
-# kernels at M = 1 (int4_mma_config's tile; x rounded to bf16, the grouped bound).
+# kernels at M = 1 (int4_mma_config's tile, then INT4_MMA_DECODE_TILES; x rounded to bf16,
+# the grouped bound).
 INT4_GEMV_VARIANTS = (
     ("gemv prefetch", dict(prefetch=True), dict(prefetch=True)),
     ("gemv span 4", dict(span=4), dict(span=4)),
@@ -136,7 +137,11 @@ INT4_GEMV_VARIANTS = (
     ("gemv threads x2", dict(threads=128), dict(threads=64)),
     ("gemv threads x2 prefetch", dict(threads=128, prefetch=True),
      dict(threads=64, prefetch=True)),
-    ("gemv 32 threads prefetch", dict(threads=32, prefetch=True), dict(prefetch=True)))
+    ("gemv 32 threads prefetch", dict(threads=32, prefetch=True), dict(prefetch=True)),
+    ("gemv threads x2 prefetch span 4", dict(threads=128, prefetch=True, span=4),
+     dict(threads=64, prefetch=True, span=4)))
+# at M = 1 the tensor-core tile has 15 dead x rows of 16: its skip_dead_rows tiles there too
+INT4_MMA_DECODE_TILES = tuple(t for t in INT4_MMA_TILES if "skip dead" in t[0])
 INT4_GROUP = 32                # Kimi-K2's checkpoints
 INT4_BUDGET_S = 400.0         # (the variants' first compiles: ~2-4 s a kernel)
 DEMO_MOE = dict(n_experts=8, top_k=2, d=256, inter=128)        # docs/DEMO.md: the target's MoE
@@ -655,7 +660,7 @@ def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline)
         results.append(row)
         print_row(row)
     _int4_mma_rows(ctx, results, experts, shared, call, 1, "router", nbytes, used, deadline,
-                   tiles=())
+                   tiles=INT4_MMA_DECODE_TILES)
 
 
 def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used, deadline,
