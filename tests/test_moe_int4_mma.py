@@ -26,6 +26,7 @@ from test_layers_gpu import cp, layers  # noqa: F401,F811 (the GPU test's fixtur
 from test_layers_mma import _warp_mma_emulation, bf16_bits
 from test_moe_mma import _record_work_lists, _routing_many_one_zero, moe_mma_bound
 from test_w4a16_gpu import D, E, TOP_K, expert_loader, kimi_experts, reference  # noqa: F401
+from w4a16_cases import bench_layers
 
 BF16 = ml_dtypes.bfloat16
 
@@ -101,6 +102,31 @@ TINY_CASES = [   # (name, M, D, I, Is, routing (None: many/one/zero), group, Int
     ("two warps along N, tm 2, 2-ring", 20, 64, 64, 16, None, 32,
      dict(wn=2, tm=2, stages=2)),
 ]
+
+
+# rings the bench's variants use (tools/bench_layers.py, INT4_MMA_TILES) at simulator sizes:
+# 5 and 6 buffers wrapped (stages of one panel over K = 256: 8 stages), stages of 128 (the
+# default's) over a ragged K, 4 n8 tiles a warp, dead x rows zeroed once
+RING_CASES = [("6-ring of one-panel stages", dict(tn=4, bk=32, stages=6)),
+              ("5-ring, dead rows zeroed once", dict(tn=4, bk=32, stages=5,
+                                                     skip_dead_rows=True)),
+              ("stages of 128, 4 n8 tiles", dict(tn=4, bk=128, stages=4)),
+              ("dead rows zeroed once", dict(skip_dead_rows=True))]
+
+
+_RING_BASE = {}
+
+
+@pytest.mark.parametrize("name, cfg", RING_CASES, ids=[c[0] for c in RING_CASES])
+def test_tiny_rings_and_dead_rows_give_the_default_bits(name, cfg, emulated):
+    """Each variant ring within the bound and bit for bit the 3-ring of stages of 64 (every
+    output one chain in K order, whatever the tile and ring; a live row never skipped):
+    experts of 3 and 1 tokens (13 and 15 dead rows of 16), K = 224 (7 stages of one panel:
+    both rings wrap)."""
+    args = _case(31, 3, 224, 3, 32, [[0, 2], [2, 0], [2, 0]])
+    if "base" not in _RING_BASE:
+        _RING_BASE["base"] = _check(args, configs=_config()).tobytes()
+    assert _check(args, configs=_config(**cfg)).tobytes() == _RING_BASE["base"]
 
 
 @pytest.mark.parametrize("name, m, d, inter, s_inter, routing, group, cfg", TINY_CASES,
@@ -253,6 +279,25 @@ def test_gpu_w4a16_mma_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatc
     assert run().tobytes() == got.tobytes()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [t[0] for t in bench_layers().INT4_MMA_TILES])
+def test_gpu_bench_tiles_give_the_picked_tiles_bits(cp, layers, kimi_experts, tile,
+                                                    monkeypatch):
+    """Kimi widths at 33 rows (several experts of many tokens, most of one or two): each
+    tile tools/bench_layers.py times beside int4_mma_config's (INT4_MMA_TILES, work list
+    on, as the bench runs them) gives the picked tile's bits.  Run it before the bench: a
+    tile that faulted there would end its CUDA context."""
+    from kdtree_numba.layers.moe_int4_mma import Int4MmaConfig
+    h, idx, wt = _kimi_routing(33, 24, 34)
+    kw = next(t[1] for t in bench_layers().INT4_MMA_TILES if t[0] == tile)
+    monkeypatch.setenv("KDTREE_MOE_WORK_LIST", "1")
+
+    def run(cfg=None):
+        return cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts, method="mma",
+                                                    configs=cfg)))
+    assert run(Int4MmaConfig(**kw)).tobytes() == run().tobytes()
+
+
 # ------------------------------------------------------------------ sm_90 PTX, any machine
 
 PTX_SCRIPT = HOPPER_PRELUDE + r"""
@@ -336,3 +381,58 @@ def test_the_unpacking_ptx_sequence_equals_the_simulator_twin():
             p = lop3(p, bits._I4_MASK, bits._I4_MAGIC, bits._I4_LUT)
             got = fma_bf16x2(p, bits._BF16X2_ONE, bits._BF16X2_M136)
             assert got == int(twin(np.uint32(word), np.uint32(word >> 4))), (hex(word), i)
+
+
+# ------------------------------------------------------------------ the bench's variants
+
+VARIANTS_PTX_SCRIPT = HOPPER_PRELUDE + r"""
+import dataclasses
+from kdtree_numba.layers.moe import _expert_kernel
+from kdtree_numba.layers.moe_int4_mma import Int4MmaConfig, int4_mma_config, int4_mma_kernel
+from kdtree_numba.layers.moe_shapes import expert_config
+import importlib.util
+spec = importlib.util.spec_from_file_location("bench_layers", "tools/bench_layers.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+def assemble(name, fn, sig, cap=0):
+    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+    log = ptxas(ptx, cap)
+    regs = int(re.findall(r"Used (\d+) registers", log)[0])
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    print(name, "regs", regs, "spill", spill, "local", local, flush=True)
+    assert spill == 0 and local == 0, name
+    return ptx
+
+f2, u2, i1, i64 = T.float32[:, ::1], T.uint16[:, ::1], T.int32[::1], T.int64
+for name, kw in bench.INT4_MMA_TILES:
+    cfg = Int4MmaConfig(**kw)
+    for gate_up in (True, False):
+        out = T.uint32[:, ::1] if gate_up else f2
+        sig = (u2,) + (i1,) * 7 + (T.uint32[:, :, ::1], T.uint16[:, :, ::1], out) + (i64,) * 5
+        ptx = assemble(f"mma {name} {'gate_up' if gate_up else 'down'}",
+                       int4_mma_kernel(cfg, gate_up, True, 32), sig)
+        assert "cp.async.wait_group %d;" % (cfg.stages - 2) in ptx, "ring wait"
+d, inter = bench.MOE_SHAPE["d"], bench.MOE_SHAPE["inter"]
+sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2, i64, i64, i64)
+for name, gate_up_kw, down_kw in bench.INT4_GEMV_VARIANTS:
+    for gate_up, k_in, kw in ((True, d, gate_up_kw), (False, inter, down_kw)):
+        cfg = dataclasses.replace(expert_config(1, 8, 384, k_in, gate_up, True), **kw)
+        ptx = assemble(f"{name} {'gate_up' if gate_up else 'down'}",
+                       _expert_kernel(cfg, "i4", gate_up, 32), sig, cfg.max_registers)
+        assert ("cp.async.bulk.prefetch.L2.global" in ptx) == cfg.prefetch, "prefetch"
+print("assembled")
+"""
+
+
+@pytest.mark.slow
+def test_the_benchs_variant_kernels_assemble_for_hopper():
+    """Every W4A16 kernel tools/bench_layers.py --only int4 times beside the defaults (the
+    tensor-core tiles of INT4_MMA_TILES, the decode GEMV's INT4_GEMV_VARIANTS) compiles for
+    sm_90 and assembles without spills or local memory (a register cap where the variant
+    has one), the rings waiting on their own depth and the prefetch variants holding the
+    bulk L2 prefetch: so the GPU run measures them.  ~2 min."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(VARIANTS_PTX_SCRIPT, timeout=900)
+    assert "assembled" in out.splitlines()[-1], out[-3000:]

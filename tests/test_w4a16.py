@@ -96,6 +96,35 @@ def test_with_a_shared_expert_tensor_cores_keeps_a_rows_bits(layers):
     assert np.array_equal(one[0], got[-1])
 
 
+def _skinny_pair(**kw):
+    """(gate_up, down) SkinnyConfigs of the int4 expert kernels: one x row, 4 outputs (8
+    weight rows) a gate_up block, 8 a down block, 32 threads, and ``kw``."""
+    from kdtree_numba.layers.skinny import SkinnyConfig
+    kw = {"mt": 1, "threads": 32, "unroll": 1, **kw}
+    return SkinnyConfig(rows=4, **kw), SkinnyConfig(rows=8, **kw)
+
+
+def test_gemv_variants_give_the_default_bits(layers):
+    """The decode GEMV's bench variants (tools/bench_layers.py, "int4" M = 1): N tiles one
+    after another in a block (span 3 over 8 and 5 tiles: a short last span), the L2 bulk
+    prefetch of each tile's rows (alone and one tile ahead), two chunks in flight a row, a
+    register cap (the simulator ignores it): each gives the bits of the plain kernel of the
+    same threads (same products, same order), which is within the bound, as is moe_ffn's
+    own pick (rows do not move a bit either)."""
+    case = int4_case(np.random.default_rng(44), 1, 64, 5, 32, 2, 32)
+    ws = layers.Workspace()
+    base = run(layers, case, configs=_skinny_pair(), workspace=ws)
+    check(base, case)
+    assert np.array_equal(run(layers, case), base)
+    for kw in (dict(span=3), dict(prefetch=True), dict(prefetch=True, span=3),
+               dict(unroll=2, max_registers=144)):
+        for buf in ws._buffers.values():    # NaN where an output the variant skips stays
+            if np.dtype(buf.dtype).kind == "f":
+                buf.copy_to_device(np.full(buf.shape, np.nan, buf.dtype))
+        got = run(layers, case, configs=_skinny_pair(**kw), workspace=ws)
+        assert np.array_equal(got, base), kw
+
+
 def test_int4_experts_refuse_what_the_kernels_do_not_take(layers):
     rng = np.random.default_rng(42)
     h, idx, wt, gu, dn, _, _ = int4_case(rng, 2, 32, 4, 16, 2, 16, shared=False)

@@ -20,7 +20,7 @@ import pytest
 import reference.layers as ref
 from formats.int4_group import Int4GroupWeight
 from test_layers_gpu import cp, layers  # noqa: F401 (the fixtures)
-from w4a16_cases import moe_bound
+from w4a16_cases import bench_layers, moe_bound
 
 pytestmark = pytest.mark.gpu
 D, IM, E, TOP_K, G = 7168, 2048, 384, 8, 32
@@ -104,6 +104,37 @@ def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool):
     alone = cp.asnumpy(cp.asarray(layers.moe_ffn(h[-1:], idx[-1:], wt[-1:], *kimi_experts,
                                                  method="tensor-cores")))
     assert np.array_equal(alone[0], got[-1])
+
+
+@pytest.mark.parametrize("variant", [v[0] for v in bench_layers().INT4_GEMV_VARIANTS])
+def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
+    """One token at Kimi widths through each decode-GEMV variant tools/bench_layers.py times
+    (INT4_GEMV_VARIANTS): the default's bits where the variant keeps its threads (same
+    products, same order), else within the bound of the float64 reference.  Run it before
+    the bench: a variant that faulted there (the L2 bulk prefetch is real only on a GPU)
+    would end the bench's CUDA context and every row after it."""
+    import dataclasses
+    from kdtree_numba.layers.moe_shapes import expert_config
+    rng = np.random.default_rng(7)
+    idx = np.sort(rng.choice(E, TOP_K, replace=False))[None].astype(np.int32)
+    wt = rng.uniform(0.05, 0.5, (1, TOP_K)).astype(np.float32)
+    h = rng.standard_normal((1, D)).astype(np.float32)
+    _, gate_up_kw, down_kw = next(v for v in bench_layers().INT4_GEMV_VARIANTS
+                                  if v[0] == variant)
+    picked = (expert_config(1, TOP_K, E, D, True, True),
+              expert_config(1, TOP_K, E, IM, False, True))
+    pair = (dataclasses.replace(picked[0], **gate_up_kw),
+            dataclasses.replace(picked[1], **down_kw))
+
+    def run(**kw):
+        return cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts, **kw)))
+    got = run(configs=pair)
+    if all(p.threads == c.threads for p, c in zip(picked, pair)):
+        assert np.array_equal(got, run())
+    else:
+        want, bound = reference(cp, h, idx, wt, *kimi_experts)
+        assert np.all(np.abs(got - want) <= bound)
+        assert np.abs(want).max() > 1e-2
 
 
 def test_model_holds_int4_experts_packed_on_the_device(cp):

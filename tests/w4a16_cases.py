@@ -14,6 +14,10 @@ The bound (first order in the unit roundoff u = 2^-24; the kernels accumulate in
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 
@@ -71,3 +75,14 @@ def int4_case(rng, m, d, n_experts, inter, top_k, group, shared=True):
         s = rng.uniform(0.04, 0.1, shape[:-1] + (shape[-1] // group,)).astype(BF16)
         return Int4GroupWeight.from_values(q, s, group)
     return h, idx, wt, weight((n_experts, 2 * inter, d)), weight((n_experts, d, inter)), sgu, sdn
+
+
+@functools.cache
+def bench_layers():
+    """tools/bench_layers.py as a module: the variant tables its int4 section times
+    (INT4_GEMV_VARIANTS, INT4_MMA_TILES), which the tests run before a GPU run times them."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_layers.py"
+    spec = importlib.util.spec_from_file_location("bench_layers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

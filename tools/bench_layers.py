@@ -4,7 +4,7 @@
     python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope]
     python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
     python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
-    python3 tools/bench_layers.py --only int4     (the W4A16 MoE vs bf16 experts, < 90 s)
+    python3 tools/bench_layers.py --only int4     (the W4A16 MoE vs bf16 experts, < 6 min)
     python3 tools/bench_layers.py --only moe_chunk (the MoE chunk grid at the demo's widths)
 
 * linear, M = 1, 8 (skinny kernel) and 65 (tiled kernel: the DDTree verify width) at
@@ -41,7 +41,10 @@
   is (goal >= 2.3x; the bytes roof's ratio 2.77x).  At M = 33 and 65 also the W4A16
   tensor-core kernels (moe_ffn(method="mma"), layers/moe_int4_mma.py; goal >= 0.6 of the same
   bytes roof, the FLOP roof at 989 TFLOP/s): "mma" (int4_mma_config's tile, full grid), "mma
-  work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  < 3 min.
+  work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  At
+  M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: L2 bulk
+  prefetch, N tiles a block, chunks in flight, rows, threads), and "mma" / "mma work list"
+  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each variant's kernels compile on first use).
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
   and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,
@@ -96,12 +99,51 @@ MOE_MMA_MS = (1, 9, 33, 65, 257)
 MOE_MMA_BUDGET_S = 80.0
 INT4_MS = (1, 33, 65)
 INT4_MMA_MS = (33, 65)          # the W4A16 tensor-core rows (moe_ffn(method="mma"))
-# the other tiles they time (work list on), beside int4_mma_config's: 128 columns (half the
-# x re-reads), stages of 128 (6 blocks an SM), 4 warps along N of 4 n8 tiles in 3 stages
-INT4_MMA_TILES = (("16x128 3x256", dict(tn=4, stages=3)), ("16x64 4x128", dict(bk=128)),
-                  ("16x64 3x512", dict(bk=512, stages=3)))
+# the other tiles they time (work list on), beside int4_mma_config's (16 x 64 in 4 stages of
+# 128 since run 152, where it beat 16x64 4x256, 16x128 3x256 and 16x64 3x512 in every row):
+# the old default (the reference to run 152), stages of 64 (12 blocks an SM), 5 and 6 stages
+# of 128 (more bytes in flight a block), 128 columns (half the x re-reads per weight byte),
+# 2 and 8 warps along N, and the dead x rows of a tile (15 of 16 at a token an expert)
+# zeroed once instead of zero-filled by a cp.async every stage
+INT4_MMA_TILES = (("16x64 4x256", dict(bk=256)), ("16x64 4x64", dict(bk=64)),
+                  ("16x64 5x128", dict(bk=128, stages=5)),
+                  ("16x64 6x128", dict(bk=128, stages=6)),
+                  ("16x128 4x128", dict(tn=4, bk=128)),
+                  ("16x32 4x128 2 warps", dict(wn=2, bk=128)),
+                  ("16x128 4x128 8 warps", dict(wn=8, bk=128)),
+                  ("16x64 4x128 skip dead", dict(bk=128, skip_dead_rows=True)),
+                  ("16x128 4x128 skip dead", dict(tn=4, bk=128, skip_dead_rows=True)),
+                  ("16x64 6x128 skip dead", dict(bk=128, stages=6, skip_dead_rows=True)))
+# the M = 1 decode GEMV's variants (moe_ffn's int4 weight-streaming kernels, configs = the
+# (gate_up, down) SkinnyConfigs of expert_config's pick with these fields replaced; layers/
+# skinny.py SkinnyConfig, layers/moe.py _expert_kernel): one bulk L2 prefetch per weight row
+# at a tile's start (bytes in flight that hold no register), 4 N tiles a block (the grid in
+# about one wave of resident blocks, the routing reads paid once, and with the prefetch the
+# next tile's rows streaming while this one computes), two chunks in flight a row (unroll
+# 2, capped at 144 registers: no spill), twice the rows (168 / 178 registers), twice or half
+# the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the thread
+# counts give the default's bits.  Then "mma" and "mma work list": the W4A16 tensor-core
+# kernels at M = 1 (int4_mma_config's tile, then INT4_MMA_DECODE_TILES; x rounded to bf16,
+# the grouped bound).
+INT4_GEMV_VARIANTS = (
+    ("gemv prefetch", dict(prefetch=True), dict(prefetch=True)),
+    ("gemv span 4", dict(span=4), dict(span=4)),
+    ("gemv prefetch span 4", dict(prefetch=True, span=4), dict(prefetch=True, span=4)),
+    ("gemv prefetch span 2", dict(prefetch=True, span=2), dict(prefetch=True, span=2)),
+    ("gemv unroll 2", dict(unroll=2, max_registers=144), dict(unroll=2, max_registers=144)),
+    ("gemv unroll 2 prefetch", dict(unroll=2, max_registers=144, prefetch=True),
+     dict(unroll=2, max_registers=144, prefetch=True)),
+    ("gemv rows x2 prefetch", dict(rows=8, prefetch=True), dict(rows=16, prefetch=True)),
+    ("gemv threads x2", dict(threads=128), dict(threads=64)),
+    ("gemv threads x2 prefetch", dict(threads=128, prefetch=True),
+     dict(threads=64, prefetch=True)),
+    ("gemv 32 threads prefetch", dict(threads=32, prefetch=True), dict(prefetch=True)),
+    ("gemv threads x2 prefetch span 4", dict(threads=128, prefetch=True, span=4),
+     dict(threads=64, prefetch=True, span=4)))
+# at M = 1 the tensor-core tile has 15 dead x rows of 16: its skip_dead_rows tiles there too
+INT4_MMA_DECODE_TILES = tuple(t for t in INT4_MMA_TILES if "skip dead" in t[0])
 INT4_GROUP = 32                # Kimi-K2's checkpoints
-INT4_BUDGET_S = 200.0
+INT4_BUDGET_S = 400.0         # (the variants' first compiles: ~2-4 s a kernel)
 DEMO_MOE = dict(n_experts=8, top_k=2, d=256, inter=128)        # docs/DEMO.md: the target's MoE
 MOE_CHUNK_MS = (1, 9, 17, 33)
 
@@ -555,7 +597,7 @@ def bench_int4(ctx, results, deadline, ms=INT4_MS):
     finally:
         del experts
         cp.get_default_memory_pool().free_all_blocks()
-    if decode and time.perf_counter() < deadline:
+    if decode:         # (past the deadline too: the 2.3x goal's row)
         _bf16_decode_row(ctx, results, shared, decode)
 
 
@@ -583,13 +625,46 @@ def _int4_rows(ctx, results, experts, shared, gate, bias, rng, deadline, ms):
             print_row(row)
             if m == 1:
                 decode = (h, idx, w, row)
+                _int4_gemv_rows(ctx, results, experts, shared, (h, index, w, out, ws),
+                                used * each + shared_bytes, used, deadline)
             if m in INT4_MMA_MS:
                 _int4_mma_rows(ctx, results, experts, shared, (h, index, w, out, ws), m,
                                routing, used * each + shared_bytes, used, deadline)
     return decode
 
 
-def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used, deadline):
+def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline):
+    """The M = 1 call's GEMV variants (INT4_GEMV_VARIANTS), then the W4A16 tensor-core
+    kernels on it; each beside the same bytes roof."""
+    import dataclasses
+    from kdtree_numba.layers.moe_shapes import expert_config
+    layers, timer = ctx["layers"], ctx["timer"]
+    h, index, w, out, ws = call
+    n_experts, top_k, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "top_k", "d", "inter"))
+    picked = (expert_config(1, top_k, n_experts, d, True, True),
+              expert_config(1, top_k, n_experts, inter, False, True))
+    for variant, gate_up_kw, down_kw in INT4_GEMV_VARIANTS:
+        if time.perf_counter() > deadline:
+            return
+        pair = (dataclasses.replace(picked[0], **gate_up_kw),
+                dataclasses.replace(picked[1], **down_kw))
+        try:
+            t, hb = timer([lambda pair=pair: layers.moe_ffn(
+                h, index, w, *experts, *shared, configs=pair, out=out, workspace=ws)],
+                trials=5)
+        except Exception as exc:   # noqa: BLE001 -- report and go on
+            report_failure(results, "int4", f"M=1 {variant}", exc)
+            continue
+        row = _moe_roof_row(variant, 1, "router", used, nbytes, t, hb)
+        row["config"] = str(pair)
+        results.append(row)
+        print_row(row)
+    _int4_mma_rows(ctx, results, experts, shared, call, 1, "router", nbytes, used, deadline,
+                   tiles=INT4_MMA_DECODE_TILES)
+
+
+def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used, deadline,
+                   tiles=INT4_MMA_TILES):
     """The W4A16 tensor-core kernels (moe_ffn(method="mma"), layers/moe_int4_mma.py) on the
     same call: int4_mma_config's tile over the full grid and over the work list, then the
     other tiles of INT4_MMA_TILES; each beside the same bytes roof (tensor-core FLOPs)."""
@@ -599,7 +674,7 @@ def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used
     n_experts, top_k = MOE_SHAPE["n_experts"], MOE_SHAPE["top_k"]
     picked = int4_mma_config(m, top_k, n_experts)
     variants = [("mma", picked, "0"), ("mma work list", picked, "1")] + [
-        (f"mma {name}", Int4MmaConfig(**kw), "1") for name, kw in INT4_MMA_TILES]
+        (f"mma {name}", Int4MmaConfig(**kw), "1") for name, kw in tiles]
     for variant, cfg, work_list in variants:
         if time.perf_counter() > deadline:
             return
@@ -633,7 +708,8 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
 def _bf16_decode_row(ctx, results, shared, decode):
     """The M = 1 call of bench_int4 with the 384 experts in bf16 (33.8 GB, a constant fill:
     the values do not change the time); sets the int4 row's ``vs_bf16``: this call's time
-    over the int4 call's."""
+    over the int4 call's, and the same on each M = 1 variant's row (the GEMV variants, the
+    tensor-core kernels), then prints them, fastest first."""
     cp, layers, timer, nb = ctx["cp"], ctx["layers"], ctx["timer"], ctx["cuda"].as_cuda_array
     n_experts, d, inter = (MOE_SHAPE[k] for k in ("n_experts", "d", "inter"))
     h, idx, w, int4_row = decode
@@ -651,6 +727,12 @@ def _bf16_decode_row(ctx, results, shared, decode):
         print(f"\nint4 vs bf16 experts, one MoE layer's decode (M = 1): "
               f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
               f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
+        decode_rows = [r for r in results if r.get("section") == "int4" and r.get("M") == 1
+                       and "us" in r and r is not row]
+        for r in sorted(decode_rows, key=lambda r: r["us"]):
+            r["vs_bf16"] = t / (r["us"] * 1e-6)
+            print(f"  {r['variant']}: {r['us']:.1f} us, {r['roof_frac']:.2f} of the roof, "
+                  f"{r['vs_bf16']:.2f}x bf16", flush=True)
     except Exception as exc:   # noqa: BLE001 -- report and go on
         report_failure(results, "int4", "M=1 bf16 experts", exc)
     finally:

@@ -242,8 +242,9 @@ def _gpu_jobs():
     jobs.append((argmax._argmax_kernel(1024), None, sm90))
     for is_bf16 in (False, True):
         jobs.append((embedding._embedding_kernel(is_bf16), None, sm90))
-    jobs.append((moe._route_kernel(384, 1, 512, False), None, sm90))
-    jobs.append((moe._route_kernel(256, 8, 256, False), None, sm90))
+    from kdtree_numba.layers import moe_route
+    jobs.append((moe_route._route_kernel(384, 1, 512, False), None, sm90))
+    jobs.append((moe_route._route_kernel(256, 8, 256, False), None, sm90))
     for tile_rows in (0, 16, 64):
         jobs.append((moe._group_kernel(384, 1024, tile_rows), None, sm90))
     for has_shared in (False, True):

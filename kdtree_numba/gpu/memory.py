@@ -55,6 +55,7 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "load_global_invariant_f32x4", "load_f32x4",
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
+           "cp_async_wait_3", "cp_async_wait_4", "prefetch_l2_row",
            "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
            "STATIC_SHARED_BYTES", "device_address", "load_l2_f32x4", "load_l2_f32"]
 
@@ -134,6 +135,10 @@ if SIMULATOR:
         pass
 
     cp_async_commit = cp_async_wait_all = cp_async_wait_1 = cp_async_wait_2 = _nothing
+    cp_async_wait_3 = cp_async_wait_4 = _nothing
+
+    def prefetch_l2_row(arr, row):
+        """Simulator twin of the L2 bulk prefetch of a row: a hint, nothing to do."""
 
     def block_sync():
         """The simulator runs a device function as plain Python, where ``cuda.syncthreads``
@@ -431,11 +436,38 @@ else:
                          [s32, args[1], n])
         return types.void(saddr, gaddr, nbytes), codegen
 
+    @intrinsic
+    def _prefetch_l2_bulk(typingctx, gaddr, nbytes):
+        """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16) from the 16-byte
+        aligned global address ``gaddr``: one instruction asks L2 for a whole range, and no
+        register holds the bytes (sm_90; a hint, nothing to wait for)."""
+        def codegen(context, builder, sig, args):
+            n = context.cast(builder, args[1], sig.args[1], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
+            asm = "cp.async.bulk.prefetch.L2.global [$0], $1;"
+            builder.call(ir.InlineAsm(fnty, asm, "l,r,~{memory}", side_effect=True),
+                         [args[0], n])
+        return types.void(gaddr, nbytes), codegen
+
+    @inline_device_function
+    def prefetch_l2_row(arr, row):
+        """Ask L2 for row ``row`` of the 2-d C-contiguous ``arr``: its whole 16-byte aligned
+        part (the range rounded inward; nothing where that is empty)."""
+        start = global_address(arr, (row, 0))
+        end = start + arr.shape[1] * arr.itemsize
+        first = (start + 15) & ~15
+        last = end & ~15
+        if last > first:
+            _prefetch_l2_bulk(first, last - first)
+
     cp_async_commit = asm_statement("cp.async.commit_group;")
     cp_async_wait_all = asm_statement("cp.async.wait_group 0;")
-    # all but the newest 1 / 2 groups landed: the waits of a 3- / 4-stage cp.async ring
+    # all but the newest 1 / 2 / 3 / 4 groups landed: the waits of a 3- to 6-stage cp.async
+    # ring (wait_group takes an immediate: one statement each)
     cp_async_wait_1 = asm_statement("cp.async.wait_group 1;")
     cp_async_wait_2 = asm_statement("cp.async.wait_group 2;")
+    cp_async_wait_3 = asm_statement("cp.async.wait_group 3;")
+    cp_async_wait_4 = asm_statement("cp.async.wait_group 4;")
 
     from numba import cuda as _cuda
 

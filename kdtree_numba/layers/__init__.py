@@ -39,7 +39,8 @@ gemm_source are the two GEMMs behind linear(), mma the bf16 tensor-core GEMM beh
 * ``mma_plan``    -- its plan: MmaConfig, the tile and K slices for M rows (mma_config), the
   warpgroup tile past 80 rows on sm_90, the error bound;
 * ``embedding``, ``argmax``;
-* ``moe``         -- routing (router_logits, route_from_logits, moe_route) and moe_ffn;
+* ``moe``         -- moe_ffn, and the routing of ``moe_route`` re-exported;
+* ``moe_route``   -- routing: router_logits, route_from_logits, moe_route;
 * ``moe_mma``     -- the grouped expert GEMMs on tensor cores behind moe_ffn(method="mma");
 * ``workspace``   -- Workspace and the host helpers for device arrays and dtypes;
 * ``common``      -- constants (SKINNY_MAX_M, CHUNK, GPU_SMS) and helpers the modules share.

@@ -54,7 +54,8 @@ from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
-                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_all,
+                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_3,
+                                     cp_async_wait_4, cp_async_wait_all,
                                      store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
@@ -276,11 +277,18 @@ def stage_compute(cfg: MmaConfig):
 
 @functools.cache
 def ring_wait(pending: int):
-    """``wait_oldest()`` of a cp.async ring that leaves ``pending`` (0-2) commit groups in
+    """``wait_oldest()`` of a cp.async ring that leaves ``pending`` (0-4) commit groups in
     flight: this thread's copies of the oldest stage in flight have landed."""
+    if not 0 <= pending <= 4:
+        raise ValueError(f"a cp.async ring leaves 0 to 4 groups in flight, not {pending}")
+
     @inline_device_function
     def wait_oldest():
-        if pending == 2:
+        if pending == 4:
+            cp_async_wait_4()
+        elif pending == 3:
+            cp_async_wait_3()
+        elif pending == 2:
             cp_async_wait_2()
         elif pending == 1:
             cp_async_wait_1()

@@ -1,5 +1,6 @@
-"""MoE routing and the expert FFN on the GPU: ``router_logits``, ``route_from_logits``,
-``moe_route``, ``moe_ffn`` (the routed experts' kernel shapes: moe_shapes.py).
+"""The MoE expert FFN on the GPU, ``moe_ffn`` (the routed experts' kernel shapes:
+moe_shapes.py), and the routing of moe_route.py re-exported: ``router_logits``,
+``route_from_logits``, ``moe_route``.
 
 Twin: reference/layers/moe.py (the routing rules and the FFN are its docstring).  The experts
 reuse the GEMM cores: skinny.py's accumulate loop (expert kernels below) and tiled.py's
@@ -9,19 +10,19 @@ measurements: docs/LAYERS.md.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
-from kdtree_numba.gpu.reduce import (block_reduce_scratch_shape, make_block_reduce,
-                                     tree_reduce)
+from kdtree_numba.gpu.memory import prefetch_l2_row
+from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
 from kdtree_numba.layers.linear import METHODS, linear
 from kdtree_numba.layers.mma import round_to_bf16
 from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
                                               int4_mma_group_ok)
+from kdtree_numba.layers.moe_route import moe_route, route_from_logits, router_logits
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
 from kdtree_numba.layers.moe_shapes import (expert_chunk_bound, expert_config,
@@ -31,158 +32,11 @@ from kdtree_numba.layers.skinny import (INT4_KINDS, SkinnyConfig, int4_chunks, m
 from kdtree_numba.layers.tiled import tiled_kernel
 from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, device_weight,
                                            int4_load_kind, kernel_weight, launch_1d,
-                                           load_kind_for, placeholder, result_array,
-                                           workspace_buffer)
-from reference.layers import check_routing_args, is_dense
+                                           load_kind_for, placeholder, result_array)
+from reference.layers import is_dense
 
 __all__ = ["router_logits", "route_from_logits", "moe_route", "moe_ffn", "expert_config",
            "expert_chunk_bound", "expert_tiled_configs"]
-
-# ============================================================================ MoE routing
-
-def router_logits(h, gate_w, *, stream=0, workspace=None):
-    """``h gate_w^T`` [M, E] in fp32 through :func:`linear` (gate weights fp32 or bf16)."""
-    return linear(h, gate_w, stream=stream, workspace=workspace)
-
-
-@device_function
-def _key_beats(kf, f, ke, e):
-    """Expert/group f ranks before e: larger key, or equal key and lower index."""
-    return kf > ke or (kf == ke and f < e)
-
-
-@kernel_factory
-def _route_kernel(n_experts: int, n_group: int, threads: int, softmax: bool):
-    group_size = n_experts // n_group
-
-    @kernel
-    def route_rows(logits, bias, has_bias, top_k, topk_group, norm_topk_prob, scaling,
-                   out_idx, out_w):
-        """One block per token, rules of reference.route_from_logits.  Ranks are counted
-        (rank(e) = #experts that beat e), which is exact, order-free and tie-deterministic."""
-        score = cuda.shared.array(n_experts, np.float32)
-        key = cuda.shared.array(n_experts, np.float32)
-        chosen = cuda.shared.array(n_experts, np.int32)
-        group_score = cuda.shared.array(n_group, np.float32)
-        group_kept = cuda.shared.array(n_group, np.int32)
-        picked = cuda.shared.array(n_experts, np.float32)
-        tree = cuda.shared.array(threads, np.float32)
-        row = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-
-        if softmax:   # s = exp(l - max) / sum, both reductions as shared-memory trees
-            top = -np.inf
-            for e in range(t, n_experts, threads):
-                top = max(top, logits[row, e])
-            tree[t] = top
-            tree_reduce(tree, t, threads, True)
-            top = tree[0]
-            cuda.syncthreads()
-            part = np.float32(0.0)
-            for e in range(t, n_experts, threads):
-                z = math.exp(logits[row, e] - top)
-                score[e] = z
-                part += z
-            tree[t] = part
-            tree_reduce(tree, t, threads, False)
-            total = tree[0]
-            for e in range(t, n_experts, threads):
-                score[e] = score[e] / total
-        else:
-            for e in range(t, n_experts, threads):
-                score[e] = np.float32(1.0) / (np.float32(1.0) + math.exp(-logits[row, e]))
-        cuda.syncthreads()
-        for e in range(t, n_experts, threads):
-            key[e] = score[e] + bias[e] if has_bias else score[e]
-        cuda.syncthreads()
-
-        if n_group > 1:
-            for g in range(t, n_group, threads):
-                first = -np.inf
-                second = -np.inf
-                for e in range(g * group_size, (g + 1) * group_size):
-                    v = key[e]
-                    if v > first:
-                        second = first
-                        first = v
-                    elif v > second:
-                        second = v
-                group_score[g] = first if softmax else first + second
-            cuda.syncthreads()
-            for g in range(t, n_group, threads):
-                rank = 0
-                for f in range(n_group):
-                    if _key_beats(group_score[f], f, group_score[g], g):
-                        rank += 1
-                group_kept[g] = 1 if rank < topk_group else 0
-            cuda.syncthreads()
-            for e in range(t, n_experts, threads):
-                if group_kept[e // group_size] == 0:
-                    key[e] = -np.inf
-            cuda.syncthreads()
-
-        for e in range(t, n_experts, threads):
-            rank = 0
-            for f in range(n_experts):
-                if _key_beats(key[f], f, key[e], e):
-                    rank += 1
-            chosen[e] = 1 if rank < top_k else 0
-        cuda.syncthreads()
-        for e in range(t, n_experts, threads):
-            if chosen[e] != 0:
-                pos = 0
-                for f in range(e):
-                    pos += chosen[f]
-                out_idx[row, pos] = e
-                picked[pos] = score[e]
-        cuda.syncthreads()
-        if t == 0:   # ascending-expert order, one thread: a fixed summation order
-            total = np.float32(0.0)
-            for j in range(top_k):
-                total += picked[j]
-            tree[0] = total + np.float32(1e-20) if norm_topk_prob else np.float32(1.0)
-        cuda.syncthreads()
-        for j in range(t, top_k, threads):
-            out_w[row, j] = picked[j] / tree[0] * scaling
-    return route_rows
-
-
-def route_from_logits(logits, bias=None, *, top_k: int, n_group: int = 1, topk_group: int = 1,
-                      norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-                      scoring: str = "sigmoid", out=None, stream=0, workspace=None):
-    """See reference.route_from_logits; returns device arrays (idx int32, weight float32)
-    (or fills ``out = (idx, weight)``).
-
-    fp32 throughout (the reference is float64): indices equal the reference's except where two
-    keys are within fp32 rounding (~1e-7) of each other; weights within 1e-6 relative."""
-    ld = device_f32(logits, "logits", 2, stream)
-    m, n_experts = ld.shape
-    check_routing_args(n_experts, top_k, n_group, topk_group, scoring)
-    has_bias = bias is not None
-    bd = device_f32(bias, "bias", 1, stream) if has_bias else placeholder()
-    if has_bias and bd.shape[0] != n_experts:
-        raise ValueError(f"bias must have {n_experts} entries, got {bd.shape}")
-    idx, w = (None, None) if out is None else out
-    idx = result_array(idx, (m, top_k), np.int32, stream)
-    w = result_array(w, (m, top_k), np.float32, stream)
-    if m:
-        threads = 32 if SIMULATOR else min(1024, max(32, pow2_ceil(n_experts)))
-        _route_kernel(n_experts, n_group, threads, scoring == "softmax")[m, threads, stream](
-            ld, bd, has_bias, top_k, topk_group, bool(norm_topk_prob),
-            np.float32(routed_scaling_factor), idx, w)
-    return idx, w
-
-
-def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
-              workspace=None, **routing):
-    """See reference.moe_route: fp32 router logits (:func:`linear` with ``method``) then
-    route_from_logits."""
-    logits = workspace_buffer(workspace, "route.logits", (h.shape[0], gate_w.shape[0]), np.float32,
-                     stream)
-    linear(h, gate_w, out=logits, method=method, stream=stream, workspace=workspace)
-    return route_from_logits(logits, bias, out=out, stream=stream, workspace=workspace,
-                             **routing)
-
 
 # ============================================================================ MoE FFN
 # 1. group_by_expert (one block): counting sort of the M*k (token, expert) entries on the device:
@@ -301,10 +155,14 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     tile), adjacent in the grid; block c of them takes the expert's mt-token chunks c,
     c + chunks, ... (1: today's grid, every chunk in one block one after another; the
     chunk grid, ``KDTREE_MOE_CHUNK_GRID``, passes :func:`expert_chunk_bound`).  Each output
-    is one block's reduction over K whichever block holds its chunk: the same bits."""
-    mt, r_out, threads = cfg.mt, cfg.rows, cfg.threads
+    is one block's reduction over K whichever block holds its chunk: the same bits.
+    ``cfg.span``: N tiles per block, one after another (the grid's tile count divided by
+    it); ``cfg.prefetch``: a tile's weight rows asked into L2 at its start (and the next
+    tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap."""
+    mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
+    int4, prefetch = wkind in INT4_KINDS, cfg.prefetch
     accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load),
                                  group)
     block_reduce = make_block_reduce(nacc, threads)
@@ -322,33 +180,28 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
         def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch):
             accumulate(x, xrows, w3[e], wrows, 0, c1, acc, scratch)
 
-    @kernel
-    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
-                    tiles):
-        """gate_up: out = act [slots, Im], x = h [M, D], w3 = gate_up [E, 2Im, D/..];
-        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..];
-        c1: the accumulate loop's chunks of a row."""
-        red = cuda.shared.array(red_shape, np.float32)
-        scratch = cuda.shared.array(scr, np.float32)
-        # block = (active slot a, N tile, chunk c), c fastest: a tile's chunk blocks run side
-        # by side and read its weight rows from L2 after the first (chunks 1: c = 0)
-        at = cuda.blockIdx.x // chunks
-        c = cuda.blockIdx.x - at * chunks
-        a = at // tiles
-        if a >= n_active[0]:
-            return
-        e = active[a]
-        o0 = (at - a * tiles) * r_out
-        wrows = cuda.local.array(nr, np.int32)
-        xrows = cuda.local.array(mt, np.int32)
-        acc = cuda.local.array(nacc, np.float32)
+    @device_function
+    def prefetch_tile(w3, s3, e, o0, n_out):
+        """(cfg.prefetch) the weight rows (words and scales) of the tile at output o0 asked
+        into L2, one thread a row."""
+        for i in range(cuda.threadIdx.x, nr, threads):
+            up = gate_up and i >= r_out
+            row = min(o0 + (i - r_out if up else i), n_out - 1) + (n_out if up else 0)
+            prefetch_l2_row(w3[e], row)
+            if int4:
+                prefetch_l2_row(s3[e], row)
+
+    @device_function
+    def run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, o0, c, s_begin, s_end, wrows,
+                 xrows, acc, red, scratch):
+        """The block's N tile at output o0: every mt-chunk c, c + chunks, ... of expert e's
+        slots [s_begin, s_end)."""
+        t = cuda.threadIdx.x
         for r in range(r_out):
             wrows[r] = min(o0 + r, n_out - 1)
             if gate_up:
                 wrows[r_out + r] = n_out + min(o0 + r, n_out - 1)
-        t = cuda.threadIdx.x
-        s_end = offsets[e + 1]
-        for s0 in range(offsets[e] + c * mt, s_end, chunks * mt):   # none: the block exits
+        for s0 in range(s_begin + c * mt, s_end, chunks * mt):   # none: the block exits
             for m in range(mt):
                 if s0 + m < s_end:
                     xrows[m] = token_of_slot[s0 + m] if gate_up else s0 + m
@@ -367,7 +220,43 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                         v = silu(v) * red[warps, m * nr + r_out + r]
                     out[s0 + m, o0 + r] = v
             cuda.syncthreads()     # red is reused by the next chunk of tokens
-    return expert_rows
+
+    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                    tiles):
+        """gate_up: out = act [slots, Im], x = h [M, D], w3 = gate_up [E, 2Im, D/..];
+        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..];
+        c1: the accumulate loop's chunks of a row; tiles: N tiles (of r_out outputs)."""
+        red = cuda.shared.array(red_shape, np.float32)
+        scratch = cuda.shared.array(scr, np.float32)
+        # block = (active slot a, N tile or span of tiles, chunk c), c fastest: a tile's
+        # chunk blocks run side by side and read its weight rows from L2 after the first
+        # (chunks 1: c = 0)
+        at = cuda.blockIdx.x // chunks
+        c = cuda.blockIdx.x - at * chunks
+        spans = (tiles + span - 1) // span
+        a = at // spans
+        if a >= n_active[0]:
+            return
+        e = active[a]
+        wrows = cuda.local.array(nr, np.int32)
+        xrows = cuda.local.array(mt, np.int32)
+        acc = cuda.local.array(nacc, np.float32)
+        first = (at - a * spans) * span
+        if prefetch:    # as soon as the expert is known: before its token lists are read
+            prefetch_tile(w3, s3, e, first * r_out, n_out)
+        s_begin, s_end = offsets[e], offsets[e + 1]
+        if span == 1:
+            run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, first * r_out, c, s_begin,
+                     s_end, wrows, xrows, acc, red, scratch)
+        else:
+            last = min(first + span, tiles)
+            for tile in range(first, last):
+                if prefetch and tile + 1 < last:      # the next tile's rows, one tile ahead
+                    prefetch_tile(w3, s3, e, (tile + 1) * r_out, n_out)
+                run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, tile * r_out, c,
+                         s_begin, s_end, wrows, xrows, acc, red, scratch)
+    options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
+    return kernel(expert_rows, **options)
 
 
 @kernel
@@ -413,7 +302,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
     a choice by weights, never by M, and either kernel gives a row the same bits at every M).
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
-    (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches.
+    (expert_tiled_configs; benchmarks), or with "mma" the MmaConfig of both launches, or for
+    int4 experts on the weight-streaming kernels their (gate_up, down) SkinnyConfigs.
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ),
     or both :class:`~kdtree_numba.layers.workspace.Int4Experts` (int4-group, W4A16: the
     weight-streaming kernels at every M, the nibbles unpacked and scaled in registers;
@@ -501,7 +391,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                        top_k, stream, configs)
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
-                        top_k, stream)
+                        top_k, stream, _int4_skinny_configs(kind, configs))
     if lean:
         return y
 
@@ -513,6 +403,15 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         shared_y = _swiglu_linears(hd, sgu, sdn, ws.get("moe.shared_y", (m, d), np.float32,
                                                         stream), method, stream, ws, "moe.shared")
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
+
+
+def _int4_skinny_configs(kind: str, configs):
+    """``configs`` where it is the int4 weight-streaming kernels' (gate_up, down) pair of
+    SkinnyConfigs (benchmarks' variants), else None (the shapes expert_config picks)."""
+    if kind == "i4" and isinstance(configs, tuple) and len(configs) == 2 and all(
+            isinstance(c, SkinnyConfig) for c in configs):
+        return configs
+    return None
 
 
 def _expert_weight(w, stream):
@@ -746,15 +645,17 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
 
 
-def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream):
-    """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes);
-    ``kind`` "i4": gud and dnd are device :class:`Int4Experts` (W4A16, the nibbles unpacked
-    and scaled in registers)."""
+def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,
+                    configs=None):
+    """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes,
+    or ``configs``: (gate_up, down) SkinnyConfigs); ``kind`` "i4": gud and dnd are device
+    :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
     for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
             (True, hd, gud, act, inter, d), (False, act, dnd, y_slot, d, inter)):
-        cfg = expert_config(m, top_k, n_experts, k_in, is_gate_up, kind == "i4")
+        cfg = (configs[0 if is_gate_up else 1] if configs else
+               expert_config(m, top_k, n_experts, k_in, is_gate_up, kind == "i4"))
         tiles = -(-n_out // cfg.rows)
         # KDTREE_MOE_CHUNK_GRID: an expert's mt-token chunks in blocks of their own; one
         # chunk block asks for the one-chunk grid's kernel itself (the same recipe)
@@ -767,7 +668,8 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
             weights, c1, group = (kernel_weight(w3, load_kind), placeholder()), \
                 -(-k_in // CHUNK), 0
         recipe = (cfg, load_kind, is_gate_up, group) + ((chunks,) if chunks > 1 else ())
-        _expert_kernel(*recipe)[max_active * tiles * chunks, cfg.threads, stream](
+        blocks = max_active * -(-tiles // cfg.span) * chunks
+        _expert_kernel(*recipe)[blocks, cfg.threads, stream](
             x_in, *lists, *weights, out_buf, n_out, c1, tiles)
 
 

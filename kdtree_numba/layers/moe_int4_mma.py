@@ -85,13 +85,19 @@ class Int4MmaConfig(WarpTiles):
     BN = 8 wn tn, tn even: gate and up halves), K stages of ``bk`` (whole panels of 32) in a
     ring of ``stages`` buffers of bf16 x [BM, bk], packed words [BN, bk / 8] and float32
     scales [BN, bk / 32] (one per panel and row).  Every thread stages whole 16-byte x and
-    word chunks and as many scales as word chunks, each at one column of a stage."""
+    word chunks and as many scales as word chunks, each at one column of a stage.
+    ``skip_dead_rows``: the x rows of a tile past its expert's tokens (15 of 16 at one token
+    an expert: a verify's rows over Kimi-K2's 384 experts) are zeroed once in every ring
+    buffer and never copied again, where the ring issues a zero-fill ``cp.async`` for each
+    of them every stage: fewer copies to issue, the same bits (A row i reaches only C row
+    i, and a dead row's C row is never stored; the zeros keep stale bits out anyway)."""
     wm: int = 1
     wn: int = 4
     tm: int = 1
     tn: int = 2
     bk: int = 256
     stages: int = 4
+    skip_dead_rows: bool = False
 
     @property
     def panels(self) -> int:
@@ -117,28 +123,34 @@ class Int4MmaConfig(WarpTiles):
 
     def __post_init__(self):
         if (min(self.wm, self.wn, self.tm, self.tn) < 1 or self.tn % 2 or self.bk <= 0
-                or self.bk % PANEL_WEIGHTS or self.threads > 1024 or not 2 <= self.stages <= 4
+                or self.bk % PANEL_WEIGHTS or self.threads > 1024 or not 2 <= self.stages <= 6
                 or self.smem_bytes > MAX_SHARED_BYTES
                 or (self.bm * self.bk // 8) % self.threads or self.threads % (self.bk // 8)
                 or (self.bn * self.panels) % self.threads or self.threads % self.panels):
             raise ValueError(f"bad Int4MmaConfig {self}: tn even, bk % 32, <= 1024 threads, "
-                             f"2-4 stages, <= 227 KiB shared memory, whole chunks per "
+                             f"2-6 stages, <= 227 KiB shared memory, whole chunks per "
                              f"thread, each thread's chunks at one column of a stage")
 
 
 def int4_mma_config(m: int, top_k: int, n_experts: int) -> Int4MmaConfig:
     """The tile for both launches by the mean tokens per active expert, Mk / min(E, Mk)
     (moe_mma_config's measure): up to 16 (a verify's rows over Kimi-K2's 384 experts: 1-2
-    each) 16 x 64 in 4 stages of 256 (each weight row's 128 bytes of a stage, 8 KiB of words a
-    stage, 72 KiB a block: 3 blocks an SM); 32 rows in 3 stages of 256; 48 / 64 rows in 4 of
-    128.  Untuned: the first GPU run decides (tools/bench_layers.py --only int4).  Every tile
-    gives the same bits (module docstring).  The simulator: one warp, stages of 64."""
+    each) 16 x 64 in 4 stages of 128.  Why stages of 128: at one or two tokens an expert the
+    kernel streams weights, and what it needs is many bytes in flight per SM; a stage of 128
+    is each weight row's 64 bytes (4 KiB of words, 4 KiB of x, 1 KiB of scales: 36 KiB a
+    block in 4 stages), so 6 blocks share an SM where stages of 256 (72 KiB) left 3, with
+    the same 3 stages of copies in flight per block: twice the bytes in flight per SM.  H100
+    run 152 (tools/bench_layers.py --only int4) measured it the fastest of the four tiles
+    in all four rows (33 and 65 rows, router and uniform routings: 0.37-0.52 of the bytes
+    roof, stages of 256 0.24-0.42).  32 rows in 3 stages of 256; 48 / 64 rows in 4 of 128
+    (not yet measured).  Every tile gives the same bits (module docstring).  The simulator:
+    one warp, stages of 64."""
     if SIMULATOR:
         return Int4MmaConfig(wm=1, wn=1, tm=1, tn=2, bk=64, stages=3)
     per = -(-m * top_k // max(1, min(n_experts, m * top_k)))
     tm = min(4, max(1, -(-per // 16)))
     if tm == 1:
-        return Int4MmaConfig()
+        return Int4MmaConfig(bk=128, stages=4)
     if tm == 2:
         return Int4MmaConfig(tm=2, bk=256, stages=3)
     return Int4MmaConfig(tm=tm, bk=128, stages=4)
@@ -170,6 +182,7 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
     GROUP = group
     ZERO = float32(0.0)
     ALIGN = None if SIMULATOR else 16
+    SKIP_DEAD = cfg.skip_dead_rows
     weight_row, store_tile = expert_tile_io(TM, TN, gate_up)
     wait_oldest = ring_wait(STAGES - 2)                    # STAGES - 1 stages in flight
 
@@ -181,8 +194,9 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
         ok_x = step * BK < room_x
         for u in range(XC):
             ok = ok_x and xcur[u] >= 0
-            copy_chunk(smem, sbase + WORD * (buf * A_STAGE + xsm[u]), x16,
-                       xcur[u] + step * X_STEP if ok else xbase, 16 if ok else 0)
+            if not SKIP_DEAD or xcur[u] >= 0:       # (skip_dead_rows: zeroed once)
+                copy_chunk(smem, sbase + WORD * (buf * A_STAGE + xsm[u]), x16,
+                           xcur[u] + step * X_STEP if ok else xbase, 16 if ok else 0)
         ok_w = step * BK < room_w
         for u in range(WC):
             ok = ok_w and wcur[u] >= 0
@@ -278,6 +292,12 @@ def int4_mma_kernel(cfg: Int4MmaConfig, gate_up: bool, work_list: bool = False,
             wcur[u] = -1
             if wrow[u] >= 0:
                 wcur[u] = wbase + W_ELEM * (wrow[u] * w.shape[1] + kw // 8)
+        if SKIP_DEAD:     # a dead row's chunks in every buffer, once (the loop's first
+            for u in range(XC):       # barrier orders these stores before any read)
+                if xcur[u] < 0:
+                    for b in range(STAGES):
+                        for c in range(4):
+                            smem[b * A_STAGE + xsm[u] + c] = uint32(0)
         for i in range(AHEAD):
             if i < n_stages:
                 issue(smem, sbase, i, x16, xbase, xcur, xsm, w, wbase, wcur, wsm, i, room_x,

@@ -377,7 +377,13 @@ class SkinnyConfig:
     give bit-identical results; bf16 weights ignore it.  ``x_major``: the linear's blocks that
     share x rows run together (weight tiles fastest in the grid) instead of those that share a
     weight tile; for an x that outgrows L2 and the weight (the float32 router at a prefill's
-    thousands of rows), which otherwise comes from HBM once per weight tile.  Same bits."""
+    thousands of rows), which otherwise comes from HBM once per weight tile.  Same bits.
+    Three fields only the MoE expert kernels read (layers/moe.py ``_expert_kernel``; bench
+    variants until a GPU run picks, all giving the same bits): ``span``, N tiles one block
+    runs one after another (its routing reads paid once); ``prefetch``, each tile's weight
+    rows (words and scales) asked into L2 by one bulk prefetch a row at the tile's start,
+    and with a span the next tile's too (bytes in flight that hold no register);
+    ``max_registers``, a ptxas cap (0: none)."""
     mt: int
     rows: int
     threads: int
@@ -385,12 +391,17 @@ class SkinnyConfig:
     splits: int = 1
     f32_load: str = "xchg"
     x_major: bool = False
+    span: int = 1
+    prefetch: bool = False
+    max_registers: int = 0
 
     def __post_init__(self):
         nacc = self.mt * self.rows
         if self.threads % 32 or nacc & (nacc - 1) or nacc > self.threads:
             raise ValueError(f"bad SkinnyConfig {self}: threads % 32, mt*rows a power of two "
                              f"<= threads")
+        if self.span < 1 or self.max_registers < 0:
+            raise ValueError(f"bad SkinnyConfig {self}: span >= 1, max_registers >= 0")
         if self.f32_load not in _F32_LOAD_KIND:
             raise ValueError(f"f32_load must be one of {sorted(_F32_LOAD_KIND)}")
 
