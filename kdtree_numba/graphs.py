@@ -69,7 +69,7 @@ __all__ = ["GraphCache", "graphs_enabled", "max_graphs", "evicted"]
 # capacities they need
 MAX_GRAPHS = {"prefill": 16}
 MAX_GRAPHS_OF_A_KIND = 24
-# KDTREE_AUTO_V2 (issue 36): a device round's graph per budget and per (target cache, drafter
+# auto's second policy (KDTREE_AUTO_V2, the default; issue 36): a device round's graph per budget and per (target cache, drafter
 # cache) pair, so --budget auto's 8 candidates in the 4 generation caches a model keeps
 # (model.GENERATION_CACHES), each beside its drafter cache of the same capacity bucket or the
 # next, need up to 64: with 24, auto's warm-up captures were evicted and its timed rows

@@ -31,9 +31,11 @@ Two kinds of switch:
   merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
   a captured layer's residual sum written into the features by its norm, no concatenation,
   kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
-  ``--budget auto``'s second policy (``KDTREE_AUTO_V2=1``, off until a GPU run measures it:
-  only rounds that replayed a CUDA graph timed, kdtree_numba/budget.py, and room for a round
-  graph per candidate in every cache pair, kdtree_numba/graphs.py), the on-disk kernel cache
+  ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
+  replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
+  in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
+  best fixed budget where the first policy lost 13%; ``KDTREE_AUTO_V2=0`` turns it off), the
+  on-disk kernel cache
   (``KDTREE_KERNEL_CACHE=0`` turns it off; ``KDTREE_KERNEL_CACHE_DIR`` moves it, default
   ``$XDG_CACHE_HOME/kdtree-numba`` or ``~/.cache/kdtree-numba``), and the CPU path's OpenBLAS
   threads (``OPENBLAS_NUM_THREADS``, read when a float32 reference backend is made:
@@ -105,7 +107,7 @@ class RuntimeConfig:
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
-    auto_v2: bool = False       # --budget auto's second policy (issue 36)
+    auto_v2: bool = True        # --budget auto's second policy (issue 36)
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
@@ -138,7 +140,7 @@ class RuntimeConfig:
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
-                   auto_v2=_flag(env, "KDTREE_AUTO_V2", False),
+                   auto_v2=_flag(env, "KDTREE_AUTO_V2", True),
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),

@@ -65,7 +65,9 @@ def test_a_capturing_second_round_does_not_rule_a_budget_out():
 
 
 def test_it_follows_the_text_when_acceptance_changes():
-    p = AutoBudget(candidates=(8, 16, 32, 64), reprobe=4, decay=0.5)
+    """The first policy (v2=False: its tau a running mean that forgets at ``decay``); the
+    second's paired sums forget over HORIZON rounds (test_budget_paired)."""
+    p = AutoBudget(candidates=(8, 16, 32, 64), reprobe=4, decay=0.5, v2=False)
     cost = lambda b: 1e-3 * (1 + b / 64)
     drive(p, cost, lambda b: 1 + 6 * (1 - math.exp(-b / 8)), 40)       # repetitive text
     wide = p.best()
