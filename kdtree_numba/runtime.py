@@ -26,8 +26,8 @@ Two kinds of switch:
   cut to fewer launches (index ranges and constants kept, copies the round does not need
   skipped, the dense FFN as two linears, the per-head products at fewer rows a block; the
   same bits; ``KDTREE_LEAN_ROUND=0`` turns it off: docs/ENGINE.md, "Device rounds"),
-  fewer launches in the small forwards (``KDTREE_FEWER_LAUNCHES=1``, off until a GPU run
-  validates it: attention's key splits merged by the block kernel's last block instead of a
+  fewer launches in the small forwards (``KDTREE_FEWER_LAUNCHES=1``, off: run 156 measured a
+  round slower with it; attention's key splits merged by the block kernel's last block instead of a
   merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
   a captured layer's residual sum written into the features by its norm, no concatenation,
   kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
