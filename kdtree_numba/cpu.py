@@ -45,8 +45,9 @@ from reference import layers as ref_layers
 from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention",
-           "topk_logprobs", "ARGMAX_TOPK", "weight_side_matmul"]
+           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "DENSE_EXPERTS", "drafter_ops",
+           "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK", "weight_side_matmul",
+           "GEMV_ROWS", "GEMV_WIDE_N"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -369,15 +370,32 @@ def topk_logprobs(logits, k: int):
     return lp.reshape(bs, n_rows, k), ids.astype(np.int32).reshape(bs, n_rows, k)
 
 
+# drafter rows (weight_side_matmul) up to which one GEMV a row beats the padded GEMM: any
+# weight at 1-2 rows, and at 3 rows one of at most GEMV_WIDE_N outputs (measured, one thread,
+# weights cycled through 80 MB, us: 8192 x 256 at 1 / 2 / 3 rows 372 / 780 / 1118 against the
+# padded 974 / 888 / 883; 1536 x 256 78 / 122 / 149 against 240 / 178 / 177; 256 x 768
+# 37 / 51 / 66 against 122 / 82 / 84): a DDTree block at T > 0 is 3 rows (SAMPLED_DEPTH + 1),
+# its head 2, a round's context commit 1-3
+GEMV_ROWS = 2
+GEMV_WIDE_N = 2048
+
+
 def weight_side_matmul(x, w) -> np.ndarray:
-    """``x [M, K] @ w [N, K].T`` computed as ``(w @ x_pad.T).T``, the rows padded to a multiple
-    of ROWS: with a few rows OpenBLAS runs this faster than ``x @ w.T`` on the transposed view
-    or on a contiguous transposed copy, and copies no weight (8 rows, one thread, weights
-    cycled through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18 on the view and
-    0.85 on a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch invariant by contract
-    (drafter rows only)."""
+    """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
+    GEMV_ROWS rows (3 where N <= GEMV_WIDE_N) one GEMV a row (OpenBLAS's GEMM pads nothing
+    there but packs the whole weight: 2.6x slower at one row); else ``(w @ x_pad.T).T``, the
+    rows padded to a multiple of ROWS: with a few rows OpenBLAS runs this faster than
+    ``x @ w.T`` on the transposed view or on a contiguous transposed copy, and copies no
+    weight (8 rows, one thread, weights cycled through 80 MB: the demo's 8192 x 256 lm_head
+    0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15 against 0.25 and
+    0.22).  Not batch invariant by contract (drafter rows only)."""
     x = _f32(x)
     m, k = x.shape
+    if m <= GEMV_ROWS or (m == GEMV_ROWS + 1 and w.shape[0] <= GEMV_WIDE_N):
+        out = np.empty((m, w.shape[0]), np.float32)
+        for i in range(m):
+            np.matmul(w, x[i], out=out[i])
+        return out
     pad = -m % ROWS
     if pad:
         x = np.concatenate([x, np.zeros((pad, k), np.float32)])
