@@ -45,9 +45,9 @@ from reference import layers as ref_layers
 from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "DENSE_EXPERTS", "drafter_ops",
-           "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK", "weight_side_matmul",
-           "GEMV_ROWS", "GEMV_WIDE_N"]
+           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
+           "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
+           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -68,6 +68,12 @@ DEFAULT_BUDGET = ROWS - 1
 # against 1.71 uncapped on 8 held-out prompts; cap 3: 1.73, cap 1: 1.59) and its drafter block
 # is 3 rows, its top-K 2 rows (docs/ENGINE.md, "The CPU path")
 SAMPLED_DEPTH = 2
+# a DFlash drafter's vocabulary on this path at T > 0, where its bundle ranks the tokens (the
+# N most frequent; kdtree_numba/dflash.py): its lm_head, the largest read of a draft, covers
+# half the demo's 8,192 rows, which held tau at T = 1 (1.69 either way, 12 held-out prompts)
+# while a cut costs T = 0 5-15% of tau, so T = 0 keeps the whole vocabulary (docs/ENGINE.md,
+# "The CPU path")
+SAMPLED_DRAFT_VOCAB = 4096
 
 
 def _f32(a) -> np.ndarray:
