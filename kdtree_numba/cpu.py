@@ -26,9 +26,9 @@ Prefill rows go through the same code (their bits need not match anything, but o
 simpler).
 
 A drafter's rows need no invariance (a draft only shapes the tree; every committed token is
-the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its weights in
-contiguous transposed copies (BLAS reads them 1.4-1.7x faster) and one-GEMM attention
-(:func:`dense_mla_attention`).
+the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its GEMMs on the
+weights as stored, weight-side or one GEMV a row (:func:`weight_side_matmul`), and one-GEMM
+attention (:func:`dense_mla_attention`).
 """
 from __future__ import annotations
 
