@@ -26,9 +26,9 @@ Prefill rows go through the same code (their bits need not match anything, but o
 simpler).
 
 A drafter's rows need no invariance (a draft only shapes the tree; every committed token is
-the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its weights in
-contiguous transposed copies (BLAS reads them 1.4-1.7x faster) and one-GEMM attention
-(:func:`dense_mla_attention`).
+the target's), so a DFlash drafter on this path runs :func:`drafter_ops`: its GEMMs on the
+weights as stored, weight-side or one GEMV a row (:func:`weight_side_matmul`), and one-GEMM
+attention (:func:`dense_mla_attention`).
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ from reference import layers as ref_layers
 from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
-           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "DENSE_EXPERTS", "drafter_ops", "dense_mla_attention",
-           "topk_logprobs", "ARGMAX_TOPK", "weight_side_matmul"]
+           "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
+           "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
+           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -67,6 +68,12 @@ DEFAULT_BUDGET = ROWS - 1
 # against 1.71 uncapped on 8 held-out prompts; cap 3: 1.73, cap 1: 1.59) and its drafter block
 # is 3 rows, its top-K 2 rows (docs/ENGINE.md, "The CPU path")
 SAMPLED_DEPTH = 2
+# a DFlash drafter's vocabulary on this path at T > 0, where its bundle ranks the tokens (the
+# N most frequent; kdtree_numba/dflash.py): its lm_head, the largest read of a draft, covers
+# half the demo's 8,192 rows, which held tau at T = 1 (1.69 either way, 12 held-out prompts)
+# while a cut costs T = 0 5-15% of tau, so T = 0 keeps the whole vocabulary (docs/ENGINE.md,
+# "The CPU path")
+SAMPLED_DRAFT_VOCAB = 4096
 
 
 def _f32(a) -> np.ndarray:
@@ -369,15 +376,32 @@ def topk_logprobs(logits, k: int):
     return lp.reshape(bs, n_rows, k), ids.astype(np.int32).reshape(bs, n_rows, k)
 
 
+# drafter rows (weight_side_matmul) up to which one GEMV a row beats the padded GEMM: any
+# weight at 1-2 rows, and at 3 rows one of at most GEMV_WIDE_N outputs (measured, one thread,
+# weights cycled through 80 MB, us: 8192 x 256 at 1 / 2 / 3 rows 372 / 780 / 1118 against the
+# padded 974 / 888 / 883; 1536 x 256 78 / 122 / 149 against 240 / 178 / 177; 256 x 768
+# 37 / 51 / 66 against 122 / 82 / 84): a DDTree block at T > 0 is 3 rows (SAMPLED_DEPTH + 1),
+# its head 2, a round's context commit 1-3
+GEMV_ROWS = 2
+GEMV_WIDE_N = 2048
+
+
 def weight_side_matmul(x, w) -> np.ndarray:
-    """``x [M, K] @ w [N, K].T`` computed as ``(w @ x_pad.T).T``, the rows padded to a multiple
-    of ROWS: with a few rows OpenBLAS runs this faster than ``x @ w.T`` on the transposed view
-    or on a contiguous transposed copy, and copies no weight (8 rows, one thread, weights
-    cycled through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18 on the view and
-    0.85 on a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch invariant by contract
-    (drafter rows only)."""
+    """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
+    GEMV_ROWS rows (3 where N <= GEMV_WIDE_N) one GEMV a row (OpenBLAS's GEMM pads nothing
+    there but packs the whole weight: 2.6x slower at one row); else ``(w @ x_pad.T).T``, the
+    rows padded to a multiple of ROWS: with a few rows OpenBLAS runs this faster than
+    ``x @ w.T`` on the transposed view or on a contiguous transposed copy, and copies no
+    weight (8 rows, one thread, weights cycled through 80 MB: the demo's 8192 x 256 lm_head
+    0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15 against 0.25 and
+    0.22).  Not batch invariant by contract (drafter rows only)."""
     x = _f32(x)
     m, k = x.shape
+    if m <= GEMV_ROWS or (m == GEMV_ROWS + 1 and w.shape[0] <= GEMV_WIDE_N):
+        out = np.empty((m, w.shape[0]), np.float32)
+        for i in range(m):
+            np.matmul(w, x[i], out=out[i])
+        return out
     pad = -m % ROWS
     if pad:
         x = np.concatenate([x, np.zeros((pad, k), np.float32)])

@@ -120,8 +120,9 @@ class DeviceRounds:
         # the tree's root positions: with KDTREE_LEAN_ROUND the lengths themselves, no copy,
         # as nothing writes them before the round's last read of them (add_on_device below)
         start = cache.device_lengths if lean else cache.device_lengths.copy()
-        draft_logits = self.drafter.propose(DraftContext(roots=self.roots, positions=start,
-                                                         depth=budget))
+        draft_logits = self.drafter.propose(DraftContext(
+            roots=self.roots, positions=start, depth=budget,
+            temperature=self.sampling.temperature))
         tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature)(
             draft_logits, self.roots, start)
         # the verify's slots from the round's own device lengths: forward runs it eagerly

@@ -112,10 +112,13 @@ class DFlashDrafter:
     features of the newly verified tokens (the prompt after prefill, the root and the
     accepted nodes after a round) extend its context (:meth:`extend_context`);
     :meth:`propose` drafts from the roots (:meth:`draft`).  ``block_len`` (L = B - 1) is the
-    tree's maximum depth.  ``draft_vocab`` (module docstring): None or 0, the whole
-    vocabulary; N, the N most frequent tokens of ``weights``' ranking (``dflash/vocab_rank``;
+    tree's maximum depth.  ``draft_vocab`` (module docstring): 0, the whole vocabulary; N,
+    the N most frequent tokens of ``weights``' ranking (``dflash/vocab_rank``;
     :func:`subset_ids`); the drafter's ``draft_vocab`` is then N (None where it ranks all),
-    which a DDTree budget's top-K must not exceed (``engine.generate`` checks)."""
+    which a DDTree budget's top-K must not exceed (``engine.generate`` checks).  None: the
+    whole vocabulary, except on the CPU path with a ranking, where a draft at T > 0 ranks the
+    ``cpu.SAMPLED_DRAFT_VOCAB`` most frequent tokens (the tree's candidates only; its
+    ``draft_vocab`` stays None: budgets past that N see masked candidates, never a refusal)."""
 
     def __init__(self, target: Model, config: ModelConfig, weights: Mapping[str, Any],
                  spec: DFlashSpec, name: str = "dflash", *, draft_vocab: int | None = None):
@@ -145,8 +148,17 @@ class DFlashDrafter:
         head, self.vocab_ids, self.draft_vocab = target.lm_head, None, None
         if ids is not None:       # the kept rows, contiguous, once: the head each draft reads
             self.vocab_ids = be.asarray(ids)
-            head = be.xp.ascontiguousarray(be.xp.take(target.lm_head, self.vocab_ids, axis=0))
+            head = _head_rows(be, target.lm_head, self.vocab_ids)
             self.draft_vocab = int(ids.size)
+        # the CPU path's default at T > 0 (draft_vocab None, a bundle that ranks): the
+        # cpu.SAMPLED_DRAFT_VOCAB most frequent tokens' rows, read by a draft whose context
+        # says T > 0 (draft); T = 0 keeps the whole vocabulary (docs/ENGINE.md, "The CPU path")
+        self._sampled = None
+        if self.trim_block and draft_vocab is None and rank is not None:
+            cut = subset_ids(rank, min(cpu.SAMPLED_DRAFT_VOCAB, config.vocab_size))
+            if cut is not None:
+                cut = be.asarray(cut)
+                self._sampled = (cut, _head_rows(be, target.lm_head, cut))
         self.model = Model(config, weights, be, shared={"model/embed_tokens": target.embed,
                                                         "lm_head": head})
         self.fc = be.asarray(np.ascontiguousarray(own["dflash/fc"]))
@@ -280,15 +292,17 @@ class DFlashDrafter:
             self.extend_context(commit.features, commit.counts_host)
 
     def propose(self, ctx: DraftContext):
-        return self.draft(ctx.roots, ctx.depth)
+        return self.draft(ctx.roots, ctx.depth, ctx.temperature)
 
-    def draft(self, roots, depth: int | None = None):
+    def draft(self, roots, depth: int | None = None, temperature: float = 0.0):
         """Logits [bs, d, V] float32 (device) of depths 1..d (d = B - 1, or ``depth`` where
         smaller) under each request's root ``roots`` [bs] (host or device ints), which sits
         at the position after its context: one forward over ``[root, MASK x (B - 1)]``, the
         lm_head on its rows 1..d only.  With ``trim_block`` (the CPU path) the forward is
         over ``[root, MASK x d]``: the rows a tree of depth d can use.  With a draft
-        vocabulary the head covers its tokens only, the others' logits MASKED_LOGIT."""
+        vocabulary the head covers its tokens only, the others' logits MASKED_LOGIT; so does
+        the CPU path's default one at ``temperature`` > 0 (the round's sampling temperature;
+        constructor)."""
         be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
         cache = self._started(len(roots))
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
@@ -308,10 +322,24 @@ class DFlashDrafter:
                                 xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
         # the context's device lengths: no host value, so a device round can capture it
         positions = cache.device_lengths[:, None] + steps[None, :]
-        logits = self.model.forward(ForwardBatch(tokens, positions, visible, embeds=x,
-                                                 logit_span=(1, 1 + d)), cache)
-        if self.vocab_ids is None:
+        batch = ForwardBatch(tokens, positions, visible, embeds=x, logit_span=(1, 1 + d))
+        vocab_ids = self.vocab_ids
+        if self._sampled is not None and temperature > 0:
+            vocab_ids, full_head = self._sampled[0], self.model.lm_head
+            self.model.lm_head = self._sampled[1]     # this forward's head only
+            try:
+                logits = self.model.forward(batch, cache)
+            finally:
+                self.model.lm_head = full_head
+        else:
+            logits = self.model.forward(batch, cache)
+        if vocab_ids is None:
             return logits
         full = xp.full((bs, d, self.vocab_size), MASKED_LOGIT, np.float32)
-        full[:, :, self.vocab_ids] = logits
+        full[:, :, vocab_ids] = logits
         return full
+
+
+def _head_rows(be, lm_head, ids):
+    """The rows ``ids`` of ``lm_head``, contiguous (a draft vocabulary's head, made once)."""
+    return be.xp.ascontiguousarray(be.xp.take(lm_head, ids, axis=0))

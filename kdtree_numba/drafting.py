@@ -73,10 +73,14 @@ class DraftContext:
     the target has cached for the request before it).  ``depth`` (a Python int, or None):
     the deepest draft position the round can use (a tree of n nodes reaches depth n at
     most): a drafter may return only the first ``min(L, depth)`` rows of logits (a block
-    drafter then runs its lm_head on those alone), never fewer."""
+    drafter then runs its lm_head on those alone), never fewer.  ``temperature``: the round's
+    sampling temperature (0: greedy); a drafter may shape its draft by it (the CPU path's
+    DFlash drafter ranks a draft vocabulary at T > 0: kdtree_numba/dflash.py), never the
+    tokens committed, which are the target's."""
     roots: object
     positions: object
     depth: int | None = None
+    temperature: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -318,7 +318,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     roots = be.asarray(req.roots())
     start = be.asarray(cache.lengths.astype(np.int32))
     depth = budget if max_depth is None else min(budget, max_depth)
-    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start, depth=depth))
+    draft_logits = drafter.propose(DraftContext(roots=roots, positions=start, depth=depth,
+                                                temperature=sampling.temperature))
     if max_depth is not None and draft_logits.shape[1] > depth:   # a drafter of whole blocks
         draft_logits = draft_logits[:, :depth]
     timer.lap("draft")

@@ -107,6 +107,50 @@ def test_ddtree_with_a_draft_vocabulary_gives_ar_tokens(device_rounds, temperatu
         assert seen and (set(seen) <= kept) == inside
 
 
+def test_the_cpu_path_drafts_a_draft_vocabulary_at_t_above_0_only(monkeypatch):
+    """The CPU path's default (draft_vocab None, a ranking): a draft at T > 0 gives the logits
+    of the cut drafter (cpu.SAMPLED_DRAFT_VOCAB tokens, here KEEP), at T = 0 the full
+    drafter's, bit for bit; draft_vocab 0 and the float64 reference keep the whole vocabulary
+    at any T; DDTree at T > 0 still gives AR's tokens, its trees of kept tokens only."""
+    monkeypatch.setattr(cpu, "SAMPLED_DRAFT_VOCAB", KEEP)
+    target, default, cut = drafters(make_backend("reference", precision="float32"))
+    _, _, dcfg, dw, spec = parts2()
+    full = DFlashDrafter(target, dcfg, dict(dw, **{DFLASH_VOCAB_RANK: ranked()}), spec,
+                         draft_vocab=0)
+    assert default.draft_vocab is None
+
+    def drafts(drafter, t):
+        return proposals(_Tempered(drafter, t))
+    for a, b in zip(drafts(default, 0.0), drafts(full, 0.0)):
+        np.testing.assert_array_equal(a, b)
+    for a, b, c in zip(drafts(default, 0.7), drafts(cut, 0.0), drafts(full, 0.7)):
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c)                 # full ranks every token at T > 0
+    _, ref_default, _ = drafters()
+    for a, b in zip(drafts(ref_default, 0.7), drafts(ref_default, 0.0)):
+        np.testing.assert_array_equal(a, b)
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
+    ar = generate(target, prompts, 10, temperature=0.8, seed=4).tokens
+    seen = []
+    res = generate(target, prompts, 10, method="ddtree", drafter=default, budget=6,
+                   temperature=0.8, seed=4, on_round=lambda tree, *_: seen.extend(
+                       int(t) for b in range(2) for t in tree.token[b, 1:1 + tree.n_nodes[b]]))
+    assert res.tokens == ar and seen and set(seen) <= set(ranked()[:KEEP].tolist())
+
+
+class _Tempered:
+    """``drafter`` whose ``draft`` runs at temperature ``t`` (proposals' calls)."""
+
+    def __init__(self, drafter, t):
+        self.inner, self.t = drafter, t
+        self.model, self.feature_layers = drafter.model, drafter.feature_layers
+        self.vocab_size, self.start = drafter.vocab_size, drafter.start
+        self.extend_context = drafter.extend_context
+
+    def draft(self, roots, depth=None):
+        return self.inner.draft(roots, depth, self.t)
+
+
 def test_the_draft_vocabulary_checks():
     tcfg, tw, dcfg, dw, spec = parts2()
     target = Model(tcfg, tw, "reference")
