@@ -183,8 +183,8 @@ def _run_parser() -> ArgumentParser:
                    "frequent tokens of its bundle's ranking (tools/draft_vocab.py), the rest "
                    "never drafted; the tree's tokens only, never the tokens committed (default: "
                    "the whole vocabulary, except on the CPU path at T > 0: the "
-                   f"{cpu.SAMPLED_DRAFT_VOCAB} most frequent where the bundle ranks them; 0: the whole vocabulary; "
-                   "docs/ENGINE.md, 'Draft vocabulary')")
+                   f"{cpu.SAMPLED_DRAFT_VOCAB} most frequent where the bundle ranks them; 0: "
+                   "the whole vocabulary; docs/ENGINE.md, 'Draft vocabulary')")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed")
     p.add_argument("--eos", type=int, default=None, metavar="ID",
                    help="stop token id (default: none; every prompt gets N new tokens)")

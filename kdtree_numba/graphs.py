@@ -69,8 +69,8 @@ __all__ = ["GraphCache", "graphs_enabled", "max_graphs", "evicted"]
 # capacities they need
 MAX_GRAPHS = {"prefill": 16}
 MAX_GRAPHS_OF_A_KIND = 24
-# auto's second policy (KDTREE_AUTO_V2, the default; issue 36): a device round's graph per budget and per (target cache, drafter
-# cache) pair, so --budget auto's 8 candidates in the 4 generation caches a model keeps
+# auto's second policy (KDTREE_AUTO_V2, the default; issue 36): a device round's graph per
+# budget and per (target cache, drafter cache) pair, so --budget auto's 8 candidates in the 4 generation caches a model keeps
 # (model.GENERATION_CACHES), each beside its drafter cache of the same capacity bucket or the
 # next, need up to 64: with 24, auto's warm-up captures were evicted and its timed rows
 # recaptured them (run 150: 12 captures, each after an eager round of ~200 launches from

@@ -17,8 +17,8 @@ A DDTree round (docs/DDTREE.md for the kernels):
 * :meth:`~DeviceSteps.accept`: the target's choice at every node (argmax at T = 0, the
   uniforms ``U_b[start + depth + 1]`` at T > 0), the walk (``accept_greedy`` /
   ``accept_sampled``) with the packing of acc_len, the committed tokens and the accepted
-  slots into one int32 array in the walk's launch (``reference.ddtree.pack_committed``), the round's one read
-  (graph key "accept");
+  slots into one int32 array in the walk's launch (``reference.ddtree.pack_committed``), the
+  round's one read (graph key "accept");
 * :meth:`~DeviceSteps.accepted_rows`: with a DFlash drafter, the verify's captured target
   features at the accepted nodes (graph key "accepted_rows"), the drafter's next context;
 * :meth:`~DeviceSteps.compact`: ``compact_kv`` of the accepted rows (graph key "compaction").

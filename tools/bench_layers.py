@@ -44,7 +44,8 @@
   work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  At
   M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: L2 bulk
   prefetch, N tiles a block, chunks in flight, rows, threads), and "mma" / "mma work list"
-  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each variant's kernels compile on first use).
+  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each
+  variant's kernels compile on first use).
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
   and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,

@@ -77,8 +77,8 @@ def _accept_kernel(max_steps: int):
 def accept_greedy(tree: DraftTree, target_tokens, pack: bool = False, *, stream=0, out=None):
     """GPU twin of ``reference.ddtree.accept_greedy``, bit-identical; ``pack``: the packed
     committed tokens and accepted slots too (``reference.ddtree.pack_committed``), written by
-    the same launch (a DDTree round's one read, where CuPy glue took ten launches).  ``out``: optional (acc_idx, acc_len, next_token[, packed])
-    device arrays."""
+    the same launch (a DDTree round's one read, where CuPy glue took ten launches).
+    ``out``: optional (acc_idx, acc_len, next_token[, packed]) device arrays."""
     bs, budget, max_depth = check_tree(tree)
     check_per_slot("target_tokens", target_tokens, bs, budget + 1, "iu")
     host = not (tree_is_on_device(tree) or any_on_device(target_tokens)) and out is None
