@@ -196,6 +196,8 @@ def test_propose_matches_the_oracle_with_a_tied_bf16_target():
 
 @pytest.mark.skipif(not compat.SIMULATOR, reason="the numba twin runs here only in the CUDA "
                     "simulator")
+@pytest.mark.slow   # 13-20 s; in CI the numba twin's tokens equal AR's (the equals_ar test
+#                     below) and the reference twin meets the oracle; on a GPU, test_dflash whole
 def test_propose_matches_the_oracle_on_the_numba_kernels_in_simulator(needs_kernels):
     """The numba kernels (float32) under the simulator: against the oracle and against the
     reference twin, over the same multi-round context (two block forwards, ~20 s)."""
