@@ -102,6 +102,12 @@ class Backend:
     _launch: "LaunchSettings" = dataclasses.field(
         default_factory=lambda: LaunchSettings(), repr=False)     # noqa: F821 (below)
 
+    @property
+    def cpu_path(self) -> bool:
+        """The reference backend in float32: the CPU path (kdtree_numba/cpu.py), where a
+        drafter's ops, its block and a sampled tree's depth are cut to what a CPU pays for."""
+        return self.name == "reference" and self.precision == "float32"
+
     def asarray(self, a, dtype=None):
         """A host (or device) array as an ``xp`` array, on the device for a GPU backend.
 

@@ -138,7 +138,7 @@ class DFlashDrafter:
         # and the mask rows past d, which no tree of that depth reads, moved the demo pair's
         # tau by < 1% (docs/ENGINE.md, "The CPU path"); its ops need not be batch invariant
         # (cpu.drafter_ops).  Elsewhere the full block, as trained, on the target's ops.
-        self.trim_block = be.name == "reference" and be.precision == "float32"
+        self.trim_block = be.cpu_path
         if self.trim_block:
             be = dataclasses.replace(be, ops=cpu.drafter_ops(be.ops))
         rank = weights[DFLASH_VOCAB_RANK] if DFLASH_VOCAB_RANK in weights else None

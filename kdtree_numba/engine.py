@@ -68,7 +68,7 @@ from typing import Sequence
 import numpy as np
 
 from kdtree_numba import runtime
-from kdtree_numba.budget import AutoBudget
+from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
@@ -470,9 +470,10 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
         return int(longest) + 2
     if method == "chain":
         budget = block_len
-    elif budget == "auto":
-        budget = AutoBudget()
-    widest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
+    if budget == "auto":                  # a fresh AutoBudget's largest candidate
+        widest = max(DEFAULT_CANDIDATES)
+    else:
+        widest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
     block = int(block_len) + 1
     return int(longest) + block * (2 if on_device else 1) + max(widest + 1, block)
 

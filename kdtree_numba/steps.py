@@ -59,8 +59,7 @@ def tree_depth(backend, sampling) -> int | None:
     budget pays more spent wide than deep and the drafter's shorter block costs less; None
     elsewhere (T = 0's trees, the GPU's, the float64 reference's stay as they were).  The
     cap shapes the tree only: the acceptance reads the target alone."""
-    if as_sampling(sampling).temperature > 0 and backend.name == "reference" \
-            and backend.precision == "float32":
+    if as_sampling(sampling).temperature > 0 and backend.cpu_path:
         return cpu.SAMPLED_DEPTH
     return None
 
