@@ -221,6 +221,8 @@ class Model(DeviceSteps):
         self.pad_prefills: bool | None = None
         # the generations' KV caches, kept for the next generations (cache_for_generation)
         self._generation_caches: collections.OrderedDict = collections.OrderedDict()
+        # AR's sampled step's root-only trees by batch (DeviceSteps.choose): graph constants
+        self._root_trees: dict = {}
         if self.backend.on_gpu and self.backend.name == "numba" and graphs_enabled():
             self.graphs = self.new_graphs()
 

@@ -148,7 +148,8 @@ def compaction_phase(ops, cache):
 
 class DeviceSteps:
     """The device steps of decoding (module docstring), mixed into ``Model``: they use the
-    model's ``backend``, ``graphs`` (a GraphCache, or None: eager) and ``vocab_size``."""
+    model's ``backend``, ``graphs`` (a GraphCache, or None: eager), ``vocab_size`` and
+    ``_root_trees`` (a dict)."""
 
     def device_step(self, key: tuple, fn, inputs: tuple, borrow: bool = False,
                     before_capture=None):
@@ -179,10 +180,18 @@ class DeviceSteps:
         if sampling.greedy:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
             return self.device_step(("argmax",), ops.argmax, (logits,))
         bs = logits.shape[0]
-        pair = xp.ascontiguousarray(xp.stack([logits, logits], axis=1))
-        u = be.asarray(np.stack([uniforms, np.full(bs, 0.5)], axis=1))
-        tokens = ops.sample_targets(root_only_tree(be, bs), pair, sampling, u)
-        return tokens[:, 0]
+        tree = self._root_trees.get(bs)   # made once: its arrays are the graph's constants
+        if tree is None:
+            tree = self._root_trees[bs] = root_only_tree(be, bs)
+
+        def sample(logits, u):
+            pair = xp.stack([logits, logits], axis=1)
+            return xp.ascontiguousarray(ops.sample_targets(tree, pair, sampling, u)[:, 0])
+        # one CUDA graph as at T = 0: eagerly the step was ~8 launches and copies on the
+        # host's path (AR at T = 1 idled the GPU half of each step, run 158)
+        key = ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+        return self.device_step(key, sample,
+                                (logits, np.stack([uniforms, np.full(bs, 0.5)], axis=1)))
 
     def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,
                    borrow: bool = False, draft_temperature: float = 1.0):

@@ -314,14 +314,16 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
                                    rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method, temperature", [("ar", 0.0), ("ddtree", 0.0),
-                                                 ("ddtree", 0.8)])
-def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature):
+@pytest.mark.parametrize("method, temperature, top_p, top_k",
+                         [("ar", 0.0, 1.0, 0), ("ar", 0.8, 1.0, 0), ("ar", 1.0, 0.9, 50),
+                          ("ddtree", 0.0, 1.0, 0), ("ddtree", 0.8, 1.0, 0)])
+def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature, top_p, top_k):
     """Same tokens with and without CUDA graphs; in DDTree the round's tree, accept and
-    compaction phases replay from graphs as well as the forwards."""
+    compaction phases replay from graphs as well as the forwards; AR's sampled choice (top-p
+    and top-k too) replays from a graph of its own."""
     _, gpu = pair("small")
     monkeypatch.setattr(gpu, "graphs", gpu.new_graphs())
-    kw = dict(temperature=temperature, seed=3)
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=3)
     if method == "ddtree":
         kw.update(method="ddtree", budget=16,
                   drafter=NoisyOracleDrafter(gpu, 4, agreement=0.7))
@@ -343,6 +345,8 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature)
         assert kinds["tree"] == kinds["accept"] == kinds["compaction"] == 1, kinds
     if temperature == 0:
         assert kinds["argmax"] >= 1, kinds          # the AR step's / prefill's choice
+    elif method == "ar":
+        assert kinds["sample"] == 1, kinds          # one key: batch and sampling fixed
 
 
 def test_gpu_failed_capture_falls_back_to_eager(monkeypatch):
