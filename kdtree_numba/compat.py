@@ -1,6 +1,6 @@
 """The one place that knows how numba.cuda runs here.  Every kernel module imports it first.
 
-Five jobs (docs/ARCHITECTURE.md, "Where code runs"):
+Six jobs (docs/ARCHITECTURE.md, "Where code runs"):
 
 1. numba-cuda 0.30.4 calls ``np.row_stack`` while compiling, and numpy >= 2.5 removed it.
    The H200 image ships numpy 2.5, so without the alias below every first kernel compile
@@ -16,16 +16,24 @@ Five jobs (docs/ARCHITECTURE.md, "Where code runs"):
 5. On a GPU, launch kernels without numba's per-call typing and array wrapping
    (kdtree_numba/gpu/launch.py; ``KDTREE_FAST_LAUNCH=0`` opts out), and wrap CuPy arrays as
    numba arrays without a driver call (:func:`to_device`).
+6. Keep numba's low-occupancy hint (a NumbaPerformanceWarning for each grid under 128 blocks)
+   off the console: batch-1 decode grids are that small by design, and a first ``kdtree-run``
+   printed a screen of them.  ``NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=1`` brings it back.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 
 if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls it
     np.row_stack = np.vstack
+
+# job 6, through the environment: numba re-reads NUMBA_* variables before each compile, so a
+# value set on its config module alone would not hold
+os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
 

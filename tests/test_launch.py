@@ -201,3 +201,25 @@ def test_gpu_to_device_and_device_empty_share_cupys_memory():
     assert e.strides == (20, 4) and e.shape == (3, 5)
     e.copy_to_device(np.arange(15, dtype=np.int32).reshape(3, 5))
     np.testing.assert_array_equal(e.copy_to_host(), np.arange(15).reshape(3, 5))
+
+
+@pytest.mark.gpu
+def test_gpu_small_grids_print_no_low_occupancy_hint():
+    """compat's job 6: a one-block launch through numba's own dispatcher (the first call of a
+    kernel compiles there) raises no NumbaPerformanceWarning."""
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+
+    from kdtree_numba import compat
+    assert os.environ.get("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS") == "0"
+
+    @compat.cuda.jit
+    def plus_one(y):
+        y[compat.cuda.threadIdx.x] += 1
+
+    y = compat.cuda.to_device(np.zeros(32, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumbaPerformanceWarning)
+        plus_one[1, 32](y)
+    np.testing.assert_array_equal(y.copy_to_host(), np.ones(32, np.float32))
