@@ -11,9 +11,9 @@ Two kinds of switch:
   kernels compiled with source line info (``KDTREE_CUDA_LINEINFO=1``, for compute-sanitizer
   and Nsight Compute).
 * **per call**: CUDA graphs (``KDTREE_CUDA_GRAPHS=0`` turns them off), the grouped MoE's device
-  work list (``KDTREE_MOE_WORK_LIST=1``), int4 (W4A16) experts on tensor cores where
-  ``method="auto"`` leaves weight streaming and under ``"tensor-cores"``
-  (``KDTREE_INT4_MMA=1``: opt-in until a GPU validates it; layers/moe_int4_mma.py), the
+  work list (``KDTREE_MOE_WORK_LIST=1``), int4 (W4A16) experts on tensor cores under
+  ``"tensor-cores"`` at every M (layers/moe_int4_mma.py; ``KDTREE_INT4_MMA=0`` keeps them on
+  the CUDA-core W4A16 kernels there), the
   weight-streaming MoE experts' chunk grid (an expert's mt-token chunks in blocks of their
   own, and the grouping's scan over the experts alone, on fewer threads: the same bits;
   ``KDTREE_MOE_CHUNK_GRID=0`` turns it off: docs/LAYERS.md, "MoE FFN"), DDTree
@@ -102,7 +102,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     moe_work_list: bool = False
     moe_chunk_grid: bool = True
-    int4_mma: bool = False
+    int4_mma: bool = True
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     fused_latents: bool = True
     pad_prefills: bool = True
@@ -135,7 +135,7 @@ class RuntimeConfig:
                    cuda_graphs=_flag(env, "KDTREE_CUDA_GRAPHS", True),
                    moe_work_list=_flag(env, "KDTREE_MOE_WORK_LIST", False),
                    moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", True),
-                   int4_mma=_flag(env, "KDTREE_INT4_MMA", False),
+                   int4_mma=_flag(env, "KDTREE_INT4_MMA", True),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),

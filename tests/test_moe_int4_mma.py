@@ -199,14 +199,15 @@ class _Picked(Exception):
 
 
 @pytest.mark.parametrize("method, m, switch, picked", [
-    ("mma", 1, "0", "mma"), ("auto", 129, "0", "skinny"), ("auto", 129, "1", "mma"),
+    ("mma", 1, "0", "mma"), ("auto", 129, "0", "skinny"), ("auto", 129, "1", "skinny"),
     ("auto", 17, "1", "skinny"), ("auto", 2, "1", "skinny"), ("tensor-cores", 2, "0", "skinny"),
-    ("tensor-cores", 2, "1", "mma"), ("skinny", 129, "1", "skinny")])
+    ("tensor-cores", 2, "1", "mma"), ("tensor-cores", 129, "1", "mma"),
+    ("skinny", 129, "1", "skinny")])
 def test_which_methods_take_the_w4a16_tensor_core_kernels(method, m, switch, picked,
                                                           needs_kernels, monkeypatch):
-    """"mma" always; with KDTREE_INT4_MMA=1 (off by default) "tensor-cores" at every M and
-    "auto" where bf16 experts leave weight streaming (common.takes_tiled: past 16 rows, past
-    128 for a weight this small); never "skinny"."""
+    """"mma" always; "tensor-cores" at every M unless KDTREE_INT4_MMA=0; never "auto" (not
+    by M either: the kernel's bf16 activations would part a verify's rows from a decode's)
+    nor "skinny"."""
     from kdtree_numba.layers import moe as moe_module
 
     def kernels(name):

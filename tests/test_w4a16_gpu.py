@@ -82,13 +82,15 @@ def reference(cp, h, idx, wt, gate_up, down, sgu, sdn, expert=None):
 
 @pytest.mark.parametrize("m, pool", [(1, E), (3, E), (33, 24), (65, 24)],
                          ids=["decode-M1", "M3", "verify-M33", "verify-M65"])
-def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool):
+def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatch):
     """M = 1: one token's 8 routed experts (the decode GEMV); 33 / 65: a verify's rows, their
     routing drawn from ``pool`` experts so that several hold many tokens (more than one mt
     chunk) and the float64 reference stays affordable.  A row alone gives its batch bits
-    under "tensor-cores" (the engine's batch-invariant setting: the int4 kernels at every M,
-    the shared expert's linear streaming its weights at every M too; under "auto" that
-    linear goes tiled above 16 rows, as for bf16 experts, and run 141 saw the last bits move)."""
+    under "tensor-cores" with KDTREE_INT4_MMA=0 (the CUDA-core int4 kernels at every M, the
+    shared expert's linear streaming its weights at every M too; under "auto" that linear
+    goes tiled above 16 rows, as for bf16 experts, and run 141 saw the last bits move; the
+    tensor-core kernel "tensor-cores" runs by default: tests/test_moe_int4_mma.py)."""
+    monkeypatch.setenv("KDTREE_INT4_MMA", "0")
     rng = np.random.default_rng(m)
     experts = rng.choice(E, pool, replace=False)
     idx = np.sort(np.stack([rng.choice(experts, TOP_K, replace=False) for _ in range(m)]),

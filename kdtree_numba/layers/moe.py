@@ -553,15 +553,15 @@ def _mma_takes_shared(d: int, shared_gate_up, shared_down, stream) -> bool:
 
 def _int4_mma_picked(method: str, hd, gu4, dn4, shared_gate_up, shared_down, stream) -> bool:
     """Whether int4 experts run on tensor cores (layers/moe_int4_mma.py): always under "mma"
-    (ValueError where the kernels cannot take them), and with ``KDTREE_INT4_MMA=1`` (opt-in
-    until a GPU validates the kernel) under "tensor-cores" at every M, as bf16 experts, and
-    under "auto" where bf16 experts leave weight streaming (``common.takes_tiled``: a
-    verify's or a prefill's rows).  They take group sizes that are multiples of 32, D and I
-    multiples of 32 with C-contiguous 16-byte aligned words and h, and a bf16 shared expert
-    (Is % 8) or none."""
+    (ValueError where the kernels cannot take them), and under "tensor-cores" at every M, as
+    bf16 experts do (``KDTREE_INT4_MMA=0`` keeps them on the CUDA-core W4A16 kernels there).
+    Never by M under "auto": the kernel rounds its activations to bf16, so a verify's rows
+    would leave a decode's by far more than rounding (kimi-k2-slice at budgets 16 and 32, run
+    160: the replay drafter's tau 5.82 -> 1.97, tokens no longer AR's).  They take group
+    sizes that are multiples of 32, D and I multiples of 32 with C-contiguous 16-byte aligned
+    words and h, and a bf16 shared expert (Is % 8) or none."""
     m, d = hd.shape
-    if method != "mma" and not (runtime.current().int4_mma and (
-            method == "tensor-cores" or method == "auto" and takes_tiled(m, gu4.shape[1] * d))):
+    if method != "mma" and not (runtime.current().int4_mma and method == "tensor-cores"):
         return False
     takes = (int4_mma_group_ok(gu4.group_size) and int4_mma_group_ok(dn4.group_size)
              and int4_load_kind(d, hd, gu4) == "i4" and int4_load_kind(dn4.shape[2], hd, dn4)
