@@ -51,7 +51,7 @@ from formats.paths import output_directory
 from kdtree_numba.config import ModelConfig, weight_shapes
 
 __all__ = ["BundleError", "read_bundle", "QUANTIZABLE", "open_bundle", "BundleWeights",
-           "write_bundle",
+           "stores_packed_weights", "write_bundle",
            "read_bundle_config", "check_output_path", "SIZES",
            "size_config", "drafter_config", "init_spec", "random_weights", "make_random_bundle",
            "block_drafter_shapes", "BUNDLE_VERSION", "BundleTokenizer",
@@ -345,6 +345,15 @@ def read_bundle_config(path) -> tuple[ModelConfig, dict]:
     """(config, root attributes) of a bundle, without touching the weights."""
     with _open(path) as f:
         return _read_config(f, path), dict(f.attrs)
+
+
+def stores_packed_weights(path) -> bool:
+    """Whether a bundle keeps any tensor in a packed weight format (int4-group routed experts:
+    Kimi-K2 as it ships), from its layout alone: nothing is read or checked."""
+    found = []
+    with _open(path) as f:
+        f.visititems(lambda name, node: found.append(name) if is_weight_group(node) else None)
+    return bool(found)
 
 
 class BundleWeights(Mapping):

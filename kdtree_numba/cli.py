@@ -41,8 +41,8 @@ from kdtree_numba import cpu
 from kdtree_numba.backends import GEMM_CHOICES, PRECISIONS
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
-from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, budget_value,
-                                     bundle_problem,
+from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, auto_gemm,
+                                     budget_value, bundle_problem,
                                      check_against_model, check_options, encode_prompts,
                                      open_backend, plan_drafter, plan_model, read_prompts)
 from kdtree_numba.cli_output import TextStream, json_result, print_result, same_terminal
@@ -149,12 +149,13 @@ def _run_parser() -> ArgumentParser:
                    help="the reference backend's arithmetic: float32 is the CPU path (BLAS, "
                    "batch invariant, so DDTree stays lossless against AR; docs/ENGINE.md, "
                    "'The CPU path'), float64 the exact reference (slow) (default: float32)")
-    p.add_argument("--gemm", choices=list(GEMM_CHOICES), default="cuda-cores",
+    p.add_argument("--gemm", choices=["auto", *GEMM_CHOICES], default="auto",
                    help="numba only: tensor-cores runs the projections, the experts and the "
                    "lm_head with bf16 weights on bf16 tensor cores (inputs rounded to bf16), "
                    "every op batch invariant, so DDTree's greedy tokens equal AR's whenever the "
                    "accepted path is the tree's first nodes; cuda-cores: float32 on CUDA cores "
-                   "(docs/ENGINE.md, 'Tensor cores')")
+                   "(docs/ENGINE.md, 'Tensor cores'); auto: tensor-cores for a target with "
+                   "int4-group experts or a hidden size of 4096 or more, else cuda-cores")
     p.add_argument("--kv-cache", choices=list(CACHE_DTYPES), default="float32",
                    help="what the target's latent cache stores: bfloat16 halves its bytes "
                    "(attention then rounds its queries and weights to bf16 and runs on bf16 "
@@ -244,11 +245,14 @@ def _record_kernels(prog: str, args, key: str, on_gpu: bool, warn) -> None:
         warn(f"kernels not recorded: {e}")
 
 
-def _backend_words(backend, args) -> str:
-    """The backend as kdtree-run names it: the CPU path says that it is one, and how to get
-    the exact reference instead."""
+def _backend_words(backend, args, target) -> str:
+    """The backend as kdtree-run names it: the GPU's with its GEMM setting (and why, where
+    ``--gemm auto`` chose it), the CPU path that it is one and how to get the exact reference
+    instead."""
     if backend.name != "reference":
-        return backend.name
+        why = f", --gemm auto: {auto_gemm(backend.name, target)[1]}" if args.gemm == "auto" \
+            else ""
+        return f"{backend.name} (gemm {backend.gemm}{why})"
     if backend.precision == "float64":
         return "reference (float64, the exact NumPy reference)"
     threads = cpu.blas_threads()
@@ -355,11 +359,11 @@ def _run(argv: list[str]) -> int:
     if args.draft_vocab and args.method == "ar":
         warn("--draft-vocab shapes a drafter's proposals; --method ar ignores it")
     source = read_prompts(args)
-    backend = open_backend(args.backend, args.gemm, args.precision)
+    target = plan_model(args)
+    backend = open_backend(args.backend, args.gemm, args.precision, target)
     args.budget_defaulted = args.budget is None
     if args.budget is None:
         args.budget = DEFAULT_BUDGET if backend.name == "numba" else cpu.DEFAULT_BUDGET
-    target = plan_model(args)
     cfg, codec = target.config, target.codec
     prompts, where = encode_prompts(source, target)
     as_text = source.is_text or (source.ids is None and codec is not None)
@@ -388,8 +392,9 @@ def _run(argv: list[str]) -> int:
                if not device_rounds_possible(drafter) else None)
         if why:
             raise UsageError(f"--device-rounds {why}")
-    _log(prog, f"backend {_backend_words(model.backend, args)}, {len(prompts)} prompt(s), "
-         f"method {args.method}, loaded in {time.perf_counter() - t0:.2f} s; generating...")
+    _log(prog, f"backend {_backend_words(model.backend, args, target)}, {len(prompts)} "
+         f"prompt(s), method {args.method}, loaded in {time.perf_counter() - t0:.2f} s; "
+         f"generating...")
     stream = TextStream(codec) if as_text and len(prompts) == 1 and not args.json else None
     bar = _progress_bar(args, "generate", len(prompts) * args.max_new_tokens, "tok")
     # no heartbeat lines where the prompt is echoed and the text streams: they would cut it

@@ -23,14 +23,14 @@ from formats.paths import output_directory
 from kdtree_numba import compat, demo, plots
 from kdtree_numba.backends import Backend, make_backend
 from kdtree_numba.budget import AutoBudget
-from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config
+from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config, stores_packed_weights
 from kdtree_numba.config import ModelConfig, weight_shapes
 from kdtree_numba.ddtree import MAX_GPU_BUDGET
 from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
 from kdtree_numba.text import TextCodec, load_codec
 
 __all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
-           "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts", "open_backend",
+           "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts", "open_backend", "auto_gemm",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
 
@@ -176,10 +176,32 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None) -> Backend:
+# --gemm auto: bf16 tensor cores from this hidden size on (Kimi-K2 / DeepSeek-V3's 7168: where
+# a forward streams GBs of weights, and where kimi-slice's rows were measured on them), or for
+# packed int4 experts at any width (their verify on CUDA cores re-reads each expert per chunk
+# of rows: kimi-k2-slice's 9-node verify 9.0 ms against 3.8 on tensor cores, runs 159-161)
+TENSOR_CORE_HIDDEN = 4096
+
+
+def auto_gemm(backend: str, plan: "ModelPlan") -> tuple[str, str]:
+    """``--gemm auto``'s choice on ``backend`` (a resolved name) for the target: (gemm, why)."""
+    if backend != "numba":
+        return "cuda-cores", "the reference backend's only one"
+    if plan.packed_experts:
+        return "tensor-cores", "int4-group experts"
+    if plan.config.hidden_size >= TENSOR_CORE_HIDDEN:
+        return "tensor-cores", f"hidden size {plan.config.hidden_size}"
+    return "cuda-cores", f"hidden size {plan.config.hidden_size}"
+
+
+def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None,
+                 plan: "ModelPlan | None" = None) -> Backend:
     """kdtree-run's backend: without a GPU the reference backend's float32 CPU path
-    (kdtree_numba/cpu.py) unless ``--precision float64`` asks for the exact reference."""
+    (kdtree_numba/cpu.py) unless ``--precision float64`` asks for the exact reference.
+    ``gemm`` "auto" takes :func:`auto_gemm`'s choice for ``plan``'s target."""
     resolved = name if name != "auto" else ("numba" if compat.gpu_available() else "reference")
+    if gemm == "auto":
+        gemm = auto_gemm(resolved, plan)[0]
     if precision is not None and resolved != "reference":
         raise UsageError(f"--precision {precision}: the reference backend's choice (the numba "
                          f"backend computes in float32); drop it or use --backend reference")
@@ -220,11 +242,13 @@ def _existing_bundle(option: str, path: str, want: str) -> None:
 class ModelPlan:
     """The target bundle before its weights are read: ``path`` (``--model``'s, or the shipped
     demo target's), ``option`` (how messages name it: ``--model`` or ``the default model``),
-    its ``config`` and its ``codec`` (None: the bundle has no tokenizer)."""
+    its ``config``, its ``codec`` (None: the bundle has no tokenizer) and whether it stores
+    packed (int4-group) experts."""
     path: str
     option: str
     config: ModelConfig
     codec: TextCodec | None
+    packed_experts: bool = False
 
     @property
     def default(self) -> bool:
@@ -248,9 +272,10 @@ def plan_model(args) -> ModelPlan:
     try:
         config = read_bundle_config(path)[0]
         codec = load_codec(path, verify=not args.no_verify)
+        packed = stores_packed_weights(path)
     except (BundleError, OSError) as e:
         raise bundle_problem(option, path, e) from e
-    return ModelPlan(path, option, config, codec)
+    return ModelPlan(path, option, config, codec, packed)
 
 
 def encode_prompts(source: PromptSource, model: ModelPlan) -> tuple[list[list[int]], list[str]]:

@@ -397,3 +397,27 @@ def test_import_progress_bar(files, tmp_path, capsys):
     assert "import" in err and "wrote" in err
     assert import_main([str(tmp_path / "hf"), str(tmp_path / "n.kdtr")]) == 0
     assert capsys.readouterr().err.count("\n") == 1           # piped: only the summary
+
+
+def test_gemm_auto_takes_tensor_cores_for_packed_experts_and_kimi_widths(tmp_path):
+    """--gemm auto (the default): bf16 tensor cores for a target that stores int4-group
+    experts (read from the bundle's layout) or is 4096 wide or more, CUDA cores for the
+    demo's width and on the reference backend, which has only them."""
+    import dataclasses
+
+    from formats.int4_group import Int4GroupWeight
+    from kdtree_numba.bundle import QUANTIZABLE, size_config, stores_packed_weights, write_bundle
+    from kdtree_numba.cli_checks import ModelPlan, auto_gemm
+    from kdtree_numba.demo import TARGET
+    cfg = size_config("tiny")
+    packed = tmp_path / "q.kdtr"
+    write_bundle(packed, cfg, {k: Int4GroupWeight.quantize(v, 32) if k.endswith(QUANTIZABLE)
+                               else v for k, v in random_weights(cfg, 0)}, dtype="bfloat16")
+    assert stores_packed_weights(packed) and not stores_packed_weights(TARGET)
+    plain = ModelPlan(str(TARGET), "the default model", cfg, None, False)
+    assert auto_gemm("numba", plain)[0] == "cuda-cores"
+    assert auto_gemm("numba", dataclasses.replace(plain, packed_experts=True)) == \
+        ("tensor-cores", "int4-group experts")
+    wide = dataclasses.replace(plain, config=dataclasses.replace(cfg, hidden_size=7168))
+    assert auto_gemm("numba", wide) == ("tensor-cores", "hidden size 7168")
+    assert auto_gemm("reference", wide)[0] == "cuda-cores"
