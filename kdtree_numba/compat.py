@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 
 if not hasattr(np, "row_stack"):  # numpy >= 2.5; numba-cuda 0.30.4 still calls it
     np.row_stack = np.vstack
 
-# job 6, through the environment: numba re-reads NUMBA_* variables before each compile, so a
-# value set on its config module alone would not hold
-os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+from kdtree_numba import runtime  # noqa: E402
+
+runtime.quiet_numba_hints()    # job 6, before numba reads its environment
 
 from numba import cuda  # noqa: E402  (after the numpy fix, on purpose)
 
-from kdtree_numba import runtime  # noqa: E402
 from kdtree_numba.kernel_recipes import kernel_factory, register  # noqa: E402
 
 __all__ = ["cuda", "SIMULATOR", "gpu_available", "kernels_runnable", "require_kernels",

@@ -218,6 +218,13 @@ def reset() -> None:
     _configured = None
 
 
+def quiet_numba_hints() -> None:
+    """kdtree_numba/compat.py's job 6: numba's low-occupancy hint off unless the caller set
+    ``NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS``.  Through the environment, as numba re-reads its
+    NUMBA_* variables before each compile (a value set on its config module would not hold)."""
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+
+
 def child_environment(**changes: str | None) -> dict:
     """This process's environment for a child process, with ``changes`` (None removes a
     variable): the precompile workers (kdtree_numba/precompile.py) get the kernel cache
