@@ -106,6 +106,13 @@ SLACK = 0.01
 REFRESH = 0.15
 # v2: how far below the two nearest measured budgets' secant a narrower budget's cost may lie
 SECANT_MARGIN = 0.1
+# the budget a policy starts at (the candidate nearest it): v1 the middle; v2 low (module
+# docstring, "The start")
+START_V1, START_V2 = 32, 8
+# v2: a rate bound must beat the best rate by more than this to be worth a round (a bound
+# that only ties, as a wider tree's whose paired acceptance gained nothing, cannot win; the
+# margin absorbs the float rounding of equal estimates)
+TIE = 1e-6
 # v2: the rounds its acceptance estimates remember (~4 of the demo row's prompts; 32 to 256
 # gave 97.7-98.0% of the best fixed rate on tests/test_budget_paired.py's simulated rows, so
 # the shorter memory, which follows a change of text sooner, costs little)
@@ -218,7 +225,8 @@ class AutoBudget:
     remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
     largest such (it measures every smaller budget's acceptance at once)."""
 
-    def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int = 32, reprobe: int = 16,
+    def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int | None = None,
+                 reprobe: int = 16,
                  decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None,
                  horizon: float = HORIZON, slack: float = SLACK):
         cands = sorted({int(b) for b in candidates if int(b) >= 1 and
@@ -233,9 +241,11 @@ class AutoBudget:
         if not 0 <= slack < 1:
             raise ValueError(f"slack must be in [0, 1), got {slack}")
         self.candidates = tuple(cands)
+        self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
+        if start is None:
+            start = START_V2 if self.v2 else START_V1
         self.start = min(cands, key=lambda b: (abs(b - start), b))
         self.reprobe, self.decay = int(reprobe), float(decay)
-        self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
         self.est = {b: BudgetEstimate(b) for b in cands}
         self.round = 0
         # v2: paired acceptance, the budget run between probes, the probes' alternation
@@ -245,6 +255,7 @@ class AutoBudget:
         self.slack = float(slack)
         self.home = self.start
         self._probe_up = False
+        self._away = -1                             # the latest round not at home (v2)
         self._tau = np.full(len(cands), np.nan)     # paired acceptance (v2)
         self._cost = np.full(len(cands), np.nan)    # steady cost, once trusted (v2)
         self._costed_at: list = []                  # the indices with one
@@ -343,11 +354,12 @@ class AutoBudget:
         :data:`SECANT_MARGIN` (a round's fixed part, the draft and the launches, stays)."""
         costed, b = self._costed_at, self.candidates[i]
         above = [j for j in costed if j > i]
+        below = [j for j in costed if j < i]
+        floor = float(self._cost[below[-1]]) if below else 0.0
         if not above:
-            below = [j for j in costed if j < i]
-            return float(self._cost[below[-1]]) if below else 0.0
+            return floor
         m, c = self.candidates[above[0]], float(self._cost[above[0]])
-        floor = c * b / m
+        floor = max(floor, c * b / m)
         if len(above) > 1:
             m2, c2 = self.candidates[above[1]], float(self._cost[above[1]])
             slope = max(c2 - c, 0.0) / (m2 - m)
@@ -374,9 +386,15 @@ class AutoBudget:
             else:
                 return False
         floor = self._cost_floor(i)
-        return floor <= 0 or tau / floor >= best_rate
+        return floor <= 0 or tau / floor > (1 + TIE) * best_rate
 
     def _next_v2(self) -> int:
+        b = self._choose_v2()
+        if b != self.home:
+            self._away = self.round
+        return b
+
+    def _choose_v2(self) -> int:
         h = self.index[self.home]
         if not self._costed(h):            # first the budget it runs: the rates' baseline
             return self.home
@@ -390,11 +408,13 @@ class AutoBudget:
             # begun: it ran (an eager or capturing first round leaves no cost behind)
             begun = [i for i in could if self.est[self.candidates[i]].rounds]
             return self.candidates[(begun or could)[-1]]
-        # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
-        #    acceptance on the same text, and its cost), or the stalest cost below it that
-        #    is within REFRESH of the best rate (costs drift slowly: the context grows)
+        # 2. reprobe / 2 rounds after the last round away from home, by turns: one round
+        #    above the home budget (its acceptance on the same text, and its cost), or the
+        #    stalest cost below it that is within REFRESH of the best rate (costs drift
+        #    slowly: the context grows).  Counted from the last one, not by the clock: a
+        #    probe right after a measurement would re-measure what was just seen
         half = max(self.reprobe // 2, 1)
-        if self.reprobe and self.round % half == half - 1:
+        if self.reprobe and self.round - self._away >= half:
             self._probe_up = not self._probe_up
             if self._probe_up and h + 1 < len(self.candidates):
                 return self.candidates[h + 1]
@@ -402,6 +422,8 @@ class AutoBudget:
                     if np.isfinite(self._rate[i]) and self._rate[i] >= (1 - REFRESH) * best_rate]
             if near:
                 return min(near, key=lambda b: self.est[b].last_round)
+            self._away = self.round      # no such budget: the turn is spent (one up follows
+            #                              reprobe / 2 rounds later, not at once)
         return self.home
 
     def summary(self) -> dict:
