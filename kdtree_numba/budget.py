@@ -407,7 +407,10 @@ class AutoBudget:
         if could:
             # begun: it ran (an eager or capturing first round leaves no cost behind)
             begun = [i for i in could if self.est[self.candidates[i]].rounds]
-            return self.candidates[(begun or could)[-1]]
+            pick = (begun or could)[-1]
+            if pick > h:                   # a round above home: the next turn is below it
+                self._probe_up = True
+            return self.candidates[pick]
         # 2. reprobe / 2 rounds after the last round away from home, by turns: one round
         #    above the home budget (its acceptance on the same text, and its cost), or the
         #    stalest cost below it that is within REFRESH of the best rate (costs drift
