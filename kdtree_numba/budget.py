@@ -10,7 +10,7 @@ round ends in the engine's one host read, so a round's wall time is its cost) an
 they committed, and picks the budget with the most expected tokens per second,
 tau(b) / cost(b).
 
-It climbs: it starts at ``start``, measures the neighbours (half and double) of the best
+It climbs: it starts at ``start`` (:data:`START_V1`, 32), measures the neighbours (half and double) of the best
 budget so far before trusting it, and every ``reprobe`` rounds measures again the neighbour
 it has not seen for longest, since the text (and with it tau) drifts.  A budget's cost is the
 median of its last 8 rounds, ignoring its first :data:`WARM_ROUNDS` once there are more (a
@@ -64,22 +64,52 @@ H200, 24 prompts: auto 6,443 tok/s against budget 16's 6,666; the first 5,632 ag
   trusted after :data:`MIN_COST` of them.  It runs ``start`` until it has a cost, then the
   widest budget within ``slack`` (1%) of the best rate.  A budget without a cost is measured
   (until it has one, one begun first, then the widest, as its rounds measure every budget
-  below it) only where it could win: its tau over a cost floor beats the best rate.  The
-  floor, from the measured budgets: a wider tree costs no less than the nearest measured
-  one below it; a narrower one no less per node than the nearest measured one above
-  (cost(b) >= cost(m) b / m), and, with two measured above, saves per node no more than
-  they differ per node, less :data:`SECANT_MARGIN` (10%).  Above every budget run, only the
-  next candidate, its tau bound the widest one's plus that one's last doubling's gain.  So
-  on the demo pair's machine 2 and 4 are ruled out without a round (or after three, where
-  the costs measured first leave them a chance), while where every node is dear (Kimi-K2's
-  experts) they win; the candidates are not cut for any one pair.  Every ``reprobe`` / 2
-  rounds, by turns, one round at the candidate above home (its tau paired with home's, its
-  cost) or at the stalest-costed candidate below home within :data:`REFRESH` (15%) of the
-  best rate.  On simulated rounds with paired acceptance (tests/test_budget_paired.py: 128
-  prompts of 30 rounds, one policy) it gets 97-99% of the best fixed budget's rate on the
-  demo pair's costs, a CPU-like and a MoE-like curve, where v1 gets 93-96%; 84-92% where
-  each budget's first two rounds cost 50 ms more (no warm-up: every budget it tries runs
-  eagerly, then captures), v1 75-92%.
+  below it) only where it could win: its tau over a cost floor beats the best rate by more
+  than a tie (:data:`TIE`: a bound that only ties cannot win, and each such round is paid).
+  The floor, from the measured budgets: a tree costs no less than the nearest measured one
+  below it; a narrower one no less per node than the nearest measured one above (cost(b) >=
+  cost(m) b / m), and, with two measured above, saves per node no more than they differ per
+  node, less :data:`SECANT_MARGIN` (10%).  Above every budget run, only the next candidate,
+  its tau bound the widest one's plus that one's last doubling's gain (none known: no
+  bound).  So on the demo pair's machine 2 and 4 are ruled out without a round (or after
+  three, where the costs measured first leave them a chance), while where every node is dear
+  (Kimi-K2's experts) they win; the candidates are not cut for any one pair.  A wider
+  budget's first round gives its paired tau at once: where it gains nothing on the narrower
+  ones (Kimi-K2's replay drafter: its chain of 8 holds every accepted node), its bound is the
+  narrower's tau over at least the narrower's cost, a tie, so it is not measured further,
+  and neither is anything wider.  ``reprobe`` / 2 rounds after the last round away from home
+  (a measurement's included, so none follows it at once), by turns, one round at the
+  candidate above home (its tau paired with home's, its cost) or at the stalest-costed
+  candidate below home within :data:`REFRESH` (15%) of the best rate (none: the turn is
+  spent at home).  On simulated rounds with paired acceptance (tests/test_budget_paired.py:
+  128 prompts of 30 rounds, one policy) it gets 98-99% of the best fixed budget's rate on the
+  demo pair's costs, a CPU-like and a MoE-like curve, where v1 gets 93-96%; 81-95% where each
+  budget's first two rounds cost 50 ms more (no warm-up: every budget it tries runs eagerly,
+  then captures; the demo pair the least, as from 8 it climbs through more budgets than it
+  did from 32, 84-86%), v1 74-91%.
+* **The start** (``start``; :data:`START_V2`, 8: the candidate nearest it).  Its rounds are
+  paid before anything is known, and the risk is lopsided: where nodes are dear a wide start
+  pays several times a narrow round (Kimi-K2's slice on an H100: a round at 32 costs 1.3x
+  one at 8 on the tensor-core int4 kernels, 2.3x on the CUDA-core ones), where they are
+  cheap a narrow start loses only the acceptance a wider tree adds (the demo pair: 8 within
+  5% of the best, 16) and climbs in a few rounds, each step's paired tau known from its
+  first round.  The first GPU runs of ``kimi-k2-slice`` (``bench_engine --budgets
+  8,16,32,64,auto``, 11 rounds a generation, a fresh policy each) showed what a start of 32
+  did there: 5 rounds at 32, 5 at 64 (its bound, 32's tau plus a gain of 0, tied and was
+  measured, widest first), 1 at 16, none at 8: 60% of budget 8's rate on the tensor-core
+  kernels, 39% on the CUDA-core ones.  Now: 8 until it has a cost, one round at 16 (its
+  paired tau equals 8's), then 8 (simulated on those costs: 95-99% of budget 8's rate, 11 and
+  30 rounds, tests/test_budget_paired.py's ``test_kimi_*``).
+* **Kept across calls.**  ``generate(..., budget="auto")`` runs the policy kept for its model,
+  drafter, batch, sampling, draft temperature, kind of round and runtime switches
+  (``engine.kept_auto_budget``): a round's cost is the machine's and the model's, and the
+  paired tau forgets over :data:`HORIZON` rounds anyway, so a later call goes on from what
+  the earlier ones measured instead of climbing again (a server's short generations; on the
+  simulated rounds a kept policy gets 95-99% of the best fixed rate where a fresh one per
+  11-round generation gets 69-99%, the least where the best budget is furthest from the
+  start).  ``engine.forget_auto_budgets`` drops them; an ``AutoBudget`` passed as ``budget``
+  is the caller's own (a new one is fresh, one kept by the caller learns across its calls,
+  as tools/bench_demo.py's auto row keeps one across its prompts).
 """
 from __future__ import annotations
 
@@ -106,6 +136,14 @@ SLACK = 0.01
 REFRESH = 0.15
 # v2: how far below the two nearest measured budgets' secant a narrower budget's cost may lie
 SECANT_MARGIN = 0.1
+# the budget a policy starts at (the candidate nearest it): v1 the middle; v2 low (module
+# docstring, "The start": a narrow start risks little where nodes are cheap, a wide one a lot
+# where they are dear)
+START_V1, START_V2 = 32, 8
+# v2: a rate bound must beat the best rate by more than this to be worth a round (a bound
+# that only ties, as a wider tree's whose paired acceptance gained nothing, cannot win; the
+# margin absorbs the float rounding of equal estimates)
+TIE = 1e-6
 # v2: the rounds its acceptance estimates remember (~4 of the demo row's prompts; 32 to 256
 # gave 97.7-98.0% of the best fixed rate on tests/test_budget_paired.py's simulated rows, so
 # the shorter memory, which follows a change of text sooner, costs little)
@@ -214,11 +252,13 @@ class AutoBudget:
     """Chooses each round's budget (module docstring).  ``next_budget()`` before a round,
     ``observe(budget, seconds, tau, steady=None, paths=None)`` after it; ``summary()`` for
     the stats.  ``v2``: ``KDTREE_AUTO_V2``'s steady costs and paired acceptance (None:
-    ``runtime.current().auto_v2``); ``horizon`` (v2): the rounds its acceptance estimates
+    ``runtime.current().auto_v2``); ``start``: the budget its first rounds run (the candidate
+    nearest it; None: :data:`START_V2`, or :data:`START_V1` for v1); ``horizon`` (v2): the rounds its acceptance estimates
     remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
     largest such (it measures every smaller budget's acceptance at once)."""
 
-    def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int = 32, reprobe: int = 16,
+    def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int | None = None,
+                 reprobe: int = 16,
                  decay: float = 0.2, max_budget: int | None = None, v2: bool | None = None,
                  horizon: float = HORIZON, slack: float = SLACK):
         cands = sorted({int(b) for b in candidates if int(b) >= 1 and
@@ -233,9 +273,11 @@ class AutoBudget:
         if not 0 <= slack < 1:
             raise ValueError(f"slack must be in [0, 1), got {slack}")
         self.candidates = tuple(cands)
+        self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
+        if start is None:
+            start = START_V2 if self.v2 else START_V1
         self.start = min(cands, key=lambda b: (abs(b - start), b))
         self.reprobe, self.decay = int(reprobe), float(decay)
-        self.v2 = runtime.current().auto_v2 if v2 is None else bool(v2)
         self.est = {b: BudgetEstimate(b) for b in cands}
         self.round = 0
         # v2: paired acceptance, the budget run between probes, the probes' alternation
@@ -245,6 +287,7 @@ class AutoBudget:
         self.slack = float(slack)
         self.home = self.start
         self._probe_up = False
+        self._away = -1                             # the latest round not at home (v2)
         self._tau = np.full(len(cands), np.nan)     # paired acceptance (v2)
         self._cost = np.full(len(cands), np.nan)    # steady cost, once trusted (v2)
         self._costed_at: list = []                  # the indices with one
@@ -343,11 +386,12 @@ class AutoBudget:
         :data:`SECANT_MARGIN` (a round's fixed part, the draft and the launches, stays)."""
         costed, b = self._costed_at, self.candidates[i]
         above = [j for j in costed if j > i]
+        below = [j for j in costed if j < i]
+        floor = float(self._cost[below[-1]]) if below else 0.0
         if not above:
-            below = [j for j in costed if j < i]
-            return float(self._cost[below[-1]]) if below else 0.0
+            return floor
         m, c = self.candidates[above[0]], float(self._cost[above[0]])
-        floor = c * b / m
+        floor = max(floor, c * b / m)
         if len(above) > 1:
             m2, c2 = self.candidates[above[1]], float(self._cost[above[1]])
             slope = max(c2 - c, 0.0) / (m2 - m)
@@ -374,9 +418,15 @@ class AutoBudget:
             else:
                 return False
         floor = self._cost_floor(i)
-        return floor <= 0 or tau / floor >= best_rate
+        return floor <= 0 or tau / floor > (1 + TIE) * best_rate
 
     def _next_v2(self) -> int:
+        b = self._choose_v2()
+        if b != self.home:
+            self._away = self.round
+        return b
+
+    def _choose_v2(self) -> int:
         h = self.index[self.home]
         if not self._costed(h):            # first the budget it runs: the rates' baseline
             return self.home
@@ -389,12 +439,17 @@ class AutoBudget:
         if could:
             # begun: it ran (an eager or capturing first round leaves no cost behind)
             begun = [i for i in could if self.est[self.candidates[i]].rounds]
-            return self.candidates[(begun or could)[-1]]
-        # 2. every reprobe / 2 rounds, by turns: one round above the home budget (its
-        #    acceptance on the same text, and its cost), or the stalest cost below it that
-        #    is within REFRESH of the best rate (costs drift slowly: the context grows)
+            pick = (begun or could)[-1]
+            if pick > h:                   # a round above home: the next turn is below it
+                self._probe_up = True
+            return self.candidates[pick]
+        # 2. reprobe / 2 rounds after the last round away from home, by turns: one round
+        #    above the home budget (its acceptance on the same text, and its cost), or the
+        #    stalest cost below it that is within REFRESH of the best rate (costs drift
+        #    slowly: the context grows).  Counted from the last one, not by the clock: a
+        #    probe right after a measurement would re-measure what was just seen
         half = max(self.reprobe // 2, 1)
-        if self.reprobe and self.round % half == half - 1:
+        if self.reprobe and self.round - self._away >= half:
             self._probe_up = not self._probe_up
             if self._probe_up and h + 1 < len(self.candidates):
                 return self.candidates[h + 1]
@@ -402,6 +457,8 @@ class AutoBudget:
                     if np.isfinite(self._rate[i]) and self._rate[i] >= (1 - REFRESH) * best_rate]
             if near:
                 return min(near, key=lambda b: self.est[b].last_round)
+            self._away = self.round      # no such budget: the turn is spent (one up follows
+            #                              reprobe / 2 rounds later, not at once)
         return self.home
 
     def summary(self) -> dict:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -77,7 +78,7 @@ from kdtree_numba.steps import tree_depth
 from reference.ddtree import Sampling, accepted_slots
 
 __all__ = ["generate", "GenerationResult", "GenerationStats", "METHODS", "uniform_table",
-           "cache_slots", "runs_device_rounds"]
+           "cache_slots", "runs_device_rounds", "kept_auto_budget", "forget_auto_budgets"]
 
 METHODS = ("ar", "chain", "ddtree")
 # "round": a whole DDTree round run as one device program (device_rounds)
@@ -478,6 +479,40 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
     return int(longest) + block * (2 if on_device else 1) + max(widest + 1, block)
 
 
+# budget="auto"'s policies, kept across generate() calls (kdtree_numba/budget.py, "Kept
+# across calls"): per model (dropped with it), by what a round's cost and acceptance depend
+# on besides the text
+_KEPT_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: bool,
+                     draft_temperature: float) -> AutoBudget:
+    """The AutoBudget ``generate(..., budget="auto")`` runs: the one kept for this model,
+    drafter (the very object: a new one, even of the same file, starts afresh), batch,
+    sampling, draft temperature, kind of round (device or host) and runtime switches, made
+    on first use.  What it learnt (each budget's cost, its paired acceptance) is the
+    machine's and the model's, not the prompt's, so a later call starts from it instead of
+    climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
+    ``budget`` is the caller's own (a new one: fresh)."""
+    kept = _KEPT_AUTO.setdefault(model, {})
+    key = (id(drafter), int(batch), sampling, bool(on_device), float(draft_temperature),
+           runtime.current())
+    ref, policy = kept.get(key, (None, None))
+    if ref is None or ref() is not drafter:      # an id reused by a new drafter: afresh
+        policy = AutoBudget()
+        kept[key] = (weakref.ref(drafter), policy)
+    return policy
+
+
+def forget_auto_budgets(model=None) -> None:
+    """Drop the kept ``budget="auto"`` policies of ``model`` (None: of every model), so its
+    next auto generation climbs from the start."""
+    if model is None:
+        _KEPT_AUTO.clear()
+    else:
+        _KEPT_AUTO.pop(model, None)
+
+
 def runs_device_rounds(model, method: str, drafter, device_rounds: bool | None = None,
                        on_round=None) -> bool:
     """Whether ``generate`` runs its rounds as device programs (its ``device_rounds``
@@ -508,8 +543,11 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``drafter`` (kdtree_numba/drafter.py, kdtree_numba/dflash.py) with the target's
     vocabulary; ``budget`` = tree nodes per round ("ddtree"; a chain verifies the drafter's L
     greedy tokens), or ``"auto"`` (or an ``AutoBudget``): each round's budget chosen from the
-    measured cost and acceptance of the rounds so far (kdtree_numba/budget.py); the stats keep
-    every round's budget (``budgets``) and the estimates (``budget_auto``).
+    measured cost and acceptance of the rounds so far (kdtree_numba/budget.py; ``"auto"``
+    runs the policy kept for this model, drafter, batch and sampling across calls:
+    :func:`kept_auto_budget`; an ``AutoBudget`` given is used as it is); the stats keep
+    every round's budget (``budgets``) and the estimates (``budget_auto``, of every round the
+    policy has seen).
     ``temperature`` (0: greedy), ``top_p`` in (0, 1] (1: off) and ``top_k`` >= 0 (0: off):
     how each token is drawn (``reference.ddtree.Sampling``, which checks them; top_p and
     top_k are ignored at T = 0).
@@ -558,7 +596,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
         if method == "ddtree" and budget == "auto":
-            budget = AutoBudget()
+            budget = kept_auto_budget(
+                model, drafter, bs, sampling,
+                runs_device_rounds(model, method, drafter, device_rounds, on_round), t_d)
         if isinstance(budget, AutoBudget):
             if method != "ddtree":
                 raise ValueError("an automatic budget is for method 'ddtree'")

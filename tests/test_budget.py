@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kdtree_numba.budget import AutoBudget
+from reference.ddtree import Sampling
 
 
 def drive(policy, cost, tau, rounds, first_round_penalty=0.0, capture_penalty=0.0):
@@ -104,3 +105,44 @@ def test_the_engine_with_an_automatic_budget_is_lossless_and_reports_it():
     assert sum(r["rounds"] for r in st.budget_auto["per_budget"].values()) == st.rounds
     with pytest.raises(ValueError, match="auto"):
         generate(model, prompts, 4, method="ddtree", drafter=drafter, budget="wide")
+
+
+def test_auto_keeps_its_policy_across_generate_calls():
+    """budget="auto" runs one policy per model, drafter, batch and sampling across calls
+    (engine.kept_auto_budget): a second call goes on from what the first measured (its
+    summary counts both calls' rounds); another batch, temperature or drafter object starts
+    afresh, as does every call after forget_auto_budgets; an AutoBudget given is the
+    caller's.  Tokens are AR's throughout."""
+    from test_dflash import parts2, target_and_drafter
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import forget_auto_budgets, generate, kept_auto_budget
+    target, drafter = target_and_drafter.__wrapped__()
+    prompts = [[5, 6, 7]]
+    want = generate(target, prompts, 12).tokens
+
+    def seen(res):          # the rounds the policy that ran has seen, over every call
+        return sum(r["rounds"] for r in res.stats.budget_auto["per_budget"].values())
+
+    def auto(drafter_=drafter, batch=1, **kw):
+        res = generate(target, prompts * batch, 12, method="ddtree", drafter=drafter_,
+                       budget="auto", **kw)
+        if not kw:
+            assert res.tokens == want * batch
+        return res
+    first = auto()
+    second = auto()
+    assert seen(first) == first.stats.rounds
+    assert seen(second) == first.stats.rounds + second.stats.rounds
+    for fresh in (auto(batch=2), auto(temperature=0.8, seed=1),
+                  auto(DFlashDrafter(target, *parts2(128, 0)[2:]))):
+        assert seen(fresh) == fresh.stats.rounds
+    kept = kept_auto_budget(target, drafter, 1, Sampling(), False, 1.0)
+    third = auto()
+    assert seen(third) == kept.round == sum(r.stats.rounds for r in (first, second, third))
+    forget_auto_budgets(target)
+    again = auto()
+    assert seen(again) == again.stats.rounds
+    mine = AutoBudget()
+    res = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=mine)
+    assert mine.round == res.stats.rounds
+    assert kept_auto_budget(target, drafter, 1, Sampling(), False, 1.0) is not mine

@@ -323,6 +323,7 @@ def test_kimi_slice_auto_budget_row(monkeypatch):
         chosen = auto["budgets_chosen"]
         assert set(chosen) <= {2, 6} and sum(chosen.values()) == auto["rounds"] >= 2
         assert auto["budget_auto"]["candidates"] == [2, 6]
+        assert auto["auto_policy"] == "fresh per generate"       # what the row says it timed
         assert auto["same_tokens_as_ar"] is True
         assert auto.get("routing_run_same_tokens", True) is True
         policies = [b for b, _ in seen if isinstance(b, bench_engine.AutoBudget)]

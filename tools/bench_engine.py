@@ -37,8 +37,12 @@ rate measured on the card that runs it (tools/card_roofs.py).  Goal: AR >= trans
 baseline, no model drafter): for each ``--batches`` entry (default 1), AR, then DDTree with the
 replay drafter at each budget (default 8, 32, 64, 128, 256), a 128-token prompt per request.
 A budget ``auto`` (``--budgets 8,32,64,auto``) adds a row whose rounds each pick their budget
-among the list's integers (kdtree_numba/budget.py, a fresh policy per generate); its warm-up
-first runs each of them, and its JSON row keeps the budgets chosen and the policy's estimates.
+among the list's integers (kdtree_numba/budget.py); its warm-up first runs each of them as a
+fixed budget, then auto, and its JSON row keeps the budgets chosen, the policy's estimates and
+``auto_policy``: "fresh per generate".  Every call, the timed one included, gets a fresh
+policy that climbs from its start, as kdtree-run's one ``--budget auto`` call does (the
+harder case for a short generation: ``generate(budget="auto")`` would keep one across calls,
+engine.kept_auto_budget, and a server's later calls start from what it measured).
 Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
 bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
 row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
@@ -349,6 +353,7 @@ def device_row(size, cfg, model, prompts, n_new, args, itemsize, budget_nodes=No
     if auto:
         extra["budgets_chosen"] = dict(sorted(collections.Counter(res.stats.budgets).items()))
         extra["budget_auto"] = res.stats.budget_auto
+        extra["auto_policy"] = "fresh per generate"        # per_call: never a kept one
     if args.expert_count == "counted":
         fresh_graphs(model)     # the eager re-run needs none of the timed call's graphs
         again_kw = dict(kw, budget=ReplayedBudgets(res.stats.budgets)) if auto else kw
