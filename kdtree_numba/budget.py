@@ -107,7 +107,8 @@ H200, 24 prompts: auto 6,443 tok/s against budget 16's 6,666; the first 5,632 ag
   the earlier ones measured instead of climbing again (a server's short generations; on the
   simulated rounds a kept policy gets 95-99% of the best fixed rate where a fresh one per
   11-round generation gets 69-99%, the least where the best budget is furthest from the
-  start).  ``engine.forget_auto_budgets`` drops them; an ``AutoBudget`` passed as ``budget``
+  start).  A model keeps the :data:`~kdtree_numba.engine.KEPT_AUTO_PER_MODEL` (32) most
+  recently used; ``engine.forget_auto_budgets`` drops them; an ``AutoBudget`` passed as ``budget``
   is the caller's own (a new one is fresh, one kept by the caller learns across its calls,
   as tools/bench_demo.py's auto row keeps one across its prompts).
 """

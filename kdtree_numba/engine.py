@@ -483,6 +483,7 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
 # across calls"): per model (dropped with it), by what a round's cost and acceptance depend
 # on besides the text
 _KEPT_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+KEPT_AUTO_PER_MODEL = 32
 
 
 def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: bool,
@@ -494,13 +495,16 @@ def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: 
     machine's and the model's, not the prompt's, so a later call starts from it instead of
     climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
     ``budget`` is the caller's own (a new one: fresh)."""
-    kept = _KEPT_AUTO.setdefault(model, {})
+    kept = _KEPT_AUTO.setdefault(model, collections.OrderedDict())
     key = (id(drafter), int(batch), sampling, bool(on_device), float(draft_temperature),
            runtime.current())
     ref, policy = kept.get(key, (None, None))
     if ref is None or ref() is not drafter:      # an id reused by a new drafter: afresh
         policy = AutoBudget()
         kept[key] = (weakref.ref(drafter), policy)
+    kept.move_to_end(key)
+    while len(kept) > KEPT_AUTO_PER_MODEL:       # a server's many samplings: the oldest go
+        kept.popitem(last=False)
     return policy
 
 

@@ -146,3 +146,9 @@ def test_auto_keeps_its_policy_across_generate_calls():
     res = generate(target, prompts, 12, method="ddtree", drafter=drafter, budget=mine)
     assert mine.round == res.stats.rounds
     assert kept_auto_budget(target, drafter, 1, Sampling(), False, 1.0) is not mine
+    # a server's many samplings keep at most KEPT_AUTO_PER_MODEL policies, the oldest dropped
+    from kdtree_numba.engine import KEPT_AUTO_PER_MODEL
+    first_kept = kept_auto_budget(target, drafter, 1, Sampling(0.5), False, 1.0)
+    for i in range(KEPT_AUTO_PER_MODEL):
+        kept_auto_budget(target, drafter, 1, Sampling(1.0 + i), False, 1.0)
+    assert kept_auto_budget(target, drafter, 1, Sampling(0.5), False, 1.0) is not first_kept
