@@ -10,8 +10,8 @@ round ends in the engine's one host read, so a round's wall time is its cost) an
 they committed, and picks the budget with the most expected tokens per second,
 tau(b) / cost(b).
 
-It climbs: it starts at ``start`` (:data:`START_V1`, 32), measures the neighbours (half and double) of the best
-budget so far before trusting it, and every ``reprobe`` rounds measures again the neighbour
+It climbs: it starts at ``start`` (:data:`START_V1`, 32), measures the neighbours (half and
+double) of the best budget so far before trusting it, and every ``reprobe`` rounds measures again the neighbour
 it has not seen for longest, since the text (and with it tau) drifts.  A budget's cost is the
 median of its last 8 rounds, ignoring its first :data:`WARM_ROUNDS` once there are more (a
 shape's first call runs eagerly and may compile kernels, its second captures its CUDA
@@ -254,8 +254,8 @@ class AutoBudget:
     ``observe(budget, seconds, tau, steady=None, paths=None)`` after it; ``summary()`` for
     the stats.  ``v2``: ``KDTREE_AUTO_V2``'s steady costs and paired acceptance (None:
     ``runtime.current().auto_v2``); ``start``: the budget its first rounds run (the candidate
-    nearest it; None: :data:`START_V2`, or :data:`START_V1` for v1); ``horizon`` (v2): the rounds its acceptance estimates
-    remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
+    nearest it; None: :data:`START_V2`, or :data:`START_V1` for v1); ``horizon`` (v2): the
+    rounds its acceptance estimates remember; ``slack`` (v2): how far below the best rate the budget it runs may be, the
     largest such (it measures every smaller budget's acceptance at once)."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int | None = None,

@@ -29,8 +29,9 @@ from kdtree_numba.ddtree import MAX_GPU_BUDGET
 from kdtree_numba.drafter import ORACLE_FORM, parse_oracle_spec
 from kdtree_numba.text import TextCodec, load_codec
 
-__all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan", "ModelPlan",
-           "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts", "open_backend", "auto_gemm",
+__all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan",
+           "ModelPlan", "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts",
+           "open_backend", "auto_gemm", "TENSOR_CORE_HIDDEN",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
 
