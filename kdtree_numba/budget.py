@@ -11,8 +11,8 @@ they committed, and picks the budget with the most expected tokens per second,
 tau(b) / cost(b).
 
 It climbs: it starts at ``start`` (:data:`START_V1`, 32), measures the neighbours (half and
-double) of the best budget so far before trusting it, and every ``reprobe`` rounds measures again the neighbour
-it has not seen for longest, since the text (and with it tau) drifts.  A budget's cost is the
+double) of the best budget so far before trusting it, and every ``reprobe`` rounds measures
+again the neighbour it has not seen for longest, since the text (and with it tau) drifts.  A budget's cost is the
 median of its last 8 rounds, ignoring its first :data:`WARM_ROUNDS` once there are more (a
 shape's first call runs eagerly and may compile kernels, its second captures its CUDA
 graph: kdtree_numba/graphs.py); its tau is a running mean that forgets (``decay``), to follow
