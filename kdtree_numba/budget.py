@@ -13,10 +13,10 @@ tau(b) / cost(b).
 It climbs: it starts at ``start`` (:data:`START_V1`, 32), measures the neighbours (half and
 double) of the best budget so far before trusting it, and every ``reprobe`` rounds measures
 again the neighbour it has not seen for longest, since the text (and with it tau) drifts.  A
-budget's cost is the median of its last 8 rounds, ignoring its first :data:`WARM_ROUNDS` once there are more (a
-shape's first call runs eagerly and may compile kernels, its second captures its CUDA
-graph: kdtree_numba/graphs.py); its tau is a running mean that forgets (``decay``), to follow
-the text.
+budget's cost is the median of its last 8 rounds, ignoring its first :data:`WARM_ROUNDS` once
+there are more (a shape's first call runs eagerly and may compile kernels, its second captures
+its CUDA graph: kdtree_numba/graphs.py); its tau is a running mean that forgets (``decay``), to
+follow the text.
 
 The second policy, v2, is the default (``runtime.current().auto_v2`` when the policy is made,
 or ``v2=True``; ``KDTREE_AUTO_V2=0`` or ``v2=False`` gives the first, above).  Issue 36: on
@@ -256,7 +256,8 @@ class AutoBudget:
     ``runtime.current().auto_v2``); ``start``: the budget its first rounds run (the candidate
     nearest it; None: :data:`START_V2`, or :data:`START_V1` for v1); ``horizon`` (v2): the
     rounds its acceptance estimates remember; ``slack`` (v2): how far below the best rate the
-    budget it runs may be, the largest such (it measures every smaller budget's acceptance at once)."""
+    budget it runs may be, the largest such (it measures every smaller budget's acceptance at
+    once)."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, *, start: int | None = None,
                  reprobe: int = 16,
