@@ -42,10 +42,26 @@ from reference import layers as reference_layers
 from reference.layers.common import as_float64
 
 __all__ = ["Backend", "make_backend", "BACKEND_NAMES", "GEMM_CHOICES", "PRECISIONS",
-           "map_arrays", "bf16_bits"]
+           "map_arrays", "bf16_bits", "auto_gemm", "TENSOR_CORE_HIDDEN"]
 
 BACKEND_NAMES = ("auto", "reference", "numba")
 GEMM_CHOICES = ("cuda-cores", "tensor-cores")
+# gemm "auto" (kdtree-run's and bench_engine's default): bf16 tensor cores from this hidden
+# size on (Kimi-K2 / DeepSeek-V3's 7168: where a forward streams GBs of weights, and where
+# kimi-slice's rows were measured on them), or for packed int4 experts at any width (their
+# verify on CUDA cores re-reads each expert per chunk of rows: kimi-k2-slice's 9-node verify
+# 9.0 ms against 3.8 on tensor cores, runs 159-161)
+TENSOR_CORE_HIDDEN = 4096
+
+
+def auto_gemm(hidden_size: int, packed_experts: bool) -> tuple[str, str]:
+    """gemm "auto"'s choice on the numba backend for a target of ``hidden_size`` that stores
+    int4-group experts or not: (gemm, why)."""
+    if packed_experts:
+        return "tensor-cores", "int4-group experts"
+    if hidden_size >= TENSOR_CORE_HIDDEN:
+        return "tensor-cores", f"hidden size {hidden_size}"
+    return "cuda-cores", f"hidden size {hidden_size}"
 PRECISIONS = ("float64", "float32")    # the reference backend's: the contract, the CPU path
 
 # Every op the model and engine use; both backends must provide exactly these.

@@ -22,6 +22,7 @@ from formats.console import UsageError, escape, read_user_text
 from formats.paths import output_directory
 from kdtree_numba import compat, demo, plots
 from kdtree_numba.backends import Backend, make_backend
+from kdtree_numba.backends import auto_gemm as gemm_for_target
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config, stores_packed_weights
 from kdtree_numba.config import ModelConfig, weight_shapes
@@ -31,7 +32,7 @@ from kdtree_numba.text import TextCodec, load_codec
 
 __all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan",
            "ModelPlan", "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts",
-           "open_backend", "auto_gemm", "TENSOR_CORE_HIDDEN",
+           "open_backend", "auto_gemm",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
 
@@ -177,22 +178,12 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-# --gemm auto: bf16 tensor cores from this hidden size on (Kimi-K2 / DeepSeek-V3's 7168: where
-# a forward streams GBs of weights, and where kimi-slice's rows were measured on them), or for
-# packed int4 experts at any width (their verify on CUDA cores re-reads each expert per chunk
-# of rows: kimi-k2-slice's 9-node verify 9.0 ms against 3.8 on tensor cores, runs 159-161)
-TENSOR_CORE_HIDDEN = 4096
-
-
 def auto_gemm(backend: str, plan: "ModelPlan") -> tuple[str, str]:
-    """``--gemm auto``'s choice on ``backend`` (a resolved name) for the target: (gemm, why)."""
+    """``--gemm auto``'s choice on ``backend`` (a resolved name) for the target: (gemm, why);
+    the rule is :func:`kdtree_numba.backends.auto_gemm`'s."""
     if backend != "numba":
         return "cuda-cores", "the reference backend's only one"
-    if plan.packed_experts:
-        return "tensor-cores", "int4-group experts"
-    if plan.config.hidden_size >= TENSOR_CORE_HIDDEN:
-        return "tensor-cores", f"hidden size {plan.config.hidden_size}"
-    return "cuda-cores", f"hidden size {plan.config.hidden_size}"
+    return gemm_for_target(plan.config.hidden_size, plan.packed_experts)
 
 
 def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None,

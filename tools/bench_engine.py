@@ -53,6 +53,11 @@ included, as in the measured tok/s).  The distinct experts are counted from the 
 untimed eager re-run of the same generation (``--expert-count counted``, the default) or set to
 the uniform-routing expectation E (1 - (1 - k/E)^n) (``uniform``).
 
+``--gemm`` (device sizes): ``auto`` (the default) is kdtree-run's rule
+(``backends.auto_gemm``): both Kimi slices on bf16 tensor cores, where their rows have been
+measured (kimi-k2-slice's int4 experts then on the W4A16 tensor-core kernel at every M);
+``cuda-cores,tensor-cores`` measures both, one model each.
+
 ``kimi-k2-slice`` (issue 39): Kimi-K2 as it ships, the same widths with all 384 routed experts
 (top-8) in int4-group (W4A16, group 32; drawn as packed words on the device,
 device_weights.random_int4_experts: 9.5 GB a MoE layer, never a bf16 copy), the rest bf16;
@@ -86,7 +91,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdtree_numba.backends import GEMM_CHOICES, make_backend  # noqa: E402
+from kdtree_numba.backends import GEMM_CHOICES, auto_gemm, make_backend  # noqa: E402
 from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget  # noqa: E402
 from kdtree_numba.cli_checks import budget_value  # noqa: E402
 from kdtree_numba.bundle import (SIZES, drafter_config, random_weights,  # noqa: E402
@@ -389,6 +394,10 @@ def bench_device_size(size, args, budget: Budget, out_rows, backend="numba"):
     each budget, each row with its roofs.  ``backend``: "numba" (the GPU); the tests run tiny
     configs through "reference"."""
     for gemm in args.gemm:
+        if gemm == "auto":       # kdtree-run's rule, from the size's width and experts
+            gemm = auto_gemm(DEVICE_SIZES[size]().hidden_size,
+                             DEVICE_EXPERTS.get(size) == "int4")[0] if backend == "numba" \
+                else "cuda-cores"
         if not budget.allows(f"model/{gemm}", 0.0):
             print(f"# {size}: time limit: skipping gemm {gemm}", file=sys.stderr)
             return
@@ -644,9 +653,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help=f"{', '.join(DEVICE_SIZES)} weights")
     p.add_argument("--kv-cache", choices=("float32", "bfloat16"), default="float32",
                    help=f"{', '.join(DEVICE_SIZES)}: the latent cache's dtype (Model kv_cache)")
-    p.add_argument("--gemm", default="cuda-cores",
+    p.add_argument("--gemm", default="auto",
                    help=f"{', '.join(DEVICE_SIZES)}: comma-separated make_backend gemm "
-                        f"settings, each a model of its own ({', '.join(GEMM_CHOICES)})")
+                        f"settings, each a model of its own ({', '.join(GEMM_CHOICES)}; auto: "
+                        f"kdtree-run's rule, tensor cores for kimi-slice and kimi-k2-slice)")
     p.add_argument("--agreement", type=float, default=0.9, help="replay drafter agreement")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-replay", action="store_true", help="skip the replay-drafter rows")
@@ -665,8 +675,8 @@ def main(argv=None):
         p.error(f"--budgets: {e}")
     args.batches = _ints(args.batches)
     args.gemm = args.gemm.split(",")
-    if any(g not in GEMM_CHOICES for g in args.gemm):
-        p.error(f"--gemm takes {', '.join(GEMM_CHOICES)}")
+    if any(g not in ("auto", *GEMM_CHOICES) for g in args.gemm):
+        p.error(f"--gemm takes auto, {', '.join(GEMM_CHOICES)}")
     sizes = args.sizes.split(",")
     unknown = [z for z in sizes if z not in DEVICE_SIZES and z not in SIZES]
     if unknown:
