@@ -1,14 +1,20 @@
 """Where the host time of generation goes: cProfile of warmed-up ``generate()`` calls.
 
-    python3 tools/profile_engine.py [--size small|medium|kimi-slice] [--gemm cuda-cores]
+    python3 tools/profile_engine.py [--size small|medium|kimi-slice|demo] [--gemm cuda-cores]
                                     [--method ar|ddtree] [--tokens 32] [--budget 32]
                                     [--prompt-len 32] [--top 45]
+    python3 tools/profile_engine.py --size demo --method ddtree --tokens 1 --prompt-len 128
 
 The engine on the GPU is host-bound (docs/BENCHMARKS.md, "Engine"): this prints the functions
 that take the host's time, by own time and by cumulative time, plus the wall time of one
 forward with and without a device synchronisation, so a change to the per-op overhead can be
 measured directly.  The DDTree method uses a replay drafter (no drafter forwards), so its
-profile is the target's verify forward and the tree kernels.
+profile is the target's verify forward and the tree kernels; ``--size demo`` runs the shipped
+pair instead (kdtree_numba/demo: the target and its DFlash drafter, whose rounds run as device
+programs on a GPU), on the first held-out prompt cut or repeated to ``--prompt-len`` tokens.
+``--tokens 1`` profiles a generation's prefill alone (the prompt's forward, its first token,
+the drafter's first commit): issue 36's prefill took 2.6-2.9 ms a prompt of the demo pair's
+~22 ms at budget 16, against ~1 ms of kernels.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ from kdtree_numba.model import ForwardBatch, causal_mask  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="small")
+    p.add_argument("--size", default="small",
+                   help="small, medium, kimi-slice, or demo (the shipped pair)")
     p.add_argument("--method", default="ar", choices=("ar", "ddtree"))
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--budget", type=int, default=32)
@@ -45,11 +52,15 @@ def main(argv=None):
     from bench_engine import DEVICE_SIZES
     from kdtree_numba.drafter import ReplayDrafter
     from probe_batch_invariance import build_model  # small / medium, or drawn on the device
-    model = build_model(args.size, args.gemm, args.backend)
+    if args.size == "demo":
+        model, prompt, kw = _demo_pair(args)
+    else:
+        model = build_model(args.size, args.gemm, args.backend)
+        prompt = np.random.default_rng(0).integers(0, model.config.vocab_size,
+                                                   args.prompt_len).tolist()
+        kw = {}
     cfg, be = model.config, model.backend
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
-    kw = {}
-    if args.method == "ddtree":
+    if args.method == "ddtree" and not kw:
         ar = generate(model, [prompt], args.tokens + 16)
         future = prompt + ar.tokens[0] + [0] * 16
         kw = dict(method="ddtree", budget=args.budget,
@@ -106,6 +117,30 @@ def main(argv=None):
         pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(args.top)
         text = s.getvalue()
         print(f"\n## by {key}\n" + text[text.find("   ncalls"):])
+
+
+def _demo_pair(args):
+    """(the shipped target, the first held-out prompt at ``--prompt-len`` tokens, generate's
+    DDTree keywords with the shipped DFlash drafter, or none for AR)."""
+    import json
+
+    from kdtree_numba import demo
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.drafter import load_drafter
+    from kdtree_numba.model import Model
+    from kdtree_numba.text import load_codec
+    model = Model.load(demo.TARGET, make_backend(args.backend, gemm=args.gemm))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                        "heldout_prompts.jsonl")
+    with open(path, encoding="utf-8") as f:
+        text = json.loads(f.readline())["text"]
+    ids = load_codec(demo.TARGET).encode(text)
+    prompt = (ids * (args.prompt_len // len(ids) + 1))[:args.prompt_len]
+    kw = {}
+    if args.method == "ddtree":
+        kw = dict(method="ddtree", budget=args.budget,
+                  drafter=load_drafter(str(demo.DRAFTER), model))
+    return model, prompt, kw
 
 
 if __name__ == "__main__":
