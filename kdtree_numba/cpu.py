@@ -47,7 +47,7 @@ from reference.ddtree.checks import check_topk_args
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
            "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
-           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N"]
+           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N", "PREFILL_ROWS", "prefill_ops"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -87,23 +87,23 @@ def _f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def blocked_matmul(x, wt) -> np.ndarray:
-    """``x [M, K] @ wt [K, N]`` in float32 as ROWS-row blocks of one shape (module doc)."""
+def blocked_matmul(x, wt, rows: int = ROWS) -> np.ndarray:
+    """``x [M, K] @ wt [K, N]`` in float32 as ``rows``-row blocks of one shape (module doc)."""
     x = _f32(x)
     m, k = x.shape
-    pad = -m % ROWS
+    pad = -m % rows
     if pad:
         x = np.concatenate([x, np.zeros((pad, k), np.float32)])
-    y = np.matmul(x.reshape(-1, ROWS, k), wt)
+    y = np.matmul(x.reshape(-1, rows, k), wt)
     return y.reshape(-1, wt.shape[-1])[:m]
 
 
-def linear(x, w) -> np.ndarray:
-    """``reference.layers.linear`` in float32, batch invariant."""
+def linear(x, w, rows: int = ROWS) -> np.ndarray:
+    """``reference.layers.linear`` in float32, batch invariant (``rows``: the GEMM block)."""
     x, w = np.asarray(x), np.asarray(w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear wants x [M, K], w [N, K]; got {x.shape}, {w.shape}")
-    return blocked_matmul(x, _f32(w).T)
+    return blocked_matmul(x, _f32(w).T, rows)
 
 
 def rmsnorm(x, weight, eps: float) -> np.ndarray:
@@ -153,6 +153,10 @@ def _invariant_matmul(x, w) -> np.ndarray:
     return blocked_matmul(x, w.T)
 
 
+def _prefill_matmul(x, w) -> np.ndarray:
+    return blocked_matmul(x, w.T, PREFILL_ROWS)
+
+
 def _ffn(h, gate_up, down, matmul=_invariant_matmul):
     """The SwiGLU FFN of ``h`` with ``gate_up`` [2I, D] (gate rows first), ``down`` [D, I];
     ``matmul(x, w)`` is ``x @ w.T`` (batch invariant unless the caller says otherwise)."""
@@ -162,7 +166,7 @@ def _ffn(h, gate_up, down, matmul=_invariant_matmul):
     return matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down)
 
 
-def _dense_experts(h, expert_idx, weight, gate_up, down):
+def _dense_experts(h, expert_idx, weight, gate_up, down, rows: int = ROWS):
     """Every row through every expert, two calls (one GEMM over the experts' stacked gate_up
     rows, one batched GEMM for their down projections), then each row's chosen experts added
     in ascending order: for a handful of experts, fewer and larger calls than one expert at a
@@ -170,14 +174,14 @@ def _dense_experts(h, expert_idx, weight, gate_up, down):
     m, d = h.shape
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
-    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T).reshape(m, e, two_i)
+    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T, rows).reshape(m, e, two_i)
     g = gu[..., :inter]
     act = np.ascontiguousarray((g / (np.float32(1.0) + np.exp(-g)) * gu[..., inter:])
                                .transpose(1, 0, 2))                       # [E, M, I]
-    pad = -m % ROWS
+    pad = -m % rows
     if pad:
         act = np.concatenate([act, np.zeros((e, pad, inter), np.float32)], axis=1)
-    y = np.matmul(act.reshape(e, -1, ROWS, inter), down.transpose(0, 2, 1)[:, None])
+    y = np.matmul(act.reshape(e, -1, rows, inter), down.transpose(0, 2, 1)[:, None])
     y = y.reshape(e, -1, d)
     rows = np.arange(m)
     out = np.zeros((m, d), np.float32)
@@ -189,26 +193,56 @@ def _dense_experts(h, expert_idx, weight, gate_up, down):
 DENSE_EXPERTS = 16      # up to this many experts a MoE layer runs them all (_dense_experts)
 
 
-def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None):
+def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None, *,
+            rows: int = ROWS):
     """``reference.layers.moe_ffn`` in float32: each token's experts added in ascending
     expert order, then the shared expert (per row, so batch invariant).  A layer of at most
     DENSE_EXPERTS experts runs every expert on every row (_dense_experts), a larger one
-    expert by expert: which way depends only on the layer, so decode and verify agree."""
+    expert by expert: which way depends only on the layer, so decode and verify agree.
+    ``rows``: the GEMM row block (PREFILL_ROWS for a prompt's rows: prefill_ops)."""
+    if rows not in (ROWS, PREFILL_ROWS):
+        raise ValueError(f"rows must be {ROWS} or {PREFILL_ROWS}, got {rows}")
+    matmul = _invariant_matmul if rows == ROWS else _prefill_matmul
     if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
-        return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]))
+        return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]), matmul)
     h = _f32(h)
     expert_idx, weight = np.asarray(expert_idx), _f32(weight)
     if gate_up.shape[0] <= DENSE_EXPERTS:
-        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down))
+        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down), rows)
     else:
         out = np.zeros_like(h)
         for e in np.unique(expert_idx):
             tokens, slots = np.nonzero(expert_idx == e)
-            out[tokens] += weight[tokens, slots][:, None] * _ffn(h[tokens], _f32(gate_up[e]),
-                                                                 _f32(down[e]))
+            out[tokens] += weight[tokens, slots][:, None] * _ffn(
+                h[tokens], _f32(gate_up[e]), _f32(down[e]), matmul)
     if shared_gate_up is not None:
-        out += _ffn(h, _f32(shared_gate_up), _f32(shared_down))
+        out += _ffn(h, _f32(shared_gate_up), _f32(shared_down), matmul)
     return out
+
+
+# a prompt's rows (prefill_ops) multiply in blocks of this many: its bits need match no
+# decode's, only its own alone or in a batch (model.ForwardBatch, ``prefill``), which any
+# fixed block gives; 64 rows pack each weight an eighth as often as ROWS (the demo's
+# 256 x 2048 experts at 100 rows: 1.2 ms against 3.9; 64 was row-invariant on every demo
+# shape, tests/test_cpu_path.py)
+PREFILL_ROWS = 64
+
+
+def _prefill_linear(x, w) -> np.ndarray:
+    return linear(x, w, PREFILL_ROWS)
+
+
+def _prefill_moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None,
+                     shared_down=None) -> np.ndarray:
+    return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down,
+                   rows=PREFILL_ROWS)
+
+
+def prefill_ops(ops):
+    """The CPU path's ops for a prompt's rows (``Backend.prefill_ops``): ``linear`` and
+    ``moe_ffn`` in PREFILL_ROWS blocks (the prefill of a demo prompt of ~100 tokens spent
+    ~80% of its time packing weights for 8-row blocks); the rest as ``ops``."""
+    return ops.replaced(linear=_prefill_linear, moe_ffn=_prefill_moe_ffn)
 
 
 def _per_head(x, w):
