@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numba
 import numpy as np
 
 from formats.int4_group import Int4GroupWeight
@@ -47,7 +48,7 @@ from reference.ddtree.checks import check_topk_args
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
            "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
-           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N", "PREFILL_ROWS", "prefill_ops"]
+           "weight_side_matmul", "GEMV_ROWS", "PREFILL_ROWS", "prefill_ops"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -410,31 +411,44 @@ def topk_logprobs(logits, k: int):
     return lp.reshape(bs, n_rows, k), ids.astype(np.int32).reshape(bs, n_rows, k)
 
 
-# drafter rows (weight_side_matmul) up to which one GEMV a row beats the padded GEMM: any
-# weight at 1-2 rows, and at 3 rows one of at most GEMV_WIDE_N outputs (measured, one thread,
-# weights cycled through 80 MB, us: 8192 x 256 at 1 / 2 / 3 rows 372 / 780 / 1118 against the
-# padded 974 / 888 / 883; 1536 x 256 78 / 122 / 149 against 240 / 178 / 177; 256 x 768
-# 37 / 51 / 66 against 122 / 82 / 84): a DDTree block at T > 0 is 3 rows (SAMPLED_DEPTH + 1),
-# its head 2, a round's context commit 1-3
-GEMV_ROWS = 2
-GEMV_WIDE_N = 2048
+# drafter rows (weight_side_matmul) up to which one pass over the weight (_rows_gemv: each
+# weight row read once for all the rows) beats OpenBLAS (measured, one thread, weights cycled
+# through 80 MB, load average ~2, us: 1536 x 256 at 1 / 2 / 3 rows 46 / 58 / 58 against a
+# GEMV a row's 48-137 / 150-256 / 247 (the padded GEMM ~180); the draft head 4096 x 256 at
+# 2 rows 215 against 452; at 5 rows 173 against 192, at 8 215 against the padded GEMM's 190:
+# past 3 rows its dot products' sums cost more than the reads): a DDTree block at T > 0 is 3
+# rows (SAMPLED_DEPTH + 1), its head 2, a round's context commit 1-3
+GEMV_ROWS = 3
+
+
+@numba.njit(fastmath=True, nogil=True, cache=False)
+def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it through its callers)
+    """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once; fastmath
+    lets LLVM vectorise the dot products (their sums in its order: a drafter's rows need
+    no particular bits, and the same inputs give the same ones)."""
+    n, k = w.shape
+    for i in range(n):
+        for r in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += w[i, j] * x[r, j]
+            out[r, i] = acc
 
 
 def weight_side_matmul(x, w) -> np.ndarray:
     """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
-    GEMV_ROWS rows (3 where N <= GEMV_WIDE_N) one GEMV a row (OpenBLAS's GEMM pads nothing
-    there but packs the whole weight: 2.6x slower at one row); else ``(w @ x_pad.T).T``, the
-    rows padded to a multiple of ROWS: with a few rows OpenBLAS runs this faster than
-    ``x @ w.T`` on the transposed view or on a contiguous transposed copy, and copies no
-    weight (8 rows, one thread, weights cycled through 80 MB: the demo's 8192 x 256 lm_head
-    0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15 against 0.25 and
-    0.22).  Not batch invariant by contract (drafter rows only)."""
+    GEMV_ROWS rows one pass over the weight (_rows_gemv; compiled at the first draft, ~0.7 s
+    once a process); else ``(w @ x_pad.T).T``, the rows padded to a multiple of ROWS: with a
+    few rows OpenBLAS runs this faster than ``x @ w.T`` on the transposed view or on a
+    contiguous transposed copy, and copies no weight (8 rows, one thread, weights cycled
+    through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18 on the view and 0.85 on
+    a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch invariant by contract (drafter
+    rows only)."""
     x = _f32(x)
     m, k = x.shape
-    if m <= GEMV_ROWS or (m == GEMV_ROWS + 1 and w.shape[0] <= GEMV_WIDE_N):
+    if m <= GEMV_ROWS:
         out = np.empty((m, w.shape[0]), np.float32)
-        for i in range(m):
-            np.matmul(w, x[i], out=out[i])
+        _rows_gemv(w, x, out)
         return out
     pad = -m % ROWS
     if pad:
