@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -310,48 +311,128 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
 
 
 def _invariant_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
+    """Batch invariant attention (module docstring).  Scores and probabilities are kept as
+    [n, blocks, H, KEYS] (the score GEMMs' own layout), so each (query, block) GEMM reads a
+    contiguous [H, KEYS] operand; a query's list past the shared prefix differs from slot
+    order only where the new keys it sees are not its first ones (a tree node's, never a
+    decode's or a causal block's): those few positions are written over a copy of the slot
+    order (_KeyLists), and the blocks they touch multiply a per-query value block; the others
+    share one.  The GEMMs, their operands and the sums' order are those of the per-query
+    lists, so a node gets its decode's bits (tests/test_cpu_path.py) and the same bits as
+    the per-position gather this replaced (300 random masks, compared once)."""
     bs, n, heads, r = q_abs.shape
-    u = np.zeros((bs, n, heads, r), np.float32)
+    u = np.empty((bs, n, heads, r), np.float32)
     q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
+    tau = np.float32(tau)
+    width_k = r + kpe.shape[-1]
     for b in range(bs):
         p0 = int(prefix_len[b])
         slots = p0 + n
-        span = -(-slots // KEYS) * KEYS
-        keys = np.zeros((span, r + kpe.shape[-1]), np.float32)     # zero rows pad the span
+        lists = _key_lists(visible[b], p0)
+        nb = max(-(-slots // KEYS), lists.blocks)
+        span = nb * KEYS
+        keys = np.empty((span, width_k), np.float32)
         keys[:slots, :r], keys[:slots, r:] = ckv[b, :slots], kpe[b, :slots]
+        keys[slots:] = 0                                           # zero rows pad the span
+        values = np.empty((span, r + 1), np.float32)               # + a ones column: the sum
+        values[:slots, :r] = ckv[b, :slots]
+        values[slots:, :r] = 0
+        values[:, r] = 1
         # scores against every slot, one fixed-shape GEMM per (query, key block)
-        blocks = keys.reshape(-1, KEYS, keys.shape[-1]).transpose(0, 2, 1)
-        s = np.matmul(q[b][:, None], blocks[None])                  # [n, blocks, H, KEYS]
-        s = s.transpose(0, 2, 1, 3).reshape(n, heads, span)
-        # each query's key list: the prefix, then its visible new keys, in slot order
-        counts = visible[b].sum(axis=1)
-        length = p0 + counts
-        width = -(-int(length.max()) // KEYS) * KEYS
-        lists = np.zeros((n, width), np.int64)
-        lists[:, :p0] = np.arange(p0)
-        rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        places = p0 + np.arange(rows.size) - first[rows]
-        lists[rows, places] = p0 + cols
-        # the listed scores (-inf past each list's end): the prefix is every list's start,
-        # copied as a slice; only the new keys are gathered
-        listed = np.full((n, heads, width), -np.inf, np.float32)
-        listed[:, :, :p0] = s[:, :, :p0] * np.float32(tau)
-        listed[rows, :, places] = s[rows, :, p0 + cols] * np.float32(tau)
-        top = listed.max(axis=2, keepdims=True)
-        p = np.exp(listed - top)
-        values = np.ones((slots, r + 1), np.float32)
-        values[:, :r] = ckv[b, :slots]
+        blocks = keys.reshape(nb, KEYS, width_k).transpose(0, 2, 1)
+        s = np.matmul(q[b][:, None], blocks[None])                  # [n, nb, H, KEYS]
+        s *= tau
+        listed = s[:, :lists.blocks]
+        if lists.moved is not None:       # list positions that hold another slot's score
+            q_of, place, slot = lists.moved
+            listed[q_of, place // KEYS, :, place % KEYS] = \
+                s[q_of, slot // KEYS, :, slot % KEYS]
+        np.copyto(listed, -np.inf, where=lists.past_end)
+        top = listed.max(axis=(1, 3), keepdims=True)
+        p = np.exp(listed - top)                                    # [n, blocks, H, KEYS]
+        # sums over list positions, block after block: the blocks before any moved position
+        # share their value blocks (one matmul over them all), the others get a per-query
+        # one where a list moves a position in them
+        shared = lists.own_blocks[0] if lists.own_blocks else lists.blocks
+        y = np.empty((n, lists.blocks, heads, r + 1), np.float32)
+        np.matmul(p[:, :shared], values[:shared * KEYS].reshape(shared, KEYS, r + 1),
+                  out=y[:, :shared])
+        for j in range(shared, lists.blocks):
+            block = values[j * KEYS:(j + 1) * KEYS]
+            if j in lists.own_blocks:
+                # rows past every list's end get p = 0: whatever finite values they hold
+                block = _scratch((n, KEYS, r + 1), block[:lists.longest - j * KEYS])
+                q_of, place, slot = lists.moved
+                here = place // KEYS == j
+                block[q_of[here], place[here] % KEYS] = values[slot[here]]
+            np.matmul(p[:, j], block, out=y[:, j])
         acc = np.zeros((n, heads, r + 1), np.float32)
-        for k0 in range(0, width, KEYS):   # sums over list positions, block after block
-            pk = np.ascontiguousarray(p[:, :, k0:k0 + KEYS])
-            if k0 + KEYS <= p0:           # inside the shared prefix: one value block for all
-                acc += np.matmul(pk, values[k0:k0 + KEYS])
-            else:
-                idx = np.minimum(lists[:, k0:k0 + KEYS], slots - 1)
-                acc += np.matmul(pk, values[idx])
+        for j in range(lists.blocks):
+            acc += y[:, j]
         u[b] = acc[..., :r] / acc[..., r:]
     return u
+
+
+class _KeyLists:
+    """Each query's key list (the cached prefix, then its visible new keys in slot order)
+    of a request's ``visible`` [n, n] over ``p0`` cached keys, in KEYS blocks: ``blocks``
+    (enough for the ``longest`` list's length), ``past_end`` (bool [n, blocks, 1, KEYS]:
+    positions past a list's end), ``moved`` (query, list position, slot) where a list's
+    position holds another slot than its own number (None where none does: a decode, a
+    causal block) and ``own_blocks``, the blocks such positions fall in."""
+
+    def __init__(self, visible, p0: int):
+        n = visible.shape[0]
+        counts = visible.sum(axis=1)
+        self.blocks = max(1, -(-int(p0 + counts.max()) // KEYS))
+        ends = p0 + counts
+        self.longest = int(ends.max())
+        pos = np.arange(self.blocks * KEYS).reshape(self.blocks, 1, KEYS)
+        self.past_end = pos[None] >= ends[:, None, None, None]
+        q_of, cols = np.nonzero(visible)               # by query, then key: the list order
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        place = p0 + np.arange(q_of.size) - first[q_of]
+        slot = p0 + cols
+        keep = place != slot
+        self.moved = (q_of[keep], place[keep], slot[keep]) if keep.any() else None
+        self.own_blocks = [] if self.moved is None else \
+            sorted(set((self.moved[1] // KEYS).tolist()))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape, fill) -> np.ndarray:
+    """A float32 array of ``shape`` [n, rows, c] whose first ``len(fill)`` rows hold ``fill``
+    (broadcast over n) and the rest finite values of earlier calls (or zeros), in this
+    thread's reused memory: a tree's per-query value blocks (~260 KB a layer) allocated
+    afresh took ~60 us of page faults each on the 2-core VM, and a list rarely reaches past
+    a few rows of its last block.  Valid until the next call."""
+    size = int(np.prod(shape))
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.zeros(size, np.float32)
+    out = buf[:size].reshape(shape)
+    out[:, :len(fill)] = fill
+    return out
+
+
+# a forward's layers see the same visibility: the lists of up to LISTED_QUERIES queries (a
+# decode's, a verify's) are made once and kept (up to 16 kinds); a prompt's, made per layer
+LISTED_QUERIES = 64
+_LISTS: dict = {}
+
+
+def _key_lists(visible, p0: int) -> _KeyLists:
+    if visible.shape[0] > LISTED_QUERIES:
+        return _KeyLists(visible, p0)
+    key = (p0, visible.shape[0], np.packbits(visible).tobytes())
+    got = _LISTS.get(key)
+    if got is None:
+        if len(_LISTS) >= 16:
+            _LISTS.clear()
+        got = _LISTS[key] = _KeyLists(visible, p0)
+    return got
 
 
 def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,

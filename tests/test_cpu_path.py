@@ -84,6 +84,37 @@ def test_a_tree_verify_gives_each_node_the_bits_of_its_decode():
         np.testing.assert_array_equal(logits[0], verify[node])
 
 
+@pytest.mark.parametrize("p0", [0, 5, 61, 64, 70, 127, 130])
+def test_tree_attention_gives_each_node_the_bits_of_its_decode(p0):
+    """cpu.mla_attention on a tree's queries (a depth-3 tree of 9 nodes, and the demo's
+    depth-2 shape) against each node's decode: its path's keys at contiguous slots after the
+    prefix, one query.  Prefixes across the KEYS blocks: a node's list positions and its
+    slots fall in different blocks; the bits are equal all the same."""
+    rng = np.random.default_rng(p0)
+    heads, r, dr, tau = 4, 32, 16, 0.2
+    for parents in ([-1, 0, 0, 1, 1, 2, 4, 3, 6], [-1, 0, 0, 0, 1, 2, 1, 3]):
+        n = len(parents)
+        ckv = rng.standard_normal((1, p0 + n, r)).astype(np.float32)
+        kpe = rng.standard_normal((1, p0 + n, dr)).astype(np.float32)
+        q_abs = rng.standard_normal((1, n, heads, r)).astype(np.float32)
+        q_pe = rng.standard_normal((1, n, heads, dr)).astype(np.float32)
+        tree = cpu.mla_attention(q_abs, q_pe, ckv, kpe, np.array([p0]),
+                                 tree_visible(parents)[None], tau, causal=True)
+        for node in range(n):
+            path, j = [], node
+            while j >= 0:
+                path.insert(0, j)
+                j = parents[j]
+            keys = list(range(p0)) + [p0 + j for j in path]
+            alone = cpu.mla_attention(q_abs[:, node:node + 1], q_pe[:, node:node + 1],
+                                      ckv[:, keys], kpe[:, keys], np.array([len(keys) - 1]),
+                                      np.ones((1, 1, 1), bool), tau)
+            np.testing.assert_array_equal(alone[0, 0], tree[0, node])
+    want = ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, np.array([p0]),
+                                       tree_visible(parents)[None], tau)
+    np.testing.assert_allclose(tree, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 def test_a_prompt_gets_the_same_bits_alone_or_in_a_batch():
     """A prefill's rows (cpu.prefill_ops: PREFILL_ROWS blocks) need match no decode's, but a
     prompt's logits and cache are the same bits alone as beside a longer one; and they
