@@ -48,8 +48,8 @@ from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
-           "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
-           "weight_side_matmul", "GEMV_ROWS", "PREFILL_ROWS", "prefill_ops"]
+           "drafter_ops", "compile_drafter_kernels", "dense_mla_attention", "topk_logprobs",
+           "ARGMAX_TOPK", "weight_side_matmul", "GEMV_ROWS", "PREFILL_ROWS", "prefill_ops"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -502,7 +502,7 @@ def topk_logprobs(logits, k: int):
 GEMV_ROWS = 3
 
 
-@numba.njit(fastmath=True, nogil=True, cache=False)
+@numba.njit(fastmath=True, nogil=True, cache=True)
 def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it through its callers)
     """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once; fastmath
     lets LLVM vectorise the dot products (their sums in its order: a drafter's rows need
@@ -516,15 +516,23 @@ def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it throu
             out[r, i] = acc
 
 
+def compile_drafter_kernels() -> None:
+    """Compile :func:`_rows_gemv` for the arrays it is called with (2-D C-contiguous float32),
+    where a CPU-path drafter is made (kdtree_numba/dflash.py): ~0.3-0.7 s once a process (a
+    later process loads numba's on-disk cache), at load rather than inside the first
+    generate."""
+    one = np.zeros((1, 1), np.float32)
+    _rows_gemv(one, one, np.empty((1, 1), np.float32))
+
+
 def weight_side_matmul(x, w) -> np.ndarray:
     """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
-    GEMV_ROWS rows one pass over the weight (_rows_gemv; compiled at the first draft, ~0.7 s
-    once a process); else ``(w @ x_pad.T).T``, the rows padded to a multiple of ROWS: with a
-    few rows OpenBLAS runs this faster than ``x @ w.T`` on the transposed view or on a
-    contiguous transposed copy, and copies no weight (8 rows, one thread, weights cycled
-    through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18 on the view and 0.85 on
-    a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch invariant by contract (drafter
-    rows only)."""
+    GEMV_ROWS rows one pass over the weight (_rows_gemv, compile_drafter_kernels); else
+    ``(w @ x_pad.T).T``, the rows padded to a multiple of ROWS: with a few rows OpenBLAS runs
+    this faster than ``x @ w.T`` on the transposed view or on a contiguous transposed copy,
+    and copies no weight (8 rows, one thread, weights cycled through 80 MB: the demo's
+    8192 x 256 lm_head 0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15
+    against 0.25 and 0.22).  Not batch invariant by contract (drafter rows only)."""
     x = _f32(x)
     m, k = x.shape
     if m <= GEMV_ROWS:
