@@ -502,7 +502,7 @@ def topk_logprobs(logits, k: int):
 GEMV_ROWS = 3
 
 
-@numba.njit(fastmath=True, nogil=True, cache=True)
+@numba.njit(fastmath=True, nogil=True, cache=False)
 def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it through its callers)
     """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once; fastmath
     lets LLVM vectorise the dot products (their sums in its order: a drafter's rows need
@@ -518,9 +518,9 @@ def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it throu
 
 def compile_drafter_kernels() -> None:
     """Compile :func:`_rows_gemv` for the arrays it is called with (2-D C-contiguous float32),
-    where a CPU-path drafter is made (kdtree_numba/dflash.py): ~0.3-0.7 s once a process (a
-    later process loads numba's on-disk cache), at load rather than inside the first
-    generate."""
+    where a CPU-path drafter is made (kdtree_numba/dflash.py): ~0.3-0.7 s once a process, at
+    load rather than inside the first generate.  No on-disk cache (as formats/checksum.py):
+    numba refuses at import where it finds no writable cache directory."""
     one = np.zeros((1, 1), np.float32)
     _rows_gemv(one, one, np.empty((1, 1), np.float32))
 
