@@ -124,6 +124,12 @@ class Backend:
         drafter's ops, its block and a sampled tree's depth are cut to what a CPU pays for."""
         return self.name == "reference" and self.precision == "float32"
 
+    @property
+    def prefill_ops(self) -> "Ops":
+        """The ops a prompt's forward runs (``ForwardBatch.prefill``): on the CPU path
+        ``cpu.prefill_ops`` (its rows' bits need match no decode's), elsewhere :attr:`ops`."""
+        return cpu.prefill_ops(self.ops) if self.cpu_path else self.ops
+
     def asarray(self, a, dtype=None):
         """A host (or device) array as an ``xp`` array, on the device for a GPU backend.
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
+import numba
 import numpy as np
 
 from formats.int4_group import Int4GroupWeight
@@ -46,8 +48,8 @@ from reference.ddtree.checks import check_topk_args
 
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
-           "drafter_ops", "dense_mla_attention", "topk_logprobs", "ARGMAX_TOPK",
-           "weight_side_matmul", "GEMV_ROWS", "GEMV_WIDE_N"]
+           "drafter_ops", "compile_drafter_kernels", "dense_mla_attention", "topk_logprobs",
+           "ARGMAX_TOPK", "weight_side_matmul", "GEMV_ROWS", "PREFILL_ROWS", "prefill_ops"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -87,23 +89,23 @@ def _f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def blocked_matmul(x, wt) -> np.ndarray:
-    """``x [M, K] @ wt [K, N]`` in float32 as ROWS-row blocks of one shape (module doc)."""
+def blocked_matmul(x, wt, rows: int = ROWS) -> np.ndarray:
+    """``x [M, K] @ wt [K, N]`` in float32 as ``rows``-row blocks of one shape (module doc)."""
     x = _f32(x)
     m, k = x.shape
-    pad = -m % ROWS
+    pad = -m % rows
     if pad:
         x = np.concatenate([x, np.zeros((pad, k), np.float32)])
-    y = np.matmul(x.reshape(-1, ROWS, k), wt)
+    y = np.matmul(x.reshape(-1, rows, k), wt)
     return y.reshape(-1, wt.shape[-1])[:m]
 
 
-def linear(x, w) -> np.ndarray:
-    """``reference.layers.linear`` in float32, batch invariant."""
+def linear(x, w, rows: int = ROWS) -> np.ndarray:
+    """``reference.layers.linear`` in float32, batch invariant (``rows``: the GEMM block)."""
     x, w = np.asarray(x), np.asarray(w)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear wants x [M, K], w [N, K]; got {x.shape}, {w.shape}")
-    return blocked_matmul(x, _f32(w).T)
+    return blocked_matmul(x, _f32(w).T, rows)
 
 
 def rmsnorm(x, weight, eps: float) -> np.ndarray:
@@ -153,6 +155,10 @@ def _invariant_matmul(x, w) -> np.ndarray:
     return blocked_matmul(x, w.T)
 
 
+def _prefill_matmul(x, w) -> np.ndarray:
+    return blocked_matmul(x, w.T, PREFILL_ROWS)
+
+
 def _ffn(h, gate_up, down, matmul=_invariant_matmul):
     """The SwiGLU FFN of ``h`` with ``gate_up`` [2I, D] (gate rows first), ``down`` [D, I];
     ``matmul(x, w)`` is ``x @ w.T`` (batch invariant unless the caller says otherwise)."""
@@ -162,7 +168,7 @@ def _ffn(h, gate_up, down, matmul=_invariant_matmul):
     return matmul(g / (np.float32(1.0) + np.exp(-g)) * gu[:, inter:], down)
 
 
-def _dense_experts(h, expert_idx, weight, gate_up, down):
+def _dense_experts(h, expert_idx, weight, gate_up, down, rows: int = ROWS):
     """Every row through every expert, two calls (one GEMM over the experts' stacked gate_up
     rows, one batched GEMM for their down projections), then each row's chosen experts added
     in ascending order: for a handful of experts, fewer and larger calls than one expert at a
@@ -170,14 +176,14 @@ def _dense_experts(h, expert_idx, weight, gate_up, down):
     m, d = h.shape
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
-    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T).reshape(m, e, two_i)
+    gu = blocked_matmul(h, gate_up.reshape(e * two_i, d).T, rows).reshape(m, e, two_i)
     g = gu[..., :inter]
     act = np.ascontiguousarray((g / (np.float32(1.0) + np.exp(-g)) * gu[..., inter:])
                                .transpose(1, 0, 2))                       # [E, M, I]
-    pad = -m % ROWS
+    pad = -m % rows
     if pad:
         act = np.concatenate([act, np.zeros((e, pad, inter), np.float32)], axis=1)
-    y = np.matmul(act.reshape(e, -1, ROWS, inter), down.transpose(0, 2, 1)[:, None])
+    y = np.matmul(act.reshape(e, -1, rows, inter), down.transpose(0, 2, 1)[:, None])
     y = y.reshape(e, -1, d)
     rows = np.arange(m)
     out = np.zeros((m, d), np.float32)
@@ -189,26 +195,56 @@ def _dense_experts(h, expert_idx, weight, gate_up, down):
 DENSE_EXPERTS = 16      # up to this many experts a MoE layer runs them all (_dense_experts)
 
 
-def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None):
+def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_down=None, *,
+            rows: int = ROWS):
     """``reference.layers.moe_ffn`` in float32: each token's experts added in ascending
     expert order, then the shared expert (per row, so batch invariant).  A layer of at most
     DENSE_EXPERTS experts runs every expert on every row (_dense_experts), a larger one
-    expert by expert: which way depends only on the layer, so decode and verify agree."""
+    expert by expert: which way depends only on the layer, so decode and verify agree.
+    ``rows``: the GEMM row block (PREFILL_ROWS for a prompt's rows: prefill_ops)."""
+    if rows not in (ROWS, PREFILL_ROWS):
+        raise ValueError(f"rows must be {ROWS} or {PREFILL_ROWS}, got {rows}")
+    matmul = _invariant_matmul if rows == ROWS else _prefill_matmul
     if ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
-        return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]))
+        return _ffn(_f32(h), _f32(gate_up[0]), _f32(down[0]), matmul)
     h = _f32(h)
     expert_idx, weight = np.asarray(expert_idx), _f32(weight)
     if gate_up.shape[0] <= DENSE_EXPERTS:
-        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down))
+        out = _dense_experts(h, expert_idx, weight, _f32(gate_up), _f32(down), rows)
     else:
         out = np.zeros_like(h)
         for e in np.unique(expert_idx):
             tokens, slots = np.nonzero(expert_idx == e)
-            out[tokens] += weight[tokens, slots][:, None] * _ffn(h[tokens], _f32(gate_up[e]),
-                                                                 _f32(down[e]))
+            out[tokens] += weight[tokens, slots][:, None] * _ffn(
+                h[tokens], _f32(gate_up[e]), _f32(down[e]), matmul)
     if shared_gate_up is not None:
-        out += _ffn(h, _f32(shared_gate_up), _f32(shared_down))
+        out += _ffn(h, _f32(shared_gate_up), _f32(shared_down), matmul)
     return out
+
+
+# a prompt's rows (prefill_ops) multiply in blocks of this many: its bits need match no
+# decode's, only its own alone or in a batch (model.ForwardBatch, ``prefill``), which any
+# fixed block gives; 64 rows pack each weight an eighth as often as ROWS (the demo's
+# 256 x 2048 experts at 100 rows: 1.2 ms against 3.9; 64 was row-invariant on every demo
+# shape, tests/test_cpu_path.py)
+PREFILL_ROWS = 64
+
+
+def _prefill_linear(x, w) -> np.ndarray:
+    return linear(x, w, PREFILL_ROWS)
+
+
+def _prefill_moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None,
+                     shared_down=None) -> np.ndarray:
+    return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down,
+                   rows=PREFILL_ROWS)
+
+
+def prefill_ops(ops):
+    """The CPU path's ops for a prompt's rows (``Backend.prefill_ops``): ``linear`` and
+    ``moe_ffn`` in PREFILL_ROWS blocks (the prefill of a demo prompt of ~100 tokens spent
+    ~80% of its time packing weights for 8-row blocks); the rest as ``ops``."""
+    return ops.replaced(linear=_prefill_linear, moe_ffn=_prefill_moe_ffn)
 
 
 def _per_head(x, w):
@@ -275,48 +311,128 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=N
 
 
 def _invariant_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau):
+    """Batch invariant attention (module docstring).  Scores and probabilities are kept as
+    [n, blocks, H, KEYS] (the score GEMMs' own layout), so each (query, block) GEMM reads a
+    contiguous [H, KEYS] operand; a query's list past the shared prefix differs from slot
+    order only where the new keys it sees are not its first ones (a tree node's, never a
+    decode's or a causal block's): those few positions are written over a copy of the slot
+    order (_KeyLists), and the blocks they touch multiply a per-query value block; the others
+    share one.  The GEMMs, their operands and the sums' order are those of the per-query
+    lists, so a node gets its decode's bits (tests/test_cpu_path.py) and the same bits as
+    the per-position gather this replaced (300 random masks, compared once)."""
     bs, n, heads, r = q_abs.shape
-    u = np.zeros((bs, n, heads, r), np.float32)
+    u = np.empty((bs, n, heads, r), np.float32)
     q = np.concatenate([q_abs, q_pe], axis=-1)                      # [bs, n, H, r + dr]
+    tau = np.float32(tau)
+    width_k = r + kpe.shape[-1]
     for b in range(bs):
         p0 = int(prefix_len[b])
         slots = p0 + n
-        span = -(-slots // KEYS) * KEYS
-        keys = np.zeros((span, r + kpe.shape[-1]), np.float32)     # zero rows pad the span
+        lists = _key_lists(visible[b], p0)
+        nb = max(-(-slots // KEYS), lists.blocks)
+        span = nb * KEYS
+        keys = np.empty((span, width_k), np.float32)
         keys[:slots, :r], keys[:slots, r:] = ckv[b, :slots], kpe[b, :slots]
+        keys[slots:] = 0                                           # zero rows pad the span
+        values = np.empty((span, r + 1), np.float32)               # + a ones column: the sum
+        values[:slots, :r] = ckv[b, :slots]
+        values[slots:, :r] = 0
+        values[:, r] = 1
         # scores against every slot, one fixed-shape GEMM per (query, key block)
-        blocks = keys.reshape(-1, KEYS, keys.shape[-1]).transpose(0, 2, 1)
-        s = np.matmul(q[b][:, None], blocks[None])                  # [n, blocks, H, KEYS]
-        s = s.transpose(0, 2, 1, 3).reshape(n, heads, span)
-        # each query's key list: the prefix, then its visible new keys, in slot order
-        counts = visible[b].sum(axis=1)
-        length = p0 + counts
-        width = -(-int(length.max()) // KEYS) * KEYS
-        lists = np.zeros((n, width), np.int64)
-        lists[:, :p0] = np.arange(p0)
-        rows, cols = np.nonzero(visible[b])          # by query, then key: the list order
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        places = p0 + np.arange(rows.size) - first[rows]
-        lists[rows, places] = p0 + cols
-        # the listed scores (-inf past each list's end): the prefix is every list's start,
-        # copied as a slice; only the new keys are gathered
-        listed = np.full((n, heads, width), -np.inf, np.float32)
-        listed[:, :, :p0] = s[:, :, :p0] * np.float32(tau)
-        listed[rows, :, places] = s[rows, :, p0 + cols] * np.float32(tau)
-        top = listed.max(axis=2, keepdims=True)
-        p = np.exp(listed - top)
-        values = np.ones((slots, r + 1), np.float32)
-        values[:, :r] = ckv[b, :slots]
+        blocks = keys.reshape(nb, KEYS, width_k).transpose(0, 2, 1)
+        s = np.matmul(q[b][:, None], blocks[None])                  # [n, nb, H, KEYS]
+        s *= tau
+        listed = s[:, :lists.blocks]
+        if lists.moved is not None:       # list positions that hold another slot's score
+            q_of, place, slot = lists.moved
+            listed[q_of, place // KEYS, :, place % KEYS] = \
+                s[q_of, slot // KEYS, :, slot % KEYS]
+        np.copyto(listed, -np.inf, where=lists.past_end)
+        top = listed.max(axis=(1, 3), keepdims=True)
+        p = np.exp(listed - top)                                    # [n, blocks, H, KEYS]
+        # sums over list positions, block after block: the blocks before any moved position
+        # share their value blocks (one matmul over them all), the others get a per-query
+        # one where a list moves a position in them
+        shared = lists.own_blocks[0] if lists.own_blocks else lists.blocks
+        y = np.empty((n, lists.blocks, heads, r + 1), np.float32)
+        np.matmul(p[:, :shared], values[:shared * KEYS].reshape(shared, KEYS, r + 1),
+                  out=y[:, :shared])
+        for j in range(shared, lists.blocks):
+            block = values[j * KEYS:(j + 1) * KEYS]
+            if j in lists.own_blocks:
+                # rows past every list's end get p = 0: whatever finite values they hold
+                block = _scratch((n, KEYS, r + 1), block[:lists.longest - j * KEYS])
+                q_of, place, slot = lists.moved
+                here = place // KEYS == j
+                block[q_of[here], place[here] % KEYS] = values[slot[here]]
+            np.matmul(p[:, j], block, out=y[:, j])
         acc = np.zeros((n, heads, r + 1), np.float32)
-        for k0 in range(0, width, KEYS):   # sums over list positions, block after block
-            pk = np.ascontiguousarray(p[:, :, k0:k0 + KEYS])
-            if k0 + KEYS <= p0:           # inside the shared prefix: one value block for all
-                acc += np.matmul(pk, values[k0:k0 + KEYS])
-            else:
-                idx = np.minimum(lists[:, k0:k0 + KEYS], slots - 1)
-                acc += np.matmul(pk, values[idx])
+        for j in range(lists.blocks):
+            acc += y[:, j]
         u[b] = acc[..., :r] / acc[..., r:]
     return u
+
+
+class _KeyLists:
+    """Each query's key list (the cached prefix, then its visible new keys in slot order)
+    of a request's ``visible`` [n, n] over ``p0`` cached keys, in KEYS blocks: ``blocks``
+    (enough for the ``longest`` list's length), ``past_end`` (bool [n, blocks, 1, KEYS]:
+    positions past a list's end), ``moved`` (query, list position, slot) where a list's
+    position holds another slot than its own number (None where none does: a decode, a
+    causal block) and ``own_blocks``, the blocks such positions fall in."""
+
+    def __init__(self, visible, p0: int):
+        n = visible.shape[0]
+        counts = visible.sum(axis=1)
+        self.blocks = max(1, -(-int(p0 + counts.max()) // KEYS))
+        ends = p0 + counts
+        self.longest = int(ends.max())
+        pos = np.arange(self.blocks * KEYS).reshape(self.blocks, 1, KEYS)
+        self.past_end = pos[None] >= ends[:, None, None, None]
+        q_of, cols = np.nonzero(visible)               # by query, then key: the list order
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        place = p0 + np.arange(q_of.size) - first[q_of]
+        slot = p0 + cols
+        keep = place != slot
+        self.moved = (q_of[keep], place[keep], slot[keep]) if keep.any() else None
+        self.own_blocks = [] if self.moved is None else \
+            sorted(set((self.moved[1] // KEYS).tolist()))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape, fill) -> np.ndarray:
+    """A float32 array of ``shape`` [n, rows, c] whose first ``len(fill)`` rows hold ``fill``
+    (broadcast over n) and the rest finite values of earlier calls (or zeros), in this
+    thread's reused memory: a tree's per-query value blocks (~260 KB a layer) allocated
+    afresh took ~60 us of page faults each on the 2-core VM, and a list rarely reaches past
+    a few rows of its last block.  Valid until the next call."""
+    size = int(np.prod(shape))
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.zeros(size, np.float32)
+    out = buf[:size].reshape(shape)
+    out[:, :len(fill)] = fill
+    return out
+
+
+# a forward's layers see the same visibility: the lists of up to LISTED_QUERIES queries (a
+# decode's, a verify's) are made once and kept (up to 16 kinds); a prompt's, made per layer
+LISTED_QUERIES = 64
+_LISTS: dict = {}
+
+
+def _key_lists(visible, p0: int) -> _KeyLists:
+    if visible.shape[0] > LISTED_QUERIES:
+        return _KeyLists(visible, p0)
+    key = (p0, visible.shape[0], np.packbits(visible).tobytes())
+    got = _LISTS.get(key)
+    if got is None:
+        if len(_LISTS) >= 16:
+            _LISTS.clear()
+        got = _LISTS[key] = _KeyLists(visible, p0)
+    return got
 
 
 def dense_mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, max_keys=None,
@@ -376,31 +492,52 @@ def topk_logprobs(logits, k: int):
     return lp.reshape(bs, n_rows, k), ids.astype(np.int32).reshape(bs, n_rows, k)
 
 
-# drafter rows (weight_side_matmul) up to which one GEMV a row beats the padded GEMM: any
-# weight at 1-2 rows, and at 3 rows one of at most GEMV_WIDE_N outputs (measured, one thread,
-# weights cycled through 80 MB, us: 8192 x 256 at 1 / 2 / 3 rows 372 / 780 / 1118 against the
-# padded 974 / 888 / 883; 1536 x 256 78 / 122 / 149 against 240 / 178 / 177; 256 x 768
-# 37 / 51 / 66 against 122 / 82 / 84): a DDTree block at T > 0 is 3 rows (SAMPLED_DEPTH + 1),
-# its head 2, a round's context commit 1-3
-GEMV_ROWS = 2
-GEMV_WIDE_N = 2048
+# drafter rows (weight_side_matmul) up to which one pass over the weight (_rows_gemv: each
+# weight row read once for all the rows) beats OpenBLAS (measured, one thread, weights cycled
+# through 80 MB, load average ~2, us: 1536 x 256 at 1 / 2 / 3 rows 46 / 58 / 58 against a
+# GEMV a row's 48-137 / 150-256 / 247 (the padded GEMM ~180); the draft head 4096 x 256 at
+# 2 rows 215 against 452; at 5 rows 173 against 192, at 8 215 against the padded GEMM's 190:
+# past 3 rows its dot products' sums cost more than the reads): a DDTree block at T > 0 is 3
+# rows (SAMPLED_DEPTH + 1), its head 2, a round's context commit 1-3
+GEMV_ROWS = 3
+
+
+@numba.njit(fastmath=True, nogil=True, cache=False)
+def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it through its callers)
+    """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once; fastmath
+    lets LLVM vectorise the dot products (their sums in its order: a drafter's rows need
+    no particular bits, and the same inputs give the same ones)."""
+    n, k = w.shape
+    for i in range(n):
+        for r in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += w[i, j] * x[r, j]
+            out[r, i] = acc
+
+
+def compile_drafter_kernels() -> None:
+    """Compile :func:`_rows_gemv` for the arrays it is called with (2-D C-contiguous float32),
+    where a CPU-path drafter is made (kdtree_numba/dflash.py): ~0.3-0.7 s once a process, at
+    load rather than inside the first generate.  No on-disk cache (as formats/checksum.py):
+    numba refuses at import where it finds no writable cache directory."""
+    one = np.zeros((1, 1), np.float32)
+    _rows_gemv(one, one, np.empty((1, 1), np.float32))
 
 
 def weight_side_matmul(x, w) -> np.ndarray:
     """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
-    GEMV_ROWS rows (3 where N <= GEMV_WIDE_N) one GEMV a row (OpenBLAS's GEMM pads nothing
-    there but packs the whole weight: 2.6x slower at one row); else ``(w @ x_pad.T).T``, the
-    rows padded to a multiple of ROWS: with a few rows OpenBLAS runs this faster than
-    ``x @ w.T`` on the transposed view or on a contiguous transposed copy, and copies no
-    weight (8 rows, one thread, weights cycled through 80 MB: the demo's 8192 x 256 lm_head
-    0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15 against 0.25 and
-    0.22).  Not batch invariant by contract (drafter rows only)."""
+    GEMV_ROWS rows one pass over the weight (_rows_gemv, compile_drafter_kernels); else
+    ``(w @ x_pad.T).T``, the rows padded to a multiple of ROWS: with a few rows OpenBLAS runs
+    this faster than ``x @ w.T`` on the transposed view or on a contiguous transposed copy,
+    and copies no weight (8 rows, one thread, weights cycled through 80 MB: the demo's
+    8192 x 256 lm_head 0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15
+    against 0.25 and 0.22).  Not batch invariant by contract (drafter rows only)."""
     x = _f32(x)
     m, k = x.shape
-    if m <= GEMV_ROWS or (m == GEMV_ROWS + 1 and w.shape[0] <= GEMV_WIDE_N):
+    if m <= GEMV_ROWS:
         out = np.empty((m, w.shape[0]), np.float32)
-        for i in range(m):
-            np.matmul(w, x[i], out=out[i])
+        _rows_gemv(w, x, out)
         return out
     pad = -m % ROWS
     if pad:

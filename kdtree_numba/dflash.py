@@ -141,6 +141,7 @@ class DFlashDrafter:
         self.trim_block = be.cpu_path
         if self.trim_block:
             be = dataclasses.replace(be, ops=cpu.drafter_ops(be.ops))
+            cpu.compile_drafter_kernels()
         rank = weights[DFLASH_VOCAB_RANK] if DFLASH_VOCAB_RANK in weights else None
         if rank is not None:
             rank = check_vocab_rank(rank, config.vocab_size)

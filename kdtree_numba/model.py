@@ -540,7 +540,10 @@ class Model(DeviceSteps):
         """The forward of a checked batch on the device (its arrays on the backend, its
         ``capture_layers`` checked, its ``slots`` made): only device work, so a CUDA graph can
         capture it."""
-        ops, be, cfg = self.backend.ops, self.backend, self.config
+        be, cfg = self.backend, self.config
+        # a prompt's rows may run other ops (Backend.prefill_ops: the CPU path's wider GEMM
+        # blocks); the lm_head always runs the backend's own
+        ops = be.prefill_ops if batch.prefill else be.ops
         tokens, visible, slots = batch.tokens, batch.visible, batch.slots
         bs, n = tokens.shape
         positions = batch.positions.reshape(bs * n)     # a view: [bs, n] or already flat
@@ -567,26 +570,26 @@ class Model(DeviceSteps):
         norms = [lw.input_norm for lw in self.layers[1:]] + [self.final_norm]
         for layer, (lw, next_norm) in enumerate(zip(self.layers, norms)):
             attn = self._attention(lw, layer, h, positions, cache, slots, visible, bs, n,
-                                   batch.causal, batch.prefill)
+                                   batch.causal, batch.prefill, ops)
             x, h = ops.add_rmsnorm(x, attn, lw.post_norm, eps)
             into = {}
             if features is not None and layer in capture:
                 i = capture.index(layer)
                 into = dict(sum_out=features[:, i * D:(i + 1) * D])
-            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill), next_norm, eps, **into)
+            x, h = ops.add_rmsnorm(x, self._ffn(lw, h, batch.prefill, ops), next_norm, eps, **into)
             if layer in capture:
                 after[layer] = x        # each layer makes a new x: this one is never written
         if batch.logit_span is not None:
             start, stop = batch.logit_span
             rows = be.xp.ascontiguousarray(h.reshape(bs, n, -1)[:, start:stop])
-            logits = ops.linear(rows.reshape(bs * (stop - start), -1),
-                                self.lm_head).reshape(bs, stop - start, -1)
+            logits = be.ops.linear(rows.reshape(bs * (stop - start), -1),
+                                   self.lm_head).reshape(bs, stop - start, -1)
         elif batch.logit_rows is None:
-            logits = ops.linear(h, self.lm_head).reshape(bs, n, -1)
+            logits = be.ops.linear(h, self.lm_head).reshape(bs, n, -1)
         else:   # one row per request: b n + logit_rows[b] of the flattened [bs n, D]
             picked = be.xp.arange(bs) * n + batch.logit_rows
-            logits = ops.linear(be.xp.ascontiguousarray(h[picked]),
-                                self.lm_head).reshape(bs, 1, -1)
+            logits = be.ops.linear(be.xp.ascontiguousarray(h[picked]),
+                                   self.lm_head).reshape(bs, 1, -1)
         out = (logits,)
         if batch.return_hidden:
             out += (h.reshape(bs, n, -1),)
@@ -596,30 +599,30 @@ class Model(DeviceSteps):
             out += (features.reshape(bs, n, len(capture) * cfg.hidden_size),)
         return out if len(out) > 1 else logits
 
-    def kv_latents(self, layer: int, h, positions, into=None):
+    def kv_latents(self, layer: int, h, positions, into=None, ops=None):
         """What layer ``layer`` caches for the normed inputs ``h`` [M, D] at ``positions`` [M]
         (int32, device): the latent ``c = rmsnorm(kv[:r])`` [M, r] and the rotated rope key
         ``k_pe = rope(kv[r:])`` [M, 1, dr], with ``kv = h kv_a^T``; with ``into`` (a
         ``KVCache.latent_store``) written there instead, and ``(None, None)`` returned.  The
         attention uses it for its own tokens; a DFlash drafter injects its fused target
-        features through it."""
-        lw = self.layers[layer]
-        _, c, k_pe = self.backend.ops.mla_latents(
-            self.backend.ops.linear(h, lw.kv_a), None, lw.kv_a_norm, positions, self.rope,
+        features through it.  ``ops``: the forward's (default: the backend's)."""
+        lw, ops = self.layers[layer], ops or self.backend.ops
+        _, c, k_pe = ops.mla_latents(
+            ops.linear(h, lw.kv_a), None, lw.kv_a_norm, positions, self.rope,
             LATENT_NORM_EPS, q_lora=0, rank=self.config.kv_lora_rank, into=into)
         return c, k_pe
 
     def _attention(self, lw, layer, h, positions, cache, slots, visible, bs, n, causal=False,
-                   prefill=False):
+                   prefill=False, ops=None):
         """Absorbed MLA of one layer; writes this layer's latents of the n tokens (straight
-        into the cache: ``mla_latents(into=)``)."""
-        ops, cfg = self.backend.ops, self.config
+        into the cache: ``mla_latents(into=)``); ``ops``: the forward's."""
+        ops, cfg = ops or self.backend.ops, self.config
         M, H = bs * n, cfg.num_attention_heads
         dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         into = cache.latent_store(layer, slots)
         if lw.q_proj is not None:
             q = ops.linear(h, lw.q_proj)
-            self.kv_latents(layer, h, positions, into)
+            self.kv_latents(layer, h, positions, into, ops)
         else:
             qkv = ops.linear(h, lw.qkv_a)                  # [M, q_lora + r + dr]: q_a | kv_a
             q_a, _, _ = ops.mla_latents(qkv, lw.q_a_norm, lw.kv_a_norm, positions, self.rope,
@@ -634,8 +637,8 @@ class Model(DeviceSteps):
         o = ops.apply_uv(u, lw.kv_b, dv)
         return ops.linear(o.reshape(M, H * dv), lw.o_proj)
 
-    def _ffn(self, lw, h, prefill=False):
-        xp, ops, cfg = self.backend.xp, self.backend.ops, self.config
+    def _ffn(self, lw, h, prefill=False, ops=None):
+        xp, ops, cfg = self.backend.xp, ops or self.backend.ops, self.config
         M = h.shape[0]
         if lw.router is None and prefill:
             # a prompt's thousands of rows fill the GPU with the one-expert grouped launch's

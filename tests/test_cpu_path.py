@@ -26,16 +26,20 @@ SHAPES = [(256, 128), (256, 288), (128, 512), (256, 256), (256, 1536), (128, 256
           (256, 8), (32, 128), (64, 16), (768, 256)]
 
 
+@pytest.mark.parametrize("rows", [cpu.ROWS, cpu.PREFILL_ROWS])
 @pytest.mark.parametrize("k, n", SHAPES)
-def test_blocked_matmul_rows_do_not_depend_on_the_batch(k, n):
+def test_blocked_matmul_rows_do_not_depend_on_the_batch(k, n, rows):
     rng = np.random.default_rng(k * n)
-    x = rng.standard_normal((40, k)).astype(np.float32)
+    x = rng.standard_normal((70, k)).astype(np.float32)
     wt = np.ascontiguousarray(rng.standard_normal((n, k)).astype(np.float32)).T
-    alone = np.stack([cpu.blocked_matmul(x[i:i + 1], wt)[0] for i in range(40)])
+    alone = np.stack([cpu.blocked_matmul(x[i:i + 1], wt, rows)[0] for i in range(40)])
     for m in (2, 7, 9, 17, 33, 40):
-        np.testing.assert_array_equal(cpu.blocked_matmul(x[:m], wt), alone[:m])
+        np.testing.assert_array_equal(cpu.blocked_matmul(x[:m], wt, rows), alone[:m])
+    # a row's bits do not depend on its place in a block either
+    np.testing.assert_array_equal(cpu.blocked_matmul(x, wt, rows)[30:70:3],
+                                  cpu.blocked_matmul(x[30:70:3], wt, rows))
     # and the rows are the product (float32 rounding of a K-term dot product)
-    np.testing.assert_allclose(alone, x.astype(np.float64) @ wt.astype(np.float64),
+    np.testing.assert_allclose(alone, x[:40].astype(np.float64) @ wt.astype(np.float64),
                                rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
@@ -78,6 +82,54 @@ def test_a_tree_verify_gives_each_node_the_bits_of_its_decode():
             logits = model.decode(c, np.array([tokens[j]]))
             c.advance(np.ones(1, np.int64))
         np.testing.assert_array_equal(logits[0], verify[node])
+
+
+@pytest.mark.parametrize("p0", [0, 5, 61, 64, 70, 127, 130])
+def test_tree_attention_gives_each_node_the_bits_of_its_decode(p0):
+    """cpu.mla_attention on a tree's queries (a depth-3 tree of 9 nodes, and the demo's
+    depth-2 shape) against each node's decode: its path's keys at contiguous slots after the
+    prefix, one query.  Prefixes across the KEYS blocks: a node's list positions and its
+    slots fall in different blocks; the bits are equal all the same."""
+    rng = np.random.default_rng(p0)
+    heads, r, dr, tau = 4, 32, 16, 0.2
+    for parents in ([-1, 0, 0, 1, 1, 2, 4, 3, 6], [-1, 0, 0, 0, 1, 2, 1, 3]):
+        n = len(parents)
+        ckv = rng.standard_normal((1, p0 + n, r)).astype(np.float32)
+        kpe = rng.standard_normal((1, p0 + n, dr)).astype(np.float32)
+        q_abs = rng.standard_normal((1, n, heads, r)).astype(np.float32)
+        q_pe = rng.standard_normal((1, n, heads, dr)).astype(np.float32)
+        tree = cpu.mla_attention(q_abs, q_pe, ckv, kpe, np.array([p0]),
+                                 tree_visible(parents)[None], tau, causal=True)
+        for node in range(n):
+            path, j = [], node
+            while j >= 0:
+                path.insert(0, j)
+                j = parents[j]
+            keys = list(range(p0)) + [p0 + j for j in path]
+            alone = cpu.mla_attention(q_abs[:, node:node + 1], q_pe[:, node:node + 1],
+                                      ckv[:, keys], kpe[:, keys], np.array([len(keys) - 1]),
+                                      np.ones((1, 1, 1), bool), tau)
+            np.testing.assert_array_equal(alone[0, 0], tree[0, node])
+    want = ref_attention.mla_attention(q_abs, q_pe, ckv, kpe, np.array([p0]),
+                                       tree_visible(parents)[None], tau)
+    np.testing.assert_allclose(tree, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_a_prompt_gets_the_same_bits_alone_or_in_a_batch():
+    """A prefill's rows (cpu.prefill_ops: PREFILL_ROWS blocks) need match no decode's, but a
+    prompt's logits and cache are the same bits alone as beside a longer one; and they
+    agree with the float64 reference to float32 rounding."""
+    model = tiny("float32")
+    prompts = [[5, 9, 2, 77, 13], list(range(3, 70))]
+    alone = model.new_cache(1, 80)
+    first = model.prefill(alone, [prompts[0]])
+    both = model.new_cache(2, 80)
+    pair = model.prefill(both, prompts)
+    np.testing.assert_array_equal(np.asarray(pair)[0], np.asarray(first)[0])
+    np.testing.assert_array_equal(both.c[-1][0, :5], alone.c[-1][0, :5])
+    want = tiny("float64").score(prompts[1])[-1]
+    np.testing.assert_allclose(np.asarray(pair)[1], want, rtol=0,
+                               atol=2e-5 * np.abs(want).max())
 
 
 def test_a_causal_block_equals_its_decodes():
