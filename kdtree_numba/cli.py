@@ -41,8 +41,8 @@ from kdtree_numba import cpu
 from kdtree_numba.backends import GEMM_CHOICES, PRECISIONS
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
-from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, auto_gemm,
-                                     budget_value, bundle_problem,
+from kdtree_numba.cli_checks import (DEFAULT_PROMPT, DEFAULT_TEXT_PROMPT, budget_value,
+                                     bundle_problem, gemm_choice,
                                      check_against_model, check_options, encode_prompts,
                                      open_backend, plan_drafter, plan_model, read_prompts)
 from kdtree_numba.cli_output import TextStream, json_result, print_result, same_terminal
@@ -250,7 +250,7 @@ def _backend_words(backend, args, target) -> str:
     ``--gemm auto`` chose it), the CPU path that it is one and how to get the exact reference
     instead."""
     if backend.name != "reference":
-        why = f", --gemm auto: {auto_gemm(backend.name, target)[1]}" if args.gemm == "auto" \
+        why = f", --gemm auto: {gemm_choice(backend.name, target)[1]}" if args.gemm == "auto" \
             else ""
         return f"{backend.name} (gemm {backend.gemm}{why})"
     if backend.precision == "float64":

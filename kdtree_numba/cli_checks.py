@@ -21,8 +21,7 @@ import os
 from formats.console import UsageError, escape, read_user_text
 from formats.paths import output_directory
 from kdtree_numba import compat, demo, plots
-from kdtree_numba.backends import Backend, make_backend
-from kdtree_numba.backends import auto_gemm as gemm_for_target
+from kdtree_numba.backends import Backend, auto_gemm, make_backend
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.bundle import BundleError, DFlashSpec, read_bundle_config, stores_packed_weights
 from kdtree_numba.config import ModelConfig, weight_shapes
@@ -32,7 +31,7 @@ from kdtree_numba.text import TextCodec, load_codec
 
 __all__ = ["budget_value", "DEFAULT_PROMPT", "DEFAULT_TEXT_PROMPT", "MAX_DEPTH", "DrafterPlan",
            "ModelPlan", "PromptSource", "check_options", "check_plot", "parse_ids", "read_prompts",
-           "open_backend", "auto_gemm",
+           "open_backend", "gemm_choice",
            "plan_model", "encode_prompts", "plan_drafter", "check_against_model",
            "reference_round_seconds", "bundle_problem"]
 
@@ -178,22 +177,24 @@ def read_prompts(args) -> PromptSource:
     return PromptSource(ids=prompts, where=where)
 
 
-def auto_gemm(backend: str, plan: "ModelPlan") -> tuple[str, str]:
-    """``--gemm auto``'s choice on ``backend`` (a resolved name) for the target: (gemm, why);
-    the rule is :func:`kdtree_numba.backends.auto_gemm`'s."""
+def gemm_choice(backend: str, plan: "ModelPlan | None") -> tuple[str, str]:
+    """``--gemm auto``'s choice on ``backend`` (a resolved name) for ``plan``'s target: (gemm,
+    why); the rule is :func:`kdtree_numba.backends.auto_gemm`'s."""
     if backend != "numba":
         return "cuda-cores", "the reference backend's only one"
-    return gemm_for_target(plan.config.hidden_size, plan.packed_experts)
+    if plan is None:
+        return "cuda-cores", "no target planned"
+    return auto_gemm(plan.config.hidden_size, plan.packed_experts)
 
 
 def open_backend(name: str, gemm: str = "cuda-cores", precision: str | None = None,
                  plan: "ModelPlan | None" = None) -> Backend:
     """kdtree-run's backend: without a GPU the reference backend's float32 CPU path
     (kdtree_numba/cpu.py) unless ``--precision float64`` asks for the exact reference.
-    ``gemm`` "auto" takes :func:`auto_gemm`'s choice for ``plan``'s target."""
+    ``gemm`` "auto" takes :func:`gemm_choice`'s choice for ``plan``'s target."""
     resolved = name if name != "auto" else ("numba" if compat.gpu_available() else "reference")
     if gemm == "auto":
-        gemm = auto_gemm(resolved, plan)[0]
+        gemm = gemm_choice(resolved, plan)[0]
     if precision is not None and resolved != "reference":
         raise UsageError(f"--precision {precision}: the reference backend's choice (the numba "
                          f"backend computes in float32); drop it or use --backend reference")

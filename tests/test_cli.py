@@ -407,7 +407,7 @@ def test_gemm_auto_takes_tensor_cores_for_packed_experts_and_kimi_widths(tmp_pat
 
     from formats.int4_group import Int4GroupWeight
     from kdtree_numba.bundle import QUANTIZABLE, size_config, stores_packed_weights, write_bundle
-    from kdtree_numba.cli_checks import ModelPlan, auto_gemm
+    from kdtree_numba.cli_checks import ModelPlan, gemm_choice
     from kdtree_numba.demo import TARGET
     cfg = size_config("tiny")
     packed = tmp_path / "q.kdtr"
@@ -415,9 +415,9 @@ def test_gemm_auto_takes_tensor_cores_for_packed_experts_and_kimi_widths(tmp_pat
                                else v for k, v in random_weights(cfg, 0)}, dtype="bfloat16")
     assert stores_packed_weights(packed) and not stores_packed_weights(TARGET)
     plain = ModelPlan(str(TARGET), "the default model", cfg, None, False)
-    assert auto_gemm("numba", plain)[0] == "cuda-cores"
-    assert auto_gemm("numba", dataclasses.replace(plain, packed_experts=True)) == \
+    assert gemm_choice("numba", plain)[0] == "cuda-cores"
+    assert gemm_choice("numba", dataclasses.replace(plain, packed_experts=True)) == \
         ("tensor-cores", "int4-group experts")
     wide = dataclasses.replace(plain, config=dataclasses.replace(cfg, hidden_size=7168))
-    assert auto_gemm("numba", wide) == ("tensor-cores", "hidden size 7168")
-    assert auto_gemm("reference", wide)[0] == "cuda-cores"
+    assert gemm_choice("numba", wide) == ("tensor-cores", "hidden size 7168")
+    assert gemm_choice("reference", wide)[0] == "cuda-cores"
