@@ -307,9 +307,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     Expert weights float32 or bf16 (both tensors of one kind; the shared expert may differ),
     or both :class:`~kdtree_numba.layers.workspace.Int4Experts` (int4-group, W4A16: the
     weight-streaming kernels at every M, the nibbles unpacked and scaled in registers;
-    "tiled" and "tensor-cores" run them too, the shared expert as asked; "mma" runs the
-    W4A16 tensor-core kernels, layers/moe_int4_mma.py, which ``KDTREE_INT4_MMA=1`` lets
-    "tensor-cores" and "auto" pick: :func:`_int4_mma_picked`).
+    "tiled" runs them too, the shared expert as asked; "mma" runs the W4A16 tensor-core
+    kernels, layers/moe_int4_mma.py, and so does "tensor-cores" at every M unless
+    ``KDTREE_INT4_MMA=0``: :func:`_int4_mma_picked`).
     The dense FFN: ``expert_idx`` and ``weight`` None, one expert, no shared expert
     (reference.is_dense).  With "mma" it runs as two :func:`linear` calls (K slices: the one
     expert's N tiles alone would leave most SMs idle at decode and verify sizes) around
