@@ -421,3 +421,27 @@ def test_gemm_auto_takes_tensor_cores_for_packed_experts_and_kimi_widths(tmp_pat
     wide = dataclasses.replace(plain, config=dataclasses.replace(cfg, hidden_size=7168))
     assert gemm_choice("numba", wide) == ("tensor-cores", "hidden size 7168")
     assert gemm_choice("reference", wide)[0] == "cuda-cores"
+
+
+@pytest.mark.gpu
+def test_gpu_kdtree_run_names_gemm_autos_choice(tmp_path, capsys):
+    """On the GPU kdtree-run's first line names the GEMM setting --gemm auto chose: tensor
+    cores for a bundle with int4-group experts (group 32: the W4A16 tensor-core kernel's),
+    CUDA cores for the demo target; either gives AR's tokens for DDTree."""
+    from formats.int4_group import Int4GroupWeight
+    from kdtree_numba.bundle import QUANTIZABLE, size_config, write_bundle
+    cfg = size_config("tiny", hidden_size=64, moe_intermediate_size=32)
+    packed = tmp_path / "q.kdtr"
+    write_bundle(packed, cfg, {k: Int4GroupWeight.quantize(v, 32) if k.endswith(QUANTIZABLE)
+                               else v for k, v in random_weights(cfg, 0)}, dtype="bfloat16")
+    ids = ["--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "8", "--json"]
+    tokens = {}
+    for method in ("ar", "ddtree"):
+        extra = ["--drafter", "oracle:0.7"] if method == "ddtree" else []
+        assert run_main(["--model", str(packed), "--method", method, *extra, *ids]) == 0
+        out = capsys.readouterr()
+        assert "gemm tensor-cores, --gemm auto: int4-group experts" in out.err
+        tokens[method] = json.loads(out.out)["tokens"]
+    assert tokens["ddtree"] == tokens["ar"]
+    assert run_main(["--max-new-tokens", "2"]) == 0
+    assert "gemm cuda-cores, --gemm auto: hidden size" in capsys.readouterr().err
