@@ -230,21 +230,12 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
 PREFILL_ROWS = 64
 
 
-def _prefill_linear(x, w) -> np.ndarray:
-    return linear(x, w, PREFILL_ROWS)
-
-
-def _prefill_moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None,
-                     shared_down=None) -> np.ndarray:
-    return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down,
-                   rows=PREFILL_ROWS)
-
-
 def prefill_ops(ops):
     """The CPU path's ops for a prompt's rows (``Backend.prefill_ops``): ``linear`` and
     ``moe_ffn`` in PREFILL_ROWS blocks (the prefill of a demo prompt of ~100 tokens spent
     ~80% of its time packing weights for 8-row blocks); the rest as ``ops``."""
-    return ops.replaced(linear=_prefill_linear, moe_ffn=_prefill_moe_ffn)
+    return ops.replaced(linear=functools.partial(linear, rows=PREFILL_ROWS),
+                        moe_ffn=functools.partial(moe_ffn, rows=PREFILL_ROWS))
 
 
 def _per_head(x, w):
