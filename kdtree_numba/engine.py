@@ -13,7 +13,9 @@ token is the *root*: the next token fed to the target.  The target cache always 
 * AR step: one forward of the roots (n = 1), commit 1, choose the next token.  Steps run one
   ahead: step j + 1 is launched on step j's tokens while they are still on the device, before
   the host reads them (``_ar_steps``), so the device does not idle through the host's read and
-  launches between steps.
+  launches between steps.  With ``ar_device_steps`` K > 0 (``KDTREE_AR_DEVICE_STEPS``) one
+  launch runs K steps as one device program, each block launched before the last one is
+  read (kdtree_numba/device_ar.py): the same tokens, the host's work paid once per K.
 * DDTree round (docs/DDTREE.md, docs/ENGINE.md): drafter logits [bs, L, V] (/ the draft
   temperature t_d where it is not 1: ``steps.draft_temperature``) -> ``topk_logprobs``
   (k = min(budget, V)) -> ``build_tree`` -> ``compile_tree`` (start = cache lengths) -> ONE
@@ -70,6 +72,8 @@ import numpy as np
 
 from kdtree_numba import runtime
 from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget
+from kdtree_numba.device_ar import decode as decode_on_device
+from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
@@ -95,7 +99,8 @@ class GenerationStats:
     block_len: int | None
     draft_temperature: float | None = None  # t_d the DDTree trees were built with (ddtree only)
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
-    rounds: int = 0                     # AR steps (with the one eos may waste) or DDTree rounds
+    # AR steps (with the one eos may waste; on the device K a launch) or DDTree rounds
+    rounds: int = 0
     # device rounds enqueued for requests that the round before them finished: their tokens
     # are dropped (device_rounds only; AR's wasted step counts in rounds)
     rounds_dropped: int = 0
@@ -397,10 +402,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     host is late (also a cost); where a launch runs its round before returning (the
     reference backend, the simulator, an eager round) the wall time between the reads is the
     next round's, and its own launch is its cost."""
-    bs = cache.batch
-    table = None
-    if not sampling.greedy:             # the same uniforms, over the cache's whole capacity
-        table = np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(bs)])
+    table = None if sampling.greedy else _cache_uniforms(seed, cache)
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
                                          table, draft_temperature)
     budgets = []                        # of the rounds in flight, oldest first: [b, launch s,
@@ -451,6 +453,13 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         rounds.finish()
 
 
+def _cache_uniforms(seed: int, cache) -> np.ndarray:
+    """The uniforms [bs, cache.max_len + 2] of a device program (host): the same ``U_b[p]``
+    as the host's loops, over the cache's whole capacity (a program's table is a buffer of
+    the cache's width, reused by every generation on it)."""
+    return np.stack([uniform_table(seed, b, cache.max_len + 2) for b in range(cache.batch)])
+
+
 def cache_slots(longest: int, method: str, budget, block_len: int | None,
                 on_device: bool = False) -> int:
     """The slots a generation's KV caches need for sequences of up to ``longest`` tokens (the
@@ -459,7 +468,9 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
     rounds (``on_device``) for one more round run ahead of the host (enqueued for a request
     its unread round finished: kdtree_numba/device_round.py), and then for the widest write:
     the target's verify block (the largest budget + 1 rows; AR's one token) or a drafter's
-    block after its context (L + 1 rows).  ``budget``: the DDTree budget, an AutoBudget or
+    block after its context (L + 1 rows).  AR on the device (``on_device``, ``block_len``
+    its K steps a launch: kdtree_numba/device_ar.py): K slots more, which each launch
+    reserves past every request's length.  ``budget``: the DDTree budget, an AutoBudget or
     ``"auto"`` (its largest candidate); the chain's is L.
 
     ``generate`` gives the target's cache and the drafter's context this one capacity, rounded
@@ -468,7 +479,7 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
     prompts near a bucket's end, a (target, drafter) pair of its own whose graphs a warm-up on
     other prompts never captured (issue 36: run 151's auto row captured 7 while timed)."""
     if method == "ar":
-        return int(longest) + 2
+        return int(longest) + 2 + (int(block_len or 0) if on_device else 0)
     if method == "chain":
         budget = block_len
     if budget == "auto":                  # a fresh AutoBudget's largest candidate
@@ -540,7 +551,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
              top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              eos: int | None = None, progress=None, stream=None,
              on_round=None, device_rounds: bool | None = None,
-             draft_temperature: float | None = None) -> GenerationResult:
+             draft_temperature: float | None = None,
+             ar_device_steps: int | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -585,6 +597,12 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``on_round``), None follows ``runtime.current().device_rounds`` where possible
     (``KDTREE_DEVICE_ROUNDS``; unset: on where the backend runs on a GPU, where they pay:
     docs/BENCHMARKS.md), False never.  Its rounds' device time is the phase "round".
+    ``ar_device_steps`` (method "ar"): K decode steps a launch as one device program, each
+    launch before the last one's tokens are read (kdtree_numba/device_ar.py; the same tokens
+    and cache lengths): K (1 to 64) on any backend, 0 the host's loop, None
+    ``runtime.current().ar_device_steps`` (``KDTREE_AR_DEVICE_STEPS``, off by default) on
+    the numba backend and the host's loop on the reference backend.  ``stats.rounds`` then
+    counts the device's steps, K a launch (those past a request's end included).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -622,6 +640,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # DDTree's depth cap (the CPU path at T > 0); the chain verifies the drafter's whole block
     max_depth = tree_depth(model.backend, sampling) if method == "ddtree" else None
     on_device = runs_device_rounds(model, method, drafter, device_rounds, on_round)
+    if method != "ar" and ar_device_steps:
+        raise ValueError(f"ar_device_steps is for method 'ar', not {method!r}")
+    ar_steps = steps_per_launch(model.backend, ar_device_steps) if method == "ar" else 0
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len,
@@ -635,7 +656,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if max_new_tokens == 0:
         return GenerationResult([[] for _ in prompts], stats)
     max_len = cache_slots(max(p.size for p in prompts) + max_new_tokens, method,
-                          policy or budget, block_len, on_device)
+                          policy or budget, ar_steps or block_len, on_device or ar_steps > 0)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
@@ -665,7 +686,11 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         if stream is not None:
             stream(req.out)
 
-    if method == "ar":
+    if method == "ar" and ar_steps:
+        decode_on_device(model, cache, req, ar_steps, sampling,
+                         None if sampling.greedy else _cache_uniforms(seed, cache), timer,
+                         stats, after_step)
+    elif method == "ar":
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,

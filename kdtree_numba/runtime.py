@@ -19,7 +19,10 @@ Two kinds of switch:
   ``KDTREE_MOE_CHUNK_GRID=0`` turns it off: docs/LAYERS.md, "MoE FFN"), DDTree
   rounds as device programs enqueued one ahead (kdtree_numba/device_round.py: by default where
   the backend runs on a GPU;
-  ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), an MLA layer's norms and
+  ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), AR's decode steps run K a
+  launch as one device program enqueued one ahead (kdtree_numba/device_ar.py, on the numba
+  backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; unset or 0: off, the host's
+  loop of one step a launch), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -63,6 +66,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
+             "KDTREE_AR_DEVICE_STEPS",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
@@ -81,6 +85,22 @@ def _positive(environ: Mapping[str, str], name: str) -> int:
     itself ignores such a value)."""
     value = environ.get(name, "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else 0
+
+
+AR_STEPS_ON, AR_STEPS_MAX = 4, 64     # KDTREE_AR_DEVICE_STEPS=on's steps a launch; the most
+
+
+def _steps(environ: Mapping[str, str], name: str) -> int:
+    """Steps a launch from ``name``: a whole number 0..AR_STEPS_MAX (0: off), on/off words."""
+    value = environ.get(name, "").strip().lower()
+    if not value or value in _OFF:
+        return 0
+    if value in ("on", "yes", "true"):
+        return AR_STEPS_ON
+    if not value.isdigit() or int(value) > AR_STEPS_MAX:
+        raise ValueError(f"{name}={value!r}: expected steps a launch, 0 (off) to "
+                         f"{AR_STEPS_MAX}, or on ({AR_STEPS_ON})")
+    return int(value)
 
 
 def _cache_dir(environ: Mapping[str, str]) -> str:
@@ -104,6 +124,7 @@ class RuntimeConfig:
     moe_chunk_grid: bool = True
     int4_mma: bool = True
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
+    ar_device_steps: int = 0    # AR steps a device launch (kdtree_numba/device_ar.py); 0: off
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
@@ -137,6 +158,7 @@ class RuntimeConfig:
                    moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", True),
                    int4_mma=_flag(env, "KDTREE_INT4_MMA", True),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
+                   ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS"),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),

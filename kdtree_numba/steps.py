@@ -34,7 +34,8 @@ from kdtree_numba import cpu
 from reference.ddtree import DraftTree, Sampling, as_sampling, check_draft_temperature
 
 __all__ = ["DeviceSteps", "TREE_ARRAYS", "root_only_tree", "tree_uniforms", "tree_phase",
-           "accept_phase", "gather_phase", "compaction_phase", "draft_temperature"]
+           "accept_phase", "gather_phase", "compaction_phase", "choice_phase",
+           "draft_temperature"]
 
 
 def draft_temperature(sampling, value=None) -> float:
@@ -87,6 +88,21 @@ def tree_uniforms(xp, table, tree, start):
     W - 1, as the table covers every position a committed token can have)."""
     pos = start[:, None] + xp.maximum(tree.depth, 0) + 1
     return xp.take_along_axis(table, xp.minimum(pos, table.shape[1] - 1), axis=1)
+
+
+def choice_phase(ops, xp, sampling: Sampling, tree: DraftTree | None = None):
+    """logits [bs, V] (contiguous)[, uniforms [bs, 2]] -> the next token per request [bs]
+    int32: the argmax at T = 0, else ``sample_targets``' inverse-CDF rule (top-p and top-k
+    included) on ``tree``, a :func:`root_only_tree`, with the uniform of column 0 (column 1
+    is the tree's empty slot's).  What AR's step chooses with, from the host loop
+    (:meth:`DeviceSteps.choose`) and inside a device program (kdtree_numba/device_ar.py)."""
+    if sampling.greedy:
+        return ops.argmax
+
+    def sample(logits, uniforms):
+        pair = xp.stack([logits, logits], axis=1)
+        return xp.ascontiguousarray(ops.sample_targets(tree, pair, sampling, uniforms)[:, 0])
+    return sample
 
 
 def tree_phase(ops, k: int, budget: int, draft_temperature: float = 1.0):
@@ -178,19 +194,15 @@ class DeviceSteps:
         sampling = as_sampling(sampling)
         logits = xp.ascontiguousarray(logits)          # rows of a [bs, n, V] block are strided
         if sampling.greedy:   # one more CUDA graph on the GPU (an eager launch costs ~0.2 ms)
-            return self.device_step(("argmax",), ops.argmax, (logits,))
+            return self.device_step(("argmax",), choice_phase(ops, xp, sampling), (logits,))
         bs = logits.shape[0]
         tree = self._root_trees.get(bs)   # made once: its arrays are the graph's constants
         if tree is None:
             tree = self._root_trees[bs] = root_only_tree(be, bs)
-
-        def sample(logits, u):
-            pair = xp.stack([logits, logits], axis=1)
-            return xp.ascontiguousarray(ops.sample_targets(tree, pair, sampling, u)[:, 0])
         # one CUDA graph as at T = 0: eagerly the step was ~8 launches and copies on the
         # host's path (AR at T = 1 idled the GPU half of each step, run 158)
         key = ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
-        return self.device_step(key, sample,
+        return self.device_step(key, choice_phase(ops, xp, sampling, tree),
                                 (logits, np.stack([uniforms, np.full(bs, 0.5)], axis=1)))
 
     def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,

@@ -8,9 +8,9 @@ forwards and the round's device steps are captured as CUDA graphs on their secon
 a graph's key names the KV cache's buffers (a device round's: the target's and the
 drafter's, which take one capacity), whose capacity ``generate`` rounds up to a multiple of
 ``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token count, the
-verify width, the drafter's depth and, with device rounds, the round run ahead
-(``engine.cache_slots``, :func:`cache_bucket`; the warm-up asks ``engine.runs_device_rounds``
-as ``generate`` does).  So per
+verify width, the drafter's depth and, with device rounds, the round run ahead (AR's steps
+on the device: their K a launch) (``engine.cache_slots``, :func:`cache_bucket`; the warm-up
+asks ``engine.runs_device_rounds`` and ``device_ar.steps_per_launch`` as ``generate`` does).  So per
 configuration (method, budget, temperature) the warm-up
 
 1. prefills every distinct prompt length of the timed prompts once into a scratch cache of
@@ -68,6 +68,7 @@ import time
 import numpy as np
 
 from kdtree_numba.budget import AutoBudget
+from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.engine import cache_slots, generate, runs_device_rounds
 from kdtree_numba.model import CACHE_BUCKET, prefill_rows
 
@@ -166,6 +167,9 @@ def warm_up(model, drafter, prompts, method: str, budget, temperature: float, ma
     lengths = [len(r["ids"]) for r in prompts]
     # the timed rows' generate calls decide the same way (no device_rounds argument)
     on_device = runs_device_rounds(model, method, drafter)
+    if method == "ar":      # AR's steps on the device: K more slots (engine.cache_slots)
+        block_len = steps_per_launch(model.backend)
+        on_device = block_len > 0
     plan = warm_plan(lengths, max_new, method, budget, block_len, on_device)
     kw = dict(method=method, drafter=drafter if method != "ar" else None,
               budget=budget or 32, temperature=temperature, seed=seed,
