@@ -89,6 +89,7 @@ class DeviceAR:
             self.half = xp.full((bs, 1), 0.5)        # its empty slot's uniform, never read
         self.choose = choice_phase(self.be.ops, xp, self.sampling, self.tree)
         self.in_flight: collections.deque = collections.deque()  # (read's wait, counts)
+        self.launch_key: tuple = ()                  # key() of this generation (restart)
 
     @classmethod
     def for_generation(cls, model, cache, steps: int, sampling, roots,
@@ -104,13 +105,14 @@ class DeviceAR:
         return program
 
     def restart(self, roots, table=None) -> None:
-        """A new generation: its first tokens and uniforms written into the buffers."""
-        self.roots[...] = self.be.asarray(np.asarray(roots, np.int32))
+        """A new generation: its first tokens and uniforms uploaded into the buffers (in
+        place: the captured graph reads them there)."""
+        self.be.upload_into(self.roots, roots)
         if self.table is not None:
-            width = self.table.shape[1]
-            self.table[...] = self.be.asarray(np.ascontiguousarray(
-                np.asarray(table, np.float64)[:, :width]))
+            self.be.upload_into(self.table, np.asarray(table)[:, :self.table.shape[1]])
         self.in_flight.clear()
+        # made once a generation, not a launch (~10 buffer addresses asked of CuPy)
+        self.launch_key = self.key()
 
     # ---- the program: device work only, so a CUDA graph can capture it
     def _block(self, mask):
@@ -159,7 +161,7 @@ class DeviceAR:
         mask = (np.arange(K)[:, None] < counts[None, :]).astype(np.int32)
         # borrowed: the graph's own output buffer, which the next launch's replay rewrites
         # only after the read enqueued here has copied it (both on the legacy stream's order)
-        out = self.model.device_step(self.key(), self._block, (mask,), borrow=True)
+        out = self.model.device_step(self.launch_key, self._block, (mask,), borrow=True)
         cache.expect_device_growth(before, before + counts)
         cache.confirm_lengths(before + counts)
         self.in_flight.append((self.be.read_later(out), counts))

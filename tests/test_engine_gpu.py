@@ -199,12 +199,15 @@ def test_gpu_round_reads_the_device_once(temperature):
 
 
 @pytest.mark.parametrize("method, temperature", [("ddtree", 0.0), ("ddtree", 0.8),
-                                                 ("ar", 0.8)])
+                                                 ("ar", 0.8), ("ar-device", 0.8)])
 def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
     """No numba driver call that waits for the device (a synchronous copy: a NumPy array
     reaching a kernel, a copy_to_host; a sync; a cuMemFree outside the deferred free at the
-    end of a round) happens during a warmed-up generate()."""
+    end of a round) happens during a warmed-up generate(); "ar-device": AR's steps on the
+    device, 4 a launch (kdtree_numba/device_ar.py)."""
     from numba.cuda.cudadrv.driver import driver
+    if method == "ar-device":
+        monkeypatch.setenv("KDTREE_AR_DEVICE_STEPS", "4")
     gpu, run = sync_case(temperature, method)
     be = gpu.backend
     # earlier tests' garbage (cycles holding device arrays) is collected and freed now, before
