@@ -573,10 +573,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     logits / t_d (``steps.draft_temperature``: None is the default policy, a number > 0 a
     fixed t_d); it shapes the tree only, never the tokens (the acceptance reads the target
     alone), and the chain, the drafter's argmax at each depth, ignores it.
-    ``progress(done, total)``: called after the prefill and after each AR step or DDTree round
-    with the tokens committed so far (all requests) and at most ``len(prompts) *
-    max_new_tokens``; host bookkeeping only (a ``formats.progress.ProgressBar`` fits), so it
-    adds no device wait.  A DDTree or chain round's call comes once the next round's verify
+    ``progress(done, total)``: called after the prefill and after each AR step (block of
+    ``ar_device_steps``) or DDTree round with the tokens committed so far (all requests)
+    and at most ``len(prompts) * max_new_tokens``; host bookkeeping only (a
+    ``formats.progress.ProgressBar`` fits), so it adds no device wait.  A DDTree or chain round's call comes once the next round's verify
     is launched (the last round's at the end), so it overlaps the device's work.  The engine
     itself never prints.
     ``stream(tokens)``: called at the same moments with every request's new tokens so far

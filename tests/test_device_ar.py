@@ -43,9 +43,10 @@ def host_loop(model, prompts, n, **kw):
 def test_device_steps_give_the_host_loops_tokens_and_lengths(sampling, steps):
     """A ragged batch of 3 at every max_new_tokens from 1 to 9 (multiples of K and not),
     with and without an eos that finishes request 1 at its third token while the others run
-    on (for K = 3 and 4 inside the first block; at T > 0 it ends request 0 early too once): the host loop's tokens (T > 0: the same uniforms)
-    and the cache lengths it leaves (len(seq) - 1 a request); one read a launch besides the
-    prefill's, K device steps a launch, and the phase "decode" charged."""
+    on (for K = 3 and 4 inside the first block; at T > 0 it ends request 0 early too once):
+    the host loop's tokens (T > 0: the same uniforms) and the cache lengths it leaves
+    (len(seq) - 1 a request); one read a launch besides the prefill's, K device steps a
+    launch, and the phase "decode" charged."""
     model = tiny_model(1)
     kw = dict(seed=3, **sampling)
     for n in range(1, 10):

@@ -10,8 +10,8 @@ drafter's, which take one capacity), whose capacity ``generate`` rounds up to a 
 ``CACHE_BUCKET`` (kdtree_numba/model.py) from the prompt's length, the token count, the
 verify width, the drafter's depth and, with device rounds, the round run ahead (AR's steps
 on the device: their K a launch) (``engine.cache_slots``, :func:`cache_bucket`; the warm-up
-asks ``engine.runs_device_rounds`` and ``device_ar.steps_per_launch`` as ``generate`` does).  So per
-configuration (method, budget, temperature) the warm-up
+asks ``engine.runs_device_rounds`` and ``device_ar.steps_per_launch`` as ``generate``
+does).  So per configuration (method, budget, temperature) the warm-up
 
 1. prefills every distinct prompt length of the timed prompts once into a scratch cache of
    each capacity bucket that configuration will use (the prefill ``generate`` makes: with
