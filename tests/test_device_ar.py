@@ -120,6 +120,27 @@ def test_batch_of_two_one_finishing_early_and_blocks_launched_one_ahead(monkeypa
     assert len(progress) == 1 + len(counts) and progress[-1] == 16
 
 
+def test_each_blocks_pinned_copy_is_read_after_waiting_for_it():
+    """On a fake device whose asynchronous copies land only when the host waits
+    (test_engine.FakeCupy: a read of the pinned buffer before its wait sees zeros), with a
+    block always in flight: the reference backend's tokens and lengths, one read a launch,
+    at T = 0 and 0.7, eos and max_new_tokens finishing requests at different steps."""
+    from kdtree_numba.backends import Backend, make_backend
+    from test_engine import FakeCupy
+    be = Backend("reference", FakeCupy(), make_backend("reference").ops, on_gpu=True)
+    base = tiny_model(1)
+    model = Model(base.config, dict(random_weights(base.config, 1)), be)
+    for temperature in (0.0, 0.7):
+        full, _ = host_loop(base, PROMPTS, 8, temperature=temperature, seed=3)
+        eos = full.tokens[1][2]
+        want, lengths = host_loop(base, PROMPTS, 8, temperature=temperature, seed=3, eos=eos)
+        got, reads, syncs = counted([be], lambda: generate(
+            model, PROMPTS, 8, temperature=temperature, seed=3, eos=eos, ar_device_steps=3))
+        assert got.tokens == want.tokens
+        assert model.generation_cache.lengths.tolist() == lengths
+        assert reads == 1 + got.stats.rounds // 3 and syncs == 1
+
+
 def test_the_next_generation_reuses_the_program():
     """A second generation on the same cache runs the same program object (its buffers are
     what a captured graph holds), restarted on its own roots and uniforms, key unchanged."""
