@@ -139,15 +139,19 @@ def test_the_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m, n
 def test_a_graph_of_the_full_glue_is_never_replayed_by_the_lean_round(monkeypatch):
     """The two glues are other work: a key held under one is not held under the other, so
     flipping the switch in a process captures anew (GraphCache.stored_key)."""
+    switch_keys_apart(monkeypatch, "KDTREE_LEAN_ROUND")
+
+
+def switch_keys_apart(monkeypatch, variable):
+    """A graph key held with ``variable`` on is not held with it off, and the other way."""
     from kdtree_numba.graphs import GraphCache
     graphs = object.__new__(GraphCache)         # no device: only the keyed dictionary
-    graphs._graphs = {}
     key = ("round", 16, 4)
-    for lean, other in (("1", "0"), ("0", "1")):
-        monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+    for value, other in (("1", "0"), ("0", "1")):
+        monkeypatch.setenv(variable, value)
         graphs._graphs = {GraphCache.stored_key(key): None}
         assert graphs.holds(key)
-        monkeypatch.setenv("KDTREE_LEAN_ROUND", other)
+        monkeypatch.setenv(variable, other)
         assert not graphs.holds(key)
 
 
