@@ -266,10 +266,13 @@ class DFlashDrafter:
                              f"{self.model.config.hidden_size}], got {tuple(features.shape)}")
         if m and slots is not None:
             # the block's first m slots (a tree shallower than the block commits fewer rows;
-            # for bs > 1 the cut is a copy), never the lengths, which the round grew already
+            # for bs > 1 the cut is a copy each, once, not one per layer's reshape), never the
+            # lengths, which the round grew already
             if int(slots.storage.shape[1]) != m:
-                slots = dataclasses.replace(slots, storage=slots.storage[:, :m],
-                                            positions=slots.positions[:, :m])
+                xp = self.model.backend.xp
+                slots = dataclasses.replace(
+                    slots, storage=xp.ascontiguousarray(slots.storage[:, :m]),
+                    positions=xp.ascontiguousarray(slots.positions[:, :m]))
             context_phase(self.model, cache, self.fc, self.hidden_norm)(
                 features, cache.device_lengths, slots)
         elif m:

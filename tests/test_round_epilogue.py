@@ -178,7 +178,6 @@ EPILOGUE_CUT = collections.Counter({
     "kvcache.KVCache.positions: add": 1,                   # the context's positions
     "steps.gather_phase.<locals>.run: maximum": 1,         # the accepted rows' gather
     "steps.gather_phase.<locals>.run: take": 1,
-    "model.Model._compute: concatenate": 2,                # the features, one per layer
     "ddtree.commit.round_slots: kernel commit._slots": -1,
     "ddtree.commit.commit_round: kernel commit.commit": -1,
 })
@@ -191,8 +190,8 @@ def test_the_epilogue_gives_the_same_bits_with_fewer_launches(monkeypatch, needs
     """The numba backend in the simulator, launches counted by site (tests/launch_counter.py):
     the switch on gives the same DDTree and AR tokens, the drafter's next logits, one more
     decode's logits and both caches' bits, and removes exactly EPILOGUE_CUT from a device
-    round (on the GPU also CuPy's two index preparations of the take and the demo's third
-    captured layer's copy); an AR step keeps its launches."""
+    round (on the GPU also CuPy's two index preparations of the take); an AR step keeps its
+    launches."""
     runs = []
     with launch_counter.installed():
         for switch in ("0", "1"):
