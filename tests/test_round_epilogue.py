@@ -224,3 +224,31 @@ def test_gpu_round_epilogue_gives_the_default_rounds_tokens(monkeypatch, tempera
     switch off and on: the same tokens and acceptances (AR's at T = 0), the drafter's context
     and the target's cache the same bits (tests/test_lean_round.py's check)."""
     switch_keeps_the_rounds(monkeypatch, "KDTREE_ROUND_EPILOGUE", temperature)
+
+
+def graph_kernels(model, budget: int, epilogue: bool) -> int:
+    """Kernel nodes of the captured round graph at ``budget`` with the switch ``epilogue``
+    (CUDA's DOT dump of the graph: a kernel node's label starts with KERNEL)."""
+    import re
+    dots = [entry.graph.debug_dot_str() for key, entry in model.graphs._graphs.items()
+            if key[0] == "round" and key[1] == budget
+            and ("round_epilogue" in key) == epilogue]
+    assert len(dots) == 1, f"{len(dots)} round graphs of budget {budget} held"
+    kernels = len(re.findall(r"\bKERNEL\b", dots[0]))
+    assert kernels > 0, dots[0][:2000]
+    return kernels
+
+
+@pytest.mark.gpu
+def test_gpu_round_epilogue_graph_has_fewer_kernels(monkeypatch):
+    """The demo pair, budget 16, T = 0, the switch off then on: the same tokens and caches,
+    and the captured round graph holds 11 kernels fewer (13 CuPy glue launches for the two
+    kernels of ddtree/commit.py; at least fewer, where CuPy's indexing launches otherwise)."""
+    from test_lean_round import assert_same_rounds, demo_pair, demo_runs
+    model, drafter = demo_pair()
+    runs = demo_runs(monkeypatch, model, drafter, "KDTREE_ROUND_EPILOGUE", ("0", "1", "1"),
+                     16, 0.0)
+    assert_same_rounds(runs)
+    off, on = graph_kernels(model, 16, False), graph_kernels(model, 16, True)
+    print(f"round graph kernels, budget 16: switch off {off}, on {on}")
+    assert on < off and off - on == 11, (off, on)
