@@ -65,6 +65,7 @@ TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidde
 def _run(monkeypatch, lean: bool, fewer: bool = False):
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
     monkeypatch.setenv("KDTREE_FEWER_LAUNCHES", "1" if fewer else "0")
+    monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", "0")     # its own cut: test_round_epilogue.py
     target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
     rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
     # the drafter's context after DDTree, the target's cache after AR, one more proposal's
