@@ -12,6 +12,9 @@ needs no host value at all:
     ->  the target's lengths += acc_len (active requests)  ->  the drafter's commit
     (its context grows by the same counts)  ->  roots = the bonus tokens
 
+(with ``KDTREE_ROUND_EPILOGUE`` the slots' arithmetic of the round's three forwards is one
+launch at its start and the counts, both lengths, the roots and the features' gather one
+launch after the compaction: kdtree_numba/ddtree/commit.py, docs/ENGINE.md "Device rounds"),
 and :class:`DeviceRounds` replays it from one CUDA graph per (method, budget, batch, cache
 buffers) on the GPU (captured by the target model's graph cache on its second call, like every
 device step), eagerly elsewhere.  ``advance()`` enqueues the next round and starts the read of
