@@ -35,7 +35,8 @@ Two kinds of switch:
   off until validated on the GPU: the verify's and the drafter's block's slots and positions
   made together at the round's start, and ``counts = acc_len * active``, both caches' lengths,
   the roots and the accepted rows' features in one kernel at its end,
-  kdtree_numba/ddtree/commit.py; the same bits: docs/ENGINE.md, "Device rounds"),
+  kdtree_numba/ddtree/commit.py; and a forward's captured features written by the norms, as
+  under ``KDTREE_FEWER_LAUNCHES``; the same bits: docs/ENGINE.md, "Device rounds"),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
