@@ -69,7 +69,7 @@ LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", 
              "moe_ffn", "mla_latents", "mla_q_split")
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
-              "accept_sampled", "compact_kv")
+              "accept_sampled", "compact_kv", "round_slots", "commit_round")
 # the paged KV layout's ops (kdtree_numba/kvlayout.py): the reference's; the numba backend has
 # no paged kernels yet and refuses them (docs/ENGINE.md, "The KV cache")
 PAGED_OPS = ("paged_mla_attention", "compact_kv_paged")
@@ -355,6 +355,7 @@ class ReferenceOps(LatentsByParts, Ops):
         self.compile_tree, self.accept_greedy = rd.compile_tree, rd.accept_greedy
         self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
         self.compact_kv = rd.compact_kv
+        self.round_slots, self.commit_round = rd.round_slots, rd.commit_round
         self.paged_mla_attention = ra.paged_mla_attention
         self.compact_kv_paged = rd.compact_kv_paged
 
@@ -481,6 +482,7 @@ class NumbaOps(LatentsByParts, Ops):
         self.sample_targets = wrap(nd.sample_targets)
         self.accept_sampled = wrap(nd.accept_sampled)
         self.compact_kv = wrap(nd.compact_kv)
+        self.round_slots, self.commit_round = wrap(nd.round_slots), wrap(nd.commit_round)
         # no paged-KV kernels yet: the paged layout runs on the reference backend
         self.paged_mla_attention = _no_paged_kernel("paged_mla_attention")
         self.compact_kv_paged = _no_paged_kernel("compact_kv_paged")

@@ -236,6 +236,7 @@ def _record_kernels(prog: str, args, key: str, on_gpu: bool, warn) -> None:
     try:
         if on_gpu:
             precompile.record(key)
+            precompile.mark_warm(key)      # this run made (or loaded) every kernel it needs
         if args.record_kernels:
             n, left_out = precompile.record(key, args.record_kernels)
             _log(prog, f"--record-kernels: {n} new kernel entries in {args.record_kernels}")
@@ -376,7 +377,9 @@ def _run(argv: list[str]) -> int:
     if args.record_kernels and backend.name != "numba":
         raise UsageError("--record-kernels needs --backend numba (the reference backend "
                          "compiles no kernels)")
-    key = precompile.profile(cfg, plan and plan.kind, plan and plan.config) \
+    # --budget auto's rounds visit other budgets than the default's: kernels of their own
+    run = "auto" if args.method == "ddtree" and args.budget == "auto" else None
+    key = precompile.profile(cfg, plan and plan.kind, plan and plan.config, run) \
         if backend.name == "numba" else None
     warming = _start_precompile(prog, args, key) if backend.name == "numba" and \
         backend.on_gpu else None

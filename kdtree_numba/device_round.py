@@ -12,6 +12,9 @@ needs no host value at all:
     ->  the target's lengths += acc_len (active requests)  ->  the drafter's commit
     (its context grows by the same counts)  ->  roots = the bonus tokens
 
+(with ``KDTREE_ROUND_EPILOGUE`` the slots' arithmetic of the round's three forwards is one
+launch at its start and the counts, both lengths, the roots and the features' gather one
+launch after the compaction: kdtree_numba/ddtree/commit.py, docs/ENGINE.md "Device rounds"),
 and :class:`DeviceRounds` replays it from one CUDA graph per (method, budget, batch, cache
 buffers) on the GPU (captured by the target model's graph cache on its second call, like every
 device step), eagerly elsewhere.  ``advance()`` enqueues the next round and starts the read of
@@ -117,37 +120,69 @@ class DeviceRounds:
     def _round(self, budget: int, active):
         model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
         lean = runtime.current().lean_round
-        # the tree's root positions: with KDTREE_LEAN_ROUND the lengths themselves, no copy,
-        # as nothing writes them before the round's last read of them (add_on_device below)
-        start = cache.device_lengths if lean else cache.device_lengths.copy()
+        context = self._epilogue_context()
+        # the tree's root positions: with KDTREE_LEAN_ROUND (or the epilogue's) the lengths
+        # themselves, no copy, as nothing writes them before the round's last read of them
+        # (add_on_device, or the commit launch, below)
+        start = cache.device_lengths if lean or context is not None \
+            else cache.device_lengths.copy()
+        n = budget + 1
+        slots = block = None
+        if context is not None:      # the verify's and the drafter's block's slots: one launch
+            rows, block_rows, block_positions = ops.round_slots(
+                start, cache.max_len, n, context.device_lengths, context.max_len,
+                self.drafter.block_len + 1)
+            slots = cache.slots_at(start, rows)
+            block = context.slots_at(context.device_lengths, block_rows, block_positions)
         draft_logits = self.drafter.propose(DraftContext(
             roots=self.roots, positions=start, depth=budget,
-            temperature=self.sampling.temperature))
+            temperature=self.sampling.temperature, slots=block))
         tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature)(
             draft_logits, self.roots, start)
         # the verify's slots from the round's own device lengths: forward runs it eagerly
         # inside this program's capture (ForwardBatch.slots)
-        n = vin.input_ids.shape[1]
         out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible,
                                          causal=True, return_hidden=self.needs.hidden,
                                          capture_layers=self.needs.feature_layers,
-                                         slots=cache.device_slots(start, n)), cache)
+                                         slots=slots or cache.device_slots(start, n)), cache)
         parts = out if isinstance(out, tuple) else (out,)
         arrays = tuple(getattr(tree, name) for name in TREE_ARRAYS)
         if not self.sampling.greedy:
             arrays += (self.table, start)
         acc_idx, acc_len, packed, next_roots = accept_phase(
             ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
+        hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
+        if context is not None:
+            # KDTREE_ROUND_EPILOGUE: the compaction reads the lengths first, then one launch
+            # makes the counts, grows both caches' lengths, sets the roots and gathers the
+            # accepted rows' features (the drafter's context writes at ``block``, made above)
+            cache.compact_tree(ops, acc_idx, acc_len, lengths=start)
+            counts, features = ops.commit_round(
+                parts[-1] if self.needs.feature_layers else None, acc_idx, acc_len, active,
+                next_roots, self.roots, cache.device_lengths, context.device_lengths)
+            self.drafter.on_commit(Commit(counts=counts, next_roots=next_roots,
+                                          counts_host=None, hidden=hidden, features=features,
+                                          slots=block, grown=True))
+            return packed
         counts = (acc_len.astype(np.int32, copy=False) * active).astype(np.int32, copy=False)
         features = gather_phase(xp, self.requests if lean else None)(parts[-1], acc_idx) \
             if self.needs.feature_layers else None
-        hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
         cache.compact_tree(ops, acc_idx, acc_len, lengths=start)
         cache.add_on_device(counts)
         self.drafter.on_commit(Commit(counts=counts, next_roots=next_roots, counts_host=None,
                                       hidden=hidden, features=features))
         self.roots[...] = next_roots
         return packed
+
+    def _epilogue_context(self):
+        """The drafter's context cache where the round makes its slots and commit in one
+        launch each (``KDTREE_ROUND_EPILOGUE``; both caches dense, a drafter that names its
+        ``context_cache``: drafting.py), else None."""
+        context = getattr(self.drafter, "context_cache", None)
+        if not runtime.current().round_epilogue or context is None or not context.dense \
+                or not self.cache.dense:
+            return None
+        return context
 
     def key(self, budget: int) -> tuple:
         """Everything the captured round at ``budget`` depends on besides its input: the tree

@@ -84,17 +84,22 @@ def subset_ids(rank, n: int | None) -> np.ndarray | None:
 
 
 def context_phase(model: Model, cache: KVCache, fc, hidden_norm):
-    """features [bs, m, k D], lengths [bs] (the cache's device lengths) -> (): fuse the
-    features and write every drafter layer's latents of them at the next m slots (slot =
-    position; uncommitted; device work only, so a CUDA graph can capture it)."""
+    """features [bs, m, k D], lengths [bs] (the cache's device lengths)[, slots] -> (): fuse
+    the features and write every drafter layer's latents of them at the next m slots (slot =
+    position; uncommitted; device work only, so a CUDA graph can capture it).  ``slots``:
+    those m slots with their positions, made by the caller (a device round's,
+    ``Commit.slots``), else made here."""
     xp, ops, cfg = model.backend.xp, model.backend.ops, model.config
 
-    def run(features, lengths):
+    def run(features, lengths, slots=None):
         bs, m, width = features.shape
         x = xp.ascontiguousarray(features.reshape(bs * m, width), dtype=np.float32)
         f = ops.rmsnorm(ops.linear(x, fc), hidden_norm, cfg.rms_norm_eps)
-        slots = cache.device_slots(lengths, m)
-        if slots.rows is None:     # KDTREE_LEAN_ROUND: one int32 add (the same positions)
+        if slots is None:
+            slots = cache.device_slots(lengths, m)
+        if slots.positions is not None:
+            positions = slots.positions.reshape(bs * m)
+        elif slots.rows is None:     # KDTREE_LEAN_ROUND: one int32 add (the same positions)
             positions = cache.positions(lengths, m)
         else:
             positions = xp.ascontiguousarray(slots.rows.reshape(bs * m)).astype(np.int32)
@@ -240,22 +245,37 @@ class DFlashDrafter:
         self._inject(features)
         self.cache.advance(lengths)
 
-    def extend_on_device(self, features, counts) -> None:
+    def extend_on_device(self, features, counts, slots=None, grown: bool = False) -> None:
         """:meth:`extend_context` by device ``counts`` [bs] (never read): the same injection,
-        then the context lengths grow on the device.  The host's mirror of them is the
-        caller's (a device round program: ``KVCache.expect_device_growth``)."""
-        self._inject(features)
-        self.cache.add_on_device(counts)
+        then the context lengths grow on the device (``grown``: the caller grew them
+        already).  The host's mirror of them is the caller's (a device round program:
+        ``KVCache.expect_device_growth``).  ``slots``: as :meth:`_inject`'s."""
+        self._inject(features, slots)
+        if not grown:
+            self.cache.add_on_device(counts)
 
-    def _inject(self, features) -> int:
+    def _inject(self, features, slots=None) -> int:
         """Fuse ``features`` [bs, m, k D] and write every layer's latents of them at the next
-        m slots (uncommitted); returns m."""
+        m slots (uncommitted); returns m.  ``slots``: those slots with their positions, made
+        by a device round (``Commit.slots``: run inside its program, never as a graph of the
+        drafter's own, whose key could not name them)."""
         bs, m, width = (int(d) for d in features.shape)
         cache = self._started(bs)
         if width != len(self.feature_layers) * self.model.config.hidden_size:
             raise ValueError(f"features must be [bs, m, {len(self.feature_layers)} * "
                              f"{self.model.config.hidden_size}], got {tuple(features.shape)}")
-        if m:
+        if m and slots is not None:
+            # the block's first m slots (a tree shallower than the block commits fewer rows;
+            # for bs > 1 the cut is a copy each, once, not one per layer's reshape), never the
+            # lengths, which the round grew already
+            if int(slots.storage.shape[1]) != m:
+                xp = self.model.backend.xp
+                slots = dataclasses.replace(
+                    slots, storage=xp.ascontiguousarray(slots.storage[:, :m]),
+                    positions=xp.ascontiguousarray(slots.positions[:, :m]))
+            context_phase(self.model, cache, self.fc, self.hidden_norm)(
+                features, cache.device_lengths, slots)
+        elif m:
             cache.reserve(m)
             self.model.device_step(("dflash_context",) + cache.buffer_key(),
                                    context_phase(self.model, cache, self.fc, self.hidden_norm),
@@ -288,14 +308,20 @@ class DFlashDrafter:
         """Extend the context by the commit's features: by its host counts where the engine
         has read them, else (a device round) by its device counts, on the device."""
         if commit.counts_host is None:
-            self.extend_on_device(commit.features, commit.counts)
+            self.extend_on_device(commit.features, commit.counts, commit.slots, commit.grown)
         else:
             self.extend_context(commit.features, commit.counts_host)
 
-    def propose(self, ctx: DraftContext):
-        return self.draft(ctx.roots, ctx.depth, ctx.temperature)
+    @property
+    def context_cache(self) -> KVCache:
+        """The context's KV cache (drafting.py: a device round makes its block's slots and
+        grows its lengths, ``KDTREE_ROUND_EPILOGUE``)."""
+        return self.cache
 
-    def draft(self, roots, depth: int | None = None, temperature: float = 0.0):
+    def propose(self, ctx: DraftContext):
+        return self.draft(ctx.roots, ctx.depth, ctx.temperature, ctx.slots)
+
+    def draft(self, roots, depth: int | None = None, temperature: float = 0.0, slots=None):
         """Logits [bs, d, V] float32 (device) of depths 1..d (d = B - 1, or ``depth`` where
         smaller) under each request's root ``roots`` [bs] (host or device ints), which sits
         at the position after its context: one forward over ``[root, MASK x (B - 1)]``, the
@@ -303,7 +329,9 @@ class DFlashDrafter:
         over ``[root, MASK x d]``: the rows a tree of depth d can use.  With a draft
         vocabulary the head covers its tokens only, the others' logits MASKED_LOGIT; so does
         the CPU path's default one at ``temperature`` > 0 (the round's sampling temperature;
-        constructor)."""
+        constructor).  ``slots``: the block's slots with their positions in the context's
+        cache, made by a device round (``DraftContext.slots``), used where the whole block
+        runs."""
         be, xp, ops = self.model.backend, self.model.backend.xp, self.model.backend.ops
         cache = self._started(len(roots))
         bs, B, D = cache.batch, self.spec.block_size, self.model.config.hidden_size
@@ -321,9 +349,13 @@ class DFlashDrafter:
         else:
             x = xp.concatenate([first.reshape(bs, 1, D),
                                 xp.broadcast_to(self.mask_embedding, (bs, B - 1, D))], axis=1)
+        if slots is not None and int(slots.storage.shape[1]) != B:
+            slots = None
         # the context's device lengths: no host value, so a device round can capture it
-        positions = cache.device_lengths[:, None] + steps[None, :]
-        batch = ForwardBatch(tokens, positions, visible, embeds=x, logit_span=(1, 1 + d))
+        positions = cache.device_lengths[:, None] + steps[None, :] if slots is None \
+            else slots.positions
+        batch = ForwardBatch(tokens, positions, visible, embeds=x, logit_span=(1, 1 + d),
+                             slots=slots)
         vocab_ids = self.vocab_ids
         if self._sampled is not None and temperature > 0:
             vocab_ids, full_head = self._sampled[0], self.model.lm_head

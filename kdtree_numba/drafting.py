@@ -30,7 +30,12 @@ drafter names the device buffers a round reads and writes in place (``graph_key(
 addresses, part of the graph's key), keeps the host's view of its own state given the bounds
 of the target cache's lengths (``bound_lengths(floor, upper)``), and its optional ``prepare_capture()`` runs before a
 capture (state that must be recorded with the graph, such as its model's attention plans, is
-made inside it).
+made inside it).  Such a drafter may also name ``context_cache``: its own dense KV cache
+whose lengths always equal the target cache's (the DFlash drafter's context) and whose next
+block of ``block_len + 1`` tokens a round's ``propose`` and ``on_commit`` both write.  With
+``KDTREE_ROUND_EPILOGUE`` a device round then makes that block's slots with the verify's in
+one launch (``DraftContext.slots``, ``Commit.slots``: used in place of the drafter's own) and
+grows the cache's lengths in its commit launch (``Commit.grown``: the drafter must not).
 
 A drafter whose logits rank only some tokens (the others masked: a DFlash drafter's
 ``draft_vocab``, kdtree_numba/dflash.py) says how many in ``draft_vocab`` (None or absent: all);
@@ -76,11 +81,14 @@ class DraftContext:
     drafter then runs its lm_head on those alone), never fewer.  ``temperature``: the round's
     sampling temperature (0: greedy); a drafter may shape its draft by it (the CPU path's
     DFlash drafter ranks a draft vocabulary at T > 0: kdtree_numba/dflash.py), never the
-    tokens committed, which are the target's."""
+    tokens committed, which are the target's.  ``slots``: the write slots (with their
+    positions) of the drafter's block in its ``context_cache``, made by a device round
+    (module docstring), or None."""
     roots: object
     positions: object
     depth: int | None = None
     temperature: float = 0.0
+    slots: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +104,17 @@ class Commit:
     (``needs.hidden``): the target's final hidden state at the row that chose ``next_roots``.
     ``features`` [bs, m, k D] float32 (``needs.feature_layers``): the captured rows of the
     verified tokens, the first ``counts[b]`` valid.  ``counts_host`` (host int64 [bs]): the
-    counts as the engine has read them."""
+    counts as the engine has read them.  ``slots``: as ``DraftContext.slots`` (the same block
+    of the drafter's ``context_cache``: the features' rows go there), or None; ``grown``: the
+    ``context_cache``'s device lengths already grew by ``counts`` (module docstring)."""
     counts: object
     next_roots: object
     counts_host: object
     tokens: object = None
     hidden: object = None
     features: object = None
+    slots: object = None
+    grown: bool = False
 
 
 @runtime_checkable

@@ -57,13 +57,16 @@ class WriteSlots:
     None).  With the lean round (``KDTREE_LEAN_ROUND``) a dense cache's slots leave ``rows``
     None (no forward reads them; :meth:`KVCache.positions` gives a context's positions): one
     launch a forward, the storage rows, where the rows and the layout's storage rows took
-    three."""
+    three.  ``positions`` [bs, n] int32: the tokens' positions where their maker computed them
+    with the slots (a device round's drafter block, ``KDTREE_ROUND_EPILOGUE``: position =
+    slot in a drafter's context), else None."""
     batch: object
     rows: object
     storage: object
     prefix: object
     max_keys: int
     table: PageTable | None = None
+    positions: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,13 +191,25 @@ class KVCache:
         serves every length."""
         table = self.layout.table if table is None else table
         batch = self._requests
-        if self._storage is not None and runtime.current().lean_round:
-            rows, storage = None, lengths[:, None] + self._storage[:, :n]   # the same integers
-        else:
-            rows = lengths[:, None] + self._steps[:, :n]
-            storage = self.layout.storage_rows(batch, rows, table)
+        if self.dense and runtime.current().lean_round:     # the same integers
+            return self.slots_at(lengths, lengths[:, None] + self._storage[:, :n])
+        rows = lengths[:, None] + self._steps[:, :n]
+        storage = self.layout.storage_rows(batch, rows, table)
         return WriteSlots(batch=batch, rows=rows, storage=storage, prefix=lengths,
                           max_keys=self.max_len, table=table)
+
+    @property
+    def dense(self) -> bool:
+        """Whether the layout is dense: a slot's storage row is ``b max_len + slot``."""
+        return self._storage is not None
+
+    def slots_at(self, lengths, storage, positions=None) -> WriteSlots:
+        """A dense cache's slots (:meth:`device_slots`, lean: no ``rows``) of the device
+        ``storage`` rows [bs, n] int64 after device ``lengths`` [bs] int32, made by the
+        caller (a device round's ``round_slots``, ``KDTREE_ROUND_EPILOGUE``), with their
+        ``positions`` where it made them too."""
+        return WriteSlots(batch=self._requests, rows=None, storage=storage, prefix=lengths,
+                          max_keys=self.max_len, table=self.layout.table, positions=positions)
 
     def positions(self, lengths, n: int):
         """The positions [bs n] int32 of n new tokens per request after device ``lengths``

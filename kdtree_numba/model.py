@@ -555,13 +555,15 @@ class Model(DeviceSteps):
             x = be.xp.ascontiguousarray(be.asarray(embeds).reshape(bs * n, cfg.hidden_size),
                                         dtype=np.float32)
         after = {}             # the residual stream after each captured layer
-        # KDTREE_FEWER_LAUNCHES: a captured layer's residual sum is written by its norm
-        # straight into its columns of the features (add_rmsnorm's sum_out), where a
-        # concatenation copied each (one launch per captured layer); the same values.  The
-        # numba ops only (the reference's add_rmsnorm has no sum_out).
+        # KDTREE_ROUND_EPILOGUE (or KDTREE_FEWER_LAUNCHES): a captured layer's residual sum
+        # is written by its norm straight into its columns of the features (add_rmsnorm's
+        # sum_out), where a concatenation copied each (one launch per captured layer); the
+        # same values.  The numba ops only (the reference's add_rmsnorm has no sum_out).
         D = cfg.hidden_size
+        now = runtime.current()
         features = (be.xp.empty((bs * n, len(capture) * D), np.float32)
-                    if capture and be.name == "numba" and runtime.current().fewer_launches
+                    if capture and be.name == "numba" and (now.round_epilogue or
+                                                           now.fewer_launches)
                     and len(set(capture)) == len(capture) else None)
         eps = cfg.rms_norm_eps
         h = ops.rmsnorm(x, self.layers[0].input_norm, eps)   # config: >= 1 layer

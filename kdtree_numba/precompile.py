@@ -52,7 +52,8 @@ from formats.console import ArgumentParser, UsageError, add_debug_flag, run_cons
 from kdtree_numba import kernel_cache, kernel_recipes, runtime
 
 __all__ = ["profile", "read_manifest", "entries_for", "record", "compile_entries", "warm_up",
-           "PrecompileResult", "ManifestError", "SHIPPED", "local_manifest", "ptx_digest", "main"]
+           "mark_warm", "PrecompileResult", "ManifestError", "SHIPPED", "local_manifest",
+           "ptx_digest", "main"]
 
 FORMAT = "kdtree-numba kernel manifest"
 VERSION = 1
@@ -72,11 +73,21 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def profile(target_config, drafter_kind: str | None = None, drafter_config=None) -> str:
+def profile(target_config, drafter_kind: str | None = None, drafter_config=None,
+            run: str | None = None) -> str:
     """``<target>/<drafter>``: hashes of the configs that choose the kernels (their dataclass
-    reprs: widths, experts, dtypes), ``none`` for no drafter."""
+    reprs: widths, experts, dtypes), ``none`` for no drafter; ``run`` names a kind of run that
+    needs kernels the default one does not (``"auto"``: ``--budget auto``, whose rounds visit
+    other budgets, so other tree and verify widths): ``<target>/<drafter>/<run>``, whose
+    entries add to the default's (:func:`entries_for`)."""
     drafter = "none" if drafter_kind is None else _digest(f"{drafter_kind}|{drafter_config!r}")
-    return f"{_digest(repr(target_config))}/{drafter}"
+    key = f"{_digest(repr(target_config))}/{drafter}"
+    return key if run is None else f"{key}/{run}"
+
+
+def _run_tag(key: str) -> str | None:
+    parts = key.split("/")
+    return parts[2] if len(parts) > 2 else None
 
 
 def local_manifest() -> str:
@@ -120,13 +131,15 @@ def _unique(entries) -> list[dict]:
 
 def entries_for(key: str, paths=None) -> list[dict]:
     """The entries recorded for profile ``key`` in the manifests at ``paths`` (default: the
-    shipped one and this machine's), without repeats; where the exact profile was never
-    recorded, those of every profile of the same target (the drafter's kernels too: compiled
-    in parallel, an unneeded one costs a core for a while, not the run)."""
+    shipped one and this machine's), without repeats (a run-tagged key: its run's and the
+    default run's, :func:`profile`); where the exact profile was never recorded, those of
+    every profile of the same target (the drafter's kernels too: compiled in parallel, an
+    unneeded one costs a core for a while, not the run)."""
     if paths is None:
         paths = [SHIPPED, local_manifest()]
     manifests = [read_manifest(p) for p in paths]
-    exact = [e for m in manifests for e in m.get(key, [])]
+    keys = [key] if _run_tag(key) is None else ["/".join(key.split("/")[:2]), key]
+    exact = [e for k in keys for m in manifests for e in m.get(k, [])]
     target = key.split("/")[0] + "/"
     return _unique(exact or [e for m in manifests for k, es in m.items()
                              if k.startswith(target) for e in es])
@@ -380,14 +393,37 @@ def _worker(mode: str) -> int:
 
 # ----------------------------------------------------------------------------- entry points
 
+def _warm_marker(where: str, key: str) -> str:
+    return os.path.join(where, f"warm-{_digest(key)}")
+
+
+def mark_warm(key: str) -> None:
+    """Note in the kernel cache that profile ``key``'s kernels are in it (after its
+    precompile, or a run of it that made them): a run-tagged key's :func:`warm_up` then skips
+    the fan-out on a warm cache."""
+    where = kernel_cache.cache_dir()
+    if where is not None:
+        with open(_warm_marker(where, key), "w", encoding="utf-8") as f:
+            f.write(key + "\n")
+
+
 def warm_up(key: str, log, force: bool = False, processes: int | None = None,
             paths=None) -> PrecompileResult | None:
     """``kdtree-run``'s step before a run on a GPU: when the kernel cache is cold (or
     ``force``), compile the manifest's entries for profile ``key`` into it in parallel, saying
-    so through ``log``.  None when nothing was done."""
+    so through ``log``; a run-tagged key (``--budget auto``'s) also where the cache is warm
+    but never held its run's kernels (no :func:`mark_warm` of it) and a manifest lists them:
+    the default run's kernels then load in the workers, its run's own compile there in
+    parallel, where the run would compile them one after another (a first ``--budget auto``
+    on the demo pair: ~30 s, run 165).  None when nothing was done."""
     where = kernel_cache.cache_dir()
-    if where is None or (not force and kernel_cache.cache_is_warm()):
+    if where is None:
         return None
+    paths = paths or [SHIPPED, local_manifest()]
+    if not force and kernel_cache.cache_is_warm():
+        unwarmed_run = _run_tag(key) is not None and not os.path.exists(_warm_marker(where, key))
+        if not (unwarmed_run and any(read_manifest(p).get(key) for p in paths)):
+            return None
     entries = entries_for(key, paths)
     if not entries:
         log("no kernel manifest for this model yet: the kernels compile in this process "
@@ -396,6 +432,8 @@ def warm_up(key: str, log, force: bool = False, processes: int | None = None,
     result = _compile_saying(entries, processes, "cache", f" into {where}", log, shown=3)
     if result.failed:
         log("the run compiles the kernels that failed")
+    else:
+        mark_warm(key)
     return result
 
 

@@ -34,6 +34,12 @@ Two kinds of switch:
   merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
   a captured layer's residual sum written into the features by its norm, no concatenation,
   kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
+  a device round's index arithmetic and commit in one launch each (``KDTREE_ROUND_EPILOGUE=1``,
+  off until validated on the GPU: the verify's and the drafter's block's slots and positions
+  made together at the round's start, and ``counts = acc_len * active``, both caches' lengths,
+  the roots and the accepted rows' features in one kernel at its end,
+  kdtree_numba/ddtree/commit.py; and a forward's captured features written by the norms, as
+  under ``KDTREE_FEWER_LAUNCHES``; the same bits: docs/ENGINE.md, "Device rounds"),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -68,7 +74,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
              "KDTREE_AR_DEVICE_STEPS",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
-             "KDTREE_FEWER_LAUNCHES", "KDTREE_KERNEL_CACHE",
+             "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -130,6 +136,7 @@ class RuntimeConfig:
     lean_round: bool = True
     auto_v2: bool = True        # --budget auto's second policy (issue 36)
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
+    round_epilogue: bool = False  # a device round's glue in two launches (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -164,6 +171,7 @@ class RuntimeConfig:
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
                    auto_v2=_flag(env, "KDTREE_AUTO_V2", True),
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
+                   round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

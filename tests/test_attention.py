@@ -486,16 +486,17 @@ def test_numba_attention_when_the_running_max_jumps_and_creeps(needs_kernels, va
 @pytest.mark.parametrize("bs, n, r, dn", [(1, 1, 8, 4), (2, 3, 8, 4), (2, 3, 6, 4),
                                           (3, 7, 8, 4), (5, 13, 8, 4), (2, 1, 36, 20)],
                          ids=["decode", "6 rows", "r % 4 != 0", "21 rows",
-                              "65 rows: tiled only", "K > 16, K % 16 != 0: the unrolled tail"])
+                              "65 rows", "K > 16, K % 16 != 0: the unrolled tail"])
 @pytest.mark.parametrize("rows", ["as M", "lean", "lean, no re-reads"])
 def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, rows, needs_kernels,
                                                      monkeypatch):
-    """Both kernels of the per-head products (streaming up to 64 rows, tiled) match the
-    reference, and give each other's bits (one fp32 chain per output in k order), which
-    keeps the projections batch invariant across the M where "auto" switches; the streaming
-    kernel at as many rows a block as M has (up to 16), and with KDTREE_LEAN_ROUND at one
-    row a block (these weights' stream_rows) or at the most (stream_rows allowed no weight
-    re-reads: 21 rows are then two blocks of 16)."""
+    """Both kernels of the per-head products (streaming up to 64 rows and over small head
+    weights at any M, tiled) match the reference, and give each other's bits (one fp32 chain
+    per output in k order), which keeps the projections batch invariant across the M where
+    "auto" switches; the streaming kernel at as many rows a block as M has (up to 16), and
+    with KDTREE_LEAN_ROUND at one row a block (these weights' stream_rows) or at the most
+    (stream_rows allowed no weight re-reads: 21 rows are then two blocks of 16; and past 64
+    rows these weights count as large: the tiled kernel only)."""
     from kdtree_numba.attention import projections
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "0" if rows == "as M" else "1")
     if rows == "lean, no re-reads":
@@ -506,7 +507,8 @@ def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, rows, needs_k
     kv_b_proj = rng.standard_normal((heads * (dn + dv), r)).astype(np.float32)
     q_nope = rng.standard_normal((bs, n, heads, dn)).astype(np.float32)
     u = rng.standard_normal((bs, n, heads, r)).astype(np.float32)
-    kinds = ["auto", "tiled"] + (["stream"] if bs * n <= 64 else [])
+    streams = bs * n <= 64 or rows != "lean, no re-reads"
+    kinds = ["auto", "tiled"] + (["stream"] if streams else [])
     got = {}
     for kind in kinds:
         # float32 sums of <= 8 products of O(1) terms: error <= 8 * 2^-24 * sum|x y| < 1e-5
@@ -518,7 +520,7 @@ def test_numba_absorb_q_and_apply_uv_match_reference(bs, n, r, dn, rows, needs_k
                                    atol=1e-5)
     for kind in kinds[1:]:
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got[kind], got["auto"]))
-    if bs * n > 64:
+    if not streams:
         with pytest.raises(ValueError, match="M <= 64"):
             kernels.absorb_q(q_nope, kv_b_proj, kernel_kind="stream")
 
@@ -533,6 +535,17 @@ def test_stream_rows_trade_serial_chains_for_weight_rereads():
     assert [stream_rows(m, kimi) for m in (1, 2, 5, 17, 64)] == [1, 2, 8, 16, 16]
     assert stream_rows(33, STREAM_REREAD_BYTES // 4) == 16       # 4 row blocks: 9 rows -> 16
     assert stream_rows(33, STREAM_REREAD_BYTES // 8) == 8
+
+
+def test_small_head_weights_stream_at_a_prefills_rows():
+    """"auto" streams the per-head products past 64 rows where the head weights are small
+    (the demo model's 128 KiB: a 128-row prefill took 26 us a launch on the tiled kernel's 16
+    blocks, run 164), and keeps the tiled kernel for Kimi-K2's 16 MiB in float32."""
+    from kdtree_numba.attention.projections import STREAM_MAX_M, streams_heads
+    demo, kimi = 8 * 128 * 32 * 4, 64 * 512 * 128 * 4
+    assert all(streams_heads(m, demo) for m in (1, 17, 65, 128, 4096))
+    assert [streams_heads(m, kimi) for m in (1, STREAM_MAX_M, STREAM_MAX_M + 1, 4096)] == \
+        [True, True, False, False]
 
 
 def _bf16_case(seed, bs, n, heads, dn, dv, r):

@@ -200,10 +200,11 @@ def test_absorb_q_and_apply_uv_at_kimi_dims():
 @pytest.mark.parametrize("bs, n, dims", [(1, 1, "kimi"), (1, 5, "kimi"), (16, 1, "kimi"),
                                          (2, 8, "kimi"), (1, 33, "kimi"), (1, 64, "kimi"),
                                          (1, 1, "demo"), (1, 16, "demo"), (1, 17, "demo"),
-                                         (1, 33, "demo")])
+                                         (1, 33, "demo"), (1, 128, "demo")])
 def test_absorb_q_and_apply_uv_streaming_equals_tiled(bs, n, dims, monkeypatch):
     """Up to 64 rows "auto" streams the weights (one column per thread, x in shared
-    memory); its bits equal the tiled kernel's, which M > 64 takes: a decode's projections
+    memory), and at any M over small head weights (the demo's 128-row prefill); its bits
+    equal the tiled kernel's, which M > 64 takes at Kimi-K2's widths: a decode's projections
     equal a verify's row for row (batch invariance), and both match the reference.  At
     Kimi-K2's widths 16 rows a block, at the demo model's with KDTREE_LEAN_ROUND one
     (stream_rows)."""

@@ -65,6 +65,7 @@ TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidde
 def _run(monkeypatch, lean: bool, fewer: bool = False):
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
     monkeypatch.setenv("KDTREE_FEWER_LAUNCHES", "1" if fewer else "0")
+    monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", "0")     # its own cut: test_round_epilogue.py
     target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
     rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
     # the drafter's context after DDTree, the target's cache after AR, one more proposal's
@@ -139,15 +140,19 @@ def test_the_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m, n
 def test_a_graph_of_the_full_glue_is_never_replayed_by_the_lean_round(monkeypatch):
     """The two glues are other work: a key held under one is not held under the other, so
     flipping the switch in a process captures anew (GraphCache.stored_key)."""
+    switch_keys_apart(monkeypatch, "KDTREE_LEAN_ROUND")
+
+
+def switch_keys_apart(monkeypatch, variable):
+    """A graph key held with ``variable`` on is not held with it off, and the other way."""
     from kdtree_numba.graphs import GraphCache
     graphs = object.__new__(GraphCache)         # no device: only the keyed dictionary
-    graphs._graphs = {}
     key = ("round", 16, 4)
-    for lean, other in (("1", "0"), ("0", "1")):
-        monkeypatch.setenv("KDTREE_LEAN_ROUND", lean)
+    for value, other in (("1", "0"), ("0", "1")):
+        monkeypatch.setenv(variable, value)
         graphs._graphs = {GraphCache.stored_key(key): None}
         assert graphs.holds(key)
-        monkeypatch.setenv("KDTREE_LEAN_ROUND", other)
+        monkeypatch.setenv(variable, other)
         assert not graphs.holds(key)
 
 

@@ -176,6 +176,48 @@ def test_entries_for_a_profile_then_its_target_without_repeats(tmp_path):
     assert precompile.entries_for("t3/none", [a, str(tmp_path / "missing.json")]) == []
 
 
+def test_a_run_tagged_profile_adds_its_entries_to_the_default_runs(tmp_path):
+    """--budget auto's profile (``<target>/<drafter>/auto``): the default run's entries, then
+    its own, once each; never recorded: the default's, else the target's."""
+    a = _write(tmp_path / "a.json", {"t1/d1": [ARGMAX, SILU], "t1/d1/auto": [SILU, RMSNORM]})
+    assert precompile.entries_for("t1/d1/auto", [a]) == [ARGMAX, SILU, RMSNORM]
+    assert precompile.entries_for("t1/d1", [a]) == [ARGMAX, SILU]
+    b = _write(tmp_path / "b.json", {"t1/d1": [ARGMAX]})
+    assert precompile.entries_for("t1/d1/auto", [b]) == [ARGMAX]
+    assert precompile.profile(_Cfg(), run="auto") == precompile.profile(_Cfg()) + "/auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    width: int = 8
+
+
+def test_a_warm_cache_precompiles_a_run_tagged_profile_once(tmp_path, monkeypatch):
+    """On a warm cache the default run's profile starts no fan-out; --budget auto's does where
+    a manifest lists its kernels and the cache never held them (no mark_warm), once: a run
+    that made them (or the fan-out) marks it."""
+    (tmp_path / "cache").mkdir()        # (the simulator keeps no kernel cache of its own)
+    monkeypatch.setattr(precompile.kernel_cache, "cache_dir", lambda: str(tmp_path / "cache"))
+    manifest = _write(tmp_path / "m.json", {"t1/d1": [ARGMAX], "t1/d1/auto": [SILU]})
+    fanned = []
+
+    def fan_out(entries, processes, mode, where, log, shown):
+        fanned.append(entries)
+        return precompile.PrecompileResult(1)
+    monkeypatch.setattr(precompile, "_compile_saying", fan_out)
+    monkeypatch.setattr(precompile.kernel_cache, "cache_is_warm", lambda: True)
+    log = []
+    assert precompile.warm_up("t1/d1", log.append, paths=[manifest]) is None
+    assert precompile.warm_up("t1/d2/auto", log.append, paths=[manifest]) is None  # unlisted
+    assert precompile.warm_up("t1/d1/auto", log.append, paths=[manifest]) is not None
+    assert fanned == [[ARGMAX, SILU]]
+    assert precompile.warm_up("t1/d1/auto", log.append, paths=[manifest]) is None
+    precompile.mark_warm("t1/d9/auto")
+    monkeypatch.setattr(precompile.kernel_cache, "cache_is_warm", lambda: False)
+    assert precompile.warm_up("t1/d1", log.append, paths=[manifest]) is not None  # cold
+    assert len(fanned) == 2
+
+
 def test_record_adds_only_new_rebuildable_entries_and_heals_this_machines_file(
         tmp_path, monkeypatch):
     broken = dict(SILU, unrebuildable="made outside any kernel_factory")

@@ -33,14 +33,30 @@ def test_kernels_between_markers_belong_to_that_replay():
     records = [(0.0, 1.0, "stray", ""), (1.0, 0.1, rk.BEGIN, ""), (2.0, 3.0, "_ZN1a3aaaE", ""),
                (6.0, 2.0, "_ZN1a3bbbE", ""), (9.0, 0.1, rk.END, ""), (10.0, 0.5, "argmax", ""),
                (11.0, 0.1, rk.BEGIN, ""), (12.0, 4.0, "_ZN1a3aaaE", ""), (17.0, 0.1, rk.END, "")]
-    per_label, outside = rk.segment(records, ["round b=8", "round b=8"])
+    per_label, outside, idle = rk.segment(records, ["round b=8", "round b=8"])
     assert [n for _, _, n in outside] == ["stray", "argmax"]
-    s = rk.summarise(per_label["round b=8"])
+    # idle before each replay: from the last kernel's end (the markers not counted)
+    assert idle["round b=8"] == [pytest.approx(2.0 - 1.0), pytest.approx(12.0 - 10.5)]
+    s = rk.summarise(per_label["round b=8"], idle["round b=8"])
+    assert s["idle_before_us"] == pytest.approx(1.25)
+    assert s["idle_share"] == pytest.approx(1.25 / (1.25 + s["span_us"]))
     assert s["replays"] == 2 and s["kernels"] == 1.5
     assert s["busy_us"] == pytest.approx((5.0 + 4.0) / 2)
     assert s["span_us"] == pytest.approx((8.0 - 2.0 + 4.0) / 2)   # first start to last end
     top = s["by_kernel"][0]
     assert top["name"] == "a.aaa" and top["per_replay"] == 1.0 and top["mean_us"] == 3.5
+
+
+def test_a_generations_boundary_is_no_idle_time_of_a_round():
+    """A gap past BOUNDARY_US before a replay (the next prompt's prefill and setup) is left
+    out; the first replay of the trace has no kernel before it."""
+    gap = rk.BOUNDARY_US + 1.0
+    records = [(0.0, 0.1, rk.BEGIN, ""), (1.0, 1.0, "_ZN1a3aaaE", ""), (2.5, 0.1, rk.END, ""),
+               (2.0 + gap, 0.1, rk.BEGIN, ""), (3.0 + gap, 1.0, "_ZN1a3aaaE", ""),
+               (4.5 + gap, 0.1, rk.END, "")]
+    per_label, _, idle = rk.segment(records, ["forward bs=1 n=1"] * 2)
+    assert len(per_label["forward bs=1 n=1"]) == 2 and idle["forward bs=1 n=1"] == []
+    assert rk.summarise(per_label["forward bs=1 n=1"], [])["idle_share"] is None
 
 
 def test_labels_name_the_kind_of_replay():

@@ -15,18 +15,20 @@ def test_from_environment_reads_every_switch():
            "KDTREE_MOE_WORK_LIST": "1", "KDTREE_DEVICE_ROUNDS": "1", "KDTREE_KERNEL_CACHE": "no",
            "KDTREE_KERNEL_CACHE_DIR": "/tmp/kc", "KDTREE_PAD_PREFILLS": "0",
            "KDTREE_LEAN_ROUND": "0", "KDTREE_FUSED_LATENTS": "off", "KDTREE_MOE_CHUNK_GRID": "0",
-           "KDTREE_AUTO_V2": "0", "KDTREE_INT4_MMA": "0", "KDTREE_FEWER_LAUNCHES": "1"}
+           "KDTREE_AUTO_V2": "0", "KDTREE_INT4_MMA": "0", "KDTREE_FEWER_LAUNCHES": "1",
+           "KDTREE_ROUND_EPILOGUE": "1"}
     assert runtime.RuntimeConfig.from_environment(env) == runtime.RuntimeConfig(
         simulator=True, sim_warp=8, numba_pool=False, fast_launch=False, lineinfo=True,
         cuda_graphs=False, moe_work_list=True, device_rounds=True, kernel_cache=False,
         kernel_cache_dir="/tmp/kc", pad_prefills=False, lean_round=False, fused_latents=False,
-        moe_chunk_grid=False, auto_v2=False, int4_mma=False, fewer_launches=True)
+        moe_chunk_grid=False, auto_v2=False, int4_mma=False, fewer_launches=True,
+        round_epilogue=True)
     default = runtime.RuntimeConfig.from_environment({"XDG_CACHE_HOME": "/x"})
     assert default.cuda_graphs and not default.moe_work_list and default.kernel_cache
     assert default.int4_mma             # under "tensor-cores" (runs 152, 157, 161)
     assert default.pad_prefills and default.lean_round and default.fused_latents
     assert default.moe_chunk_grid
-    assert default.auto_v2 and not default.fewer_launches
+    assert default.auto_v2 and not default.fewer_launches and not default.round_epilogue
     assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
 
 

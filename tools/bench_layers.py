@@ -105,8 +105,13 @@ INT4_MMA_MS = (33, 65)          # the W4A16 tensor-core rows (moe_ffn(method="mm
 # the old default (the reference to run 152), stages of 64 (12 blocks an SM), 5 and 6 stages
 # of 128 (more bytes in flight a block), 128 columns (half the x re-reads per weight byte),
 # 2 and 8 warps along N, and the dead x rows of a tile (15 of 16 at a token an expert)
-# zeroed once instead of zero-filled by a cp.async every stage
-INT4_MMA_TILES = (("16x64 4x256", dict(bk=256)), ("16x64 4x64", dict(bk=64)),
+# zeroed once instead of zero-filled by a cp.async every stage.  Stages of 64 first, with 128
+# columns and with more stages: the fastest at 33 rows in run 164 (851 us against the picked
+# 4 x 128's 981), where 128 columns came second (908)
+INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)),
+                  ("16x64 6x64", dict(bk=64, stages=6)),
+                  ("16x128 6x64", dict(tn=4, bk=64, stages=6)),
+                  ("16x64 4x256", dict(bk=256)),
                   ("16x64 5x128", dict(bk=128, stages=5)),
                   ("16x64 6x128", dict(bk=128, stages=6)),
                   ("16x128 4x128", dict(tn=4, bk=128)),
@@ -861,6 +866,9 @@ def summary(results):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--int4-ms", default=",".join(map(str, INT4_MS)),
+                        help="the int4 section's rows (M), comma-separated; M = 1 adds the "
+                             "GEMV variants and the bf16 comparison (default: %(default)s)")
     parser.add_argument("--only", default="linear,moe,norm,rope",
                         help="comma-separated sections (default: all but mma, moe_mma, "
                              "int4, moe_chunk)")
@@ -882,7 +890,8 @@ def main(argv=None) -> int:
             ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S)),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
                                               time.perf_counter() + MOE_MMA_BUDGET_S)),
-            ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S)),
+            ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S,
+                                        tuple(int(m) for m in args.int4_ms.split(",")))),
             ("moe_chunk", lambda: bench_moe_chunk(ctx, results, time.perf_counter() + 60))]
     for name, fn in plan:
         if name not in sections and not (name == "norm" and "rope" in sections) \

@@ -16,6 +16,9 @@ b=8": a device round; prefills and the drafter's own graphs apart) the tool prin
 * kernels per replay, their summed durations (``busy``) and the replay's ``span`` (first
   kernel's start to last kernel's end): ``span - busy`` is what the graph spends between its
   kernels (launch latency and dependencies), ``span / kernels`` the cost of a node;
+* the GPU's idle time before each replay (the last kernel's end to the replay's first
+  kernel's start, a generation's boundaries left out): what a round waits for the host to
+  launch it, the issue's "GPU idle waiting for the host" per round;
 * the kernels themselves (numba's mangled names shortened to module.function), per replay:
   launches, mean and summed microseconds, so a fusion's gain can be read off beforehand.
 
@@ -129,26 +132,38 @@ def kernel_records(trace_path: str) -> list[tuple[float, float, str, str]]:
     return sorted(ks)
 
 
-def segment(records, labels) -> tuple[dict, list]:
-    """Kernels between each begin/end marker pair, by the pair's label; the rest apart."""
+# a gap longer than this before a replay is a generation's boundary (its prefill's host work,
+# the next prompt's setup), not the host falling behind the rounds
+BOUNDARY_US = 1000.0
+
+
+def segment(records, labels) -> tuple[dict, list, dict]:
+    """Kernels between each begin/end marker pair, by the pair's label; the rest apart; and
+    per label the GPU's idle time before each replay: its first kernel's start less the end
+    of the last kernel before it (the markers left out; a gap past BOUNDARY_US dropped), the
+    time the device waited for the host to launch it."""
     per_label: dict = collections.defaultdict(list)
-    outside, inside, k = [], None, 0
+    idle: dict = collections.defaultdict(list)
+    outside, inside, k, last_end, begun = [], None, 0, None, None
     for ts, dur, name, shape in records:
         if name == BEGIN:
-            inside = []
+            inside, begun = [], last_end
         elif name == END:
             if inside is not None and k < len(labels):
                 per_label[labels[k]].append(inside)
+                if inside and begun is not None and inside[0][0] - begun <= BOUNDARY_US:
+                    idle[labels[k]].append(max(0.0, inside[0][0] - begun))
             inside, k = None, k + 1
-        elif inside is not None:
-            inside.append((ts, dur, short_name(name) + shape))
         else:
-            outside.append((ts, dur, short_name(name) + shape))
-    return per_label, outside
+            (inside if inside is not None else outside).append(
+                (ts, dur, short_name(name) + shape))
+            last_end = ts + dur
+    return per_label, outside, idle
 
 
-def summarise(replays: list) -> dict:
-    """Per replay: kernels, busy and span (us), and the kernels by name."""
+def summarise(replays: list, idle=()) -> dict:
+    """Per replay: kernels, busy and span (us), the GPU's idle time before it (``idle``: us
+    per replay, :func:`segment`) and its share of span + idle, and the kernels by name."""
     busy = [sum(d for _, d, _ in r) for r in replays if r]
     span = [r[-1][0] + r[-1][1] - r[0][0] for r in replays if r]
     names: dict = collections.defaultdict(list)
@@ -158,8 +173,11 @@ def summarise(replays: list) -> dict:
     count = len(replays)
     kernels = sorted(((n, len(ds) / count, float(np.mean(ds)), sum(ds) / count)
                       for n, ds in names.items()), key=lambda t: -t[3])
+    idle_us = float(np.mean(idle)) if len(idle) else None
     return dict(replays=count, kernels=float(np.mean([len(r) for r in replays])),
                 busy_us=float(np.mean(busy)), span_us=float(np.mean(span)),
+                idle_before_us=idle_us,
+                idle_share=None if idle_us is None else idle_us / (idle_us + np.mean(span)),
                 by_kernel=[dict(name=n, per_replay=c, mean_us=m, us_per_replay=t)
                            for n, c, m, t in kernels])
 
@@ -206,12 +224,13 @@ def main(argv=None) -> int:
             trace = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(trace)
             records = kernel_records(trace)
-        per_label, outside = segment(records, brackets.labels)
+        per_label, outside, idle = segment(records, brackets.labels)
         config = dict(method=f"ddtree b={budget}" if budget else "ar", tokens=tokens,
                       rounds=rounds, kernels_recorded=len(records),
                       outside_per_token=len(outside) / max(tokens, 1),
                       outside_us_per_token=sum(d for _, d, _ in outside) / max(tokens, 1),
-                      replays={lab: summarise(rs) for lab, rs in per_label.items()})
+                      replays={lab: summarise(rs, idle[lab])
+                               for lab, rs in per_label.items()})
         result["configs"].append(config)
         print(f"\n## {config['method']}  ({result['card']}; {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens; {len(records)} kernels recorded; outside the "
@@ -221,7 +240,10 @@ def main(argv=None) -> int:
             print(f"\n### {lab}: {s['replays']} replays; {s['kernels']:.1f} kernels, busy "
                   f"{s['busy_us']:.1f} us, span {s['span_us']:.1f} us, between kernels "
                   f"{s['span_us'] - s['busy_us']:.1f} us "
-                  f"({(s['span_us'] - s['busy_us']) / max(s['kernels'] - 1, 1):.2f} us a gap)")
+                  f"({(s['span_us'] - s['busy_us']) / max(s['kernels'] - 1, 1):.2f} us a gap)"
+                  + ("" if s["idle_before_us"] is None else
+                     f"; the GPU idle {s['idle_before_us']:.1f} us before a replay (marker "
+                     f"kernels included), {100 * s['idle_share']:.1f}% of idle + span"))
             print("| kernel | per replay | mean us | us per replay |\n|---|---|---|---|")
             for k in s["by_kernel"][:args.top]:
                 print(f"| {k['name']} | {k['per_replay']:.2f} | {k['mean_us']:.2f} | "

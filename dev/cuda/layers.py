@@ -208,9 +208,9 @@ ROWS_MS = (1, 9, 17, 33)
 ROWS_COLUMNS = ["K", "N", "M", "weights", "mt", "config", "us", "vs_default", "host_bound"]
 
 
-def bench_rows(bench, ctx, results, deadline):
-    """linear() at ROWS_SHAPES x ROWS_MS with every x-rows-a-block ``mt`` up to mt_for's (the
-    same bits: skinny_config), the weights in L2 as in a round."""
+def bench_rows(bench, ctx, results, deadline, ms=ROWS_MS):
+    """linear() at ROWS_SHAPES x ``ms`` rows with every x-rows-a-block ``mt`` up to mt_for's
+    (the same bits: skinny_config), the weights in L2 as in a round."""
     cp, cuda, layers, timer = ctx["cp"], ctx["cuda"], ctx["layers"], ctx["timer"]
     nb = cuda.as_cuda_array
     rng = np.random.default_rng(5)
@@ -219,7 +219,7 @@ def bench_rows(bench, ctx, results, deadline):
         if dtype == "bf16":
             w = (w.view(cp.uint32) >> 16).astype(cp.uint16)
         w = nb(w)
-        for m in ROWS_MS:
+        for m in ms:
             x = nb(cp.asarray(rng.standard_normal((m, k)).astype(np.float32)))
             y, space = nb(cp.empty((m, n), cp.float32)), layers.Workspace()
             default = skinny_config(m, n, k, dtype)
@@ -244,6 +244,8 @@ def bench(argv: list[str]) -> int:
     ap.add_argument("--only", default="linear,variants,moe,sweep")
     ap.add_argument("--sweep-shapes", help="K x N pairs for the sweep, e.g. 7168x1536")
     ap.add_argument("--sweep-dtypes", default="bf16,f32")
+    ap.add_argument("--rows-ms", default=",".join(map(str, ROWS_MS)),
+                    help="the rows section's M values (a prefill's: 128)")
     ap.add_argument("--sweep-grid", action="store_true",
                     help="sweep every (rows, unroll, f32 load) at linear()'s thread count")
     args, rest = ap.parse_known_args(argv)
@@ -255,7 +257,8 @@ def bench(argv: list[str]) -> int:
         moe=lambda layers, m: expert_alternatives(m))
     bench_layers.COLUMNS["sweep"] = SWEEP_COLUMNS
     bench_layers.COLUMNS["rows"] = ROWS_COLUMNS
-    bench_layers.EXTRA_SECTIONS["rows"] = functools.partial(bench_rows, bench_layers)
+    bench_layers.EXTRA_SECTIONS["rows"] = functools.partial(
+        bench_rows, bench_layers, ms=tuple(int(m) for m in args.rows_ms.split(",")))
     bench_layers.EXTRA_SECTIONS["sweep"] = functools.partial(
         bench_sweep, bench_layers, shapes=shapes, dtypes=tuple(args.sweep_dtypes.split(",")),
         grid=args.sweep_grid)

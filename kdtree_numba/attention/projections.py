@@ -146,8 +146,9 @@ def _head_gemm_kernel(tile: _GemmTile, b_transposed: bool):
     return head_gemm
 
 
-# For M <= STREAM_MAX_M rows (decode, verify, small batches) the weights are the only large
-# operand and the tiled kernel above is latency-bound: a 64-row tile holds few live rows, and
+# For M <= STREAM_MAX_M rows (decode, verify, small batches; and any M over small head
+# weights: streams_heads) the weights are the only large operand and the tiled kernel above is
+# latency-bound: a 64-row tile holds few live rows, and
 # each of its K steps waits for a global load behind a barrier (over ten times the time of its
 # weight bytes).  The streaming kernel below gives each thread one output column of one head for
 # a block of up to 16 rows (more rows: more row blocks, which re-read the weights from L2),
@@ -255,19 +256,31 @@ def stream_vector_loads(b2, k: int) -> bool:
             and device_address(b2) % 16 == 0)
 
 
+def streams_heads(m: int, weight_bytes: int) -> bool:
+    """Whether "auto" runs the per-head products of ``m`` rows over ``weight_bytes`` of head
+    weights on the streaming kernel: up to STREAM_MAX_M rows, and at any M where the weights
+    are small enough that re-reading them per row block costs less than the tiled kernel's
+    latency (at most STREAM_REREAD_BYTES: the demo model's 128 KiB, whose 128-row prefill
+    took 26 us a launch on 16 tiled blocks, run 164; Kimi-K2's 16 MiB in float32 keep the
+    tiled kernel past 64 rows).  Either kernel gives every row the same bits."""
+    return m <= STREAM_MAX_M or weight_bytes <= STREAM_REREAD_BYTES
+
+
 def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
                    stream=0, kernel_kind="auto"):
-    """One launch of the per-head product: the streaming kernel for M <= STREAM_MAX_M (when
-    its x fits the static shared memory), else the tiled one; ``kernel_kind`` ("stream",
-    "tiled") forces one (tests)."""
+    """One launch of the per-head product: the streaming kernel where :func:`streams_heads`
+    says so (and its x fits the static shared memory), else the tiled one; ``kernel_kind``
+    ("stream", "tiled") forces one (tests)."""
     lean = runtime.current().lean_round
-    mt = stream_rows(m, heads * n_out * k * np.dtype(b2.dtype).itemsize if lean else None)
-    stream_ok = m <= STREAM_MAX_M and mt * k * 4 <= 48 * 1024
+    weight_bytes = heads * n_out * k * np.dtype(b2.dtype).itemsize
+    mt = stream_rows(m, weight_bytes if lean else None)
+    stream_ok = streams_heads(m, weight_bytes) and mt * k * 4 <= 48 * 1024
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:
-            raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M} rows and "
+            raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M} rows (or "
+                             f"head weights of at most {STREAM_REREAD_BYTES} bytes) and "
                              f"{mt} x K floats of x in 48 KiB of shared memory, got M = {m}, "
-                             f"K = {k}")
+                             f"K = {k}, {weight_bytes} bytes of head weights")
         vector = b_transposed and stream_vector_loads(b2, k)
         grid = (-(-n_out // STREAM_THREADS), heads, -(-m // mt))
         _head_stream_kernel(mt, k, b_transposed, vector)[grid, STREAM_THREADS, stream](
@@ -285,7 +298,8 @@ def absorb_q(q_nope, kv_b_proj, *, out=None, stream=0, kernel_kind="auto", confi
     """``q_abs[b,i,h,:] = W_UK[h]^T q_nope[b,i,h,:]`` on the device (reference: same name).
 
     q_nope [bs, n, H, dn] float32, kv_b_proj [H*(dn+dv), r] float32 -> device [bs, n, H, r].
-    ``kernel_kind``: "auto" (streaming up to 64 rows, else tiled), "stream" or "tiled".
+    ``kernel_kind``: "auto" (streaming up to 64 rows or over small head weights, else tiled:
+    ``streams_heads``), "stream" or "tiled".
     kv_b_proj as :class:`Bf16HeadWeights`: on bf16 tensor cores (q_nope rounded to bf16;
     ``config``: an ``MmaConfig`` tile, for tests; ``kernel_kind`` is then not used).
     """

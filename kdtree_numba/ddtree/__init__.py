@@ -26,6 +26,7 @@ build.py      ``build_tree``, ``build_config``, ``MAX_GPU_BUDGET``
 compile.py    ``compile_tree``
 accept.py     ``accept_greedy``, ``sample_targets``, ``accept_sampled``
 compact.py    ``compact_kv``, ``compact_threads``
+commit.py     ``round_slots``, ``commit_round`` (a device round's index arithmetic and commit)
 arrays.py     the host plumbing they share (device views, ``out=`` arrays, the tree on the
               device), the padding sentinels and ``MIN_THREADS``
 ============  ==================================================================
@@ -36,6 +37,7 @@ reductions) live in kdtree_numba/gpu/.
 from kdtree_numba.ddtree.accept import accept_greedy, accept_sampled, sample_targets
 from kdtree_numba.ddtree.arrays import MIN_THREADS
 from kdtree_numba.ddtree.build import MAX_GPU_BUDGET, build_tree
+from kdtree_numba.ddtree.commit import commit_round, round_slots
 from kdtree_numba.ddtree.compact import compact_kv
 from kdtree_numba.ddtree.compile import compile_tree
 from kdtree_numba.ddtree.topk import MAX_GPU_TOPK, topk_logprobs
@@ -52,4 +54,4 @@ from kdtree_numba.gpu.warp import WARP  # noqa: F401
 
 __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_tree",
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
-           "MAX_GPU_BUDGET", "MAX_GPU_TOPK", "MIN_THREADS"]
+           "round_slots", "commit_round", "MAX_GPU_BUDGET", "MAX_GPU_TOPK", "MIN_THREADS"]

@@ -17,6 +17,7 @@ compile.py    ``compile_tree(tree, root_token, start) -> VerifyInput`` and its f
 accept.py     ``accept_greedy``, ``sample_targets``, ``accept_sampled``
 sampling.py   ``Sampling``, ``kept_weights``, ``inverse_cdf_sample``
 compact.py    ``compact_kv(caches, past_len, acc_idx, acc_len) -> None``, ``compact_kv_paged``
+commit.py     a device round's slot indices and commit (integers and copies)
 tree.py       the DraftTree and VerifyInput records
 checks.py     the argument checks both twins run (metadata only, so also on device arrays)
 ============  ==================================================================
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from .accept import accept_greedy, accept_sampled, accepted_slots, pack_committed, sample_targets
 from .build import build_tree
+from .commit import commit_round, round_slots
 from .checks import (cache_list, check_accepted, check_array, check_build_args,
                      check_compact_args, check_draft_temperature, check_int,
                      check_per_request, check_per_slot, check_sample_args, check_sampling,
@@ -38,4 +40,5 @@ from .tree import DraftTree, VerifyInput
 __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_tree",
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
            "compact_kv_paged", "LP_ATOL", "LP_RTOL", "Sampling", "as_sampling", "kept_weights",
-           "inverse_cdf_sample", "pack_committed", "accepted_slots"]
+           "inverse_cdf_sample", "pack_committed", "accepted_slots", "round_slots",
+           "commit_round"]

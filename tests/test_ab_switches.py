@@ -1,0 +1,78 @@
+"""tools/ab_switches.py: the interleaved A/B of runtime switches (the tool times on a GPU;
+here its bookkeeping on the reference backend with a made-up clock): variants parsed or
+refused in one line, every prompt under every variant in a rotated order, the environment
+restored, rates from the summed times, a switch that changes a token reported."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from kdtree_numba.bundle import random_weights, size_config
+from kdtree_numba.drafter import NoisyOracleDrafter
+from kdtree_numba.model import Model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import ab_switches  # noqa: E402
+
+
+def test_variants_parse_and_bad_ones_are_one_line():
+    assert ab_switches.parse_variants("base; on=KDTREE_X=1,KDTREE_Y=0") == [
+        ("base", {}), ("on", {"KDTREE_X": "1", "KDTREE_Y": "0"})]
+    for bad, says in (("base", "at least two"), ("a;a", "a name of its own"),
+                      ("a;b=PATH=1", "KDTREE_ or NUMBA_"), ("a;b=KDTREE_X", "KDTREE_ or")):
+        with pytest.raises(SystemExit, match=says):
+            ab_switches.parse_variants(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = size_config("tiny", num_hidden_layers=1)
+    weights = dict(random_weights(cfg, 3))
+    target = Model(cfg, weights, "reference")
+    return target, NoisyOracleDrafter(Model(cfg, weights, "reference"), 3, agreement=0.8,
+                                      seed=1)
+
+
+def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
+        tiny, monkeypatch):
+    """Timed calls: prompts x repeats x variants, the first variant of each prompt's turn
+    rotated; rates = tokens / summed clock; the same tokens under a switch no op reads."""
+    model, drafter = tiny
+    monkeypatch.setenv("KDTREE_AB_PROBE", "outer")
+    seen, ticks = [], iter(range(10_000))
+    real = ab_switches.generate
+
+    def spy(model, prompts, tokens, **kw):
+        seen.append(os.environ.get("KDTREE_AB_PROBE"))
+        return real(model, prompts, tokens, **kw)
+    monkeypatch.setattr(ab_switches, "generate", spy)
+    variants = [("a", {}), ("b", {"KDTREE_AB_PROBE": "b"})]
+    rows = ab_switches.run_ab(model, drafter, [[1, 2, 3], [4, 5]], variants, [0, 3], 4, 2,
+                              clock=lambda: float(next(ticks)))
+    assert os.environ["KDTREE_AB_PROBE"] == "outer"
+    # per budget: the untimed pass (a, a, b, b), then 2 repeats x 2 prompts, turns rotated
+    timed = ["outer", "b", "b", "outer", "b", "outer", "outer", "b"]
+    assert seen == (["outer", "outer", "b", "b"] + timed) * 2
+    assert [(r["budget"], r["variant"]) for r in rows] == [("ar", "a"), ("ar", "b"),
+                                                           (3, "a"), (3, "b")]
+    for r in rows:
+        assert r["tokens"] == 4 * 4 and r["seconds"] == 4.0 and r["same_tokens"]
+        assert r["tok_s"] == pytest.approx(4.0) and r["vs_first"] == pytest.approx(1.0)
+
+
+def test_a_variant_that_changes_a_token_is_reported(tiny, monkeypatch):
+    model, drafter = tiny
+    real = ab_switches.generate
+
+    def flip(model, prompts, tokens, **kw):
+        res = real(model, prompts, tokens, **kw)
+        if os.environ.get("KDTREE_AB_PROBE") == "b":
+            res.tokens[0][-1] = (res.tokens[0][-1] + 1) % model.vocab_size
+        return res
+    monkeypatch.setattr(ab_switches, "generate", flip)
+    rows = ab_switches.run_ab(model, drafter, [[1, 2, 3]], [("a", {}), ("b", {
+        "KDTREE_AB_PROBE": "b"})], [0], 3, 1)
+    assert [r["same_tokens"] for r in rows] == [True, False]

@@ -1,0 +1,160 @@
+"""Interleaved A/B of runtime switches on one pair, in one process: which variant is faster.
+
+    python3 tools/ab_switches.py --variants "base;epilogue=KDTREE_ROUND_EPILOGUE=1" \
+        [--budgets 0,16] [--prompts 16] [--repeats 2] [--max-new-tokens 128] [--json PATH]
+
+A switch that changes no token (docs/ENGINE.md's per-call switches: kdtree_numba/runtime.py
+reads them at each ``generate`` call) is best timed against the default on the same prompts,
+in the same process, one after the other: two ``bench_demo`` runs land on a lent machine's
+changing load and host and each pays its own warm-up.  Here every prompt runs under every
+variant in turn (the order rotated from prompt to prompt), after one untimed pass of each
+variant over every prompt (compiles, CUDA-graph captures, ``--budget auto``'s policy left
+as warmed), ``--repeats`` times; a variant's tokens/s is its timed tokens over its summed
+wall time (prefill included, as bench_demo's), and every variant must give the first
+variant's tokens (a switch that changed one is reported, not averaged away).
+
+``--variants``: ``;``-separated ``name[=VAR=VALUE[,VAR=VALUE...]]`` (a bare name: the
+environment as it is); ``--budgets``: 0 is AR, other values DDTree budgets (``auto``
+allowed).  Runs on the numba backend (a GPU, or the simulator for a check of the tool).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kdtree_numba import compat  # noqa: E402
+from kdtree_numba.backends import make_backend  # noqa: E402
+from kdtree_numba.engine import generate  # noqa: E402
+from kdtree_numba.model import Model  # noqa: E402
+from kdtree_numba.text import load_codec  # noqa: E402
+from round_timeline import pair_arguments  # noqa: E402
+
+
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """``name[=VAR=VALUE[,VAR=VALUE...]]`` items, ``;``-separated -> [(name, {VAR: VALUE})];
+    SystemExit naming the item that is not of that form."""
+    out = []
+    for item in (t.strip() for t in text.split(";") if t.strip()):
+        name, _, rest = item.partition("=")
+        env = {}
+        for pair in (p for p in rest.split(",") if p):
+            var, eq, value = pair.partition("=")
+            if not eq or not var.startswith(("KDTREE_", "NUMBA_")):
+                sys.exit(f"ab_switches: {item!r}: expected NAME=VAR=VALUE[,VAR=VALUE], VAR "
+                         f"a KDTREE_ or NUMBA_ variable")
+            env[var] = value
+        if not name or name in (n for n, _ in out):
+            sys.exit(f"ab_switches: {item!r}: every variant needs a name of its own")
+        out.append((name, env))
+    if len(out) < 2:
+        sys.exit("ab_switches: give at least two variants")
+    return out
+
+
+class Environment:
+    """Set one variant's variables, restoring the rest of the environment as it was."""
+
+    def __init__(self):
+        self.saved: dict = {}
+
+    def enter(self, env: dict) -> None:
+        self.leave()
+        for var, value in env.items():
+            self.saved[var] = os.environ.get(var)
+            os.environ[var] = value
+
+    def leave(self) -> None:
+        for var, value in self.saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        self.saved = {}
+
+
+def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int,
+           sync=lambda: None, clock=time.perf_counter) -> list[dict]:
+    """The interleaved passes (module docstring); one row per (budget, variant): tokens,
+    seconds, tok/s, speed against the first variant, and ``same_tokens`` (every timed run
+    gave the first variant's tokens on its prompt)."""
+    env = Environment()
+    rows = []
+    try:
+        for budget in budgets:
+            kw = dict(method="ar") if budget == 0 else dict(
+                method="ddtree", drafter=drafter, budget=budget)
+            for name, values in variants:                      # untimed: compiles, captures
+                env.enter(values)
+                for ids in prompts:
+                    generate(model, [ids], tokens, **kw)
+            spent = {name: [0, 0.0] for name, _ in variants}
+            outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
+            for rep in range(repeats):
+                for i, ids in enumerate(prompts):
+                    turn = (i + rep) % len(variants)
+                    for name, values in variants[turn:] + variants[:turn]:
+                        env.enter(values)
+                        sync()
+                        t0 = clock()
+                        res = generate(model, [ids], tokens, **kw)
+                        sync()
+                        seconds = clock() - t0
+                        out = [int(t) for t in res.tokens[0]]
+                        outputs.setdefault((name, i), []).append(out)
+                        spent[name][0] += len(out)
+                        spent[name][1] += seconds
+            base = spent[variants[0][0]]
+            for name, _ in variants:
+                n, seconds = spent[name]
+                same = all(out == outputs[(variants[0][0], i)][0]
+                           for i in range(len(prompts)) for out in outputs[(name, i)])
+                rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
+                                 tokens=n, seconds=seconds, tok_s=n / seconds,
+                                 vs_first=(n / seconds) / (base[0] / base[1]),
+                                 same_tokens=same))
+    finally:
+        env.leave()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pair_arguments(p, prompts=16, tokens=128)
+    p.set_defaults(budgets="0,16")
+    p.add_argument("--variants", required=True,
+                   help="';'-separated name[=VAR=VALUE[,VAR=VALUE...]] (module docstring)")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    variants = parse_variants(args.variants)
+    budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
+    from bench_demo import make_drafter, read_prompts
+    backend = make_backend("numba")
+    model = Model.load(args.model, backend)
+    codec = load_codec(args.model)
+    prompts = [r["ids"] for r in read_prompts(args.prompt_file, args.prompts, codec)]
+    drafter = make_drafter(args.drafter, model, 15, 0) if any(budgets) else None
+    rows = run_ab(model, drafter, prompts, variants, budgets, args.max_new_tokens,
+                  args.repeats, sync=backend.synchronize)
+    card = "simulator" if compat.SIMULATOR else \
+        backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"ab_switches on {card}: {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+          f"{args.repeats} interleaved passes, end to end (prefill included)\n")
+    print("| budget | variant | tokens | s | tok/s | vs first | same tokens |\n"
+          "|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['budget']} | {r['variant']} | {r['tokens']} | {r['seconds']:.3f} | "
+              f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {'yes' if r['same_tokens'] else 'NO'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(card=card, variants=variants, rows=rows), f, indent=1)
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
