@@ -53,9 +53,10 @@ def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
     rows = ab_switches.run_ab(model, drafter, [[1, 2, 3], [4, 5]], variants, [0, 3], 4, 2,
                               clock=lambda: float(next(ticks)))
     assert os.environ["KDTREE_AB_PROBE"] == "outer"
-    # per budget: the untimed pass (a, a, b, b), then 2 repeats x 2 prompts, turns rotated
+    # per budget: the untimed passes (a's two over both prompts, then b's), then 2 repeats x
+    # 2 prompts, turns rotated
     timed = ["outer", "b", "b", "outer", "b", "outer", "outer", "b"]
-    assert seen == (["outer", "outer", "b", "b"] + timed) * 2
+    assert seen == (["outer"] * 4 + ["b"] * 4 + timed) * 2
     assert [(r["budget"], r["variant"]) for r in rows] == [("ar", "a"), ("ar", "b"),
                                                            (3, "a"), (3, "b")]
     for r in rows:
