@@ -127,20 +127,21 @@ def _merge_tail_blocks(r, rows, threads, causal, smem_floats):
     return blocks
 
 
-@pytest.mark.parametrize("causal, smem_floats", [(False, 50), (True, 80), (True, 4096)],
+@pytest.mark.parametrize("causal, smem_floats", [(False, 60), (True, 80), (True, 4096)],
                          ids=["tree-groups-of-2", "causal-groups-of-3", "causal-whole-tile"])
 def test_the_merge_tail_gives_the_merge_kernels_bits(needs_kernels, causal, smem_floats):
     """tiles.merge_when_last alone, against mla.py's merge kernel on the same partials: more
     splits than one thread loads at once (MERGE_LOADS), a ragged row tile, rows of one tile
     with different splits with keys (causal), a row that sees nothing (all maxima -inf),
     NaN in every partial the merge must skip (a row's splits past its keys, splits past
-    its tile's keys), an odd thread count (outputs left over from the pairs), and the rows
-    of a tile merged in groups when the shared memory holds fewer (smem_floats)."""
+    its tile's keys), a thread count that leaves outputs over (16 float4s a tile, taken
+    MERGE_ITEMS x 3 at a time), and the rows of a tile merged in groups of 2 and 3 when the
+    shared memory holds fewer (smem_floats: 26 floats a row at 12 splits)."""
     from kdtree_numba.attention.mla import _merge_kernel
-    from kdtree_numba.attention.tiles import MERGE_LOADS
+    from kdtree_numba.attention.tiles import MERGE_ITEMS, MERGE_LOADS, merge_smem_floats
     from kdtree_numba.compat import to_device
     rng = np.random.default_rng(15)
-    r, rows, threads, n, heads, chunk = 8, 4, 3, 3, 2, 1
+    r, rows, threads, n, heads, chunk = 16, 4, 3, 3, 2, 1
     prefix = np.array([9, 1], np.int32)
     bs, splits, n_rows = 2, 12, n * heads          # request 0's last key in split 11
     src_o = np.full((bs, splits, n_rows, r), np.nan, np.float32)
@@ -159,6 +160,7 @@ def test_the_merge_tail_gives_the_merge_kernels_bits(needs_kernels, causal, smem
     src_o[0, :, 1] = 0.0
     src_ml[0, sp[0, 1]:, 1] = np.nan
     src_o[0, sp[0, 1]:, 1] = np.nan
+    assert merge_smem_floats(1, splits) == 26 and 16 % (MERGE_ITEMS * threads)
     assert sp.max() > MERGE_LOADS and len(set(sp[0].tolist())) > 1 - (not causal)
     if causal:
         assert len(set(sp[0, :rows].tolist())) > 1      # one tile, rows of different splits

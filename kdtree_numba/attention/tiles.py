@@ -21,7 +21,7 @@ from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_stri
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
            "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier",
            "request_keys", "split_merge", "merge_when_last", "merge_smem_floats",
-           "MERGE_LOADS"]
+           "MERGE_ITEMS", "MERGE_LOADS"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -226,15 +226,16 @@ def split_merge():
     return merge_quad
 
 
-# splits whose partial outputs one thread of the in-kernel merge loads at once, for each of
-# its two outputs: 2 x 8 float4 loads in flight, rather than one load at a time
-MERGE_LOADS = 8
+# A thread of the in-kernel merge takes MERGE_ITEMS output float4s at a time and loads the
+# partials of MERGE_LOADS splits of each at once: 16 float4 loads in flight, none waiting on
+# another (the engine's decodes have a few splits with keys: a float4 costs one L2 latency)
+MERGE_ITEMS, MERGE_LOADS = 4, 4
 
 
 def merge_smem_floats(rows: int, splits: int) -> int:
     """The shared floats the in-kernel merge needs to take ``rows`` rows of ``splits`` splits
-    at once: a weight and a sum per (row, split), a scale per row."""
-    return rows * (2 * splits + 1)
+    at once: a weight and a sum per (row, split), a scale and a split count per row."""
+    return rows * (2 * splits + 2)
 
 
 def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: int):
@@ -256,8 +257,8 @@ def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: 
     1. every thread loads (m_s, l_s) pairs of the tile's rows in parallel into shared memory;
     2. one thread per row: m_max over its splits in split order, w_s = exp(m_s - m_safe)
        (stored over m_s), total += w_s l_s in split order, scale = 1 / total (or 0);
-    3. every thread takes two output float4s at a time, loads their partials of up to
-       :data:`MERGE_LOADS` splits each at once (no load waits on another), then adds
+    3. every thread takes :data:`MERGE_ITEMS` output float4s at a time, loads their partials
+       of up to :data:`MERGE_LOADS` splits each at once (no load waits on another), then adds
        y += w_s x_s in split order and writes y * scale.
 
     Each row takes its own splits with keys (:func:`splits_with_keys`), as the merge kernel
@@ -265,8 +266,8 @@ def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: 
     all of a tile's at the engine's split counts; the plan keeps the merge kernel where not
     even one row fits)."""
     DV4 = r // 4
-    U = MERGE_LOADS
-    XS = 4 * U                          # a local array's size must be a constant
+    P, U = MERGE_ITEMS, MERGE_LOADS
+    PU4, P4 = P * U * 4, P * 4            # local arrays' sizes must be constants
 
     def merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid):
         splits = cuda.gridDim.y
@@ -281,13 +282,16 @@ def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: 
             last = int32(arrived == running - 1)
         if cuda.syncthreads_or(last):   # every other split's partials are in L2
             cuda.threadfence()
-            # shared layout of a group of g rows: w (first m) [g][running], l [g][running],
-            # scale [g]; the tile's rows need at most running splits each
-            group = min(rows, smem_floats // (2 * running + 1))
+            # shared layout for a group of g rows: w (first m) [g][running], l [g][running],
+            # scale [g], splits with keys [g] (exact small integers as floats); the tile's
+            # rows have at most running splits with keys each
+            group = min(rows, smem_floats // (2 * running + 2))
             l_at = group * running
             scale_at = 2 * group * running
-            xa = cuda.local.array(XS, float32)
-            xb = cuda.local.array(XS, float32)
+            sp_at = scale_at + group
+            x = cuda.local.array(PU4, float32)
+            y = cuda.local.array(P4, float32)
+            sp = cuda.local.array(P, int32)
             for g0 in range(row0, row0 + rows, group):
                 if g0 > row0:
                     cuda.syncthreads()  # the previous group's readers are done
@@ -301,63 +305,59 @@ def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: 
                             smem[l_at + i] = load_l2_f32(part_ml, (b, s, row, 1))
                 cuda.syncthreads()
                 # 2. per row: the weights, the total and the scale (split_merge's order)
-                for k in range(tid, min(group, n_rows - g0, row0 + rows - g0), threads):
-                    sp = splits_with_keys(request_keys(prefix, n, causal, g0 + k, heads),
-                                          chunk, splits)
+                for k in range(tid, group, threads):
+                    row_sp = 0
+                    if g0 + k < n_rows and g0 + k < row0 + rows:
+                        row_sp = splits_with_keys(request_keys(prefix, n, causal, g0 + k,
+                                                               heads), chunk, splits)
+                    smem[sp_at + k] = float32(row_sp)
                     at = k * running
                     m_max = NEG_INF
-                    for s in range(sp):
+                    for s in range(row_sp):
                         m_max = max(m_max, smem[at + s])
                     m_safe = m_max if m_max > NEG_INF else ZERO
                     total = ZERO
-                    for s in range(sp):
+                    for s in range(row_sp):
                         w = math.exp(smem[at + s] - m_safe)
                         smem[at + s] = w
                         total += w * smem[l_at + at + s]
                     smem[scale_at + k] = ONE / total if total > ZERO else ZERO
                 cuda.syncthreads()
-                # 3. the outputs, two float4s (rows ka, kb of the group) per thread at a time
+                # 3. the outputs: float4s i + p threads (p < P) of the group's, at a time
                 items = min(group, row0 + rows - g0) * DV4
-                for i in range(tid, items, 2 * threads):
-                    ka, kb = i // DV4, (i + threads) // DV4
-                    sa = sb = 0
-                    if g0 + ka < n_rows:
-                        sa = splits_with_keys(request_keys(prefix, n, causal, g0 + ka, heads),
-                                              chunk, splits)
-                    if i + threads < items and g0 + kb < n_rows:
-                        sb = splits_with_keys(request_keys(prefix, n, causal, g0 + kb, heads),
-                                              chunk, splits)
-                    qa, qb = 4 * (i % DV4), 4 * ((i + threads) % DV4)
-                    ya0 = ya1 = ya2 = ya3 = yb0 = yb1 = yb2 = yb3 = ZERO
-                    for s0 in range(0, max(sa, sb), U):
-                        for u in range(U):      # all loads first: none waits on another
-                            if s0 + u < sa:
-                                xa[4 * u], xa[4 * u + 1], xa[4 * u + 2], xa[4 * u + 3] = \
-                                    load_l2_f32x4(part_o, (b, s0 + u, g0 + ka, qa))
-                            if s0 + u < sb:
-                                xb[4 * u], xb[4 * u + 1], xb[4 * u + 2], xb[4 * u + 3] = \
-                                    load_l2_f32x4(part_o, (b, s0 + u, g0 + kb, qb))
-                        for u in range(U):      # then the sums, in split order
-                            if s0 + u < sa:
-                                w = smem[ka * running + s0 + u]
-                                ya0 += w * xa[4 * u]
-                                ya1 += w * xa[4 * u + 1]
-                                ya2 += w * xa[4 * u + 2]
-                                ya3 += w * xa[4 * u + 3]
-                            if s0 + u < sb:
-                                w = smem[kb * running + s0 + u]
-                                yb0 += w * xb[4 * u]
-                                yb1 += w * xb[4 * u + 1]
-                                yb2 += w * xb[4 * u + 2]
-                                yb3 += w * xb[4 * u + 3]
-                    if sa > 0:
-                        scale = smem[scale_at + ka]
-                        store_f32x4(out, (b, g0 + ka, qa), ya0 * scale, ya1 * scale,
-                                    ya2 * scale, ya3 * scale)
-                    if sb > 0:
-                        scale = smem[scale_at + kb]
-                        store_f32x4(out, (b, g0 + kb, qb), yb0 * scale, yb1 * scale,
-                                    yb2 * scale, yb3 * scale)
+                for i in range(tid, items, P * threads):
+                    most = 0
+                    for p in range(P):
+                        sp[p] = 0
+                        if i + p * threads < items:
+                            sp[p] = int32(smem[sp_at + (i + p * threads) // DV4])
+                        most = max(most, sp[p])
+                        y[4 * p] = y[4 * p + 1] = y[4 * p + 2] = y[4 * p + 3] = ZERO
+                    for s0 in range(0, most, U):
+                        for p in range(P):      # all loads first: none waits on another
+                            k, q = (i + p * threads) // DV4, (i + p * threads) % DV4
+                            for u in range(U):
+                                if s0 + u < sp[p]:
+                                    o = 4 * (U * p + u)
+                                    x[o], x[o + 1], x[o + 2], x[o + 3] = load_l2_f32x4(
+                                        part_o, (b, s0 + u, g0 + k, 4 * q))
+                        for p in range(P):      # then the sums, in split order
+                            k = (i + p * threads) // DV4
+                            for u in range(U):
+                                if s0 + u < sp[p]:
+                                    w = smem[k * running + s0 + u]
+                                    o = 4 * (U * p + u)
+                                    y[4 * p] += w * x[o]
+                                    y[4 * p + 1] += w * x[o + 1]
+                                    y[4 * p + 2] += w * x[o + 2]
+                                    y[4 * p + 3] += w * x[o + 3]
+                    for p in range(P):
+                        if sp[p] > 0:
+                            k, q = (i + p * threads) // DV4, (i + p * threads) % DV4
+                            scale = smem[scale_at + k]
+                            store_f32x4(out, (b, g0 + k, 4 * q), y[4 * p] * scale,
+                                        y[4 * p + 1] * scale, y[4 * p + 2] * scale,
+                                        y[4 * p + 3] * scale)
             if tid == 0:
                 part_ml[b, splits, tile, 0] = ZERO
     # device_function under the simulator for the reason of block_keys' comment
