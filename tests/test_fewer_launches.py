@@ -194,6 +194,22 @@ def test_the_merge_tail_gives_the_merge_kernels_bits(needs_kernels, causal, smem
         assert (part_ml.copy_to_host()[:, splits, :2, 0] == 0).all()
 
 
+def test_a_plan_whose_splits_leave_no_room_for_one_row_keeps_the_merge_kernel(needs_kernels):
+    """The in-kernel merge needs (2 splits + 2) shared floats for a row (merge_smem_floats):
+    a plan with more splits than that leaves no room for keeps the merge launch (fused_merge
+    off), one with fewer merges in the kernel."""
+    from kdtree_numba.attention import MlaAttentionPlan, tile_config
+    from kdtree_numba.attention.tiles import merge_smem_floats
+    floats = tile_config(8, 4, "pipe16x2").smem_bytes() // 4
+    fits = (floats - 2) // 2                       # the most splits one row has room for
+    assert merge_smem_floats(1, fits) <= floats < merge_smem_floats(1, fits + 1)
+    for splits, fused in ((fits, True), (fits + 1, False)):
+        plan = MlaAttentionPlan(1, 1, 1, 8, 4, 16 * splits, keys_per_split=16,
+                                variant="pipe16x2", fused_merge=True)
+        assert plan.splits == splits and plan.fused_merge == fused
+        assert (plan.merge is None) == fused
+
+
 def test_add_rmsnorm_writes_its_sum_into_a_column_block_of_the_features(needs_kernels):
     """A captured layer's norm under the switch: s written into columns [D, 2D) of a wider
     array (a device one, and under the simulator also a host one, as the simulator's model
