@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from ptx_check import HOPPER_PRELUDE
 
+from kdtree_numba.compat import cuda   # the simulator swaps `cuda` in a kernel's globals
 from reference import attention as ref
 from reference.attention import tree_visible
 
@@ -95,6 +96,118 @@ def test_the_bf16_kernels_last_block_merges_with_the_merge_kernels_bits(needs_ke
     want = _call(separate, prob, False)
     assert _call(fused, prob, False).tobytes() == want.tobytes()
     assert (fused.part_ml.copy_to_host()[:, 2, 0, 0] == 0).all()
+
+
+def _merge_tail_blocks(r, rows, threads, causal, smem_floats):
+    """A kernel of the block kernels' grid (row tiles x splits x requests) whose blocks with
+    keys copy their split's partials from given arrays, then run the merge tail."""
+    from numba import float32
+
+    from kdtree_numba.attention.tiles import merge_when_last, request_keys, splits_with_keys
+    merge = merge_when_last(r, rows, threads, causal, smem_floats)
+
+    @cuda.jit
+    def blocks(src_o, src_ml, prefix_len, n, heads, chunk, out, part_o, part_ml):
+        smem = cuda.shared.array(0, float32)
+        tid = cuda.threadIdx.x
+        row0, split, b = cuda.blockIdx.x * rows, cuda.blockIdx.y, cuda.blockIdx.z
+        n_rows = n * heads
+        keys = request_keys(prefix_len[b], n, causal, row0 + rows - 1, heads)
+        if split < splits_with_keys(keys, chunk, cuda.gridDim.y):
+            for i in range(tid, rows * r, threads):
+                if row0 + i // r < n_rows:
+                    part_o[b, split, row0 + i // r, i % r] = src_o[b, split, row0 + i // r,
+                                                                   i % r]
+            for i in range(tid, rows * 2, threads):
+                if row0 + i // 2 < n_rows:
+                    part_ml[b, split, row0 + i // 2, i % 2] = src_ml[b, split, row0 + i // 2,
+                                                                     i % 2]
+            merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix_len[b], n, heads, chunk,
+                  tid)
+    return blocks
+
+
+@pytest.mark.parametrize("causal, smem_floats", [(False, 60), (True, 80), (True, 4096)],
+                         ids=["tree-groups-of-2", "causal-groups-of-3", "causal-whole-tile"])
+def test_the_merge_tail_gives_the_merge_kernels_bits(needs_kernels, causal, smem_floats):
+    """tiles.merge_when_last alone, against mla.py's merge kernel on the same partials: more
+    splits than one thread loads at once (MERGE_LOADS), a ragged row tile, rows of one tile
+    with different splits with keys (causal), a row that sees nothing (all maxima -inf),
+    NaN in every partial the merge must skip (a row's splits past its keys, splits past
+    its tile's keys), a thread count that leaves outputs over (16 float4s a tile, taken
+    MERGE_ITEMS x 3 at a time), and the rows of a tile merged in groups of 2 and 3 when the
+    shared memory holds fewer (smem_floats: 26 floats a row at 12 splits)."""
+    from kdtree_numba.attention.mla import _merge_kernel
+    from kdtree_numba.attention.tiles import MERGE_ITEMS, MERGE_LOADS, merge_smem_floats
+    from kdtree_numba.compat import to_device
+    rng = np.random.default_rng(15)
+    r, rows, threads, n, heads, chunk = 16, 4, 3, 3, 2, 1
+    prefix = np.array([9, 1], np.int32)
+    bs, splits, n_rows = 2, 12, n * heads          # request 0's last key in split 11
+    src_o = np.full((bs, splits, n_rows, r), np.nan, np.float32)
+    src_ml = np.full((bs, splits + 1, n_rows, 2), np.nan, np.float32)
+    sp = np.zeros((bs, n_rows), int)
+    for b in range(bs):
+        for row in range(n_rows):
+            keys = prefix[b] + (row // heads + 1 if causal else n)
+            sp[b, row] = min(splits, keys)
+            s = sp[b, row]
+            src_o[b, :s, row] = rng.standard_normal((s, r))
+            src_ml[b, :s, row, 0] = rng.uniform(-3, 3, s)
+            src_ml[b, :s, row, 1] = rng.uniform(0.5, 4, s)
+            src_ml[b, rng.integers(0, s), row] = (-np.inf, 0.0)    # a split it sees nothing of
+    src_ml[0, :, 1] = (-np.inf, 0.0)                # row 1 of request 0 sees nothing at all
+    src_o[0, :, 1] = 0.0
+    src_ml[0, sp[0, 1]:, 1] = np.nan
+    src_o[0, sp[0, 1]:, 1] = np.nan
+    assert merge_smem_floats(1, splits) == 26 and 16 % (MERGE_ITEMS * threads)
+    assert sp.max() > MERGE_LOADS and len(set(sp[0].tolist())) > 1 - (not causal)
+    if causal:
+        assert len(set(sp[0, :rows].tolist())) > 1      # one tile, rows of different splits
+    want = to_device(np.full((bs, n_rows, r), np.nan, np.float32))
+    _merge_kernel(r)[(n_rows, bs), r // 4](to_device(src_o), to_device(src_ml),
+                                           to_device(prefix), np.int64(n), np.int64(heads),
+                                           causal, np.int64(chunk), np.int64(splits), want)
+    want = want.copy_to_host()
+    for b in range(bs):                             # an independent float64 oracle
+        for row in range(n_rows):
+            m, l = src_ml[b, :sp[b, row], row].astype(np.float64).T
+            o = src_o[b, :sp[b, row], row].astype(np.float64)
+            if m.max() == -np.inf:
+                oracle = np.zeros(r)
+            else:
+                w = np.exp(m - m.max())
+                oracle = (w[:, None] * o).sum(0) / (w * l).sum()
+            np.testing.assert_allclose(want[b, row], oracle, rtol=1e-5, atol=1e-6)
+    assert (want[0, 1] == 0).all()
+    kernel = _merge_tail_blocks(r, rows, threads, causal, smem_floats)
+    part_o = to_device(np.full(src_o.shape, np.nan, np.float32))
+    part_ml = np.full(src_ml.shape, np.nan, np.float32)
+    part_ml[:, splits] = 0.0                            # the counters
+    part_ml = to_device(part_ml)
+    for _ in range(2):                                  # the counters go back to zero
+        got = to_device(np.full((bs, n_rows, r), np.nan, np.float32))
+        kernel[(-(-n_rows // rows), splits, bs), threads, 0, 4 * smem_floats](
+            to_device(src_o), to_device(src_ml), to_device(prefix), n, heads, chunk, got,
+            part_o, part_ml)
+        assert got.copy_to_host().tobytes() == want.tobytes()
+        assert (part_ml.copy_to_host()[:, splits, :2, 0] == 0).all()
+
+
+def test_a_plan_whose_splits_leave_no_room_for_one_row_keeps_the_merge_kernel(needs_kernels):
+    """The in-kernel merge needs (2 splits + 2) shared floats for a row (merge_smem_floats):
+    a plan with more splits than that leaves no room for keeps the merge launch (fused_merge
+    off), one with fewer merges in the kernel."""
+    from kdtree_numba.attention import MlaAttentionPlan, tile_config
+    from kdtree_numba.attention.tiles import merge_smem_floats
+    floats = tile_config(8, 4, "pipe16x2").smem_bytes() // 4
+    fits = (floats - 2) // 2                       # the most splits one row has room for
+    assert merge_smem_floats(1, fits) <= floats < merge_smem_floats(1, fits + 1)
+    for splits, fused in ((fits, True), (fits + 1, False)):
+        plan = MlaAttentionPlan(1, 1, 1, 8, 4, 16 * splits, keys_per_split=16,
+                                variant="pipe16x2", fused_merge=True)
+        assert plan.splits == splits and plan.fused_merge == fused
+        assert (plan.merge is None) == fused
 
 
 def test_add_rmsnorm_writes_its_sum_into_a_column_block_of_the_features(needs_kernels):

@@ -138,7 +138,8 @@ def build_kernel(cfg: Bf16TileConfig):
     CAUSAL = cfg.causal
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
     # never an empty closure cell: kernel_cache.closure_key describes every cell
-    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL,
+                            cfg.smem_bytes() // 4) if FUSED_MERGE else None
     CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
@@ -429,6 +430,6 @@ def build_kernel(cfg: Bf16TileConfig):
         finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
                    kh, t, writes_ml)
         if FUSED_MERGE:     # the blocks that ran keys count themselves; the last merges
-            merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
+            merge(xch, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_bf16

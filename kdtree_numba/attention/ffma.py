@@ -95,7 +95,7 @@ def build_kernel(cfg: TileConfig):
     copy_queries = row_tile_copier(cfg, M)
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
     # never an empty closure cell: kernel_cache.closure_key describes every cell
-    merge = merge_when_last(cfg.r, M, T, CAUSAL) if FUSED_MERGE else None
+    merge = merge_when_last(cfg.r, M, T, CAUSAL, cfg.smem_bytes() // 4) if FUSED_MERGE else None
 
     QSTEP = 4 * KSP                       # floats between a lane's column quads
 
@@ -309,6 +309,6 @@ def build_kernel(cfg: TileConfig):
                                    acc[x + 2], acc[x + 3])
         if FUSED_MERGE:
             if has_keys:    # the blocks that ran keys count themselves; the last merges
-                merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
+                merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_tiles

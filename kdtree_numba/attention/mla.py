@@ -30,7 +30,8 @@ from kdtree_numba.attention.plan import (BF16_VARIANT, INVARIANT_SPLIT_KEYS, Bf1
                                          MmaTileConfig, bf16_tile_config,
                                          choose_splits, mma_rows, resolve_variant,
                                          tile_config)
-from kdtree_numba.attention.tiles import request_keys, split_merge, splits_with_keys
+from kdtree_numba.attention.tiles import (merge_smem_floats, request_keys, split_merge,
+                                          splits_with_keys)
 from kdtree_numba.gpu.memory import allow_large_shared_memory
 from reference.attention import check_causal
 
@@ -56,9 +57,9 @@ MERGE_THREADS = 128
 def _merge_kernel(r: int):
     """out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the
     splits that hold keys of request b (tiles.splits_with_keys: the others wrote nothing);
-    tiles.split_merge's arithmetic, which the in-kernel merge shares."""
+    tiles.split_merge's arithmetic, which the in-kernel merge repeats in the same order."""
     DV4 = r // 4
-    merge_quad = split_merge(False)
+    merge_quad = split_merge()
 
     @kernel
     def merge_splits(part_o, part_ml, prefix_len, n, heads, causal, chunk, all_splits, out):
@@ -166,7 +167,11 @@ class MlaAttentionPlan:
             raise ValueError(f"rows= picks a tensor-core block shape; variant {variant!r} "
                              f"has a fixed one")
         self.grid = (row_tiles, self.splits, bs)
-        self.fused_merge = bool(fused_merge) and self.splits > 1
+        # the in-kernel merge takes a tile's rows in groups that fit the block's shared
+        # memory; a split count too large for even one row (millions of keys) keeps the
+        # merge kernel
+        self.fused_merge = (bool(fused_merge) and self.splits > 1
+                            and merge_smem_floats(1, self.splits) <= self.cfg.smem_bytes() // 4)
         self.counters_zeroed = not self.fused_merge
         if self.fused_merge:
             self.cfg = dataclasses.replace(self.cfg, fused_merge=True)

@@ -106,7 +106,8 @@ def build_kernel(cfg: MmaTileConfig):
     CAUSAL = cfg.causal                   # a compile-time constant: one kernel each way
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
     # never an empty closure cell: kernel_cache.closure_key describes every cell
-    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL) if FUSED_MERGE else None
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL,
+                            cfg.smem_bytes() // 4) if FUSED_MERGE else None
     # score chunks per fp32 fold: 3 (chains of 12 k-steps: about the accuracy of folding
     # every chunk with a third of the adds); all chunks without fp32 sums
     FOLD = (3 if CHUNKS % 3 == 0 else 1) if FP32_SUMS else CHUNKS
@@ -344,6 +345,6 @@ def build_kernel(cfg: MmaTileConfig):
         finish_row(out, part_o, part_ml, direct, b, split, row_b, n_rows, m_b, l_b, acc, 1,
                    kh * RH, t, writes_ml)
         if FUSED_MERGE:     # the blocks that ran keys count themselves; the last merges
-            merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
+            merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)
 
     return mla_attention_mma

@@ -12,7 +12,7 @@ from kdtree_numba.compat import SIMULATOR, cuda, device_function  # noqa: I001
 import math
 
 import numpy as np
-from numba import int32
+from numba import float32, int32
 
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_strided,  # noqa: F401
@@ -20,7 +20,8 @@ from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_stri
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
            "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier",
-           "request_keys", "split_merge", "merge_when_last"]
+           "request_keys", "split_merge", "merge_when_last", "merge_smem_floats",
+           "MERGE_ITEMS", "MERGE_LOADS"]
 
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
@@ -197,36 +198,26 @@ def row_tile_copier(cfg, rows: int):
 # ---------------------------------------------------------------------------------------------
 # Merging the key splits: mla.py's merge kernel, or the block kernels' last block to finish
 # ---------------------------------------------------------------------------------------------
-@inline_device_function
-def _load(arr, idx):
-    return arr[idx]
-
-
-def split_merge(coherent: bool):
+def split_merge():
     """``merge_quad(part_o, part_ml, out, b, row, quad, splits)``: columns 4 quad .. + 3 of
     out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s) over the
-    row's first ``splits`` splits (the others hold none of its keys and wrote nothing).  The
-    one arithmetic of both merges (mla.py's kernel and :func:`merge_when_last`), so their
-    bits are equal.  ``coherent``: the partials are read from L2 (``ld.global.cg``), as a
-    block must read what other blocks of its own kernel wrote (gpu/memory.py)."""
-    load4 = load_l2_f32x4 if coherent else load_f32x4
-    load1 = load_l2_f32 if coherent else _load
-
+    row's first ``splits`` splits (the others hold none of its keys and wrote nothing): the
+    merge kernel's arithmetic (mla.py).  :func:`merge_when_last` computes the same
+    operations in the same order, spread over a block, so the two merges' bits are equal."""
     @inline_device_function
     def merge_quad(part_o, part_ml, out, b, row, quad, splits):
         m_max = NEG_INF
         for s in range(splits):
-            m_max = max(m_max, load1(part_ml, (b, s, row, 0)))
+            m_max = max(m_max, part_ml[b, s, row, 0])
         m_safe = m_max if m_max > NEG_INF else ZERO
         total = ZERO
         for s in range(splits):
-            total += math.exp(load1(part_ml, (b, s, row, 0)) - m_safe) * \
-                load1(part_ml, (b, s, row, 1))
+            total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
         scale = ONE / total if total > ZERO else ZERO
         y0 = y1 = y2 = y3 = ZERO
         for s in range(splits):
-            w = math.exp(load1(part_ml, (b, s, row, 0)) - m_safe)
-            x0, x1, x2, x3 = load4(part_o, (b, s, row, 4 * quad))
+            w = math.exp(part_ml[b, s, row, 0] - m_safe)
+            x0, x1, x2, x3 = load_f32x4(part_o, (b, s, row, 4 * quad))
             y0 += w * x0
             y1 += w * x1
             y2 += w * x2
@@ -235,39 +226,138 @@ def split_merge(coherent: bool):
     return merge_quad
 
 
-def merge_when_last(r: int, rows: int, threads: int, causal: bool):
-    """``merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)``, called
-    by every thread of a block kernel (``threads``, ``rows`` query-heads from row0) after it
-    wrote its split's partial output and (max, sum): the in-kernel merge of
+# A thread of the in-kernel merge takes MERGE_ITEMS output float4s at a time and loads the
+# partials of MERGE_LOADS splits of each at once: 16 float4 loads in flight, none waiting on
+# another (the engine's decodes have a few splits with keys: a float4 costs one L2 latency)
+MERGE_ITEMS, MERGE_LOADS = 4, 4
+
+
+def merge_smem_floats(rows: int, splits: int) -> int:
+    """The shared floats the in-kernel merge needs to take ``rows`` rows of ``splits`` splits
+    at once: a weight and a sum per (row, split), a scale and a split count per row."""
+    return rows * (2 * splits + 2)
+
+
+def merge_when_last(r: int, rows: int, threads: int, causal: bool, smem_floats: int):
+    """``merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid)``,
+    called by every thread of a block kernel (``threads``, ``rows`` query-heads from row0)
+    after it wrote its split's partial output and (max, sum): the in-kernel merge of
     ``KDTREE_FEWER_LAUNCHES`` (docs/ATTENTION.md, "Merging in the kernel").  Each block
     fences its writes and counts itself in the arrival counter of its (row tile, request),
     ``part_ml[b, splits, tile, 0]`` (a float32 count: exact, and the kernel keeps its
     argument types); the block that arrives last -- of the splits that hold the tile's keys,
-    the ones that run -- merges every row of the tile with :func:`split_merge`'s arithmetic,
-    in split order, as mla.py's merge kernel would, and sets the counter back to 0 for the
-    next call (and the next replay of a CUDA graph).  Only blocks with keys may call it."""
-    DV4 = r // 4
-    merge_quad = split_merge(True)
+    the ones that run -- merges every row of the tile and sets the counter back to 0 for the
+    next call (and the next replay of a CUDA graph).  Only blocks with keys may call it.
 
-    def merge(part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid):
+    The merge reuses the block's dynamic shared memory ``smem`` (float32, ``smem_floats``
+    of it; the block is done with its keys) and computes :func:`split_merge`'s arithmetic in
+    its order, so its bits are the merge kernel's, but without split_merge's serial chains
+    of L2 loads per output float4 (run 158: one merging block took ~33 us):
+
+    1. every thread loads (m_s, l_s) pairs of the tile's rows in parallel into shared memory;
+    2. one thread per row: m_max over its splits in split order, w_s = exp(m_s - m_safe)
+       (stored over m_s), total += w_s l_s in split order, scale = 1 / total (or 0);
+    3. every thread takes :data:`MERGE_ITEMS` output float4s at a time, loads their partials
+       of up to :data:`MERGE_LOADS` splits each at once (no load waits on another), then adds
+       y += w_s x_s in split order and writes y * scale.
+
+    Each row takes its own splits with keys (:func:`splits_with_keys`), as the merge kernel
+    does.  Rows go in groups of as many as ``smem_floats`` holds (:func:`merge_smem_floats`;
+    all of a tile's at the engine's split counts; the plan keeps the merge kernel where not
+    even one row fits)."""
+    DV4 = r // 4
+    P, U = MERGE_ITEMS, MERGE_LOADS
+    PU4, P4 = P * U * 4, P * 4            # local arrays' sizes must be constants
+
+    def merge(smem, part_o, part_ml, out, b, row0, n_rows, prefix, n, heads, chunk, tid):
         splits = cuda.gridDim.y
         tile = row0 // rows
+        running = splits_with_keys(request_keys(prefix, n, causal, row0 + rows - 1, heads),
+                                   chunk, splits)
         cuda.threadfence()      # every thread's partials reach L2 (fenced) ...
         cuda.syncthreads()      # ... before thread 0 counts the block
         last = 0
         if tid == 0:
             arrived = cuda.atomic.add(part_ml, (b, splits, tile, 0), ONE)
-            running = splits_with_keys(request_keys(prefix, n, causal, row0 + rows - 1,
-                                                    heads), chunk, splits)
             last = int32(arrived == running - 1)
         if cuda.syncthreads_or(last):   # every other split's partials are in L2
             cuda.threadfence()
-            for i in range(tid, rows * DV4, threads):
-                row = row0 + i // DV4
-                if row < n_rows:
-                    keys = request_keys(prefix, n, causal, row, heads)
-                    merge_quad(part_o, part_ml, out, b, row, i % DV4,
-                               splits_with_keys(keys, chunk, splits))
+            # shared layout for a group of g rows: w (first m) [g][running], l [g][running],
+            # scale [g], splits with keys [g] (exact small integers as floats); the tile's
+            # rows have at most running splits with keys each
+            group = min(rows, smem_floats // (2 * running + 2))
+            l_at = group * running
+            scale_at = 2 * group * running
+            sp_at = scale_at + group
+            x = cuda.local.array(PU4, float32)
+            y = cuda.local.array(P4, float32)
+            sp = cuda.local.array(P, int32)
+            for g0 in range(row0, row0 + rows, group):
+                if g0 > row0:
+                    cuda.syncthreads()  # the previous group's readers are done
+                # 1. the (max, sum) pairs of the group's rows, all loads independent
+                for i in range(tid, group * running, threads):
+                    row, s = g0 + i // running, i % running
+                    if row < n_rows and row < row0 + rows:
+                        if s < splits_with_keys(request_keys(prefix, n, causal, row, heads),
+                                                chunk, splits):
+                            smem[i] = load_l2_f32(part_ml, (b, s, row, 0))
+                            smem[l_at + i] = load_l2_f32(part_ml, (b, s, row, 1))
+                cuda.syncthreads()
+                # 2. per row: the weights, the total and the scale (split_merge's order)
+                for k in range(tid, group, threads):
+                    row_sp = 0
+                    if g0 + k < n_rows and g0 + k < row0 + rows:
+                        row_sp = splits_with_keys(request_keys(prefix, n, causal, g0 + k,
+                                                               heads), chunk, splits)
+                    smem[sp_at + k] = float32(row_sp)
+                    at = k * running
+                    m_max = NEG_INF
+                    for s in range(row_sp):
+                        m_max = max(m_max, smem[at + s])
+                    m_safe = m_max if m_max > NEG_INF else ZERO
+                    total = ZERO
+                    for s in range(row_sp):
+                        w = math.exp(smem[at + s] - m_safe)
+                        smem[at + s] = w
+                        total += w * smem[l_at + at + s]
+                    smem[scale_at + k] = ONE / total if total > ZERO else ZERO
+                cuda.syncthreads()
+                # 3. the outputs: float4s i + p threads (p < P) of the group's, at a time
+                items = min(group, row0 + rows - g0) * DV4
+                for i in range(tid, items, P * threads):
+                    most = 0
+                    for p in range(P):
+                        sp[p] = 0
+                        if i + p * threads < items:
+                            sp[p] = int32(smem[sp_at + (i + p * threads) // DV4])
+                        most = max(most, sp[p])
+                        y[4 * p] = y[4 * p + 1] = y[4 * p + 2] = y[4 * p + 3] = ZERO
+                    for s0 in range(0, most, U):
+                        for p in range(P):      # all loads first: none waits on another
+                            k, q = (i + p * threads) // DV4, (i + p * threads) % DV4
+                            for u in range(U):
+                                if s0 + u < sp[p]:
+                                    o = 4 * (U * p + u)
+                                    x[o], x[o + 1], x[o + 2], x[o + 3] = load_l2_f32x4(
+                                        part_o, (b, s0 + u, g0 + k, 4 * q))
+                        for p in range(P):      # then the sums, in split order
+                            k = (i + p * threads) // DV4
+                            for u in range(U):
+                                if s0 + u < sp[p]:
+                                    w = smem[k * running + s0 + u]
+                                    o = 4 * (U * p + u)
+                                    y[4 * p] += w * x[o]
+                                    y[4 * p + 1] += w * x[o + 1]
+                                    y[4 * p + 2] += w * x[o + 2]
+                                    y[4 * p + 3] += w * x[o + 3]
+                    for p in range(P):
+                        if sp[p] > 0:
+                            k, q = (i + p * threads) // DV4, (i + p * threads) % DV4
+                            scale = smem[scale_at + k]
+                            store_f32x4(out, (b, g0 + k, 4 * q), y[4 * p] * scale,
+                                        y[4 * p + 1] * scale, y[4 * p + 2] * scale,
+                                        y[4 * p + 3] * scale)
             if tid == 0:
                 part_ml[b, splits, tile, 0] = ZERO
     # device_function under the simulator for the reason of block_keys' comment
