@@ -155,7 +155,7 @@ class DFlashDrafter:
         # the CPU path's default at T > 0 (draft_vocab None, a bundle that ranks): the
         # cpu.SAMPLED_DRAFT_VOCAB most frequent tokens' rows, read by a draft whose context
         # says T > 0 (draft); T = 0 keeps the whole vocabulary (docs/ENGINE.md, "The CPU path")
-        self._sampled = None
+        self._sampled, self._flat = None, {}
         if self.trim_block and draft_vocab is None and rank is not None:
             cut = subset_ids(rank, min(cpu.SAMPLED_DRAFT_VOCAB, config.vocab_size))
             if cut is not None:
@@ -347,8 +347,22 @@ class DFlashDrafter:
         if vocab_ids is None:
             return logits
         full = xp.full((bs, d, self.vocab_size), MASKED_LOGIT, np.float32)
-        full[:, :, vocab_ids] = logits
+        if self.trim_block:      # the CPU path: one flat int64 scatter (37 -> 13 us at d = 2)
+            full.reshape(-1)[self._flat_ids(vocab_ids, bs * d)] = logits.reshape(-1)
+        else:
+            full[:, :, vocab_ids] = logits
         return full
+
+    def _flat_ids(self, vocab_ids, rows: int):
+        """The flat positions of ``vocab_ids`` in each of ``rows`` rows of the vocabulary
+        (host int64, made once a head and a row count): a [rows, V] scatter's indices."""
+        key = (id(vocab_ids), rows)
+        got = self._flat.get(key)
+        if got is None or got[0] is not vocab_ids:
+            flat = (np.arange(rows)[:, None] * self.vocab_size
+                    + np.asarray(vocab_ids, np.int64)[None, :]).reshape(-1)
+            got = self._flat[key] = (vocab_ids, flat)
+        return got[1]
 
 
 def _head_rows(be, lm_head, ids):
