@@ -38,6 +38,9 @@ import threading
 
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
+from numba import types
+from numba.core.extending import intrinsic
 
 from formats.int4_group import Int4GroupWeight
 from kdtree_numba import runtime
@@ -49,7 +52,8 @@ from reference.ddtree.checks import check_topk_args
 __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREADS",
            "DEFAULT_BUDGET", "SAMPLED_DEPTH", "SAMPLED_DRAFT_VOCAB", "DENSE_EXPERTS",
            "drafter_ops", "compile_drafter_kernels", "dense_mla_attention", "topk_logprobs",
-           "ARGMAX_TOPK", "weight_side_matmul", "GEMV_ROWS", "PREFILL_ROWS", "prefill_ops"]
+           "ARGMAX_TOPK", "weight_side_matmul", "GEMV_ROWS", "Bf16Bits", "PREFILL_ROWS",
+           "prefill_ops"]
 
 # OpenBLAS threads for this path unless OPENBLAS_NUM_THREADS says otherwise: one.  Its GEMMs
 # are small (a demo decode's largest is 8 x 256 x 8192), and OpenBLAS's threads spin while they
@@ -493,42 +497,109 @@ def topk_logprobs(logits, k: int):
 GEMV_ROWS = 3
 
 
+@intrinsic
+def _widened(typingctx, w):      # pragma: no cover (compiled)
+    """A weight element as float32 inside a compiled loop: a float32 as it is, a uint16 as
+    the bf16 whose bits it holds (shifted into a float32's high half: exact)."""
+    if w == types.float32:
+        return types.float32(w), lambda context, builder, sig, args: args[0]
+    if w == types.uint16:
+        def codegen(context, builder, sig, args):
+            wide = builder.zext(args[0], llvm_ir.IntType(32))
+            return builder.bitcast(builder.shl(wide, llvm_ir.Constant(llvm_ir.IntType(32), 16)),
+                                   llvm_ir.FloatType())
+        return types.float32(w), codegen
+    return None
+
+
 @numba.njit(fastmath=True, nogil=True, cache=False)
 def _rows_gemv(w, x, out):     # pragma: no cover (compiled; tests call it through its callers)
-    """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once; fastmath
-    lets LLVM vectorise the dot products (their sums in its order: a drafter's rows need
-    no particular bits, and the same inputs give the same ones)."""
+    """``out[r] = w @ x[r]`` for the few rows of ``x``, each weight row read once into one
+    accumulator a row (2 or 3 rows: one loop over the weight row for all of them); ``w``
+    float32 or bf16 bits (uint16, :class:`Bf16Bits`: half the bytes, the same values and
+    sums).  fastmath lets LLVM vectorise the dot products (their sums in its order: a
+    drafter's rows need no particular bits, and the same inputs give the same ones)."""
     n, k = w.shape
-    for i in range(n):
-        for r in range(x.shape[0]):
-            acc = np.float32(0.0)
+    rows = x.shape[0]
+    if rows == 3:
+        for i in range(n):
+            a0 = a1 = a2 = np.float32(0.0)
             for j in range(k):
-                acc += w[i, j] * x[r, j]
-            out[r, i] = acc
+                v = _widened(w[i, j])
+                a0 += v * x[0, j]
+                a1 += v * x[1, j]
+                a2 += v * x[2, j]
+            out[0, i], out[1, i], out[2, i] = a0, a1, a2
+    elif rows == 2:
+        for i in range(n):
+            a0 = a1 = np.float32(0.0)
+            for j in range(k):
+                v = _widened(w[i, j])
+                a0 += v * x[0, j]
+                a1 += v * x[1, j]
+            out[0, i], out[1, i] = a0, a1
+    else:
+        for i in range(n):
+            for r in range(rows):
+                acc = np.float32(0.0)
+                for j in range(k):
+                    acc += _widened(w[i, j]) * x[r, j]
+                out[r, i] = acc
 
 
 def compile_drafter_kernels() -> None:
-    """Compile :func:`_rows_gemv` for the arrays it is called with (2-D C-contiguous float32),
-    where a CPU-path drafter is made (kdtree_numba/dflash.py): ~0.3-0.7 s once a process, at
-    load rather than inside the first generate.  No on-disk cache (as formats/checksum.py):
-    numba refuses at import where it finds no writable cache directory."""
+    """Compile :func:`_rows_gemv` for the arrays it is called with (2-D C-contiguous, float32
+    or uint16 weights), where a CPU-path drafter is made (kdtree_numba/dflash.py): ~1 s once
+    a process, at load rather than inside the first generate.  No on-disk cache (as
+    formats/checksum.py): numba refuses at import where it finds no writable cache
+    directory."""
     one = np.zeros((1, 1), np.float32)
-    _rows_gemv(one, one, np.empty((1, 1), np.float32))
+    for w in (one, np.zeros((1, 1), np.uint16)):
+        _rows_gemv(w, one, np.empty((1, 1), np.float32))
 
 
-def weight_side_matmul(x, w) -> np.ndarray:
+class Bf16Bits:
+    """The bf16 bit patterns (uint16, half the bytes) of a drafter's float32 weights whose
+    values are all bf16 (a bf16 bundle's, widened at load): the GEMV rows of
+    :func:`weight_side_matmul` read them instead, the same values, so the same sums.  Made
+    once for the weights :meth:`add` is given (kept alive here, so an id names one array);
+    any other weight, or one with a value bf16 cannot hold, is read as float32.  The weights
+    must not change after :meth:`add` (a model's never do).  On the demo drafter the
+    draft's GEMVs read from memory, and half the bytes took them ~465 -> ~260 us a round
+    (T = 1, budget 7)."""
+
+    def __init__(self):
+        self._bits: dict[int, tuple] = {}
+
+    def add(self, *arrays) -> None:
+        for a in arrays:
+            if type(a) is not np.ndarray or a.dtype != np.float32 or a.ndim not in (2, 3) \
+                    or not a.flags.c_contiguous:
+                continue
+            wide = a.view(np.uint32)
+            if not (wide & np.uint32(0xFFFF)).any():
+                self._bits[id(a)] = (a, (wide >> np.uint32(16)).astype(np.uint16))
+
+    def of(self, w):
+        """``w``'s bits, or None."""
+        got = self._bits.get(id(w))
+        return got[1] if got is not None and got[0] is w else None
+
+
+def weight_side_matmul(x, w, bits=None) -> np.ndarray:
     """``x [M, K] @ w [N, K].T`` for a drafter's rows, on the weight as stored: with at most
-    GEMV_ROWS rows one pass over the weight (_rows_gemv, compile_drafter_kernels); else
-    ``(w @ x_pad.T).T``, the rows padded to a multiple of ROWS: with a few rows OpenBLAS runs
-    this faster than ``x @ w.T`` on the transposed view or on a contiguous transposed copy,
-    and copies no weight (8 rows, one thread, weights cycled through 80 MB: the demo's
-    8192 x 256 lm_head 0.66 ms against 1.18 on the view and 0.85 on a copy; 1536 x 256 0.15
-    against 0.25 and 0.22).  Not batch invariant by contract (drafter rows only)."""
+    GEMV_ROWS rows one pass over the weight (_rows_gemv, compile_drafter_kernels; over
+    ``bits``, ``w``'s bf16 bits, where given); else ``(w @ x_pad.T).T``, the rows padded to
+    a multiple of ROWS: with a few rows OpenBLAS runs this faster than ``x @ w.T`` on the
+    transposed view or on a contiguous transposed copy, and copies no weight (8 rows, one
+    thread, weights cycled through 80 MB: the demo's 8192 x 256 lm_head 0.66 ms against 1.18
+    on the view and 0.85 on a copy; 1536 x 256 0.15 against 0.25 and 0.22).  Not batch
+    invariant by contract (drafter rows only)."""
     x = _f32(x)
     m, k = x.shape
     if m <= GEMV_ROWS:
         out = np.empty((m, w.shape[0]), np.float32)
-        _rows_gemv(w, x, out)
+        _rows_gemv(w if bits is None else bits, x, out)
         return out
     pad = -m % ROWS
     if pad:
@@ -536,26 +607,34 @@ def weight_side_matmul(x, w) -> np.ndarray:
     return np.ascontiguousarray(np.matmul(w, x.T).T[:m])
 
 
-def _drafter_linear(x, w) -> np.ndarray:
+def _drafter_linear(x, w, bits: Bf16Bits | None = None) -> np.ndarray:
     if np.ndim(w) != 2 or np.ndim(x) != 2 or np.shape(x)[1] != np.shape(w)[1]:
         raise ValueError(f"linear wants x [M, K], w [N, K]; got {np.shape(x)}, {np.shape(w)}")
-    return weight_side_matmul(x, _f32(w))
+    return weight_side_matmul(x, _f32(w), None if bits is None else bits.of(w))
 
 
 def _drafter_moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None,
-                     shared_down=None) -> np.ndarray:
+                     shared_down=None, bits: Bf16Bits | None = None) -> np.ndarray:
     """A dense FFN (the DFlash drafter's) by :func:`weight_side_matmul`; a MoE as moe_ffn."""
     if not ref_layers.is_dense(expert_idx, weight, gate_up, shared_gate_up):
         return moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up, shared_down)
-    return _ffn(h, _f32(gate_up[0]), _f32(down[0]), weight_side_matmul)
+    gu, dn = _f32(gate_up[0]), _f32(down[0])
+    narrow = {}                     # the two weights' bf16 bits, by the arrays _ffn passes
+    for w, whole in ((gu, gate_up), (dn, down)):
+        got = None if bits is None else bits.of(whole)
+        if got is not None:
+            narrow[id(w)] = got[0]
+    return _ffn(h, gu, dn, lambda x, w: weight_side_matmul(x, w, narrow.get(id(w))))
 
 
-def drafter_ops(ops):
+def drafter_ops(ops, bits: Bf16Bits | None = None):
     """The CPU path's ops for a drafter (kdtree_numba/dflash.py): a draft only shapes the
     tree, every committed token is the target's, so its rows need not be batch invariant:
-    ``linear`` and the dense FFN as :func:`weight_side_matmul` on the weights as stored, and
+    ``linear`` and the dense FFN as :func:`weight_side_matmul` on the weights as stored (their
+    GEMV rows on ``bits``' bf16 bits where it has a weight's), and
     :func:`dense_mla_attention`; the rest as ``ops``."""
-    return ops.replaced(linear=_drafter_linear, moe_ffn=_drafter_moe_ffn,
+    return ops.replaced(linear=functools.partial(_drafter_linear, bits=bits),
+                        moe_ffn=functools.partial(_drafter_moe_ffn, bits=bits),
                         mla_attention=dense_mla_attention)
 
 

@@ -240,6 +240,40 @@ def test_drafter_ops_agree_with_the_reference():
         ops.linear(x, w.T)
 
 
+def test_drafter_gemv_rows_on_bf16_bits_give_the_float32_bits():
+    """cpu.Bf16Bits: a weight whose values are all bf16 is read as its uint16 bits by the
+    drafter's 1-3-row GEMVs, giving the bits of the same weight read as float32 (the same
+    values, the same sums), linear and the dense FFN alike; a weight with a value bf16
+    cannot hold is not narrowed, nor is a copy of a narrowed one (another array)."""
+    rng = np.random.default_rng(9)
+
+    def bf16_exact(shape):
+        w = rng.standard_normal(shape).astype(np.float32)
+        return (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    w, gate_up, down = bf16_exact((40, 24)), bf16_exact((1, 32, 24)), bf16_exact((1, 24, 16))
+    odd = rng.standard_normal((40, 24)).astype(np.float32)
+    bits = cpu.Bf16Bits()
+    bits.add(w, gate_up, down, odd)
+    assert bits.of(w).dtype == np.uint16 and bits.of(w).shape == w.shape
+    assert bits.of(odd) is None and bits.of(w.copy()) is None
+    np.testing.assert_array_equal(bits.of(gate_up).view(np.uint16).astype(np.uint32) << 16,
+                                  gate_up.view(np.uint32))
+    base = make_backend("reference", precision="float32").ops
+    plain, narrow = cpu.drafter_ops(base), cpu.drafter_ops(base, bits)
+    for m in (1, 2, 3, 8):
+        x = rng.standard_normal((m, 24)).astype(np.float32)
+        got = narrow.linear(x, w)
+        np.testing.assert_array_equal(got, plain.linear(x, w))
+        want = ref_layers.linear(x, w)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(narrow.moe_ffn(x, None, None, gate_up, down),
+                                      plain.moe_ffn(x, None, None, gate_up, down))
+        np.testing.assert_array_equal(narrow.linear(x, odd), plain.linear(x, odd))
+        if m <= cpu.GEMV_ROWS:     # the GEMV reads the bits, not the float32 weight beside them
+            np.testing.assert_array_equal(
+                cpu.weight_side_matmul(x, np.zeros_like(w), bits.of(w)), got)
+
+
 def _dflash_on(precision: str, block_size: int) -> DFlashDrafter:
     tcfg = size_config("tiny", num_hidden_layers=2, vocab_size=64, rope_scaling=None)
     dcfg = dflash_config(tcfg, num_hidden_layers=1, intermediate_size=32)

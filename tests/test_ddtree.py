@@ -461,6 +461,8 @@ def test_compact_kv_rejects_past_capacity_and_bad_paths():
     cache = np.zeros((1, 5, 2), np.float32)
     with pytest.raises(ValueError, match="outside the cache"):
         ref.compact_kv([cache], np.int32([2]), np.int32([[0, 3]]), np.int32([2]))
+    with pytest.raises(ValueError, match="outside the cache"):     # an identity path too
+        ref.compact_kv([cache], np.int32([4]), np.int32([[0, 1]]), np.int32([2]))
     with pytest.raises(ValueError, match="not an accepted path"):
         ref.compact_kv([cache], np.int32([0]), np.int32([[0, 0]]), np.int32([2]))
     with pytest.raises(ValueError, match="batch"):

@@ -36,13 +36,17 @@ def compact_kv(caches, past_len, acc_idx, acc_len) -> None:
         m, past = int(acc_len[b]), int(past_len[b])
         check_accepted(acc_idx[b], m, b)
         src = past + acc_idx[b, :m].astype(np.int64)
+        # a path of slots 0, 1, .., m - 1 (the root alone; the first child each time) is
+        # where it belongs already: no row moves (at T = 1 on the CPU path most rounds)
+        moved = bool(acc_idx[b, m - 1] != m - 1)
         for cache in caches:
             max_len = cache.shape[-2]
             if past < 0 or src[-1] >= max_len:
                 raise ValueError(f"request {b}: rows past_len + acc_idx up to {src[-1]} lie "
                                  f"outside the cache (max_len {max_len})")
-            rows = cache[..., b, src, :].copy()        # gather every row first, then scatter
-            cache[..., b, past:past + m, :] = rows
+            if moved:
+                rows = cache[..., b, src, :].copy()    # gather every row first, then scatter
+                cache[..., b, past:past + m, :] = rows
 
 
 def compact_kv_paged(caches, kv_indptr, kv_indices, kv_last_page_len, past_len, acc_idx,

@@ -81,12 +81,18 @@ def as_sampling(value) -> Sampling:
 
 def kept_weights(row, sampling: Sampling) -> np.ndarray:
     """The truncated, unnormalised float64 weights of one logit row (module docstring)."""
-    x = np.asarray(row).astype(np.float64)
-    w = np.exp((x - x.max()) / sampling.temperature)
+    row = np.asarray(row)
+    # float64 of (x - max x), one pass (the widening is exact, so the same values as widening
+    # first); the division skipped at T = 1, where it changes no bit; exp in place
+    x = np.subtract(row, row.max(), dtype=np.float64)
+    if sampling.temperature != 1:
+        np.divide(x, sampling.temperature, out=x)
+    w = np.exp(x, out=x)
     if not sampling.truncates:
         return w
-    rank = np.lexsort((np.arange(x.size), -x))       # logit descending, then id ascending
-    k = x.size if sampling.top_k == 0 else min(sampling.top_k, x.size)
+    # logit descending, then id ascending (the row's own order: widening keeps it)
+    rank = np.lexsort((np.arange(row.size), -row.reshape(-1)))
+    k = w.size if sampling.top_k == 0 else min(sampling.top_k, w.size)
     ranked = w[rank[:k]]
     if sampling.top_p < 1:
         before = np.concatenate([[0.0], np.cumsum(ranked)[:-1]])
