@@ -62,6 +62,7 @@ def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
     for r in rows:
         assert r["tokens"] == 4 * 4 and r["seconds"] == 4.0 and r["same_tokens"]
         assert r["tok_s"] == pytest.approx(4.0) and r["vs_first"] == pytest.approx(1.0)
+        assert r["timed_captures"] == 0            # the reference backend keeps no graphs
 
 
 def test_a_variant_that_changes_a_token_is_reported(tiny, monkeypatch):

@@ -10,7 +10,9 @@ changing load and host and each pays its own warm-up.  Here every prompt runs un
 variant in turn (the order rotated from prompt to prompt), after one untimed pass of each
 variant over every prompt, twice (compiles; a CUDA graph is captured on its key's second
 call, and a prompt alone in its cache bucket is that key's only call of a pass; ``--budget
-auto``'s policy left as warmed), ``--repeats`` times; a variant's tokens/s is its timed tokens over its summed
+auto``'s policy left as warmed), ``--repeats`` times (every variant's graphs are its own and the graph cache holds
+a limited number per kind, prefills 16: a row that captured inside its timed runs is
+flagged, its time not comparable; time fewer variants at once); a variant's tokens/s is its timed tokens over its summed
 wall time (prefill included, as bench_demo's), and every variant must give the first
 variant's tokens (a switch that changed one is reported, not averaged away).
 
@@ -98,7 +100,7 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                 for _ in range(WARM_PASSES):
                     for ids in prompts:
                         generate(model, [ids], tokens, **kw)
-            spent = {name: [0, 0.0] for name, _ in variants}
+            spent = {name: [0, 0.0, 0] for name, _ in variants}
             outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
             for rep in range(repeats):
                 for i, ids in enumerate(prompts):
@@ -114,15 +116,16 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                         outputs.setdefault((name, i), []).append(out)
                         spent[name][0] += len(out)
                         spent[name][1] += seconds
+                        spent[name][2] += res.stats.graph_captures or 0
             base = spent[variants[0][0]]
             for name, _ in variants:
-                n, seconds = spent[name]
+                n, seconds, captures = spent[name]
                 same = all(out == outputs[(variants[0][0], i)][0]
                            for i in range(len(prompts)) for out in outputs[(name, i)])
                 rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
                                  tokens=n, seconds=seconds, tok_s=n / seconds,
                                  vs_first=(n / seconds) / (base[0] / base[1]),
-                                 same_tokens=same))
+                                 same_tokens=same, timed_captures=captures))
     finally:
         env.leave()
     return rows
@@ -150,11 +153,17 @@ def main(argv=None) -> int:
         backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"ab_switches on {card}: {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"{args.repeats} interleaved passes, end to end (prefill included)\n")
-    print("| budget | variant | tokens | s | tok/s | vs first | same tokens |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| budget | variant | tokens | s | tok/s | vs first | same tokens | graph captures "
+          "while timed |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['budget']} | {r['variant']} | {r['tokens']} | {r['seconds']:.3f} | "
-              f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {'yes' if r['same_tokens'] else 'NO'} |")
+              f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {'yes' if r['same_tokens'] else 'NO'} | "
+              f"{r['timed_captures']} |")
+    if any(r["timed_captures"] for r in rows):
+        print("\nab_switches: CUDA graphs were captured inside the timed runs (each variant keeps "
+              "graphs of its own and the graph cache evicts past its limits per kind: "
+              "kdtree_numba/graphs.py): those rows are not comparable; time fewer variants "
+              "or prompts at a time")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(card=card, variants=variants, rows=rows), f, indent=1)
