@@ -9,13 +9,10 @@ import sys
 
 import pytest
 
-from kdtree_numba.bundle import random_weights, size_config
-from kdtree_numba.drafter import NoisyOracleDrafter
-from kdtree_numba.model import Model
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import ab_switches  # noqa: E402
+from test_bench_demo import tiny  # noqa: E402,F401  (the fixture: a tiny target, an oracle)
 
 
 def test_variants_parse_and_bad_ones_are_one_line():
@@ -25,15 +22,6 @@ def test_variants_parse_and_bad_ones_are_one_line():
                       ("a;b=PATH=1", "KDTREE_ or NUMBA_"), ("a;b=KDTREE_X", "KDTREE_ or")):
         with pytest.raises(SystemExit, match=says):
             ab_switches.parse_variants(bad)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = size_config("tiny", num_hidden_layers=1)
-    weights = dict(random_weights(cfg, 3))
-    target = Model(cfg, weights, "reference")
-    return target, NoisyOracleDrafter(Model(cfg, weights, "reference"), 3, agreement=0.8,
-                                      seed=1)
 
 
 def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
