@@ -576,8 +576,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``progress(done, total)``: called after the prefill and after each AR step (block of
     ``ar_device_steps``) or DDTree round with the tokens committed so far (all requests)
     and at most ``len(prompts) * max_new_tokens``; host bookkeeping only (a
-    ``formats.progress.ProgressBar`` fits), so it adds no device wait.  A DDTree or chain round's call comes once the next round's verify
-    is launched (the last round's at the end), so it overlaps the device's work.  The engine
+    ``formats.progress.ProgressBar`` fits), so it adds no device wait.  A DDTree or chain
+    round's call comes once the next round's verify is launched (the last round's at the
+    end), so it overlaps the device's work.  The engine
     itself never prints.
     ``stream(tokens)``: called at the same moments with every request's new tokens so far
     (``tokens[b]``, the engine's own lists: read them, keep or change nothing), so a caller
