@@ -36,6 +36,7 @@ from kdtree_numba.backends import make_backend  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
+from bench_layers import environment  # noqa: E402
 from round_timeline import pair_arguments  # noqa: E402
 
 
@@ -63,71 +64,46 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-class Environment:
-    """Set one variant's variables, restoring the rest of the environment as it was."""
-
-    def __init__(self):
-        self.saved: dict = {}
-
-    def enter(self, env: dict) -> None:
-        self.leave()
-        for var, value in env.items():
-            self.saved[var] = os.environ.get(var)
-            os.environ[var] = value
-
-    def leave(self) -> None:
-        for var, value in self.saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        self.saved = {}
-
-
 def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int,
            sync=lambda: None, clock=time.perf_counter) -> list[dict]:
     """The interleaved passes (module docstring); one row per (budget, variant): tokens,
     seconds, tok/s, speed against the first variant, and ``same_tokens`` (every timed run
     gave the first variant's tokens on its prompt)."""
-    env = Environment()
     rows = []
-    try:
-        for budget in budgets:
-            kw = dict(method="ar") if budget == 0 else dict(
-                method="ddtree", drafter=drafter, budget=budget)
-            for name, values in variants:                      # untimed: compiles, captures
-                env.enter(values)
+    for budget in budgets:
+        kw = dict(method="ar") if budget == 0 else dict(
+            method="ddtree", drafter=drafter, budget=budget)
+        for name, values in variants:                      # untimed: compiles, captures
+            with environment(**values):
                 for _ in range(WARM_PASSES):
                     for ids in prompts:
                         generate(model, [ids], tokens, **kw)
-            spent = {name: [0, 0.0, 0] for name, _ in variants}
-            outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
-            for rep in range(repeats):
-                for i, ids in enumerate(prompts):
-                    turn = (i + rep) % len(variants)
-                    for name, values in variants[turn:] + variants[:turn]:
-                        env.enter(values)
+        spent = {name: [0, 0.0, 0] for name, _ in variants}
+        outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
+        for rep in range(repeats):
+            for i, ids in enumerate(prompts):
+                turn = (i + rep) % len(variants)
+                for name, values in variants[turn:] + variants[:turn]:
+                    with environment(**values):
                         sync()
                         t0 = clock()
                         res = generate(model, [ids], tokens, **kw)
                         sync()
                         seconds = clock() - t0
-                        out = [int(t) for t in res.tokens[0]]
-                        outputs.setdefault((name, i), []).append(out)
-                        spent[name][0] += len(out)
-                        spent[name][1] += seconds
-                        spent[name][2] += res.stats.graph_captures or 0
-            base = spent[variants[0][0]]
-            for name, _ in variants:
-                n, seconds, captures = spent[name]
-                same = all(out == outputs[(variants[0][0], i)][0]
-                           for i in range(len(prompts)) for out in outputs[(name, i)])
-                rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
-                                 tokens=n, seconds=seconds, tok_s=n / seconds,
-                                 vs_first=(n / seconds) / (base[0] / base[1]),
-                                 same_tokens=same, timed_captures=captures))
-    finally:
-        env.leave()
+                    out = [int(t) for t in res.tokens[0]]
+                    outputs.setdefault((name, i), []).append(out)
+                    spent[name][0] += len(out)
+                    spent[name][1] += seconds
+                    spent[name][2] += res.stats.graph_captures or 0
+        base = spent[variants[0][0]]
+        for name, _ in variants:
+            n, seconds, captures = spent[name]
+            same = all(out == outputs[(variants[0][0], i)][0]
+                       for i in range(len(prompts)) for out in outputs[(name, i)])
+            rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
+                             tokens=n, seconds=seconds, tok_s=n / seconds,
+                             vs_first=(n / seconds) / (base[0] / base[1]),
+                             same_tokens=same, timed_captures=captures))
     return rows
 
 

@@ -455,7 +455,7 @@ def moe_variants(layers, m, uniform, n_uniform, n_used, idx):
 
 
 @contextlib.contextmanager
-def _environment(**values):
+def environment(**values):
     """The process environment with ``values`` set, restored afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -493,7 +493,7 @@ def bench_moe_chunk(ctx, results, deadline):
             samples = {"0": [], "1": []}
             for _ in range(3):
                 for grid in ("0", "1"):
-                    with _environment(KDTREE_MOE_CHUNK_GRID=grid):
+                    with environment(KDTREE_MOE_CHUNK_GRID=grid):
                         t, hb = timer([lambda: layers.moe_ffn(h, index, w, gate_up, down,
                                                               out=out, workspace=ws,
                                                               method="skinny")], trials=3)
@@ -556,7 +556,7 @@ def _moe_mma_rows(ctx, results, weights, gate, bias, rng, deadline):
                     print(f"\n(moe_mma: time budget, stopped before M={m})")
                     return
                 try:
-                    with _environment(KDTREE_MOE_WORK_LIST=work_list):
+                    with environment(KDTREE_MOE_WORK_LIST=work_list):
                         t, hb = timer([lambda kw=kw, index=index: layers.moe_ffn(
                             h, index, w, *weights, out=out, workspace=ws, **kw)], trials=5)
                 except Exception as exc:   # noqa: BLE001 -- report and go on
@@ -685,7 +685,7 @@ def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used
         if time.perf_counter() > deadline:
             return
         try:
-            with _environment(KDTREE_MOE_WORK_LIST=work_list):
+            with environment(KDTREE_MOE_WORK_LIST=work_list):
                 t, hb = timer([lambda cfg=cfg: layers.moe_ffn(
                     h, index, w, *experts, *shared, method="mma", configs=cfg, out=out,
                     workspace=ws)], trials=5)
