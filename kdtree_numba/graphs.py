@@ -194,14 +194,16 @@ class GraphCache:
         """The key a graph of ``key`` is held under now: the lean round's glue
         (``KDTREE_LEAN_ROUND``) is other work than the full glue's, the MoE's chunk grid
         (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, and the fused
-        launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``) other kernels than the
+        launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``,
+        ``KDTREE_MERGE_IN_UV``) other kernels than the
         separate ones, so never a graph of the other one (the same bits either way, but a
         process that flips a switch to time it must run what it asked for)."""
         now = runtime.current()
         return key + (() if now.lean_round else ("full_glue",)) + (
             () if now.moe_chunk_grid else ("one_chunk_grid",)) + (
             ("fewer_launches",) if now.fewer_launches else ()) + (
-            ("round_epilogue",) if now.round_epilogue else ())
+            ("round_epilogue",) if now.round_epilogue else ()) + (
+            ("merge_in_uv",) if now.merge_in_uv else ())
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

@@ -181,6 +181,13 @@ class LayerWeights:
 
 # ----------------------------------------------------------------------------- the model
 
+
+def _model_plans():
+    """A model's attention plans: attention's output has one reader, the model's apply_uv,
+    which may merge the key splits itself (``KDTREE_MERGE_IN_UV``, read at each call: one
+    launch fewer a layer)."""
+    return numba_attention.PlanCache(defer_merge=None)
+
 class Model(DeviceSteps):
     """The forward pass of a ModelConfig with its weights on one backend, and the device steps
     of decoding (kdtree_numba/steps.py)."""
@@ -210,7 +217,7 @@ class Model(DeviceSteps):
         make_layout(self.kv_layout, 1, 1).check_backend(self.backend)   # refused before loading
         self.rope = _rope_spec(config)
         # attention's plans (split counts, kernels, scratch) by shape: the model's own
-        self.attention_plans = numba_attention.PlanCache()
+        self.attention_plans = _model_plans()
         self.tau = float(self.rope.softmax_scale(config.qk_head_dim))
         self._load(weights, shared or {})
         # CUDA graphs of repeated forward shapes and round steps (kdtree_numba/graphs.py);
@@ -357,7 +364,7 @@ class Model(DeviceSteps):
         capture starts a new plan cache, whose plans are made inside it and their scratch
         recorded with the graph (kdtree_numba/graphs.py); a plan made outside could be
         dropped, its scratch reused, while the graph still writes it."""
-        self.attention_plans = numba_attention.PlanCache()
+        self.attention_plans = _model_plans()
 
     def graph_counts(self) -> tuple[int, int] | None:
         """(captures, replays) of the model's CUDA graphs so far; None where graphs are off."""

@@ -40,6 +40,9 @@ Two kinds of switch:
   the roots and the accepted rows' features in one kernel at its end,
   kdtree_numba/ddtree/commit.py; and a forward's captured features written by the norms, as
   under ``KDTREE_FEWER_LAUNCHES``; the same bits: docs/ENGINE.md, "Device rounds"),
+  attention's key splits merged by the next launch, apply_uv, as it stages its rows
+  (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
+  call splits its keys; the same bits: kdtree_numba/attention/projections.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -74,7 +77,8 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
              "KDTREE_AR_DEVICE_STEPS",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
-             "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_KERNEL_CACHE",
+             "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
+             "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -137,6 +141,7 @@ class RuntimeConfig:
     auto_v2: bool = True        # --budget auto's second policy (issue 36)
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
     round_epilogue: bool = False  # a device round's glue in two launches (issue 36 item 3)
+    merge_in_uv: bool = False   # attention's key splits merged by apply_uv (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -172,6 +177,7 @@ class RuntimeConfig:
                    auto_v2=_flag(env, "KDTREE_AUTO_V2", True),
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
                    round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", False),
+                   merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -109,7 +109,7 @@ def test_fewer_launches_on_the_lean_round_give_the_same_bits(monkeypatch, needs_
     # 1) write their residual sums into the features, no concatenation.  The AR step's plan
     # has one split, and it captures no layers.
     assert _difference(on[0], fewer[0]) == collections.Counter({
-        "attention.mla.MlaAttentionPlan.__call__: kernel mla.merge_splits": 4,
+        "attention.mla.MlaAttentionPlan.launch_merge: kernel mla.merge_splits": 4,
         "attention.mla.MlaAttentionPlan.__call__: kernel mla._zero_counters": -2,
         "model.Model._compute: concatenate": 2})
     assert _difference(on[1], fewer[1]) == collections.Counter()

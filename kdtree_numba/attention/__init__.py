@@ -33,6 +33,7 @@ package).  This package re-exports the public API that ``kdtree_numba.attention`
 from kdtree_numba.compat import to_device  # noqa: F401  (tests and tools stage inputs with it)
 
 from kdtree_numba.attention.mla import (MERGE_THREADS, MlaAttentionPlan,  # noqa: F401
+                                        PendingMerge,
                                         PlanCache, clear_plan_cache, mla_attention)
 # build_kernel: the tensor-core kernel's builder, under its name in the old attention_mma module
 from kdtree_numba.attention.mma import build_kernel
@@ -53,4 +54,4 @@ __all__ = ["mla_attention", "absorb_q", "apply_uv", "MlaAttentionPlan", "TileCon
            "FALLBACK_VARIANT", "FFMA_VARIANTS", "PlanCache", "clear_plan_cache",
            "MmaTileConfig", "mma_fits", "mma_rows", "MMA_ROWS", "build_kernel",
            "Bf16TileConfig", "bf16_fits", "BF16_VARIANT",
-           "Bf16HeadWeights", "bf16_head_weights"]
+           "Bf16HeadWeights", "bf16_head_weights", "PendingMerge"]

@@ -35,7 +35,7 @@ from kdtree_numba.attention.tiles import (merge_smem_floats, request_keys, split
 from kdtree_numba.gpu.memory import allow_large_shared_memory
 from reference.attention import check_causal
 
-__all__ = ["mla_attention", "MlaAttentionPlan", "PlanCache", "clear_plan_cache"]
+__all__ = ["mla_attention", "MlaAttentionPlan", "PendingMerge", "PlanCache", "clear_plan_cache"]
 
 
 @kernel_factory
@@ -189,11 +189,13 @@ class MlaAttentionPlan:
             self.part_ml = compat.device_empty((1, 1, 1, 2), np.float32, stream)
 
     def __call__(self, q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=None, stream=None,
-                 causal=False):
+                 causal=False, defer_merge=False):
         """Run on the plan's stream, or on ``stream`` if given (a CUDA-graph capture's).
         ``causal``: the caller promises that no query sees a new key after its own (contract:
         reference/attention/mla.py); each block then stops at its last query's keys, which
-        halves a long prefill's work and changes no bit.  A host ``visible`` is checked."""
+        halves a long prefill's work and changes no bit.  A host ``visible`` is checked.
+        ``defer_merge``: where the splits need a merge launch and no ``out`` is given, return
+        a :class:`PendingMerge` for the consumer to merge (``KDTREE_MERGE_IN_UV``)."""
         bs, n, heads, r, dr, max_len = self.shape
         _check_shapes(self.shape, q_abs, q_pe, ckv, kpe, prefix_len, visible, self.bf16_cache)
         if not compat.is_device_array(visible):
@@ -204,6 +206,7 @@ class MlaAttentionPlan:
         ckv_d, kpe_d = to_device(ckv, st), to_device(kpe, st)
         prefix_d = to_device(_as_int32(prefix_len), st)
         visible_d = to_device(_as_bool(visible), st)
+        out_given = out
         if out is None:
             out = compat.device_empty((bs, n, heads, r), np.float32, st)
         out3 = out.reshape(bs, self.n_rows, r)
@@ -221,10 +224,42 @@ class MlaAttentionPlan:
             _zero_counters[bs, 32, st](self.part_ml, np.int64(self.splits))
             self.counters_zeroed = True
         attn[self.grid, self.cfg.threads, st, nbytes](*args)
-        if self.merge is not None:
-            self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), st](
-                self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(heads),
-                bool(causal), np.int64(self.chunk), np.int64(self.splits), out3)
+        if self.merge is None:
+            return out
+        pending = PendingMerge(self, prefix_d, bool(causal))
+        if defer_merge and out_given is None:
+            return pending
+        return pending.materialize(out, st)
+
+    def launch_merge(self, prefix_d, causal, out, stream):
+        """The merge kernel over the partial outputs of the last call into ``out``."""
+        bs, n, heads, r = self.shape[:4]
+        self.merge[(self.n_rows, bs), min(MERGE_THREADS, r // 4), stream](
+            self.part_o, self.part_ml, prefix_d, np.int64(n), np.int64(heads), bool(causal),
+            np.int64(self.chunk), np.int64(self.splits), out.reshape(bs, self.n_rows, r))
+
+
+class PendingMerge:
+    """Attention's output before its key splits are merged: what a plan's call returns with
+    ``defer_merge`` (``KDTREE_MERGE_IN_UV``: a model's PlanCache asks for it) where it has a
+    merge launch to make.  Its one consumer, ``apply_uv`` (projections.py), merges each row as
+    it stages it (tiles.merged_value: the merge kernel's bits) and so saves the merge's launch,
+    or calls :meth:`materialize` where its kernel cannot.  The partial outputs live in the
+    plan's buffers until its next call: consume a PendingMerge before calling the plan again
+    (the model's attention does, in the next statement).  A plain class, not a dataclass: the
+    backend's result conversion (backends.map_arrays) passes it through untouched."""
+
+    __slots__ = ("plan", "prefix", "causal", "shape")
+
+    def __init__(self, plan, prefix, causal):
+        self.plan, self.prefix, self.causal = plan, prefix, causal
+        self.shape = plan.shape[:4]           # u's: (bs, n, heads, r)
+
+    def materialize(self, out=None, stream=0):
+        """u [bs, n, H, r] float32 on the device (into ``out``): the merge kernel's launch."""
+        if out is None:
+            out = compat.device_empty(self.shape, np.float32, stream)
+        self.plan.launch_merge(self.prefix, self.causal, out, stream)
         return out
 
 
@@ -271,8 +306,12 @@ class PlanCache:
     fresh cache before each capture (Model.new_graphs), whose plans are then made inside it
     and their scratch recorded with the graph (kdtree_numba/graphs.py)."""
 
-    def __init__(self, capacity: int = 16):
+    def __init__(self, capacity: int = 16, defer_merge: bool | None = False):
         self.capacity = int(capacity)
+        # whether its plans' calls leave the merge to apply_uv (PendingMerge); None: as
+        # KDTREE_MERGE_IN_UV says at each call (a model's cache: its attention output has
+        # one reader, the model's apply_uv)
+        self.defer_merge = defer_merge
         self._plans: "collections.OrderedDict" = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -325,7 +364,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
     ``fused_merge``: the key splits merged in the block kernel (see :class:`MlaAttentionPlan`;
     None: ``KDTREE_FEWER_LAUNCHES``, kdtree_numba/runtime.py).
-    ``plans``: the caller's :class:`PlanCache` (a model's; default: one for callers without).
+    ``plans``: the caller's :class:`PlanCache` (a model's; default: one for callers without);
+    one made with ``defer_merge`` gets a :class:`PendingMerge` where a merge launch was due.
     """
     bs, n, heads, r = q_abs.shape
     shape = (bs, n, heads, r, q_pe.shape[-1], ckv.shape[1])
@@ -335,8 +375,10 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     invariant = bool(batch_invariant)
     if fused_merge is None:
         fused_merge = runtime.current().fewer_launches
-    plan = (_UNOWNED if plans is None else plans).plan(
+    cache = _UNOWNED if plans is None else plans
+    plan = cache.plan(
         shape, max_keys, keys_per_split, variant, invariant, invariant and bool(prefill), rows,
         bf16_cache, bool(fused_merge))
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
-                causal=causal)
+                causal=causal, defer_merge=runtime.current().merge_in_uv
+                if cache.defer_merge is None else cache.defer_merge)

@@ -16,7 +16,9 @@ import numpy as np
 from numba import float32
 
 from kdtree_numba import compat, runtime
-from kdtree_numba.attention.tiles import ZERO
+from kdtree_numba.attention.mla import PendingMerge
+from kdtree_numba.attention.tiles import ZERO, merged_value, request_keys, splits_with_keys
+from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.tensorcore import pack_bf16x2
 
 __all__ = ["absorb_q", "apply_uv", "Bf16HeadWeights", "bf16_head_weights"]
@@ -185,27 +187,17 @@ STREAM_THREADS = 64
 STREAM_UNROLL = 16
 
 
-@kernel_factory
-def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
-    """The streaming per-head product for ``mt`` rows and K = ``k_size`` (both compile-time:
-    x lives in shared memory, the accumulators in registers).  Same contract as
-    _head_gemm_kernel's; grid (column blocks, heads, row blocks).  ``vector``: the transposed
-    weight rows are read 16 bytes at a time (K % 4 == 0, rows 16-byte aligned)."""
+def _stream_products(mt: int, k_size: int, b_transposed: bool, vector: bool):
+    """``products(xs, bmat, b_hs, b_off, cmat, c_hs, h, m0, m_size, n_size, tid)``: the
+    streaming per-head product's body once x (``mt`` rows of K = ``k_size``) is in shared
+    memory: thread tid's column of head h for those rows, one fp32 chain over k ascending.
+    Both streaming kernels call it, so their outputs have the same bits."""
     from kdtree_numba.gpu.memory import ld_cached_f32x4
     STEP = STREAM_UNROLL                   # k per unrolled step (vector: STEP / 4 loads)
-    XS = mt * k_size
     THREADS = STREAM_THREADS
 
-    @kernel
-    def head_stream(a, a_hs, bmat, b_hs, b_off, cmat, c_hs, m_size, n_size):
-        xs = cuda.shared.array(XS, float32)
-        tid = cuda.threadIdx.x
-        h = cuda.blockIdx.y
-        m0 = cuda.blockIdx.z * mt
-        for f in range(tid, XS, THREADS):
-            mm = f // k_size
-            xs[f] = a[m0 + mm, h * a_hs + f - mm * k_size] if m0 + mm < m_size else ZERO
-        cuda.syncthreads()
+    @inline_device_function
+    def products(xs, bmat, b_hs, b_off, cmat, c_hs, h, m0, m_size, n_size, tid):
         n = cuda.blockIdx.x * THREADS + tid
         if n >= n_size:
             return
@@ -243,7 +235,66 @@ def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
             if m0 + i < m_size:
                 cmat[m0 + i, h * c_hs + n] = acc[i]
 
+    return products
+
+
+@kernel_factory
+def _head_stream_kernel(mt: int, k_size: int, b_transposed: bool, vector: bool):
+    """The streaming per-head product for ``mt`` rows and K = ``k_size`` (both compile-time:
+    x lives in shared memory, the accumulators in registers).  Same contract as
+    _head_gemm_kernel's; grid (column blocks, heads, row blocks).  ``vector``: the transposed
+    weight rows are read 16 bytes at a time (K % 4 == 0, rows 16-byte aligned)."""
+    XS = mt * k_size
+    THREADS = STREAM_THREADS
+    products = _stream_products(mt, k_size, b_transposed, vector)
+
+    @kernel
+    def head_stream(a, a_hs, bmat, b_hs, b_off, cmat, c_hs, m_size, n_size):
+        xs = cuda.shared.array(XS, float32)
+        tid = cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        m0 = cuda.blockIdx.z * mt
+        for f in range(tid, XS, THREADS):
+            mm = f // k_size
+            xs[f] = a[m0 + mm, h * a_hs + f - mm * k_size] if m0 + mm < m_size else ZERO
+        cuda.syncthreads()
+        products(xs, bmat, b_hs, b_off, cmat, c_hs, h, m0, m_size, n_size, tid)
+
     return head_stream
+
+
+@kernel_factory
+def _merged_uv_kernel(mt: int, k_size: int, vector: bool):
+    """apply_uv's streaming kernel reading attention's key splits instead of u
+    (``KDTREE_MERGE_IN_UV``): each x element is merged as it is staged (tiles.merged_value,
+    the merge kernel's arithmetic), so the merge's launch goes and every output keeps its
+    bits.  Row m of x is query i = m % n of request b = m // n, attention row i H + h."""
+    XS = mt * k_size
+    THREADS = STREAM_THREADS
+    products = _stream_products(mt, k_size, True, vector)
+
+    @kernel
+    def merged_uv(part_o, part_ml, prefix_len, n, heads, causal, chunk, all_splits, bmat, b_hs,
+                  b_off, cmat, c_hs, m_size, n_size):
+        xs = cuda.shared.array(XS, float32)
+        tid = cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        m0 = cuda.blockIdx.z * mt
+        for f in range(tid, XS, THREADS):
+            mm = f // k_size
+            m = m0 + mm
+            v = ZERO
+            if m < m_size:
+                b = m // n
+                row = (m - b * n) * heads + h
+                keys = request_keys(prefix_len[b], n, causal, row, heads)
+                v = merged_value(part_o, part_ml, b, row, f - mm * k_size,
+                                 splits_with_keys(keys, chunk, all_splits))
+            xs[f] = v
+        cuda.syncthreads()
+        products(xs, bmat, b_hs, b_off, cmat, c_hs, h, m0, m_size, n_size, tid)
+
+    return merged_uv
 
 
 def stream_vector_loads(b2, k: int) -> bool:
@@ -318,6 +369,11 @@ def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0, kernel_kind="auto", config
     -> device [bs, n, H, dv].  ``kernel_kind`` as absorb_q's; kv_b_proj as
     :class:`Bf16HeadWeights` (and ``config``) as there, u rounded to bf16.
     """
+    if isinstance(u, PendingMerge):
+        merged = _merged_apply_uv(u, kv_b_proj, dv, out, stream, kernel_kind)
+        if merged is not None:
+            return merged
+        u = u.materialize(stream=stream)
     if isinstance(kv_b_proj, Bf16HeadWeights):
         if dv != kv_b_proj.dv:
             raise ValueError(f"dv={dv}, but the bf16 head weights hold dv={kv_b_proj.dv}")
@@ -325,6 +381,39 @@ def apply_uv(u, kv_b_proj, dv, *, out=None, stream=0, kernel_kind="auto", config
                                   config)
     return _per_head_product(u, kv_b_proj, u.shape[3], dv, "dv", True, out, stream,
                              kernel_kind)
+
+
+def _merged_apply_uv(pending, kv_b_proj, dv, out, stream, kernel_kind):
+    """apply_uv of attention's unmerged splits in one launch (:func:`_merged_uv_kernel`), or
+    None where that kernel does not apply: bf16 head weights, a tiled call (the streaming
+    kernel's rule, :func:`streams_heads`), or more than one column block (each would merge
+    its rows again)."""
+    bs, n, heads, r = pending.shape
+    if isinstance(kv_b_proj, Bf16HeadWeights) or kernel_kind == "tiled":
+        return None
+    rows, tokens = kv_b_proj.shape[0], bs * n
+    if kv_b_proj.shape[1] != r:
+        raise ValueError(f"kv_b_proj has {kv_b_proj.shape[1]} columns, attention's output "
+                         f"{r}")
+    per_head = rows // heads
+    if rows % heads or per_head <= dv:
+        raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dv={dv}")
+    w = to_device(_f32(kv_b_proj), stream)
+    weight_bytes = heads * dv * r * np.dtype(w.dtype).itemsize
+    mt = stream_rows(tokens, weight_bytes if runtime.current().lean_round else None)
+    if (not streams_heads(tokens, weight_bytes) or mt * r * 4 > 48 * 1024
+            or dv > STREAM_THREADS):
+        return None
+    if out is None:
+        out = compat.device_empty((bs, n, heads, dv), np.float32, stream)
+    plan = pending.plan
+    grid = (1, heads, -(-tokens // mt))
+    _merged_uv_kernel(mt, r, stream_vector_loads(w, r))[grid, STREAM_THREADS, stream](
+        plan.part_o, plan.part_ml, pending.prefix, np.int64(n), np.int64(heads),
+        bool(pending.causal), np.int64(plan.chunk), np.int64(plan.splits), w,
+        np.int64(per_head), np.int64(per_head - dv), out.reshape(tokens, heads * dv),
+        np.int64(dv), np.int64(tokens), np.int64(dv))
+    return out
 
 
 def _bf16_head_product(x, hw, w16, k, n_out, out, stream, config=None):

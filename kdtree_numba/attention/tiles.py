@@ -20,7 +20,8 @@ from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_stri
 
 __all__ = ["NEG_INF", "ZERO", "ONE", "RESCALE_SLACK", "MAX_SHARED_BYTES", "block_keys",
            "block_row0", "masked_score", "seen_new_keys", "splits_with_keys", "row_tile_copier",
-           "request_keys", "split_merge", "merge_when_last", "merge_smem_floats",
+           "request_keys", "split_merge", "merged_value", "merge_when_last",
+           "merge_smem_floats",
            "MERGE_ITEMS", "MERGE_LOADS"]
 
 NEG_INF = np.float32(-np.inf)
@@ -224,6 +225,28 @@ def split_merge():
             y3 += w * x3
         store_f32x4(out, (b, row, 4 * quad), y0 * scale, y1 * scale, y2 * scale, y3 * scale)
     return merge_quad
+
+
+@inline_device_function
+def merged_value(part_o, part_ml, b, row, col, splits):
+    """out[b, row, col] of the merge of the row's first ``splits`` key splits: for one column,
+    split_merge's operations in its order (the maximum, the weighted sum of the split sums,
+    their reciprocal, the weighted sum of the partial outputs, the product), so a consumer that
+    merges as it loads (apply_uv under ``KDTREE_MERGE_IN_UV``, projections.py) reads the bits
+    the merge kernel would have written."""
+    m_max = NEG_INF
+    for s in range(splits):
+        m_max = max(m_max, part_ml[b, s, row, 0])
+    m_safe = m_max if m_max > NEG_INF else ZERO
+    total = ZERO
+    for s in range(splits):
+        total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
+    scale = ONE / total if total > ZERO else ZERO
+    y = ZERO
+    for s in range(splits):
+        w = math.exp(part_ml[b, s, row, 0] - m_safe)
+        y += w * part_o[b, s, row, col]
+    return y * scale
 
 
 # A thread of the in-kernel merge takes MERGE_ITEMS output float4s at a time and loads the
