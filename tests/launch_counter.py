@@ -331,6 +331,41 @@ def tiny_pair(target_over: dict, drafter_over: dict, feature_layers, block: int,
     return target, DFlashDrafter(target, dcfg, dw, spec)
 
 
+# a 2-layer target (the first dense, then MoE with a shared expert) and a 2-layer drafter
+# reading both layers, block 3: the switches' same-bits tests (test_lean_round.py and others)
+SMALL_TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32,
+                    hidden_size=16, intermediate_size=16, q_lora_rank=None, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                    num_attention_heads=1, moe_intermediate_size=8)
+
+
+def rounds_and_bits():
+    """On a fresh :data:`SMALL_TARGET` pair under the environment as it is: (launches of a
+    device round, of an AR step, DDTree's tokens, AR's tokens, (one more proposal's logits,
+    one more decode's), (the drafter's and the target's cache arrays and lengths)) -- what a switch that
+    keeps the bits must keep, and the launches it changes."""
+    target, drafter = tiny_pair(SMALL_TARGET, dict(num_hidden_layers=2), (0, 1), 3)
+    rnd, step, dd, ar = round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
+    # the drafter's context after DDTree, the target's cache after AR, one more proposal's
+    # logits and one more decode's (the drafter's block, the dense FFN, the slots)
+    dcache, tcache = drafter.cache, target.generation_cache
+    roots = np.array([7, 2], np.int32)
+    logits = (np.array(drafter.draft(roots)), np.array(target.decode(tcache, roots)))
+    caches = tuple(np.array(a) for a in (dcache.c, dcache.k_pe, tcache.c, tcache.k_pe,
+                                         dcache.device_lengths, tcache.device_lengths))
+    return rnd, step, dd, ar, logits, caches
+
+
+def same_results(*runs):
+    """Assert that :func:`rounds_and_bits` results give the same DDTree and AR tokens (DDTree's
+    = AR's) and the same logits and cache bits."""
+    first = runs[0]
+    for run in runs:
+        assert run[2] == first[2] == run[3] == first[3]          # DDTree's, AR's tokens
+        for a, b in zip(run[4] + run[5], first[4] + first[5]):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
 # the demo pair's structure at tiny widths: 6 layers, the first dense, MoE with a shared
 # expert; a 2-layer drafter reading layers 1, 3, 5, block 4
 DEMO_LIKE = (dict(num_hidden_layers=6, first_k_dense_replace=1, vocab_size=32, hidden_size=16,

@@ -55,26 +55,11 @@ def _difference(before, after) -> collections.Counter:
                                 if before.get(k, 0) != after.get(k, 0)})
 
 
-# a 2-layer target (the first dense, then MoE with a shared expert) and a 2-layer drafter
-TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidden_size=16,
-              intermediate_size=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=1,
-              moe_intermediate_size=8)
-
-
 def _run(monkeypatch, lean: bool, fewer: bool = False):
     monkeypatch.setenv("KDTREE_LEAN_ROUND", "1" if lean else "0")
     monkeypatch.setenv("KDTREE_FEWER_LAUNCHES", "1" if fewer else "0")
     monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", "0")     # its own cut: test_round_epilogue.py
-    target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
-    rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
-    # the drafter's context after DDTree, the target's cache after AR, one more proposal's
-    # logits and one more decode's (the drafter's block, the dense FFN, the slots)
-    dcache, tcache = drafter.cache, target.generation_cache
-    roots = np.array([7, 2], np.int32)
-    logits = (np.array(drafter.draft(roots)), np.array(target.decode(tcache, roots)))
-    caches = tuple(np.array(a) for a in (dcache.c, dcache.k_pe, tcache.c, tcache.k_pe))
-    return rnd, step, dd, ar, logits, caches
+    return launch_counter.rounds_and_bits()
 
 
 @sim_only
@@ -82,9 +67,7 @@ def test_the_lean_round_gives_the_same_bits_with_fewer_launches(monkeypatch, nee
     with launch_counter.installed():
         off = _run(monkeypatch, False)
         on = _run(monkeypatch, True)
-    assert on[2] == off[2] == on[3] == off[3]                 # DDTree's, AR's tokens
-    for a, b in zip(on[4] + on[5], off[4] + off[5]):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    launch_counter.same_results(off, on)
     # a round: three forwards' slots, three dense FFNs (the target's, the drafter's two),
     # and the round's own glue; an AR step: one forward's slots, one dense FFN
     assert _difference(off[0], on[0]) == expected_cut(3, True, 3)
@@ -99,9 +82,7 @@ def test_fewer_launches_on_the_lean_round_give_the_same_bits(monkeypatch, needs_
     with launch_counter.installed():
         on = _run(monkeypatch, True)
         fewer = _run(monkeypatch, True, fewer=True)
-    assert on[2] == on[3] == fewer[2] == fewer[3]             # DDTree's, AR's tokens
-    for b, c in zip(on[4] + on[5], fewer[4] + fewer[5]):
-        np.testing.assert_array_equal(c.view(np.uint8), b.view(np.uint8))
+    launch_counter.same_results(on, fewer)
     # KDTREE_FEWER_LAUNCHES (tests/test_fewer_launches.py): the round's two attention plans
     # with more than one key split, each called by both layers, merge their splits in the
     # block kernel; each plan's arrival counters are zeroed by one launch on its first call

@@ -89,21 +89,9 @@ def test_a_plan_without_a_merge_returns_u(needs_kernels):
     assert plan(*args, causal=True, out=out, defer_merge=True) is out
 
 
-TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32, hidden_size=16,
-              intermediate_size=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=1,
-              moe_intermediate_size=8)
-
-
 def _run(monkeypatch, merge_in_uv: bool):
     monkeypatch.setenv("KDTREE_MERGE_IN_UV", "1" if merge_in_uv else "0")
-    target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2), (0, 1), 3)
-    rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3, [[3, 9, 4], [5]])
-    dcache, tcache = drafter.cache, target.generation_cache
-    roots = np.array([7, 2], np.int32)
-    logits = (np.array(drafter.draft(roots)), np.array(target.decode(tcache, roots)))
-    caches = tuple(np.array(a) for a in (dcache.c, dcache.k_pe, tcache.c, tcache.k_pe))
-    return rnd, step, dd, ar, logits, caches
+    return launch_counter.rounds_and_bits()
 
 
 @sim_only
@@ -112,9 +100,7 @@ def test_the_engine_merging_in_apply_uv_gives_the_same_bits(monkeypatch, needs_k
     with launch_counter.installed():
         off = _run(monkeypatch, False)
         on = _run(monkeypatch, True)
-    assert on[2] == off[2] == on[3] == off[3]                 # DDTree's, AR's tokens
-    for a, b in zip(on[4] + on[5], off[4] + off[5]):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    launch_counter.same_results(off, on)
     # tests/test_lean_round.py's pair: the round's two attention plans with more than one key
     # split, each called by both layers (4 merges), now merge in apply_uv; the AR step's plan
     # has one split

@@ -17,7 +17,7 @@ from kdtree_numba import compat
 from kdtree_numba.engine import generate
 from reference.ddtree import commit as ref
 from test_dflash import parts2
-from test_lean_round import TARGET, _difference, switch_keeps_the_rounds, switch_keys_apart
+from test_lean_round import _difference, switch_keeps_the_rounds, switch_keys_apart
 
 
 def _slots_oracle(lengths, max_len, n):
@@ -197,16 +197,8 @@ def test_the_epilogue_gives_the_same_bits_with_fewer_launches(monkeypatch, needs
     with launch_counter.installed():
         for switch in ("0", "1"):
             monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", switch)
-            target, drafter = launch_counter.tiny_pair(TARGET, dict(num_hidden_layers=2),
-                                                       (0, 1), 3)
-            rnd, step, dd, ar = launch_counter.round_and_step(target, drafter, 3,
-                                                              [[3, 9, 4], [5]])
-            dcache, tcache = drafter.cache, target.generation_cache
-            roots = np.array([7, 2], np.int32)
-            bits = [np.array(drafter.draft(roots)), np.array(target.decode(tcache, roots))]
-            bits += [np.array(a) for a in (dcache.c, dcache.k_pe, tcache.c, tcache.k_pe,
-                                           dcache.device_lengths, tcache.device_lengths)]
-            runs.append((rnd, step, dd, ar, bits))
+            rnd, step, dd, ar, logits, caches = launch_counter.rounds_and_bits()
+            runs.append((rnd, step, dd, ar, logits + caches))
     (off_round, off_step, off_dd, off_ar, off_bits), (on_round, on_step, on_dd, on_ar,
                                                       on_bits) = runs
     assert on_dd == off_dd == on_ar == off_ar

@@ -199,6 +199,21 @@ def row_tile_copier(cfg, rows: int):
 # ---------------------------------------------------------------------------------------------
 # Merging the key splits: mla.py's merge kernel, or the block kernels' last block to finish
 # ---------------------------------------------------------------------------------------------
+@inline_device_function
+def merge_scale(part_ml, b, row, splits):
+    """(m_safe, scale) of a row's merge over its first ``splits`` splits: the largest
+    reference max (0 where none is finite) and 1 / sum_s exp(m_s - m_safe) l_s (0 for an
+    empty sum), in split order."""
+    m_max = NEG_INF
+    for s in range(splits):
+        m_max = max(m_max, part_ml[b, s, row, 0])
+    m_safe = m_max if m_max > NEG_INF else ZERO
+    total = ZERO
+    for s in range(splits):
+        total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
+    return m_safe, ONE / total if total > ZERO else ZERO
+
+
 def split_merge():
     """``merge_quad(part_o, part_ml, out, b, row, quad, splits)``: columns 4 quad .. + 3 of
     out[b, row] = sum_s w_s O_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s) over the
@@ -207,14 +222,7 @@ def split_merge():
     operations in the same order, spread over a block, so the two merges' bits are equal."""
     @inline_device_function
     def merge_quad(part_o, part_ml, out, b, row, quad, splits):
-        m_max = NEG_INF
-        for s in range(splits):
-            m_max = max(m_max, part_ml[b, s, row, 0])
-        m_safe = m_max if m_max > NEG_INF else ZERO
-        total = ZERO
-        for s in range(splits):
-            total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
-        scale = ONE / total if total > ZERO else ZERO
+        m_safe, scale = merge_scale(part_ml, b, row, splits)
         y0 = y1 = y2 = y3 = ZERO
         for s in range(splits):
             w = math.exp(part_ml[b, s, row, 0] - m_safe)
@@ -234,14 +242,7 @@ def merged_value(part_o, part_ml, b, row, col, splits):
     their reciprocal, the weighted sum of the partial outputs, the product), so a consumer that
     merges as it loads (apply_uv under ``KDTREE_MERGE_IN_UV``, projections.py) reads the bits
     the merge kernel would have written."""
-    m_max = NEG_INF
-    for s in range(splits):
-        m_max = max(m_max, part_ml[b, s, row, 0])
-    m_safe = m_max if m_max > NEG_INF else ZERO
-    total = ZERO
-    for s in range(splits):
-        total += math.exp(part_ml[b, s, row, 0] - m_safe) * part_ml[b, s, row, 1]
-    scale = ONE / total if total > ZERO else ZERO
+    m_safe, scale = merge_scale(part_ml, b, row, splits)
     y = ZERO
     for s in range(splits):
         w = math.exp(part_ml[b, s, row, 0] - m_safe)
