@@ -31,6 +31,9 @@ the one it was tuned with:
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
   the column): LLVM ``<4 x float>`` accesses with align 16 in the generic address space (NVVM
   turns them into ld/st.{shared,global}.v4.f32).
+* ``cp_async_u32x4`` / ``cp_async_u16x2`` (with ``global_row_address``): cp.async of 16
+  bytes of uint32 words / a 4-byte uint16 pair into a uint32 shared word, the global address
+  a row's once plus a column's bytes: the int4 GEMV's per-thread ring (layers/skinny.py).
 * ``load_l2_f32x4`` / ``load_l2_f32`` (same indexing as ``load_f32x4``; one element):
   ``ld.global.cg`` (cached in L2 only), never moved across a fence or barrier: what other
   blocks of the running kernel wrote and fenced (attention's in-kernel merge of its key
@@ -56,7 +59,8 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
            "cp_async_wait_3", "cp_async_wait_4", "prefetch_l2_row",
-           "cp_async_strided", "cp_async_u32x4", "cp_async_u16x2", "global_row_address", "allow_large_shared_memory", "MAX_SHARED_BYTES",
+           "cp_async_strided", "cp_async_u32x4", "cp_async_u16x2", "global_row_address",
+           "allow_large_shared_memory", "MAX_SHARED_BYTES",
            "STATIC_SHARED_BYTES", "device_address", "load_l2_f32x4", "load_l2_f32"]
 
 if SIMULATOR:
