@@ -129,9 +129,9 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
 # next tile's rows streaming while this one computes), two chunks in flight a row (unroll
 # 2, capped at 144 registers: no spill), twice the rows (168 / 178 registers), twice or half
 # the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the thread
-# counts and the denormal unpacking give the default's bits.  Then "mma" and "mma work list": the W4A16 tensor-core
-# kernels at M = 1 (int4_mma_config's tile, then INT4_MMA_DECODE_TILES; x rounded to bf16,
-# the grouped bound).
+# counts and the denormal unpacking give the default's bits.  Then "mma" and "mma work
+# list": the W4A16 tensor-core kernels at M = 1 (int4_mma_config's tile, then
+# INT4_MMA_DECODE_TILES; x rounded to bf16, the grouped bound).
 # Run 164 left the default fastest; the four first rows (session 38, untimed) attack why it
 # sits at ~59%: a thread keeps one chunk a row in flight and then computes it (3.5 / 2
 # trips a block: one HBM round trip a trip, nothing in flight while the FMAs run), and

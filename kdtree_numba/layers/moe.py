@@ -159,7 +159,9 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     is one block's reduction over K whichever block holds its chunk: the same bits.
     ``cfg.span``: N tiles per block, one after another (the grid's tile count divided by
     it); ``cfg.prefetch``: a tile's weight rows asked into L2 at its start (and the next
-    tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap."""
+    tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap;
+    ``cfg.stages`` / ``cfg.unpack`` (int4): skinny.make_accumulate's ring and unpacking, the
+    ring in a shared array of the kernel's own."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32

@@ -568,7 +568,9 @@ class SkinnyConfig:
     runs one after another (its routing reads paid once); ``prefetch``, each tile's weight
     rows (words and scales) asked into L2 by one bulk prefetch a row at the tile's start,
     and with a span the next tile's too (bytes in flight that hold no register);
-    ``max_registers``, a ptxas cap (0: none)."""
+    ``max_registers``, a ptxas cap (0: none).  Two for the int4 kinds alone (bench variants):
+    ``stages``, the cp.async ring's depth (0: plain loads; same bits), ``unpack``, "magic"
+    (the default) or "denormal" (other bits, within the bound)."""
     mt: int
     rows: int
     threads: int
