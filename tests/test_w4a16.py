@@ -179,11 +179,14 @@ def test_int4_accumulate_ring_and_denormal_rows(layers, stages, unpack):
     ex = int4_experts(Int4GroupWeight.from_values(q[None], scale[None], group))
     x = rng.standard_normal((1, k)).astype(np.float32) * 3
 
-    def partials(n_stages, how):
-        out = np.zeros((threads, 2), np.float32)
-        _two_row_kernel(threads, group, n_stages, how)[1, threads](
-            x, ex.words[0], ex.scale[0], int4_chunks(k), out)
-        return out
+    xd, words, scales = (to_device(np.ascontiguousarray(a)) for a in (x, ex.words[0],
+                                                                      ex.scale[0]))
+
+    def partials(n_stages, how):      # device arrays: a GPU runs the test as it is
+        out = to_device(np.zeros((threads, 2), np.float32))
+        _two_row_kernel(threads, group, n_stages, how)[1, threads](xd, words, scales,
+                                                                   int4_chunks(k), out)
+        return host(out)
     got = partials(stages, unpack)
     if unpack == "magic":
         assert np.array_equal(got, partials(0, "magic"))
