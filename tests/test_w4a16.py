@@ -9,6 +9,8 @@ tests/test_w4a16_gpu.py's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -127,9 +129,10 @@ def test_gemv_variants_give_the_default_bits(layers):
 
 def test_gemv_ring_and_denormal_variants(layers):
     """The decode GEMV's session-38 variants (tools/bench_layers.py INT4_GEMV_VARIANTS): the
-    cp.async ring (stages 2, and 4 / 2) gives the plain kernel's bits; the denormal unpacking
-    other bits, within the bound, and the same with the ring around it.  I = 64: both GEMMs
-    have an even number of scales a row, so both take the ring (int4_ring_ok)."""
+    cp.async ring (stages 2, and 4 at gate_up) gives the plain kernel's bits; the denormal
+    unpacking other bits, within the bound, and the same with the ring around it and with
+    half the rows a block.  I = 64: both GEMMs have an even number of scales a row, so both
+    take the ring (int4_ring_ok)."""
     case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 2, 32, shared=False)
     base = run(layers, case, configs=_skinny_pair())
     for gate_up_kw, down_kw in ((dict(stages=2), dict(stages=2)),
@@ -140,6 +143,9 @@ def test_gemv_ring_and_denormal_variants(layers):
     check(dn, case)
     assert np.array_equal(run(layers, case, configs=_skinny_pair(unpack="denormal", stages=2)),
                           dn)
+    half = _skinny_pair(unpack="denormal", stages=2)
+    half = tuple(dataclasses.replace(c, rows=c.rows // 2) for c in half)
+    assert np.array_equal(run(layers, case, configs=half), dn)
 
 
 def _two_row_kernel(threads, group, stages, unpack):

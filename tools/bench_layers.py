@@ -138,16 +138,18 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
 # the unpacking costs ~3.4 instructions a weight (~60% of the issue slots at the roof).
 # "ring 2": a per-thread cp.async ring in shared memory (SkinnyConfig.stages), the next
 # chunk in flight while this one is computed, in no register (128 registers, as the
-# default); "ring 4/2": gate_up's whole 3.5 chunks a row asked at once (166 registers, 42
-# KB: 5 blocks an SM), down's 2; both the default's bits.  "denormal": the nibbles read as
-# float32 denormals (SkinnyConfig.unpack), 2.5 instructions a weight (not the default's
-# bits; within the bound); "denormal ring 2": both, capped at the default's 128 registers.
+# default; the default's bits).  "denormal": the nibbles read as float32 denormals
+# (SkinnyConfig.unpack), ~2.5 instructions a weight (not the default's bits; within the
+# bound; 144 / 136 registers).  "denormal ring 2": both, capped at the default's 128
+# registers.  "denormal ring 2 rows/2": the same with half the rows a block (twice the
+# blocks, each half as long: shorter kernel tails; down at 96 registers, 21 blocks an SM).
 INT4_GEMV_VARIANTS = (
     ("gemv ring 2", dict(stages=2), dict(stages=2)),
-    ("gemv ring 4/2", dict(stages=4), dict(stages=2)),
     ("gemv denormal", dict(unpack="denormal"), dict(unpack="denormal")),
     ("gemv denormal ring 2", dict(stages=2, unpack="denormal", max_registers=128),
      dict(stages=2, unpack="denormal", max_registers=128)),
+    ("gemv denormal ring 2 rows/2", dict(rows=2, stages=2, unpack="denormal"),
+     dict(rows=4, stages=2, unpack="denormal")),
     ("gemv prefetch", dict(prefetch=True), dict(prefetch=True)),
     ("gemv span 4", dict(span=4), dict(span=4)),
     ("gemv prefetch span 4", dict(prefetch=True, span=4), dict(prefetch=True, span=4)),
