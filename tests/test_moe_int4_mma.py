@@ -423,6 +423,9 @@ for name, gate_up_kw, down_kw in bench.INT4_GEMV_VARIANTS:
         ptx = assemble(f"{name} {'gate_up' if gate_up else 'down'}",
                        _expert_kernel(cfg, "i4", gate_up, 32), sig, cfg.max_registers)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == cfg.prefetch, "prefetch"
+        # the ring waits on its own depth; the denormal products are no flush-to-zero FMAs
+        assert ("cp.async.wait_group %d;" % (cfg.stages - 1) in ptx) == bool(cfg.stages)
+        assert "fma.rn.f32" in ptx and "fma.rn.ftz" not in ptx, "denormals kept"
 print("assembled")
 """
 
@@ -432,8 +435,9 @@ def test_the_benchs_variant_kernels_assemble_for_hopper():
     """Every W4A16 kernel tools/bench_layers.py --only int4 times beside the defaults (the
     tensor-core tiles of INT4_MMA_TILES, the decode GEMV's INT4_GEMV_VARIANTS) compiles for
     sm_90 and assembles without spills or local memory (a register cap where the variant
-    has one), the rings waiting on their own depth and the prefetch variants holding the
-    bulk L2 prefetch: so the GPU run measures them.  ~2 min."""
+    has one), the rings waiting on their own depth, the prefetch variants holding the
+    bulk L2 prefetch, no FMA flushing denormals (the denormal unpacking reads its weights
+    as denormals): so the GPU run measures them.  ~2 min."""
     from ptx_check import run_without_simulator
     out = run_without_simulator(VARIANTS_PTX_SCRIPT, timeout=900)
     assert "assembled" in out.splitlines()[-1], out[-3000:]

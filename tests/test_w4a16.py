@@ -9,6 +9,8 @@ tests/test_w4a16_gpu.py's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -17,12 +19,12 @@ from formats.int4_group import Int4GroupWeight
 from kdtree_numba import compat
 from kdtree_numba.backends import make_backend
 from kdtree_numba.bundle import QUANTIZABLE, BundleError, random_weights, size_config
-from kdtree_numba.compat import to_device
-from kdtree_numba.layers.skinny import make_accumulate
+from kdtree_numba.compat import cuda, kernel, to_device
+from kdtree_numba.layers.skinny import RING_WORDS, int4_chunks, make_accumulate
 from kdtree_numba.layers.workspace import Int4Experts, int4_experts, int4_load_kind
 from kdtree_numba.model import Model
 from kdtree_numba.weights import load_weight
-from w4a16_cases import int4_case, moe_bound
+from w4a16_cases import BF16, g_int4, int4_case, moe_bound
 
 @pytest.fixture(scope="module")
 def layers():
@@ -123,6 +125,81 @@ def test_gemv_variants_give_the_default_bits(layers):
                 buf.copy_to_device(np.full(buf.shape, np.nan, buf.dtype))
         got = run(layers, case, configs=_skinny_pair(**kw), workspace=ws)
         assert np.array_equal(got, base), kw
+
+
+def test_gemv_ring_and_denormal_variants(layers):
+    """The decode GEMV's session-38 variants (tools/bench_layers.py INT4_GEMV_VARIANTS): the
+    cp.async ring (stages 2, and 4 at gate_up) gives the plain kernel's bits; the denormal
+    unpacking other bits, within the bound, and the same with the ring around it and with
+    half the rows a block.  I = 64: both GEMMs have an even number of scales a row, so both
+    take the ring (int4_ring_ok)."""
+    case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 2, 32, shared=False)
+    base = run(layers, case, configs=_skinny_pair())
+    for gate_up_kw, down_kw in ((dict(stages=2), dict(stages=2)),
+                                (dict(stages=4), dict(stages=2))):
+        pair = (_skinny_pair(**gate_up_kw)[0], _skinny_pair(**down_kw)[1])
+        assert np.array_equal(run(layers, case, configs=pair), base), gate_up_kw
+    dn = run(layers, case, configs=_skinny_pair(unpack="denormal"))
+    check(dn, case)
+    assert np.array_equal(run(layers, case, configs=_skinny_pair(unpack="denormal", stages=2)),
+                          dn)
+    half = _skinny_pair(unpack="denormal", stages=2)
+    half = tuple(dataclasses.replace(c, rows=c.rows // 2) for c in half)
+    assert np.array_equal(run(layers, case, configs=half), dn)
+
+
+def _two_row_kernel(threads, group, stages, unpack):
+    """A one-block kernel running make_accumulate's int4 loop over weight rows 0 and 1 and x
+    row 0, each thread's two partial sums written to out[t] (no block reduction)."""
+    accumulate = make_accumulate(1, 2, threads, 1, "i4", group, stages, unpack)
+    ring_len = max(1, stages * 2 * threads * RING_WORDS)
+
+    @kernel
+    def two_rows(x, words, scale, c1, out):
+        ring = cuda.shared.array(ring_len, np.uint32)
+        xrows = cuda.local.array(1, np.int32)
+        wrows = cuda.local.array(2, np.int32)
+        acc = cuda.local.array(2, np.float32)
+        xrows[0], wrows[0], wrows[1] = 0, 0, 1
+        acc[0], acc[1] = np.float32(0.0), np.float32(0.0)
+        accumulate(x, xrows, words, wrows, 0, c1, acc, scale, ring)
+        t = cuda.threadIdx.x
+        out[t, 0], out[t, 1] = acc[0], acc[1]
+    return two_rows
+
+
+@pytest.mark.parametrize("stages, unpack", [(2, "magic"), (3, "magic"), (5, "magic"),
+                                            (0, "denormal"), (3, "denormal")])
+def test_int4_accumulate_ring_and_denormal_rows(layers, stages, unpack):
+    """The int4 accumulate loop alone, one block of 32 threads over a row of 5 chunks a
+    thread (the ring's slots wrap around, its last trips stage nothing): each thread's
+    partial sums are the plain loop's bit for bit with the ring, and with the denormal
+    unpacking within the bound g4(K) sum |x||w| of the float64 dot; a row of q = 0 gives 0
+    exactly (the offset's correction cancels bit for bit)."""
+    k, group, threads = 32 * 32 * 5, 32, 32
+    rng = np.random.default_rng(46)
+    q = rng.integers(-8, 8, (2, k)).astype(np.int8)
+    q[1] = 0
+    scale = rng.uniform(0.04, 0.1, (2, k // group)).astype(BF16)
+    w = Int4GroupWeight.from_values(q, scale, group)
+    ex = int4_experts(Int4GroupWeight.from_values(q[None], scale[None], group))
+    x = rng.standard_normal((1, k)).astype(np.float32) * 3
+
+    xd, words, scales = (to_device(np.ascontiguousarray(a)) for a in (x, ex.words[0],
+                                                                      ex.scale[0]))
+
+    def partials(n_stages, how):      # device arrays: a GPU runs the test as it is
+        out = to_device(np.zeros((threads, 2), np.float32))
+        _two_row_kernel(threads, group, n_stages, how)[1, threads](xd, words, scales,
+                                                                   int4_chunks(k), out)
+        return host(out)
+    got = partials(stages, unpack)
+    if unpack == "magic":
+        assert np.array_equal(got, partials(0, "magic"))
+    want = w.dequantize() @ x[0].astype(np.float64)
+    bound = g_int4(k) * (np.abs(w.dequantize()) @ np.abs(x[0].astype(np.float64)))
+    assert np.all(np.abs(got.astype(np.float64).sum(0) - want) <= bound + 1e-30)
+    assert np.abs(want[0]) > 1 and np.all(got[:, 1] == 0)
 
 
 def test_int4_experts_refuse_what_the_kernels_do_not_take(layers):

@@ -111,8 +111,9 @@ def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatch):
 @pytest.mark.parametrize("variant", [v[0] for v in bench_layers().INT4_GEMV_VARIANTS])
 def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
     """One token at Kimi widths through each decode-GEMV variant tools/bench_layers.py times
-    (INT4_GEMV_VARIANTS): the default's bits where the variant keeps its threads (same
-    products, same order), else within the bound of the float64 reference.  Run it before
+    (INT4_GEMV_VARIANTS): the default's bits where the variant keeps its threads and the
+    unpacking (same products, same order), else within the bound of the float64
+    reference.  Run it before
     the bench: a variant that faulted there (the L2 bulk prefetch is real only on a GPU)
     would end the bench's CUDA context and every row after it."""
     import dataclasses
@@ -131,7 +132,7 @@ def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
     def run(**kw):
         return cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts, **kw)))
     got = run(configs=pair)
-    if all(p.threads == c.threads for p, c in zip(picked, pair)):
+    if all(p.threads == c.threads and p.unpack == c.unpack for p, c in zip(picked, pair)):
         assert np.array_equal(got, run())
     else:
         want, bound = reference(cp, h, idx, wt, *kimi_experts)

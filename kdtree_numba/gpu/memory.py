@@ -31,6 +31,9 @@ the one it was tuned with:
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
   the column): LLVM ``<4 x float>`` accesses with align 16 in the generic address space (NVVM
   turns them into ld/st.{shared,global}.v4.f32).
+* ``cp_async_u32x4`` / ``cp_async_u16x2`` (with ``global_row_address``): cp.async of 16
+  bytes of uint32 words / a 4-byte uint16 pair into a uint32 shared word, the global address
+  a row's once plus a column's bytes: the int4 GEMV's per-thread ring (layers/skinny.py).
 * ``load_l2_f32x4`` / ``load_l2_f32`` (same indexing as ``load_f32x4``; one element):
   ``ld.global.cg`` (cached in L2 only), never moved across a fence or barrier: what other
   blocks of the running kernel wrote and fenced (attention's in-kernel merge of its key
@@ -56,7 +59,8 @@ __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
            "cp_async_wait_3", "cp_async_wait_4", "prefetch_l2_row",
-           "cp_async_strided", "allow_large_shared_memory", "MAX_SHARED_BYTES",
+           "cp_async_strided", "cp_async_u32x4", "cp_async_u16x2", "global_row_address",
+           "allow_large_shared_memory", "MAX_SHARED_BYTES",
            "STATIC_SHARED_BYTES", "device_address", "load_l2_f32x4", "load_l2_f32"]
 
 if SIMULATOR:
@@ -130,6 +134,21 @@ if SIMULATOR:
                 word = np.uint32(src[head + (k + 2 * i,)]) | (
                     np.uint32(src[head + (k + 2 * i + 1,)]) << np.uint32(16))
             dst[at + i] = word
+
+    def global_row_address(arr, row):
+        """Simulator twin: no addresses there (the copies index ``src`` instead)."""
+        return 0
+
+    def cp_async_u32x4(dst, at, src, row, col, row_addr):
+        """Simulator twin of a 16-byte cp.async of the uint32 words ``src[row, col:col+4]``
+        into the uint32 shared ``dst[at:at+4]``."""
+        for i in range(4):
+            dst[at + i] = src[row, col + i]
+
+    def cp_async_u16x2(dst, at, src, row, col, row_addr):
+        """Simulator twin of a 4-byte cp.async of the uint16 pair ``src[row, col:col+2]``
+        (col even) into the uint32 word ``dst[at]``, element col in the low half."""
+        dst[at] = np.uint32(src[row, col]) | (np.uint32(src[row, col + 1]) << np.uint32(16))
 
     def _nothing():
         pass
@@ -435,6 +454,56 @@ else:
             builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True),
                          [s32, args[1], n])
         return types.void(saddr, gaddr, nbytes), codegen
+
+    def _cp_async_word_intrinsic(nbytes, asm_text):
+        """An intrinsic ``copy(dst, at, gaddr)``: cp.async of ``nbytes`` from the global
+        address ``gaddr`` (global_address) to word ``at`` of the 1-d uint32 shared ``dst``,
+        the shared address formed in 32 bits (as ``_shared_words_intrinsic``: no 64-bit
+        generic pointer per copy, which held ~80 more registers in the int4 ring)."""
+        @intrinsic
+        def copy(typingctx, dst, at, gaddr):
+            if not (isinstance(dst, types.Array) and dst.ndim == 1
+                    and dst.dtype == types.uint32 and isinstance(at, types.Integer)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+                shared = builder.addrspacecast(ary.data, ir.PointerType(i32, 3))
+                word = args[1] if args[1].type.width == 32 else builder.trunc(args[1], i32)
+                s32 = builder.add(builder.ptrtoint(shared, i32),
+                                  builder.shl(word, ir.Constant(i32, 2)))
+                fnty = ir.FunctionType(ir.VoidType(), [i32, ir.IntType(64)])
+                builder.call(ir.InlineAsm(fnty, asm_text, "r,l,~{memory}", side_effect=True),
+                             [s32, args[2]])
+            return types.void(dst, at, gaddr), codegen
+        return copy
+
+    _cp_async16_word = _cp_async_word_intrinsic(
+        16, "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;")
+    # sizes below 16 have no .cg
+    _cp_async4_word = _cp_async_word_intrinsic(4, "cp.async.ca.shared.global [$0], [$1], 4;")
+
+    @inline_device_function
+    def global_row_address(arr, row):
+        """The global address of ``arr[row, 0]`` (2-d), for cp_async_u32x4 / cp_async_u16x2:
+        formed once a row, the copies add a column's bytes to it (a generic pointer and its
+        cvta a copy held ~10 registers a row more in the int4 ring)."""
+        return global_address(arr, (row, 0))
+
+    @inline_device_function
+    def cp_async_u32x4(dst, at, src, row, col, row_addr):
+        """cp.async of the 16 bytes ``src[row, col:col+4]`` (uint32 words, 16-byte aligned;
+        ``row_addr`` = global_row_address(src, row)) into the uint32 shared
+        ``dst[at:at+4]``: in flight without a register."""
+        _cp_async16_word(dst, at, row_addr + 4 * col)
+
+    @inline_device_function
+    def cp_async_u16x2(dst, at, src, row, col, row_addr):
+        """cp.async of the 4 bytes ``src[row, col:col+2]`` (uint16, col even, 4-byte aligned;
+        ``row_addr`` as for cp_async_u32x4) into the uint32 shared word ``dst[at]`` (element
+        col in the low half)."""
+        _cp_async4_word(dst, at, row_addr + 2 * col)
 
     @intrinsic
     def _prefetch_l2_bulk(typingctx, gaddr, nbytes):

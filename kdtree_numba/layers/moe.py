@@ -9,6 +9,7 @@ measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -27,8 +28,8 @@ from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, ro
                                          work_list_enabled)
 from kdtree_numba.layers.moe_shapes import (expert_chunk_bound, expert_config,
                                             expert_tiled_configs)
-from kdtree_numba.layers.skinny import (INT4_KINDS, SkinnyConfig, int4_chunks, make_accumulate,
-                                        skinny_kind)
+from kdtree_numba.layers.skinny import (INT4_KINDS, RING_WORDS, SkinnyConfig, int4_chunks,
+                                        int4_ring_ok, make_accumulate, skinny_kind)
 from kdtree_numba.layers.tiled import tiled_kernel
 from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, device_weight,
                                            int4_load_kind, kernel_weight, launch_1d,
@@ -158,26 +159,33 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     is one block's reduction over K whichever block holds its chunk: the same bits.
     ``cfg.span``: N tiles per block, one after another (the grid's tile count divided by
     it); ``cfg.prefetch``: a tile's weight rows asked into L2 at its start (and the next
-    tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap."""
+    tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap;
+    ``cfg.stages`` / ``cfg.unpack`` (int4): skinny.make_accumulate's ring and unpacking, the
+    ring in a shared array of the kernel's own."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
     int4, prefetch = wkind in INT4_KINDS, cfg.prefetch
+    # the ring (cfg.stages) only with kind "i4" (the host keeps it to rows int4_ring_ok takes)
+    stages = cfg.stages if wkind == "i4" else 0
+    ring_len = max(1, stages * nr * threads * RING_WORDS)
+    ring_align = None if SIMULATOR else 16      # (the simulator rejects an alignment)
     accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load),
-                                 group)
+                                 group, *((stages, cfg.unpack) if int4 else ()))
     block_reduce = make_block_reduce(nacc, threads)
     scr = block_reduce_scratch_shape(nacc, threads)
     red_shape = (warps + 1, nacc)
 
-    # the one difference of the int4 kinds: the expert's scales ride in accumulate's last
-    # argument (skinny.make_accumulate), where the float kinds take the shared scratch
+    # the one difference of the int4 kinds: the expert's scales ride in accumulate's scratch
+    # argument (skinny.make_accumulate), where the float kinds take the shared scratch, and
+    # the cp.async ring (cfg.stages) in a ninth
     if wkind in INT4_KINDS:
         @device_function
-        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch):
-            accumulate(x, xrows, w3[e], wrows, 0, c1, acc, s3[e])
+        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch, ring):
+            accumulate(x, xrows, w3[e], wrows, 0, c1, acc, s3[e], ring)
     else:
         @device_function
-        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch):
+        def accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch, ring):
             accumulate(x, xrows, w3[e], wrows, 0, c1, acc, scratch)
 
     @device_function
@@ -193,7 +201,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
 
     @device_function
     def run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, o0, c, s_begin, s_end, wrows,
-                 xrows, acc, red, scratch):
+                 xrows, acc, red, scratch, ring):
         """The block's N tile at output o0: every mt-chunk c, c + chunks, ... of expert e's
         slots [s_begin, s_end)."""
         t = cuda.threadIdx.x
@@ -209,7 +217,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                     xrows[m] = -1
             for i in range(nacc):
                 acc[i] = np.float32(0.0)
-            accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch)
+            accumulate_expert(x, xrows, w3, s3, e, wrows, c1, acc, scratch, ring)
             block_reduce(acc, red, scratch)
             if t < mt * r_out:
                 m = t // r_out
@@ -228,6 +236,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
         c1: the accumulate loop's chunks of a row; tiles: N tiles (of r_out outputs)."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
+        ring = cuda.shared.array(ring_len, np.uint32, alignment=ring_align)
         # block = (active slot a, N tile or span of tiles, chunk c), c fastest: a tile's
         # chunk blocks run side by side and read its weight rows from L2 after the first
         # (chunks 1: c = 0)
@@ -247,14 +256,14 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
         s_begin, s_end = offsets[e], offsets[e + 1]
         if span == 1:
             run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, first * r_out, c, s_begin,
-                     s_end, wrows, xrows, acc, red, scratch)
+                     s_end, wrows, xrows, acc, red, scratch, ring)
         else:
             last = min(first + span, tiles)
             for tile in range(first, last):
                 if prefetch and tile + 1 < last:      # the next tile's rows, one tile ahead
                     prefetch_tile(w3, s3, e, (tile + 1) * r_out, n_out)
                 run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, tile * r_out, c,
-                         s_begin, s_end, wrows, xrows, acc, red, scratch)
+                         s_begin, s_end, wrows, xrows, acc, red, scratch, ring)
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
     return kernel(expert_rows, **options)
 
@@ -663,6 +672,8 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
         if kind == "i4":
             load_kind = int4_load_kind(k_in, x_in, w3)
             weights, c1, group = (w3.words, w3.scale), int4_chunks(k_in), w3.group_size
+            if cfg.stages and not int4_ring_ok(load_kind, k_in, group):
+                cfg = dataclasses.replace(cfg, stages=0)     # plain loads: the same bits
         else:
             load_kind = load_kind_for(kind, k_in, x_in, w3)
             weights, c1, group = (kernel_weight(w3, load_kind), placeholder()), \

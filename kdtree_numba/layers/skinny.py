@@ -18,7 +18,11 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
 from kdtree_numba.gpu.bits import bf16_bits_to_f32, bf16_hi, bf16_lo, bits_to_f32
 from kdtree_numba.kernel_cache import generated_code
-from kdtree_numba.gpu.memory import ld_cached_f32x4, ld_stream_f32x4, ld_stream_u32x4
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_u16x2, cp_async_u32x4,
+                                     cp_async_wait_1, cp_async_wait_2, cp_async_wait_3,
+                                     cp_async_wait_4, global_row_address, ld_cached_f32x4,
+                                     ld_shared_word,
+                                     ld_shared_words4, ld_stream_f32x4, ld_stream_u32x4)
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor
 
@@ -237,6 +241,115 @@ def _fma8_q4(a, xs, u8, s):
     return a + p * s
 
 
+# "denormal" unpack (SkinnyConfig.unpack; a bench variant, not the default): the nibble read
+# as float32 bits with nothing OR-ed in.  Bits below 2^24 are the float32 bits * 2^-149
+# exactly (exponent field 0 or 1), so (w & 0xF << 4j) is u 16^j 2^-149 with no offset to
+# subtract: one AND and one FFMA a weight where the magic number takes AND-OR, FADD and FFMA.
+# x is scaled by 2^(100 - 4j) per x load (exact below |x| = 2^28), so every product is
+# x u 2^-49; the u = q + 8 offset leaves 8 x 2^-49 a weight, which the same FMA chain over
+# u = 8 (``_bias8_dn``, once per x word, shared by the NR rows) takes back: acc += s' (p - b)
+# with s' = s 2^49.  A word of q = 0 gives p == b bit for bit (the same chain), so 0 exactly.
+# Not the default's bits: the 8-weight partial sums see |x| u, not |x| |q| (within the bound
+# of tests/w4a16_cases.py on the tests' data; ~1 bit more rounding per partial sum).
+_DN_X_SCALE = tuple(float(2.0 ** (100 - 4 * j)) for j in range(4))
+_DN_EIGHT = tuple(float(2.0 ** (3 + 4 * j - 149)) for j in range(4))   # float32 of 8 << 4j
+_DN_S = float(2.0 ** 49)
+
+
+@device_function
+def _x8_denormal_scaled(xv):
+    """x elements [8c, 8c+8) times 2^(100 - 4j), j their nibble's place in its half-word."""
+    s0, s1 = np.float32(_DN_X_SCALE[0]), np.float32(_DN_X_SCALE[1])
+    s2, s3 = np.float32(_DN_X_SCALE[2]), np.float32(_DN_X_SCALE[3])
+    return (xv[0] * s0, xv[1] * s1, xv[2] * s2, xv[3] * s3, xv[4] * s0, xv[5] * s1,
+            xv[6] * s2, xv[7] * s3)
+
+
+@device_function
+def _dn(half, mask):
+    return bits_to_f32(half & np.uint32(mask))
+
+
+@device_function
+def _bias8_dn(xs):
+    """The dot of ``xs`` with 8 nibbles u = 8, by the chain of :func:`_fma8_q4_dn`."""
+    e0, e1 = np.float32(_DN_EIGHT[0]), np.float32(_DN_EIGHT[1])
+    e2, e3 = np.float32(_DN_EIGHT[2]), np.float32(_DN_EIGHT[3])
+    p = xs[0] * e0
+    p += xs[1] * e1
+    p += xs[2] * e2
+    p += xs[3] * e3
+    p += xs[4] * e0
+    p += xs[5] * e1
+    p += xs[6] * e2
+    p += xs[7] * e3
+    return p
+
+
+@device_function
+def _fma8_q4_dn(a, xs, u8, s, bias):
+    """a + s' (x . u - bias) over one offset-8 word (the "denormal" comment above)."""
+    hi = u8 >> np.uint32(16)
+    p = xs[0] * _dn(u8, 0xF)
+    p += xs[1] * _dn(u8, 0xF0)
+    p += xs[2] * _dn(u8, 0xF00)
+    p += xs[3] * _dn(u8, 0xF000)
+    p += xs[4] * _dn(hi, 0xF)
+    p += xs[5] * _dn(hi, 0xF0)
+    p += xs[6] * _dn(hi, 0xF00)
+    p += xs[7] * _dn(hi, 0xF000)
+    return a + (p - bias) * s
+
+
+@device_function
+def _scale_at_dn(ws, n, g):
+    return bf16_bits_to_f32(ws[n, g]) * np.float32(_DN_S)
+
+
+# The cp.async ring (SkinnyConfig.stages; a bench variant): each thread stages its own next
+# chunks (16 bytes of words a row, and the 4-byte scale pair holding the chunk's scale) in
+# a private slice of shared memory, so STAGES - 1 chunks a row are in flight while one is
+# computed, in no register (a register pipeline took 246-255 registers and spilled).  No
+# block barrier: a thread reads only what it copied (cp.async.wait_group), and it refills a
+# slot only after its FMAs consumed it.  Words: ring[((slot NR + r) T + t) 4 + 0..3], scales
+# after them (STAGES NR T 4 words on): ring[.. + (slot NR + r) T + t].  Same loads, same
+# products in the same order as the plain kind "i4": the same bits.  Needs the "i4" kind,
+# one scale a chunk (group a multiple of 32) and an even number of scales a row (a row's
+# scale pairs 4-byte aligned): :func:`int4_ring_ok`.
+RING_WORDS = 5        # uint32 words a (slot, row, thread): the chunk's 4 and its scale pair
+
+
+def int4_ring_ok(load_kind: str, k: int, group: int) -> bool:
+    """Whether the cp.async ring (SkinnyConfig.stages) takes an int4 row of k weights."""
+    return load_kind == "i4" and group % I4_CHUNK == 0 and (k // group) % 2 == 0
+
+
+@device_function
+def _ring_q4(ring, base, off):
+    """The 4 staged words at ring[base + off] as q + 8 nibbles (as :func:`_load_q4`)."""
+    v = ld_shared_words4(ring, base, off)
+    f = np.uint32(_OFFSET8)
+    return (np.uint32(v[0]) ^ f, np.uint32(v[1]) ^ f, np.uint32(v[2]) ^ f,
+            np.uint32(v[3]) ^ f)
+
+
+@device_function
+def _ring_scale(ring, base, off, g):
+    """Scale g of a row from its staged pair (g even: the low half) as float32."""
+    word = np.uint32(ld_shared_word(ring, base, off)[0])
+    return bf16_bits_to_f32((word >> np.uint32(16 * (g & 1))) & np.uint32(0xFFFF))
+
+
+@device_function
+def _ring_scale_dn(ring, base, off, g):
+    return _ring_scale(ring, base, off, g) * np.float32(_DN_S)
+
+
+UNPACKS = ("magic", "denormal")
+_CP_WAIT = {2: cp_async_wait_1, 3: cp_async_wait_2, 4: cp_async_wait_3, 5: cp_async_wait_4}
+RING_STAGES = tuple(_CP_WAIT)
+
+
 # ============================================================================ skinny GEMM core
 # y[m, n] = sum_k x[m, k] w[n, k] for MT rows of x and NR rows of w per block.  The block's
 # threads split K into 8-element chunks (thread t takes chunks t, t+THREADS, ...), each thread
@@ -246,7 +359,8 @@ def _fma8_q4(a, xs, u8, s):
 # THREADS and the split only.
 
 @functools.cache
-def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, group: int = 0):
+def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, group: int = 0,
+                    stages: int = 0, unpack: str = "magic"):
     """``accumulate(x, xrows, w, wrows, first, c1, acc, scratch)``: acc[m*NR + r] +=
     x[xrows[m]] . w[wrows[r]] over the chunks first + threadIdx, + THREADS, ... < c1.
 
@@ -259,13 +373,23 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, gro
     the warp converged at the shuffles) and skip the FMAs of lanes past c1; ``scratch`` is
     only its (test-only) emulated exchange's shared buffer.  The int4 kinds ("i4", "i4s";
     ``group``: weights per scale, a multiple of 8 dividing 32 or a multiple of 32) take ``w``
-    as the uint32 words [N, K/8] and ``scratch`` as the bf16 scales [N, K/g]; their chunks
-    hold 32 weights (:data:`I4_CHUNK`, ``c1`` = :func:`int4_chunks`)."""
+    as the uint32 words [N, K/8], ``scratch`` as the bf16 scales [N, K/g] and a ninth
+    argument ``ring``, a uint32 shared array of ``stages * nr * threads * RING_WORDS`` words
+    (any array where ``stages`` is 0); their chunks hold 32 weights (:data:`I4_CHUNK`,
+    ``c1`` = :func:`int4_chunks`).  ``stages`` (kind "i4", unroll 1, group % 32 == 0): the
+    cp.async ring of that depth; ``unpack``: "magic" or "denormal" (module comments)."""
     int4 = wkind in INT4_KINDS
     if int4 and (group % 8 or (group % I4_CHUNK and I4_CHUNK % group)):
         raise ValueError(f"int4 group size {group}: a multiple of 8 that divides "
                          f"{I4_CHUNK} or is a multiple of it")
-    head = ["def accumulate(x, xrows, w, wrows, first, c1, acc, scratch):",
+    if stages and (wkind != "i4" or unroll != 1 or group % I4_CHUNK
+                   or stages not in RING_STAGES):
+        raise ValueError(f"the cp.async ring takes kind 'i4', unroll 1, a group size multiple "
+                         f"of {I4_CHUNK} and stages in {RING_STAGES}")
+    if unpack not in UNPACKS:
+        raise ValueError(f"unpack must be one of {UNPACKS}, got {unpack!r}")
+    head = ["def accumulate(x, xrows, w, wrows, first, c1, acc, scratch"
+            + (", ring):" if int4 else "):"),
             "    j = first + cuda.threadIdx.x"]
     if wkind == "f32x":
         src = [*head, "    lane = cuda.threadIdx.x & 31",
@@ -278,11 +402,13 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, gro
                "    while it < n_any:",
                *_chunk_group_source(mt, nr, threads, 1, "        ", True, guard=True),
                f"        j += {threads}", "        it += 1"]
+    elif stages:
+        src = head + _int4_ring_source(mt, nr, threads, stages, group, unpack)
     else:
         def group_source(u):
             if int4:
                 return _int4_group_source(mt, nr, threads, u, "        ", wkind == "i4s",
-                                          group)
+                                          group, unpack)
             return _chunk_group_source(mt, nr, threads, u, "        ", False)
         if wkind == "i4s":   # the last group of a row: chunks past the row end clamp to it
             head.append("    last_s = scratch.shape[1] - 1")
@@ -293,12 +419,20 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, gro
                "    while j < c1:",
                *group_source(1),
                f"        j += {threads}"]
+    dn = unpack == "denormal"
     namespace = {"load_w8": _LOAD_W8.get(wkind), "load_x8": _LOAD_X8[wkind], "fma8": _fma8,
                  "load_q4": _load_q4_scalar if wkind == "i4s" else _load_q4,
-                 "scale_at": _scale_at, "fma8_q4": _fma8_q4, "scale_x8": _x8_nibble_scaled,
-                 "cuda": cuda}
+                 "scale_at": _scale_at_dn if dn else _scale_at,
+                 "fma8_q4": _fma8_q4_dn if dn else _fma8_q4,
+                 "scale_x8": _x8_denormal_scaled if dn else _x8_nibble_scaled,
+                 "bias8": _bias8_dn, "ring_q4": _ring_q4,
+                 "ring_scale": _ring_scale_dn if dn else _ring_scale,
+                 "put_q4": cp_async_u32x4, "put_s2": cp_async_u16x2,
+                 "row_address": global_row_address,
+                 "cp_commit": cp_async_commit, "cp_wait": _CP_WAIT.get(stages), "cuda": cuda}
     generated_code("\n".join(src), f"accumulate mt={mt} nr={nr} unroll={unroll} {wkind}"
-                   + (f" g={group}" if int4 else ""), namespace)
+                   + (f" g={group}" if int4 else "") + (f" stages={stages}" if stages else "")
+                   + (f" {unpack}" if dn else ""), namespace)
     return device_function(namespace["accumulate"])
 
 
@@ -326,7 +460,7 @@ def _chunk_group_source(mt, nr, threads, unroll, indent, xchg, guard=False):
     return [indent + line for line in lines]
 
 
-def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group):
+def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group, unpack="magic"):
     """The int4 twin of :func:`_chunk_group_source`: `unroll` chunks of 32 weights of the NR
     rows (4 words and the chunk's 1, 2 or 4 scales each) loaded first, then per chunk, live x
     row and 8-weight word: ``acc += s * (x . q)``, words in order."""
@@ -342,15 +476,66 @@ def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group):
                 at = f"min({at}, last_s)" if scalar else at
                 lines.append(f"s{u}_{r}_{c} = scale_at(scratch, wrows[{r}], {at})")
     for u in range(unroll):
-        jj = f"(j + {u * threads})"
-        for m in range(mt):
-            lines += [f"row = xrows[{m}]", "if row >= 0:"]
-            for c in range(4):
-                lines.append(f"    xv = scale_x8(load_x8(x, row, 4 * {jj} + {c}))")
-                lines += [f"    acc[{m * nr + r}] = fma8_q4(acc[{m * nr + r}], xv, "
-                          f"q{u}_{r}[{c}], s{u}_{r}_{c // words_per_scale})"
-                          for r in range(nr)]
+        lines += _int4_chunk_compute(mt, nr, f"(j + {u * threads})", u, words_per_scale,
+                                     unpack)
     return [indent + line for line in lines]
+
+
+def _int4_chunk_compute(mt, nr, jj, u, words_per_scale, unpack):
+    """Source lines: chunk ``jj``'s FMAs from its loaded words q{u}_r and scales s{u}_r_c."""
+    lines = []
+    for m in range(mt):
+        lines += [f"row = xrows[{m}]", "if row >= 0:"]
+        for c in range(4):
+            lines.append(f"    xv = scale_x8(load_x8(x, row, 4 * {jj} + {c}))")
+            bias = ""
+            if unpack == "denormal":     # once per x word, shared by the rows
+                lines.append("    xb = bias8(xv)")
+                bias = ", xb"
+            lines += [f"    acc[{m * nr + r}] = fma8_q4(acc[{m * nr + r}], xv, "
+                      f"q{u}_{r}[{c}], s{u}_{r}_{c // words_per_scale}{bias})"
+                      for r in range(nr)]
+    return lines
+
+
+def _int4_ring_source(mt, nr, threads, stages, group, unpack):
+    """The loop of the cp.async ring (module comment above RING_WORDS): the prologue stages
+    chunks j .. j + (STAGES-1) T, one commit group each; each trip waits for its own oldest
+    group, computes that chunk, then stages the chunk STAGES ahead into the slot it just
+    consumed (after the FMAs: the copy's addresses are not live beside them).  Every trip
+    commits one group (empty past the row end), so wait_group(STAGES - 1) always means "this
+    trip's chunk landed"."""
+    span = stages * nr * threads       # where the scale words start
+
+    def put(slot, jj):
+        out = [f"wb = ({slot} * {nr * threads} + t) * 4",
+               f"sb = {4 * span} + {slot} * {nr * threads} + t",
+               f"g = ({jj}) * {I4_CHUNK} // {group}"]
+        for r in range(nr):
+            out += [f"put_q4(ring, wb + {4 * r * threads}, w, wrows[{r}], 4 * ({jj}), aw{r})",
+                    f"put_s2(ring, sb + {r * threads}, scratch, wrows[{r}], g - (g & 1), "
+                    f"as{r})"]
+        return out
+    lines = ["t = cuda.threadIdx.x"]
+    for r in range(nr):      # each row's addresses once (the copies add a column's bytes)
+        lines += [f"aw{r} = row_address(w, wrows[{r}])",
+                  f"as{r} = row_address(scratch, wrows[{r}])"]
+    for p in range(stages):
+        lines += [f"if j + {p * threads} < c1:",
+                  *["    " + x for x in put(p, f"j + {p * threads}")], "cp_commit()"]
+    lines += ["slot = 0", "while j < c1:", "    cp_wait()",
+              f"    wb = (slot * {nr * threads} + t) * 4",
+              f"    sb = {4 * span} + slot * {nr * threads} + t",
+              f"    g = j * {I4_CHUNK} // {group}"]
+    for r in range(nr):
+        lines += [f"    q0_{r} = ring_q4(ring, wb, {4 * r * threads})",
+                  f"    s0_{r}_0 = ring_scale(ring, sb, {r * threads}, g)"]
+    lines += ["    " + x for x in _int4_chunk_compute(mt, nr, "j", 0, 4, unpack)]
+    lines += [f"    if j + {stages * threads} < c1:",
+              *["        " + x for x in put("slot", f"j + {stages * threads}")],
+              "    cp_commit()",
+              f"    j += {threads}", f"    slot = slot + 1 if slot < {stages - 1} else 0"]
+    return ["    " + line for line in lines]
 
 
 @device_function
@@ -383,7 +568,9 @@ class SkinnyConfig:
     runs one after another (its routing reads paid once); ``prefetch``, each tile's weight
     rows (words and scales) asked into L2 by one bulk prefetch a row at the tile's start,
     and with a span the next tile's too (bytes in flight that hold no register);
-    ``max_registers``, a ptxas cap (0: none)."""
+    ``max_registers``, a ptxas cap (0: none).  Two for the int4 kinds alone (bench variants):
+    ``stages``, the cp.async ring's depth (0: plain loads; same bits), ``unpack``, "magic"
+    (the default) or "denormal" (other bits, within the bound)."""
     mt: int
     rows: int
     threads: int
@@ -394,6 +581,8 @@ class SkinnyConfig:
     span: int = 1
     prefetch: bool = False
     max_registers: int = 0
+    stages: int = 0
+    unpack: str = "magic"
 
     def __post_init__(self):
         nacc = self.mt * self.rows
@@ -402,6 +591,11 @@ class SkinnyConfig:
                              f"<= threads")
         if self.span < 1 or self.max_registers < 0:
             raise ValueError(f"bad SkinnyConfig {self}: span >= 1, max_registers >= 0")
+        if self.stages and (self.stages not in RING_STAGES or self.unroll != 1):
+            raise ValueError(f"bad SkinnyConfig {self}: stages 0 or one of {RING_STAGES}, "
+                             f"with unroll 1")
+        if self.unpack not in UNPACKS:
+            raise ValueError(f"unpack must be one of {UNPACKS}")
         if self.f32_load not in _F32_LOAD_KIND:
             raise ValueError(f"f32_load must be one of {sorted(_F32_LOAD_KIND)}")
 
