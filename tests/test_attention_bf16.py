@@ -107,6 +107,31 @@ def test_the_kernels_shared_loads_are_free_of_bank_conflicts(keys):
     assert not _phases_conflict_free(addr, 4)
 
 
+@pytest.mark.parametrize("panels, rows", [(9, 64), (2, 32), (3, 16)])
+def test_query_words_cover_the_tile_once_and_load_as_a_operands(panels, rows):
+    """The fragment-order query tile (frag_queries): a bijection onto the row layout's words;
+    lane (g, t)'s 128-bit load of block h (panel p, row group rg) is the m16n8k16 A operand
+    the row layout builds from rows g and g + 8 (their words 4t + 2h, 4t + 2h + 1, bf16 column
+    pairs 2 word, 2 word + 1); a warp's load spans 512 consecutive bytes (conflict free)."""
+    from kdtree_numba.attention.bf16 import query_word
+    words = [query_word(panels, row, col) for row in range(rows)
+             for col in range(0, 32 * panels, 2)]
+    assert sorted(words) == list(range(rows * 16 * panels))
+    assert all(query_word(panels, 3, c) == query_word(panels, 3, c + 1)
+               for c in range(0, 32 * panels, 2))
+    for rg in range(rows // 16):
+        for p in range(panels):
+            for h in range(2):
+                base = ((rg * panels + p) * 2 + h) * 128
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    word = 16 * p + 4 * t + 2 * h         # row-relative word of a0 and a1
+                    want = [(g, word), (g + 8, word), (g, word + 1), (g + 8, word + 1)]
+                    got = [query_word(panels, 16 * rg + r, 2 * w) for r, w in want]
+                    assert got == [base + 4 * lane + j for j in range(4)]
+                assert _phases_conflict_free([base + 4 * lane for lane in range(32)], 4)
+
+
 # ------------------------------------------------------------------ the reference's bf16
 
 def test_reference_rounds_queries_and_widens_the_cache_like_the_bit_oracle():
@@ -304,6 +329,85 @@ def test_bf16_tiles_fit_every_model_width_and_pad_to_whole_panels():
         assert cfg.d_pad % 64 == 0 and cfg.d <= cfg.d_pad < cfg.d + 64
         assert 64 * cfg.value_groups >= r and 2 * cfg.groups_per_warp >= cfg.value_groups
     assert not bf16_fits(12, 4)                       # rows of 16-byte chunks only
+
+
+# ------------------------------------------------------------------ layouts (issue 38)
+
+def _dev_bf16_layouts() -> dict:
+    """dev/cuda/attention.py's bf16 layouts, the candidates tools/bench_attention.py times."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "dev" / "cuda" / "attention.py"
+    spec = importlib.util.spec_from_file_location("dev_cuda_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BF16_LAYOUTS
+
+
+BF16_LAYOUT_NAMES = tuple(_dev_bf16_layouts())
+LAYOUT_CASES = [
+    # name, prefix, n, visible kind, heads, r, dr, keys_per_split, tile keys, rows
+    # 16-key tiles: request 0's 4 tiles wrap a 3-buffer ring; its last tile is partial; a
+    # thread copies two latent chunks of a tile (16 keys x 8 chunks on 64 threads)
+    ("decode", [50, 0, 9], 1, "causal", 4, 64, 8, None, None, None),
+    ("tree verify, 3 splits", [20, 5], 5, "tree", 4, 64, 16, 16, None, None),
+    ("causal prefill, 32-key tiles", [40], 8, "causal", 2, 32, 8, None, 32, None),
+    ("r 24: chunks dealt round-robin", [37], 2, "tree", 2, 24, 8, None, None, None),
+    ("two row groups a block", [21], 4, "tree", 8, 32, 8, None, None, 32),
+]
+# every case for all switches together; each switch alone where it has the most to get wrong
+LAYOUT_RUNS = [(layout, case) for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
+               if len(_dev_bf16_layouts()[layout]) > 1 or case[0] in {
+                   "frag_queries": ("decode", "two row groups a block"),
+                   "lean_staging": ("decode", "tree verify, 3 splits"),
+                   "stages": ("decode", "causal prefill, 32-key tiles"),
+               }[next(iter(_dev_bf16_layouts()[layout]))]]
+_PACKAGE_BITS: dict = {}
+
+
+def _layout_run(monkeypatch, case, layout):
+    from kdtree_numba.attention import MlaAttentionPlan, plan
+    name, prefix, n, kind, heads, r, dr, kps, keys, rows = case
+    rng = np.random.default_rng(len(name))
+    prob = problem(rng, prefix, n, _visible(rng, kind, len(prefix), n), heads, r, dr)
+    if keys:
+        monkeypatch.setattr(plan, "BF16_KEYS", keys)
+    fields = _dev_bf16_layouts().get(layout, {})
+    monkeypatch.setitem(plan.BF16_LAYOUTS, layout, fields)
+    monkeypatch.setattr(plan, "BF16_LAYOUT", layout)
+    p = MlaAttentionPlan(len(prefix), n, heads, r, dr, prob["ckv"].shape[1],
+                         keys_per_split=kps, rows=rows, bf16_cache=True)
+    assert all(getattr(p.cfg, k) == v for k, v in fields.items())     # the layout ran
+    return prob, p(**prob, causal=kind == "causal").copy_to_host()
+
+
+@pytest.mark.parametrize("layout, case", LAYOUT_RUNS,
+                         ids=[f"{layout}-{case[0]}" for layout, case in LAYOUT_RUNS])
+def test_every_bf16_layout_gives_the_packages_bits(layout, case, needs_kernels, monkeypatch):
+    """The decode layouts (queries in fragment order, lean staging, three key stages) move
+    the same operands into the same mma sequence as the package's layout: the same bits
+    (hence the same batch invariance), on decode, split verify, a causal prefill with 32-key
+    tiles, round-robin staging and a block of two row groups."""
+    from kdtree_numba.attention import plan
+    if case[0] not in _PACKAGE_BITS:
+        with monkeypatch.context() as m:
+            _PACKAGE_BITS[case[0]] = _layout_run(m, case, plan.BF16_VARIANT)[1]
+    prob, got = _layout_run(monkeypatch, case, layout)
+    assert got.tobytes() == _PACKAGE_BITS[case[0]].tobytes()
+    assert np.abs(got - ref.mla_attention(**prob)).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_bf16_layouts_are_named_and_checked(monkeypatch):
+    from kdtree_numba.attention import plan
+    assert list(plan.BF16_LAYOUTS) == [plan.BF16_VARIANT] and plan.BF16_LAYOUT == "bf16"
+    assert plan.bf16_tile_config(512, 64) == plan.Bf16TileConfig(512, 64, keys=plan.BF16_KEYS)
+    with pytest.raises(ValueError, match="unknown bf16 attention layout 'nope'"):
+        plan.bf16_tile_config(512, 64, layout="nope")
+    for fields in _dev_bf16_layouts().values():   # every candidate fits Kimi's widths
+        cfg = plan.Bf16TileConfig(512, 64, keys=32, **fields).validate()
+        assert cfg.smem_bytes() <= plan.MAX_SHARED_BYTES
+    with pytest.raises(ValueError, match="2 or 3 stages"):
+        plan.Bf16TileConfig(32, 8, stages=4).validate()
 
 
 # ------------------------------------------------------------------ the GPU at Kimi widths

@@ -32,6 +32,18 @@ the measurements.  In short:
   makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
   64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
 
+Three layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
+operands reach the mma, never which values or in what order, so every layout gives the same
+bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  ``frag_queries``: the query tile in
+A-fragment order (:func:`query_word`), so that lane (g, t)'s one 128-bit load per k16 step is
+the mma's A operand as it stands, where the row layout's two loads (rows g and g + 8) must be
+interleaved into it; in the row layout's sm_90 code that interleave took 240 register moves a
+tile and warp, more than the 72 mma and 54 loads of the scores.  ``lean_staging``: a tile
+whose keys all lie before the split's end is copied without the per-chunk clamp and size
+select, one 64-bit add per chunk (the row layout's staging: 176 instructions for 9 copies).
+``stages`` 3: a ring of three key buffers, two tiles in flight during a tile's compute
+(``cp.async.wait_group 1``).
+
 Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
 block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
 """
@@ -47,13 +59,13 @@ from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, blo
                                           block_row0, masked_score, merge_when_last,
                                           seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_1, cp_async_wait_all,
                                      ld_shared_words4, load_f32x4, store_f32x4)
 from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_halves
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
-__all__ = ["build_kernel", "key_row", "tile_word"]
+__all__ = ["build_kernel", "key_row", "tile_word", "query_word"]
 
 
 def key_row(n):
@@ -76,28 +88,54 @@ def tile_word(rows, row, col):
     return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ (row & 2)) + ((col & 7) >> 1)
 
 
+def query_word(panels, row, col):
+    """Word of query (row, column ``col``) in a fragment-order query tile (``frag_queries``)
+    of rows of ``panels`` 32-column panels.  Per row group of 16 and panel, two blocks of 128
+    words, one per k16 step (h: words 4t, 4t + 1 or 4t + 2, 4t + 3 of a row's panel); lane
+    (g, t)'s 4 words of block h are at 4 lane: rows g and g + 8 of word 4t + 2h, then of word
+    4t + 2h + 1 -- the m16n8k16 A operand (a0, a1, a2, a3) of the row layout's k order, and
+    a warp's 128-bit loads cover 512 consecutive bytes (no bank conflict).  Same size as the
+    row layout."""
+    word = col >> 1
+    cw = word & 15                  # word in the row's panel: 4t + 2h + odd
+    lane = 4 * (row & 7) + (cw >> 2)
+    block = ((row >> 4) * panels + (word >> 4)) * 2 + ((cw >> 1) & 1)
+    return (block << 7) + 4 * lane + 2 * (cw & 1) + ((row >> 3) & 1)
+
+
 _key_row = inline_device_function(key_row)
 _tile_word = inline_device_function(tile_word)
+_query_word = inline_device_function(query_word)
 
 # One 16-byte chunk (8 bf16) of a cache row into the staged tile.  ``chunk_source(arr, b, col)``
 # is computed once per block: on the GPU the global address of arr[b, 0, col], so that a
 # chunk's copy costs one multiply-add (``src + row * row_bytes``) and the cp.async; the
 # simulator keeps the indices.
+# ``advance(source, rows, row_bytes)``: the source ``rows`` rows further (lean staging walks a
+# whole tile's chunks from one source, one add each).
 if SIMULATOR:
     def _chunk_source(arr, b, col):
-        return arr, b, col
+        return arr, b, col, 0
+
+    def _advance(source, rows, row_bytes):
+        arr, b, col, row0 = source
+        return arr, b, col, row0 + rows
 
     from kdtree_numba.gpu.memory import sim_copy_u16x8
 
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
-        arr, b, col = source
-        sim_copy_u16x8(smem, word, arr, (b, row, col), nbytes)
+        arr, b, col, row0 = source
+        sim_copy_u16x8(smem, word, arr, (b, row0 + row, col), nbytes)
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 
     @inline_device_function
     def _chunk_source(arr, b, col):
         return global_address(arr, (b, 0, col))
+
+    @inline_device_function
+    def _advance(source, rows, row_bytes):
+        return source + rows * row_bytes
 
     @inline_device_function
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
@@ -134,6 +172,8 @@ def build_kernel(cfg: Bf16TileConfig):
     TILE_WORDS = N * cfg.row_words
     Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
+    FRAGQ, LEAN = cfg.frag_queries, cfg.lean_staging
+    PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
@@ -152,7 +192,25 @@ def build_kernel(cfg: Bf16TileConfig):
     def stage_keys(smem, at, ckv, kpe, b, first, limit, tid, lat_src, rope_src):
         """cp.async keys first .. first + N - 1 of request b into the tile at word ``at``;
         rows at or past ``limit`` become zeros (their source clamped to limit - 1 >= 0).  The
-        padding chunks are not touched (zeros since the kernel's start)."""
+        padding chunks are not touched (zeros since the kernel's start).  ``lean_staging``:
+        a tile whose keys all lie before ``limit`` walks its chunks from one source row, no
+        clamp or size select (the same bytes land)."""
+        if BY_COLUMN and LEAN and first + N <= limit:
+            i0 = tid // CR
+            src = _advance(lat_src, first + i0, ckv.strides[1])
+            for s in range(LAT_SLOTS):
+                _copy_chunk(smem, at + _tile_word(N, i0 + s * LAT_STEP, 8 * (tid % CR)), src,
+                            0, ckv.strides[1], int32(16))
+                src = _advance(src, LAT_STEP, ckv.strides[1])
+            i0 = tid // CP
+            src = _advance(rope_src, first + i0, kpe.strides[1])
+            for s in range(ROPE_SLOTS):
+                if N * CP >= T or i0 < N:
+                    _copy_chunk(smem, at + _tile_word(N, i0 + s * ROPE_STEP,
+                                                      8 * (CR + tid % CP)),
+                                src, 0, kpe.strides[1], int32(16))
+                src = _advance(src, ROPE_STEP, kpe.strides[1])
+            return
         if BY_COLUMN:
             q = tid % CR
             for s in range(LAT_SLOTS):
@@ -202,7 +260,6 @@ def build_kernel(cfg: Bf16TileConfig):
             if M * CH % T == 0 or f < M * CH:
                 i, q = f // CH, f % CH
                 row = row0 + i
-                w = Q_OFF + _tile_word(M, i, 8 * q)
                 w0 = w1 = w2 = w3 = uint32(0)
                 if row < n_rows and q < CD:
                     if q < CR:
@@ -213,10 +270,18 @@ def build_kernel(cfg: Bf16TileConfig):
                         y0, y1, y2, y3 = load_f32x4(q_pe, (b, row, 8 * (q - CR) + 4))
                     w0, w1 = pack_bf16x2(x0, x1), pack_bf16x2(x2, x3)
                     w2, w3 = pack_bf16x2(y0, y1), pack_bf16x2(y2, y3)
-                smem[w] = w0
-                smem[w + 1] = w1
-                smem[w + 2] = w2
-                smem[w + 3] = w3
+                if FRAGQ:   # words 4t, 4t + 1 in step 0's block, 4t + 2, 4t + 3 in step 1's
+                    w = Q_OFF + _query_word(PANELS, i, 8 * q)
+                    smem[w] = w0
+                    smem[w + 2] = w1
+                    smem[w + 128] = w2
+                    smem[w + 130] = w3
+                else:
+                    w = Q_OFF + _tile_word(M, i, 8 * q)
+                    smem[w] = w0
+                    smem[w + 1] = w1
+                    smem[w + 2] = w2
+                    smem[w + 3] = w3
 
     @inline_device_function
     def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
@@ -294,6 +359,11 @@ def build_kernel(cfg: Bf16TileConfig):
         rope_src = _chunk_source(kpe, b, 8 * (tid % CP))
         stage_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)
         cp_async_commit()
+        if STAGES == 3:     # the ring starts two tiles ahead; a group a tile, even empty
+            if kbeg + N < kend:
+                stage_keys(smem, KV_OFF + TILE_WORDS, ckv, kpe, b, kbeg + N, kend, tid,
+                           lat_src, rope_src)
+            cp_async_commit()
 
         row_a = row0 + 16 * rg + g        # the lane's fragment rows g and g + 8
         row_b = row_a + 8
@@ -309,6 +379,8 @@ def build_kernel(cfg: Bf16TileConfig):
         # P V: key rows key_row(2t), key_row(2t + 1) (+ 16 ks, + 8), chunk g of each group
         score_col = kh * DH + 8 * t
         q_at = Q_OFF + _tile_word(M, 16 * rg + g, score_col)
+        if FRAGQ:   # lane's words of panel kh PH (step 0's block), panels 256 words apart
+            q_at = Q_OFF + (rg * PANELS + kh * PH) * 256 + 4 * lane
         k_at = _tile_word(N, _key_row(g), score_col)
         v_at0 = _tile_word(N, _key_row(2 * t), 8 * g)
         v_at1 = _tile_word(N, _key_row(2 * t + 1), 8 * g)
@@ -327,26 +399,42 @@ def build_kernel(cfg: Bf16TileConfig):
         stage = 0
         for t0 in range(kbeg, kend, N):
             kv = KV_OFF + stage * TILE_WORDS
-            cp_async_wait_all()
+            if STAGES == 2:
+                cp_async_wait_all()
+            else:
+                cp_async_wait_1()   # all but the newest group: tile t0's
             cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
-            if t0 + N < kend:   # prefetch the next tile into the other buffer
-                stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
-                           kend, tid, lat_src, rope_src)
+            if STAGES == 2:
+                if t0 + N < kend:   # prefetch the next tile into the other buffer
+                    stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
+                               kend, tid, lat_src, rope_src)
+                    cp_async_commit()
+            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
+                if t0 + 2 * N < kend:
+                    ahead = stage + 2 if stage == 0 else stage - 1
+                    stage_keys(smem, KV_OFF + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N,
+                               kend, tid, lat_src, rope_src)
                 cp_async_commit()
 
             for x in range(SN):
                 s[x] = ZERO
             k_tile = kv + k_at
             for p in range(PH):
-                qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at, p * Q_PANEL)
-                qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at, p * Q_PANEL + 128)
+                if FRAGQ:   # the A operands of steps 0 and 1 as loaded
+                    a0, a1, a2, a3 = ld_shared_words4(smem, q_at, p * 256)
+                    c0, c1, c2, c3 = ld_shared_words4(smem, q_at, p * 256 + 128)
+                else:       # rows g (qa) and g + 8 (qb), interleaved into the operands
+                    qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at, p * Q_PANEL)
+                    qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at, p * Q_PANEL + 128)
+                    a0, a1, a2, a3 = qa0, qb0, qa1, qb1
+                    c0, c1, c2, c3 = qa2, qb2, qa3, qb3
                 for nt in range(NT):
                     k0, k1, k2, k3 = ld_shared_words4(smem, k_tile, p * K_PANEL + 128 * nt)
                     o = 4 * nt
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
-                        qa0, qb0, qa1, qb1, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
+                        a0, a1, a2, a3, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
-                        qa2, qb2, qa3, qb3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
+                        c0, c1, c2, c3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
             for x in range(SN):  # leave this half's scores for the partner warp
                 xch[xch_mine + 32 * x] = s[x]
             cuda.syncthreads()
@@ -419,7 +507,10 @@ def build_kernel(cfg: Bf16TileConfig):
                     pv_word(acc, o + 8, a0, a1, a2, a3, x1, y1, z1, w1)
                     pv_word(acc, o + 16, a0, a1, a2, a3, x2, y2, z2, w2)
                     pv_word(acc, o + 24, a0, a1, a2, a3, x3, y3, z3, w3)
-            stage = 1 - stage
+            if STAGES == 2:
+                stage = 1 - stage
+            else:
+                stage = 0 if stage == 2 else stage + 1
         cp_async_wait_all()  # nothing may be in flight when the block exits
 
         # epilogue: normalised u (one split) or the split's partial output and (max, sum)
