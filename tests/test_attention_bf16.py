@@ -448,3 +448,29 @@ def test_bf16_kernel_at_kimi_widths(name, prefix, n, kind):
     want = ref.mla_attention(**sub)
     err = np.abs(outs[64][want_rows] - want).max()
     assert err <= ref.bf16_error_bound(**sub), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, prefix, n, kind", [
+    ("decode bs 8 prefix 4096", [4096, 4096, 4000, 129, 31, 0, 2048, 4096], 1, "causal"),
+    ("verify bs 2 n 65", [1000, 3], 65, "tree"),
+])
+def test_bf16_layouts_give_the_packages_bits_at_kimi_widths(name, prefix, n, kind,
+                                                            monkeypatch):
+    """dev/cuda/attention.py's decode layouts (issue 38) on the H200's 32-key tiles, against
+    the package's layout: the same bits, within the bound (a sample of requests)."""
+    from kdtree_numba.attention import MlaAttentionPlan, plan
+    rng = np.random.default_rng(11)
+    prob = kimi_problem(rng, prefix, n, _visible(rng, kind, len(prefix), n))
+    outs = {}
+    for layout in (plan.BF16_VARIANT,) + BF16_LAYOUT_NAMES:
+        monkeypatch.setitem(plan.BF16_LAYOUTS, layout, _dev_bf16_layouts().get(layout, {}))
+        monkeypatch.setattr(plan, "BF16_LAYOUT", layout)
+        p = MlaAttentionPlan(len(prefix), n, H, R, DR, prob["ckv"].shape[1], bf16_cache=True)
+        outs[layout] = p(**prob, causal=kind == "causal").copy_to_host()
+    for layout in BF16_LAYOUT_NAMES:
+        assert outs[layout].tobytes() == outs[plan.BF16_VARIANT].tobytes(), layout
+    sub = {k: (v[:2] if k in ("q_abs", "q_pe", "ckv", "kpe", "prefix_len", "visible") else v)
+           for k, v in prob.items()}
+    err = np.abs(outs[plan.BF16_VARIANT][:2] - ref.mla_attention(**sub)).max()
+    assert err <= ref.bf16_error_bound(**sub), err
