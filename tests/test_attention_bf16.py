@@ -107,6 +107,32 @@ def test_the_kernels_shared_loads_are_free_of_bank_conflicts(keys):
     assert not _phases_conflict_free(addr, 4)
 
 
+@pytest.mark.parametrize("keys", [16, 32])
+def test_ldsm_values_rows_are_the_p_fragments_keys_and_free_of_bank_conflicts(keys):
+    """ldsm_values: lane (m, r) of ldmatrix.x4.trans addresses key row 8 (m & 1) + key_row(r)
+    (the P fragment's k order) of value chunk 2 half + (m >> 1) in key_word's layout; one
+    matrix's 8 rows (a phase) fall in 8 bank quads there, and the score loads stay conflict
+    free; in tile_word's layout the same rows would collide."""
+    from kdtree_numba.attention.bf16 import key_row, key_word, ldsm_value_word, tile_word
+    assert sorted(key_word(keys, r, c) for r in range(keys) for c in range(0, 64, 2)) == \
+        list(range(keys * 32))
+    for half in range(2):
+        rows = [(8 * ((lane >> 3) & 1) + key_row(lane & 7), 8 * (2 * half + (lane >> 4)))
+                for lane in range(32)]
+        assert [ldsm_value_word(keys, lane, half) for lane in range(32)] == \
+            [key_word(keys, r, c) for r, c in rows]
+        for ks in range(keys // 16):
+            for word in (key_word, tile_word):
+                addr = [word(keys, 16 * ks + r, c + 32 * p) for r, c in rows for p in (0,)]
+                ok = all(_phases_conflict_free(addr[8 * m:8 * m + 8] * 4, 4)
+                         for m in range(4))
+                assert ok == (word is key_word)
+    lanes = [(lane // 4, lane % 4) for lane in range(32)]
+    for nt in range(keys // 8):
+        assert _phases_conflict_free([key_word(keys, 8 * nt + key_row(g), 8 * t)
+                                      for g, t in lanes], 4)
+
+
 @pytest.mark.parametrize("panels, rows", [(9, 64), (2, 32), (3, 16)])
 def test_query_words_cover_the_tile_once_and_load_as_a_operands(panels, rows):
     """The fragment-order query tile (frag_queries): a bijection onto the row layout's words;
@@ -355,13 +381,12 @@ LAYOUT_CASES = [
     ("r 24: chunks dealt round-robin", [37], 2, "tree", 2, 24, 8, None, None, None),
     ("two row groups a block", [21], 4, "tree", 8, 32, 8, None, None, 32),
 ]
-# every case for all switches together; each switch alone where it has the most to get wrong
+# every case for all switches together; each switch alone (and fast, all but ldsm_values)
+# where it has the most to get wrong
+ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
+            "ldsm": "tree verify, 3 splits", "fast": "causal prefill, 32-key tiles"}
 LAYOUT_RUNS = [(layout, case) for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
-               if len(_dev_bf16_layouts()[layout]) > 1 or case[0] in {
-                   "frag_queries": ("decode", "two row groups a block"),
-                   "lean_staging": ("decode", "tree verify, 3 splits"),
-                   "stages": ("decode", "causal prefill, 32-key tiles"),
-               }[next(iter(_dev_bf16_layouts()[layout]))]]
+               if layout == "all" or ONE_CASE.get(layout) == case[0]]
 _PACKAGE_BITS: dict = {}
 
 
@@ -403,6 +428,7 @@ def test_bf16_layouts_are_named_and_checked(monkeypatch):
     assert plan.bf16_tile_config(512, 64) == plan.Bf16TileConfig(512, 64, keys=plan.BF16_KEYS)
     with pytest.raises(ValueError, match="unknown bf16 attention layout 'nope'"):
         plan.bf16_tile_config(512, 64, layout="nope")
+    assert set(BF16_LAYOUT_NAMES) == set(ONE_CASE) | {"all"}    # each one is run above
     for fields in _dev_bf16_layouts().values():   # every candidate fits Kimi's widths
         cfg = plan.Bf16TileConfig(512, 64, keys=32, **fields).validate()
         assert cfg.smem_bytes() <= plan.MAX_SHARED_BYTES

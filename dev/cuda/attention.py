@@ -68,12 +68,15 @@ LAYOUTS = {
 #        layout interleaves two loads into it: 240 register moves a tile and warp at sm_90);
 # lean:  whole key tiles staged without the per-chunk clamp and size select;
 # s3:    three key buffers, two tiles in flight (cp.async.wait_group 1);
-# fast:  all three.
+# ldsm:  the P V operands by ldmatrix.trans, no byte permutes (key tiles swizzled by 2 bits);
+# fast:  fragq, lean and s3; all: the four.
 BF16_LAYOUTS = {
     "fragq": dict(frag_queries=True),
     "lean": dict(lean_staging=True),
     "s3": dict(stages=3),
+    "ldsm": dict(ldsm_values=True),
     "fast": dict(frag_queries=True, lean_staging=True, stages=3),
+    "all": dict(frag_queries=True, lean_staging=True, stages=3, ldsm_values=True),
 }
 
 

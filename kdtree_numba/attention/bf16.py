@@ -32,7 +32,7 @@ the measurements.  In short:
   makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
   64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
 
-Three layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
+Four layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
 operands reach the mma, never which values or in what order, so every layout gives the same
 bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  ``frag_queries``: the query tile in
 A-fragment order (:func:`query_word`), so that lane (g, t)'s one 128-bit load per k16 step is
@@ -42,7 +42,12 @@ tile and warp, more than the 72 mma and 54 loads of the scores.  ``lean_staging`
 whose keys all lie before the split's end is copied without the per-chunk clamp and size
 select, one 64-bit add per chunk (the row layout's staging: 176 instructions for 9 copies).
 ``stages`` 3: a ring of three key buffers, two tiles in flight during a tile's compute
-(``cp.async.wait_group 1``).
+(``cp.async.wait_group 1``).  ``ldsm_values``: the P V B operands by ``ldmatrix.x4.trans``
+(:func:`ldsm_value_word`) instead of 128-bit loads paired by 128 byte permutes a tile; n-tile j
+of a value group is then its 8 consecutive columns 8j .. 8j + 7 (an output element's
+products and their order do not change, only the n-slot that holds it), and the key tiles
+swizzle their chunks by bits 1-2 of the row (:func:`key_word`) so that a matrix's 8 rows
+are conflict free.
 
 Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
 block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
@@ -65,7 +70,8 @@ from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_h
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
-__all__ = ["build_kernel", "key_row", "tile_word", "query_word"]
+__all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
+           "ldsm_value_word"]
 
 
 def key_row(n):
@@ -88,6 +94,28 @@ def tile_word(rows, row, col):
     return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ (row & 2)) + ((col & 7) >> 1)
 
 
+def key_word(rows, row, col):
+    """:func:`tile_word` with a row's chunks swizzled by bits 1-2 of the row (the key tiles of
+    ``ldsm_values``): one chunk of 8 consecutive rows, what an ldmatrix matrix reads, then
+    falls in 8 different bank quads, where tile_word puts rows r and r + 4 in one."""
+    chunk = (col & 31) >> 3
+    return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ ((row >> 1) & 3)) + ((col & 7) >> 1)
+
+
+def ldsm_value_word(keys, lane, half):
+    """Word (:func:`key_word`) of the 16-byte row ``lane`` gives ``ldmatrix.x4.trans`` for
+    the values of a k16 step (``ldsm_values``), chunks 2 half and 2 half + 1 of a panel:
+    matrix m = lane >> 3 holds keys 8 (m & 1) .. + 7 of the step in the P fragment's order
+    (tile row :func:`key_row` (lane & 7)) and value chunk 2 half + (m >> 1), so the four
+    registers are B operands b0, b1 of n-tile 2 half (8 consecutive columns) and of the
+    next."""
+    m, r = lane >> 3, lane & 7
+    row = 8 * (m & 1) + ((r >> 1) ^ (r & 1)) + 4 * (r & 1)
+    return (row << 4) + 4 * ((2 * half + (m >> 1)) ^ ((row >> 1) & 3))
+    # = key_word(keys, 8 (m & 1) + key_row(r), 8 (2 half + (m >> 1))), written out: a device
+    # function calls no plain-Python function
+
+
 def query_word(panels, row, col):
     """Word of query (row, column ``col``) in a fragment-order query tile (``frag_queries``)
     of rows of ``panels`` 32-column panels.  Per row group of 16 and panel, two blocks of 128
@@ -106,6 +134,8 @@ def query_word(panels, row, col):
 _key_row = inline_device_function(key_row)
 _tile_word = inline_device_function(tile_word)
 _query_word = inline_device_function(query_word)
+_key_word = inline_device_function(key_word)
+_ldsm_value_word = inline_device_function(ldsm_value_word)
 
 # One 16-byte chunk (8 bf16) of a cache row into the staged tile.  ``chunk_source(arr, b, col)``
 # is computed once per block: on the GPU the global address of arr[b, 0, col], so that a
@@ -126,6 +156,21 @@ if SIMULATOR:
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
         arr, b, col, row0 = source
         sim_copy_u16x8(smem, word, arr, (b, row0 + row, col), nbytes)
+
+    def _ldsm_values(smem, base, own, offset, lane, keys, half):
+        """What ldmatrix.x4.trans gives ``lane`` (register m: column g of rows 2t, 2t + 1 of
+        matrix m), each row at the address its lane gives (``ldsm_value_word``): ``base`` is
+        this lane's, ``own`` its ldsm_value_word."""
+        g, t = lane >> 2, lane & 3
+        regs = []
+        for m in range(4):
+            pair = []
+            for r in (2 * t, 2 * t + 1):
+                word = smem[base - own + ldsm_value_word(keys, 8 * m + r, half) + offset
+                            + (g >> 1)]
+                pair.append((int(word) >> (16 * (g & 1))) & 0xFFFF)
+            regs.append(np.uint32(pair[0] | (pair[1] << 16)))
+        return regs[0], regs[1], regs[2], regs[3]
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 
@@ -140,6 +185,12 @@ else:
     @inline_device_function
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
         cp_async16_raw(shared_address(smem, 0) + 4 * word, source + row * row_bytes, nbytes)
+
+    from kdtree_numba.gpu.memory import ldmatrix_x4_trans
+
+    @inline_device_function
+    def _ldsm_values(smem, base, own, offset, lane, keys, half):
+        return ldmatrix_x4_trans(smem, base, offset)
 
 
 def build_kernel(cfg: Bf16TileConfig):
@@ -172,7 +223,8 @@ def build_kernel(cfg: Bf16TileConfig):
     TILE_WORDS = N * cfg.row_words
     Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
-    FRAGQ, LEAN = cfg.frag_queries, cfg.lean_staging
+    FRAGQ, LEAN, LDSM = cfg.frag_queries, cfg.lean_staging, cfg.ldsm_values
+    kword = _key_word if LDSM else _tile_word      # the key tiles' layout
     PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
@@ -199,15 +251,15 @@ def build_kernel(cfg: Bf16TileConfig):
             i0 = tid // CR
             src = _advance(lat_src, first + i0, ckv.strides[1])
             for s in range(LAT_SLOTS):
-                _copy_chunk(smem, at + _tile_word(N, i0 + s * LAT_STEP, 8 * (tid % CR)), src,
+                _copy_chunk(smem, at + kword(N, i0 + s * LAT_STEP, 8 * (tid % CR)), src,
                             0, ckv.strides[1], int32(16))
                 src = _advance(src, LAT_STEP, ckv.strides[1])
             i0 = tid // CP
             src = _advance(rope_src, first + i0, kpe.strides[1])
             for s in range(ROPE_SLOTS):
                 if N * CP >= T or i0 < N:
-                    _copy_chunk(smem, at + _tile_word(N, i0 + s * ROPE_STEP,
-                                                      8 * (CR + tid % CP)),
+                    _copy_chunk(smem, at + kword(N, i0 + s * ROPE_STEP,
+                                                 8 * (CR + tid % CP)),
                                 src, 0, kpe.strides[1], int32(16))
                 src = _advance(src, ROPE_STEP, kpe.strides[1])
             return
@@ -217,7 +269,7 @@ def build_kernel(cfg: Bf16TileConfig):
                 i = tid // CR + s * LAT_STEP
                 key = first + i
                 nbytes = int32(16) if key < limit else int32(0)
-                _copy_chunk(smem, at + _tile_word(N, i, 8 * q), lat_src,
+                _copy_chunk(smem, at + kword(N, i, 8 * q), lat_src,
                             min(key, limit - 1), ckv.strides[1], nbytes)
             q = tid % CP
             for s in range(ROPE_SLOTS):
@@ -225,7 +277,7 @@ def build_kernel(cfg: Bf16TileConfig):
                 if N * CP >= T or i < N:
                     key = first + i
                     nbytes = int32(16) if key < limit else int32(0)
-                    _copy_chunk(smem, at + _tile_word(N, i, 8 * (CR + q)), rope_src,
+                    _copy_chunk(smem, at + kword(N, i, 8 * (CR + q)), rope_src,
                                 min(key, limit - 1), kpe.strides[1], nbytes)
             return
         for s in range(-(-N * CH // T)):
@@ -234,7 +286,7 @@ def build_kernel(cfg: Bf16TileConfig):
                 i, q = f // CH, f % CH
                 key = min(first + i, limit - 1)
                 nbytes = int32(16) if first + i < limit else int32(0)
-                w = at + _tile_word(N, i, 8 * q)
+                w = at + kword(N, i, 8 * q)
                 if q < CR:
                     _copy_chunk(smem, w, _chunk_source(ckv, b, 8 * q), key, ckv.strides[1],
                                 nbytes)
@@ -248,7 +300,7 @@ def build_kernel(cfg: Bf16TileConfig):
         writes them."""
         for f in range(tid, STAGES * N * (CH - CD), T):
             i, q = f // (CH - CD), CD + f % (CH - CD)
-            w = KV_OFF + _tile_word(N, i % N, 8 * q) + (i // N) * TILE_WORDS
+            w = KV_OFF + kword(N, i % N, 8 * q) + (i // N) * TILE_WORDS
             smem[w] = smem[w + 1] = smem[w + 2] = smem[w + 3] = uint32(0)
 
     @inline_device_function
@@ -326,6 +378,14 @@ def build_kernel(cfg: Bf16TileConfig):
                     part_ml[b, split, row, 1] = l_run
             for grp in range(GROUPS):
                 group = kh * GROUPS + grp
+                if LDSM:    # n-tile j: columns 8 j .. 8 j + 7 of the group, 2t and 2t + 1 here
+                    for j in range(8):
+                        col = 64 * group + 8 * j + 2 * t
+                        o = 32 * grp + 4 * j + 2 * h
+                        if group < VG and col < R:
+                            dst[col] = acc[o] * scale
+                            dst[col + 1] = acc[o + 1] * scale
+                    continue
                 col = 64 * group + 16 * t
                 for c in range(2):
                     for half in range(2):
@@ -381,10 +441,12 @@ def build_kernel(cfg: Bf16TileConfig):
         q_at = Q_OFF + _tile_word(M, 16 * rg + g, score_col)
         if FRAGQ:   # lane's words of panel kh PH (step 0's block), panels 256 words apart
             q_at = Q_OFF + (rg * PANELS + kh * PH) * 256 + 4 * lane
-        k_at = _tile_word(N, _key_row(g), score_col)
+        k_at = kword(N, _key_row(g), score_col)
         v_at0 = _tile_word(N, _key_row(2 * t), 8 * g)
         v_at1 = _tile_word(N, _key_row(2 * t + 1), 8 * g)
         v_first = kh * GROUPS
+        vl_at0 = _ldsm_value_word(N, lane, 0)     # ldsm_values: this lane's matrix rows
+        vl_at1 = _ldsm_value_word(N, lane, 1)
 
         acc = cuda.local.array(ACC, float32)
         for x in range(ACC):
@@ -490,9 +552,31 @@ def build_kernel(cfg: Bf16TileConfig):
             l_a = l_a * alpha_a + sum_a
             l_b = l_b * alpha_b + sum_b
 
+            if LDSM:    # B operands by ldmatrix.trans: n-tile j = 8 consecutive columns
+                vb0 = kv + vl_at0 + v_first * V_GROUP
+                vb1 = kv + vl_at1 + v_first * V_GROUP
+                for ks in range(KS):
+                    a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
+                    for grp in range(GROUPS):
+                        at = 256 * ks + grp * V_GROUP
+                        if CLAMP:
+                            at += (min(v_first + grp, VG - 1) - v_first - grp) * V_GROUP
+                        for jp in range(4):     # n-tiles 2 jp, 2 jp + 1
+                            vb, own = (vb0, vl_at0) if jp % 2 == 0 else (vb1, vl_at1)
+                            b0, b1, b2, b3 = _ldsm_values(smem, vb, own,
+                                                          at + (jp >> 1) * K_PANEL, lane, N,
+                                                          jp % 2)
+                            o = 32 * grp + 8 * jp
+                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                                a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2],
+                                acc[o + 3])
+                            acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
+                                a0, a1, a2, a3, b2, b3, acc[o + 4], acc[o + 5], acc[o + 6],
+                                acc[o + 7])
             v_tile0 = kv + v_at0 + v_first * V_GROUP
             v_tile1 = kv + v_at1 + v_first * V_GROUP
-            for ks in range(KS):  # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8)
+            # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8); none under LDSM
+            for ks in range(0 if LDSM else KS):
                 a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
                 for grp in range(GROUPS):
                     at = 256 * ks + grp * V_GROUP
