@@ -384,7 +384,8 @@ LAYOUT_CASES = [
 # every case for all switches together; each switch alone (and fast, all but ldsm_values)
 # where it has the most to get wrong
 ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
-            "ldsm": "tree verify, 3 splits", "fast": "causal prefill, 32-key tiles"}
+            "ldsm": "tree verify, 3 splits", "vxch": "two row groups a block",
+            "fast": "causal prefill, 32-key tiles"}
 LAYOUT_RUNS = [(layout, case) for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
                if layout == "all" or ONE_CASE.get(layout) == case[0]]
 _PACKAGE_BITS: dict = {}
