@@ -7,9 +7,12 @@ reference's bf16 rounding against a bit oracle; the kernel itself on the simulat
 emulated by ``block_uniform_mma_bf16``) within ``bf16_error_bound`` on decode, tree verify with
 key splits, causal prefill, ragged and empty rows and four widths, with a check that the bound
 still catches a one-bit mask error; the rounded-sum normalisation (equal value rows come back
-to the last bits); batch invariance; the plan's and the reference's type errors.
+to the last bits); batch invariance; the plan's and the reference's type errors; the decode
+layouts of dev/cuda/attention.py (issue 38: fragment-order queries, lean staging, three key
+stages, ldmatrix.trans values, a 128-bit exchange), each giving the package layout's bits.
 On the GPU (marker ``gpu``): Kimi widths (H 64, r 512, dr 64) on decode bs 64 prefix 4096,
-verify and causal prefill, every block height giving the same bits.
+verify and causal prefill, every block height giving the same bits; every layout the
+package layout's bits on decode and verify.
 """
 from __future__ import annotations
 
