@@ -7,9 +7,12 @@ reference's bf16 rounding against a bit oracle; the kernel itself on the simulat
 emulated by ``block_uniform_mma_bf16``) within ``bf16_error_bound`` on decode, tree verify with
 key splits, causal prefill, ragged and empty rows and four widths, with a check that the bound
 still catches a one-bit mask error; the rounded-sum normalisation (equal value rows come back
-to the last bits); batch invariance; the plan's and the reference's type errors.
+to the last bits); batch invariance; the plan's and the reference's type errors; the decode
+layouts of dev/cuda/attention.py (issue 38: fragment-order queries, lean staging, three key
+stages, ldmatrix.trans values, a 128-bit exchange), each giving the package layout's bits.
 On the GPU (marker ``gpu``): Kimi widths (H 64, r 512, dr 64) on decode bs 64 prefix 4096,
-verify and causal prefill, every block height giving the same bits.
+verify and causal prefill, every block height giving the same bits; every layout the
+package layout's bits on decode and verify.
 """
 from __future__ import annotations
 
@@ -105,6 +108,57 @@ def test_the_kernels_shared_loads_are_free_of_bank_conflicts(keys):
     # the check itself catches a conflict: natural key order (rows 2t) collides
     addr = [tile_word(keys, 2 * t, 8 * g) for g, t in lanes]
     assert not _phases_conflict_free(addr, 4)
+
+
+@pytest.mark.parametrize("keys", [16, 32])
+def test_ldsm_values_rows_are_the_p_fragments_keys_and_free_of_bank_conflicts(keys):
+    """ldsm_values: lane (m, r) of ldmatrix.x4.trans addresses key row 8 (m & 1) + key_row(r)
+    (the P fragment's k order) of value chunk 2 half + (m >> 1) in key_word's layout; one
+    matrix's 8 rows (a phase) fall in 8 bank quads there, and the score loads stay conflict
+    free; in tile_word's layout the same rows would collide."""
+    from kdtree_numba.attention.bf16 import key_row, key_word, ldsm_value_word, tile_word
+    assert sorted(key_word(keys, r, c) for r in range(keys) for c in range(0, 64, 2)) == \
+        list(range(keys * 32))
+    for half in range(2):
+        rows = [(8 * ((lane >> 3) & 1) + key_row(lane & 7), 8 * (2 * half + (lane >> 4)))
+                for lane in range(32)]
+        assert [ldsm_value_word(keys, lane, half) for lane in range(32)] == \
+            [key_word(keys, r, c) for r, c in rows]
+        for ks in range(keys // 16):
+            for word in (key_word, tile_word):
+                addr = [word(keys, 16 * ks + r, c + 32 * p) for r, c in rows for p in (0,)]
+                ok = all(_phases_conflict_free(addr[8 * m:8 * m + 8] * 4, 4)
+                         for m in range(4))
+                assert ok == (word is key_word)
+    lanes = [(lane // 4, lane % 4) for lane in range(32)]
+    for nt in range(keys // 8):
+        assert _phases_conflict_free([key_word(keys, 8 * nt + key_row(g), 8 * t)
+                                      for g, t in lanes], 4)
+
+
+@pytest.mark.parametrize("panels, rows", [(9, 64), (2, 32), (3, 16)])
+def test_query_words_cover_the_tile_once_and_load_as_a_operands(panels, rows):
+    """The fragment-order query tile (frag_queries): a bijection onto the row layout's words;
+    lane (g, t)'s 128-bit load of block h (panel p, row group rg) is the m16n8k16 A operand
+    the row layout builds from rows g and g + 8 (their words 4t + 2h, 4t + 2h + 1, bf16 column
+    pairs 2 word, 2 word + 1); a warp's load spans 512 consecutive bytes (conflict free)."""
+    from kdtree_numba.attention.bf16 import query_word
+    words = [query_word(panels, row, col) for row in range(rows)
+             for col in range(0, 32 * panels, 2)]
+    assert sorted(words) == list(range(rows * 16 * panels))
+    assert all(query_word(panels, 3, c) == query_word(panels, 3, c + 1)
+               for c in range(0, 32 * panels, 2))
+    for rg in range(rows // 16):
+        for p in range(panels):
+            for h in range(2):
+                base = ((rg * panels + p) * 2 + h) * 128
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    word = 16 * p + 4 * t + 2 * h         # row-relative word of a0 and a1
+                    want = [(g, word), (g + 8, word), (g, word + 1), (g + 8, word + 1)]
+                    got = [query_word(panels, 16 * rg + r, 2 * w) for r, w in want]
+                    assert got == [base + 4 * lane + j for j in range(4)]
+                assert _phases_conflict_free([base + 4 * lane for lane in range(32)], 4)
 
 
 # ------------------------------------------------------------------ the reference's bf16
@@ -306,6 +360,86 @@ def test_bf16_tiles_fit_every_model_width_and_pad_to_whole_panels():
     assert not bf16_fits(12, 4)                       # rows of 16-byte chunks only
 
 
+# ------------------------------------------------------------------ layouts (issue 38)
+
+def _dev_bf16_layouts() -> dict:
+    """dev/cuda/attention.py's bf16 layouts, the candidates tools/bench_attention.py times."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "dev" / "cuda" / "attention.py"
+    spec = importlib.util.spec_from_file_location("dev_cuda_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BF16_LAYOUTS
+
+
+BF16_LAYOUT_NAMES = tuple(_dev_bf16_layouts())
+LAYOUT_CASES = [
+    # name, prefix, n, visible kind, heads, r, dr, keys_per_split, tile keys, rows
+    # 16-key tiles: request 0's 4 tiles wrap a 3-buffer ring; its last tile is partial; a
+    # thread copies two latent chunks of a tile (16 keys x 8 chunks on 64 threads)
+    ("decode", [50, 0, 9], 1, "causal", 4, 64, 8, None, None, None),
+    ("tree verify, 3 splits", [20, 5], 5, "tree", 4, 64, 16, 16, None, None),
+    ("causal prefill, 32-key tiles", [40], 8, "causal", 2, 32, 8, None, 32, None),
+    ("r 24: chunks dealt round-robin", [37], 2, "tree", 2, 24, 8, None, None, None),
+    ("two row groups a block", [21], 4, "tree", 8, 32, 8, None, None, 32),
+]
+# every case for all switches together; each switch alone (and fast, all but ldsm_values)
+# where it has the most to get wrong
+ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
+            "ldsm": "tree verify, 3 splits", "vxch": "two row groups a block",
+            "fast": "causal prefill, 32-key tiles"}
+LAYOUT_RUNS = [(layout, case) for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
+               if layout == "all" or ONE_CASE.get(layout) == case[0]]
+_PACKAGE_BITS: dict = {}
+
+
+def _layout_run(monkeypatch, case, layout):
+    from kdtree_numba.attention import MlaAttentionPlan, plan
+    name, prefix, n, kind, heads, r, dr, kps, keys, rows = case
+    rng = np.random.default_rng(len(name))
+    prob = problem(rng, prefix, n, _visible(rng, kind, len(prefix), n), heads, r, dr)
+    if keys:
+        monkeypatch.setattr(plan, "BF16_KEYS", keys)
+    fields = _dev_bf16_layouts().get(layout, {})
+    monkeypatch.setitem(plan.BF16_LAYOUTS, layout, fields)
+    monkeypatch.setattr(plan, "BF16_LAYOUT", layout)
+    p = MlaAttentionPlan(len(prefix), n, heads, r, dr, prob["ckv"].shape[1],
+                         keys_per_split=kps, rows=rows, bf16_cache=True)
+    assert all(getattr(p.cfg, k) == v for k, v in fields.items())     # the layout ran
+    return prob, p(**prob, causal=kind == "causal").copy_to_host()
+
+
+@pytest.mark.parametrize("layout, case", LAYOUT_RUNS,
+                         ids=[f"{layout}-{case[0]}" for layout, case in LAYOUT_RUNS])
+def test_every_bf16_layout_gives_the_packages_bits(layout, case, needs_kernels, monkeypatch):
+    """The decode layouts (queries in fragment order, lean staging, three key stages) move
+    the same operands into the same mma sequence as the package's layout: the same bits
+    (hence the same batch invariance), on decode, split verify, a causal prefill with 32-key
+    tiles, round-robin staging and a block of two row groups."""
+    from kdtree_numba.attention import plan
+    if case[0] not in _PACKAGE_BITS:
+        with monkeypatch.context() as m:
+            _PACKAGE_BITS[case[0]] = _layout_run(m, case, plan.BF16_VARIANT)[1]
+    prob, got = _layout_run(monkeypatch, case, layout)
+    assert got.tobytes() == _PACKAGE_BITS[case[0]].tobytes()
+    assert np.abs(got - ref.mla_attention(**prob)).max() <= ref.bf16_error_bound(**prob)
+
+
+def test_bf16_layouts_are_named_and_checked(monkeypatch):
+    from kdtree_numba.attention import plan
+    assert list(plan.BF16_LAYOUTS) == [plan.BF16_VARIANT] and plan.BF16_LAYOUT == "bf16"
+    assert plan.bf16_tile_config(512, 64) == plan.Bf16TileConfig(512, 64, keys=plan.BF16_KEYS)
+    with pytest.raises(ValueError, match="unknown bf16 attention layout 'nope'"):
+        plan.bf16_tile_config(512, 64, layout="nope")
+    assert set(BF16_LAYOUT_NAMES) == set(ONE_CASE) | {"all"}    # each one is run above
+    for fields in _dev_bf16_layouts().values():   # every candidate fits Kimi's widths
+        cfg = plan.Bf16TileConfig(512, 64, keys=32, **fields).validate()
+        assert cfg.smem_bytes() <= plan.MAX_SHARED_BYTES
+    with pytest.raises(ValueError, match="2 or 3 stages"):
+        plan.Bf16TileConfig(32, 8, stages=4).validate()
+
+
 # ------------------------------------------------------------------ the GPU at Kimi widths
 
 H, R, DR = 64, 512, 64
@@ -343,4 +477,30 @@ def test_bf16_kernel_at_kimi_widths(name, prefix, n, kind):
                else v) for k, v in prob.items()}
     want = ref.mla_attention(**sub)
     err = np.abs(outs[64][want_rows] - want).max()
+    assert err <= ref.bf16_error_bound(**sub), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, prefix, n, kind", [
+    ("decode bs 8 prefix 4096", [4096, 4096, 4000, 129, 31, 0, 2048, 4096], 1, "causal"),
+    ("verify bs 2 n 65", [1000, 3], 65, "tree"),
+])
+def test_bf16_layouts_give_the_packages_bits_at_kimi_widths(name, prefix, n, kind,
+                                                            monkeypatch):
+    """dev/cuda/attention.py's decode layouts (issue 38) on the H200's 32-key tiles, against
+    the package's layout: the same bits, within the bound (a sample of requests)."""
+    from kdtree_numba.attention import MlaAttentionPlan, plan
+    rng = np.random.default_rng(11)
+    prob = kimi_problem(rng, prefix, n, _visible(rng, kind, len(prefix), n))
+    outs = {}
+    for layout in (plan.BF16_VARIANT,) + BF16_LAYOUT_NAMES:
+        monkeypatch.setitem(plan.BF16_LAYOUTS, layout, _dev_bf16_layouts().get(layout, {}))
+        monkeypatch.setattr(plan, "BF16_LAYOUT", layout)
+        p = MlaAttentionPlan(len(prefix), n, H, R, DR, prob["ckv"].shape[1], bf16_cache=True)
+        outs[layout] = p(**prob, causal=kind == "causal").copy_to_host()
+    for layout in BF16_LAYOUT_NAMES:
+        assert outs[layout].tobytes() == outs[plan.BF16_VARIANT].tobytes(), layout
+    sub = {k: (v[:2] if k in ("q_abs", "q_pe", "ckv", "kpe", "prefix_len", "visible") else v)
+           for k, v in prob.items()}
+    err = np.abs(outs[plan.BF16_VARIANT][:2] - ref.mla_attention(**sub)).max()
     assert err <= ref.bf16_error_bound(**sub), err

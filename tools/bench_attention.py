@@ -13,7 +13,9 @@ last lines name the fastest variant per shape and the one with the best worst-ca
 The max |difference| from the CuPy result shows each kernel's accuracy.  A variant that fails
 is reported, not fatal.
 
-Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles): the same
+Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles; and
+``--bf16-layouts``, default every name in ``plan.BF16_LAYOUTS``: the package's ``bf16``, and
+under ``dev/cuda/attention.py bench`` its candidates too, which give the same bits): the same
 shapes with the cache rounded to bf16, beside their own roof max(bytes / 4.1 TB/s, FLOPs /
 660 TFLOP/s: mma.sync bf16 on the H200), the share of HBM bandwidth they reach (issue 15's goal:
 decode bs 64 prefix 4096 >= 60%), and their max |difference| from the CuPy composition over the
@@ -175,8 +177,8 @@ def run_shape(cp, kernels, rng, name, bs, n, prefix, prev_cupy, prev_ours, reps,
     return rows
 
 
-def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
-    """The bf16 kernel on one shape, one row per key-tile size."""
+def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layouts=None):
+    """The bf16 kernel on one shape, one row per (layout, key-tile size)."""
     from kdtree_numba.attention import plan as plans
     from kdtree_numba.backends import bf16_bits
     sets = [dict(a, ckv=bf16_bits(cp, a["ckv"]), kpe=bf16_bits(cp, a["kpe"]))
@@ -195,11 +197,11 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
     out = cp.empty((bs, n, H, R), cp.float32)
     out_view = kernels.to_device(out)
     roof, flops, nbytes = bf16_roof_ms(bs, n, prefix)
-    rows, default_keys = [], plans.BF16_KEYS
-    for keys in keys_list:
-        row = dict(shape=name, variant=f"bf16 k{keys}", bs=bs, n=n, prefix=prefix,
+    rows, default_keys, default_layout = [], plans.BF16_KEYS, plans.BF16_LAYOUT
+    for layout, keys in [(x, k) for x in layouts or plans.BF16_LAYOUTS for k in keys_list]:
+        row = dict(shape=name, variant=f"{layout} k{keys}", bs=bs, n=n, prefix=prefix,
                    roof_ms=roof, flops=flops, bytes=nbytes, tolerance=tolerance)
-        plans.BF16_KEYS = keys
+        plans.BF16_KEYS, plans.BF16_LAYOUT = keys, layout
         try:
             plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
                                             bf16_cache=True)
@@ -218,7 +220,7 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list):
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
-            plans.BF16_KEYS = default_keys
+            plans.BF16_KEYS, plans.BF16_LAYOUT = default_keys, default_layout
         rows.append(row)
     return rows
 
@@ -275,6 +277,9 @@ def main(argv=None) -> int:
                         "'none' times only the bf16 cache)")
     parser.add_argument("--bf16-keys", default="32,16",
                         help="key tiles of the bf16 cache's kernel to time ('' for none)")
+    parser.add_argument("--bf16-layouts", default=None,
+                        help="comma-separated names of plan.BF16_LAYOUTS to time (default: "
+                        "all; dev/cuda/attention.py bench adds its candidates)")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -292,6 +297,13 @@ def main(argv=None) -> int:
     if variants == ["none"]:
         variants = []
     bf16_keys = [int(k) for k in args.bf16_keys.split(",") if k]
+    from kdtree_numba.attention import plan as plans
+    bf16_layouts = args.bf16_layouts.split(",") if args.bf16_layouts else list(
+        plans.BF16_LAYOUTS)
+    unknown = [x for x in bf16_layouts if x not in plans.BF16_LAYOUTS]
+    if unknown:
+        parser.error(f"unknown bf16 layout {unknown[0]!r}; have {', '.join(plans.BF16_LAYOUTS)}"
+                     " (dev/cuda/attention.py bench registers the candidates)")
     rng = np.random.default_rng(0)
     rows, bf16_rows = [], []
     for shape in SHAPES:
@@ -300,7 +312,7 @@ def main(argv=None) -> int:
             cp.get_default_memory_pool().free_all_blocks()
         if bf16_keys:
             bf16_rows += run_shape_bf16(cp, kernels, rng, *shape[:4], reps=args.reps,
-                                        keys_list=bf16_keys)
+                                        keys_list=bf16_keys, layouts=bf16_layouts)
             cp.get_default_memory_pool().free_all_blocks()
     print_table(rows)
     best, default, worst = summarize(rows, variants)

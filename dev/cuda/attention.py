@@ -3,6 +3,7 @@
 
     python3 dev/cuda/attention.py check [--variants tf32x3,pipe16,...] [--bs 3] [--n 9]
         [--prefixes 0,5,200] [--heads 64] [--r 512] [--dr 64] [--tree DIR]
+    python3 dev/cuda/attention.py check --bf16 [--variants bf16,fragq,...] [the same options]
     python3 dev/cuda/attention.py bench [tools/bench_attention.py's arguments]
 
 The package ships two kernels (``kdtree_numba.attention.VARIANTS``): the 3xTF32 tensor-core
@@ -21,6 +22,12 @@ kdtree_numba reference | tar -x -C DIR``), and each line names the package direc
 imported, so a bisect cannot test this checkout by mistake.  Kimi widths by default (a GPU);
 ``--heads 2 --r 64 --dr 16`` is small enough for the CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, FFMA layouts only).
+
+``check --bf16`` runs the bf16 cache's kernel in each of its layouts (``plan.BF16_LAYOUTS``:
+the package's ``bf16`` and :data:`BF16_LAYOUTS`) over the same problem with the cache rounded
+to bf16: each line gives its maximum error beside ``bf16_error_bound`` and whether its output
+has the ``bf16`` layout's bits (every layout must: they differ only in how operands move).
+``bench`` times them (tools/bench_attention.py's bf16 table, a row per layout and key tile).
 """
 from __future__ import annotations
 
@@ -54,12 +61,36 @@ LAYOUTS = {
                    key_lanes=4, k_warps=2),
 }
 
+# Layouts of the bf16 cache's kernel (Bf16TileConfig switches; issue 38: decode at 29% of HBM).
+# Each moves the same operands into the same mma sequence, so each gives the package's bits
+# (tests/test_attention_bf16.py checks it in the simulator, ``check --bf16`` on a GPU):
+# fragq: the query tile in A-fragment order: one 128-bit load is an mma's A operand (the row
+#        layout interleaves two loads into it: 240 register moves a tile and warp at sm_90);
+# lean:  whole key tiles staged without the per-chunk clamp and size select;
+# s3:    three key buffers, two tiles in flight (cp.async.wait_group 1);
+# ldsm:  the P V operands by ldmatrix.trans, no byte permutes (key tiles swizzled by 2 bits);
+# vxch:  the score exchange in 128-bit stores and loads (4 + 4 a tile, not 16 + 16);
+# fast:  fragq, lean and s3; all: the five.
+BF16_LAYOUTS = {
+    "fragq": dict(frag_queries=True),
+    "lean": dict(lean_staging=True),
+    "s3": dict(stages=3),
+    "ldsm": dict(ldsm_values=True),
+    "vxch": dict(vec_exchange=True),
+    "fast": dict(frag_queries=True, lean_staging=True, stages=3),
+    "all": dict(frag_queries=True, lean_staging=True, stages=3, ldsm_values=True,
+                vec_exchange=True),
+}
+
 
 def register() -> dict:
-    """Add :data:`LAYOUTS` to the package's VARIANTS (this process only); returns VARIANTS."""
+    """Add :data:`LAYOUTS` to the package's VARIANTS and :data:`BF16_LAYOUTS` to its bf16
+    layouts (this process only); returns VARIANTS."""
     from kdtree_numba.attention import plan
     for name, layout in LAYOUTS.items():
         plan.VARIANTS.setdefault(name, layout)
+    for name, fields in BF16_LAYOUTS.items():
+        plan.BF16_LAYOUTS.setdefault(name, fields)
     return plan.VARIANTS
 
 
@@ -72,6 +103,7 @@ def run_one(spec: dict) -> str:
     from reference import attention as ref
     from reference.attention import tree_visible
     register()
+    layout = spec.get("bf16_layout")
 
     rng = np.random.default_rng(spec["seed"])
     prefixes = np.asarray(spec["prefixes"], np.int32)
@@ -84,10 +116,40 @@ def run_one(spec: dict) -> str:
                 ckv=rng.standard_normal((bs, slots, r)).astype(np.float32),
                 kpe=rng.standard_normal((bs, slots, dr)).astype(np.float32),
                 prefix_len=prefixes, visible=visible, tau=0.13)
+    if layout is not None:
+        return _run_bf16(kernels, ref, prob, layout)
     got = np.asarray(kernels.mla_attention(**prob, variant=spec["variant"]).copy_to_host())
     err = float(np.abs(got - ref.mla_attention(**prob, out_dtype=np.float64)).max())
     return (f"max error {err:.2e} (bound {ref.fp32_error_bound(**prob):.2e}) "
             f"[{Path(kernels.__file__).parents[1]}]")
+
+
+def _run_bf16(kernels, ref, prob, layout: str) -> str:
+    """The bf16 kernel in ``layout`` and in the package's layout on ``prob`` with its cache
+    rounded to bf16 bits: the error against the reference and whether the bits agree."""
+    import numpy as np
+
+    from kdtree_numba.attention import plan as plans
+
+    def bits(x):        # float32 -> bf16 bits, to nearest even (finite values)
+        b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    prob = dict(prob, ckv=bits(prob["ckv"]), kpe=bits(prob["kpe"]))
+    bs, n, heads, r = prob["q_abs"].shape
+    outs = {}
+    for name in dict.fromkeys((layout, plans.BF16_VARIANT)):
+        plans.BF16_LAYOUT = name
+        plan = kernels.MlaAttentionPlan(bs, n, heads, r, prob["q_pe"].shape[-1],
+                                        prob["ckv"].shape[1], bf16_cache=True)
+        outs[name] = np.asarray(plan(**prob).copy_to_host())
+    got = outs[layout]
+    err = float(np.abs(got - ref.mla_attention(**prob, out_dtype=np.float64)).max())
+    same = got.tobytes() == outs[plans.BF16_VARIANT].tobytes()
+    if not same:
+        raise AssertionError(f"layout {layout!r} differs from {plans.BF16_VARIANT!r}'s bits "
+                             f"(max error {err:.2e})")
+    return (f"max error {err:.2e} (bound {ref.bf16_error_bound(**prob):.2e}), the "
+            f"{plans.BF16_VARIANT!r} layout's bits [{Path(kernels.__file__).parents[1]}]")
 
 
 def bench(argv: list[str]) -> int:
@@ -107,6 +169,11 @@ def main() -> int:
     if sys.argv[1:2] == ["check"]:
         del sys.argv[1]
     VARIANTS = register()
+    bf16 = "--bf16" in sys.argv[1:]
+    if bf16:
+        sys.argv.remove("--bf16")
+        from kdtree_numba.attention import plan as plans
+        VARIANTS = plans.BF16_LAYOUTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--bs", type=int, default=None, help="requests (default: len(prefixes))")
@@ -134,7 +201,8 @@ def main() -> int:
     failed = 0
     for variant in variants:
         spec = dict(variant=variant, prefixes=prefixes, n=args.n, heads=args.heads, r=args.r,
-                    dr=args.dr, seed=args.seed, tree=str(tree))
+                    dr=args.dr, seed=args.seed, tree=str(tree),
+                    bf16_layout=variant if bf16 else None)
         try:       # the child puts spec["tree"] first on sys.path itself (run_one)
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)],
                                   capture_output=True, text=True, timeout=args.timeout)

@@ -32,6 +32,24 @@ the measurements.  In short:
   makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
   64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
 
+Five layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
+operands reach the mma, never which values or in what order, so every layout gives the same
+bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  ``frag_queries``: the query tile in
+A-fragment order (:func:`query_word`), so that lane (g, t)'s one 128-bit load per k16 step is
+the mma's A operand as it stands, where the row layout's two loads (rows g and g + 8) must be
+interleaved into it; in the row layout's sm_90 code that interleave took 240 register moves a
+tile and warp, more than the 72 mma and 54 loads of the scores.  ``lean_staging``: a tile
+whose keys all lie before the split's end is copied without the per-chunk clamp and size
+select, one 64-bit add per chunk (the row layout's staging: 186 instructions for 9 copies).
+``stages`` 3: a ring of three key buffers, two tiles in flight during a tile's compute
+(``cp.async.wait_group 1``).  ``ldsm_values``: the P V B operands by ``ldmatrix.x4.trans``
+(:func:`ldsm_value_word`) instead of 128-bit loads paired by 128 byte permutes a tile; n-tile j
+of a value group is then its 8 consecutive columns 8j .. 8j + 7 (an output element's
+products and their order do not change, only the n-slot that holds it), and the key tiles
+swizzle their chunks by bits 1-2 of the row (:func:`key_word`) so that a matrix's 8 rows
+are conflict free.  ``vec_exchange``: a lane's exchanged scores 4x .. 4x + 3 in one 16-byte
+slot, 4 stores and 4 loads of 128 bits a tile instead of 16 + 16 scalar ones.
+
 Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
 block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
 """
@@ -47,13 +65,15 @@ from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, blo
                                           block_row0, masked_score, merge_when_last,
                                           seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_all,
-                                     ld_shared_words4, load_f32x4, store_f32x4)
+from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_1, cp_async_wait_all,
+                                     ld_shared_f32x4, ld_shared_words4, load_f32x4,
+                                     store_f32x4)
 from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_halves
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
-__all__ = ["build_kernel", "key_row", "tile_word"]
+__all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
+           "ldsm_value_word"]
 
 
 def key_row(n):
@@ -76,22 +96,83 @@ def tile_word(rows, row, col):
     return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ (row & 2)) + ((col & 7) >> 1)
 
 
+def key_word(rows, row, col):
+    """:func:`tile_word` with a row's chunks swizzled by bits 1-2 of the row (the key tiles of
+    ``ldsm_values``): one chunk of 8 consecutive rows, what an ldmatrix matrix reads, then
+    falls in 8 different bank quads, where tile_word puts rows r and r + 4 in one."""
+    chunk = (col & 31) >> 3
+    return (((col >> 5) * rows + row) << 4) + 4 * (chunk ^ ((row >> 1) & 3)) + ((col & 7) >> 1)
+
+
+def ldsm_value_word(keys, lane, half):
+    """Word (:func:`key_word`) of the 16-byte row ``lane`` gives ``ldmatrix.x4.trans`` for
+    the values of a k16 step (``ldsm_values``), chunks 2 half and 2 half + 1 of a panel:
+    matrix m = lane >> 3 holds keys 8 (m & 1) .. + 7 of the step in the P fragment's order
+    (tile row :func:`key_row` (lane & 7)) and value chunk 2 half + (m >> 1), so the four
+    registers are B operands b0, b1 of n-tile 2 half (8 consecutive columns) and of the
+    next."""
+    m, r = lane >> 3, lane & 7
+    row = 8 * (m & 1) + ((r >> 1) ^ (r & 1)) + 4 * (r & 1)
+    return (row << 4) + 4 * ((2 * half + (m >> 1)) ^ ((row >> 1) & 3))
+    # = key_word(keys, 8 (m & 1) + key_row(r), 8 (2 half + (m >> 1))), written out: a device
+    # function calls no plain-Python function
+
+
+def query_word(panels, row, col):
+    """Word of query (row, column ``col``) in a fragment-order query tile (``frag_queries``)
+    of rows of ``panels`` 32-column panels.  Per row group of 16 and panel, two blocks of 128
+    words, one per k16 step (h: words 4t, 4t + 1 or 4t + 2, 4t + 3 of a row's panel); lane
+    (g, t)'s 4 words of block h are at 4 lane: rows g and g + 8 of word 4t + 2h, then of word
+    4t + 2h + 1 -- the m16n8k16 A operand (a0, a1, a2, a3) of the row layout's k order, and
+    a warp's 128-bit loads cover 512 consecutive bytes (no bank conflict).  Same size as the
+    row layout."""
+    word = col >> 1
+    cw = word & 15                  # word in the row's panel: 4t + 2h + odd
+    lane = 4 * (row & 7) + (cw >> 2)
+    block = ((row >> 4) * panels + (word >> 4)) * 2 + ((cw >> 1) & 1)
+    return (block << 7) + 4 * lane + 2 * (cw & 1) + ((row >> 3) & 1)
+
+
 _key_row = inline_device_function(key_row)
 _tile_word = inline_device_function(tile_word)
+_query_word = inline_device_function(query_word)
+_key_word = inline_device_function(key_word)
+_ldsm_value_word = inline_device_function(ldsm_value_word)
 
 # One 16-byte chunk (8 bf16) of a cache row into the staged tile.  ``chunk_source(arr, b, col)``
 # is computed once per block: on the GPU the global address of arr[b, 0, col], so that a
 # chunk's copy costs one multiply-add (``src + row * row_bytes``) and the cp.async; the
 # simulator keeps the indices.
+# ``advance(source, rows, row_bytes)``: the source ``rows`` rows further (lean staging walks a
+# whole tile's chunks from one source, one add each).
 if SIMULATOR:
     def _chunk_source(arr, b, col):
-        return arr, b, col
+        return arr, b, col, 0
+
+    def _advance(source, rows, row_bytes):
+        arr, b, col, row0 = source
+        return arr, b, col, row0 + rows
 
     from kdtree_numba.gpu.memory import sim_copy_u16x8
 
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
-        arr, b, col = source
-        sim_copy_u16x8(smem, word, arr, (b, row, col), nbytes)
+        arr, b, col, row0 = source
+        sim_copy_u16x8(smem, word, arr, (b, row0 + row, col), nbytes)
+
+    def _ldsm_values(smem, base, own, offset, lane, keys, half):
+        """What ldmatrix.x4.trans gives ``lane`` (register m: column g of rows 2t, 2t + 1 of
+        matrix m), each row at the address its lane gives (``ldsm_value_word``): ``base`` is
+        this lane's, ``own`` its ldsm_value_word."""
+        g, t = lane >> 2, lane & 3
+        regs = []
+        for m in range(4):
+            pair = []
+            for r in (2 * t, 2 * t + 1):
+                word = smem[base - own + ldsm_value_word(keys, 8 * m + r, half) + offset
+                            + (g >> 1)]
+                pair.append((int(word) >> (16 * (g & 1))) & 0xFFFF)
+            regs.append(np.uint32(pair[0] | (pair[1] << 16)))
+        return regs[0], regs[1], regs[2], regs[3]
 else:
     from kdtree_numba.gpu.memory import cp_async16_raw, global_address, shared_address
 
@@ -100,8 +181,18 @@ else:
         return global_address(arr, (b, 0, col))
 
     @inline_device_function
+    def _advance(source, rows, row_bytes):
+        return source + rows * row_bytes
+
+    @inline_device_function
     def _copy_chunk(smem, word, source, row, row_bytes, nbytes):
         cp_async16_raw(shared_address(smem, 0) + 4 * word, source + row * row_bytes, nbytes)
+
+    from kdtree_numba.gpu.memory import ldmatrix_x4_trans
+
+    @inline_device_function
+    def _ldsm_values(smem, base, own, offset, lane, keys, half):
+        return ldmatrix_x4_trans(smem, base, offset)
 
 
 def build_kernel(cfg: Bf16TileConfig):
@@ -134,6 +225,10 @@ def build_kernel(cfg: Bf16TileConfig):
     TILE_WORDS = N * cfg.row_words
     Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
+    FRAGQ, LEAN, LDSM = cfg.frag_queries, cfg.lean_staging, cfg.ldsm_values
+    VEC_XCH = cfg.vec_exchange
+    kword = _key_word if LDSM else _tile_word      # the key tiles' layout
+    PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
     FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
@@ -152,14 +247,32 @@ def build_kernel(cfg: Bf16TileConfig):
     def stage_keys(smem, at, ckv, kpe, b, first, limit, tid, lat_src, rope_src):
         """cp.async keys first .. first + N - 1 of request b into the tile at word ``at``;
         rows at or past ``limit`` become zeros (their source clamped to limit - 1 >= 0).  The
-        padding chunks are not touched (zeros since the kernel's start)."""
+        padding chunks are not touched (zeros since the kernel's start).  ``lean_staging``:
+        a tile whose keys all lie before ``limit`` walks its chunks from one source row, no
+        clamp or size select (the same bytes land)."""
+        if BY_COLUMN and LEAN and first + N <= limit:
+            i0 = tid // CR
+            src = _advance(lat_src, first + i0, ckv.strides[1])
+            for s in range(LAT_SLOTS):
+                _copy_chunk(smem, at + kword(N, i0 + s * LAT_STEP, 8 * (tid % CR)), src,
+                            0, ckv.strides[1], int32(16))
+                src = _advance(src, LAT_STEP, ckv.strides[1])
+            i0 = tid // CP
+            src = _advance(rope_src, first + i0, kpe.strides[1])
+            for s in range(ROPE_SLOTS):
+                if N * CP >= T or i0 < N:
+                    _copy_chunk(smem, at + kword(N, i0 + s * ROPE_STEP,
+                                                 8 * (CR + tid % CP)),
+                                src, 0, kpe.strides[1], int32(16))
+                src = _advance(src, ROPE_STEP, kpe.strides[1])
+            return
         if BY_COLUMN:
             q = tid % CR
             for s in range(LAT_SLOTS):
                 i = tid // CR + s * LAT_STEP
                 key = first + i
                 nbytes = int32(16) if key < limit else int32(0)
-                _copy_chunk(smem, at + _tile_word(N, i, 8 * q), lat_src,
+                _copy_chunk(smem, at + kword(N, i, 8 * q), lat_src,
                             min(key, limit - 1), ckv.strides[1], nbytes)
             q = tid % CP
             for s in range(ROPE_SLOTS):
@@ -167,7 +280,7 @@ def build_kernel(cfg: Bf16TileConfig):
                 if N * CP >= T or i < N:
                     key = first + i
                     nbytes = int32(16) if key < limit else int32(0)
-                    _copy_chunk(smem, at + _tile_word(N, i, 8 * (CR + q)), rope_src,
+                    _copy_chunk(smem, at + kword(N, i, 8 * (CR + q)), rope_src,
                                 min(key, limit - 1), kpe.strides[1], nbytes)
             return
         for s in range(-(-N * CH // T)):
@@ -176,7 +289,7 @@ def build_kernel(cfg: Bf16TileConfig):
                 i, q = f // CH, f % CH
                 key = min(first + i, limit - 1)
                 nbytes = int32(16) if first + i < limit else int32(0)
-                w = at + _tile_word(N, i, 8 * q)
+                w = at + kword(N, i, 8 * q)
                 if q < CR:
                     _copy_chunk(smem, w, _chunk_source(ckv, b, 8 * q), key, ckv.strides[1],
                                 nbytes)
@@ -190,7 +303,7 @@ def build_kernel(cfg: Bf16TileConfig):
         writes them."""
         for f in range(tid, STAGES * N * (CH - CD), T):
             i, q = f // (CH - CD), CD + f % (CH - CD)
-            w = KV_OFF + _tile_word(N, i % N, 8 * q) + (i // N) * TILE_WORDS
+            w = KV_OFF + kword(N, i % N, 8 * q) + (i // N) * TILE_WORDS
             smem[w] = smem[w + 1] = smem[w + 2] = smem[w + 3] = uint32(0)
 
     @inline_device_function
@@ -202,7 +315,6 @@ def build_kernel(cfg: Bf16TileConfig):
             if M * CH % T == 0 or f < M * CH:
                 i, q = f // CH, f % CH
                 row = row0 + i
-                w = Q_OFF + _tile_word(M, i, 8 * q)
                 w0 = w1 = w2 = w3 = uint32(0)
                 if row < n_rows and q < CD:
                     if q < CR:
@@ -213,10 +325,18 @@ def build_kernel(cfg: Bf16TileConfig):
                         y0, y1, y2, y3 = load_f32x4(q_pe, (b, row, 8 * (q - CR) + 4))
                     w0, w1 = pack_bf16x2(x0, x1), pack_bf16x2(x2, x3)
                     w2, w3 = pack_bf16x2(y0, y1), pack_bf16x2(y2, y3)
-                smem[w] = w0
-                smem[w + 1] = w1
-                smem[w + 2] = w2
-                smem[w + 3] = w3
+                if FRAGQ:   # words 4t, 4t + 1 in step 0's block, 4t + 2, 4t + 3 in step 1's
+                    w = Q_OFF + _query_word(PANELS, i, 8 * q)
+                    smem[w] = w0
+                    smem[w + 2] = w1
+                    smem[w + 128] = w2
+                    smem[w + 130] = w3
+                else:
+                    w = Q_OFF + _tile_word(M, i, 8 * q)
+                    smem[w] = w0
+                    smem[w + 1] = w1
+                    smem[w + 2] = w2
+                    smem[w + 3] = w3
 
     @inline_device_function
     def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
@@ -261,6 +381,14 @@ def build_kernel(cfg: Bf16TileConfig):
                     part_ml[b, split, row, 1] = l_run
             for grp in range(GROUPS):
                 group = kh * GROUPS + grp
+                if LDSM:    # n-tile j: columns 8 j .. 8 j + 7 of the group, 2t and 2t + 1 here
+                    for j in range(8):
+                        col = 64 * group + 8 * j + 2 * t
+                        o = 32 * grp + 4 * j + 2 * h
+                        if group < VG and col < R:
+                            dst[col] = acc[o] * scale
+                            dst[col + 1] = acc[o + 1] * scale
+                    continue
                 col = 64 * group + 16 * t
                 for c in range(2):
                     for half in range(2):
@@ -294,6 +422,11 @@ def build_kernel(cfg: Bf16TileConfig):
         rope_src = _chunk_source(kpe, b, 8 * (tid % CP))
         stage_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)
         cp_async_commit()
+        if STAGES == 3:     # the ring starts two tiles ahead; a group a tile, even empty
+            if kbeg + N < kend:
+                stage_keys(smem, KV_OFF + TILE_WORDS, ckv, kpe, b, kbeg + N, kend, tid,
+                           lat_src, rope_src)
+            cp_async_commit()
 
         row_a = row0 + 16 * rg + g        # the lane's fragment rows g and g + 8
         row_b = row_a + 8
@@ -309,10 +442,14 @@ def build_kernel(cfg: Bf16TileConfig):
         # P V: key rows key_row(2t), key_row(2t + 1) (+ 16 ks, + 8), chunk g of each group
         score_col = kh * DH + 8 * t
         q_at = Q_OFF + _tile_word(M, 16 * rg + g, score_col)
-        k_at = _tile_word(N, _key_row(g), score_col)
+        if FRAGQ:   # lane's words of panel kh PH (step 0's block), panels 256 words apart
+            q_at = Q_OFF + (rg * PANELS + kh * PH) * 256 + 4 * lane
+        k_at = kword(N, _key_row(g), score_col)
         v_at0 = _tile_word(N, _key_row(2 * t), 8 * g)
         v_at1 = _tile_word(N, _key_row(2 * t + 1), 8 * g)
         v_first = kh * GROUPS
+        vl_at0 = _ldsm_value_word(N, lane, 0)     # ldsm_values: this lane's matrix rows
+        vl_at1 = _ldsm_value_word(N, lane, 1)
 
         acc = cuda.local.array(ACC, float32)
         for x in range(ACC):
@@ -324,39 +461,71 @@ def build_kernel(cfg: Bf16TileConfig):
 
         xch_mine = XCH_OFF + warp * (32 * SN) + lane
         xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + lane   # warp = RG kh + rg, RG = 2^i
+        if VEC_XCH:     # scores 4x .. 4x + 3 of a lane in one 16-byte slot: 128-bit accesses
+            xch_mine = XCH_OFF + warp * (32 * SN) + 4 * lane
+            xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + 4 * lane
+        partner = cuda.local.array(SN, float32)
         stage = 0
         for t0 in range(kbeg, kend, N):
             kv = KV_OFF + stage * TILE_WORDS
-            cp_async_wait_all()
+            if STAGES == 2:
+                cp_async_wait_all()
+            else:
+                cp_async_wait_1()   # all but the newest group: tile t0's
             cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
-            if t0 + N < kend:   # prefetch the next tile into the other buffer
-                stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
-                           kend, tid, lat_src, rope_src)
+            if STAGES == 2:
+                if t0 + N < kend:   # prefetch the next tile into the other buffer
+                    stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
+                               kend, tid, lat_src, rope_src)
+                    cp_async_commit()
+            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
+                if t0 + 2 * N < kend:
+                    ahead = stage + 2 if stage == 0 else stage - 1
+                    stage_keys(smem, KV_OFF + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N,
+                               kend, tid, lat_src, rope_src)
                 cp_async_commit()
 
             for x in range(SN):
                 s[x] = ZERO
             k_tile = kv + k_at
             for p in range(PH):
-                qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at, p * Q_PANEL)
-                qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at, p * Q_PANEL + 128)
+                if FRAGQ:   # the A operands of steps 0 and 1 as loaded
+                    a0, a1, a2, a3 = ld_shared_words4(smem, q_at, p * 256)
+                    c0, c1, c2, c3 = ld_shared_words4(smem, q_at, p * 256 + 128)
+                else:       # rows g (qa) and g + 8 (qb), interleaved into the operands
+                    qa0, qa1, qa2, qa3 = ld_shared_words4(smem, q_at, p * Q_PANEL)
+                    qb0, qb1, qb2, qb3 = ld_shared_words4(smem, q_at, p * Q_PANEL + 128)
+                    a0, a1, a2, a3 = qa0, qb0, qa1, qb1
+                    c0, c1, c2, c3 = qa2, qb2, qa3, qb3
                 for nt in range(NT):
                     k0, k1, k2, k3 = ld_shared_words4(smem, k_tile, p * K_PANEL + 128 * nt)
                     o = 4 * nt
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
-                        qa0, qb0, qa1, qb1, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
+                        a0, a1, a2, a3, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
-                        qa2, qb2, qa3, qb3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
-            for x in range(SN):  # leave this half's scores for the partner warp
-                xch[xch_mine + 32 * x] = s[x]
+                        c0, c1, c2, c3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
+            if VEC_XCH:
+                for x in range(SN // 4):
+                    store_f32x4(xch, xch_mine + 128 * x, s[4 * x], s[4 * x + 1], s[4 * x + 2],
+                                s[4 * x + 3])
+            else:
+                for x in range(SN):  # leave this half's scores for the partner warp
+                    xch[xch_mine + 32 * x] = s[x]
             cuda.syncthreads()
+            for x in range(SN // 4):
+                if VEC_XCH:
+                    (partner[4 * x], partner[4 * x + 1], partner[4 * x + 2],
+                     partner[4 * x + 3]) = ld_shared_f32x4(xch, xch_partner + 128 * x)
+                else:
+                    for y in range(4):
+                        partner[4 * x + y] = xch[xch_partner + 32 * (4 * x + y)]
 
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
             mt_a = mt_b = NEG_INF
             if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
                 for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
+                    sc = (s[x] + partner[x]) * tau2
                     if x % 4 < 2:
                         mt_a = max(mt_a, sc)
                     else:
@@ -364,7 +533,7 @@ def build_kernel(cfg: Bf16TileConfig):
                     s[x] = sc
             else:
                 for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
+                    sc = (s[x] + partner[x]) * tau2
                     key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
                     if x % 4 < 2:
                         sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
@@ -402,9 +571,31 @@ def build_kernel(cfg: Bf16TileConfig):
             l_a = l_a * alpha_a + sum_a
             l_b = l_b * alpha_b + sum_b
 
+            if LDSM:    # B operands by ldmatrix.trans: n-tile j = 8 consecutive columns
+                vb0 = kv + vl_at0 + v_first * V_GROUP
+                vb1 = kv + vl_at1 + v_first * V_GROUP
+                for ks in range(KS):
+                    a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
+                    for grp in range(GROUPS):
+                        at = 256 * ks + grp * V_GROUP
+                        if CLAMP:
+                            at += (min(v_first + grp, VG - 1) - v_first - grp) * V_GROUP
+                        for jp in range(4):     # n-tiles 2 jp, 2 jp + 1
+                            vb, own = (vb0, vl_at0) if jp % 2 == 0 else (vb1, vl_at1)
+                            b0, b1, b2, b3 = _ldsm_values(smem, vb, own,
+                                                          at + (jp >> 1) * K_PANEL, lane, N,
+                                                          jp % 2)
+                            o = 32 * grp + 8 * jp
+                            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                                a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2],
+                                acc[o + 3])
+                            acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
+                                a0, a1, a2, a3, b2, b3, acc[o + 4], acc[o + 5], acc[o + 6],
+                                acc[o + 7])
             v_tile0 = kv + v_at0 + v_first * V_GROUP
             v_tile1 = kv + v_at1 + v_first * V_GROUP
-            for ks in range(KS):  # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8)
+            # k16 step ks: n-tiles 2 ks (A k < 8) and 2 ks + 1 (k >= 8); none under LDSM
+            for ks in range(0 if LDSM else KS):
                 a0, a1, a2, a3 = pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]
                 for grp in range(GROUPS):
                     at = 256 * ks + grp * V_GROUP
@@ -419,7 +610,10 @@ def build_kernel(cfg: Bf16TileConfig):
                     pv_word(acc, o + 8, a0, a1, a2, a3, x1, y1, z1, w1)
                     pv_word(acc, o + 16, a0, a1, a2, a3, x2, y2, z2, w2)
                     pv_word(acc, o + 24, a0, a1, a2, a3, x3, y3, z3, w3)
-            stage = 1 - stage
+            if STAGES == 2:
+                stage = 1 - stage
+            else:
+                stage = 0 if stage == 2 else stage + 1
         cp_async_wait_all()  # nothing may be in flight when the block exits
 
         # epilogue: normalised u (one split) or the split's partial output and (max, sum)

@@ -25,7 +25,7 @@ __all__ = ["TileConfig", "MmaTileConfig", "Bf16TileConfig", "bf16_tile_config", 
            "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT", "FFMA_VARIANTS", "uses_tensor_cores",
            "resolve_variant", "mma_fits", "gpu_tile_config", "sim_tile_config", "tile_config",
            "choose_splits", "MMA_ROWS", "mma_rows", "bf16_fits", "BLOCK_OVERHEAD_KEYS",
-           "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS"]
+           "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS", "BF16_LAYOUTS"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,15 +211,27 @@ class Bf16TileConfig:
     that are multiples of 8 (16-byte rows): staged rows are padded with zero columns to
     ``d_pad`` (whole panels for both warps), and the value columns run in 64-column groups,
     ``groups_per_warp`` for each warp of a pair (a group past r's last is computed again by the
-    second warp and not written)."""
+    second warp and not written).
+
+    Five switches change how operands reach the same mma sequence, never a bit of the result
+    (bf16.py's docstring; off in the package's layout, :data:`BF16_LAYOUTS`): ``stages`` 3
+    keeps two key tiles in flight instead of one; ``frag_queries`` stages the queries in
+    fragment order, so that one 128-bit load is an mma's A operand as it stands;
+    ``lean_staging`` copies a whole key tile without the per-chunk clamp and size select;
+    ``ldsm_values`` loads the P V operands with ``ldmatrix.trans`` (no byte permutes);
+    ``vec_exchange`` moves the score exchange in 16-byte accesses."""
     r: int
     dr: int
     threads: int = 256     # 2 warps (column halves) per 16 rows
     rows: int = 64         # query-heads per block
     keys: int = 32         # key slots per tile
-    stages: int = 2
+    stages: int = 2        # key-tile buffers: 2 (one tile in flight) or 3 (two)
     causal: bool = False   # blocks stop after their last query's keys (tiles.block_keys)
     fused_merge: bool = False  # the last split's block merges (tiles.merge_when_last)
+    frag_queries: bool = False  # query tile in mma A-fragment order (bf16.query_word)
+    lean_staging: bool = False  # whole key tiles copied without clamp and size select
+    ldsm_values: bool = False   # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
+    vec_exchange: bool = False  # the score exchange in 128-bit stores and loads
 
     @property
     def d(self):
@@ -259,10 +271,10 @@ class Bf16TileConfig:
                              f"rows for cp.async) and <= {MAX_SHARED_BYTES} bytes of shared "
                              f"memory: {self}")
         if self.rows not in MMA_ROWS or self.threads != 4 * self.rows \
-                or self.keys not in (16, 32) or self.stages != 2:
+                or self.keys not in (16, 32) or self.stages not in (2, 3):
             raise ValueError(f"the bf16 attention tiles take rows in {MMA_ROWS}, 2 warps per 16 "
-                             f"rows (threads = 4 rows), 16- or 32-key tiles and 2 stages: "
-                             f"{self}")
+                             f"rows (threads = 4 rows), 16- or 32-key tiles and 2 or 3 "
+                             f"stages: {self}")
         return self
 
 
@@ -271,12 +283,25 @@ BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
 # simulator, whose emulated mma costs two block barriers each.  A module variable so that
 # tools/bench_attention.py can time both and the tests can run 32-key tiles in the simulator.
 BF16_KEYS = 16 if SIMULATOR else 32
+# Layouts of the bf16 kernel: name -> Bf16TileConfig fields.  The package's is the first, and
+# every layout gives the same bits (they move the same operands into the same mma sequence,
+# so batch invariance does not depend on which runs).  dev/cuda/attention.py adds the
+# candidates (issue 38: decode speed) to this dict in its process and tools/bench_attention.py
+# times each; BF16_LAYOUT, a module variable like BF16_KEYS, is the one plans build.
+BF16_LAYOUTS = {BF16_VARIANT: {}}
+BF16_LAYOUT = BF16_VARIANT
 
 
-def bf16_tile_config(r: int, dr: int, keys: int | None = None) -> Bf16TileConfig:
-    """The bf16 kernel's tile for widths r, dr (``keys``: None for :data:`BF16_KEYS`);
-    ``rows`` is set per plan (:func:`mma_rows`)."""
-    return Bf16TileConfig(r, dr, keys=BF16_KEYS if keys is None else keys).validate()
+def bf16_tile_config(r: int, dr: int, keys: int | None = None,
+                     layout: str | None = None) -> Bf16TileConfig:
+    """The bf16 kernel's tile for widths r, dr (``keys``: None for :data:`BF16_KEYS`;
+    ``layout``: a name in :data:`BF16_LAYOUTS`, None for :data:`BF16_LAYOUT`); ``rows`` is
+    set per plan (:func:`mma_rows`)."""
+    name = BF16_LAYOUT if layout is None else layout
+    if name not in BF16_LAYOUTS:
+        raise ValueError(f"unknown bf16 attention layout {name!r}; have {sorted(BF16_LAYOUTS)}")
+    return Bf16TileConfig(r, dr, keys=BF16_KEYS if keys is None else keys,
+                          **BF16_LAYOUTS[name]).validate()
 
 
 def bf16_fits(r: int, dr: int) -> bool:

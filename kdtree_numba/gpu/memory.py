@@ -26,6 +26,8 @@ the one it was tuned with:
   matrix i // 8 and receives word i % 4 of row i // 4 of every matrix), which delivers mma
   fragments in register order.  No simulator twin (the lanes exchange addresses): the bf16
   GEMM's simulator path reads the same words by its layout's formula (layers/mma.py).
+  ``ldmatrix_x4_trans``: the same, transposed (``.trans``): an mma B operand from a row-major
+  [k][n] tile (the bf16 attention kernel's values under ``ldsm_values``).
 * ``load_global_invariant_f32x4`` (``a[row, 4q:4q+4]``): an LLVM ``<4 x float>`` load in the
   global address space marked ``invariant.load`` (NVVM makes it ``ld.global.nc.v4.f32``).
 * ``load_f32x4`` / ``store_f32x4`` (``a[idx:idx+4]``, idx an int or a tuple whose last entry is
@@ -54,7 +56,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["ld_stream_u32x4", "ld_stream_f32x4", "ld_cached_f32x4", "ld_shared_f32x4",
            "ld_shared_words4", "ld_shared_words2", "ld_shared_word", "ldmatrix_x4",
-           "ldmatrix_x2",
+           "ldmatrix_x2", "ldmatrix_x4_trans",
            "load_global_invariant_f32x4", "load_f32x4",
            "store_f32x4", "store_nowrap_1d", "store_nowrap_2d", "cp_async16", "cp_async_commit",
            "cp_async_wait_all", "block_sync", "cp_async_wait_1", "cp_async_wait_2",
@@ -92,7 +94,7 @@ if SIMULATOR:
 
     def _ldmatrix_py(a, base, offset):
         raise NotImplementedError("ldmatrix is warp-collective: the simulator has no twin")
-    ldmatrix_x4 = ldmatrix_x2 = _ldmatrix_py
+    ldmatrix_x4 = ldmatrix_x2 = ldmatrix_x4_trans = _ldmatrix_py
     store_nowrap_1d, store_nowrap_2d = device_function(_put1_py), device_function(_put2_py)
 
     def load_global_invariant_f32x4(array, row, q):
@@ -273,6 +275,12 @@ else:
         "ldmatrix_x4", 4, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
         "Four 8 x 8 b16 matrices, this lane's row address ``a[base + offset]``; register m "
         "= word lane % 4 of row lane // 4 of matrix m (the module docstring).")
+    ldmatrix_x4_trans = _shared_words_intrinsic(
+        "ldmatrix_x4_trans", 4,
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "``ldmatrix_x4`` transposed: register m = elements (row 2 (lane % 4), column lane // 4) "
+        "(low half) and (row 2 (lane % 4) + 1, the same column) of matrix m, whose row r "
+        "lane 8 m + r addresses: an m16n8k16 B operand from a row-major [k][n] tile.")
     ldmatrix_x2 = _shared_words_intrinsic(
         "ldmatrix_x2", 2, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0, $1}, [$2];",
         "Two 8 x 8 b16 matrices (lanes 0-15 give the row addresses), as ``ldmatrix_x4``.")
