@@ -389,7 +389,11 @@ LAYOUT_CASES = [
 ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
             "ldsm": "tree verify, 3 splits", "vxch": "two row groups a block",
             "fast": "causal prefill, 32-key tiles"}
-LAYOUT_RUNS = [(layout, case) for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
+# "all" (every switch at once) on every case in CI; each switch alone on one case is `slow`
+# (~25 s of simulator time for layouts the package does not ship)
+LAYOUT_RUNS = [pytest.param(layout, case, id=f"{layout}-{case[0]}",
+                            marks=() if layout == "all" else pytest.mark.slow)
+               for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
                if layout == "all" or ONE_CASE.get(layout) == case[0]]
 _PACKAGE_BITS: dict = {}
 
@@ -410,8 +414,7 @@ def _layout_run(monkeypatch, case, layout):
     return prob, p(**prob, causal=kind == "causal").copy_to_host()
 
 
-@pytest.mark.parametrize("layout, case", LAYOUT_RUNS,
-                         ids=[f"{layout}-{case[0]}" for layout, case in LAYOUT_RUNS])
+@pytest.mark.parametrize("layout, case", LAYOUT_RUNS)
 def test_every_bf16_layout_gives_the_packages_bits(layout, case, needs_kernels, monkeypatch):
     """The decode layouts (queries in fragment order, lean staging, three key stages) move
     the same operands into the same mma sequence as the package's layout: the same bits
