@@ -74,6 +74,8 @@ def test_what_the_fused_kernel_leaves_is_merged_by_the_launch(needs_kernels):
     want = np.array(apply_uv(_attend(plan, prob, True, False), kv_b, 4,
                              kernel_kind="tiled").copy_to_host())
     np.testing.assert_array_equal(left.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="kernel_kind"):
+        apply_uv(_attend(plan, prob, True, True), kv_b, 4, kernel_kind="fused")
 
 
 def test_a_plan_without_a_merge_returns_u(needs_kernels):

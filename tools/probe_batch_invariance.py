@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kdtree_numba.attention import PendingMerge  # noqa: E402
 from kdtree_numba.backends import GEMM_CHOICES, make_backend, map_arrays  # noqa: E402
 from kdtree_numba.bundle import SIZES, random_weights, size_config  # noqa: E402
 from kdtree_numba.device_weights import random_model  # noqa: E402
@@ -81,6 +82,8 @@ class Recorder:
             setattr(self._ops, name, fn)
 
     def _host_outputs(self, name, fn, args, kwargs, out):
+        if isinstance(out, PendingMerge):   # KDTREE_MERGE_IN_UV: u as apply_uv merges it
+            out = out.materialize()
         leaves = []
         map_arrays(lambda a: leaves.append(np.array(self._host(a))), out,
                    lambda v: hasattr(v, "shape") and hasattr(v, "dtype"))

@@ -177,6 +177,7 @@ class MlaAttentionPlan:
             self.cfg = dataclasses.replace(self.cfg, fused_merge=True)
         self.attn = _attention_kernel(self.cfg)
         self.attn_causal = None     # the causal=True build, made on first use
+        self.no_out = None          # the u stand-in of a deferred merge's calls
         self.merge = _merge_kernel(r) if self.splits > 1 and not self.fused_merge else None
         if self.splits > 1:
             self.part_o = compat.device_empty((bs, self.splits, self.n_rows, r), np.float32,
@@ -206,10 +207,15 @@ class MlaAttentionPlan:
         ckv_d, kpe_d = to_device(ckv, st), to_device(kpe, st)
         prefix_d = to_device(_as_int32(prefix_len), st)
         visible_d = to_device(_as_bool(visible), st)
-        out_given = out
-        if out is None:
-            out = compat.device_empty((bs, n, heads, r), np.float32, st)
-        out3 = out.reshape(bs, self.n_rows, r)
+        deferred = defer_merge and out is None and self.merge is not None
+        if deferred:       # the kernel writes no u with several splits: a typed stand-in
+            if self.no_out is None:
+                self.no_out = compat.device_empty((1, 1, r), np.float32, st)
+            out3 = self.no_out
+        else:
+            if out is None:
+                out = compat.device_empty((bs, n, heads, r), np.float32, st)
+            out3 = out.reshape(bs, self.n_rows, r)
         direct = self.splits == 1
         args = (q_abs3, q_pe3, ckv_d, kpe_d, prefix_d, visible_d, np.float32(tau), np.int64(n),
                 np.int64(heads), np.int64(self.chunk), direct, out3, self.part_o, self.part_ml)
@@ -227,9 +233,7 @@ class MlaAttentionPlan:
         if self.merge is None:
             return out
         pending = PendingMerge(self, prefix_d, bool(causal))
-        if defer_merge and out_given is None:
-            return pending
-        return pending.materialize(out, st)
+        return pending if deferred else pending.materialize(out, st)
 
     def launch_merge(self, prefix_d, causal, out, stream):
         """The merge kernel over the partial outputs of the last call into ``out``."""

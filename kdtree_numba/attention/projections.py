@@ -388,6 +388,8 @@ def _merged_apply_uv(pending, kv_b_proj, dv, out, stream, kernel_kind):
     None where that kernel does not apply: bf16 head weights, a tiled call (the streaming
     kernel's rule, :func:`streams_heads`), or more than one column block (each would merge
     its rows again)."""
+    if kernel_kind not in ("auto", "stream", "tiled"):
+        raise ValueError(f"kernel_kind must be auto, stream or tiled, got {kernel_kind!r}")
     bs, n, heads, r = pending.shape
     if isinstance(kv_b_proj, Bf16HeadWeights) or kernel_kind == "tiled":
         return None
