@@ -512,20 +512,17 @@ def build_kernel(cfg: Bf16TileConfig):
                 for x in range(SN):  # leave this half's scores for the partner warp
                     xch[xch_mine + 32 * x] = s[x]
             cuda.syncthreads()
-            for x in range(SN // 4):
-                if VEC_XCH:
+            if VEC_XCH:     # the partner's scores in 16-byte loads (the package reads them
+                for x in range(SN // 4):        # one at a time in the sums below)
                     (partner[4 * x], partner[4 * x + 1], partner[4 * x + 2],
                      partner[4 * x + 3]) = ld_shared_f32x4(xch, xch_partner + 128 * x)
-                else:
-                    for y in range(4):
-                        partner[4 * x + y] = xch[xch_partner + 32 * (4 * x + y)]
 
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
             mt_a = mt_b = NEG_INF
             if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
                 for x in range(SN):
-                    sc = (s[x] + partner[x]) * tau2
+                    sc = (s[x] + (partner[x] if VEC_XCH else xch[xch_partner + 32 * x])) * tau2
                     if x % 4 < 2:
                         mt_a = max(mt_a, sc)
                     else:
@@ -533,7 +530,7 @@ def build_kernel(cfg: Bf16TileConfig):
                     s[x] = sc
             else:
                 for x in range(SN):
-                    sc = (s[x] + partner[x]) * tau2
+                    sc = (s[x] + (partner[x] if VEC_XCH else xch[xch_partner + 32 * x])) * tau2
                     key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
                     if x % 4 < 2:
                         sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)

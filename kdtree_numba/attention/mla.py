@@ -230,10 +230,11 @@ class MlaAttentionPlan:
             _zero_counters[bs, 32, st](self.part_ml, np.int64(self.splits))
             self.counters_zeroed = True
         attn[self.grid, self.cfg.threads, st, nbytes](*args)
-        if self.merge is None:
-            return out
-        pending = PendingMerge(self, prefix_d, bool(causal))
-        return pending if deferred else pending.materialize(out, st)
+        if deferred:
+            return PendingMerge(self, prefix_d, bool(causal))
+        if self.merge is not None:
+            self.launch_merge(prefix_d, causal, out, st)
+        return out
 
     def launch_merge(self, prefix_d, causal, out, stream):
         """The merge kernel over the partial outputs of the last call into ``out``."""

@@ -317,15 +317,21 @@ def streams_heads(m: int, weight_bytes: int) -> bool:
     return m <= STREAM_MAX_M or weight_bytes <= STREAM_REREAD_BYTES
 
 
+def _stream_plan(m: int, k: int, weight_bytes: int) -> tuple[int, bool]:
+    """(rows a block, whether "auto" streams) of an M-row per-head product over K and
+    ``weight_bytes`` of head weights: :func:`streams_heads`, and x's mt x K floats within
+    the static 48 KiB of shared memory."""
+    mt = stream_rows(m, weight_bytes if runtime.current().lean_round else None)
+    return mt, streams_heads(m, weight_bytes) and mt * k * 4 <= 48 * 1024
+
+
 def _run_head_gemm(a2, a_hs, b2, b_hs, b_off, b_transposed, c2, c_hs, m, n_out, k, heads,
                    stream=0, kernel_kind="auto"):
     """One launch of the per-head product: the streaming kernel where :func:`streams_heads`
     says so (and its x fits the static shared memory), else the tiled one; ``kernel_kind``
     ("stream", "tiled") forces one (tests)."""
-    lean = runtime.current().lean_round
     weight_bytes = heads * n_out * k * np.dtype(b2.dtype).itemsize
-    mt = stream_rows(m, weight_bytes if lean else None)
-    stream_ok = streams_heads(m, weight_bytes) and mt * k * 4 <= 48 * 1024
+    mt, stream_ok = _stream_plan(m, k, weight_bytes)
     if kernel_kind == "stream" or (kernel_kind == "auto" and stream_ok):
         if not stream_ok:
             raise ValueError(f"the streaming head kernel takes M <= {STREAM_MAX_M} rows (or "
@@ -401,10 +407,8 @@ def _merged_apply_uv(pending, kv_b_proj, dv, out, stream, kernel_kind):
     if rows % heads or per_head <= dv:
         raise ValueError(f"kv_b_proj has {rows} rows: not H*(dn+dv) for H={heads}, dv={dv}")
     w = to_device(_f32(kv_b_proj), stream)
-    weight_bytes = heads * dv * r * np.dtype(w.dtype).itemsize
-    mt = stream_rows(tokens, weight_bytes if runtime.current().lean_round else None)
-    if (not streams_heads(tokens, weight_bytes) or mt * r * 4 > 48 * 1024
-            or dv > STREAM_THREADS):
+    mt, stream_ok = _stream_plan(tokens, r, heads * dv * r * np.dtype(w.dtype).itemsize)
+    if not stream_ok or dv > STREAM_THREADS:
         return None
     if out is None:
         out = compat.device_empty((bs, n, heads, dv), np.float32, stream)
