@@ -13,8 +13,9 @@ tests/test_cpu_path.py measures it):
 
 * every GEMM is a stack of fixed-shape products: the rows are padded to a multiple of ``ROWS``
   and multiplied as ``[M / ROWS, ROWS, K] @ [K, N]`` (NumPy calls one BLAS GEMM per block, each
-  of the same shape), and a row's bits do not depend on its place in the block or on the
-  other rows (measured for every shape of the demo pair);
+  of the same shape); a row's bits must not depend on its place in the block either, which is
+  the BLAS micro-kernel's business: :func:`invariant_block` measures it once a weight shape
+  and halves the block where a place disagrees;
 * attention scores are computed per query against fixed blocks of ``KEYS`` cache slots, and
   the softmax sums run over each query's key list (the cached prefix, then its visible new
   keys in order) in fixed blocks of ``KEYS`` list positions, added block after block: a tree
@@ -61,7 +62,7 @@ __all__ = ["ROWS", "KEYS", "blocked_matmul", "blas_threads", "DEFAULT_BLAS_THREA
 # ENGINE.md, "The CPU path").
 DEFAULT_BLAS_THREADS = 1
 
-ROWS = 8        # GEMM row block (8 and 16 were row-invariant on every demo shape; 4 was not)
+ROWS = 8        # GEMM row block (invariant_block halves it where the BLAS needs)
 KEYS = 64       # attention key block
 # kdtree-run's DDTree budget on this path, at any temperature: ROWS - 1 nodes and the root fill
 # one GEMM block, so a verify costs about one decode (a 9th row would start a second block);
@@ -95,13 +96,48 @@ def _f32(a) -> np.ndarray:
 
 def blocked_matmul(x, wt, rows: int = ROWS) -> np.ndarray:
     """``x [M, K] @ wt [K, N]`` in float32 as ``rows``-row blocks of one shape (module doc)."""
-    x = _f32(x)
-    m, k = x.shape
-    pad = -m % rows
+    return _blocked(_f32(x), wt, rows)
+
+
+def _blocked(x, w, rows: int) -> np.ndarray:
+    """``x [..., M, K] @ w [..., K, N]`` (the same leading dims, or none for ``w``) as a stack
+    of blocks of :func:`invariant_block` rows: ``[..., M / b, b, K] @ [..., 1, K, N]``."""
+    *lead, m, k = x.shape
+    b = invariant_block(rows, w)
+    pad = -m % b
     if pad:
-        x = np.concatenate([x, np.zeros((pad, k), np.float32)])
-    y = np.matmul(x.reshape(-1, rows, k), wt)
-    return y.reshape(-1, wt.shape[-1])[:m]
+        x = np.concatenate([x, np.zeros((*lead, pad, k), np.float32)], axis=-2)
+    y = np.matmul(x.reshape(*lead, -1, b, k), w[..., None, :, :] if lead else w)
+    return y.reshape(*lead, -1, w.shape[-1])[..., :m, :]
+
+
+_BLOCKS: dict = {}
+
+
+def invariant_block(rows: int, w) -> int:
+    """The GEMM row block to use for ``rows`` against a weight of ``w``'s shape and layout:
+    ``rows`` where this BLAS gives a row the same bits in every place of a block, else the
+    largest ``rows / 2^i`` that does (1 always does).  Which places agree is the BLAS's
+    micro-kernel's business, so it is measured, once a shape: ``rows`` copies of two random
+    rows must come out as ``rows`` copies of two results (OpenBLAS's Haswell kernel on an
+    AMD Zen 2 gives rows 6-15 of a 16-row block other bits than row 0; 8 keeps them; on the
+    Xeons measured before, 8 to 64 kept them)."""
+    k, n = w.shape[-2:]
+    order = "C" if w.strides[-1] == w.itemsize else "F" if w.strides[-2] == w.itemsize else "A"
+    key = (rows, k, n, order)
+    if key not in _BLOCKS:
+        rng = np.random.default_rng(0)
+        probe = rng.standard_normal((k, n), dtype=np.float32)
+        probe = probe if order == "C" else np.asfortranarray(probe)
+        r = rows
+        while r > 1:
+            x = np.repeat(rng.standard_normal((2, 1, k), dtype=np.float32), r, axis=1)
+            y = np.matmul(x, probe)
+            if (y == y[:, :1]).all():
+                break
+            r //= 2
+        _BLOCKS[key] = r
+    return _BLOCKS[key]
 
 
 def linear(x, w, rows: int = ROWS) -> np.ndarray:
@@ -184,11 +220,7 @@ def _dense_experts(h, expert_idx, weight, gate_up, down, rows: int = ROWS):
     g = gu[..., :inter]
     act = np.ascontiguousarray((g / (np.float32(1.0) + np.exp(-g)) * gu[..., inter:])
                                .transpose(1, 0, 2))                       # [E, M, I]
-    pad = -m % rows
-    if pad:
-        act = np.concatenate([act, np.zeros((e, pad, inter), np.float32)], axis=1)
-    y = np.matmul(act.reshape(e, -1, rows, inter), down.transpose(0, 2, 1)[:, None])
-    y = y.reshape(e, -1, d)
+    y = _blocked(act, down.transpose(0, 2, 1), rows)                     # [E, M, D]
     rows = np.arange(m)
     out = np.zeros((m, d), np.float32)
     for j in range(expert_idx.shape[1]):          # ascending expert index in every row
@@ -229,8 +261,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
 # a prompt's rows (prefill_ops) multiply in blocks of this many: its bits need match no
 # decode's, only its own alone or in a batch (model.ForwardBatch, ``prefill``), which any
 # fixed block gives; 64 rows pack each weight an eighth as often as ROWS (the demo's
-# 256 x 2048 experts at 100 rows: 1.2 ms against 3.9; 64 was row-invariant on every demo
-# shape, tests/test_cpu_path.py)
+# 256 x 2048 experts at 100 rows: 1.2 ms against 3.9) where the BLAS keeps a row's bits in
+# every place of 64 (invariant_block: a Xeon's OpenBLAS did, a Zen 2's keeps 8)
 PREFILL_ROWS = 64
 
 
@@ -247,11 +279,7 @@ def _per_head(x, w):
     bs, n, heads, a = x.shape
     m = bs * n
     xh = np.ascontiguousarray(_f32(x).reshape(m, heads, a).transpose(1, 0, 2))
-    pad = -m % ROWS
-    if pad:
-        xh = np.concatenate([xh, np.zeros((heads, pad, a), np.float32)], axis=1)
-    y = np.matmul(xh.reshape(heads, -1, ROWS, a), w[:, None])      # [H, blocks, ROWS, c]
-    y = y.reshape(heads, -1, w.shape[-1])[:, :m]
+    y = _blocked(xh, w, ROWS)                                          # [H, M, c]
     return np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(bs, n, heads, -1)
 
 
