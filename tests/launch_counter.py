@@ -331,12 +331,15 @@ def tiny_pair(target_over: dict, drafter_over: dict, feature_layers, block: int,
     return target, DFlashDrafter(target, dcfg, dw, spec)
 
 
-# a 2-layer target (the first dense, then MoE with a shared expert) and a 2-layer drafter
-# reading both layers, block 3: the switches' same-bits tests (test_lean_round.py and others)
-SMALL_TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=32,
-                    hidden_size=16, intermediate_size=16, q_lora_rank=None, kv_lora_rank=16,
+# a 2-layer target (the first dense, then MoE with a shared expert, 4 experts in 2 groups) and
+# a 2-layer drafter reading both layers, block 3: the switches' same-bits tests
+# (test_lean_round.py and others).  Small widths (D 8, r 8, V 16) and 4 experts: the launch
+# counts do not depend on them, and the simulated blocks of a launch scale with them.
+SMALL_TARGET = dict(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=16,
+                    hidden_size=8, intermediate_size=8, q_lora_rank=None, kv_lora_rank=8,
                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                    num_attention_heads=1, moe_intermediate_size=8)
+                    num_attention_heads=1, moe_intermediate_size=8, n_routed_experts=4,
+                    n_group=2, topk_group=1)
 
 
 def rounds_and_bits():
