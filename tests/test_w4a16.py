@@ -241,10 +241,11 @@ def test_int4_words_are_the_packed_bytes():
 # ----------------------------------------------------------------------------- the model
 
 def _one_moe_layer_config():
-    return size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=64,
-                       hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+    return size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=32,
+                       hidden_size=16, intermediate_size=16, moe_intermediate_size=16,
                        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                       qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=2)
+                       qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=2,
+                       n_routed_experts=4, n_group=2, topk_group=1)
 
 
 def _int4_weights(cfg, group):
