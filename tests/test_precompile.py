@@ -28,11 +28,13 @@ from ptx_check import HOPPER_PRELUDE
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the engine test's very tiny model: one MoE layer, every op, a few seconds a forward
-VERY_TINY = dict(num_hidden_layers=1, first_k_dense_replace=0, vocab_size=64, hidden_size=32,
-                 intermediate_size=32, moe_intermediate_size=16, q_lora_rank=16,
+# the engine test's very tiny model: one MoE layer, every op, a few seconds a forward; here
+# at smaller widths and 4 experts in 2 groups (a shared expert): the kernels a DDTree run
+# launches are the same, the simulated blocks of each launch fewer
+VERY_TINY = dict(num_hidden_layers=1, first_k_dense_replace=0, vocab_size=32, hidden_size=16,
+                 intermediate_size=16, moe_intermediate_size=16, q_lora_rank=16,
                  kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                 num_attention_heads=2)
+                 num_attention_heads=2, n_routed_experts=4, n_group=2, topk_group=1)
 
 
 def _array(dtype: str, ndim: int) -> dict:
