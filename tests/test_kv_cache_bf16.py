@@ -27,9 +27,17 @@ def oracle_bits(x) -> np.ndarray:
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+# the simulator's model: tiny's structure (a dense layer, then MoE with grouped routing and a
+# shared expert) at the widths the kernels' simulated blocks can afford
+SIM_WIDTHS = (("vocab_size", 32), ("hidden_size", 16), ("intermediate_size", 16),
+              ("moe_intermediate_size", 16), ("q_lora_rank", 16), ("kv_lora_rank", 16),
+              ("num_attention_heads", 2), ("n_routed_experts", 4), ("n_group", 2),
+              ("topk_group", 1))
+
+
 @functools.lru_cache(maxsize=None)
-def tiny(kv_cache: str, backend: str = "reference") -> Model:
-    cfg = size_config("tiny", num_hidden_layers=2)
+def tiny(kv_cache: str, backend: str = "reference", widths: tuple = ()) -> Model:
+    cfg = size_config("tiny", num_hidden_layers=2, **dict(widths))
     return Model(cfg, dict(random_weights(cfg, 3)), backend, kv_cache=kv_cache)
 
 
@@ -93,11 +101,11 @@ def test_ddtree_greedy_equals_ar_over_a_bf16_cache_with_compaction():
 
 
 def test_numba_kernels_agree_with_the_reference_over_a_bf16_cache(needs_kernels):
-    ids = np.array([[5, 17, 2, 99]])
-    got, want = (tiny("bfloat16", be).forward(
+    ids = np.array([[5, 17, 2, 29]])
+    got, want = (tiny("bfloat16", be, SIM_WIDTHS).forward(
         ForwardBatch(ids, np.arange(4)[None], causal_mask(4), causal=True),
-        tiny("bfloat16", be).new_cache(1, 8)) for be in ("numba", "reference"))
-    got = np.asarray(tiny("bfloat16", "numba").backend.to_host(got), np.float32)
+        tiny("bfloat16", be, SIM_WIDTHS).new_cache(1, 8)) for be in ("numba", "reference"))
+    got = np.asarray(tiny("bfloat16", "numba", SIM_WIDTHS).backend.to_host(got), np.float32)
     want = np.asarray(want, np.float32)
     # the kernel also rounds its softmax weights to bf16 (2^-8 relative): logits move by a
     # few 1e-3 of their scale, against O(1) for a plumbing error
