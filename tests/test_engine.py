@@ -750,9 +750,10 @@ def test_ar_one_step_ahead_reads_each_steps_pinned_copy_after_waiting_for_it():
         assert reads == 1 + got.stats.rounds and syncs == 1
 
 
-# One dense layer, one head, V 32: the cheapest model the simulator can run (~5 s a forward).
-SIM_TINY = dict(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=32, hidden_size=16,
-                intermediate_size=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+# One dense layer, one head, V 16, D 8, r 8: a cheap model for the simulator (its simulated
+# blocks scale with the widths; tests/launch_counter.py's SMALL_TARGET runs the same widths).
+SIM_TINY = dict(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=16, hidden_size=8,
+                intermediate_size=8, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
                 qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=1)
 
 
