@@ -216,15 +216,15 @@ def test_latents_refuse_bad_shapes():
 @pytest.mark.parametrize("q_lora, kv_cache", [(True, "float32"), (False, "float32"),
                                               (True, "bfloat16")])
 def test_a_model_gives_the_same_logits_fused_or_not(monkeypatch, q_lora, kv_cache):
-    """The tiny config's attention (q LoRA, YaRN), and without a q LoRA (a DFlash drafter's):
-    a tree-verify-shaped forward of 3 tokens after 2 cached ones, fused and by parts, bit for
-    bit, logits and the cache's latents (a bf16 cache too: the fused kernel's own rounding);
-    narrowed: the simulator runs a thread per GPU thread."""
+    """The tiny config's attention (q LoRA, YaRN; at 2 heads), and without a q LoRA (a DFlash
+    drafter's): a tree-verify-shaped forward of 3 tokens after 2 cached ones, fused and by
+    parts, bit for bit, logits and the cache's latents (a bf16 cache too: the fused kernel's
+    own rounding); narrowed: the simulator runs a thread per GPU thread."""
     from kdtree_numba.bundle import random_weights, size_config
     from kdtree_numba.model import ForwardBatch, Model
     # one (dense) layer: the latents are the attention's; the experts would only cost time
-    cfg = size_config("tiny", num_hidden_layers=1, hidden_size=32, intermediate_size=32,
-                      vocab_size=64, q_lora_rank=48 if q_lora else None)
+    cfg = size_config("tiny", num_hidden_layers=1, hidden_size=16, intermediate_size=16,
+                      vocab_size=32, num_attention_heads=2, q_lora_rank=48 if q_lora else None)
     weights = dict(random_weights(cfg, 1))
     outs = []
     for fused in ("0", "1"):
