@@ -137,11 +137,13 @@ def test_gpu_padded_prefills_share_graphs_and_keep_ddtree_equal_to_ar():
 def test_numba_padded_prefill_gives_the_unpadded_rows_in_simulator(needs_kernels):
     """The numba kernels over padding rows (the causal prefill plan, the MoE grouping of the
     padding tokens): the real rows' logits and cache entries are the unpadded prefill's."""
-    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=32,
-                      hidden_size=16,
-                      intermediate_size=16, moe_intermediate_size=8, kv_lora_rank=16,
-                      q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                      num_attention_heads=1)
+    # one MoE layer (grouped routing, a shared expert) at tests/launch_counter.py's
+    # SMALL_TARGET widths: the simulated blocks scale with the widths, the padding rows not
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=16,
+                      hidden_size=8, intermediate_size=8, moe_intermediate_size=8,
+                      kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=1,
+                      n_routed_experts=4, n_group=2, topk_group=1)
     model = Model(cfg, dict(random_weights(cfg, 3)), make_backend("numba"))
     prompts = [[5, 6, 7, 8, 9]]
     out = {}
