@@ -291,10 +291,11 @@ def test_context_is_the_targets_features_of_the_verified_prefix():
 def test_dflash_on_the_numba_kernels_equals_ar_in_simulator(method, needs_kernels):
     """Target and drafter both on the numba kernels (the prefill's and the verify's feature
     capture, the device gather of the accepted rows, the injection): the reference AR tokens,
-    one read for prefill and one per round (two new tokens: one round, ~25 s)."""
-    target_over = dict(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=32,
-                       hidden_size=16, intermediate_size=16, q_lora_rank=None,
-                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    one read for prefill and one per round (two new tokens: one round, ~4 s on 2 cores)."""
+    # test_engine's SIM_TINY widths (D 8, r 8, V 16): the simulated blocks scale with them
+    target_over = dict(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=16,
+                       hidden_size=8, intermediate_size=8, q_lora_rank=None,
+                       kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                        num_attention_heads=1)
     tcfg, tw, dcfg, dw, spec = pair(target_over, dict(num_hidden_layers=1), (0,), 3)
     backend = make_backend("numba")
