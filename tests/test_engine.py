@@ -500,12 +500,14 @@ def test_cli_make_model_then_run_with_drafter_bundle(tmp_path, capsys):
 def test_numba_backend_matches_reference_in_simulator(needs_kernels):
     """One very tiny model (one MoE layer) through the numba kernels: logits close to the
     reference, and a DDTree generation (prefill + one verify round) equal to reference AR.
-    ~35 s: the simulator spends ~11 s per forward (mostly moe_ffn), so the drafter is an
-    oracle over the *reference* model (same weights, NumPy arrays either way)."""
-    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=64,
-                      hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+    The simulator's forwards are the cost (mostly moe_ffn), so the drafter is an oracle over
+    the *reference* model (same weights, NumPy arrays either way), and the MoE layer is narrow
+    (D 16, V 32, 4 experts in 2 groups, a shared expert): ~7 s on 2 cores."""
+    cfg = size_config("tiny", num_hidden_layers=1, first_k_dense_replace=0, vocab_size=32,
+                      hidden_size=16, intermediate_size=16, moe_intermediate_size=16,
                       q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                      v_head_dim=8, num_attention_heads=2)
+                      v_head_dim=8, num_attention_heads=2, n_routed_experts=4, n_group=2,
+                      topk_group=1)
     weights = dict(random_weights(cfg, 0))
     ref = Model(cfg, weights, "reference")
     sim = Model(cfg, weights, "numba")
