@@ -144,9 +144,10 @@ def test_the_weights_generate_the_same_on_reference_and_numba_kernels(needs_kern
     kernels (the simulator here, the GPU under tools/gpu_suite.sh) agree, and the logits are
     not flat.  (One host draw for both: on a GPU random_model would draw the numba model's
     with CuPy, another stream.)"""
-    cfg = tiny_config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
-                      moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
-                      num_attention_heads=2)      # the simulator's time grows with the widths
+    cfg = tiny_config(num_hidden_layers=2, hidden_size=16, intermediate_size=16,
+                      moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16,
+                      num_attention_heads=2, vocab_size=32,
+                      n_routed_experts=4)        # the simulator's time grows with the widths
     weights = dict(random_device_weights(cfg, np, seed=0))
     prompt = [[5, 17]]
     ref = Model(cfg, weights, "reference")
