@@ -297,5 +297,5 @@ def test_int4_model_gives_the_reference_backends_tokens(layers):
     want = generate(ref_model, [seq], 3).tokens
     assert generate(sim, [seq], 3).tokens == want
     dd = generate(sim, [seq], 3, method="ddtree", budget=2,
-                  drafter=NoisyOracleDrafter(ref_model, 2, agreement=1.0, sharpness=8.0))
+                  drafter=NoisyOracleDrafter(sim, 2, agreement=1.0, sharpness=8.0))
     assert dd.tokens == want and dd.stats.rounds == 1
