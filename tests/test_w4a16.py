@@ -283,8 +283,9 @@ def test_numba_model_holds_int4_experts_packed(layers, tmp_path, source):
 def test_int4_model_gives_the_reference_backends_tokens(layers):
     """One MoE layer with int4 experts (group 8: the down projection's 16 inputs run the word
     loads) on the numba kernels: logits within float32 of the reference's, AR's tokens, and a
-    DDTree generation (prefill + one verify round) equal to reference AR.  ~15 s in the
-    simulator; the drafter drafts with the reference model."""
+    DDTree generation (prefill + one verify round) equal to reference AR.  ~13 s in the
+    simulator; the oracle drafter drafts with the numba model (on a GPU the round needs its
+    device logits: run 142 failed with the reference model's host arrays)."""
     from kdtree_numba.drafter import NoisyOracleDrafter
     from kdtree_numba.engine import generate
     cfg = _one_moe_layer_config()
