@@ -118,10 +118,9 @@ def invariant_block(rows: int, w) -> int:
     """The GEMM row block to use for ``rows`` against a weight of ``w``'s shape and layout:
     ``rows`` where this BLAS gives a row the same bits in every place of a block, else the
     largest ``rows / 2^i`` that does (1 always does).  Which places agree is the BLAS's
-    micro-kernel's business, so it is measured, once a shape: ``rows`` copies of two random
-    rows must come out as ``rows`` copies of two results (OpenBLAS's Haswell kernel on an
-    AMD Zen 2 gives rows 6-15 of a 16-row block other bits than row 0; 8 keeps them; on the
-    Xeons measured before, 8 to 64 kept them)."""
+    micro-kernel's business and differs by CPU (docs/ENGINE.md, "Which blocks keep a row's
+    bits"), so it is measured, once a shape: ``rows`` copies of two random rows must come
+    out as ``rows`` copies of two results."""
     k, n = w.shape[-2:]
     order = "C" if w.strides[-1] == w.itemsize else "F" if w.strides[-2] == w.itemsize else "A"
     key = (rows, k, n, order)
@@ -262,7 +261,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
 # decode's, only its own alone or in a batch (model.ForwardBatch, ``prefill``), which any
 # fixed block gives; 64 rows pack each weight an eighth as often as ROWS (the demo's
 # 256 x 2048 experts at 100 rows: 1.2 ms against 3.9) where the BLAS keeps a row's bits in
-# every place of 64 (invariant_block: a Xeon's OpenBLAS did, a Zen 2's keeps 8)
+# every place of 64 (invariant_block halves it elsewhere)
 PREFILL_ROWS = 64
 
 
