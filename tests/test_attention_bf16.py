@@ -388,8 +388,7 @@ LAYOUT_CASES = [
 # every case for all switches together; each switch alone (and fast, all but ldsm_values)
 # where it has the most to get wrong
 ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
-            "ldsm": "tree verify, 3 splits", "vxch": "two row groups a block",
-            "fast": "causal prefill, 32-key tiles"}
+            "ldsm": "tree verify, 3 splits", "fast": "causal prefill, 32-key tiles"}
 # "all" (every switch at once) on a split verify in CI; its other cases and each switch alone
 # on its one case are `slow` (~50 s of simulator time for layouts the package does not ship)
 IN_CI = ("tree verify, 3 splits",)

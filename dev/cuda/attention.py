@@ -69,17 +69,15 @@ LAYOUTS = {
 # lean:  whole key tiles staged without the per-chunk clamp and size select;
 # s3:    three key buffers, two tiles in flight (cp.async.wait_group 1);
 # ldsm:  the P V operands by ldmatrix.trans, no byte permutes (key tiles swizzled by 2 bits);
-# vxch:  the score exchange in 128-bit stores and loads (4 + 4 a tile, not 16 + 16);
-# fast:  fragq, lean and s3; all: the five.
+# fast:  fragq, lean and s3; all: the four.
+# (vxch, the score exchange in 128-bit accesses, left: other bits on the real GPU, run 167.)
 BF16_LAYOUTS = {
     "fragq": dict(frag_queries=True),
     "lean": dict(lean_staging=True),
     "s3": dict(stages=3),
     "ldsm": dict(ldsm_values=True),
-    "vxch": dict(vec_exchange=True),
     "fast": dict(frag_queries=True, lean_staging=True, stages=3),
-    "all": dict(frag_queries=True, lean_staging=True, stages=3, ldsm_values=True,
-                vec_exchange=True),
+    "all": dict(frag_queries=True, lean_staging=True, stages=3, ldsm_values=True),
 }
 
 

@@ -32,7 +32,7 @@ the measurements.  In short:
   makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
   64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
 
-Five layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
+Four layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
 operands reach the mma, never which values or in what order, so every layout gives the same
 bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  ``frag_queries``: the query tile in
 A-fragment order (:func:`query_word`), so that lane (g, t)'s one 128-bit load per k16 step is
@@ -47,8 +47,7 @@ select, one 64-bit add per chunk (the row layout's staging: 186 instructions for
 of a value group is then its 8 consecutive columns 8j .. 8j + 7 (an output element's
 products and their order do not change, only the n-slot that holds it), and the key tiles
 swizzle their chunks by bits 1-2 of the row (:func:`key_word`) so that a matrix's 8 rows
-are conflict free.  ``vec_exchange``: a lane's exchanged scores 4x .. 4x + 3 in one 16-byte
-slot, 4 stores and 4 loads of 128 bits a tile instead of 16 + 16 scalar ones.
+are conflict free.
 
 Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
 block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
@@ -66,8 +65,7 @@ from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, blo
                                           seen_new_keys)
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_wait_1, cp_async_wait_all,
-                                     ld_shared_f32x4, ld_shared_words4, load_f32x4,
-                                     store_f32x4)
+                                     ld_shared_words4, load_f32x4, store_f32x4)
 from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, pair_high_halves, pair_low_halves
 from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
@@ -226,7 +224,6 @@ def build_kernel(cfg: Bf16TileConfig):
     Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
     FRAGQ, LEAN, LDSM = cfg.frag_queries, cfg.lean_staging, cfg.ldsm_values
-    VEC_XCH = cfg.vec_exchange
     kword = _key_word if LDSM else _tile_word      # the key tiles' layout
     PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
@@ -461,10 +458,6 @@ def build_kernel(cfg: Bf16TileConfig):
 
         xch_mine = XCH_OFF + warp * (32 * SN) + lane
         xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + lane   # warp = RG kh + rg, RG = 2^i
-        if VEC_XCH:     # scores 4x .. 4x + 3 of a lane in one 16-byte slot: 128-bit accesses
-            xch_mine = XCH_OFF + warp * (32 * SN) + 4 * lane
-            xch_partner = XCH_OFF + (warp ^ RG) * (32 * SN) + 4 * lane
-        partner = cuda.local.array(SN, float32)
         stage = 0
         for t0 in range(kbeg, kend, N):
             kv = KV_OFF + stage * TILE_WORDS
@@ -504,25 +497,16 @@ def build_kernel(cfg: Bf16TileConfig):
                         a0, a1, a2, a3, k0, k1, s[o], s[o + 1], s[o + 2], s[o + 3])
                     s[o], s[o + 1], s[o + 2], s[o + 3] = mma(
                         c0, c1, c2, c3, k2, k3, s[o], s[o + 1], s[o + 2], s[o + 3])
-            if VEC_XCH:
-                for x in range(SN // 4):
-                    store_f32x4(xch, xch_mine + 128 * x, s[4 * x], s[4 * x + 1], s[4 * x + 2],
-                                s[4 * x + 3])
-            else:
-                for x in range(SN):  # leave this half's scores for the partner warp
-                    xch[xch_mine + 32 * x] = s[x]
+            for x in range(SN):  # leave this half's scores for the partner warp
+                xch[xch_mine + 32 * x] = s[x]
             cuda.syncthreads()
-            if VEC_XCH:     # the partner's scores in 16-byte loads (the package reads them
-                for x in range(SN // 4):        # one at a time in the sums below)
-                    (partner[4 * x], partner[4 * x + 1], partner[4 * x + 2],
-                     partner[4 * x + 3]) = ld_shared_f32x4(xch, xch_partner + 128 * x)
 
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
             mt_a = mt_b = NEG_INF
             if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
                 for x in range(SN):
-                    sc = (s[x] + (partner[x] if VEC_XCH else xch[xch_partner + 32 * x])) * tau2
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
                     if x % 4 < 2:
                         mt_a = max(mt_a, sc)
                     else:
@@ -530,7 +514,7 @@ def build_kernel(cfg: Bf16TileConfig):
                     s[x] = sc
             else:
                 for x in range(SN):
-                    sc = (s[x] + (partner[x] if VEC_XCH else xch[xch_partner + 32 * x])) * tau2
+                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
                     key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
                     if x % 4 < 2:
                         sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)

@@ -213,13 +213,12 @@ class Bf16TileConfig:
     ``groups_per_warp`` for each warp of a pair (a group past r's last is computed again by the
     second warp and not written).
 
-    Five switches change how operands reach the same mma sequence, never a bit of the result
+    Four switches change how operands reach the same mma sequence, never a bit of the result
     (bf16.py's docstring; off in the package's layout, :data:`BF16_LAYOUTS`): ``stages`` 3
     keeps two key tiles in flight instead of one; ``frag_queries`` stages the queries in
     fragment order, so that one 128-bit load is an mma's A operand as it stands;
     ``lean_staging`` copies a whole key tile without the per-chunk clamp and size select;
-    ``ldsm_values`` loads the P V operands with ``ldmatrix.trans`` (no byte permutes);
-    ``vec_exchange`` moves the score exchange in 16-byte accesses."""
+    ``ldsm_values`` loads the P V operands with ``ldmatrix.trans`` (no byte permutes)."""
     r: int
     dr: int
     threads: int = 256     # 2 warps (column halves) per 16 rows
@@ -231,7 +230,6 @@ class Bf16TileConfig:
     frag_queries: bool = False  # query tile in mma A-fragment order (bf16.query_word)
     lean_staging: bool = False  # whole key tiles copied without clamp and size select
     ldsm_values: bool = False   # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
-    vec_exchange: bool = False  # the score exchange in 128-bit stores and loads
 
     @property
     def d(self):
