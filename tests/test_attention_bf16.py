@@ -385,10 +385,10 @@ LAYOUT_CASES = [
     ("r 24: chunks dealt round-robin", [37], 2, "tree", 2, 24, 8, None, None, None),
     ("two row groups a block", [21], 4, "tree", 8, 32, 8, None, None, 32),
 ]
-# every case for all switches together; each switch alone (and fast, all but ldsm_values)
-# where it has the most to get wrong
+# every case for all switches together; each switch alone (permute: the package's layout
+# without ldsm_values) where it has the most to get wrong
 ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
-            "ldsm": "tree verify, 3 splits", "fast": "causal prefill, 32-key tiles"}
+            "permute": "tree verify, 3 splits"}
 # "all" (every switch at once) on a split verify in CI; its other cases and each switch alone
 # on its one case are `slow` (~50 s of simulator time for layouts the package does not ship)
 IN_CI = ("tree verify, 3 splits",)
@@ -435,12 +435,16 @@ def test_bf16_layouts_are_named_and_checked(monkeypatch):
     from kdtree_numba.attention import plan
     assert list(plan.BF16_LAYOUTS) == [plan.BF16_VARIANT] and plan.BF16_LAYOUT == "bf16"
     assert plan.bf16_tile_config(512, 64) == plan.Bf16TileConfig(512, 64, keys=plan.BF16_KEYS)
+    # the package's layout: the P V operands by ldmatrix.trans (run 167), the rest off
+    cfg = plan.bf16_tile_config(512, 64)
+    assert cfg.ldsm_values and cfg.stages == 2 and not (cfg.frag_queries or cfg.lean_staging)
     with pytest.raises(ValueError, match="unknown bf16 attention layout 'nope'"):
         plan.bf16_tile_config(512, 64, layout="nope")
     assert set(BF16_LAYOUT_NAMES) == set(ONE_CASE) | {"all"}    # each one is run above
     for fields in _dev_bf16_layouts().values():   # every candidate fits Kimi's widths
         cfg = plan.Bf16TileConfig(512, 64, keys=32, **fields).validate()
         assert cfg.smem_bytes() <= plan.MAX_SHARED_BYTES
+        assert cfg != plan.Bf16TileConfig(512, 64, keys=32), fields   # not the package's
     with pytest.raises(ValueError, match="2 or 3 stages"):
         plan.Bf16TileConfig(32, 8, stages=4).validate()
 

@@ -22,32 +22,37 @@ the measurements.  In short:
   identical online softmaxes), and accumulates value column half kh (256 of 512 columns: 32
   n-tiles, 128 float32 accumulators a lane).
 * Tiles are bf16 in 32-column panels, 16 words (64 bytes) a row; the 16-byte chunks of a row
-  are swizzled by bit 1 of the row (:func:`tile_word`).  Scores: per panel, lane (g, t) loads
+  are swizzled by bit 1 of the row (:func:`tile_word`), a key tile's by bits 1-2 under
+  ``ldsm_values`` (:func:`key_word`).  Scores: per panel, lane (g, t) loads
   words 4t .. 4t + 3 of query rows g and g + 8 and of one key row per n-tile, one 128-bit load
   each, which feed both k16 steps of the panel (the k order inside a panel is permuted the same
   way for both operands, as in the bf16 GEMM, layers/mma.py).
 * The key of score column n of an n8 tile is tile row :func:`key_row` (n), not n: the P V step
-  needs, as its B operand, two keys of one value column in one register, which lane (g, t)
-  builds from 128-bit loads of two key rows (8 columns each) with byte permutes; this row order
-  makes both those loads and the score loads free of bank conflicts.  Its 8 n-tiles per
-  64-column group take columns 8g + j (j < 8), so one load of each key row feeds 8 n-tiles.
+  needs, as its B operand, two keys of one value column in one register.  In the package's
+  layout (``ldsm_values``) ``ldmatrix.x4.trans`` delivers them: its matrix rows are a k16
+  step's keys in the P fragment's order (:func:`ldsm_value_word`), n-tile j of a 64-column
+  value group is its 8 consecutive columns 8j .. 8j + 7, and :func:`key_word`'s two-bit
+  swizzle keeps a matrix's 8 rows free of bank conflicts (and the score loads).  With
+  ``ldsm_values`` off, lane (g, t) builds them from 128-bit loads of key rows key_row(2t) and
+  key_row(2t + 1) (8 columns each) paired by byte permutes, 128 a tile; this row order makes
+  those loads conflict free under :func:`tile_word`, and n-tile j takes columns 8g + j.
+  Either way an output element has the same products in the same order (only the n-slot
+  that holds it moves): the same bits.
 
 Four layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
 operands reach the mma, never which values or in what order, so every layout gives the same
-bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  ``frag_queries``: the query tile in
-A-fragment order (:func:`query_word`), so that lane (g, t)'s one 128-bit load per k16 step is
-the mma's A operand as it stands, where the row layout's two loads (rows g and g + 8) must be
-interleaved into it; in the row layout's sm_90 code that interleave took 240 register moves a
-tile and warp, more than the 72 mma and 54 loads of the scores.  ``lean_staging``: a tile
-whose keys all lie before the split's end is copied without the per-chunk clamp and size
-select, one 64-bit add per chunk (the row layout's staging: 186 instructions for 9 copies).
-``stages`` 3: a ring of three key buffers, two tiles in flight during a tile's compute
-(``cp.async.wait_group 1``).  ``ldsm_values``: the P V B operands by ``ldmatrix.x4.trans``
-(:func:`ldsm_value_word`) instead of 128-bit loads paired by 128 byte permutes a tile; n-tile j
-of a value group is then its 8 consecutive columns 8j .. 8j + 7 (an output element's
-products and their order do not change, only the n-slot that holds it), and the key tiles
-swizzle their chunks by bits 1-2 of the row (:func:`key_word`) so that a matrix's 8 rows
-are conflict free.
+bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  The package's layout has
+``ldsm_values`` on (run 167, H100: the same bits, 0.89-0.90x a verify's time) and the other
+three off.  ``frag_queries``: the query tile in A-fragment order (:func:`query_word`), so
+that lane (g, t)'s one 128-bit load per k16 step is the mma's A operand as it stands, where
+the row layout's two loads (rows g and g + 8) must be interleaved into it; in the row
+layout's sm_90 code that interleave took 240 register moves a tile and warp, more than the 72
+mma and 54 loads of the scores.  ``lean_staging``: a tile whose keys all lie before the
+split's end is copied without the per-chunk clamp and size select, one 64-bit add per chunk
+(the row layout's staging: 186 instructions for 9 copies).  ``stages`` 3: a ring of three
+key buffers, two tiles in flight during a tile's compute (``cp.async.wait_group 1``).
+``ldsm_values``: the P V B operands by ``ldmatrix.x4.trans`` rather than byte permutes (the
+bullet above).
 
 Under the CUDA simulator the mma is ``block_uniform_mma_bf16``'s emulation (every warp of a
 block issues the same mma sequence here), so CI runs this kernel's index math and softmax.
@@ -436,7 +441,8 @@ def build_kernel(cfg: Bf16TileConfig):
         # the lane's shared words, as a base plus compile-time steps (rows + 8 keep their
         # swizzle: bit 1 of the row is the same).  Scores: query rows 16 rg + g (+ 8), key row
         # key_row(g) (+ 8 nt), chunk t of panel p of the warp's half (+ p * PANEL words).
-        # P V: key rows key_row(2t), key_row(2t + 1) (+ 16 ks, + 8), chunk g of each group
+        # P V without ldsm_values: key rows key_row(2t), key_row(2t + 1) (+ 16 ks, + 8),
+        # chunk g of each group
         score_col = kh * DH + 8 * t
         q_at = Q_OFF + _tile_word(M, 16 * rg + g, score_col)
         if FRAGQ:   # lane's words of panel kh PH (step 0's block), panels 256 words apart

@@ -214,7 +214,8 @@ class Bf16TileConfig:
     second warp and not written).
 
     Four switches change how operands reach the same mma sequence, never a bit of the result
-    (bf16.py's docstring; off in the package's layout, :data:`BF16_LAYOUTS`): ``stages`` 3
+    (bf16.py's docstring; their defaults are the package's layout, :data:`BF16_LAYOUTS`:
+    ``ldsm_values`` on since run 167, 0.89-0.90x a verify's time on an H100): ``stages`` 3
     keeps two key tiles in flight instead of one; ``frag_queries`` stages the queries in
     fragment order, so that one 128-bit load is an mma's A operand as it stands;
     ``lean_staging`` copies a whole key tile without the per-chunk clamp and size select;
@@ -229,7 +230,7 @@ class Bf16TileConfig:
     fused_merge: bool = False  # the last split's block merges (tiles.merge_when_last)
     frag_queries: bool = False  # query tile in mma A-fragment order (bf16.query_word)
     lean_staging: bool = False  # whole key tiles copied without clamp and size select
-    ldsm_values: bool = False   # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
+    ldsm_values: bool = True    # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
 
     @property
     def d(self):
@@ -281,11 +282,12 @@ BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
 # simulator, whose emulated mma costs two block barriers each.  A module variable so that
 # tools/bench_attention.py can time both and the tests can run 32-key tiles in the simulator.
 BF16_KEYS = 16 if SIMULATOR else 32
-# Layouts of the bf16 kernel: name -> Bf16TileConfig fields.  The package's is the first, and
-# every layout gives the same bits (they move the same operands into the same mma sequence,
-# so batch invariance does not depend on which runs).  dev/cuda/attention.py adds the
-# candidates (issue 38: decode speed) to this dict in its process and tools/bench_attention.py
-# times each; BF16_LAYOUT, a module variable like BF16_KEYS, is the one plans build.
+# Layouts of the bf16 kernel: name -> Bf16TileConfig fields.  The package's is the first (the
+# fields' defaults: ldsm_values on, the other switches off), and every layout gives the same
+# bits (they move the same operands into the same mma sequence, so batch invariance does not
+# depend on which runs).  dev/cuda/attention.py adds the candidates (issue 38: decode speed)
+# to this dict in its process and tools/bench_attention.py times each; BF16_LAYOUT, a module
+# variable like BF16_KEYS, is the one plans build.
 BF16_LAYOUTS = {BF16_VARIANT: {}}
 BF16_LAYOUT = BF16_VARIANT
 
