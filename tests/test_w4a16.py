@@ -127,25 +127,28 @@ def test_gemv_variants_give_the_default_bits(layers):
         assert np.array_equal(got, base), kw
 
 
-def test_gemv_ring_and_denormal_variants(layers):
-    """The decode GEMV's session-38 variants (tools/bench_layers.py INT4_GEMV_VARIANTS): the
-    cp.async ring (stages 2, and 4 at gate_up) gives the plain kernel's bits; the denormal
-    unpacking other bits, within the bound, and the same with the ring around it and with
-    half the rows a block.  I = 64: both GEMMs have an even number of scales a row, so both
-    take the ring (int4_ring_ok)."""
+def test_gemv_ring_and_unpack_variants(layers):
+    """The decode GEMV's session-38 variants (tools/bench_layers.py INT4_GEMV_VARIANTS) under
+    either unpacking: the cp.async ring (stages 2, and 4 at gate_up) gives the plain kernel's
+    bits; the default's denormal unpacking (since run 167) and the magic number's give other
+    bits, each within the bound, and with the ring around it, and (the default's) with half
+    the rows a block, its own.  I = 64: both GEMMs have an even number of scales a row, so
+    both take the ring (int4_ring_ok)."""
     case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 2, 32, shared=False)
-    base = run(layers, case, configs=_skinny_pair())
-    for gate_up_kw, down_kw in ((dict(stages=2), dict(stages=2)),
-                                (dict(stages=4), dict(stages=2))):
-        pair = (_skinny_pair(**gate_up_kw)[0], _skinny_pair(**down_kw)[1])
-        assert np.array_equal(run(layers, case, configs=pair), base), gate_up_kw
-    dn = run(layers, case, configs=_skinny_pair(unpack="denormal"))
-    check(dn, case)
-    assert np.array_equal(run(layers, case, configs=_skinny_pair(unpack="denormal", stages=2)),
-                          dn)
-    half = _skinny_pair(unpack="denormal", stages=2)
-    half = tuple(dataclasses.replace(c, rows=c.rows // 2) for c in half)
-    assert np.array_equal(run(layers, case, configs=half), dn)
+    bits = {}
+    for unpack in ("denormal", "magic"):
+        bits[unpack] = base = run(layers, case, configs=_skinny_pair(unpack=unpack))
+        check(base, case)
+        for gate_up_kw, down_kw in ((dict(stages=2), dict(stages=2)),
+                                    (dict(stages=4), dict(stages=2))):
+            pair = (_skinny_pair(unpack=unpack, **gate_up_kw)[0],
+                    _skinny_pair(unpack=unpack, **down_kw)[1])
+            assert np.array_equal(run(layers, case, configs=pair), base), (unpack, gate_up_kw)
+    # the default is the denormal unpacking, with half the rows a block its bits too
+    assert np.array_equal(run(layers, case, configs=_skinny_pair()), bits["denormal"])
+    half = tuple(dataclasses.replace(c, rows=c.rows // 2) for c in _skinny_pair(stages=2))
+    assert np.array_equal(run(layers, case, configs=half), bits["denormal"])
+    assert not np.array_equal(bits["denormal"], bits["magic"])    # two unpackings ran
 
 
 # the ring's 16-byte cp.async needs 16-byte alignment on a GPU (the simulator rejects one)

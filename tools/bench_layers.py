@@ -43,7 +43,7 @@
   bytes roof, the FLOP roof at 989 TFLOP/s): "mma" (int4_mma_config's tile, full grid), "mma
   work list" (KDTREE_MOE_WORK_LIST=1) and "mma <tile>" (INT4_MMA_TILES, work list on).  At
   M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: a cp.async
-  ring, the denormal unpacking, L2 bulk prefetch, N tiles a block, chunks in flight, rows,
+  ring, the magic-number unpacking, L2 bulk prefetch, N tiles a block, chunks in flight, rows,
   threads), and "mma" / "mma work list"
   / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each
   variant's kernels compile on first use).
@@ -129,27 +129,26 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
 # next tile's rows streaming while this one computes), two chunks in flight a row (unroll
 # 2, capped at 144 registers: no spill), twice the rows (168 / 178 registers), twice or half
 # the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the thread
-# counts and the denormal unpacking give the default's bits.  Then "mma" and "mma work
+# counts and the magic-number unpacking give the default's bits.  Then "mma" and "mma work
 # list": the W4A16 tensor-core kernels at M = 1 (int4_mma_config's tile, then
 # INT4_MMA_DECODE_TILES; x rounded to bf16, the grouped bound).
-# Run 164 left the default fastest; the four first rows (session 38, untimed) attack why it
-# sits at ~59%: a thread keeps one chunk a row in flight and then computes it (3.5 / 2
-# trips a block: one HBM round trip a trip, nothing in flight while the FMAs run), and
-# the unpacking costs ~3.4 instructions a weight (~60% of the issue slots at the roof).
-# "ring 2": a per-thread cp.async ring in shared memory (SkinnyConfig.stages), the next
-# chunk in flight while this one is computed, in no register (128 registers, as the
-# default; the default's bits).  "denormal": the nibbles read as float32 denormals
-# (SkinnyConfig.unpack), ~2.5 instructions a weight (not the default's bits; within the
-# bound; 144 / 136 registers).  "denormal ring 2": both, capped at the default's 128
-# registers.  "denormal ring 2 rows/2": the same with half the rows a block (twice the
+# Run 164 left the magic-number default fastest, at ~59% of the roof: a thread keeps one chunk
+# a row in flight and then computes it (3.5 / 2 trips a block: one HBM round trip a trip,
+# nothing in flight while the FMAs run), and that unpacking costs ~3.4 instructions a weight
+# (~60% of the issue slots at the roof).  Run 167 made the denormal unpacking
+# (SkinnyConfig.unpack: the nibbles read as float32 denormals, ~2.5 instructions a weight,
+# 144 / 136 registers) the default: 139.8 us, 70.7% of the roof, against the magic number's
+# 164.6 us.  "magic": the magic-number unpacking, the default until then (other bits, within
+# the bound; 128 registers).  "magic ring 2": with a per-thread cp.async ring in shared memory
+# (SkinnyConfig.stages), the next chunk in flight while this one is computed, in no register
+# (magic's bits; 173.4 us in run 167).  "ring 2": the ring around the default, capped at 128
+# registers (163.9 us).  "ring 2 rows/2": the same with half the rows a block (twice the
 # blocks, each half as long: shorter kernel tails; down at 96 registers, 21 blocks an SM).
 INT4_GEMV_VARIANTS = (
-    ("gemv ring 2", dict(stages=2), dict(stages=2)),
-    ("gemv denormal", dict(unpack="denormal"), dict(unpack="denormal")),
-    ("gemv denormal ring 2", dict(stages=2, unpack="denormal", max_registers=128),
-     dict(stages=2, unpack="denormal", max_registers=128)),
-    ("gemv denormal ring 2 rows/2", dict(rows=2, stages=2, unpack="denormal"),
-     dict(rows=4, stages=2, unpack="denormal")),
+    ("gemv magic", dict(unpack="magic"), dict(unpack="magic")),
+    ("gemv magic ring 2", dict(stages=2, unpack="magic"), dict(stages=2, unpack="magic")),
+    ("gemv ring 2", dict(stages=2, max_registers=128), dict(stages=2, max_registers=128)),
+    ("gemv ring 2 rows/2", dict(rows=2, stages=2), dict(rows=4, stages=2)),
     ("gemv prefetch", dict(prefetch=True), dict(prefetch=True)),
     ("gemv span 4", dict(span=4), dict(span=4)),
     ("gemv prefetch span 4", dict(prefetch=True, span=4), dict(prefetch=True, span=4)),

@@ -158,11 +158,13 @@ def _load_w1(w, n, k, is_bf16):
 # scale (uint16 bits [N, K/g]) is that of group k // g.  A chunk is 32 weights: one 16-byte
 # load ("i4") or four word loads, zero past the row end ("i4s", any K % 8 == 0).  Each word is
 # xor-ed with 0x8888_8888 once (u = q + 8, unsigned).  Nibble j of a 16-bit half (bits 4j..4j+3,
-# j < 4) becomes a float with one AND-OR, without a shift: (bits of 2^23) | (w & 0xF << 4j) is
-# 2^23 + u 16^j, and minus 2^23 + 8 16^j it is q 16^j exactly (integers below 2^24); the x
-# element it multiplies was scaled by 16^-j once per x load (a power of two: the product
-# rounds as x q does).  The high half takes one shift per word.  A dot over 8 weights then
-# takes the scale once: acc += s * sum(x_i q_i).  Nothing wider than the packed words exists.
+# j < 4) becomes a float without a shift, in one of two ways (SkinnyConfig.unpack): the
+# "denormal" unpack, the default (its comment below), or the "magic" number, here: with one
+# AND-OR (bits of 2^23) | (w & 0xF << 4j) is 2^23 + u 16^j, and minus 2^23 + 8 16^j it is q 16^j
+# exactly (integers below 2^24); the x element it multiplies was scaled by 16^-j once per x
+# load (a power of two: the product rounds as x q does).  The high half takes one shift per
+# word.  A dot over 8 weights then takes the scale once: acc += s * sum(x_i q_i).  Nothing
+# wider than the packed words exists.
 I4_CHUNK = 32                    # int4 weights per load step: one 16-byte vector of 4 words
 INT4_KINDS = ("i4", "i4s")
 _OFFSET8 = 0x88888888
@@ -241,16 +243,18 @@ def _fma8_q4(a, xs, u8, s):
     return a + p * s
 
 
-# "denormal" unpack (SkinnyConfig.unpack; a bench variant, not the default): the nibble read
-# as float32 bits with nothing OR-ed in.  Bits below 2^24 are the float32 bits * 2^-149
-# exactly (exponent field 0 or 1), so (w & 0xF << 4j) is u 16^j 2^-149 with no offset to
-# subtract: one AND and one FFMA a weight where the magic number takes AND-OR, FADD and FFMA.
+# "denormal" unpack (SkinnyConfig.unpack, the default since run 167: the one-token GEMV at Kimi
+# widths 139.8 us, 70.7% of its roof, against the magic number's 164.6 us, 60.1%, on an H100;
+# docs/LAYERS.md): the nibble read as float32 bits with nothing OR-ed in.  Bits below 2^24 are
+# the float32 bits * 2^-149 exactly (exponent field 0 or 1), so (w & 0xF << 4j) is u 16^j
+# 2^-149 with no offset to subtract: one AND and one FFMA a weight where the magic number
+# takes AND-OR, FADD and FFMA.
 # x is scaled by 2^(100 - 4j) per x load (exact below |x| = 2^28), so every product is
 # x u 2^-49; the u = q + 8 offset leaves 8 x 2^-49 a weight, which the same FMA chain over
 # u = 8 (``_bias8_dn``, once per x word, shared by the NR rows) takes back: acc += s' (p - b)
 # with s' = s 2^49.  A word of q = 0 gives p == b bit for bit (the same chain), so 0 exactly.
-# Not the default's bits: the 8-weight partial sums see |x| u, not |x| |q| (within the bound
-# of tests/w4a16_cases.py on the tests' data; ~1 bit more rounding per partial sum).
+# Not the magic number's bits: the 8-weight partial sums see |x| u, not |x| |q| (within the
+# bound of tests/w4a16_cases.py on the tests' data; ~1 bit more rounding per partial sum).
 _DN_X_SCALE = tuple(float(2.0 ** (100 - 4 * j)) for j in range(4))
 _DN_EIGHT = tuple(float(2.0 ** (3 + 4 * j - 149)) for j in range(4))   # float32 of 8 << 4j
 _DN_S = float(2.0 ** 49)
@@ -360,7 +364,7 @@ RING_STAGES = tuple(_CP_WAIT)
 
 @functools.cache
 def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, group: int = 0,
-                    stages: int = 0, unpack: str = "magic"):
+                    stages: int = 0, unpack: str = "denormal"):
     """``accumulate(x, xrows, w, wrows, first, c1, acc, scratch)``: acc[m*NR + r] +=
     x[xrows[m]] . w[wrows[r]] over the chunks first + threadIdx, + THREADS, ... < c1.
 
@@ -377,7 +381,8 @@ def make_accumulate(mt: int, nr: int, threads: int, unroll: int, wkind: str, gro
     argument ``ring``, a uint32 shared array of ``stages * nr * threads * RING_WORDS`` words
     (any array where ``stages`` is 0); their chunks hold 32 weights (:data:`I4_CHUNK`,
     ``c1`` = :func:`int4_chunks`).  ``stages`` (kind "i4", unroll 1, group % 32 == 0): the
-    cp.async ring of that depth; ``unpack``: "magic" or "denormal" (module comments)."""
+    cp.async ring of that depth; ``unpack``: "denormal" (the default) or "magic" (module
+    comments)."""
     int4 = wkind in INT4_KINDS
     if int4 and (group % 8 or (group % I4_CHUNK and I4_CHUNK % group)):
         raise ValueError(f"int4 group size {group}: a multiple of 8 that divides "
@@ -460,7 +465,7 @@ def _chunk_group_source(mt, nr, threads, unroll, indent, xchg, guard=False):
     return [indent + line for line in lines]
 
 
-def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group, unpack="magic"):
+def _int4_group_source(mt, nr, threads, unroll, indent, scalar, group, unpack):
     """The int4 twin of :func:`_chunk_group_source`: `unroll` chunks of 32 weights of the NR
     rows (4 words and the chunk's 1, 2 or 4 scales each) loaded first, then per chunk, live x
     row and 8-weight word: ``acc += s * (x . q)``, words in order."""
@@ -568,9 +573,10 @@ class SkinnyConfig:
     runs one after another (its routing reads paid once); ``prefetch``, each tile's weight
     rows (words and scales) asked into L2 by one bulk prefetch a row at the tile's start,
     and with a span the next tile's too (bytes in flight that hold no register);
-    ``max_registers``, a ptxas cap (0: none).  Two for the int4 kinds alone (bench variants):
-    ``stages``, the cp.async ring's depth (0: plain loads; same bits), ``unpack``, "magic"
-    (the default) or "denormal" (other bits, within the bound)."""
+    ``max_registers``, a ptxas cap (0: none).  Two for the int4 kinds alone: ``stages``, the
+    cp.async ring's depth (a bench variant; 0: plain loads; same bits), ``unpack``, the
+    nibbles' unpacking, "denormal" (the default since run 167) or "magic" (other bits, both
+    within the bound)."""
     mt: int
     rows: int
     threads: int
@@ -582,7 +588,7 @@ class SkinnyConfig:
     prefetch: bool = False
     max_registers: int = 0
     stages: int = 0
-    unpack: str = "magic"
+    unpack: str = "denormal"
 
     def __post_init__(self):
         nacc = self.mt * self.rows
