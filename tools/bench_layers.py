@@ -127,9 +127,10 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
 # at a tile's start (bytes in flight that hold no register), 4 N tiles a block (the grid in
 # about one wave of resident blocks, the routing reads paid once, and with the prefetch the
 # next tile's rows streaming while this one computes), two chunks in flight a row (unroll
-# 2, capped at 144 registers: no spill), twice the rows (168 / 178 registers), twice or half
-# the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the thread
-# counts and the magic-number unpacking give the default's bits.  Then "mma" and "mma work
+# 2, capped at 168 registers: no spill; the magic unpack's fit 144, the denormal one's spills
+# 44-52 bytes there), twice the rows (196 registers; 168 / 178 with the magic unpack), twice
+# or half the threads (more warps a block; or 7 chunks a thread: longer loops).  All but the
+# thread counts and the magic-number unpacking give the default's bits.  Then "mma" and "mma work
 # list": the W4A16 tensor-core kernels at M = 1 (int4_mma_config's tile, then
 # INT4_MMA_DECODE_TILES; x rounded to bf16, the grouped bound).
 # Run 164 left the magic-number default fastest, at ~59% of the roof: a thread keeps one chunk
@@ -153,9 +154,9 @@ INT4_GEMV_VARIANTS = (
     ("gemv span 4", dict(span=4), dict(span=4)),
     ("gemv prefetch span 4", dict(prefetch=True, span=4), dict(prefetch=True, span=4)),
     ("gemv prefetch span 2", dict(prefetch=True, span=2), dict(prefetch=True, span=2)),
-    ("gemv unroll 2", dict(unroll=2, max_registers=144), dict(unroll=2, max_registers=144)),
-    ("gemv unroll 2 prefetch", dict(unroll=2, max_registers=144, prefetch=True),
-     dict(unroll=2, max_registers=144, prefetch=True)),
+    ("gemv unroll 2", dict(unroll=2, max_registers=168), dict(unroll=2, max_registers=168)),
+    ("gemv unroll 2 prefetch", dict(unroll=2, max_registers=168, prefetch=True),
+     dict(unroll=2, max_registers=168, prefetch=True)),
     ("gemv rows x2 prefetch", dict(rows=8, prefetch=True), dict(rows=16, prefetch=True)),
     ("gemv threads x2", dict(threads=128), dict(threads=64)),
     ("gemv threads x2 prefetch", dict(threads=128, prefetch=True),
