@@ -129,11 +129,11 @@ def test_gemv_variants_give_the_default_bits(layers):
 
 def test_gemv_ring_and_unpack_variants(layers):
     """The decode GEMV's session-38 variants (tools/bench_layers.py INT4_GEMV_VARIANTS) under
-    either unpacking: the cp.async ring (stages 2, and 4 at gate_up) gives the plain kernel's
-    bits; the default's denormal unpacking (since run 167) and the magic number's give other
-    bits, each within the bound, and with the ring around it, and (the default's) with half
-    the rows a block, its own.  I = 64: both GEMMs have an even number of scales a row, so
-    both take the ring (int4_ring_ok)."""
+    each unpacking, the default's denormal one (since run 167) and the magic number's: the
+    two give other bits, each within the bound; the cp.async ring around either (stages 2,
+    and 4 at gate_up) gives its plain kernel's bits, as does the default's ring with half the
+    rows a block.  I = 64: both GEMMs have an even number of scales a row, so both take the
+    ring (int4_ring_ok)."""
     case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 2, 32, shared=False)
     bits = {}
     for unpack in ("denormal", "magic"):
