@@ -53,9 +53,10 @@ __all__ = ["DeviceAR", "decode", "steps_per_launch"]
 def steps_per_launch(backend, steps: int | None = None) -> int:
     """The AR steps one device launch runs, 0 for the host's loop: ``steps`` where given
     (0 to ``runtime.AR_STEPS_MAX``; any backend), else ``runtime.current().ar_device_steps``
-    (``KDTREE_AR_DEVICE_STEPS``) on the numba backend (a GPU, or the simulator, which runs
-    the program eagerly) and 0 on the reference backend, whose steps run as they are
-    launched (nothing to hide the host's work behind)."""
+    (``KDTREE_AR_DEVICE_STEPS``; unset: ``runtime.AR_STEPS_ON`` on a real GPU, 0 under the
+    simulator, which would run the program eagerly) on the numba backend and 0 on the
+    reference backend, whose steps run as they are launched (nothing to hide the host's work
+    behind)."""
     if steps is None:
         return runtime.current().ar_device_steps if backend.name == "numba" else 0
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) \

@@ -13,9 +13,10 @@ token is the *root*: the next token fed to the target.  The target cache always 
 * AR step: one forward of the roots (n = 1), commit 1, choose the next token.  Steps run one
   ahead: step j + 1 is launched on step j's tokens while they are still on the device, before
   the host reads them (``_ar_steps``), so the device does not idle through the host's read and
-  launches between steps.  With ``ar_device_steps`` K > 0 (``KDTREE_AR_DEVICE_STEPS``) one
-  launch runs K steps as one device program, each block launched before the last one is
-  read (kdtree_numba/device_ar.py): the same tokens, the host's work paid once per K.
+  launches between steps.  With ``ar_device_steps`` K > 0 (``KDTREE_AR_DEVICE_STEPS``; on a
+  real GPU K = 4 by default) one launch runs K steps as one device program, each block
+  launched before the last one is read (kdtree_numba/device_ar.py): the same tokens, the
+  host's work paid once per K.
 * DDTree round (docs/DDTREE.md, docs/ENGINE.md): drafter logits [bs, L, V] (/ the draft
   temperature t_d where it is not 1: ``steps.draft_temperature``) -> ``topk_logprobs``
   (k = min(budget, V)) -> ``build_tree`` -> ``compile_tree`` (start = cache lengths) -> ONE
@@ -601,8 +602,9 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     ``ar_device_steps`` (method "ar"): K decode steps a launch as one device program, each
     launch before the last one's tokens are read (kdtree_numba/device_ar.py; the same tokens
     and cache lengths): K (1 to 64) on any backend, 0 the host's loop, None
-    ``runtime.current().ar_device_steps`` (``KDTREE_AR_DEVICE_STEPS``, off by default) on
-    the numba backend and the host's loop on the reference backend.  ``stats.rounds`` then
+    ``runtime.current().ar_device_steps`` (``KDTREE_AR_DEVICE_STEPS``; unset: 4 a launch on
+    a real GPU, the host's loop under the simulator) on the numba backend and the host's
+    loop on the reference backend.  ``stats.rounds`` then
     counts the device's steps, K a launch (those past a request's end included).
     """
     if method not in METHODS:

@@ -197,12 +197,13 @@ class GraphCache:
         launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``,
         ``KDTREE_MERGE_IN_UV``) other kernels than the
         separate ones, so never a graph of the other one (the same bits either way, but a
-        process that flips a switch to time it must run what it asked for)."""
+        process that flips a switch to time it must run what it asked for).  A switch away
+        from its default adds its mark; under the defaults the key is ``key`` itself."""
         now = runtime.current()
         return key + (() if now.lean_round else ("full_glue",)) + (
             () if now.moe_chunk_grid else ("one_chunk_grid",)) + (
             ("fewer_launches",) if now.fewer_launches else ()) + (
-            ("round_epilogue",) if now.round_epilogue else ()) + (
+            () if now.round_epilogue else ("no_round_epilogue",)) + (
             ("merge_in_uv",) if now.merge_in_uv else ())
 
     def holds(self, key) -> bool:

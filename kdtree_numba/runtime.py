@@ -21,8 +21,10 @@ Two kinds of switch:
   the backend runs on a GPU;
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), AR's decode steps run K a
   launch as one device program enqueued one ahead (kdtree_numba/device_ar.py, on the numba
-  backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; unset or 0: off, the host's
-  loop of one step a launch), an MLA layer's norms and
+  backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; ``0``: off, the host's loop of
+  one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA simulator,
+  where a block's eager steps past a request's end are simulated work and the host's
+  launches cost nothing worth hiding: :func:`_ar_steps_unset`), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -34,12 +36,14 @@ Two kinds of switch:
   merge launch, kdtree_numba/attention/tiles.py, docs/ATTENTION.md, "Merging in the kernel";
   a captured layer's residual sum written into the features by its norm, no concatenation,
   kdtree_numba/model.py; the same bits: docs/ENGINE.md, "Fewer launches"),
-  a device round's index arithmetic and commit in one launch each (``KDTREE_ROUND_EPILOGUE=1``,
-  off until validated on the GPU: the verify's and the drafter's block's slots and positions
+  a device round's index arithmetic and commit in one launch each (``KDTREE_ROUND_EPILOGUE=0``
+  turns it off: the verify's and the drafter's block's slots and positions
   made together at the round's start, and ``counts = acc_len * active``, both caches' lengths,
   the roots and the accepted rows' features in one kernel at its end,
-  kdtree_numba/ddtree/commit.py; and a forward's captured features written by the norms, as
-  under ``KDTREE_FEWER_LAUNCHES``; the same bits: docs/ENGINE.md, "Device rounds"),
+  kdtree_numba/ddtree/commit.py, where both caches are dense and the drafter names its
+  context cache, else the round's separate glue; and a numba forward's captured features
+  written by the norms, as under ``KDTREE_FEWER_LAUNCHES``; the same bits: docs/ENGINE.md,
+  "Device rounds"),
   attention's key splits merged by the next launch, apply_uv, as it stages its rows
   (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
   call splits its keys; the same bits: kdtree_numba/attention/projections.py),
@@ -100,10 +104,22 @@ def _positive(environ: Mapping[str, str], name: str) -> int:
 AR_STEPS_ON, AR_STEPS_MAX = 4, 64     # KDTREE_AR_DEVICE_STEPS=on's steps a launch; the most
 
 
-def _steps(environ: Mapping[str, str], name: str) -> int:
-    """Steps a launch from ``name``: a whole number 0..AR_STEPS_MAX (0: off), on/off words."""
+def _ar_steps_unset(simulator: bool) -> int:
+    """AR's steps a launch where ``KDTREE_AR_DEVICE_STEPS`` is unset: :data:`AR_STEPS_ON` on a
+    real GPU (run 167, H100, the demo target: 1.487x the host loop on a host-bound AR, 1.048x
+    on a fast host; the same tokens), 0 (the host's loop) under the CUDA simulator, whose
+    tests keep the host loop's counts and its cost (a block's steps past a request's end run
+    there too); the one place that decides it."""
+    return 0 if simulator else AR_STEPS_ON
+
+
+def _steps(environ: Mapping[str, str], name: str, unset: int) -> int:
+    """Steps a launch from ``name``: a whole number 0..AR_STEPS_MAX (0: off), on/off words;
+    ``unset`` where it is unset or empty."""
     value = environ.get(name, "").strip().lower()
-    if not value or value in _OFF:
+    if not value:
+        return unset
+    if value in _OFF:
         return 0
     if value in ("on", "yes", "true"):
         return AR_STEPS_ON
@@ -134,13 +150,14 @@ class RuntimeConfig:
     moe_chunk_grid: bool = True
     int4_mma: bool = True
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
-    ar_device_steps: int = 0    # AR steps a device launch (kdtree_numba/device_ar.py); 0: off
+    # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: _ar_steps_unset)
+    ar_device_steps: int = AR_STEPS_ON
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
     auto_v2: bool = True        # --budget auto's second policy (issue 36)
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
-    round_epilogue: bool = False  # a device round's glue in two launches (issue 36 item 3)
+    round_epilogue: bool = True   # a device round's glue in two launches (issue 36 item 3)
     merge_in_uv: bool = False   # attention's key splits merged by apply_uv (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
@@ -170,13 +187,14 @@ class RuntimeConfig:
                    moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", True),
                    int4_mma=_flag(env, "KDTREE_INT4_MMA", True),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
-                   ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS"),
+                   ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS",
+                                          _ar_steps_unset(simulator)),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),
                    auto_v2=_flag(env, "KDTREE_AUTO_V2", True),
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
-                   round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", False),
+                   round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", True),
                    merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
@@ -204,6 +222,8 @@ def current() -> RuntimeConfig:
 @functools.lru_cache(maxsize=16)
 def _from_values(values: tuple) -> RuntimeConfig:
     env = {name: value for name, value in zip(VARIABLES, values) if value is not None}
+    # the simulator as at import, also for what an unset switch derives from it (AR's steps)
+    env["NUMBA_ENABLE_CUDASIM"] = "1" if _AT_IMPORT.simulator else "0"
     now = RuntimeConfig.from_environment(env)
     return dataclasses.replace(now, **{f: getattr(_AT_IMPORT, f) for f in FIXED_AT_IMPORT})
 

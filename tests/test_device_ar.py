@@ -161,11 +161,13 @@ def test_the_next_generation_reuses_the_program():
 
 def test_the_switch_and_its_refusals(monkeypatch):
     """``KDTREE_AR_DEVICE_STEPS`` decides on the numba backend only (the reference backend
-    keeps the host loop); a given ``ar_device_steps`` decides anywhere; bad values are one
-    ValueError, as is the argument for another method."""
+    keeps the host loop; unset: 4 on a real GPU, the host loop under the simulator); a given
+    ``ar_device_steps`` decides anywhere; bad values are one ValueError, as is the argument
+    for another method."""
     model = tiny_model(1)
     numba = type("B", (), {"name": "numba"})()
-    for value, want in (("", 0), ("0", 0), ("off", 0), ("3", 3), ("on", 4), ("64", 64)):
+    unset = 0 if runtime.current().simulator else runtime.AR_STEPS_ON
+    for value, want in (("", unset), ("0", 0), ("off", 0), ("3", 3), ("on", 4), ("64", 64)):
         monkeypatch.setenv("KDTREE_AR_DEVICE_STEPS", value)
         assert runtime.current().ar_device_steps == want
         assert steps_per_launch(numba) == want and steps_per_launch(model.backend) == 0
@@ -228,13 +230,16 @@ def demo_target() -> Model:
                          ids=["greedy", "T1", "T1-top-p-k"])
 @pytest.mark.parametrize("steps", [2, 4])
 def test_gpu_device_ar_steps_on_the_demo_pair(monkeypatch, sampling, steps):
-    """The demo target on the GPU under ``KDTREE_AR_DEVICE_STEPS``: the default's tokens (the
-    host loop's, the same seed at T > 0) at batch 1 and in a ragged batch of 3, the cache
+    """The demo target on the GPU under ``KDTREE_AR_DEVICE_STEPS``: the host loop's tokens
+    (``=0``; the same seed at T > 0) at batch 1 and in a ragged batch of 3, the cache
     lengths it leaves; the first generation captures the program, the second captures
-    nothing and replays one graph a launch (plus the prefill's), one read a launch."""
+    nothing and replays one graph a launch (plus the prefill's), one read a launch.  Unset,
+    the GPU runs 4 steps a launch."""
     from test_demo_pair import heldout_ids
     model = demo_target()
     assert model.graphs is not None
+    monkeypatch.delenv("KDTREE_AR_DEVICE_STEPS", raising=False)
+    assert steps_per_launch(model.backend) == runtime.AR_STEPS_ON
     prompts = heldout_ids(4)
     kw = dict(seed=3, **sampling)
     for batch in (prompts[:1], prompts[1:4]):

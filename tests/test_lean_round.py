@@ -151,15 +151,18 @@ def demo_pair():
 def demo_runs(monkeypatch, model, drafter, variable, values, budget, temperature):
     """[(result, committed)] of generate() on 4 held-out prompts, 64 tokens, DDTree device
     rounds at ``budget`` (CUDA graphs on the GPU), once with ``variable`` set to each of
-    ``values``; committed: every request's committed slots (past them: scratch) of the
-    target's and the drafter's caches."""
+    ``values`` (None: unset, the default); committed: every request's committed slots (past
+    them: scratch) of the target's and the drafter's caches."""
     from kdtree_numba.engine import generate
     from test_demo_pair import heldout_ids
     kw = dict(method="ddtree", drafter=drafter, budget=budget, temperature=temperature,
               seed=5, device_rounds=True)
     runs = []
     for value in values:
-        monkeypatch.setenv(variable, value)
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
         res = generate(model, heldout_ids(4), 64, **kw)
         committed = [a[:, b, :int(n)].get() for cache in (model.generation_cache,
                                                          drafter.cache)

@@ -16,20 +16,36 @@ def test_from_environment_reads_every_switch():
            "KDTREE_KERNEL_CACHE_DIR": "/tmp/kc", "KDTREE_PAD_PREFILLS": "0",
            "KDTREE_LEAN_ROUND": "0", "KDTREE_FUSED_LATENTS": "off", "KDTREE_MOE_CHUNK_GRID": "0",
            "KDTREE_AUTO_V2": "0", "KDTREE_INT4_MMA": "0", "KDTREE_FEWER_LAUNCHES": "1",
-           "KDTREE_ROUND_EPILOGUE": "1"}
+           "KDTREE_ROUND_EPILOGUE": "0", "KDTREE_AR_DEVICE_STEPS": "7"}
     assert runtime.RuntimeConfig.from_environment(env) == runtime.RuntimeConfig(
         simulator=True, sim_warp=8, numba_pool=False, fast_launch=False, lineinfo=True,
         cuda_graphs=False, moe_work_list=True, device_rounds=True, kernel_cache=False,
         kernel_cache_dir="/tmp/kc", pad_prefills=False, lean_round=False, fused_latents=False,
         moe_chunk_grid=False, auto_v2=False, int4_mma=False, fewer_launches=True,
-        round_epilogue=True)
+        round_epilogue=False, ar_device_steps=7)
     default = runtime.RuntimeConfig.from_environment({"XDG_CACHE_HOME": "/x"})
     assert default.cuda_graphs and not default.moe_work_list and default.kernel_cache
     assert default.int4_mma             # under "tensor-cores" (runs 152, 157, 161)
     assert default.pad_prefills and default.lean_round and default.fused_latents
     assert default.moe_chunk_grid
-    assert default.auto_v2 and not default.fewer_launches and not default.round_epilogue
+    assert default.auto_v2 and not default.fewer_launches
+    assert default.round_epilogue       # run 167: 1.023x a DDTree round, the same tokens
     assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
+
+
+def test_ar_device_steps_default_on_a_gpu_and_off_under_the_simulator():
+    """KDTREE_AR_DEVICE_STEPS unset (or empty): 4 steps a launch where no simulator runs (a
+    real GPU; run 167: 1.487x on a host-bound AR), the host loop under the simulator; any
+    value given decides on both, 0 (or an off word) is off."""
+    gpu, sim = {}, {"NUMBA_ENABLE_CUDASIM": "1"}
+    for env, unset in ((gpu, runtime.AR_STEPS_ON), (sim, 0)):
+        assert runtime.RuntimeConfig.from_environment(env).ar_device_steps == unset
+        for value, want in (("", unset), (" ", unset), ("0", 0), ("off", 0), ("on", 4),
+                            ("1", 1), ("64", 64)):
+            got = runtime.RuntimeConfig.from_environment(
+                dict(env, KDTREE_AR_DEVICE_STEPS=value)).ar_device_steps
+            assert got == want, (env, value)
+    assert runtime.RuntimeConfig().ar_device_steps == runtime.AR_STEPS_ON == 4
 
 
 @pytest.mark.parametrize("warp", ["three", "0", "6", "64"])
@@ -58,8 +74,11 @@ def test_per_call_switches_follow_the_environment_until_configured(monkeypatch):
 
 def test_import_time_switches_cannot_change(monkeypatch):
     fixed = runtime.current().simulator
+    monkeypatch.delenv("KDTREE_AR_DEVICE_STEPS", raising=False)
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0" if fixed else "1")
     assert runtime.current().simulator == fixed          # read once, at import
+    # and what an unset switch derives from it: AR's steps a launch as the import's simulator
+    assert runtime.current().ar_device_steps == (0 if fixed else runtime.AR_STEPS_ON)
     with pytest.raises(ValueError, match="fixed when kdtree_numba is imported"):
         runtime.configure(simulator=not fixed)
     with pytest.raises(ValueError, match="unknown runtime switch"):
