@@ -26,6 +26,7 @@ import pytest
 
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.bundle import random_weights, size_config
+from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.drafter import NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.model import Model
@@ -454,7 +455,9 @@ def test_transformers_peers_on_the_cpu(tmp_path, capsys):
 def test_gpu_meters_count_a_real_compile_and_read_nvml():
     """The GPU-only instruments on a real device: a fresh kernel's first launch is counted
     (and its second is not), NVML answers for the CUDA device, and the round clock keeps one
-    read per step on the numba backend."""
+    read per AR launch on the numba backend: the prefill's, then one a step in the host's
+    loop, one a block of K steps under device AR (``runtime.current().ar_device_steps``, the
+    GPU's default: 4), 15 steps after the prefill's token."""
     from numba import cuda
 
     @cuda.jit
@@ -481,6 +484,9 @@ def test_gpu_meters_count_a_real_compile_and_read_nvml():
     reads = target.backend.reads
     with busy.sampling(), clock.timing():
         res = generate(target, [[1, 2, 3]], 16, progress=clock.progress)
-    assert target.backend.reads - reads == 1 + res.stats.rounds
+    K = steps_per_launch(target.backend)
+    launches = -(-15 // K) if K else 15
+    assert target.backend.reads - reads == 1 + launches, (K, res.stats.rounds)
+    assert res.stats.rounds == (K * launches if K else 15)
     assert clock.last["rounds"] > 0 and 0 <= clock.last["wait"] <= clock.last["rounds"]
     assert busy.share is None or 0.0 <= busy.share <= 1.0

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kdtree_numba.bundle import random_weights, size_config
+from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.drafter import BlockDrafter, ModelDrafter, NoisyOracleDrafter
 from kdtree_numba.engine import generate
 from kdtree_numba.model import ForwardBatch, Model
@@ -203,12 +204,17 @@ def test_gpu_round_reads_the_device_once(temperature):
 def test_gpu_rounds_make_no_numba_waits(monkeypatch, method, temperature):
     """No numba driver call that waits for the device (a synchronous copy: a NumPy array
     reaching a kernel, a copy_to_host; a sync; a cuMemFree outside the deferred free at the
-    end of a round) happens during a warmed-up generate(); "ar-device": AR's steps on the
-    device, 4 a launch (kdtree_numba/device_ar.py)."""
+    end of a round) happens during a warmed-up generate(); "ar": the host's loop of one step
+    a launch (``KDTREE_AR_DEVICE_STEPS=0``); "ar-device": the GPU's default, AR's steps on
+    the device, 4 a launch (kdtree_numba/device_ar.py)."""
     from numba.cuda.cudadrv.driver import driver
-    if method == "ar-device":
-        monkeypatch.setenv("KDTREE_AR_DEVICE_STEPS", "4")
+    if method == "ar":
+        monkeypatch.setenv("KDTREE_AR_DEVICE_STEPS", "0")
+    else:
+        monkeypatch.delenv("KDTREE_AR_DEVICE_STEPS", raising=False)
     gpu, run = sync_case(temperature, method)
+    if method == "ar-device":
+        assert steps_per_launch(gpu.backend) == 4
     be = gpu.backend
     # earlier tests' garbage (cycles holding device arrays) is collected and freed now, before
     # the spies go in: run 13 caught a collection here freeing 22 of them
@@ -322,8 +328,11 @@ def test_gpu_graph_replays_equal_eager_forwards(monkeypatch, n):
                           ("ddtree", 0.0, 1.0, 0), ("ddtree", 0.8, 1.0, 0)])
 def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature, top_p, top_k):
     """Same tokens with and without CUDA graphs; in DDTree the round's tree, accept and
-    compaction phases replay from graphs as well as the forwards; AR's sampled choice (top-p
-    and top-k too) replays from a graph of its own."""
+    compaction phases replay from graphs as well as the forwards.  AR (19 steps after the
+    prefill's token) under ``runtime.current().ar_device_steps`` K: K > 0 (the GPU's
+    default, kdtree_numba/device_ar.py) one graph a launch of K steps, ceil(19 / K) launches,
+    each a replay in the second call; K = 0 (the host's loop) a step's forward and its choice
+    (the sampled one, top-p and top-k too, a graph of its own) two replays a step."""
     _, gpu = pair("small")
     monkeypatch.setattr(gpu, "graphs", gpu.new_graphs())
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=3)
@@ -340,12 +349,25 @@ def test_gpu_generate_with_graphs_equals_eager(monkeypatch, method, temperature,
     for _ in range(2):                     # the second call replays the first one's captures
         res = generate(gpu, prompts, 20, **kw)
         assert res.tokens == want
-    assert res.stats.graph_replays > 10     # counted in the stats too
-    assert graphs.failures == 0 and graphs.captures >= 1 and graphs.replays > 10
+    assert graphs.failures == 0 and graphs.captures >= 1
     kinds = graphs.kinds()
-    assert kinds["forward"] >= 1
     if method == "ddtree":
+        assert kinds["forward"] >= 1, kinds             # the verify
+        assert res.stats.graph_replays > 10     # counted in the stats too
+        assert graphs.replays > 10
         assert kinds["tree"] == kinds["accept"] == kinds["compaction"] == 1, kinds
+    else:
+        K = steps_per_launch(gpu.backend)
+        launches = -(-19 // K) if K else 19
+        # every launch of the second call replays (besides its prefill's graphs)
+        assert res.stats.graph_replays >= (1 if K else 2) * launches, (K, res.stats)
+        # the first call replayed too: from its second launch on (captured there)
+        assert graphs.replays >= res.stats.graph_replays + launches - 1
+        assert res.stats.rounds == (K * launches if K else 19)
+        # the host loop's decode forward, or the program (one key: batch, K, sampling),
+        # whose forwards are inside its graph
+        assert kinds["forward"] >= 1 if K == 0 else kinds["forward"] == 0, kinds
+        assert kinds["ar_steps"] == (1 if K else 0), kinds
     if temperature == 0:
         assert kinds["argmax"] >= 1, kinds          # the AR step's / prefill's choice
     elif method == "ar":
