@@ -1,6 +1,6 @@
 """Interleaved A/B of runtime switches on one pair, in one process: which variant is faster.
 
-    python3 tools/ab_switches.py --variants "base;epilogue=KDTREE_ROUND_EPILOGUE=1" \
+    python3 tools/ab_switches.py --variants "base;no-epilogue=KDTREE_ROUND_EPILOGUE=0" \
         [--budgets 0,16] [--prompts 16] [--repeats 2] [--max-new-tokens 128] [--json PATH]
 
 A switch that changes no token (docs/ENGINE.md's per-call switches: kdtree_numba/runtime.py
