@@ -22,9 +22,8 @@ Two kinds of switch:
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), AR's decode steps run K a
   launch as one device program enqueued one ahead (kdtree_numba/device_ar.py, on the numba
   backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; ``0``: off, the host's loop of
-  one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA simulator,
-  where a block's eager steps past a request's end are simulated work and the host's
-  launches cost nothing worth hiding: :func:`_ar_steps_unset`), an MLA layer's norms and
+  one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA simulator:
+  :func:`_ar_steps_unset`), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -105,11 +104,12 @@ AR_STEPS_ON, AR_STEPS_MAX = 4, 64     # KDTREE_AR_DEVICE_STEPS=on's steps a laun
 
 
 def _ar_steps_unset(simulator: bool) -> int:
-    """AR's steps a launch where ``KDTREE_AR_DEVICE_STEPS`` is unset: :data:`AR_STEPS_ON` on a
-    real GPU (run 167, H100, the demo target: 1.487x the host loop on a host-bound AR, 1.048x
-    on a fast host; the same tokens), 0 (the host's loop) under the CUDA simulator, whose
-    tests keep the host loop's counts and its cost (a block's steps past a request's end run
-    there too); the one place that decides it."""
+    """AR's steps a launch where ``KDTREE_AR_DEVICE_STEPS`` is unset, the one place that
+    decides it: :data:`AR_STEPS_ON` on a real GPU (run 167, H100, the demo target: 1.487x
+    the host loop on a host-bound AR, 1.048x on a fast host; the same tokens), 0 (the host's
+    loop) under the CUDA simulator, which runs each launch to its end before returning (no
+    host work to hide) and whose launch counter models the host loop's AR step
+    (tests/launch_counter.py).  ``simulator``: the import's (:func:`_from_values`)."""
     return 0 if simulator else AR_STEPS_ON
 
 
