@@ -22,8 +22,8 @@ Two kinds of switch:
   ``KDTREE_DEVICE_ROUNDS=0`` turns them off, ``=1`` on everywhere), AR's decode steps run K a
   launch as one device program enqueued one ahead (kdtree_numba/device_ar.py, on the numba
   backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; ``0``: off, the host's loop of
-  one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA simulator:
-  :func:`_ar_steps_unset`), an MLA layer's norms and
+  one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA
+  simulator), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -103,16 +103,6 @@ def _positive(environ: Mapping[str, str], name: str) -> int:
 AR_STEPS_ON, AR_STEPS_MAX = 4, 64     # KDTREE_AR_DEVICE_STEPS=on's steps a launch; the most
 
 
-def _ar_steps_unset(simulator: bool) -> int:
-    """AR's steps a launch where ``KDTREE_AR_DEVICE_STEPS`` is unset, the one place that
-    decides it: :data:`AR_STEPS_ON` on a real GPU (run 167, H100, the demo target: 1.487x
-    the host loop on a host-bound AR, 1.048x on a fast host; the same tokens), 0 (the host's
-    loop) under the CUDA simulator, which runs each launch to its end before returning (no
-    host work to hide) and whose launch counter models the host loop's AR step
-    (tests/launch_counter.py).  ``simulator``: the import's (:func:`_from_values`)."""
-    return 0 if simulator else AR_STEPS_ON
-
-
 def _steps(environ: Mapping[str, str], name: str, unset: int) -> int:
     """Steps a launch from ``name``: a whole number 0..AR_STEPS_MAX (0: off), on/off words;
     ``unset`` where it is unset or empty."""
@@ -150,7 +140,7 @@ class RuntimeConfig:
     moe_chunk_grid: bool = True
     int4_mma: bool = True
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
-    # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: _ar_steps_unset)
+    # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
     fused_latents: bool = True
     pad_prefills: bool = True
@@ -187,8 +177,11 @@ class RuntimeConfig:
                    moe_chunk_grid=_flag(env, "KDTREE_MOE_CHUNK_GRID", True),
                    int4_mma=_flag(env, "KDTREE_INT4_MMA", True),
                    device_rounds=_flag(env, "KDTREE_DEVICE_ROUNDS", None),
+                   # unset: on a real GPU (docs/ENGINE.md, "AR steps on the device"), not
+                   # under the simulator, which runs each launch to its end (no host work to
+                   # hide) and whose launch counter models the host loop's step
                    ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS",
-                                          _ar_steps_unset(simulator)),
+                                          0 if simulator else AR_STEPS_ON),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),

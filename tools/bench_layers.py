@@ -138,12 +138,12 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
 # nothing in flight while the FMAs run), and that unpacking costs ~3.4 instructions a weight
 # (~60% of the issue slots at the roof).  Run 167 made the denormal unpacking
 # (SkinnyConfig.unpack: the nibbles read as float32 denormals, ~2.5 instructions a weight,
-# 144 / 136 registers) the default: 139.8 us, 70.7% of the roof, against the magic number's
-# 164.6 us.  "magic": the magic-number unpacking, the default until then (other bits, within
-# the bound; 128 registers).  "magic ring 2": with a per-thread cp.async ring in shared memory
+# 144 / 136 registers) the default, the faster (docs/BENCHMARKS.md, "W4A16 int4 experts").
+# "magic": the magic-number unpacking, the default until then (other bits, within the bound;
+# 128 registers).  "magic ring 2": with a per-thread cp.async ring in shared memory
 # (SkinnyConfig.stages), the next chunk in flight while this one is computed, in no register
-# (magic's bits; 173.4 us in run 167).  "ring 2": the ring around the default, capped at 128
-# registers (163.9 us).  "ring 2 rows/2": the same with half the rows a block (twice the
+# (magic's bits).  "ring 2": the ring around the default, capped at 128 registers.
+# "ring 2 rows/2": the same with half the rows a block (twice the
 # blocks, each half as long: shorter kernel tails; down at 96 registers, 21 blocks an SM).
 INT4_GEMV_VARIANTS = (
     ("gemv magic", dict(unpack="magic"), dict(unpack="magic")),

@@ -62,8 +62,8 @@ LAYOUTS = {
 }
 
 # Layouts of the bf16 cache's kernel (Bf16TileConfig switches; issue 38: decode at 29% of HBM),
-# each the package's layout (the P V operands by ldmatrix.trans, ldsm_values: run 167 made it
-# the package's, 0.89-0.90x a verify's time) with switches changed.  Each moves the same
+# each the package's layout (the P V operands by ldmatrix.trans, ldsm_values: the faster
+# verify since run 167, docs/ATTENTION.md) with switches changed.  Each moves the same
 # operands into the same mma sequence, so each gives the package's bits
 # (tests/test_attention_bf16.py checks it in the simulator, ``check --bf16`` on a GPU):
 # fragq:   the query tile in A-fragment order: one 128-bit load is an mma's A operand (the row

@@ -42,7 +42,7 @@ the measurements.  In short:
 Four layout switches of :class:`~kdtree_numba.attention.plan.Bf16TileConfig` change how the
 operands reach the mma, never which values or in what order, so every layout gives the same
 bits (plan.BF16_LAYOUTS; issue 38, decode at 29% of HBM).  The package's layout has
-``ldsm_values`` on (run 167, H100: the same bits, 0.89-0.90x a verify's time) and the other
+``ldsm_values`` on (the faster verify: docs/ATTENTION.md, "The bf16 cache") and the other
 three off.  ``frag_queries``: the query tile in A-fragment order (:func:`query_word`), so
 that lane (g, t)'s one 128-bit load per k16 step is the mma's A operand as it stands, where
 the row layout's two loads (rows g and g + 8) must be interleaved into it; in the row

@@ -215,7 +215,7 @@ class Bf16TileConfig:
 
     Four switches change how operands reach the same mma sequence, never a bit of the result
     (bf16.py's docstring; their defaults are the package's layout, :data:`BF16_LAYOUTS`:
-    ``ldsm_values`` on since run 167, 0.89-0.90x a verify's time on an H100): ``stages`` 3
+    ``ldsm_values`` on, the faster verify: docs/ATTENTION.md): ``stages`` 3
     keeps two key tiles in flight instead of one; ``frag_queries`` stages the queries in
     fragment order, so that one 128-bit load is an mma's A operand as it stands;
     ``lean_staging`` copies a whole key tile without the per-chunk clamp and size select;

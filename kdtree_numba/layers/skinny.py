@@ -243,12 +243,11 @@ def _fma8_q4(a, xs, u8, s):
     return a + p * s
 
 
-# "denormal" unpack (SkinnyConfig.unpack, the default since run 167: the one-token GEMV at Kimi
-# widths 139.8 us, 70.7% of its roof, against the magic number's 164.6 us, 60.1%, on an H100;
-# docs/LAYERS.md): the nibble read as float32 bits with nothing OR-ed in.  Bits below 2^24 are
-# the float32 bits * 2^-149 exactly (exponent field 0 or 1), so (w & 0xF << 4j) is u 16^j
-# 2^-149 with no offset to subtract: one AND and one FFMA a weight where the magic number
-# takes AND-OR, FADD and FFMA.
+# "denormal" unpack (SkinnyConfig.unpack, the default: the faster one-token GEMV at Kimi
+# widths, docs/LAYERS.md): the nibble read as float32 bits with nothing OR-ed in.  Bits below
+# 2^24 are the float32 bits * 2^-149 exactly (exponent field 0 or 1), so (w & 0xF << 4j) is
+# u 16^j 2^-149 with no offset to subtract: one AND and one FFMA a weight where the magic
+# number takes AND-OR, FADD and FFMA.
 # x is scaled by 2^(100 - 4j) per x load (exact below |x| = 2^28), so every product is
 # x u 2^-49; the u = q + 8 offset leaves 8 x 2^-49 a weight, which the same FMA chain over
 # u = 8 (``_bias8_dn``, once per x word, shared by the NR rows) takes back: acc += s' (p - b)
