@@ -16,15 +16,19 @@ needs no host value at all:
 launch at its start and the counts, both lengths, the roots and the features' gather one
 launch after the compaction: kdtree_numba/ddtree/commit.py, docs/ENGINE.md "Device rounds"),
 and :class:`DeviceRounds` replays it from one CUDA graph per (method, budget, batch, cache
-buffers) on the GPU (captured by the target model's graph cache on its second call, like every
-device step), eagerly elsewhere.  ``advance()`` enqueues the next round and starts the read of
-the one before it into pinned memory; the host commits that round's tokens while the device
-runs the next, so the device never waits for the host's read, bookkeeping or launch.
+buffers, rounds a launch) on the GPU (captured by the target model's graph cache on its second
+call, like every device step), eagerly elsewhere.  ``launch()`` enqueues the next launch and
+starts the read of its rounds' tokens into pinned memory; the host commits the launch before
+it while the device runs this one, so the device never waits for the host's read, bookkeeping
+or launch.  A launch runs one round, or R back to back (``KDTREE_ROUNDS_PER_LAUNCH``, like
+device AR's K steps: the graph's launch and the read paid once per R rounds; the engine runs
+the last rounds a request needs one a launch, so few rounds run past its end).
 
 A round enqueued for a request the last unread round has finished (eos, max_new_tokens) is
 wasted work whose tokens the host drops (``stats.rounds_dropped`` where no request of it was
-still running); its cache growth is bounded by L + 1 slots (the engine sizes the caches for
-it) and stays in the caches' lengths, as the device made it.  Only a drafter whose ``propose``
+still running); its cache growth is bounded by L + 1 slots a round (the engine sizes the
+caches for it: ``engine.cache_slots``) and stays in the caches' lengths, as the device made
+it.  Only a drafter whose ``propose``
 and ``on_commit`` need no host value (``device_only``: a commit without host counts) can run
 this way; ``engine.generate`` chooses it (docs/ENGINE.md, "Device rounds").
 """
@@ -61,7 +65,8 @@ class DeviceRounds:
     tree's t_d (``steps.draft_temperature``; 1: the logits as they are).  The budget is each
     launch's own (``--budget auto`` changes it between rounds): the rounds of every budget
     share the program's state (the roots, the caches' lengths, the rounds in flight), one
-    CUDA graph per budget.
+    CUDA graph per budget and rounds a launch.  ``per_launch``: the R rounds a launch runs
+    where the engine wants many (``for_generation``).
     """
 
     def __init__(self, model, cache, drafter, k: int | None, sampling,
@@ -79,8 +84,10 @@ class DeviceRounds:
         self.requests = self.xp.arange(bs, dtype=np.int64)[:, None]
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
             if not self.sampling.greedy else None
-        self.in_flight: list = []          # (read's wait, launch mask, growth bound) per round
+        # per launch: (read's wait, launch mask, growth bound, rounds)
+        self.in_flight: list = []
         self.floor = None
+        self.per_launch = 1
 
     def k(self, budget: int) -> int:
         """The tree's branching at ``budget``."""
@@ -89,7 +96,8 @@ class DeviceRounds:
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, k: int | None, sampling,
-                       table=None, draft_temperature: float = 1.0) -> "DeviceRounds":
+                       table=None, draft_temperature: float = 1.0,
+                       per_launch: int = 1) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
@@ -103,6 +111,7 @@ class DeviceRounds:
             rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling,
                                                draft_temperature)
         rounds.restart(roots, table)
+        rounds.per_launch = int(per_launch)
         return rounds
 
     def restart(self, roots, table=None) -> None:
@@ -117,6 +126,12 @@ class DeviceRounds:
         self.floor = self.cache.lengths.copy()
 
     # ---- the program: device work only, so a CUDA graph can capture it
+    def _rounds(self, budget: int, n: int, active):
+        """``n`` rounds back to back: their packed tokens [n, bs, 2 (L + 1)] (one array, so
+        one read; one round's as ``_round`` makes it, [bs, 2 (L + 1)])."""
+        packs = [self._round(budget, active) for _ in range(n)]
+        return packs[0] if n == 1 else self.xp.stack(packs)
+
     def _round(self, budget: int, active):
         model, cache, xp, ops = self.model, self.cache, self.xp, self.be.ops
         lean = runtime.current().lean_round
@@ -184,49 +199,57 @@ class DeviceRounds:
             return None
         return context
 
-    def key(self, budget: int) -> tuple:
-        """Everything the captured round at ``budget`` depends on besides its input: the tree
+    def key(self, budget: int, n: int = 1) -> tuple:
+        """Everything the captured launch of ``n`` rounds at ``budget`` depends on besides its
+        input: the tree
         (its t_d too) and the sampling, and the address of every device buffer it reads or
         writes in place (both caches' arrays and lengths, the drafter's own state, the roots,
         the uniforms): a buffer replaced (a drafter cache of another size, after a generation
         on this target cache) makes another key, never a replay against freed memory.  (The
         graph cache's key adds the input's shape.)"""
         key = ("round", int(budget), self.k(budget), self.draft_temperature, self.sampling,
-               self.needs)
+               self.needs, int(n))
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
         return key + (device_address(self.roots),
                       None if self.table is None else device_address(self.table),
                       device_address(self.requests))
 
     # ---- the host side
-    def launch(self, active: np.ndarray, budget: int) -> None:
-        """Enqueue one round of ``budget`` nodes for the requests ``active`` [bs] (host bools:
-        running as far as the host knows) and start the read of its committed tokens."""
+    @property
+    def rounds_in_flight(self) -> int:
+        """The rounds launched and not yet collected."""
+        return sum(n for *_, n in self.in_flight)
+
+    def launch(self, active: np.ndarray, budget: int, n: int = 1) -> None:
+        """Enqueue ``n`` rounds of ``budget`` nodes, one launch, for the requests ``active``
+        [bs] (host bools: running as far as the host knows) and start the read of their
+        committed tokens."""
         # a round commits acc_len <= min(W, L + 1) tokens a request (W = budget + 1 verify
         # rows): the host mirrors grow by that bound until the read; first the room for what
-        # the round writes (the verify's W rows, the drafter's block of L + 1)
+        # each round writes (the verify's W rows, the drafter's block of L + 1)
         width = int(budget) + 1
         grow = np.where(active, min(width, self.drafter.block_len + 1), 0)
-        self.cache.reserve(width)
-        self._bound(self.floor, self.cache.lengths + grow)
+        for _ in range(n):
+            self.cache.reserve(width)
+            self._bound(self.floor, self.cache.lengths + grow)
         mask = active.astype(np.int32)
-        packed = self.model.device_step(self.key(budget),
-                                        functools.partial(self._round, int(budget)), (mask,),
-                                        before_capture=getattr(self.drafter,
-                                                               "prepare_capture", None))
-        self.in_flight.append((self.be.read_later(packed), active.copy(), grow))
+        packed = self.model.device_step(self.key(budget, n),
+                                        functools.partial(self._rounds, int(budget), int(n)),
+                                        (mask,), before_capture=getattr(self.drafter,
+                                                                        "prepare_capture", None))
+        self.in_flight.append((self.be.read_later(packed), active.copy(), grow * n, int(n)))
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for the oldest round in flight and return its packed committed tokens and
-        accepted slots [bs, 2 (L + 1)] (host int32; ``reference.ddtree.pack_committed``) and
-        the requests it ran (its launch mask); the lengths it made are confirmed in the host
-        mirrors."""
-        wait, active, _ = self.in_flight.pop(0)
-        packed = np.asarray(wait())
-        grow = np.where(active, packed[:, 0], 0).astype(np.int64)
+        """Wait for the oldest launch in flight and return its rounds' packed committed tokens
+        and accepted slots [n, bs, 2 (L + 1)] (host int32; ``reference.ddtree.pack_committed``)
+        and the requests they ran (the launch's mask); the lengths they made are confirmed in
+        the host mirrors."""
+        wait, active, _, n = self.in_flight.pop(0)
+        packed = np.asarray(wait()).reshape(n, len(active), -1)
+        grow = np.where(active, packed[:, :, 0].sum(axis=0), 0).astype(np.int64)
         self.floor = self.floor + grow
         # the host mirrors: exact again, or the read lengths plus the bounds still in flight
-        pending = sum((bound for _, _, bound in self.in_flight), np.zeros_like(self.floor))
+        pending = sum((bound for _, _, bound, _ in self.in_flight), np.zeros_like(self.floor))
         self._bound(self.floor, self.floor + pending)
         return packed, active
 
@@ -245,7 +268,7 @@ class DeviceRounds:
         """Drop the rounds still in flight, if any (an exception in the loop): wait for them,
         then set the target cache to the last collected round's lengths (a drafter's state
         starts afresh with the next generation's ``start``)."""
-        for wait, _, _ in self.in_flight:
+        for wait, *_ in self.in_flight:
             wait()
         self.in_flight.clear()
         self.cache.truncate(self.floor)

@@ -389,11 +389,14 @@ def _replayed(before, after) -> bool | None:
 
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
                    timer, stats, after_step, policy: AutoBudget | None = None,
-                   draft_temperature: float = 1.0) -> None:
-    """The rounds of a device-only drafter as device programs, each enqueued before the
-    previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
+                   draft_temperature: float = 1.0, per_launch: int = 1) -> None:
+    """The rounds of a device-only drafter as device programs, each launch enqueued before
+    the previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
-    than the rounds in flight commit at the least (one token each).
+    than the rounds in flight commit at the least (one token each).  A launch runs
+    ``per_launch`` rounds where some request launched looks to need that many (its tokens
+    left beyond the rounds in flight, at the mean tokens a round so far), else one: a
+    request's last rounds go one a launch, so few run past its end.
 
     With ``policy`` (``--budget auto``) each launch asks it for its budget, one round before
     the last one's tokens are read, and a round's cost is the wall time from the previous
@@ -402,19 +405,20 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     the device runs them back to back, so that is the round's device time, or more where the
     host is late (also a cost); where a launch runs its round before returning (the
     reference backend, the simulator, an eager round) the wall time between the reads is the
-    next round's, and its own launch is its cost."""
+    next round's, and its own launch is its cost (a launch of n rounds: each its n-th)."""
     table = None if sampling.greedy else _cache_uniforms(seed, cache)
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
-                                         table, draft_temperature)
-    budgets = []                        # of the rounds in flight, oldest first: [b, launch s,
-    # steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
+                                         table, draft_temperature, per_launch)
+    budgets = []                        # of the launches in flight, oldest first: [b, launch
+    # s, steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
+    seen = [0, 0]                       # tokens committed, request-rounds: their mean
 
-    def launch(active) -> float:
-        """The round's launch; its wall time."""
+    def launch(active, n: int = 1) -> float:
+        """The launch of ``n`` rounds; its wall time."""
         b = policy.next_budget() if policy else budget
         before = model.graph_counts() if policy else None    # only a policy asks
         t = time.perf_counter()
-        rounds.launch(active, b)
+        rounds.launch(active, b, n)
         launched = time.perf_counter() - t
         budgets.append([b, launched, _replayed(before, model.graph_counts()) if policy
                         else None])
@@ -425,33 +429,54 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             launch(req.active.copy())
         read_end = time.perf_counter()
         while rounds.in_flight:
-            ahead = req.active & np.array([len(out) + len(rounds.in_flight) < req.max_new
-                                           for out in req.out])
-            # the next round goes in before this one is read
-            next_launch = launch(ahead) if ahead.any() else 0.0
-            packed, ran = rounds.collect()
+            left = np.array([req.max_new - len(out) for out in req.out])
+            ahead = req.active & (left > rounds.rounds_in_flight)
+            mean = max(1.0, seen[0] / max(1, seen[1]))     # a round commits one at the least
+            many = ahead.any() and per_launch > 1 and \
+                (left[ahead].max() - rounds.rounds_in_flight * mean) > (per_launch - 1) * mean
+            # the next launch goes in before this one is read
+            next_launch = launch(ahead, per_launch if many else 1) if ahead.any() else 0.0
+            packs, ran = rounds.collect()
             b, own_launch, steady = budgets.pop(0)
             if steady and ahead.any() and budgets[-1][2] is False:
-                # the next launch ran eagerly (or captured) while this round ran: the read
-                # came early, so the device time its cost subtracts is not the round's own
+                # the next launch ran eagerly (or captured) while this one ran: the read
+                # came early, so the device time its cost subtracts is not the launch's own
                 steady = False
             now = time.perf_counter()
-            cost, read_end = now - read_end - next_launch + own_launch, now
-            running = ran & req.active
-            if not running.any():       # run ahead for requests its predecessor finished
-                stats.rounds_dropped += 1
-                continue
-            stats.tau.append([int(packed[b_, 0]) for b_ in np.flatnonzero(running)])
-            stats.budgets.append(b)
-            if policy:
-                policy.observe(b, cost, float(np.mean(stats.tau[-1])), steady=steady,
-                               paths=_paths(packed, running))
-            stats.rounds += 1
-            for b in np.flatnonzero(running):
-                req.commit(b, packed[b, 1:1 + int(packed[b, 0])])
+            cost = (now - read_end - next_launch + own_launch) / len(packs)
+            read_end = now
+            for packed in packs:
+                running = ran & req.active
+                if not running.any():   # run ahead for requests an earlier round finished
+                    stats.rounds_dropped += 1
+                    continue
+                stats.tau.append([int(packed[b_, 0]) for b_ in np.flatnonzero(running)])
+                stats.budgets.append(b)
+                if policy:
+                    policy.observe(b, cost, float(np.mean(stats.tau[-1])), steady=steady,
+                                   paths=_paths(packed, running))
+                stats.rounds += 1
+                seen[0], seen[1] = seen[0] + sum(stats.tau[-1]), seen[1] + len(stats.tau[-1])
+                for r in np.flatnonzero(running):
+                    req.commit(r, packed[r, 1:1 + int(packed[r, 0])])
             after_step()
     finally:
         rounds.finish()
+
+
+def _rounds_per_launch(asked: int | None, on_device: bool) -> int:
+    """generate's ``rounds_per_launch`` checked (None: the runtime's); 1 without device
+    rounds, where it asks for more a ValueError."""
+    if asked is None:
+        return runtime.current().rounds_per_launch if on_device else 1
+    if isinstance(asked, bool) or not isinstance(asked, (int, np.integer)) \
+            or not 1 <= asked <= runtime.ROUNDS_MAX:
+        raise ValueError(f"rounds_per_launch must be a whole number 1 to "
+                         f"{runtime.ROUNDS_MAX}, got {asked!r}")
+    if asked > 1 and not on_device:
+        raise ValueError("rounds_per_launch > 1 needs device rounds (method ddtree or chain "
+                         "with a device-only drafter)")
+    return int(asked)
 
 
 def _cache_uniforms(seed: int, cache) -> np.ndarray:
@@ -462,12 +487,14 @@ def _cache_uniforms(seed: int, cache) -> np.ndarray:
 
 
 def cache_slots(longest: int, method: str, budget, block_len: int | None,
-                on_device: bool = False) -> int:
+                on_device: bool = False, per_launch: int = 1) -> int:
     """The slots a generation's KV caches need for sequences of up to ``longest`` tokens (the
     longest prompt plus ``max_new_tokens``): room past them for the last round's growth of a
     request that finishes in it (up to L + 1 accepted tokens; AR: its one step), with device
     rounds (``on_device``) for one more round run ahead of the host (enqueued for a request
-    its unread round finished: kdtree_numba/device_round.py), and then for the widest write:
+    its unread round finished: kdtree_numba/device_round.py; ``per_launch`` rounds a launch:
+    2 ``per_launch`` rounds in all, the launch's own rest and the next launch's), and then for
+    the widest write:
     the target's verify block (the largest budget + 1 rows; AR's one token) or a drafter's
     block after its context (L + 1 rows).  AR on the device (``on_device``, ``block_len``
     its K steps a launch: kdtree_numba/device_ar.py): K slots more, which each launch
@@ -488,7 +515,8 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
     else:
         widest = budget.max_budget if isinstance(budget, AutoBudget) else int(budget)
     block = int(block_len) + 1
-    return int(longest) + block * (2 if on_device else 1) + max(widest + 1, block)
+    return int(longest) + block * (2 * int(per_launch) if on_device else 1) + \
+        max(widest + 1, block)
 
 
 # budget="auto"'s policies, kept across generate() calls (kdtree_numba/budget.py, "Kept
@@ -553,7 +581,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
              eos: int | None = None, progress=None, stream=None,
              on_round=None, device_rounds: bool | None = None,
              draft_temperature: float | None = None,
-             ar_device_steps: int | None = None) -> GenerationResult:
+             ar_device_steps: int | None = None,
+             rounds_per_launch: int | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -606,6 +635,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     a real GPU, the host's loop under the simulator) on the numba backend and the host's
     loop on the reference backend.  ``stats.rounds`` then
     counts the device's steps, K a launch (those past a request's end included).
+    ``rounds_per_launch`` (device rounds): up to R rounds a launch, 1 to 16 (the same tokens);
+    None ``runtime.current().rounds_per_launch`` (``KDTREE_ROUNDS_PER_LAUNCH``, default 1).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -646,6 +677,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if method != "ar" and ar_device_steps:
         raise ValueError(f"ar_device_steps is for method 'ar', not {method!r}")
     ar_steps = steps_per_launch(model.backend, ar_device_steps) if method == "ar" else 0
+    per_launch = _rounds_per_launch(rounds_per_launch, on_device)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len,
@@ -659,7 +691,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if max_new_tokens == 0:
         return GenerationResult([[] for _ in prompts], stats)
     max_len = cache_slots(max(p.size for p in prompts) + max_new_tokens, method,
-                          policy or budget, ar_steps or block_len, on_device or ar_steps > 0)
+                          policy or budget, ar_steps or block_len, on_device or ar_steps > 0,
+                          per_launch)
     tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
     table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
@@ -697,7 +730,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
-                       after_step, policy, t_d)
+                       after_step, policy, t_d, per_launch)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device

@@ -23,7 +23,9 @@ Two kinds of switch:
   launch as one device program enqueued one ahead (kdtree_numba/device_ar.py, on the numba
   backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; ``0``: off, the host's loop of
   one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA
-  simulator), an MLA layer's norms and
+  simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
+  4; unset, 0 or 1: one round a launch; off until timed on the GPU: the launch and the read
+  paid once per R rounds, the same tokens), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -78,7 +80,7 @@ FIXED_AT_IMPORT = ("simulator", "sim_warp", "numba_pool", "fast_launch", "linein
 VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KDTREE_FAST_LAUNCH",
              "KDTREE_CUDA_LINEINFO", "KDTREE_CUDA_GRAPHS", "KDTREE_MOE_WORK_LIST",
              "KDTREE_MOE_CHUNK_GRID", "KDTREE_INT4_MMA", "KDTREE_DEVICE_ROUNDS",
-             "KDTREE_AR_DEVICE_STEPS",
+             "KDTREE_AR_DEVICE_STEPS", "KDTREE_ROUNDS_PER_LAUNCH",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_KERNEL_CACHE",
@@ -101,21 +103,23 @@ def _positive(environ: Mapping[str, str], name: str) -> int:
 
 
 AR_STEPS_ON, AR_STEPS_MAX = 4, 64     # KDTREE_AR_DEVICE_STEPS=on's steps a launch; the most
+ROUNDS_ON, ROUNDS_MAX = 4, 16         # KDTREE_ROUNDS_PER_LAUNCH=on's rounds a launch; the most
 
 
-def _steps(environ: Mapping[str, str], name: str, unset: int) -> int:
-    """Steps a launch from ``name``: a whole number 0..AR_STEPS_MAX (0: off), on/off words;
-    ``unset`` where it is unset or empty."""
+def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS_ON,
+           most: int = AR_STEPS_MAX, what: str = "steps") -> int:
+    """Steps (``what``) a launch from ``name``: a whole number 0..``most`` (0: off), on/off
+    words (on: ``on``); ``unset`` where it is unset or empty."""
     value = environ.get(name, "").strip().lower()
     if not value:
         return unset
     if value in _OFF:
         return 0
     if value in ("on", "yes", "true"):
-        return AR_STEPS_ON
-    if not value.isdigit() or int(value) > AR_STEPS_MAX:
-        raise ValueError(f"{name}={value!r}: expected steps a launch, 0 (off) to "
-                         f"{AR_STEPS_MAX}, or on ({AR_STEPS_ON})")
+        return on
+    if not value.isdigit() or int(value) > most:
+        raise ValueError(f"{name}={value!r}: expected {what} a launch, 0 (off) to "
+                         f"{most}, or on ({on})")
     return int(value)
 
 
@@ -142,6 +146,7 @@ class RuntimeConfig:
     device_rounds: bool | None = None    # None: where the backend runs on a GPU
     # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
+    rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
@@ -182,6 +187,8 @@ class RuntimeConfig:
                    # hide) and whose launch counter models the host loop's step
                    ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS",
                                           0 if simulator else AR_STEPS_ON),
+                   rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
+                                                   ROUNDS_ON, ROUNDS_MAX, "rounds")),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),

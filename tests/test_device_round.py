@@ -1,6 +1,7 @@
 """DDTree rounds as device programs enqueued one ahead of the host (kdtree_numba/device_round.py)
 on the reference backend: the same tokens as AR and as the host-driven round, every round's
-state on the device, the caches rolled back to the last read round, and the refusals."""
+state on the device, the caches rolled back to the last read round, and the refusals; R
+rounds a launch (``rounds_per_launch``) against one, there and (``gpu``) on the demo pair."""
 from __future__ import annotations
 
 import functools
@@ -301,10 +302,10 @@ def _fake_round_clock(monkeypatch, cost, asynchronous=False):
             clock.now += cost(budget)
         return real_round(self, budget, active)
 
-    def launch(self, active, budget):
-        real_launch(self, active, budget)
+    def launch(self, active, budget, n=1):
+        real_launch(self, active, budget, n)
         if asynchronous:
-            done.append(max([clock.now] + done[-1:]) + cost(budget))
+            done.append(max([clock.now] + done[-1:]) + n * cost(budget))
 
     def collect(self):
         if asynchronous:
@@ -315,12 +316,13 @@ def _fake_round_clock(monkeypatch, cost, asynchronous=False):
     monkeypatch.setattr(DeviceRounds, "collect", collect)
 
 
+@pytest.mark.parametrize("per_launch", [1, 3])
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
+def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous, per_launch):
     """The cost a policy observes for a device round is that round's own, whatever the budget
-    of the next one, whether a launch runs its round or only enqueues it
-    (:func:`_fake_round_clock`): budgets change every round, so a cost charged to the wrong
-    round shows."""
+    of the next one, whether a launch runs its rounds or only enqueues them
+    (:func:`_fake_round_clock`), one round or several a launch (each its share): budgets
+    change every launch, so a cost charged to the wrong round shows."""
     _fake_round_clock(monkeypatch, float, asynchronous)
     target, drafter = target_and_drafter()
     policy = _CyclingBudget((3, 9, 1, 6))
@@ -329,6 +331,103 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous):
     policy.observe = lambda b, seconds, tau, steady=None, paths=None: (
         costs.append((b, seconds)), observe(b, seconds, tau, steady, paths))
     res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
-                   budget=policy, device_rounds=True)
+                   budget=policy, device_rounds=True, rounds_per_launch=per_launch)
     assert res.stats.rounds > 4 and len(set(res.stats.budgets)) == 4
     assert costs == [(b, float(b)) for b in res.stats.budgets]
+
+
+# ----------------------------------------------------------------------------- R rounds a launch
+
+def _launch_sizes(monkeypatch) -> list:
+    """The rounds of every DeviceRounds launch from now on, in order."""
+    from kdtree_numba.device_round import DeviceRounds
+    sizes, real = [], DeviceRounds.launch
+
+    def launch(self, active, budget, n=1):
+        sizes.append(n)
+        return real(self, active, budget, n)
+    monkeypatch.setattr(DeviceRounds, "launch", launch)
+    return sizes
+
+
+@pytest.mark.parametrize("per_launch", [2, 3])
+@pytest.mark.parametrize("method, budget, temperature", [("ddtree", 6, 0.0), ("ddtree", 6, 0.8),
+                                                         ("chain", 32, 0.0)])
+def test_rounds_per_launch_give_one_a_launchs_tokens(monkeypatch, per_launch, method, budget,
+                                                     temperature):
+    """R rounds a launch, a ragged batch with one request stopping at eos: the tokens,
+    rounds and acceptances of one round a launch (AR's at T = 0), one read a launch,
+    R-round launches while requests need many tokens and one-round launches otherwise, at most
+    2 R - 1 rounds run past the last request's end, and afterwards both caches exact and
+    agreeing."""
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1]]
+    eos = generate(target, prompts, 24, temperature=temperature, seed=4).tokens[2][3]
+    kw = dict(method=method, drafter=drafter, budget=budget, temperature=temperature, seed=4,
+              eos=eos, device_rounds=True)
+    one = generate(target, prompts, 24, **kw)
+    if temperature == 0:
+        assert one.tokens == generate(target, prompts, 24, eos=eos).tokens
+    sizes = _launch_sizes(monkeypatch)
+    res, reads, syncs = counted(target.backend, lambda: generate(
+        target, prompts, 24, rounds_per_launch=per_launch, **kw))
+    assert res.tokens == one.tokens
+    assert res.stats.tau == one.stats.tau and res.stats.rounds == one.stats.rounds
+    assert reads == 1 + len(sizes) and syncs == 1
+    assert sum(sizes) == res.stats.rounds + res.stats.rounds_dropped
+    assert per_launch in sizes and set(sizes) <= {1, per_launch}
+    assert res.stats.rounds_dropped <= 2 * per_launch - 1
+    cache = target.generation_cache
+    assert not cache.pending and not drafter.cache.pending
+    assert drafter.context_lengths.tolist() == cache.lengths.tolist()
+    np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
+
+
+def test_rounds_per_launch_fit_the_caches_generate_sizes():
+    """Bushy multi-token rounds, four a launch, at lengths where the last launches run past a
+    request's end: the caches ``engine.cache_slots`` sizes hold the launch in flight and the
+    next (the host bounds would raise CacheFullError), and the tokens are AR's."""
+    target, drafter = target_and_drafter(vocab=8, seed=2)
+    prompts = [[3, 1, 4, 1, 5]]
+    for n in (7, 19, 40):
+        res = generate(target, prompts, n, method="ddtree", drafter=drafter, budget=16,
+                       device_rounds=True, rounds_per_launch=4)
+        assert res.tokens == generate(target, prompts, n).tokens
+
+
+def test_rounds_per_launch_refusals_and_the_switch(monkeypatch):
+    """A count outside 1..16 or not a whole number, or more than one round a launch without
+    device rounds: a ValueError naming it; unset, ``KDTREE_ROUNDS_PER_LAUNCH`` decides."""
+    target, drafter = target_and_drafter()
+    kw = dict(method="ddtree", drafter=drafter, budget=4)
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ValueError, match="rounds_per_launch must be"):
+            generate(target, [[1, 2]], 4, device_rounds=True, rounds_per_launch=bad, **kw)
+    with pytest.raises(ValueError, match="needs device rounds"):
+        generate(target, [[1, 2]], 4, device_rounds=False, rounds_per_launch=2, **kw)
+    sizes = _launch_sizes(monkeypatch)
+    monkeypatch.setenv("KDTREE_ROUNDS_PER_LAUNCH", "3")
+    res = generate(target, [[1, 2]], 30, device_rounds=True, **kw)
+    assert res.tokens == generate(target, [[1, 2]], 30).tokens and 3 in sizes
+    monkeypatch.setenv("KDTREE_ROUNDS_PER_LAUNCH", "17")
+    with pytest.raises(ValueError, match="KDTREE_ROUNDS_PER_LAUNCH"):
+        generate(target, [[1, 2]], 4, device_rounds=True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_rounds_per_launch_give_one_a_launchs_tokens(monkeypatch, temperature):
+    """The demo pair on the GPU with CUDA graphs, DDTree budget 16: one round a launch
+    (unset), then four, twice: the same tokens and acceptances (AR's at T = 0), and the
+    launches of four rounds replayed, each one graph launch, so fewer replays in all."""
+    from test_demo_pair import heldout_ids
+    from test_lean_round import demo_pair, demo_runs
+    model, drafter = demo_pair()
+    runs = demo_runs(monkeypatch, model, drafter, "KDTREE_ROUNDS_PER_LAUNCH", (None, "4", "4"),
+                     16, temperature)
+    (one, _), (four, _), (again, _) = runs
+    assert four.tokens == one.tokens == again.tokens
+    assert four.stats.tau == again.stats.tau == one.stats.tau
+    assert 0 < again.stats.graph_replays < one.stats.graph_replays
+    if temperature == 0:
+        assert four.tokens == generate(model, heldout_ids(4), 64).tokens

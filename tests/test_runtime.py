@@ -16,13 +16,14 @@ def test_from_environment_reads_every_switch():
            "KDTREE_KERNEL_CACHE_DIR": "/tmp/kc", "KDTREE_PAD_PREFILLS": "0",
            "KDTREE_LEAN_ROUND": "0", "KDTREE_FUSED_LATENTS": "off", "KDTREE_MOE_CHUNK_GRID": "0",
            "KDTREE_AUTO_V2": "0", "KDTREE_INT4_MMA": "0", "KDTREE_FEWER_LAUNCHES": "1",
-           "KDTREE_ROUND_EPILOGUE": "0", "KDTREE_AR_DEVICE_STEPS": "7"}
+           "KDTREE_ROUND_EPILOGUE": "0", "KDTREE_AR_DEVICE_STEPS": "7",
+           "KDTREE_ROUNDS_PER_LAUNCH": "5"}
     assert runtime.RuntimeConfig.from_environment(env) == runtime.RuntimeConfig(
         simulator=True, sim_warp=8, numba_pool=False, fast_launch=False, lineinfo=True,
         cuda_graphs=False, moe_work_list=True, device_rounds=True, kernel_cache=False,
         kernel_cache_dir="/tmp/kc", pad_prefills=False, lean_round=False, fused_latents=False,
         moe_chunk_grid=False, auto_v2=False, int4_mma=False, fewer_launches=True,
-        round_epilogue=False, ar_device_steps=7)
+        round_epilogue=False, ar_device_steps=7, rounds_per_launch=5)
     default = runtime.RuntimeConfig.from_environment({"XDG_CACHE_HOME": "/x"})
     assert default.cuda_graphs and not default.moe_work_list and default.kernel_cache
     assert default.int4_mma             # under "tensor-cores" (runs 152, 157, 161)
@@ -30,6 +31,10 @@ def test_from_environment_reads_every_switch():
     assert default.moe_chunk_grid
     assert default.auto_v2 and not default.fewer_launches
     assert default.round_epilogue       # run 167: 1.023x a DDTree round, the same tokens
+    assert default.rounds_per_launch == 1
+    for value, want in (("0", 1), ("off", 1), ("on", runtime.ROUNDS_ON), ("16", 16)):
+        assert runtime.RuntimeConfig.from_environment(
+            {"KDTREE_ROUNDS_PER_LAUNCH": value}).rounds_per_launch == want, value
     assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
 
 

@@ -67,6 +67,7 @@ import time
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.budget import AutoBudget
 from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.engine import cache_slots, generate, runs_device_rounds
@@ -83,7 +84,8 @@ def cache_bucket(prompt_len: int, max_new: int, method: str, budget, block_len: 
     ``on_device``, room for the round run ahead) rounded up to CACHE_BUCKET as
     ``Model.cache_for_generation`` does.  tests/test_bench_demo.py and
     tests/test_bench_demo_graph_keys.py hold it to the caches the engine makes."""
-    slots = cache_slots(prompt_len + max_new, method, budget, block_len, on_device)
+    slots = cache_slots(prompt_len + max_new, method, budget, block_len, on_device,
+                        runtime.current().rounds_per_launch)
     return -(-slots // CACHE_BUCKET) * CACHE_BUCKET
 
 
