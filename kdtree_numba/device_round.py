@@ -45,7 +45,7 @@ from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
 
-__all__ = ["DeviceRounds", "device_rounds_possible"]
+__all__ = ["DeviceRounds", "device_rounds_possible", "plan_launch", "rounds_per_launch_of"]
 
 
 def device_rounds_possible(drafter) -> bool:
@@ -272,3 +272,34 @@ class DeviceRounds:
             wait()
         self.in_flight.clear()
         self.cache.truncate(self.floor)
+
+
+def plan_launch(req, in_flight: int, per_launch: int, seen) -> tuple:
+    """The requests the next device launch runs and its rounds, for the engine's requests
+    ``req`` (``active``, ``out``, ``max_new``) with ``in_flight`` rounds unread: the requests that may still need tokens (short of max_new_tokens by more than
+    one a round in flight); with ``per_launch`` > 1, only those the rounds in flight look not
+    to finish (at ``seen``'s mean tokens a round: tokens, request-rounds), and that many
+    rounds where some of them looks to need them all, else one."""
+    left = np.array([req.max_new - len(out) for out in req.out])
+    ahead = req.active & (left > in_flight)
+    if per_launch == 1:
+        return ahead, 1
+    mean = max(1.0, seen[0] / max(1, seen[1]))
+    ahead &= left > in_flight * mean
+    need = left[ahead].max() - in_flight * mean if ahead.any() else 0.0
+    return ahead, per_launch if need > (per_launch - 1) * mean else 1
+
+
+def rounds_per_launch_of(asked: int | None, on_device: bool) -> int:
+    """``engine.generate``'s ``rounds_per_launch`` checked (None: the runtime's); 1 without
+    device rounds, where it asks for more a ValueError."""
+    if asked is None:
+        return runtime.current().rounds_per_launch if on_device else 1
+    if isinstance(asked, bool) or not isinstance(asked, (int, np.integer)) \
+            or not 1 <= asked <= runtime.ROUNDS_MAX:
+        raise ValueError(f"rounds_per_launch must be a whole number 1 to "
+                         f"{runtime.ROUNDS_MAX}, got {asked!r}")
+    if asked > 1 and not on_device:
+        raise ValueError("rounds_per_launch > 1 needs device rounds (method ddtree or chain "
+                         "with a device-only drafter)")
+    return int(asked)

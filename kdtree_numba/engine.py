@@ -75,7 +75,8 @@ from kdtree_numba import runtime
 from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget
 from kdtree_numba.device_ar import decode as decode_on_device
 from kdtree_numba.device_ar import steps_per_launch
-from kdtree_numba.device_round import DeviceRounds, device_rounds_possible
+from kdtree_numba.device_round import (DeviceRounds, device_rounds_possible, plan_launch,
+                                       rounds_per_launch_of)
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
@@ -393,10 +394,10 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     """The rounds of a device-only drafter as device programs, each launch enqueued before
     the previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
-    than the rounds in flight commit at the least (one token each).  A launch runs
-    ``per_launch`` rounds where some request launched looks to need that many (its tokens
-    left beyond the rounds in flight, at the mean tokens a round so far), else one: a
-    request's last rounds go one a launch, so few run past its end.
+    than the rounds in flight commit at the least (one token each).  With ``per_launch`` > 1
+    (``device_round.plan_launch``) a launch runs that many rounds where some request launched looks
+    to need them, else one, and a request the rounds in flight look to finish waits for
+    their read instead of running ahead, so few rounds run past its end.
 
     With ``policy`` (``--budget auto``) each launch asks it for its budget, one round before
     the last one's tokens are read, and a round's cost is the wall time from the previous
@@ -429,13 +430,9 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             launch(req.active.copy())
         read_end = time.perf_counter()
         while rounds.in_flight:
-            left = np.array([req.max_new - len(out) for out in req.out])
-            ahead = req.active & (left > rounds.rounds_in_flight)
-            mean = max(1.0, seen[0] / max(1, seen[1]))     # a round commits one at the least
-            many = ahead.any() and per_launch > 1 and \
-                (left[ahead].max() - rounds.rounds_in_flight * mean) > (per_launch - 1) * mean
             # the next launch goes in before this one is read
-            next_launch = launch(ahead, per_launch if many else 1) if ahead.any() else 0.0
+            ahead, n = plan_launch(req, rounds.rounds_in_flight, per_launch, seen)
+            next_launch = launch(ahead, n) if ahead.any() else 0.0
             packs, ran = rounds.collect()
             b, own_launch, steady = budgets.pop(0)
             if steady and ahead.any() and budgets[-1][2] is False:
@@ -459,24 +456,14 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
                 seen[0], seen[1] = seen[0] + sum(stats.tau[-1]), seen[1] + len(stats.tau[-1])
                 for r in np.flatnonzero(running):
                     req.commit(r, packed[r, 1:1 + int(packed[r, 0])])
+            if not rounds.in_flight and req.active.any():
+                # none went ahead (the rounds read looked to finish every request): launched
+                # after the read, its launch time is inside its wall time already
+                launch(req.active.copy(), plan_launch(req, 0, per_launch, seen)[1])
+                budgets[-1][1] = 0.0
             after_step()
     finally:
         rounds.finish()
-
-
-def _rounds_per_launch(asked: int | None, on_device: bool) -> int:
-    """generate's ``rounds_per_launch`` checked (None: the runtime's); 1 without device
-    rounds, where it asks for more a ValueError."""
-    if asked is None:
-        return runtime.current().rounds_per_launch if on_device else 1
-    if isinstance(asked, bool) or not isinstance(asked, (int, np.integer)) \
-            or not 1 <= asked <= runtime.ROUNDS_MAX:
-        raise ValueError(f"rounds_per_launch must be a whole number 1 to "
-                         f"{runtime.ROUNDS_MAX}, got {asked!r}")
-    if asked > 1 and not on_device:
-        raise ValueError("rounds_per_launch > 1 needs device rounds (method ddtree or chain "
-                         "with a device-only drafter)")
-    return int(asked)
 
 
 def _cache_uniforms(seed: int, cache) -> np.ndarray:
@@ -677,7 +664,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     if method != "ar" and ar_device_steps:
         raise ValueError(f"ar_device_steps is for method 'ar', not {method!r}")
     ar_steps = steps_per_launch(model.backend, ar_device_steps) if method == "ar" else 0
-    per_launch = _rounds_per_launch(rounds_per_launch, on_device)
+    per_launch = rounds_per_launch_of(rounds_per_launch, on_device)
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len,

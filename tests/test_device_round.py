@@ -338,13 +338,16 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous, pe
 
 # ----------------------------------------------------------------------------- R rounds a launch
 
-def _launch_sizes(monkeypatch) -> list:
-    """The rounds of every DeviceRounds launch from now on, in order."""
+def _launch_sizes(monkeypatch, unread=None) -> list:
+    """The rounds of every DeviceRounds launch from now on, in order (and into ``unread`` the
+    rounds in flight at each)."""
     from kdtree_numba.device_round import DeviceRounds
     sizes, real = [], DeviceRounds.launch
 
     def launch(self, active, budget, n=1):
         sizes.append(n)
+        if unread is not None:
+            unread.append(self.rounds_in_flight)
         return real(self, active, budget, n)
     monkeypatch.setattr(DeviceRounds, "launch", launch)
     return sizes
@@ -389,10 +392,58 @@ def test_rounds_per_launch_fit_the_caches_generate_sizes():
     next (the host bounds would raise CacheFullError), and the tokens are AR's."""
     target, drafter = target_and_drafter(vocab=8, seed=2)
     prompts = [[3, 1, 4, 1, 5]]
-    for n in (7, 19, 40):
+    for n in range(7, 41, 6):
         res = generate(target, prompts, n, method="ddtree", drafter=drafter, budget=16,
                        device_rounds=True, rounds_per_launch=4)
         assert res.tokens == generate(target, prompts, n).tokens
+
+
+def test_plan_launch_sends_ahead_what_the_rounds_in_flight_leave():
+    """plan_launch on requests with 20, 9, 3 tokens left and one finished: with one round a
+    launch, every running request short by more than a token a round in flight, one round;
+    with four, at 3 tokens a round so far, only those the rounds in flight look not to finish,
+    and four rounds while one of them looks to need more than three."""
+    from types import SimpleNamespace
+    from kdtree_numba.device_round import plan_launch
+    req = SimpleNamespace(active=np.array([True, True, True, False]), max_new=30,
+                          out=[[0] * 10, [0] * 21, [0] * 27, [0] * 30])
+    seen = [30, 10]                                 # 3 tokens a request-round
+    ahead, n = plan_launch(req, 2, 1, seen)
+    assert ahead.tolist() == [True, True, True, False] and n == 1
+    ahead, n = plan_launch(req, 2, 4, seen)         # 6 tokens in flight: the third finishes
+    assert ahead.tolist() == [True, True, False, False] and n == 4     # 20 - 6 > 3 x 3
+    ahead, n = plan_launch(req, 4, 4, seen)         # 12 in flight: 20 - 12 = 8 <= 9
+    assert ahead.tolist() == [True, False, False, False] and n == 1
+    ahead, n = plan_launch(req, 0, 4, [0, 0])       # nothing seen: a token a round
+    assert ahead.tolist() == [True, True, True, False] and n == 4
+
+
+def test_a_launch_held_back_goes_in_after_the_read(monkeypatch):
+    """Where the next launch is held back (the rounds in flight looked to finish every
+    request; here every second launch, whatever they look like), the engine launches after
+    the read, with none in flight: the same tokens, rounds and acceptances, both caches
+    exact."""
+    from kdtree_numba import engine
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3]]
+    kw = dict(method="ddtree", drafter=drafter, budget=6, device_rounds=True,
+              rounds_per_launch=3)
+    ar = generate(target, prompts, 24).tokens
+    want = generate(target, prompts, 24, **kw)
+    real, calls, unread = engine.plan_launch, [], []
+
+    def every_second_held(req, in_flight, per_launch, seen):
+        ahead, n = real(req, in_flight, per_launch, seen)
+        calls.append(in_flight)
+        return (ahead & (len(calls) % 2 == 0 or in_flight == 0)), n
+    monkeypatch.setattr(engine, "plan_launch", every_second_held)
+    _launch_sizes(monkeypatch, unread)
+    res = generate(target, prompts, 24, **kw)
+    assert res.tokens == want.tokens == ar
+    assert res.stats.tau == want.stats.tau and res.stats.rounds == want.stats.rounds
+    assert unread[0] == 0 and 0 in unread[1:]
+    cache = target.generation_cache
+    assert not cache.pending and drafter.context_lengths.tolist() == cache.lengths.tolist()
 
 
 def test_rounds_per_launch_refusals_and_the_switch(monkeypatch):
