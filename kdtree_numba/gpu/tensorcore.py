@@ -110,33 +110,45 @@ if SIMULATOR:
     def block_uniform_mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``mma_bf16_m16n8k16`` for kernels whose every thread issues the same sequence of mma
         (the bf16 attention kernel): every lane leaves its registers in a table of its warp,
-        waits at the block's barrier, computes its 4 outputs of the warp's product from the
-        table by the fragment layout above (products exact in float64, added to c, rounded
-        to float32), and waits again before the table is reused.  Block barriers stand in
-        for the warp's, which the simulator lacks."""
+        waits at the block's barrier, takes the warp's product A B (products exact in float64)
+        built from the table by the fragment layout above, adds its 4 outputs to c, rounds
+        them to float32, and waits again before the table is reused.  The first lane past the
+        barrier builds the product for the whole warp (each lane building the same product
+        was most of a simulated bf16 attention); the next call's lanes clear it before their
+        barrier, after every lane has read it.  Block barriers stand in for the warp's, which
+        the simulator lacks."""
         me = threading.current_thread()
         tid, block = me.threadIdx.x, (me.blockIdx.x, me.blockIdx.y, me.blockIdx.z)
         lane, g, t = tid % 32, (tid % 32) // 4, tid % 4
         with _mma_lock:
             table = _mma_tables.setdefault(me._manager, {}).setdefault((block, tid // 32),
-                                                                       [None] * 32)
+                                                                       [None] * 33)
         table[lane] = (a0, a1, a2, a3, b0, b1)
+        table[32] = None        # slot 32: the product, built after the barrier
         me.syncthreads()
+        with _mma_lock:
+            if table[32] is None:
+                table[32] = _warp_product(table)
+            D = table[32]
+        me.syncthreads()
+        return (np.float32(D[g, 2 * t] + np.float64(c0)),
+                np.float32(D[g, 2 * t + 1] + np.float64(c1)),
+                np.float32(D[g + 8, 2 * t] + np.float64(c2)),
+                np.float32(D[g + 8, 2 * t + 1] + np.float64(c3)))
+
+    def _warp_product(table):
+        """A B (float64) of the warp's m16n8k16 from its 32 lanes' registers (table[:32])."""
         A = np.zeros((16, 16))
         B = np.zeros((16, 8))
-        for src, regs in enumerate(table):
+        for src in range(32):
+            regs = table[src]
             sg, st = src // 4, src % 4
             for i, (row, col) in enumerate(((sg, 2 * st), (sg + 8, 2 * st), (sg, 2 * st + 8),
                                             (sg + 8, 2 * st + 8))):
                 A[row, col], A[row, col + 1] = _bf16_pair(regs[i])
             for i, k in enumerate((2 * st, 2 * st + 8)):
                 B[k, sg], B[k + 1, sg] = _bf16_pair(regs[4 + i])
-        me.syncthreads()
-        D = A @ B
-        return (np.float32(D[g, 2 * t] + np.float64(c0)),
-                np.float32(D[g, 2 * t + 1] + np.float64(c1)),
-                np.float32(D[g + 8, 2 * t] + np.float64(c2)),
-                np.float32(D[g + 8, 2 * t + 1] + np.float64(c3)))
+        return A @ B
 
     def _bf16_pair(word):
         # gpu.bits.bf16_lo / bf16_hi are simulator device functions, and each call swaps the
