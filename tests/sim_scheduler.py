@@ -14,9 +14,19 @@ and tensor-core emulations reach ``thread._manager``, ``thread_id``, ``syncthrea
 block at a time, a barrier released once every live thread waits at it, a failing thread
 aborting the others and its exception raised by the launch.  tests/test_sim_scheduler.py
 checks those; nothing is patched where the simulator's internals are not the ones expected.
+
+It also gives ``cuda.shared.array`` a cheaper way to its call site.  The simulator keys a
+block's static shared arrays by the (file, line) that asks for one, and finds it with
+``traceback.extract_stack``, which walks the whole stack and reads every frame's source line
+(a ``stat`` of each file per frame), on every thread and every call: a large share of a
+simulated kernel's time in the launch-heavy tests.  The caller's frame gives the same key
+(``FrameSummary``'s filename and line are the frame's ``co_filename`` and ``f_lineno``), so
+the same array comes back for the same site; dynamic shared memory (shape 0) and an
+``alignment`` go to the simulator's own method as before.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -40,7 +50,30 @@ def install() -> bool:
     _ORIGINAL.update(manager_run=manager.run, thread_run=thread.run,
                      syncthreads=thread.syncthreads)
     manager.run, thread.run, thread.syncthreads = _manager_run, _thread_run, _syncthreads
+    from numba.cuda.simulator import kernelapi
+    shared = getattr(kernelapi, "FakeCUDAShared", None)
+    if shared is not None and callable(getattr(shared, "array", None)):
+        _ORIGINAL["shared_array"] = shared.array
+        shared.array = _shared_array
     return True
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """FakeCUDAShared.array keyed by the caller's frame (module docstring); the simulator's
+    own method for dynamic shared memory, an alignment (it raises) or an unexpected state."""
+    allocations = getattr(self, "_allocations", None)
+    if shape == 0 or alignment is not None or not isinstance(allocations, dict):
+        return _ORIGINAL["shared_array"](self, shape, dtype, alignment)
+    from numba.core import types
+    from numba.np import numpy_support
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    res = allocations.get(caller)
+    if res is None:
+        res = allocations[caller] = np.empty(shape, dtype)
+    return res
 
 
 def installed() -> bool:

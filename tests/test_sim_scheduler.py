@@ -75,3 +75,34 @@ def test_a_failing_thread_fails_the_launch(sim):
 
     ones[1, 8](ok)
     assert ok.tolist() == [1] * 8
+
+
+def test_shared_arrays_are_one_per_call_site_and_block(sim):
+    """The call-site key of cuda.shared.array (sim_scheduler's cheaper lookup): two sites are
+    two arrays, one site is one array for every thread of a block (a thread reads what
+    another wrote) and a fresh one for the next block; dynamic shared memory is the launch's."""
+    import os
+
+    import sim_scheduler
+    from numba import float32
+    from numba.cuda.simulator import kernelapi
+    if os.environ.get("KDTREE_SIM_POLLING") != "1":
+        assert kernelapi.FakeCUDAShared.array is sim_scheduler._shared_array
+
+    @kernel
+    def two_sites(out):
+        a = cuda.shared.array(4, np.int32)
+        b = cuda.shared.array(4, np.int32)
+        dyn = cuda.shared.array(0, float32)
+        t = cuda.threadIdx.x
+        a[t] = t + 10 * cuda.blockIdx.x
+        b[t] = -1
+        dyn[t] = t
+        cuda.syncthreads()
+        out[cuda.blockIdx.x, t, 0] = a[(t + 1) % 4]     # another thread's write, not b's
+        out[cuda.blockIdx.x, t, 1] = dyn[(t + 2) % 4]
+
+    out = np.zeros((2, 4, 2), np.int32)
+    two_sites[2, 4, 0, 16](out)
+    assert out[..., 0].tolist() == [[(t + 1) % 4 + 10 * b for t in range(4)] for b in range(2)]
+    assert out[..., 1].tolist() == [[(t + 2) % 4 for t in range(4)]] * 2
