@@ -74,6 +74,48 @@ def isa_mma(a_regs, b_regs):
     return A, B
 
 
+def _isa_positions():
+    """isa_mma's (row, col) of each lane's fragment elements as index arrays: A's [32, 8],
+    B's [32, 4] (element i of a lane, as isa_mma numbers them)."""
+    lane, i = np.arange(32)[:, None], np.arange(8)[None, :]
+    group, tig = lane >> 2, lane % 4
+    a_row = group + 8 * ((i // 2) % 2)           # rows g for i in 0, 1, 4, 5; g + 8 else
+    a_col = tig * 2 + (i & 1) + 8 * (i >= 4)
+    i = i[:, :4]
+    b_row = tig * 2 + (i & 1) + 8 * (i >= 2)
+    return a_row, a_col, b_row, np.broadcast_to(group, b_row.shape)
+
+
+_ISA_AT = _isa_positions()
+
+
+def isa_mma_arrays(a_regs, b_regs):
+    """isa_mma's (A, B) by NumPy indexing, for the simulator's mma emulation, where isa_mma's
+    per-element loop was most of an emulated mma; the same values
+    (test_isa_mma_arrays_places_every_element_as_isa_mma_does)."""
+    a_row, a_col, b_row, b_col = _ISA_AT
+
+    def elements(regs, n):      # [32, n] uint32 words -> [32, 2n] bf16 values, low half first
+        words = np.array([[int(r) for r in lane] for lane in regs], np.uint32).reshape(32, n)
+        halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(32, 2 * n)
+        return bf16_value(halves.astype(np.uint16)).astype(np.float64)
+    A, B = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    A[a_row, a_col] = elements(a_regs, 4)
+    B[b_row, b_col] = elements(b_regs, 2)
+    return A, B
+
+
+def test_isa_mma_arrays_places_every_element_as_isa_mma_does():
+    rng = np.random.default_rng(12)
+    for _ in range(3):
+        a = [tuple(np.uint32(v) for v in bf16_bits(rng.standard_normal(8) * 10).view(np.uint32))
+             for _ in range(32)]
+        b = [tuple(np.uint32(v) for v in bf16_bits(rng.standard_normal(4) * 10).view(np.uint32))
+             for _ in range(32)]
+        want, got = isa_mma(a, b), isa_mma_arrays(a, b)
+        assert all(w.tobytes() == g.tobytes() for w, g in zip(want, got))
+
+
 def isa_c(lane, e):
     """Accumulator e of a lane: row groupID (+ 8 for e >= 2), column 2 threadID + e % 2."""
     return (lane >> 2) + (8 if e >= 2 else 0), 2 * (lane % 4) + (e & 1)
@@ -665,7 +707,7 @@ def test_gpu_linear_mma_reuses_out_and_workspace():
 
 def _warp_mma_emulation():
     """mma_bf16_m16n8k16 for the simulator: every lane leaves its registers in a table, a
-    barrier, the warp's product from the table (the ISA layout, isa_mma; computed by the
+    barrier, the warp's product from the table (the ISA layout, isa_mma_arrays; computed by the
     first lane to get there, the others take it), each lane its 4 outputs (isa_c), a barrier.
     Block-wide barriers stand in for the warp's: every warp of the kernel issues the same
     number of mma (tm x tn per k16 step)."""
@@ -682,7 +724,7 @@ def _warp_mma_emulation():
             D = products.get(key)
             if D is None:
                 lanes = table[key]
-                A, B = isa_mma([r[0] for r in lanes], [r[1] for r in lanes])
+                A, B = isa_mma_arrays([r[0] for r in lanes], [r[1] for r in lanes])
                 D = products[key] = A @ B
         out = [np.float32(D[isa_c(tid % 32, e)] + np.float64(c)) for e, c in
                enumerate((c0, c1, c2, c3))]
