@@ -209,8 +209,8 @@ def test_the_engine_tells_which_device_rounds_replayed(monkeypatch):
     outcomes = []
     real_launch = DeviceRounds.launch
 
-    def launch(self, active, budget):
-        real_launch(self, active, budget)
+    def launch(self, active, budget, n=1):
+        real_launch(self, active, budget, n)
         what = script[len(outcomes)]
         outcomes.append(what)
         counts[0] += what == "capture"

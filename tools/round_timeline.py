@@ -91,14 +91,15 @@ class Timeline:
             timeline.rounds.append(dict(before=before, after=after, replayed=out is not None))
             return out
 
-        def launch(rounds, active, budget):
+        def launch(rounds, active, budget, n=1):
             t0 = time.perf_counter()
-            n = len(timeline.rounds)
-            timeline.launch(rounds, active, budget)
-            if len(timeline.rounds) == n:          # no graph call (graphs off): eager
+            seen = len(timeline.rounds)
+            timeline.launch(rounds, active, budget, n)
+            if len(timeline.rounds) == seen:       # no graph call (graphs off): eager
                 timeline.rounds.append(dict(replayed=False))
+            # one entry a launch (of n rounds under KDTREE_ROUNDS_PER_LAUNCH)
             timeline.rounds[-1].update(launch=time.perf_counter() - t0, program=rounds,
-                                       budget=budget)
+                                       budget=budget, n=n)
 
         def collect(rounds):
             t0 = time.perf_counter()
