@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdtree_numba.compat import SIMULATOR
 from reference import attention as ref
 from reference.attention import tree_visible
 
@@ -198,9 +197,6 @@ CASES = [
     # 2 heads: the masking is per query token, the simulator's cost per head
     ("long causal prefill, a hole", [3], 48, "causal-hole", 2, 32, 8, None),
 ]
-# slow in the simulator only (~30 s each there): the hole's case runs the same unmasked tiles
-# before its last query's block masks them again, so CI keeps that one
-SLOW_IN_SIMULATOR = {"long causal prefill"}
 
 
 def _visible(rng, kind, bs, n):
@@ -214,8 +210,7 @@ def _visible(rng, kind, bs, n):
 
 
 @pytest.mark.parametrize("name, prefix, n, kind, heads, r, dr, kps", [
-    pytest.param(*c, id=c[0], marks=pytest.mark.slow if SIMULATOR and c[0] in SLOW_IN_SIMULATOR
-                 else ()) for c in CASES])
+    pytest.param(*c, id=c[0]) for c in CASES])
 def test_bf16_kernel_matches_the_reference_within_the_bound(name, prefix, n, kind, heads, r, dr,
                                                             kps, needs_kernels):
     rng = np.random.default_rng(len(name))
@@ -389,12 +384,7 @@ LAYOUT_CASES = [
 # without ldsm_values) where it has the most to get wrong
 ONE_CASE = {"fragq": "two row groups a block", "lean": "decode", "s3": "decode",
             "permute": "tree verify, 3 splits"}
-# "all" (every switch at once) on a split verify in CI; its other cases and each switch alone
-# on its one case are `slow` (~50 s of simulator time for layouts the package does not ship)
-IN_CI = ("tree verify, 3 splits",)
-LAYOUT_RUNS = [pytest.param(layout, case, id=f"{layout}-{case[0]}",
-                            marks=() if layout == "all" and case[0] in IN_CI
-                            else pytest.mark.slow)
+LAYOUT_RUNS = [pytest.param(layout, case, id=f"{layout}-{case[0]}")
                for layout in BF16_LAYOUT_NAMES for case in LAYOUT_CASES
                if layout == "all" or ONE_CASE.get(layout) == case[0]]
 _PACKAGE_BITS: dict = {}
