@@ -255,6 +255,8 @@ def test_gpu_round_epilogue_graph_has_fewer_kernels(monkeypatch):
     assert_same_rounds(runs)
     off, on = graph_kernels(model, 16, False), graph_kernels(model, 16, True)
     n_off, n_on = sum(off.values()), sum(on.values())
-    print(f"round graph kernels, budget 16: switch off {n_off}, default (on) {n_on}")
+    # in full on stdout (pytest cuts a long assertion message short without -vv)
+    print(f"round graph kernels, budget 16: switch off {n_off}, default (on) {n_on}; only "
+          f"off: {dict(off - on)}; only on: {dict(on - off)}")
     assert n_on < n_off and n_off - n_on == 14, (n_off, n_on, "only off:", dict(off - on),
                                                  "only on:", dict(on - off))
