@@ -276,10 +276,11 @@ class DeviceRounds:
 
 def plan_launch(req, in_flight: int, per_launch: int, seen) -> tuple:
     """The requests the next device launch runs and its rounds, for the engine's requests
-    ``req`` (``active``, ``out``, ``max_new``) with ``in_flight`` rounds unread: the requests that may still need tokens (short of max_new_tokens by more than
-    one a round in flight); with ``per_launch`` > 1, only those the rounds in flight look not
-    to finish (at ``seen``'s mean tokens a round: tokens, request-rounds), and that many
-    rounds where some of them looks to need them all, else one."""
+    ``req`` (``active``, ``out``, ``max_new``) with ``in_flight`` rounds unread: those that
+    may still need tokens (short of max_new_tokens by more than one a round in flight); with
+    ``per_launch`` > 1, only those the rounds in flight look not to finish (at ``seen``'s
+    mean tokens a round: tokens, request-rounds), and that many rounds where some of them
+    looks to need them all, else one."""
     left = np.array([req.max_new - len(out) for out in req.out])
     ahead = req.active & (left > in_flight)
     if per_launch == 1:

@@ -395,9 +395,9 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     the previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
     than the rounds in flight commit at the least (one token each).  With ``per_launch`` > 1
-    (``device_round.plan_launch``) a launch runs that many rounds where some request launched looks
-    to need them, else one, and a request the rounds in flight look to finish waits for
-    their read instead of running ahead, so few rounds run past its end.
+    (``device_round.plan_launch``) a launch runs that many rounds where some request it
+    launches looks to need them, else one, and a request the rounds in flight look to finish
+    waits for their read instead of running ahead, so few rounds run past its end.
 
     With ``policy`` (``--budget auto``) each launch asks it for its budget, one round before
     the last one's tokens are read, and a round's cost is the wall time from the previous
