@@ -65,8 +65,8 @@ class DeviceRounds:
     tree's t_d (``steps.draft_temperature``; 1: the logits as they are).  The budget is each
     launch's own (``--budget auto`` changes it between rounds): the rounds of every budget
     share the program's state (the roots, the caches' lengths, the rounds in flight), one
-    CUDA graph per budget and rounds a launch.  ``per_launch``: the R rounds a launch runs
-    where the engine wants many (``for_generation``).
+    CUDA graph per budget and rounds a launch (each launch's ``n``, the engine's choice:
+    :func:`plan_launch`).
     """
 
     def __init__(self, model, cache, drafter, k: int | None, sampling,
@@ -87,7 +87,6 @@ class DeviceRounds:
         # per launch: (read's wait, launch mask, growth bound, rounds)
         self.in_flight: list = []
         self.floor = None
-        self.per_launch = 1
 
     def k(self, budget: int) -> int:
         """The tree's branching at ``budget``."""
@@ -96,8 +95,7 @@ class DeviceRounds:
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, k: int | None, sampling,
-                       table=None, draft_temperature: float = 1.0,
-                       per_launch: int = 1) -> "DeviceRounds":
+                       table=None, draft_temperature: float = 1.0) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
@@ -111,7 +109,6 @@ class DeviceRounds:
             rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling,
                                                draft_temperature)
         rounds.restart(roots, table)
-        rounds.per_launch = int(per_launch)
         return rounds
 
     def restart(self, roots, table=None) -> None:

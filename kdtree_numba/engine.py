@@ -409,7 +409,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     next round's, and its own launch is its cost (a launch of n rounds: each its n-th)."""
     table = None if sampling.greedy else _cache_uniforms(seed, cache)
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
-                                         table, draft_temperature, per_launch)
+                                         table, draft_temperature)
     budgets = []                        # of the launches in flight, oldest first: [b, launch
     # s, steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
     seen = [0, 0]                       # tokens committed, request-rounds: their mean
