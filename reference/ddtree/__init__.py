@@ -18,6 +18,7 @@ accept.py     ``accept_greedy``, ``sample_targets``, ``accept_sampled``
 sampling.py   ``Sampling``, ``kept_weights``, ``inverse_cdf_sample``
 compact.py    ``compact_kv(caches, past_len, acc_idx, acc_len) -> None``, ``compact_kv_paged``
 commit.py     a device round's slot indices and commit (integers and copies)
+lookup.py     ``lookup_path``, ``mix_lookup``, ``record_tokens``: prompt lookup in the tree
 tree.py       the DraftTree and VerifyInput records
 checks.py     the argument checks both twins run (metadata only, so also on device arrays)
 ============  ==================================================================
@@ -33,6 +34,7 @@ from .checks import (cache_list, check_accepted, check_array, check_build_args,
                      check_temperature, check_topk_args, check_tree)
 from .compact import compact_kv, compact_kv_paged
 from .compile import compile_tree
+from .lookup import lookup_path, mix_lookup, record_tokens
 from .sampling import Sampling, as_sampling, inverse_cdf_sample, kept_weights
 from .topk import LP_ATOL, LP_RTOL, topk_logprobs
 from .tree import DraftTree, VerifyInput
@@ -41,4 +43,4 @@ __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_t
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
            "compact_kv_paged", "LP_ATOL", "LP_RTOL", "Sampling", "as_sampling", "kept_weights",
            "inverse_cdf_sample", "pack_committed", "accepted_slots", "round_slots",
-           "commit_round"]
+           "commit_round", "lookup_path", "mix_lookup", "record_tokens"]

@@ -175,3 +175,43 @@ def check_accepted(acc: np.ndarray, m: int, b: int) -> None:
     if m < 1 or m > acc.size or acc[0] != 0 or np.any(np.diff(acc[:m]) <= 0):
         raise ValueError(f"request {b}: acc_len {m} / acc_idx {acc.tolist()} is not an "
                          f"accepted path (starts at 0, strictly increasing)")
+
+
+MAX_NGRAM = 32       # the longest suffix a prompt lookup matches (lookup.py; the GPU's loop bound)
+
+
+def check_lookup(weight, max_n, min_n) -> tuple[float, int, int]:
+    """A prompt lookup's settings (lookup.py): ``(weight, max_n, min_n)``, or a one-line
+    ValueError or TypeError naming the field."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise TypeError(f"lookup weight must be a number, got {type(weight).__name__}")
+    if not 0.0 < float(weight) < 1.0:
+        raise ValueError(f"lookup weight = {weight!r} must lie in (0, 1)")
+    max_n = check_int("lookup max_n", max_n, 1, MAX_NGRAM)
+    min_n = check_int("lookup min_n", min_n, 1, max_n)
+    return float(weight), max_n, min_n
+
+
+def check_lookup_args(history, lengths, rows, max_n, min_n):
+    """``lookup_path``'s arguments (metadata only): ``(bs, H, rows, max_n, min_n)``."""
+    _, max_n, min_n = check_lookup(0.5, max_n, min_n)
+    check_array("history", history, 2, dtype=np.int32)
+    bs, H = (int(s) for s in history.shape)
+    check_array("lengths", lengths, 1, dtype=np.int32)
+    if tuple(lengths.shape) != (bs,):
+        raise ValueError(f"lengths must have shape ({bs},), got {tuple(lengths.shape)}")
+    return bs, H, check_int("rows", rows, 0), max_n, min_n
+
+
+def check_mix_args(lp, ids, path, weight):
+    """``mix_lookup``'s arguments (metadata only): ``(bs, R, k, weight)``."""
+    weight, _, _ = check_lookup(weight, 1, 1)
+    check_array("lp", lp, 3, dtype=np.float32)
+    bs, R, k = (int(s) for s in lp.shape)
+    check_array("ids", ids, 3, dtype=np.int32)
+    if tuple(ids.shape) != (bs, R, k):
+        raise ValueError(f"ids must have lp's shape {(bs, R, k)}, got {tuple(ids.shape)}")
+    check_array("path", path, 2, dtype=np.int32)
+    if int(path.shape[0]) != bs or int(path.shape[1]) < R:
+        raise ValueError(f"path must have shape ({bs}, >= {R}), got {tuple(path.shape)}")
+    return bs, R, k, weight
