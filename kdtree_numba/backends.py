@@ -69,7 +69,8 @@ LAYER_OPS = ("rmsnorm", "add_rmsnorm", "rope", "linear", "embedding", "argmax", 
              "moe_ffn", "mla_latents", "mla_q_split")
 ATTENTION_OPS = ("mla_attention", "absorb_q", "apply_uv")
 DDTREE_OPS = ("topk_logprobs", "build_tree", "compile_tree", "accept_greedy", "sample_targets",
-              "accept_sampled", "compact_kv", "round_slots", "commit_round")
+              "accept_sampled", "compact_kv", "round_slots", "commit_round", "lookup_path",
+              "mix_lookup", "record_tokens")
 # the paged KV layout's ops (kdtree_numba/kvlayout.py): the reference's; the numba backend has
 # no paged kernels yet and refuses them (docs/ENGINE.md, "The KV cache")
 PAGED_OPS = ("paged_mla_attention", "compact_kv_paged")
@@ -356,6 +357,8 @@ class ReferenceOps(LatentsByParts, Ops):
         self.sample_targets, self.accept_sampled = rd.sample_targets, rd.accept_sampled
         self.compact_kv = rd.compact_kv
         self.round_slots, self.commit_round = rd.round_slots, rd.commit_round
+        self.lookup_path, self.mix_lookup = rd.lookup_path, rd.mix_lookup
+        self.record_tokens = rd.record_tokens
         self.paged_mla_attention = ra.paged_mla_attention
         self.compact_kv_paged = rd.compact_kv_paged
 

@@ -41,6 +41,7 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.kvlayout import device_address
+from kdtree_numba.lookup import TokenHistory
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
@@ -62,7 +63,9 @@ class DeviceRounds:
     branching (None: as many as the budget, ``min(budget, V)``; ``k = 1`` with ``budget = L``
     is the chain); ``sampling`` (a ``reference.ddtree.Sampling`` or a bare temperature) and
     ``table`` (the uniforms, T > 0) as in ``DeviceSteps.accept``; ``draft_temperature``: the
-    tree's t_d (``steps.draft_temperature``; 1: the logits as they are).  The budget is each
+    tree's t_d (``steps.draft_temperature``; 1: the logits as they are); ``lookup``: the
+    tree's prompt lookup (kdtree_numba/lookup.py; None: none), whose token history the
+    program keeps in a buffer of its own.  The budget is each
     launch's own (``--budget auto`` changes it between rounds): the rounds of every budget
     share the program's state (the roots, the caches' lengths, the rounds in flight), one
     CUDA graph per budget and rounds a launch (each launch's ``n``, the engine's choice:
@@ -70,9 +73,10 @@ class DeviceRounds:
     """
 
     def __init__(self, model, cache, drafter, k: int | None, sampling,
-                 draft_temperature: float = 1.0):
+                 draft_temperature: float = 1.0, lookup=None):
         self.model, self.cache, self.drafter = model, cache, drafter
         self.draft_temperature = float(draft_temperature)
+        self.lookup = lookup
         self.be, self.xp = model.backend, model.backend.xp
         self.fixed_k = None if k is None else int(k)
         self.sampling = as_sampling(sampling)
@@ -84,6 +88,8 @@ class DeviceRounds:
         self.requests = self.xp.arange(bs, dtype=np.int64)[:, None]
         self.table = self.xp.zeros((bs, cache.max_len + 2), np.float64) \
             if not self.sampling.greedy else None
+        self.history = self.xp.zeros((bs, cache.max_len), np.int32) \
+            if lookup is not None else None
         # per launch: (read's wait, launch mask, growth bound, rounds)
         self.in_flight: list = []
         self.floor = None
@@ -95,20 +101,25 @@ class DeviceRounds:
 
     @classmethod
     def for_generation(cls, model, cache, drafter, roots, k: int | None, sampling,
-                       table=None, draft_temperature: float = 1.0) -> "DeviceRounds":
+                       table=None, draft_temperature: float = 1.0, lookup=None,
+                       sequences=None) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
         the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
-        (host, T > 0; W >= cache.max_len + 2 is cut to it).  The target cache and the
-        drafter hold the prompts' commits."""
+        (host, T > 0; W >= cache.max_len + 2 is cut to it); with a ``lookup``, its token
+        history starts from the ``sequences`` (host: each prompt and its root).  The target
+        cache and the drafter hold the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
-        key = (id(model), id(drafter), k, as_sampling(sampling), float(draft_temperature))
+        key = (id(model), id(drafter), k, as_sampling(sampling), float(draft_temperature),
+               lookup)
         rounds = cache.programs.get(key)
         if rounds is None or rounds.drafter is not drafter or rounds.model is not model:
             rounds = cache.programs[key] = cls(model, cache, drafter, k, sampling,
-                                               draft_temperature)
+                                               draft_temperature, lookup)
         rounds.restart(roots, table)
+        if lookup is not None:
+            TokenHistory(rounds.be, sequences, cache.max_len, into=rounds.history)
         return rounds
 
     def restart(self, roots, table=None) -> None:
@@ -149,8 +160,8 @@ class DeviceRounds:
         draft_logits = self.drafter.propose(DraftContext(
             roots=self.roots, positions=start, depth=budget,
             temperature=self.sampling.temperature, slots=block))
-        tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature)(
-            draft_logits, self.roots, start)
+        tree, vin = tree_phase(ops, self.k(budget), budget, self.draft_temperature,
+                               self.lookup)(draft_logits, self.roots, start, self.history)
         # the verify's slots from the round's own device lengths: forward runs it eagerly
         # inside this program's capture (ForwardBatch.slots)
         out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible,
@@ -163,6 +174,8 @@ class DeviceRounds:
             arrays += (self.table, start)
         acc_idx, acc_len, packed, next_roots = accept_phase(
             ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
+        if self.lookup is not None:     # before the commit grows the lengths ``start`` may be
+            ops.record_tokens(self.history, start, packed, active)
         hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
         if context is not None:
             # KDTREE_ROUND_EPILOGUE: the compaction reads the lengths first, then one launch
@@ -205,10 +218,11 @@ class DeviceRounds:
         on this target cache) makes another key, never a replay against freed memory.  (The
         graph cache's key adds the input's shape.)"""
         key = ("round", int(budget), self.k(budget), self.draft_temperature, self.sampling,
-               self.needs, int(n))
+               self.needs, int(n), self.lookup)
         key += self.cache.buffer_key() + tuple(self.drafter.graph_key())
         return key + (device_address(self.roots),
                       None if self.table is None else device_address(self.table),
+                      None if self.history is None else device_address(self.history),
                       device_address(self.requests))
 
     # ---- the host side

@@ -79,6 +79,7 @@ from kdtree_numba.device_round import (DeviceRounds, device_rounds_possible, pla
                                        rounds_per_launch_of)
 from kdtree_numba.drafting import NO_NEEDS, Commit, DraftContext, TargetNeeds, check_top_k
 from kdtree_numba.model import ForwardBatch
+from kdtree_numba.lookup import TokenHistory, resolve as resolve_lookup
 from kdtree_numba.steps import draft_temperature as resolve_draft_temperature
 from kdtree_numba.steps import tree_depth
 from reference.ddtree import Sampling, accepted_slots
@@ -100,6 +101,7 @@ class GenerationStats:
     budget: int | str | None            # "auto": chosen per round (kdtree_numba/budget.py)
     block_len: int | None
     draft_temperature: float | None = None  # t_d the DDTree trees were built with (ddtree only)
+    prompt_lookup: object = None        # its trees' PromptLookup (kdtree_numba/lookup.py)
     kv_cache_bytes: int = 0             # target KV cache (c + k_pe, all layers)
     # AR steps (with the one eos may waste; on the device K a launch) or DDTree rounds
     rounds: int = 0
@@ -310,7 +312,7 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
 def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table, timer,
                   stats, k: int | None = None, needs: TargetNeeds = NO_NEEDS, on_round=None,
                   while_verifying=None, draft_temperature: float = 1.0,
-                  max_depth: int | None = None):
+                  max_depth: int | None = None, lookup=None, history=None):
     """One round (a tree, or with ``k = 1`` and ``budget = L`` the greedy chain).  Its device
     work is the drafter's, then the model's: the tree, the verify forward, the acceptance,
     the compaction (on the GPU each one CUDA-graph launch once its shapes repeat); then the
@@ -319,7 +321,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     ``while_verifying()``: host work run once the verify is launched, while the device runs
     it (the last round's report: generate).  ``draft_temperature``: the tree's t_d
     (``steps.draft_temperature``).  ``max_depth``: the tree's depth cap (``steps.tree_depth``;
-    None: the budget's)."""
+    None: the budget's).  ``lookup``, ``history``: the tree's prompt lookup and the requests'
+    token history (a kdtree_numba.lookup.TokenHistory), or None."""
     be = model.backend
     # the roots and their positions go up once: the drafter, the tree and the acceptance read
     # these device copies
@@ -335,7 +338,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     # own buffers (no copies on the host's path from the read to the verify's launch); the
     # round consumes them before its read, and the next round's replays come after it
     tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True,
-                                 draft_temperature=draft_temperature)
+                                 draft_temperature=draft_temperature, lookup=lookup,
+                                 history=history and history.array)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible, causal=True,
@@ -356,6 +360,8 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     hidden = model.last_accepted(parts[1], acc_idx, acc_len) if needs.hidden else None
     features = model.accepted_rows(parts[-1], acc_idx) if needs.feature_layers else None
     tokens = model.committed_tokens(packed, roots) if needs.tokens else None
+    if history is not None:
+        history.record(start, packed, be.asarray(req.active))
     timer.lap("accept")
     model.compact(cache, acc_idx, acc_len)
     timer.lap("compaction")
@@ -390,7 +396,7 @@ def _replayed(before, after) -> bool | None:
 
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
                    timer, stats, after_step, policy: AutoBudget | None = None,
-                   draft_temperature: float = 1.0, per_launch: int = 1) -> None:
+                   draft_temperature: float = 1.0, per_launch: int = 1, lookup=None) -> None:
     """The rounds of a device-only drafter as device programs, each launch enqueued before
     the previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
@@ -409,7 +415,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     next round's, and its own launch is its cost (a launch of n rounds: each its n-th)."""
     table = None if sampling.greedy else _cache_uniforms(seed, cache)
     rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
-                                         table, draft_temperature)
+                                         table, draft_temperature, lookup, req.seq)
     budgets = []                        # of the launches in flight, oldest first: [b, launch
     # s, steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
     seen = [0, 0]                       # tokens committed, request-rounds: their mean
@@ -514,17 +520,18 @@ KEPT_AUTO_PER_MODEL = 32
 
 
 def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: bool,
-                     draft_temperature: float) -> AutoBudget:
+                     draft_temperature: float, lookup=None) -> AutoBudget:
     """The AutoBudget ``generate(..., budget="auto")`` runs: the one kept for this model,
     drafter (the very object: a new one, even of the same file, starts afresh), batch,
-    sampling, draft temperature, kind of round (device or host) and runtime switches, made
+    sampling, draft temperature, prompt lookup, kind of round (device or host) and runtime
+    switches, made
     on first use.  What it learnt (each budget's cost, its paired acceptance) is the
     machine's and the model's, not the prompt's, so a later call starts from it instead of
     climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
     ``budget`` is the caller's own (a new one: fresh)."""
     kept = _KEPT_AUTO.setdefault(model, collections.OrderedDict())
     key = (id(drafter), int(batch), sampling, bool(on_device), float(draft_temperature),
-           runtime.current())
+           lookup, runtime.current())
     ref, policy = kept.get(key, (None, None))
     if ref is None or ref() is not drafter:      # an id reused by a new drafter: afresh
         policy = AutoBudget()
@@ -569,7 +576,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
              on_round=None, device_rounds: bool | None = None,
              draft_temperature: float | None = None,
              ar_device_steps: int | None = None,
-             rounds_per_launch: int | None = None) -> GenerationResult:
+             rounds_per_launch: int | None = None,
+             prompt_lookup=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (module docstring for the algorithm).
 
     prompts: sequences of token ids (ragged).  methods "ddtree" and "chain" need a
@@ -622,6 +630,10 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     a real GPU, the host's loop under the simulator) on the numba backend and the host's
     loop on the reference backend.  ``stats.rounds`` then
     counts the device's steps, K a launch (those past a request's end included).
+    ``prompt_lookup`` ("ddtree"): the tokens that followed the context's last n tokens where
+    they occurred before, mixed into the drafter's distributions before each tree is built
+    (kdtree_numba/lookup.py: None ``KDTREE_PROMPT_LOOKUP``'s, False off, True on, a weight
+    in (0, 1) or a ``PromptLookup``); it shapes the tree only, as ``draft_temperature``.
     ``rounds_per_launch`` (device rounds): up to R rounds a launch, 1 to 16 (the same tokens);
     None ``runtime.current().rounds_per_launch`` (``KDTREE_ROUNDS_PER_LAUNCH``, default 1).
     """
@@ -629,6 +641,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     sampling = Sampling(temperature, top_p, top_k)
     t_d = resolve_draft_temperature(sampling, draft_temperature)
+    lookup = resolve_lookup(prompt_lookup, method)
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)
@@ -641,7 +654,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         if method == "ddtree" and budget == "auto":
             budget = kept_auto_budget(
                 model, drafter, bs, sampling,
-                runs_device_rounds(model, method, drafter, device_rounds, on_round), t_d)
+                runs_device_rounds(model, method, drafter, device_rounds, on_round), t_d,
+                lookup)
         if isinstance(budget, AutoBudget):
             if method != "ddtree":
                 raise ValueError("an automatic budget is for method 'ddtree'")
@@ -668,7 +682,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     stats = GenerationStats(method=method, backend=model.backend.name, batch=bs,
                             budget=("auto" if policy else budget) if speculative else None,
                             block_len=block_len,
-                            draft_temperature=t_d if method == "ddtree" else None)
+                            draft_temperature=t_d if method == "ddtree" else None,
+                            prompt_lookup=lookup)
     # Device arrays of earlier work (the last generate()'s final round, dropped when it
     # returned) sit in numba's free queue; a queue that overflows frees at once, waiting for
     # the device.  Free them here, before the clock starts, not in the middle of a round.
@@ -717,12 +732,13 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
-                       after_step, policy, t_d, per_launch)
+                       after_step, policy, t_d, per_launch, lookup)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device
         # waits for the host (the committed tokens it reports are the same then).
         owed = False
+        history = None if lookup is None else TokenHistory(be, req.seq, cache.max_len)
 
         def report_owed():
             nonlocal owed
@@ -737,7 +753,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
                 packed, ran = _ddtree_round(
                     model, cache, drafter, req, b, sampling, table, timer, stats, k, needs,
                     on_round, while_verifying=report_owed, draft_temperature=t_d,
-                    max_depth=max_depth)
+                    max_depth=max_depth, lookup=lookup, history=history)
                 stats.budgets.append(b)
                 if policy:        # the round ended in its host read: its wall time is its cost
                     after = model.graph_counts()

@@ -25,7 +25,11 @@ Two kinds of switch:
   one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA
   simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
   4; unset, 0 or 1: one round a launch; off until timed on the GPU: the launch and the read
-  paid once per R rounds, the same tokens), an MLA layer's norms and
+  paid once per R rounds, the same tokens), DDTree's prompt lookup (``KDTREE_PROMPT_LOOKUP``:
+  a weight in (0, 1), ``on``: 0.8; unset or off: none; off until timed on the GPU: the
+  tokens that followed the context's last n tokens where they occurred before, mixed into
+  the drafter's distributions before the tree is built, the same tokens, fewer rounds:
+  kdtree_numba/lookup.py), an MLA layer's norms and
   ropes fused into one launch each (kdtree_numba/layers/latents.py, read when a numba backend
   is made; ``KDTREE_FUSED_LATENTS=0`` turns it off), prefills padded to a few row counts on the
   GPU (``Model.prefill_width``; ``KDTREE_PAD_PREFILLS=0`` turns it off), a DDTree round's glue
@@ -123,6 +127,27 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     return int(value)
 
 
+LOOKUP_ON = 0.8        # KDTREE_PROMPT_LOOKUP=on's weight (kdtree_numba/lookup.py's ON)
+
+
+def _lookup_weight(environ: Mapping[str, str], name: str) -> float:
+    """DDTree's prompt-lookup weight from ``name``: a number in (0, 1), on (:data:`LOOKUP_ON`)
+    or off words; 0.0 (off) where it is unset or empty."""
+    value = environ.get(name, "").strip().lower()
+    if not value or value in _OFF:
+        return 0.0
+    if value in ("on", "yes", "true"):
+        return LOOKUP_ON
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if not 0.0 < weight < 1.0:
+        raise ValueError(f"{name}={value!r}: expected the lookup's weight in (0, 1), on "
+                         f"({LOOKUP_ON}) or off")
+    return weight
+
+
 def _cache_dir(environ: Mapping[str, str]) -> str:
     explicit = environ.get("KDTREE_KERNEL_CACHE_DIR")
     if explicit:
@@ -147,6 +172,7 @@ class RuntimeConfig:
     # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
+    prompt_lookup: float = 0.0    # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True
@@ -189,6 +215,7 @@ class RuntimeConfig:
                                           0 if simulator else AR_STEPS_ON),
                    rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
                                                    ROUNDS_ON, ROUNDS_MAX, "rounds")),
+                   prompt_lookup=_lookup_weight(env, "KDTREE_PROMPT_LOOKUP"),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
                    lean_round=_flag(env, "KDTREE_LEAN_ROUND", True),

@@ -105,15 +105,19 @@ def choice_phase(ops, xp, sampling: Sampling, tree: DraftTree | None = None):
     return sample
 
 
-def tree_phase(ops, k: int, budget: int, draft_temperature: float = 1.0):
-    """draft logits, roots, start -> (tree, verify inputs): top-K of the logits / t_d (float32
-    division; none at t_d = 1, so no extra launch there), build, compile."""
+def tree_phase(ops, k: int, budget: int, draft_temperature: float = 1.0, lookup=None):
+    """draft logits, roots, start[, history] -> (tree, verify inputs): top-K of the logits /
+    t_d (float32 division; none at t_d = 1, so no extra launch there), the ``lookup``'s path
+    from the token ``history`` mixed in (kdtree_numba/lookup.py; None: none), build,
+    compile."""
     scale = np.float32(check_draft_temperature(draft_temperature))
 
-    def run(draft_logits, roots, start):
+    def run(draft_logits, roots, start, history=None):
         if scale != 1:
             draft_logits = draft_logits / scale
         lp, ids = ops.topk_logprobs(draft_logits, k)
+        if lookup is not None:
+            lp, ids = lookup.mix(ops, lp, ids, history, start)
         tree = ops.build_tree(lp, ids, budget)
         return tree, ops.compile_tree(tree, roots, start)
     return run
@@ -206,7 +210,8 @@ class DeviceSteps:
                                 (logits, np.stack([uniforms, np.full(bs, 0.5)], axis=1)))
 
     def draft_tree(self, draft_logits, roots, start, budget: int, k: int | None = None,
-                   borrow: bool = False, draft_temperature: float = 1.0):
+                   borrow: bool = False, draft_temperature: float = 1.0, lookup=None,
+                   history=None):
         """(DraftTree, VerifyInput) of a round from the drafter's logits [bs, L, V], the roots
         [bs] and the tree's start positions [bs] (the cache lengths): top-K with
         ``k = min(budget, V)`` (or the ``k`` given) of the logits / ``draft_temperature``
@@ -214,12 +219,15 @@ class DeviceSteps:
         ``k = 1, budget = L`` builds the drafter's greedy chain (each node has one child, its
         row's argmax): the engine's "chain" method.  ``borrow``: the arrays
         may be a CUDA graph's own, which the next call of this shape overwrites (the engine's
-        round uses them before then; :meth:`device_step`)."""
+        round uses them before then; :meth:`device_step`).  ``lookup`` (a
+        kdtree_numba.lookup.PromptLookup, or None) mixes its path from ``history`` [bs, H]
+        (the requests' tokens by position) into the top-K rows."""
         k = min(budget, self.vocab_size) if k is None else int(k)
         t_d = float(draft_temperature)
-        return self.device_step(("tree", k, budget, t_d),
-                                tree_phase(self.backend.ops, k, budget, t_d),
-                                (draft_logits, roots, start), borrow=borrow)
+        inputs = (draft_logits, roots, start) + ((history,) if lookup is not None else ())
+        return self.device_step(("tree", k, budget, t_d, lookup and lookup.key()),
+                                tree_phase(self.backend.ops, k, budget, t_d, lookup),
+                                inputs, borrow=borrow)
 
     def accept(self, tree, logits, sampling, table=None, start=None, borrow: bool = False):
         """(acc_idx, acc_len, packed, next_roots) from the verify forward's logits [bs, W, V]
