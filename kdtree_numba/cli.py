@@ -95,6 +95,21 @@ def _progress_bar(args, desc: str, total=None, unit: str = "B") -> ProgressBar:
     return bar
 
 
+def _lookup_weight(text: str):
+    """``--prompt-lookup``'s value: on (True), off (False) or a weight in (0, 1)."""
+    word = text.strip().lower()
+    if word in ("on", "off"):
+        return word == "on"
+    try:
+        weight = float(word)
+    except ValueError:
+        weight = -1.0
+    if not 0.0 < weight < 1.0:
+        raise argparse.ArgumentTypeError(f"expected on, off or a weight in (0, 1), got "
+                                         f"{text!r}")
+    return weight
+
+
 def _run_parser() -> ArgumentParser:
     ids = ",".join(map(str, DEFAULT_PROMPT))
     text = repr(DEFAULT_TEXT_PROMPT)
@@ -179,6 +194,11 @@ def _run_parser() -> ArgumentParser:
                    help="ddtree: build each round's tree from the drafter's logits / TD (> 1 "
                    "spreads the budget over more candidates per depth); the tree's shape only, "
                    "never the tokens (default: 1; docs/ENGINE.md, 'Draft temperature')")
+    p.add_argument("--prompt-lookup", type=_lookup_weight, default=None, metavar="W",
+                   help="ddtree: mix the tokens that followed the context's last few tokens "
+                   "where they occurred before into each round's draft, at weight W in (0, 1) "
+                   "(on: 0.8; off); the tree's shape only, never the tokens (default: "
+                   "KDTREE_PROMPT_LOOKUP's, off; docs/ENGINE.md, 'Prompt lookup')")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="ddtree/chain with a DFlash drafter: its lm_head ranks only the N most "
                    "frequent tokens of its bundle's ranking (tools/draft_vocab.py), the rest "
@@ -357,6 +377,8 @@ def _run(argv: list[str]) -> int:
              "nothing")
     if args.draft_temperature is not None and args.method != "ddtree":
         warn(f"--draft-temperature shapes DDTree's trees; --method {args.method} ignores it")
+    if args.prompt_lookup is not None and args.method != "ddtree":
+        warn(f"--prompt-lookup shapes DDTree's trees; --method {args.method} ignores it")
     if args.draft_vocab and args.method == "ar":
         warn("--draft-vocab shapes a drafter's proposals; --method ar ignores it")
     source = read_prompts(args)
@@ -421,6 +443,7 @@ def _run(argv: list[str]) -> int:
                               temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, eos=args.eos,
                               draft_temperature=args.draft_temperature,
+                              prompt_lookup=args.prompt_lookup,
                               progress=first_token.wrap(bar), stream=stream,
                               on_round=recorder,
                               device_rounds=args.device_rounds)

@@ -339,7 +339,8 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
                             seconds=s.seconds, new_tokens=s.new_tokens, rounds=s.rounds,
                             tau=[a for r in s.tau for a in r], time=dict(s.time),
                             host=dict(meters.clock.last), budgets=list(s.budgets),
-                            graph_captures=s.graph_captures))
+                            graph_captures=s.graph_captures,
+                            lookup=None if s.prompt_lookup is None else s.prompt_lookup.weight))
             if stop is not None and stop.signalled:
                 break
     timing = dict(warmup=warm, compile_seconds=meters.first.seconds,
@@ -428,6 +429,7 @@ def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_tem
                 timed_compile_seconds=timing.get("compile_seconds"),
                 timed_kernels=timing.get("kernels"),
                 timed_graph_captures=sum(captures) if captures else None,
+                prompt_lookup=runs[0].get("lookup"),
                 identical=compared - len(diffs), compared=compared, mismatches=diffs,
                 time=split, timing=timing)
 
@@ -494,11 +496,12 @@ def _ms(v) -> str:
 
 
 def _budget_cell(r: dict) -> str:
-    """The budget, and the draft temperature and vocabulary a row fixed (none: the
-    defaults)."""
-    td, nv = r.get("draft_temperature"), r.get("draft_vocab")
+    """The budget, and the draft temperature, vocabulary and prompt lookup a row ran with
+    (none: the defaults; the lookup from KDTREE_PROMPT_LOOKUP)."""
+    td, nv, lw = r.get("draft_temperature"), r.get("draft_vocab"), r.get("prompt_lookup")
     return str(r["budget"] or "-") + ("" if td is None else f" (t_d {td:g})") + (
-        "" if nv is None else f" (V_d {nv or 'full'})")
+        "" if nv is None else f" (V_d {nv or 'full'})") + (
+        "" if lw is None else f" (lookup {lw:g})")
 
 
 def _same_cell(r: dict) -> str:
