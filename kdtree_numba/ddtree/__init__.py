@@ -27,6 +27,7 @@ compile.py    ``compile_tree``
 accept.py     ``accept_greedy``, ``sample_targets``, ``accept_sampled``
 compact.py    ``compact_kv``, ``compact_threads``
 commit.py     ``round_slots``, ``commit_round`` (a device round's index arithmetic and commit)
+lookup.py     ``lookup_path``, ``mix_lookup``, ``record_tokens`` (prompt lookup in the tree)
 arrays.py     the host plumbing they share (device views, ``out=`` arrays, the tree on the
               device), the padding sentinels and ``MIN_THREADS``
 ============  ==================================================================
@@ -40,6 +41,7 @@ from kdtree_numba.ddtree.build import MAX_GPU_BUDGET, build_tree
 from kdtree_numba.ddtree.commit import commit_round, round_slots
 from kdtree_numba.ddtree.compact import compact_kv
 from kdtree_numba.ddtree.compile import compile_tree
+from kdtree_numba.ddtree.lookup import lookup_path, mix_lookup, record_tokens
 from kdtree_numba.ddtree.topk import MAX_GPU_TOPK, topk_logprobs
 from reference.ddtree.tree import DraftTree, VerifyInput
 
@@ -54,4 +56,5 @@ from kdtree_numba.gpu.warp import WARP  # noqa: F401
 
 __all__ = ["DraftTree", "VerifyInput", "topk_logprobs", "build_tree", "compile_tree",
            "accept_greedy", "sample_targets", "accept_sampled", "compact_kv",
-           "round_slots", "commit_round", "MAX_GPU_BUDGET", "MAX_GPU_TOPK", "MIN_THREADS"]
+           "round_slots", "commit_round", "lookup_path", "mix_lookup", "record_tokens",
+           "MAX_GPU_BUDGET", "MAX_GPU_TOPK", "MIN_THREADS"]
