@@ -486,6 +486,8 @@ class NumbaOps(LatentsByParts, Ops):
         self.accept_sampled = wrap(nd.accept_sampled)
         self.compact_kv = wrap(nd.compact_kv)
         self.round_slots, self.commit_round = wrap(nd.round_slots), wrap(nd.commit_round)
+        self.lookup_path, self.mix_lookup = wrap(nd.lookup_path), wrap(nd.mix_lookup)
+        self.record_tokens = wrap(nd.record_tokens)
         # no paged-KV kernels yet: the paged layout runs on the reference backend
         self.paged_mla_attention = _no_paged_kernel("paged_mla_attention")
         self.compact_kv_paged = _no_paged_kernel("compact_kv_paged")

@@ -632,8 +632,8 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     counts the device's steps, K a launch (those past a request's end included).
     ``prompt_lookup`` ("ddtree"): the tokens that followed the context's last n tokens where
     they occurred before, mixed into the drafter's distributions before each tree is built
-    (kdtree_numba/lookup.py: None ``KDTREE_PROMPT_LOOKUP``'s, False off, True on, a weight
-    in (0, 1) or a ``PromptLookup``); it shapes the tree only, as ``draft_temperature``.
+    (kdtree_numba/lookup.py: None ``KDTREE_PROMPT_LOOKUP``'s, unset: on the CPU path, False
+    off, True on, a weight in (0, 1) or a ``PromptLookup``); it shapes the tree only.
     ``rounds_per_launch`` (device rounds): up to R rounds a launch, 1 to 16 (the same tokens);
     None ``runtime.current().rounds_per_launch`` (``KDTREE_ROUNDS_PER_LAUNCH``, default 1).
     """
@@ -641,7 +641,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     sampling = Sampling(temperature, top_p, top_k)
     t_d = resolve_draft_temperature(sampling, draft_temperature)
-    lookup = resolve_lookup(prompt_lookup, method)
+    lookup = resolve_lookup(prompt_lookup, method, model.backend)
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
     prompts = _check_prompts(prompts, model.vocab_size)

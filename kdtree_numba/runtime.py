@@ -26,7 +26,8 @@ Two kinds of switch:
   simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
   4; unset, 0 or 1: one round a launch; off until timed on the GPU: the launch and the read
   paid once per R rounds, the same tokens), DDTree's prompt lookup (``KDTREE_PROMPT_LOOKUP``:
-  a weight in (0, 1), ``on``: 0.8; unset or off: none; off until timed on the GPU: the
+  a weight in (0, 1), ``on``: 0.8; off: none; unset: on the CPU path, off on the numba
+  backend until timed on the GPU: the
   tokens that followed the context's last n tokens where they occurred before, mixed into
   the drafter's distributions before the tree is built, the same tokens, fewer rounds:
   kdtree_numba/lookup.py), an MLA layer's norms and
@@ -130,11 +131,13 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
 LOOKUP_ON = 0.8        # KDTREE_PROMPT_LOOKUP=on's weight (kdtree_numba/lookup.py's ON)
 
 
-def _lookup_weight(environ: Mapping[str, str], name: str) -> float:
+def _lookup_weight(environ: Mapping[str, str], name: str) -> float | None:
     """DDTree's prompt-lookup weight from ``name``: a number in (0, 1), on (:data:`LOOKUP_ON`)
-    or off words; 0.0 (off) where it is unset or empty."""
+    or off words (0.0); None where it is unset or empty (the backend's default)."""
     value = environ.get(name, "").strip().lower()
-    if not value or value in _OFF:
+    if not value:
+        return None
+    if value in _OFF:
         return 0.0
     if value in ("on", "yes", "true"):
         return LOOKUP_ON
@@ -172,7 +175,8 @@ class RuntimeConfig:
     # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
-    prompt_lookup: float = 0.0    # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off
+    # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): on the CPU path
+    prompt_lookup: float | None = None
     fused_latents: bool = True
     pad_prefills: bool = True
     lean_round: bool = True

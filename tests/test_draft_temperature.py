@@ -238,7 +238,8 @@ def test_bench_demo_takes_a_list_of_draft_temperatures(tmp_path, capsys):
             "--budgets", "4", "--draft-temperature", "default,2", "--prompt-file", str(path),
             "--json", str(js)]
     assert bench_demo.main(argv) == 0
-    assert "| ddtree | 4 (t_d 2) | 1 |" in capsys.readouterr().out
+    # the CPU path's default lookup (kdtree_numba/lookup.py) named beside the t_d
+    assert "| ddtree | 4 (t_d 2) (lookup 0.8) | 1 |" in capsys.readouterr().out
     rows = json.loads(js.read_text())["rows"]
     assert [(r["method"], r["draft_temperature"]) for r in rows] == \
         [("ar", None), ("chain", None), ("ddtree", None), ("ddtree", 2.0)]

@@ -119,29 +119,35 @@ def test_an_automatic_budget_with_the_lookup():
 
 
 def test_the_settings_and_the_switch(monkeypatch):
-    assert resolve(False, "ddtree") is None and resolve(True, "ddtree") == ON
-    assert resolve(0.5, "ddtree") == dataclasses.replace(ON, weight=0.5)
+    from kdtree_numba.backends import make_backend
+    cpu, exact = make_backend("reference", precision="float32"), make_backend("reference")
+    assert resolve(False, "ddtree", cpu) is None and resolve(True, "ddtree", exact) == ON
+    assert resolve(0.5, "ddtree", exact) == dataclasses.replace(ON, weight=0.5)
     mine = PromptLookup(0.6, 5, 3)
-    assert resolve(mine, "ddtree") is mine and resolve(mine, "chain") is None
+    assert resolve(mine, "ddtree", exact) is mine and resolve(mine, "chain", exact) is None
     for bad, err in ((1.0, ValueError), (0.0, ValueError), ("0.5", TypeError),
                      ([0.5], TypeError)):
         with pytest.raises(err, match="lookup|prompt_lookup"):
-            resolve(bad, "ddtree")
+            resolve(bad, "ddtree", exact)
     for fields, match in (((0.5, 0, 0), "max_n"), ((0.5, 33, 2), "max_n"),
                           ((0.5, 3, 4), "min_n"), ((True, 3, 2), "weight")):
         with pytest.raises((ValueError, TypeError), match=match):
             PromptLookup(*fields)
     env = runtime.RuntimeConfig.from_environment
-    assert env({}).prompt_lookup == 0.0 and env({"KDTREE_PROMPT_LOOKUP": "off"}).prompt_lookup == 0
+    assert env({}).prompt_lookup is None and env({"KDTREE_PROMPT_LOOKUP": "off"}).prompt_lookup == 0
     assert env({"KDTREE_PROMPT_LOOKUP": "on"}).prompt_lookup == ON.weight
     assert env({"KDTREE_PROMPT_LOOKUP": "0.65"}).prompt_lookup == 0.65
     for bad in ("1.5", "lots", "1"):
         with pytest.raises(ValueError, match="KDTREE_PROMPT_LOOKUP"):
             env({"KDTREE_PROMPT_LOOKUP": bad})
+    monkeypatch.delenv("KDTREE_PROMPT_LOOKUP", raising=False)
+    # unset: on the CPU path (where it was measured), not on the exact reference (nor on the
+    # numba backend, until timed on a GPU)
+    assert resolve(None, "ddtree", cpu) == ON and resolve(None, "ddtree", exact) is None
     monkeypatch.setenv("KDTREE_PROMPT_LOOKUP", "0.7")
-    assert resolve(None, "ddtree") == dataclasses.replace(ON, weight=0.7)
-    monkeypatch.delenv("KDTREE_PROMPT_LOOKUP")
-    assert resolve(None, "ddtree") is None
+    assert resolve(None, "ddtree", exact) == dataclasses.replace(ON, weight=0.7)
+    monkeypatch.setenv("KDTREE_PROMPT_LOOKUP", "off")
+    assert resolve(None, "ddtree", cpu) is None
 
 
 @pytest.mark.gpu
@@ -181,3 +187,28 @@ def test_kdtree_run_prompt_lookup(capsys):
         assert "--prompt-lookup" in err and "weight in (0, 1)" in err
     assert run_main(["--max-new-tokens", "2", "--prompt-lookup", "0.5"]) == 0
     assert "--method ar ignores it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device_rounds", [False, True])
+def test_numba_rounds_with_the_lookup_in_simulator(needs_kernels, device_rounds):
+    """The numba path (its lookup kernels in the tree step and after the acceptance; the
+    simulator here) on test_engine's tiny widths: AR's tokens, and the rounds the reference
+    backend's rounds with the same lookup make."""
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.model import Model
+    from test_dflash import pair
+    target_over = dict(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=16,
+                       hidden_size=8, intermediate_size=8, q_lora_rank=None,
+                       kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                       num_attention_heads=1)
+    tcfg, tw, dcfg, dw, spec = pair(target_over, dict(num_hidden_layers=1), (0,), 3)
+    prompts, lookup = [[3, 9, 4, 3, 9, 4, 3]], PromptLookup(0.9, 3, 1)
+    runs = {}
+    for name in ("reference", "numba"):
+        target = Model(tcfg, tw, make_backend(name))
+        drafter = DFlashDrafter(target, dcfg, dw, spec)
+        runs[name] = generate(target, prompts, 4, method="ddtree", drafter=drafter, budget=3,
+                              prompt_lookup=lookup, device_rounds=device_rounds)
+    assert runs["numba"].tokens == generate(Model(tcfg, tw, "reference"), prompts, 4).tokens
+    assert runs["numba"].stats.tau == runs["reference"].stats.tau
