@@ -250,9 +250,9 @@ def test_top_k_takes_each_rounds_own_budget(monkeypatch, device_rounds):
     seen = []
     real = module.tree_phase
 
-    def tree_phase(ops, k, budget, t_d):
+    def tree_phase(ops, k, budget, t_d, lookup=None):
         seen.append((k, budget))
-        return real(ops, k, budget, t_d)
+        return real(ops, k, budget, t_d, lookup)
     monkeypatch.setattr(module, "tree_phase", tree_phase)
     target, drafter = target_and_drafter(vocab=16)
     policy = _Recording((4, 24, 8))

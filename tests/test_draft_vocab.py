@@ -300,7 +300,8 @@ def test_bench_demo_takes_a_list_of_draft_vocabularies(tmp_path, capsys):
                             "reference", "--temperature", "0", "--no-peers",
                             "--agreement-stride", "0", "--budgets", "4", "--draft-vocab",
                             "full,1024", "--prompt-file", str(path), "--json", str(js)]) == 0
-    assert "| ddtree | 4 (V_d 1024) | 0 |" in capsys.readouterr().out
+    # the CPU path's default lookup (kdtree_numba/lookup.py) named beside the vocabulary
+    assert "| ddtree | 4 (V_d 1024) (lookup 0.8) | 0 |" in capsys.readouterr().out
     rows = json.loads(js.read_text())["rows"]
     assert [(r["method"], r["draft_vocab"]) for r in rows] == \
         [("ar", None), ("chain", 0), ("ddtree", 0), ("ddtree", 1024)]
