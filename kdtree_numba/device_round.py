@@ -41,7 +41,7 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.kvlayout import device_address
-from kdtree_numba.lookup import TokenHistory
+from kdtree_numba.lookup import history_array
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
@@ -119,7 +119,7 @@ class DeviceRounds:
                                                draft_temperature, lookup)
         rounds.restart(roots, table)
         if lookup is not None:
-            TokenHistory(rounds.be, sequences, cache.max_len, into=rounds.history)
+            rounds.history[...] = history_array(rounds.be, sequences, cache.max_len)
         return rounds
 
     def restart(self, roots, table=None) -> None:
@@ -174,7 +174,7 @@ class DeviceRounds:
             arrays += (self.table, start)
         acc_idx, acc_len, packed, next_roots = accept_phase(
             ops, xp, self.sampling, tree.max_depth)(parts[0], *arrays)
-        if self.lookup is not None:     # before the commit grows the lengths ``start`` may be
+        if self.lookup is not None:     # here: the commit below grows the lengths (``start``)
             ops.record_tokens(self.history, start, packed, active)
         hidden = model.last_accepted(parts[1], acc_idx, acc_len) if self.needs.hidden else None
         if context is not None:

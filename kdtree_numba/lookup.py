@@ -24,7 +24,7 @@ import numpy as np
 from kdtree_numba import runtime
 from reference.ddtree.checks import check_lookup
 
-__all__ = ["PromptLookup", "TokenHistory", "resolve", "ON"]
+__all__ = ["PromptLookup", "TokenHistory", "history_array", "resolve", "ON"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +81,23 @@ def resolve(asked, method: str, backend) -> PromptLookup | None:
     return chosen if method == "ddtree" else None
 
 
+def history_array(backend, sequences, max_len: int):
+    """Each request's tokens so far (host int sequences: its prompt and first token, the
+    root) by position, [bs, max_len] int32 on ``backend`` (one upload)."""
+    host = np.zeros((len(sequences), int(max_len)), np.int32)
+    for b, seq in enumerate(sequences):
+        host[b, :len(seq)] = seq
+    return backend.asarray(host)
+
+
 class TokenHistory:
     """Each request's tokens by position on the device: ``array`` [bs, max_len] int32, entry
-    (b, p) the token at position p, up to each round's root (reference/ddtree/lookup.py)."""
+    (b, p) the token at position p, up to each round's root (reference/ddtree/lookup.py);
+    made after the prefill from each request's ``sequences`` (:func:`history_array`)."""
 
-    def __init__(self, backend, sequences, max_len: int, into=None):
-        """After the prefill: each request's tokens so far (host int sequences: its prompt and
-        first token, the root); ``into``: a device buffer [bs, >= max_len] int32 to fill in
-        place (a captured round's), else a new one."""
-        host = np.zeros((len(sequences), int(max_len)), np.int32)
-        for b, seq in enumerate(sequences):
-            host[b, :len(seq)] = seq
+    def __init__(self, backend, sequences, max_len: int):
         self.backend = backend
-        if into is None:
-            self.array = backend.asarray(host)
-        else:
-            into[:, :host.shape[1]] = backend.asarray(host)
-            self.array = into
+        self.array = history_array(backend, sequences, max_len)
 
     def record(self, start, packed, active) -> None:
         """A round's committed tokens (``packed``, at the roots' positions ``start``) into the
