@@ -339,7 +339,7 @@ def _ddtree_round(model, cache, drafter, req: _Requests, budget, sampling, table
     # round consumes them before its read, and the next round's replays come after it
     tree, vin = model.draft_tree(draft_logits, roots, start, budget, k, borrow=True,
                                  draft_temperature=draft_temperature, lookup=lookup,
-                                 history=history and history.array)
+                                 history=None if history is None else history.array)
     timer.lap("tree_build")
     # causal: a tree's parents precede their children (the builder's invariant parent[i] < i)
     out = model.forward(ForwardBatch(vin.input_ids, vin.positions, vin.visible, causal=True,
