@@ -189,11 +189,11 @@ def test_kdtree_run_prompt_lookup(capsys):
     assert "--method ar ignores it" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device_rounds", [False, True])
-def test_numba_rounds_with_the_lookup_in_simulator(needs_kernels, device_rounds):
-    """The numba path (its lookup kernels in the tree step and after the acceptance; the
-    simulator here) on test_engine's tiny widths: AR's tokens, and the rounds the reference
-    backend's rounds with the same lookup make."""
+def test_numba_rounds_with_the_lookup_in_simulator(needs_kernels):
+    """The numba path (its lookup kernels in the device round's tree step and after its
+    acceptance; the simulator here; host rounds call the same ops, and the twins' bool and
+    int masks are tests/test_lookup_kernels.py's) on test_engine's tiny widths: AR's tokens,
+    and the rounds the reference backend's rounds with the same lookup make."""
     from kdtree_numba.backends import make_backend
     from kdtree_numba.dflash import DFlashDrafter
     from kdtree_numba.model import Model
@@ -209,6 +209,6 @@ def test_numba_rounds_with_the_lookup_in_simulator(needs_kernels, device_rounds)
         target = Model(tcfg, tw, make_backend(name))
         drafter = DFlashDrafter(target, dcfg, dw, spec)
         runs[name] = generate(target, prompts, 4, method="ddtree", drafter=drafter, budget=3,
-                              prompt_lookup=lookup, device_rounds=device_rounds)
+                              prompt_lookup=lookup, device_rounds=True)
     assert runs["numba"].tokens == generate(Model(tcfg, tw, "reference"), prompts, 4).tokens
     assert runs["numba"].stats.tau == runs["reference"].stats.tau
