@@ -33,18 +33,14 @@ from kdtree_numba.drafter import load_drafter  # noqa: E402
 from kdtree_numba.engine import generate  # noqa: E402
 from kdtree_numba.model import Model  # noqa: E402
 from kdtree_numba.text import load_codec  # noqa: E402
+from reference.ddtree import lookup_path  # noqa: E402
 
 
 def lookup(seq: list[int], L: int, max_n: int, min_n: int) -> list[int]:
-    """The L tokens after the latest earlier occurrence of seq's longest suffix of
-    max_n .. min_n tokens (fewer near seq's end; [] without a match)."""
-    s = np.asarray(seq)
-    for n in range(min(max_n, len(s) - 1), min_n - 1, -1):
-        suffix = s[-n:]
-        for i in range(len(s) - n - 1, -1, -1):          # latest first, ending before the end
-            if np.array_equal(s[i:i + n], suffix):
-                return s[i + n:i + n + L].tolist()
-    return []
+    """The lookup path after seq's last token (reference.ddtree.lookup_path), unpadded."""
+    path = lookup_path(np.array([seq], np.int32), np.array([len(seq) - 1], np.int32), L,
+                       max_n, min_n)[0]
+    return path[path >= 0].tolist()
 
 
 class LookupMix:

@@ -24,7 +24,7 @@ from reference.ddtree.checks import check_array
 from reference.ddtree.tree import DraftTree
 
 __all__ = ["NEG_INF32", "NEG_INF64", "INT32_MAX", "MIN_THREADS", "TREE_FIELDS", "pow2_at_least",
-           "any_on_device", "device_view", "to_host", "outputs", "tree_on_device",
+           "any_on_device", "device_view", "copy_back", "to_host", "outputs", "tree_on_device",
            "tree_is_on_device"]
 
 NEG_INF32 = np.float32(-np.inf)
@@ -49,6 +49,14 @@ def any_on_device(*arrays) -> bool:
 def device_view(x, stream):
     """A numba device view of x; CuPy arrays are wrapped without a host sync (compat.to_device)."""
     return to_device(x, stream=stream)
+
+
+def copy_back(hosts, views, stream) -> None:
+    """NumPy arguments a kernel wrote in place (through their device ``views``) get the
+    device's result; device arguments were written where they are."""
+    for host, view in zip(hosts, views):
+        if isinstance(host, np.ndarray):
+            host[...] = view.copy_to_host(stream=stream)
 
 
 def to_host(results, stream):

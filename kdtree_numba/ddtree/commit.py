@@ -13,7 +13,7 @@ from kdtree_numba.compat import cuda, kernel, kernel_factory, SIMULATOR
 import numpy as np
 
 from kdtree_numba import compat
-from kdtree_numba.ddtree.arrays import device_view
+from kdtree_numba.ddtree.arrays import copy_back, device_view
 
 __all__ = ["round_slots", "commit_round"]
 
@@ -97,7 +97,5 @@ def commit_round(rows, acc_idx, acc_len, active, next_roots, roots, lengths, blo
         rows_d, device_view(acc_idx, stream), device_view(acc_len, stream),
         device_view(active, stream), device_view(next_roots, stream), views[1], views[0],
         views[-1], counts, out)
-    for host, view in zip(grown, views):
-        if isinstance(host, np.ndarray):
-            host[...] = view.copy_to_host(stream=stream)
+    copy_back(grown, views, stream)
     return counts, (out if rows is not None else None)

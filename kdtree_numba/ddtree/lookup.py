@@ -15,7 +15,7 @@ from kdtree_numba.compat import cuda, device_function, kernel, SIMULATOR
 import numpy as np
 
 from kdtree_numba import compat
-from kdtree_numba.ddtree.arrays import device_view
+from kdtree_numba.ddtree.arrays import copy_back, device_view
 from kdtree_numba.gpu.reduce import tree_reduce
 from reference.ddtree.checks import (check_array, check_lookup_args, check_mix_args,
                                      check_per_request)
@@ -132,13 +132,6 @@ def _mix(lp, ids, path, w, shift, absent):
         _mix_row(lp[b, d], ids[b, d], path[b, d], w, shift, absent)
 
 
-def _copy_back(hosts, views, stream) -> None:
-    """NumPy arguments written in place get the device's result (as ``commit_round``)."""
-    for host, view in zip(hosts, views):
-        if isinstance(host, np.ndarray):
-            host[...] = view.copy_to_host(stream=stream)
-
-
 def mix_lookup(lp, ids, path, weight: float, *, stream=0):
     """GPU twin of ``reference.ddtree.lookup.mix_lookup``, one launch: ``lp`` and ``ids`` in
     place, and returned.  log(1 - w) and float32(log w) are made on the host with the
@@ -151,7 +144,7 @@ def mix_lookup(lp, ids, path, weight: float, *, stream=0):
         _mix[(bs, -(-R // threads)), threads, stream](
             *views, device_view(path, stream), np.float64(weight), np.log1p(-weight),
             np.float32(np.log(weight)))
-    _copy_back((lp, ids), views, stream)
+    copy_back((lp, ids), views, stream)
     return lp, ids
 
 
@@ -185,4 +178,4 @@ def record_tokens(history, lengths, packed, active, *, stream=0) -> None:
     if bs:
         _record[bs, THREADS, stream](view, device_view(lengths, stream),
                                      device_view(packed, stream), device_view(active, stream))
-    _copy_back((history,), (view,), stream)
+    copy_back((history,), (view,), stream)
