@@ -38,6 +38,7 @@ from formats.errors import KdtrError
 from formats.progress import ProgressBar
 from kdtree_numba import demo, kernel_cache, kernel_recipes, plots, precompile
 from kdtree_numba import cpu
+from kdtree_numba import runtime
 from kdtree_numba.backends import GEMM_CHOICES, PRECISIONS
 from kdtree_numba.bundle import (SIZES, BundleError, check_output_path, dflash_shapes,
                                  make_random_bundle, read_dflash_spec)
@@ -96,18 +97,11 @@ def _progress_bar(args, desc: str, total=None, unit: str = "B") -> ProgressBar:
 
 
 def _lookup_weight(text: str):
-    """``--prompt-lookup``'s value: on (True), off (False) or a weight in (0, 1)."""
-    word = text.strip().lower()
-    if word in ("on", "off"):
-        return word == "on"
+    """``--prompt-lookup``'s value: off (False) or a weight in (0, 1) (on: runtime's)."""
     try:
-        weight = float(word)
-    except ValueError:
-        weight = -1.0
-    if not 0.0 < weight < 1.0:
-        raise argparse.ArgumentTypeError(f"expected on, off or a weight in (0, 1), got "
-                                         f"{text!r}")
-    return weight
+        return runtime.parse_lookup_weight(text) or False
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_parser() -> ArgumentParser:

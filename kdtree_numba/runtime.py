@@ -131,12 +131,11 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
 LOOKUP_ON = 0.8        # KDTREE_PROMPT_LOOKUP=on's weight (kdtree_numba/lookup.py's ON)
 
 
-def _lookup_weight(environ: Mapping[str, str], name: str) -> float | None:
-    """DDTree's prompt-lookup weight from ``name``: a number in (0, 1), on (:data:`LOOKUP_ON`)
-    or off words (0.0); None where it is unset or empty (the backend's default)."""
-    value = environ.get(name, "").strip().lower()
-    if not value:
-        return None
+def parse_lookup_weight(text: str) -> float:
+    """DDTree's prompt-lookup weight from its text (``KDTREE_PROMPT_LOOKUP``, ``kdtree-run
+    --prompt-lookup``): a number in (0, 1), on (:data:`LOOKUP_ON`) or an off word (0.0).
+    ValueError otherwise."""
+    value = text.strip().lower()
     if value in _OFF:
         return 0.0
     if value in ("on", "yes", "true"):
@@ -146,9 +145,20 @@ def _lookup_weight(environ: Mapping[str, str], name: str) -> float | None:
     except ValueError:
         weight = -1.0
     if not 0.0 < weight < 1.0:
-        raise ValueError(f"{name}={value!r}: expected the lookup's weight in (0, 1), on "
-                         f"({LOOKUP_ON}) or off")
+        raise ValueError(f"expected the lookup's weight in (0, 1), on ({LOOKUP_ON}) or off, "
+                         f"got {text!r}")
     return weight
+
+
+def _lookup_weight(environ: Mapping[str, str], name: str) -> float | None:
+    """``name``'s lookup weight; None where it is unset or empty (the backend's default)."""
+    value = environ.get(name, "")
+    if not value.strip():
+        return None
+    try:
+        return parse_lookup_weight(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _cache_dir(environ: Mapping[str, str]) -> str:

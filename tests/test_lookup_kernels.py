@@ -173,6 +173,19 @@ BAD_LOOKUP = [({"max_n": 0}, ValueError), ({"max_n": MAX_NGRAM + 1}, ValueError)
               ({"lengths": np.zeros(2, np.int32)}, ValueError)]
 
 
+BAD_RECORD = [({"history": np.zeros((2, 5), np.float32)}, TypeError),
+              ({"lengths": np.int32([0])}, ValueError),
+              ({"packed": np.zeros((1, 4), np.int32)}, ValueError),
+              ({"packed": np.zeros((2, 0), np.int32)}, ValueError),
+              ({"active": np.float32([1, 1])}, TypeError)]
+
+
+def _record_args(**change):
+    args = {"history": np.zeros((2, 5), np.int32), "lengths": np.int32([0, 1]),
+            "packed": np.zeros((2, 4), np.int32), "active": np.int32([1, 1])}
+    return {**args, **change}
+
+
 def _mix_args(**change):
     args = {"lp": np.zeros((1, 2, 3), np.float32), "ids": np.zeros((1, 2, 3), np.int32),
             "path": np.zeros((1, 2), np.int32), "weight": 0.5}
@@ -201,6 +214,16 @@ def test_lookup_path_rejects_bad_arguments(change, error):
         ref.lookup_path(**_lookup_args(lengths=np.int32([5])))
 
 
+@pytest.mark.parametrize("change, error", BAD_RECORD)
+def test_record_tokens_rejects_bad_arguments(change, error):
+    args = _record_args(**change)
+    before = np.array(args["history"])
+    with pytest.raises(error) as excinfo:
+        ref.record_tokens(**args)
+    _one_line(excinfo)
+    assert np.array_equal(args["history"], before)      # nothing written
+
+
 def test_numba_twin_rejects_what_the_reference_rejects(gpu):
     for change, error in BAD_MIX:
         with pytest.raises(error):
@@ -210,9 +233,9 @@ def test_numba_twin_rejects_what_the_reference_rejects(gpu):
             gpu.lookup_path(**_lookup_args(**change))
     with pytest.raises(ValueError, match="outside the history"):   # NumPy lengths: checked
         gpu.lookup_path(**_lookup_args(lengths=np.int32([5])))
-    with pytest.raises(ValueError, match="packed"):
-        gpu.record_tokens(np.zeros((2, 5), np.int32), np.int32([0, 1]),
-                          np.zeros((1, 4), np.int32), np.int32([1, 1]))
+    for change, error in BAD_RECORD:
+        with pytest.raises(error):
+            gpu.record_tokens(**_record_args(**change))
 
 
 # ----------------------------------------------------------------------------- the numba twin

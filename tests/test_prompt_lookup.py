@@ -181,10 +181,13 @@ def test_kdtree_run_prompt_lookup(capsys):
     dd = json.loads(capsys.readouterr().out)
     assert dd["tokens"] == ar["tokens"]
     assert dd["stats"]["prompt_lookup"] == {"weight": ON.weight, "max_n": 8, "min_n": 2}
-    for bad in ("1", "lots", "0"):
+    for bad in ("1", "lots", "-0.5"):
         assert run_main(["--method", "ddtree", "--prompt-lookup", bad]) == 2
         err = capsys.readouterr().err
         assert "--prompt-lookup" in err and "weight in (0, 1)" in err
+    # "0" is off, as in KDTREE_PROMPT_LOOKUP
+    assert run_main(base + ["--method", "ddtree", "--prompt-lookup", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["prompt_lookup"] is None
     assert run_main(["--max-new-tokens", "2", "--prompt-lookup", "0.5"]) == 0
     assert "--method ar ignores it" in capsys.readouterr().err
 

@@ -17,8 +17,7 @@ import numpy as np
 from kdtree_numba import compat
 from kdtree_numba.ddtree.arrays import copy_back, device_view
 from kdtree_numba.gpu.reduce import tree_reduce
-from reference.ddtree.checks import (check_array, check_lookup_args, check_mix_args,
-                                     check_per_request)
+from reference.ddtree.checks import check_lookup_args, check_mix_args, check_record_args
 
 __all__ = ["lookup_path", "mix_lookup", "record_tokens"]
 
@@ -165,14 +164,8 @@ def _record(history, lengths, packed, active):
 
 def record_tokens(history, lengths, packed, active, *, stream=0) -> None:
     """GPU twin of ``reference.ddtree.lookup.record_tokens``, one launch: ``history`` in place.
-    Shapes are checked here (the reference checks none); ``active`` bool or int."""
-    check_array("history", history, 2, "iu")
-    bs = int(history.shape[0])
-    check_per_request("lengths", lengths, bs)
-    check_per_request("active", active, bs, "biu")
-    check_array("packed", packed, 2, "iu")
-    if int(packed.shape[0]) != bs or int(packed.shape[1]) == 0:
-        raise ValueError(f"packed must have shape ({bs}, > 0), got {tuple(packed.shape)}")
+    ``active`` bool or int."""
+    bs, _ = check_record_args(history, lengths, packed, active)
     compat.require_kernels()
     view = device_view(history, stream)
     if bs:

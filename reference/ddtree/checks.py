@@ -215,3 +215,15 @@ def check_mix_args(lp, ids, path, weight):
     if int(path.shape[0]) != bs or int(path.shape[1]) < R:
         raise ValueError(f"path must have shape ({bs}, >= {R}), got {tuple(path.shape)}")
     return bs, R, k, weight
+
+
+def check_record_args(history, lengths, packed, active) -> tuple[int, int]:
+    """``record_tokens``' arguments (metadata only): ``(bs, H)``; ``active`` bool or int."""
+    check_array("history", history, 2, "iu")
+    bs, H = (int(s) for s in history.shape)
+    check_per_request("lengths", lengths, bs)
+    check_per_request("active", active, bs, "biu")
+    check_array("packed", packed, 2, "iu")
+    if int(packed.shape[0]) != bs or int(packed.shape[1]) == 0:
+        raise ValueError(f"packed must have shape ({bs}, > 0), got {tuple(packed.shape)}")
+    return bs, H

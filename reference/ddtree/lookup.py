@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import MAX_NGRAM, check_lookup, check_lookup_args, check_mix_args
+from .checks import (MAX_NGRAM, check_lookup, check_lookup_args, check_mix_args,
+                     check_record_args)
 
 __all__ = ["lookup_path", "mix_lookup", "record_tokens"]
 
@@ -107,7 +108,7 @@ def mix_lookup(lp, ids, path, weight: float):
 def record_tokens(history, lengths, packed, active) -> None:
     """The committed tokens into the history, in place (contract: module docstring)."""
     history = np.asarray(history)
-    bs, H = history.shape
+    bs, H = check_record_args(history, lengths, packed, active)
     for b in range(bs):
         if not active[b]:
             continue
