@@ -419,6 +419,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     budgets = []                        # of the launches in flight, oldest first: [b, launch
     # s, steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
     seen = [0, 0]                       # tokens committed, request-rounds: their mean
+    near_end = runtime.current().wait_near_end
 
     def launch(active, n: int = 1) -> float:
         """The launch of ``n`` rounds; its wall time."""
@@ -437,7 +438,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
         read_end = time.perf_counter()
         while rounds.in_flight:
             # the next launch goes in before this one is read
-            ahead, n = plan_launch(req, rounds.rounds_in_flight, per_launch, seen)
+            ahead, n = plan_launch(req, rounds.rounds_in_flight, per_launch, seen, near_end)
             next_launch = launch(ahead, n) if ahead.any() else 0.0
             packs, ran = rounds.collect()
             b, own_launch, steady = budgets.pop(0)
@@ -465,7 +466,7 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
             if not rounds.in_flight and req.active.any():
                 # none went ahead (the rounds read looked to finish every request): launched
                 # after the read, its launch time is inside its wall time already
-                launch(req.active.copy(), plan_launch(req, 0, per_launch, seen)[1])
+                launch(req.active.copy(), plan_launch(req, 0, per_launch, seen, near_end)[1])
                 budgets[-1][1] = 0.0
             after_step()
     finally:

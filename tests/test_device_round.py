@@ -416,6 +416,12 @@ def test_plan_launch_sends_ahead_what_the_rounds_in_flight_leave():
     assert ahead.tolist() == [True, False, False, False] and n == 1
     ahead, n = plan_launch(req, 0, 4, [0, 0])       # nothing seen: a token a round
     assert ahead.tolist() == [True, True, True, False] and n == 4
+    # KDTREE_WAIT_NEAR_END: one round a launch, held back as with four where the rounds in
+    # flight look to finish a request (20 - 2 x 3 > 0, 9 - 6 > 0, 3 - 6 <= 0)
+    ahead, n = plan_launch(req, 2, 1, seen, wait_near_end=True)
+    assert ahead.tolist() == [True, True, False, False] and n == 1
+    ahead, n = plan_launch(req, 3, 1, seen, wait_near_end=True)      # 9 in flight: 9 <= 9
+    assert ahead.tolist() == [True, False, False, False] and n == 1
 
 
 def test_a_launch_held_back_goes_in_after_the_read(monkeypatch):
@@ -432,8 +438,8 @@ def test_a_launch_held_back_goes_in_after_the_read(monkeypatch):
     want = generate(target, prompts, 24, **kw)
     real, calls, unread = engine.plan_launch, [], []
 
-    def every_second_held(req, in_flight, per_launch, seen):
-        ahead, n = real(req, in_flight, per_launch, seen)
+    def every_second_held(req, in_flight, per_launch, seen, *rest):
+        ahead, n = real(req, in_flight, per_launch, seen, *rest)
         calls.append(in_flight)
         return (ahead & (len(calls) % 2 == 0 or in_flight == 0)), n
     monkeypatch.setattr(engine, "plan_launch", every_second_held)
@@ -444,6 +450,37 @@ def test_a_launch_held_back_goes_in_after_the_read(monkeypatch):
     assert unread[0] == 0 and 0 in unread[1:]
     cache = target.generation_cache
     assert not cache.pending and drafter.context_lengths.tolist() == cache.lengths.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_waiting_near_the_end_keeps_the_tokens(monkeypatch, temperature):
+    """``KDTREE_WAIT_NEAR_END=1``, one round a launch, multi-token rounds of a ragged batch
+    ending at max_new_tokens: every launch is planned with the switch
+    (test_plan_launch_sends_ahead_what_the_rounds_in_flight_leave: what it holds back), and
+    the tokens are the default run's (AR's at T = 0), both caches exact afterwards."""
+    from kdtree_numba import engine
+    target, drafter = target_and_drafter(vocab=8, seed=2)
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+    kw = dict(method="ddtree", drafter=drafter, budget=16, device_rounds=True,
+              temperature=temperature, seed=4)
+    want = generate(target, prompts, 18, **kw)
+    if temperature == 0:
+        assert want.tokens == generate(target, prompts, 18).tokens
+    real, asked = engine.plan_launch, []
+
+    def recorded(req, in_flight, per_launch, seen, *rest):
+        asked.append(rest)
+        return real(req, in_flight, per_launch, seen, *rest)
+    monkeypatch.setattr(engine, "plan_launch", recorded)
+    monkeypatch.setenv("KDTREE_WAIT_NEAR_END", "1")
+    res = generate(target, prompts, 18, **kw)
+    assert asked and set(asked) == {(True,)}
+    # the tokens (the uniforms go by position); a request held back and not finished by the
+    # rounds in flight joins the launch after, so its rounds may split otherwise
+    assert res.tokens == want.tokens
+    cache = target.generation_cache
+    assert not cache.pending and drafter.context_lengths.tolist() == cache.lengths.tolist()
+    np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
 
 
 def test_rounds_per_launch_refusals_and_the_switch(monkeypatch):
