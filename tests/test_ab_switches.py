@@ -51,6 +51,9 @@ def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
         assert r["tokens"] == 4 * 4 and r["seconds"] == 4.0 and r["same_tokens"]
         assert r["tok_s"] == pytest.approx(4.0) and r["vs_first"] == pytest.approx(1.0)
         assert r["timed_captures"] == 0            # the reference backend keeps no graphs
+        assert r["dropped_per_prompt"] == 0        # host rounds: none runs ahead
+    assert rows[0]["rounds_per_prompt"] == 3       # AR: a step a token after the prefill's
+    assert rows[2]["rounds_per_prompt"] == rows[3]["rounds_per_prompt"] <= 3
 
 
 def test_a_variant_that_changes_a_token_is_reported(tiny, monkeypatch):

@@ -67,8 +67,9 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
 def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int,
            sync=lambda: None, clock=time.perf_counter) -> list[dict]:
     """The interleaved passes (module docstring); one row per (budget, variant): tokens,
-    seconds, tok/s, speed against the first variant, and ``same_tokens`` (every timed run
-    gave the first variant's tokens on its prompt)."""
+    seconds, tok/s, speed against the first variant, ``same_tokens`` (every timed run
+    gave the first variant's tokens on its prompt), and the rounds a prompt took and ran past
+    its end (``stats.rounds_dropped``; AR's launches of K steps count as rounds)."""
     rows = []
     for budget in budgets:
         kw = dict(method="ar") if budget == 0 else dict(
@@ -78,7 +79,7 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                 for _ in range(WARM_PASSES):
                     for ids in prompts:
                         generate(model, [ids], tokens, **kw)
-        spent = {name: [0, 0.0, 0] for name, _ in variants}
+        spent = {name: [0, 0.0, 0, 0, 0] for name, _ in variants}
         outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
         for rep in range(repeats):
             for i, ids in enumerate(prompts):
@@ -95,15 +96,19 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                     spent[name][0] += len(out)
                     spent[name][1] += seconds
                     spent[name][2] += res.stats.graph_captures or 0
-        base = spent[variants[0][0]]
+                    spent[name][3] += res.stats.rounds
+                    spent[name][4] += res.stats.rounds_dropped
+        base, runs = spent[variants[0][0]], repeats * len(prompts)
         for name, _ in variants:
-            n, seconds, captures = spent[name]
+            n, seconds, captures, rounds, dropped = spent[name]
             same = all(out == outputs[(variants[0][0], i)][0]
                        for i in range(len(prompts)) for out in outputs[(name, i)])
             rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
                              tokens=n, seconds=seconds, tok_s=n / seconds,
                              vs_first=(n / seconds) / (base[0] / base[1]),
-                             same_tokens=same, timed_captures=captures))
+                             same_tokens=same, timed_captures=captures,
+                             rounds_per_prompt=rounds / runs,
+                             dropped_per_prompt=dropped / runs))
     return rows
 
 
@@ -129,11 +134,12 @@ def main(argv=None) -> int:
         backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"ab_switches on {card}: {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"{args.repeats} interleaved passes, end to end (prefill included)\n")
-    print("| budget | variant | tokens | s | tok/s | vs first | same tokens | graph captures "
-          "while timed |\n|---|---|---|---|---|---|---|---|")
+    print("| budget | variant | tokens | s | tok/s | vs first | same tokens | rounds a prompt "
+          "(run past its end) | graph captures while timed |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['budget']} | {r['variant']} | {r['tokens']} | {r['seconds']:.3f} | "
               f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {'yes' if r['same_tokens'] else 'NO'} | "
+              f"{r['rounds_per_prompt']:.1f} ({r['dropped_per_prompt']:.2f}) | "
               f"{r['timed_captures']} |")
     if any(r["timed_captures"] for r in rows):
         print("\nab_switches: CUDA graphs were captured inside the timed runs (each variant keeps "

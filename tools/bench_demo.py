@@ -337,6 +337,7 @@ def run_config(model, drafter, prompts, method, budget, temperature, args, warmu
             s = res.stats
             out.append(dict(key=rec["key"], id=rec["label"], tokens=res.tokens[0],
                             seconds=s.seconds, new_tokens=s.new_tokens, rounds=s.rounds,
+                            rounds_dropped=s.rounds_dropped,
                             tau=[a for r in s.tau for a in r], time=dict(s.time),
                             host=dict(meters.clock.last), budgets=list(s.budgets),
                             graph_captures=s.graph_captures,
@@ -415,6 +416,8 @@ def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_tem
                 tau=float(np.mean(taus)) if taus else 1.0, tokens_per_s=tps,
                 speedup=tps / ar_tps if ar_tps else float("nan"),
                 rounds_per_prompt=rounds / len(runs), seconds=sum(r["seconds"] for r in runs),
+                # device rounds run past a prompt's end (their tokens dropped), per prompt
+                dropped_per_prompt=sum(r.get("rounds_dropped", 0) for r in runs) / len(runs),
                 new_tokens=tokens,
                 draft_ms_per_round=per_round.get("draft", 0.0),
                 verify_ms_per_round=per_round.get("verify", 0.0) + per_round.get("decode", 0.0),
