@@ -225,7 +225,10 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, drafter,
              needs: TargetNeeds):
     """The prompts' one causal forward, the first token of each request (the prefill's host
-    read), and the drafter's first commit: the prompt, with what ``needs`` asks of the target."""
+    read), and the drafter's first commit: the prompt, with what ``needs`` asks of the target.
+    The read is waited for after the drafter's commit is enqueued (it needs no host value),
+    so on a GPU the device runs the commit's work behind the prefill's while the host issues
+    it, instead of idling through the read and then the launches."""
     be, bs = model.backend, len(prompts)
     lens = np.array([p.size for p in prompts], np.int64)
     out = model.prefill(cache, prompts, return_hidden=needs.hidden,
@@ -233,7 +236,7 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
     parts = out if isinstance(out, tuple) else (out,)
     u = np.array([tables[b][lens[b]] for b in range(bs)])
     chosen = model.choose(parts[0], sampling, u)
-    first = np.asarray(be.to_host(chosen), np.int64)
+    read_first = be.read_later(chosen)
     if drafter is not None:
         tokens = None
         if needs.tokens:          # the prompt, then the first token (drafting.Commit)
@@ -247,6 +250,7 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
                                  hidden=parts[1] if needs.hidden else None,
                                  features=parts[-1] if needs.feature_layers else None))
     timer.lap("prefill")
+    first = np.asarray(read_first(), np.int64)
     for b in range(bs):
         req.commit(b, [first[b]])
 
