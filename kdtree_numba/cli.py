@@ -192,8 +192,8 @@ def _run_parser() -> ArgumentParser:
                    help="ddtree: mix the tokens that followed the context's last few tokens "
                    "where they occurred before into each round's draft, at weight W in (0, 1) "
                    "(on: 0.8; off); the tree's shape only, never the tokens (default: "
-                   "KDTREE_PROMPT_LOOKUP's; unset: on on the CPU path, off on a GPU until timed "
-                   "there; docs/ENGINE.md, 'Prompt lookup')")
+                   "KDTREE_PROMPT_LOOKUP's; unset: on, but on the exact float64 reference; "
+                   "docs/ENGINE.md, 'Prompt lookup')")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="ddtree/chain with a DFlash drafter: its lm_head ranks only the N most "
                    "frequent tokens of its bundle's ranking (tools/draft_vocab.py), the rest "

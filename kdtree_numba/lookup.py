@@ -11,8 +11,8 @@ The engine keeps each request's tokens by position on the device (:class:`TokenH
 the prompt and the first token after the prefill (one upload), then each round's committed
 tokens written there by ``record_tokens`` before the round's read (a launch, no read).
 ``generate(prompt_lookup=...)`` and ``KDTREE_PROMPT_LOOKUP`` choose it (:func:`resolve`: on
-by default on the CPU path, off on the numba backend until timed on a GPU); "chain" and "ar"
-ignore it.
+by default on the CPU path and the numba backend, off on the exact float64 reference);
+"chain" and "ar" ignore it.
 """
 from __future__ import annotations
 
@@ -58,14 +58,14 @@ ON = PromptLookup()           # KDTREE_PROMPT_LOOKUP=on, prompt_lookup=True
 
 def resolve(asked, method: str, backend) -> PromptLookup | None:
     """``generate``'s ``prompt_lookup`` for ``method`` on ``backend``: None (the runtime's,
-    ``KDTREE_PROMPT_LOOKUP``; unset: :data:`ON` on the CPU path, where it was measured, none
-    on the numba backend until timed on a GPU), False (off), True (:data:`ON`), a weight in
+    ``KDTREE_PROMPT_LOOKUP``; unset: :data:`ON` on the CPU path and the numba backend, none
+    on the exact float64 reference), False (off), True (:data:`ON`), a weight in
     (0, 1) (the other settings :data:`ON`'s) or a PromptLookup.  Only "ddtree" uses it: None
     for the others."""
     if asked is None:
         weight = runtime.current().prompt_lookup
-        if weight is None:
-            weight = ON.weight if backend.cpu_path else 0.0
+        if weight is None:      # the exact float64 reference: the plain drafter's trees
+            weight = ON.weight if backend.cpu_path or backend.name == "numba" else 0.0
         chosen = dataclasses.replace(ON, weight=weight) if weight else None
     elif asked is False:
         chosen = None

@@ -26,11 +26,11 @@ Two kinds of switch:
   simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
   4; unset, 0 or 1: one round a launch; off until timed on the GPU: the launch and the read
   paid once per R rounds, the same tokens), no device round run ahead for a request the
-  rounds in flight look to finish at the mean tokens a round so far (``KDTREE_WAIT_NEAR_END=1``;
-  off until timed on the GPU: a round past a request's end is saved, a read's wait paid where
-  the guess is wrong), DDTree's prompt lookup (``KDTREE_PROMPT_LOOKUP``:
-  a weight in (0, 1), ``on``: 0.8; off: none; unset: on the CPU path, off on the numba
-  backend until timed on the GPU: the
+  rounds in flight look to finish at the mean tokens a round so far (on by default since
+  runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
+  wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off), DDTree's prompt lookup
+  (``KDTREE_PROMPT_LOOKUP``: a weight in (0, 1), ``on``: 0.8; off: none; unset: on the CPU
+  path and the numba backend, off on the exact float64 reference: the
   tokens that followed the context's last n tokens where they occurred before, mixed into
   the drafter's distributions before the tree is built, the same tokens, fewer rounds:
   kdtree_numba/lookup.py), an MLA layer's norms and
@@ -189,7 +189,7 @@ class RuntimeConfig:
     # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
-    wait_near_end: bool = False   # no round ahead where those in flight look to end a request
+    wait_near_end: bool = True    # no round ahead where those in flight look to end a request
     # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): on the CPU path
     prompt_lookup: float | None = None
     fused_latents: bool = True
@@ -234,7 +234,7 @@ class RuntimeConfig:
                                           0 if simulator else AR_STEPS_ON),
                    rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
                                                    ROUNDS_ON, ROUNDS_MAX, "rounds")),
-                   wait_near_end=_flag(env, "KDTREE_WAIT_NEAR_END", False),
+                   wait_near_end=_flag(env, "KDTREE_WAIT_NEAR_END", True),
                    prompt_lookup=_lookup_weight(env, "KDTREE_PROMPT_LOOKUP"),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from kdtree_numba import runtime
+from kdtree_numba import compat, runtime
 from kdtree_numba.engine import generate
 from kdtree_numba.lookup import ON, PromptLookup, resolve
 from test_dflash import target_and_drafter
@@ -141,9 +141,12 @@ def test_the_settings_and_the_switch(monkeypatch):
         with pytest.raises(ValueError, match="KDTREE_PROMPT_LOOKUP"):
             env({"KDTREE_PROMPT_LOOKUP": bad})
     monkeypatch.delenv("KDTREE_PROMPT_LOOKUP", raising=False)
-    # unset: on the CPU path (where it was measured), not on the exact reference (nor on the
-    # numba backend, until timed on a GPU)
+    # unset: on the CPU path and the numba backend (where it was timed: runs 169-170), not on
+    # the exact reference
+    numba = make_backend("numba") if compat.SIMULATOR else None
     assert resolve(None, "ddtree", cpu) == ON and resolve(None, "ddtree", exact) is None
+    if numba is not None:
+        assert resolve(None, "ddtree", numba) == ON
     monkeypatch.setenv("KDTREE_PROMPT_LOOKUP", "0.7")
     assert resolve(None, "ddtree", exact) == dataclasses.replace(ON, weight=0.7)
     monkeypatch.setenv("KDTREE_PROMPT_LOOKUP", "off")
