@@ -107,7 +107,13 @@ def _private_dir(path: str) -> bool:
 @functools.cache
 def cache_dir() -> str | None:
     """The directory of this source's compiled kernels, or None when caching is off.  Points
-    numba's cache there (its ``CACHE_DIR``) the first time it is asked."""
+    numba's cache there the first time it is asked: through ``NUMBA_CACHE_DIR`` as well as its
+    config's ``CACHE_DIR``, because numba re-reads its NUMBA_* variables before each compile
+    once one of them changed (runtime.quiet_numba_hints sets one) and would then reset
+    ``CACHE_DIR`` to the variable's value: every kernel made after that kept its cache beside
+    its source file instead, where the precompile workers' kernels are not (runs 170-172: 13
+    of a first run's 48 kernels compiled again in the run; on a fresh machine all of them
+    would), and where the source key above does not guard against stale entries."""
     if not _enabled():
         return None
     base = _base_dir()
@@ -115,6 +121,7 @@ def cache_dir() -> str | None:
     if not (_private_dir(base) and _private_dir(path)):
         return None
     from numba.cuda.core import config
+    os.environ["NUMBA_CACHE_DIR"] = path
     config.CACHE_DIR = path
     return path
 

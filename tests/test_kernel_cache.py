@@ -24,11 +24,14 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0")
     monkeypatch.setenv("KDTREE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KDTREE_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     from numba.cuda.core import config
     monkeypatch.setattr(config, "CACHE_DIR", config.CACHE_DIR)
     kernel_cache.cache_dir.cache_clear()
     yield tmp_path / "cache"
     kernel_cache.cache_dir.cache_clear()
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    config.reload_config()          # numba's config as the restored environment has it
 
 
 def test_the_key_changes_with_any_source_byte(monkeypatch, tmp_path):
@@ -55,6 +58,14 @@ def test_cache_dir_is_private_and_points_numba_there(fresh):
     assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
     from numba.cuda.core import config
     assert config.CACHE_DIR == path
+    # numba re-reads its NUMBA_* variables before a compile once one changed (as
+    # runtime.quiet_numba_hints changes one): the directory must survive that
+    os.environ["NUMBA_KDTREE_TEST_PROBE"] = "1"
+    try:
+        config.reload_config()
+        assert config.CACHE_DIR == path and os.environ["NUMBA_CACHE_DIR"] == path
+    finally:
+        del os.environ["NUMBA_KDTREE_TEST_PROBE"]
     assert not kernel_cache.cache_is_warm()
     os.makedirs(os.path.join(path, "x"))
     open(os.path.join(path, "x", "k.nbc"), "wb").close()
