@@ -112,8 +112,9 @@ def test_gemv_variants_give_the_default_bits(layers):
     prefetch of each tile's rows (alone and one tile ahead), two chunks in flight a row, a
     register cap (the simulator ignores it): each gives the bits of the plain kernel of the
     same threads (same products, same order), which is within the bound, as is moe_ffn's
-    own pick (rows do not move a bit either)."""
-    case = int4_case(np.random.default_rng(44), 1, 64, 5, 32, 2, 32)
+    own pick (rows do not move a bit either).  Top-1 routing: each (token, expert) pair runs
+    the same GEMV blocks, and a second pair only doubles the simulated threads."""
+    case = int4_case(np.random.default_rng(44), 1, 64, 5, 32, 1, 32)
     ws = layers.Workspace()
     base = run(layers, case, configs=_skinny_pair(), workspace=ws)
     check(base, case)
@@ -133,8 +134,9 @@ def test_gemv_ring_and_unpack_variants(layers):
     two give other bits, each within the bound; the cp.async ring around either (stages 2,
     and 4 at gate_up) gives its plain kernel's bits, as does the default's ring with half the
     rows a block.  I = 64: both GEMMs have an even number of scales a row, so both take the
-    ring (int4_ring_ok)."""
-    case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 2, 32, shared=False)
+    ring (int4_ring_ok).  Top-1 routing: each (token, expert) pair runs the same GEMV blocks,
+    and a second pair only doubles the simulated threads."""
+    case = int4_case(np.random.default_rng(45), 1, 64, 5, 64, 1, 32, shared=False)
     bits = {}
     for unpack in ("denormal", "magic"):
         bits[unpack] = base = run(layers, case, configs=_skinny_pair(unpack=unpack))
@@ -144,8 +146,9 @@ def test_gemv_ring_and_unpack_variants(layers):
             pair = (_skinny_pair(unpack=unpack, **gate_up_kw)[0],
                     _skinny_pair(unpack=unpack, **down_kw)[1])
             assert np.array_equal(run(layers, case, configs=pair), base), (unpack, gate_up_kw)
-    # the default is the denormal unpacking, with half the rows a block its bits too
-    assert np.array_equal(run(layers, case, configs=_skinny_pair()), bits["denormal"])
+    # the default is the denormal unpacking (the config itself: bits["denormal"] ran the
+    # kernel of that very config), with half the rows a block its bits too
+    assert _skinny_pair() == _skinny_pair(unpack="denormal")
     half = tuple(dataclasses.replace(c, rows=c.rows // 2) for c in _skinny_pair(stages=2))
     assert np.array_equal(run(layers, case, configs=half), bits["denormal"])
     assert not np.array_equal(bits["denormal"], bits["magic"])    # two unpackings ran
