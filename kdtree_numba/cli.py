@@ -97,7 +97,7 @@ def _progress_bar(args, desc: str, total=None, unit: str = "B") -> ProgressBar:
 
 
 def _lookup_weight(text: str):
-    """``--prompt-lookup``'s value: off (False) or a weight in (0, 1) (on: runtime's)."""
+    """``--prompt-lookup``'s value: off (False) or a weight in (0, 1) (on: runtime.LOOKUP_ON)."""
     try:
         return runtime.parse_lookup_weight(text) or False
     except ValueError as e:
@@ -192,7 +192,7 @@ def _run_parser() -> ArgumentParser:
                    help="ddtree: mix the tokens that followed the context's last few tokens "
                    "where they occurred before into each round's draft, at weight W in (0, 1) "
                    "(on: 0.8; off); the tree's shape only, never the tokens (default: "
-                   "KDTREE_PROMPT_LOOKUP's; unset: on, but on the exact float64 reference; "
+                   "KDTREE_PROMPT_LOOKUP's; unset: on, except on the exact float64 reference; "
                    "docs/ENGINE.md, 'Prompt lookup')")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="ddtree/chain with a DFlash drafter: its lm_head ranks only the N most "
