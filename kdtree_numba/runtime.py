@@ -24,8 +24,8 @@ Two kinds of switch:
   backend; ``KDTREE_AR_DEVICE_STEPS=K``, 1 to 64, ``on``: 4; ``0``: off, the host's loop of
   one step a launch; unset: :data:`AR_STEPS_ON` on a real GPU, off under the CUDA
   simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
-  4; unset, 0 or 1: one round a launch; off until timed on the GPU: the launch and the read
-  paid once per R rounds, the same tokens), no device round run ahead for a request the
+  4; unset, 0 or 1: one round a launch; off: 0.95x on an H100 in run 169; the launch and the
+  read paid once per R rounds, the same tokens), no device round run ahead for a request the
   rounds in flight look to finish at the mean tokens a round so far (on by default since
   runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
   wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off), DDTree's prompt lookup
