@@ -120,9 +120,7 @@ def cache_dir() -> str | None:
     path = os.path.join(base, f"kernels-{source_key()}")
     if not (_private_dir(base) and _private_dir(path)):
         return None
-    from numba.cuda.core import config
-    os.environ["NUMBA_CACHE_DIR"] = path
-    config.CACHE_DIR = path
+    runtime.point_numba_cache(path)
     return path
 
 

@@ -328,6 +328,16 @@ def quiet_numba_hints() -> None:
     os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 
+def point_numba_cache(path: str) -> None:
+    """numba's kernel cache into ``path`` (kdtree_numba/kernel_cache.py): through
+    ``NUMBA_CACHE_DIR``, which numba re-reads with its other NUMBA_* variables before a compile
+    once one of them changed, resetting a value set on its config module alone (as
+    :func:`quiet_numba_hints`' variable did: runs 170-172), and on the config for now."""
+    os.environ["NUMBA_CACHE_DIR"] = path
+    from numba.cuda.core import config
+    config.CACHE_DIR = path
+
+
 def child_environment(**changes: str | None) -> dict:
     """This process's environment for a child process, with ``changes`` (None removes a
     variable): the precompile workers (kdtree_numba/precompile.py) get the kernel cache
