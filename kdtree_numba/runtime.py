@@ -190,7 +190,7 @@ class RuntimeConfig:
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
     wait_near_end: bool = True    # no round ahead where those in flight look to end a request
-    # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): on the CPU path
+    # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): lookup.resolve's
     prompt_lookup: float | None = None
     fused_latents: bool = True
     pad_prefills: bool = True
