@@ -79,7 +79,8 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                 for _ in range(WARM_PASSES):
                     for ids in prompts:
                         generate(model, [ids], tokens, **kw)
-        spent = {name: [0, 0.0, 0, 0, 0] for name, _ in variants}
+        spent = {name: dict(tokens=0, seconds=0.0, captures=0, rounds=0, dropped=0)
+                 for name, _ in variants}
         outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
         for rep in range(repeats):
             for i, ids in enumerate(prompts):
@@ -93,22 +94,23 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                         seconds = clock() - t0
                     out = [int(t) for t in res.tokens[0]]
                     outputs.setdefault((name, i), []).append(out)
-                    spent[name][0] += len(out)
-                    spent[name][1] += seconds
-                    spent[name][2] += res.stats.graph_captures or 0
-                    spent[name][3] += res.stats.rounds
-                    spent[name][4] += res.stats.rounds_dropped
+                    got = spent[name]
+                    got["tokens"] += len(out)
+                    got["seconds"] += seconds
+                    got["captures"] += res.stats.graph_captures or 0
+                    got["rounds"] += res.stats.rounds
+                    got["dropped"] += res.stats.rounds_dropped
         base, runs = spent[variants[0][0]], repeats * len(prompts)
         for name, _ in variants:
-            n, seconds, captures, rounds, dropped = spent[name]
+            n, seconds = spent[name]["tokens"], spent[name]["seconds"]
             same = all(out == outputs[(variants[0][0], i)][0]
                        for i in range(len(prompts)) for out in outputs[(name, i)])
             rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
                              tokens=n, seconds=seconds, tok_s=n / seconds,
-                             vs_first=(n / seconds) / (base[0] / base[1]),
-                             same_tokens=same, timed_captures=captures,
-                             rounds_per_prompt=rounds / runs,
-                             dropped_per_prompt=dropped / runs))
+                             vs_first=(n / seconds) / (base["tokens"] / base["seconds"]),
+                             same_tokens=same, timed_captures=spent[name]["captures"],
+                             rounds_per_prompt=spent[name]["rounds"] / runs,
+                             dropped_per_prompt=spent[name]["dropped"] / runs))
     return rows
 
 

@@ -417,7 +417,7 @@ def summarise(method, budget, temperature, runs, ar_runs, timing=None, draft_tem
                 speedup=tps / ar_tps if ar_tps else float("nan"),
                 rounds_per_prompt=rounds / len(runs), seconds=sum(r["seconds"] for r in runs),
                 # device rounds run past a prompt's end (their tokens dropped), per prompt
-                dropped_per_prompt=sum(r.get("rounds_dropped", 0) for r in runs) / len(runs),
+                dropped_per_prompt=sum(r["rounds_dropped"] for r in runs) / len(runs),
                 new_tokens=tokens,
                 draft_ms_per_round=per_round.get("draft", 0.0),
                 verify_ms_per_round=per_round.get("verify", 0.0) + per_round.get("decode", 0.0),
