@@ -112,7 +112,9 @@ def prompts_of(lengths):
             for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("auto_v2", [False, True])
+@pytest.mark.parametrize("auto_v2", [
+    pytest.param(False, marks=pytest.mark.slow),   # the first policy, off by default: ~6 s
+    True])
 def test_the_warm_up_captures_every_graph_the_timed_rows_replay(monkeypatch, auto_v2):
     """A fixed budget's row, then auto's (one policy across the prompts, as bench_demo keeps
     it), then a fixed budget's again, over prompts of nine lengths in two capacity buckets:

@@ -284,8 +284,10 @@ def test_wgmma_operand_reads_the_panel_layout():
     # two warpgroups, K slices, 2 stages ahead (BN = 32, the narrowest tile of 256 threads:
     # the mma.sync twin's 8 warps cost the simulator 2 block barriers per mma; N = 24 ragged)
     (100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True, splits=2)),
-    (100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True, splits=3,
-                                slices_in_block=True)),        # each block adds its 3 slices
+    pytest.param(100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True,
+                                            splits=3, slices_in_block=True),
+                 marks=pytest.mark.slow),  # each block adds its 3 slices (~7 s; the mma.sync
+    #                                        case below adds them in CI)
     (20, 24, 200, mm.MmaConfig(wm=1, wn=1, tm=2, tn=3, stages=3, splits=2,
                                slices_in_block=True)),         # the same on mma.sync
 ])
