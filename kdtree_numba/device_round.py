@@ -105,10 +105,12 @@ class DeviceRounds:
                        sequences=None) -> "DeviceRounds":
         """The program of ``cache`` for this drafter, tree and sampling (made once, then
         reused by every generation on the same cache, so its CUDA graph replays), started on
-        the first tokens ``roots`` [bs] (host ints) with the uniforms ``table`` [bs, W]
-        (host, T > 0; W >= cache.max_len + 2 is cut to it); with a ``lookup``, its token
-        history starts from the ``sequences`` (host: each prompt and its root).  The target
-        cache and the drafter hold the prompts' commits."""
+        the first tokens ``roots`` [bs] (host ints, or a device array: the prefill's, not
+        yet read) with the uniforms ``table`` [bs, W] (host, T > 0; W >= cache.max_len + 2
+        is cut to it); with a ``lookup``, its token history starts from the ``sequences``
+        (host: each prompt, its root after it or not: the roots are written at the
+        positions after the prompts on the device).  The target cache and the drafter hold
+        the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
         key = (id(model), id(drafter), k, as_sampling(sampling), float(draft_temperature),
@@ -120,12 +122,17 @@ class DeviceRounds:
         rounds.restart(roots, table)
         if lookup is not None:
             rounds.history[...] = history_array(rounds.be, sequences, cache.max_len)
+            # the root sits after its prompt: at the target cache's length after the prefill
+            rounds.history[rounds.xp.arange(cache.batch),
+                           rounds.be.asarray(cache.lengths)] = rounds.roots
         return rounds
 
     def restart(self, roots, table=None) -> None:
-        """A new generation: the roots and uniforms written into the program's buffers, the
-        host mirrors taken from both caches (exact after the prefill's commits)."""
-        self.roots[...] = self.be.asarray(np.asarray(roots, np.int32))
+        """A new generation: the roots (host ints or a device array) and uniforms written into
+        the program's buffers, the host mirrors taken from both caches (exact after the
+        prefill's commits)."""
+        self.roots[...] = roots if hasattr(roots, "__cuda_array_interface__") \
+            else self.be.asarray(np.asarray(roots, np.int32))
         if self.table is not None:
             width = self.table.shape[1]
             self.table[...] = self.be.asarray(np.ascontiguousarray(

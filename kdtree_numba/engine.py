@@ -224,11 +224,12 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 
 def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, drafter,
              needs: TargetNeeds):
-    """The prompts' one causal forward, the first token of each request (the prefill's host
-    read), and the drafter's first commit: the prompt, with what ``needs`` asks of the target.
-    The read is waited for after the drafter's commit is enqueued (it needs no host value),
-    so on a GPU the device runs the commit's work behind the prefill's while the host issues
-    it, instead of idling through the read and then the launches."""
+    """The prompts' one causal forward, the first token of each request, and the drafter's
+    first commit: the prompt, with what ``needs`` asks of the target.  Returns the first
+    tokens on the device and their read, started after the drafter's commit is enqueued (it
+    needs no host value: the device runs it behind the prefill while the host issues it);
+    the caller waits for the read (:func:`_commit_first`), where it may after enqueuing the
+    first device round (``KDTREE_EARLY_ROUND``)."""
     be, bs = model.backend, len(prompts)
     lens = np.array([p.size for p in prompts], np.int64)
     out = model.prefill(cache, prompts, return_hidden=needs.hidden,
@@ -250,9 +251,13 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
                                  hidden=parts[1] if needs.hidden else None,
                                  features=parts[-1] if needs.feature_layers else None))
     timer.lap("prefill")
-    first = np.asarray(read_first(), np.int64)
-    for b in range(bs):
-        req.commit(b, [first[b]])
+    return chosen, read_first
+
+
+def _commit_first(req: _Requests, read_first) -> None:
+    """The prefill's first tokens read (the read started with the prefill) and committed."""
+    for b, token in enumerate(np.asarray(read_first(), np.int64)):
+        req.commit(b, [token])
 
 
 def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, after_step):
@@ -400,7 +405,8 @@ def _replayed(before, after) -> bool | None:
 
 def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, seed: int,
                    timer, stats, after_step, policy: AutoBudget | None = None,
-                   draft_temperature: float = 1.0, per_launch: int = 1, lookup=None) -> None:
+                   draft_temperature: float = 1.0, per_launch: int = 1, lookup=None,
+                   first=None) -> None:
     """The rounds of a device-only drafter as device programs, each launch enqueued before
     the previous one's tokens reach the host (kdtree_numba/device_round.py).  A request is
     launched while it may still need tokens: running, and short of max_new_tokens by more
@@ -416,10 +422,15 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     the device runs them back to back, so that is the round's device time, or more where the
     host is late (also a cost); where a launch runs its round before returning (the
     reference backend, the simulator, an eager round) the wall time between the reads is the
-    next round's, and its own launch is its cost (a launch of n rounds: each its n-th)."""
+    next round's, and its own launch is its cost (a launch of n rounds: each its n-th).
+
+    ``first``: the prefill's first tokens not yet read (``_prefill``'s device tokens and
+    read): the first round starts on the device's copy, enqueued before the read, and
+    after_step reports the prefill once they are committed."""
     table = None if sampling.greedy else _cache_uniforms(seed, cache)
-    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots(), k, sampling,
-                                         table, draft_temperature, lookup, req.seq)
+    rounds = DeviceRounds.for_generation(model, cache, drafter, req.roots() if first is None
+                                         else first[0], k, sampling, table,
+                                         draft_temperature, lookup, req.seq)
     budgets = []                        # of the launches in flight, oldest first: [b, launch
     # s, steady]: whether it replayed a captured graph (None: no graphs), for the policy's costs
     seen = [0, 0]                       # tokens committed, request-rounds: their mean
@@ -439,6 +450,10 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     try:
         if req.active.any():
             launch(req.active.copy())
+        if first is not None:           # the round went in before the prefill's read ended,
+            budgets[-1][1] = 0.0        # so its launch is outside its wall time from here
+            _commit_first(req, first[1])
+            after_step()
         read_end = time.perf_counter()
         while rounds.in_flight:
             # the next launch goes in before this one is read
@@ -710,25 +725,26 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     req = _Requests(prompts, max_new_tokens, eos)
     timer = _PhaseClock(be, stats)
     graphs_before = model.graph_counts()
+    # the first device round may go in before the first tokens are read: on their device copy
+    early = on_device and max_new_tokens > 1 and runtime.current().early_round
     with be.deferred_frees():   # the drafter's old state dies here too
         if speculative:
             drafter.start(bs, cache.max_len)
             timer.lap("draft")
-        _prefill(model, cache, prompts, req, sampling, tables, timer,
-                 drafter if speculative else None, needs)
-    timer.settle()
+        first = _prefill(model, cache, prompts, req, sampling, tables, timer,
+                         drafter if speculative else None, needs)
+        if not early:
+            _commit_first(req, first[1])
     total = bs * max_new_tokens
-    if progress is not None:
-        progress(req.committed(), total)
-    if stream is not None:
-        stream(req.out)
+
     def after_step():
         timer.settle()
         if progress is not None:
             progress(req.committed(), total)
         if stream is not None:
             stream(req.out)
-
+    if not early:
+        after_step()
     if method == "ar" and ar_steps:
         decode_on_device(model, cache, req, ar_steps, sampling,
                          None if sampling.greedy else _cache_uniforms(seed, cache), timer,
@@ -737,7 +753,7 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
         _ar_steps(model, cache, req, sampling, tables, timer, stats, after_step)
     elif on_device:
         _device_rounds(model, cache, drafter, req, budget, k, sampling, seed, timer, stats,
-                       after_step, policy, t_d, per_launch, lookup)
+                       after_step, policy, t_d, per_launch, lookup, first if early else None)
     else:
         # A round's report (timing markers, progress, streamed text) is made while the next
         # round's verify runs, not between the read and the next launch, where the device

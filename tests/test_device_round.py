@@ -483,6 +483,50 @@ def test_waiting_near_the_end_keeps_the_tokens(monkeypatch, temperature):
     np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
 
 
+@pytest.mark.parametrize("temperature, lookup", [(0.0, True), (0.8, False)])
+def test_the_early_round_goes_in_before_the_first_read_and_keeps_the_tokens(
+        monkeypatch, temperature, lookup):
+    """``KDTREE_EARLY_ROUND=1``: the first device round is launched on the prefill's device
+    tokens before their read, and the tokens, acceptances and both caches are the default
+    run's (a ragged batch; the lookup's history takes each root on the device), with the
+    prefill's report made once, after the read."""
+    from kdtree_numba import device_round, engine
+    target, drafter = target_and_drafter(vocab=8, seed=2)
+    prompts = [[3, 1, 4, 1, 5, 3, 1], [2, 7]]
+    kw = dict(method="ddtree", drafter=drafter, budget=16, device_rounds=True,
+              temperature=temperature, seed=4, prompt_lookup=lookup)
+    want = generate(target, prompts, 14, **kw)
+    order, reports, programs = [], [], []
+    real_launch, real_commit = device_round.DeviceRounds.launch, engine._commit_first
+
+    def launch(self, *a, **k):
+        order.append("launch")
+        programs.append(self)
+        return real_launch(self, *a, **k)
+
+    def commit_first(*a):
+        order.append("read")
+        return real_commit(*a)
+    monkeypatch.setattr(device_round.DeviceRounds, "launch", launch)
+    monkeypatch.setattr(engine, "_commit_first", commit_first)
+    monkeypatch.setenv("KDTREE_EARLY_ROUND", "1")
+    res = generate(target, prompts, 14, progress=lambda done, total: reports.append(done),
+                   **kw)
+    assert order[:2] == ["launch", "read"] and order.count("read") == 1
+    assert reports[0] == len(prompts)               # the prefill's report: one token each
+    assert res.tokens == want.tokens and res.stats.tau == want.stats.tau
+    cache = target.generation_cache
+    assert not cache.pending and drafter.context_lengths.tolist() == cache.lengths.tolist()
+    np.testing.assert_array_equal(np.asarray(cache.device_lengths), cache.lengths)
+    if lookup:                      # the lookup's history: each prompt, its root, its tokens
+        history = np.asarray(programs[-1].history)
+        for b, p in enumerate(prompts):
+            assert history[b, :len(p) + 14].tolist() == p + res.tokens[b]
+    order.clear()                   # one new token each: no round, the read alone
+    assert generate(target, prompts, 1, **kw).tokens == [t[:1] for t in want.tokens]
+    assert order == ["read"]
+
+
 def test_rounds_per_launch_refusals_and_the_switch(monkeypatch):
     """A count outside 1..16 or not a whole number, or more than one round a launch without
     device rounds: a ValueError naming it; unset, ``KDTREE_ROUNDS_PER_LAUNCH`` decides."""
