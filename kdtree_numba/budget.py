@@ -102,13 +102,13 @@ H200, 24 prompts: auto 6,443 tok/s against budget 16's 6,666; the first 5,632 ag
   30 rounds, tests/test_budget_paired.py's ``test_kimi_*``).
 * **Kept across calls.**  ``generate(..., budget="auto")`` runs the policy kept for its model,
   drafter, batch, sampling, draft temperature, kind of round and runtime switches
-  (``engine.kept_auto_budget``): a round's cost is the machine's and the model's, and the
+  (:func:`kept_auto_budget`): a round's cost is the machine's and the model's, and the
   paired tau forgets over :data:`HORIZON` rounds anyway, so a later call goes on from what
   the earlier ones measured instead of climbing again (a server's short generations; on the
   simulated rounds a kept policy gets 95-99% of the best fixed rate where a fresh one per
   11-round generation gets 69-99%, the least where the best budget is furthest from the
-  start).  A model keeps the :data:`~kdtree_numba.engine.KEPT_AUTO_PER_MODEL` (32) most
-  recently used; ``engine.forget_auto_budgets`` drops them; an ``AutoBudget`` passed as ``budget``
+  start).  A model keeps the :data:`KEPT_AUTO_PER_MODEL` (32) most
+  recently used; :func:`forget_auto_budgets` drops them; an ``AutoBudget`` passed as ``budget``
   is the caller's own (a new one is fresh, one kept by the caller learns across its calls,
   as tools/bench_demo.py's auto row keeps one across its prompts).
 """
@@ -116,13 +116,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from statistics import median
 
 import numpy as np
 
 from kdtree_numba import runtime
+from reference.ddtree import Sampling
 
-__all__ = ["AutoBudget", "BudgetEstimate", "PairedTau", "DEFAULT_CANDIDATES", "WARM_ROUNDS"]
+__all__ = ["AutoBudget", "BudgetEstimate", "PairedTau", "DEFAULT_CANDIDATES", "WARM_ROUNDS",
+           "kept_auto_budget", "forget_auto_budgets", "KEPT_AUTO_PER_MODEL"]
 
 DEFAULT_CANDIDATES = (2, 4, 8, 16, 32, 64, 128, 256)
 # a budget's rounds that may be slower than its steady state: the first (eager: compiles),
@@ -484,3 +487,42 @@ class AutoBudget:
                                                                        self._tau)
                                  if np.isfinite(t)}
         return out
+
+
+# budget="auto"'s policies, kept across generate() calls (the module docstring, "Kept
+# across calls"): per model (dropped with it), by what a round's cost and acceptance depend
+# on besides the text
+_KEPT_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+KEPT_AUTO_PER_MODEL = 32
+
+
+def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: bool,
+                     draft_temperature: float, lookup=None) -> AutoBudget:
+    """The AutoBudget ``generate(..., budget="auto")`` runs: the one kept for this model,
+    drafter (the very object: a new one, even of the same file, starts afresh), batch,
+    sampling, draft temperature, prompt lookup, kind of round (device or host) and runtime
+    switches, made
+    on first use.  What it learnt (each budget's cost, its paired acceptance) is the
+    machine's and the model's, not the prompt's, so a later call starts from it instead of
+    climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
+    ``budget`` is the caller's own (a new one: fresh)."""
+    kept = _KEPT_AUTO.setdefault(model, collections.OrderedDict())
+    key = (id(drafter), int(batch), sampling, bool(on_device), float(draft_temperature),
+           lookup, runtime.current())
+    ref, policy = kept.get(key, (None, None))
+    if ref is None or ref() is not drafter:      # an id reused by a new drafter: afresh
+        policy = AutoBudget()
+        kept[key] = (weakref.ref(drafter), policy)
+    kept.move_to_end(key)
+    while len(kept) > KEPT_AUTO_PER_MODEL:       # a server's many samplings: the oldest go
+        kept.popitem(last=False)
+    return policy
+
+
+def forget_auto_budgets(model=None) -> None:
+    """Drop the kept ``budget="auto"`` policies of ``model`` (None: of every model), so its
+    next auto generation climbs from the start."""
+    if model is None:
+        _KEPT_AUTO.clear()
+    else:
+        _KEPT_AUTO.pop(model, None)

@@ -66,13 +66,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-import weakref
 from typing import Sequence
 
 import numpy as np
 
 from kdtree_numba import runtime
-from kdtree_numba.budget import DEFAULT_CANDIDATES, AutoBudget
+from kdtree_numba.budget import (DEFAULT_CANDIDATES, AutoBudget, forget_auto_budgets,  # noqa: F401
+                                  kept_auto_budget)
 from kdtree_numba.device_ar import decode as decode_on_device
 from kdtree_numba.device_ar import steps_per_launch
 from kdtree_numba.device_round import (DeviceRounds, device_rounds_possible, plan_launch,
@@ -530,45 +530,6 @@ def cache_slots(longest: int, method: str, budget, block_len: int | None,
     block = int(block_len) + 1
     return int(longest) + block * (2 * int(per_launch) if on_device else 1) + \
         max(widest + 1, block)
-
-
-# budget="auto"'s policies, kept across generate() calls (kdtree_numba/budget.py, "Kept
-# across calls"): per model (dropped with it), by what a round's cost and acceptance depend
-# on besides the text
-_KEPT_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-KEPT_AUTO_PER_MODEL = 32
-
-
-def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: bool,
-                     draft_temperature: float, lookup=None) -> AutoBudget:
-    """The AutoBudget ``generate(..., budget="auto")`` runs: the one kept for this model,
-    drafter (the very object: a new one, even of the same file, starts afresh), batch,
-    sampling, draft temperature, prompt lookup, kind of round (device or host) and runtime
-    switches, made
-    on first use.  What it learnt (each budget's cost, its paired acceptance) is the
-    machine's and the model's, not the prompt's, so a later call starts from it instead of
-    climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
-    ``budget`` is the caller's own (a new one: fresh)."""
-    kept = _KEPT_AUTO.setdefault(model, collections.OrderedDict())
-    key = (id(drafter), int(batch), sampling, bool(on_device), float(draft_temperature),
-           lookup, runtime.current())
-    ref, policy = kept.get(key, (None, None))
-    if ref is None or ref() is not drafter:      # an id reused by a new drafter: afresh
-        policy = AutoBudget()
-        kept[key] = (weakref.ref(drafter), policy)
-    kept.move_to_end(key)
-    while len(kept) > KEPT_AUTO_PER_MODEL:       # a server's many samplings: the oldest go
-        kept.popitem(last=False)
-    return policy
-
-
-def forget_auto_budgets(model=None) -> None:
-    """Drop the kept ``budget="auto"`` policies of ``model`` (None: of every model), so its
-    next auto generation climbs from the start."""
-    if model is None:
-        _KEPT_AUTO.clear()
-    else:
-        _KEPT_AUTO.pop(model, None)
 
 
 def runs_device_rounds(model, method: str, drafter, device_rounds: bool | None = None,

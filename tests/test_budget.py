@@ -109,13 +109,14 @@ def test_the_engine_with_an_automatic_budget_is_lossless_and_reports_it():
 
 def test_auto_keeps_its_policy_across_generate_calls():
     """budget="auto" runs one policy per model, drafter, batch and sampling across calls
-    (engine.kept_auto_budget): a second call goes on from what the first measured (its
+    (budget.kept_auto_budget): a second call goes on from what the first measured (its
     summary counts both calls' rounds); another batch, temperature or drafter object starts
     afresh, as does every call after forget_auto_budgets; an AutoBudget given is the
     caller's.  Tokens are AR's throughout."""
     from test_dflash import parts2, target_and_drafter
     from kdtree_numba.dflash import DFlashDrafter
-    from kdtree_numba.engine import forget_auto_budgets, generate, kept_auto_budget
+    from kdtree_numba.budget import forget_auto_budgets, kept_auto_budget
+    from kdtree_numba.engine import generate
     target, drafter = target_and_drafter.__wrapped__()
     prompts = [[5, 6, 7]]
     want = generate(target, prompts, 12).tokens
@@ -147,7 +148,7 @@ def test_auto_keeps_its_policy_across_generate_calls():
     assert mine.round == res.stats.rounds
     assert kept_auto_budget(target, drafter, 1, Sampling(), False, 1.0) is not mine
     # a server's many samplings keep at most KEPT_AUTO_PER_MODEL policies, the oldest dropped
-    from kdtree_numba.engine import KEPT_AUTO_PER_MODEL
+    from kdtree_numba.budget import KEPT_AUTO_PER_MODEL
     first_kept = kept_auto_budget(target, drafter, 1, Sampling(0.5), False, 1.0)
     for i in range(KEPT_AUTO_PER_MODEL):
         kept_auto_budget(target, drafter, 1, Sampling(1.0 + i), False, 1.0)

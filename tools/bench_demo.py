@@ -64,7 +64,7 @@ distinct prompt length prefilled into a scratch KV cache of each capacity bucket
 use, and a full ``generate`` (twice) on the shortest and the longest prompt of each bucket
 (``auto``: each candidate pinned in auto's cache, then auto; the timed ``auto`` row keeps one
 AutoBudget of its own across its prompts as a serving loop would, fresh at the row's start,
-never the one the warm-up's ``budget="auto"`` calls trained: engine.kept_auto_budget); the peers
+never the one the warm-up's ``budget="auto"`` calls trained: budget.kept_auto_budget); the peers
 warm up on the shortest and longest prompt.  The warm-up's seconds (and the part numba spent
 making kernels) are a column and a line of their own, never in a row's timing.
 ``--time-limit`` (seconds, 0: none) skips a configuration that would not fit, judged by the

@@ -42,7 +42,7 @@ fixed budget, then auto, and its JSON row keeps the budgets chosen, the policy's
 ``auto_policy``: "fresh per generate".  Every call, the timed one included, gets a fresh
 policy that climbs from its start, as kdtree-run's one ``--budget auto`` call does (the
 harder case for a short generation: ``generate(budget="auto")`` would keep one across calls,
-engine.kept_auto_budget, and a server's later calls start from what it measured).
+budget.kept_auto_budget, and a server's later calls start from what it measured).
 Each row has its own roofs (tools/engine_roof.py): every forward's roof is the larger of the
 bytes of weights it reads (attention, dense FFN, router, shared expert, lm_head, one embedding
 row per distinct token id, and in each MoE layer only the distinct routed experts its tokens
