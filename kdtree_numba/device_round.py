@@ -41,7 +41,7 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.drafting import Commit, DraftContext
 from kdtree_numba.kvlayout import device_address
-from kdtree_numba.lookup import history_array
+from kdtree_numba.lookup import history_rows
 from kdtree_numba.model import ForwardBatch
 from kdtree_numba.steps import TREE_ARRAYS, accept_phase, gather_phase, tree_phase
 from reference.ddtree import as_sampling
@@ -108,9 +108,8 @@ class DeviceRounds:
         the first tokens ``roots`` [bs] (host ints, or a device array: the prefill's, not
         yet read) with the uniforms ``table`` [bs, W] (host, T > 0; W >= cache.max_len + 2
         is cut to it); with a ``lookup``, its token history starts from the ``sequences``
-        (host: each prompt, its root after it or not: the roots are written at the
-        positions after the prompts on the device).  The target cache and the drafter hold
-        the prompts' commits."""
+        (host: each prompt, its root after it or not), each root after its prompt.  The
+        target cache and the drafter hold the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
         key = (id(model), id(drafter), k, as_sampling(sampling), float(draft_temperature),
@@ -121,22 +120,27 @@ class DeviceRounds:
                                                draft_temperature, lookup)
         rounds.restart(roots, table)
         if lookup is not None:
-            rounds.history[...] = history_array(rounds.be, sequences, cache.max_len)
-            # the root sits after its prompt: at the target cache's length after the prefill
-            rounds.history[rounds.xp.arange(cache.batch),
-                           rounds.be.asarray(cache.lengths)] = rounds.roots
+            # each root sits after its prompt: at the target cache's length after the
+            # prefill; a device root is written there on the device (no read, no upload)
+            on_device = hasattr(roots, "__cuda_array_interface__")
+            rounds.be.upload_into(rounds.history, history_rows(
+                sequences, cache.max_len, cache.lengths, None if on_device else roots))
+            if on_device:
+                rounds.history[rounds.requests[:, 0], cache.device_lengths] = rounds.roots
         return rounds
 
     def restart(self, roots, table=None) -> None:
         """A new generation: the roots (host ints or a device array) and uniforms written into
         the program's buffers, the host mirrors taken from both caches (exact after the
         prefill's commits)."""
-        self.roots[...] = roots if hasattr(roots, "__cuda_array_interface__") \
-            else self.be.asarray(np.asarray(roots, np.int32))
+        # each host array goes up into its buffer in one copy (no temporary, no copy kernel)
+        if hasattr(roots, "__cuda_array_interface__"):
+            self.roots[...] = roots
+        else:
+            self.be.upload_into(self.roots, np.asarray(roots, np.int32))
         if self.table is not None:
             width = self.table.shape[1]
-            self.table[...] = self.be.asarray(np.ascontiguousarray(
-                np.asarray(table, np.float64)[:, :width]))
+            self.be.upload_into(self.table, np.asarray(table, np.float64)[:, :width])
         self.in_flight.clear()
         self.floor = self.cache.lengths.copy()
 

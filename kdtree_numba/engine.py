@@ -235,7 +235,7 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
     out = model.prefill(cache, prompts, return_hidden=needs.hidden,
                         capture_layers=needs.feature_layers)
     parts = out if isinstance(out, tuple) else (out,)
-    u = np.array([tables[b][lens[b]] for b in range(bs)])
+    u = np.zeros(bs) if tables is None else np.array([tables[b][lens[b]] for b in range(bs)])
     chosen = model.choose(parts[0], sampling, u)
     read_first = be.read_later(chosen)
     if drafter is not None:
@@ -284,8 +284,8 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
                 if rows.any():
                     logits = model.decode(cache, tokens)
                     cache.advance(rows.astype(np.int64))
-                    u = np.array([tables[b][min(cache.lengths[b], len(tables[b]) - 1)]
-                                  for b in range(bs)])
+                    u = np.zeros(bs) if tables is None else np.array(
+                        [tables[b][min(cache.lengths[b], len(tables[b]) - 1)] for b in range(bs)])
                     chosen = model.choose(logits, sampling, u)
                     timer.lap("decode")
                     stats.rounds += 1
@@ -676,9 +676,11 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     max_len = cache_slots(max(p.size for p in prompts) + max_new_tokens, method,
                           policy or budget, ar_steps or block_len, on_device or ar_steps > 0,
                           per_launch)
-    tables = [uniform_table(seed, b, max_len + 2) for b in range(bs)]
+    # the uniforms (T > 0; each a generator's draws, ~30 us a request: none at T = 0)
+    tables = None if sampling.greedy else [uniform_table(seed, b, max_len + 2)
+                                           for b in range(bs)]
     # DDTree gathers its uniforms on the device: one upload per generate()
-    table = be.asarray(np.stack(tables)) if speculative and not sampling.greedy else None
+    table = be.asarray(np.stack(tables)) if speculative and tables is not None else None
     # the model's last generation cache is reused when it fits: its CUDA graphs replay
     # (a drafter's context takes the same capacity: cache_slots)
     cache = model.cache_for_generation(bs, max_len)

@@ -24,7 +24,7 @@ import numpy as np
 from kdtree_numba import runtime
 from reference.ddtree.checks import check_lookup
 
-__all__ = ["PromptLookup", "TokenHistory", "history_array", "resolve", "ON"]
+__all__ = ["PromptLookup", "TokenHistory", "history_array", "history_rows", "resolve", "ON"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +81,22 @@ def resolve(asked, method: str, backend) -> PromptLookup | None:
     return chosen if method == "ddtree" else None
 
 
-def history_array(backend, sequences, max_len: int):
-    """Each request's tokens so far (host int sequences: its prompt and first token, the
-    root) by position, [bs, max_len] int32 on ``backend`` (one upload)."""
+def history_rows(sequences, max_len: int, lengths=None, roots=None) -> np.ndarray:
+    """Each request's tokens by position, [bs, max_len] int32 (host): sequence b's first
+    ``lengths[b]`` tokens (all of them where None; host ints: its prompt, and its root where
+    the sequence holds it), then ``roots[b]`` where given (host ints)."""
     host = np.zeros((len(sequences), int(max_len)), np.int32)
     for b, seq in enumerate(sequences):
-        host[b, :len(seq)] = seq
-    return backend.asarray(host)
+        n = len(seq) if lengths is None else int(lengths[b])
+        host[b, :n] = seq[:n]
+        if roots is not None:
+            host[b, n] = roots[b]
+    return host
+
+
+def history_array(backend, sequences, max_len: int):
+    """:func:`history_rows` of each request's prompt and root on ``backend`` (one upload)."""
+    return backend.asarray(history_rows(sequences, max_len))
 
 
 class TokenHistory:
