@@ -14,12 +14,23 @@ pair instead (kdtree_numba/demo: the target and its DFlash drafter, whose rounds
 programs on a GPU), on the first held-out prompt cut or repeated to ``--prompt-len`` tokens.
 ``--tokens 1`` profiles a generation's prefill alone (the prompt's forward, its first token,
 the drafter's first commit): issue 36's prefill took 2.6-2.9 ms a prompt of the demo pair's
-~22 ms at budget 16, against ~1 ms of kernels.
+~22 ms at budget 16, against ~1 ms of kernels.  ``--repeats N`` profiles N generations (a
+prefill's ~2 ms is too short for cProfile's clock alone; the tables then hold N calls' sums).
+
+``--pieces`` then times the engine's pieces on the host clock over N more generations, no
+profiler (wrappers of ``time.perf_counter``: ~1 us each): the mean host wall a generation of
+the prefill (``engine._prefill``, ``Model.prefill``, the drafter's commit), the wait for the
+first tokens (``engine._commit_first``), the device rounds' start, launches and reads, so
+what the device waits for between a prefill and the first round reads off directly:
+
+    python3 tools/profile_engine.py --size demo --method ddtree --tokens 2 --budget 16 \
+        --repeats 300 --pieces
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import os
 import pstats
@@ -46,7 +57,13 @@ def main(argv=None):
     p.add_argument("--backend", default="numba", help="reference: check the script anywhere")
     p.add_argument("--gemm", default="cuda-cores", help="make_backend's gemm setting")
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="generations profiled (and timed), each on the same prompt")
+    p.add_argument("--pieces", action="store_true",
+                   help="then the host wall of the engine's pieces a generation (mean)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_engine import DEVICE_SIZES
@@ -94,21 +111,25 @@ def main(argv=None):
               f"{1e3 * t_all:.3f} ms to finish (mean of {n})")
     model.graphs = graphs
 
+    n = args.repeats
     prof = cProfile.Profile()
     prof.enable()
-    res = generate(model, [prompt], args.tokens, **kw)
+    for _ in range(n):
+        res = generate(model, [prompt], args.tokens, **kw)
     prof.disable()
     st = res.stats
-    print(f"# profiled generate(): {st.new_tokens} tokens, {st.rounds} rounds, "
-          f"{st.tokens_per_s:.1f} tok/s (under cProfile)")
-    t0 = time.perf_counter()
-    res = generate(model, [prompt], args.tokens, **kw)
-    wall = time.perf_counter() - t0
-    phases = res.stats.time
-    print(f"# the same generate() without the profiler: {1e3 * wall:.1f} ms wall, "
-          f"{res.stats.rounds} rounds; device phases (ms): "
-          + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
-          + f"; wall minus the phases: {1e3 * (wall - sum(phases.values())):.1f} ms")
+    print(f"# profiled generate(), {n} call(s): {st.new_tokens} tokens, {st.rounds} rounds, "
+          f"{st.tokens_per_s:.1f} tok/s (under cProfile; the last call)")
+    phases, t0 = {}, time.perf_counter()
+    for _ in range(n):
+        res = generate(model, [prompt], args.tokens, **kw)
+        for k, v in res.stats.time.items():
+            phases[k] = phases.get(k, 0.0) + v / n
+    wall = (time.perf_counter() - t0) / n
+    print(f"# the same generate() without the profiler (mean of {n}): {1e3 * wall:.2f} ms "
+          f"wall, {res.stats.rounds} rounds; device phases (ms): "
+          + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items())
+          + f"; wall minus the phases: {1e3 * (wall - sum(phases.values())):.2f} ms")
     if graphs is not None:
         print(f"# CUDA graphs: {graphs.captures} captured, {graphs.replays} replays, "
               f"{graphs.failures} failed captures")
@@ -117,6 +138,67 @@ def main(argv=None):
         pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(args.top)
         text = s.getvalue()
         print(f"\n## by {key}\n" + text[text.find("   ncalls"):])
+    if args.pieces:
+        _print_pieces(model, prompt, args.tokens, kw, n)
+
+
+def _pieces(drafter):
+    """(owner, attribute, label) of the engine's pieces :func:`_print_pieces` times."""
+    from kdtree_numba import engine
+    from kdtree_numba.backends import Backend
+    from kdtree_numba.device_round import DeviceRounds
+    from kdtree_numba.model import Model
+    out = [(engine, "_prefill", "engine._prefill: the prompt's forward, choice, commit"),
+           (engine, "_commit_first", "engine._commit_first: the first tokens' read waited"),
+           (Model, "prefill", "Model.prefill"), (Model, "forward", "Model.forward"),
+           (Model, "choose", "Model.choose"), (Model, "device_step", "Model.device_step"),
+           (Model, "cache_for_generation", "Model.cache_for_generation"),
+           (Backend, "read_later", "Backend.read_later"), (Backend, "asarray", "Backend.asarray"),
+           (DeviceRounds, "for_generation", "DeviceRounds.for_generation"),
+           (DeviceRounds, "launch", "DeviceRounds.launch"),
+           (DeviceRounds, "collect", "DeviceRounds.collect: a launch's read waited")]
+    if drafter is not None:
+        kind = type(drafter)
+        out += [(kind, "start", f"{kind.__name__}.start"),
+                (kind, "on_commit", f"{kind.__name__}.on_commit")]
+    return out
+
+
+def _print_pieces(model, prompt, tokens: int, kw: dict, n: int) -> None:
+    """The mean host wall a generation of each of :func:`_pieces` (nested pieces overlap:
+    ``Model.prefill`` is inside ``engine._prefill``), over ``n`` generations."""
+    spent, calls, saved = {}, {}, []
+
+    def timed(owner, name, label):
+        real = inspect.getattr_static(owner, name)     # a classmethod as itself
+        saved.append((owner, name, real if name in vars(owner) else None))
+        inner = real.__func__ if isinstance(real, classmethod) else real
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+                calls[label] = calls.get(label, 0) + 1
+        setattr(owner, name, classmethod(wrapper) if isinstance(real, classmethod) else wrapper)
+    for owner, name, label in _pieces(kw.get("drafter")):
+        timed(owner, name, label)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            generate(model, [prompt], tokens, **kw)
+        wall = (time.perf_counter() - t0) / n
+    finally:
+        for owner, name, real in reversed(saved):
+            if real is None:            # inherited: the base's again
+                delattr(owner, name)
+            else:
+                setattr(owner, name, real)
+    print(f"\n## the engine's pieces: host wall a generate() (mean of {n}: {1e6 * wall:.0f} us "
+          f"in all), calls a generate()")
+    for label, s in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"{1e6 * s / n:9.1f} us  {calls[label] / n:6.1f}  {label}")
 
 
 def _demo_pair(args):
