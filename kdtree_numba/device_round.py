@@ -120,13 +120,11 @@ class DeviceRounds:
                                                draft_temperature, lookup)
         rounds.restart(roots, table)
         if lookup is not None:
-            # each root sits after its prompt: at the target cache's length after the
-            # prefill; a device root is written there on the device (no read, no upload)
-            on_device = hasattr(roots, "__cuda_array_interface__")
-            rounds.be.upload_into(rounds.history, history_rows(
-                sequences, cache.max_len, cache.lengths, None if on_device else roots))
-            if on_device:
-                rounds.history[rounds.requests[:, 0], cache.device_lengths] = rounds.roots
+            # each root sits after its prompt, at the target cache's length after the
+            # prefill: written from the roots' buffer on the device (a root not yet read too)
+            rounds.be.upload_into(rounds.history,
+                                  history_rows(sequences, cache.max_len, cache.lengths))
+            rounds.history[rounds.requests[:, 0], cache.device_lengths] = rounds.roots
         return rounds
 
     def restart(self, roots, table=None) -> None:

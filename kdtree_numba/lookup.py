@@ -81,16 +81,13 @@ def resolve(asked, method: str, backend) -> PromptLookup | None:
     return chosen if method == "ddtree" else None
 
 
-def history_rows(sequences, max_len: int, lengths=None, roots=None) -> np.ndarray:
+def history_rows(sequences, max_len: int, lengths=None) -> np.ndarray:
     """Each request's tokens by position, [bs, max_len] int32 (host): sequence b's first
-    ``lengths[b]`` tokens (all of them where None; host ints: its prompt, and its root where
-    the sequence holds it), then ``roots[b]`` where given (host ints)."""
+    ``lengths[b]`` tokens (host ints; all of them where None)."""
     host = np.zeros((len(sequences), int(max_len)), np.int32)
     for b, seq in enumerate(sequences):
         n = len(seq) if lengths is None else int(lengths[b])
         host[b, :n] = seq[:n]
-        if roots is not None:
-            host[b, n] = roots[b]
     return host
 
 
