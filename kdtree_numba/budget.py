@@ -501,8 +501,7 @@ def kept_auto_budget(model, drafter, batch: int, sampling: Sampling, on_device: 
     """The AutoBudget ``generate(..., budget="auto")`` runs: the one kept for this model,
     drafter (the very object: a new one, even of the same file, starts afresh), batch,
     sampling, draft temperature, prompt lookup, kind of round (device or host) and runtime
-    switches, made
-    on first use.  What it learnt (each budget's cost, its paired acceptance) is the
+    switches, made on first use.  What it learnt (each budget's cost, its paired acceptance) is the
     machine's and the model's, not the prompt's, so a later call starts from it instead of
     climbing again; :func:`forget_auto_budgets` drops them, and an ``AutoBudget`` passed as
     ``budget`` is the caller's own (a new one: fresh)."""

@@ -108,7 +108,7 @@ class DeviceRounds:
         the first tokens ``roots`` [bs] (host ints, or a device array: the prefill's, not
         yet read) with the uniforms ``table`` [bs, W] (host, T > 0; W >= cache.max_len + 2
         is cut to it); with a ``lookup``, its token history starts from the ``sequences``
-        (host: each prompt, its root after it or not), each root after its prompt.  The
+        (host: each prompt, with or without its root) and each root after its prompt.  The
         target cache and the drafter hold the prompts' commits."""
         # a cache's programs live on it (engine.generate reuses its cache, and so the
         # programs' device buffers, which their captured graphs hold), and die with it
