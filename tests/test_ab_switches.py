@@ -1,7 +1,8 @@
 """tools/ab_switches.py: the interleaved A/B of runtime switches (the tool times on a GPU;
 here its bookkeeping on the reference backend with a made-up clock): variants parsed or
 refused in one line, every prompt under every variant in a rotated order, the environment
-restored, rates from the summed times, a switch that changes a token reported."""
+restored, rates from the summed times and their spread (the passes' rates, the prompts a
+variant was faster on), a switch that changes a token reported."""
 from __future__ import annotations
 
 import os
@@ -54,6 +55,36 @@ def test_every_prompt_runs_every_variant_in_turn_and_the_environment_comes_back(
         assert r["dropped_per_prompt"] == 0        # host rounds: none runs ahead
     assert rows[0]["rounds_per_prompt"] == 3       # AR: a step a token after the prefill's
     assert rows[2]["rounds_per_prompt"] == rows[3]["rounds_per_prompt"] <= 3
+    assert [r["vs_first_passes"] for r in rows] == [[1.0, 1.0]] * 4
+    assert [r["faster_prompts"] for r in rows] == [None, 0, None, 0]
+
+
+def test_the_spread_is_each_passs_rate_and_the_prompts_a_variant_won(tiny, monkeypatch):
+    """A made-up clock each call advances by its (variant, prompt, pass)'s seconds: variant b
+    is faster on both prompts summed, though slower than on the first in pass 0."""
+    model, drafter = tiny
+    now, calls = [0.0], []
+    seconds = {("a", 0): 2.0, ("a", 1): 2.0, ("b", 0): 1.0, ("b", 1): 2.5}
+    real = ab_switches.generate
+
+    def timed(model, prompts, tokens, **kw):
+        variant = os.environ.get("KDTREE_AB_PROBE", "a")
+        prompt = 0 if list(prompts[0]) == [1, 2, 3] else 1
+        calls.append(variant)
+        # past the warm-ups (each pass over both prompts) and pass 0
+        passed = sum(1 for v in calls if v == variant) > ab_switches.WARM_PASSES * 2 + 2
+        now[0] += 1.0 if (variant, prompt) == ("b", 1) and passed else seconds[variant, prompt]
+        return real(model, prompts, tokens, **kw)
+    monkeypatch.setattr(ab_switches, "generate", timed)
+    rows = ab_switches.run_ab(model, drafter, [[1, 2, 3], [4, 5]],
+                              [("a", {}), ("b", {"KDTREE_AB_PROBE": "b"})], [0], 4, 2,
+                              clock=lambda: now[0])
+    a, b = rows
+    assert a["vs_first_passes"] == [1.0, 1.0] and a["faster_prompts"] is None
+    # pass 0: a 8 tokens in 4 s, b in 3.5 s; pass 1: b in 2 s; summed: b 16 in 5.5 s, a in 8
+    assert b["vs_first_passes"] == pytest.approx([4 / 3.5, 2.0])
+    assert b["vs_first"] == pytest.approx(8 / 5.5)
+    assert b["faster_prompts"] == 2               # 2 s against 4, 3.5 against 4
 
 
 def test_a_variant_that_changes_a_token_is_reported(tiny, monkeypatch):

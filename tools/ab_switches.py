@@ -14,7 +14,11 @@ auto``'s policy left as warmed), ``--repeats`` times (every variant's graphs are
 a limited number per kind, prefills 16: a row that captured inside its timed runs is
 flagged, its time not comparable; time fewer variants at once); a variant's tokens/s is its timed tokens over its summed
 wall time (prefill included, as bench_demo's), and every variant must give the first
-variant's tokens (a switch that changed one is reported, not averaged away).
+variant's tokens (a switch that changed one is reported, not averaged away).  Beside each
+rate against the first variant, its spread: the lowest and highest of the passes' own rates
+(each pass every prompt once), and on how many prompts the variant's summed time was below
+the first variant's (a paired count: a gain that holds on most prompts, or one that a few
+outliers made).
 
 ``--variants``: ``;``-separated ``name[=VAR=VALUE[,VAR=VALUE...]]`` (a bare name: the
 environment as it is); ``--budgets``: 0 is AR, other values DDTree budgets (``auto``
@@ -69,7 +73,9 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
     """The interleaved passes (module docstring); one row per (budget, variant): tokens,
     seconds, tok/s, speed against the first variant, ``same_tokens`` (every timed run
     gave the first variant's tokens on its prompt), and the rounds a prompt took and ran past
-    its end (``stats.rounds_dropped``; AR's launches of K steps count as rounds)."""
+    its end (``stats.rounds_dropped``; AR's launches of K steps count as rounds); the spread:
+    ``vs_first_passes`` (each pass's rate against the first variant's in that pass) and
+    ``faster_prompts`` (the prompts on which its summed time was below the first variant's)."""
     rows = []
     for budget in budgets:
         kw = dict(method="ar") if budget == 0 else dict(
@@ -82,6 +88,8 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
         spent = {name: dict(tokens=0, seconds=0.0, captures=0, rounds=0, dropped=0)
                  for name, _ in variants}
         outputs: dict = {}                  # (variant, prompt) -> every timed run's tokens
+        by_pass: dict = {}                  # (variant, pass) -> [tokens, seconds]
+        by_prompt: dict = {}                # (variant, prompt) -> seconds
         for rep in range(repeats):
             for i, ids in enumerate(prompts):
                 turn = (i + rep) % len(variants)
@@ -100,7 +108,15 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                     got["captures"] += res.stats.graph_captures or 0
                     got["rounds"] += res.stats.rounds
                     got["dropped"] += res.stats.rounds_dropped
+                    part = by_pass.setdefault((name, rep), [0, 0.0])
+                    part[0], part[1] = part[0] + len(out), part[1] + seconds
+                    by_prompt[(name, i)] = by_prompt.get((name, i), 0.0) + seconds
         base, runs = spent[variants[0][0]], repeats * len(prompts)
+        first = variants[0][0]
+
+        def rate(name, rep):
+            n, seconds = by_pass[(name, rep)]
+            return n / seconds
         for name, _ in variants:
             n, seconds = spent[name]["tokens"], spent[name]["seconds"]
             same = all(out == outputs[(variants[0][0], i)][0]
@@ -110,7 +126,12 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                              vs_first=(n / seconds) / (base["tokens"] / base["seconds"]),
                              same_tokens=same, timed_captures=spent[name]["captures"],
                              rounds_per_prompt=spent[name]["rounds"] / runs,
-                             dropped_per_prompt=spent[name]["dropped"] / runs))
+                             dropped_per_prompt=spent[name]["dropped"] / runs,
+                             vs_first_passes=[rate(name, rep) / rate(first, rep)
+                                              for rep in range(repeats)],
+                             faster_prompts=None if name == first else sum(
+                                 by_prompt[(name, i)] < by_prompt[(first, i)]
+                                 for i in range(len(prompts)))))
     return rows
 
 
@@ -136,11 +157,15 @@ def main(argv=None) -> int:
         backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"ab_switches on {card}: {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"{args.repeats} interleaved passes, end to end (prefill included)\n")
-    print("| budget | variant | tokens | s | tok/s | vs first | same tokens | rounds a prompt "
-          "(run past its end) | graph captures while timed |\n|---|---|---|---|---|---|---|---|---|")
+    print("| budget | variant | tokens | s | tok/s | vs first | its passes | faster on | same "
+          "tokens | rounds a prompt (run past its end) | graph captures while timed |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        passes = r["vs_first_passes"]
+        faster = "-" if r["faster_prompts"] is None else f"{r['faster_prompts']}/{len(prompts)}"
         print(f"| {r['budget']} | {r['variant']} | {r['tokens']} | {r['seconds']:.3f} | "
-              f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {'yes' if r['same_tokens'] else 'NO'} | "
+              f"{r['tok_s']:.1f} | {r['vs_first']:.3f}x | {min(passes):.3f}-{max(passes):.3f}x | "
+              f"{faster} | {'yes' if r['same_tokens'] else 'NO'} | "
               f"{r['rounds_per_prompt']:.1f} ({r['dropped_per_prompt']:.2f}) | "
               f"{r['timed_captures']} |")
     if any(r["timed_captures"] for r in rows):
