@@ -10,10 +10,11 @@ changing load and host and each pays its own warm-up.  Here every prompt runs un
 variant in turn (the order rotated from prompt to prompt), after one untimed pass of each
 variant over every prompt, twice (compiles; a CUDA graph is captured on its key's second
 call, and a prompt alone in its cache bucket is that key's only call of a pass; ``--budget
-auto``'s policy left as warmed), ``--repeats`` times (every variant's graphs are its own and the graph cache holds
-a limited number per kind, prefills 16: a row that captured inside its timed runs is
-flagged, its time not comparable; time fewer variants at once); a variant's tokens/s is its timed tokens over its summed
-wall time (prefill included, as bench_demo's), and every variant must give the first
+auto``'s policy left as warmed), ``--repeats`` times (every variant's graphs are its own
+and the graph cache holds a limited number per kind, prefills 16: a row that captured
+inside its timed runs is flagged, its time not comparable; time fewer variants at once); a
+variant's tokens/s is its timed tokens over its summed wall time (prefill included, as
+bench_demo's), and every variant must give the first
 variant's tokens (a switch that changed one is reported, not averaged away).  Beside each
 rate against the first variant, its spread: the lowest and highest of the passes' own rates
 (each pass every prompt once), and on how many prompts the variant's summed time was below
