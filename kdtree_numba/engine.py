@@ -225,7 +225,8 @@ def _check_prompts(prompts, vocab: int) -> list[np.ndarray]:
 def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, drafter,
              needs: TargetNeeds):
     """The prompts' one causal forward, the first token of each request, and the drafter's
-    first commit: the prompt, with what ``needs`` asks of the target.  Returns the first
+    first commit: the prompt, with what ``needs`` asks of the target (its context started
+    once the prefill is enqueued: the host's work while the device runs it).  Returns the first
     tokens on the device and their read, started after the drafter's commit is enqueued (it
     needs no host value: the device runs it behind the prefill while the host issues it);
     the caller waits for the read (:func:`_commit_first`), where it may after enqueuing the
@@ -234,6 +235,8 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
     lens = np.array([p.size for p in prompts], np.int64)
     out = model.prefill(cache, prompts, return_hidden=needs.hidden,
                         capture_layers=needs.feature_layers)
+    if drafter is not None:
+        drafter.start(bs, cache.max_len)
     parts = out if isinstance(out, tuple) else (out,)
     u = np.zeros(bs) if tables is None else np.array([tables[b][lens[b]] for b in range(bs)])
     chosen = model.choose(parts[0], sampling, u)
@@ -691,9 +694,6 @@ def generate(model, prompts, max_new_tokens: int, *, method: str = "ar", drafter
     # the first device round may go in before the first tokens are read: on their device copy
     early = on_device and max_new_tokens > 1 and runtime.current().early_round
     with be.deferred_frees():   # the drafter's old state dies here too
-        if speculative:
-            drafter.start(bs, cache.max_len)
-            timer.lap("draft")
         first = _prefill(model, cache, prompts, req, sampling, tables, timer,
                          drafter if speculative else None, needs)
         if not early:
