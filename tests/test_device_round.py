@@ -489,7 +489,8 @@ def test_the_early_round_goes_in_before_the_first_read_and_keeps_the_tokens(
     """``KDTREE_EARLY_ROUND=1``: the first device round is launched on the prefill's device
     tokens before their read, and the tokens, acceptances and both caches are the default
     run's (a ragged batch; the lookup's history takes each root on the device), with the
-    prefill's report made once, after the read."""
+    prefill's report made once, after the read; so with one new token (no round) and with a
+    first token that is eos (its round run in vain)."""
     from kdtree_numba import device_round, engine
     target, drafter = target_and_drafter(vocab=8, seed=2)
     prompts = [[3, 1, 4, 1, 5, 3, 1], [2, 7]]
@@ -525,6 +526,12 @@ def test_the_early_round_goes_in_before_the_first_read_and_keeps_the_tokens(
     order.clear()                   # one new token each: no round, the read alone
     assert generate(target, prompts, 1, **kw).tokens == [t[:1] for t in want.tokens]
     assert order == ["read"]
+    # request 1's first token its eos: the early round ran for it in vain, the tokens stay
+    eos = want.tokens[1][0]
+    ended = generate(target, prompts, 14, eos=eos, **kw)
+    assert ended.tokens[1] == [eos]
+    monkeypatch.setenv("KDTREE_EARLY_ROUND", "0")
+    assert ended.tokens == generate(target, prompts, 14, eos=eos, **kw).tokens
 
 
 def test_rounds_per_launch_refusals_and_the_switch(monkeypatch):
