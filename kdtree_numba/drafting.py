@@ -4,7 +4,8 @@ A drafter proposes, once a round, the distributions of the L tokens after each r
 the DDTree round builds its tree from them (docs/DDTREE.md).  The engine talks to every
 drafter through the three calls of :class:`Drafter` and never asks what kind it holds:
 
-* ``start(batch, max_len)``: a new batch;
+* ``start(batch, max_len)``: a new batch (called once the target's prefill is enqueued, before
+  the prompt's commit: host work the device overlaps);
 * ``propose(ctx: DraftContext) -> logits [bs, L, V]`` float32 on the target's backend;
 * ``on_commit(commit: Commit)``: what the target has just verified (the prompt after the
   prefill, the root and the accepted nodes after a round) and the next roots.
