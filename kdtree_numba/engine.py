@@ -238,8 +238,7 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
     if drafter is not None:
         drafter.start(bs, cache.max_len)
     parts = out if isinstance(out, tuple) else (out,)
-    u = np.zeros(bs) if tables is None else np.array([tables[b][lens[b]] for b in range(bs)])
-    chosen = model.choose(parts[0], sampling, u)
+    chosen = model.choose(parts[0], sampling, _uniforms_at(tables, lens))
     read_first = be.read_later(chosen)
     if drafter is not None:
         tokens = None
@@ -255,6 +254,14 @@ def _prefill(model, cache, prompts, req: _Requests, sampling, tables, timer, dra
                                  features=parts[-1] if needs.feature_layers else None))
     timer.lap("prefill")
     return chosen, read_first
+
+
+def _uniforms_at(tables, positions) -> np.ndarray:
+    """Each request's uniform at its position (the table's last past its end); zeros where
+    there are no tables (T = 0: the choice reads none)."""
+    if tables is None:
+        return np.zeros(len(positions))
+    return np.array([t[min(int(p), len(t) - 1)] for t, p in zip(tables, positions)])
 
 
 def _commit_first(req: _Requests, read_first) -> None:
@@ -287,9 +294,7 @@ def _ar_steps(model, cache, req: _Requests, sampling, tables, timer, stats, afte
                 if rows.any():
                     logits = model.decode(cache, tokens)
                     cache.advance(rows.astype(np.int64))
-                    u = np.zeros(bs) if tables is None else np.array(
-                        [tables[b][min(cache.lengths[b], len(tables[b]) - 1)] for b in range(bs)])
-                    chosen = model.choose(logits, sampling, u)
+                    chosen = model.choose(logits, sampling, _uniforms_at(tables, cache.lengths))
                     timer.lap("decode")
                     stats.rounds += 1
                     launched = (be.read_later(chosen), rows)

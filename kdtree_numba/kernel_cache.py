@@ -107,13 +107,10 @@ def _private_dir(path: str) -> bool:
 @functools.cache
 def cache_dir() -> str | None:
     """The directory of this source's compiled kernels, or None when caching is off.  Points
-    numba's cache there the first time it is asked: through ``NUMBA_CACHE_DIR`` as well as its
-    config's ``CACHE_DIR``, because numba re-reads its NUMBA_* variables before each compile
-    once one of them changed (runtime.quiet_numba_hints sets one) and would then reset
-    ``CACHE_DIR`` to the variable's value: every kernel made after that kept its cache beside
-    its source file instead, where the precompile workers' kernels are not (runs 170-172: 13
-    of a first run's 48 kernels compiled again in the run; on a fresh machine all of them
-    would), and where the source key above does not guard against stale entries."""
+    numba's cache there the first time it is asked (``runtime.point_numba_cache``: its
+    variable as well as its config, which numba resets from the variables; else kernels made
+    later cache beside their source, where the precompile workers' are not and the source key
+    above guards nothing: runs 170-172)."""
     if not _enabled():
         return None
     base = _base_dir()

@@ -24,7 +24,7 @@ import numpy as np
 from kdtree_numba import runtime
 from reference.ddtree.checks import check_lookup
 
-__all__ = ["PromptLookup", "TokenHistory", "history_array", "history_rows", "resolve", "ON"]
+__all__ = ["PromptLookup", "TokenHistory", "history_rows", "resolve", "ON"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,19 +91,15 @@ def history_rows(sequences, max_len: int, lengths=None) -> np.ndarray:
     return host
 
 
-def history_array(backend, sequences, max_len: int):
-    """:func:`history_rows` of each request's prompt and root on ``backend`` (one upload)."""
-    return backend.asarray(history_rows(sequences, max_len))
-
-
 class TokenHistory:
     """Each request's tokens by position on the device: ``array`` [bs, max_len] int32, entry
     (b, p) the token at position p, up to each round's root (reference/ddtree/lookup.py);
-    made after the prefill from each request's ``sequences`` (:func:`history_array`)."""
+    made after the prefill from each request's ``sequences`` (its prompt and root: one
+    upload of :func:`history_rows`)."""
 
     def __init__(self, backend, sequences, max_len: int):
         self.backend = backend
-        self.array = history_array(backend, sequences, max_len)
+        self.array = backend.asarray(history_rows(sequences, max_len))
 
     def record(self, start, packed, active) -> None:
         """A round's committed tokens (``packed``, at the roots' positions ``start``) into the

@@ -14,12 +14,11 @@ auto``'s policy left as warmed), ``--repeats`` times (every variant's graphs are
 and the graph cache holds a limited number per kind, prefills 16: a row that captured
 inside its timed runs is flagged, its time not comparable; time fewer variants at once); a
 variant's tokens/s is its timed tokens over its summed wall time (prefill included, as
-bench_demo's), and every variant must give the first
-variant's tokens (a switch that changed one is reported, not averaged away).  Beside each
-rate against the first variant, its spread: the lowest and highest of the passes' own rates
-(each pass every prompt once), and on how many prompts the variant's summed time was below
-the first variant's (a paired count: a gain that holds on most prompts, or one that a few
-outliers made).
+bench_demo's), and every variant must give the first variant's tokens (a switch that
+changed one is reported, not averaged away).  Beside each rate against the first variant,
+its spread: the lowest and highest of the passes' own rates (each pass every prompt once),
+and on how many prompts the variant's summed time was below the first variant's (a paired
+count: a gain that holds on most prompts, or one that a few outliers made).
 
 ``--variants``: ``;``-separated ``name[=VAR=VALUE[,VAR=VALUE...]]`` (a bare name: the
 environment as it is); ``--budgets``: 0 is AR, other values DDTree budgets (``auto``
@@ -112,15 +111,15 @@ def run_ab(model, drafter, prompts, variants, budgets, tokens: int, repeats: int
                     part = by_pass.setdefault((name, rep), [0, 0.0])
                     part[0], part[1] = part[0] + len(out), part[1] + seconds
                     by_prompt[(name, i)] = by_prompt.get((name, i), 0.0) + seconds
-        base, runs = spent[variants[0][0]], repeats * len(prompts)
         first = variants[0][0]
+        base, runs = spent[first], repeats * len(prompts)
 
         def rate(name, rep):
             n, seconds = by_pass[(name, rep)]
             return n / seconds
         for name, _ in variants:
             n, seconds = spent[name]["tokens"], spent[name]["seconds"]
-            same = all(out == outputs[(variants[0][0], i)][0]
+            same = all(out == outputs[(first, i)][0]
                        for i in range(len(prompts)) for out in outputs[(name, i)])
             rows.append(dict(budget=budget if budget != 0 else "ar", variant=name,
                              tokens=n, seconds=seconds, tok_s=n / seconds,
