@@ -458,8 +458,12 @@ def _device_rounds(model, cache, drafter, req: _Requests, budget, k, sampling, s
     try:
         if req.active.any():
             launch(req.active.copy())
-        if first is not None:           # the round went in before the prefill's read ended,
-            budgets[-1][1] = 0.0        # so its launch is outside its wall time from here
+        if first is not None:
+            # the round went in before the prefill's read: a replayed round ran partly during
+            # that read, which its wall time from here misses (its seconds set aside, its tau
+            # kept); one that ran inside its launch (no graphs) has that launch as its cost
+            if budgets and budgets[-1][2] is not None:
+                budgets[-1][2] = False
             _commit_first(req, first[1])
             after_step()
         read_end = time.perf_counter()

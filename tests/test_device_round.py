@@ -336,6 +336,25 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous, pe
     assert costs == [(b, float(b)) for b in res.stats.budgets]
 
 
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_the_early_rounds_seconds_are_set_aside_where_graphs_replay(monkeypatch, early):
+    """A replayed first round launched before the prefill's read ran partly during that read,
+    which its measured wall time misses: the policy is told it was not steady (its tau
+    counts, its seconds do not); every later replayed round is steady, as all are without
+    the early round."""
+    from kdtree_numba import engine
+    monkeypatch.setattr(engine, "_replayed", lambda before, after: True)  # graphs replay
+    monkeypatch.setenv("KDTREE_EARLY_ROUND", early)
+    target, drafter = target_and_drafter()
+    policy = _CyclingBudget((3, 9, 1, 6))
+    told = []
+    policy.observe = lambda b, seconds, tau, steady=None, paths=None: told.append(steady)
+    res = generate(target, [[5, 6, 7], [9, 8]], 16, method="ddtree", drafter=drafter,
+                   budget=policy, device_rounds=True)
+    assert len(told) == res.stats.rounds > 4
+    assert told == [early == "0"] + [True] * (len(told) - 1)
+
+
 # ----------------------------------------------------------------------------- R rounds a launch
 
 def _launch_sizes(monkeypatch, unread=None) -> list:
@@ -486,9 +505,10 @@ def test_waiting_near_the_end_keeps_the_tokens(monkeypatch, temperature):
 @pytest.mark.parametrize("temperature, lookup", [(0.0, True), (0.8, False)])
 def test_the_early_round_goes_in_before_the_first_read_and_keeps_the_tokens(
         monkeypatch, temperature, lookup):
-    """``KDTREE_EARLY_ROUND=1``: the first device round is launched on the prefill's device
-    tokens before their read, and the tokens, acceptances and both caches are the default
-    run's (a ragged batch; the lookup's history takes each root on the device), with the
+    """The early round (the default; ``KDTREE_EARLY_ROUND=0`` off): the first device round is
+    launched on the prefill's device tokens before their read, and the tokens, acceptances
+    and both caches are the switch-off run's (a ragged batch; the lookup's history takes each
+    root on the device), with the
     prefill's report made once, after the read; so with one new token (no round) and with a
     first token that is eos (its round run in vain)."""
     from kdtree_numba import device_round, engine
@@ -496,6 +516,7 @@ def test_the_early_round_goes_in_before_the_first_read_and_keeps_the_tokens(
     prompts = [[3, 1, 4, 1, 5, 3, 1], [2, 7]]
     kw = dict(method="ddtree", drafter=drafter, budget=16, device_rounds=True,
               temperature=temperature, seed=4, prompt_lookup=lookup)
+    monkeypatch.setenv("KDTREE_EARLY_ROUND", "0")
     want = generate(target, prompts, 14, **kw)
     order, reports, programs = [], [], []
     real_launch, real_commit = device_round.DeviceRounds.launch, engine._commit_first
