@@ -29,9 +29,9 @@ Two kinds of switch:
   rounds in flight look to finish at the mean tokens a round so far (on by default since
   runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
   wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off), the first device round enqueued before
-  the prefill's first tokens are read, on their device copy (``KDTREE_EARLY_ROUND=1``, off
-  until timed on the GPU: the device runs the round behind the prefill while the host reads
-  and commits; the same tokens), DDTree's prompt lookup
+  the prefill's first tokens are read, on their device copy (``KDTREE_EARLY_ROUND=0`` turns
+  it off: the device runs the round behind the prefill while the host reads and commits; the
+  same tokens), DDTree's prompt lookup
   (``KDTREE_PROMPT_LOOKUP``: a weight in (0, 1), ``on``: 0.8; off: none; unset: on the CPU
   path and the numba backend, off on the exact float64 reference: the
   tokens that followed the context's last n tokens where they occurred before, mixed into
@@ -193,7 +193,7 @@ class RuntimeConfig:
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
     wait_near_end: bool = True    # no round ahead where those in flight look to end a request
-    early_round: bool = False     # the first device round before the prefill's read
+    early_round: bool = True      # the first device round before the prefill's read
     # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): lookup.resolve's
     prompt_lookup: float | None = None
     fused_latents: bool = True
@@ -239,7 +239,7 @@ class RuntimeConfig:
                    rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
                                                    ROUNDS_ON, ROUNDS_MAX, "rounds")),
                    wait_near_end=_flag(env, "KDTREE_WAIT_NEAR_END", True),
-                   early_round=_flag(env, "KDTREE_EARLY_ROUND", False),
+                   early_round=_flag(env, "KDTREE_EARLY_ROUND", True),
                    prompt_lookup=_lookup_weight(env, "KDTREE_PROMPT_LOOKUP"),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),
                    pad_prefills=_flag(env, "KDTREE_PAD_PREFILLS", True),
