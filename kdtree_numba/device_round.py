@@ -205,7 +205,8 @@ class DeviceRounds:
         cache.add_on_device(counts)
         self.drafter.on_commit(Commit(counts=counts, next_roots=next_roots, counts_host=None,
                                       hidden=hidden, features=features))
-        self.roots[...] = next_roots
+        # a request the round did not run (held back, finished) keeps its root
+        self.roots[...] = xp.where(active != 0, next_roots, self.roots)
         return packed
 
     def _epilogue_context(self):

@@ -336,6 +336,35 @@ def test_each_device_round_is_charged_its_own_cost(monkeypatch, asynchronous, pe
     assert costs == [(b, float(b)) for b in res.stats.budgets]
 
 
+@pytest.mark.parametrize("epilogue", ["1", "0"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_held_back_a_launch_continues_from_its_own_root(monkeypatch, epilogue,
+                                                                  temperature):
+    """A request left out of a launch (waiting near its end, or any plan) keeps its root
+    through the rounds it did not run, so when it joins a later launch it continues from its
+    last committed token: the host rounds' tokens (AR's at T = 0).  Before the fix the rounds
+    it sat out overwrote its root, and its next round started from a wrong token."""
+    from kdtree_numba import engine
+    monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", epilogue)
+    target, drafter = target_and_drafter()
+    prompts = [[5, 6, 7, 8], [9, 8], [3, 1, 4]]
+    kw = dict(method="ddtree", drafter=drafter, budget=4, temperature=temperature, seed=4)
+    want = generate(target, prompts, 12, device_rounds=False, **kw)
+    real, calls = engine.plan_launch, []
+
+    def hold_back_request_0(req, *a):          # left out of the second and third launch ahead
+        ahead, n = real(req, *a)
+        calls.append(bool(ahead[0]))
+        if len(calls) in (2, 3):
+            ahead = ahead.copy()
+            ahead[0] = False
+        return ahead, n
+    monkeypatch.setattr(engine, "plan_launch", hold_back_request_0)
+    got = generate(target, prompts, 12, device_rounds=True, **kw)
+    assert calls[1] and calls[2]                   # it was running, then held back
+    assert got.tokens == want.tokens
+
+
 @pytest.mark.parametrize("early", ["1", "0"])
 def test_the_early_rounds_seconds_are_set_aside_where_graphs_replay(monkeypatch, early):
     """A replayed first round launched before the prefill's read ran partly during that read,

@@ -41,12 +41,14 @@ def _commit_case(rng, bs=3, W=6, L1=4, F=5):
     return rows, acc_idx, acc_len, active, next_roots
 
 
-def _commit_oracle(rows, acc_idx, acc_len, active, next_roots, lengths, block_lengths):
+def _commit_oracle(rows, acc_idx, acc_len, active, next_roots, roots, lengths, block_lengths):
     bs, L1 = acc_idx.shape
     counts = np.array([int(acc_len[b]) * int(active[b]) for b in range(bs)], np.int32)
     gathered = np.stack([np.stack([rows[b, max(int(acc_idx[b, j]), 0)] for j in range(L1)])
                          for b in range(bs)])
-    return counts, lengths + counts, block_lengths + counts, next_roots.copy(), gathered
+    # a request the round did not run keeps its root (it continues from it when it runs)
+    kept = np.array([next_roots[b] if active[b] else roots[b] for b in range(bs)], np.int32)
+    return counts, lengths + counts, block_lengths + counts, kept, gathered
 
 
 def test_the_reference_twins_give_the_oracles_integers():
@@ -58,8 +60,9 @@ def test_the_reference_twins_give_the_oracles_integers():
     np.testing.assert_array_equal(positions, block_lengths[:, None] + np.arange(4))
     case = _commit_case(np.random.default_rng(0))
     lengths, block_lengths, roots = (np.array([4, 9, 2], np.int32), np.array([4, 9, 2], np.int32),
-                                     np.zeros(3, np.int32))
-    want = _commit_oracle(*case, lengths, block_lengths)
+                                     np.array([101, 102, 103], np.int32))
+    want = _commit_oracle(*case, roots, lengths, block_lengths)
+    assert want[3][1] == 102                        # request 1 is not active: its root stays
     counts, gathered = ref.commit_round(*case, roots, lengths, block_lengths)
     for got, expected in zip((counts, lengths, block_lengths, roots, gathered), want):
         np.testing.assert_array_equal(got, expected)
@@ -81,7 +84,7 @@ def test_the_kernels_give_the_reference_twins_bits(needs_kernels):
         case = _commit_case(np.random.default_rng(F or 1), F=F or 1)
         rows = None if F is None else case[0]
         grown = [np.array([4, 9, 2], np.int32), np.array([4, 9, 2], np.int32),
-                 np.zeros(3, np.int32)]
+                 np.array([101, 102, 103], np.int32)]
         mine = [a.copy() for a in grown]
         ref_counts, ref_rows = ref.commit_round(rows, *case[1:], grown[2], grown[0],
                                                 grown[1] if block else None)
@@ -171,7 +174,9 @@ def test_a_graph_of_the_separate_glue_is_never_replayed_with_the_epilogue(monkey
 # 2-layer drafter of block 3) whose launches the switch removes (+) or adds (-)
 EPILOGUE_CUT = collections.Counter({
     "device_round.DeviceRounds._round: multiply": 1,       # counts = acc_len * active
-    "device_round.DeviceRounds._round: setitem": 1,        # roots = next_roots
+    "device_round.DeviceRounds._round: not_equal": 1,      # roots = next_roots where active
+    "device_round.DeviceRounds._round: where": 1,
+    "device_round.DeviceRounds._round: setitem": 1,
     "kvcache.KVCache.add_on_device: add": 2,               # both caches' lengths
     "kvcache.KVCache.device_slots: add": 3,                # three forwards' storage rows
     "dflash.DFlashDrafter.draft: add": 1,                  # the block's positions

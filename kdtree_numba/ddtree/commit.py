@@ -54,7 +54,8 @@ def _commit_kernel(gather: bool, grow_block: bool):
     def commit(rows, acc_idx, acc_len, active, next_roots, roots, lengths, block_lengths,
                counts, out):
         """Grid (request, chunk of its accepted rows' elements), one element a thread: the
-        gather; block (b, 0)'s thread 0 also request b's counts, lengths and root."""
+        gather; block (b, 0)'s thread 0 also request b's counts, lengths and root (kept where
+        the round did not run it)."""
         b = cuda.blockIdx.x
         if cuda.blockIdx.y == 0 and cuda.threadIdx.x == 0:
             c = acc_len[b] * active[b]
@@ -62,7 +63,8 @@ def _commit_kernel(gather: bool, grow_block: bool):
             lengths[b] += c
             if grow_block:
                 block_lengths[b] += c
-            roots[b] = next_roots[b]
+            if active[b]:
+                roots[b] = next_roots[b]
         if gather:
             width = out.shape[2]
             k = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x

@@ -40,7 +40,8 @@ def round_slots(lengths, max_len: int, n: int, block_lengths, block_max_len: int
 
 def commit_round(rows, acc_idx, acc_len, active, next_roots, roots, lengths, block_lengths):
     """A round's commit, in place: ``counts = acc_len * active`` (int32 [bs]); ``lengths`` and
-    ``block_lengths`` ([bs] int32, or None) grow by them; ``roots[:] = next_roots``.  Returns
+    ``block_lengths`` ([bs] int32, or None) grow by them; ``roots[b] = next_roots[b]`` where
+    ``active[b]`` (a request the round did not run keeps the token it continues from).  Returns
     ``(counts, accepted)``: ``accepted`` [bs, L + 1, F] the rows [bs, W, F] at ``acc_idx``
     [bs, L + 1] (padding -1 reads row 0), or None where ``rows`` is None."""
     counts = (np.asarray(acc_len).astype(np.int32) * np.asarray(active).astype(np.int32)
@@ -48,7 +49,7 @@ def commit_round(rows, acc_idx, acc_len, active, next_roots, roots, lengths, blo
     for grown in (lengths, block_lengths):
         if grown is not None:
             grown += counts
-    roots[...] = next_roots
+    roots[...] = np.where(np.asarray(active) != 0, next_roots, roots)
     if rows is None:
         return counts, None
     rows = np.asarray(rows)
