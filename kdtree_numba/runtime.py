@@ -58,7 +58,10 @@ Two kinds of switch:
   "Device rounds"),
   attention's key splits merged by the next launch, apply_uv, as it stages its rows
   (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
-  call splits its keys; the same bits: kdtree_numba/attention/projections.py),
+  call splits its keys; the same bits: kdtree_numba/attention/projections.py), the
+  shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
+  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off until timed on the GPU: one launch
+  fewer an FFN; the same bits: kdtree_numba/layers/linear.py's ``skinny_swiglu``),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -95,6 +98,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_EARLY_ROUND", "KDTREE_PROMPT_LOOKUP",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
+             "KDTREE_FUSED_SWIGLU",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -203,6 +207,7 @@ class RuntimeConfig:
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
     round_epilogue: bool = True   # a device round's glue in two launches (issue 36 item 3)
     merge_in_uv: bool = False   # attention's key splits merged by apply_uv (issue 36 item 3)
+    fused_swiglu: bool = False  # an FFN's SwiGLU in its gate_up linear (issue 36 item 3)
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -248,6 +253,7 @@ class RuntimeConfig:
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
                    round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", True),
                    merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
+                   fused_swiglu=_flag(env, "KDTREE_FUSED_SWIGLU", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

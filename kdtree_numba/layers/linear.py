@@ -8,16 +8,19 @@ split-K launch in order.  Design and tolerances: docs/LAYERS.md.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kdtree_numba.layers.common import CHUNK, takes_tiled, sum_splits
 from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
-from kdtree_numba.layers.skinny import SkinnyConfig, skinny_config, skinny_linear_kernel
+from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, skinny_config,
+                                        skinny_linear_kernel)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
                                            load_kind_for, result_array, workspace_buffer)
 
-__all__ = ["linear", "mma_takes", "METHODS"]
+__all__ = ["linear", "skinny_swiglu", "swiglu_fuses", "mma_takes", "METHODS"]
 
 METHODS = ("auto", "skinny", "tiled", "mma", "tensor-cores")
 
@@ -76,6 +79,45 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
     else:
         cfg = config if isinstance(config, TiledConfig) else tiled_config(m, n, k)
         _linear_tiled(xd, wd, load_kind, y, cfg, stream, workspace)
+    return y
+
+
+def swiglu_fuses(method: str, m: int, gate_up) -> bool:
+    """Whether ``linear(x, gate_up, method=method)`` at ``m`` rows streams the weight (the
+    skinny kernel), so that :func:`skinny_swiglu` gives its SwiGLU the same bits in one
+    launch."""
+    n, k = gate_up.shape
+    return method == "skinny" or (method == "auto" and not takes_tiled(m, n * k))
+
+
+def skinny_swiglu(x, gate_up, *, out=None, stream=0):
+    """``out [M, I] = silu(x gate^T) * (x up^T)`` for ``gate_up`` [2I, K] (its gate rows, then
+    its up rows) in one launch of the skinny kernel: each output's block streams its gate
+    and up rows together and applies SwiGLU to the two sums, each the bits
+    ``linear(x, gate_up, method="skinny")`` gives (the kernel's shape from ``skinny_config``
+    of the whole gate_up, half its rows a block as outputs), so the result is that linear
+    followed by the SwiGLU kernel's, one launch and one [M, 2I] buffer fewer."""
+    xd = device_f32(x, "x", 2, stream)
+    wd, kind = device_weight(gate_up, stream)
+    (m, k), two_i = xd.shape, wd.shape[0]
+    if len(wd.shape) != 2 or wd.shape[1] != k or two_i % 2:
+        raise ValueError(f"skinny_swiglu wants x [M, K] and gate_up [2I, K], got {xd.shape}, "
+                         f"{wd.shape}")
+    inter = two_i // 2
+    y = result_array(out, (m, inter), np.float32, stream)
+    if m == 0 or inter == 0:
+        return y
+    load_kind = load_kind_for(kind, k, xd, wd)
+    cfg = skinny_config(m, two_i, k, kind)
+    # a block's weight rows (its accumulators) as the plain kernel's: half of them outputs;
+    # one output still streams two rows, at the unroll ROWS_UNROLL keeps for two
+    unroll = cfg.unroll if cfg.rows > 1 else min(cfg.unroll, dict(ROWS_UNROLL[cfg.mt])[2])
+    cfg = dataclasses.replace(cfg, rows=max(1, cfg.rows // 2), unroll=unroll, splits=1)
+    n_mchunks = -(-m // cfg.mt)
+    blocks = n_mchunks * -(-inter // cfg.rows)
+    skinny_linear_kernel(cfg, load_kind, True)[blocks, cfg.threads, stream](
+        xd, kernel_weight(wd, load_kind), y.reshape(1, m, inter), m, inter, -(-k // CHUNK),
+        n_mchunks, 1)
     return y
 
 

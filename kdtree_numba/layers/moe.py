@@ -19,7 +19,7 @@ from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel
 from kdtree_numba.gpu.memory import prefetch_l2_row
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
-from kdtree_numba.layers.linear import METHODS, linear
+from kdtree_numba.layers.linear import METHODS, linear, skinny_swiglu, swiglu_fuses
 from kdtree_numba.layers.mma import round_to_bf16
 from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
                                               int4_mma_group_ok)
@@ -440,11 +440,14 @@ def _swiglu_linears(hd, gate_up, down, y, method: str, stream, ws, name: str):
     ``down`` [D, I] on the device; ``name`` prefixes the workspace buffers."""
     m = hd.shape[0]
     inter = down.shape[1]
-    gu = ws.get(name + "_gu", (m, 2 * inter), np.float32, stream)
     act = ws.get(name + "_act", (m, inter), np.float32, stream)
-    linear(hd, gate_up, out=gu, method=method, stream=stream, workspace=ws)
-    grid, block = launch_1d(act.size, 256)
-    _silu_mul[grid, block, stream](gu, act)
+    if runtime.current().fused_swiglu and swiglu_fuses(method, m, gate_up):
+        skinny_swiglu(hd, gate_up, out=act, stream=stream)     # the same bits, one launch
+    else:
+        gu = ws.get(name + "_gu", (m, 2 * inter), np.float32, stream)
+        linear(hd, gate_up, out=gu, method=method, stream=stream, workspace=ws)
+        grid, block = launch_1d(act.size, 256)
+        _silu_mul[grid, block, stream](gu, act)
     return linear(act, down, out=y, method=method, stream=stream, workspace=ws)
 
 

@@ -24,7 +24,7 @@ from kdtree_numba.gpu.memory import (cp_async_commit, cp_async_u16x2, cp_async_u
                                      ld_shared_word,
                                      ld_shared_words4, ld_stream_f32x4, ld_stream_u32x4)
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
-from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor
+from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor, silu
 
 __all__ = ["SkinnyConfig", "ROWS_UNROLL", "skinny_threads", "skinny_config", "mt_for",
            "skinny_kind", "make_accumulate", "skinny_linear_kernel", "I4_CHUNK", "INT4_KINDS",
@@ -687,8 +687,14 @@ def skinny_config(m: int, n: int, k: int, wkind: str, mt: int | None = None) -> 
 
 
 @kernel_factory
-def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
-    mt, nr, threads, x_major = cfg.mt, cfg.rows, cfg.threads, cfg.x_major
+def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
+    """The skinny linear; with ``swiglu`` its SwiGLU form: w is gate_up [2 n_total, K] and
+    out[0, m, o] = silu(x[m] . w[o]) * (x[m] . w[n_total + o]), a block's ``cfg.rows``
+    outputs streaming their gate and up rows together (as the routed experts' gate_up,
+    moe._expert_kernel): each dot product the plain kernel's bits, one launch where the
+    linear and the SwiGLU kernel were two (splits 1 only)."""
+    mt, r_out, threads, x_major = cfg.mt, cfg.rows, cfg.threads, cfg.x_major
+    nr = 2 * r_out if swiglu else r_out            # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
     accumulate = make_accumulate(mt, nr, threads, cfg.unroll, skinny_kind(wkind, cfg.f32_load))
     block_reduce = make_block_reduce(nacc, threads)
@@ -704,30 +710,35 @@ def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str):
         scratch = cuda.shared.array(scr, np.float32)
         bid = cuda.blockIdx.x
         if x_major:
-            n_tiles = (n_total + nr - 1) // nr
-            n0 = (bid % n_tiles) * nr
+            n_tiles = (n_total + r_out - 1) // r_out
+            n0 = (bid % n_tiles) * r_out
             s = (bid // n_tiles) % splits
             m0 = (bid // n_tiles // splits) * mt
         else:
             m0 = (bid % n_mchunks) * mt
             s = (bid // n_mchunks) % splits
-            n0 = (bid // n_mchunks // splits) * nr
+            n0 = (bid // n_mchunks // splits) * r_out
         xrows = cuda.local.array(mt, np.int32)
         wrows = cuda.local.array(nr, np.int32)
         acc = cuda.local.array(nacc, np.float32)
         for m in range(mt):
             xrows[m] = m0 + m if m0 + m < m_total else -1
-        for r in range(nr):
+        for r in range(r_out):
             wrows[r] = min(n0 + r, n_total - 1)
+            if swiglu:                   # the output's up row after its gate row
+                wrows[r_out + r] = n_total + min(n0 + r, n_total - 1)
         for i in range(nacc):
             acc[i] = np.float32(0.0)
         accumulate(x, xrows, w, wrows, s * k8 // splits, (s + 1) * k8 // splits, acc,
                    scratch)
         block_reduce(acc, red, scratch)
         t = cuda.threadIdx.x
-        if t < nacc:
-            m = t // nr
-            r = t - m * nr
+        if t < mt * r_out:
+            m = t // r_out
+            r = t - m * r_out
             if m0 + m < m_total and n0 + r < n_total:
-                out[s, m0 + m, n0 + r] = red[warps, t]
+                v = red[warps, m * nr + r]
+                if swiglu:
+                    v = silu(v) * red[warps, m * nr + r_out + r]
+                out[s, m0 + m, n0 + r] = v
     return skinny_linear
