@@ -296,20 +296,21 @@ class DeviceRounds:
 
 
 def plan_launch(req, in_flight: int, per_launch: int, seen,
-                wait_near_end: bool = False) -> tuple:
+                wait_near_end: float = 0.0) -> tuple:
     """The requests the next device launch runs and its rounds, for the engine's requests
     ``req`` (``active``, ``out``, ``max_new``) with ``in_flight`` rounds unread: those that
     may still need tokens (short of max_new_tokens by more than one a round in flight); with
-    ``per_launch`` > 1 or ``wait_near_end`` (``KDTREE_WAIT_NEAR_END``), only those the rounds
-    in flight look not to finish (at ``seen``'s mean tokens a round: tokens,
-    request-rounds); with ``per_launch`` > 1, that many rounds where some of them looks to
-    need them all, else one."""
+    ``per_launch`` > 1 or ``wait_near_end`` (``KDTREE_WAIT_NEAR_END``: a margin, 0 off), only
+    those the rounds in flight look not to finish (at ``seen``'s mean tokens a round: tokens,
+    request-rounds; times the margin, which above 1 trades rounds run past an end for reads
+    waited on); with ``per_launch`` > 1, that many rounds where some of them looks to need
+    them all, else one."""
     left = np.array([req.max_new - len(out) for out in req.out])
     ahead = req.active & (left > in_flight)
     if per_launch == 1 and not wait_near_end:
         return ahead, 1
     mean = max(1.0, seen[0] / max(1, seen[1]))
-    ahead &= left > in_flight * mean
+    ahead &= left > in_flight * mean * (float(wait_near_end) or 1.0)
     if per_launch == 1:
         return ahead, 1
     need = left[ahead].max() - in_flight * mean if ahead.any() else 0.0

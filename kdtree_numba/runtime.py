@@ -28,7 +28,9 @@ Two kinds of switch:
   read paid once per R rounds, the same tokens), no device round run ahead for a request the
   rounds in flight look to finish at the mean tokens a round so far (on by default since
   runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
-  wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off), the first device round enqueued before
+  wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off, a number m > 0 holds a request back
+  where the rounds in flight look to leave it at most m times their mean tokens short), the
+  first device round enqueued before
   the prefill's first tokens are read, on their device copy (``KDTREE_EARLY_ROUND=0`` turns
   it off: the device runs the round behind the prefill while the host reads and commits; the
   same tokens), DDTree's prompt lookup
@@ -139,6 +141,26 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     return int(value)
 
 
+WAIT_MOST = 8.0        # KDTREE_WAIT_NEAR_END's largest margin
+
+
+def _margin(environ: Mapping[str, str], name: str) -> float:
+    """Waiting near the end's margin from ``name``: unset, empty or an on word 1.0, an off
+    word 0.0 (off), else a number 0..:data:`WAIT_MOST` (ValueError otherwise)."""
+    value = environ.get(name, "").strip().lower()
+    if not value or value in ("on", "yes", "true"):
+        return 1.0
+    if value in _OFF:
+        return 0.0
+    try:
+        margin = float(value)
+    except ValueError:
+        margin = -1.0
+    if not 0.0 <= margin <= WAIT_MOST:
+        raise ValueError(f"{name}={value!r}: expected on, off or a margin 0 to {WAIT_MOST:g}")
+    return margin
+
+
 LOOKUP_ON = 0.8        # KDTREE_PROMPT_LOOKUP=on's weight (kdtree_numba/lookup.py's ON)
 
 
@@ -196,7 +218,9 @@ class RuntimeConfig:
     # AR steps a device launch (kdtree_numba/device_ar.py); 0: off (unset: from_environment)
     ar_device_steps: int = AR_STEPS_ON
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
-    wait_near_end: bool = True    # no round ahead where those in flight look to end a request
+    # no round ahead where those in flight look to end a request: their mean tokens times
+    # this margin (0: off; device_round.plan_launch)
+    wait_near_end: float = 1.0
     early_round: bool = True      # the first device round before the prefill's read
     # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): lookup.resolve's
     prompt_lookup: float | None = None
@@ -243,7 +267,7 @@ class RuntimeConfig:
                                           0 if simulator else AR_STEPS_ON),
                    rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
                                                    ROUNDS_ON, ROUNDS_MAX, "rounds")),
-                   wait_near_end=_flag(env, "KDTREE_WAIT_NEAR_END", True),
+                   wait_near_end=_margin(env, "KDTREE_WAIT_NEAR_END"),
                    early_round=_flag(env, "KDTREE_EARLY_ROUND", True),
                    prompt_lookup=_lookup_weight(env, "KDTREE_PROMPT_LOOKUP"),
                    fused_latents=_flag(env, "KDTREE_FUSED_LATENTS", True),

@@ -470,6 +470,13 @@ def test_plan_launch_sends_ahead_what_the_rounds_in_flight_leave():
     assert ahead.tolist() == [True, True, False, False] and n == 1
     ahead, n = plan_launch(req, 3, 1, seen, wait_near_end=True)      # 9 in flight: 9 <= 9
     assert ahead.tolist() == [True, False, False, False] and n == 1
+    # a margin: the mean tokens in flight times it (2 in flight x 3 x 1.5 = 9: 9 - 9 <= 0)
+    ahead, n = plan_launch(req, 2, 1, seen, wait_near_end=1.5)
+    assert ahead.tolist() == [True, False, False, False] and n == 1
+    ahead, n = plan_launch(req, 2, 1, seen, wait_near_end=0.5)       # 3 - 3 <= 0 still
+    assert ahead.tolist() == [True, True, False, False] and n == 1
+    ahead, n = plan_launch(req, 2, 1, seen, wait_near_end=0.0)       # off
+    assert ahead.tolist() == [True, True, True, False] and n == 1
 
 
 def test_a_launch_held_back_goes_in_after_the_read(monkeypatch):
