@@ -302,17 +302,17 @@ def plan_launch(req, in_flight: int, per_launch: int, seen,
     may still need tokens (short of max_new_tokens by more than one a round in flight); with
     ``per_launch`` > 1 or ``wait_near_end`` (``KDTREE_WAIT_NEAR_END``: a margin, 0 off), only
     those the rounds in flight look not to finish (at ``seen``'s mean tokens a round: tokens,
-    request-rounds; times the margin, which above 1 trades rounds run past an end for reads
-    waited on); with ``per_launch`` > 1, that many rounds where some of them looks to need
-    them all, else one."""
+    request-rounds; one round a launch times the margin, which above 1 trades rounds run past
+    an end for reads waited on); with ``per_launch`` > 1, that many rounds where some of them
+    looks to need them all, else one."""
     left = np.array([req.max_new - len(out) for out in req.out])
     ahead = req.active & (left > in_flight)
     if per_launch == 1 and not wait_near_end:
         return ahead, 1
     mean = max(1.0, seen[0] / max(1, seen[1]))
-    ahead &= left > in_flight * mean * (float(wait_near_end) or 1.0)
     if per_launch == 1:
-        return ahead, 1
+        return ahead & (left > in_flight * mean * float(wait_near_end)), 1
+    ahead &= left > in_flight * mean
     need = left[ahead].max() - in_flight * mean if ahead.any() else 0.0
     return ahead, per_launch if need > (per_launch - 1) * mean else 1
 

@@ -29,7 +29,8 @@ Two kinds of switch:
   rounds in flight look to finish at the mean tokens a round so far (on by default since
   runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
   wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off, a number m > 0 holds a request back
-  where the rounds in flight look to leave it at most m times their mean tokens short), the
+  where the rounds in flight look to leave it at most m times their mean tokens short: 2 by
+  default, on), the
   first device round enqueued before
   the prefill's first tokens are read, on their device copy (``KDTREE_EARLY_ROUND=0`` turns
   it off: the device runs the round behind the prefill while the host reads and commits; the
@@ -141,15 +142,16 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     return int(value)
 
 
-WAIT_MOST = 8.0        # KDTREE_WAIT_NEAR_END's largest margin
+WAIT_ON, WAIT_MOST = 2.0, 8.0   # KDTREE_WAIT_NEAR_END=on's margin (run 180); the largest
 
 
 def _margin(environ: Mapping[str, str], name: str) -> float:
-    """Waiting near the end's margin from ``name``: unset, empty or an on word 1.0, an off
-    word 0.0 (off), else a number 0..:data:`WAIT_MOST` (ValueError otherwise)."""
+    """Waiting near the end's margin from ``name``: unset, empty or an on word
+    :data:`WAIT_ON`, an off word 0.0 (off), else a number 0..:data:`WAIT_MOST` (ValueError
+    otherwise)."""
     value = environ.get(name, "").strip().lower()
     if not value or value in ("on", "yes", "true"):
-        return 1.0
+        return WAIT_ON
     if value in _OFF:
         return 0.0
     try:
@@ -220,7 +222,7 @@ class RuntimeConfig:
     rounds_per_launch: int = 1    # device rounds a launch (kdtree_numba/device_round.py)
     # no round ahead where those in flight look to end a request: their mean tokens times
     # this margin (0: off; device_round.plan_launch)
-    wait_near_end: float = 1.0
+    wait_near_end: float = WAIT_ON
     early_round: bool = True      # the first device round before the prefill's read
     # DDTree's lookup weight (kdtree_numba/lookup.py); 0: off; None (unset): lookup.resolve's
     prompt_lookup: float | None = None

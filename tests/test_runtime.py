@@ -36,13 +36,13 @@ def test_from_environment_reads_every_switch():
         assert runtime.RuntimeConfig.from_environment(
             {"KDTREE_ROUNDS_PER_LAUNCH": value}).rounds_per_launch == want, value
     assert default.kernel_cache_dir == "/x/kdtree-numba" and default.sim_warp == 4
-    assert default.early_round and default.wait_near_end == 1.0
+    assert default.early_round and default.wait_near_end == runtime.WAIT_ON == 2.0
 
 
 def test_waiting_near_the_end_takes_a_margin_or_a_word():
-    """KDTREE_WAIT_NEAR_END: on words and unset 1.0, off words 0.0, a number 0..WAIT_MOST its
-    margin; anything else a ValueError naming the variable."""
-    for value, want in (("", 1.0), ("on", 1.0), ("1", 1.0), ("0", 0.0), ("off", 0.0),
+    """KDTREE_WAIT_NEAR_END: on words and unset WAIT_ON (run 180: a margin of 2), off words
+    0.0, a number 0..WAIT_MOST its margin; anything else a ValueError naming the variable."""
+    for value, want in (("", 2.0), ("on", 2.0), ("1", 1.0), ("0", 0.0), ("off", 0.0),
                         ("1.5", 1.5), ("8", 8.0)):
         assert runtime.RuntimeConfig.from_environment(
             {"KDTREE_WAIT_NEAR_END": value}).wait_near_end == want, value
