@@ -26,15 +26,13 @@ Two kinds of switch:
   simulator), several device rounds a launch (``KDTREE_ROUNDS_PER_LAUNCH=R``, 1 to 16, ``on``:
   4; unset, 0 or 1: one round a launch; off: 0.95x on an H100 in run 169; the launch and the
   read paid once per R rounds, the same tokens), no device round run ahead for a request the
-  rounds in flight look to finish at the mean tokens a round so far (on by default since
-  runs 169-170: a round past a request's end saved, a read's wait paid where the guess is
-  wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off, a number m > 0 holds a request back
-  where the rounds in flight look to leave it at most m times their mean tokens short: 2 by
-  default, on), the
-  first device round enqueued before
-  the prefill's first tokens are read, on their device copy (``KDTREE_EARLY_ROUND=0`` turns
-  it off: the device runs the round behind the prefill while the host reads and commits; the
-  same tokens), DDTree's prompt lookup
+  rounds in flight look to leave at most m times their mean tokens a round short (on by
+  default since runs 169-170, m = 2 since run 180: a round past a request's end saved, a
+  read's wait paid where the guess is wrong; ``KDTREE_WAIT_NEAR_END=0`` turns it off, a
+  number sets m, ``on`` is 2), the first device round enqueued before the prefill's first
+  tokens are read, on their device copy (``KDTREE_EARLY_ROUND=0`` turns it off: the device
+  runs the round behind the prefill while the host reads and commits; the same tokens),
+  DDTree's prompt lookup
   (``KDTREE_PROMPT_LOOKUP``: a weight in (0, 1), ``on``: 0.8; off: none; unset: on the CPU
   path and the numba backend, off on the exact float64 reference: the
   tokens that followed the context's last n tokens where they occurred before, mixed into
@@ -63,8 +61,9 @@ Two kinds of switch:
   (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
   call splits its keys; the same bits: kdtree_numba/attention/projections.py), the
   shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
-  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off until timed on the GPU: one launch
-  fewer an FFN; the same bits: kdtree_numba/layers/linear.py's ``skinny_swiglu``),
+  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off: one launch fewer an FFN, no faster on
+  the demo pair in run 178; the same bits: kdtree_numba/layers/linear.py's
+  ``skinny_swiglu``),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
