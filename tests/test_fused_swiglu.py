@@ -22,7 +22,9 @@ def _weights(rng, d, inter, bf16):
     return gu, dn
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+# the opt-in switch's second cases (~6 s under the simulator) only off CI's default run
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["f32", "bf16"])
 def test_skinny_swiglu_is_the_skinny_linear_then_swiglu_bit_for_bit(needs_kernels, bf16):
     """Against the two launches it replaces (the skinny linear of the whole gate_up, then
     moe._silu_mul): the same bits, at row counts inside one and across several x-row
@@ -50,7 +52,8 @@ def test_skinny_swiglu_is_the_skinny_linear_then_swiglu_bit_for_bit(needs_kernel
         skinny_swiglu(np.zeros((2, 8), np.float32), np.zeros((5, 8), np.float32))
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["dense", "shared-expert"])
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["dense", "shared-expert"])
 def test_the_switch_keeps_the_ffns_bits_and_drops_a_launch(needs_kernels, monkeypatch,
                                                              shared):
     """moe_ffn with the switch on and off: the dense FFN (lean round) and a routed MoE with
