@@ -43,11 +43,11 @@ rule of ``sample_targets``; every method applies it to the target's logits) with
 a DDTree node at depth d samples the target's token at position ``start + d + 1`` with
 ``U_b[start + d + 1]`` (siblings share it; only one path is ever committed, so every committed
 token uses a fresh uniform and is an exact target sample).  Hence for a fixed seed DDTree and AR
-produce the same tokens at any temperature, top-p and top-k, up to float rounding (of the
-logits and of the softmax's sums, made in another order by a verify than by a decode) flipping
-a draw that sits on a CDF boundary: rare, but over many tokens a few prompts diverge after
-one (docs/BENCHMARKS.md, "Demo pair", counts them at T = 1); every token is still an exact
-sample of the target.
+produce the same tokens at any temperature, top-p and top-k (both choose with one sampling
+kernel), up to a verify's logits differing from a decode's in their last bits (a kernel
+whose summation order depends on the rows it is given) and flipping a draw that sits on a
+CDF boundary: never seen on the float64 reference, a few prompts in 32 on the GPU at T = 1
+(docs/BENCHMARKS.md, "Demo pair"); every token is still an exact sample of the target.
 
 Finished requests (eos emitted or max_new_tokens reached) stop growing; the batch keeps running
 until every request is finished (their rows are computed and discarded).
