@@ -141,6 +141,23 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     return int(value)
 
 
+def _word_or_number(text: str, on: float, valid, expected: str) -> float:
+    """A switch that is also a number: an off word 0.0, an on word ``on``, else the number
+    ``text`` holds where ``valid`` takes it; a ValueError naming ``expected`` otherwise."""
+    value = text.strip().lower()
+    if value in _OFF:
+        return 0.0
+    if value in ("on", "yes", "true"):
+        return on
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")             # valid() takes no NaN
+    if not valid(number):
+        raise ValueError(f"expected {expected}, got {text!r}")
+    return number
+
+
 WAIT_ON, WAIT_MOST = 2.0, 8.0   # KDTREE_WAIT_NEAR_END=on's margin (run 180); the largest
 
 
@@ -148,18 +165,14 @@ def _margin(environ: Mapping[str, str], name: str) -> float:
     """Waiting near the end's margin from ``name``: unset, empty or an on word
     :data:`WAIT_ON`, an off word 0.0 (off), else a number 0..:data:`WAIT_MOST` (ValueError
     otherwise)."""
-    value = environ.get(name, "").strip().lower()
-    if not value or value in ("on", "yes", "true"):
+    value = environ.get(name, "")
+    if not value.strip():
         return WAIT_ON
-    if value in _OFF:
-        return 0.0
     try:
-        margin = float(value)
-    except ValueError:
-        margin = -1.0
-    if not 0.0 <= margin <= WAIT_MOST:
-        raise ValueError(f"{name}={value!r}: expected on, off or a margin 0 to {WAIT_MOST:g}")
-    return margin
+        return _word_or_number(value, WAIT_ON, lambda m: 0.0 <= m <= WAIT_MOST,
+                               f"on, off or a margin 0 to {WAIT_MOST:g}")
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 LOOKUP_ON = 0.8        # KDTREE_PROMPT_LOOKUP=on's weight (kdtree_numba/lookup.py's ON)
@@ -169,19 +182,8 @@ def parse_lookup_weight(text: str) -> float:
     """DDTree's prompt-lookup weight from its text (``KDTREE_PROMPT_LOOKUP``, ``kdtree-run
     --prompt-lookup``): a number in (0, 1), on (:data:`LOOKUP_ON`) or an off word (0.0).
     ValueError otherwise."""
-    value = text.strip().lower()
-    if value in _OFF:
-        return 0.0
-    if value in ("on", "yes", "true"):
-        return LOOKUP_ON
-    try:
-        weight = float(value)
-    except ValueError:
-        weight = -1.0
-    if not 0.0 < weight < 1.0:
-        raise ValueError(f"expected the lookup's weight in (0, 1), on ({LOOKUP_ON}) or off, "
-                         f"got {text!r}")
-    return weight
+    return _word_or_number(text, LOOKUP_ON, lambda w: 0.0 < w < 1.0,
+                           f"the lookup's weight in (0, 1), on ({LOOKUP_ON}) or off")
 
 
 def _lookup_weight(environ: Mapping[str, str], name: str) -> float | None:
