@@ -952,3 +952,17 @@ def test_kernels_compile_to_registers_only(tmp_path):
         pytest.skip("NVVM is not installed (numba-cuda[cu13] extra)")
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert proc.returncode == 0, (bad or [proc.stdout[-2000:]], proc.stderr[-3000:])
+
+
+def test_a_small_weight_streams_up_to_a_prompts_rows():
+    """``auto``'s rule (common.takes_tiled): a large weight goes tiled from SKINNY_MAX_M + 1
+    rows; a small one (the demo target's every weight: its largest, the 8,192 x 256 lm_head,
+    is SMALL_WEIGHT_ELEMENTS) streams up to SMALL_WEIGHT_MAX_M rows, a 512-row prefill's,
+    where the tiled kernel's few blocks cost 2.5x (docs/GPU_RESULTS.md, run 183)."""
+    from kdtree_numba.layers import common
+    small, large = common.SMALL_WEIGHT_ELEMENTS, common.SMALL_WEIGHT_ELEMENTS + 1
+    assert 8192 * 256 == small
+    assert not common.takes_tiled(common.SKINNY_MAX_M, large)
+    assert common.takes_tiled(common.SKINNY_MAX_M + 1, large)
+    assert not common.takes_tiled(512, small) and common.SMALL_WEIGHT_MAX_M == 512
+    assert common.takes_tiled(513, small)

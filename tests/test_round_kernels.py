@@ -78,3 +78,24 @@ def test_a_kernel_made_by_a_factory_shortens_to_its_module_and_name():
     nested = itanium_mangler.mangle("kdtree_numba.gpu.reduce.make_block_reduce.<locals>."
                                     "outer.<locals>.block_reduce", [], uid=1)
     assert rk.short_name(nested) == "reduce.block_reduce"
+
+
+def test_a_generations_wall_time_splits_into_its_phases():
+    """A made-up prompt: the host starts at 0, the prefill replays at 10..30, two eager
+    kernels (the first choice, the drafter's commit) till 36, the rounds at 40..50 and
+    52..60 (2 us idle between them), the host returns at 65; kernels outside the host's
+    call belong to no generation."""
+    labels = ["prefill bs=1 n=128", "round b=16", "round b=16"]
+    records = [(-5.0, 1.0, "earlier", ""),
+               (9.0, 0.1, rk.BEGIN, ""), (10.0, 20.0, "_ZN1a3preE", ""), (30.0, 0.1, rk.END, ""),
+               (31.0, 2.0, "argmax", ""), (34.0, 2.0, "_ZN1a3ctxE", ""),
+               (39.0, 0.1, rk.BEGIN, ""), (40.0, 10.0, "_ZN1a3rndE", ""), (50.0, 0.1, rk.END, ""),
+               (51.0, 0.1, rk.BEGIN, ""), (52.0, 8.0, "_ZN1a3rndE", ""), (60.0, 0.1, rk.END, "")]
+    tagged = rk.tag_replays(records, labels)
+    assert [w for _, _, w in tagged] == ["eager", "prefill bs=1 n=128", "eager", "eager",
+                                         "round b=16", "round b=16"]
+    (g,) = rk.generation_phases(tagged, [(0.0, 65.0)])
+    assert g == dict(wall=65.0, start=10.0, prefill=20.0, prefill_busy=20.0, to_rounds=10.0,
+                     to_rounds_busy=4.0, rounds=20.0, rounds_busy=18.0, end=5.0)
+    # the phases add up to the wall time
+    assert g["start"] + g["prefill"] + g["to_rounds"] + g["rounds"] + g["end"] == g["wall"]

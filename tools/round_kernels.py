@@ -23,7 +23,12 @@ b=8": a device round; prefills and the drafter's own graphs apart) the tool prin
   launches, mean and summed microseconds, so a fusion's gain can be read off beforehand.
 
 Kernels outside any bracket (the engine's eager work between replays: an AR step's sampling)
-are counted per generated token.  GPU only, with torch (the ``hf`` extra) for the profiler.
+are counted per generated token.  Each ``generate()`` is also a host annotation in the same
+trace, so a prompt's wall time is split (``generation`` table) into: the host's start before
+the device's first kernel, the prefill's replay, the work between it and the first round (the
+drafter's first commit, the first choice), the rounds (their kernels and the GPU's idle
+between them), and the host's end after the last kernel: what a prompt pays outside its
+rounds.  GPU only, with torch (the ``hf`` extra) for the profiler.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from kdtree_numba.text import load_codec  # noqa: E402
 from round_timeline import pair_arguments  # noqa: E402
 
 BEGIN, END = "kdtree_replay_begin", "kdtree_replay_end"
+GENERATE = "kdtree_generate"        # the host annotation around each timed generate()
 MARKERS = (r'extern "C" __global__ void kdtree_replay_begin() {}'
            r' extern "C" __global__ void kdtree_replay_end() {}')
 
@@ -122,14 +128,64 @@ def launch_shape(args: dict) -> str:
     return " <<<%s, %s>>>" % ("x".join(map(str, grid)), "x".join(map(str, block)))
 
 
-def kernel_records(trace_path: str) -> list[tuple[float, float, str, str]]:
+def kernel_records(trace_path: str) -> tuple[list[tuple[float, float, str, str]], list]:
     """(start us, duration us, name, launch shape) of every kernel in a Chrome trace from
-    torch's profiler, by start."""
+    torch's profiler, by start; and the (start, end) us of each ``GENERATE`` annotation (the
+    host's generate() calls, on the same clock)."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     ks = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"], launch_shape(e.get("args", {})))
           for e in events if e.get("cat") == "kernel"]
-    return sorted(ks)
+    calls = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                   for e in events if e.get("name") == GENERATE and e.get("ph") == "X"
+                   and e.get("cat") != "gpu_user_annotation")
+    return sorted(ks), calls
+
+
+def tag_replays(records, labels) -> list[tuple[float, float, str]]:
+    """(start, end, what) of every kernel but the markers: its replay's label, or "eager"."""
+    out, inside, k = [], None, 0
+    for ts, dur, name, _ in records:
+        if name == BEGIN:
+            inside = labels[k] if k < len(labels) else "?"
+        elif name == END:
+            inside, k = None, k + 1
+        else:
+            out.append((ts, ts + dur, inside or "eager"))
+    return out
+
+
+def generation_phases(tagged, calls) -> list[dict]:
+    """Per generate() call (host start, end): where its wall time went, in us.  ``start``: the
+    host's start to the first kernel (the device idle, waiting for the host's preamble);
+    ``prefill``: the first prefill replay's span; ``to_rounds``: its end to the first round
+    replay's first kernel (``to_rounds_busy`` of it kernels: the first choice, the drafter's
+    first commit); ``rounds``: the first round's start to the last kernel's end
+    (``rounds_busy`` of it kernels, the rest the GPU idle between them); ``end``: the last
+    kernel's end to the host's return.  AR: its steps are the "rounds"."""
+    out = []
+    for t0, t1 in calls:
+        ks = [k for k in tagged if t0 <= k[0] < t1]
+        if not ks:
+            continue
+        pre = [k for k in ks if k[2].startswith("prefill")]
+        first_pre_end = max(k[1] for k in pre) if pre else ks[0][0]
+        later = [k for k in ks if k[0] >= first_pre_end]
+        loop = [k for k in later if k[2].startswith(("round", "forward", "ar_steps"))]
+        first_round = loop[0][0] if loop else first_pre_end
+        last_end = max(k[1] for k in ks)
+        between = [k for k in later if k[0] < first_round]
+        in_loop = [k for k in ks if k[0] >= first_round]
+        out.append(dict(
+            wall=t1 - t0, start=ks[0][0] - t0,
+            prefill=(first_pre_end - min(k[0] for k in pre)) if pre else 0.0,
+            prefill_busy=sum(k[1] - k[0] for k in pre),
+            to_rounds=first_round - first_pre_end,
+            to_rounds_busy=sum(k[1] - k[0] for k in between),
+            rounds=last_end - first_round,
+            rounds_busy=sum(k[1] - k[0] for k in in_loop),
+            end=t1 - last_end))
+    return out
 
 
 # a gap longer than this before a replay is a generation's boundary (its prefill's host work,
@@ -191,7 +247,7 @@ def main(argv=None) -> int:
         sys.exit("round_kernels: needs a GPU (it reads CUPTI's kernel records)")
     try:
         import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
     except ImportError:
         sys.exit("round_kernels: needs torch for its profiler (pip install -e .[hf])")
     import cupy
@@ -213,9 +269,10 @@ def main(argv=None) -> int:
         brackets.active = True
         cupy.cuda.Device().synchronize()
         tokens = rounds = 0
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for ids in prompts:
-                res = generate(model, [ids], args.max_new_tokens, **kw)
+                with record_function(GENERATE):
+                    res = generate(model, [ids], args.max_new_tokens, **kw)
                 tokens += res.stats.new_tokens
                 rounds += res.stats.rounds
             cupy.cuda.Device().synchronize()
@@ -223,19 +280,29 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             trace = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(trace)
-            records = kernel_records(trace)
+            records, calls = kernel_records(trace)
         per_label, outside, idle = segment(records, brackets.labels)
+        phases = generation_phases(tag_replays(records, brackets.labels), calls)
         config = dict(method=f"ddtree b={budget}" if budget else "ar", tokens=tokens,
                       rounds=rounds, kernels_recorded=len(records),
                       outside_per_token=len(outside) / max(tokens, 1),
                       outside_us_per_token=sum(d for _, d, _ in outside) / max(tokens, 1),
                       replays={lab: summarise(rs, idle[lab])
-                               for lab, rs in per_label.items()})
+                               for lab, rs in per_label.items()},
+                      generation={k: float(np.mean([g[k] for g in phases]))
+                                  for k in (phases[0] if phases else {})})
         result["configs"].append(config)
         print(f"\n## {config['method']}  ({result['card']}; {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens; {len(records)} kernels recorded; outside the "
               f"graphs {config['outside_per_token']:.1f} kernels, "
               f"{config['outside_us_per_token']:.1f} us a token)")
+        g = config["generation"]
+        if g:
+            print(f"\n### a generation (mean of {len(phases)}): wall {g['wall']:.1f} us = host "
+                  f"start {g['start']:.1f} + prefill {g['prefill']:.1f} (busy "
+                  f"{g['prefill_busy']:.1f}) + to the first round {g['to_rounds']:.1f} (busy "
+                  f"{g['to_rounds_busy']:.1f}) + rounds {g['rounds']:.1f} (busy "
+                  f"{g['rounds_busy']:.1f}) + host end {g['end']:.1f}")
         for lab, s in sorted(config["replays"].items(), key=lambda t: -t[1]["replays"]):
             print(f"\n### {lab}: {s['replays']} replays; {s['kernels']:.1f} kernels, busy "
                   f"{s['busy_us']:.1f} us, span {s['span_us']:.1f} us, between kernels "

@@ -17,22 +17,23 @@ __all__ = ["SKINNY_MAX_M", "SMALL_WEIGHT_ELEMENTS", "SMALL_WEIGHT_MAX_M", "takes
            "CHUNK", "pow2_floor", "pow2_ceil", "silu", "silu_approx", "sum_splits"]
 
 SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight streaming
-# ... and up to SMALL_WEIGHT_MAX_M rows (a tree verify's) for a weight this small (elements,
-# not bytes: a bf16 weight and its float32 widening take the same kernel, so the same bits):
-# streaming it again per 16 rows (from L2) costs less than the tiled kernel (the demo model at
-# a 33-row verify, run 143 on an H100: its tiled launches took ~25 us each against ~3 us
-# skinny).  Every Kimi-K2 weight is larger (its router, the smallest, 2.75 M); prefills keep
-# the tiled kernel
+# ... and up to SMALL_WEIGHT_MAX_M rows (a tree verify's, a short prompt's) for a weight this
+# small (elements, not bytes: a bf16 weight and its float32 widening take the same kernel, so
+# the same bits): streaming it again per 16 rows (from L2) costs less than the tiled kernel,
+# whose tiles leave such a weight's launch 1-8 blocks (the demo model on an H100: a 33-row
+# verify's tiled launches ~25 us each against ~3 us skinny, run 143; a 192-row prefill 2.23 ->
+# 0.89 ms, 256 rows 2.60 -> 1.01, 320 rows 2.93 -> 1.35, run 183).  Every Kimi-K2 weight is
+# larger (its router, the smallest, 2.75 M): its prefills keep the tiled kernel
 SMALL_WEIGHT_ELEMENTS = 1 << 21
-SMALL_WEIGHT_MAX_M = 128
+SMALL_WEIGHT_MAX_M = 512
 
 
 def takes_tiled(m: int, weight_elements: int) -> bool:
     """``method="auto"``'s choice for ``m`` rows of a weight (one expert's gate_up, in
     moe_ffn) of ``weight_elements``: the tiled GEMM above SKINNY_MAX_M rows, except for a weight
     of at most SMALL_WEIGHT_ELEMENTS at up to SMALL_WEIGHT_MAX_M rows.  So a small weight gives
-    a row the same bits from a decode to a verify of 128 rows, and a large one from 17 rows
-    on."""
+    a row the same bits from a decode to a verify or a prefill of 512 rows, and a large one
+    from 17 rows on."""
     return m > SKINNY_MAX_M and (weight_elements > SMALL_WEIGHT_ELEMENTS or
                                  m > SMALL_WEIGHT_MAX_M)
 GPU_SMS = 132                # H200; only used to size grids (more SMs just means more waves)
