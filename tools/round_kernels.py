@@ -28,7 +28,9 @@ trace, so a prompt's wall time is split (``generation`` table) into: the host's 
 the device's first kernel, the prefill's replay, the work between it and the first round (the
 drafter's first commit, the first choice), the rounds (their kernels and the GPU's idle
 between them), and the host's end after the last kernel: what a prompt pays outside its
-rounds.  GPU only, with torch (the ``hf`` extra) for the profiler.
+rounds.  The profiler's own work on the host at each launch inflates the host's pieces (the
+start, the gaps): compare them between runs of this tool, not with tools/bench_demo.py's.
+GPU only, with torch (the ``hf`` extra) for the profiler.
 """
 from __future__ import annotations
 
