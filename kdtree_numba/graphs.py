@@ -193,18 +193,21 @@ class GraphCache:
     def stored_key(key) -> tuple:
         """The key a graph of ``key`` is held under now: the lean round's glue
         (``KDTREE_LEAN_ROUND``) is other work than the full glue's, the MoE's chunk grid
-        (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, and the fused
+        (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, the fused
         launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``,
-        ``KDTREE_MERGE_IN_UV``) other kernels than the
-        separate ones, so never a graph of the other one (the same bits either way, but a
-        process that flips a switch to time it must run what it asked for).  A switch away
-        from its default adds its mark; under the defaults the key is ``key`` itself."""
+        ``KDTREE_MERGE_IN_UV``, ``KDTREE_FUSED_SWIGLU``) other kernels than the separate
+        ones, and attention's fixed splits (``KDTREE_INVARIANT_ATTENTION``) other plans, so
+        never a graph of the other one (the same bits or not, a process that flips a switch
+        to time it must run what it asked for).  A switch away from its default adds its
+        mark; under the defaults the key is ``key`` itself."""
         now = runtime.current()
         return key + (() if now.lean_round else ("full_glue",)) + (
             () if now.moe_chunk_grid else ("one_chunk_grid",)) + (
             ("fewer_launches",) if now.fewer_launches else ()) + (
             () if now.round_epilogue else ("no_round_epilogue",)) + (
-            ("merge_in_uv",) if now.merge_in_uv else ())
+            ("merge_in_uv",) if now.merge_in_uv else ()) + (
+            ("fused_swiglu",) if now.fused_swiglu else ()) + (
+            ("invariant_attention",) if now.invariant_attention else ())
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

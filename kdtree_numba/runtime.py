@@ -63,7 +63,10 @@ Two kinds of switch:
   shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
   streams its weight (``KDTREE_FUSED_SWIGLU=1``, off: one launch fewer an FFN, no faster on
   the demo pair in run 178; the same bits: kdtree_numba/layers/linear.py's
-  ``skinny_swiglu``),
+  ``skinny_swiglu``), attention's key splits fixed whatever the number of rows on every GEMM
+  setting (``KDTREE_INVARIANT_ATTENTION=1``, off until timed on the GPU: ``batch_invariant``
+  as under ``gemm="tensor-cores"``, so the demo pair's verify rows get a decode's bits and its
+  tokens at T > 0 AR's; other bits than the default's: kdtree_numba/attention/mla.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -100,7 +103,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_EARLY_ROUND", "KDTREE_PROMPT_LOOKUP",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
-             "KDTREE_FUSED_SWIGLU",
+             "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -235,6 +238,9 @@ class RuntimeConfig:
     round_epilogue: bool = True   # a device round's glue in two launches (issue 36 item 3)
     merge_in_uv: bool = False   # attention's key splits merged by apply_uv (issue 36 item 3)
     fused_swiglu: bool = False  # an FFN's SwiGLU in its gate_up linear (issue 36 item 3)
+    # attention's key splits fixed whatever the rows (a verify's rows a decode's bits) on
+    # every GEMM setting, not only tensor-cores' (issue 3 of round 3: T > 0 reproducible)
+    invariant_attention: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -281,6 +287,7 @@ class RuntimeConfig:
                    round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", True),
                    merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
                    fused_swiglu=_flag(env, "KDTREE_FUSED_SWIGLU", False),
+                   invariant_attention=_flag(env, "KDTREE_INVARIANT_ATTENTION", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -363,7 +363,7 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
     tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
-    bits do not depend on n; ``prefill``: a prompt's call, planned for speed under
+    bits do not depend on n (also with ``KDTREE_INVARIANT_ATTENTION=1``); ``prefill``: a prompt's call, planned for speed under
     ``batch_invariant`` (both: see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
@@ -377,7 +377,8 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
     bf16_cache = np.dtype(ckv.dtype) == np.uint16
-    invariant = bool(batch_invariant)
+    # KDTREE_INVARIANT_ATTENTION: the fixed key splits on every GEMM setting
+    invariant = bool(batch_invariant) or runtime.current().invariant_attention
     if fused_merge is None:
         fused_merge = runtime.current().fewer_launches
     cache = _UNOWNED if plans is None else plans
