@@ -196,7 +196,9 @@ class GraphCache:
         (``KDTREE_MOE_CHUNK_GRID``) other launches than the one-chunk grid's, the fused
         launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``,
         ``KDTREE_MERGE_IN_UV``, ``KDTREE_FUSED_SWIGLU``) other kernels than the separate
-        ones, and attention's fixed splits (``KDTREE_INVARIANT_ATTENTION``) other plans, so
+        ones, the MoE's work list and int4 tensor-core path (``KDTREE_MOE_WORK_LIST``,
+        ``KDTREE_INT4_MMA``) other kernels, and attention's fixed splits
+        (``KDTREE_INVARIANT_ATTENTION``) other plans, so
         never a graph of the other one (the same bits or not, a process that flips a switch
         to time it must run what it asked for).  A switch away from its default adds its
         mark; under the defaults the key is ``key`` itself."""
@@ -207,7 +209,9 @@ class GraphCache:
             () if now.round_epilogue else ("no_round_epilogue",)) + (
             ("merge_in_uv",) if now.merge_in_uv else ()) + (
             ("fused_swiglu",) if now.fused_swiglu else ()) + (
-            ("invariant_attention",) if now.invariant_attention else ())
+            ("invariant_attention",) if now.invariant_attention else ()) + (
+            ("moe_work_list",) if now.moe_work_list else ()) + (
+            () if now.int4_mma else ("no_int4_mma",))
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

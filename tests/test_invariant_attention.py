@@ -4,6 +4,7 @@ bits (the demo pair's tokens at T > 0 then AR's); graphs of either setting keyed
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from test_fewer_launches import _problem
 
@@ -30,15 +31,18 @@ def test_the_switch_gives_a_verify_row_the_bits_of_its_decode(monkeypatch, needs
     assert all(key[4] for key in plans._plans)      # batch_invariant in every plan's key
 
 
-def test_the_switches_that_change_kernels_key_graphs_apart(monkeypatch):
-    """GraphCache.stored_key marks KDTREE_INVARIANT_ATTENTION's and KDTREE_FUSED_SWIGLU's
-    graphs, so an A/B in one process (tools/ab_switches.py) never replays one setting's
-    graph for the other."""
+@pytest.mark.parametrize("name, default", [
+    ("KDTREE_INVARIANT_ATTENTION", "0"), ("KDTREE_FUSED_SWIGLU", "0"),
+    ("KDTREE_MOE_WORK_LIST", "0"), ("KDTREE_INT4_MMA", "1")])
+def test_the_switches_that_change_kernels_key_graphs_apart(monkeypatch, name, default):
+    """GraphCache.stored_key marks the graphs of a per-call switch that changes kernels or
+    plans, so an A/B in one process (tools/ab_switches.py) never replays one setting's graph
+    for the other (run 178's fused-SwiGLU A/B did, before the mark)."""
     from kdtree_numba.graphs import GraphCache
-    for name in ("KDTREE_INVARIANT_ATTENTION", "KDTREE_FUSED_SWIGLU"):
-        monkeypatch.delenv(name, raising=False)
-        plain = GraphCache.stored_key(("forward", 1, 1))
-        monkeypatch.setenv(name, "1")
-        assert GraphCache.stored_key(("forward", 1, 1)) != plain
-        monkeypatch.setenv(name, "0")
-        assert GraphCache.stored_key(("forward", 1, 1)) == plain
+    other = "1" if default == "0" else "0"
+    monkeypatch.delenv(name, raising=False)
+    plain = GraphCache.stored_key(("forward", 1, 1))
+    monkeypatch.setenv(name, default)
+    assert GraphCache.stored_key(("forward", 1, 1)) == plain
+    monkeypatch.setenv(name, other)
+    assert GraphCache.stored_key(("forward", 1, 1)) != plain
