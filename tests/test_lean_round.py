@@ -99,10 +99,12 @@ def test_fewer_launches_on_the_lean_round_give_the_same_bits(monkeypatch, needs_
 @sim_only
 @pytest.mark.parametrize("m", [1, 5, pytest.param(130, marks=pytest.mark.slow)])   # 14 s
 def test_the_dense_ffn_without_its_routing_gives_the_same_bits(monkeypatch, m, needs_kernels):
-    """moe_ffn's dense path (no routing given): tiled (M > 128 for a small weight) with the
-    constant grouping made once, the one-expert MoE's bits in two launches where it took
-    five; skinny, the two linears around SwiGLU (three launches, where it took five)."""
-    from kdtree_numba.layers import moe_ffn
+    """moe_ffn's dense path (no routing given): tiled (past SMALL_WEIGHT_MAX_M rows for a
+    small weight, lowered here to 128 so that 130 rows take it) with the constant grouping
+    made once, the one-expert MoE's bits in two launches where it took five; skinny, the two
+    linears around SwiGLU (three launches, where it took five)."""
+    from kdtree_numba.layers import common, moe_ffn
+    monkeypatch.setattr(common, "SMALL_WEIGHT_MAX_M", 128)
     rng = np.random.default_rng(m)
     h = rng.standard_normal((m, 16)).astype(np.float32)
     gate_up = rng.standard_normal((1, 24, 16)).astype(np.float32)
