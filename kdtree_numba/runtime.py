@@ -61,12 +61,12 @@ Two kinds of switch:
   (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
   call splits its keys; the same bits: kdtree_numba/attention/projections.py), the
   shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
-  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off: one launch fewer an FFN, no faster on
-  the demo pair in run 178; the same bits: kdtree_numba/layers/linear.py's
-  ``skinny_swiglu``), attention's key splits fixed whatever the number of rows on every GEMM
-  setting (``KDTREE_INVARIANT_ATTENTION=1``, off until timed on the GPU: ``batch_invariant``
-  as under ``gemm="tensor-cores"``, so the demo pair's verify rows get a decode's bits and its
-  tokens at T > 0 AR's; other bits than the default's: kdtree_numba/attention/mla.py),
+  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off until the demo's kernel manifest holds
+  its kernel: one launch fewer an FFN, 1.019x AR on the demo pair in run 189; the same bits:
+  kdtree_numba/layers/linear.py's ``skinny_swiglu``), attention's key splits fixed whatever
+  the number of rows on every GEMM setting (``KDTREE_INVARIANT_ATTENTION=1``, off: 0.75x AR
+  in run 189; ``batch_invariant`` as under ``gemm="tensor-cores"``, so the demo pair's verify
+  rows get a decode's bits; other bits than the default's: kdtree_numba/attention/mla.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the

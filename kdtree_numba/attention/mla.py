@@ -362,9 +362,10 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     A host ``prefix_len`` sets the split count from its maximum; for a device one pass
     ``max_keys`` (>= max(prefix_len) + n) or the cache length ``max_len`` is assumed.
     ``variant`` picks a kernel (:data:`VARIANTS`; all compute the same function; None: the
-    tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant``: a row's
-    bits do not depend on n (also with ``KDTREE_INVARIANT_ATTENTION=1``); ``prefill``: a prompt's call, planned for speed under
-    ``batch_invariant`` (both: see :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
+    tensor-core one where it runs, see :func:`resolve_variant`).  ``batch_invariant`` (also
+    set by ``KDTREE_INVARIANT_ATTENTION=1``): a row's bits do not depend on n; ``prefill``: a
+    prompt's call, planned for speed under ``batch_invariant`` (both: see
+    :class:`MlaAttentionPlan`).  ``rows``: the tensor-core
     block's query-heads (None: picked to fill the GPU; tests and benchmarks force one).
     ``causal``: no query sees a new key after its own (see :class:`MlaAttentionPlan`).
     ``fused_merge``: the key splits merged in the block kernel (see :class:`MlaAttentionPlan`;
