@@ -158,6 +158,16 @@ def _recording_numba_allocations(keep: list):
         del manager.memalloc           # the class's method again
 
 
+# the per-call switches (RuntimeConfig fields) whose settings run other kernels or plans in a
+# captured graph, and the mark each setting adds to a graph's key (None: none, the default's)
+_GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_chunk_grid", None),
+                   ("fewer_launches", None, "fewer_launches"),
+                   ("round_epilogue", "no_round_epilogue", None),
+                   ("merge_in_uv", None, "merge_in_uv"), ("fused_swiglu", None, "fused_swiglu"),
+                   ("invariant_attention", None, "invariant_attention"),
+                   ("moe_work_list", None, "moe_work_list"), ("int4_mma", "no_int4_mma", None))
+
+
 class GraphCache:
     """Captured device work, by key (module docstring): :meth:`call` replays a key's graph or
     says to run eagerly.  ``before_capture`` (no arguments) runs before each capture begins.
@@ -203,15 +213,8 @@ class GraphCache:
         to time it must run what it asked for).  A switch away from its default adds its
         mark; under the defaults the key is ``key`` itself."""
         now = runtime.current()
-        return key + (() if now.lean_round else ("full_glue",)) + (
-            () if now.moe_chunk_grid else ("one_chunk_grid",)) + (
-            ("fewer_launches",) if now.fewer_launches else ()) + (
-            () if now.round_epilogue else ("no_round_epilogue",)) + (
-            ("merge_in_uv",) if now.merge_in_uv else ()) + (
-            ("fused_swiglu",) if now.fused_swiglu else ()) + (
-            ("invariant_attention",) if now.invariant_attention else ()) + (
-            ("moe_work_list",) if now.moe_work_list else ()) + (
-            () if now.int4_mma else ("no_int4_mma",))
+        marks = (on if getattr(now, field) else off for field, off, on in _GRAPH_SWITCHES)
+        return key + tuple(m for m in marks if m is not None)
 
     def holds(self, key) -> bool:
         """Whether a call of ``key`` now would replay a captured graph."""

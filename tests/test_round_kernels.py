@@ -91,7 +91,7 @@ def test_a_generations_wall_time_splits_into_its_phases():
                (31.0, 2.0, "argmax", ""), (34.0, 2.0, "_ZN1a3ctxE", ""),
                (39.0, 0.1, rk.BEGIN, ""), (40.0, 10.0, "_ZN1a3rndE", ""), (50.0, 0.1, rk.END, ""),
                (51.0, 0.1, rk.BEGIN, ""), (52.0, 8.0, "_ZN1a3rndE", ""), (60.0, 0.1, rk.END, "")]
-    tagged = rk.tag_replays(records, labels)
+    tagged = rk.tag_replays(*rk.segment(records, labels)[:2])
     assert [w for _, _, w in tagged] == ["eager", "prefill bs=1 n=128", "eager", "eager",
                                          "round b=16", "round b=16"]
     (g,) = rk.generation_phases(tagged, [(0.0, 65.0)])

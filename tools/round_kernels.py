@@ -144,17 +144,12 @@ def kernel_records(trace_path: str) -> tuple[list[tuple[float, float, str, str]]
     return sorted(ks), calls
 
 
-def tag_replays(records, labels) -> list[tuple[float, float, str]]:
-    """(start, end, what) of every kernel but the markers: its replay's label, or "eager"."""
-    out, inside, k = [], None, 0
-    for ts, dur, name, _ in records:
-        if name == BEGIN:
-            inside = labels[k] if k < len(labels) else "?"
-        elif name == END:
-            inside, k = None, k + 1
-        else:
-            out.append((ts, ts + dur, inside or "eager"))
-    return out
+def tag_replays(per_label, outside) -> list[tuple[float, float, str]]:
+    """(start, end, what) of every kernel of :func:`segment`'s replays (``per_label``) and of
+    those outside them (``outside``, "eager"), by start."""
+    tagged = [(ts, ts + dur, lab) for lab, replays in per_label.items() for r in replays
+              for ts, dur, _ in r]
+    return sorted(tagged + [(ts, ts + dur, "eager") for ts, dur, _ in outside])
 
 
 def generation_phases(tagged, calls) -> list[dict]:
@@ -284,7 +279,7 @@ def main(argv=None) -> int:
             prof.export_chrome_trace(trace)
             records, calls = kernel_records(trace)
         per_label, outside, idle = segment(records, brackets.labels)
-        phases = generation_phases(tag_replays(records, brackets.labels), calls)
+        phases = generation_phases(tag_replays(per_label, outside), calls)
         config = dict(method=f"ddtree b={budget}" if budget else "ar", tokens=tokens,
                       rounds=rounds, kernels_recorded=len(records),
                       outside_per_token=len(outside) / max(tokens, 1),

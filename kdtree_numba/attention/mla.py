@@ -378,14 +378,15 @@ def mla_attention(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, *, out=None, 
     if max_keys is None and not compat.is_device_array(prefix_len):
         max_keys = int(np.max(prefix_len)) + n if bs else n
     bf16_cache = np.dtype(ckv.dtype) == np.uint16
+    now = runtime.current()
     # KDTREE_INVARIANT_ATTENTION: the fixed key splits on every GEMM setting
-    invariant = bool(batch_invariant) or runtime.current().invariant_attention
+    invariant = bool(batch_invariant) or now.invariant_attention
     if fused_merge is None:
-        fused_merge = runtime.current().fewer_launches
+        fused_merge = now.fewer_launches
     cache = _UNOWNED if plans is None else plans
     plan = cache.plan(
         shape, max_keys, keys_per_split, variant, invariant, invariant and bool(prefill), rows,
         bf16_cache, bool(fused_merge))
     return plan(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, out=out, stream=stream,
-                causal=causal, defer_merge=runtime.current().merge_in_uv
+                causal=causal, defer_merge=now.merge_in_uv
                 if cache.defer_merge is None else cache.defer_merge)
