@@ -165,7 +165,8 @@ _GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_ch
                    ("round_epilogue", "no_round_epilogue", None),
                    ("merge_in_uv", None, "merge_in_uv"), ("fused_swiglu", None, "fused_swiglu"),
                    ("invariant_attention", None, "invariant_attention"),
-                   ("moe_work_list", None, "moe_work_list"), ("int4_mma", "no_int4_mma", None))
+                   ("moe_work_list", None, "moe_work_list"), ("int4_mma", "no_int4_mma", None),
+                   ("shared_in_experts", None, "shared_in_experts"))
 
 
 class GraphCache:
@@ -207,7 +208,8 @@ class GraphCache:
         launches (``KDTREE_FEWER_LAUNCHES``, ``KDTREE_ROUND_EPILOGUE``,
         ``KDTREE_MERGE_IN_UV``, ``KDTREE_FUSED_SWIGLU``) other kernels than the separate
         ones, the MoE's work list and int4 tensor-core path (``KDTREE_MOE_WORK_LIST``,
-        ``KDTREE_INT4_MMA``) other kernels, and attention's fixed splits
+        ``KDTREE_INT4_MMA``) and the shared expert in the routed experts' launches
+        (``KDTREE_SHARED_IN_EXPERTS``) other kernels, and attention's fixed splits
         (``KDTREE_INVARIANT_ATTENTION``) other plans, so
         never a graph of the other one (the same bits or not, a process that flips a switch
         to time it must run what it asked for).  A switch away from its default adds its

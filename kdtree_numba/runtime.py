@@ -67,6 +67,10 @@ Two kinds of switch:
   the number of rows on every GEMM setting (``KDTREE_INVARIANT_ATTENTION=1``, off: 0.75x AR
   in run 189; ``batch_invariant`` as under ``gemm="tensor-cores"``, so the demo pair's verify
   rows get a decode's bits; other bits than the default's: kdtree_numba/attention/mla.py),
+  the MoE's shared expert run by the routed experts' two launches where both stream their
+  weights (``KDTREE_SHARED_IN_EXPERTS=1``, off until timed on the GPU: 3 launches fewer a
+  MoE layer, 2 with the fused SwiGLU; bf16 and float32 experts the same bits, int4 experts
+  the shared expert at their threads: kdtree_numba/layers/moe.py, ``_shared_in_experts``),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -103,7 +107,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_EARLY_ROUND", "KDTREE_PROMPT_LOOKUP",
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
-             "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION",
+             "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -241,6 +245,9 @@ class RuntimeConfig:
     # attention's key splits fixed whatever the rows (a verify's rows a decode's bits) on
     # every GEMM setting, not only tensor-cores' (issue 3 of round 3: T > 0 reproducible)
     invariant_attention: bool = False
+    # the shared expert's blocks in the routed experts' launches where both stream their
+    # weights (issue 39: the W4A16 decode's launches 7 -> 4)
+    shared_in_experts: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -288,6 +295,7 @@ class RuntimeConfig:
                    merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
                    fused_swiglu=_flag(env, "KDTREE_FUSED_SWIGLU", False),
                    invariant_attention=_flag(env, "KDTREE_INVARIANT_ATTENTION", False),
+                   shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

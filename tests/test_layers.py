@@ -848,6 +848,7 @@ from numba import cuda, types as T
 from cuda.bindings import nvjitlink as nj
 import kdtree_numba.layers as L
 from kdtree_numba.layers.moe import _expert_kernel
+from kdtree_numba.layers.moe_shapes import shared_expert_config
 from kdtree_numba.layers.skinny import skinny_linear_kernel
 from kdtree_numba.layers.tiled import tiled_kernel
 
@@ -883,6 +884,11 @@ for m in (1, 3, 16):
 for m in (1, 65, 200, 4096):      # W4A16 (int4 experts, group 32): every mt the sizes pick
     for k_in, gate_up in ((7168, True), (2048, False)):
         configs.add(("int4_expert", L.expert_config(m, 8, 384, k_in, gate_up, True), gate_up))
+for m in (1, 9, 65):              # KDTREE_SHARED_IN_EXPERTS: int4 experts, the shared bf16
+    for k_in, gate_up, n in ((7168, True, 4096), (2048, False, 7168)):
+        cfg = L.expert_config(m, 8, 384, k_in, gate_up, True)
+        shared = (shared_expert_config(m, n, k_in, "bf16", cfg.threads, gate_up), "bf16")
+        configs.add(("int4_shared", cfg, (gate_up, shared)))
 for m in (17, 65):
     for cfg, _, _ in L.expert_tiled_configs(m):
         for mode in ("gate_up", "down"):
@@ -905,6 +911,11 @@ for what, cfg, extra in sorted(configs, key=str):
         limit = 176
         fn = _expert_kernel(cfg, "i4", extra, 32)
         sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2, i64, i64, i64)
+    elif what == "int4_shared":
+        limit = 176
+        fn = _expert_kernel(cfg, "i4", extra[0], 32, 1, extra[1])
+        sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2, i64, i64, i64,
+               i64, f2, u2, T.float32[:, :, ::1], i64, i64, i64, i64)
     elif extra in ("f32", "bf16"):
         fn = tiled_kernel(cfg, extra, "linear")
         sig = (f2, u2 if extra == "bf16" else f2, f2, i64, i64, i64, i64, i64, i64)
@@ -933,7 +944,8 @@ def test_kernels_compile_to_registers_only(tmp_path):
     """Every skinny/expert/tiled configuration the heuristics pick at real shapes, compiled to
     PTX for sm_90 and assembled by ptxas (nvJitLink) on a CPU machine: no local memory in the
     PTX (accumulators in registers); skinny kernels no spills and <= 144 registers (3+ blocks
-    of 128 threads per SM), the int4 (W4A16) expert kernels <= 176; tiled kernels within their register cap and <= 160 bytes of
+    of 128 threads per SM), the int4 (W4A16) expert kernels (with the
+    shared expert's blocks too) <= 176; tiled kernels within their register cap and <= 160 bytes of
     spill.  A GPU run would not notice: it would just be slow."""
     import os
     import subprocess

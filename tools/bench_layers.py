@@ -683,6 +683,7 @@ def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline)
         row["config"] = str(pair)
         results.append(row)
         print_row(row)
+    _shared_in_experts_row(ctx, results, experts, shared, call, nbytes, used)
     _int4_mma_rows(ctx, results, experts, shared, call, 1, "router", nbytes, used, deadline,
                    tiles=INT4_MMA_DECODE_TILES)
 
@@ -729,6 +730,26 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
                 gbps=nbytes / t / 1e9, host_bound=host_bound)
 
 
+def _shared_in_experts_row(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
+    """The M = 1 call with KDTREE_SHARED_IN_EXPERTS=1 (the shared expert's blocks in the
+    routed experts' two launches: 4 launches where the default's are 7), beside the same
+    bytes roof; ``kind`` names the experts' dtype in the row."""
+    layers, timer = ctx["layers"], ctx["timer"]
+    h, index, w, out, ws = call
+    try:
+        with environment(KDTREE_SHARED_IN_EXPERTS="1"):
+            t, hb = timer([lambda: layers.moe_ffn(h, index, w, *experts, *shared, out=out,
+                                                  workspace=ws)], trials=5)
+    except Exception as exc:   # noqa: BLE001 -- report and go on
+        report_failure(results, "int4", f"M=1 {kind} shared in experts", exc)
+        return None
+    variant = "shared in experts" if kind == "int4" else f"{kind}, shared in experts"
+    row = _moe_roof_row(variant, 1, "router", used, nbytes, t, hb)
+    results.append(row)
+    print_row(row)
+    return row
+
+
 def _bf16_decode_row(ctx, results, shared, decode):
     """The M = 1 call of bench_int4 with the 384 experts in bf16 (33.8 GB, a constant fill:
     the values do not change the time); sets the int4 row's ``vs_bf16``: this call's time
@@ -744,15 +765,21 @@ def _bf16_decode_row(ctx, results, shared, decode):
         t, hb = timer([lambda: layers.moe_ffn(h, idx, w, *experts, *shared, out=out,
                                               workspace=ws)], trials=5)
         used = int4_row["experts_read"] - 1
-        row = _moe_roof_row("bf16", 1, "router", used, (used + 1) * 3 * inter * d * 2, t, hb)
+        nbytes = (used + 1) * 3 * inter * d * 2
+        row = _moe_roof_row("bf16", 1, "router", used, nbytes, t, hb)
         int4_row["vs_bf16"] = t / (int4_row["us"] * 1e-6)
         results.append(row)
         print_row(row)
+        merged = _shared_in_experts_row(ctx, results, experts, shared, (h, idx, w, out, ws),
+                                        nbytes, used, kind="bf16")
+        if merged is not None:
+            print(f"\nwith the shared expert in the routed launches on both sides: int4 "
+                  f"{_merged_int4_us(results):.1f} us, bf16 {merged['us']:.1f} us", flush=True)
         print(f"\nint4 vs bf16 experts, one MoE layer's decode (M = 1): "
               f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
               f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
         decode_rows = [r for r in results if r.get("section") == "int4" and r.get("M") == 1
-                       and "us" in r and r is not row]
+                       and "us" in r and r is not row and r is not merged]
         for r in sorted(decode_rows, key=lambda r: r["us"]):
             r["vs_bf16"] = t / (r["us"] * 1e-6)
             print(f"  {r['variant']}: {r['us']:.1f} us, {r['roof_frac']:.2f} of the roof, "
@@ -762,6 +789,12 @@ def _bf16_decode_row(ctx, results, shared, decode):
     finally:
         experts = None
         cp.get_default_memory_pool().free_all_blocks()
+
+
+def _merged_int4_us(results) -> float:
+    """The int4 M = 1 "shared in experts" row's time (nan where it did not run)."""
+    return next((r["us"] for r in results if r.get("section") == "int4" and r.get("M") == 1
+                 and r.get("variant") == "shared in experts" and "us" in r), float("nan"))
 
 
 def bench_norm_rope(ctx, results):

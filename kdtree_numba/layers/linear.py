@@ -8,14 +8,12 @@ split-K launch in order.  Design and tolerances: docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from kdtree_numba.layers.common import CHUNK, takes_tiled, sum_splits
 from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
-from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, skinny_config,
-                                        skinny_linear_kernel)
+from kdtree_numba.layers.skinny import (SkinnyConfig, skinny_config, skinny_linear_kernel,
+                                        swiglu_config)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
 from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
                                            load_kind_for, result_array, workspace_buffer)
@@ -108,11 +106,7 @@ def skinny_swiglu(x, gate_up, *, out=None, stream=0):
     if m == 0 or inter == 0:
         return y
     load_kind = load_kind_for(kind, k, xd, wd)
-    cfg = skinny_config(m, two_i, k, kind)
-    # a block's weight rows (its accumulators) as the plain kernel's: half of them outputs;
-    # one output still streams two rows, at the unroll ROWS_UNROLL keeps for two
-    unroll = cfg.unroll if cfg.rows > 1 else min(cfg.unroll, dict(ROWS_UNROLL[cfg.mt])[2])
-    cfg = dataclasses.replace(cfg, rows=max(1, cfg.rows // 2), unroll=unroll, splits=1)
+    cfg = swiglu_config(skinny_config(m, two_i, k, kind))
     _linear_skinny(xd, wd, load_kind, y, cfg, stream, None, swiglu=True)
     return y
 

@@ -27,9 +27,10 @@ from kdtree_numba.layers.moe_route import moe_route, route_from_logits, router_l
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
 from kdtree_numba.layers.moe_shapes import (expert_chunk_bound, expert_config,
-                                            expert_tiled_configs)
+                                            expert_tiled_configs, shared_expert_config)
 from kdtree_numba.layers.skinny import (INT4_KINDS, RING_WORDS, SkinnyConfig, int4_chunks,
-                                        int4_ring_ok, make_accumulate, skinny_kind)
+                                        int4_ring_ok, make_accumulate, make_skinny_block,
+                                        skinny_kind)
 from kdtree_numba.layers.tiled import tiled_kernel
 from kdtree_numba.layers.workspace import (Int4Experts, Workspace, device_f32, device_weight,
                                            int4_load_kind, kernel_weight, launch_1d,
@@ -149,7 +150,7 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0, lanes: int =
 
 @kernel_factory
 def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
-                   chunks: int = 1):
+                   chunks: int = 1, shared=None):
     """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
     kinds (``group``: the weights' group size) read the expert's words and scales, the other
     kinds its rows (``s3`` is then a placeholder).  ``chunks``: blocks per (active expert, N
@@ -161,7 +162,11 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     it); ``cfg.prefetch``: a tile's weight rows asked into L2 at its start (and the next
     tile's, with a span), one bulk prefetch a row; ``cfg.max_registers``: a ptxas cap;
     ``cfg.stages`` / ``cfg.unpack`` (int4): skinny.make_accumulate's ring and unpacking, the
-    ring in a shared array of the kernel's own."""
+    ring in a shared array of the kernel's own.  ``shared``: (SkinnyConfig, load kind) of
+    the shared expert's blocks after the routed ones (``KDTREE_SHARED_IN_EXPERTS``,
+    :func:`_shared_in_experts`): the launch's blocks from ``routed_blocks`` on run the skinny
+    linear's block (skinny.make_skinny_block, its SwiGLU form in gate_up) over the shared
+    expert's weight and every token, so the shared expert costs no launch of its own."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
@@ -229,19 +234,21 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                     out[s0 + m, o0 + r] = v
             cuda.syncthreads()     # red is reused by the next chunk of tokens
 
-    def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
-                    tiles):
-        """gate_up: out = act [slots, Im], x = h [M, D], w3 = gate_up [E, 2Im, D/..];
-        down: out = y_slot [slots, D], x = act (rows = slots), w3 = down [E, D, Im/..];
-        c1: the accumulate loop's chunks of a row; tiles: N tiles (of r_out outputs)."""
+    @device_function(inline="always")    # (in numba's IR: skinny.make_skinny_block's note)
+    def expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                     tiles, bid):
+        """Block ``bid``'s share.  gate_up: out = act [slots, Im], x = h [M, D], w3 =
+        gate_up [E, 2Im, D/..]; down: out = y_slot [slots, D], x = act (rows = slots), w3 =
+        down [E, D, Im/..]; c1: the accumulate loop's chunks of a row; tiles: N tiles (of
+        r_out outputs)."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
         ring = cuda.shared.array(ring_len, np.uint32, alignment=ring_align)
         # block = (active slot a, N tile or span of tiles, chunk c), c fastest: a tile's
         # chunk blocks run side by side and read its weight rows from L2 after the first
         # (chunks 1: c = 0)
-        at = cuda.blockIdx.x // chunks
-        c = cuda.blockIdx.x - at * chunks
+        at = bid // chunks
+        c = bid - at * chunks
         spans = (tiles + span - 1) // span
         a = at // spans
         if a >= n_active[0]:
@@ -265,7 +272,27 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                 run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, tile * r_out, c,
                          s_begin, s_end, wrows, xrows, acc, red, scratch, ring)
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
-    return kernel(expert_rows, **options)
+    if shared is None:
+        def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                        tiles):
+            expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                         tiles, cuda.blockIdx.x)
+        return kernel(expert_rows, **options)
+    shared_block = make_skinny_block(*shared, gate_up)
+
+    def expert_rows_and_shared(x, token_of_slot, offsets, active, n_active, w3, s3, out,
+                               n_out, c1, tiles, routed_blocks, xs, s_w, s_out, m_total,
+                               s_n_out, s_k8, s_mchunks):
+        """The routed blocks, then the shared expert's: its x ``xs`` [M, K] (h, or its act
+        in down), weight ``s_w``, output ``s_out`` [1, M, s_n_out] (its act, or its y)."""
+        bid = cuda.blockIdx.x
+        if bid < routed_blocks:
+            expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                         tiles, bid)
+        else:
+            shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1,
+                         bid - routed_blocks)
+    return kernel(expert_rows_and_shared, **options)
 
 
 @kernel
@@ -395,23 +422,37 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     else:
         y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
         slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream)
+    shared = shared_y = None
+    if shared_gate_up is not None:
+        sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
+        shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
+        if _shared_in_experts(method, m, tiled, sgu, sdn):
+            shared = (sgu, sdn, skind, ws.get("moe.shared_act", (m, sdn.shape[1]), np.float32,
+                                              stream), shared_y)
     if tiled:
         _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                        top_k, stream, configs)
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
-                        top_k, stream, _int4_skinny_configs(kind, configs))
+                        top_k, stream, _int4_skinny_configs(kind, configs), shared)
     if lean:
         return y
-
-    shared_y = None
-    if shared_gate_up is not None:
-        sgu, sdn, _ = _shared_weights(shared_gate_up, shared_down, d, stream)
+    if shared_y is not None and shared is None:
         # The shared expert sees every token: linear() ("auto": skinny up to SKINNY_MAX_M rows,
         # else tiled with K slices, which keep all SMs busy where one expert's tiles would not).
-        shared_y = _swiglu_linears(hd, sgu, sdn, ws.get("moe.shared_y", (m, d), np.float32,
-                                                        stream), method, stream, ws, "moe.shared")
+        _swiglu_linears(hd, sgu, sdn, shared_y, method, stream, ws, "moe.shared")
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
+
+
+def _shared_in_experts(method: str, m: int, tiled: bool, sgu, sdn) -> bool:
+    """Whether the shared expert's blocks ride in the routed experts' two launches
+    (``KDTREE_SHARED_IN_EXPERTS``, _expert_kernel's ``shared``): where the routed experts
+    stream their weights and linear() would stream both of the shared expert's (so up to
+    where linear turns tiled its rows keep one kernel at every M).  With bf16 or float32
+    routed experts the launch runs at the threads linear() picks (both from K alone): the
+    same bits; with int4 experts at theirs (int4_threads): other bits, within the bound."""
+    return (runtime.current().shared_in_experts and not tiled
+            and all(swiglu_fuses(method, m, w) for w in (sgu, sdn)))
 
 
 def _int4_skinny_configs(kind: str, configs):
@@ -658,10 +699,12 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
 
 
 def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,
-                    configs=None):
+                    configs=None, shared=None):
     """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes,
     or ``configs``: (gate_up, down) SkinnyConfigs); ``kind`` "i4": gud and dnd are device
-    :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers)."""
+    :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers).  ``shared``:
+    (gate_up, down, load kind, act [M, Is], y [M, D]) of the shared expert, whose blocks
+    then follow the routed ones in both launches (:func:`_shared_in_experts`)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
     for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
@@ -683,8 +726,21 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
                 -(-k_in // CHUNK), 0
         recipe = (cfg, load_kind, is_gate_up, group) + ((chunks,) if chunks > 1 else ())
         blocks = max_active * -(-tiles // cfg.span) * chunks
-        _expert_kernel(*recipe)[blocks, cfg.threads, stream](
-            x_in, *lists, *weights, out_buf, n_out, c1, tiles)
+        args = (x_in, *lists, *weights, out_buf, n_out, c1, tiles)
+        if shared is None:
+            _expert_kernel(*recipe)[blocks, cfg.threads, stream](*args)
+            continue
+        s_w, s_x, s_out = (shared[0], hd, shared[3]) if is_gate_up else \
+            (shared[1], shared[3], shared[4])
+        (s_rows, s_k), s_n = s_w.shape, s_out.shape[1]
+        s_load = load_kind_for(shared[2], s_k, s_x, s_w)
+        s_cfg = shared_expert_config(m, s_rows, s_k, shared[2], cfg.threads, is_gate_up)
+        s_mchunks = -(-m // s_cfg.mt)
+        s_blocks = s_mchunks * -(-s_n // s_cfg.rows)
+        _expert_kernel(cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))[
+            blocks + s_blocks, cfg.threads, stream](
+            *args, blocks, s_x, kernel_weight(s_w, s_load), s_out.reshape(1, m, s_n), m, s_n,
+            -(-s_k // CHUNK), s_mchunks)
 
 
 def _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,

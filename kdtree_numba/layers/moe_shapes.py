@@ -7,10 +7,11 @@ from __future__ import annotations
 from kdtree_numba.compat import SIMULATOR
 from kdtree_numba.layers.moe_mma import routed_tile_bound
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, int4_threads, mt_for,
-                                        skinny_threads)
+                                        skinny_config, skinny_threads, swiglu_config)
 from kdtree_numba.layers.tiled import TiledConfig
 
-__all__ = ["expert_config", "expert_chunk_bound", "expert_tile", "expert_tiled_configs"]
+__all__ = ["expert_config", "shared_expert_config", "expert_chunk_bound", "expert_tile",
+           "expert_tiled_configs"]
 
 
 def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
@@ -29,6 +30,27 @@ def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
     if int4:   # a chunk is 4 words and a scale; unroll 2 took 168+ registers (ptxas, sm_90)
         return SkinnyConfig(mt=mt, rows=rows, threads=int4_threads(k_in), unroll=1)
     return SkinnyConfig(mt=mt, rows=rows, threads=skinny_threads(k_in), unroll=unroll)
+
+
+def shared_expert_config(m: int, n_rows: int, k_in: int, wkind: str, threads: int,
+                         swiglu: bool) -> SkinnyConfig:
+    """The shared expert's blocks in the routed experts' launch (moe._expert_kernel's
+    ``shared``): the shape linear() gives an [m, k_in] x [n_rows, k_in]^T product (with
+    ``swiglu`` skinny_swiglu's, n_rows = 2I), at the launch's ``threads`` (the routed
+    kernel's, from k_in alone), its rows (then x rows) halved until a block's accumulators
+    fit them.  Rows and x rows move no bit; the threads do, so the shared expert's rows get
+    the bits of a linear at ``threads`` (at every M: batch invariant)."""
+    cfg = skinny_config(m, n_rows, k_in, wkind)
+    if swiglu:
+        cfg = swiglu_config(cfg)
+    per_out = 2 if swiglu else 1
+    rows, mt = cfg.rows, cfg.mt
+    while rows > 1 and mt * rows * per_out > threads:
+        rows //= 2
+    while mt > 1 and mt * rows * per_out > threads:
+        mt //= 2
+    return SkinnyConfig(mt=mt, rows=rows, threads=threads, unroll=cfg.unroll,
+                        f32_load=cfg.f32_load)
 
 
 def expert_chunk_bound(m: int, top_k: int, n_experts: int, mt: int) -> int:

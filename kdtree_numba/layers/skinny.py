@@ -11,6 +11,7 @@ tolerances and measurements: docs/LAYERS.md.
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +28,8 @@ from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduc
 from kdtree_numba.layers.common import CHUNK, GPU_SMS, pow2_ceil, pow2_floor, silu
 
 __all__ = ["SkinnyConfig", "ROWS_UNROLL", "skinny_threads", "skinny_config", "mt_for",
-           "skinny_kind", "make_accumulate", "skinny_linear_kernel", "I4_CHUNK", "INT4_KINDS",
-           "int4_threads", "int4_chunks"]
+           "skinny_kind", "swiglu_config", "make_accumulate", "make_skinny_block",
+           "skinny_linear_kernel", "I4_CHUNK", "INT4_KINDS", "int4_threads", "int4_chunks"]
 
 
 @device_function
@@ -686,13 +687,25 @@ def skinny_config(m: int, n: int, k: int, wkind: str, mt: int | None = None) -> 
                         x_major=x_major)
 
 
-@kernel_factory
-def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
-    """The skinny linear; with ``swiglu`` its SwiGLU form: w is gate_up [2 n_total, K] and
+def swiglu_config(cfg: SkinnyConfig) -> SkinnyConfig:
+    """The SwiGLU form's shape from ``cfg``, :func:`skinny_config`'s of the whole gate_up
+    [2I, K]: a block's weight rows (its accumulators) as the plain kernel's, half of them
+    outputs; one output still streams two rows, at the unroll ROWS_UNROLL keeps for two."""
+    unroll = cfg.unroll if cfg.rows > 1 else min(cfg.unroll, dict(ROWS_UNROLL[cfg.mt])[2])
+    return dataclasses.replace(cfg, rows=max(1, cfg.rows // 2), unroll=unroll, splits=1)
+
+
+@functools.cache
+def make_skinny_block(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
+    """``skinny_block(x, w, out, m_total, n_total, k8, n_mchunks, splits, bid)``: block
+    ``bid``'s share of the skinny linear (:func:`skinny_linear_kernel`, which runs it at its
+    block index): with ``swiglu`` its SwiGLU form, w is gate_up [2 n_total, K] and
     out[0, m, o] = silu(x[m] . w[o]) * (x[m] . w[n_total + o]), a block's ``cfg.rows``
     outputs streaming their gate and up rows together (as the routed experts' gate_up,
-    moe._expert_kernel): each dot product the plain kernel's bits, one launch where the
-    linear and the SwiGLU kernel were two (splits 1 only)."""
+    moe._expert_kernel): each dot product the plain kernel's bits (splits 1 only).  A device
+    function so that a launch of other blocks can run it for some of its own (the shared
+    expert in the routed experts' launches, moe._expert_kernel); blockDim must be
+    ``cfg.threads``."""
     mt, r_out, threads, x_major = cfg.mt, cfg.rows, cfg.threads, cfg.x_major
     nr = 2 * r_out if swiglu else r_out            # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
@@ -701,14 +714,16 @@ def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
     scr = block_reduce_scratch_shape(nacc, threads)
     red_shape = (warps + 1, nacc)
 
-    @kernel
-    def skinny_linear(x, w, out, m_total, n_total, k8, n_mchunks, splits):
+    # inlined in numba's IR, before LLVM: the kernel then compiles as if the body were its
+    # own (a plain device call left the 16-row bf16 linear at 242 registers where its own
+    # body takes 127: tests/test_layers.py's compile check)
+    @device_function(inline="always")
+    def skinny_block(x, w, out, m_total, n_total, k8, n_mchunks, splits, bid):
         """out[s, m, n] = split s's share of x[m] . w[n]; 1-D grid, m-chunk fastest (blocks
         that share a weight tile run together, so a tile comes from HBM about once), or with
         ``x_major`` weight tile fastest (blocks that share x rows run together)."""
         red = cuda.shared.array(red_shape, np.float32)
         scratch = cuda.shared.array(scr, np.float32)
-        bid = cuda.blockIdx.x
         if x_major:
             n_tiles = (n_total + r_out - 1) // r_out
             n0 = (bid % n_tiles) * r_out
@@ -741,4 +756,16 @@ def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
                 if swiglu:
                     v = silu(v) * red[warps, m * nr + r_out + r]
                 out[s, m0 + m, n0 + r] = v
+    return skinny_block
+
+
+@kernel_factory
+def skinny_linear_kernel(cfg: SkinnyConfig, wkind: str, swiglu: bool = False):
+    """The skinny linear (:func:`make_skinny_block`, a block's share, at every block); with
+    ``swiglu`` its SwiGLU form, one launch where the linear and the SwiGLU kernel were two."""
+    block = make_skinny_block(cfg, wkind, swiglu)
+
+    @kernel
+    def skinny_linear(x, w, out, m_total, n_total, k8, n_mchunks, splits):
+        block(x, w, out, m_total, n_total, k8, n_mchunks, splits, cuda.blockIdx.x)
     return skinny_linear

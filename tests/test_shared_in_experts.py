@@ -1,0 +1,177 @@
+"""``KDTREE_SHARED_IN_EXPERTS``: the MoE's shared expert run by the routed experts' two
+launches (kdtree_numba/layers/moe.py, ``_shared_in_experts``; its blocks after the routed
+ones, each the skinny linear's block, skinny.make_skinny_block), where the routed experts and
+both of the shared expert's linears stream their weights.
+
+With bf16 or float32 routed experts the launch runs at the threads linear() picks: the same
+bits as the switch off.  With int4 routed experts at the int4 kernels' threads (fewer on a
+GPU): the float64 reference's bound (tests/w4a16_cases.py), and a row alone its batch bits.
+On the GPU: Kimi widths (int4), the demo pair's tokens.  Tiny shapes: each simulated thread
+costs ~120 us."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference.layers as ref
+from kdtree_numba import compat
+from test_layers import moe_case
+from w4a16_cases import BF16, int4_case, moe_bound
+
+
+@pytest.fixture(scope="module")
+def moe_layers():
+    if not compat.kernels_runnable():
+        pytest.skip("numba kernels need a GPU or NUMBA_ENABLE_CUDASIM=1")
+    from kdtree_numba.layers import moe
+    return moe
+
+
+def host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+class _Calls:
+    """Stands in for moe._swiglu_linears (the shared expert's own launches): counts, runs it."""
+
+    def __init__(self, real):
+        self.real, self.n = real, 0
+
+    def __call__(self, *args, **kw):
+        self.n += 1
+        return self.real(*args, **kw)
+
+
+def _run(moe_layers, monkeypatch, args, switch, **kw):
+    """moe_ffn with the switch at ``switch``; (output, the shared expert's own launches ran)."""
+    calls = _Calls(moe_layers._swiglu_linears)
+    monkeypatch.setattr(moe_layers, "_swiglu_linears", calls)
+    monkeypatch.setenv("KDTREE_SHARED_IN_EXPERTS", switch)
+    out = host(moe_layers.moe_ffn(*args, **kw))
+    monkeypatch.undo()
+    return out, calls.n > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_float_experts_keep_their_bits_in_two_launches(moe_layers, monkeypatch, dtype):
+    """bf16 and float32 routed experts with a shared expert: the switch on gives the switch
+    off's bits (the same threads, so the same sums) without the shared expert's launches, at
+    a decode's rows and across several x-row chunks (mt 4 under the simulator), outputs that
+    fill a block's rows or leave them ragged, K a multiple of the 16-byte chunk or not."""
+    rng = np.random.default_rng(5)
+    for m, d, inter in ((1, 32, 12), (6, 40, 9)):
+        args = moe_case(rng, m, d, 4, inter, 2, dtype)
+        off, own_off = _run(moe_layers, monkeypatch, args, "0", method="skinny")
+        on, own_on = _run(moe_layers, monkeypatch, args, "1", method="skinny")
+        assert own_off and not own_on
+        assert on.tobytes() == off.tobytes(), (m, d, inter)
+        np.testing.assert_allclose(on, ref.moe_ffn(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_experts_within_the_bound_and_batch_invariant(moe_layers, monkeypatch):
+    """int4 routed experts (group 16) and a bf16 shared expert under "auto" at rows that
+    stream (<= SKINNY_MAX_M): the switch on runs no launch of the shared expert's own, stays
+    within the float64 reference's bound, and a row alone gives its batch bits (the shared
+    expert's sums from the int4 kernels' threads, K alone, at every M)."""
+    from kdtree_numba.layers import SKINNY_MAX_M
+    from kdtree_numba.layers.workspace import int4_experts
+    rng = np.random.default_rng(47)
+    m = 6
+    h, idx, wt, gu, dn, sgu, sdn = int4_case(rng, m, 64, 5, 16, 2, 16)
+    args = (h, idx, wt, int4_experts(gu), int4_experts(dn), sgu, sdn)
+    got, own = _run(moe_layers, monkeypatch, args, "1")
+    assert not own and m <= SKINNY_MAX_M
+    want = ref.moe_ffn(h, idx, wt, gu, dn, sgu, sdn)
+    bound = moe_bound(h, idx, wt, lambda e: (gu[e].dequantize(), dn[e].dequantize()),
+                      (ref.as_float64(sgu), ref.as_float64(sdn)))
+    err = np.abs(got - want)
+    assert np.all(err <= bound), f"max err {err.max():.3g}, ratio {(err / bound).max():.3g}"
+    assert np.abs(want).max() > 0.1
+    alone, _ = _run(moe_layers, monkeypatch, (h[-1:], idx[-1:], wt[-1:], *args[3:]), "1")
+    assert np.array_equal(alone[0], got[-1])
+
+
+def test_the_shared_expert_keeps_its_launches_where_linear_tiles(moe_layers, monkeypatch):
+    """Where linear() would not stream the shared expert's weights ("tiled", or "auto" past
+    SKINNY_MAX_M rows) nor the routed experts theirs, the switch changes nothing: the shared
+    expert's own launches, the same bits."""
+    rng = np.random.default_rng(9)
+    args = moe_case(rng, 3, 16, 3, 8, 2, np.float32)
+    off, _ = _run(moe_layers, monkeypatch, args, "0", method="tiled")
+    on, own = _run(moe_layers, monkeypatch, args, "1", method="tiled")
+    assert own and on.tobytes() == off.tobytes()
+
+
+def test_shared_expert_config_fits_the_launchs_threads():
+    """The shared blocks' shape at the routed launch's threads: accumulators (x rows times
+    weight rows) within the threads, the threads the launch's."""
+    from kdtree_numba.layers.moe_shapes import shared_expert_config
+    for m in (1, 5, 17, 65):
+        for threads in (32, 64, 128):
+            for swiglu, (n, k) in ((True, (4096, 7168)), (False, (7168, 2048)),
+                                   (True, (24, 40))):
+                cfg = shared_expert_config(m, n, k, "bf16", threads, swiglu)
+                assert cfg.threads == threads and cfg.splits == 1
+                assert cfg.mt * cfg.rows * (2 if swiglu else 1) <= threads, (m, threads, cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_kimi_width_int4_layer_with_the_switch(monkeypatch):
+    """On the GPU at Kimi widths (384 int4 experts, group 32, a bf16 shared expert): one
+    token and a 9-row verify (its routing from 16 experts, so that the float64 reference
+    stays affordable) with the switch on within the float64 reference's bound, the last row
+    alone its batch bits."""
+    import cupy as cp
+    import gc
+    from test_w4a16_gpu import D, E, G, IM, TOP_K, reference
+    from kdtree_numba import layers
+    from kdtree_numba.backends import bf16_bits
+    from kdtree_numba.device_weights import random_int4_experts
+    experts = (random_int4_experts(cp, (E, 2 * IM, D), 1.2 / np.sqrt(D), 1, G),
+               random_int4_experts(cp, (E, D, IM), 1.2 / np.sqrt(IM), 3, G))
+    rs = cp.random.RandomState(5)
+    shared = (bf16_bits(cp, rs.standard_normal((2 * IM, D), dtype=cp.float32) * 0.014),
+              bf16_bits(cp, rs.standard_normal((D, IM), dtype=cp.float32) * 0.026))
+    monkeypatch.setenv("KDTREE_SHARED_IN_EXPERTS", "1")
+    try:
+        for m in (1, 9):
+            rng = np.random.default_rng(m)
+            pool = rng.choice(E, 16, replace=False)
+            idx = np.sort(np.stack([rng.choice(pool, TOP_K, replace=False)
+                                    for _ in range(m)]), axis=1).astype(np.int32)
+            wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
+            h = rng.standard_normal((m, D)).astype(np.float32)
+            got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *experts, *shared)))
+            want, bound = reference(cp, h, idx, wt, *experts, *shared)
+            err = np.abs(got - want)
+            assert np.all(err <= bound), f"M={m}: ratio {(err / bound).max():.3g}"
+            alone = cp.asnumpy(cp.asarray(layers.moe_ffn(h[-1:], idx[-1:], wt[-1:], *experts,
+                                                         *shared)))
+            assert np.array_equal(alone[0], got[-1])
+    finally:
+        del experts
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+def test_gpu_the_demo_pair_with_the_switch_gives_the_defaults_tokens(monkeypatch):
+    """On the GPU: the demo pair's AR and DDTree (budget 16, T = 0 and 1) tokens with the
+    switch on are the default's (bf16 experts: the same bits)."""
+    from test_demo_pair import heldout_ids
+    from kdtree_numba import demo
+    from kdtree_numba.dflash import DFlashDrafter
+    from kdtree_numba.engine import generate
+    from kdtree_numba.model import Model
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(4)
+    for temperature in (0.0, 1.0):
+        kw = dict(temperature=temperature, seed=5)
+        runs = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv("KDTREE_SHARED_IN_EXPERTS", switch)
+            runs[switch] = (generate(model, prompts, 48, **kw).tokens,
+                            generate(model, prompts, 48, method="ddtree", drafter=drafter,
+                                     budget=16, **kw).tokens)
+        assert runs["0"] == runs["1"], temperature
