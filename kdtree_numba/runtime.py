@@ -241,13 +241,13 @@ class RuntimeConfig:
     fewer_launches: bool = False  # fused launches in the small forwards (issue 36 item 3)
     round_epilogue: bool = True   # a device round's glue in two launches (issue 36 item 3)
     merge_in_uv: bool = False   # attention's key splits merged by apply_uv (issue 36 item 3)
-    fused_swiglu: bool = False  # an FFN's SwiGLU in its gate_up linear (issue 36 item 3)
+    fused_swiglu: bool = True   # an FFN's SwiGLU in its gate_up linear (issue 36 item 3)
     # attention's key splits fixed whatever the rows (a verify's rows a decode's bits) on
     # every GEMM setting, not only tensor-cores' (issue 3 of round 3: T > 0 reproducible)
     invariant_attention: bool = False
     # the shared expert's blocks in the routed experts' launches where both stream their
     # weights (issue 39: the W4A16 decode's launches 7 -> 4)
-    shared_in_experts: bool = False
+    shared_in_experts: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -293,9 +293,9 @@ class RuntimeConfig:
                    fewer_launches=_flag(env, "KDTREE_FEWER_LAUNCHES", False),
                    round_epilogue=_flag(env, "KDTREE_ROUND_EPILOGUE", True),
                    merge_in_uv=_flag(env, "KDTREE_MERGE_IN_UV", False),
-                   fused_swiglu=_flag(env, "KDTREE_FUSED_SWIGLU", False),
+                   fused_swiglu=_flag(env, "KDTREE_FUSED_SWIGLU", True),
                    invariant_attention=_flag(env, "KDTREE_INVARIANT_ATTENTION", False),
-                   shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", False),
+                   shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", True),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
