@@ -163,10 +163,10 @@ def _recording_numba_allocations(keep: list):
 _GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_chunk_grid", None),
                    ("fewer_launches", None, "fewer_launches"),
                    ("round_epilogue", "no_round_epilogue", None),
-                   ("merge_in_uv", None, "merge_in_uv"), ("fused_swiglu", None, "fused_swiglu"),
+                   ("merge_in_uv", None, "merge_in_uv"), ("fused_swiglu", "unfused_swiglu", None),
                    ("invariant_attention", None, "invariant_attention"),
                    ("moe_work_list", None, "moe_work_list"), ("int4_mma", "no_int4_mma", None),
-                   ("shared_in_experts", None, "shared_in_experts"))
+                   ("shared_in_experts", "shared_expert_apart", None))
 
 
 class GraphCache:

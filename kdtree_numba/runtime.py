@@ -61,16 +61,16 @@ Two kinds of switch:
   (``KDTREE_MERGE_IN_UV=1``, off until timed on the GPU: one launch fewer a layer where a
   call splits its keys; the same bits: kdtree_numba/attention/projections.py), the
   shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
-  streams its weight (``KDTREE_FUSED_SWIGLU=1``, off until the demo's kernel manifest holds
-  its kernel: one launch fewer an FFN, 1.019x AR on the demo pair in run 189; the same bits:
-  kdtree_numba/layers/linear.py's ``skinny_swiglu``), attention's key splits fixed whatever
+  streams its weight (``KDTREE_FUSED_SWIGLU=0`` turns it off: one launch fewer an FFN; the
+  same bits: kdtree_numba/layers/linear.py's ``skinny_swiglu``), attention's key splits fixed whatever
   the number of rows on every GEMM setting (``KDTREE_INVARIANT_ATTENTION=1``, off: 0.75x AR
   in run 189; ``batch_invariant`` as under ``gemm="tensor-cores"``, so the demo pair's verify
   rows get a decode's bits; other bits than the default's: kdtree_numba/attention/mla.py),
   the MoE's shared expert run by the routed experts' two launches where both stream their
-  weights (``KDTREE_SHARED_IN_EXPERTS=1``, off until timed on the GPU: 3 launches fewer a
-  MoE layer, 2 with the fused SwiGLU; bf16 and float32 experts the same bits, int4 experts
-  the shared expert at their threads: kdtree_numba/layers/moe.py, ``_shared_in_experts``),
+  weights (``KDTREE_SHARED_IN_EXPERTS=0`` turns it off: 3 launches fewer a MoE layer, 2 with
+  the fused SwiGLU, measured in docs/BENCHMARKS.md; bf16 and float32 experts the same bits,
+  int4 experts the shared expert at their threads: kdtree_numba/layers/moe.py,
+  ``_shared_in_experts``),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -246,7 +246,7 @@ class RuntimeConfig:
     # every GEMM setting, not only tensor-cores' (issue 3 of round 3: T > 0 reproducible)
     invariant_attention: bool = False
     # the shared expert's blocks in the routed experts' launches where both stream their
-    # weights (issue 39: the W4A16 decode's launches 7 -> 4)
+    # weights (issue 39: a MoE layer's decode in 4 launches where it was 7)
     shared_in_experts: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""

@@ -31,6 +31,25 @@ def heldout_ids(n: int) -> list[list[int]]:
     return [codec.encode(t) for t in texts]
 
 
+def assert_switch_keeps_tokens(monkeypatch, name: str):
+    """(GPU) The demo pair's AR and DDTree (budget 16, T = 0 and 1) tokens on 4 held-out
+    prompts are the same with the per-call switch ``name`` at 0 and at 1: the check of a
+    switch that must move no token (tests/test_fused_swiglu.py,
+    tests/test_shared_in_experts.py)."""
+    model = Model.load(demo.TARGET, "numba")
+    drafter = DFlashDrafter.load(demo.DRAFTER, model)
+    prompts = heldout_ids(4)
+    for temperature in (0.0, 1.0):
+        kw = dict(temperature=temperature, seed=5)
+        runs = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv(name, switch)
+            runs[switch] = (generate(model, prompts, 48, **kw).tokens,
+                            generate(model, prompts, 48, method="ddtree", drafter=drafter,
+                                     budget=16, **kw).tokens)
+        assert runs["0"] == runs["1"], temperature
+
+
 def test_the_default_drafter_is_the_trained_dflash_bundle():
     assert demo.DEFAULT_DRAFTER == str(demo.DRAFTER) and not demo.DEFAULT_DRAFTER_PEEKS
     target, _ = read_bundle_config(demo.TARGET)

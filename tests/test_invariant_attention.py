@@ -32,9 +32,9 @@ def test_the_switch_gives_a_verify_row_the_bits_of_its_decode(monkeypatch, needs
 
 
 @pytest.mark.parametrize("name, default", [
-    ("KDTREE_INVARIANT_ATTENTION", "0"), ("KDTREE_FUSED_SWIGLU", "0"),
+    ("KDTREE_INVARIANT_ATTENTION", "0"), ("KDTREE_FUSED_SWIGLU", "1"),
     ("KDTREE_MOE_WORK_LIST", "0"), ("KDTREE_INT4_MMA", "1"),
-    ("KDTREE_SHARED_IN_EXPERTS", "0")])
+    ("KDTREE_SHARED_IN_EXPERTS", "1")])
 def test_the_switches_that_change_kernels_key_graphs_apart(monkeypatch, name, default):
     """GraphCache.stored_key marks the graphs of a per-call switch that changes kernels or
     plans, so an A/B in one process (tools/ab_switches.py) never replays one setting's graph

@@ -90,7 +90,8 @@ def test_a_recorded_manifest_names_every_kernel_the_run_launched(tmp_path, monke
     # the build, the tree, attention, the MoE: the factories' recipes are all there
     names = {e["kernel"].rpartition(":")[2] for e in entries}
     assert {"_build_kernel.<locals>.build", "_compact_kernel.<locals>.compact",
-            "_route_kernel.<locals>.route_rows", "_silu_mul"} <= names
+            "_route_kernel.<locals>.route_rows",
+            "_expert_kernel.<locals>.expert_rows_and_shared"} <= names
 
     result = precompile.compile_entries(entries, 1, mode="check")
     assert result.failed == []

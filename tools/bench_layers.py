@@ -45,8 +45,10 @@
   M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: a cp.async
   ring, the magic-number unpacking, L2 bulk prefetch, N tiles a block, chunks in flight, rows,
   threads), and "mma" / "mma work list"
-  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call.  < 6 min (each
-  variant's kernels compile on first use).
+  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call, and "shared expert
+  apart" (KDTREE_SHARED_IN_EXPERTS=0: the shared expert in launches of its own, not in the
+  routed experts'), for int4 and for bf16 experts.  < 6 min (each variant's kernels compile
+  on first use).
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
   and a popular routing (expert 3 in every row), with ``KDTREE_MOE_CHUNK_GRID`` off and on,
@@ -683,7 +685,7 @@ def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline)
         row["config"] = str(pair)
         results.append(row)
         print_row(row)
-    _shared_in_experts_row(ctx, results, experts, shared, call, nbytes, used)
+    _shared_apart_row(ctx, results, experts, shared, call, nbytes, used)
     _int4_mma_rows(ctx, results, experts, shared, call, 1, "router", nbytes, used, deadline,
                    tiles=INT4_MMA_DECODE_TILES)
 
@@ -730,20 +732,20 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
                 gbps=nbytes / t / 1e9, host_bound=host_bound)
 
 
-def _shared_in_experts_row(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
-    """The M = 1 call with KDTREE_SHARED_IN_EXPERTS=1 (the shared expert's blocks in the
-    routed experts' two launches: 4 launches where the default's are 7), beside the same
-    bytes roof; ``kind`` names the experts' dtype in the row."""
+def _shared_apart_row(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
+    """The M = 1 call with KDTREE_SHARED_IN_EXPERTS=0 (the shared expert in launches of its
+    own: 7 where the default's, its blocks in the routed experts' two launches, are 4),
+    beside the same bytes roof; ``kind`` names the experts' dtype in the row."""
     layers, timer = ctx["layers"], ctx["timer"]
     h, index, w, out, ws = call
     try:
-        with environment(KDTREE_SHARED_IN_EXPERTS="1"):
+        with environment(KDTREE_SHARED_IN_EXPERTS="0"):
             t, hb = timer([lambda: layers.moe_ffn(h, index, w, *experts, *shared, out=out,
                                                   workspace=ws)], trials=5)
     except Exception as exc:   # noqa: BLE001 -- report and go on
-        report_failure(results, "int4", f"M=1 {kind} shared in experts", exc)
+        report_failure(results, "int4", f"M=1 {kind} shared expert apart", exc)
         return None
-    variant = "shared in experts" if kind == "int4" else f"{kind}, shared in experts"
+    variant = "shared expert apart" if kind == "int4" else f"{kind}, shared expert apart"
     row = _moe_roof_row(variant, 1, "router", used, nbytes, t, hb)
     results.append(row)
     print_row(row)
@@ -770,16 +772,16 @@ def _bf16_decode_row(ctx, results, shared, decode):
         int4_row["vs_bf16"] = t / (int4_row["us"] * 1e-6)
         results.append(row)
         print_row(row)
-        merged = _shared_in_experts_row(ctx, results, experts, shared, (h, idx, w, out, ws),
-                                        nbytes, used, kind="bf16")
-        if merged is not None:
-            print(f"\nwith the shared expert in the routed launches on both sides: int4 "
-                  f"{_merged_int4_us(results):.1f} us, bf16 {merged['us']:.1f} us", flush=True)
+        apart = _shared_apart_row(ctx, results, experts, shared, (h, idx, w, out, ws),
+                                  nbytes, used, kind="bf16")
+        if apart is not None:
+            print(f"\nwith the shared expert apart on both sides: int4 "
+                  f"{_apart_int4_us(results):.1f} us, bf16 {apart['us']:.1f} us", flush=True)
         print(f"\nint4 vs bf16 experts, one MoE layer's decode (M = 1): "
               f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
               f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
         decode_rows = [r for r in results if r.get("section") == "int4" and r.get("M") == 1
-                       and "us" in r and r is not row and r is not merged]
+                       and "us" in r and r is not row and r is not apart]
         for r in sorted(decode_rows, key=lambda r: r["us"]):
             r["vs_bf16"] = t / (r["us"] * 1e-6)
             print(f"  {r['variant']}: {r['us']:.1f} us, {r['roof_frac']:.2f} of the roof, "
@@ -791,10 +793,10 @@ def _bf16_decode_row(ctx, results, shared, decode):
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def _merged_int4_us(results) -> float:
-    """The int4 M = 1 "shared in experts" row's time (nan where it did not run)."""
+def _apart_int4_us(results) -> float:
+    """The int4 M = 1 "shared expert apart" row's time (nan where it did not run)."""
     return next((r["us"] for r in results if r.get("section") == "int4" and r.get("M") == 1
-                 and r.get("variant") == "shared in experts" and "us" in r), float("nan"))
+                 and r.get("variant") == "shared expert apart" and "us" in r), float("nan"))
 
 
 def bench_norm_rope(ctx, results):

@@ -332,7 +332,8 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     "auto": skinny up to SKINNY_MAX_M tokens, else tiled (a small expert at a
     verify's rows stays skinny: ``common.takes_tiled``).  The shared expert is two
     :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
-    same way).  "mma" (opt-in, never picked by "auto"; bf16 weights only,
+    same way), or where both would stream and so do the routed experts, blocks of the routed
+    experts' two launches (:func:`_shared_in_experts`).  "mma" (opt-in, never picked by "auto"; bf16 weights only,
     layers/moe_mma.py): both GEMMs of every routed expert
     and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
     "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
@@ -353,8 +354,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     the device, the same bits as passing that routing.  With the lean round
     (``KDTREE_LEAN_ROUND``, on by default): where the weight-streaming kernels take it (the rows
     "skinny" or "auto" give them) as two skinny :func:`linear` calls around SwiGLU, the one
-    expert's bits (the same core, its threads from K alone) in 3 launches instead of 5 and its
-    rows in parallel blocks, where one expert's block runs its rows' chunks one after another;
+    expert's bits (the same core, its threads from K alone) in 2 launches (3 with
+    ``KDTREE_FUSED_SWIGLU=0``) instead of 5 and its rows in parallel blocks, where one
+    expert's block runs its rows' chunks one after another;
     tiled, that routing's grouping made once per M and the down GEMM writing the output (2
     launches where fill, group, gate_up, down and combine were 5), the same bits again."""
     hd = device_f32(h, "h", 2, stream)
