@@ -84,6 +84,8 @@ def test_grouped_rows_stream_popular_experts_in_chunks_and_are_batch_invariant(l
     assert np.array_equal(one[0], got[-1])
 
 
+@pytest.mark.slow   # ~5 s: tests/test_shared_in_experts.py checks a row's bits with the shared
+#                     expert in the routed launches (this path) in CI
 def test_with_a_shared_expert_tensor_cores_keeps_a_rows_bits(layers):
     """With a bf16 shared expert too, "tensor-cores" gives a verify-sized call's row the bits
     it gets alone: the shared expert's linear streams its weights at every M as the int4
