@@ -333,9 +333,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     verify's rows stays skinny: ``common.takes_tiled``).  The shared expert is two
     :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
     same way), or where both would stream and so do the routed experts, blocks of the routed
-    experts' two launches (:func:`_shared_in_experts`).  "mma" (opt-in, never picked by "auto"; bf16 weights only,
-    layers/moe_mma.py): both GEMMs of every routed expert
-    and of the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
+    experts' two launches (:func:`_shared_in_experts`).  "mma" (opt-in, never picked by
+    "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert and of
+    the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
     "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
     a choice by weights, never by M, and either kernel gives a row the same bits at every M).
     ``configs`` replaces the routed experts' tiled launches, ``[(TiledConfig, cmin, cmax)]``
