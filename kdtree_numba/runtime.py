@@ -62,10 +62,11 @@ Two kinds of switch:
   call splits its keys; the same bits: kdtree_numba/attention/projections.py), the
   shared expert's and the dense FFN's SwiGLU in their gate_up linear's launch where it
   streams its weight (``KDTREE_FUSED_SWIGLU=0`` turns it off: one launch fewer an FFN; the
-  same bits: kdtree_numba/layers/linear.py's ``skinny_swiglu``), attention's key splits fixed whatever
-  the number of rows on every GEMM setting (``KDTREE_INVARIANT_ATTENTION=1``, off: 0.75x AR
-  in run 189; ``batch_invariant`` as under ``gemm="tensor-cores"``, so the demo pair's verify
-  rows get a decode's bits; other bits than the default's: kdtree_numba/attention/mla.py),
+  same bits: kdtree_numba/layers/linear.py's ``skinny_swiglu``), attention's key splits
+  fixed whatever the number of rows on every GEMM setting (``KDTREE_INVARIANT_ATTENTION=1``,
+  off: 0.75x AR in run 189; ``batch_invariant`` as under ``gemm="tensor-cores"``, so the
+  demo pair's verify rows get a decode's bits; other bits than the default's:
+  kdtree_numba/attention/mla.py),
   the MoE's shared expert run by the routed experts' two launches where both stream their
   weights (``KDTREE_SHARED_IN_EXPERTS=0`` turns it off: 3 launches fewer a MoE layer, 2 with
   the fused SwiGLU, measured in docs/BENCHMARKS.md; bf16 and float32 experts the same bits,
