@@ -108,6 +108,26 @@ def test_int4_moe_kimi_widths(cp, layers, kimi_experts, m, pool, monkeypatch):
     assert np.array_equal(alone[0], got[-1])
 
 
+@pytest.mark.parametrize("m", [1, 9], ids=["decode-M1", "verify-M9"])
+def test_int4_moe_kimi_widths_shared_in_experts(cp, layers, kimi_experts, m, monkeypatch):
+    """``KDTREE_SHARED_IN_EXPERTS`` (tests/test_shared_in_experts.py) under "auto": one token
+    and a 9-row verify (its routing from 16 experts, so that the float64 reference stays
+    affordable) within the float64 reference's bound, the last row alone its batch bits."""
+    monkeypatch.setenv("KDTREE_SHARED_IN_EXPERTS", "1")
+    rng = np.random.default_rng(m)
+    pool = rng.choice(E, 16, replace=False)
+    idx = np.sort(np.stack([rng.choice(pool, TOP_K, replace=False) for _ in range(m)]),
+                  axis=1).astype(np.int32)
+    wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
+    h = rng.standard_normal((m, D)).astype(np.float32)
+    got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts)))
+    want, bound = reference(cp, h, idx, wt, *kimi_experts)
+    err = np.abs(got - want)
+    assert np.all(err <= bound), f"M={m}: ratio {(err / bound).max():.3g}"
+    alone = cp.asnumpy(cp.asarray(layers.moe_ffn(h[-1:], idx[-1:], wt[-1:], *kimi_experts)))
+    assert np.array_equal(alone[0], got[-1])
+
+
 @pytest.mark.parametrize("variant", [v[0] for v in bench_layers().INT4_GEMV_VARIANTS])
 def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
     """One token at Kimi widths through each decode-GEMV variant tools/bench_layers.py times

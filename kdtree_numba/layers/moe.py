@@ -709,8 +709,10 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
     then follow the routed ones in both launches (:func:`_shared_in_experts`)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
-    for is_gate_up, x_in, w3, out_buf, n_out, k_in in (
-            (True, hd, gud, act, inter, d), (False, act, dnd, y_slot, d, inter)):
+    sgu, sdn, skind, s_act, s_y = shared or (None,) * 5
+    for is_gate_up, x_in, w3, out_buf, n_out, k_in, s_x, s_w, s_out in (
+            (True, hd, gud, act, inter, d, hd, sgu, s_act),
+            (False, act, dnd, y_slot, d, inter, s_act, sdn, s_y)):
         cfg = (configs[0 if is_gate_up else 1] if configs else
                expert_config(m, top_k, n_experts, k_in, is_gate_up, kind == "i4"))
         tiles = -(-n_out // cfg.rows)
@@ -732,11 +734,9 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
         if shared is None:
             _expert_kernel(*recipe)[blocks, cfg.threads, stream](*args)
             continue
-        s_w, s_x, s_out = (shared[0], hd, shared[3]) if is_gate_up else \
-            (shared[1], shared[3], shared[4])
         (s_rows, s_k), s_n = s_w.shape, s_out.shape[1]
-        s_load = load_kind_for(shared[2], s_k, s_x, s_w)
-        s_cfg = shared_expert_config(m, s_rows, s_k, shared[2], cfg.threads, is_gate_up)
+        s_load = load_kind_for(skind, s_k, s_x, s_w)
+        s_cfg = shared_expert_config(m, s_rows, s_k, skind, cfg.threads, is_gate_up)
         s_mchunks = -(-m // s_cfg.mt)
         s_blocks = s_mchunks * -(-s_n // s_cfg.rows)
         _expert_kernel(cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))[

@@ -10,8 +10,8 @@ tolerances and measurements: docs/LAYERS.md.
 """
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
