@@ -128,6 +128,25 @@ def test_int4_moe_kimi_widths_shared_in_experts(cp, layers, kimi_experts, m, mon
     assert np.array_equal(alone[0], got[-1])
 
 
+@pytest.mark.parametrize("m", [1, 9, 16])
+def test_int4_moe_kimi_widths_combine_in_down(cp, layers, kimi_experts, m, monkeypatch):
+    """``KDTREE_COMBINE_IN_DOWN`` (tests/test_combine_in_down.py) under "auto" at Kimi widths
+    (the real launch's blocks, tiles and arrivals): the switch off's bits, three calls in a
+    row on one workspace (each leaves its counters at 0 for the next)."""
+    rng = np.random.default_rng(m)
+    idx = np.sort(np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(m)]),
+                  axis=1).astype(np.int32)
+    wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
+    h = rng.standard_normal((m, D)).astype(np.float32)
+    monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", "0")
+    want = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts)))
+    monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", "1")
+    ws = layers.Workspace()
+    for _ in range(3):
+        got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, idx, wt, *kimi_experts, workspace=ws)))
+        assert got.tobytes() == want.tobytes(), m
+
+
 @pytest.mark.parametrize("variant", [v[0] for v in bench_layers().INT4_GEMV_VARIANTS])
 def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
     """One token at Kimi widths through each decode-GEMV variant tools/bench_layers.py times

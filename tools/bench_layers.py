@@ -19,8 +19,9 @@
   more compute per byte).
 * RMSNorm (D = 7168) and RoPE (64 heads x 64) in GB/s against the HBM roof.
 * mma (only when asked for: ``--only mma``): linear(method="mma") (bf16 weights, x rounded to
-  bf16, tensor cores) at M = 1, 8, 65, 512, 4096 for 7168->163840 (lm_head), 2048->7168 and
-  7168->1536 (q_a), beside linear's default method on the same bf16 weights and cuBLAS bf16
+  bf16, tensor cores) at M = 1, 65, 512 (``--mma-ms``) on every bf16 product Kimi-K2 runs
+  (MMA_SHAPES: lm_head, q_a + kv_a, q_b, o_proj, the dense FFN's two, the shared expert's two),
+  beside linear's default method on the same bf16 weights and cuBLAS bf16
   (CuPy, x in bf16 too), against the bf16 roofs max(weight bytes / 4.1 TB/s,
   2 M N K / 989 TFLOP/s dense bf16).
 * moe_mma (only when asked for: ``--only moe_mma``): moe_ffn(method="mma") (grouped experts on
@@ -45,9 +46,10 @@
   M = 1 also the decode GEMV's variants, "gemv <variant>" (INT4_GEMV_VARIANTS: a cp.async
   ring, the magic-number unpacking, L2 bulk prefetch, N tiles a block, chunks in flight, rows,
   threads), and "mma" / "mma work list"
-  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call, and "shared expert
+  / "mma <tile> skip dead" (INT4_MMA_DECODE_TILES) on the same call, "shared expert
   apart" (KDTREE_SHARED_IN_EXPERTS=0: the shared expert in launches of its own, not in the
-  routed experts'), for int4 and for bf16 experts.  < 6 min (each variant's kernels compile
+  routed experts') and "combine in down" (KDTREE_COMBINE_IN_DOWN=1: the combine in the down
+  launch's tail), for int4 and for bf16 experts.  < 6 min (each variant's kernels compile
   on first use).
 * moe_chunk (only when asked for: ``--only moe_chunk``): moe_ffn(method="skinny") at the demo
   pair's MoE widths (DEMO_MOE: bf16 experts, no shared expert) at M = 1, 9, 17, 33, a spread
@@ -96,9 +98,18 @@ MOE_SHAPE = dict(n_experts=384, top_k=8, d=7168, inter=2048)                  # 
 MOE_MS = (1, 65)
 HIDDEN, ROPE_HEADS, ROPE_DIM, NOPE_DIM = 7168, 64, 64, 128
 NORM_MS, ROPE_MS = (1, 65, 1025), (65, 1025)
-MMA_SHAPES = [(7168, 163840), (2048, 7168), (7168, 1536)]      # (K, N): lm_head, o/down, q_a
-MMA_MS = (1, 8, 33, 65, 512, 4096)
-MMA_BUDGET_S = 150.0          # the mma section stops starting rows after this
+# (K, N): every bf16 product Kimi-K2 runs (issue 38's goal rows: >= 0.9x cuBLAS at M = 1, 65
+# and 512 on each)
+MMA_SHAPES = [(7168, 163840),       # lm_head
+              (7168, 2112),         # q_a + kv_a (one product)
+              (1536, 12288),        # q_b
+              (8192, 7168),         # o_proj
+              (7168, 36864),        # the dense FFN's gate_up
+              (18432, 7168),        # the dense FFN's down
+              (7168, 4096),         # the shared expert's gate_up
+              (2048, 7168)]         # the shared expert's down
+MMA_MS = (1, 65, 512)               # --mma-ms adds 8, 33, 4096
+MMA_BUDGET_S = 240.0          # the mma section stops starting rows after this
 MOE_MMA_MS = (1, 9, 33, 65, 257)
 MOE_MMA_BUDGET_S = 80.0
 INT4_MS = (1, 33, 65)
@@ -337,7 +348,7 @@ def bf16_cublas_time(cp, timer, x, w16, n):
         return None
 
 
-def bench_mma(ctx, results, deadline):
+def bench_mma(ctx, results, deadline, ms=MMA_MS):
     """linear(method="mma") beside the default method and cuBLAS bf16, against the bf16 roofs.
     The default method is skipped where it would take > ~50 ms a call (M = 4096 lm_head)."""
     cp = ctx["cp"]
@@ -349,7 +360,7 @@ def bench_mma(ctx, results, deadline):
                .view(cp.uint32) >> 16 for _ in range(copies_for(wbytes, cap=16))]
         w16 = [w.astype(cp.uint16) for w in w16]
         w_nb = [nb(w) for w in w16]
-        for m in MMA_MS:
+        for m in ms:
             if time.perf_counter() > deadline:
                 print(f"\n(mma: time budget, stopped before {k}->{n} M={m})")
                 return
@@ -732,20 +743,34 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
                 gbps=nbytes / t / 1e9, host_bound=host_bound)
 
 
+# the M = 1 call under other switches (_switch_row): (row name, environment)
+DECODE_SWITCHES = (("shared expert apart", dict(KDTREE_SHARED_IN_EXPERTS="0")),
+                   ("combine in down", dict(KDTREE_COMBINE_IN_DOWN="1")))
+
+
 def _shared_apart_row(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
-    """The M = 1 call with KDTREE_SHARED_IN_EXPERTS=0 (the shared expert in launches of its
-    own: 7 where the default's, its blocks in the routed experts' two launches, are 4),
-    beside the same bytes roof; ``kind`` names the experts' dtype in the row."""
+    """The M = 1 call under each of DECODE_SWITCHES: KDTREE_SHARED_IN_EXPERTS=0 (the shared
+    expert in launches of its own: 7 where the default's, its blocks in the routed experts'
+    two launches, are 4), KDTREE_COMBINE_IN_DOWN=1 (the combine in the down launch's tail:
+    3); returns the first's row."""
+    rows = [_switch_row(ctx, results, experts, shared, call, nbytes, used, kind, name, env)
+            for name, env in DECODE_SWITCHES]
+    return rows[0]
+
+
+def _switch_row(ctx, results, experts, shared, call, nbytes, used, kind, name, env):
+    """The M = 1 call with the environment ``env``, beside the same bytes roof; ``kind``
+    names the experts' dtype in the row."""
     layers, timer = ctx["layers"], ctx["timer"]
     h, index, w, out, ws = call
     try:
-        with environment(KDTREE_SHARED_IN_EXPERTS="0"):
+        with environment(**env):
             t, hb = timer([lambda: layers.moe_ffn(h, index, w, *experts, *shared, out=out,
                                                   workspace=ws)], trials=5)
     except Exception as exc:   # noqa: BLE001 -- report and go on
-        report_failure(results, "int4", f"M=1 {kind} shared expert apart", exc)
+        report_failure(results, "int4", f"M=1 {kind} {name}", exc)
         return None
-    variant = "shared expert apart" if kind == "int4" else f"{kind}, shared expert apart"
+    variant = name if kind == "int4" else f"{kind}, {name}"
     row = _moe_roof_row(variant, 1, "router", used, nbytes, t, hb)
     results.append(row)
     print_row(row)
@@ -781,7 +806,7 @@ def _bf16_decode_row(ctx, results, shared, decode):
               f"{int4_row['vs_bf16']:.2f}x faster (bytes roof "
               f"{row['weight_bytes'] / int4_row['weight_bytes']:.2f}x)", flush=True)
         decode_rows = [r for r in results if r.get("section") == "int4" and r.get("M") == 1
-                       and "us" in r and r is not row and r is not apart]
+                       and "us" in r and not r["variant"].startswith("bf16")]
         for r in sorted(decode_rows, key=lambda r: r["us"]):
             r["vs_bf16"] = t / (r["us"] * 1e-6)
             print(f"  {r['variant']}: {r['us']:.1f} us, {r['roof_frac']:.2f} of the roof, "
@@ -914,6 +939,13 @@ def summary(results):
         if r["section"] == "moe" and r["part"] == "expert_ffn":
             print(f"moe expert_ffn M={r['M']} {r['variant']}: {r['roof_frac']:.2f} of roof "
                   f"({r['us']:.0f} us, {r['experts_read']} experts)")
+    mma = [r for r in results if r["section"] == "mma" and r["variant"] == "default"
+           and r.get("vs_cublas_bf16")]
+    if mma:
+        worst = min(mma, key=lambda r: r["vs_cublas_bf16"])
+        print(f"mma worst row: {worst['K']}->{worst['N']} M={worst['M']} at "
+              f"{worst['vs_cublas_bf16']:.2f}x cuBLAS bf16 (issue 38's goal: >= 0.9x on every "
+              f"row)")
 
 
 def main(argv=None) -> int:
@@ -922,6 +954,9 @@ def main(argv=None) -> int:
     parser.add_argument("--int4-ms", default=",".join(map(str, INT4_MS)),
                         help="the int4 section's rows (M), comma-separated; M = 1 adds the "
                              "GEMV variants and the bf16 comparison (default: %(default)s)")
+    parser.add_argument("--mma-ms", default=",".join(map(str, MMA_MS)),
+                        help="the mma section's rows (M), comma-separated, on each of its "
+                             "shapes (default: %(default)s)")
     parser.add_argument("--only", default="linear,moe,norm,rope",
                         help="comma-separated sections (default: all but mma, moe_mma, "
                              "int4, moe_chunk)")
@@ -940,7 +975,8 @@ def main(argv=None) -> int:
     plan = [("linear", lambda: bench_linear(ctx, results, sections, t_start + 95)),
             ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
             ("norm", lambda: bench_norm_rope(ctx, results)),
-            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S)),
+            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S,
+                                      tuple(int(m) for m in args.mma_ms.split(",")))),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
                                               time.perf_counter() + MOE_MMA_BUDGET_S)),
             ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S,

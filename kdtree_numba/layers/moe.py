@@ -21,6 +21,7 @@ from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduc
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
 from kdtree_numba.layers.linear import METHODS, linear, skinny_swiglu, swiglu_fuses
 from kdtree_numba.layers.mma import round_to_bf16
+from kdtree_numba.layers.moe_combine import combine_tiles, combine_width, make_tile_combine
 from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
                                               int4_mma_group_ok)
 from kdtree_numba.layers.moe_route import moe_route, route_from_logits, router_logits
@@ -150,7 +151,7 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0, lanes: int =
 
 @kernel_factory
 def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
-                   chunks: int = 1, shared=None):
+                   chunks: int = 1, shared=None, combine: int = 0):
     """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
     kinds (``group``: the weights' group size) read the expert's words and scales, the other
     kinds its rows (``s3`` is then a placeholder).  ``chunks``: blocks per (active expert, N
@@ -166,7 +167,10 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     the shared expert's blocks after the routed ones (``KDTREE_SHARED_IN_EXPERTS``,
     :func:`_shared_in_experts`): the launch's blocks from ``routed_blocks`` on run the skinny
     linear's block (skinny.make_skinny_block, its SwiGLU form in gate_up) over the shared
-    expert's weight and every token, so the shared expert costs no launch of its own."""
+    expert's weight and every token, so the shared expert costs no launch of its own.
+    ``combine`` (down only; ``KDTREE_COMBINE_IN_DOWN``): the combine tiles' width, whose last
+    writer combines them (moe_combine.make_tile_combine), so the combine costs no launch of
+    its own; 0: none."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
@@ -272,6 +276,8 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                 run_tile(x, token_of_slot, w3, s3, e, out, n_out, c1, tile * r_out, c,
                          s_begin, s_end, wrows, xrows, acc, red, scratch, ring)
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
+    if combine:
+        return kernel(_combining_rows(expert_block, cfg, chunks, shared, combine), **options)
     if shared is None:
         def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
                         tiles):
@@ -293,6 +299,52 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
             shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1,
                          bid - routed_blocks)
     return kernel(expert_rows_and_shared, **options)
+
+
+def _combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: int):
+    """The down launch's body under ``KDTREE_COMBINE_IN_DOWN`` (_expert_kernel's
+    ``combine``): each routed block (and, with ``shared``, each shared-expert block after
+    them) does its work, then arrives at the combine tile of each N tile it wrote; the last
+    writer of a tile combines it into ``y`` (moe_combine.make_tile_combine).  Routed blocks
+    past the active experts exit at once, as in the plain launch, but with no active expert
+    slot 0's arrive, so that the shared expert's output (or zeros) still reaches ``y``."""
+    r_out, span = cfg.rows, cfg.span
+    has_shared = shared is not None
+    s_rows = shared[0].rows if has_shared else 1
+    arrive = make_tile_combine(width, cfg.threads, has_shared, r_out, chunks, s_rows)
+    shared_block = make_skinny_block(*shared, False) if has_shared else _no_block
+
+    def expert_rows_combined(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out,
+                             c1, tiles, routed_blocks, xs, s_w, s_out, m_total, s_n_out, s_k8,
+                             s_mchunks, slot_of_entry, weight, shared_y, y, counters):
+        """_expert_kernel's arguments (the shared expert's: any arrays without one), then
+        the combine's: ``shared_y`` [M, D] is s_out's matrix (any float32 matrix without a
+        shared expert)."""
+        bid = cuda.blockIdx.x
+        n_act = n_active[0]
+        if bid < routed_blocks:
+            at = bid // chunks
+            spans = (tiles + span - 1) // span
+            a = at // spans
+            if a >= max(n_act, 1):
+                return
+            expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                         tiles, bid)       # (writes nothing where a >= n_act)
+            first = (at - a * spans) * span
+            for tile in range(first, min(first + span, tiles)):
+                arrive((tile * r_out) // width, n_act, s_mchunks, out, slot_of_entry, weight,
+                       shared_y, y, counters)
+        elif has_shared:
+            sb = bid - routed_blocks
+            shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1, sb)
+            arrive(((sb // s_mchunks) * s_rows) // width, n_act, s_mchunks, out,
+                   slot_of_entry, weight, shared_y, y, counters)
+    return expert_rows_combined
+
+
+@device_function(inline="always")
+def _no_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, splits, bid):
+    """The shared expert's block where there is none (never called)."""
 
 
 @kernel
@@ -431,13 +483,18 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         if _shared_in_experts(method, m, tiled, sgu, sdn):
             shared = (sgu, sdn, skind, ws.get("moe.shared_act", (m, sdn.shape[1]), np.float32,
                                               stream), shared_y)
+    # KDTREE_COMBINE_IN_DOWN: the down launch's last writers combine (the shared expert's y
+    # then comes from that launch too, or there is none)
+    folds = (runtime.current().combine_in_down and not (tiled or lean)
+             and (shared_y is None or shared is not None))
     if tiled:
         _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                        top_k, stream, configs)
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
-                        top_k, stream, _int4_skinny_configs(kind, configs), shared)
-    if lean:
+                        top_k, stream, _int4_skinny_configs(kind, configs), shared,
+                        (slot_of_entry, wt, y, ws) if folds else None)
+    if lean or folds:
         return y
     if shared_y is not None and shared is None:
         # The shared expert sees every token: linear() ("auto": skinny up to SKINNY_MAX_M rows,
@@ -701,12 +758,14 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
 
 
 def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,
-                    configs=None, shared=None):
+                    configs=None, shared=None, fold=None):
     """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes,
     or ``configs``: (gate_up, down) SkinnyConfigs); ``kind`` "i4": gud and dnd are device
     :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers).  ``shared``:
     (gate_up, down, load kind, act [M, Is], y [M, D]) of the shared expert, whose blocks
-    then follow the routed ones in both launches (:func:`_shared_in_experts`)."""
+    then follow the routed ones in both launches (:func:`_shared_in_experts`).  ``fold``:
+    (slot_of_entry, weight, y, workspace) where the down launch combines into y in its tail
+    (``KDTREE_COMBINE_IN_DOWN``, :func:`_combining_rows`)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
     sgu, sdn, skind, s_act, s_y = shared or (None,) * 5
@@ -731,18 +790,31 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
         recipe = (cfg, load_kind, is_gate_up, group) + ((chunks,) if chunks > 1 else ())
         blocks = max_active * -(-tiles // cfg.span) * chunks
         args = (x_in, *lists, *weights, out_buf, n_out, c1, tiles)
-        if shared is None:
+        folds = fold is not None and not is_gate_up
+        if shared is None and not folds:
             _expert_kernel(*recipe)[blocks, cfg.threads, stream](*args)
             continue
-        (s_rows, s_k), s_n = s_w.shape, s_out.shape[1]
-        s_load = load_kind_for(skind, s_k, s_x, s_w)
-        s_cfg = shared_expert_config(m, s_rows, s_k, skind, cfg.threads, is_gate_up)
-        s_mchunks = -(-m // s_cfg.mt)
-        s_blocks = s_mchunks * -(-s_n // s_cfg.rows)
-        _expert_kernel(cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))[
+        s_cfg, s_blocks, s_args = None, 0, (blocks,) + (y_slot,) * 3 + (m, 0, 0, 1)
+        if shared is not None:
+            (s_rows, s_k), s_n = s_w.shape, s_out.shape[1]
+            s_load = load_kind_for(skind, s_k, s_x, s_w)
+            s_cfg = shared_expert_config(m, s_rows, s_k, skind, cfg.threads, is_gate_up)
+            s_mchunks = -(-m // s_cfg.mt)
+            s_blocks = s_mchunks * -(-s_n // s_cfg.rows)
+            s_args = (blocks, s_x, kernel_weight(s_w, s_load), s_out.reshape(1, m, s_n), m,
+                      s_n, -(-s_k // CHUNK), s_mchunks)
+            recipe = (cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))
+        if not folds:
+            _expert_kernel(*recipe)[blocks + s_blocks, cfg.threads, stream](*args, *s_args)
+            continue
+        slot_of_entry, wt, y, ws = fold
+        width = combine_width(cfg.rows, s_cfg.rows if s_cfg else 1)
+        counters = ws.zeros("moe.combine_counters", (combine_tiles(d, width),), np.int32,
+                            stream)
+        _expert_kernel(cfg, load_kind, False, group, chunks,
+                       None if shared is None else (s_cfg, s_load), combine=width)[
             blocks + s_blocks, cfg.threads, stream](
-            *args, blocks, s_x, kernel_weight(s_w, s_load), s_out.reshape(1, m, s_n), m, s_n,
-            -(-s_k // CHUNK), s_mchunks)
+            *args, *s_args, slot_of_entry, wt, y_slot if shared is None else s_y, y, counters)
 
 
 def _experts_tiled(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,

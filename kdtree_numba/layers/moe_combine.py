@@ -1,0 +1,82 @@
+"""The MoE's combine in the tail of the routed experts' down launch (``KDTREE_COMBINE_IN_DOWN``,
+layers/moe.py): ``out[m] = shared_y[m] + sum_j weight[m, j] y_slot[slot(m, j)]``, in j order,
+the arithmetic of moe.py's combine kernel (its launch of its own) in the same order: the same
+bits.  In the down launch each block that finishes a combine tile (``C`` output columns of
+every token) counts itself in that tile's arrival counter; the block that arrives last --
+every routed (expert, chunk) block and shared-expert block that writes the tile's columns has
+then fenced its writes -- combines the tile's columns and sets the counter back to 0 for the
+next call (and the next replay of a CUDA graph): one launch fewer a MoE layer, the combine's
+reads spread over the tiles' last blocks while the other blocks still stream weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtree_numba.compat import cuda, device_function
+from kdtree_numba.gpu.memory import load_l2_f32
+
+__all__ = ["make_tile_combine", "combine_tiles", "combine_width"]
+
+
+@device_function(inline="always")
+def _combined(y_slot, slot_of_entry, weight, shared_y, has_shared, m, d):
+    """One output: shared_y[m, d] (``has_shared``) + sum_j weight[m, j] y_slot[slot, d] over
+    the entry's valid slots, in j order (moe._combine_kernel's expression).  y_slot and
+    shared_y through L2: other blocks of the same launch wrote them."""
+    top_k = weight.shape[1]
+    total = load_l2_f32(shared_y, (m, d)) if has_shared else np.float32(0.0)
+    for j in range(top_k):
+        s = slot_of_entry[m * top_k + j]
+        if s >= 0:
+            total += weight[m, j] * load_l2_f32(y_slot, (s, d))
+    return total
+
+
+def combine_width(routed_rows: int, shared_rows: int = 1) -> int:
+    """A combine tile's columns: a multiple of both blocks' outputs (powers of two)."""
+    return max(routed_rows, shared_rows)
+
+
+def combine_tiles(d: int, width: int) -> int:
+    """Arrival counters of a down launch that combines in its tail: tiles of ``width``
+    columns over D."""
+    return -(-d // width)
+
+
+def make_tile_combine(width: int, threads: int, has_shared: bool, routed_rows: int,
+                      chunks: int, shared_rows: int):
+    """``arrive(tile, n_active, s_mchunks, y_slot, slot_of_entry, weight, shared_y, out,
+    counters)``, called by every thread of a down block after it wrote its outputs of combine
+    tile ``tile`` (columns ``width`` tile .. + width - 1, ``width`` a multiple of the routed
+    blocks' ``routed_rows`` outputs and, ``has_shared``, the shared expert's blocks'
+    ``shared_rows``).  The tile's writers: each of the ``max(n_active, 1)`` active experts'
+    ``chunks`` blocks per routed N tile in it (with no active expert, the blocks of slot 0
+    arrive having written nothing, so the tile is still combined), and ``s_mchunks`` shared
+    blocks per shared N tile in it.  The last of them to arrive writes out[:, tile columns]
+    and resets counters[tile]."""
+    per_shared = shared_rows if has_shared else 1
+
+    @device_function(inline="always")
+    def arrive(tile, n_active, s_mchunks, y_slot, slot_of_entry, weight, shared_y, out,
+               counters):
+        m_total, n_out = out.shape
+        c0 = tile * width
+        n_cols = min(c0 + width, n_out) - c0
+        expected = max(n_active, 1) * chunks * ((n_cols + routed_rows - 1) // routed_rows)
+        if has_shared:
+            expected += s_mchunks * ((n_cols + per_shared - 1) // per_shared)
+        t = cuda.threadIdx.x
+        cuda.threadfence()          # every thread's outputs reach L2 (fenced) ...
+        cuda.syncthreads()          # ... before thread 0 counts the block
+        last = 0
+        if t == 0:
+            last = int(cuda.atomic.add(counters, tile, 1) == expected - 1)
+        if cuda.syncthreads_or(last):       # every other writer's outputs are in L2
+            cuda.threadfence()
+            for i in range(t, m_total * n_cols, threads):
+                m = i // n_cols
+                d = c0 + i - m * n_cols
+                out[m, d] = _combined(y_slot, slot_of_entry, weight, shared_y, has_shared, m, d)
+            if t == 0:
+                counters[tile] = 0
+    return arrive

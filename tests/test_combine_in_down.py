@@ -1,0 +1,132 @@
+"""``KDTREE_COMBINE_IN_DOWN``: the MoE's combine in the tail of the routed experts' down launch
+(kdtree_numba/layers/moe_combine.py; moe._combining_rows): the last block to write a tile of
+output columns, counted in the tile's arrival counter, sums that tile's outputs in the combine
+kernel's order.  The same bits as the combine's launch of its own, no such launch, and the
+counters back at 0 after each call (the next call, or a CUDA graph's next replay, counts
+from there).  Tiny shapes: each simulated thread costs ~120 us.  On the GPU: the demo pair's
+tokens here, Kimi widths (int4, the real launch's blocks and tiles) in
+tests/test_w4a16_gpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference.layers as ref
+from test_layers import moe_case
+from w4a16_cases import BF16, int4_case
+
+
+@pytest.fixture
+def moe_layers(needs_kernels):
+    from kdtree_numba.layers import moe
+    return moe
+
+
+def host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+def _run(moe_layers, monkeypatch, args, switch, **kw):
+    """moe_ffn with the switch at ``switch``: (output, the combine's own launches run)."""
+    real, calls = moe_layers._combine, []
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(moe_layers, "_combine", counted)
+    monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", switch)
+    out = host(moe_layers.moe_ffn(*args, **kw))
+    monkeypatch.undo()
+    return out, len(calls)
+
+
+def _counters_zero(ws):
+    return all(not host(buf).any() for key, buf in ws._buffers.items()
+               if key[0] == "moe.combine_counters")
+
+
+# the routed-only case (~3 s under the simulator) only off CI's default run
+@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["shared", "routed_only"])
+def test_the_combine_in_down_keeps_the_bits(moe_layers, monkeypatch, shared):
+    """bf16 experts, with and without a shared expert, at a decode's row and at several x-row
+    chunks with ragged D (combine tiles that end past D): the switch's bits, no combine
+    launch, the counters back at 0, and a second call with another routing on the same
+    workspace (its counters) right too."""
+    from kdtree_numba.layers import Workspace
+    rng = np.random.default_rng(11)
+    for m, d, inter in ((1, 32, 12), (6, 40, 9)):
+        args = moe_case(rng, m, d, 4, inter, 2, BF16, shared)
+        off, launches_off = _run(moe_layers, monkeypatch, args, "0", method="skinny")
+        ws = Workspace()
+        on, launches_on = _run(moe_layers, monkeypatch, args, "1", method="skinny",
+                               workspace=ws)
+        assert launches_off == 1 and launches_on == 0
+        assert on.tobytes() == off.tobytes(), (m, d, inter)
+        np.testing.assert_allclose(on, ref.moe_ffn(*args), rtol=1e-4, atol=1e-4)
+        assert _counters_zero(ws)
+        again = (args[0], np.ascontiguousarray(args[1][::-1]), *args[2:])
+        second, _ = _run(moe_layers, monkeypatch, again, "1", method="skinny", workspace=ws)
+        want, _ = _run(moe_layers, monkeypatch, again, "0", method="skinny")
+        assert second.tobytes() == want.tobytes()
+
+
+@pytest.mark.slow
+def test_no_valid_expert_still_writes_the_output(moe_layers, monkeypatch):
+    """Every routing index out of range (no active expert): the output is the shared expert's
+    (or zeros), as the combine's launch gives, since slot 0's blocks still arrive."""
+    rng = np.random.default_rng(3)
+    for shared in (True, False):
+        h, idx, w, gu, dn, sgu, sdn = moe_case(rng, 2, 16, 3, 8, 2, np.float32, shared)
+        args = (h, np.full_like(idx, -1), w, gu, dn, sgu, sdn)
+        off, _ = _run(moe_layers, monkeypatch, args, "0", method="skinny")
+        on, launches = _run(moe_layers, monkeypatch, args, "1", method="skinny")
+        assert launches == 0 and on.tobytes() == off.tobytes()
+        assert np.abs(on).max() > 0 if shared else not on.any()
+
+
+@pytest.mark.slow
+def test_int4_experts_in_spans_keep_the_bits(moe_layers, monkeypatch):
+    """int4 routed experts with a bf16 shared expert, the default shapes and two N tiles a
+    block (``span``: a block arrives at each tile it wrote): the switch's bits."""
+    import dataclasses
+
+    from kdtree_numba.layers.moe_shapes import expert_config
+    from kdtree_numba.layers.workspace import int4_experts
+    rng = np.random.default_rng(29)
+    m, d, n_experts, inter, top_k = 3, 64, 5, 16, 2
+    h, idx, wt, gu, dn, sgu, sdn = int4_case(rng, m, d, n_experts, inter, top_k, 16)
+    args = (h, idx, wt, int4_experts(gu), int4_experts(dn), sgu, sdn)
+    spans = tuple(dataclasses.replace(expert_config(m, top_k, n_experts, k, up, True), span=2)
+                  for k, up in ((d, True), (inter, False)))
+    for configs in (None, spans):
+        off, _ = _run(moe_layers, monkeypatch, args, "0", configs=configs)
+        on, launches = _run(moe_layers, monkeypatch, args, "1", configs=configs)
+        assert launches == 0 and on.tobytes() == off.tobytes()
+
+
+def test_tiled_experts_keep_their_combine(moe_layers, monkeypatch):
+    """Where the routed experts are tiled (no down launch of the streaming kernel to fold
+    into), the switch changes nothing: the combine's own launch, the same bits."""
+    rng = np.random.default_rng(9)
+    args = moe_case(rng, 3, 16, 3, 8, 2, np.float32)
+    off, _ = _run(moe_layers, monkeypatch, args, "0", method="tiled")
+    on, launches = _run(moe_layers, monkeypatch, args, "1", method="tiled")
+    assert launches == 1 and on.tobytes() == off.tobytes()
+
+
+def test_combine_tiles_cover_both_blocks():
+    from kdtree_numba.layers.moe_combine import combine_tiles, combine_width
+    for routed, shared in ((8, 2), (2, 16), (4, 4), (16, 1)):
+        width = combine_width(routed, shared)
+        assert width % routed == 0 and width % shared == 0
+        for d in (1, 7, 64, 7168, 7170):
+            assert (combine_tiles(d, width) - 1) * width < d <= combine_tiles(d, width) * width
+
+
+@pytest.mark.gpu
+def test_gpu_the_demo_pair_with_the_switch_gives_the_defaults_tokens(monkeypatch):
+    """On the GPU: the demo pair's AR and DDTree (budget 16, T = 0 and 1) tokens are the
+    same with the switch off and on."""
+    from test_demo_pair import assert_switch_keeps_tokens
+    assert_switch_keeps_tokens(monkeypatch, "KDTREE_COMBINE_IN_DOWN")
