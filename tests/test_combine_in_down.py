@@ -105,6 +105,26 @@ def test_int4_experts_in_spans_keep_the_bits(moe_layers, monkeypatch):
         assert launches == 0 and on.tobytes() == off.tobytes()
 
 
+def test_shared_blocks_first_keep_the_bits(moe_layers, monkeypatch):
+    """``SkinnyConfig.shared_first`` (the shared expert's blocks first in the grid, a bench
+    variant) moves no bit, with the combine in the down launch and without."""
+    import dataclasses
+
+    from kdtree_numba.layers.moe_shapes import expert_config
+    from kdtree_numba.layers.workspace import int4_experts
+    rng = np.random.default_rng(31)
+    m, d, n_experts, inter, top_k = 2, 32, 4, 16, 2
+    h, idx, wt, gu, dn, sgu, sdn = int4_case(rng, m, d, n_experts, inter, top_k, 16)
+    args = (h, idx, wt, int4_experts(gu), int4_experts(dn), sgu, sdn)
+    first = tuple(dataclasses.replace(expert_config(m, top_k, n_experts, k, up, True),
+                                      shared_first=True)
+                  for k, up in ((d, True), (inter, False)))
+    want, _ = _run(moe_layers, monkeypatch, args, "0")
+    for switch in ("0", "1"):
+        got, _ = _run(moe_layers, monkeypatch, args, switch, configs=first)
+        assert got.tobytes() == want.tobytes(), switch
+
+
 def test_tiled_experts_keep_their_combine(moe_layers, monkeypatch):
     """Where the routed experts are tiled (no down launch of the streaming kernel to fold
     into), the switch changes nothing: the combine's own launch, the same bits."""

@@ -70,9 +70,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -176,7 +178,11 @@ INT4_GEMV_VARIANTS = (
      dict(threads=64, prefetch=True)),
     ("gemv 32 threads prefetch", dict(threads=32, prefetch=True), dict(prefetch=True)),
     ("gemv threads x2 prefetch span 4", dict(threads=128, prefetch=True, span=4),
-     dict(threads=64, prefetch=True, span=4)))
+     dict(threads=64, prefetch=True, span=4)),
+    # the shared expert's blocks first in the grid (they are the launches' heavier blocks:
+    # apart, its down ran at 70% of its roof against the routed 88%, run 190)
+    ("gemv shared first", dict(shared_first=True), dict(shared_first=True)),
+    ("gemv shared first down", dict(), dict(shared_first=True)))
 # at M = 1 the tensor-core tile has 15 dead x rows of 16: its skip_dead_rows tiles there too
 INT4_MMA_DECODE_TILES = tuple(t for t in INT4_MMA_TILES if "skip dead" in t[0])
 INT4_GROUP = 32                # Kimi-K2's checkpoints
@@ -385,7 +391,12 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         [lambda w=w: layers.linear(x_nb, w, out=y_nb, workspace=ws) for w in w_nb])[0]
     t_mem, t_tc = wbytes / HBM_BYTES_PER_S, 2.0 * m * n * k / BF16_FLOP_PER_S
     roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
-    plans = [("default", layers.mma_config(m, n, k))]
+    default = layers.mma_config(m, n, k)
+    plans = [("default", default)]
+    if default.wgmma and default.splits > 1:
+        # the K slices added in the block whatever the tiles (mma_linear folds them only
+        # from FOLD_MIN_TILES M x N tiles; below, they go through memory and sum_splits)
+        plans.append(("slices in block", dataclasses.replace(default, slices_in_block=True)))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:
@@ -683,6 +694,8 @@ def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline)
     for variant, gate_up_kw, down_kw in INT4_GEMV_VARIANTS:
         if time.perf_counter() > deadline:
             return
+        if not re.search(ctx["int4_variants"], variant):
+            continue
         pair = (dataclasses.replace(picked[0], **gate_up_kw),
                 dataclasses.replace(picked[1], **down_kw))
         try:
@@ -716,6 +729,8 @@ def _int4_mma_rows(ctx, results, experts, shared, call, m, routing, nbytes, used
     for variant, cfg, work_list in variants:
         if time.perf_counter() > deadline:
             return
+        if not re.search(ctx["int4_variants"], variant):
+            continue
         try:
             with environment(KDTREE_MOE_WORK_LIST=work_list):
                 t, hb = timer([lambda cfg=cfg: layers.moe_ffn(
@@ -954,6 +969,9 @@ def main(argv=None) -> int:
     parser.add_argument("--int4-ms", default=",".join(map(str, INT4_MS)),
                         help="the int4 section's rows (M), comma-separated; M = 1 adds the "
                              "GEMV variants and the bf16 comparison (default: %(default)s)")
+    parser.add_argument("--int4-variants", default="",
+                        help="a regular expression: only the M = 1 GEMV variants and "
+                             "tensor-core tiles whose names it matches (default: all)")
     parser.add_argument("--mma-ms", default=",".join(map(str, MMA_MS)),
                         help="the mma section's rows (M), comma-separated, on each of its "
                              "shapes (default: %(default)s)")
@@ -967,7 +985,8 @@ def main(argv=None) -> int:
     from kdtree_numba import layers
     import card_roofs
     print(f"# {card_roofs.describe(card_roofs.apply(sys.modules[__name__]))}")
-    ctx = dict(cp=cp, cuda=cuda, layers=layers, timer=GpuTimer(cp))
+    ctx = dict(cp=cp, cuda=cuda, layers=layers, timer=GpuTimer(cp),
+               int4_variants=args.int4_variants)
     print(f"# bench_layers on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
           f"roof {HBM_BYTES_PER_S / 1e12:.1f} TB/s; times are GPU time per call (us)")
     results = []

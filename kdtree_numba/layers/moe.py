@@ -21,7 +21,8 @@ from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduc
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
 from kdtree_numba.layers.linear import METHODS, linear, skinny_swiglu, swiglu_fuses
 from kdtree_numba.layers.mma import round_to_bf16
-from kdtree_numba.layers.moe_combine import combine_tiles, combine_width, make_tile_combine
+from kdtree_numba.layers.moe_combine import (combine_tiles, combine_width, combining_rows,
+                                             routed_first)
 from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
                                               int4_mma_group_ok)
 from kdtree_numba.layers.moe_route import moe_route, route_from_logits, router_logits
@@ -169,9 +170,10 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     linear's block (skinny.make_skinny_block, its SwiGLU form in gate_up) over the shared
     expert's weight and every token, so the shared expert costs no launch of its own.
     ``combine`` (down only; ``KDTREE_COMBINE_IN_DOWN``): the combine tiles' width, whose last
-    writer combines them (moe_combine.make_tile_combine), so the combine costs no launch of
+    writer combines them (moe_combine.combining_rows), so the combine costs no launch of
     its own; 0: none."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
+    shared_first = cfg.shared_first and shared is not None
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
     nacc, warps = mt * nr, threads // 32
     int4, prefetch = wkind in INT4_KINDS, cfg.prefetch
@@ -277,7 +279,7 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
                          s_begin, s_end, wrows, xrows, acc, red, scratch, ring)
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
     if combine:
-        return kernel(_combining_rows(expert_block, cfg, chunks, shared, combine), **options)
+        return kernel(combining_rows(expert_block, cfg, chunks, shared, combine), **options)
     if shared is None:
         def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
                         tiles):
@@ -289,9 +291,10 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     def expert_rows_and_shared(x, token_of_slot, offsets, active, n_active, w3, s3, out,
                                n_out, c1, tiles, routed_blocks, xs, s_w, s_out, m_total,
                                s_n_out, s_k8, s_mchunks):
-        """The routed blocks, then the shared expert's: its x ``xs`` [M, K] (h, or its act
-        in down), weight ``s_w``, output ``s_out`` [1, M, s_n_out] (its act, or its y)."""
-        bid = cuda.blockIdx.x
+        """The routed blocks, then the shared expert's (``cfg.shared_first``: the other way
+        round): its x ``xs`` [M, K] (h, or its act in down), weight ``s_w``, output ``s_out``
+        [1, M, s_n_out] (its act, or its y)."""
+        bid = routed_first(cuda.blockIdx.x, routed_blocks, shared_first)
         if bid < routed_blocks:
             expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
                          tiles, bid)
@@ -299,52 +302,6 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
             shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1,
                          bid - routed_blocks)
     return kernel(expert_rows_and_shared, **options)
-
-
-def _combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: int):
-    """The down launch's body under ``KDTREE_COMBINE_IN_DOWN`` (_expert_kernel's
-    ``combine``): each routed block (and, with ``shared``, each shared-expert block after
-    them) does its work, then arrives at the combine tile of each N tile it wrote; the last
-    writer of a tile combines it into ``y`` (moe_combine.make_tile_combine).  Routed blocks
-    past the active experts exit at once, as in the plain launch, but with no active expert
-    slot 0's arrive, so that the shared expert's output (or zeros) still reaches ``y``."""
-    r_out, span = cfg.rows, cfg.span
-    has_shared = shared is not None
-    s_rows = shared[0].rows if has_shared else 1
-    arrive = make_tile_combine(width, cfg.threads, has_shared, r_out, chunks, s_rows)
-    shared_block = make_skinny_block(*shared, False) if has_shared else _no_block
-
-    def expert_rows_combined(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out,
-                             c1, tiles, routed_blocks, xs, s_w, s_out, m_total, s_n_out, s_k8,
-                             s_mchunks, slot_of_entry, weight, shared_y, y, counters):
-        """_expert_kernel's arguments (the shared expert's: any arrays without one), then
-        the combine's: ``shared_y`` [M, D] is s_out's matrix (any float32 matrix without a
-        shared expert)."""
-        bid = cuda.blockIdx.x
-        n_act = n_active[0]
-        if bid < routed_blocks:
-            at = bid // chunks
-            spans = (tiles + span - 1) // span
-            a = at // spans
-            if a >= max(n_act, 1):
-                return
-            expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
-                         tiles, bid)       # (writes nothing where a >= n_act)
-            first = (at - a * spans) * span
-            for tile in range(first, min(first + span, tiles)):
-                arrive((tile * r_out) // width, n_act, s_mchunks, out, slot_of_entry, weight,
-                       shared_y, y, counters)
-        elif has_shared:
-            sb = bid - routed_blocks
-            shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1, sb)
-            arrive(((sb // s_mchunks) * s_rows) // width, n_act, s_mchunks, out,
-                   slot_of_entry, weight, shared_y, y, counters)
-    return expert_rows_combined
-
-
-@device_function(inline="always")
-def _no_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, splits, bid):
-    """The shared expert's block where there is none (never called)."""
 
 
 @kernel
@@ -765,7 +722,7 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
     (gate_up, down, load kind, act [M, Is], y [M, D]) of the shared expert, whose blocks
     then follow the routed ones in both launches (:func:`_shared_in_experts`).  ``fold``:
     (slot_of_entry, weight, y, workspace) where the down launch combines into y in its tail
-    (``KDTREE_COMBINE_IN_DOWN``, :func:`_combining_rows`)."""
+    (``KDTREE_COMBINE_IN_DOWN``, moe_combine.combining_rows)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
     sgu, sdn, skind, s_act, s_y = shared or (None,) * 5

@@ -14,8 +14,10 @@ import numpy as np
 
 from kdtree_numba.compat import cuda, device_function
 from kdtree_numba.gpu.memory import load_l2_f32
+from kdtree_numba.layers.skinny import SkinnyConfig, make_skinny_block
 
-__all__ = ["make_tile_combine", "combine_tiles", "combine_width"]
+__all__ = ["combining_rows", "routed_first", "make_tile_combine", "combine_tiles",
+           "combine_width"]
 
 
 @device_function(inline="always")
@@ -80,3 +82,60 @@ def make_tile_combine(width: int, threads: int, has_shared: bool, routed_rows: i
             if t == 0:
                 counters[tile] = 0
     return arrive
+
+
+def combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: int):
+    """The down launch's body under ``KDTREE_COMBINE_IN_DOWN`` (moe._expert_kernel's
+    ``combine``, its ``expert_block`` a routed block's share): each routed block (and, with
+    ``shared``, each shared-expert block after them, or before with ``cfg.shared_first``)
+    does its work, then arrives at the combine tile of each N tile it wrote; the last writer
+    of a tile combines it into ``y`` (:func:`make_tile_combine`).  Routed blocks
+    past the active experts exit at once, as in the plain launch, but with no active expert
+    slot 0's arrive, so that the shared expert's output (or zeros) still reaches ``y``."""
+    r_out, span = cfg.rows, cfg.span
+    has_shared = shared is not None
+    s_rows = shared[0].rows if has_shared else 1
+    arrive = make_tile_combine(width, cfg.threads, has_shared, r_out, chunks, s_rows)
+    shared_block = make_skinny_block(*shared, False) if has_shared else _no_block
+
+    def expert_rows_combined(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out,
+                             c1, tiles, routed_blocks, xs, s_w, s_out, m_total, s_n_out, s_k8,
+                             s_mchunks, slot_of_entry, weight, shared_y, y, counters):
+        """_expert_kernel's arguments (the shared expert's: any arrays without one), then
+        the combine's: ``shared_y`` [M, D] is s_out's matrix (any float32 matrix without a
+        shared expert)."""
+        bid = routed_first(cuda.blockIdx.x, routed_blocks, has_shared and cfg.shared_first)
+        n_act = n_active[0]
+        if bid < routed_blocks:
+            at = bid // chunks
+            spans = (tiles + span - 1) // span
+            a = at // spans
+            if a >= max(n_act, 1):
+                return
+            expert_block(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
+                         tiles, bid)       # (writes nothing where a >= n_act)
+            first = (at - a * spans) * span
+            for tile in range(first, min(first + span, tiles)):
+                arrive((tile * r_out) // width, n_act, s_mchunks, out, slot_of_entry, weight,
+                       shared_y, y, counters)
+        elif has_shared:
+            sb = bid - routed_blocks
+            shared_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, 1, sb)
+            arrive(((sb // s_mchunks) * s_rows) // width, n_act, s_mchunks, out,
+                   slot_of_entry, weight, shared_y, y, counters)
+    return expert_rows_combined
+
+
+@device_function(inline="always")
+def routed_first(bid, routed_blocks, shared_first):
+    """The block's index in the routed-then-shared order: with ``shared_first`` the grid's
+    first blocks are the shared expert's."""
+    if not shared_first:
+        return bid
+    s_blocks = cuda.gridDim.x - routed_blocks
+    return bid - s_blocks if bid >= s_blocks else routed_blocks + bid
+
+
+@device_function(inline="always")
+def _no_block(xs, s_w, s_out, m_total, s_n_out, s_k8, s_mchunks, splits, bid):
+    """The shared expert's block where there is none (never called)."""

@@ -568,12 +568,14 @@ class SkinnyConfig:
     share x rows run together (weight tiles fastest in the grid) instead of those that share a
     weight tile; for an x that outgrows L2 and the weight (the float32 router at a prefill's
     thousands of rows), which otherwise comes from HBM once per weight tile.  Same bits.
-    Three fields only the MoE expert kernels read (layers/moe.py ``_expert_kernel``; bench
+    Four fields only the MoE expert kernels read (layers/moe.py ``_expert_kernel``; bench
     variants until a GPU run picks, all giving the same bits): ``span``, N tiles one block
     runs one after another (its routing reads paid once); ``prefetch``, each tile's weight
     rows (words and scales) asked into L2 by one bulk prefetch a row at the tile's start,
     and with a span the next tile's too (bytes in flight that hold no register);
-    ``max_registers``, a ptxas cap (0: none).  Two for the int4 kinds alone: ``stages``, the
+    ``max_registers``, a ptxas cap (0: none); ``shared_first``, the shared expert's blocks
+    (where they ride in the launch) before the routed ones in the grid, not after: the
+    heavier blocks start first and the short ones fill the last wave.  Two for the int4 kinds alone: ``stages``, the
     cp.async ring's depth (a bench variant; 0: plain loads; same bits), ``unpack``, the
     nibbles' unpacking, "denormal" (the default since run 167) or "magic" (other bits, both
     within the bound)."""
@@ -588,6 +590,7 @@ class SkinnyConfig:
     prefetch: bool = False
     max_registers: int = 0
     stages: int = 0
+    shared_first: bool = False
     unpack: str = "denormal"
 
     def __post_init__(self):
