@@ -73,7 +73,10 @@ Two kinds of switch:
   int4 experts the shared expert at their threads: kdtree_numba/layers/moe.py,
   ``_shared_in_experts``), the MoE's combine in the tail of its down launch where that
   launch streams the weights (``KDTREE_COMBINE_IN_DOWN=1``, off until timed on the GPU: one
-  launch fewer a MoE layer; the same bits: kdtree_numba/layers/moe_combine.py),
+  launch fewer a MoE layer; the same bits: kdtree_numba/layers/moe_combine.py), a small
+  router's logits and its routing in one launch where linear() would stream the router's
+  weight (``KDTREE_FUSED_ROUTER=1``, off until timed on the GPU: one launch fewer a MoE
+  layer; the same bits: kdtree_numba/layers/moe_route.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -111,7 +114,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
-             "KDTREE_COMBINE_IN_DOWN",
+             "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -255,6 +258,9 @@ class RuntimeConfig:
     # the MoE's combine in its down launch's tail (issue 36 item 3, issue 39: one launch fewer
     # a MoE layer; off until timed on the GPU)
     combine_in_down: bool = False
+    # a small router's logits and the routing in one launch (issue 36 item 3: one launch fewer
+    # a MoE layer; off until timed on the GPU)
+    fused_router: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -304,6 +310,7 @@ class RuntimeConfig:
                    invariant_attention=_flag(env, "KDTREE_INVARIANT_ATTENTION", False),
                    shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", True),
                    combine_in_down=_flag(env, "KDTREE_COMBINE_IN_DOWN", False),
+                   fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))
