@@ -168,7 +168,8 @@ _GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_ch
                    ("moe_work_list", None, "moe_work_list"), ("int4_mma", "no_int4_mma", None),
                    ("shared_in_experts", "shared_expert_apart", None),
                    ("combine_in_down", None, "combine_in_down"),
-                   ("fused_router", None, "fused_router"))
+                   ("fused_router", None, "fused_router"),
+                   ("mma_sums_in_last", None, "mma_sums_in_last"))
 
 
 class GraphCache:

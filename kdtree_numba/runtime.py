@@ -76,7 +76,10 @@ Two kinds of switch:
   launch fewer a MoE layer; the same bits: kdtree_numba/layers/moe_combine.py), a small
   router's logits and its routing in one launch where linear() would stream the router's
   weight (``KDTREE_FUSED_ROUTER=1``, off until timed on the GPU: one launch fewer a MoE
-  layer; the same bits: kdtree_numba/layers/moe_route.py),
+  layer; the same bits: kdtree_numba/layers/moe_route.py), the bf16 tensor-core GEMM's K
+  slices added by each output tile's last slice block (``KDTREE_MMA_SUMS_IN_LAST=1``, off
+  until timed on the GPU: one launch fewer a sliced linear; the same bits:
+  kdtree_numba/layers/mma.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -114,7 +117,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FUSED_LATENTS", "KDTREE_PAD_PREFILLS", "KDTREE_LEAN_ROUND", "KDTREE_AUTO_V2",
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
-             "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER",
+             "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER", "KDTREE_MMA_SUMS_IN_LAST",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -261,6 +264,9 @@ class RuntimeConfig:
     # a small router's logits and the routing in one launch (issue 36 item 3: one launch fewer
     # a MoE layer; off until timed on the GPU)
     fused_router: bool = False
+    # the bf16 GEMM's K slices added by each tile's last slice block, not a sum launch (issue
+    # 38: one launch fewer a sliced linear under tensor cores; off until timed on the GPU)
+    mma_sums_in_last: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -311,6 +317,7 @@ class RuntimeConfig:
                    shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", True),
                    combine_in_down=_flag(env, "KDTREE_COMBINE_IN_DOWN", False),
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
+                   mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -203,6 +203,38 @@ def test_simulated_stages_of_128_slice_k_like_stages_of_64(splits, k, needs_kern
     assert np.all(np.abs(rows[1] - want) <= (k + 2) * 2.0 ** -24 * magnitude)
 
 
+@pytest.mark.parametrize("m, n, k, splits", [(19, 9, 320, 2),
+                                             pytest.param(5, 20, 456, 3,
+                                                          marks=pytest.mark.slow)])
+def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, needs_kernels,
+                                                              monkeypatch):
+    """``KDTREE_MMA_SUMS_IN_LAST``: each output tile's last K-slice block adds the slices'
+    partial sums (mma.make_sum_when_last) -- sum_splits' bits without its launch, over 2 M
+    tiles x 3 N tiles or ragged ones; the counters back at 0, so a second call on the same
+    workspace (another x) is right too."""
+    import launch_counter
+    from kdtree_numba import compat
+    from kdtree_numba.layers import Workspace, linear
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real mma)")
+    monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
+    cfg = mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, splits=splits)
+    ws = Workspace()
+    for seed in (8, 9):
+        x, w16, _ = _block_case(seed, m, n, k)
+        got = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", switch)
+            with launch_counter.installed() as counter, counter.window() as launches:
+                got[switch] = linear(x, w16, method="mma", config=cfg,
+                                     workspace=ws).copy_to_host()
+            assert sum(launches.values()) == (3 if switch == "0" else 2)   # round, GEMM, sum
+        assert got["1"].tobytes() == got["0"].tobytes(), seed
+        counters = [buf for key, buf in ws._buffers.items()
+                    if key[0] == "linear.mma_counters"]
+        assert counters and not any(c.copy_to_host().any() for c in counters)
+
+
 def _wgmma_operand(smem, desc, rows):
     """The rows x 16 bf16 operand a wgmma reads through a shared-memory matrix descriptor, as
     the PTX ISA defines it for K-major operands with the 64-byte swizzle (the only mode the
@@ -683,6 +715,26 @@ def test_gpu_linear_mma_is_batch_invariant(n, k):
             for m in (1, 9, 17, 33, 65, 512, 4096)}
     for m, y in rows.items():
         assert y.tobytes() == rows[4096][:m].tobytes(), m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(2112, 7168), (7168, 8192), (7168, 2048)])
+def test_gpu_sums_in_the_last_slice_block_keep_the_bits(n, k, monkeypatch):
+    """``KDTREE_MMA_SUMS_IN_LAST`` at Kimi-K2's sliced shapes (q_a + kv_a, o_proj, the shared
+    expert's down) and a decode's, a verify's and a prefill's rows: the sum launch's bits,
+    three calls in a row on one workspace (each leaves its counters at 0)."""
+    from kdtree_numba.layers import Workspace, linear
+    rng = np.random.default_rng(k)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    for m in (1, 9, 65, 512):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "0")
+        want = linear(x, w16, method="mma").copy_to_host()
+        monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "1")
+        ws = Workspace()
+        for _ in range(3):
+            got = linear(x, w16, method="mma", workspace=ws).copy_to_host()
+            assert got.tobytes() == want.tobytes(), (m, n, k)
 
 
 @pytest.mark.gpu

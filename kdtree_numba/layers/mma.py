@@ -50,12 +50,13 @@ import functools
 
 import numpy as np
 
-from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
+from kdtree_numba import runtime
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
                                      cp_async_wait_1, cp_async_wait_2, cp_async_wait_3,
-                                     cp_async_wait_4, cp_async_wait_all,
+                                     cp_async_wait_4, cp_async_wait_all, load_l2_f32,
                                      store_nowrap_2d)
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
@@ -475,15 +476,17 @@ def _mma_kernel_for(cfg: MmaConfig):
             acc[i] = ZERO
         run_ring(acc, av, bv, smem, x16, xrow, w16, wrow, k_begin, k_end, arow, brow, tid)
 
-    @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
-    def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
-                          heads, w_head_rows, w_off):
+    # inlined in numba's IR (as skinny.make_skinny_block): both kernels below compile as if
+    # the body were their own (the plain kernel's PTX is what it was before the split)
+    @device_function(inline="always")
+    def block_tile(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
+                   heads, w_head_rows, w_off):
         """out[(s * m_total + m) * heads + h, n] = slice s of sum_k x16[m * heads + h, k]
         w16[h * w_head_rows + w_off + n, k] (bf16 bits; out = y when splits == 1): for each
         head h = blockIdx.y one product, a plain linear when heads = 1 (w_head_rows = w_off =
         0).  Grid.x: M tile fastest, then K slice, then N tile.  ``slices_in_block``: no K
         slice in the grid; each block runs all ``splits`` and writes y.  Dynamic shared
-        memory: ring_function's two rings."""
+        memory: ring_function's two rings.  Returns the block's (M tile, N tile)."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         acc = cuda.local.array(NACC, float32)
         av = cuda.local.array(NAV, uint32)
@@ -535,8 +538,63 @@ def _mma_kernel_for(cfg: MmaConfig):
                     if row < m_total and col < n_total:
                         store_nowrap_2d(out, (orow + row) * heads + h, col,
                                         acc[4 * (i * FTN + j) + e])
+        return mt_i, n_i
 
-    return mma_linear_kernel
+    options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
+    if not cfg.sums_in_last:
+        @kernel(**options)
+        def mma_linear_kernel(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits,
+                              kc_total, heads, w_head_rows, w_off):
+            """:func:`block_tile` at every block."""
+            block_tile(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
+                       heads, w_head_rows, w_off)
+        return mma_linear_kernel
+    sum_when_last = make_sum_when_last(BM, BN, THREADS)
+
+    @kernel(**options)
+    def mma_linear_sums(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits, kc_total,
+                        heads, w_head_rows, w_off, y, counters):
+        """:func:`block_tile` into the K slices' partial sums ``out``, then the last of an
+        output tile's slice blocks adds its slices into ``y`` (``sums_in_last``)."""
+        mt_i, n_i = block_tile(x16, w16, out, m_total, n_total, k_total, n_mtiles, splits,
+                               kc_total, heads, w_head_rows, w_off)
+        sum_when_last(out, y, counters, n_i * n_mtiles + mt_i, mt_i * BM, n_i * BN, splits,
+                      m_total, n_total, heads, cuda.blockIdx.y)
+    return mma_linear_sums
+
+
+def make_sum_when_last(bm: int, bn: int, threads: int):
+    """``sum_when_last(part, y, counters, tile, m0, n0, splits, m_total, n_total, heads, h)``,
+    called by every thread of a K slice's block after it wrote its partial sums of output
+    tile ``tile`` (rows m0 .. m0 + bm - 1, columns n0 .. n0 + bn - 1, head h) into ``part``
+    [splits * m_total * heads, n]: the block fences them and counts itself in
+    counters[tile]; the tile's last slice block adds the ``splits`` partial sums in slice
+    order -- :func:`~kdtree_numba.layers.common.sum_splits`' expression, so its bits --
+    into ``y`` [m_total * heads, n] and sets the counter back to 0 for the next call (or a
+    CUDA graph's next replay): no sum launch."""
+    @device_function(inline="always")
+    def sum_when_last(part, y, counters, tile, m0, n0, splits, m_total, n_total, heads, h):
+        t = cuda.threadIdx.x
+        cuda.threadfence()          # every thread's partial sums reach L2 (fenced) ...
+        cuda.syncthreads()          # ... before thread 0 counts the block
+        at = tile * heads + h
+        last = 0
+        if t == 0:
+            last = int(cuda.atomic.add(counters, at, 1) == splits - 1)
+        if cuda.syncthreads_or(last):       # every other slice's partial sums are in L2
+            cuda.threadfence()
+            for i in range(t, bm * bn, threads):
+                r = i // bn
+                row = m0 + r
+                col = n0 + i - r * bn
+                if row < m_total and col < n_total:
+                    total = load_l2_f32(part, (row * heads + h, col))
+                    for s in range(1, splits):
+                        total += load_l2_f32(part, ((s * m_total + row) * heads + h, col))
+                    y[row * heads + h, col] = total
+            if t == 0:
+                counters[at] = 0
+    return sum_when_last
 
 
 @kernel
@@ -560,15 +618,17 @@ def round_to_bf16(xd, workspace, name, stream=0):
 
 
 def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w_head_rows=0,
-            w_off=0):
+            w_off=0, sums=()):
     """One launch of :func:`mma_kernel` (cfg) over bf16 x16 rows: ``splits`` K slices into
     ``target`` [splits * M * heads, N] (or summed in the block into [M * heads, N]:
-    ``cfg.slices_in_block``); heads > 1 as :func:`mma_head_products` describes."""
+    ``cfg.slices_in_block``; ``cfg.sums_in_last``: ``sums`` = (y, counters), the last slice
+    block of each tile adds them into y); heads > 1 as :func:`mma_head_products`
+    describes."""
     n_mtiles = -(-m // cfg.bm)
     blocks = n_mtiles * (1 if cfg.slices_in_block else splits) * -(-n // cfg.bn)
     dispatcher = mma_kernel(cfg)
     args = (x16, wd, target, m, n, k, n_mtiles, splits, -(-k // SLICE_UNIT), heads,
-            w_head_rows, w_off)
+            w_head_rows, w_off) + tuple(sums)
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
     dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
 
@@ -582,18 +642,28 @@ FOLD_MIN_TILES = 2 * GPU_SMS
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
     linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
-    cp.async; K slices go to a workspace buffer and are added in order, or where the M x N
-    tiles of a warpgroup tile fill the GPU (:data:`FOLD_MIN_TILES`) each block adds its
-    slices itself (``slices_in_block``: the same bits, no partial sums in memory)."""
+    cp.async; K slices go to a workspace buffer and are added in order (by a sum launch, or
+    with ``KDTREE_MMA_SUMS_IN_LAST`` / ``cfg.sums_in_last`` by each tile's last slice block),
+    or where the M x N tiles of a warpgroup tile fill the GPU (:data:`FOLD_MIN_TILES`) each
+    block adds its slices itself (``slices_in_block``: the same bits, no partial sums in
+    memory)."""
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
     if splits > 1 and cfg.wgmma and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES:
-        cfg = dataclasses.replace(cfg, slices_in_block=True)
+        cfg = dataclasses.replace(cfg, slices_in_block=True, sums_in_last=False)
     in_memory = splits > 1 and not cfg.slices_in_block
     target = y if not in_memory else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
-    _launch(x16, wd, target, m, n, k, cfg, splits, stream)
+    if in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last):
+        cfg = dataclasses.replace(cfg, sums_in_last=True)
+        tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+        counters = (workspace.zeros("linear.mma_counters", (tiles,), np.int32, stream)
+                    if workspace is not None else to_device(np.zeros(tiles, np.int32), stream))
+        _launch(x16, wd, target, m, n, k, cfg, splits, stream, sums=(y, counters))
+        return
+    _launch(x16, wd, target, m, n, k, dataclasses.replace(cfg, sums_in_last=False), splits,
+            stream)
     if in_memory:
         grid, block = launch_1d(m * n, 256)
         sum_splits[grid, block, stream](target.reshape(splits, m, n), y)

@@ -57,7 +57,10 @@ class MmaConfig(WarpTiles):
     sm_90 GPUs (bitwise mma.sync's rows, and faster than it on a prefill's rows).
     ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
     adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
-    memory, set by the launcher where the M x N tiles alone fill the GPU."""
+    memory, set by the launcher where the M x N tiles alone fill the GPU.  ``sums_in_last``:
+    the K slices' blocks write their partial sums, and each output tile's last slice block
+    adds them (mma.make_sum_when_last: sum_splits' bits) where a sum launch would
+    (``KDTREE_MMA_SUMS_IN_LAST``, set by the launcher)."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
@@ -68,6 +71,7 @@ class MmaConfig(WarpTiles):
     stages: int = 3
     wgmma: bool = False
     slices_in_block: bool = False
+    sums_in_last: bool = False
 
     @property
     def stage_bytes(self) -> int:
@@ -97,11 +101,13 @@ class MmaConfig(WarpTiles):
                 or (self.bm * self.bk // 8) % self.threads
                 or self.threads % (self.bk // 8)
                 or self.wgmma and (self.threads % 128 or self.bm != self.threads // 2
-                                   or self.bn > 256 or self.stages < 3)):
+                                   or self.bn > 256 or self.stages < 3)
+                or self.sums_in_last and self.slices_in_block):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
                              f"thread, each thread's vectors at one column of a stage; wgmma: "
-                             f"64 rows per warpgroup of 128 threads, BN <= 256, >= 3 stages")
+                             f"64 rows per warpgroup of 128 threads, BN <= 256, >= 3 stages; "
+                             f"the K slices summed in the block or by the last, not both")
 
     @property
     def frag_tiles(self) -> tuple:
