@@ -211,7 +211,8 @@ def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, n
     """``KDTREE_MMA_SUMS_IN_LAST``: each output tile's last K-slice block adds the slices'
     partial sums (mma.make_sum_when_last) -- sum_splits' bits without its launch, over 2 M
     tiles x 3 N tiles or ragged ones; the counters back at 0, so a second call on the same
-    workspace (another x) is right too."""
+    workspace (another x) is right too; after the first call, which makes and zeroes the
+    counters (gpu/counters.py), one launch fewer."""
     import launch_counter
     from kdtree_numba import compat
     from kdtree_numba.layers import Workspace, linear
@@ -220,6 +221,8 @@ def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, n
     monkeypatch.setattr(mm, "mma_bf16_m16n8k16", _warp_mma_emulation())
     cfg = mm.MmaConfig(wm=1, wn=1, tm=1, tn=1, splits=splits)
     ws = Workspace()
+    monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "1")       # the counters made (one launch)
+    linear(*_block_case(7, m, n, k)[:2], method="mma", config=cfg, workspace=ws)
     for seed in (8, 9):
         x, w16, _ = _block_case(seed, m, n, k)
         got = {}
@@ -230,9 +233,10 @@ def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, n
                                      workspace=ws).copy_to_host()
             assert sum(launches.values()) == (3 if switch == "0" else 2)   # round, GEMM, sum
         assert got["1"].tobytes() == got["0"].tobytes(), seed
-        counters = [buf for key, buf in ws._buffers.items()
-                    if key[0] == "linear.mma_counters"]
-        assert counters and not any(c.copy_to_host().any() for c in counters)
+        from kdtree_numba.gpu import counters
+        kept = [a for (_, name), arrays in counters._KEPT.items() if name == "linear.mma"
+                for a in arrays]
+        assert kept and not any(a.copy_to_host().any() for a in kept)
 
 
 def _wgmma_operand(smem, desc, rows):

@@ -51,7 +51,8 @@ import functools
 import numpy as np
 
 from kdtree_numba import runtime
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
+from kdtree_numba.gpu.counters import arrival_counters
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
@@ -658,8 +659,7 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     if in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last):
         cfg = dataclasses.replace(cfg, sums_in_last=True)
         tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-        counters = (workspace.zeros("linear.mma_counters", (tiles,), np.int32, stream)
-                    if workspace is not None else to_device(np.zeros(tiles, np.int32), stream))
+        counters = arrival_counters("linear.mma", tiles, stream)
         _launch(x16, wd, target, m, n, k, cfg, splits, stream, sums=(y, counters))
         return
     _launch(x16, wd, target, m, n, k, dataclasses.replace(cfg, sums_in_last=False), splits,

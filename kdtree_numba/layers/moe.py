@@ -16,6 +16,7 @@ import numpy as np
 
 from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory, to_device
+from kdtree_numba.gpu.counters import arrival_counters
 from kdtree_numba.gpu.memory import prefetch_l2_row
 from kdtree_numba.gpu.reduce import block_reduce_scratch_shape, make_block_reduce
 from kdtree_numba.layers.common import CHUNK, pow2_ceil, silu, takes_tiled
@@ -450,7 +451,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
                         top_k, stream, _int4_skinny_configs(kind, configs), shared,
-                        (slot_of_entry, wt, y, ws) if folds else None)
+                        (slot_of_entry, wt, y) if folds else None)
     if lean or folds:
         return y
     if shared_y is not None and shared is None:
@@ -721,7 +722,7 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
     :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers).  ``shared``:
     (gate_up, down, load kind, act [M, Is], y [M, D]) of the shared expert, whose blocks
     then follow the routed ones in both launches (:func:`_shared_in_experts`).  ``fold``:
-    (slot_of_entry, weight, y, workspace) where the down launch combines into y in its tail
+    (slot_of_entry, weight, y) where the down launch combines into y in its tail
     (``KDTREE_COMBINE_IN_DOWN``, moe_combine.combining_rows)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
@@ -764,10 +765,9 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
         if not folds:
             _expert_kernel(*recipe)[blocks + s_blocks, cfg.threads, stream](*args, *s_args)
             continue
-        slot_of_entry, wt, y, ws = fold
+        slot_of_entry, wt, y = fold
         width = combine_width(cfg.rows, s_cfg.rows if s_cfg else 1)
-        counters = ws.zeros("moe.combine_counters", (combine_tiles(d, width),), np.int32,
-                            stream)
+        counters = arrival_counters("moe.combine", combine_tiles(d, width), stream)
         _expert_kernel(cfg, load_kind, False, group, chunks,
                        None if shared is None else (s_cfg, s_load), combine=width)[
             blocks + s_blocks, cfg.threads, stream](

@@ -94,6 +94,7 @@ def combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: 
     slot 0's arrive, so that the shared expert's output (or zeros) still reaches ``y``."""
     r_out, span = cfg.rows, cfg.span
     has_shared = shared is not None
+    shared_first = has_shared and cfg.shared_first
     s_rows = shared[0].rows if has_shared else 1
     arrive = make_tile_combine(width, cfg.threads, has_shared, r_out, chunks, s_rows)
     shared_block = make_skinny_block(*shared, False) if has_shared else _no_block
@@ -104,7 +105,7 @@ def combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: 
         """_expert_kernel's arguments (the shared expert's: any arrays without one), then
         the combine's: ``shared_y`` [M, D] is s_out's matrix (any float32 matrix without a
         shared expert)."""
-        bid = routed_first(cuda.blockIdx.x, routed_blocks, has_shared and cfg.shared_first)
+        bid = routed_first(cuda.blockIdx.x, routed_blocks, shared_first)
         n_act = n_active[0]
         if bid < routed_blocks:
             at = bid // chunks

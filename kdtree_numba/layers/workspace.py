@@ -39,15 +39,6 @@ class Workspace:
             self._buffers[key] = buf
         return buf
 
-    def zeros(self, name, shape, dtype, stream=0):
-        """:meth:`get`, zeroed when first made (counters that their kernels set back to 0
-        when done: zeroed once, never in a CUDA-graph capture, which a warmed-up call
-        never makes)."""
-        key = (name, tuple(int(s) for s in shape), np.dtype(dtype).str)
-        if key not in self._buffers:
-            self._buffers[key] = to_device(np.zeros(shape, dtype), stream=stream)
-        return self._buffers[key]
-
 
 def workspace_buffer(workspace, name, shape, dtype, stream):
     """Scratch buffer ``name`` of ``workspace``, or a new array when there is none."""
