@@ -107,6 +107,7 @@ def test_int4_experts_in_spans_keep_the_bits(moe_layers, monkeypatch):
         assert launches == 0 and on.tobytes() == off.tobytes()
 
 
+@pytest.mark.slow      # a bench variant; test_w4a16_gpu checks it at Kimi widths on the GPU
 def test_shared_blocks_first_keep_the_bits(moe_layers, monkeypatch):
     """``SkinnyConfig.shared_first`` (the shared expert's blocks first in the grid, a bench
     variant) moves no bit, with the combine in the down launch and without."""
@@ -152,3 +153,48 @@ def test_gpu_the_demo_pair_with_the_switch_gives_the_defaults_tokens(monkeypatch
     same with the switch off and on."""
     from test_demo_pair import assert_switch_keeps_tokens
     assert_switch_keeps_tokens(monkeypatch, "KDTREE_COMBINE_IN_DOWN")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17])
+def test_gpu_graph_replays_give_the_eager_bits(m, monkeypatch):
+    """Three MoE layers of the demo target's widths (a small router, 8 bf16 experts and a
+    shared one) through moe_route and moe_ffn as the model runs them, with
+    ``KDTREE_COMBINE_IN_DOWN`` and ``KDTREE_FUSED_ROUTER`` on, captured in a CUDA graph
+    (graphs.py) and replayed: the eager bits with both off.  The arrival counters are made
+    afresh inside this key's calls (gpu/counters.py): run 196's A/B lost AR's tokens under
+    graphs where the eager tests passed (a host upload recorded in a capture)."""
+    import cupy
+
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.gpu import counters
+    from kdtree_numba.graphs import GraphCache
+    be = make_backend("numba")
+    rng = np.random.default_rng(m)
+    d, e, inter, top_k = 256, 8, 128, 2
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    layers = []
+    for _ in range(3):
+        *_, gu, dn, sgu, sdn = moe_case(rng, 1, d, e, inter, top_k, BF16)
+        gate = (rng.standard_normal((e, d)) * 0.1).astype(np.float32)
+        bias = (rng.standard_normal(e) * 0.1).astype(np.float32)
+        layers.append(tuple(cupy.asarray(a.view(np.uint16) if a.dtype == BF16 else a)
+                            for a in (gate, bias, gu, dn, sgu, sdn)))
+
+    def forward(x):
+        for gate, bias, gu, dn, sgu, sdn in layers:
+            idx, w = be.ops.moe_route(x, gate, bias, top_k=top_k)
+            x = x + cupy.asarray(be.ops.moe_ffn(x, idx, w, gu, dn, sgu, sdn))
+        return x
+
+    monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", "0")
+    monkeypatch.setenv("KDTREE_FUSED_ROUTER", "0")
+    eager = cupy.asnumpy(forward(cupy.asarray(h)))
+    monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", "1")
+    monkeypatch.setenv("KDTREE_FUSED_ROUTER", "1")
+    monkeypatch.setattr(counters, "_KEPT", {})
+    graphs = GraphCache(be)
+    runs = [graphs.call(("moe", m), forward, [h], [((m, d), np.float32)]) for _ in range(4)]
+    assert runs[0] is None and graphs.captures == 1 and graphs.failures == 0
+    for i, out in enumerate(runs[1:]):
+        assert cupy.asnumpy(out).tobytes() == eager.tobytes(), i

@@ -742,6 +742,40 @@ def test_gpu_sums_in_the_last_slice_block_keep_the_bits(n, k, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 65])
+def test_gpu_sums_in_the_last_slice_block_under_graph_replay(m, monkeypatch):
+    """Two sliced linears (q_a + kv_a's and o_proj's shapes) with ``KDTREE_MMA_SUMS_IN_LAST``
+    captured in a CUDA graph (graphs.py) and replayed, the arrival counters made afresh
+    inside the key's calls (gpu/counters.py): the eager bits with the sum launch."""
+    import cupy
+
+    from kdtree_numba.backends import make_backend
+    from kdtree_numba.gpu import counters
+    from kdtree_numba.graphs import GraphCache
+    from kdtree_numba.layers import linear
+    be = make_backend("numba")
+    rng = np.random.default_rng(m)
+    w_a = cupy.asarray(bf16_bits(rng.standard_normal((8192, 7168)).astype(np.float32) * 0.02))
+    w_b = cupy.asarray(bf16_bits(rng.standard_normal((7168, 8192)).astype(np.float32) * 0.02))
+    x = rng.standard_normal((m, 7168)).astype(np.float32)
+
+    def forward(v):
+        return cupy.asarray(linear(cupy.asarray(linear(v, w_a, method="mma")), w_b,
+                                   method="mma"))
+
+    monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "0")
+    eager = cupy.asnumpy(forward(cupy.asarray(x)))
+    monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "1")
+    monkeypatch.setattr(counters, "_KEPT", {})
+    graphs = GraphCache(be)
+    runs = [graphs.call(("linears", m), forward, [x], [((m, 7168), np.float32)])
+            for _ in range(4)]
+    assert runs[0] is None and graphs.captures == 1 and graphs.failures == 0
+    for i, out in enumerate(runs[1:]):
+        assert cupy.asnumpy(out).tobytes() == eager.tobytes(), i
+
+
+@pytest.mark.gpu
 def test_gpu_linear_mma_large_and_small_magnitudes():
     """x far from 1 (bf16 keeps float32's exponent range): relative bound unchanged."""
     _check_linear(33, 300, 256, seed=7, scale=1e-30)

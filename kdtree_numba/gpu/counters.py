@@ -36,7 +36,7 @@ def _zero(counters):
 def arrival_counters(name: str, n: int, stream=0):
     """At least ``n`` zeroed int32 counters for the kernels of kind ``name`` in this CUDA
     context (module docstring)."""
-    key = (0 if SIMULATOR else cuda.current_context().handle.value, name)
+    key = (0 if SIMULATOR else id(cuda.current_context()), name)
     kept = _KEPT.setdefault(key, [])
     if kept and kept[-1].shape[0] >= n:
         return kept[-1]
