@@ -662,8 +662,9 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
         counters = arrival_counters("linear.mma", tiles, stream)
         _launch(x16, wd, target, m, n, k, cfg, splits, stream, sums=(y, counters))
         return
-    _launch(x16, wd, target, m, n, k, dataclasses.replace(cfg, sums_in_last=False), splits,
-            stream)
+    if cfg.sums_in_last:        # (asked for, but the slices are added in the block or none)
+        cfg = dataclasses.replace(cfg, sums_in_last=False)
+    _launch(x16, wd, target, m, n, k, cfg, splits, stream)
     if in_memory:
         grid, block = launch_1d(m * n, 256)
         sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
