@@ -2,7 +2,7 @@
 """Benchmark of the non-attention kernels on the GPU (H200), each against its physical roof.
 
     python3 tools/bench_layers.py [--json PATH] [--only linear,moe,norm,rope]
-    python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 60 s)
+    python3 tools/bench_layers.py --only mma      (the bf16 tensor-core linear, < 5 min)
     python3 tools/bench_layers.py --only moe_mma  (the grouped MoE on tensor cores, < 90 s)
     python3 tools/bench_layers.py --only int4     (the W4A16 MoE vs bf16 experts, < 6 min)
     python3 tools/bench_layers.py --only moe_chunk (the MoE chunk grid at the demo's widths)
