@@ -47,9 +47,11 @@ def _counters_zero():
     return kept and not any(host(a).any() for a in kept)
 
 
-# the routed-only case (~3 s under the simulator) only off CI's default run
-@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.slow)],
-                         ids=["shared", "routed_only"])
+# CI: the shared expert at 6 rows (two x-row chunks, a ragged tile); off its default run the
+# routed-only case and both at a decode's row too (~15 s more under the simulator)
+@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.slow),
+                                    pytest.param("slow", marks=pytest.mark.slow)],
+                         ids=["shared", "routed_only", "shared_and_decode"])
 def test_the_combine_in_down_keeps_the_bits(moe_layers, monkeypatch, shared):
     """bf16 experts, with and without a shared expert, at a decode's row and at several x-row
     chunks with ragged D (combine tiles that end past D): the switch's bits, no combine
@@ -57,8 +59,9 @@ def test_the_combine_in_down_keeps_the_bits(moe_layers, monkeypatch, shared):
     workspace (its counters) right too."""
     from kdtree_numba.layers import Workspace
     rng = np.random.default_rng(11)
-    for m, d, inter in ((1, 32, 12), (6, 40, 9)):
-        args = moe_case(rng, m, d, 4, inter, 2, BF16, shared)
+    shapes = ((6, 40, 9), (1, 32, 12)) if shared == "slow" else ((6, 40, 9),)
+    for m, d, inter in shapes:
+        args = moe_case(rng, m, d, 4, inter, 2, BF16, bool(shared))
         off, launches_off = _run(moe_layers, monkeypatch, args, "0", method="skinny")
         ws = Workspace()
         on, launches_on = _run(moe_layers, monkeypatch, args, "1", method="skinny",

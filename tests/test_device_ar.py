@@ -192,9 +192,9 @@ def test_the_switch_and_its_refusals(monkeypatch):
 @pytest.mark.skipif(not compat.SIMULATOR, reason="the numba backend runs here only in the "
                     "CUDA simulator (the GPU twin is test_gpu_device_ar_steps_on_the_demo_pair)")
 @pytest.mark.parametrize("sampling", [
-    dict(temperature=0.0),
-    # ~14 s of CI's budget: the sampled program runs on the reference backend above and,
-    # on the numba kernels, in the GPU twin below
+    # ~15 s of CI's budget each: the program runs on the reference backend above and, on the
+    # numba kernels, in the GPU twin below
+    pytest.param(dict(temperature=0.0), marks=pytest.mark.slow),
     pytest.param(dict(temperature=1.0, top_p=0.9, top_k=8), marks=pytest.mark.slow)],
                          ids=["greedy", "T1-top-p-k"])
 def test_numba_kernels_under_the_switch_in_simulator(monkeypatch, needs_kernels, sampling):
