@@ -319,7 +319,10 @@ def test_wgmma_operand_reads_the_panel_layout():
     (40, 72, 136, mm.MmaConfig(wm=1, wn=4, tm=4, tn=2, stages=3, wgmma=True)),  # ragged
     # two warpgroups, K slices, 2 stages ahead (BN = 32, the narrowest tile of 256 threads:
     # the mma.sync twin's 8 warps cost the simulator 2 block barriers per mma; N = 24 ragged)
-    (100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True, splits=2)),
+    pytest.param(100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True,
+                                            splits=2),
+                 marks=pytest.mark.slow),  # ~9 s; the GPU suite runs WGMMA_TILE's two
+    #                                        warpgroups from 100 rows (test_gpu_linear_mma_*)
     pytest.param(100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True,
                                             splits=3, slices_in_block=True),
                  marks=pytest.mark.slow),  # each block adds its 3 slices (~7 s; the mma.sync

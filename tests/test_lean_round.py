@@ -62,6 +62,8 @@ def _run(monkeypatch, lean: bool, fewer: bool = False):
 
 
 @sim_only
+@pytest.mark.slow   # ~30 s; its GPU twin (test_gpu_lean_rounds_give_the_default_rounds_tokens)
+#                     and the counts of test_round_epilogue.py run the lean round
 def test_the_lean_round_gives_the_same_bits_with_fewer_launches(monkeypatch, needs_kernels):
     with launch_counter.installed():
         off = _run(monkeypatch, False)
