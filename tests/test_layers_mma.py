@@ -234,8 +234,7 @@ def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, n
             assert sum(launches.values()) == (3 if switch == "0" else 2)   # round, GEMM, sum
         assert got["1"].tobytes() == got["0"].tobytes(), seed
         from kdtree_numba.gpu import counters
-        kept = [a for (_, name), arrays in counters._KEPT.items() if name == "linear.mma"
-                for a in arrays]
+        kept = counters.made("linear.mma")
         assert kept and not any(a.copy_to_host().any() for a in kept)
 
 

@@ -713,7 +713,7 @@ def _int4_gemv_rows(ctx, results, experts, shared, call, nbytes, used, deadline)
         row["config"] = str(pair)
         results.append(row)
         print_row(row)
-    _shared_apart_row(ctx, results, experts, shared, call, nbytes, used)
+    _decode_switch_rows(ctx, results, experts, shared, call, nbytes, used)
     _int4_mma_rows(ctx, results, experts, shared, call, 1, "router", nbytes, used, deadline,
                    tiles=INT4_MMA_DECODE_TILES)
 
@@ -767,11 +767,11 @@ DECODE_SWITCHES = (("shared expert apart", dict(KDTREE_SHARED_IN_EXPERTS="0")),
                    ("combine in down", dict(KDTREE_COMBINE_IN_DOWN="1")))
 
 
-def _shared_apart_row(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
+def _decode_switch_rows(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
     """The M = 1 call under each of DECODE_SWITCHES: KDTREE_SHARED_IN_EXPERTS=0 (the shared
     expert in launches of its own: 7 where the default's, its blocks in the routed experts'
     two launches, are 4), KDTREE_COMBINE_IN_DOWN=1 (the combine in the down launch's tail:
-    3); returns the first's row."""
+    3); returns the first's row (the shared expert apart)."""
     rows = [_switch_row(ctx, results, experts, shared, call, nbytes, used, kind, name, env)
             for name, env in DECODE_SWITCHES]
     return rows[0]
@@ -816,8 +816,8 @@ def _bf16_decode_row(ctx, results, shared, decode):
         int4_row["vs_bf16"] = t / (int4_row["us"] * 1e-6)
         results.append(row)
         print_row(row)
-        apart = _shared_apart_row(ctx, results, experts, shared, (h, idx, w, out, ws),
-                                  nbytes, used, kind="bf16")
+        apart = _decode_switch_rows(ctx, results, experts, shared, (h, idx, w, out, ws),
+                                    nbytes, used, kind="bf16")
         if apart is not None:
             print(f"\nwith the shared expert apart on both sides: int4 "
                   f"{_apart_int4_us(results):.1f} us, bf16 {apart['us']:.1f} us", flush=True)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba import compat
-from kdtree_numba.compat import SIMULATOR, cuda, kernel
-from kdtree_numba.layers.workspace import launch_1d
+from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
 
-__all__ = ["arrival_counters"]
+__all__ = ["arrival_counters", "last_to_arrive", "made"]
 
 _KEPT: dict = {}          # (context, name) -> [arrays, the largest last]
 
@@ -42,7 +41,28 @@ def arrival_counters(name: str, n: int, stream=0):
         return kept[-1]
     size = max(64, 1 << (max(n, 1) - 1).bit_length())
     counters = compat.device_empty((size,), np.int32, stream)
-    grid, block = launch_1d(size, 256)
-    _zero[grid, block, stream](counters)
+    _zero[-(-size // 256), 256, stream](counters)
     kept.append(counters)
     return counters
+
+
+def made(name: str) -> list:
+    """Every counter array of kind ``name`` made so far (tests check they are back at 0)."""
+    return [a for (_, kind), arrays in _KEPT.items() if kind == name for a in arrays]
+
+
+@device_function(inline="always")
+def last_to_arrive(counters, at, expected):
+    """Called by every thread of a block that has written its share of counter ``at``'s work
+    (``expected`` blocks write it): fences the block's writes and counts the block; True in
+    every thread of the block that arrived last, which then reads the others' writes through
+    L2 and, when done, sets counters[at] back to 0."""
+    cuda.threadfence()          # every thread's writes reach L2 (fenced) ...
+    cuda.syncthreads()          # ... before thread 0 counts the block
+    last = 0
+    if cuda.threadIdx.x == 0:
+        last = int(cuda.atomic.add(counters, at, 1) == expected - 1)
+    if cuda.syncthreads_or(last):       # every other writer's writes are in L2
+        cuda.threadfence()
+        return True
+    return False

@@ -52,7 +52,7 @@ import numpy as np
 
 from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel, kernel_factory
-from kdtree_numba.gpu.counters import arrival_counters
+from kdtree_numba.gpu.counters import arrival_counters, last_to_arrive
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_async_commit,
@@ -576,14 +576,8 @@ def make_sum_when_last(bm: int, bn: int, threads: int):
     @device_function(inline="always")
     def sum_when_last(part, y, counters, tile, m0, n0, splits, m_total, n_total, heads, h):
         t = cuda.threadIdx.x
-        cuda.threadfence()          # every thread's partial sums reach L2 (fenced) ...
-        cuda.syncthreads()          # ... before thread 0 counts the block
         at = tile * heads + h
-        last = 0
-        if t == 0:
-            last = int(cuda.atomic.add(counters, at, 1) == splits - 1)
-        if cuda.syncthreads_or(last):       # every other slice's partial sums are in L2
-            cuda.threadfence()
+        if last_to_arrive(counters, at, splits):
             for i in range(t, bm * bn, threads):
                 r = i // bn
                 row = m0 + r

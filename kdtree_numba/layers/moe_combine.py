@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba.compat import cuda, device_function
+from kdtree_numba.gpu.counters import last_to_arrive
 from kdtree_numba.gpu.memory import load_l2_f32
 from kdtree_numba.layers.skinny import SkinnyConfig, make_skinny_block
 
@@ -68,13 +69,7 @@ def make_tile_combine(width: int, threads: int, has_shared: bool, routed_rows: i
         if has_shared:
             expected += s_mchunks * ((n_cols + per_shared - 1) // per_shared)
         t = cuda.threadIdx.x
-        cuda.threadfence()          # every thread's outputs reach L2 (fenced) ...
-        cuda.syncthreads()          # ... before thread 0 counts the block
-        last = 0
-        if t == 0:
-            last = int(cuda.atomic.add(counters, tile, 1) == expected - 1)
-        if cuda.syncthreads_or(last):       # every other writer's outputs are in L2
-            cuda.threadfence()
+        if last_to_arrive(counters, tile, expected):
             for i in range(t, m_total * n_cols, threads):
                 m = i // n_cols
                 d = c0 + i - m * n_cols

@@ -221,18 +221,22 @@ def moe_route(h, gate_w, bias=None, *, method: str = "auto", out=None, stream=0,
         linear(h, gate_w, out=logits, method=method, stream=stream, workspace=workspace)
         return route_from_logits(logits, bias, out=out, stream=stream, workspace=workspace,
                                  **routing)
+    return _fused_route(fused, logits, bias, out=out, stream=stream, **routing)
+
+
+def _fused_route(fused, logits, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                 scoring: str = "sigmoid", out=None, stream=0):
+    """route_from_logits' arguments, the logits computed in the same launch
+    (_router_route_kernel over :func:`_fused_router_config`'s ``fused``) into ``logits``."""
     (cfg, load_kind, xd, wd), (m, n_experts) = fused, logits.shape
-    kw = dict(routing)
-    top_k, n_group = kw.pop("top_k"), kw.get("n_group", 1)
-    scoring = kw.get("scoring", "sigmoid")
-    bd, idx, w = _routing_arrays(m, n_experts, bias, top_k, n_group, kw.get("topk_group", 1),
-                                 scoring, out, stream)
+    bd, idx, w = _routing_arrays(m, n_experts, bias, top_k, n_group, topk_group, scoring, out,
+                                 stream)
     _router_route_kernel(cfg, load_kind, n_experts, n_group, scoring == "softmax")[
         m, cfg.threads, stream](
         xd, kernel_weight(wd, load_kind), logits.reshape(1, m, n_experts),
-        -(-xd.shape[1] // CHUNK), logits, bd, bias is not None, top_k, kw.get("topk_group", 1),
-        bool(kw.get("norm_topk_prob", True)), np.float32(kw.get("routed_scaling_factor", 1.0)),
-        idx, w)
+        -(-xd.shape[1] // CHUNK), logits, bd, bias is not None, top_k, topk_group,
+        bool(norm_topk_prob), np.float32(routed_scaling_factor), idx, w)
     return idx, w
 
 
@@ -246,10 +250,12 @@ def _fused_router_config(h, gate_w, method: str, scoring: str, stream):
     where moe_route keeps its two launches: linear() would not stream the weight (the
     tiled or tensor-core kernels: other bits), the router is past FUSED_ROUTER_ELEMENTS, or a
     softmax's block sums would run at other threads than route_rows' (other bits)."""
+    if len(gate_w.shape) != 2 or gate_w.shape[0] * gate_w.shape[1] > FUSED_ROUTER_ELEMENTS:
+        return None         # (before any conversion: Kimi-K2's router, at every call)
     xd = device_f32(h, "h", 2, stream)
     wd, kind = device_weight(gate_w, stream)
     (m, k), n = xd.shape, wd.shape[0]
-    if m == 0 or n * k > FUSED_ROUTER_ELEMENTS or len(wd.shape) != 2 or wd.shape[1] != k:
+    if m == 0 or wd.shape[1] != k:
         return None
     skinny = (method == "skinny" or (method == "auto" and not takes_tiled(m, n * k))
               or (method == "tensor-cores" and not mma_takes(xd, wd, kind)))

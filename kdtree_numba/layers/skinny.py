@@ -575,10 +575,10 @@ class SkinnyConfig:
     and with a span the next tile's too (bytes in flight that hold no register);
     ``max_registers``, a ptxas cap (0: none); ``shared_first``, the shared expert's blocks
     (where they ride in the launch) before the routed ones in the grid, not after: the
-    heavier blocks start first and the short ones fill the last wave.  Two for the int4 kinds alone: ``stages``, the
-    cp.async ring's depth (a bench variant; 0: plain loads; same bits), ``unpack``, the
-    nibbles' unpacking, "denormal" (the default since run 167) or "magic" (other bits, both
-    within the bound)."""
+    heavier blocks start first and the short ones fill the last wave.  Two for the int4
+    kinds alone: ``stages``, the cp.async ring's depth (a bench variant; 0: plain loads;
+    same bits), ``unpack``, the nibbles' unpacking, "denormal" (the default since run 167)
+    or "magic" (other bits, both within the bound)."""
     mt: int
     rows: int
     threads: int
