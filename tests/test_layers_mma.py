@@ -754,8 +754,8 @@ def test_gpu_sums_in_the_last_slice_block_under_graph_replay(m, monkeypatch):
     from kdtree_numba.backends import make_backend
     from kdtree_numba.gpu import counters
     from kdtree_numba.graphs import GraphCache
-    from kdtree_numba.layers import linear
     be = make_backend("numba")
+    linear = be.ops.linear      # the backend's op: it launches on the capture's stream
     rng = np.random.default_rng(m)
     w_a = cupy.asarray(bf16_bits(rng.standard_normal((8192, 7168)).astype(np.float32) * 0.02))
     w_b = cupy.asarray(bf16_bits(rng.standard_normal((7168, 8192)).astype(np.float32) * 0.02))
