@@ -588,7 +588,8 @@ assert ptx.count("cvt.rn.bf16x2.f32") == 1, "x rounding kernel"
 ptxas(ptx)
 u16 = T.uint16[:, ::1]
 sig = (u16, u16, f2) + (T.int64,) * 9
-for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
+for cfg in sorted({dataclasses.replace(c, splits=1, sums_in_last=False) for c in configs},
+                  key=str):
     ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig, cc=(9, 0))
     log = ptxas(ptx, cfg.max_registers)
     n_mma = ptx.count(MMA)
@@ -605,6 +606,18 @@ for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs}, key=str):
         cfg.tn % 2 * cfg.bk // 16, "odd n8 tile"
     assert local == 0, "local memory: accumulators or fragments left registers"
     assert spill == 0 or cfg.max_registers, "spills"
+# a decode's sliced tile adds its K slices in its last block (mma_config): the same tile with
+# the arrival protocol and the sum in its tail
+for cfg in sorted({c for c in configs if c.sums_in_last}, key=str):
+    ptx, _ = cuda.compile_ptx(mm.mma_kernel(cfg).py_func, sig + (f2, T.int32[::1]), cc=(9, 0))
+    log = ptxas(ptx, cfg.max_registers)
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    print("summing kernel", cfg, "spill", spill, "local", local, flush=True)
+    assert ptx.count(MMA) == 2 * cfg.tm * cfg.tn * cfg.bk // 32, "mma count"
+    assert "atom.global.add" in ptx and "membar.gl" in ptx, "the last block's arrival"
+    assert local == 0 and spill == 0, "the sum's tail spilled"
+assert any(c.sums_in_last for c in configs), "a decode's sliced tile"
 # warpgroup mma exists on sm_90a only, the target numba-cuda gives launches on the H200
 WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
 for cfg in sorted({dataclasses.replace(c, splits=1) for c in wgmma_configs}, key=str):
@@ -727,15 +740,19 @@ def test_gpu_linear_mma_is_batch_invariant(n, k):
 @pytest.mark.parametrize("n, k", [(2112, 7168), (7168, 8192), (7168, 2048)])
 def test_gpu_sums_in_the_last_slice_block_keep_the_bits(n, k, monkeypatch):
     """``KDTREE_MMA_SUMS_IN_LAST`` at Kimi-K2's sliced shapes (q_a + kv_a, o_proj, the shared
-    expert's down) and a decode's, a verify's and a prefill's rows: the sum launch's bits,
-    three calls in a row on one workspace (each leaves its counters at 0)."""
+    expert's down) and a decode's (the default there: mma_config), a verify's and a prefill's
+    rows: the sum launch's bits, three calls in a row on one workspace (each leaves its
+    counters at 0)."""
+    import dataclasses
+
     from kdtree_numba.layers import Workspace, linear
     rng = np.random.default_rng(k)
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
     for m in (1, 9, 65, 512):
         x = rng.standard_normal((m, k)).astype(np.float32)
         monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "0")
-        want = linear(x, w16, method="mma").copy_to_host()
+        launch = dataclasses.replace(mm.mma_config(m, n, k), sums_in_last=False)
+        want = linear(x, w16, method="mma", config=launch).copy_to_host()
         monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "1")
         ws = Workspace()
         for _ in range(3):
@@ -749,6 +766,8 @@ def test_gpu_sums_in_the_last_slice_block_under_graph_replay(m, monkeypatch):
     """Two sliced linears (q_a + kv_a's and o_proj's shapes) with ``KDTREE_MMA_SUMS_IN_LAST``
     captured in a CUDA graph (graphs.py) and replayed, the arrival counters made afresh
     inside the key's calls (gpu/counters.py): the eager bits with the sum launch."""
+    import dataclasses
+
     import cupy
 
     from kdtree_numba.backends import make_backend
@@ -761,12 +780,15 @@ def test_gpu_sums_in_the_last_slice_block_under_graph_replay(m, monkeypatch):
     w_b = cupy.asarray(bf16_bits(rng.standard_normal((7168, 8192)).astype(np.float32) * 0.02))
     x = rng.standard_normal((m, 7168)).astype(np.float32)
 
-    def forward(v):
-        return cupy.asarray(linear(cupy.asarray(linear(v, w_a, method="mma")), w_b,
-                                   method="mma"))
+    def forward(v, **launch):
+        return cupy.asarray(linear(cupy.asarray(linear(v, w_a, method="mma", **launch.get(
+            "a", {}))), w_b, method="mma", **launch.get("b", {})))
 
     monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "0")
-    eager = cupy.asnumpy(forward(cupy.asarray(x)))
+    sum_launch = {name: {"config": dataclasses.replace(mm.mma_config(m, *w.shape),
+                                                       sums_in_last=False)}
+                  for name, w in (("a", w_a), ("b", w_b))}
+    eager = cupy.asnumpy(forward(cupy.asarray(x), **sum_launch))
     monkeypatch.setenv("KDTREE_MMA_SUMS_IN_LAST", "1")
     monkeypatch.setattr(counters, "_KEPT", {})
     graphs = GraphCache(be)

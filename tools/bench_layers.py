@@ -398,9 +398,12 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         # from FOLD_MIN_TILES M x N tiles; below, they go through memory and sum_splits)
         plans.append(("slices in block", dataclasses.replace(default, slices_in_block=True)))
     if default.splits > 1:
-        # the partial sums added by each tile's last slice block, not a sum launch
-        # (KDTREE_MMA_SUMS_IN_LAST; where mma_linear folds the slices it changes nothing)
-        plans.append(("sums in last", dataclasses.replace(default, sums_in_last=True)))
+        # the partial sums added by each tile's last slice block (the default up to
+        # SUMS_IN_LAST_MAX_M rows), or by a sum launch (the default past them); where
+        # mma_linear folds the slices neither changes anything
+        plans.append(("sum launch", dataclasses.replace(default, sums_in_last=False))
+                     if default.sums_in_last else
+                     ("sums in last", dataclasses.replace(default, sums_in_last=True)))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

@@ -182,7 +182,8 @@ def _gpu_jobs():
                [(163840, 7168), (7168, 2048), (1536, 7168), (576, 7168), (7168, 8192)]}
     wgmma = {c for c in configs if c.wgmma}
     wgmma |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True)}
-    for cfg in sorted({dataclasses.replace(c, splits=1) for c in configs | wgmma}, key=str):
+    for cfg in sorted({dataclasses.replace(c, splits=1, sums_in_last=False)
+                       for c in configs | wgmma}, key=str):
         jobs.append((mm.mma_kernel(cfg), (h2, h2, f2) + (i64,) * 9,
                      sm90a if cfg.wgmma else sm90))
     jobs.append((mm._round_to_bf16_pairs, (T.float32[::1], T.uint32[::1]), sm90))

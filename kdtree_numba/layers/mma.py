@@ -62,7 +62,7 @@ from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_a
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
                                          wgmma_wait_1, wgmma_wait_all)
-from kdtree_numba.layers.common import GPU_SMS, sum_splits
+from kdtree_numba.layers.common import sum_splits
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (re-exported: the GEMM's plan)
     PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_config, mma_error_coefficient, mma_splits,
     mma_tile, unsliced_tile, wgmma_available)
@@ -628,10 +628,12 @@ def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w
     dispatcher[(blocks, heads), cfg.threads, stream, cfg.smem_bytes](*args)
 
 
-# M x N tiles from which a warpgroup tile's blocks add their own K slices: two waves of blocks
-# without slices.  The slices' partial sums are 8 S M N bytes through memory (gigabytes each
-# way at a prefill's M = 4096); added in the block they never leave it
-FOLD_MIN_TILES = 2 * GPU_SMS
+# M x N tiles from which a warpgroup tile's blocks add their own K slices (the same bits): the
+# partial sums (8 S M N bytes) then never go through memory and there is no sum launch, but a
+# block runs all of K.  Measured on every sliced Kimi-K2 shape at M = 128 / 256 / 512 (runs
+# 200-201, docs/LAYERS.md): from 64 tiles the fold was faster every time (1.16-2.0x); at 17-34
+# tiles slower (the blocks too few to stream the weights); at 56 it went either way
+FOLD_MIN_TILES = 64
 
 
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
