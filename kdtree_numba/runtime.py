@@ -72,14 +72,13 @@ Two kinds of switch:
   the fused SwiGLU, measured in docs/BENCHMARKS.md; bf16 and float32 experts the same bits,
   int4 experts the shared expert at their threads: kdtree_numba/layers/moe.py,
   ``_shared_in_experts``), the MoE's combine in the tail of its down launch where that
-  launch streams the weights (``KDTREE_COMBINE_IN_DOWN=1``, off until timed on the GPU: one
-  launch fewer a MoE layer; the same bits: kdtree_numba/layers/moe_combine.py), a small
+  launch streams the weights (``KDTREE_COMBINE_IN_DOWN=1``, off: timed slower on the GPU;
+  one launch fewer a MoE layer, the same bits: kdtree_numba/layers/moe_combine.py), a small
   router's logits and its routing in one launch where linear() would stream the router's
-  weight (``KDTREE_FUSED_ROUTER=1``, off until timed on the GPU: one launch fewer a MoE
-  layer; the same bits: kdtree_numba/layers/moe_route.py), the bf16 tensor-core GEMM's K
-  slices added by each output tile's last slice block (``KDTREE_MMA_SUMS_IN_LAST=1``, off
-  until timed on the GPU: one launch fewer a sliced linear; the same bits:
-  kdtree_numba/layers/mma.py),
+  weight (``KDTREE_FUSED_ROUTER=1``, off: no gain timed; one launch fewer a MoE layer, the
+  same bits: kdtree_numba/layers/moe_route.py), the bf16 tensor-core GEMM's K slices added by
+  each output tile's last slice block at every M (``KDTREE_MMA_SUMS_IN_LAST=1``; the default
+  at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
