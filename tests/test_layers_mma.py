@@ -14,6 +14,8 @@ reference within the bound of docs/LAYERS.md ("bf16 tensor-core linear"), per ou
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from ptx_check import HOPPER_PRELUDE
@@ -328,6 +330,10 @@ def test_wgmma_operand_reads_the_panel_layout():
     #                                        case below adds them in CI)
     (20, 24, 200, mm.MmaConfig(wm=1, wn=1, tm=2, tn=3, stages=3, splits=2,
                                slices_in_block=True)),         # the same on mma.sync
+    # four warpgroups of 64 rows (BM = 256, 512 threads: bench_layers' "wgmma 256 x 128"
+    # variant at BN = 64), ragged in both M and N
+    pytest.param(200, 72, 192, mm.MmaConfig(wm=4, wn=4, tm=4, tn=2, stages=3, wgmma=True),
+                 marks=pytest.mark.slow),
 ])
 def test_simulated_wgmma_kernel_equals_the_mma_sync_kernel(m, n, k, cfg, needs_kernels,
                                                            monkeypatch):
@@ -336,8 +342,6 @@ def test_simulated_wgmma_kernel_equals_the_mma_sync_kernel(m, n, k, cfg, needs_k
     the ISA: bitwise the mma.sync kernel on the same staging (both emulations round each
     k16 step's output once), and within the bf16 product's accumulation bound.  A block
     that adds its own K slices (``slices_in_block``) gives sum_splits' bits."""
-    import dataclasses
-
     from kdtree_numba import compat
     from kdtree_numba.gpu import tensorcore
     from kdtree_numba.layers import linear
@@ -411,6 +415,19 @@ def test_panels_are_swizzled_into_distinct_bank_quads():
                                                                    2 * step + (m >> 1))
             assert mm.ldsm_word(lane, step, False) == mm.panel_word(0, 0, 8 * (m >> 1) + r,
                                                                     2 * step + (m & 1))
+
+
+def test_slices_fold_into_the_block_from_64_tiles_of_two_warpgroups_at_most():
+    """mma_linear's fold (runs 200-201: faster from 64 M x N tiles, slower below; a
+    four-warpgroup tile's folded accumulators would not fit an SM's registers)."""
+    tile = mm.WGMMA_TILE                                            # 128 x 128
+    assert mm.folds_slices(tile, 512, 2048, 4)                      # 4 x 16 = 64 tiles
+    assert not mm.folds_slices(tile, 512, 1920, 4)                  # 4 x 15 = 60
+    assert mm.folds_slices(tile, 256, 7168, 4)                      # 2 x 56 = 112
+    assert not mm.folds_slices(tile, 128, 7168, 4)                  # 56
+    assert not mm.folds_slices(tile, 512, 7168, 1)                  # no slices to fold
+    assert not mm.folds_slices(dataclasses.replace(tile, wm=4), 4096, 7168, 4)   # 512 threads
+    assert not mm.folds_slices(dataclasses.replace(tile, wgmma=False), 4096, 7168, 4)
 
 
 def test_configs_and_splits():
@@ -580,7 +597,8 @@ print("tile assembled")
 configs = {mm.mma_config(m, n, k) for m in (1, 16, 20, 40, 65, 512) for n, k in
            [(163840, 7168), (7168, 2048), (1536, 7168)]}
 wgmma_configs = {c for c in configs if c.wgmma}
-wgmma_configs |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True)}
+wgmma_configs |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True),
+                  dataclasses.replace(mm.WGMMA_TILE, wm=4)}   # bench_layers' 256 x 128
 configs -= wgmma_configs
 ptx, _ = cuda.compile_ptx(mm._round_to_bf16_pairs.py_func, (T.float32[::1], T.uint32[::1]),
                           cc=(9, 0))
@@ -711,7 +729,6 @@ def test_gpu_linear_mma_ragged_edges(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 65, 200])
 def test_gpu_linear_mma_k_slices(m):
-    import dataclasses
     n, k = 1000, 2048
     base = mm.mma_config(m, n, k)
     plans = {f"splits={s}": dataclasses.replace(base, splits=s) for s in (1, 8)}
@@ -743,8 +760,6 @@ def test_gpu_sums_in_the_last_slice_block_keep_the_bits(n, k, monkeypatch):
     expert's down) and a decode's (the default there: mma_config), a verify's and a prefill's
     rows: the sum launch's bits, three calls in a row on one workspace (each leaves its
     counters at 0)."""
-    import dataclasses
-
     from kdtree_numba.layers import Workspace, linear
     rng = np.random.default_rng(k)
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
@@ -766,8 +781,6 @@ def test_gpu_sums_in_the_last_slice_block_under_graph_replay(m, monkeypatch):
     """Two sliced linears (q_a + kv_a's and o_proj's shapes) with ``KDTREE_MMA_SUMS_IN_LAST``
     captured in a CUDA graph (graphs.py) and replayed, the arrival counters made afresh
     inside the key's calls (gpu/counters.py): the eager bits with the sum launch."""
-    import dataclasses
-
     import cupy
 
     from kdtree_numba.backends import make_backend

@@ -404,6 +404,16 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         plans.append(("sum launch", dataclasses.replace(default, sums_in_last=False))
                      if default.sums_in_last else
                      ("sums in last", dataclasses.replace(default, sums_in_last=True)))
+    if default.wgmma and m >= 256:
+        # four warpgroups of 64 x 128 (BM 256): a third fewer staged bytes a FLOP than the
+        # default's two, where run 202's Nsight Compute found the kernel bound by its staging;
+        # folded only with its registers capped (mma_linear's FOLD_MAX_THREADS)
+        wide = dataclasses.replace(default, wm=4, wn=4, tm=4, tn=4, slices_in_block=False,
+                                   sums_in_last=False)
+        plans.append(("wgmma 256 x 128", wide))
+        if default.splits > 1:
+            plans.append(("wgmma 256 x 128 folded, 128 registers",
+                          dataclasses.replace(wide, slices_in_block=True, max_registers=128)))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

@@ -634,6 +634,18 @@ def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w
 # 200-201, docs/LAYERS.md): from 64 tiles the fold was faster every time (1.16-2.0x); at 17-34
 # tiles slower (the blocks too few to stream the weights); at 56 it went either way
 FOLD_MIN_TILES = 64
+# ... by tiles of up to two warpgroups: folded, a thread holds two accumulator sets (a slice's
+# and the sum: 179 registers at four warpgroups of 64 x 128, 92 unfolded), which 512 threads
+# cannot have (64 K registers an SM; a cap of 128 spills 312 bytes: a bench variant only)
+FOLD_MAX_THREADS = 256
+
+
+def folds_slices(cfg: MmaConfig, m: int, n: int, splits: int) -> bool:
+    """Whether :func:`mma_linear` has ``cfg``'s blocks add their own ``splits`` K slices at M
+    = ``m``, N = ``n``: a warpgroup tile of at most :data:`FOLD_MAX_THREADS` threads whose M x N
+    tiles number :data:`FOLD_MIN_TILES` or more."""
+    return (splits > 1 and cfg.wgmma and cfg.threads <= FOLD_MAX_THREADS
+            and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES)
 
 
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
@@ -641,13 +653,12 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
     cp.async; K slices go to a workspace buffer and are added in order (by a sum launch, or
     with ``KDTREE_MMA_SUMS_IN_LAST`` / ``cfg.sums_in_last`` by each tile's last slice block),
-    or where the M x N tiles of a warpgroup tile fill the GPU (:data:`FOLD_MIN_TILES`) each
-    block adds its slices itself (``slices_in_block``: the same bits, no partial sums in
-    memory)."""
+    or where :func:`folds_slices` each block adds its slices itself (``slices_in_block``: the
+    same bits, no partial sums in memory)."""
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
-    if splits > 1 and cfg.wgmma and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES:
+    if folds_slices(cfg, m, n, splits):
         cfg = dataclasses.replace(cfg, slices_in_block=True, sums_in_last=False)
     in_memory = splits > 1 and not cfg.slices_in_block
     target = y if not in_memory else workspace_buffer(
