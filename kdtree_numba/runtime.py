@@ -71,12 +71,15 @@ Two kinds of switch:
   weights (``KDTREE_SHARED_IN_EXPERTS=0`` turns it off: 3 launches fewer a MoE layer, 2 with
   the fused SwiGLU, measured in docs/BENCHMARKS.md; bf16 and float32 experts the same bits,
   int4 experts the shared expert at their threads: kdtree_numba/layers/moe.py,
-  ``_shared_in_experts``), the MoE's combine in the tail of its down launch where that
+  ``moe_shapes.shared_in_experts``), the MoE's combine in the tail of its down launch where that
   launch streams the weights (``KDTREE_COMBINE_IN_DOWN=1``, off: timed slower on the GPU;
   one launch fewer a MoE layer, the same bits: kdtree_numba/layers/moe_combine.py), a small
   router's logits and its routing in one launch where linear() would stream the router's
   weight (``KDTREE_FUSED_ROUTER=1``, off: no gain timed; one launch fewer a MoE layer, the
-  same bits: kdtree_numba/layers/moe_route.py), the bf16 tensor-core GEMM's K slices added by
+  same bits: kdtree_numba/layers/moe_route.py), a few entries' grouping by expert made by
+  the routed experts' gate_up blocks (``KDTREE_GROUP_IN_EXPERTS=1``, off until timed on the
+  GPU: one launch fewer a MoE layer at a decode's and a small verify's rows; the same bits:
+  kdtree_numba/layers/moe_lists.py), the bf16 tensor-core GEMM's K slices added by
   each output tile's last slice block at every M (``KDTREE_MMA_SUMS_IN_LAST=1``; the default
   at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
@@ -117,6 +120,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
              "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER", "KDTREE_MMA_SUMS_IN_LAST",
+             "KDTREE_GROUP_IN_EXPERTS",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -258,13 +262,16 @@ class RuntimeConfig:
     # weights (issue 39: a MoE layer's decode in 4 launches where it was 7)
     shared_in_experts: bool = True
     # the MoE's combine in its down launch's tail (issue 36 item 3, issue 39: one launch fewer
-    # a MoE layer; off until timed on the GPU)
+    # a MoE layer; timed slower, run 200-201)
     combine_in_down: bool = False
+    # a few entries' grouping by expert in the gate_up launch's blocks (issue 39: one launch
+    # fewer a MoE layer; off until timed on the GPU)
+    group_in_experts: bool = False
     # a small router's logits and the routing in one launch (issue 36 item 3: one launch fewer
-    # a MoE layer; off until timed on the GPU)
+    # a MoE layer; no gain timed, run 201)
     fused_router: bool = False
-    # the bf16 GEMM's K slices added by each tile's last slice block, not a sum launch (issue
-    # 38: one launch fewer a sliced linear under tensor cores; off until timed on the GPU)
+    # the bf16 GEMM's K slices added by each tile's last slice block at every M, not a sum
+    # launch (issue 38; mma_config does it at one row, where it is faster: runs 200-201)
     mma_sums_in_last: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
@@ -315,6 +322,7 @@ class RuntimeConfig:
                    invariant_attention=_flag(env, "KDTREE_INVARIANT_ATTENTION", False),
                    shared_in_experts=_flag(env, "KDTREE_SHARED_IN_EXPERTS", True),
                    combine_in_down=_flag(env, "KDTREE_COMBINE_IN_DOWN", False),
+                   group_in_experts=_flag(env, "KDTREE_GROUP_IN_EXPERTS", False),
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),

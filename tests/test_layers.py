@@ -889,6 +889,10 @@ for m in (1, 9, 65):              # KDTREE_SHARED_IN_EXPERTS: int4 experts, the 
         cfg = L.expert_config(m, 8, 384, k_in, gate_up, True)
         shared = (shared_expert_config(m, n, k_in, "bf16", cfg.threads, gate_up), "bf16")
         configs.add(("int4_shared", cfg, (gate_up, shared)))
+for m in (1, 8):                  # KDTREE_GROUP_IN_EXPERTS: the gate_up launch groups
+    cfg = L.expert_config(m, 8, 384, 7168, True, True)
+    shared = (shared_expert_config(m, 4096, 7168, "bf16", cfg.threads, True), "bf16")
+    configs.add(("int4_grouping", cfg, (True, shared)))
 for m in (17, 65):
     for cfg, _, _ in L.expert_tiled_configs(m):
         for mode in ("gate_up", "down"):
@@ -916,6 +920,11 @@ for what, cfg, extra in sorted(configs, key=str):
         fn = _expert_kernel(cfg, "i4", extra[0], 32, 1, extra[1])
         sig = (f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2, i64, i64, i64,
                i64, f2, u2, T.float32[:, :, ::1], i64, i64, i64, i64)
+    elif what == "int4_grouping":
+        limit = 176
+        fn = _expert_kernel(cfg, "i4", True, 32, 1, extra[1], grouping=384)
+        sig = (i1, i64, i1, f2, i1, i1, i1, i1, T.uint32[:, :, ::1], T.uint16[:, :, ::1], f2,
+               i64, i64, i64, i64, f2, u2, T.float32[:, :, ::1], i64, i64, i64, i64)
     elif extra in ("f32", "bf16"):
         fn = tiled_kernel(cfg, extra, "linear")
         sig = (f2, u2 if extra == "bf16" else f2, f2, i64, i64, i64, i64, i64, i64)

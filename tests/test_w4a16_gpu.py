@@ -147,6 +147,29 @@ def test_int4_moe_kimi_widths_combine_in_down(cp, layers, kimi_experts, m, monke
         assert got.tobytes() == want.tobytes(), m
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_int4_moe_kimi_widths_group_in_experts(cp, layers, kimi_experts, m, monkeypatch):
+    """``KDTREE_GROUP_IN_EXPERTS`` (tests/test_group_in_experts.py) under "auto" at Kimi widths
+    (8 and 64 entries: the bound), with the combine in the down launch and without: the
+    grouping launch's bits, a routing with an invalid entry too, three calls a workspace."""
+    rng = np.random.default_rng(40 + m)
+    idx = np.sort(np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(m)]),
+                  axis=1).astype(np.int32)
+    wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
+    h = rng.standard_normal((m, D)).astype(np.float32)
+    for routing in (idx, np.where(np.arange(TOP_K) == 3, -1, idx).astype(np.int32)):
+        monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", "0")
+        want = cp.asnumpy(cp.asarray(layers.moe_ffn(h, routing, wt, *kimi_experts)))
+        monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", "1")
+        for combine in ("0", "1"):
+            monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", combine)
+            ws = layers.Workspace()
+            for _ in range(3):
+                got = cp.asnumpy(cp.asarray(layers.moe_ffn(h, routing, wt, *kimi_experts,
+                                                           workspace=ws)))
+                assert got.tobytes() == want.tobytes(), (m, combine)
+
+
 @pytest.mark.parametrize("variant", [v[0] for v in bench_layers().INT4_GEMV_VARIANTS])
 def test_gemv_variants_kimi_widths(cp, layers, kimi_experts, variant):
     """One token at Kimi widths through each decode-GEMV variant tools/bench_layers.py times

@@ -777,14 +777,18 @@ def _moe_roof_row(variant, m, routing, used, nbytes, t, host_bound, flop_rate=No
 
 # the M = 1 call under other switches (_switch_row): (row name, environment)
 DECODE_SWITCHES = (("shared expert apart", dict(KDTREE_SHARED_IN_EXPERTS="0")),
-                   ("combine in down", dict(KDTREE_COMBINE_IN_DOWN="1")))
+                   ("combine in down", dict(KDTREE_COMBINE_IN_DOWN="1")),
+                   ("grouping in gate_up", dict(KDTREE_GROUP_IN_EXPERTS="1")),
+                   ("grouping in gate_up, combine in down",
+                    dict(KDTREE_GROUP_IN_EXPERTS="1", KDTREE_COMBINE_IN_DOWN="1")))
 
 
 def _decode_switch_rows(ctx, results, experts, shared, call, nbytes, used, kind="int4"):
     """The M = 1 call under each of DECODE_SWITCHES: KDTREE_SHARED_IN_EXPERTS=0 (the shared
     expert in launches of its own: 7 where the default's, its blocks in the routed experts'
     two launches, are 4), KDTREE_COMBINE_IN_DOWN=1 (the combine in the down launch's tail:
-    3); returns the first's row (the shared expert apart)."""
+    3), KDTREE_GROUP_IN_EXPERTS=1 (the grouping in the gate_up launch's blocks: 3), both (2);
+    returns the first's row (the shared expert apart)."""
     rows = [_switch_row(ctx, results, experts, shared, call, nbytes, used, kind, name, env)
             for name, env in DECODE_SWITCHES]
     return rows[0]

@@ -24,13 +24,15 @@ from kdtree_numba.layers.linear import METHODS, linear, skinny_swiglu, swiglu_fu
 from kdtree_numba.layers.mma import round_to_bf16
 from kdtree_numba.layers.moe_combine import (combine_tiles, combine_width, combining_rows,
                                              routed_first)
+from kdtree_numba.layers.moe_lists import GROUP_IN_BLOCK_ENTRIES, grouping_rows
 from kdtree_numba.layers.moe_int4_mma import (Int4MmaConfig, grouped_int4_mma, int4_mma_config,
                                               int4_mma_group_ok)
 from kdtree_numba.layers.moe_route import moe_route, route_from_logits, router_logits
 from kdtree_numba.layers.moe_mma import (grouped_experts_mma, moe_mma_config, routed_tile_bound,
                                          work_list_enabled)
 from kdtree_numba.layers.moe_shapes import (expert_chunk_bound, expert_config,
-                                            expert_tiled_configs, shared_expert_config)
+                                            expert_tiled_configs, int4_skinny_configs,
+                                            shared_expert_config, shared_in_experts)
 from kdtree_numba.layers.skinny import (INT4_KINDS, RING_WORDS, SkinnyConfig, int4_chunks,
                                         int4_ring_ok, make_accumulate, make_skinny_block,
                                         skinny_kind)
@@ -153,7 +155,7 @@ def _group_kernel(n_experts: int, threads: int, tile_rows: int = 0, lanes: int =
 
 @kernel_factory
 def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
-                   chunks: int = 1, shared=None, combine: int = 0):
+                   chunks: int = 1, shared=None, combine: int = 0, grouping: int = 0):
     """expert_gate_up (gate_up=True) or expert_down; cfg.rows = outputs per block.  Int4
     kinds (``group``: the weights' group size) read the expert's words and scales, the other
     kinds its rows (``s3`` is then a placeholder).  ``chunks``: blocks per (active expert, N
@@ -167,12 +169,13 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     ``cfg.stages`` / ``cfg.unpack`` (int4): skinny.make_accumulate's ring and unpacking, the
     ring in a shared array of the kernel's own.  ``shared``: (SkinnyConfig, load kind) of
     the shared expert's blocks after the routed ones (``KDTREE_SHARED_IN_EXPERTS``,
-    :func:`_shared_in_experts`): the launch's blocks from ``routed_blocks`` on run the skinny
+    moe_shapes.shared_in_experts): the launch's blocks from ``routed_blocks`` on run the skinny
     linear's block (skinny.make_skinny_block, its SwiGLU form in gate_up) over the shared
     expert's weight and every token, so the shared expert costs no launch of its own.
     ``combine`` (down only; ``KDTREE_COMBINE_IN_DOWN``): the combine tiles' width, whose last
     writer combines them (moe_combine.combining_rows), so the combine costs no launch of
-    its own; 0: none."""
+    its own; 0: none.  ``grouping`` (gate_up only; ``KDTREE_GROUP_IN_EXPERTS``): E, each
+    routed block grouping the entries itself (moe_lists.grouping_rows); 0: none."""
     mt, r_out, threads, span = cfg.mt, cfg.rows, cfg.threads, cfg.span
     shared_first = cfg.shared_first and shared is not None
     nr = 2 * r_out if gate_up else r_out           # weight rows streamed per block
@@ -281,6 +284,9 @@ def _expert_kernel(cfg: SkinnyConfig, wkind: str, gate_up: bool, group: int = 0,
     options = {"max_registers": cfg.max_registers} if cfg.max_registers else {}
     if combine:
         return kernel(combining_rows(expert_block, cfg, chunks, shared, combine), **options)
+    if grouping:
+        return kernel(grouping_rows(expert_block, cfg, shared, grouping,
+                                    GROUP_IN_BLOCK_ENTRIES), **options)
     if shared is None:
         def expert_rows(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out, c1,
                         tiles):
@@ -343,7 +349,7 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
     verify's rows stays skinny: ``common.takes_tiled``).  The shared expert is two
     :func:`linear` calls of the same method (with "auto" they pick skinny or tiled by M the
     same way), or where both would stream and so do the routed experts, blocks of the routed
-    experts' two launches (:func:`_shared_in_experts`).  "mma" (opt-in, never picked by
+    experts' two launches (moe_shapes.shared_in_experts).  "mma" (opt-in, never picked by
     "auto"; bf16 weights only, layers/moe_mma.py): both GEMMs of every routed expert and of
     the shared expert on tensor cores, one launch each, SwiGLU in the gate_up epilogue.
     "tensor-cores": "mma" wherever it takes the weights, else "skinny" (linear's twin option:
@@ -429,16 +435,21 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                             configs, stream, ws)
     n_entries = m * top_k
     act = ws.get("moe.act", (n_entries, inter), np.float32, stream)
+    in_experts = False
     if lean:    # KDTREE_LEAN_ROUND: slot m is token m, so the down GEMM writes y itself
         y_slot, lists = y, _dense_lists(m)
     else:
         y_slot = ws.get("moe.y_slot", (n_entries, d), np.float32, stream)
-        slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream)
+        # KDTREE_GROUP_IN_EXPERTS: few entries are grouped by the gate_up launch's blocks
+        in_experts = (runtime.current().group_in_experts and not tiled
+                      and n_entries <= GROUP_IN_BLOCK_ENTRIES)
+        slot_of_entry, lists, _ = _group_tokens(idx, n_experts, ws, stream,
+                                                launch=not in_experts)
     shared = shared_y = None
     if shared_gate_up is not None:
         sgu, sdn, skind = _shared_weights(shared_gate_up, shared_down, d, stream)
         shared_y = ws.get("moe.shared_y", (m, d), np.float32, stream)
-        if _shared_in_experts(method, m, tiled, sgu, sdn):
+        if shared_in_experts(method, m, tiled, sgu, sdn):
             shared = (sgu, sdn, skind, ws.get("moe.shared_act", (m, sdn.shape[1]), np.float32,
                                               stream), shared_y)
     # KDTREE_COMBINE_IN_DOWN: the down launch's last writers combine (the shared expert's y
@@ -450,8 +461,9 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
                        top_k, stream, configs)
     else:
         _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, min(n_entries, n_experts), m,
-                        top_k, stream, _int4_skinny_configs(kind, configs), shared,
-                        (slot_of_entry, wt, y) if folds else None)
+                        top_k, stream, int4_skinny_configs(kind, configs), shared,
+                        (slot_of_entry, wt, y) if folds else None,
+                        (idx, slot_of_entry) if in_experts else None)
     if lean or folds:
         return y
     if shared_y is not None and shared is None:
@@ -459,26 +471,6 @@ def moe_ffn(h, expert_idx, weight, gate_up, down, shared_gate_up=None, shared_do
         # else tiled with K slices, which keep all SMs busy where one expert's tiles would not).
         _swiglu_linears(hd, sgu, sdn, shared_y, method, stream, ws, "moe.shared")
     return _combine(y_slot, slot_of_entry, wt, shared_y, y, stream)
-
-
-def _shared_in_experts(method: str, m: int, tiled: bool, sgu, sdn) -> bool:
-    """Whether the shared expert's blocks ride in the routed experts' two launches
-    (``KDTREE_SHARED_IN_EXPERTS``, _expert_kernel's ``shared``): where the routed experts
-    stream their weights and linear() would stream both of the shared expert's (so up to
-    where linear turns tiled its rows keep one kernel at every M).  With bf16 or float32
-    routed experts the launch runs at the threads linear() picks (both from K alone): the
-    same bits; with int4 experts at theirs (int4_threads): other bits, within the bound."""
-    return (runtime.current().shared_in_experts and not tiled
-            and all(swiglu_fuses(method, m, w) for w in (sgu, sdn)))
-
-
-def _int4_skinny_configs(kind: str, configs):
-    """``configs`` where it is the int4 weight-streaming kernels' (gate_up, down) pair of
-    SkinnyConfigs (benchmarks' variants), else None (the shapes expert_config picks)."""
-    if kind == "i4" and isinstance(configs, tuple) and len(configs) == 2 and all(
-            isinstance(c, SkinnyConfig) for c in configs):
-        return configs
-    return None
 
 
 def _expert_weight(w, stream):
@@ -556,12 +548,13 @@ def _group_shape(n_entries: int, n_experts: int) -> tuple[int, int]:
     return threads, min(threads, pow2_ceil(n_experts))
 
 
-def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):
+def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0, launch: bool = True):
     """The device-side grouping of the M * k (token, expert) entries by expert: returns
     (slot_of_entry, (token_of_slot, offsets, active, n_active), tiles), the lists every
     expert kernel reads; ``tiles`` = (tile_expert, tile_row, n_tiles), the grouped tensor-core
     kernels' work list of ``tile_rows``-row M tiles (moe_mma.routed_tile_bound entries), or
-    None when ``tile_rows`` is 0."""
+    None when ``tile_rows`` is 0.  ``launch`` False: only the arrays (the gate_up launch
+    fills them: moe_lists.py)."""
     n_entries = idx.shape[0] * idx.shape[1]
     offsets = ws.get("moe.offsets", (n_experts + 1,), np.int32, stream)
     active = ws.get("moe.active", (n_experts,), np.int32, stream)
@@ -574,6 +567,8 @@ def _group_tokens(idx, n_experts: int, ws, stream, tile_rows: int = 0):
         tiles = (ws.get("moe.tile_expert", (bound,), np.int32, stream),
                  ws.get("moe.tile_row", (bound,), np.int32, stream),
                  ws.get("moe.n_tiles", (1,), np.int32, stream))
+    if not launch:
+        return slot_of_entry, (token_of_slot, offsets, active, n_active), tiles
     threads, lanes = _group_shape(n_entries, n_experts)
     recipe = (n_experts, threads, tile_rows) + ((lanes,) if lanes < threads else ())
     # without a work list, any int32 arrays stand for its three (the kernel never reads them)
@@ -716,14 +711,16 @@ def _moe_ffn_mma(hd, idx, wt, gud, dnd, kind, shared_gate_up, shared_down, y, co
 
 
 def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k, stream,
-                    configs=None, shared=None, fold=None):
+                    configs=None, shared=None, fold=None, grouping=None):
     """expert_gate_up then expert_down with the weight-streaming core (skinny_config shapes,
     or ``configs``: (gate_up, down) SkinnyConfigs); ``kind`` "i4": gud and dnd are device
     :class:`Int4Experts` (W4A16, the nibbles unpacked and scaled in registers).  ``shared``:
     (gate_up, down, load kind, act [M, Is], y [M, D]) of the shared expert, whose blocks
-    then follow the routed ones in both launches (:func:`_shared_in_experts`).  ``fold``:
+    then follow the routed ones in both launches (moe_shapes.shared_in_experts).  ``fold``:
     (slot_of_entry, weight, y) where the down launch combines into y in its tail
-    (``KDTREE_COMBINE_IN_DOWN``, moe_combine.combining_rows)."""
+    (``KDTREE_COMBINE_IN_DOWN``, moe_combine.combining_rows).  ``grouping``: (expert_idx,
+    slot_of_entry) where the gate_up launch groups the entries into ``lists`` itself
+    (``KDTREE_GROUP_IN_EXPERTS``, moe_lists.grouping_rows)."""
     n_experts, d, inter = dnd.shape
     chunk_grid = runtime.current().moe_chunk_grid
     sgu, sdn, skind, s_act, s_y = shared or (None,) * 5
@@ -749,7 +746,8 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
         blocks = max_active * -(-tiles // cfg.span) * chunks
         args = (x_in, *lists, *weights, out_buf, n_out, c1, tiles)
         folds = fold is not None and not is_gate_up
-        if shared is None and not folds:
+        groups = grouping is not None and is_gate_up
+        if shared is None and not (folds or groups):
             _expert_kernel(*recipe)[blocks, cfg.threads, stream](*args)
             continue
         s_cfg, s_blocks, s_args = None, 0, (blocks,) + (y_slot,) * 3 + (m, 0, 0, 1)
@@ -762,6 +760,13 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
             s_args = (blocks, s_x, kernel_weight(s_w, s_load), s_out.reshape(1, m, s_n), m,
                       s_n, -(-s_k // CHUNK), s_mchunks)
             recipe = (cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))
+        if groups:
+            idx, slot_of_entry = grouping
+            _expert_kernel(cfg, load_kind, True, group, chunks,
+                           None if shared is None else (s_cfg, s_load), grouping=n_experts)[
+                blocks + s_blocks, cfg.threads, stream](
+                idx.reshape(m * top_k), top_k, slot_of_entry, *args, *s_args)
+            continue
         if not folds:
             _expert_kernel(*recipe)[blocks + s_blocks, cfg.threads, stream](*args, *s_args)
             continue

@@ -17,8 +17,8 @@ from kdtree_numba.gpu.counters import last_to_arrive
 from kdtree_numba.gpu.memory import load_l2_f32
 from kdtree_numba.layers.skinny import SkinnyConfig, make_skinny_block
 
-__all__ = ["combining_rows", "routed_first", "make_tile_combine", "combine_tiles",
-           "combine_width"]
+__all__ = ["combining_rows", "routed_first", "shared_block_or_none", "make_tile_combine",
+           "combine_tiles", "combine_width"]
 
 
 @device_function(inline="always")
@@ -92,7 +92,7 @@ def combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: 
     shared_first = has_shared and cfg.shared_first
     s_rows = shared[0].rows if has_shared else 1
     arrive = make_tile_combine(width, cfg.threads, has_shared, r_out, chunks, s_rows)
-    shared_block = make_skinny_block(*shared, False) if has_shared else _no_block
+    shared_block = shared_block_or_none(shared, False)
 
     def expert_rows_combined(x, token_of_slot, offsets, active, n_active, w3, s3, out, n_out,
                              c1, tiles, routed_blocks, xs, s_w, s_out, m_total, s_n_out, s_k8,
@@ -120,6 +120,12 @@ def combining_rows(expert_block, cfg: SkinnyConfig, chunks: int, shared, width: 
             arrive(((sb // s_mchunks) * s_rows) // width, n_act, s_mchunks, out,
                    slot_of_entry, weight, shared_y, y, counters)
     return expert_rows_combined
+
+
+def shared_block_or_none(shared, gate_up: bool):
+    """The shared expert's block of a routed launch (skinny.make_skinny_block over
+    ``shared`` = its (SkinnyConfig, load kind)), or, with none, a block never called."""
+    return make_skinny_block(*shared, gate_up) if shared is not None else _no_block
 
 
 @device_function(inline="always")

@@ -1,17 +1,20 @@
 """The routed experts' kernel shapes for layers/moe.py: the weight-streaming expert kernels'
-(:func:`expert_config`, the chunk grid's :func:`expert_chunk_bound`) and the tiled ones'
+(:func:`expert_config`, the chunk grid's :func:`expert_chunk_bound`; the shared expert's
+blocks among them, :func:`shared_in_experts`) and the tiled ones'
 (:func:`expert_tiled_configs`).  Host arithmetic on shapes alone: a CUDA graph captures the
 launches they shape (no routing is read on the host)."""
 from __future__ import annotations
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR
+from kdtree_numba.layers.linear import swiglu_fuses
 from kdtree_numba.layers.moe_mma import routed_tile_bound
 from kdtree_numba.layers.skinny import (ROWS_UNROLL, SkinnyConfig, int4_threads, mt_for,
                                         skinny_config, skinny_threads, swiglu_config)
 from kdtree_numba.layers.tiled import TiledConfig
 
 __all__ = ["expert_config", "shared_expert_config", "expert_chunk_bound", "expert_tile",
-           "expert_tiled_configs"]
+           "expert_tiled_configs", "shared_in_experts", "int4_skinny_configs"]
 
 
 def expert_config(m: int, top_k: int, n_experts: int, k_in: int, gate_up: bool,
@@ -88,3 +91,23 @@ def expert_tiled_configs(m: int):
     router-picked Kimi-K2 batch: the popular experts' one pass over their weights did not pay
     for running the two classes one after the other (dev/cuda/layers.py keeps them)."""
     return [(expert_tile(), 1, 1 << 30)]
+
+
+def shared_in_experts(method: str, m: int, tiled: bool, sgu, sdn) -> bool:
+    """Whether the shared expert's blocks ride in the routed experts' two launches
+    (``KDTREE_SHARED_IN_EXPERTS``, moe._expert_kernel's ``shared``): where the routed experts
+    stream their weights and linear() would stream both of the shared expert's (so up to
+    where linear turns tiled its rows keep one kernel at every M).  With bf16 or float32
+    routed experts the launch runs at the threads linear() picks (both from K alone): the
+    same bits; with int4 experts at theirs (int4_threads): other bits, within the bound."""
+    return (runtime.current().shared_in_experts and not tiled
+            and all(swiglu_fuses(method, m, w) for w in (sgu, sdn)))
+
+
+def int4_skinny_configs(kind: str, configs):
+    """``configs`` where it is the int4 weight-streaming kernels' (gate_up, down) pair of
+    SkinnyConfigs (benchmarks' variants), else None (the shapes expert_config picks)."""
+    if kind == "i4" and isinstance(configs, tuple) and len(configs) == 2 and all(
+            isinstance(c, SkinnyConfig) for c in configs):
+        return configs
+    return None
