@@ -1,7 +1,7 @@
 """``KDTREE_SHARED_IN_EXPERTS``: the MoE's shared expert run by the routed experts' two
-launches (kdtree_numba/layers/moe.py, ``_shared_in_experts``; its blocks after the routed
-ones, each the skinny linear's block, skinny.make_skinny_block), where the routed experts and
-both of the shared expert's linears stream their weights.
+launches (kdtree_numba/layers/moe.py; where: moe_shapes.shared_in_experts; its blocks after
+the routed ones, each the skinny linear's block, skinny.make_skinny_block), where the routed
+experts and both of the shared expert's linears stream their weights.
 
 With bf16 or float32 routed experts the launch runs at the threads linear() picks: the same
 bits as the switch off.  With int4 routed experts at the int4 kernels' threads (fewer on a

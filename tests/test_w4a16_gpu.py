@@ -158,6 +158,7 @@ def test_int4_moe_kimi_widths_group_in_experts(cp, layers, kimi_experts, m, monk
     wt = rng.uniform(0.05, 0.5, (m, TOP_K)).astype(np.float32)
     h = rng.standard_normal((m, D)).astype(np.float32)
     for routing in (idx, np.where(np.arange(TOP_K) == 3, -1, idx).astype(np.int32)):
+        monkeypatch.setenv("KDTREE_COMBINE_IN_DOWN", "0")
         monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", "0")
         want = cp.asnumpy(cp.asarray(layers.moe_ffn(h, routing, wt, *kimi_experts)))
         monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", "1")

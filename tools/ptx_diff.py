@@ -186,6 +186,8 @@ def _gpu_jobs():
                        for c in configs | wgmma}, key=str):
         jobs.append((mm.mma_kernel(cfg), (h2, h2, f2) + (i64,) * 9,
                      sm90a if cfg.wgmma else sm90))
+    for cfg in sorted({c for c in configs if c.sums_in_last}, key=str):   # a decode's sums
+        jobs.append((mm.mma_kernel(cfg), (h2, h2, f2) + (i64,) * 9 + (f2, i1), sm90))
     jobs.append((mm._round_to_bf16_pairs, (T.float32[::1], T.uint32[::1]), sm90))
     jobs.append((importlib.import_module("kdtree_numba.layers.common").sum_splits,
                  (T.float32[:, :, ::1], f2), sm90))     # the split-K GEMMs' sums
@@ -243,7 +245,8 @@ def _gpu_jobs():
     jobs.append((argmax._argmax_kernel(1024), None, sm90))
     for is_bf16 in (False, True):
         jobs.append((embedding._embedding_kernel(is_bf16), None, sm90))
-    from kdtree_numba.layers import moe_route
+    moe_route = importlib.import_module("kdtree_numba.layers.moe_route")   # (the package's
+    #                                         moe_route is the function of that name)
     jobs.append((moe_route._route_kernel(384, 1, 512, False), None, sm90))
     jobs.append((moe_route._route_kernel(256, 8, 256, False), None, sm90))
     for tile_rows in (0, 16, 64):

@@ -688,6 +688,6 @@ def mma_head_products(xd, heads, wd, w_head_rows, w_off, y, stream=0, workspace=
     m, _, k = xd.shape
     n = y.shape[2]
     x16 = round_to_bf16(xd.reshape(m * heads, k), workspace, "heads.mma_x16", stream)
-    cfg = unsliced_tile(m) if config is None else config
+    cfg = unsliced_tile(m) if config is None else dataclasses.replace(config, sums_in_last=False)
     _launch(x16, wd, y.reshape(m * heads, n), m, n, k, cfg, 1, stream, heads, w_head_rows,
             w_off)

@@ -762,6 +762,9 @@ def _experts_skinny(hd, lists, gud, dnd, kind, act, y_slot, max_active, m, top_k
             recipe = (cfg, load_kind, is_gate_up, group, chunks, (s_cfg, s_load))
         if groups:
             idx, slot_of_entry = grouping
+            if m * top_k > GROUP_IN_BLOCK_ENTRIES:      # the blocks' shared lists' size
+                raise ValueError(f"the gate_up blocks group at most {GROUP_IN_BLOCK_ENTRIES} "
+                                 f"entries, got {m * top_k}")
             _expert_kernel(cfg, load_kind, True, group, chunks,
                            None if shared is None else (s_cfg, s_load), grouping=n_experts)[
                 blocks + s_blocks, cfg.threads, stream](

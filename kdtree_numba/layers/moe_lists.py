@@ -66,16 +66,20 @@ def make_block_lists(n_experts: int, max_entries: int, threads: int):
             if first[i] == 1:
                 rank = 0           # active experts below e: the first entries of smaller ones
                 count = 0
+                after = 0          # entries of expert e + 1, which then writes off[e + 1]
                 for j in range(n):
                     f = e_of[j]
                     if f >= 0 and f < e and first[j] == 1:
                         rank += 1
                     if f == e:
                         count += 1
+                    if f == e + 1:
+                        after += 1
                 act[rank] = e
                 start = slot[i]           # its expert's first slot (no entry of e before it)
                 off[e] = start
-                off[e + 1] = start + count
+                if after == 0:            # (one writer a word: no race for racecheck)
+                    off[e + 1] = start + count
         if t == 0:
             distinct = 0
             for j in range(n):
@@ -95,11 +99,13 @@ def _write_lists(idx_flat, slot, tok, off, act, n_act, slot_of_entry, token_of_s
         slot_of_entry[i] = s
         if s >= 0:
             token_of_slot[s] = tok[s]
-    for a in range(t, n_act[0], threads):
+    n = n_act[0]
+    for a in range(t, n, threads):
         e = act[a]
         active[a] = e
         offsets[e] = off[e]
-        offsets[e + 1] = off[e + 1]
+        if a == n - 1 or act[a + 1] != e + 1:      # else expert e + 1's start writes it
+            offsets[e + 1] = off[e + 1]
     if t == 0:
         n_active[0] = n_act[0]
 
