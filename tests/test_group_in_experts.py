@@ -159,6 +159,24 @@ def test_tiled_experts_keep_the_grouping_launch(moe_layers, monkeypatch):
     assert groups == 1 and on.tobytes() == off.tobytes()
 
 
+@pytest.mark.slow
+def test_a_model_runs_a_launch_fewer_a_moe_layer_with_the_same_bits(monkeypatch,
+                                                                    needs_kernels):
+    """The small target's round and AR step with the switch: the same tokens, logits and
+    caches, and one launch fewer a MoE layer a forward (the round: the target's verify, a
+    tree's rows within the bound; its drafter has no MoE)."""
+    import launch_counter
+    with launch_counter.installed():
+        monkeypatch.setenv("KDTREE_ROUND_EPILOGUE", "0")
+        base = launch_counter.rounds_and_bits()
+        monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", "1")
+        grouped = launch_counter.rounds_and_bits()
+    launch_counter.same_results(base, grouped)
+    moe_layers = 1          # SMALL_TARGET: 2 layers, the first dense
+    assert sum(base[1].values()) - sum(grouped[1].values()) == moe_layers
+    assert sum(base[0].values()) - sum(grouped[0].values()) == moe_layers
+
+
 @pytest.mark.gpu
 def test_gpu_the_demo_pair_with_the_switch_gives_the_defaults_tokens(monkeypatch):
     """On the GPU: the demo pair's AR and DDTree (budget 16, T = 0 and 1) tokens are the
