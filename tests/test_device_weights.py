@@ -258,37 +258,41 @@ def test_routing_counter_counts_each_forward():
     assert all(r.rows == 1 and r.tokens == 1 and r.experts == [k, k] for r in records[1:])
 
 
-def test_kimi_slice_rows_end_to_end(monkeypatch, tmp_path, capsys):
+# CI's default run takes the counted experts (the uniform ones and a bf16 cache: ~3 s more)
+@pytest.mark.parametrize("count, kv_cache", [("counted", "float32"),
+                                             pytest.param("uniform", "bfloat16",
+                                                          marks=pytest.mark.slow)])
+def test_kimi_slice_rows_end_to_end(count, kv_cache, monkeypatch, tmp_path, capsys):
     """bench_engine's device-size path on a tiny kimi-like config through the reference
-    backend: AR and replay DDTree rows at two batches, counted and uniform experts, lossless,
+    backend: AR and replay DDTree rows at two batches, counted or uniform experts, lossless,
     every roof column filled, the JSON written."""
     monkeypatch.setitem(bench_engine.DEVICE_SIZES, "kimi-slice", tiny_config)
-    for count, kv_cache in (("counted", "float32"), ("uniform", "bfloat16")):
-        args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4],
-                                  batches=[1, 2], new_tokens=5, agreement=0.9, no_replay=False,
-                                  expert_count=count, gemm=["cuda-cores"], kv_cache=kv_cache,
-                                  json=str(tmp_path / f"{count}.json"))
-        rows: list = []
-        bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
-                                       backend="reference")
-        assert [(r["batch"], r["method"]) for r in rows] == \
-            [(1, "ar"), (1, "ddtree/replay"), (2, "ar"), (2, "ddtree/replay")]
-        for r in rows:
-            assert r["step_roof_ms"] > 0 and r["roof_tokens_per_s"] > 0
-            assert r["prefill_ms"] > 0 and r["prefill_roof_ms"] > 0
-            assert r["decode_vs_ar"] == pytest.approx(
-                r["decode_tokens_per_s"] / next(a["decode_tokens_per_s"] for a in rows
-                                                if a["method"] == "ar"
-                                                and a["batch"] == r["batch"]))
-            assert 1 <= r["distinct_experts"] <= 8
-            assert r.get("same_tokens_as_ar", True) is True
-            assert r.get("routing_run_same_tokens", True) is True
-        assert rows[0]["distinct_experts"] == 2              # batch 1 AR: top-2 of 8
-        assert all(r["gemm"] == "cuda-cores" + (" + bf16 cache" if kv_cache == "bfloat16"
-                                                else "") for r in rows)
-        assert rows[1]["step_rows"] == 5 and rows[3]["step_rows"] == 10
-        saved = json.loads((tmp_path / f"{count}.json").read_text())
-        assert len(saved["rows"]) == 4
+    monkeypatch.setattr(bench_engine, "_SHOWN", set())     # its table's header printed anew
+    args = argparse.Namespace(seed=0, dtype="bfloat16", prompt_len=6, budgets=[4],
+                              batches=[1, 2], new_tokens=5, agreement=0.9, no_replay=False,
+                              expert_count=count, gemm=["cuda-cores"], kv_cache=kv_cache,
+                              json=str(tmp_path / f"{count}.json"))
+    rows: list = []
+    bench_engine.bench_device_size("kimi-slice", args, bench_engine.Budget(600), rows,
+                                   backend="reference")
+    assert [(r["batch"], r["method"]) for r in rows] == \
+        [(1, "ar"), (1, "ddtree/replay"), (2, "ar"), (2, "ddtree/replay")]
+    for r in rows:
+        assert r["step_roof_ms"] > 0 and r["roof_tokens_per_s"] > 0
+        assert r["prefill_ms"] > 0 and r["prefill_roof_ms"] > 0
+        assert r["decode_vs_ar"] == pytest.approx(
+            r["decode_tokens_per_s"] / next(a["decode_tokens_per_s"] for a in rows
+                                            if a["method"] == "ar"
+                                            and a["batch"] == r["batch"]))
+        assert 1 <= r["distinct_experts"] <= 8
+        assert r.get("same_tokens_as_ar", True) is True
+        assert r.get("routing_run_same_tokens", True) is True
+    assert rows[0]["distinct_experts"] == 2              # batch 1 AR: top-2 of 8
+    assert all(r["gemm"] == "cuda-cores" + (" + bf16 cache" if kv_cache == "bfloat16"
+                                            else "") for r in rows)
+    assert rows[1]["step_rows"] == 5 and rows[3]["step_rows"] == 10
+    saved = json.loads((tmp_path / f"{count}.json").read_text())
+    assert len(saved["rows"]) == 4
     out = capsys.readouterr().out
     assert "| size | gemm | batch | method |" in out and "AR roof" in out
     assert "| prefill ms (its roof) |" in out and "| vs AR after the prefill |" in out
