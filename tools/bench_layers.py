@@ -393,10 +393,13 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
     roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
     default = layers.mma_config(m, n, k)
     plans = [("default", default)]
-    if default.wgmma and default.splits > 1:
-        # the K slices added in the block whatever the tiles (mma_linear folds them only
-        # from FOLD_MIN_TILES M x N tiles; below, they go through memory and sum_splits)
-        plans.append(("slices in block", dataclasses.replace(default, slices_in_block=True)))
+    if default.splits > 1 and m > 1:
+        # the K slices added in the block whatever the tiles (mma_linear folds them only for
+        # warpgroup tiles from FOLD_MIN_TILES M x N tiles; below, and on mma.sync's tiles up
+        # to 80 rows, they go through memory: at M = 65 the 80-row tile folded takes 255
+        # registers, 72 bytes spilled, ptxas)
+        plans.append(("slices in block", dataclasses.replace(default, slices_in_block=True,
+                                                             sums_in_last=False)))
     if default.splits > 1:
         # the partial sums added by each tile's last slice block (the default up to
         # SUMS_IN_LAST_MAX_M rows), or by a sum launch (the default past them); where
