@@ -33,8 +33,9 @@ def heldout_ids(n: int) -> list[list[int]]:
 
 def assert_switch_keeps_tokens(monkeypatch, name: str):
     """(GPU) The demo pair's AR and DDTree (budget 16, T = 0 and 1) tokens on 4 held-out
-    prompts are the same with the per-call switch ``name`` at 0 and at 1: the check of a
-    switch that must move no token (tests/test_fused_swiglu.py,
+    prompts are the same with the per-call switch ``name`` at 0 and at 1, in a batch of 4 and
+    two of them alone (batch 1, as kdtree-run and tools/ab_switches.py run them: other graph
+    keys): the check of a switch that must move no token (tests/test_fused_swiglu.py,
     tests/test_shared_in_experts.py)."""
     model = Model.load(demo.TARGET, "numba")
     drafter = DFlashDrafter.load(demo.DRAFTER, model)
@@ -44,9 +45,10 @@ def assert_switch_keeps_tokens(monkeypatch, name: str):
         runs = {}
         for switch in ("0", "1"):
             monkeypatch.setenv(name, switch)
-            runs[switch] = (generate(model, prompts, 48, **kw).tokens,
-                            generate(model, prompts, 48, method="ddtree", drafter=drafter,
-                                     budget=16, **kw).tokens)
+            runs[switch] = [(generate(model, batch, 48, **kw).tokens,
+                             generate(model, batch, 48, method="ddtree", drafter=drafter,
+                                      budget=16, **kw).tokens)
+                            for batch in (prompts, prompts[:1], prompts[1:2])]
         assert runs["0"] == runs["1"], temperature
 
 
