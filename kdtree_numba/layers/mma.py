@@ -658,19 +658,19 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     (m, k), n = xd.shape, wd.shape[0]
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
-    if folds_slices(cfg, m, n, splits):
-        cfg = dataclasses.replace(cfg, slices_in_block=True, sums_in_last=False)
-    in_memory = splits > 1 and not cfg.slices_in_block
+    in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
+    in_memory = splits > 1 and not in_block
+    # the last slice block sums where asked and the partial sums go through memory
+    last = in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last)
+    if (in_block, last) != (cfg.slices_in_block, cfg.sums_in_last):
+        cfg = dataclasses.replace(cfg, slices_in_block=in_block, sums_in_last=last)
     target = y if not in_memory else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
-    if in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last):
-        cfg = dataclasses.replace(cfg, sums_in_last=True)
+    if last:
         tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
         counters = arrival_counters("linear.mma", tiles, stream)
         _launch(x16, wd, target, m, n, k, cfg, splits, stream, sums=(y, counters))
         return
-    if cfg.sums_in_last:        # (asked for, but the slices are added in the block or none)
-        cfg = dataclasses.replace(cfg, sums_in_last=False)
     _launch(x16, wd, target, m, n, k, cfg, splits, stream)
     if in_memory:
         grid, block = launch_1d(m * n, 256)
