@@ -81,7 +81,10 @@ Two kinds of switch:
   GPU: one launch fewer a MoE layer at a decode's and a small verify's rows; the same bits:
   kdtree_numba/layers/moe_lists.py), the bf16 tensor-core GEMM's K slices added by
   each output tile's last slice block at every M (``KDTREE_MMA_SUMS_IN_LAST=1``; the default
-  at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits),
+  at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits), the
+  bf16 GEMM past 80 rows staged by TMA with a producer warp over a persistent grid
+  (``KDTREE_MMA_TMA=1``, off until timed on the GPU; the same bits:
+  kdtree_numba/layers/mma_tma.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -120,7 +123,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
              "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER", "KDTREE_MMA_SUMS_IN_LAST",
-             "KDTREE_GROUP_IN_EXPERTS",
+             "KDTREE_GROUP_IN_EXPERTS", "KDTREE_MMA_TMA",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -273,6 +276,9 @@ class RuntimeConfig:
     # the bf16 GEMM's K slices added by each tile's last slice block at every M, not a sum
     # launch (issue 38; mma_config does it at one row, where it is faster: runs 200-201)
     mma_sums_in_last: bool = False
+    # the bf16 GEMM past 80 rows on TMA: a producer warp, two consumer warpgroups, a persistent
+    # grid (issue 38; the same bits; off until timed on the GPU: kdtree_numba/layers/mma_tma.py)
+    mma_tma: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -325,6 +331,7 @@ class RuntimeConfig:
                    group_in_experts=_flag(env, "KDTREE_GROUP_IN_EXPERTS", False),
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
+                   mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -417,6 +417,19 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         if default.splits > 1:
             plans.append(("wgmma 256 x 128 folded, 128 registers",
                           dataclasses.replace(wide, slices_in_block=True, max_registers=128)))
+    from kdtree_numba.layers.mma_plan import wgmma_available
+    if m >= 65 and wgmma_available():
+        # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
+        # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
+        # fold, the slices forced into the block, and 128 x 256 tiles (unfolded: two
+        # accumulator sets of 128 registers do not fit)
+        from kdtree_numba.layers.mma_tma import TMA_TILE
+        tma = dataclasses.replace(TMA_TILE, splits=default.splits)
+        plans.append(("tma 128 x 128", tma))
+        if default.splits > 1:
+            plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
+                                                                      slices_in_block=True)))
+        plans.append(("tma 128 x 256", dataclasses.replace(tma, tn=8, stages=4)))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

@@ -645,6 +645,7 @@ def folds_slices(cfg: MmaConfig, m: int, n: int, splits: int) -> bool:
     = ``m``, N = ``n``: a warpgroup tile of at most :data:`FOLD_MAX_THREADS` threads whose M x N
     tiles number :data:`FOLD_MIN_TILES` or more."""
     return (splits > 1 and cfg.wgmma and cfg.threads <= FOLD_MAX_THREADS
+            and not (cfg.tma and cfg.bn > 128)        # TMA's 128 x 256: no registers for it
             and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES)
 
 
@@ -656,10 +657,18 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     or where :func:`folds_slices` each block adds its slices itself (``slices_in_block``: the
     same bits, no partial sums in memory)."""
     (m, k), n = xd.shape, wd.shape[0]
-    x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
     in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
     in_memory = splits > 1 and not in_block
+    if cfg.tma or (runtime.current().mma_tma and dataclasses.replace(
+            cfg, splits=1, slices_in_block=False, sums_in_last=False) == WGMMA_TILE):
+        # the warpgroup tile staged by TMA (KDTREE_MMA_TMA): the same slices, fold and bits
+        from kdtree_numba.layers.mma_tma import tma_config, tma_linear
+        cfg = dataclasses.replace(cfg if cfg.tma else tma_config(cfg),
+                                  slices_in_block=in_block)
+        tma_linear(xd, wd, y, cfg, splits, stream, workspace)
+        return
+    x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     # the last slice block sums where asked and the partial sums go through memory
     last = in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last)
     if (in_block, last) != (cfg.slices_in_block, cfg.sums_in_last):

@@ -1,0 +1,279 @@
+"""The bf16 tensor-core GEMM fed by TMA: one producer warp stages both operands through an
+mbarrier ring while two consumer warpgroups only multiply (warpgroup mma), over a persistent
+grid of one block an SM (``KDTREE_MMA_TMA``; off until the GPU has timed it).
+
+Why (issue 38; Nsight Compute on the cp.async kernel, run 202): the warpgroup tile of
+layers/mma.py staged its tiles with every thread's cp.async and a block barrier a stage, and
+spent 40% of its stalls on those copies while the tensor pipe was busy 44% of the time, where
+cuBLAS's kernel (a producer warpgroup, two consumers, a persistent grid) kept it 91% busy.
+
+The same products as layers/mma.py's warpgroup tile, so the same bits: the same 32-wide
+panels in the 64-byte swizzle (TMA writes them: gpu/tma.py), the same K slices (a function
+of N and K only) each summed from zero in k16 steps in panel order, added in slice order in
+the block (``slices_in_block``: no ramp between slices here, the producer runs on) or written
+as partial sums for layers/common.py's ``sum_splits``.  The linear stays batch invariant.
+
+Block: threads [0, 128 w) are w consumer warpgroups of 64 rows each (BM = 64 w) by all BN
+columns; thread 128 w issues every copy (the rest of its warp leaves).  Work units: output
+tiles in groups of :data:`GROUP_M` M tiles (N tiles fastest within a group, so the blocks in
+flight share both operands' tiles in L2), times the K slices when they go through memory;
+block b takes units b, b + grid, ...  Stage g of the block lives in ring slot g % stages;
+``full[slot]`` completes when the slot's bytes have landed (the producer's expect_tx and
+TMA's complete_tx), ``empty[slot]`` when each consumer warp's wgmma reading it has finished
+(one arrival a warp after its wgmma wait), which the producer waits on before reusing it.
+
+x must be rounded to bf16 into a buffer whose tensor map stays valid: a buffer kept per (CUDA
+context, K), grown to a power of two of rows (rows past M hold stale bits whose outputs are
+never stored: a row's products read only its own x row).  Launches run in stream order
+(gpu/counters.py's argument), so one buffer serves every call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
+from kdtree_numba.gpu.bits import divmod_u32
+from kdtree_numba.gpu.llvm import inline_device_function
+from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
+from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait_1, \
+    wgmma_wait_all
+from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
+                                  mbarrier_init_fence, mbarrier_wait, tensor_map,
+                                  tensor_map_acquire, tma_load_panel)
+from kdtree_numba.layers.common import sum_splits
+from kdtree_numba.layers.mma import (_c_position, _round_to_bf16_pairs, _shared_base,
+                                     _wgmma_descriptor, accumulator_origin)
+from kdtree_numba.layers.mma_plan import PANEL, SLICE_UNIT, MmaConfig
+from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
+
+__all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config"]
+
+# M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
+# M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
+GROUP_M = 8
+
+# Two consumer warpgroups of 64 x 128 and a ring of 6 stages of 64 (192 KiB): the 128 x 128
+# tile of layers/mma.py's warpgroup kernel (a fold's two accumulator sets fit its registers)
+TMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=6, wgmma=True, tma=True)
+
+
+def tma_config(cfg: MmaConfig) -> MmaConfig:
+    """``cfg`` (a linear's plan: its K slices and fold) on :data:`TMA_TILE`."""
+    return dataclasses.replace(TMA_TILE, splits=cfg.splits,
+                               slices_in_block=cfg.slices_in_block)
+
+
+def tma_kernel(cfg: MmaConfig):
+    """The kernel for a tile shape (K slices are a launch argument; the fold is the shape's)."""
+    return _tma_kernel_for(dataclasses.replace(cfg, splits=1))
+
+
+@kernel_factory
+def _tma_kernel_for(cfg: MmaConfig):
+    from numba import float32, uint32, uint64
+
+    BM, BN, BK, STAGES = cfg.bm, cfg.bn, cfg.bk, cfg.stages
+    CONSUMERS = cfg.threads                       # the warpgroups' threads; the producer next
+    PANELS = BK // PANEL
+    ROW_WORDS = PANEL // 2                        # uint32 words of a 64-byte panel row
+    A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2  # words of a stage's x and weight tiles
+    B_RING = STAGES * A_STAGE                     # the weight ring after the x ring
+    STAGE_BYTES = 2 * (BM + BN) * BK
+    BARRIERS = 2 * STAGES                         # full[slot], then empty[slot]
+    FOLD = cfg.slices_in_block
+    NACC = BN // 2
+    wgmma = wgmma_bf16(BN)
+    origin = accumulator_origin(cfg)
+    ZERO = float32(0.0)
+    ALIGN = None if SIMULATOR else 16
+
+    @inline_device_function
+    def unit_tile(u, n_mtiles, n_ntiles, splits):
+        """Work unit u -> (M tile, N tile, first K slice): tiles in groups of GROUP_M M
+        tiles, N fastest within a group; with the slices through memory, slice-major."""
+        s = 0
+        if not FOLD:
+            s, u = divmod_u32(u, n_mtiles * n_ntiles)
+        group, within = divmod_u32(u, GROUP_M * n_ntiles)
+        first = group * GROUP_M
+        size = min(n_mtiles - first, GROUP_M)
+        nt, mt = divmod_u32(within, size)
+        return first + mt, nt, s
+
+    @inline_device_function
+    def slice_bounds(s, splits, kc_total, k_total):
+        """K slice s: whole SLICE_UNITs, as layers/mma.py cuts them."""
+        u_begin, _ = divmod_u32(s * kc_total, splits)
+        u_end, _ = divmod_u32((s + 1) * kc_total, splits)
+        return SLICE_UNIT * u_begin, min(SLICE_UNIT * u_end, k_total)
+
+    @inline_device_function
+    def produce(smem, word0, bars, x_maps, x_slot, w_maps, w_slot, x16, w16, units, n_mtiles,
+                n_ntiles, splits, kc_total, k_total):
+        tensor_map_acquire(x_maps, x_slot)
+        tensor_map_acquire(w_maps, w_slot)
+        per_unit = splits if FOLD else 1
+        slot = 0
+        phase = 0
+        u = cuda.blockIdx.x
+        while u < units:
+            mt, nt, s0 = unit_tile(u, n_mtiles, n_ntiles, splits)
+            for s in range(s0, s0 + per_unit):
+                k0, k_end = slice_bounds(s, splits, kc_total, k_total)
+                while k0 < k_end:
+                    mbarrier_wait(bars, STAGES + slot, phase ^ 1)      # the slot is free
+                    mbarrier_expect_tx(bars, slot, STAGE_BYTES)
+                    for p in range(PANELS):
+                        tma_load_panel(smem, word0 + slot * A_STAGE + p * BM * ROW_WORDS,
+                                       x_maps, x_slot, x16, k0 + PANEL * p, mt * BM, BM, bars,
+                                       slot)
+                        tma_load_panel(smem, word0 + B_RING + slot * B_STAGE
+                                       + p * BN * ROW_WORDS, w_maps, w_slot, w16,
+                                       k0 + PANEL * p, nt * BN, BN, bars, slot)
+                    k0 += BK
+                    slot += 1
+                    if slot == STAGES:
+                        slot = 0
+                        phase ^= 1
+            u += cuda.gridDim.x
+
+    @inline_device_function
+    def consume(smem, tiles, bars, out, units, n_mtiles, n_ntiles, splits, kc_total, k_total,
+                m_total, n_total, tid):
+        acc = cuda.local.array(NACC, float32)
+        total = cuda.local.array(NACC, float32)
+        lane = tid & 31
+        warp = tid >> 5
+        a_rows = tiles + (tid >> 7) * (64 * 2 * PANEL)      # the warpgroup's 64 rows
+        per_unit = splits if FOLD else 1
+        slot = 0
+        phase = 0
+        u = cuda.blockIdx.x
+        while u < units:
+            mt, nt, s0 = unit_tile(u, n_mtiles, n_ntiles, splits)
+            for s in range(s0, s0 + per_unit):
+                k0, k_end = slice_bounds(s, splits, kc_total, k_total)
+                for i in range(NACC):
+                    acc[i] = ZERO
+                last = -1
+                while k0 < k_end:
+                    mbarrier_wait(bars, slot, phase)                 # the stage has landed
+                    wgmma_fence()
+                    for p in range(PANELS):
+                        for step in range(2):
+                            wgmma(acc, smem,
+                                  _wgmma_descriptor(a_rows + 4 * (slot * A_STAGE
+                                                                  + p * BM * ROW_WORDS)
+                                                    + 32 * step),
+                                  _wgmma_descriptor(tiles + 4 * (B_RING + slot * B_STAGE
+                                                                 + p * BN * ROW_WORDS)
+                                                    + 32 * step))
+                    wgmma_commit()
+                    wgmma_wait_1()              # the stage before is multiplied: free it
+                    if last >= 0 and lane == 0:
+                        mbarrier_arrive(bars, STAGES + last)
+                    last = slot
+                    k0 += BK
+                    slot += 1
+                    if slot == STAGES:
+                        slot = 0
+                        phase ^= 1
+                wgmma_wait_all()
+                if last >= 0 and lane == 0:
+                    mbarrier_arrive(bars, STAGES + last)
+                if FOLD:     # the slices added in slice order: sum_splits' expression
+                    for i in range(NACC):
+                        total[i] = acc[i] if s == s0 else total[i] + acc[i]
+            if FOLD:
+                for i in range(NACC):
+                    acc[i] = total[i]
+            row0, col0 = origin(warp, 0)
+            m0 = mt * BM + row0
+            n0 = nt * BN + col0
+            orow = 0 if FOLD else s0 * m_total
+            for j in range(BN // 8):
+                for e in range(4):
+                    r, c = _c_position(lane, e)
+                    row = m0 + r
+                    col = n0 + 8 * j + c
+                    if row < m_total and col < n_total:
+                        store_nowrap_2d(out, orow + row, col, acc[4 * j + e])
+            u += cuda.gridDim.x
+
+    @kernel
+    def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
+                       k_total, n_mtiles, n_ntiles, splits, kc_total):
+        """out = x16 w16^T over this block's work units (the module docstring); x16's and
+        w16's tensor maps are rows ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``."""
+        smem = cuda.shared.array(0, uint32, alignment=ALIGN)
+        bars = cuda.shared.array(BARRIERS, uint64)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            for b in range(STAGES):
+                mbarrier_init(bars, b, 1)                          # the producer's expect_tx
+                mbarrier_init(bars, STAGES + b, CONSUMERS // 32)   # a consumer warp each
+            mbarrier_init_fence()
+        cuda.syncthreads()
+        sbase = _shared_base(smem)
+        tiles = (sbase + 511) & ~511       # the 64-byte swizzle's period, in absolute bytes
+        units = n_mtiles * n_ntiles * (1 if FOLD else splits)
+        if tid >= CONSUMERS:
+            if tid == CONSUMERS:
+                produce(smem, (tiles - sbase) >> 2, bars, x_maps, x_slot, w_maps, w_slot, x16,
+                        w16, units, n_mtiles, n_ntiles, splits, kc_total, k_total)
+        else:
+            consume(smem, tiles, bars, out, units, n_mtiles, n_ntiles, splits, kc_total,
+                    k_total, m_total, n_total, tid)
+
+    return mma_tma_linear
+
+
+# ------------------------------------------------------------------ host
+
+_X_ROWS: dict = {}      # (context, K) -> the bf16 rows buffer, grown by powers of two
+
+
+def _x_rows(m: int, k: int, stream):
+    """The kept [rows >= m, k] uint16 buffer x is rounded into (module docstring)."""
+    from kdtree_numba import compat
+    key = (0 if SIMULATOR else id(cuda.current_context()), k)
+    buf = _X_ROWS.get(key)
+    if buf is None or buf.shape[0] < m:
+        rows = max(128, 1 << (m - 1).bit_length())
+        buf = _X_ROWS[key] = compat.device_empty((rows, k), np.uint16, stream)
+    return buf
+
+
+@functools.cache
+def _sm_count() -> int:
+    if SIMULATOR:
+        return 2
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def tma_linear(xd, wd, y, cfg: MmaConfig, splits: int, stream=0, workspace=None):
+    """Launch: y [M, N] = bf16(xd [M, K]) wd^T on ``cfg`` (a ``tma`` tile) with ``splits`` K
+    slices, added in the block (``cfg.slices_in_block``) or by a sum launch."""
+    (m, k), n = xd.shape, wd.shape[0]
+    buf = _x_rows(m, k, stream)
+    grid, block = launch_1d(m * k // 2, 256)
+    _round_to_bf16_pairs[grid, block, stream](
+        xd.reshape(m * k), buf.reshape(buf.shape[0] * k)[:m * k].view(np.uint32))
+    x_maps, x_slot = tensor_map(buf, cfg.bm, stream)
+    w_maps, w_slot = tensor_map(wd, cfg.bn, stream)
+    in_memory = splits > 1 and not cfg.slices_in_block
+    target = y if not in_memory else workspace_buffer(
+        workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
+    n_mtiles, n_ntiles = -(-m // cfg.bm), -(-n // cfg.bn)
+    units = n_mtiles * n_ntiles * (splits if in_memory else 1)
+    dispatcher = tma_kernel(cfg)
+    args = (buf, wd, target, x_maps, x_slot, w_maps, w_slot, m, n, k, n_mtiles, n_ntiles,
+            splits, -(-k // SLICE_UNIT))
+    allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
+    dispatcher[min(units, _sm_count()), cfg.threads + 32, stream, cfg.smem_bytes](*args)
+    if in_memory:
+        grid, block = launch_1d(m * n, 256)
+        sum_splits[grid, block, stream](target.reshape(splits, m, n), y)

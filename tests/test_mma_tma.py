@@ -1,0 +1,206 @@
+"""The bf16 GEMM staged by TMA (kdtree_numba/layers/mma_tma.py, ``KDTREE_MMA_TMA``): on the
+simulator (its copies and mbarriers emulated by gpu/tma.py's twins, wgmma by the ISA's
+emulation of test_layers_mma) bitwise the cp.async warpgroup kernel, which test_layers_mma ties
+to mma.sync; for Hopper, its PTX assembled by ptxas; on the GPU bitwise the default path."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ptx_check import HOPPER_PRELUDE
+from test_layers_mma import _block_case, _wgmma_emulation, bf16_bits, bf16_value
+
+from kdtree_numba.layers import mma as mm
+from kdtree_numba.layers import mma_tma
+
+# one consumer warpgroup of 64 rows by 32 columns: the cheapest tile the simulator can run
+SMALL = mm.MmaConfig(wm=1, wn=4, tm=4, tn=1, stages=3, wgmma=True, tma=True)
+
+
+def _simulated(monkeypatch):
+    from kdtree_numba import compat
+    from kdtree_numba.gpu import tensorcore
+    if not compat.SIMULATOR:
+        pytest.skip("simulator only (the GPU tests run the real TMA and wgmma)")
+    monkeypatch.setattr(tensorcore, "sim_wgmma", _wgmma_emulation)
+
+
+@pytest.mark.parametrize("m, n, k, cfg", [
+    # 3 N tiles on the simulator's 2 blocks (block 0 takes units 0 and 2: the ring's slots
+    # and phases run on across units), 2 slices added in the block, K = 200: the last stage's
+    # second panel wholly past K (zero-filled), ragged M and N
+    (40, 72, 200, dataclasses.replace(SMALL, splits=2, slices_in_block=True)),
+    # the slices through memory (units slice-major, then sum_splits), two warpgroups
+    pytest.param(100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True,
+                                            tma=True, splits=3),
+                 marks=pytest.mark.slow),
+    # one slice, more units than blocks in both M and N, a 2-stage ring
+    pytest.param(130, 40, 136, dataclasses.replace(SMALL, stages=2),
+                 marks=pytest.mark.slow),
+])
+def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, needs_kernels,
+                                                              monkeypatch):
+    """Bitwise the warpgroup kernel that stages by cp.async (the same panels, slices and
+    order), and within the bf16 product's accumulation bound."""
+    from kdtree_numba.layers import linear
+    _simulated(monkeypatch)
+    x, w16, want = _block_case(11, m, n, k)
+    got = linear(x, w16, method="mma", config=cfg).copy_to_host()
+    staged = linear(x, w16, method="mma", config=dataclasses.replace(
+        cfg, tma=False, stages=min(max(cfg.stages, 3), 4))).copy_to_host()
+    assert got.tobytes() == staged.tobytes()
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
+
+
+def test_units_cover_every_tile_once_in_groups_of_m_tiles():
+    """The units' order (a plain-Python copy of the kernel's): every (M tile, N tile, slice)
+    once; within a group of GROUP_M M tiles the M tile changes fastest."""
+    def unit_tile(u, n_mtiles, n_ntiles, splits, fold):
+        s = 0
+        if not fold:
+            s, u = divmod(u, n_mtiles * n_ntiles)
+        group, within = divmod(u, mma_tma.GROUP_M * n_ntiles)
+        first = group * mma_tma.GROUP_M
+        nt, mt = divmod(within, min(n_mtiles - first, mma_tma.GROUP_M))
+        return first + mt, nt, s
+    for n_mtiles, n_ntiles, splits, fold in [(4, 56, 4, True), (19, 3, 2, False), (1, 9, 1, True),
+                                             (32, 288, 4, True)]:
+        units = n_mtiles * n_ntiles * (1 if fold else splits)
+        seen = [unit_tile(u, n_mtiles, n_ntiles, splits, fold) for u in range(units)]
+        want = {(a, b, c) for a in range(n_mtiles) for b in range(n_ntiles)
+                for c in range(1 if fold else splits)}
+        assert len(seen) == len(set(seen)) and set(seen) == want
+        assert seen[1][0] == min(1, n_mtiles - 1)
+
+
+def test_tma_configs_are_checked():
+    with pytest.raises(ValueError, match="tma"):
+        dataclasses.replace(mma_tma.TMA_TILE, wgmma=False)
+    with pytest.raises(ValueError, match="tma"):
+        dataclasses.replace(mma_tma.TMA_TILE, tn=8, slices_in_block=True)   # BN 256 folded
+    with pytest.raises(ValueError, match="tma"):
+        dataclasses.replace(mma_tma.TMA_TILE, sums_in_last=True)
+    assert mma_tma.TMA_TILE.smem_bytes <= 227 * 1024
+    assert mma_tma.tma_config(mm.mma_config(512, 7168, 2048)).splits == 4
+
+
+def test_the_switch_sends_the_warpgroup_tile_to_tma(monkeypatch):
+    """``KDTREE_MMA_TMA`` reroutes mma_linear's warpgroup tile (its slices and fold kept) and
+    nothing else (the mma.sync tiles of a decode or a verify)."""
+    calls = []
+    monkeypatch.setattr(mma_tma, "tma_linear",
+                        lambda xd, wd, y, cfg, splits, *a: calls.append((cfg, splits)))
+
+    class Shaped:
+        def __init__(self, *shape):
+            self.shape = shape
+    cfg = dataclasses.replace(mm.WGMMA_TILE, splits=4)
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
+    mm.mma_linear(Shaped(512, 2048), Shaped(7168, 2048), None, cfg)
+    assert calls == [(dataclasses.replace(mma_tma.TMA_TILE, splits=4, slices_in_block=True),
+                      4)]
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")
+    with pytest.raises(AttributeError):       # the cp.async kernel's path: on to the rounding
+        mm.mma_linear(Shaped(512, 2048), Shaped(7168, 2048), None, cfg)
+    assert len(calls) == 1
+
+
+PTX_SCRIPT = HOPPER_PRELUDE + r"""
+import dataclasses
+from kdtree_numba.layers import mma as mm, mma_tma
+u16, f2, u64 = T.uint16[:, ::1], T.float32[:, ::1], T.uint64[:, ::1]
+sig = (u16, u16, f2, u64, T.int64, u64, T.int64) + (T.int64,) * 7
+WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
+for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
+            dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4)):
+    ptx, _ = cuda.compile_ptx(mma_tma.tma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
+    log = ptxas(ptx, arch="sm_90a")
+    regs = int(re.findall(r"Used (\d+) registers", log)[0])
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
+    local = len(re.findall(r"(?:ld|st)\.local", ptx))
+    print("tma kernel", cfg, "regs", regs, "spill", spill, "local", local, flush=True)
+    assert ptx.count(WGMMA % cfg.bn) == 2 * cfg.bk // 32, "a wgmma per panel and k16 step"
+    assert ptx.count("cp.async.bulk.tensor.2d") == 2 * cfg.bk // 32, "a box per operand, panel"
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
+    assert "fence.proxy.tensormap::generic.acquire" in ptx
+    assert "cp.async.cg" not in ptx and "ldmatrix" not in ptx and "bar.sync" in ptx
+    assert regs * (cfg.threads + 32) <= 65536, "one block an SM"
+    assert local == 0 and spill == 0, "accumulators left registers"
+    assert "serialized" not in log, "a call (64-bit division?) serializes the wgmma"
+print("assembled")
+"""
+
+
+@pytest.mark.slow      # ~1 min of compiling beside CI's tests; run before each GPU call
+@pytest.mark.compile_check(PTX_SCRIPT, timeout=600)
+def test_tma_kernels_compile_to_hopper_ptx():
+    """The TMA kernel (unsliced, folded, and at BN = 256) for sm_90a: a wgmma per panel and
+    k16 step, a TMA box per operand and panel, its mbarriers, no spills, registers for one
+    block of 288 threads an SM, no serialized wgmma; assembled by ptxas (no GPU needed)."""
+    from ptx_check import run_without_simulator
+    out = run_without_simulator(PTX_SCRIPT, timeout=600)
+    assert "assembled" in out.splitlines()[-1], out[-3000:]
+
+
+# ------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(100, 1000, 768), (512, 7168, 2048), (200, 2112, 7168),
+                                     (4096, 1536, 7168), (129, 12288, 1536), (81, 200, 72)])
+def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
+    """``KDTREE_MMA_TMA=1`` gives the cp.async kernel's bits (the same panels, slices, fold
+    and order) on the real TMA and wgmma: ragged edges, sliced and unsliced Kimi-K2 shapes,
+    folded (M = 512, 4096) and through memory (M = 100-200), and again on a second call (the
+    kept x buffer and tensor maps)."""
+    from kdtree_numba.layers import linear
+    if not mm.wgmma_available():
+        pytest.skip("needs an sm_90 GPU")
+    rng = np.random.default_rng(m + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    want = linear(x, w16, method="mma").copy_to_host()
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
+    for _ in range(2):
+        got = linear(x, w16, method="mma").copy_to_host()
+        assert got.tobytes() == want.tobytes()
+    wide = dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4,
+                               splits=mm.mma_splits(n, k))
+    if wide.splits == 1:      # BN = 256 takes no fold: the unsliced shapes only
+        got = linear(x, w16, method="mma", config=wide).copy_to_host()
+        assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+def test_gpu_tma_linear_under_graph_replay(monkeypatch):
+    """A weight whose tensor map is first written inside a CUDA-graph capture: its replays,
+    then an eager call (which writes the map again before any use outside the graph), give
+    the default path's bits."""
+    import cupy
+    from numba import cuda
+
+    from kdtree_numba.layers import linear
+    if not mm.wgmma_available():
+        pytest.skip("needs an sm_90 GPU")
+    rng = np.random.default_rng(3)
+    m, n, k = 512, 2112, 7168 + 64        # 68 tiles: the slices added in the block
+    x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    w_eager, w_graph = (cupy.asarray(bf16_bits(rng.standard_normal((n, k)).astype(np.float32)))
+                        for _ in range(2))
+    want = cupy.asnumpy(cupy.asarray(linear(x, w_graph, method="mma")))
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
+    linear(x, w_eager, method="mma")          # x's kept buffer and the maps' pool, eagerly
+    stream = cupy.cuda.Stream(non_blocking=False)
+    out = cupy.zeros((m, n), np.float32)
+    stream.begin_capture()
+    linear(x, w_graph, method="mma", out=out, stream=cuda.external_stream(stream.ptr))
+    graph = stream.end_capture()
+    for _ in range(2):
+        out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        assert cupy.asnumpy(out).tobytes() == want.tobytes()
+    assert cupy.asnumpy(cupy.asarray(linear(x, w_graph, method="mma"))).tobytes() == \
+        want.tobytes()
