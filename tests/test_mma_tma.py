@@ -36,6 +36,10 @@ def _simulated(monkeypatch):
     pytest.param(100, 24, 320, mm.MmaConfig(wm=2, wn=4, tm=4, tn=1, stages=4, wgmma=True,
                                             tma=True, splits=3),
                  marks=pytest.mark.slow),
+    # the weights as the A operand (64 rows a tile), x as B (24 rows): y^T's tiles, 2 x 2
+    # of them, the slices added in the block
+    (20, 72, 200, mm.MmaConfig(wm=4, wn=1, tm=1, tn=3, stages=3, wgmma=True, tma=True,
+                               swap_ab=True, splits=2, slices_in_block=True)),
     # one slice, more units than blocks in both M and N, a 2-stage ring
     pytest.param(130, 40, 136, dataclasses.replace(SMALL, stages=2),
                  marks=pytest.mark.slow),
@@ -48,8 +52,10 @@ def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, nee
     _simulated(monkeypatch)
     x, w16, want = _block_case(11, m, n, k)
     got = linear(x, w16, method="mma", config=cfg).copy_to_host()
+    plain = SMALL if cfg.swap_ab else cfg       # a tile the cp.async kernel can stage
     staged = linear(x, w16, method="mma", config=dataclasses.replace(
-        cfg, tma=False, stages=min(max(cfg.stages, 3), 4))).copy_to_host()
+        plain, tma=False, stages=min(max(cfg.stages, 3), 4), splits=cfg.splits,
+        slices_in_block=cfg.slices_in_block)).copy_to_host()
     assert got.tobytes() == staged.tobytes()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
@@ -114,8 +120,11 @@ from kdtree_numba.layers import mma as mm, mma_tma
 u16, f2, u64 = T.uint16[:, ::1], T.float32[:, ::1], T.uint64[:, ::1]
 sig = (u16, u16, f2, u64, T.int64, u64, T.int64) + (T.int64,) * 7
 WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
+swapped = dataclasses.replace(mma_tma.TMA_TILE, wm=8, wn=1, tm=1, tn=9, stages=8,
+                              swap_ab=True)
 for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
-            dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4)):
+            dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4), swapped,
+            dataclasses.replace(swapped, slices_in_block=True)):
     ptx, _ = cuda.compile_ptx(mma_tma.tma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
     log = ptxas(ptx, arch="sm_90a")
     regs = int(re.findall(r"Used (\d+) registers", log)[0])
@@ -171,6 +180,28 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
     if wide.splits == 1:      # BN = 256 takes no fold: the unsliced shapes only
         got = linear(x, w16, method="mma", config=wide).copy_to_host()
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(7168, 2048), (2112, 7168), (12288, 1536)])
+@pytest.mark.parametrize("m", [9, 33, 65, 80, 200])
+def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k):
+    """The weights as wgmma's A operand and x as its B (``swap_ab``: y^T's tiles, n = M
+    rounded up to 8): the default path's bits, one and two warpgroups, folded or not."""
+    from kdtree_numba.layers import linear
+    if not mm.wgmma_available():
+        pytest.skip("needs an sm_90 GPU")
+    rng = np.random.default_rng(m * n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    want = linear(x, w16, method="mma").copy_to_host()
+    for wgs in (1, 2):
+        cfg = mm.MmaConfig(wm=4 * wgs, wn=1, tm=1, tn=-(-m // 8), stages=8, wgmma=True,
+                           tma=True, swap_ab=True, splits=mm.mma_splits(n, k))
+        for fold in (False, True) if cfg.splits > 1 else (False,):
+            got = linear(x, w16, method="mma", config=dataclasses.replace(
+                cfg, slices_in_block=fold)).copy_to_host()
+            assert got.tobytes() == want.tobytes(), (wgs, fold)
 
 
 @pytest.mark.gpu

@@ -430,6 +430,13 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
             plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
                                                                       slices_in_block=True)))
         plans.append(("tma 128 x 256", dataclasses.replace(tma, tn=8, stages=4)))
+        if m <= 256:
+            # the weights as wgmma's A operand, x's rows as its B (n = M rounded up to 8):
+            # what cuBLAS does at a verify's rows (run 202: 64 x 72 tiles at M = 65)
+            for wgs in (1, 2):
+                swapped = dataclasses.replace(tma, wm=4 * wgs, wn=1, tm=1, tn=-(-m // 8),
+                                              stages=8, swap_ab=True)
+                plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

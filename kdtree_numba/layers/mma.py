@@ -644,9 +644,10 @@ def folds_slices(cfg: MmaConfig, m: int, n: int, splits: int) -> bool:
     """Whether :func:`mma_linear` has ``cfg``'s blocks add their own ``splits`` K slices at M
     = ``m``, N = ``n``: a warpgroup tile of at most :data:`FOLD_MAX_THREADS` threads whose M x N
     tiles number :data:`FOLD_MIN_TILES` or more."""
+    a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)    # the tiles' A and B operands
     return (splits > 1 and cfg.wgmma and cfg.threads <= FOLD_MAX_THREADS
             and not (cfg.tma and cfg.bn > 128)        # TMA's 128 x 256: no registers for it
-            and -(-m // cfg.bm) * -(-n // cfg.bn) >= FOLD_MIN_TILES)
+            and -(-a_rows // cfg.bm) * -(-b_rows // cfg.bn) >= FOLD_MIN_TILES)
 
 
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):

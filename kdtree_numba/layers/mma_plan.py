@@ -56,7 +56,10 @@ class MmaConfig(WarpTiles):
     staging; at least 3 stages: :func:`ring_function`).  mma_tile's pick past 80 rows on
     sm_90 GPUs (bitwise mma.sync's rows, and faster than it on a prefill's rows).
     ``tma``: the wgmma tile staged by TMA from a producer warp over a persistent grid
-    (layers/mma_tma.py; the same bits; rings of up to 8 stages).
+    (layers/mma_tma.py; the same bits; rings of up to 8 stages).  ``swap_ab``: with tma, the
+    weights as wgmma's A operand (BM weight rows a tile) and x as its B (BN rows of x, any
+    multiple of 8 up to 256): y^T's tiles, so a verify's 65 rows take an n = 72 wgmma
+    rather than two warpgroups of 64 rows.
     ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
     adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
     memory, set by the launcher where the M x N tiles alone fill the GPU.  ``sums_in_last``:
@@ -75,6 +78,7 @@ class MmaConfig(WarpTiles):
     slices_in_block: bool = False
     sums_in_last: bool = False
     tma: bool = False
+    swap_ab: bool = False
 
     @property
     def stage_bytes(self) -> int:
@@ -101,21 +105,23 @@ class MmaConfig(WarpTiles):
                 or self.bk <= 0 or self.threads > 1024
                 or not 2 <= self.stages <= (8 if self.tma else 4)
                 or self.smem_bytes > MAX_SHARED_BYTES
-                or (self.bn * self.bk // 8) % self.threads
-                or (self.bm * self.bk // 8) % self.threads
-                or self.threads % (self.bk // 8)
+                or not self.tma and ((self.bn * self.bk // 8) % self.threads
+                                     or (self.bm * self.bk // 8) % self.threads
+                                     or self.threads % (self.bk // 8))
                 or self.wgmma and (self.threads % 128 or self.bm != self.threads // 2
                                    or self.bn > 256 or self.stages < (2 if self.tma else 3))
                 or self.sums_in_last and self.slices_in_block
                 or self.tma and (not self.wgmma or self.sums_in_last or self.bk != 2 * PANEL
-                                 or self.slices_in_block and self.bn > 128)):
+                                 or self.slices_in_block and self.bn > 128)
+                or self.swap_ab and not self.tma):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
                              f"thread, each thread's vectors at one column of a stage; wgmma: "
                              f"64 rows per warpgroup of 128 threads, BN <= 256, >= 3 stages; "
                              f"the K slices summed in the block or by the last, not both; "
                              f"tma: wgmma, stages of 64, up to 8 of them, no last-block "
-                             f"sums, a fold only up to BN = 128 (two accumulator sets)")
+                             f"sums, a fold only up to BN = 128 (two accumulator sets); "
+                             f"swap_ab: tma only")
 
     @property
     def frag_tiles(self) -> tuple:

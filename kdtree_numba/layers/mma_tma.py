@@ -84,6 +84,7 @@ def _tma_kernel_for(cfg: MmaConfig):
     STAGE_BYTES = 2 * (BM + BN) * BK
     BARRIERS = 2 * STAGES                         # full[slot], then empty[slot]
     FOLD = cfg.slices_in_block
+    SWAP = cfg.swap_ab          # A = the weights' rows, B = x's: tiles of y^T
     NACC = BN // 2
     wgmma = wgmma_bf16(BN)
     origin = accumulator_origin(cfg)
@@ -91,17 +92,18 @@ def _tma_kernel_for(cfg: MmaConfig):
     ALIGN = None if SIMULATOR else 16
 
     @inline_device_function
-    def unit_tile(u, n_mtiles, n_ntiles, splits):
-        """Work unit u -> (M tile, N tile, first K slice): tiles in groups of GROUP_M M
-        tiles, N fastest within a group; with the slices through memory, slice-major."""
+    def unit_tile(u, a_tiles, b_tiles, splits):
+        """Work unit u -> (A tile, B tile, first K slice): tiles in groups of GROUP_M A
+        tiles, the A tile fastest within a group; with the slices through memory,
+        slice-major."""
         s = 0
         if not FOLD:
-            s, u = divmod_u32(u, n_mtiles * n_ntiles)
-        group, within = divmod_u32(u, GROUP_M * n_ntiles)
+            s, u = divmod_u32(u, a_tiles * b_tiles)
+        group, within = divmod_u32(u, GROUP_M * b_tiles)
         first = group * GROUP_M
-        size = min(n_mtiles - first, GROUP_M)
-        nt, mt = divmod_u32(within, size)
-        return first + mt, nt, s
+        size = min(a_tiles - first, GROUP_M)
+        bt, at = divmod_u32(within, size)
+        return first + at, bt, s
 
     @inline_device_function
     def slice_bounds(s, splits, kc_total, k_total):
@@ -111,16 +113,16 @@ def _tma_kernel_for(cfg: MmaConfig):
         return SLICE_UNIT * u_begin, min(SLICE_UNIT * u_end, k_total)
 
     @inline_device_function
-    def produce(smem, word0, bars, x_maps, x_slot, w_maps, w_slot, x16, w16, units, n_mtiles,
-                n_ntiles, splits, kc_total, k_total):
-        tensor_map_acquire(x_maps, x_slot)
-        tensor_map_acquire(w_maps, w_slot)
+    def produce(smem, word0, bars, a_maps, a_slot, b_maps, b_slot, a16, b16, units, a_tiles,
+                b_tiles, splits, kc_total, k_total):
+        tensor_map_acquire(a_maps, a_slot)
+        tensor_map_acquire(b_maps, b_slot)
         per_unit = splits if FOLD else 1
         slot = 0
         phase = 0
         u = cuda.blockIdx.x
         while u < units:
-            mt, nt, s0 = unit_tile(u, n_mtiles, n_ntiles, splits)
+            at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
             for s in range(s0, s0 + per_unit):
                 k0, k_end = slice_bounds(s, splits, kc_total, k_total)
                 while k0 < k_end:
@@ -128,11 +130,11 @@ def _tma_kernel_for(cfg: MmaConfig):
                     mbarrier_expect_tx(bars, slot, STAGE_BYTES)
                     for p in range(PANELS):
                         tma_load_panel(smem, word0 + slot * A_STAGE + p * BM * ROW_WORDS,
-                                       x_maps, x_slot, x16, k0 + PANEL * p, mt * BM, BM, bars,
+                                       a_maps, a_slot, a16, k0 + PANEL * p, at * BM, BM, bars,
                                        slot)
                         tma_load_panel(smem, word0 + B_RING + slot * B_STAGE
-                                       + p * BN * ROW_WORDS, w_maps, w_slot, w16,
-                                       k0 + PANEL * p, nt * BN, BN, bars, slot)
+                                       + p * BN * ROW_WORDS, b_maps, b_slot, b16,
+                                       k0 + PANEL * p, bt * BN, BN, bars, slot)
                     k0 += BK
                     slot += 1
                     if slot == STAGES:
@@ -141,7 +143,7 @@ def _tma_kernel_for(cfg: MmaConfig):
             u += cuda.gridDim.x
 
     @inline_device_function
-    def consume(smem, tiles, bars, out, units, n_mtiles, n_ntiles, splits, kc_total, k_total,
+    def consume(smem, tiles, bars, out, units, a_tiles, b_tiles, splits, kc_total, k_total,
                 m_total, n_total, tid):
         acc = cuda.local.array(NACC, float32)
         total = cuda.local.array(NACC, float32)
@@ -153,7 +155,7 @@ def _tma_kernel_for(cfg: MmaConfig):
         phase = 0
         u = cuda.blockIdx.x
         while u < units:
-            mt, nt, s0 = unit_tile(u, n_mtiles, n_ntiles, splits)
+            at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
             for s in range(s0, s0 + per_unit):
                 k0, k_end = slice_bounds(s, splits, kc_total, k_total)
                 for i in range(NACC):
@@ -191,23 +193,28 @@ def _tma_kernel_for(cfg: MmaConfig):
                 for i in range(NACC):
                     acc[i] = total[i]
             row0, col0 = origin(warp, 0)
-            m0 = mt * BM + row0
-            n0 = nt * BN + col0
+            a0 = at * BM + row0
+            b0 = bt * BN + col0
             orow = 0 if FOLD else s0 * m_total
             for j in range(BN // 8):
                 for e in range(4):
                     r, c = _c_position(lane, e)
-                    row = m0 + r
-                    col = n0 + 8 * j + c
-                    if row < m_total and col < n_total:
-                        store_nowrap_2d(out, orow + row, col, acc[4 * j + e])
+                    a = a0 + r
+                    b = b0 + 8 * j + c
+                    if SWAP:        # acc holds y^T: a is a column of y, b a row
+                        if a < n_total and b < m_total:
+                            store_nowrap_2d(out, orow + b, a, acc[4 * j + e])
+                    elif a < m_total and b < n_total:
+                        store_nowrap_2d(out, orow + a, b, acc[4 * j + e])
             u += cuda.gridDim.x
 
     @kernel
     def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
-                       k_total, n_mtiles, n_ntiles, splits, kc_total):
+                       k_total, a_tiles, b_tiles, splits, kc_total):
         """out = x16 w16^T over this block's work units (the module docstring); x16's and
-        w16's tensor maps are rows ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``."""
+        w16's tensor maps are rows ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``;
+        ``a_tiles`` / ``b_tiles``: the A and B operands' row tiles (x's and the weights', or
+        swapped)."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         bars = cuda.shared.array(BARRIERS, uint64)
         tid = cuda.threadIdx.x
@@ -219,13 +226,18 @@ def _tma_kernel_for(cfg: MmaConfig):
         cuda.syncthreads()
         sbase = _shared_base(smem)
         tiles = (sbase + 511) & ~511       # the 64-byte swizzle's period, in absolute bytes
-        units = n_mtiles * n_ntiles * (1 if FOLD else splits)
+        units = a_tiles * b_tiles * (1 if FOLD else splits)
         if tid >= CONSUMERS:
-            if tid == CONSUMERS:
+            if tid != CONSUMERS:
+                return
+            if SWAP:
+                produce(smem, (tiles - sbase) >> 2, bars, w_maps, w_slot, x_maps, x_slot, w16,
+                        x16, units, a_tiles, b_tiles, splits, kc_total, k_total)
+            else:
                 produce(smem, (tiles - sbase) >> 2, bars, x_maps, x_slot, w_maps, w_slot, x16,
-                        w16, units, n_mtiles, n_ntiles, splits, kc_total, k_total)
+                        w16, units, a_tiles, b_tiles, splits, kc_total, k_total)
         else:
-            consume(smem, tiles, bars, out, units, n_mtiles, n_ntiles, splits, kc_total,
+            consume(smem, tiles, bars, out, units, a_tiles, b_tiles, splits, kc_total,
                     k_total, m_total, n_total, tid)
 
     return mma_tma_linear
@@ -262,15 +274,17 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, splits: int, stream=0, workspace=None)
     grid, block = launch_1d(m * k // 2, 256)
     _round_to_bf16_pairs[grid, block, stream](
         xd.reshape(m * k), buf.reshape(buf.shape[0] * k)[:m * k].view(np.uint32))
-    x_maps, x_slot = tensor_map(buf, cfg.bm, stream)
-    w_maps, w_slot = tensor_map(wd, cfg.bn, stream)
+    a_rows, b_rows = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # x's, w's box
+    x_maps, x_slot = tensor_map(buf, a_rows, stream)
+    w_maps, w_slot = tensor_map(wd, b_rows, stream)
     in_memory = splits > 1 and not cfg.slices_in_block
     target = y if not in_memory else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
-    n_mtiles, n_ntiles = -(-m // cfg.bm), -(-n // cfg.bn)
-    units = n_mtiles * n_ntiles * (splits if in_memory else 1)
+    a_tiles, b_tiles = ((-(-n // cfg.bm), -(-m // cfg.bn)) if cfg.swap_ab else
+                        (-(-m // cfg.bm), -(-n // cfg.bn)))
+    units = a_tiles * b_tiles * (splits if in_memory else 1)
     dispatcher = tma_kernel(cfg)
-    args = (buf, wd, target, x_maps, x_slot, w_maps, w_slot, m, n, k, n_mtiles, n_ntiles,
+    args = (buf, wd, target, x_maps, x_slot, w_maps, w_slot, m, n, k, a_tiles, b_tiles,
             splits, -(-k // SLICE_UNIT))
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
     dispatcher[min(units, _sm_count()), cfg.threads + 32, stream, cfg.smem_bytes](*args)
