@@ -82,6 +82,17 @@ def test_units_cover_every_tile_once_in_groups_of_m_tiles():
         assert seen[1][0] == min(1, n_mtiles - 1)
 
 
+def test_swapped_tiles_fit_shared_memory():
+    for m in (1, 9, 65, 80, 200, 256):
+        for wgs in (1, 2):
+            cfg = mma_tma.swapped_tile(m, wgs)
+            assert cfg.bn == 8 * -(-m // 8) and cfg.bm == 64 * wgs and cfg.swap_ab
+            assert 2 <= cfg.stages <= 8 and cfg.smem_bytes <= 227 * 1024
+    assert mma_tma.swapped_tile(65, 2).stages == 8
+    with pytest.raises(ValueError, match="rows"):
+        mma_tma.swapped_tile(257, 1)
+
+
 def test_tma_configs_are_checked():
     with pytest.raises(ValueError, match="tma"):
         dataclasses.replace(mma_tma.TMA_TILE, wgmma=False)
@@ -120,8 +131,7 @@ from kdtree_numba.layers import mma as mm, mma_tma
 u16, f2, u64 = T.uint16[:, ::1], T.float32[:, ::1], T.uint64[:, ::1]
 sig = (u16, u16, f2, u64, T.int64, u64, T.int64) + (T.int64,) * 7
 WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
-swapped = dataclasses.replace(mma_tma.TMA_TILE, wm=8, wn=1, tm=1, tn=9, stages=8,
-                              swap_ab=True)
+swapped = mma_tma.swapped_tile(65, 2)
 for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
             dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4), swapped,
             dataclasses.replace(swapped, slices_in_block=True)):
@@ -196,8 +206,7 @@ def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k):
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
     want = linear(x, w16, method="mma").copy_to_host()
     for wgs in (1, 2):
-        cfg = mm.MmaConfig(wm=4 * wgs, wn=1, tm=1, tn=-(-m // 8), stages=8, wgmma=True,
-                           tma=True, swap_ab=True, splits=mm.mma_splits(n, k))
+        cfg = mma_tma.swapped_tile(m, wgs, mm.mma_splits(n, k))
         for fold in (False, True) if cfg.splits > 1 else (False,):
             got = linear(x, w16, method="mma", config=dataclasses.replace(
                 cfg, slices_in_block=fold)).copy_to_host()

@@ -433,9 +433,9 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         if m <= 256:
             # the weights as wgmma's A operand, x's rows as its B (n = M rounded up to 8):
             # what cuBLAS does at a verify's rows (run 202: 64 x 72 tiles at M = 65)
+            from kdtree_numba.layers.mma_tma import swapped_tile
             for wgs in (1, 2):
-                swapped = dataclasses.replace(tma, wm=4 * wgs, wn=1, tm=1, tn=-(-m // 8),
-                                              stages=8, swap_ab=True)
+                swapped = swapped_tile(m, wgs, default.splits)
                 plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
