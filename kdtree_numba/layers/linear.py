@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtree_numba.layers.common import CHUNK, takes_tiled, sum_splits
+from kdtree_numba.layers.common import CHUNK, add_splits, takes_tiled
 from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
 from kdtree_numba.layers.skinny import (SkinnyConfig, skinny_config, skinny_linear_kernel,
                                         swiglu_config)
 from kdtree_numba.layers.tiled import TiledConfig, tiled_config, tiled_kernel
-from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight, launch_1d,
+from kdtree_numba.layers.workspace import (device_f32, device_weight, kernel_weight,
                                            load_kind_for, result_array, workspace_buffer)
 
 __all__ = ["linear", "skinny_swiglu", "swiglu_fuses", "mma_takes", "METHODS"]
@@ -138,8 +138,7 @@ def _linear_tiled(xd, wd, load_kind, y, cfg: TiledConfig, stream, workspace):
         return
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part.reshape(cfg.splits * m, n), m, n, k, n_mtiles, cfg.splits, kc)
-    grid, block = launch_1d(m * n, 256)
-    sum_splits[grid, block, stream](part, y)
+    add_splits(part, y, stream)
 
 
 def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace,
@@ -160,5 +159,4 @@ def _linear_skinny(xd, wd, load_kind, y, cfg: SkinnyConfig, stream, workspace,
         return
     part = workspace_buffer(workspace, "linear.part", (cfg.splits, m, n), np.float32, stream)
     launch(xd, wk, part, m, n, k8, n_mchunks, cfg.splits)
-    grid, block = launch_1d(m * n, 256)
-    sum_splits[grid, block, stream](part, y)
+    add_splits(part, y, stream)

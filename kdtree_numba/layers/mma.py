@@ -62,7 +62,7 @@ from kdtree_numba.gpu.memory import (allow_large_shared_memory, block_sync, cp_a
 from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, mma_bf16_m16n8k16,
                                          pack_bf16x2, wgmma_bf16, wgmma_commit, wgmma_fence,
                                          wgmma_wait_1, wgmma_wait_all)
-from kdtree_numba.layers.common import sum_splits
+from kdtree_numba.layers.common import add_splits
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (re-exported: the GEMM's plan)
     PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_config, mma_error_coefficient, mma_splits,
     mma_tile, unsliced_tile, wgmma_available)
@@ -683,8 +683,7 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
         return
     _launch(x16, wd, target, m, n, k, cfg, splits, stream)
     if in_memory:
-        grid, block = launch_1d(m * n, 256)
-        sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
+        add_splits(target.reshape(splits, m, n), y, stream)
 
 
 def mma_head_products(xd, heads, wd, w_head_rows, w_off, y, stream=0, workspace=None,

@@ -43,7 +43,7 @@ from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, w
 from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
                                   mbarrier_init_fence, mbarrier_wait, tensor_map,
                                   tensor_map_acquire, tma_load_panel)
-from kdtree_numba.layers.common import sum_splits
+from kdtree_numba.layers.common import add_splits
 from kdtree_numba.layers.mma import (_c_position, _round_to_bf16_pairs, _shared_base,
                                      _wgmma_descriptor, accumulator_origin)
 from kdtree_numba.layers.mma_plan import PANEL, SLICE_UNIT, MmaConfig
@@ -302,5 +302,4 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, splits: int, stream=0, workspace=None)
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
     dispatcher[min(units, _sm_count()), cfg.threads + 32, stream, cfg.smem_bytes](*args)
     if in_memory:
-        grid, block = launch_1d(m * n, 256)
-        sum_splits[grid, block, stream](target.reshape(splits, m, n), y)
+        add_splits(target.reshape(splits, m, n), y, stream)
