@@ -194,7 +194,7 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(7168, 2048), (2112, 7168), (12288, 1536)])
-@pytest.mark.parametrize("m", [9, 33, 65, 80, 200])
+@pytest.mark.parametrize("m", [1, 9, 33, 65, 80, 200])
 def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k):
     """The weights as wgmma's A operand and x as its B (``swap_ab``: y^T's tiles, n = M
     rounded up to 8): the default path's bits, one and two warpgroups, folded or not."""

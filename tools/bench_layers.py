@@ -418,6 +418,14 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
             plans.append(("wgmma 256 x 128 folded, 128 registers",
                           dataclasses.replace(wide, slices_in_block=True, max_registers=128)))
     from kdtree_numba.layers.mma_plan import wgmma_available
+    if wgmma_available() and m <= 256:
+        # the weights as wgmma's A operand, x's rows as its B (n = M rounded up to 8), TMA
+        # staging: what cuBLAS does at a verify's rows (run 202: 64 x 72 tiles at M = 65);
+        # at one row a tensor-core GEMV whose weights stream through an 8-stage ring
+        from kdtree_numba.layers.mma_tma import swapped_tile
+        for wgs in (1, 2):
+            swapped = swapped_tile(m, wgs, default.splits)
+            plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
     if m >= 65 and wgmma_available():
         # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
         # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
@@ -430,13 +438,6 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
             plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
                                                                       slices_in_block=True)))
         plans.append(("tma 128 x 256", dataclasses.replace(tma, tn=8, stages=4)))
-        if m <= 256:
-            # the weights as wgmma's A operand, x's rows as its B (n = M rounded up to 8):
-            # what cuBLAS does at a verify's rows (run 202: 64 x 72 tiles at M = 65)
-            from kdtree_numba.layers.mma_tma import swapped_tile
-            for wgs in (1, 2):
-                swapped = swapped_tile(m, wgs, default.splits)
-                plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:
