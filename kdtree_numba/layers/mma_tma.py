@@ -126,14 +126,19 @@ def _tma_kernel_for(cfg: MmaConfig):
         return SLICE_UNIT * u_begin, min(SLICE_UNIT * u_end, k_total)
 
     @inline_device_function
+    def next_slot(slot, phase):
+        """The ring position after (slot, phase): both roles walk the same stages."""
+        if slot + 1 == STAGES:
+            return 0, phase ^ 1
+        return slot + 1, phase
+
+    @inline_device_function
     def produce(smem, word0, bars, a_maps, a_slot, b_maps, b_slot, a16, b16, units, a_tiles,
                 b_tiles, splits, kc_total, k_total):
         tensor_map_acquire(a_maps, a_slot)
         tensor_map_acquire(b_maps, b_slot)
+        slot, phase, u = 0, 0, cuda.blockIdx.x
         per_unit = splits if FOLD else 1
-        slot = 0
-        phase = 0
-        u = cuda.blockIdx.x
         while u < units:
             at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
             for s in range(s0, s0 + per_unit):
@@ -149,10 +154,7 @@ def _tma_kernel_for(cfg: MmaConfig):
                                        + p * BN * ROW_WORDS, b_maps, b_slot, b16,
                                        k0 + PANEL * p, bt * BN, BN, bars, slot)
                     k0 += BK
-                    slot += 1
-                    if slot == STAGES:
-                        slot = 0
-                        phase ^= 1
+                    slot, phase = next_slot(slot, phase)
             u += cuda.gridDim.x
 
     @inline_device_function
@@ -192,10 +194,7 @@ def _tma_kernel_for(cfg: MmaConfig):
                         mbarrier_arrive(bars, STAGES + last)
                     last = slot
                     k0 += BK
-                    slot += 1
-                    if slot == STAGES:
-                        slot = 0
-                        phase ^= 1
+                    slot, phase = next_slot(slot, phase)
                 wgmma_wait_all()
                 if last >= 0 and lane == 0:
                     mbarrier_arrive(bars, STAGES + last)
