@@ -91,6 +91,10 @@ def test_a_blocks_grouping_is_the_sorted_entries(idx, top_k, n_experts, needs_ke
 def _run(moe_layers, monkeypatch, args, switch, **kw):
     """moe_ffn with the switch at ``switch``: (output, grouping launches, all launches)."""
     import launch_counter
+
+    from kdtree_numba import compat
+    if not compat.SIMULATOR:        # run 203: on the GPU it counted nothing
+        pytest.skip("the launch counter counts in the simulator only")
     monkeypatch.setenv("KDTREE_GROUP_IN_EXPERTS", switch)
     with launch_counter.installed() as counter, counter.window() as launches:
         out = host(moe_layers.moe_ffn(*args, **kw))

@@ -184,6 +184,12 @@ def _gpu_jobs():
     wgmma |= {mm.WGMMA_TILE, dataclasses.replace(mm.WGMMA_TILE, slices_in_block=True)}
     for cfg in sorted({dataclasses.replace(c, splits=1, sums_in_last=False)
                        for c in configs | wgmma}, key=str):
+        if cfg.tma:     # the TMA kernel's tiles (a verify's rows on sm_90)
+            from kdtree_numba.layers.mma_tma import tma_kernel
+            u64 = T.uint64[:, ::1]
+            jobs.append((tma_kernel(cfg), (h2, h2, f2, u64, i64, u64, i64) + (i64,) * 7,
+                         sm90a))
+            continue
         jobs.append((mm.mma_kernel(cfg), (h2, h2, f2) + (i64,) * 9,
                      sm90a if cfg.wgmma else sm90))
     for cfg in sorted({c for c in configs if c.sums_in_last}, key=str):   # a decode's sums

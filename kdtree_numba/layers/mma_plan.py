@@ -21,6 +21,7 @@ from kdtree_numba.layers.common import GPU_SMS
 __all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "WarpTiles", "MmaConfig", "WARP_TILE",
            "WGMMA_TILE",
            "wgmma_available", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
+           "swapped_tile", "SWAPPED_ROWS",
            "mma_error_coefficient"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
@@ -206,12 +207,36 @@ def unsliced_tile(m: int) -> MmaConfig:
 SUMS_IN_LAST_MAX_M = 1
 
 
+def swapped_tile(m: int, warpgroups: int, splits: int = 1) -> MmaConfig:
+    """The weights as wgmma's A operand (64 rows a warpgroup) and x's ``m`` rows as its B (n
+    = m rounded up to 8, at most 256): y^T's tiles, in as many stages (up to 8) as shared
+    memory holds."""
+    if not 1 <= m <= 256:
+        raise ValueError(f"swapped tiles take 1-256 rows of x, got {m}")
+    tn = -(-m // 8)
+    stage = 2 * (64 * warpgroups + 8 * tn) * 2 * PANEL
+    stages = min(8, (MAX_SHARED_BYTES - 1024) // stage)
+    return MmaConfig(wm=4 * warpgroups, wn=1, tm=1, tn=tn, stages=stages, wgmma=True,
+                     tma=True, swap_ab=True, splits=splits)
+
+
+# Rows whose products take :func:`swapped_tile` where wgmma runs: a verify's 65 (budget 64)
+# to 80, where mma_tile's 80-row mma.sync tile was 1.05-1.64x slower on every Kimi-K2 shape
+# (run 203, H100: 2048 -> 7168 31.5 -> 19.2 us) and the GPU tests found the same bits
+SWAPPED_ROWS = range(65, 81)
+
+
 def mma_config(m: int, n: int, k: int) -> MmaConfig:
     """The tile for an [m, k] x [n, k]^T product: :func:`mma_tile` with the K slices of
     :func:`mma_splits`, which does not look at m: a row's result is the same at every M
     (docs/LAYERS.md, "bf16 tensor-core linear"); the slices summed by their last block up to
-    :data:`SUMS_IN_LAST_MAX_M` rows."""
+    :data:`SUMS_IN_LAST_MAX_M` rows.  At :data:`SWAPPED_ROWS` on sm_90 the TMA kernel's
+    swapped tile (layers/mma_tma.py): two warpgroups of weight rows where the 128-row weight
+    tiles alone fill half the GPU (lm_head, the dense FFN's gate_up, q_b: faster so in run
+    203), else one."""
     splits = mma_splits(n, k)
+    if m in SWAPPED_ROWS and wgmma_available():
+        return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
     return dataclasses.replace(mma_tile(m), splits=splits,
                                sums_in_last=splits > 1 and m <= SUMS_IN_LAST_MAX_M)
 

@@ -37,7 +37,7 @@ import numpy as np
 from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import MAX_SHARED_BYTES, allow_large_shared_memory, store_nowrap_2d
+from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait_1, \
     wgmma_wait_all
 from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
@@ -46,7 +46,8 @@ from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_
 from kdtree_numba.layers.common import add_splits
 from kdtree_numba.layers.mma import (_c_position, _round_to_bf16_pairs, _shared_base,
                                      _wgmma_descriptor, accumulator_origin)
-from kdtree_numba.layers.mma_plan import PANEL, SLICE_UNIT, MmaConfig
+from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-exported)
+    PANEL, SLICE_UNIT, MmaConfig, swapped_tile)
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile"]
@@ -64,19 +65,6 @@ def tma_config(cfg: MmaConfig) -> MmaConfig:
     """``cfg`` (a linear's plan: its K slices and fold) on :data:`TMA_TILE`."""
     return dataclasses.replace(TMA_TILE, splits=cfg.splits,
                                slices_in_block=cfg.slices_in_block)
-
-
-def swapped_tile(m: int, warpgroups: int, splits: int = 1) -> MmaConfig:
-    """The weights as wgmma's A operand (64 rows a warpgroup) and x's ``m`` rows as its B (n
-    = m rounded up to 8, at most 256): y^T's tiles, in as many stages (up to 8) as shared
-    memory holds."""
-    if not 1 <= m <= 256:
-        raise ValueError(f"swapped tiles take 1-256 rows of x, got {m}")
-    tn = -(-m // 8)
-    stage = 2 * (64 * warpgroups + 8 * tn) * 2 * PANEL
-    stages = min(8, (MAX_SHARED_BYTES - 1024) // stage)
-    return MmaConfig(wm=4 * warpgroups, wn=1, tm=1, tn=tn, stages=stages, wgmma=True,
-                     tma=True, swap_ab=True, splits=splits)
 
 
 def tma_kernel(cfg: MmaConfig):
