@@ -120,24 +120,18 @@ def test_tma_configs_are_checked():
 
 
 def test_the_switch_sends_the_warpgroup_tile_to_tma(monkeypatch):
-    """``KDTREE_MMA_TMA`` reroutes mma_linear's warpgroup tile (its slices and fold kept) and
-    nothing else (the mma.sync tiles of a decode or a verify)."""
-    calls = []
-    monkeypatch.setattr(mma_tma, "tma_linear",
-                        lambda xd, wd, y, cfg, splits, *a: calls.append((cfg, splits)))
-
-    class Shaped:
-        def __init__(self, *shape):
-            self.shape = shape
-    cfg = dataclasses.replace(mm.WGMMA_TILE, splits=4)
+    """``KDTREE_MMA_TMA`` reroutes the warpgroup tile (its slices and fold kept) and nothing
+    else (the mma.sync tiles of a decode); a TMA tile runs as planned either way."""
+    wide = dataclasses.replace(mm.WGMMA_TILE, splits=4, slices_in_block=True)
+    decode = mm.mma_config(1, 7168, 2048)
     monkeypatch.setenv("KDTREE_MMA_TMA", "1")
-    mm.mma_linear(Shaped(512, 2048), Shaped(7168, 2048), None, cfg)
-    assert calls == [(dataclasses.replace(mma_tma.TMA_TILE, splits=4, slices_in_block=True),
-                      4)]
+    assert mma_tma.planned(wide) == dataclasses.replace(mma_tma.TMA_TILE, splits=4,
+                                                         slices_in_block=True)
+    assert mma_tma.planned(decode) is None
     monkeypatch.setenv("KDTREE_MMA_TMA", "0")
-    with pytest.raises(AttributeError):       # the cp.async kernel's path: on to the rounding
-        mm.mma_linear(Shaped(512, 2048), Shaped(7168, 2048), None, cfg)
-    assert len(calls) == 1
+    assert mma_tma.planned(wide) is None
+    swapped = mma_tma.swapped_tile(65, 1, 4)
+    assert mma_tma.planned(swapped) is swapped
 
 
 PTX_SCRIPT = HOPPER_PRELUDE + r"""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba.layers.common import CHUNK, add_splits, takes_tiled
+from kdtree_numba.layers import mma_tma
 from kdtree_numba.layers.mma import MmaConfig, mma_config, mma_linear
 from kdtree_numba.layers.skinny import (SkinnyConfig, skinny_config, skinny_linear_kernel,
                                         swiglu_config)
@@ -63,7 +64,11 @@ def linear(x, w, *, out=None, method: str = "auto", config=None, stream=0, works
         if not chosen:
             _check_mma(xd, wd, kind)
         cfg = config if isinstance(config, MmaConfig) else mma_config(m, n, k)
-        mma_linear(xd, wd, y, cfg, stream, workspace)
+        tma = mma_tma.planned(cfg)      # the TMA kernel's tiles (sm_90), else cp.async's
+        if tma is not None:
+            mma_tma.tma_linear(xd, wd, y, tma, stream, workspace)
+        else:
+            mma_linear(xd, wd, y, cfg, stream, workspace)
         return y
     if method == "tensor-cores":
         method = "skinny"

@@ -72,7 +72,8 @@ __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_t
            "mma_config", "mma_splits", "accumulator_origin",
            "mma_error_coefficient", "stage_compute", "ring_function", "ring_wait",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
-           "round_to_bf16", "mma_linear", "mma_head_products", "copy_chunk", "shared_base",
+           "round_to_bf16", "round_into", "mma_linear", "mma_head_products", "copy_chunk",
+           "shared_base", "fragment_position", "wgmma_operand", "folds_slices",
            "array_base", "ELEM", "WORD"]
 
 WORDS = PANEL // 2  # uint32 words of a panel row (64 bytes)
@@ -188,6 +189,8 @@ else:
 
 _w_stage_slot = inline_device_function(w_stage_slot)
 _c_position = inline_device_function(c_position)
+# c_position as a device function, for the TMA kernel's epilogue (layers/mma_tma.py)
+fragment_position = _c_position
 # the staging primitives, for the W4A16 kernel's own ring (layers/moe_int4_mma.py): on the GPU
 # copy_chunk moves any 16 bytes between the addresses; in the simulator 8 bf16
 copy_chunk, shared_base, array_base = _copy_chunk, _shared_base, _array_base
@@ -210,6 +213,8 @@ def wgmma_descriptor(address):
 
 
 _wgmma_descriptor = inline_device_function(wgmma_descriptor)
+# the descriptor as a device function, for the TMA kernel (layers/mma_tma.py)
+wgmma_operand = _wgmma_descriptor
 
 
 @functools.cache
@@ -606,10 +611,16 @@ def round_to_bf16(xd, workspace, name, stream=0):
     traffic, small beside the weights)."""
     m, k = xd.shape
     x16 = workspace_buffer(workspace, name, (m, k), np.uint16, stream)
-    pairs = x16.view(np.uint32).reshape(m * k // 2)
+    round_into(xd, x16, stream)
+    return x16
+
+
+def round_into(xd, x16, stream=0):
+    """x16[:M] = the bf16 bits of float32 xd [M, K] (x16 uint16 [>= M, K], C-contiguous)."""
+    m, k = xd.shape
+    pairs = x16.reshape(x16.shape[0] * k)[:m * k].view(np.uint32)
     grid, block = launch_1d(m * k // 2, 256)
     _round_to_bf16_pairs[grid, block, stream](xd.reshape(m * k), pairs)
-    return x16
 
 
 def _launch(x16, wd, target, m, n, k, cfg: MmaConfig, splits, stream, heads=1, w_head_rows=0,
@@ -661,14 +672,6 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
     in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
     in_memory = splits > 1 and not in_block
-    if cfg.tma or (runtime.current().mma_tma and dataclasses.replace(
-            cfg, splits=1, slices_in_block=False, sums_in_last=False) == WGMMA_TILE):
-        # the warpgroup tile staged by TMA (KDTREE_MMA_TMA): the same slices, fold and bits
-        from kdtree_numba.layers.mma_tma import tma_config, tma_linear
-        cfg = dataclasses.replace(cfg if cfg.tma else tma_config(cfg),
-                                  slices_in_block=in_block)
-        tma_linear(xd, wd, y, cfg, splits, stream, workspace)
-        return
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     # the last slice block sums where asked and the partial sums go through memory
     last = in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last)

@@ -34,6 +34,7 @@ import functools
 
 import numpy as np
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
@@ -44,13 +45,15 @@ from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_
                                   mbarrier_init_fence, mbarrier_wait, tensor_map,
                                   tensor_map_acquire, tma_load_panel)
 from kdtree_numba.layers.common import add_splits
-from kdtree_numba.layers.mma import (_c_position, _round_to_bf16_pairs, _shared_base,
-                                     _wgmma_descriptor, accumulator_origin)
+from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, folds_slices,
+                                     fragment_position, round_into, shared_base,
+                                     wgmma_operand)
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-exported)
     PANEL, SLICE_UNIT, MmaConfig, swapped_tile)
-from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
+from kdtree_numba.layers.workspace import workspace_buffer
 
-__all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile"]
+__all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
+           "planned"]
 
 # M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
 # M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
@@ -170,10 +173,10 @@ def _tma_kernel_for(cfg: MmaConfig):
                     for p in range(PANELS):
                         for step in range(2):
                             wgmma(acc, smem,
-                                  _wgmma_descriptor(a_rows + 4 * (slot * A_STAGE
+                                  wgmma_operand(a_rows + 4 * (slot * A_STAGE
                                                                   + p * BM * ROW_WORDS)
                                                     + 32 * step),
-                                  _wgmma_descriptor(tiles + 4 * (B_RING + slot * B_STAGE
+                                  wgmma_operand(tiles + 4 * (B_RING + slot * B_STAGE
                                                                  + p * BN * ROW_WORDS)
                                                     + 32 * step))
                     wgmma_commit()
@@ -198,7 +201,7 @@ def _tma_kernel_for(cfg: MmaConfig):
             orow = 0 if FOLD else s0 * m_total
             for j in range(BN // 8):
                 for e in range(4):
-                    r, c = _c_position(lane, e)
+                    r, c = fragment_position(lane, e)
                     a = a0 + r
                     b = b0 + 8 * j + c
                     if SWAP:        # acc holds y^T: a is a column of y, b a row
@@ -224,7 +227,7 @@ def _tma_kernel_for(cfg: MmaConfig):
                 mbarrier_init(bars, STAGES + b, CONSUMERS // 32)   # a consumer warp each
             mbarrier_init_fence()
         cuda.syncthreads()
-        sbase = _shared_base(smem)
+        sbase = shared_base(smem)
         tiles = (sbase + 511) & ~511       # the 64-byte swizzle's period, in absolute bytes
         units = a_tiles * b_tiles * (1 if FOLD else splits)
         if tid >= CONSUMERS:
@@ -266,14 +269,29 @@ def _sm_count() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-def tma_linear(xd, wd, y, cfg: MmaConfig, splits: int, stream=0, workspace=None):
-    """Launch: y [M, N] = bf16(xd [M, K]) wd^T on ``cfg`` (a ``tma`` tile) with ``splits`` K
-    slices, added in the block (``cfg.slices_in_block``) or by a sum launch."""
+def planned(cfg: MmaConfig):
+    """The TMA tile a linear planned on ``cfg`` runs (cfg itself when it is one; with
+    ``KDTREE_MMA_TMA`` the warpgroup tile's slices and fold on :data:`TMA_TILE`), or None:
+    layers/mma.py's cp.async kernels."""
+    if cfg.tma:
+        return cfg
+    if runtime.current().mma_tma and dataclasses.replace(
+            cfg, splits=1, slices_in_block=False, sums_in_last=False) == WGMMA_TILE:
+        return tma_config(cfg)
+    return None
+
+
+def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
+    """Launch: y [M, N] = bf16(xd [M, K]) wd^T on ``cfg`` (a ``tma`` tile): its K slices
+    (at most K's units) added in the block where mma.folds_slices says (or cfg asks), else
+    by a sum launch; the cp.async kernels' slices and order, so their bits."""
     (m, k), n = xd.shape, wd.shape[0]
+    splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
+    in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
+    if in_block != cfg.slices_in_block:
+        cfg = dataclasses.replace(cfg, slices_in_block=in_block)
     buf = _x_rows(m, k, stream)
-    grid, block = launch_1d(m * k // 2, 256)
-    _round_to_bf16_pairs[grid, block, stream](
-        xd.reshape(m * k), buf.reshape(buf.shape[0] * k)[:m * k].view(np.uint32))
+    round_into(xd, buf, stream)
     a_rows, b_rows = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # x's, w's box
     x_maps, x_slot = tensor_map(buf, a_rows, stream)
     w_maps, w_slot = tensor_map(wd, b_rows, stream)
