@@ -242,16 +242,17 @@ def test_simulated_sums_in_the_last_slice_block_keep_the_bits(m, n, k, splits, n
 
 def _wgmma_operand(smem, desc, rows):
     """The rows x 16 bf16 operand a wgmma reads through a shared-memory matrix descriptor, as
-    the PTX ISA defines it for K-major operands with the 64-byte swizzle (the only mode the
-    kernel uses): start address (bits 0-13) << 4, stride byte offset (bits 32-45) << 4
-    between groups of 8 rows, rows of a group 64 bytes apart, element k 2k bytes into its
-    row, then the swizzle on the absolute address: bits 4-5 ^= bits 7-8."""
+    the PTX ISA defines it for K-major operands with the 64- or 128-byte swizzle (mode 2 or
+    1 in bits 62-63): start address (bits 0-13) << 4, stride byte offset (bits 32-45) << 4
+    between groups of 8 rows, rows of a group 64 (128) bytes apart, element k 2k bytes into
+    its row, then the swizzle on the absolute address: bits 4-5 ^= bits 7-8 (bits 4-6 ^=
+    bits 7-9)."""
     desc = int(desc) & (1 << 64) - 1
-    assert desc >> 62 == 2, "64-byte swizzle"
+    width = {2: 64, 1: 128}[desc >> 62]     # 64- or 128-byte swizzle (the TMA kernel's too)
     start, sbo = (desc & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
     r, k = np.arange(rows)[:, None], np.arange(16)[None, :]
-    addr = start + (r // 8) * sbo + (r % 8) * 64 + 2 * k
-    addr ^= ((addr >> 7) & 3) << 4
+    addr = start + (r // 8) * sbo + (r % 8) * width + 2 * k
+    addr ^= ((addr >> 7) & (width // 16 - 1)) << 4
     words = np.asarray(smem).view(np.uint32)[addr // 4]
     halves = np.where(addr % 4 == 0, words & 0xFFFF, words >> 16).astype(np.uint32)
     return (halves << 16).view(np.float32).astype(np.float64)

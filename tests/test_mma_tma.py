@@ -40,6 +40,8 @@ def _simulated(monkeypatch):
     # of them, the slices added in the block
     (20, 72, 200, mm.MmaConfig(wm=4, wn=1, tm=1, tn=3, stages=3, wgmma=True, tma=True,
                                swap_ab=True, splits=2, slices_in_block=True)),
+    # the 128-byte swizzle (one 64-wide panel a stage, 4 k16 steps): the same bits
+    (40, 72, 200, dataclasses.replace(SMALL, splits=2, slices_in_block=True, swizzle=128)),
     # one slice, more units than blocks in both M and N, a 2-stage ring
     pytest.param(130, 40, 136, dataclasses.replace(SMALL, stages=2),
                  marks=pytest.mark.slow),
@@ -55,7 +57,7 @@ def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, nee
     plain = SMALL if cfg.swap_ab else cfg       # a tile the cp.async kernel can stage
     staged = linear(x, w16, method="mma", config=dataclasses.replace(
         plain, tma=False, stages=min(max(cfg.stages, 3), 4), splits=cfg.splits,
-        slices_in_block=cfg.slices_in_block)).copy_to_host()
+        slices_in_block=cfg.slices_in_block, swizzle=64)).copy_to_host()
     assert got.tobytes() == staged.tobytes()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
@@ -143,15 +145,16 @@ WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
 swapped = mma_tma.swapped_tile(65, 2)
 for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
             dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4), swapped,
-            dataclasses.replace(swapped, slices_in_block=True)):
+            dataclasses.replace(swapped, slices_in_block=True),
+            dataclasses.replace(mma_tma.TMA_TILE, swizzle=128)):
     ptx, _ = cuda.compile_ptx(mma_tma.tma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
     log = ptxas(ptx, arch="sm_90a")
     regs = int(re.findall(r"Used (\d+) registers", log)[0])
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))
     local = len(re.findall(r"(?:ld|st)\.local", ptx))
     print("tma kernel", cfg, "regs", regs, "spill", spill, "local", local, flush=True)
-    assert ptx.count(WGMMA % cfg.bn) == 2 * cfg.bk // 32, "a wgmma per panel and k16 step"
-    assert ptx.count("cp.async.bulk.tensor.2d") == 2 * cfg.bk // 32, "a box per operand, panel"
+    assert ptx.count(WGMMA % cfg.bn) == cfg.bk // 16, "a wgmma per k16 step"
+    assert ptx.count("cp.async.bulk.tensor.2d") == 2 * cfg.bk // (cfg.swizzle // 2), "a box per operand, panel"
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx
     assert "cp.async.cg" not in ptx and "ldmatrix" not in ptx and "bar.sync" in ptx
@@ -194,6 +197,13 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
     for _ in range(2):
         got = linear(x, w16, method="mma").copy_to_host()
         assert got.tobytes() == want.tobytes()
+    sw128 = dataclasses.replace(mma_tma.TMA_TILE, swizzle=128, splits=mm.mma_splits(n, k))
+    got = linear(x, w16, method="mma", config=sw128).copy_to_host()
+    assert got.tobytes() == want.tobytes(), "128-byte swizzle"
+    if m <= 256:
+        swapped = mma_tma.swapped_tile(m, 1, mm.mma_splits(n, k), swizzle=128)
+        got = linear(x, w16, method="mma", config=swapped).copy_to_host()
+        assert got.tobytes() == want.tobytes(), "swapped, 128-byte swizzle"
     wide = dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4,
                                splits=mm.mma_splits(n, k))
     if wide.splits == 1:      # BN = 256 takes no fold: the unsliced shapes only

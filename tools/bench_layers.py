@@ -426,6 +426,8 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         for wgs in (1, 2):
             swapped = swapped_tile(m, wgs, default.splits)
             plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
+            plans.append((f"tma swapped {64 * wgs} x {swapped.bn}, 128-byte swizzle",
+                          dataclasses.replace(swapped, swizzle=128)))
     if m >= 65 and wgmma_available():
         # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
         # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
@@ -434,6 +436,9 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         from kdtree_numba.layers.mma_tma import TMA_TILE
         tma = dataclasses.replace(TMA_TILE, splits=default.splits)
         plans.append(("tma 128 x 128", tma))
+        # 64-wide panels in the 128-byte swizzle (one panel a stage): the same k16 steps
+        plans.append(("tma 128 x 128, 128-byte swizzle", dataclasses.replace(tma,
+                                                                             swizzle=128)))
         if default.splits > 1:
             plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
                                                                       slices_in_block=True)))

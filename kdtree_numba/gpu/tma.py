@@ -18,11 +18,12 @@ once and the barriers are condition variables):
 * ``mbarrier_wait(bars, i, parity)``: until the phase of that parity has completed (a fresh
   barrier is in phase 0, so waiting for parity 1 returns at once: the idiom of a ring whose
   producer first finds every slot free).
-* ``tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i)``: the box of
-  ``rows`` rows x :data:`PANEL_ELEMS` bf16 at (row, col) of the 2-D tensor that tensor map
-  ``maps[slot]`` describes -> words ``smem[word:]`` in the 64-byte swizzle (the layout of
-  layers/mma.py's panels: 16-byte chunk c of row r at c ^ ((r >> 1) & 3)), its bytes
-  reported to barrier i.  ``src`` is that tensor (only the simulator reads it).
+* ``tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i, width)``: the box of
+  ``rows`` rows x ``width`` bf16 (32: :data:`PANEL_ELEMS`, or 64) at (row, col) of the 2-D
+  tensor that tensor map ``maps[slot]`` describes -> words ``smem[word:]`` in the 2 width-byte
+  swizzle (at 64 bytes the layout of layers/mma.py's panels: 16-byte chunk c of row r at
+  c ^ ((r >> 1) & 3); at 128, c ^ (r % 8)), its bytes reported to barrier i.  ``src`` is
+  that tensor (only the simulator reads it).
 * ``tensor_map_acquire(maps, slot)``: orders the map's bytes, written by an earlier kernel,
   before this thread's copies read it (once per thread that issues copies).
 
@@ -126,19 +127,21 @@ if SIMULATOR:
     def tensor_map_acquire(maps, slot):
         pass
 
-    def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i):
+    def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i, width):
         """The copy at once, then its bytes to the barrier: rows past src's rows and columns
-        past its K read as zeros, as the hardware's out-of-bounds fill does."""
+        past its K read as zeros, as the hardware's out-of-bounds fill does; 16-byte chunk c
+        of row r (2 width bytes) at c XOR the row's address bits 7 and up."""
         n_rows, k = src.shape
+        chunks = width // 8
         for r in range(rows):
-            for c in range(PANEL_ELEMS // 8):
-                at = word + r * (PANEL_ELEMS // 2) + 4 * (c ^ ((r >> 1) & 3))
+            for c in range(chunks):
+                at = word + r * (width // 2) + 4 * (c ^ ((2 * width * r >> 7) & (chunks - 1)))
                 for j in range(4):
                     kk = col + 8 * c + 2 * j
                     lo = int(src[row + r, kk]) if row + r < n_rows and kk < k else 0
                     hi = int(src[row + r, kk + 1]) if row + r < n_rows and kk + 1 < k else 0
                     smem[at + j] = np.uint32(lo | (hi << 16))
-        _barrier(bars, i).complete_tx(rows * 2 * PANEL_ELEMS)
+        _barrier(bars, i).complete_tx(rows * 2 * width)
 else:
     from llvmlite import ir
     from numba import types
@@ -256,7 +259,7 @@ else:
         _tensormap_acquire(_generic_address(maps, (slot, 0)))
 
     @inline_device_function
-    def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i):
+    def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i, width):
         _tma_load_2d(shared_address(smem, word), _generic_address(maps, (slot, 0)), col, row,
                      shared_address(bars, i))
 
@@ -324,40 +327,43 @@ def _capturing(stream) -> bool:
     return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-def _encode(address: int, rows: int, k: int, box_rows: int) -> list:
+def _encode(address: int, rows: int, k: int, box_rows: int, swizzle: int) -> list:
     """The driver's 128-byte map of a [rows, k] bf16 tensor at ``address``, boxes of
-    box_rows x PANEL_ELEMS in the 64-byte swizzle, out-of-bounds elements read as zeros."""
+    box_rows x swizzle / 2 in the 64- or 128-byte swizzle, out-of-bounds elements read as
+    zeros."""
     from cuda.bindings import driver as d
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     err, tmap = d.cuTensorMapEncodeTiled(
         d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
-        [u64(k), u64(rows)], [u64(2 * k)], [u32(PANEL_ELEMS), u32(box_rows)], [u32(1), u32(1)],
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        [u64(k), u64(rows)], [u64(2 * k)], [u32(swizzle // 2), u32(box_rows)],
+        [u32(1), u32(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle == 128 else
         d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != d.CUresult.CUDA_SUCCESS:
         raise TensorMapError(f"cuTensorMapEncodeTiled refused a [{rows}, {k}] bf16 tensor at "
-                             f"{address:#x} with boxes of {box_rows} x {PANEL_ELEMS}: {err}")
+                             f"{address:#x} with boxes of {box_rows} x {swizzle // 2}: {err}")
     return [int(w) for w in tmap.opaque]
 
 
-def tensor_map(array, box_rows: int, stream=0):
+def tensor_map(array, box_rows: int, stream=0, swizzle: int = 64):
     """(maps, slot): the device pool array holding, at row ``slot``, the tensor map of the
     C-contiguous 2-D uint16 (bf16 bits) device ``array`` for boxes of ``box_rows`` rows x
-    :data:`PANEL_ELEMS` (the module docstring).  Under the simulator a zeroed placeholder
-    (its copies read ``array`` itself)."""
+    ``swizzle`` bytes (64: :data:`PANEL_ELEMS` bf16; or 128), in that swizzle (the module
+    docstring).  Under the simulator a zeroed placeholder (its copies read ``array``)."""
     rows, k = (int(v) for v in array.shape)
-    if np.dtype(array.dtype) != np.uint16 or not 1 <= box_rows <= 256:
-        raise ValueError(f"a tensor map takes uint16 bf16 bits and boxes of 1-256 rows, got "
-                         f"{array.dtype} and {box_rows}")
+    if np.dtype(array.dtype) != np.uint16 or not 1 <= box_rows <= 256 or swizzle not in (64,
+                                                                                         128):
+        raise ValueError(f"a tensor map takes uint16 bf16 bits, boxes of 1-256 rows and a "
+                         f"64- or 128-byte swizzle, got {array.dtype}, {box_rows}, {swizzle}")
     if k % 8:
         raise ValueError(f"a tensor map's rows must be a multiple of 16 bytes, got K = {k}")
     from kdtree_numba.gpu.memory import device_address
     address = device_address(array)
-    key = (address, rows, k, box_rows)
+    key = (address, rows, k, box_rows, swizzle)
     context = 0 if SIMULATOR else id(cuda.current_context())
     pool = _POOLS.setdefault(context, _MapPool())
     if SIMULATOR:
         return pool.get(key, lambda: [0] * _MAP_WORDS, stream)
-    return pool.get(key, lambda: _encode(address, rows, k, box_rows), stream)
+    return pool.get(key, lambda: _encode(address, rows, k, box_rows, swizzle), stream)

@@ -60,7 +60,9 @@ class MmaConfig(WarpTiles):
     (layers/mma_tma.py; the same bits; rings of up to 8 stages).  ``swap_ab``: with tma, the
     weights as wgmma's A operand (BM weight rows a tile) and x as its B (BN rows of x, any
     multiple of 8 up to 256): y^T's tiles, so a verify's 65 rows take an n = 72 wgmma
-    rather than two warpgroups of 64 rows.
+    rather than two warpgroups of 64 rows.  ``swizzle``: the panels' width in bytes, 64 (32
+    bf16, the cp.async kernels' layout) or with tma 128 (64 bf16 a row, the 128-byte swizzle);
+    the same k16 steps in the same order either way, so the same bits.
     ``slices_in_block``: each block runs all ``splits`` K slices itself, each from zero, and
     adds them in slice order (sum_splits' sum, bitwise) before writing y: no partial sums in
     memory, set by the launcher where the M x N tiles alone fill the GPU.  ``sums_in_last``:
@@ -80,6 +82,7 @@ class MmaConfig(WarpTiles):
     sums_in_last: bool = False
     tma: bool = False
     swap_ab: bool = False
+    swizzle: int = 64
 
     @property
     def stage_bytes(self) -> int:
@@ -89,7 +92,9 @@ class MmaConfig(WarpTiles):
     def smem_bytes(self) -> int:
         # wgmma: + 512 bytes to align the tiles to the 64-byte swizzle's 512-byte period,
         # which the tensor cores apply to absolute shared addresses
-        return self.stages * self.stage_bytes + (512 if self.wgmma else 0)
+        # (1024 for the 128-byte swizzle's period: a TMA tile's ``swizzle``)
+        return self.stages * self.stage_bytes + (
+            (1024 if self.swizzle == 128 else 512) if self.wgmma else 0)
 
     @property
     def x_chunks(self) -> int:
@@ -114,7 +119,8 @@ class MmaConfig(WarpTiles):
                 or self.sums_in_last and self.slices_in_block
                 or self.tma and (not self.wgmma or self.sums_in_last or self.bk != 2 * PANEL
                                  or self.slices_in_block and self.bn > 128)
-                or self.swap_ab and not self.tma):
+                or self.swap_ab and not self.tma
+                or self.swizzle not in ((64, 128) if self.tma else (64,))):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "
                              f"thread, each thread's vectors at one column of a stage; wgmma: "
@@ -122,7 +128,7 @@ class MmaConfig(WarpTiles):
                              f"the K slices summed in the block or by the last, not both; "
                              f"tma: wgmma, stages of 64, up to 8 of them, no last-block "
                              f"sums, a fold only up to BN = 128 (two accumulator sets); "
-                             f"swap_ab: tma only")
+                             f"swap_ab: tma only; swizzle 64, or 128 with tma")
 
     @property
     def frag_tiles(self) -> tuple:
@@ -207,7 +213,7 @@ def unsliced_tile(m: int) -> MmaConfig:
 SUMS_IN_LAST_MAX_M = 1
 
 
-def swapped_tile(m: int, warpgroups: int, splits: int = 1) -> MmaConfig:
+def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 64) -> MmaConfig:
     """The weights as wgmma's A operand (64 rows a warpgroup) and x's ``m`` rows as its B (n
     = m rounded up to 8, at most 256): y^T's tiles, in as many stages (up to 8) as shared
     memory holds."""
@@ -217,7 +223,7 @@ def swapped_tile(m: int, warpgroups: int, splits: int = 1) -> MmaConfig:
     stage = 2 * (64 * warpgroups + 8 * tn) * 2 * PANEL
     stages = min(8, (MAX_SHARED_BYTES - 1024) // stage)
     return MmaConfig(wm=4 * warpgroups, wn=1, tm=1, tn=tn, stages=stages, wgmma=True,
-                     tma=True, swap_ab=True, splits=splits)
+                     tma=True, swap_ab=True, splits=splits, swizzle=swizzle)
 
 
 # Rows whose products take :func:`swapped_tile` where wgmma runs: a verify's 65 (budget 64)

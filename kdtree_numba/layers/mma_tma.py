@@ -49,11 +49,11 @@ from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, folds_slice
                                      fragment_position, round_into, shared_base,
                                      wgmma_operand)
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-exported)
-    PANEL, SLICE_UNIT, MmaConfig, swapped_tile)
+    SLICE_UNIT, MmaConfig, swapped_tile)
 from kdtree_numba.layers.workspace import workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
-           "planned"]
+           "planned", "wgmma_descriptor_128"]
 
 # M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
 # M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
@@ -75,14 +75,33 @@ def tma_kernel(cfg: MmaConfig):
     return _tma_kernel_for(dataclasses.replace(cfg, splits=1))
 
 
+# A wgmma descriptor's fixed fields for 128-byte-swizzled K-major panels (PTX ISA, "Matrix
+# Descriptor"): leading byte offset 1 (unused), stride byte offset 1024 >> 4 (8 rows of 128
+# bytes to the next 8), swizzle mode 1 (128 bytes) in bits 62-63; the address >> 4 in 0-13
+_DESC_128 = int(np.uint64((1 << 16) | ((1024 >> 4) << 32) | (1 << 62)).view(np.int64))
+
+
+def wgmma_descriptor_128(address):
+    """The descriptor of a K-major bf16 operand in 128-byte rows, 128-byte swizzled (16-byte
+    chunk c of row r at c ^ (r % 8)), from shared byte ``address``."""
+    return _DESC_128 | ((address & 0x3FFFF) >> 4)
+
+
+wgmma_operand_128 = inline_device_function(wgmma_descriptor_128)
+
+
 @kernel_factory
 def _tma_kernel_for(cfg: MmaConfig):
     from numba import float32, uint32, uint64
 
     BM, BN, BK, STAGES = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     CONSUMERS = cfg.threads                       # the warpgroups' threads; the producer next
-    PANELS = BK // PANEL
-    ROW_WORDS = PANEL // 2                        # uint32 words of a 64-byte panel row
+    WIDTH = cfg.swizzle // 2                      # bf16 a panel row: 32 or 64
+    PANELS = BK // WIDTH
+    STEPS = WIDTH // 16                           # k16 steps a panel
+    ROW_WORDS = WIDTH // 2                        # uint32 words of a panel row
+    ALIGN_BYTES = 1024 if cfg.swizzle == 128 else 512     # the swizzle's period
+    describe = wgmma_operand if cfg.swizzle == 64 else wgmma_operand_128
     A_STAGE, B_STAGE = BM * BK // 2, BN * BK // 2  # words of a stage's x and weight tiles
     B_RING = STAGES * A_STAGE                     # the weight ring after the x ring
     STAGE_BYTES = 2 * (BM + BN) * BK
@@ -139,11 +158,11 @@ def _tma_kernel_for(cfg: MmaConfig):
                     mbarrier_expect_tx(bars, slot, STAGE_BYTES)
                     for p in range(PANELS):
                         tma_load_panel(smem, word0 + slot * A_STAGE + p * BM * ROW_WORDS,
-                                       a_maps, a_slot, a16, k0 + PANEL * p, at * BM, BM, bars,
-                                       slot)
+                                       a_maps, a_slot, a16, k0 + WIDTH * p, at * BM, BM,
+                                       bars, slot, WIDTH)
                         tma_load_panel(smem, word0 + B_RING + slot * B_STAGE
                                        + p * BN * ROW_WORDS, b_maps, b_slot, b16,
-                                       k0 + PANEL * p, bt * BN, BN, bars, slot)
+                                       k0 + WIDTH * p, bt * BN, BN, bars, slot, WIDTH)
                     k0 += BK
                     slot, phase = next_slot(slot, phase)
             u += cuda.gridDim.x
@@ -155,7 +174,7 @@ def _tma_kernel_for(cfg: MmaConfig):
         total = cuda.local.array(NACC, float32)
         lane = tid & 31
         warp = tid >> 5
-        a_rows = tiles + (tid >> 7) * (64 * 2 * PANEL)      # the warpgroup's 64 rows
+        a_rows = tiles + (tid >> 7) * (64 * 4 * ROW_WORDS)    # the warpgroup's 64 rows
         per_unit = splits if FOLD else 1
         slot = 0
         phase = 0
@@ -171,14 +190,12 @@ def _tma_kernel_for(cfg: MmaConfig):
                     mbarrier_wait(bars, slot, phase)                 # the stage has landed
                     wgmma_fence()
                     for p in range(PANELS):
-                        for step in range(2):
+                        for step in range(STEPS):
                             wgmma(acc, smem,
-                                  wgmma_operand(a_rows + 4 * (slot * A_STAGE
-                                                                  + p * BM * ROW_WORDS)
-                                                    + 32 * step),
-                                  wgmma_operand(tiles + 4 * (B_RING + slot * B_STAGE
-                                                                 + p * BN * ROW_WORDS)
-                                                    + 32 * step))
+                                  describe(a_rows + 4 * (slot * A_STAGE + p * BM * ROW_WORDS)
+                                           + 32 * step),
+                                  describe(tiles + 4 * (B_RING + slot * B_STAGE
+                                                        + p * BN * ROW_WORDS) + 32 * step))
                     wgmma_commit()
                     wgmma_wait_1()              # the stage before is multiplied: free it
                     if last >= 0 and lane == 0:
@@ -228,7 +245,8 @@ def _tma_kernel_for(cfg: MmaConfig):
             mbarrier_init_fence()
         cuda.syncthreads()
         sbase = shared_base(smem)
-        tiles = (sbase + 511) & ~511       # the 64-byte swizzle's period, in absolute bytes
+        # the tiles at the swizzle's period, which TMA and wgmma apply to absolute addresses
+        tiles = (sbase + ALIGN_BYTES - 1) & ~(ALIGN_BYTES - 1)
         units = a_tiles * b_tiles * (1 if FOLD else splits)
         if tid >= CONSUMERS:
             if tid != CONSUMERS:
@@ -293,8 +311,8 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     buf = _x_rows(m, k, stream)
     round_into(xd, buf, stream)
     a_rows, b_rows = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # x's, w's box
-    x_maps, x_slot = tensor_map(buf, a_rows, stream)
-    w_maps, w_slot = tensor_map(wd, b_rows, stream)
+    x_maps, x_slot = tensor_map(buf, a_rows, stream, cfg.swizzle)
+    w_maps, w_slot = tensor_map(wd, b_rows, stream, cfg.swizzle)
     in_memory = splits > 1 and not cfg.slices_in_block
     target = y if not in_memory else workspace_buffer(
         workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
