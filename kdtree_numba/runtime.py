@@ -83,8 +83,8 @@ Two kinds of switch:
   each output tile's last slice block at every M (``KDTREE_MMA_SUMS_IN_LAST=1``; the default
   at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits), the
   bf16 GEMM past 80 rows staged by TMA with a producer warp over a persistent grid
-  (``KDTREE_MMA_TMA=1``, off until timed on the GPU; the same bits:
-  kdtree_numba/layers/mma_tma.py),
+  (``KDTREE_MMA_TMA=0`` turns it off: the cp.async warpgroup kernel; the default since run
+  204, 1.3-1.5x faster at M = 512; the same bits: kdtree_numba/layers/mma_tma.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -277,8 +277,9 @@ class RuntimeConfig:
     # launch (issue 38; mma_config does it at one row, where it is faster: runs 200-201)
     mma_sums_in_last: bool = False
     # the bf16 GEMM past 80 rows on TMA: a producer warp, two consumer warpgroups, a persistent
-    # grid (issue 38; the same bits; off until timed on the GPU: kdtree_numba/layers/mma_tma.py)
-    mma_tma: bool = False
+    # grid, 128-byte-swizzled panels (issue 38; the same bits; 1.3-1.5x the cp.async kernel at
+    # M = 512 on every Kimi-K2 product, run 204: kdtree_numba/layers/mma_tma.py)
+    mma_tma: bool = True
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -331,7 +332,7 @@ class RuntimeConfig:
                    group_in_experts=_flag(env, "KDTREE_GROUP_IN_EXPERTS", False),
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
-                   mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
+                   mma_tma=_flag(env, "KDTREE_MMA_TMA", True),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -146,7 +146,7 @@ swapped = mma_tma.swapped_tile(65, 2)
 for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
             dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4), swapped,
             dataclasses.replace(swapped, slices_in_block=True),
-            dataclasses.replace(mma_tma.TMA_TILE, swizzle=128)):
+            dataclasses.replace(mma_tma.TMA_TILE, swizzle=64)):
     ptx, _ = cuda.compile_ptx(mma_tma.tma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
     log = ptxas(ptx, arch="sm_90a")
     regs = int(re.findall(r"Used (\d+) registers", log)[0])
@@ -182,7 +182,7 @@ def test_tma_kernels_compile_to_hopper_ptx():
 @pytest.mark.parametrize("m, n, k", [(100, 1000, 768), (512, 7168, 2048), (200, 2112, 7168),
                                      (4096, 1536, 7168), (129, 12288, 1536), (81, 200, 72)])
 def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
-    """``KDTREE_MMA_TMA=1`` gives the cp.async kernel's bits (the same panels, slices, fold
+    """``KDTREE_MMA_TMA`` (on) gives the cp.async kernel's bits (the same panels, slices, fold
     and order) on the real TMA and wgmma: ragged edges, sliced and unsliced Kimi-K2 shapes,
     folded (M = 512, 4096) and through memory (M = 100-200), and again on a second call (the
     kept x buffer and tensor maps)."""
@@ -192,18 +192,20 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
     rng = np.random.default_rng(m + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")             # the cp.async kernels' bits
     want = linear(x, w16, method="mma").copy_to_host()
     monkeypatch.setenv("KDTREE_MMA_TMA", "1")
     for _ in range(2):
         got = linear(x, w16, method="mma").copy_to_host()
         assert got.tobytes() == want.tobytes()
-    sw128 = dataclasses.replace(mma_tma.TMA_TILE, swizzle=128, splits=mm.mma_splits(n, k))
-    got = linear(x, w16, method="mma", config=sw128).copy_to_host()
-    assert got.tobytes() == want.tobytes(), "128-byte swizzle"
+    sw64 = dataclasses.replace(mma_tma.TMA_TILE, swizzle=64, splits=mm.mma_splits(n, k))
+    got = linear(x, w16, method="mma", config=sw64).copy_to_host()
+    assert got.tobytes() == want.tobytes(), "64-byte swizzle"
     if m <= 256:
-        swapped = mma_tma.swapped_tile(m, 1, mm.mma_splits(n, k), swizzle=128)
-        got = linear(x, w16, method="mma", config=swapped).copy_to_host()
-        assert got.tobytes() == want.tobytes(), "swapped, 128-byte swizzle"
+        for swizzle in (64, 128):
+            swapped = mma_tma.swapped_tile(m, 1, mm.mma_splits(n, k), swizzle=swizzle)
+            got = linear(x, w16, method="mma", config=swapped).copy_to_host()
+            assert got.tobytes() == want.tobytes(), ("swapped", swizzle)
     wide = dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4,
                                splits=mm.mma_splits(n, k))
     if wide.splits == 1:      # BN = 256 takes no fold: the unsliced shapes only
@@ -248,6 +250,7 @@ def test_gpu_tma_linear_under_graph_replay(monkeypatch):
     x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float32))
     w_eager, w_graph = (cupy.asarray(bf16_bits(rng.standard_normal((n, k)).astype(np.float32)))
                         for _ in range(2))
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")
     want = cupy.asnumpy(cupy.asarray(linear(x, w_graph, method="mma")))
     monkeypatch.setenv("KDTREE_MMA_TMA", "1")
     linear(x, w_eager, method="mma")          # x's kept buffer and the maps' pool, eagerly

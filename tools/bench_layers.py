@@ -393,14 +393,14 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
     roof, bound = (t_mem, "hbm") if t_mem >= t_tc else (t_tc, "tensor")
     default = layers.mma_config(m, n, k)
     plans = [("default", default)]
-    if default.splits > 1 and m > 1:
+    if default.splits > 1 and m > 1 and not default.tma:
         # the K slices added in the block whatever the tiles (mma_linear folds them only for
         # warpgroup tiles from FOLD_MIN_TILES M x N tiles; below, and on mma.sync's tiles up
         # to 80 rows, they go through memory: at M = 65 the 80-row tile folded takes 255
         # registers, 72 bytes spilled, ptxas)
         plans.append(("slices in block", dataclasses.replace(default, slices_in_block=True,
                                                              sums_in_last=False)))
-    if default.splits > 1:
+    if default.splits > 1 and not default.tma:
         # the partial sums added by each tile's last slice block (the default up to
         # SUMS_IN_LAST_MAX_M rows), or by a sum launch (the default past them); where
         # mma_linear folds the slices neither changes anything
@@ -426,8 +426,8 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         for wgs in (1, 2):
             swapped = swapped_tile(m, wgs, default.splits)
             plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
-            plans.append((f"tma swapped {64 * wgs} x {swapped.bn}, 128-byte swizzle",
-                          dataclasses.replace(swapped, swizzle=128)))
+            plans.append((f"tma swapped {64 * wgs} x {swapped.bn}, 64-byte swizzle",
+                          dataclasses.replace(swapped, swizzle=64)))
     if m >= 65 and wgmma_available():
         # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
         # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
@@ -436,9 +436,12 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         from kdtree_numba.layers.mma_tma import TMA_TILE
         tma = dataclasses.replace(TMA_TILE, splits=default.splits)
         plans.append(("tma 128 x 128", tma))
-        # 64-wide panels in the 128-byte swizzle (one panel a stage): the same k16 steps
-        plans.append(("tma 128 x 128, 128-byte swizzle", dataclasses.replace(tma,
-                                                                             swizzle=128)))
+        # 32-wide panels in the 64-byte swizzle (the cp.async kernel's): 1.4-1.5x slower at
+        # M = 512 on the large products (run 204)
+        plans.append(("tma 128 x 128, 64-byte swizzle", dataclasses.replace(tma, swizzle=64)))
+    if default.wgmma and not default.tma and m > 80:
+        plans.append(("cp.async wgmma 128 x 128", dataclasses.replace(
+            default, tma=False, swizzle=64)))
         if default.splits > 1:
             plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
                                                                       slices_in_block=True)))

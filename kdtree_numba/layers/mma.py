@@ -64,8 +64,8 @@ from kdtree_numba.gpu.tensorcore import (WGMMA_SWIZZLE_64B, fence_proxy_async, m
                                          wgmma_wait_1, wgmma_wait_all)
 from kdtree_numba.layers.common import add_splits
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (re-exported: the GEMM's plan)
-    PANEL, SLICE_UNIT, WGMMA_TILE, MmaConfig, mma_config, mma_error_coefficient, mma_splits,
-    mma_tile, unsliced_tile, wgmma_available)
+    PANEL, SLICE_UNIT, SWAPPED_ROWS, WGMMA_TILE, MmaConfig, mma_config, mma_error_coefficient,
+    mma_splits, mma_tile, unsliced_tile, wgmma_available)
 from kdtree_numba.layers.workspace import launch_1d, workspace_buffer
 
 __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_tile",

@@ -213,7 +213,7 @@ def unsliced_tile(m: int) -> MmaConfig:
 SUMS_IN_LAST_MAX_M = 1
 
 
-def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 64) -> MmaConfig:
+def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 128) -> MmaConfig:
     """The weights as wgmma's A operand (64 rows a warpgroup) and x's ``m`` rows as its B (n
     = m rounded up to 8, at most 256): y^T's tiles, in as many stages (up to 8) as shared
     memory holds."""
