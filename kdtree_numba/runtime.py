@@ -83,8 +83,9 @@ Two kinds of switch:
   each output tile's last slice block at every M (``KDTREE_MMA_SUMS_IN_LAST=1``; the default
   at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits), the
   bf16 GEMM past 80 rows staged by TMA with a producer warp over a persistent grid
-  (``KDTREE_MMA_TMA=0`` turns it off: the cp.async warpgroup kernel; the default since run
-  204, 1.3-1.5x faster at M = 512; the same bits: kdtree_numba/layers/mma_tma.py),
+  and its swapped tile at a verify's 65-80 rows and a decode's sliced products
+  (``KDTREE_MMA_TMA=0`` turns them off: the cp.async kernels; the default since runs
+  203-204, 1.3-1.5x faster at M = 512; the same bits: kdtree_numba/layers/mma_tma.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the

@@ -95,9 +95,10 @@ def test_swapped_tiles_fit_shared_memory():
         mma_tma.swapped_tile(257, 1)
 
 
-def test_a_verifys_rows_take_the_swapped_tile_on_sm90(monkeypatch):
+def test_a_verifys_rows_and_a_decodes_sliced_products_take_the_swapped_tile(monkeypatch):
     """mma_config at 65-80 rows where wgmma runs: the swapped TMA tile, two warpgroups of
-    weight rows where the 128-row weight tiles fill half the GPU; elsewhere unchanged."""
+    weight rows where the 128-row weight tiles fill half the GPU; at one row for the sliced
+    products; elsewhere unchanged."""
     from kdtree_numba.layers import mma_plan
     monkeypatch.setattr(mma_plan, "wgmma_available", lambda: True)
     lm = mma_plan.mma_config(65, 163840, 7168)
@@ -106,6 +107,14 @@ def test_a_verifys_rows_take_the_swapped_tile_on_sm90(monkeypatch):
     assert down == mma_tma.swapped_tile(80, 1, 4) and down.bm == 64
     assert not mma_plan.mma_config(64, 7168, 2048).tma
     assert not mma_plan.mma_config(81, 7168, 2048).tma
+    # a decode: the sliced products swapped (n = 8), the unsliced ones on the 16-row tile
+    assert mma_plan.mma_config(1, 7168, 2048) == mma_tma.swapped_tile(1, 1, 4)
+    assert not mma_plan.mma_config(1, 163840, 7168).tma
+    assert not mma_plan.mma_config(2, 7168, 2048).tma
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")             # the switch: cp.async's tiles
+    assert not mma_plan.mma_config(65, 163840, 7168).tma
+    assert not mma_plan.mma_config(1, 7168, 2048).tma
+    monkeypatch.delenv("KDTREE_MMA_TMA")
     monkeypatch.setattr(mma_plan, "wgmma_available", lambda: False)
     assert not mma_plan.mma_config(65, 163840, 7168).tma
 
@@ -216,7 +225,7 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(7168, 2048), (2112, 7168), (12288, 1536)])
 @pytest.mark.parametrize("m", [1, 9, 33, 65, 80, 200])
-def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k):
+def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k, monkeypatch):
     """The weights as wgmma's A operand and x as its B (``swap_ab``: y^T's tiles, n = M
     rounded up to 8): the default path's bits, one and two warpgroups, folded or not."""
     from kdtree_numba.layers import linear
@@ -225,6 +234,7 @@ def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k):
     rng = np.random.default_rng(m * n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w16 = bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05))
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")             # the cp.async kernels' bits
     want = linear(x, w16, method="mma").copy_to_host()
     for wgs in (1, 2):
         cfg = mma_tma.swapped_tile(m, wgs, mm.mma_splits(n, k))

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
 from kdtree_numba.layers.common import GPU_SMS
@@ -239,10 +240,17 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     :data:`SUMS_IN_LAST_MAX_M` rows.  At :data:`SWAPPED_ROWS` on sm_90 the TMA kernel's
     swapped tile (layers/mma_tma.py): two warpgroups of weight rows where the 128-row weight
     tiles alone fill half the GPU (lm_head, the dense FFN's gate_up, q_b: faster so in run
-    203), else one."""
+    203), else one; at one row the same for the sliced products."""
     splits = mma_splits(n, k)
-    if m in SWAPPED_ROWS and wgmma_available():
+    tma = wgmma_available() and runtime.current().mma_tma     # KDTREE_MMA_TMA=0: cp.async's
+    if m in SWAPPED_ROWS and tma:
         return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
+    if m == 1 and splits > 1 and tma:
+        # a decode's sliced products: the swapped tile's 64 weight rows against x's row as an
+        # n = 8 B, no slower than the 16-row tile on all 6 sliced Kimi-K2 shapes (run 204, H100:
+        # 2048 -> 7168 19.9 -> 16.5 us, 18432 -> 7168 97.0 -> 92.6); the unsliced lm_head and
+        # q_b keep it (there the 16-row tile was faster)
+        return swapped_tile(1, 1, splits)
     return dataclasses.replace(mma_tile(m), splits=splits,
                                sums_in_last=splits > 1 and m <= SUMS_IN_LAST_MAX_M)
 
