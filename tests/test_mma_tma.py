@@ -119,6 +119,37 @@ def test_a_verifys_rows_and_a_decodes_sliced_products_take_the_swapped_tile(monk
     assert not mma_plan.mma_config(65, 163840, 7168).tma
 
 
+def test_a_map_is_written_in_every_capture_until_an_eager_call_writes_it(monkeypatch,
+                                                                          needs_kernels):
+    """gpu/tma.py's pool: a new map is written on its first call; one first written inside a
+    capture is written again by each later capture (a graph may replay before the first
+    one's) and by the next eager call, after which no call writes it."""
+    from kdtree_numba.gpu import tma
+    writes, capturing = [], [True]
+
+    class Launch:
+        def __getitem__(self, launch):
+            return lambda maps, slot, *words: writes.append((slot, capturing[0]))
+    monkeypatch.setattr(tma, "_write_map", Launch())
+    monkeypatch.setattr(tma, "_capturing", lambda stream: capturing[0])
+    pool = tma._MapPool()
+    encoded = []
+    for capture in (True, True, False, False, True):
+        capturing[0] = capture
+        pool.get("key", lambda: encoded.append(1) or [7] * 16, 0)
+    assert writes == [(0, True), (0, True), (0, False)] and encoded == [1]
+    assert pool.get("other", lambda: [1] * 16, 0)[1] == 1
+
+
+def test_an_outgrown_x_buffer_stays_allocated(needs_kernels):
+    """A captured graph may still round into the old buffer: growing keeps it."""
+    mma_tma._X_ROWS.clear()
+    first = mma_tma._x_rows(3, 64, 0)
+    assert mma_tma._x_rows(100, 64, 0) is first and first.shape == (128, 64)
+    grown = mma_tma._x_rows(300, 64, 0)
+    assert grown.shape == (512, 64) and mma_tma._X_OUTGROWN[-1] is first
+
+
 def test_tma_configs_are_checked():
     with pytest.raises(ValueError, match="tma"):
         dataclasses.replace(mma_tma.TMA_TILE, wgmma=False)
@@ -126,6 +157,8 @@ def test_tma_configs_are_checked():
         dataclasses.replace(mma_tma.TMA_TILE, tn=8, slices_in_block=True)   # BN 256 folded
     with pytest.raises(ValueError, match="tma"):
         dataclasses.replace(mma_tma.TMA_TILE, sums_in_last=True)
+    with pytest.raises(ValueError, match="tma"):       # 1024 consumer threads and a producer
+        dataclasses.replace(mma_tma.TMA_TILE, wm=8, wn=4, tm=4, stages=2)
     assert mma_tma.TMA_TILE.smem_bytes <= 227 * 1024
     assert mma_tma.tma_config(mm.mma_config(512, 7168, 2048)).splits == 4
 
@@ -170,6 +203,10 @@ for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_bl
     assert regs * (cfg.threads + 32) <= 65536, "one block an SM"
     assert local == 0 and spill == 0, "accumulators left registers"
     assert "serialized" not in log, "a call (64-bit division?) serializes the wgmma"
+from kdtree_numba.gpu import tma
+ptx, _ = cuda.compile_ptx(tma._write_map.py_func, (u64, T.int64) + (T.uint64,) * 16, cc=(9, 0))
+assert "fence.proxy.tensormap::generic.release.gpu" in ptx, "the map writer's release"
+ptxas(ptx)
 print("assembled")
 """
 

@@ -127,6 +127,9 @@ if SIMULATOR:
     def tensor_map_acquire(maps, slot):
         pass
 
+    def tensor_map_release():
+        pass
+
     def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i, width):
         """The copy at once, then its bytes to the barrier: rows past src's rows and columns
         past its K read as zeros, as the hardware's out-of-bounds fill does; 16-byte chunk c
@@ -235,6 +238,7 @@ else:
     # the barriers' initialisation visible to the async proxy (the TMA unit's complete_tx)
     # before the block barrier that follows it
     mbarrier_init_fence = asm_statement("fence.mbarrier_init.release.cluster;")
+    tensor_map_release = asm_statement("fence.proxy.tensormap::generic.release.gpu;")
 
     @inline_device_function
     def mbarrier_init(bars, i, count):
@@ -276,6 +280,9 @@ def _write_map(maps, slot, w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12
         maps[slot, 4], maps[slot, 5], maps[slot, 6], maps[slot, 7] = w4, w5, w6, w7
         maps[slot, 8], maps[slot, 9], maps[slot, 10], maps[slot, 11] = w8, w9, w10, w11
         maps[slot, 12], maps[slot, 13], maps[slot, 14], maps[slot, 15] = w12, w13, w14, w15
+        # the generic proxy's stores released to the tensor-map proxy that TMA reads through
+        # (the readers acquire: tensor_map_acquire; CUDA guide, "Usage of a Modified Tensor Map")
+        tensor_map_release()
 
 
 class _MapPool:
@@ -291,12 +298,13 @@ class _MapPool:
 
     def get(self, key, encode, stream):
         """(array, slot) of ``key``'s map, ``encode()`` giving its 16 words on first use;
-        written by a kernel on ``stream`` when new, or when only a capture has written it
-        and this call is outside one."""
+        written by a kernel on ``stream`` until a call outside any capture has written it:
+        each capture before that records the write too (a graph may replay before the one
+        that recorded it first ever does, or that one may never)."""
         entry = self.slots.get(key)
-        capturing = _capturing(stream)
-        if entry is not None and (entry[3] or capturing):
+        if entry is not None and entry[3]:
             return entry[0], entry[1]
+        capturing = _capturing(stream)
         if entry is None:
             if not self.arrays or self.used == self.SLOTS:
                 from kdtree_numba import compat
@@ -321,6 +329,8 @@ def _capturing(stream) -> bool:
     from cuda.bindings import driver
     handle = getattr(stream, "handle", stream)
     handle = getattr(handle, "value", handle)
+    if not handle:          # numba's default-stream object: the legacy stream
+        return False
     err, status = driver.cuStreamIsCapturing(driver.CUstream(int(handle)))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuStreamIsCapturing failed: {err}")
@@ -359,6 +369,8 @@ def tensor_map(array, box_rows: int, stream=0, swizzle: int = 64):
                          f"64- or 128-byte swizzle, got {array.dtype}, {box_rows}, {swizzle}")
     if k % 8:
         raise ValueError(f"a tensor map's rows must be a multiple of 16 bytes, got K = {k}")
+    if not getattr(array, "is_c_contiguous", lambda: True)():
+        raise ValueError("a tensor map takes a C-contiguous array (its row stride is 2 K bytes)")
     from kdtree_numba.gpu.memory import device_address
     address = device_address(array)
     key = (address, rows, k, box_rows, swizzle)

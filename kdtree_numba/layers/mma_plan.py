@@ -121,6 +121,7 @@ class MmaConfig(WarpTiles):
                 or self.tma and (not self.wgmma or self.sums_in_last or self.bk != 2 * PANEL
                                  or self.slices_in_block and self.bn > 128)
                 or self.swap_ab and not self.tma
+                or self.tma and self.threads + 32 > 1024      # the producer's warp too
                 or self.swizzle not in ((64, 128) if self.tma else (64,))):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
                              f"<= 227 KiB shared memory, whole 16-byte staging vectors per "

@@ -1,6 +1,7 @@
 """The bf16 tensor-core GEMM fed by TMA: one producer warp stages both operands through an
 mbarrier ring while two consumer warpgroups only multiply (warpgroup mma), over a persistent
-grid of one block an SM (``KDTREE_MMA_TMA``; off until the GPU has timed it).
+grid of one block an SM (the default on sm_90 past 80 rows, and its swapped tiles at a
+verify's 65-80 rows and a decode's sliced products; ``KDTREE_MMA_TMA=0`` turns it off).
 
 Why (issue 38; Nsight Compute on the cp.async kernel, run 202): the warpgroup tile of
 layers/mma.py staged its tiles with every thread's cp.async and a block barrier a stage, and
@@ -15,8 +16,8 @@ as partial sums for layers/common.py's ``sum_splits``.  The linear stays batch i
 
 Block: threads [0, 128 w) are w consumer warpgroups of 64 rows each (BM = 64 w) by all BN
 columns; thread 128 w issues every copy (the rest of its warp leaves).  Work units: output
-tiles in groups of :data:`GROUP_M` M tiles (N tiles fastest within a group, so the blocks in
-flight share both operands' tiles in L2), times the K slices when they go through memory;
+tiles in groups of :data:`GROUP_M` M tiles (the M tile fastest within a group, so the blocks
+in flight share both operands' tiles in L2), times the K slices when they go through memory;
 block b takes units b, b + grid, ...  Stage g of the block lives in ring slot g % stages;
 ``full[slot]`` completes when the slot's bytes have landed (the producer's expect_tx and
 TMA's complete_tx), ``empty[slot]`` when each consumer warp's wgmma reading it has finished
@@ -25,7 +26,10 @@ TMA's complete_tx), ``empty[slot]`` when each consumer warp's wgmma reading it h
 x must be rounded to bf16 into a buffer whose tensor map stays valid: a buffer kept per (CUDA
 context, K), grown to a power of two of rows (rows past M hold stale bits whose outputs are
 never stored: a row's products read only its own x row).  Launches run in stream order
-(gpu/counters.py's argument), so one buffer serves every call.
+(gpu/counters.py's argument: the engine's work runs on the legacy stream or a capture's
+blocking stream, ordered with it), so one buffer serves every call; two streams running
+linears of one K at once would race on it.  A buffer outgrown stays allocated: a captured
+graph may still round into it and read it through its map.
 """
 from __future__ import annotations
 
@@ -269,6 +273,7 @@ def _tma_kernel_for(cfg: MmaConfig):
 # ------------------------------------------------------------------ host
 
 _X_ROWS: dict = {}      # (context, K) -> the bf16 rows buffer, grown by powers of two
+_X_OUTGROWN: list = []  # the buffers they replaced, kept for the graphs that still use them
 
 
 def _x_rows(m: int, k: int, stream):
@@ -277,6 +282,8 @@ def _x_rows(m: int, k: int, stream):
     key = (0 if SIMULATOR else id(cuda.current_context()), k)
     buf = _X_ROWS.get(key)
     if buf is None or buf.shape[0] < m:
+        if buf is not None:
+            _X_OUTGROWN.append(buf)
         rows = max(128, 1 << (m - 1).bit_length())
         buf = _X_ROWS[key] = compat.device_empty((rows, k), np.uint16, stream)
     return buf
