@@ -111,7 +111,7 @@ class MmaConfig(WarpTiles):
         if (min(self.wm, self.wn, self.tm, self.tn, self.splits) < 1 or self.bk % PANEL
                 or self.bk <= 0 or self.threads > 1024
                 or not 2 <= self.stages <= (8 if self.tma else 4)
-                or self.smem_bytes > MAX_SHARED_BYTES
+                or self.smem_bytes + (16 * self.stages if self.tma else 0) > MAX_SHARED_BYTES
                 or not self.tma and ((self.bn * self.bk // 8) % self.threads
                                      or (self.bm * self.bk // 8) % self.threads
                                      or self.threads % (self.bk // 8))
