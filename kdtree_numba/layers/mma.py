@@ -73,7 +73,8 @@ __all__ = ["MmaConfig", "WGMMA_TILE", "wgmma_available", "mma_tile", "unsliced_t
            "mma_error_coefficient", "stage_compute", "ring_function", "ring_wait",
            "w_stage_slot", "panel_word", "ldsm_word", "c_position", "mma_kernel",
            "round_to_bf16", "round_into", "mma_linear", "mma_head_products", "copy_chunk",
-           "shared_base", "fragment_position", "wgmma_operand", "folds_slices",
+           "shared_base", "fragment_position", "wgmma_operand", "folds_slices", "slice_plan",
+           "partial_sums",
            "array_base", "ELEM", "WORD"]
 
 WORDS = PANEL // 2  # uint32 words of a panel row (64 bytes)
@@ -661,6 +662,25 @@ def folds_slices(cfg: MmaConfig, m: int, n: int, splits: int) -> bool:
             and -(-a_rows // cfg.bm) * -(-b_rows // cfg.bn) >= FOLD_MIN_TILES)
 
 
+def slice_plan(cfg: MmaConfig, m: int, n: int, k: int):
+    """(splits, in_block, in_memory) of a linear on ``cfg``: its K slices (at most K's units),
+    whether its blocks add them (cfg asks, or :func:`folds_slices`), and whether their partial
+    sums go through memory instead (:func:`partial_sums`)."""
+    splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
+    in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
+    return splits, in_block, splits > 1 and not in_block
+
+
+def partial_sums(y, splits: int, in_memory: bool, workspace, stream):
+    """Where a linear's kernel writes: y, or with ``in_memory`` the [splits * M, N] partial
+    sums (workspace buffer "linear.mma_part") that :func:`add_splits` then adds into y."""
+    if not in_memory:
+        return y
+    m, n = y.shape
+    return workspace_buffer(workspace, "linear.mma_part", (splits, m, n), np.float32,
+                            stream).reshape(splits * m, n)
+
+
 def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     """Launch: y [M, N] = bf16(xd [M, K]) wd^T, wd the uint16 bf16 bits [N, K] (checked by
     linear()).  x is rounded to bf16 once (:func:`round_to_bf16`), so both operands stream by
@@ -669,16 +689,13 @@ def mma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     or where :func:`folds_slices` each block adds its slices itself (``slices_in_block``: the
     same bits, no partial sums in memory)."""
     (m, k), n = xd.shape, wd.shape[0]
-    splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
-    in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
-    in_memory = splits > 1 and not in_block
+    splits, in_block, in_memory = slice_plan(cfg, m, n, k)
     x16 = round_to_bf16(xd, workspace, "linear.mma_x16", stream)
     # the last slice block sums where asked and the partial sums go through memory
     last = in_memory and (cfg.sums_in_last or runtime.current().mma_sums_in_last)
     if (in_block, last) != (cfg.slices_in_block, cfg.sums_in_last):
         cfg = dataclasses.replace(cfg, slices_in_block=in_block, sums_in_last=last)
-    target = y if not in_memory else workspace_buffer(
-        workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
+    target = partial_sums(y, splits, in_memory, workspace, stream)
     if last:
         tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
         counters = arrival_counters("linear.mma", tiles, stream)

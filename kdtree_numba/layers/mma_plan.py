@@ -243,10 +243,10 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     tiles alone fill half the GPU (lm_head, the dense FFN's gate_up, q_b: faster so in run
     203), else one; at one row the same for the sliced products."""
     splits = mma_splits(n, k)
-    tma = wgmma_available() and runtime.current().mma_tma     # KDTREE_MMA_TMA=0: cp.async's
-    if m in SWAPPED_ROWS and tma:
-        return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
-    if m == 1 and splits > 1 and tma:
+    swapped = m in SWAPPED_ROWS or (m == 1 and splits > 1)
+    if swapped and wgmma_available() and runtime.current().mma_tma:   # =0: cp.async's tiles
+        if m > 1:
+            return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
         # a decode's sliced products: the swapped tile's 64 weight rows against x's row as an
         # n = 8 B, no slower than the 16-row tile on all 6 sliced Kimi-K2 shapes (run 204, H100:
         # 2048 -> 7168 19.9 -> 16.5 us, 18432 -> 7168 97.0 -> 92.6); the unsliced lm_head and

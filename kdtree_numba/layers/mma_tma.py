@@ -49,12 +49,11 @@ from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_
                                   mbarrier_init_fence, mbarrier_wait, tensor_map,
                                   tensor_map_acquire, tma_load_panel)
 from kdtree_numba.layers.common import add_splits
-from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, folds_slices,
-                                     fragment_position, round_into, shared_base,
+from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, fragment_position,
+                                     partial_sums, round_into, shared_base, slice_plan,
                                      wgmma_operand)
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-exported)
     SLICE_UNIT, MmaConfig, swapped_tile)
-from kdtree_numba.layers.workspace import workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
            "planned", "wgmma_descriptor_128"]
@@ -302,8 +301,10 @@ def planned(cfg: MmaConfig):
     layers/mma.py's cp.async kernels."""
     if cfg.tma:
         return cfg
-    if runtime.current().mma_tma and dataclasses.replace(
-            cfg, splits=1, slices_in_block=False, sums_in_last=False) == WGMMA_TILE:
+    if not cfg.wgmma:           # every linear asks: the cheap test first
+        return None
+    if dataclasses.replace(cfg, splits=1, slices_in_block=False,
+                           sums_in_last=False) == WGMMA_TILE and runtime.current().mma_tma:
         return tma_config(cfg)
     return None
 
@@ -313,18 +314,15 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     (at most K's units) added in the block where mma.folds_slices says (or cfg asks), else
     by a sum launch; the cp.async kernels' slices and order, so their bits."""
     (m, k), n = xd.shape, wd.shape[0]
-    splits = max(1, min(cfg.splits, -(-k // SLICE_UNIT)))
-    in_block = cfg.slices_in_block or folds_slices(cfg, m, n, splits)
+    splits, in_block, in_memory = slice_plan(cfg, m, n, k)
     if in_block != cfg.slices_in_block:
         cfg = dataclasses.replace(cfg, slices_in_block=in_block)
     buf = _x_rows(m, k, stream)
     round_into(xd, buf, stream)
-    a_rows, b_rows = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # x's, w's box
-    x_maps, x_slot = tensor_map(buf, a_rows, stream, cfg.swizzle)
-    w_maps, w_slot = tensor_map(wd, b_rows, stream, cfg.swizzle)
-    in_memory = splits > 1 and not cfg.slices_in_block
-    target = y if not in_memory else workspace_buffer(
-        workspace, "linear.mma_part", (splits, m, n), np.float32, stream).reshape(splits * m, n)
+    x_box, w_box = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # rows a box
+    x_maps, x_slot = tensor_map(buf, x_box, stream, cfg.swizzle)
+    w_maps, w_slot = tensor_map(wd, w_box, stream, cfg.swizzle)
+    target = partial_sums(y, splits, in_memory, workspace, stream)
     a_tiles, b_tiles = ((-(-n // cfg.bm), -(-m // cfg.bn)) if cfg.swap_ab else
                         (-(-m // cfg.bm), -(-n // cfg.bn)))
     units = a_tiles * b_tiles * (splits if in_memory else 1)
