@@ -84,8 +84,9 @@ Two kinds of switch:
   at one row only, where it is faster: kdtree_numba/layers/mma_plan.py; the same bits), the
   bf16 GEMM past 80 rows staged by TMA with a producer warp over a persistent grid
   and its swapped tile at a verify's 65-80 rows and a decode's sliced products
-  (``KDTREE_MMA_TMA=0`` turns them off: the cp.async kernels; the default since runs
-  203-204, 1.3-1.5x faster at M = 512; the same bits: kdtree_numba/layers/mma_tma.py),
+  (``KDTREE_MMA_TMA=1``; off until the final tree runs on the GPU: its tiles passed the GPU
+  tests and timed 1.3-1.5x faster at M = 512 in runs 203-204, but later host-side changes
+  have not run there; the same bits: kdtree_numba/layers/mma_tma.py),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -279,8 +280,10 @@ class RuntimeConfig:
     mma_sums_in_last: bool = False
     # the bf16 GEMM past 80 rows on TMA: a producer warp, two consumer warpgroups, a persistent
     # grid, 128-byte-swizzled panels (issue 38; the same bits; 1.3-1.5x the cp.async kernel at
-    # M = 512 on every Kimi-K2 product, run 204: kdtree_numba/layers/mma_tma.py)
-    mma_tma: bool = True
+    # M = 512 on every Kimi-K2 product, run 204: kdtree_numba/layers/mma_tma.py); with it, its
+    # swapped tile at a verify's 65-80 rows and a decode's sliced products; opt-in until the
+    # tree since run 204 has run on the GPU
+    mma_tma: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -333,7 +336,7 @@ class RuntimeConfig:
                    group_in_experts=_flag(env, "KDTREE_GROUP_IN_EXPERTS", False),
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
-                   mma_tma=_flag(env, "KDTREE_MMA_TMA", True),
+                   mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -101,6 +101,7 @@ def test_a_verifys_rows_and_a_decodes_sliced_products_take_the_swapped_tile(monk
     products; elsewhere unchanged."""
     from kdtree_numba.layers import mma_plan
     monkeypatch.setattr(mma_plan, "wgmma_available", lambda: True)
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
     lm = mma_plan.mma_config(65, 163840, 7168)
     down = mma_plan.mma_config(80, 7168, 2048)
     assert lm == mma_tma.swapped_tile(65, 2, 1) and lm.bn == 72
@@ -114,7 +115,7 @@ def test_a_verifys_rows_and_a_decodes_sliced_products_take_the_swapped_tile(monk
     monkeypatch.setenv("KDTREE_MMA_TMA", "0")             # the switch: cp.async's tiles
     assert not mma_plan.mma_config(65, 163840, 7168).tma
     assert not mma_plan.mma_config(1, 7168, 2048).tma
-    monkeypatch.delenv("KDTREE_MMA_TMA")
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
     monkeypatch.setattr(mma_plan, "wgmma_available", lambda: False)
     assert not mma_plan.mma_config(65, 163840, 7168).tma
 
@@ -228,7 +229,7 @@ def test_tma_kernels_compile_to_hopper_ptx():
 @pytest.mark.parametrize("m, n, k", [(100, 1000, 768), (512, 7168, 2048), (200, 2112, 7168),
                                      (4096, 1536, 7168), (129, 12288, 1536), (81, 200, 72)])
 def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
-    """``KDTREE_MMA_TMA`` (on) gives the cp.async kernel's bits (the same panels, slices, fold
+    """``KDTREE_MMA_TMA=1`` gives the cp.async kernel's bits (the same panels, slices, fold
     and order) on the real TMA and wgmma: ragged edges, sliced and unsliced Kimi-K2 shapes,
     folded (M = 512, 4096) and through memory (M = 100-200), and again on a second call (the
     kept x buffer and tensor maps)."""

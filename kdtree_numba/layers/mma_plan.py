@@ -228,7 +228,7 @@ def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 128) -
                      tma=True, swap_ab=True, splits=splits, swizzle=swizzle)
 
 
-# Rows whose products take :func:`swapped_tile` where wgmma runs: a verify's 65 (budget 64)
+# Rows whose products take :func:`swapped_tile` where wgmma runs (KDTREE_MMA_TMA): a verify's 65 (budget 64)
 # to 80, where mma_tile's 80-row mma.sync tile was 1.05-1.64x slower on every Kimi-K2 shape
 # (run 203, H100: 2048 -> 7168 31.5 -> 19.2 us) and the GPU tests found the same bits
 SWAPPED_ROWS = range(65, 81)
@@ -238,13 +238,13 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     """The tile for an [m, k] x [n, k]^T product: :func:`mma_tile` with the K slices of
     :func:`mma_splits`, which does not look at m: a row's result is the same at every M
     (docs/LAYERS.md, "bf16 tensor-core linear"); the slices summed by their last block up to
-    :data:`SUMS_IN_LAST_MAX_M` rows.  At :data:`SWAPPED_ROWS` on sm_90 the TMA kernel's
+    :data:`SUMS_IN_LAST_MAX_M` rows.  With ``KDTREE_MMA_TMA=1``, at :data:`SWAPPED_ROWS` on sm_90 the TMA kernel's
     swapped tile (layers/mma_tma.py): two warpgroups of weight rows where the 128-row weight
     tiles alone fill half the GPU (lm_head, the dense FFN's gate_up, q_b: faster so in run
     203), else one; at one row the same for the sliced products."""
     splits = mma_splits(n, k)
     swapped = m in SWAPPED_ROWS or (m == 1 and splits > 1)
-    if swapped and wgmma_available() and runtime.current().mma_tma:   # =0: cp.async's tiles
+    if swapped and wgmma_available() and runtime.current().mma_tma:   # KDTREE_MMA_TMA=1
         if m > 1:
             return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
         # a decode's sliced products: the swapped tile's 64 weight rows against x's row as an

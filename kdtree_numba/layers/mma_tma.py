@@ -1,7 +1,8 @@
 """The bf16 tensor-core GEMM fed by TMA: one producer warp stages both operands through an
 mbarrier ring while two consumer warpgroups only multiply (warpgroup mma), over a persistent
-grid of one block an SM (the default on sm_90 past 80 rows, and its swapped tiles at a
-verify's 65-80 rows and a decode's sliced products; ``KDTREE_MMA_TMA=0`` turns it off).
+grid of one block an SM (with ``KDTREE_MMA_TMA=1`` on sm_90: past 80 rows, and its swapped
+tiles at a verify's 65-80 rows and a decode's sliced products; opt-in until the tree since
+run 204 has run on the GPU).
 
 Why (issue 38; Nsight Compute on the cp.async kernel, run 202): the warpgroup tile of
 layers/mma.py staged its tiles with every thread's cp.async and a block barrier a stage, and
