@@ -171,7 +171,14 @@ _GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_ch
                    ("fused_router", None, "fused_router"),
                    ("group_in_experts", None, "group_in_experts"),
                    ("mma_sums_in_last", None, "mma_sums_in_last"),
-                   ("mma_tma", None, "mma_tma"))
+                   ("mma_tma", None, "mma_tma"), ("mma_stream_k", None, "mma_stream_k"))
+
+
+def _mark(value, off, on):
+    """A switch's mark in a graph key: ``off`` or ``on``, and for a number its value."""
+    if not value:
+        return off
+    return on if value is True else f"{on}={value}"
 
 
 class GraphCache:
@@ -220,7 +227,7 @@ class GraphCache:
         to time it must run what it asked for).  A switch away from its default adds its
         mark; under the defaults the key is ``key`` itself."""
         now = runtime.current()
-        marks = (on if getattr(now, field) else off for field, off, on in _GRAPH_SWITCHES)
+        marks = (_mark(getattr(now, field), off, on) for field, off, on in _GRAPH_SWITCHES)
         return key + tuple(m for m in marks if m is not None)
 
     def holds(self, key) -> bool:

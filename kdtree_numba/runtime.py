@@ -86,7 +86,10 @@ Two kinds of switch:
   and its swapped tile at a verify's 65-80 rows and a decode's sliced products
   (``KDTREE_MMA_TMA=1``; off until the final tree runs on the GPU: its tiles passed the GPU
   tests and timed 1.3-1.5x faster at M = 512 in runs 203-204, but later host-side changes
-  have not run there; the same bits: kdtree_numba/layers/mma_tma.py),
+  have not run there; the same bits: kdtree_numba/layers/mma_tma.py), and under it the
+  sliced products' last waves shared out slice by slice over the persistent grid
+  (``KDTREE_MMA_STREAM_K=1``, or ``2``: the last two waves; not yet run on the GPU; the
+  same bits),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -125,7 +128,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FEWER_LAUNCHES", "KDTREE_ROUND_EPILOGUE", "KDTREE_MERGE_IN_UV",
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
              "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER", "KDTREE_MMA_SUMS_IN_LAST",
-             "KDTREE_GROUP_IN_EXPERTS", "KDTREE_MMA_TMA",
+             "KDTREE_GROUP_IN_EXPERTS", "KDTREE_MMA_TMA", "KDTREE_MMA_STREAM_K",
              "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
@@ -163,6 +166,19 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     if not value.isdigit() or int(value) > most:
         raise ValueError(f"{name}={value!r}: expected {what} a launch, 0 (off) to "
                          f"{most}, or on ({on})")
+    return int(value)
+
+
+def _waves(environ: Mapping[str, str], name: str) -> int:
+    """Waves shared out from ``name``: 0 (off; unset too), 1 or 2, or on/off words (on: 1)."""
+    value = environ.get(name, "").strip().lower()
+    if not value or value in _OFF:
+        return 0
+    if value in ("on", "yes", "true"):
+        return 1
+    if value not in ("1", "2"):
+        raise ValueError(f"{name}={value!r}: expected 0 (off), 1 (the last, partial wave of "
+                         f"tiles shared out), 2 (the last two waves), or on (1)")
     return int(value)
 
 
@@ -284,6 +300,12 @@ class RuntimeConfig:
     # swapped tile at a verify's 65-80 rows and a decode's sliced products; opt-in until the
     # tree since run 204 has run on the GPU
     mma_tma: bool = False
+    # with mma_tma, a sliced product's last waves of tiles (1: the partial one; 2: it and the
+    # full one before) shared out K slice by K slice (the tiles cut between blocks completed
+    # by their last block, in slice order: the same bits), so no SM idles through a partial
+    # last wave and no slice goes through memory where the tiles are few (issue 38: at M =
+    # 512, 7168 -> 2112's 68 tiles fill half of 132 SMs); 0 (off) until it has run on the GPU
+    mma_stream_k: int = 0
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -337,6 +359,7 @@ class RuntimeConfig:
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
                    mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
+                   mma_stream_k=_waves(env, "KDTREE_MMA_STREAM_K"),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -137,17 +137,19 @@ def test_gpu_tensor_cores_ddtree_equals_ar_and_a_prompt_alone_its_batch():
 
 @pytest.mark.parametrize("budget", [64])
 def test_gpu_tma_gemm_keeps_the_tensor_cores_tokens(budget, monkeypatch):
-    """The TMA GEMM's tiles (layers/mma_tma.py: past 80 rows, a verify's 65-80 rows) give
-    the cp.async kernels' tokens under gemm="tensor-cores": a 90-token prefill, AR's decodes
-    and DDTree's 65-row verifies, each prompt alone and in a batch."""
+    """The TMA GEMM's tiles (layers/mma_tma.py: past 80 rows, a verify's 65-80 rows), and
+    with ``KDTREE_MMA_STREAM_K`` their slices shared out, give the cp.async kernels' tokens
+    under gemm="tensor-cores": a 90-token prefill, AR's decodes and DDTree's 65-row
+    verifies, each prompt alone and in a batch."""
     from kdtree_numba.backends import make_backend
     cfg = size_config("medium", num_hidden_layers=2)
     weights = _bf16_weights("medium", num_hidden_layers=2)
     rng = np.random.default_rng(21)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (90, 5, 33)]
     runs = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv("KDTREE_MMA_TMA", switch)
+    for switch in ("0", "1", "stream-K"):
+        monkeypatch.setenv("KDTREE_MMA_TMA", "0" if switch == "0" else "1")
+        monkeypatch.setenv("KDTREE_MMA_STREAM_K", "1" if switch == "stream-K" else "0")
         tc = Model(cfg, weights, make_backend("numba", gemm="tensor-cores"))
         drafter = NoisyOracleDrafter(tc, 6, agreement=0.7, seed=2, sharpness=3.0)
         runs[switch] = (generate(tc, prompts, 16).tokens,
@@ -155,6 +157,7 @@ def test_gpu_tma_gemm_keeps_the_tensor_cores_tokens(budget, monkeypatch):
                                  drafter=drafter).tokens,
                         generate(tc, prompts[:1], 16).tokens)
     assert runs["1"] == runs["0"]
+    assert runs["stream-K"] == runs["0"]
     assert runs["1"][1] == runs["1"][0]
 
 

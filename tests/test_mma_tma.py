@@ -45,6 +45,22 @@ def _simulated(monkeypatch):
     # one slice, more units than blocks in both M and N, a 2-stage ring
     pytest.param(130, 40, 136, dataclasses.replace(SMALL, stages=2),
                  marks=pytest.mark.slow),
+    # three warpgroups (BM = 192, cuBLAS's tile height at M = 512), the slices through memory
+    pytest.param(200, 40, 136, mm.MmaConfig(wm=3, wn=4, tm=4, tn=1, stages=3, wgmma=True,
+                                            tma=True, splits=2), marks=pytest.mark.slow),
+    # stream-K over the simulator's 2 blocks, the partial last wave shared: 3 tiles of 3
+    # slices, tiles 0 and 1 whole (a block each), then tile 2's slice 0 in block 0 (folded
+    # into the part buffer's slot 0) and its slices 1 and 2 in block 1 (apart), which
+    # completes the tile
+    (40, 72, 200, dataclasses.replace(SMALL, splits=3, stream_k=1)),
+    # 5 tiles of 2 slices, the last two waves shared: tiles 0 and 1 whole, then the other
+    # 3's 6 slices, 3 a block
+    pytest.param(40, 160, 200, dataclasses.replace(SMALL, splits=2, stream_k=2),
+                 marks=pytest.mark.slow),
+    # swapped, two warpgroups (a counter each): 3 weight tiles of 128 rows by x's 24, 3 slices
+    pytest.param(20, 300, 320, mm.MmaConfig(wm=8, wn=1, tm=1, tn=3, stages=3, wgmma=True,
+                                            tma=True, swap_ab=True, splits=3, stream_k=2),
+                 marks=pytest.mark.slow),
 ])
 def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, needs_kernels,
                                                               monkeypatch):
@@ -54,13 +70,44 @@ def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, nee
     _simulated(monkeypatch)
     x, w16, want = _block_case(11, m, n, k)
     got = linear(x, w16, method="mma", config=cfg).copy_to_host()
-    plain = SMALL if cfg.swap_ab else cfg       # a tile the cp.async kernel can stage
+    # a tile the cp.async kernel can stage (any tile gives a row the same bits)
+    plain = SMALL if cfg.swap_ab or cfg.threads > 256 else cfg
     staged = linear(x, w16, method="mma", config=dataclasses.replace(
         plain, tma=False, stages=min(max(cfg.stages, 3), 4), splits=cfg.splits,
-        slices_in_block=cfg.slices_in_block, swizzle=64)).copy_to_host()
+        slices_in_block=cfg.slices_in_block, swizzle=64, stream_k=False)).copy_to_host()
     assert got.tobytes() == staged.tobytes()
     magnitude = np.abs(x.astype(np.float64)) @ np.abs(bf16_value(w16).astype(np.float64)).T
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
+
+
+def test_stream_k_tile_cut_across_four_blocks(needs_kernels, monkeypatch):
+    """Four blocks, one tile of 4 K slices: a block a slice (slice 0 folded alone into the
+    part buffer's slot 0, slices 1-3 each apart), the last block to finish adds them in slice
+    order -- the fold's bits -- and sets the tile's counters back to 0."""
+    from kdtree_numba.gpu import counters
+    from kdtree_numba.layers import linear
+    _simulated(monkeypatch)
+    monkeypatch.setattr(mma_tma, "_sm_count", lambda: 4)
+    x, w16, _ = _block_case(5, 40, 24, 256)
+    cfg = dataclasses.replace(SMALL, splits=4)
+    folded = linear(x, w16, method="mma", config=dataclasses.replace(
+        cfg, slices_in_block=True)).copy_to_host()
+    got = linear(x, w16, method="mma", config=dataclasses.replace(
+        cfg, stream_k=1)).copy_to_host()
+    assert got.tobytes() == folded.tobytes()
+    assert all(not np.any(c.copy_to_host()) for c in counters.made("linear.mma_stream_k"))
+
+
+def test_stream_k_runs_whole_waves_first():
+    """whole_tiles: the data-parallel waves before the partial last one (or before the last
+    full one too); every tile where the tiles fill whole waves; none below one wave."""
+    assert mma_tma.whole_tiles(224, 132, 1) == 132     # 2048 -> 7168 at M = 512: 92 shared
+    assert mma_tma.whole_tiles(224, 132, 2) == 0       # ... or all 224
+    assert mma_tma.whole_tiles(68, 132, 1) == mma_tma.whole_tiles(68, 132, 2) == 0
+    assert mma_tma.whole_tiles(264, 132, 2) == 264     # two whole waves: no stream-K
+    assert mma_tma.whole_tiles(1152, 132, 1) == 1056   # 8.7 waves: 8 whole, 0.7 shared
+    assert mma_tma.whole_tiles(1152, 132, 2) == 924    # ... or 7 whole, 1.7 shared
+    assert (mma_tma.whole_tiles(5, 2, 1), mma_tma.whole_tiles(5, 2, 2)) == (4, 2)
 
 
 def test_units_cover_every_tile_once_in_groups_of_m_tiles():
@@ -160,7 +207,16 @@ def test_tma_configs_are_checked():
         dataclasses.replace(mma_tma.TMA_TILE, sums_in_last=True)
     with pytest.raises(ValueError, match="tma"):       # 1024 consumer threads and a producer
         dataclasses.replace(mma_tma.TMA_TILE, wm=8, wn=4, tm=4, stages=2)
+    with pytest.raises(ValueError, match="stream_k"):  # a fold's two accumulator sets
+        dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4, stream_k=1)
+    with pytest.raises(ValueError, match="stream_k"):
+        dataclasses.replace(mm.WGMMA_TILE, stream_k=1)
+    with pytest.raises(ValueError, match="stream_k"):
+        dataclasses.replace(mma_tma.TMA_TILE, wm=3, stages=5, stream_k=1)
+    with pytest.raises(ValueError, match="stream_k"):
+        dataclasses.replace(mma_tma.TMA_TILE, stream_k=3)
     assert mma_tma.TMA_TILE.smem_bytes <= 227 * 1024
+    assert all(t.smem_bytes <= 227 * 1024 for t in mma_tma.WIDE_TILES.values())
     assert mma_tma.tma_config(mm.mma_config(512, 7168, 2048)).splits == 4
 
 
@@ -179,17 +235,37 @@ def test_the_switch_sends_the_warpgroup_tile_to_tma(monkeypatch):
     assert mma_tma.planned(swapped) is swapped
 
 
+def test_the_stream_k_switch_marks_the_tma_tiles(monkeypatch):
+    """``KDTREE_MMA_STREAM_K`` (with ``KDTREE_MMA_TMA``) asks the rerouted warpgroup tile and
+    the swapped tiles to share their slices out; tiles that cannot hold a fold stay as they
+    are."""
+    from kdtree_numba.layers import mma_plan
+    monkeypatch.setenv("KDTREE_MMA_TMA", "1")
+    monkeypatch.setenv("KDTREE_MMA_STREAM_K", "1")
+    assert mma_tma.planned(dataclasses.replace(mm.WGMMA_TILE, splits=4)).stream_k
+    assert mma_plan.with_stream_k(mma_tma.swapped_tile(65, 2, 4)).stream_k
+    wide = mma_tma.WIDE_TILES["tma 128 x 256"]
+    assert mma_plan.with_stream_k(wide) is wide
+    monkeypatch.setenv("KDTREE_MMA_STREAM_K", "0")
+    assert not mma_tma.planned(dataclasses.replace(mm.WGMMA_TILE, splits=4)).stream_k
+
+
 PTX_SCRIPT = HOPPER_PRELUDE + r"""
 import dataclasses
 from kdtree_numba.layers import mma as mm, mma_tma
 u16, f2, u64 = T.uint16[:, ::1], T.float32[:, ::1], T.uint64[:, ::1]
-sig = (u16, u16, f2, u64, T.int64, u64, T.int64) + (T.int64,) * 7
+sig = ((u16, u16, f2, u64, T.int64, u64, T.int64) + (T.int64,) * 7
+       + (T.float32[::1], T.int32[::1], T.int64))
 WGMMA = "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16"
 swapped = mma_tma.swapped_tile(65, 2)
 for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_block=True),
             dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4), swapped,
             dataclasses.replace(swapped, slices_in_block=True),
-            dataclasses.replace(mma_tma.TMA_TILE, swizzle=64)):
+            dataclasses.replace(mma_tma.TMA_TILE, swizzle=64),
+            dataclasses.replace(mma_tma.TMA_TILE, stream_k=1),
+            dataclasses.replace(mma_tma.swapped_tile(65, 1), stream_k=1),
+            dataclasses.replace(mma_tma.swapped_tile(1, 1), stream_k=1),
+            mma_tma.WIDE_TILES["tma 192 x 128"], mma_tma.WIDE_TILES["tma 256 x 128"]):
     ptx, _ = cuda.compile_ptx(mma_tma.tma_kernel(cfg).py_func, sig, cc=(9, 0, "a"))
     log = ptxas(ptx, arch="sm_90a")
     regs = int(re.findall(r"Used (\d+) registers", log)[0])
@@ -201,6 +277,7 @@ for cfg in (mma_tma.TMA_TILE, dataclasses.replace(mma_tma.TMA_TILE, slices_in_bl
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx
     assert "cp.async.cg" not in ptx and "ldmatrix" not in ptx and "bar.sync" in ptx
+    assert ("bar.red.or.pred" in ptx) == cfg.stream_k, "a warpgroup's named barrier"
     assert regs * (cfg.threads + 32) <= 65536, "one block an SM"
     assert local == 0 and spill == 0, "accumulators left registers"
     assert "serialized" not in log, "a call (64-bit division?) serializes the wgmma"
@@ -253,11 +330,15 @@ def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
             swapped = mma_tma.swapped_tile(m, 1, mm.mma_splits(n, k), swizzle=swizzle)
             got = linear(x, w16, method="mma", config=swapped).copy_to_host()
             assert got.tobytes() == want.tobytes(), ("swapped", swizzle)
-    wide = dataclasses.replace(mma_tma.TMA_TILE, tn=8, stages=4,
-                               splits=mm.mma_splits(n, k))
-    if wide.splits == 1:      # BN = 256 takes no fold: the unsliced shapes only
-        got = linear(x, w16, method="mma", config=wide).copy_to_host()
-        assert got.tobytes() == want.tobytes()
+    splits = mm.mma_splits(n, k)
+    for name, wide in mma_tma.WIDE_TILES.items():       # unfolded: slices through memory
+        got = linear(x, w16, method="mma", config=dataclasses.replace(
+            wide, splits=splits)).copy_to_host()
+        assert got.tobytes() == want.tobytes(), name
+    for waves in (1, 2, 1):             # the counters back at 0 for each next call
+        shared = dataclasses.replace(mma_tma.TMA_TILE, splits=splits, stream_k=waves)
+        got = linear(x, w16, method="mma", config=shared).copy_to_host()
+        assert got.tobytes() == want.tobytes(), ("stream-K", waves)
 
 
 @pytest.mark.gpu
@@ -280,13 +361,20 @@ def test_gpu_swapped_tiles_keep_the_default_bits(m, n, k, monkeypatch):
             got = linear(x, w16, method="mma", config=dataclasses.replace(
                 cfg, slices_in_block=fold)).copy_to_host()
             assert got.tobytes() == want.tobytes(), (wgs, fold)
+        if cfg.splits > 1 and cfg.bn <= 128:
+            for waves in (1, 2):
+                got = linear(x, w16, method="mma", config=dataclasses.replace(
+                    cfg, stream_k=waves)).copy_to_host()
+                assert got.tobytes() == want.tobytes(), (wgs, "stream-K", waves)
 
 
 @pytest.mark.gpu
-def test_gpu_tma_linear_under_graph_replay(monkeypatch):
+@pytest.mark.parametrize("stream_k", ["0", "1", "2"])
+def test_gpu_tma_linear_under_graph_replay(stream_k, monkeypatch):
     """A weight whose tensor map is first written inside a CUDA-graph capture: its replays,
     then an eager call (which writes the map again before any use outside the graph), give
-    the default path's bits."""
+    the default path's bits; with ``KDTREE_MMA_STREAM_K`` too (each replay finds the cut
+    tiles' counters back at 0)."""
     import cupy
     from numba import cuda
 
@@ -301,6 +389,7 @@ def test_gpu_tma_linear_under_graph_replay(monkeypatch):
     monkeypatch.setenv("KDTREE_MMA_TMA", "0")
     want = cupy.asnumpy(cupy.asarray(linear(x, w_graph, method="mma")))
     monkeypatch.setenv("KDTREE_MMA_TMA", "1")
+    monkeypatch.setenv("KDTREE_MMA_STREAM_K", stream_k)
     linear(x, w_eager, method="mma")          # x's kept buffer and the maps' pool, eagerly
     stream = cupy.cuda.Stream(non_blocking=False)
     out = cupy.zeros((m, n), np.float32)

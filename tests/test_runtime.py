@@ -51,6 +51,22 @@ def test_waiting_near_the_end_takes_a_margin_or_a_word():
             runtime.RuntimeConfig.from_environment({"KDTREE_WAIT_NEAR_END": value})
 
 
+def test_stream_k_takes_waves_or_a_word(monkeypatch):
+    """KDTREE_MMA_STREAM_K: unset and off words 0, on 1, 1 or 2 waves; anything else a
+    ValueError naming the variable; graph keys tell 1 from 2."""
+    for value, want in (("", 0), ("0", 0), ("off", 0), ("on", 1), ("1", 1), ("2", 2)):
+        assert runtime.RuntimeConfig.from_environment(
+            {"KDTREE_MMA_STREAM_K": value}).mma_stream_k == want, value
+    for value in ("3", "-1", "all"):
+        with pytest.raises(ValueError, match="KDTREE_MMA_STREAM_K"):
+            runtime.RuntimeConfig.from_environment({"KDTREE_MMA_STREAM_K": value})
+    keys = set()
+    for value in ("0", "1", "2"):
+        monkeypatch.setenv("KDTREE_MMA_STREAM_K", value)
+        keys.add(graphs.GraphCache.stored_key(("forward", 3)))
+    assert len(keys) == 3 and ("forward", 3) in keys
+
+
 def test_ar_device_steps_default_on_a_gpu_and_off_under_the_simulator():
     """KDTREE_AR_DEVICE_STEPS unset (or empty): 4 steps a launch where no simulator runs (a
     real GPU; run 167: 1.487x on a host-bound AR), the host loop under the simulator; any

@@ -445,7 +445,22 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         if default.splits > 1:
             plans.append(("tma 128 x 128 folded", dataclasses.replace(tma,
                                                                       slices_in_block=True)))
-        plans.append(("tma 128 x 256", dataclasses.replace(tma, tn=8, stages=4)))
+    if wgmma_available() and m > 80:
+        # wider tiles, fewer bytes staged from L2 a FLOP (unfolded: slices through memory)
+        from kdtree_numba.layers.mma_tma import WIDE_TILES
+        plans += [(name, dataclasses.replace(wide, splits=default.splits))
+                  for name, wide in WIDE_TILES.items()]
+    if wgmma_available() and default.splits > 1:
+        # stream-K (KDTREE_MMA_STREAM_K): the last waves' slices shared out over the grid, on
+        # the TMA tile this M takes (the swapped one up to 80 rows)
+        from kdtree_numba.layers.mma_tma import TMA_TILE, swapped_tile
+        base = (default if default.tma else
+                swapped_tile(m, 1, default.splits) if m <= 80 else
+                dataclasses.replace(TMA_TILE, splits=default.splits))
+        if base.bn <= 128 and base.threads <= 256:
+            plans += [(f"tma stream-K, {waves} wave{'s' * (waves > 1)} shared",
+                       dataclasses.replace(base, stream_k=waves, slices_in_block=False))
+                      for waves in (1, 2)]
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

@@ -19,8 +19,9 @@ import numpy as np
 
 from kdtree_numba import compat
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
+from kdtree_numba.gpu.tma import group_sync_or
 
-__all__ = ["arrival_counters", "last_to_arrive", "made"]
+__all__ = ["arrival_counters", "last_to_arrive", "group_last_to_arrive", "made"]
 
 _KEPT: dict = {}          # (context, name) -> [arrays, the largest last]
 
@@ -63,6 +64,23 @@ def last_to_arrive(counters, at, expected):
     if cuda.threadIdx.x == 0:
         last = int(cuda.atomic.add(counters, at, 1) == expected - 1)
     if cuda.syncthreads_or(last):       # every other writer's writes are in L2
+        cuda.threadfence()
+        return True
+    return False
+
+
+@device_function(inline="always")
+def group_last_to_arrive(counters, at, expected, bars, barrier, threads, leader):
+    """:func:`last_to_arrive` for a group of ``threads`` threads (a consumer warpgroup) that
+    synchronises on named barrier ``barrier`` (gpu/tma.py's ``group_sync_or``; ``bars`` the
+    block's mbarrier array) while the rest of its block runs on; the thread with ``leader``
+    set counts the group."""
+    cuda.threadfence()
+    group_sync_or(bars, barrier, threads, 0)
+    last = 0
+    if leader:
+        last = int(cuda.atomic.add(counters, at, 1) == expected - 1)
+    if group_sync_or(bars, barrier, threads, last):
         cuda.threadfence()
         return True
     return False

@@ -26,6 +26,10 @@ once and the barriers are condition variables):
   that tensor (only the simulator reads it).
 * ``tensor_map_acquire(maps, slot)``: orders the map's bytes, written by an earlier kernel,
   before this thread's copies read it (once per thread that issues copies).
+* ``group_sync_or(bars, barrier, threads, value)``: a barrier of ``threads`` threads (a
+  consumer warpgroup: a multiple of 32) on hardware barrier ``barrier`` (1-15; 0 is
+  syncthreads'), 1 in each of them if any passed a non-zero ``value``: what a warpgroup
+  synchronises on while the producer's warp runs on (a block barrier would wait for it).
 
 Host side: :func:`tensor_map` encodes a map for a C-contiguous [rows, K] uint16 (bf16 bits)
 array by the driver (``cuTensorMapEncodeTiled``) into a slot of a device pool kept for the
@@ -44,7 +48,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["PANEL_ELEMS", "mbarrier_init", "mbarrier_init_fence", "mbarrier_expect_tx",
            "mbarrier_arrive", "mbarrier_wait", "tma_load_panel", "tensor_map_acquire",
-           "tensor_map", "TensorMapError"]
+           "group_sync_or", "tensor_map", "TensorMapError"]
 
 PANEL_ELEMS = 32        # bf16 per box row: 64 bytes, the width of the 64-byte swizzle
 _MAP_WORDS = 16         # a CUtensorMap: 128 opaque bytes, 64-byte aligned
@@ -126,6 +130,35 @@ if SIMULATOR:
 
     def tensor_map_acquire(maps, slot):
         pass
+
+    class _SimGroupBarrier:
+        """A named barrier of ``threads`` threads whose every generation ORs their values."""
+
+        def __init__(self, threads):
+            self.threads, self.arrived, self.any, self.generation = threads, 0, 0, 0
+            self.result = 0
+            self.cond = threading.Condition()
+
+        def sync_or(self, value):
+            with self.cond:
+                generation = self.generation
+                self.any |= int(value != 0)
+                self.arrived += 1
+                if self.arrived == self.threads:
+                    self.result, self.any, self.arrived = self.any, 0, 0
+                    self.generation += 1
+                    self.cond.notify_all()
+                    return self.result
+                # the next generation needs this thread's arrival: result is still this one's
+                if not self.cond.wait_for(lambda: self.generation != generation, timeout=120):
+                    raise RuntimeError("named barrier: not every thread came in 120 s")
+                return self.result
+
+    def group_sync_or(bars, barrier, threads, value):
+        key = (id(bars), "group", int(barrier), int(threads))   # a block's bars: its own
+        with _LOCK:
+            group = _BARRIERS.setdefault(key, _SimGroupBarrier(int(threads)))
+        return group.sync_or(value)
 
     def tensor_map_release():
         pass
@@ -235,6 +268,20 @@ else:
                 [context.cast(builder, args[0], sig.args[0], types.int64)])
         return types.void(tmap), codegen
 
+    @intrinsic
+    def _bar_red_or(typingctx, barrier, threads, value):
+        """bar.red.or over ``threads`` threads on named barrier ``barrier``: 1 in each if any
+        passed a non-zero value (a memory barrier among them too, like bar.sync)."""
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
+            text = ("{\n\t.reg .pred %bro_q, %bro_p;\n\tsetp.ne.u32 %bro_q, $3, 0;\n\t"
+                    "bar.red.or.pred %bro_p, $1, $2, %bro_q;\n\t"
+                    "selp.u32 $0, 1, 0, %bro_p;\n\t}")
+            return builder.call(ir.InlineAsm(fnty, text, "=r,r,r,r,~{memory}",
+                                             side_effect=True),
+                                [_u32(context, builder, a, t) for a, t in zip(args, sig.args)])
+        return types.uint32(barrier, threads, value), codegen
+
     # the barriers' initialisation visible to the async proxy (the TMA unit's complete_tx)
     # before the block barrier that follows it
     mbarrier_init_fence = asm_statement("fence.mbarrier_init.release.cluster;")
@@ -261,6 +308,10 @@ else:
     @inline_device_function
     def tensor_map_acquire(maps, slot):
         _tensormap_acquire(_generic_address(maps, (slot, 0)))
+
+    @inline_device_function
+    def group_sync_or(bars, barrier, threads, value):
+        return _bar_red_or(barrier, threads, value)
 
     @inline_device_function
     def tma_load_panel(smem, word, maps, slot, src, col, row, rows, bars, i, width):

@@ -22,7 +22,7 @@ from kdtree_numba.layers.common import GPU_SMS
 __all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "WarpTiles", "MmaConfig", "WARP_TILE",
            "WGMMA_TILE",
            "wgmma_available", "mma_tile", "unsliced_tile", "mma_config", "mma_splits",
-           "swapped_tile", "SWAPPED_ROWS",
+           "swapped_tile", "SWAPPED_ROWS", "with_stream_k",
            "mma_error_coefficient"]
 
 PANEL = 32          # K elements per shared-memory panel row: 64 bytes = 16 uint32 words
@@ -69,7 +69,12 @@ class MmaConfig(WarpTiles):
     memory, set by the launcher where the M x N tiles alone fill the GPU.  ``sums_in_last``:
     the K slices' blocks write their partial sums, and each output tile's last slice block
     adds them (mma.make_sum_when_last: sum_splits' bits) where a sum launch would
-    (:func:`mma_config` at a decode's row; at every M with ``KDTREE_MMA_SUMS_IN_LAST``)."""
+    (:func:`mma_config` at a decode's row; at every M with ``KDTREE_MMA_SUMS_IN_LAST``).
+    ``stream_k``: with tma and K slices, the persistent grid's last ``stream_k`` waves of
+    tiles (1: the partial one; 2: it and the full one before) shared out slice by slice, so
+    every block gets the same number of slices; a tile cut between blocks is completed, in
+    slice order, by its last block to finish (layers/mma_tma.py: the same bits; a fold's two
+    accumulator sets, so at most two warpgroups); 0: off."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
@@ -84,6 +89,7 @@ class MmaConfig(WarpTiles):
     tma: bool = False
     swap_ab: bool = False
     swizzle: int = 64
+    stream_k: int = 0
 
     @property
     def stage_bytes(self) -> int:
@@ -121,6 +127,9 @@ class MmaConfig(WarpTiles):
                 or self.tma and (not self.wgmma or self.sums_in_last or self.bk != 2 * PANEL
                                  or self.slices_in_block and self.bn > 128)
                 or self.swap_ab and not self.tma
+                or self.stream_k not in (0, 1, 2)
+                or self.stream_k and (not self.tma or self.slices_in_block
+                                      or self.bn > 128 or self.threads > 256)
                 or self.tma and self.threads + 32 > 1024      # the producer's warp too
                 or self.swizzle not in ((64, 128) if self.tma else (64,))):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
@@ -130,7 +139,9 @@ class MmaConfig(WarpTiles):
                              f"the K slices summed in the block or by the last, not both; "
                              f"tma: wgmma, stages of 64, up to 8 of them, no last-block "
                              f"sums, a fold only up to BN = 128 (two accumulator sets); "
-                             f"swap_ab: tma only; swizzle 64, or 128 with tma")
+                             f"swap_ab: tma only; swizzle 64, or 128 with tma; stream_k: 0-2 waves, "
+                             f"tma, its own fold (not slices_in_block), BN <= 128, two "
+                             f"warpgroups")
 
     @property
     def frag_tiles(self) -> tuple:
@@ -228,6 +239,15 @@ def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 128) -
                      tma=True, swap_ab=True, splits=splits, swizzle=swizzle)
 
 
+def with_stream_k(cfg: MmaConfig) -> MmaConfig:
+    """A TMA tile with the ``stream_k`` waves ``KDTREE_MMA_STREAM_K`` asks for where the
+    tile can hold a fold's two accumulator sets (BN <= 128, two warpgroups); else ``cfg``."""
+    waves = runtime.current().mma_stream_k
+    if waves and cfg.tma and cfg.bn <= 128 and cfg.threads <= 256 and not cfg.slices_in_block:
+        return dataclasses.replace(cfg, stream_k=waves)
+    return cfg
+
+
 # Rows whose products take :func:`swapped_tile` where wgmma runs (KDTREE_MMA_TMA): a verify's 65 (budget 64)
 # to 80, where mma_tile's 80-row mma.sync tile was 1.05-1.64x slower on every Kimi-K2 shape
 # (run 203, H100: 2048 -> 7168 31.5 -> 19.2 us) and the GPU tests found the same bits
@@ -246,12 +266,13 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     swapped = m in SWAPPED_ROWS or (m == 1 and splits > 1)
     if swapped and wgmma_available() and runtime.current().mma_tma:   # KDTREE_MMA_TMA=1
         if m > 1:
-            return swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1, splits)
+            return with_stream_k(swapped_tile(m, 2 if -(-n // 128) >= GPU_SMS // 2 else 1,
+                                              splits))
         # a decode's sliced products: the swapped tile's 64 weight rows against x's row as an
         # n = 8 B, no slower than the 16-row tile on all 6 sliced Kimi-K2 shapes (run 204, H100:
         # 2048 -> 7168 19.9 -> 16.5 us, 18432 -> 7168 97.0 -> 92.6); the unsliced lm_head and
         # q_b keep it (there the 16-row tile was faster)
-        return swapped_tile(1, 1, splits)
+        return with_stream_k(swapped_tile(1, 1, splits))
     return dataclasses.replace(mma_tile(m), splits=splits,
                                sums_in_last=splits > 1 and m <= SUMS_IN_LAST_MAX_M)
 

@@ -43,7 +43,8 @@ from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import allow_large_shared_memory, store_nowrap_2d
+from kdtree_numba.gpu.counters import arrival_counters, group_last_to_arrive
+from kdtree_numba.gpu.memory import allow_large_shared_memory, load_l2_f32, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait_1, \
     wgmma_wait_all
 from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
@@ -54,10 +55,11 @@ from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, fragment_po
                                      partial_sums, round_into, shared_base, slice_plan,
                                      wgmma_operand)
 from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-exported)
-    SLICE_UNIT, MmaConfig, swapped_tile)
+    SLICE_UNIT, MmaConfig, swapped_tile, with_stream_k)
+from kdtree_numba.layers.workspace import workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
-           "planned", "wgmma_descriptor_128"]
+           "planned", "wgmma_descriptor_128", "whole_tiles", "WIDE_TILES"]
 
 # M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
 # M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
@@ -70,10 +72,22 @@ GROUP_M = 8
 TMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=6, wgmma=True, tma=True, swizzle=128)
 
 
+# Wider tiles, fewer staged bytes a FLOP: at 128 x 128 the kernel kept L2 77% busy at M = 512
+# (Nsight Compute, run 204), where cuBLAS runs 192 x 128 (run 202).  Unfolded (a fold's two
+# accumulator sets do not fit their registers): their sliced products' slices go through
+# memory.  bench_layers.py times them beside the default; not picked by mma_config yet
+WIDE_TILES = {
+    "tma 128 x 256": dataclasses.replace(TMA_TILE, tn=8, stages=4),
+    "tma 192 x 128": dataclasses.replace(TMA_TILE, wm=3, stages=5),
+    "tma 256 x 128": dataclasses.replace(TMA_TILE, wm=4, stages=4),
+}
+
+
 def tma_config(cfg: MmaConfig) -> MmaConfig:
-    """``cfg`` (a linear's plan: its K slices and fold) on :data:`TMA_TILE`."""
-    return dataclasses.replace(TMA_TILE, splits=cfg.splits,
-                               slices_in_block=cfg.slices_in_block)
+    """``cfg`` (a linear's plan: its K slices and fold) on :data:`TMA_TILE`, stream-K with
+    ``KDTREE_MMA_STREAM_K``."""
+    return with_stream_k(dataclasses.replace(TMA_TILE, splits=cfg.splits,
+                                             slices_in_block=cfg.slices_in_block))
 
 
 def tma_kernel(cfg: MmaConfig):
@@ -102,6 +116,7 @@ def _tma_kernel_for(cfg: MmaConfig):
 
     BM, BN, BK, STAGES = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     CONSUMERS = cfg.threads                       # the warpgroups' threads; the producer next
+    GROUPS = CONSUMERS // 128                     # consumer warpgroups
     WIDTH = cfg.swizzle // 2                      # bf16 a panel row: 32 or 64
     PANELS = BK // WIDTH
     STEPS = WIDTH // 16                           # k16 steps a panel
@@ -113,6 +128,7 @@ def _tma_kernel_for(cfg: MmaConfig):
     STAGE_BYTES = 2 * (BM + BN) * BK
     BARRIERS = 2 * STAGES                         # full[slot], then empty[slot]
     FOLD = cfg.slices_in_block
+    STREAM_K = cfg.stream_k
     SWAP = cfg.swap_ab          # A = the weights' rows, B = x's: tiles of y^T
     NACC = BN // 2
     wgmma = wgmma_bf16(BN)
@@ -121,18 +137,24 @@ def _tma_kernel_for(cfg: MmaConfig):
     ALIGN = None if SIMULATOR else 16
 
     @inline_device_function
-    def unit_tile(u, a_tiles, b_tiles, splits):
-        """Work unit u -> (A tile, B tile, first K slice): tiles in groups of GROUP_M A
-        tiles, the A tile fastest within a group; with the slices through memory,
-        slice-major."""
-        s = 0
-        if not FOLD:
-            s, u = divmod_u32(u, a_tiles * b_tiles)
+    def tile_of(u, a_tiles, b_tiles):
+        """Output tile u -> (A tile, B tile): in groups of GROUP_M A tiles, the A tile fastest
+        within a group."""
         group, within = divmod_u32(u, GROUP_M * b_tiles)
         first = group * GROUP_M
         size = min(a_tiles - first, GROUP_M)
         bt, at = divmod_u32(within, size)
-        return first + at, bt, s
+        return first + at, bt
+
+    @inline_device_function
+    def unit_tile(u, a_tiles, b_tiles, splits):
+        """Work unit u -> (A tile, B tile, first K slice): with the slices through memory,
+        slice-major."""
+        s = 0
+        if not FOLD:
+            s, u = divmod_u32(u, a_tiles * b_tiles)
+        at, bt = tile_of(u, a_tiles, b_tiles)
+        return at, bt, s
 
     @inline_device_function
     def slice_bounds(s, splits, kc_total, k_total):
@@ -142,6 +164,37 @@ def _tma_kernel_for(cfg: MmaConfig):
         return SLICE_UNIT * u_begin, min(SLICE_UNIT * u_end, k_total)
 
     @inline_device_function
+    def stream_k_range(block, grid, units):
+        """Stream-K slice units [first, end) of block ``block`` (of ``grid``): an even share."""
+        first, _ = divmod_u32(block * units, grid)
+        end, _ = divmod_u32((block + 1) * units, grid)
+        return first, end
+
+    @inline_device_function
+    def block_share(tiles, dp_tiles, splits):
+        """This block's stream-K slice units: the tiles past ``dp_tiles``, ``splits`` each."""
+        return stream_k_range(cuda.blockIdx.x, cuda.gridDim.x, (tiles - dp_tiles) * splits)
+
+    @inline_device_function
+    def stream_k_block(i, grid, units):
+        """The block whose stream-K range holds slice unit i."""
+        b, _ = divmod_u32((i + 1) * grid - 1, units)
+        return b
+
+    @inline_device_function
+    def next_segment(u, i, end, dp_tiles, splits):
+        """Stream-K's walk: (tile, stream-K tile, first slice, end slice, u, i, done) of the
+        block's next segment: whole tiles u, u + grid, ... below ``dp_tiles``, then its share
+        [i, end) of the rest's slices (one loop, so each role's body is inlined once)."""
+        if u < dp_tiles:
+            return u, 0, 0, splits, u + cuda.gridDim.x, i, False
+        if i < end:
+            r, s0 = divmod_u32(i, splits)
+            s1 = min(splits, s0 + end - i)
+            return dp_tiles + r, r, s0, s1, u, i + s1 - s0, False
+        return 0, 0, 0, 0, u, i, True
+
+    @inline_device_function
     def next_slot(slot, phase):
         """The ring position after (slot, phase): both roles walk the same stages."""
         if slot + 1 == STAGES:
@@ -149,98 +202,200 @@ def _tma_kernel_for(cfg: MmaConfig):
         return slot + 1, phase
 
     @inline_device_function
+    def produce_slices(smem, word0, bars, a_maps, a_slot, b_maps, b_slot, a16, b16, at, bt,
+                       s_begin, s_end, splits, kc_total, k_total, slot, phase):
+        """Stage K slices [s_begin, s_end) of tile (at, bt) through the ring."""
+        for s in range(s_begin, s_end):
+            k0, k_end = slice_bounds(s, splits, kc_total, k_total)
+            while k0 < k_end:
+                mbarrier_wait(bars, STAGES + slot, phase ^ 1)          # the slot is free
+                mbarrier_expect_tx(bars, slot, STAGE_BYTES)
+                for p in range(PANELS):
+                    tma_load_panel(smem, word0 + slot * A_STAGE + p * BM * ROW_WORDS,
+                                   a_maps, a_slot, a16, k0 + WIDTH * p, at * BM, BM,
+                                   bars, slot, WIDTH)
+                    tma_load_panel(smem, word0 + B_RING + slot * B_STAGE
+                                   + p * BN * ROW_WORDS, b_maps, b_slot, b16,
+                                   k0 + WIDTH * p, bt * BN, BN, bars, slot, WIDTH)
+                k0 += BK
+                slot, phase = next_slot(slot, phase)
+        return slot, phase
+
+    @inline_device_function
     def produce(smem, word0, bars, a_maps, a_slot, b_maps, b_slot, a16, b16, units, a_tiles,
-                b_tiles, splits, kc_total, k_total):
+                b_tiles, splits, kc_total, k_total, dp_tiles):
         tensor_map_acquire(a_maps, a_slot)
         tensor_map_acquire(b_maps, b_slot)
         slot, phase, u = 0, 0, cuda.blockIdx.x
-        per_unit = splits if FOLD else 1
-        while u < units:
-            at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
-            for s in range(s0, s0 + per_unit):
-                k0, k_end = slice_bounds(s, splits, kc_total, k_total)
-                while k0 < k_end:
-                    mbarrier_wait(bars, STAGES + slot, phase ^ 1)      # the slot is free
-                    mbarrier_expect_tx(bars, slot, STAGE_BYTES)
-                    for p in range(PANELS):
-                        tma_load_panel(smem, word0 + slot * A_STAGE + p * BM * ROW_WORDS,
-                                       a_maps, a_slot, a16, k0 + WIDTH * p, at * BM, BM,
-                                       bars, slot, WIDTH)
-                        tma_load_panel(smem, word0 + B_RING + slot * B_STAGE
-                                       + p * BN * ROW_WORDS, b_maps, b_slot, b16,
-                                       k0 + WIDTH * p, bt * BN, BN, bars, slot, WIDTH)
-                    k0 += BK
-                    slot, phase = next_slot(slot, phase)
-            u += cuda.gridDim.x
+        if STREAM_K:    # whole tiles, then this block's share of the stream-K slices
+            i, end = block_share(a_tiles * b_tiles, dp_tiles, splits)
+            while True:
+                t, r, s0, s1, u, i, done = next_segment(u, i, end, dp_tiles, splits)
+                if done:
+                    break
+                at, bt = tile_of(t, a_tiles, b_tiles)
+                slot, phase = produce_slices(smem, word0, bars, a_maps, a_slot, b_maps, b_slot,
+                                             a16, b16, at, bt, s0, s1, splits, kc_total,
+                                             k_total, slot, phase)
+        else:
+            per_unit = splits if FOLD else 1
+            while u < units:
+                at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
+                slot, phase = produce_slices(smem, word0, bars, a_maps, a_slot, b_maps, b_slot,
+                                             a16, b16, at, bt, s0, s0 + per_unit, splits,
+                                             kc_total, k_total, slot, phase)
+                u += cuda.gridDim.x
 
     @inline_device_function
-    def consume(smem, tiles, bars, out, units, a_tiles, b_tiles, splits, kc_total, k_total,
-                m_total, n_total, tid):
+    def multiply_slice(smem, tiles, a_rows, bars, acc, k0, k_end, slot, phase, lane):
+        """acc = the products of K [k0, k_end) from zero, stage by stage off the ring."""
+        for i in range(NACC):
+            acc[i] = ZERO
+        last = -1
+        while k0 < k_end:
+            mbarrier_wait(bars, slot, phase)                         # the stage has landed
+            wgmma_fence()
+            for p in range(PANELS):
+                for step in range(STEPS):
+                    wgmma(acc, smem,
+                          describe(a_rows + 4 * (slot * A_STAGE + p * BM * ROW_WORDS)
+                                   + 32 * step),
+                          describe(tiles + 4 * (B_RING + slot * B_STAGE
+                                                + p * BN * ROW_WORDS) + 32 * step))
+            wgmma_commit()
+            wgmma_wait_1()                      # the stage before is multiplied: free it
+            if last >= 0 and lane == 0:
+                mbarrier_arrive(bars, STAGES + last)
+            last = slot
+            k0 += BK
+            slot, phase = next_slot(slot, phase)
+        wgmma_wait_all()
+        if last >= 0 and lane == 0:
+            mbarrier_arrive(bars, STAGES + last)
+        return slot, phase
+
+    @inline_device_function
+    def fold(total, acc, first):
+        """The slices added in slice order: sum_splits' expression."""
+        for i in range(NACC):
+            total[i] = acc[i] if first else total[i] + acc[i]
+
+    @inline_device_function
+    def store_tile(out, acc, at, bt, orow, m_total, n_total, warp, lane):
+        row0, col0 = origin(warp, 0)
+        a0 = at * BM + row0
+        b0 = bt * BN + col0
+        for j in range(BN // 8):
+            for e in range(4):
+                r, c = fragment_position(lane, e)
+                a = a0 + r
+                b = b0 + 8 * j + c
+                if SWAP:        # acc holds y^T: a is a column of y, b a row
+                    if a < n_total and b < m_total:
+                        store_nowrap_2d(out, orow + b, a, acc[4 * j + e])
+                elif a < m_total and b < n_total:
+                    store_nowrap_2d(out, orow + a, b, acc[4 * j + e])
+
+    @inline_device_function
+    def part_store(part, acc, r, s, splits, tid):
+        """Slice s (or slot 0: a prefix's fold) of stream-K tile r -> ``part``, each thread's
+        accumulators at its own offsets (whichever block completes the tile reads them back
+        in the thread that holds those positions there)."""
+        base = (r * splits + s) * NACC
+        for i in range(NACC):
+            part[(base + i) * CONSUMERS + tid] = acc[i]
+
+    @inline_device_function
+    def consume_segment(smem, tiles, a_rows, bars, acc, total, out, part, counters, t, r, s0,
+                        s1, a_tiles, b_tiles, splits, kc_total, k_total, m_total, n_total,
+                        dp_tiles, slot, phase, tid):
+        """Stream-K: K slices [s0, s1) of tile t (stream-K tile r when it is cut).  The block
+        with slice 0 folds its slices; any other keeps each slice apart in ``part``, since
+        only slice order gives sum_splits' bits; the tile's last block to finish adds them
+        all, in slice order, into y."""
+        lane = tid & 31
+        warp = tid >> 5
+        for s in range(s0, s1):
+            k0, k_end = slice_bounds(s, splits, kc_total, k_total)
+            slot, phase = multiply_slice(smem, tiles, a_rows, bars, acc, k0, k_end, slot,
+                                         phase, lane)
+            if s0 == 0:
+                fold(total, acc, s == 0)
+            else:
+                part_store(part, acc, r, s, splits, tid)
+        at, bt = tile_of(t, a_tiles, b_tiles)
+        if s0 == 0 and s1 == splits:
+            store_tile(out, total, at, bt, 0, m_total, n_total, warp, lane)
+            return slot, phase
+        if s0 == 0:
+            part_store(part, total, r, 0, splits, tid)
+        grid = cuda.gridDim.x
+        units = (a_tiles * b_tiles - dp_tiles) * splits
+        first = stream_k_block(r * splits, grid, units)
+        blocks = stream_k_block(r * splits + splits - 1, grid, units) - first + 1
+        _, first_end = stream_k_range(first, grid, units)
+        prefix_end = min(first_end - r * splits, splits)         # where slot 0's fold ends
+        group = tid >> 7
+        at_counter = r * GROUPS + group
+        if group_last_to_arrive(counters, at_counter, blocks, bars, 1 + group, 128,
+                                (tid & 127) == 0):
+            base = r * splits * NACC
+            if s0 != 0:
+                for i in range(NACC):
+                    total[i] = load_l2_f32(part, (base + i) * CONSUMERS + tid)
+            for s in range(prefix_end, splits):
+                base = (r * splits + s) * NACC
+                for i in range(NACC):
+                    total[i] += load_l2_f32(part, (base + i) * CONSUMERS + tid)
+            store_tile(out, total, at, bt, 0, m_total, n_total, warp, lane)
+            if (tid & 127) == 0:
+                counters[at_counter] = 0
+        return slot, phase
+
+    @inline_device_function
+    def consume(smem, tiles, bars, out, part, counters, units, a_tiles, b_tiles, splits,
+                kc_total, k_total, m_total, n_total, dp_tiles, tid):
         acc = cuda.local.array(NACC, float32)
         total = cuda.local.array(NACC, float32)
         lane = tid & 31
         warp = tid >> 5
         a_rows = tiles + (tid >> 7) * (64 * 4 * ROW_WORDS)    # the warpgroup's 64 rows
-        per_unit = splits if FOLD else 1
         slot = 0
         phase = 0
         u = cuda.blockIdx.x
+        if STREAM_K:
+            i, end = block_share(a_tiles * b_tiles, dp_tiles, splits)
+            while True:
+                t, r, s0, s1, u, i, done = next_segment(u, i, end, dp_tiles, splits)
+                if done:
+                    return
+                slot, phase = consume_segment(smem, tiles, a_rows, bars, acc, total, out, part,
+                                              counters, t, r, s0, s1, a_tiles, b_tiles, splits,
+                                              kc_total, k_total, m_total, n_total, dp_tiles,
+                                              slot, phase, tid)
+        per_unit = splits if FOLD else 1
         while u < units:
             at, bt, s0 = unit_tile(u, a_tiles, b_tiles, splits)
             for s in range(s0, s0 + per_unit):
                 k0, k_end = slice_bounds(s, splits, kc_total, k_total)
-                for i in range(NACC):
-                    acc[i] = ZERO
-                last = -1
-                while k0 < k_end:
-                    mbarrier_wait(bars, slot, phase)                 # the stage has landed
-                    wgmma_fence()
-                    for p in range(PANELS):
-                        for step in range(STEPS):
-                            wgmma(acc, smem,
-                                  describe(a_rows + 4 * (slot * A_STAGE + p * BM * ROW_WORDS)
-                                           + 32 * step),
-                                  describe(tiles + 4 * (B_RING + slot * B_STAGE
-                                                        + p * BN * ROW_WORDS) + 32 * step))
-                    wgmma_commit()
-                    wgmma_wait_1()              # the stage before is multiplied: free it
-                    if last >= 0 and lane == 0:
-                        mbarrier_arrive(bars, STAGES + last)
-                    last = slot
-                    k0 += BK
-                    slot, phase = next_slot(slot, phase)
-                wgmma_wait_all()
-                if last >= 0 and lane == 0:
-                    mbarrier_arrive(bars, STAGES + last)
-                if FOLD:     # the slices added in slice order: sum_splits' expression
-                    for i in range(NACC):
-                        total[i] = acc[i] if s == s0 else total[i] + acc[i]
+                slot, phase = multiply_slice(smem, tiles, a_rows, bars, acc, k0, k_end, slot,
+                                             phase, lane)
+                if FOLD:
+                    fold(total, acc, s == s0)
             if FOLD:
-                for i in range(NACC):
-                    acc[i] = total[i]
-            row0, col0 = origin(warp, 0)
-            a0 = at * BM + row0
-            b0 = bt * BN + col0
-            orow = 0 if FOLD else s0 * m_total
-            for j in range(BN // 8):
-                for e in range(4):
-                    r, c = fragment_position(lane, e)
-                    a = a0 + r
-                    b = b0 + 8 * j + c
-                    if SWAP:        # acc holds y^T: a is a column of y, b a row
-                        if a < n_total and b < m_total:
-                            store_nowrap_2d(out, orow + b, a, acc[4 * j + e])
-                    elif a < m_total and b < n_total:
-                        store_nowrap_2d(out, orow + a, b, acc[4 * j + e])
+                store_tile(out, total, at, bt, 0, m_total, n_total, warp, lane)
+            else:
+                store_tile(out, acc, at, bt, s0 * m_total, m_total, n_total, warp, lane)
             u += cuda.gridDim.x
 
     @kernel
     def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
-                       k_total, a_tiles, b_tiles, splits, kc_total):
+                       k_total, a_tiles, b_tiles, splits, kc_total, part, counters, dp_tiles):
         """out = x16 w16^T over this block's work units (the module docstring); x16's and
         w16's tensor maps are rows ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``;
         ``a_tiles`` / ``b_tiles``: the A and B operands' row tiles (x's and the weights', or
-        swapped)."""
+        swapped).  Stream-K: the first ``dp_tiles`` tiles whole, the rest's K slices shared
+        out (cut tiles through ``part`` and ``counters``; unused otherwise)."""
         smem = cuda.shared.array(0, uint32, alignment=ALIGN)
         bars = cuda.shared.array(BARRIERS, uint64)
         tid = cuda.threadIdx.x
@@ -259,13 +414,13 @@ def _tma_kernel_for(cfg: MmaConfig):
                 return
             if SWAP:
                 produce(smem, (tiles - sbase) >> 2, bars, w_maps, w_slot, x_maps, x_slot, w16,
-                        x16, units, a_tiles, b_tiles, splits, kc_total, k_total)
+                        x16, units, a_tiles, b_tiles, splits, kc_total, k_total, dp_tiles)
             else:
                 produce(smem, (tiles - sbase) >> 2, bars, x_maps, x_slot, w_maps, w_slot, x16,
-                        w16, units, a_tiles, b_tiles, splits, kc_total, k_total)
+                        w16, units, a_tiles, b_tiles, splits, kc_total, k_total, dp_tiles)
         else:
-            consume(smem, tiles, bars, out, units, a_tiles, b_tiles, splits, kc_total,
-                    k_total, m_total, n_total, tid)
+            consume(smem, tiles, bars, out, part, counters, units, a_tiles, b_tiles, splits,
+                    kc_total, k_total, m_total, n_total, dp_tiles, tid)
 
     return mma_tma_linear
 
@@ -310,14 +465,42 @@ def planned(cfg: MmaConfig):
     return None
 
 
+def whole_tiles(tiles: int, grid: int, waves: int = 1) -> int:
+    """Stream-K: the tiles ``grid`` persistent blocks run whole, one after another (the
+    data-parallel waves), before the last ``waves`` waves of tiles -- 1: the partial last
+    one; 2: it and the full one before, so each block's share holds more slices and fewer
+    tiles are cut -- are shared out slice by slice.  All of them where the tiles fill whole
+    waves."""
+    full, rest = divmod(tiles, grid)
+    if rest == 0:
+        return tiles
+    return max(0, full - (waves - 1)) * grid
+
+
+_UNUSED: dict = {}      # context -> a float32 [1] for the kernels that take no stream-K part
+
+
+def _unused_part(stream):
+    from kdtree_numba import compat
+    key = 0 if SIMULATOR else id(cuda.current_context())
+    if key not in _UNUSED:
+        _UNUSED[key] = compat.device_empty((1,), np.float32, stream)
+    return _UNUSED[key]
+
+
 def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     """Launch: y [M, N] = bf16(xd [M, K]) wd^T on ``cfg`` (a ``tma`` tile): its K slices
     (at most K's units) added in the block where mma.folds_slices says (or cfg asks), else
-    by a sum launch; the cp.async kernels' slices and order, so their bits."""
+    by a sum launch, or with ``cfg.stream_k`` shared out over the grid (:func:`whole_tiles`,
+    the cut tiles' slices through a workspace buffer); the cp.async kernels' slices and
+    order, so their bits."""
     (m, k), n = xd.shape, wd.shape[0]
     splits, in_block, in_memory = slice_plan(cfg, m, n, k)
-    if in_block != cfg.slices_in_block:
-        cfg = dataclasses.replace(cfg, slices_in_block=in_block)
+    stream_k = cfg.stream_k if splits > 1 else 0
+    if stream_k:
+        in_block = in_memory = False
+    if (in_block, stream_k) != (cfg.slices_in_block, cfg.stream_k):
+        cfg = dataclasses.replace(cfg, slices_in_block=in_block, stream_k=stream_k)
     buf = _x_rows(m, k, stream)
     round_into(xd, buf, stream)
     x_box, w_box = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # rows a box
@@ -326,11 +509,24 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     target = partial_sums(y, splits, in_memory, workspace, stream)
     a_tiles, b_tiles = ((-(-n // cfg.bm), -(-m // cfg.bn)) if cfg.swap_ab else
                         (-(-m // cfg.bm), -(-n // cfg.bn)))
-    units = a_tiles * b_tiles * (splits if in_memory else 1)
+    tiles = a_tiles * b_tiles
+    if stream_k:
+        grid = min(tiles * splits, _sm_count())
+        dp_tiles = whole_tiles(tiles, grid, stream_k)
+        cut = tiles - dp_tiles
+        part = workspace_buffer(workspace, "linear.mma_stream_k",
+                                (max(1, cut * splits * cfg.bm * cfg.bn),), np.float32, stream)
+        counters = arrival_counters("linear.mma_stream_k", max(1, cut * cfg.threads // 128),
+                                    stream)
+    else:
+        grid = min(tiles * (splits if in_memory else 1), _sm_count())
+        dp_tiles = tiles
+        part = _unused_part(stream)
+        counters = arrival_counters("linear.mma_stream_k", 1, stream)
     dispatcher = tma_kernel(cfg)
     args = (buf, wd, target, x_maps, x_slot, w_maps, w_slot, m, n, k, a_tiles, b_tiles,
-            splits, -(-k // SLICE_UNIT))
+            splits, -(-k // SLICE_UNIT), part, counters, dp_tiles)
     allow_large_shared_memory(dispatcher, args, cfg.smem_bytes)
-    dispatcher[min(units, _sm_count()), cfg.threads + 32, stream, cfg.smem_bytes](*args)
+    dispatcher[grid, cfg.threads + 32, stream, cfg.smem_bytes](*args)
     if in_memory:
         add_splits(target.reshape(splits, m, n), y, stream)
