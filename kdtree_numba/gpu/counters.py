@@ -1,6 +1,6 @@
 """Arrival counters of the kernels whose last block to finish a tile completes it (the MoE's
 combine in its down launch, layers/moe_combine.py; the bf16 GEMM's K slices added by their last
-block, layers/mma.py): int32 device arrays kept for the process, zeroed once when made, and set
+block, layers/mma.py, and its stream-K tiles cut between blocks, layers/mma_tma.py): int32 device arrays kept for the process, zeroed once when made, and set
 back to 0 by the block that uses each counter last, so that the next launch -- or a CUDA
 graph's next replay -- counts from 0.
 
@@ -70,16 +70,18 @@ def last_to_arrive(counters, at, expected):
 
 
 @device_function(inline="always")
-def group_last_to_arrive(counters, at, expected, bars, barrier, threads, leader):
+def group_last_to_arrive(counters, at, amount, expected, bars, barrier, threads, leader):
     """:func:`last_to_arrive` for a group of ``threads`` threads (a consumer warpgroup) that
     synchronises on named barrier ``barrier`` (gpu/tma.py's ``group_sync_or``; ``bars`` the
-    block's mbarrier array) while the rest of its block runs on; the thread with ``leader``
-    set counts the group."""
+    block's mbarrier array, which the simulator's twin keys it by) while the rest of its
+    block runs on; the group adds ``amount`` of counter ``at``'s ``expected`` (its share of
+    the work: the groups need not be counted one by one) and the thread with ``leader`` set
+    counts it."""
     cuda.threadfence()
     group_sync_or(bars, barrier, threads, 0)
     last = 0
     if leader:
-        last = int(cuda.atomic.add(counters, at, 1) == expected - 1)
+        last = int(cuda.atomic.add(counters, at, amount) + amount == expected)
     if group_sync_or(bars, barrier, threads, last):
         cuda.threadfence()
         return True

@@ -270,12 +270,14 @@ else:
 
     @intrinsic
     def _bar_red_or(typingctx, barrier, threads, value):
-        """bar.red.or over ``threads`` threads on named barrier ``barrier``: 1 in each if any
-        passed a non-zero value (a memory barrier among them too, like bar.sync)."""
+        """barrier.red.or over ``threads`` threads on named barrier ``barrier``: 1 in each if
+        any passed a non-zero value (a memory barrier among them too, like bar.sync).  The
+        non-aligned form: inline asm is not marked convergent, so the compiler could in
+        principle move it where a warp's lanes diverge (review of ff70aec)."""
         def codegen(context, builder, sig, args):
             fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
             text = ("{\n\t.reg .pred %bro_q, %bro_p;\n\tsetp.ne.u32 %bro_q, $3, 0;\n\t"
-                    "bar.red.or.pred %bro_p, $1, $2, %bro_q;\n\t"
+                    "barrier.red.or.pred %bro_p, $1, $2, %bro_q;\n\t"
                     "selp.u32 $0, 1, 0, %bro_p;\n\t}")
             return builder.call(ir.InlineAsm(fnty, text, "=r,r,r,r,~{memory}",
                                              side_effect=True),

@@ -311,8 +311,9 @@ def _tma_kernel_for(cfg: MmaConfig):
                         dp_tiles, slot, phase, tid):
         """Stream-K: K slices [s0, s1) of tile t (stream-K tile r when it is cut).  The block
         with slice 0 folds its slices; any other keeps each slice apart in ``part``, since
-        only slice order gives sum_splits' bits; the tile's last block to finish adds them
-        all, in slice order, into y."""
+        only slice order gives sum_splits' bits; each warpgroup's rows of the tile are then
+        added, in slice order, into y by the last of the tile's blocks to count its slices
+        in that warpgroup's counter."""
         lane = tid & 31
         warp = tid >> 5
         for s in range(s0, s1):
@@ -331,13 +332,12 @@ def _tma_kernel_for(cfg: MmaConfig):
             part_store(part, total, r, 0, splits, tid)
         grid = cuda.gridDim.x
         units = (a_tiles * b_tiles - dp_tiles) * splits
-        first = stream_k_block(r * splits, grid, units)
-        blocks = stream_k_block(r * splits + splits - 1, grid, units) - first + 1
-        _, first_end = stream_k_range(first, grid, units)
+        _, first_end = stream_k_range(stream_k_block(r * splits, grid, units), grid, units)
         prefix_end = min(first_end - r * splits, splits)         # where slot 0's fold ends
         group = tid >> 7
         at_counter = r * GROUPS + group
-        if group_last_to_arrive(counters, at_counter, blocks, bars, 1 + group, 128,
+        # the tile counts its slices (blocks with an empty share may lie between its owners)
+        if group_last_to_arrive(counters, at_counter, s1 - s0, splits, bars, 1 + group, 128,
                                 (tid & 127) == 0):
             base = r * splits * NACC
             if s0 != 0:
