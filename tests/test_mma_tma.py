@@ -323,12 +323,14 @@ def test_tma_kernels_compile_to_hopper_ptx():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(100, 1000, 768), (512, 7168, 2048), (200, 2112, 7168),
-                                     (4096, 1536, 7168), (129, 12288, 1536), (81, 200, 72)])
+                                     (4096, 1536, 7168), (129, 12288, 1536), (81, 200, 72),
+                                     (1024, 2112, 7168)])
 def test_gpu_tma_linear_keeps_the_default_bits(m, n, k, monkeypatch):
     """``KDTREE_MMA_TMA=1`` gives the cp.async kernel's bits (the same panels, slices, fold
     and order) on the real TMA and wgmma: ragged edges, sliced and unsliced Kimi-K2 shapes,
     folded (M = 512, 4096) and through memory (M = 100-200), and again on a second call (the
-    kept x buffer and tensor maps)."""
+    kept x buffer and tensor maps); the wide tiles, and stream-K at 1 and 2 waves (at M =
+    1024 on 7168 -> 2112 the partial wave's 32 slices over 132 blocks)."""
     from kdtree_numba.layers import linear
     if not mm.wgmma_available():
         pytest.skip("needs an sm_90 GPU")
