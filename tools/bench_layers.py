@@ -461,6 +461,13 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
             plans += [(f"tma stream-K, {waves} wave{'s' * (waves > 1)} shared",
                        dataclasses.replace(base, stream_k=waves, slices_in_block=False))
                       for waves in (1, 2)]
+        if m > 80:      # cuBLAS's tile height with the slices added in the block
+            from kdtree_numba.layers.mma_tma import WIDE_FOLDING
+            wide = dataclasses.replace(WIDE_FOLDING, splits=default.splits)
+            plans += [("tma 192 x 128 folded, 152 registers",
+                       dataclasses.replace(wide, slices_in_block=True)),
+                      ("tma 192 x 128 stream-K, 152 registers",
+                       dataclasses.replace(wide, stream_k=1))]
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
     for name, cfg in plans:

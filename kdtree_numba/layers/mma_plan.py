@@ -128,8 +128,8 @@ class MmaConfig(WarpTiles):
                                  or self.slices_in_block and self.bn > 128)
                 or self.swap_ab and not self.tma
                 or self.stream_k not in (0, 1, 2)
-                or self.stream_k and (not self.tma or self.slices_in_block
-                                      or self.bn > 128 or self.threads > 256)
+                or self.stream_k and (not self.tma or self.slices_in_block or self.bn > 128
+                                      or not self.holds_two_accumulator_sets)
                 or self.tma and self.threads + 32 > 1024      # the producer's warp too
                 or self.swizzle not in ((64, 128) if self.tma else (64,))):
             raise ValueError(f"bad MmaConfig {self}: bk % 32, <= 1024 threads, 2-4 stages, "
@@ -141,7 +141,15 @@ class MmaConfig(WarpTiles):
                              f"sums, a fold only up to BN = 128 (two accumulator sets); "
                              f"swap_ab: tma only; swizzle 64, or 128 with tma; stream_k: 0-2 waves, "
                              f"tma, its own fold (not slices_in_block), BN <= 128, two "
-                             f"warpgroups")
+                             f"warpgroups (more with max_registers fitting an SM)")
+
+    @property
+    def holds_two_accumulator_sets(self) -> bool:
+        """Whether a thread may hold a fold's two sets of BN / 2 accumulators: up to two
+        warpgroups, or more with ``max_registers`` capping them all (a TMA tile's producer
+        warp too) within an SM's 64 K registers."""
+        return self.threads <= 256 or 0 < self.max_registers * (
+            self.threads + (32 if self.tma else 0)) <= 65536
 
     @property
     def frag_tiles(self) -> tuple:
@@ -243,7 +251,8 @@ def with_stream_k(cfg: MmaConfig) -> MmaConfig:
     """A TMA tile with the ``stream_k`` waves ``KDTREE_MMA_STREAM_K`` asks for where the
     tile can hold a fold's two accumulator sets (BN <= 128, two warpgroups); else ``cfg``."""
     waves = runtime.current().mma_stream_k
-    if waves and cfg.tma and cfg.bn <= 128 and cfg.threads <= 256 and not cfg.slices_in_block:
+    if (waves and cfg.tma and cfg.bn <= 128 and cfg.holds_two_accumulator_sets
+            and not cfg.slices_in_block):
         return dataclasses.replace(cfg, stream_k=waves)
     return cfg
 

@@ -59,7 +59,7 @@ from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-expor
 from kdtree_numba.layers.workspace import workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
-           "planned", "wgmma_descriptor_128", "whole_tiles", "WIDE_TILES"]
+           "planned", "wgmma_descriptor_128", "whole_tiles", "WIDE_TILES", "WIDE_FOLDING"]
 
 # M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
 # M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
@@ -81,6 +81,9 @@ WIDE_TILES = {
     "tma 192 x 128": dataclasses.replace(TMA_TILE, wm=3, stages=5),
     "tma 256 x 128": dataclasses.replace(TMA_TILE, wm=4, stages=4),
 }
+# 192 x 128 with a fold's two accumulator sets (folded or stream-K): 163-168 registers
+# uncapped, more than 416 threads may hold; capped at 152 ptxas spills 32 / 84 bytes
+WIDE_FOLDING = dataclasses.replace(WIDE_TILES["tma 192 x 128"], max_registers=152)
 
 
 def tma_config(cfg: MmaConfig) -> MmaConfig:
@@ -388,7 +391,7 @@ def _tma_kernel_for(cfg: MmaConfig):
                 store_tile(out, acc, at, bt, s0 * m_total, m_total, n_total, warp, lane)
             u += cuda.gridDim.x
 
-    @kernel
+    @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
     def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
                        k_total, a_tiles, b_tiles, splits, kc_total, part, counters, dp_tiles):
         """out = x16 w16^T over this block's work units (the module docstring); x16's and
