@@ -94,8 +94,9 @@ def tma_config(cfg: MmaConfig) -> MmaConfig:
 
 
 def tma_kernel(cfg: MmaConfig):
-    """The kernel for a tile shape (K slices are a launch argument; the fold is the shape's)."""
-    return _tma_kernel_for(dataclasses.replace(cfg, splits=1))
+    """The kernel for a tile shape (K slices are a launch argument; the fold is the shape's;
+    stream-K's waves only move the launcher's ``dp_tiles``: one kernel for 1 and 2)."""
+    return _tma_kernel_for(dataclasses.replace(cfg, splits=1, stream_k=min(cfg.stream_k, 1)))
 
 
 # A wgmma descriptor's fixed fields for 128-byte-swizzled K-major panels (PTX ISA, "Matrix
