@@ -1036,6 +1036,28 @@ def summary(results):
         print(f"mma worst row: {worst['K']}->{worst['N']} M={worst['M']} at "
               f"{worst['vs_cublas_bf16']:.2f}x cuBLAS bf16 (issue 38's goal: >= 0.9x on every "
               f"row)")
+    mma_best(results)
+
+
+def mma_best(results):
+    """The fastest mma plan of each (shape, M) where a variant beat the default (what to pick
+    in mma_config), and the worst row if every row took its fastest plan."""
+    best = {}
+    for r in results:
+        if r["section"] == "mma" and "error" not in r and r.get("vs_cublas_bf16"):
+            key = (r["K"], r["N"], r["M"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    if not best:
+        return
+    print("\nmma: the fastest plan where a variant beat the default")
+    for (k, n, m), r in sorted(best.items(), key=lambda item: (item[0][2], item[0][:2])):
+        if r["variant"] != "default":
+            print(f"  {k}->{n} M={m}: {r['variant']} {r['us']:.1f} us = {r['vs_default']:.2f}x "
+                  f"the default, {r['vs_cublas_bf16']:.2f}x cuBLAS bf16")
+    worst = min(best.values(), key=lambda r: r["vs_cublas_bf16"])
+    print(f"mma worst row on each row's fastest plan: {worst['K']}->{worst['N']} M={worst['M']}"
+          f" {worst['variant']} at {worst['vs_cublas_bf16']:.2f}x cuBLAS bf16")
 
 
 def main(argv=None) -> int:
