@@ -24,6 +24,14 @@ block b takes units b, b + grid, ...  Stage g of the block lives in ring slot g 
 TMA's complete_tx), ``empty[slot]`` when each consumer warp's wgmma reading it has finished
 (one arrival a warp after its wgmma wait), which the producer waits on before reusing it.
 
+Stream-K (``cfg.stream_k``, ``KDTREE_MMA_STREAM_K``): a sliced product's tiles run whole,
+block b taking tiles b, b + grid, ... (:func:`whole_tiles`), until the last one or two waves,
+whose K slices are then shared out evenly, block b taking a contiguous run of them; a tile
+cut between blocks goes through a workspace buffer (the block with slice 0 writes its fold,
+every other block its slices one by one) and the warpgroup whose slices complete the tile's
+count adds them in slice order into y: the fold's bits, and no block ever waits for another.
+docs/LAYERS.md, "Stream-K".
+
 x must be rounded to bf16 into a buffer whose tensor map stays valid: a buffer kept per (CUDA
 context, K), grown to a power of two of rows (rows past M hold stale bits whose outputs are
 never stored: a row's products read only its own x row).  Launches run in stream order
@@ -42,8 +50,8 @@ import numpy as np
 from kdtree_numba import runtime
 from kdtree_numba.compat import SIMULATOR, cuda, kernel, kernel_factory
 from kdtree_numba.gpu.bits import divmod_u32
-from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.counters import arrival_counters, group_last_to_arrive
+from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_l2_f32, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait_1, \
     wgmma_wait_all
