@@ -135,7 +135,11 @@ INT4_MMA_TILES = (("16x64 4x64", dict(bk=64)), ("16x128 4x64", dict(tn=4, bk=64)
                   ("16x128 4x128 8 warps", dict(wn=8, bk=128)),
                   ("16x64 4x128 skip dead", dict(bk=128, skip_dead_rows=True)),
                   ("16x128 4x128 skip dead", dict(tn=4, bk=128, skip_dead_rows=True)),
-                  ("16x64 6x128 skip dead", dict(bk=128, stages=6, skip_dead_rows=True)))
+                  ("16x64 6x128 skip dead", dict(bk=128, stages=6, skip_dead_rows=True)),
+                  # 32 rows: at 65 router-picked rows an expert takes up to ~40 and the
+                  # 16-row tile streams ~1.27x the distinct experts' weights (session 51's
+                  # count, reference routing at bench_layers' widths; 1.02x at 32 rows)
+                  ("32x64 4x64", dict(tm=2, bk=64)), ("32x64 4x128", dict(tm=2, bk=128)))
 # the M = 1 decode GEMV's variants (moe_ffn's int4 weight-streaming kernels, configs = the
 # (gate_up, down) SkinnyConfigs of expert_config's pick with these fields replaced; layers/
 # skinny.py SkinnyConfig, layers/moe.py _expert_kernel): one bulk L2 prefetch per weight row
