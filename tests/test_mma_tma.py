@@ -85,35 +85,25 @@ def test_simulated_tma_kernel_equals_the_cp_async_wgmma_kernel(m, n, k, cfg, nee
     assert np.all(np.abs(got - want) <= (k + 2) * 2.0 ** -24 * magnitude)
 
 
-def test_stream_k_tile_cut_across_four_blocks(needs_kernels, monkeypatch):
-    """Four blocks, one tile of 4 K slices: a block a slice (slice 0 folded alone into the
-    part buffer's slot 0, slices 1-3 each apart), the last block to finish adds them in slice
-    order -- the fold's bits -- and sets the tile's counters back to 0."""
+@pytest.mark.parametrize("blocks, m, n, k, splits", [
+    # one tile of 4 K slices, a block a slice: slice 0 folded alone into the part buffer's
+    # slot 0, slices 1-3 each apart, the last block to count in adds them in slice order
+    (4, 40, 24, 256, 4),
+    # 9 tiles of 2 slices, the partial wave shared: tiles 0-7 whole, tile 8's 2 slices over 8
+    # blocks (blocks 3 and 7 own one each, the rest none): the tile counts its slices, not
+    # the blocks between its owners (review of ff70aec: counting blocks left it unstored)
+    (8, 24, 288, 256, 2),
+], ids=["a tile cut over four blocks", "fewer slices than blocks"])
+def test_stream_k_cut_tiles_keep_the_folds_bits(blocks, m, n, k, splits, needs_kernels,
+                                                monkeypatch):
+    """Stream-K over more blocks than the simulator's 2: the fold's bits, and every cut
+    tile's counters back at 0 for the next launch."""
     from kdtree_numba.gpu import counters
     from kdtree_numba.layers import linear
     _simulated(monkeypatch)
-    monkeypatch.setattr(mma_tma, "_sm_count", lambda: 4)
-    x, w16, _ = _block_case(5, 40, 24, 256)
-    cfg = dataclasses.replace(SMALL, splits=4)
-    folded = linear(x, w16, method="mma", config=dataclasses.replace(
-        cfg, slices_in_block=True)).copy_to_host()
-    got = linear(x, w16, method="mma", config=dataclasses.replace(
-        cfg, stream_k=1)).copy_to_host()
-    assert got.tobytes() == folded.tobytes()
-    assert all(not np.any(c.copy_to_host()) for c in counters.made("linear.mma_stream_k"))
-
-
-def test_stream_k_with_fewer_slices_than_blocks(needs_kernels, monkeypatch):
-    """8 blocks, 9 tiles of 2 slices, the partial wave shared: tiles 0-7 whole, tile 8's
-    2 slices over 8 blocks (blocks 3 and 7 own one each, the rest own none): the tile counts
-    its slices, not the blocks between its owners, so it is completed, and its counters go
-    back to 0 (review of ff70aec: counting blocks left it unstored)."""
-    from kdtree_numba.gpu import counters
-    from kdtree_numba.layers import linear
-    _simulated(monkeypatch)
-    monkeypatch.setattr(mma_tma, "_sm_count", lambda: 8)
-    x, w16, _ = _block_case(6, 24, 288, 256)
-    cfg = dataclasses.replace(SMALL, splits=2)
+    monkeypatch.setattr(mma_tma, "_sm_count", lambda: blocks)
+    x, w16, _ = _block_case(blocks, m, n, k)
+    cfg = dataclasses.replace(SMALL, splits=splits)
     folded = linear(x, w16, method="mma", config=dataclasses.replace(
         cfg, slices_in_block=True)).copy_to_host()
     got = linear(x, w16, method="mma", config=dataclasses.replace(
