@@ -153,9 +153,10 @@ ROUNDS_ON, ROUNDS_MAX = 4, 16         # KDTREE_ROUNDS_PER_LAUNCH=on's rounds a l
 
 
 def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS_ON,
-           most: int = AR_STEPS_MAX, what: str = "steps") -> int:
-    """Steps (``what``) a launch from ``name``: a whole number 0..``most`` (0: off), on/off
-    words (on: ``on``); ``unset`` where it is unset or empty."""
+           most: int = AR_STEPS_MAX, what: str = "steps a launch") -> int:
+    """A count (``what``: steps a launch, rounds a launch, waves) from ``name``: a whole
+    number 0..``most`` (0: off), on/off words (on: ``on``); ``unset`` where it is unset or
+    empty."""
     value = environ.get(name, "").strip().lower()
     if not value:
         return unset
@@ -164,21 +165,8 @@ def _steps(environ: Mapping[str, str], name: str, unset: int, on: int = AR_STEPS
     if value in ("on", "yes", "true"):
         return on
     if not value.isdigit() or int(value) > most:
-        raise ValueError(f"{name}={value!r}: expected {what} a launch, 0 (off) to "
+        raise ValueError(f"{name}={value!r}: expected {what}, 0 (off) to "
                          f"{most}, or on ({on})")
-    return int(value)
-
-
-def _waves(environ: Mapping[str, str], name: str) -> int:
-    """Waves shared out from ``name``: 0 (off; unset too), 1 or 2, or on/off words (on: 1)."""
-    value = environ.get(name, "").strip().lower()
-    if not value or value in _OFF:
-        return 0
-    if value in ("on", "yes", "true"):
-        return 1
-    if value not in ("1", "2"):
-        raise ValueError(f"{name}={value!r}: expected 0 (off), 1 (the last, partial wave of "
-                         f"tiles shared out), 2 (the last two waves), or on (1)")
     return int(value)
 
 
@@ -340,7 +328,7 @@ class RuntimeConfig:
                    ar_device_steps=_steps(env, "KDTREE_AR_DEVICE_STEPS",
                                           0 if simulator else AR_STEPS_ON),
                    rounds_per_launch=max(1, _steps(env, "KDTREE_ROUNDS_PER_LAUNCH", 1,
-                                                   ROUNDS_ON, ROUNDS_MAX, "rounds")),
+                                                   ROUNDS_ON, ROUNDS_MAX, "rounds a launch")),
                    wait_near_end=_margin(env, "KDTREE_WAIT_NEAR_END"),
                    early_round=_flag(env, "KDTREE_EARLY_ROUND", True),
                    prompt_lookup=_lookup_weight(env, "KDTREE_PROMPT_LOOKUP"),
@@ -359,7 +347,8 @@ class RuntimeConfig:
                    fused_router=_flag(env, "KDTREE_FUSED_ROUTER", False),
                    mma_sums_in_last=_flag(env, "KDTREE_MMA_SUMS_IN_LAST", False),
                    mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
-                   mma_stream_k=_waves(env, "KDTREE_MMA_STREAM_K"),
+                   mma_stream_k=_steps(env, "KDTREE_MMA_STREAM_K", 0, 1, 2,
+                                       "waves of tiles shared out"),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -435,8 +435,7 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
     if m >= 65 and wgmma_available():
         # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
         # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
-        # fold, the slices forced into the block, and 128 x 256 tiles (unfolded: two
-        # accumulator sets of 128 registers do not fit)
+        # fold, and (past 80 rows) the slices forced into the block
         from kdtree_numba.layers.mma_tma import TMA_TILE
         tma = dataclasses.replace(TMA_TILE, splits=default.splits)
         plans.append(("tma 128 x 128", tma))
@@ -461,7 +460,7 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         base = (default if default.tma else
                 swapped_tile(m, 1, default.splits) if m <= 80 else
                 dataclasses.replace(TMA_TILE, splits=default.splits))
-        if base.bn <= 128 and base.threads <= 256:
+        if base.bn <= 128 and base.holds_two_accumulator_sets:
             plans += [(f"tma stream-K, {waves} wave{'s' * (waves > 1)} shared",
                        dataclasses.replace(base, stream_k=waves, slices_in_block=False))
                       for waves in (1, 2)]

@@ -187,8 +187,8 @@ def _gpu_jobs():
         if cfg.tma:     # the TMA kernel's tiles (a verify's rows on sm_90)
             from kdtree_numba.layers.mma_tma import tma_kernel
             u64 = T.uint64[:, ::1]
-            jobs.append((tma_kernel(cfg), (h2, h2, f2, u64, i64, u64, i64) + (i64,) * 7,
-                         sm90a))
+            jobs.append((tma_kernel(cfg), (h2, h2, f2, u64, i64, u64, i64) + (i64,) * 7
+                         + (T.float32[::1], i1, i64), sm90a))   # + stream-K's part, counters
             continue
         jobs.append((mm.mma_kernel(cfg), (h2, h2, f2) + (i64,) * 9,
                      sm90a if cfg.wgmma else sm90))

@@ -1,8 +1,9 @@
 """Arrival counters of the kernels whose last block to finish a tile completes it (the MoE's
 combine in its down launch, layers/moe_combine.py; the bf16 GEMM's K slices added by their last
-block, layers/mma.py, and its stream-K tiles cut between blocks, layers/mma_tma.py): int32 device arrays kept for the process, zeroed once when made, and set
-back to 0 by the block that uses each counter last, so that the next launch -- or a CUDA
-graph's next replay -- counts from 0.
+block, layers/mma.py, and its stream-K tiles cut between blocks, layers/mma_tma.py): int32
+device arrays kept for the process, zeroed once when made, and set back to 0 by the block
+that uses each counter last, so that the next launch -- or a CUDA graph's next replay --
+counts from 0.
 
 Why not a workspace buffer: the engine's ops make a fresh workspace per call, and a buffer
 made inside a graph's capture cannot be zeroed by a host upload (the capture would record a

@@ -13,8 +13,9 @@ import numpy as np
 
 from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
 
-__all__ = ["add_splits", "SKINNY_MAX_M", "SMALL_WEIGHT_ELEMENTS", "SMALL_WEIGHT_MAX_M", "takes_tiled", "GPU_SMS",
-           "CHUNK", "pow2_floor", "pow2_ceil", "silu", "silu_approx", "sum_splits"]
+__all__ = ["add_splits", "SKINNY_MAX_M", "SMALL_WEIGHT_ELEMENTS", "SMALL_WEIGHT_MAX_M",
+           "takes_tiled", "GPU_SMS", "CHUNK", "pow2_floor", "pow2_ceil", "silu", "silu_approx",
+           "sum_splits"]
 
 SKINNY_MAX_M = 16            # linear(), moe_ffn(): rows up to this use weight streaming
 # ... and up to SMALL_WEIGHT_MAX_M rows (a tree verify's, a short prompt's) for a weight this

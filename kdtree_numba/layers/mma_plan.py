@@ -74,7 +74,7 @@ class MmaConfig(WarpTiles):
     tiles (1: the partial one; 2: it and the full one before) shared out slice by slice, so
     every block gets the same number of slices; a tile cut between blocks is completed, in
     slice order, by its last block to finish (layers/mma_tma.py: the same bits; a fold's two
-    accumulator sets, so at most two warpgroups); 0: off."""
+    accumulator sets: :attr:`holds_two_accumulator_sets`); 0: off."""
     wm: int = 4
     wn: int = 2
     tm: int = 2
@@ -139,9 +139,9 @@ class MmaConfig(WarpTiles):
                              f"the K slices summed in the block or by the last, not both; "
                              f"tma: wgmma, stages of 64, up to 8 of them, no last-block "
                              f"sums, a fold only up to BN = 128 (two accumulator sets); "
-                             f"swap_ab: tma only; swizzle 64, or 128 with tma; stream_k: 0-2 waves, "
-                             f"tma, its own fold (not slices_in_block), BN <= 128, two "
-                             f"warpgroups (more with max_registers fitting an SM)")
+                             f"swap_ab: tma only; swizzle 64, or 128 with tma; stream_k: "
+                             f"0-2 waves, tma, its own fold (not slices_in_block), BN <= "
+                             f"128, two warpgroups (more with max_registers fitting an SM)")
 
     @property
     def holds_two_accumulator_sets(self) -> bool:
@@ -249,7 +249,8 @@ def swapped_tile(m: int, warpgroups: int, splits: int = 1, swizzle: int = 128) -
 
 def with_stream_k(cfg: MmaConfig) -> MmaConfig:
     """A TMA tile with the ``stream_k`` waves ``KDTREE_MMA_STREAM_K`` asks for where the
-    tile can hold a fold's two accumulator sets (BN <= 128, two warpgroups); else ``cfg``."""
+    tile can hold a fold's two accumulator sets (BN <= 128,
+    :attr:`MmaConfig.holds_two_accumulator_sets`); else ``cfg``."""
     waves = runtime.current().mma_stream_k
     if (waves and cfg.tma and cfg.bn <= 128 and cfg.holds_two_accumulator_sets
             and not cfg.slices_in_block):
@@ -257,9 +258,10 @@ def with_stream_k(cfg: MmaConfig) -> MmaConfig:
     return cfg
 
 
-# Rows whose products take :func:`swapped_tile` where wgmma runs (KDTREE_MMA_TMA): a verify's 65 (budget 64)
-# to 80, where mma_tile's 80-row mma.sync tile was 1.05-1.64x slower on every Kimi-K2 shape
-# (run 203, H100: 2048 -> 7168 31.5 -> 19.2 us) and the GPU tests found the same bits
+# Rows whose products take :func:`swapped_tile` where wgmma runs (KDTREE_MMA_TMA): a
+# verify's 65 (budget 64) to 80, where mma_tile's 80-row mma.sync tile was 1.05-1.64x slower
+# on every Kimi-K2 shape (run 203, H100: 2048 -> 7168 31.5 -> 19.2 us) and the GPU tests
+# found the same bits
 SWAPPED_ROWS = range(65, 81)
 
 
@@ -267,10 +269,10 @@ def mma_config(m: int, n: int, k: int) -> MmaConfig:
     """The tile for an [m, k] x [n, k]^T product: :func:`mma_tile` with the K slices of
     :func:`mma_splits`, which does not look at m: a row's result is the same at every M
     (docs/LAYERS.md, "bf16 tensor-core linear"); the slices summed by their last block up to
-    :data:`SUMS_IN_LAST_MAX_M` rows.  With ``KDTREE_MMA_TMA=1``, at :data:`SWAPPED_ROWS` on sm_90 the TMA kernel's
-    swapped tile (layers/mma_tma.py): two warpgroups of weight rows where the 128-row weight
-    tiles alone fill half the GPU (lm_head, the dense FFN's gate_up, q_b: faster so in run
-    203), else one; at one row the same for the sliced products."""
+    :data:`SUMS_IN_LAST_MAX_M` rows.  With ``KDTREE_MMA_TMA=1``, at :data:`SWAPPED_ROWS` on
+    sm_90 the TMA kernel's swapped tile (layers/mma_tma.py): two warpgroups of weight rows
+    where the 128-row weight tiles alone fill half the GPU (lm_head, the dense FFN's gate_up,
+    q_b: faster so in run 203), else one; at one row the same for the sliced products."""
     splits = mma_splits(n, k)
     swapped = m in SWAPPED_ROWS or (m == 1 and splits > 1)
     if swapped and wgmma_available() and runtime.current().mma_tma:   # KDTREE_MMA_TMA=1

@@ -443,10 +443,15 @@ _X_ROWS: dict = {}      # (context, K) -> the bf16 rows buffer, grown by powers 
 _X_OUTGROWN: list = []  # the buffers they replaced, kept for the graphs that still use them
 
 
-def _x_rows(m: int, k: int, stream):
+def _context() -> int:
+    """The key of the current CUDA context in this module's kept arrays (0: the simulator)."""
+    return 0 if SIMULATOR else id(cuda.current_context())
+
+
+def _x_rows(m: int, k: int, stream, context=None):
     """The kept [rows >= m, k] uint16 buffer x is rounded into (module docstring)."""
     from kdtree_numba import compat
-    key = (0 if SIMULATOR else id(cuda.current_context()), k)
+    key = (_context() if context is None else context, k)
     buf = _X_ROWS.get(key)
     if buf is None or buf.shape[0] < m:
         if buf is not None:
@@ -489,15 +494,18 @@ def whole_tiles(tiles: int, grid: int, waves: int = 1) -> int:
     return max(0, full - (waves - 1)) * grid
 
 
-_UNUSED: dict = {}      # context -> a float32 [1] for the kernels that take no stream-K part
+# context -> (float32 [1], int32 [1]): the part and counters arguments of a launch without
+# stream-K, which its kernel never reads
+_UNUSED: dict = {}
 
 
-def _unused_part(stream):
-    from kdtree_numba import compat
-    key = 0 if SIMULATOR else id(cuda.current_context())
-    if key not in _UNUSED:
-        _UNUSED[key] = compat.device_empty((1,), np.float32, stream)
-    return _UNUSED[key]
+def _no_stream_k(context, stream):
+    args = _UNUSED.get(context)
+    if args is None:
+        from kdtree_numba import compat
+        args = _UNUSED[context] = (compat.device_empty((1,), np.float32, stream),
+                                   compat.device_empty((1,), np.int32, stream))
+    return args
 
 
 def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
@@ -513,7 +521,8 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
         in_block = in_memory = False
     if (in_block, stream_k) != (cfg.slices_in_block, cfg.stream_k):
         cfg = dataclasses.replace(cfg, slices_in_block=in_block, stream_k=stream_k)
-    buf = _x_rows(m, k, stream)
+    context = _context()
+    buf = _x_rows(m, k, stream, context)
     round_into(xd, buf, stream)
     x_box, w_box = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # rows a box
     x_maps, x_slot = tensor_map(buf, x_box, stream, cfg.swizzle)
@@ -533,8 +542,7 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
     else:
         grid = min(tiles * (splits if in_memory else 1), _sm_count())
         dp_tiles = tiles
-        part = _unused_part(stream)
-        counters = arrival_counters("linear.mma_stream_k", 1, stream)
+        part, counters = _no_stream_k(context, stream)
     dispatcher = tma_kernel(cfg)
     args = (buf, wd, target, x_maps, x_slot, w_maps, w_slot, m, n, k, a_tiles, b_tiles,
             splits, -(-k // SLICE_UNIT), part, counters, dp_tiles)
