@@ -1075,6 +1075,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-ms", default=",".join(map(str, MMA_MS)),
                         help="the mma section's rows (M), comma-separated, on each of its "
                              "shapes (default: %(default)s)")
+    parser.add_argument("--mma-budget", type=float, default=MMA_BUDGET_S,
+                        help="seconds after which the mma section starts no new row "
+                             "(default: %(default)s)")
     parser.add_argument("--only", default="linear,moe,norm,rope",
                         help="comma-separated sections (default: all but mma, moe_mma, "
                              "int4, moe_chunk)")
@@ -1094,7 +1097,7 @@ def main(argv=None) -> int:
     plan = [("linear", lambda: bench_linear(ctx, results, sections, t_start + 95)),
             ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
             ("norm", lambda: bench_norm_rope(ctx, results)),
-            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + MMA_BUDGET_S,
+            ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + args.mma_budget,
                                       tuple(int(m) for m in args.mma_ms.split(",")))),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
                                               time.perf_counter() + MOE_MMA_BUDGET_S)),
