@@ -171,7 +171,8 @@ _GRAPH_SWITCHES = (("lean_round", "full_glue", None), ("moe_chunk_grid", "one_ch
                    ("fused_router", None, "fused_router"),
                    ("group_in_experts", None, "group_in_experts"),
                    ("mma_sums_in_last", None, "mma_sums_in_last"),
-                   ("mma_tma", None, "mma_tma"), ("mma_stream_k", None, "mma_stream_k"))
+                   ("mma_tma", None, "mma_tma"), ("mma_stream_k", None, "mma_stream_k"),
+                   ("attention_wgmma", None, "attention_wgmma"))
 
 
 def _mark(value, off, on):

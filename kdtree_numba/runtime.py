@@ -89,7 +89,8 @@ Two kinds of switch:
   have not run there; the same bits: kdtree_numba/layers/mma_tma.py), and under it the
   sliced products' last waves shared out slice by slice over the persistent grid
   (``KDTREE_MMA_STREAM_K=1``, or ``2``: the last two waves; not yet run on the GPU; the
-  same bits),
+  same bits), a bf16 cache's attention on warpgroup tensor cores (``KDTREE_ATTENTION_WGMMA=1``:
+  kdtree_numba/attention/wgmma.py; not yet run on the GPU; the same error bound, other bits),
   ``--budget auto``'s second policy (paired acceptance from nested trees and only rounds that
   replayed a CUDA graph timed, kdtree_numba/budget.py, room for a round graph per candidate
   in every cache pair, kdtree_numba/graphs.py; the default since run 156: within 4% of the
@@ -129,7 +130,7 @@ VARIABLES = ("NUMBA_ENABLE_CUDASIM", "KDTREE_SIM_WARP", "KDTREE_NUMBA_POOL", "KD
              "KDTREE_FUSED_SWIGLU", "KDTREE_INVARIANT_ATTENTION", "KDTREE_SHARED_IN_EXPERTS",
              "KDTREE_COMBINE_IN_DOWN", "KDTREE_FUSED_ROUTER", "KDTREE_MMA_SUMS_IN_LAST",
              "KDTREE_GROUP_IN_EXPERTS", "KDTREE_MMA_TMA", "KDTREE_MMA_STREAM_K",
-             "KDTREE_KERNEL_CACHE",
+             "KDTREE_ATTENTION_WGMMA", "KDTREE_KERNEL_CACHE",
              "KDTREE_KERNEL_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "OPENBLAS_NUM_THREADS")
 _OFF = ("0", "off", "no", "false")
 
@@ -294,6 +295,10 @@ class RuntimeConfig:
     # last wave and no slice goes through memory where the tiles are few (issue 38: at M =
     # 512, 7168 -> 2112's 68 tiles fill half of 132 SMs); 0 (off) until it has run on the GPU
     mma_stream_k: int = 0
+    # a bf16 cache's attention on warpgroup tensor cores (attention/wgmma.py: 64-row blocks,
+    # two warpgroups, wgmma from 128-byte-swizzled tiles; issue 38's decode and prefill
+    # attention); off until it has run on the GPU
+    attention_wgmma: bool = False
     kernel_cache: bool = True
     kernel_cache_dir: str = ""
     blas_threads: int = 0       # OPENBLAS_NUM_THREADS for the CPU path; 0: unset (cpu.py)
@@ -349,6 +354,7 @@ class RuntimeConfig:
                    mma_tma=_flag(env, "KDTREE_MMA_TMA", False),
                    mma_stream_k=_steps(env, "KDTREE_MMA_STREAM_K", 0, 1, 2,
                                        "waves of tiles shared out"),
+                   attention_wgmma=_flag(env, "KDTREE_ATTENTION_WGMMA", False),
                    kernel_cache=_flag(env, "KDTREE_KERNEL_CACHE", True),
                    kernel_cache_dir=_cache_dir(env),
                    blas_threads=_positive(env, "OPENBLAS_NUM_THREADS"))

@@ -15,7 +15,9 @@ is reported, not fatal.
 
 Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles; and
 ``--bf16-layouts``, default every name in ``plan.BF16_LAYOUTS``: the package's ``bf16``, and
-under ``dev/cuda/attention.py bench`` its candidates too, which give the same bits): the same
+under ``dev/cuda/attention.py bench`` its candidates too, which give the same bits; on an
+sm_90 GPU also ``wgmma``, attention/wgmma.py's warpgroup kernel, which is the same error bound,
+not the same bits): the same
 shapes with the cache rounded to bf16, beside their own roof max(bytes / 4.1 TB/s, FLOPs /
 660 TFLOP/s: mma.sync bf16 on the H200), the share of HBM bandwidth they reach (issue 15's goal:
 decode bs 64 prefix 4096 >= 60%), and their max |difference| from the CuPy composition over the
@@ -43,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 HBM_BYTES_PER_S = 4.1e12
 FP32_FLOPS = 51e12
+WGMMA_LAYOUT = "wgmma"      # --bf16-layouts: attention/wgmma.py's kernel (sm_90a)
 BF16_MMA_FLOPS = 660e12     # dense bf16 mma.sync on the H200 (wgmma's 989 needs sm_90a)
 GOAL_ROOF_FACTOR = 1.5
 H, R, DR, TAU = 64, 512, 64, 0.130861
@@ -201,7 +204,10 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layou
     for layout, keys in [(x, k) for x in layouts or plans.BF16_LAYOUTS for k in keys_list]:
         row = dict(shape=name, variant=f"{layout} k{keys}", bs=bs, n=n, prefix=prefix,
                    roof_ms=roof, flops=flops, bytes=nbytes, tolerance=tolerance)
-        plans.BF16_KEYS, plans.BF16_LAYOUT = keys, layout
+        # "wgmma": the warpgroup kernel (KDTREE_ATTENTION_WGMMA=1) on the package's layout
+        wgmma = layout == WGMMA_LAYOUT
+        plans.BF16_KEYS, plans.BF16_LAYOUT = keys, default_layout if wgmma else layout
+        os.environ["KDTREE_ATTENTION_WGMMA"] = "1" if wgmma else "0"
         try:
             plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
                                             bf16_cache=True)
@@ -221,6 +227,7 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layou
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             plans.BF16_KEYS, plans.BF16_LAYOUT = default_keys, default_layout
+            os.environ.pop("KDTREE_ATTENTION_WGMMA", None)
         rows.append(row)
     return rows
 
@@ -298,9 +305,10 @@ def main(argv=None) -> int:
         variants = []
     bf16_keys = [int(k) for k in args.bf16_keys.split(",") if k]
     from kdtree_numba.attention import plan as plans
+    from kdtree_numba.gpu.tensorcore import wgmma_available
     bf16_layouts = args.bf16_layouts.split(",") if args.bf16_layouts else list(
-        plans.BF16_LAYOUTS)
-    unknown = [x for x in bf16_layouts if x not in plans.BF16_LAYOUTS]
+        plans.BF16_LAYOUTS) + [WGMMA_LAYOUT] * wgmma_available()
+    unknown = [x for x in bf16_layouts if x not in plans.BF16_LAYOUTS and x != WGMMA_LAYOUT]
     if unknown:
         parser.error(f"unknown bf16 layout {unknown[0]!r}; have {', '.join(plans.BF16_LAYOUTS)}"
                      " (dev/cuda/attention.py bench registers the candidates)")

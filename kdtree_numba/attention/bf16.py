@@ -76,7 +76,7 @@ from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
-           "ldsm_value_word"]
+           "ldsm_value_word", "staging", "chunk_source"]
 
 
 def key_row(n):
@@ -198,22 +198,19 @@ else:
         return ldmatrix_x4_trans(smem, base, offset)
 
 
-def build_kernel(cfg: Bf16TileConfig):
-    """The bf16 block kernel for one configuration (the float32 kernels' arguments; ``ckv``
-    and ``kpe`` uint16 bf16 bit patterns)."""
-    cfg.validate()
+# where a thread's key chunks start (:func:`staging`'s ``lat_src`` / ``rope_src``), for
+# attention/wgmma.py's kernel
+chunk_source = _chunk_source
+
+
+def staging(cfg: Bf16TileConfig, kword, qword):
+    """``(stage_keys, zero_padding, stage_queries)``: the device functions that stage a block's
+    key tiles (cp.async of 16-byte chunks from the cache, rows clamped at the split's end) and
+    its query tile (float32 rounded to bf16) into shared memory for the tile shape ``cfg``,
+    chunk (row, column) of a tile of ``rows`` rows at word ``kword(rows, row, col)`` of a key
+    tile and ``qword(rows, row, col)`` of the query tile (the four words of a 16-byte chunk
+    consecutive): this kernel's layouts and attention/wgmma.py's 128-byte swizzle."""
     M, N, T = cfg.rows, cfg.keys, cfg.threads
-    RG = M // 16                   # row groups of 16; warp = RG kh + rg
-    DH = cfg.d_pad // 2            # score columns per warp (its column half)
-    PH = DH // 32                  # ... in 32-column panels
-    VG = cfg.value_groups          # 64-column value groups (8 n-tiles each) covering r
-    GROUPS = cfg.groups_per_warp   # ... per warp: kh GROUPS + i, the last clamped to VG - 1
-    R = cfg.r
-    NT = N // 8                    # score n-tiles of a key tile
-    KS = N // 16                   # P V k16 steps of a key tile
-    SN = 4 * NT                    # score accumulators per lane
-    PK = SN // 2                   # bf16 probability words per lane
-    ACC = 32 * GROUPS              # P V accumulators per lane
     CH = cfg.d_pad // 8            # 16-byte chunks of a staged row
     CR = cfg.r // 8                # ... of them from the latent, then the rope key's
     CD = cfg.d // 8                # ... and zeros from chunk CD on (padding to whole panels)
@@ -226,24 +223,9 @@ def build_kernel(cfg: Bf16TileConfig):
     LAT_STEP, LAT_SLOTS = T // CR, N * CR // T
     ROPE_STEP, ROPE_SLOTS = T // CP, max(1, N * CP // T)
     TILE_WORDS = N * cfg.row_words
-    Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
-    FRAGQ, LEAN, LDSM = cfg.frag_queries, cfg.lean_staging, cfg.ldsm_values
-    kword = _key_word if LDSM else _tile_word      # the key tiles' layout
+    FRAGQ, LEAN = cfg.frag_queries, cfg.lean_staging
     PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
-    XCH_OFF = KV_OFF + STAGES * TILE_WORDS
-    CAUSAL = cfg.causal
-    FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
-    # never an empty closure cell: kernel_cache.closure_key describes every cell
-    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL,
-                            cfg.smem_bytes() // 4) if FUSED_MERGE else None
-    CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
-    Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
-    V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
-    mma = block_uniform_mma_bf16
-    LOG2E = np.float32(1.4426950408889634)
-    LN2 = np.float32(0.6931471805599453)
-    SLACK2 = np.float32(RESCALE_SLACK * LOG2E)   # the float32 kernels' slack, in log2 units
 
     @inline_device_function
     def stage_keys(smem, at, ckv, kpe, b, first, limit, tid, lat_src, rope_src):
@@ -300,18 +282,18 @@ def build_kernel(cfg: Bf16TileConfig):
                                 kpe.strides[1], nbytes)
 
     @inline_device_function
-    def zero_padding(smem, tid):
-        """The key stages' padding chunks (CD .. CH - 1 of every row), once: no copy
-        writes them."""
+    def zero_padding(smem, kv_base, tid):
+        """The key stages' padding chunks (CD .. CH - 1 of every row) from word ``kv_base``,
+        once: no copy writes them."""
         for f in range(tid, STAGES * N * (CH - CD), T):
             i, q = f // (CH - CD), CD + f % (CH - CD)
-            w = KV_OFF + kword(N, i % N, 8 * q) + (i // N) * TILE_WORDS
+            w = kv_base + kword(N, i % N, 8 * q) + (i // N) * TILE_WORDS
             smem[w] = smem[w + 1] = smem[w + 2] = smem[w + 3] = uint32(0)
 
     @inline_device_function
-    def stage_queries(smem, q_abs, q_pe, b, row0, n_rows, tid):
-        """Query rows row0 .. row0 + M - 1 (float32) rounded to bf16 into the query tile; rows
-        past n_rows and the padding columns are zeros."""
+    def stage_queries(smem, q_base, q_abs, q_pe, b, row0, n_rows, tid):
+        """Query rows row0 .. row0 + M - 1 (float32) rounded to bf16 into the query tile at
+        word ``q_base``; rows past n_rows and the padding columns are zeros."""
         for s in range(-(-M * CH // T)):
             f = tid + s * T
             if M * CH % T == 0 or f < M * CH:
@@ -328,17 +310,60 @@ def build_kernel(cfg: Bf16TileConfig):
                     w0, w1 = pack_bf16x2(x0, x1), pack_bf16x2(x2, x3)
                     w2, w3 = pack_bf16x2(y0, y1), pack_bf16x2(y2, y3)
                 if FRAGQ:   # words 4t, 4t + 1 in step 0's block, 4t + 2, 4t + 3 in step 1's
-                    w = Q_OFF + _query_word(PANELS, i, 8 * q)
+                    w = q_base + _query_word(PANELS, i, 8 * q)
                     smem[w] = w0
                     smem[w + 2] = w1
                     smem[w + 128] = w2
                     smem[w + 130] = w3
                 else:
-                    w = Q_OFF + _tile_word(M, i, 8 * q)
+                    w = q_base + qword(M, i, 8 * q)
                     smem[w] = w0
                     smem[w + 1] = w1
                     smem[w + 2] = w2
                     smem[w + 3] = w3
+    return stage_keys, zero_padding, stage_queries
+
+
+def build_kernel(cfg: Bf16TileConfig):
+    """The bf16 block kernel for one configuration (the float32 kernels' arguments; ``ckv``
+    and ``kpe`` uint16 bf16 bit patterns)."""
+    cfg.validate()
+    M, N, T = cfg.rows, cfg.keys, cfg.threads
+    RG = M // 16                   # row groups of 16; warp = RG kh + rg
+    DH = cfg.d_pad // 2            # score columns per warp (its column half)
+    PH = DH // 32                  # ... in 32-column panels
+    VG = cfg.value_groups          # 64-column value groups (8 n-tiles each) covering r
+    GROUPS = cfg.groups_per_warp   # ... per warp: kh GROUPS + i, the last clamped to VG - 1
+    R = cfg.r
+    NT = N // 8                    # score n-tiles of a key tile
+    KS = N // 16                   # P V k16 steps of a key tile
+    SN = 4 * NT                    # score accumulators per lane
+    PK = SN // 2                   # bf16 probability words per lane
+    ACC = 32 * GROUPS              # P V accumulators per lane
+    CH = cfg.d_pad // 8            # 16-byte chunks of a staged row
+    CR = cfg.r // 8                # ... of them from the latent, then the rope key's
+    CD = cfg.d // 8                # ... and zeros from chunk CD on (padding to whole panels)
+    CP = CD - CR                   # rope chunks of a row
+    TILE_WORDS = N * cfg.row_words
+    Q_OFF, KV_OFF = 0, M * cfg.row_words
+    STAGES = cfg.stages
+    FRAGQ, LDSM = cfg.frag_queries, cfg.ldsm_values
+    kword = _key_word if LDSM else _tile_word      # the key tiles' layout
+    stage_keys, zero_padding, stage_queries = staging(cfg, kword, _tile_word)
+    PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
+    XCH_OFF = KV_OFF + STAGES * TILE_WORDS
+    CAUSAL = cfg.causal
+    FUSED_MERGE = cfg.fused_merge         # compiled in: the plain kernel has no such tail
+    # never an empty closure cell: kernel_cache.closure_key describes every cell
+    merge = merge_when_last(cfg.r, M, cfg.threads, CAUSAL,
+                            cfg.smem_bytes() // 4) if FUSED_MERGE else None
+    CLAMP = 2 * GROUPS != VG       # the second warp repeats the last group
+    Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
+    V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
+    mma = block_uniform_mma_bf16
+    LOG2E = np.float32(1.4426950408889634)
+    LN2 = np.float32(0.6931471805599453)
+    SLACK2 = np.float32(RESCALE_SLACK * LOG2E)   # the float32 kernels' slack, in log2 units
 
     @inline_device_function
     def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
@@ -417,9 +442,9 @@ def build_kernel(cfg: Bf16TileConfig):
         if kbeg >= kend:  # a split past the request's keys: the merge skips it
             return
 
-        stage_queries(smem, q_abs, q_pe, b, row0, n_rows, tid)
+        stage_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         if CH > CD:
-            zero_padding(smem, tid)
+            zero_padding(smem, KV_OFF, tid)
         lat_src = _chunk_source(ckv, b, 8 * (tid % CR))
         rope_src = _chunk_source(kpe, b, 8 * (tid % CP))
         stage_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)

@@ -26,13 +26,15 @@ from kdtree_numba import compat, runtime
 from kdtree_numba.attention.bf16 import build_kernel as build_bf16_kernel
 from kdtree_numba.attention.ffma import build_kernel as build_ffma_kernel
 from kdtree_numba.attention.mma import build_kernel as build_mma_kernel
+from kdtree_numba.attention.wgmma import build_kernel as build_wgmma_kernel
 from kdtree_numba.attention.plan import (BF16_VARIANT, INVARIANT_SPLIT_KEYS, Bf16TileConfig,
                                          MmaTileConfig, bf16_tile_config,
                                          choose_splits, mma_rows, resolve_variant,
-                                         tile_config)
+                                         tile_config, wgmma_attention_fits)
 from kdtree_numba.attention.tiles import (merge_smem_floats, request_keys, split_merge,
                                           splits_with_keys)
 from kdtree_numba.gpu.memory import allow_large_shared_memory
+from kdtree_numba.gpu.tensorcore import wgmma_available
 from reference.attention import check_causal
 
 __all__ = ["mla_attention", "MlaAttentionPlan", "PendingMerge", "PlanCache", "clear_plan_cache"]
@@ -42,9 +44,10 @@ __all__ = ["mla_attention", "MlaAttentionPlan", "PendingMerge", "PlanCache", "cl
 def _attention_kernel(cfg):
     """Build the block kernel for one configuration (constants are closed over): the FFMA
     kernel of ffma.py for a TileConfig, the tensor-core one of mma.py for an MmaTileConfig,
-    the bf16 one of bf16.py for a Bf16TileConfig."""
+    the bf16 one of bf16.py for a Bf16TileConfig (wgmma.py's warpgroup kernel for one with
+    ``wgmma``)."""
     if isinstance(cfg, Bf16TileConfig):
-        return build_bf16_kernel(cfg)
+        return build_wgmma_kernel(cfg) if cfg.wgmma else build_bf16_kernel(cfg)
     if isinstance(cfg, MmaTileConfig):
         return build_mma_kernel(cfg)
     return build_ffma_kernel(cfg)
@@ -137,9 +140,16 @@ class MlaAttentionPlan:
                                  f"{variant!r} (the float32 cache's layouts)")
             variant = BF16_VARIANT
             self.cfg = bf16_tile_config(r, dr)
+            wgmma = (runtime.current().attention_wgmma and rows in (None, 64)
+                     and wgmma_attention_fits(r, dr, 64, self.cfg.keys)
+                     and (SIMULATOR or wgmma_available()))
+            if wgmma:   # KDTREE_ATTENTION_WGMMA: the warpgroup kernel's 64-row blocks
+                self.cfg = dataclasses.replace(self.cfg, wgmma=True, frag_queries=False)
+                rows = 64
         else:
             variant = resolve_variant(variant, r, dr)
             self.cfg = tile_config(r, dr, variant)
+            wgmma = False
         self.variant = variant
         self.stream = stream
         self.n_rows = n * heads
@@ -170,7 +180,9 @@ class MlaAttentionPlan:
         # the in-kernel merge takes a tile's rows in groups that fit the block's shared
         # memory; a split count too large for even one row (millions of keys) keeps the
         # merge kernel
+        # (not in the warpgroup kernel: the merge's IEEE division would serialize its wgmma)
         self.fused_merge = (bool(fused_merge) and self.splits > 1
+                            and not wgmma
                             and merge_smem_floats(1, self.splits) <= self.cfg.smem_bytes() // 4)
         self.counters_zeroed = not self.fused_merge
         if self.fused_merge:

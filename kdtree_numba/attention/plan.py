@@ -25,7 +25,8 @@ __all__ = ["TileConfig", "MmaTileConfig", "Bf16TileConfig", "bf16_tile_config", 
            "VARIANTS", "DEFAULT_VARIANT", "FALLBACK_VARIANT", "FFMA_VARIANTS", "uses_tensor_cores",
            "resolve_variant", "mma_fits", "gpu_tile_config", "sim_tile_config", "tile_config",
            "choose_splits", "MMA_ROWS", "mma_rows", "bf16_fits", "BLOCK_OVERHEAD_KEYS",
-           "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS", "BF16_LAYOUTS"]
+           "MERGE_BYTES_PER_KEY_TIME", "INVARIANT_SPLIT_KEYS", "BF16_LAYOUTS",
+           "wgmma_attention_fits"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class Bf16TileConfig:
     frag_queries: bool = False  # query tile in mma A-fragment order (bf16.query_word)
     lean_staging: bool = False  # whole key tiles copied without clamp and size select
     ldsm_values: bool = True    # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
+    wgmma: bool = False         # attention/wgmma.py's warpgroup kernel (KDTREE_ATTENTION_WGMMA)
 
     @property
     def d(self):
@@ -261,9 +263,14 @@ class Bf16TileConfig:
                 + self.warps * 4 * (self.keys // 8) * 32)
 
     def smem_bytes(self):
-        return 4 * self.smem_words()
+        # the warpgroup kernel's tiles start at a 1,024-byte boundary (the 128-byte swizzle's
+        # period, which wgmma applies to absolute shared addresses)
+        return 4 * self.smem_words() + 1024 * self.wgmma
 
     def validate(self):
+        if self.wgmma and not wgmma_attention_fits(self.r, self.dr, self.rows, self.keys):
+            raise ValueError(f"the warpgroup attention kernel takes 64 rows, 16-, 32- or "
+                             f"64-key tiles and r a multiple of 128 up to 512: {self}")
         if self.r % 8 or self.dr % 8 or min(self.r, self.dr) < 8 \
                 or self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"the bf16 attention tiles need r and dr multiples of 8 (16-byte "
@@ -275,6 +282,13 @@ class Bf16TileConfig:
                              f"rows (threads = 4 rows), 16- or 32-key tiles and 2 or 3 "
                              f"stages: {self}")
         return self
+
+
+def wgmma_attention_fits(r: int, dr: int, rows: int = 64, keys: int = 32) -> bool:
+    """Whether attention/wgmma.py's kernel takes these widths and tile: one warpgroup's 64
+    rows (the wgmma's M), each warpgroup's r / 2 value columns whole 64-column panels of at
+    most 256 (one m64n{r / 2} product a k16 step), keys a multiple of 16."""
+    return rows == 64 and keys in (16, 32, 64) and r % 128 == 0 and r <= 512 and dr % 8 == 0
 
 
 BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant

@@ -14,6 +14,7 @@ import math
 import numpy as np
 from numba import float32, int32
 
+from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import (MAX_SHARED_BYTES, cp_async16, cp_async_strided,  # noqa: F401
                                      load_f32x4, load_l2_f32, load_l2_f32x4, store_f32x4)
@@ -38,7 +39,9 @@ def request_keys(prefix, n, causal, row, heads):
     """The key slots a row (query * heads + head) of a request with ``prefix`` cached keys
     may see: prefix + n, or with ``causal`` those up to its own query's."""
     if causal:
-        return prefix + min(n - 1, row // heads) + 1
+        # 32-bit division: numba's 64-bit one is a subroutine call, which serializes a
+        # kernel's wgmma (attention/wgmma.py)
+        return prefix + min(n - 1, divmod_u32(row, heads)[0]) + 1
     return prefix + n
 
 
@@ -90,8 +93,8 @@ def seen_new_keys(visible, b, first_row, last_row, heads, tid, threads):
     the mask's loads and branches on every score); the scores are the same either way.  The
     block's threads read the bytes once, then a barrier ANDs their findings (every thread
     of the block must call it)."""
-    q_first = first_row // heads
-    q_last = last_row // heads
+    q_first = divmod_u32(first_row, heads)[0]
+    q_last = divmod_u32(last_row, heads)[0]
     bound = q_first + 1
     ok = 1
     for q in range(q_first, q_last + 1):

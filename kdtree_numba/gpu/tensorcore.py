@@ -29,7 +29,11 @@ ties to even: ``cvt.rn.bf16x2.f32``) and packs them so (lo, hi) = (element 2t, 2
 
 ``wgmma_bf16(n)``: the warpgroup's ``wgmma.mma_async ... m64n{n}k16`` bf16 product from shared
 memory descriptors (sm_90a, the target numba-cuda gives launches on the H200), with its fences;
-layers/mma.py's ``MmaConfig(wgmma=True)`` uses it (not yet run on a GPU).
+layers/mma.py's ``MmaConfig(wgmma=True)`` uses it.  ``wgmma_bf16_rs(n, trans_b)``: the same
+product with A from registers (four bf16 pairs a thread: mma.sync's A fragment above for
+rows 16 (warp % 4) .. + 15 of the 64) and B, with ``trans_b``, N-major in shared memory (the
+attention kernel's P V: its probabilities in registers, its values as the key tile stores
+them, attention/wgmma.py).
 
 The CUDA simulator has no tensor cores: there ``to_tf32`` / ``tf32_value`` / ``pack_bf16x2``
 are NumPy bit operations and the mma functions raise (wgmma calls ``sim_wgmma`` when a test
@@ -45,6 +49,7 @@ from kdtree_numba.compat import SIMULATOR, device_function
 
 __all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m16n8k8",
            "pack_bf16x2", "mma_bf16_m16n8k16", "block_uniform_mma_bf16", "wgmma_bf16",
+           "wgmma_bf16_rs", "wgmma_descriptor_128", "wgmma_descriptor_128_n", "wgmma_available",
            "wgmma_fence", "wgmma_commit", "wgmma_wait_1", "wgmma_wait_all",
            "fence_proxy_async",
            "WGMMA_SWIZZLE_64B"]
@@ -53,6 +58,44 @@ __all__ = ["to_tf32", "tf32_value", "split_tf32", "split_tf32_fast", "mma_tf32_m
 # swizzle mode; 2 = 64-byte swizzle, the layout of layers/mma.py's panels (rows of 64 bytes,
 # 16-byte chunk c of row r at c ^ ((r >> 1) & 3): address bits 4-5 XOR bits 7-8).
 WGMMA_SWIZZLE_64B = 2
+
+# A descriptor's fixed fields for bf16 operands in 128-byte rows, 128-byte swizzled (16-byte
+# chunk c of row r at c ^ (r % 8); swizzle mode 1 in bits 62-63; the address >> 4 in bits
+# 0-13): K-major, the stride byte offset 1024 >> 4 (8 rows of 128 bytes to the next 8) and
+# the leading byte offset 1 (unused); N-major the same with the leading byte offset the
+# distance between 64-element atoms along N, a launch's choice
+_DESC_128 = int(np.uint64((1 << 16) | ((1024 >> 4) << 32) | (1 << 62)).view(np.int64))
+_DESC_128_N = int(np.uint64(((1024 >> 4) << 32) | (1 << 62)).view(np.int64))
+
+
+@functools.cache
+def wgmma_available() -> bool:
+    """Whether the current GPU (looked up once) runs warpgroup mma: compute capability 9.0,
+    whose launches numba-cuda compiles for sm_90a (tests/test_tensorcore.py guards that);
+    never under the simulator, which has no tensor cores, nor without a CUDA driver (a
+    machine that only compiles: tests/ptx_check.py)."""
+    if SIMULATOR:
+        return False
+    from numba import cuda
+    from numba.cuda.cudadrv.error import CudaSupportError
+    try:
+        return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+    except CudaSupportError:
+        return False
+
+
+def wgmma_descriptor_128(address):
+    """The descriptor of a K-major bf16 operand in 128-byte rows, 128-byte swizzled, from
+    shared byte ``address`` (TMA's 128-byte swizzle of a box 64 elements wide)."""
+    return _DESC_128 | ((address & 0x3FFFF) >> 4)
+
+
+def wgmma_descriptor_128_n(address, atom_bytes):
+    """The descriptor of an N-major bf16 B operand (``wgmma_bf16_rs(n, trans_b=True)``): K
+    rows of 64 N-elements (128 bytes, the same 128-byte swizzle), 8-row groups 1,024 bytes
+    apart, the next 64 N-elements ``atom_bytes`` further -- a key tile's value columns, whose
+    rows are keys, read as P V's B operand."""
+    return _DESC_128_N | (((atom_bytes >> 4) & 0x3FFF) << 16) | ((address & 0x3FFFF) >> 4)
 
 if SIMULATOR:
     def to_tf32(x):
@@ -101,6 +144,17 @@ if SIMULATOR:
         return wgmma
 
     sim_wgmma = None
+
+    def wgmma_bf16_rs(n: int, trans_b: bool = False):
+        """The simulator's register-A wgmma: ``sim_wgmma_rs(n, trans_b, acc, smem, (a0, a1,
+        a2, a3), desc_b)`` when a test has installed an emulation there, else it raises."""
+        def wgmma(acc, smem, a0, a1, a2, a3, desc_b):
+            if sim_wgmma_rs is None:
+                raise NotImplementedError("the CUDA simulator has no tensor cores (wgmma)")
+            sim_wgmma_rs(n, trans_b, acc, smem, (a0, a1, a2, a3), desc_b)
+        return wgmma
+
+    sim_wgmma_rs = None
 
     def _nothing():
         pass
@@ -296,6 +350,49 @@ else:
                                        + [str(i) for i in range(m)])
                 out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
                                    descs + [ir.Constant(ir.IntType(32), 1)]
+                                   + [builder.load(p) for p in ptrs])
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(out, i), p)
+            return sig, codegen
+        return wgmma
+
+    @functools.cache
+    def wgmma_bf16_rs(n: int, trans_b: bool = False):
+        """An intrinsic ``wgmma(acc, smem, a0, a1, a2, a3, desc_b)``: ``wgmma.mma_async.sync.
+        aligned.m64n{n}k16.f32.bf16.bf16`` with A from registers -- a0 .. a3, each two bf16
+        (the lower k in the low half), lane (g, t) of warp w % 4 holding rows 16 w + g and
+        + 8 at k 2t, 2t + 1 and 2t + 8, 2t + 9 as mma.sync's A fragment -- and B through a
+        shared-memory descriptor, K-major or, with ``trans_b``, N-major; D as
+        :func:`wgmma_bf16`'s.  Same fences and waits (the registers a0 .. a3 are read when
+        the instruction issues)."""
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
+        m = n // 2
+        trans = int(bool(trans_b))
+
+        @intrinsic
+        def wgmma(typingctx, acc, smem, a0, a1, a2, a3, desc_b):
+            sig = types.void(acc, smem, a0, a1, a2, a3, desc_b)
+
+            def codegen(context, builder, sig, args):
+                f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                ptrs = [builder.gep(data, [ir.Constant(i64, i)]) for i in range(m)]
+                regs_a = [context.cast(builder, args[k], sig.args[k], types.uint32)
+                          for k in (2, 3, 4, 5)]
+                desc = context.cast(builder, args[6], sig.args[6], types.int64)
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
+                                       [i32] * 4 + [i64, i32] + [f32] * m)
+                regs = ", ".join(f"${i}" for i in range(m))
+                text = ("{\n\t.reg .pred p;\n\t"
+                        f"setp.ne.b32 p, ${m + 5}, 0;\n\t"
+                        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+                        f"{{{regs}}}, {{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, p, "
+                        f"1, 1, {trans};\n\t}}")
+                constraints = ",".join(["=f"] * m + ["r"] * 4 + ["l", "r"]
+                                       + [str(i) for i in range(m)])
+                out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                                   regs_a + [desc, ir.Constant(i32, 1)]
                                    + [builder.load(p) for p in ptrs])
                 for i, p in enumerate(ptrs):
                     builder.store(builder.extract_value(out, i), p)

@@ -11,12 +11,11 @@ each choice: docs/LAYERS.md, "bf16 tensor-core linear".
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from kdtree_numba import runtime
-from kdtree_numba.compat import SIMULATOR, cuda
 from kdtree_numba.gpu.memory import MAX_SHARED_BYTES
+from kdtree_numba.gpu.tensorcore import wgmma_available
 from kdtree_numba.layers.common import GPU_SMS
 
 __all__ = ["PANEL", "SLICE_UNIT", "MIN_SLICED_STAGES", "WarpTiles", "MmaConfig", "WARP_TILE",
@@ -199,21 +198,6 @@ WARP_TILE = MmaConfig(wm=2, wn=2, tm=2, tn=8, stages=3)
 # 2 warpgroups x 64 rows x 128 columns, 4 stages of 64 (128 KiB): faster than WARP_TILE on a
 # prefill's rows (docs/BENCHMARKS.md)
 WGMMA_TILE = MmaConfig(wm=2, wn=4, tm=4, tn=4, stages=4, wgmma=True)
-
-
-@functools.cache
-def wgmma_available() -> bool:
-    """Whether the current GPU (looked up once) runs warpgroup mma: compute capability 9.0,
-    whose launches numba-cuda compiles for sm_90a (tests/test_tensorcore.py guards that);
-    never under the simulator, which has no tensor cores, nor without a CUDA driver (a
-    machine that only compiles: tests/ptx_check.py)."""
-    if SIMULATOR:
-        return False
-    from numba.cuda.cudadrv.error import CudaSupportError
-    try:
-        return tuple(cuda.get_current_device().compute_capability) == (9, 0)
-    except CudaSupportError:
-        return False
 
 
 def unsliced_tile(m: int) -> MmaConfig:

@@ -53,8 +53,8 @@ from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.counters import arrival_counters, group_last_to_arrive
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_l2_f32, store_nowrap_2d
-from kdtree_numba.gpu.tensorcore import wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait_1, \
-    wgmma_wait_all
+from kdtree_numba.gpu.tensorcore import (wgmma_bf16, wgmma_commit, wgmma_descriptor_128,
+                                         wgmma_fence, wgmma_wait_1, wgmma_wait_all)
 from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
                                   mbarrier_init_fence, mbarrier_wait, tensor_map,
                                   tensor_map_acquire, tma_load_panel)
@@ -105,18 +105,6 @@ def tma_kernel(cfg: MmaConfig):
     """The kernel for a tile shape (K slices are a launch argument; the fold is the shape's;
     stream-K's waves only move the launcher's ``dp_tiles``: one kernel for 1 and 2)."""
     return _tma_kernel_for(dataclasses.replace(cfg, splits=1, stream_k=min(cfg.stream_k, 1)))
-
-
-# A wgmma descriptor's fixed fields for 128-byte-swizzled K-major panels (PTX ISA, "Matrix
-# Descriptor"): leading byte offset 1 (unused), stride byte offset 1024 >> 4 (8 rows of 128
-# bytes to the next 8), swizzle mode 1 (128 bytes) in bits 62-63; the address >> 4 in 0-13
-_DESC_128 = int(np.uint64((1 << 16) | ((1024 >> 4) << 32) | (1 << 62)).view(np.int64))
-
-
-def wgmma_descriptor_128(address):
-    """The descriptor of a K-major bf16 operand in 128-byte rows, 128-byte swizzled (16-byte
-    chunk c of row r at c ^ (r % 8)), from shared byte ``address``."""
-    return _DESC_128 | ((address & 0x3FFFF) >> 4)
 
 
 wgmma_operand_128 = inline_device_function(wgmma_descriptor_128)
