@@ -16,8 +16,8 @@ is reported, not fatal.
 Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles; and
 ``--bf16-layouts``, default every name in ``plan.BF16_LAYOUTS``: the package's ``bf16``, and
 under ``dev/cuda/attention.py bench`` its candidates too, which give the same bits; on an
-sm_90 GPU also ``wgmma``, attention/wgmma.py's warpgroup kernel, which is the same error bound,
-not the same bits): the same
+sm_90 GPU also ``wgmma`` and ``wgmma s3``, attention/wgmma.py's warpgroup kernel with two key
+stages and with three, which is the same error bound, not the same bits): the same
 shapes with the cache rounded to bf16, beside their own roof max(bytes / 4.1 TB/s, FLOPs /
 660 TFLOP/s: mma.sync bf16 on the H200), the share of HBM bandwidth they reach (issue 15's goal:
 decode bs 64 prefix 4096 >= 60%), and their max |difference| from the CuPy composition over the
@@ -45,7 +45,8 @@ if str(ROOT) not in sys.path:
 
 HBM_BYTES_PER_S = 4.1e12
 FP32_FLOPS = 51e12
-WGMMA_LAYOUT = "wgmma"      # --bf16-layouts: attention/wgmma.py's kernel (sm_90a)
+# --bf16-layouts: attention/wgmma.py's kernel (sm_90a) with two key stages, and with three
+WGMMA_LAYOUTS = {"wgmma": {}, "wgmma s3": {"stages": 3}}
 BF16_MMA_FLOPS = 660e12     # dense bf16 mma.sync on the H200 (wgmma's 989 needs sm_90a)
 GOAL_ROOF_FACTOR = 1.5
 H, R, DR, TAU = 64, 512, 64, 0.130861
@@ -204,9 +205,11 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layou
     for layout, keys in [(x, k) for x in layouts or plans.BF16_LAYOUTS for k in keys_list]:
         row = dict(shape=name, variant=f"{layout} k{keys}", bs=bs, n=n, prefix=prefix,
                    roof_ms=roof, flops=flops, bytes=nbytes, tolerance=tolerance)
-        # "wgmma": the warpgroup kernel (KDTREE_ATTENTION_WGMMA=1) on the package's layout
-        wgmma = layout == WGMMA_LAYOUT
-        plans.BF16_KEYS, plans.BF16_LAYOUT = keys, default_layout if wgmma else layout
+        # the warpgroup kernel (KDTREE_ATTENTION_WGMMA=1) with its layout's fields
+        wgmma = layout in WGMMA_LAYOUTS
+        if wgmma:
+            plans.BF16_LAYOUTS[layout] = WGMMA_LAYOUTS[layout]
+        plans.BF16_KEYS, plans.BF16_LAYOUT = keys, layout
         os.environ["KDTREE_ATTENTION_WGMMA"] = "1" if wgmma else "0"
         try:
             plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
@@ -228,6 +231,8 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layou
         finally:
             plans.BF16_KEYS, plans.BF16_LAYOUT = default_keys, default_layout
             os.environ.pop("KDTREE_ATTENTION_WGMMA", None)
+            if wgmma:
+                del plans.BF16_LAYOUTS[layout]
         rows.append(row)
     return rows
 
@@ -307,8 +312,8 @@ def main(argv=None) -> int:
     from kdtree_numba.attention import plan as plans
     from kdtree_numba.gpu.tensorcore import wgmma_available
     bf16_layouts = args.bf16_layouts.split(",") if args.bf16_layouts else list(
-        plans.BF16_LAYOUTS) + [WGMMA_LAYOUT] * wgmma_available()
-    unknown = [x for x in bf16_layouts if x not in plans.BF16_LAYOUTS and x != WGMMA_LAYOUT]
+        plans.BF16_LAYOUTS) + list(WGMMA_LAYOUTS) * wgmma_available()
+    unknown = [x for x in bf16_layouts if x not in plans.BF16_LAYOUTS and x not in WGMMA_LAYOUTS]
     if unknown:
         parser.error(f"unknown bf16 layout {unknown[0]!r}; have {', '.join(plans.BF16_LAYOUTS)}"
                      " (dev/cuda/attention.py bench registers the candidates)")
