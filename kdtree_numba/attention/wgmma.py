@@ -120,6 +120,7 @@ def build_kernel(cfg: Bf16TileConfig):
     Q_PANEL, K_PANEL = M * 128, N * 128            # bytes between a tile's panels
     STAGES = cfg.stages
     CAUSAL = cfg.causal
+    OVERLAP = cfg.overlap
     stage_keys, zero_padding, stage_queries = staging(cfg, _swizzled_word, _swizzled_word)
     scores = wgmma_bf16(N)
     values = wgmma_bf16_rs(VN, True)
@@ -157,6 +158,16 @@ def build_kernel(cfg: Bf16TileConfig):
                 col = kh * VN + 8 * j + 2 * t
                 dst[col] = acc[4 * j + 2 * h] * scale
                 dst[col + 1] = acc[4 * j + 2 * h + 1] * scale
+
+    @inline_device_function
+    def prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src):
+        """Three stages: tile t0 + 2N into the buffer tile t0 - N left (the ring's previous),
+        a commit group each time, even empty (the waits count groups)."""
+        if t0 + 2 * N < kend:
+            ahead = stage + 2 if stage == 0 else stage - 1
+            stage_keys(smem, kv0 + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N, kend, tid,
+                       lat_src, rope_src)
+        cp_async_commit()
 
     @kernel
     def mla_attention_wgmma(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
@@ -215,18 +226,14 @@ def build_kernel(cfg: Bf16TileConfig):
             else:
                 cp_async_wait_1()   # all but the newest group: tile t0's
             fence_proxy_async()     # this thread's copies (and queries) -> wgmma's reads
-            cuda.syncthreads()      # tile t0 landed; tile t0 - N's products are done
+            cuda.syncthreads()      # tile t0 landed; tile t0 - N's scores are done
             if STAGES == 2:
                 if t0 + N < kend:   # prefetch the next tile into the other buffer
                     stage_keys(smem, kv0 + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
                                kend, tid, lat_src, rope_src)
                     cp_async_commit()
-            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
-                if t0 + 2 * N < kend:
-                    ahead = stage + 2 if stage == 0 else stage - 1
-                    stage_keys(smem, kv0 + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N,
-                               kend, tid, lat_src, rope_src)
-                cp_async_commit()
+            elif not OVERLAP:   # tile t0 + 2N into the buffer tile t0 - N left
+                prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
             k_bytes = kv_bytes + stage * (4 * TILE_WORDS)
 
             # this warpgroup's half of the scores, then the other half's from shared memory
@@ -237,10 +244,12 @@ def build_kernel(cfg: Bf16TileConfig):
                 scores(s, smem, _describe(q_bytes + (step >> 2) * Q_PANEL + 32 * (step & 3)),
                        _describe(k_bytes + (step >> 2) * K_PANEL + 32 * (step & 3)))
             wgmma_commit()
-            wgmma_wait_all()
+            wgmma_wait_all()        # (and, overlapped, the tile before's P V)
             for x in range(NS):
                 xch[xch_mine + 128 * x] = s[x]
-            cuda.syncthreads()
+            cuda.syncthreads()      # overlapped: every thread has waited on tile t0 - N's P V
+            if OVERLAP:             # so its buffer may take tile t0 + 2N
+                prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
 
             # online softmax of the sum, identical in both warpgroups; accumulator x is row
             # g + 8 ((x >> 1) & 1), key t0 + 8 (x >> 2) + 2t + (x & 1)
@@ -299,12 +308,14 @@ def build_kernel(cfg: Bf16TileConfig):
                 values(acc, smem, pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3],
                        _describe_n(k_bytes + kh * VATOMS * K_PANEL + ks * 2048, K_PANEL))
             wgmma_commit()
-            wgmma_wait_all()
+            if not OVERLAP:     # overlapped: it runs on under the next tile's barrier, copies
+                wgmma_wait_all()    # and scores; acc and pk are not touched before their wait
             if STAGES == 2:
                 stage = 1 - stage
             else:
                 stage = 0 if stage == 2 else stage + 1
         cp_async_wait_all()  # nothing may be in flight when the block exits
+        wgmma_wait_all()
 
         l_a, l_b = quad_sum(l_a), quad_sum(l_b)
         writes_ml = kh == 0 and t == 0
