@@ -240,6 +240,100 @@ def test_wgmma_tiles_are_checked():
 
 # ------------------------------------------------------------------ the GPU at Kimi widths
 
+def _product_kernel(n, trans_b):
+    """One warpgroup's ``wgmma_bf16_rs(n, trans_b)`` from zero: A (64 x 16 bf16, as mma.sync
+    A fragments, ``a_words[thread, 4]``) times the B operand of ``tile`` (uint32 words copied
+    to shared memory at a 1,024-byte boundary) through ``desc_b`` (an offset from the tile's
+    start in its low bits, the descriptor's other fields as given); D [64, n] float32 out."""
+    from numba import cuda, float32, uint32
+
+    from kdtree_numba.gpu.memory import shared_address
+    from kdtree_numba.gpu.tensorcore import (fence_proxy_async, wgmma_bf16_rs, wgmma_commit,
+                                             wgmma_fence, wgmma_wait_all)
+    product = wgmma_bf16_rs(n, trans_b)
+    words = 4096 + 256
+
+    @cuda.jit
+    def kernel(a_words, tile, desc_fields, start, out):
+        smem = cuda.shared.array(words, uint32)
+        t = cuda.threadIdx.x
+        base = shared_address(smem, 0)
+        w0 = (((base + 1023) & ~1023) - base) >> 2
+        for i in range(t, tile.shape[0], 128):
+            smem[w0 + i] = tile[i]
+        fence_proxy_async()
+        cuda.syncthreads()
+        acc = cuda.local.array(n // 2, float32)
+        for i in range(n // 2):
+            acc[i] = float32(0.0)
+        wgmma_fence()
+        product(acc, smem, a_words[t, 0], a_words[t, 1], a_words[t, 2], a_words[t, 3],
+                desc_fields[0] | (((base + 4 * w0 + start) & 0x3FFFF) >> 4))
+        wgmma_commit()
+        wgmma_wait_all()
+        for i in range(n // 2):
+            row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((i // 2) % 2)
+            col = 8 * (i // 4) + 2 * (t % 4) + i % 2
+            out[row, col] = acc[i]
+    return kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_b", [True, False], ids=["N-major B", "K-major B"])
+def test_gpu_register_a_wgmma_gives_numpys_product(trans_b):
+    """``wgmma_bf16_rs`` on sm_90a: A from mma.sync fragments, B a key tile in the 128-byte
+    swizzle read N-major (P V's values: m64n256k16 over keys 16..31 of a 32-key tile's
+    value panels 4-7) or K-major (m64n32k16 over columns 80..95: the scores' operand), D
+    exactly A B (bf16 products summed in float32 over 16 terms: within 2^-20 relative).  On a
+    mismatch it says whether the N-major descriptor's two strides read the other way round
+    would have matched (what the PTX ISA's figures leave to interpretation)."""
+    from numba import cuda
+
+    from kdtree_numba.attention.wgmma import swizzled_word
+    from kdtree_numba.gpu.tensorcore import wgmma_available
+    if not wgmma_available():
+        pytest.skip("needs an sm_90 GPU")
+    keys, d = 32, 576
+    rng = np.random.default_rng(1)
+    vals = rng.standard_normal((keys, d)).astype(np.float32)
+    bits = (vals.view(np.uint32) >> 16).astype(np.uint32)
+    tile = np.zeros(keys * d // 2, np.uint32)
+    for r in range(keys):
+        for c in range(0, d, 2):
+            tile[swizzled_word(keys, r, c)] = bits[r, c] | (bits[r, c + 1] << 16)
+    v = (bits << 16).view(np.float32).astype(np.float64)
+    a = rng.standard_normal((64, 16)).astype(np.float32)
+    a_bits = (a.view(np.uint32) >> 16).astype(np.uint32)
+    a64 = (a_bits << 16).view(np.float32).astype(np.float64)
+    a_words = np.zeros((128, 4), np.uint32)
+    for th in range(128):
+        w, g, t = th // 32, (th % 32) // 4, th % 4
+        for i, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                        (g + 8, 2 * t + 8))):
+            a_words[th, i] = a_bits[16 * w + row, col] | (a_bits[16 * w + row, col + 1] << 16)
+    if trans_b:
+        n, start = 256, 128 * keys * 4 + 2048     # value panels 4-7, keys 16..31
+        fields = int(np.int64(((1024 >> 4) << 32) | (1 << 62) | ((keys * 128 >> 4) << 16)))
+        b = v[16:32, 256:512]                      # B [k, n]
+    else:
+        n, start = 32, 128 * keys + 32             # panel 1, k16 step 1: columns 80..95
+        fields = int(np.int64((1 << 16) | ((1024 >> 4) << 32) | (1 << 62)))
+        b = v[:, 80:96].T                          # B [k, n]: keys as n
+    out = cuda.device_array((64, n), np.float32)
+    _product_kernel(n, trans_b)[1, 128](cuda.to_device(a_words), cuda.to_device(tile),
+                                        cuda.to_device(np.array([fields], np.int64)),
+                                        np.int64(start), out)
+    got = out.copy_to_host().astype(np.float64)
+    want = a64 @ b
+    err = np.abs(got - want).max() / np.abs(want).max()
+    if err > 2.0 ** -20 and trans_b:   # what the two strides read the other way round give
+        other = ((1024 >> 4) << 16) | ((keys * 128 >> 4) << 32) | (1 << 62) | (start >> 4)
+        swapped = a64 @ _wgmma_operand_n(tile, other, n).T
+        pytest.fail(f"relative error {err:.3g}; with the strides swapped "
+                    f"{np.abs(got - swapped).max() / np.abs(swapped).max():.3g}")
+    assert err <= 2.0 ** -20, err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, prefix, n, kind", [
     ("decode bs 64 prefix 4096", [4096] * 64, 1, "causal"),
