@@ -358,13 +358,13 @@ def bf16_cublas_time(cp, timer, x, w16, n):
         return None
 
 
-def bench_mma(ctx, results, deadline, ms=MMA_MS):
+def bench_mma(ctx, results, deadline, ms=MMA_MS, shapes=MMA_SHAPES):
     """linear(method="mma") beside the default method and cuBLAS bf16, against the bf16 roofs.
     The default method is skipped where it would take > ~50 ms a call (M = 4096 lm_head)."""
     cp = ctx["cp"]
     nb = ctx["cuda"].as_cuda_array
     rng = np.random.default_rng(3)
-    for k, n in MMA_SHAPES:
+    for k, n in shapes:
         wbytes = 2.0 * n * k
         w16 = [(cp.random.standard_normal((n, k), dtype=cp.float32) * cp.float32(0.02))
                .view(cp.uint32) >> 16 for _ in range(copies_for(wbytes, cap=16))]
@@ -1063,6 +1063,19 @@ def mma_best(results):
           f" {worst['variant']} at {worst['vs_cublas_bf16']:.2f}x cuBLAS bf16")
 
 
+def mma_shapes(text: str) -> list:
+    """``--mma-shapes``: "K->N" pairs, or every product of :data:`MMA_SHAPES` for ""."""
+    if not text:
+        return MMA_SHAPES
+    shapes = []
+    for item in text.split(","):
+        k, sep, n = item.partition("->")
+        if not sep or not k.strip().isdigit() or not n.strip().isdigit():
+            raise SystemExit(f"--mma-shapes takes K->N pairs such as 2048->7168, got {item!r}")
+        shapes.append((int(k), int(n)))
+    return shapes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -1075,6 +1088,10 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-ms", default=",".join(map(str, MMA_MS)),
                         help="the mma section's rows (M), comma-separated, on each of its "
                              "shapes (default: %(default)s)")
+    parser.add_argument("--mma-shapes", default="",
+                        help="the mma section's products as K->N, comma-separated (default: "
+                             "every Kimi-K2 product: " + ", ".join(f"{k}->{n}" for k, n in
+                                                                   MMA_SHAPES) + ")")
     parser.add_argument("--mma-budget", type=float, default=MMA_BUDGET_S,
                         help="seconds after which the mma section starts no new row "
                              "(default: %(default)s)")
@@ -1098,7 +1115,8 @@ def main(argv=None) -> int:
             ("moe", lambda: bench_moe(ctx, results, t_start + 150)),
             ("norm", lambda: bench_norm_rope(ctx, results)),
             ("mma", lambda: bench_mma(ctx, results, time.perf_counter() + args.mma_budget,
-                                      tuple(int(m) for m in args.mma_ms.split(",")))),
+                                      tuple(int(m) for m in args.mma_ms.split(",")),
+                                      mma_shapes(args.mma_shapes))),
             ("moe_mma", lambda: bench_moe_mma(ctx, results,
                                               time.perf_counter() + MOE_MMA_BUDGET_S)),
             ("int4", lambda: bench_int4(ctx, results, time.perf_counter() + INT4_BUDGET_S,
