@@ -216,6 +216,8 @@ def run_shape_bf16(cp, kernels, rng, name, bs, n, prefix, reps, keys_list, layou
         try:
             plan = kernels.MlaAttentionPlan(bs, n, H, R, DR, prefix + n, max_keys=prefix + n,
                                             bf16_cache=True)
+            if plan.cfg.wgmma != wgmma:
+                raise RuntimeError("the plan did not take the kernel this row names")
 
             def ours(a, plan=plan):
                 plan(a["q_abs"], a["q_pe"], a["ckv"], a["kpe"], a["prefix_len"], a["visible"],
