@@ -228,6 +228,19 @@ def test_the_switch_keeps_the_row_layout_kernel_where_wgmma_does_not_fit(wgmma_a
     assert MlaAttentionPlan(1, 1, 4, 128, 64, 40, bf16_cache=True).cfg.wgmma
 
 
+def test_a_plan_cache_keys_its_plans_by_the_switch(wgmma_attention, monkeypatch):
+    """A model's plan cache lives across calls; flipping the switch in the process (as
+    tools/ab_switches.py does between variants) must not return the other kernel's plan."""
+    from kdtree_numba.attention import PlanCache
+    cache = PlanCache()
+    args = ((1, 1, 4, 128, 64, 40), 40, None, None, False, False, None, True)
+    assert cache.plan(*args).cfg.wgmma
+    monkeypatch.setenv("KDTREE_ATTENTION_WGMMA", "0")
+    assert not cache.plan(*args).cfg.wgmma
+    monkeypatch.setenv("KDTREE_ATTENTION_WGMMA", "1")
+    assert cache.plan(*args).cfg.wgmma and len(cache) == 2
+
+
 def test_wgmma_tiles_are_checked():
     from kdtree_numba.attention.plan import Bf16TileConfig
     assert Bf16TileConfig(512, 64, keys=32, wgmma=True).validate().smem_bytes() == \

@@ -336,8 +336,9 @@ class PlanCache:
 
     def plan(self, shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
              bf16_cache, fused_merge=False) -> "MlaAttentionPlan":
+        # the switches a plan reads when it is made (a process may flip them between calls)
         key = (shape, max_keys, keys_per_split, variant, batch_invariant, prefill, rows,
-               bf16_cache, fused_merge)
+               bf16_cache, fused_merge, bf16_cache and runtime.current().attention_wgmma)
         plan = self._plans.get(key)
         if plan is None:
             plan = MlaAttentionPlan(*shape, max_keys=max_keys, keys_per_split=keys_per_split,
