@@ -253,7 +253,7 @@ def test_wgmma_tiles_are_checked():
 
 # ------------------------------------------------------------------ the GPU at Kimi widths
 
-def _product_kernel(n, trans_b):
+def _product_kernel(n, trans_b, tile_words):
     """One warpgroup's ``wgmma_bf16_rs(n, trans_b)`` from zero: A (64 x 16 bf16, as mma.sync
     A fragments, ``a_words[thread, 4]``) times the B operand of ``tile`` (uint32 words copied
     to shared memory at a 1,024-byte boundary) through ``desc_b`` (an offset from the tile's
@@ -264,7 +264,7 @@ def _product_kernel(n, trans_b):
     from kdtree_numba.gpu.tensorcore import (fence_proxy_async, wgmma_bf16_rs, wgmma_commit,
                                              wgmma_fence, wgmma_wait_all)
     product = wgmma_bf16_rs(n, trans_b)
-    words = 4096 + 256
+    words = tile_words + 256            # the tile and the slack to its 1,024-byte boundary
 
     @cuda.jit
     def kernel(a_words, tile, desc_fields, start, out):
@@ -333,7 +333,7 @@ def test_gpu_register_a_wgmma_gives_numpys_product(trans_b):
         fields = int(np.int64((1 << 16) | ((1024 >> 4) << 32) | (1 << 62)))
         b = v[:, 80:96].T                          # B [k, n]: keys as n
     out = cuda.device_array((64, n), np.float32)
-    _product_kernel(n, trans_b)[1, 128](cuda.to_device(a_words), cuda.to_device(tile),
+    _product_kernel(n, trans_b, tile.size)[1, 128](cuda.to_device(a_words), cuda.to_device(tile),
                                         cuda.to_device(np.array([fields], np.int64)),
                                         np.int64(start), out)
     got = out.copy_to_host().astype(np.float64)

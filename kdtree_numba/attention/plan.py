@@ -270,8 +270,8 @@ class Bf16TileConfig:
 
     def validate(self):
         if self.wgmma and not wgmma_attention_fits(self.r, self.dr, self.rows, self.keys):
-            raise ValueError(f"the warpgroup attention kernel takes 64 rows, 16-, 32- or "
-                             f"64-key tiles and r a multiple of 128 up to 512: {self}")
+            raise ValueError(f"the warpgroup attention kernel takes 64 rows, 16- or 32-key "
+                             f"tiles and r a multiple of 128 up to 512: {self}")
         if self.overlap and self.stages != 3:
             # (the warpgroup kernel's; the row layout's kernel has none) with two stages the
             # next tile's copies would overwrite the values a running P V still reads

@@ -363,8 +363,9 @@ else:
         (the lower k in the low half), lane (g, t) of warp w % 4 holding rows 16 w + g and
         + 8 at k 2t, 2t + 1 and 2t + 8, 2t + 9 as mma.sync's A fragment -- and B through a
         shared-memory descriptor, K-major or, with ``trans_b``, N-major; D as
-        :func:`wgmma_bf16`'s.  Same fences and waits (the registers a0 .. a3 are read when
-        the instruction issues)."""
+        :func:`wgmma_bf16`'s.  Same fences and waits; a0 .. a3, like the accumulators, must not
+        be written before the ``wgmma_wait_*`` that covers the product (the PTX ISA leaves
+        it undefined)."""
         if n % 8 or not 8 <= n <= 256:
             raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
         m = n // 2
