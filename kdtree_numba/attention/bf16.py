@@ -76,7 +76,8 @@ from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
-           "ldsm_value_word", "staging", "chunk_source"]
+           "ldsm_value_word", "staging", "chunk_source", "softmax_step", "quad_max",
+           "quad_sum", "LOG2E", "LN2"]
 
 
 def key_row(n):
@@ -137,6 +138,14 @@ def query_word(panels, row, col):
 
 
 _key_row = inline_device_function(key_row)
+
+
+@inline_device_function
+def _row_layout_key(x, t):
+    """The key (from the tile's first) of lane t's score x: n-tile x // 4, column
+    :func:`key_row` (2t + x % 2)."""
+    return 8 * (x // 4) + _key_row(2 * t + x % 2)
+
 _tile_word = inline_device_function(tile_word)
 _query_word = inline_device_function(query_word)
 _key_word = inline_device_function(key_word)
@@ -201,6 +210,91 @@ else:
 # where a thread's key chunks start (:func:`staging`'s ``lat_src`` / ``rope_src``), for
 # attention/wgmma.py's kernel
 chunk_source = _chunk_source
+
+
+LOG2E = np.float32(1.4426950408889634)
+LN2 = np.float32(0.6931471805599453)
+SLACK2 = np.float32(RESCALE_SLACK * LOG2E)   # the float32 kernels' slack, in log2 units
+
+
+@inline_device_function
+def quad_max(x):
+    """The max over the 4 lanes t of a fragment row."""
+    x = max(x, shfl_xor(x, 1))
+    return max(x, shfl_xor(x, 2))
+
+
+@inline_device_function
+def quad_sum(x):
+    """The sum over the 4 lanes t of a fragment row."""
+    x += shfl_xor(x, 1)
+    return x + shfl_xor(x, 2)
+
+
+def softmax_step(scores: int, accumulators: int, stride: int, key_col):
+    """``step(s, xch, partner, acc, pk, t0, t, unmasked, tau2, kend, prefix, visible, b, ok_a,
+    ok_b, query_a, query_b, m_a, m_b, l_a, l_b) -> (m_a, m_b, l_a, l_b)``: one key tile of
+    the online softmax of a thread's two fragment rows a, b (accumulators 4j, 4j + 1 and
+    4j + 2, 4j + 3), identical in the two warps (warpgroups) that hold halves of the scores:
+    its ``scores`` partial scores ``s`` plus the partner's (``xch[partner + stride x]``) in
+    log2 units, masked past the unmasked keys (score x is key t0 + ``key_col(x, t)``), the
+    reference point moved only by more than the slack, the ``accumulators`` P V sums
+    rescaled, and the probabilities packed to bf16 pairs into ``pk`` (pair x: scores 2x,
+    2x + 1, one row), the denominators summing what P V multiplies.  This kernel's and
+    attention/wgmma.py's."""
+    SN, ACC, PK = scores, accumulators, scores // 2
+
+    @inline_device_function
+    def step(s, xch, partner, acc, pk, t0, t, unmasked, tau2, kend, prefix, visible, b, ok_a,
+             ok_b, query_a, query_b, m_a, m_b, l_a, l_b):
+        mt_a = mt_b = NEG_INF
+        if unmasked:  # keys every row sees, all in range: no mask
+            for x in range(SN):
+                sc = (s[x] + xch[partner + stride * x]) * tau2
+                if x % 4 < 2:
+                    mt_a = max(mt_a, sc)
+                else:
+                    mt_b = max(mt_b, sc)
+                s[x] = sc
+        else:
+            for x in range(SN):
+                sc = (s[x] + xch[partner + stride * x]) * tau2
+                key = t0 + key_col(x, t)
+                if x % 4 < 2:
+                    sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
+                    mt_a = max(mt_a, sc)
+                else:
+                    sc = masked_score(sc, key, kend, prefix, visible, b, ok_b, query_b)
+                    mt_b = max(mt_b, sc)
+                s[x] = sc
+        mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
+        alpha_a = alpha_b = ONE
+        if mt_a > m_a + SLACK2:  # also the first visible score (m = -inf)
+            alpha_a = math.exp2(m_a - mt_a)
+            m_a = mt_a
+        if mt_b > m_b + SLACK2:
+            alpha_b = math.exp2(m_b - mt_b)
+            m_b = mt_b
+        if warp_any(alpha_a != ONE or alpha_b != ONE):
+            for x in range(ACC // 4):
+                acc[4 * x] *= alpha_a
+                acc[4 * x + 1] *= alpha_a
+                acc[4 * x + 2] *= alpha_b
+                acc[4 * x + 3] *= alpha_b
+        ms_a = m_a if m_a > NEG_INF else ZERO  # nothing visible yet: all p = 0
+        ms_b = m_b if m_b > NEG_INF else ZERO
+        sum_a = sum_b = ZERO
+        for x in range(PK):  # pk[2 j + h]: n-tile j's row g + 8h, keys 2t, 2t + 1
+            ms = ms_a if x % 2 == 0 else ms_b
+            word = pack_bf16x2(math.exp2(s[2 * x] - ms), math.exp2(s[2 * x + 1] - ms))
+            rounded = bf16_lo(word) + bf16_hi(word)   # the denominator sums what P V uses
+            if x % 2 == 0:
+                sum_a += rounded
+            else:
+                sum_b += rounded
+            pk[x] = word
+        return m_a, m_b, l_a * alpha_a + sum_a, l_b * alpha_b + sum_b
+    return step
 
 
 def staging(cfg: Bf16TileConfig, kword, qword):
@@ -361,9 +455,7 @@ def build_kernel(cfg: Bf16TileConfig):
     Q_PANEL, K_PANEL = 16 * M, 16 * N   # words between a row's panels in the two tiles
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
     mma = block_uniform_mma_bf16
-    LOG2E = np.float32(1.4426950408889634)
-    LN2 = np.float32(0.6931471805599453)
-    SLACK2 = np.float32(RESCALE_SLACK * LOG2E)   # the float32 kernels' slack, in log2 units
+    softmax = softmax_step(SN, ACC, 32, _row_layout_key)
 
     @inline_device_function
     def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
@@ -378,16 +470,6 @@ def build_kernel(cfg: Bf16TileConfig):
         b1 = pair_high_halves(z, w)
         acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
             a0, a1, a2, a3, b0, b1, acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
-
-    @inline_device_function
-    def quad_max(x):  # over the 4 lanes t of a fragment row
-        x = max(x, shfl_xor(x, 1))
-        return max(x, shfl_xor(x, 2))
-
-    @inline_device_function
-    def quad_sum(x):
-        x += shfl_xor(x, 1)
-        return x + shfl_xor(x, 2)
 
     @inline_device_function
     def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
@@ -534,54 +616,9 @@ def build_kernel(cfg: Bf16TileConfig):
 
             # online softmax of both halves' sum, identical in the two partner warps.  The
             # reference point moves only when a score exceeds it by more than RESCALE_SLACK.
-            mt_a = mt_b = NEG_INF
-            if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
-                for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
-                    if x % 4 < 2:
-                        mt_a = max(mt_a, sc)
-                    else:
-                        mt_b = max(mt_b, sc)
-                    s[x] = sc
-            else:
-                for x in range(SN):
-                    sc = (s[x] + xch[xch_partner + 32 * x]) * tau2
-                    key = t0 + 8 * (x // 4) + _key_row(2 * t + x % 2)
-                    if x % 4 < 2:
-                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
-                        mt_a = max(mt_a, sc)
-                    else:
-                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_b, query_b)
-                        mt_b = max(mt_b, sc)
-                    s[x] = sc
-            mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
-            alpha_a = alpha_b = ONE
-            if mt_a > m_a + SLACK2:  # also the first visible score (m = -inf)
-                alpha_a = math.exp2(m_a - mt_a)
-                m_a = mt_a
-            if mt_b > m_b + SLACK2:
-                alpha_b = math.exp2(m_b - mt_b)
-                m_b = mt_b
-            if warp_any(alpha_a != ONE or alpha_b != ONE):
-                for x in range(ACC // 4):
-                    acc[4 * x] *= alpha_a
-                    acc[4 * x + 1] *= alpha_a
-                    acc[4 * x + 2] *= alpha_b
-                    acc[4 * x + 3] *= alpha_b
-            ms_a = m_a if m_a > NEG_INF else ZERO  # nothing visible yet: all p = 0
-            ms_b = m_b if m_b > NEG_INF else ZERO
-            sum_a = sum_b = ZERO
-            for x in range(PK):  # pk[2 nt + h]: n-tile nt's row g + 8h, keys 2t, 2t + 1
-                ms = ms_a if x % 2 == 0 else ms_b
-                word = pack_bf16x2(math.exp2(s[2 * x] - ms), math.exp2(s[2 * x + 1] - ms))
-                rounded = bf16_lo(word) + bf16_hi(word)   # the denominator sums what P V uses
-                if x % 2 == 0:
-                    sum_a += rounded
-                else:
-                    sum_b += rounded
-                pk[x] = word
-            l_a = l_a * alpha_a + sum_a
-            l_b = l_b * alpha_b + sum_b
+            m_a, m_b, l_a, l_b = softmax(s, xch, xch_partner, acc, pk, t0, t,
+                                         t0 + N <= unmasked_end, tau2, kend, prefix, visible,
+                                         b, ok_a, ok_b, query_a, query_b, m_a, m_b, l_a, l_b)
 
             if LDSM:    # B operands by ldmatrix.trans: n-tile j = 8 consecutive columns
                 vb0 = kv + vl_at0 + v_first * V_GROUP

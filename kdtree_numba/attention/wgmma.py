@@ -32,22 +32,19 @@ docs/ATTENTION.md ("The warpgroup kernel").
 """
 from kdtree_numba.compat import SIMULATOR, cuda, kernel  # noqa: I001
 
-import math
-
-import numpy as np
 from numba import float32, uint32
 
-from kdtree_numba.attention.bf16 import chunk_source, staging
+from kdtree_numba.attention.bf16 import (LN2, LOG2E, chunk_source, quad_sum, softmax_step,
+                                         staging)
 from kdtree_numba.attention.plan import Bf16TileConfig
-from kdtree_numba.attention.tiles import (NEG_INF, ONE, RESCALE_SLACK, ZERO, block_keys,
-                                          block_row0, masked_score, seen_new_keys)
-from kdtree_numba.gpu.bits import bf16_hi, bf16_lo, divmod_u32
+from kdtree_numba.attention.tiles import (NEG_INF, ONE, ZERO, block_keys, block_row0,
+                                          seen_new_keys)
+from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_1, cp_async_wait_all
-from kdtree_numba.gpu.tensorcore import (fence_proxy_async, pack_bf16x2, wgmma_bf16,
-                                         wgmma_bf16_rs, wgmma_commit, wgmma_descriptor_128,
+from kdtree_numba.gpu.tensorcore import (fence_proxy_async, wgmma_bf16, wgmma_bf16_rs,
+                                         wgmma_commit, wgmma_descriptor_128,
                                          wgmma_descriptor_128_n, wgmma_fence, wgmma_wait_all)
-from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "swizzled_word"]
 
@@ -61,6 +58,14 @@ def swizzled_word(rows, row, col):
 
 
 _swizzled_word = inline_device_function(swizzled_word)
+
+
+@inline_device_function
+def _fragment_key(x, t):
+    """The key (from the tile's first) of score accumulator x of lane t: D's column
+    8 (x >> 2) + 2t + (x & 1)."""
+    return 8 * (x >> 2) + 2 * t + (x & 1)
+
 _describe = inline_device_function(wgmma_descriptor_128)
 _describe_n = inline_device_function(wgmma_descriptor_128_n)
 
@@ -124,19 +129,7 @@ def build_kernel(cfg: Bf16TileConfig):
     stage_keys, zero_padding, stage_queries = staging(cfg, _swizzled_word, _swizzled_word)
     scores = wgmma_bf16(N)
     values = wgmma_bf16_rs(VN, True)
-    LOG2E = np.float32(1.4426950408889634)
-    LN2 = np.float32(0.6931471805599453)
-    SLACK2 = np.float32(RESCALE_SLACK * LOG2E)
-
-    @inline_device_function
-    def quad_max(x):  # over the 4 lanes t of a fragment row
-        x = max(x, shfl_xor(x, 1))
-        return max(x, shfl_xor(x, 2))
-
-    @inline_device_function
-    def quad_sum(x):
-        x += shfl_xor(x, 1)
-        return x + shfl_xor(x, 2)
+    softmax = softmax_step(NS, NO, 128, _fragment_key)
 
     @inline_device_function
     def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
@@ -251,56 +244,10 @@ def build_kernel(cfg: Bf16TileConfig):
             if OVERLAP:             # so its buffer may take tile t0 + 2N
                 prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
 
-            # online softmax of the sum, identical in both warpgroups; accumulator x is row
-            # g + 8 ((x >> 1) & 1), key t0 + 8 (x >> 2) + 2t + (x & 1)
-            mt_a = mt_b = NEG_INF
-            if t0 + N <= unmasked_end:  # keys every row sees, all in range: no mask
-                for x in range(NS):
-                    sc = (s[x] + xch[xch_other + 128 * x]) * tau2
-                    if x % 4 < 2:
-                        mt_a = max(mt_a, sc)
-                    else:
-                        mt_b = max(mt_b, sc)
-                    s[x] = sc
-            else:
-                for x in range(NS):
-                    sc = (s[x] + xch[xch_other + 128 * x]) * tau2
-                    key = t0 + 8 * (x >> 2) + 2 * t + (x & 1)
-                    if x % 4 < 2:
-                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_a, query_a)
-                        mt_a = max(mt_a, sc)
-                    else:
-                        sc = masked_score(sc, key, kend, prefix, visible, b, ok_b, query_b)
-                        mt_b = max(mt_b, sc)
-                    s[x] = sc
-            mt_a, mt_b = quad_max(mt_a), quad_max(mt_b)
-            alpha_a = alpha_b = ONE
-            if mt_a > m_a + SLACK2:  # also the first visible score (m = -inf)
-                alpha_a = math.exp2(m_a - mt_a)
-                m_a = mt_a
-            if mt_b > m_b + SLACK2:
-                alpha_b = math.exp2(m_b - mt_b)
-                m_b = mt_b
-            if warp_any(alpha_a != ONE or alpha_b != ONE):
-                for x in range(NO // 4):
-                    acc[4 * x] *= alpha_a
-                    acc[4 * x + 1] *= alpha_a
-                    acc[4 * x + 2] *= alpha_b
-                    acc[4 * x + 3] *= alpha_b
-            ms_a = m_a if m_a > NEG_INF else ZERO  # nothing visible yet: all p = 0
-            ms_b = m_b if m_b > NEG_INF else ZERO
-            sum_a = sum_b = ZERO
-            for x in range(PK):  # pk[2 j + h]: n-tile j's row g + 8h, keys 2t, 2t + 1
-                ms = ms_a if x % 2 == 0 else ms_b
-                word = pack_bf16x2(math.exp2(s[2 * x] - ms), math.exp2(s[2 * x + 1] - ms))
-                rounded = bf16_lo(word) + bf16_hi(word)   # the denominator sums what P V uses
-                if x % 2 == 0:
-                    sum_a += rounded
-                else:
-                    sum_b += rounded
-                pk[x] = word
-            l_a = l_a * alpha_a + sum_a
-            l_b = l_b * alpha_b + sum_b
+            # online softmax of the sum, identical in both warpgroups
+            m_a, m_b, l_a, l_b = softmax(s, xch, xch_other, acc, pk, t0, t,
+                                         t0 + N <= unmasked_end, tau2, kend, prefix, visible,
+                                         b, ok_a, ok_b, query_a, query_b, m_a, m_b, l_a, l_b)
 
             # P V: k16 step ks takes n-tiles 2 ks and 2 ks + 1 of P as the A fragment
             wgmma_fence()
