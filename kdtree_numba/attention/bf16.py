@@ -77,7 +77,7 @@ from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
            "ldsm_value_word", "staging", "chunk_source", "softmax_step", "quad_max",
-           "quad_sum", "LOG2E", "LN2"]
+           "quad_sum", "row_output", "LOG2E", "LN2"]
 
 
 def key_row(n):
@@ -297,6 +297,27 @@ def softmax_step(scores: int, accumulators: int, stride: int, key_col):
     return step
 
 
+def row_output(reciprocal):
+    """``target(out, part_o, part_ml, direct, b, split, row, m_run, l_run, writes_ml) ->
+    (dst, scale)``: where a finished row goes -- u[b, row] normalised by ``reciprocal(l)``
+    (zeros where it saw nothing) with one split, else the split's partial output, its
+    (max in natural units, sum) written by the thread with ``writes_ml``."""
+    @inline_device_function
+    def target(out, part_o, part_ml, direct, b, split, row, m_run, l_run, writes_ml):
+        if direct:
+            return out[b, row], reciprocal(l_run) if l_run > ZERO else ZERO
+        if writes_ml:  # the merge works in natural units
+            part_ml[b, split, row, 0] = m_run * LN2
+            part_ml[b, split, row, 1] = l_run
+        return part_o[b, split, row], ONE
+    return target
+
+
+@inline_device_function
+def _ieee_reciprocal(x):
+    return ONE / x
+
+
 def staging(cfg: Bf16TileConfig, kword, qword):
     """``(stage_keys, zero_padding, stage_queries)``: the device functions that stage a block's
     key tiles (cp.async of 16-byte chunks from the cache, rows clamped at the split's end) and
@@ -456,6 +477,7 @@ def build_kernel(cfg: Bf16TileConfig):
     V_GROUP = 2 * K_PANEL          # words between 64-column groups of a key tile
     mma = block_uniform_mma_bf16
     softmax = softmax_step(SN, ACC, 32, _row_layout_key)
+    target = row_output(_ieee_reciprocal)
 
     @inline_device_function
     def pv_word(acc, o, a0, a1, a2, a3, x, y, z, w):
@@ -479,15 +501,8 @@ def build_kernel(cfg: Bf16TileConfig):
         n-tile j's columns 2t and 2t + 1 are columns 64 group + 16t + j and + 8 + j; columns
         past r and the second warp's repeat of the last group are not written."""
         if row < n_rows:
-            if direct:
-                dst = out[b, row]
-                scale = ONE / l_run if l_run > ZERO else ZERO  # sees nothing -> zeros
-            else:
-                dst = part_o[b, split, row]
-                scale = ONE
-                if writes_ml:  # the merge works in natural units
-                    part_ml[b, split, row, 0] = m_run * LN2
-                    part_ml[b, split, row, 1] = l_run
+            dst, scale = target(out, part_o, part_ml, direct, b, split, row, m_run, l_run,
+                                writes_ml)
             for grp in range(GROUPS):
                 group = kh * GROUPS + grp
                 if LDSM:    # n-tile j: columns 8 j .. 8 j + 7 of the group, 2t and 2t + 1 here

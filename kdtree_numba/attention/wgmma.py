@@ -34,8 +34,8 @@ from kdtree_numba.compat import SIMULATOR, cuda, kernel  # noqa: I001
 
 from numba import float32, uint32
 
-from kdtree_numba.attention.bf16 import (LN2, LOG2E, chunk_source, quad_sum, softmax_step,
-                                         staging)
+from kdtree_numba.attention.bf16 import (LOG2E, chunk_source, quad_sum, row_output,
+                                         softmax_step, staging)
 from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, ZERO, block_keys, block_row0,
                                           seen_new_keys)
@@ -130,6 +130,7 @@ def build_kernel(cfg: Bf16TileConfig):
     scores = wgmma_bf16(N)
     values = wgmma_bf16_rs(VN, True)
     softmax = softmax_step(NS, NO, 128, _fragment_key)
+    target = row_output(_reciprocal)
 
     @inline_device_function
     def finish_row(out, part_o, part_ml, direct, b, split, row, n_rows, m_run, l_run, acc, h,
@@ -138,15 +139,8 @@ def build_kernel(cfg: Bf16TileConfig):
         output and its (max, sum): accumulators 4j + 2h, + 1 are columns kh VN + 8j + 2t,
         + 1."""
         if row < n_rows:
-            if direct:
-                dst = out[b, row]
-                scale = _reciprocal(l_run) if l_run > ZERO else ZERO  # sees nothing: zeros
-            else:
-                dst = part_o[b, split, row]
-                scale = ONE
-                if writes_ml:  # the merge works in natural units
-                    part_ml[b, split, row, 0] = m_run * LN2
-                    part_ml[b, split, row, 1] = l_run
+            dst, scale = target(out, part_o, part_ml, direct, b, split, row, m_run, l_run,
+                                writes_ml)
             for j in range(NO // 4):
                 col = kh * VN + 8 * j + 2 * t
                 dst[col] = acc[4 * j + 2 * h] * scale
