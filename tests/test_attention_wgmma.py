@@ -135,7 +135,11 @@ _RS_TABLES: dict = {}
 
 @pytest.fixture
 def wgmma_attention(needs_kernels, monkeypatch):
-    """KDTREE_ATTENTION_WGMMA on, both wgmma forms emulated, fresh plans."""
+    """KDTREE_ATTENTION_WGMMA on, both wgmma forms emulated (the simulator only: on a GPU the
+    tests marked gpu below run the real ones), fresh plans."""
+    from kdtree_numba.compat import SIMULATOR
+    if not SIMULATOR:
+        pytest.skip("emulated wgmma: the simulator's test (the GPU's are marked gpu)")
     from kdtree_numba.attention import clear_plan_cache
     from kdtree_numba.gpu import tensorcore
     monkeypatch.setenv("KDTREE_ATTENTION_WGMMA", "1")
@@ -265,6 +269,7 @@ def _product_kernel(n, trans_b, tile_words):
                                              wgmma_fence, wgmma_wait_all)
     product = wgmma_bf16_rs(n, trans_b)
     words = tile_words + 256            # the tile and the slack to its 1,024-byte boundary
+    outputs = n // 2                    # a local array's size: a constant, not an expression
 
     @cuda.jit
     def kernel(a_words, tile, desc_fields, start, out):
@@ -276,15 +281,15 @@ def _product_kernel(n, trans_b, tile_words):
             smem[w0 + i] = tile[i]
         fence_proxy_async()
         cuda.syncthreads()
-        acc = cuda.local.array(n // 2, float32)
-        for i in range(n // 2):
+        acc = cuda.local.array(outputs, float32)
+        for i in range(outputs):
             acc[i] = float32(0.0)
         wgmma_fence()
         product(acc, smem, a_words[t, 0], a_words[t, 1], a_words[t, 2], a_words[t, 3],
                 desc_fields[0] | (((base + 4 * w0 + start) & 0x3FFFF) >> 4))
         wgmma_commit()
         wgmma_wait_all()
-        for i in range(n // 2):
+        for i in range(outputs):
             row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((i // 2) % 2)
             col = 8 * (i // 4) + 2 * (t % 4) + i % 2
             out[row, col] = acc[i]

@@ -241,6 +241,7 @@ def test_the_switch_sends_the_warpgroup_tile_to_tma(monkeypatch):
     """``KDTREE_MMA_TMA`` reroutes the warpgroup tile (its slices and fold kept) and nothing
     else (the mma.sync tiles of a decode); a TMA tile runs as planned either way."""
     wide = dataclasses.replace(mm.WGMMA_TILE, splits=4, slices_in_block=True)
+    monkeypatch.setenv("KDTREE_MMA_TMA", "0")     # the cp.async decode tile, on any machine
     decode = mm.mma_config(1, 7168, 2048)
     monkeypatch.setenv("KDTREE_MMA_TMA", "1")
     assert mma_tma.planned(wide) == dataclasses.replace(mma_tma.TMA_TILE, splits=4,

@@ -388,7 +388,10 @@ def _tma_kernel_for(cfg: MmaConfig):
                 store_tile(out, acc, at, bt, s0 * m_total, m_total, n_total, warp, lane)
             u += cuda.gridDim.x
 
-    @kernel(**({"max_registers": cfg.max_registers} if cfg.max_registers else {}))
+    # a block's threads times their registers must fit an SM's 65,536 or the launch fails:
+    # numba sets no launch bounds, so ptxas does not know the block size, and the H100's
+    # toolchain gave stream-K's and the wide tiles more registers than that (run 205)
+    @kernel(max_registers=cfg.max_registers or min(255, 65536 // (cfg.threads + 32) // 8 * 8))
     def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
                        k_total, a_tiles, b_tiles, splits, kc_total, part, counters, dp_tiles):
         """out = x16 w16^T over this block's work units (the module docstring); x16's and
