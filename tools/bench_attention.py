@@ -16,9 +16,8 @@ is reported, not fatal.
 Then the bf16 cache (``--bf16-keys``, default 32,16: the bf16 kernel's key tiles; and
 ``--bf16-layouts``, default every name in ``plan.BF16_LAYOUTS``: the package's ``bf16``, and
 under ``dev/cuda/attention.py bench`` its candidates too, which give the same bits; on an
-sm_90 GPU also ``wgmma``, ``wgmma s3`` and ``wgmma s3 overlap``, attention/wgmma.py's
-warpgroup kernel with two key stages, with three, and with three and a tile's P V running
-under the next tile's scores, which is the same error bound, not the same bits): the same
+sm_90 GPU also ``wgmma`` and ``wgmma s3``, attention/wgmma.py's warpgroup kernel with two key
+stages and with three, which is the same error bound, not the same bits): the same
 shapes with the cache rounded to bf16, beside their own roof max(bytes / 4.1 TB/s, FLOPs /
 660 TFLOP/s: mma.sync bf16 on the H200), the share of HBM bandwidth they reach (issue 15's goal:
 decode bs 64 prefix 4096 >= 60%), and their max |difference| from the CuPy composition over the
@@ -47,8 +46,7 @@ if str(ROOT) not in sys.path:
 HBM_BYTES_PER_S = 4.1e12
 FP32_FLOPS = 51e12
 # --bf16-layouts: attention/wgmma.py's kernel (sm_90a) with two key stages, and with three
-WGMMA_LAYOUTS = {"wgmma": {}, "wgmma s3": {"stages": 3},
-                 "wgmma s3 overlap": {"stages": 3, "overlap": True}}
+WGMMA_LAYOUTS = {"wgmma": {}, "wgmma s3": {"stages": 3}}
 BF16_MMA_FLOPS = 660e12     # dense bf16 mma.sync on the H200 (wgmma's 989 needs sm_90a)
 GOAL_ROOF_FACTOR = 1.5
 H, R, DR, TAU = 64, 512, 64, 0.130861

@@ -233,7 +233,6 @@ class Bf16TileConfig:
     lean_staging: bool = False  # whole key tiles copied without clamp and size select
     ldsm_values: bool = True    # P V operands by ldmatrix.trans (key tiles: bf16.key_word)
     wgmma: bool = False         # attention/wgmma.py's warpgroup kernel (KDTREE_ATTENTION_WGMMA)
-    overlap: bool = False       # the warpgroup kernel's P V left running under the next scores
 
     @property
     def d(self):
@@ -272,10 +271,6 @@ class Bf16TileConfig:
         if self.wgmma and not wgmma_attention_fits(self.r, self.dr, self.rows, self.keys):
             raise ValueError(f"the warpgroup attention kernel takes 64 rows, 16- or 32-key "
                              f"tiles and r a multiple of 128 up to 512: {self}")
-        if self.overlap and self.stages != 3:
-            # (the warpgroup kernel's; the row layout's kernel has none) with two stages the
-            # next tile's copies would overwrite the values a running P V still reads
-            raise ValueError(f"the overlapped P V takes three key stages: {self}")
         if self.r % 8 or self.dr % 8 or min(self.r, self.dr) < 8 \
                 or self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"the bf16 attention tiles need r and dr multiples of 8 (16-byte "

@@ -125,7 +125,6 @@ def build_kernel(cfg: Bf16TileConfig):
     Q_PANEL, K_PANEL = M * 128, N * 128            # bytes between a tile's panels
     STAGES = cfg.stages
     CAUSAL = cfg.causal
-    OVERLAP = cfg.overlap
     stage_keys, zero_padding, stage_queries = staging(cfg, _swizzled_word, _swizzled_word)
     scores = wgmma_bf16(N)
     values = wgmma_bf16_rs(VN, True)
@@ -213,13 +212,13 @@ def build_kernel(cfg: Bf16TileConfig):
             else:
                 cp_async_wait_1()   # all but the newest group: tile t0's
             fence_proxy_async()     # this thread's copies (and queries) -> wgmma's reads
-            cuda.syncthreads()      # tile t0 landed; tile t0 - N's scores are done
+            cuda.syncthreads()      # tile t0 landed; tile t0 - N's products are done
             if STAGES == 2:
                 if t0 + N < kend:   # prefetch the next tile into the other buffer
                     stage_keys(smem, kv0 + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
                                kend, tid, lat_src, rope_src)
                     cp_async_commit()
-            elif not OVERLAP:   # tile t0 + 2N into the buffer tile t0 - N left
+            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
                 prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
             k_bytes = kv_bytes + stage * (4 * TILE_WORDS)
 
@@ -231,12 +230,10 @@ def build_kernel(cfg: Bf16TileConfig):
                 scores(s, smem, _describe(q_bytes + (step >> 2) * Q_PANEL + 32 * (step & 3)),
                        _describe(k_bytes + (step >> 2) * K_PANEL + 32 * (step & 3)))
             wgmma_commit()
-            wgmma_wait_all()        # (and, overlapped, the tile before's P V)
+            wgmma_wait_all()
             for x in range(NS):
                 xch[xch_mine + 128 * x] = s[x]
-            cuda.syncthreads()      # overlapped: every thread has waited on tile t0 - N's P V
-            if OVERLAP:             # so its buffer may take tile t0 + 2N
-                prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
+            cuda.syncthreads()
 
             # online softmax of the sum, identical in both warpgroups
             m_a, m_b, l_a, l_b = softmax(s, xch, xch_other, acc, pk, t0, t,
@@ -249,14 +246,15 @@ def build_kernel(cfg: Bf16TileConfig):
                 values(acc, smem, pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3],
                        _describe_n(k_bytes + kh * VATOMS * K_PANEL + ks * 2048, K_PANEL))
             wgmma_commit()
-            if not OVERLAP:     # overlapped: it runs on under the next tile's barrier, copies
-                wgmma_wait_all()    # and scores; acc and pk are not touched before their wait
+            # waited here: leaving it to run under the next tile's scores (acc and pk kept
+            # until their wait, the prefetch after it) spilled 160 bytes at the register
+            # ceiling and ran 1.5x slower (run 205)
+            wgmma_wait_all()
             if STAGES == 2:
                 stage = 1 - stage
             else:
                 stage = 0 if stage == 2 else stage + 1
         cp_async_wait_all()  # nothing may be in flight when the block exits
-        wgmma_wait_all()
 
         l_a, l_b = quad_sum(l_a), quad_sum(l_b)
         writes_ml = kh == 0 and t == 0
