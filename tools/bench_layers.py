@@ -473,19 +473,43 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
                        dataclasses.replace(wide, stream_k=1))]
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
+    from kdtree_numba.layers.mma_tma import planned
     for name, cfg in plans:
         if name != "default" and time.perf_counter() > deadline:
             break
-        t, hb = timer([lambda w=w, c=cfg: layers.linear(x_nb, w, out=y_nb, method="mma",
-                                                        config=c, workspace=ws)
-                       for w in w_nb], trials=7 if name == "default" else 3)
+        # under KDTREE_MMA_TMA=1 linear() sends a cp.async warpgroup tile to the TMA kernel:
+        # a named cp.async variant runs with the switch off; the default row runs as the
+        # switch says and names the tile that ran (run 205's rows had named the cp.async one)
+        cp_async = name != "default" and cfg.wgmma and not cfg.tma
+        with switch_off("KDTREE_MMA_TMA", cp_async):
+            t, hb = timer([lambda w=w, c=cfg: layers.linear(x_nb, w, out=y_nb, method="mma",
+                                                            config=c, workspace=ws)
+                           for w in w_nb], trials=7 if name == "default" else 3)
+            ran = planned(cfg) or cfg
         row = dict(section="mma", K=k, N=n, M=m, variant=name, us=t * 1e6,
                    default_us=t_def and t_def * 1e6, vs_default=t_def and t_def / t,
                    cublas_bf16_us=t_blas and t_blas * 1e6, vs_cublas_bf16=t_blas and t_blas / t,
                    roof_us=roof * 1e6, bound=bound, roof_frac=roof / t, gbps=wbytes / t / 1e9,
-                   tflops=2.0 * m * n * k / t / 1e12, config=str(cfg), host_bound=hb)
+                   tflops=2.0 * m * n * k / t / 1e12, config=str(ran), host_bound=hb)
         results.append(row)
         print_row(row)
+
+
+@contextlib.contextmanager
+def switch_off(name: str, off: bool):
+    """The environment switch ``name`` set to 0 inside the block where ``off`` (restored)."""
+    if not off:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def bench_moe(ctx, results, deadline):
