@@ -67,7 +67,8 @@ from kdtree_numba.layers.mma_plan import (  # noqa: F401  (swapped_tile re-expor
 from kdtree_numba.layers.workspace import workspace_buffer
 
 __all__ = ["TMA_TILE", "GROUP_M", "tma_kernel", "tma_linear", "tma_config", "swapped_tile",
-           "planned", "wgmma_descriptor_128", "whole_tiles", "WIDE_TILES", "WIDE_FOLDING"]
+           "planned", "wgmma_descriptor_128", "whole_tiles", "WIDE_TILES", "WIDE_FOLDING",
+           "register_cap"]
 
 # M tiles per group of the units' order: the blocks in flight (one an SM) then cover about 8
 # M tiles by grid / 8 N tiles, whose x and weight tiles both stay in L2
@@ -99,6 +100,14 @@ def tma_config(cfg: MmaConfig) -> MmaConfig:
     ``KDTREE_MMA_STREAM_K``."""
     return with_stream_k(dataclasses.replace(TMA_TILE, splits=cfg.splits,
                                              slices_in_block=cfg.slices_in_block))
+
+
+def register_cap(cfg: MmaConfig) -> int:
+    """The TMA kernel's registers a thread: ``cfg.max_registers``, else as many as let a block
+    (its consumers and the producer warp) fit an SM's 65,536.  numba sets no launch bounds,
+    so ptxas does not know the block size, and the H100 image's toolchain gave stream-K's
+    and the wide tiles more than that: their launches failed (run 205)."""
+    return cfg.max_registers or min(255, 65536 // (cfg.threads + 32) // 8 * 8)
 
 
 def tma_kernel(cfg: MmaConfig):
@@ -388,10 +397,7 @@ def _tma_kernel_for(cfg: MmaConfig):
                 store_tile(out, acc, at, bt, s0 * m_total, m_total, n_total, warp, lane)
             u += cuda.gridDim.x
 
-    # a block's threads times their registers must fit an SM's 65,536 or the launch fails:
-    # numba sets no launch bounds, so ptxas does not know the block size, and the H100's
-    # toolchain gave stream-K's and the wide tiles more registers than that (run 205)
-    @kernel(max_registers=cfg.max_registers or min(255, 65536 // (cfg.threads + 32) // 8 * 8))
+    @kernel(max_registers=register_cap(cfg))
     def mma_tma_linear(x16, w16, out, x_maps, x_slot, w_maps, w_slot, m_total, n_total,
                        k_total, a_tiles, b_tiles, splits, kc_total, part, counters, dp_tiles):
         """out = x16 w16^T over this block's work units (the module docstring); x16's and
