@@ -312,6 +312,31 @@ else:
 
     from kdtree_numba.gpu.llvm import asm_statement
 
+    def _emit_wgmma(context, builder, n, acc_type, acc, operands, operand_text, modifiers):
+        """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16`` on the n / 2 float32 of the
+        local array ``acc`` (read, then written back): ``operands`` (value, constraint) are
+        asm arguments m, m + 1, ... (m = n / 2), ``operand_text(m)`` their place in the
+        instruction (A and B), ``modifiers`` what follows scale-d and the two scales (the
+        transposes)."""
+        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        m = n // 2
+        data = context.make_array(acc_type)(context, builder, acc).data
+        ptrs = [builder.gep(data, [ir.Constant(i64, i)]) for i in range(m)]
+        values = [v for v, _ in operands]
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
+                               [v.type for v in values] + [i32] + [f32] * m)
+        regs = ", ".join(f"${i}" for i in range(m))
+        text = ("{\n\t.reg .pred p;\n\t"
+                f"setp.ne.b32 p, ${m + len(values)}, 0;\n\t"
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+                f"{{{regs}}}, {operand_text(m)}, p, 1, 1, {modifiers};\n\t}}")
+        constraints = ",".join(["=f"] * m + [c for _, c in operands] + ["r"]
+                               + [str(i) for i in range(m)])
+        out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                           values + [ir.Constant(i32, 1)] + [builder.load(p) for p in ptrs])
+        for i, p in enumerate(ptrs):
+            builder.store(builder.extract_value(out, i), p)
+
     @functools.cache
     def wgmma_bf16(n: int):
         """An intrinsic ``wgmma(acc, smem, desc_a, desc_b)``: ``wgmma.mma_async.sync.aligned.
@@ -327,32 +352,16 @@ else:
         sm_90a (numba-cuda compiles H200 launches for it)."""
         if n % 8 or not 8 <= n <= 256:
             raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
-        m = n // 2
 
         @intrinsic
         def wgmma(typingctx, acc, smem, desc_a, desc_b):
             sig = types.void(acc, smem, desc_a, desc_b)
 
             def codegen(context, builder, sig, args):
-                f32, i64 = ir.FloatType(), ir.IntType(64)
-                data = context.make_array(sig.args[0])(context, builder, args[0]).data
-                ptrs = [builder.gep(data, [ir.Constant(i64, i)]) for i in range(m)]
-                descs = [context.cast(builder, args[k], sig.args[k], types.int64)
+                descs = [(context.cast(builder, args[k], sig.args[k], types.int64), "l")
                          for k in (2, 3)]
-                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
-                                       [i64, i64, ir.IntType(32)] + [f32] * m)
-                regs = ", ".join(f"${i}" for i in range(m))
-                text = ("{\n\t.reg .pred p;\n\t"
-                        f"setp.ne.b32 p, ${m + 2}, 0;\n\t"
-                        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
-                        f"{{{regs}}}, ${m}, ${m + 1}, p, 1, 1, 0, 0;\n\t}}")
-                constraints = ",".join(["=f"] * m + ["l", "l", "r"]
-                                       + [str(i) for i in range(m)])
-                out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
-                                   descs + [ir.Constant(ir.IntType(32), 1)]
-                                   + [builder.load(p) for p in ptrs])
-                for i, p in enumerate(ptrs):
-                    builder.store(builder.extract_value(out, i), p)
+                _emit_wgmma(context, builder, n, sig.args[0], args[0], descs,
+                            lambda i: f"${i}, ${i + 1}", "0, 0")
             return sig, codegen
         return wgmma
 
@@ -368,7 +377,6 @@ else:
         it undefined)."""
         if n % 8 or not 8 <= n <= 256:
             raise ValueError(f"wgmma takes n = 8, 16, ..., 256, got {n}")
-        m = n // 2
         trans = int(bool(trans_b))
 
         @intrinsic
@@ -376,27 +384,12 @@ else:
             sig = types.void(acc, smem, a0, a1, a2, a3, desc_b)
 
             def codegen(context, builder, sig, args):
-                f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-                data = context.make_array(sig.args[0])(context, builder, args[0]).data
-                ptrs = [builder.gep(data, [ir.Constant(i64, i)]) for i in range(m)]
-                regs_a = [context.cast(builder, args[k], sig.args[k], types.uint32)
-                          for k in (2, 3, 4, 5)]
-                desc = context.cast(builder, args[6], sig.args[6], types.int64)
-                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
-                                       [i32] * 4 + [i64, i32] + [f32] * m)
-                regs = ", ".join(f"${i}" for i in range(m))
-                text = ("{\n\t.reg .pred p;\n\t"
-                        f"setp.ne.b32 p, ${m + 5}, 0;\n\t"
-                        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
-                        f"{{{regs}}}, {{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, p, "
-                        f"1, 1, {trans};\n\t}}")
-                constraints = ",".join(["=f"] * m + ["r"] * 4 + ["l", "r"]
-                                       + [str(i) for i in range(m)])
-                out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
-                                   regs_a + [desc, ir.Constant(i32, 1)]
-                                   + [builder.load(p) for p in ptrs])
-                for i, p in enumerate(ptrs):
-                    builder.store(builder.extract_value(out, i), p)
+                operands = [(context.cast(builder, args[k], sig.args[k], types.uint32), "r")
+                            for k in (2, 3, 4, 5)]
+                operands.append((context.cast(builder, args[6], sig.args[6], types.int64), "l"))
+                _emit_wgmma(context, builder, n, sig.args[0], args[0], operands,
+                            lambda i: f"{{${i}, ${i + 1}, ${i + 2}, ${i + 3}}}, ${i + 4}",
+                            str(trans))
             return sig, codegen
         return wgmma
 
