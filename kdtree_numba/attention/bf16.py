@@ -76,7 +76,7 @@ from kdtree_numba.gpu.tensorcore import block_uniform_mma_bf16, pack_bf16x2
 from kdtree_numba.gpu.warp import shfl_xor, warp_any
 
 __all__ = ["build_kernel", "key_row", "tile_word", "key_word", "query_word",
-           "ldsm_value_word", "staging", "chunk_source", "softmax_step", "quad_max",
+           "ldsm_value_word", "staging", "key_ring", "softmax_step", "quad_max",
            "quad_sum", "row_output", "LOG2E", "LN2"]
 
 
@@ -205,11 +205,6 @@ else:
     @inline_device_function
     def _ldsm_values(smem, base, own, offset, lane, keys, half):
         return ldmatrix_x4_trans(smem, base, offset)
-
-
-# where a thread's key chunks start (:func:`staging`'s ``lat_src`` / ``rope_src``), for
-# attention/wgmma.py's kernel
-chunk_source = _chunk_source
 
 
 LOG2E = np.float32(1.4426950408889634)
@@ -439,6 +434,63 @@ def staging(cfg: Bf16TileConfig, kword, qword):
     return stage_keys, zero_padding, stage_queries
 
 
+def key_ring(cfg: Bf16TileConfig, stage_keys):
+    """``(start, wait, prefetch, advance)``: the ring of ``cfg.stages`` key tiles a block
+    streams its keys through, on :func:`staging`'s ``stage_keys`` (a cp.async commit group a
+    tile, even empty, since the waits count groups).  ``start(smem, kv0, ckv, kpe, b, first,
+    end, tid) -> (lat_src, rope_src)``: the thread's key sources and the first tile (two
+    with three stages) in flight into the tiles from word ``kv0``; ``wait()``: tile t0 of
+    the loop landed (every group but the newest with three stages); ``prefetch(smem, kv0,
+    stage, ckv, kpe, b, t0, end, tid, lat_src, rope_src)``: after the loop's barrier, the
+    tile one ahead (two with three stages) into the buffer the ring freed; ``advance(stage)``:
+    the next tile's buffer."""
+    N, STAGES = cfg.keys, cfg.stages
+    CR, CD = cfg.r // 8, cfg.d // 8
+    TILE_WORDS = N * cfg.row_words
+
+    @inline_device_function
+    def start(smem, kv0, ckv, kpe, b, first, end, tid):
+        lat_src = _chunk_source(ckv, b, 8 * (tid % CR))
+        rope_src = _chunk_source(kpe, b, 8 * (tid % (CD - CR)))
+        stage_keys(smem, kv0, ckv, kpe, b, first, end, tid, lat_src, rope_src)
+        cp_async_commit()
+        if STAGES == 3:     # the ring starts two tiles ahead
+            if first + N < end:
+                stage_keys(smem, kv0 + TILE_WORDS, ckv, kpe, b, first + N, end, tid, lat_src,
+                           rope_src)
+            cp_async_commit()
+        return lat_src, rope_src
+
+    @inline_device_function
+    def wait():
+        if STAGES == 2:
+            cp_async_wait_all()
+        else:
+            cp_async_wait_1()   # all but the newest group: tile t0's
+
+    @inline_device_function
+    def prefetch(smem, kv0, stage, ckv, kpe, b, t0, end, tid, lat_src, rope_src):
+        if STAGES == 2:
+            if t0 + N < end:    # the next tile into the other buffer
+                stage_keys(smem, kv0 + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N, end,
+                           tid, lat_src, rope_src)
+                cp_async_commit()
+        else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
+            if t0 + 2 * N < end:
+                ahead = stage + 2 if stage == 0 else stage - 1
+                stage_keys(smem, kv0 + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N, end, tid,
+                           lat_src, rope_src)
+            cp_async_commit()
+
+    @inline_device_function
+    def advance(stage):
+        if STAGES == 2:
+            return 1 - stage
+        return 0 if stage == 2 else stage + 1
+
+    return start, wait, prefetch, advance
+
+
 def build_kernel(cfg: Bf16TileConfig):
     """The bf16 block kernel for one configuration (the float32 kernels' arguments; ``ckv``
     and ``kpe`` uint16 bf16 bit patterns)."""
@@ -456,15 +508,14 @@ def build_kernel(cfg: Bf16TileConfig):
     PK = SN // 2                   # bf16 probability words per lane
     ACC = 32 * GROUPS              # P V accumulators per lane
     CH = cfg.d_pad // 8            # 16-byte chunks of a staged row
-    CR = cfg.r // 8                # ... of them from the latent, then the rope key's
-    CD = cfg.d // 8                # ... and zeros from chunk CD on (padding to whole panels)
-    CP = CD - CR                   # rope chunks of a row
+    CD = cfg.d // 8                # ... up to chunk CD from the cache, then zeros (padding)
     TILE_WORDS = N * cfg.row_words
     Q_OFF, KV_OFF = 0, M * cfg.row_words
     STAGES = cfg.stages
     FRAGQ, LDSM = cfg.frag_queries, cfg.ldsm_values
     kword = _key_word if LDSM else _tile_word      # the key tiles' layout
     stage_keys, zero_padding, stage_queries = staging(cfg, kword, _tile_word)
+    ring_start, ring_wait, ring_prefetch, ring_advance = key_ring(cfg, stage_keys)
     PANELS = cfg.d_pad // 32       # of a staged row (the fragment-order query tile's unit)
     XCH_OFF = KV_OFF + STAGES * TILE_WORDS
     CAUSAL = cfg.causal
@@ -542,15 +593,7 @@ def build_kernel(cfg: Bf16TileConfig):
         stage_queries(smem, Q_OFF, q_abs, q_pe, b, row0, n_rows, tid)
         if CH > CD:
             zero_padding(smem, KV_OFF, tid)
-        lat_src = _chunk_source(ckv, b, 8 * (tid % CR))
-        rope_src = _chunk_source(kpe, b, 8 * (tid % CP))
-        stage_keys(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)
-        cp_async_commit()
-        if STAGES == 3:     # the ring starts two tiles ahead; a group a tile, even empty
-            if kbeg + N < kend:
-                stage_keys(smem, KV_OFF + TILE_WORDS, ckv, kpe, b, kbeg + N, kend, tid,
-                           lat_src, rope_src)
-            cp_async_commit()
+        lat_src, rope_src = ring_start(smem, KV_OFF, ckv, kpe, b, kbeg, kend, tid)
 
         row_a = row0 + 16 * rg + g        # the lane's fragment rows g and g + 8
         row_b = row_a + 8
@@ -589,22 +632,9 @@ def build_kernel(cfg: Bf16TileConfig):
         stage = 0
         for t0 in range(kbeg, kend, N):
             kv = KV_OFF + stage * TILE_WORDS
-            if STAGES == 2:
-                cp_async_wait_all()
-            else:
-                cp_async_wait_1()   # all but the newest group: tile t0's
+            ring_wait()
             cuda.syncthreads()  # tile t0 (and the queries) landed; tile t0 - N is consumed
-            if STAGES == 2:
-                if t0 + N < kend:   # prefetch the next tile into the other buffer
-                    stage_keys(smem, KV_OFF + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
-                               kend, tid, lat_src, rope_src)
-                    cp_async_commit()
-            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
-                if t0 + 2 * N < kend:
-                    ahead = stage + 2 if stage == 0 else stage - 1
-                    stage_keys(smem, KV_OFF + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N,
-                               kend, tid, lat_src, rope_src)
-                cp_async_commit()
+            ring_prefetch(smem, KV_OFF, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
 
             for x in range(SN):
                 s[x] = ZERO
@@ -674,10 +704,7 @@ def build_kernel(cfg: Bf16TileConfig):
                     pv_word(acc, o + 8, a0, a1, a2, a3, x1, y1, z1, w1)
                     pv_word(acc, o + 16, a0, a1, a2, a3, x2, y2, z2, w2)
                     pv_word(acc, o + 24, a0, a1, a2, a3, x3, y3, z3, w3)
-            if STAGES == 2:
-                stage = 1 - stage
-            else:
-                stage = 0 if stage == 2 else stage + 1
+            stage = ring_advance(stage)
         cp_async_wait_all()  # nothing may be in flight when the block exits
 
         # epilogue: normalised u (one split) or the split's partial output and (max, sum)

@@ -34,14 +34,14 @@ from kdtree_numba.compat import SIMULATOR, cuda, kernel  # noqa: I001
 
 from numba import float32, uint32
 
-from kdtree_numba.attention.bf16 import (LOG2E, chunk_source, quad_sum, row_output,
+from kdtree_numba.attention.bf16 import (LOG2E, key_ring, quad_sum, row_output,
                                          softmax_step, staging)
 from kdtree_numba.attention.plan import Bf16TileConfig
 from kdtree_numba.attention.tiles import (NEG_INF, ONE, ZERO, block_keys, block_row0,
                                           seen_new_keys)
 from kdtree_numba.gpu.bits import divmod_u32
 from kdtree_numba.gpu.llvm import inline_device_function
-from kdtree_numba.gpu.memory import cp_async_commit, cp_async_wait_1, cp_async_wait_all
+from kdtree_numba.gpu.memory import cp_async_wait_all
 from kdtree_numba.gpu.tensorcore import (fence_proxy_async, wgmma_bf16, wgmma_bf16_rs,
                                          wgmma_commit, wgmma_descriptor_128,
                                          wgmma_descriptor_128_n, wgmma_fence, wgmma_wait_all)
@@ -65,6 +65,7 @@ def _fragment_key(x, t):
     """The key (from the tile's first) of score accumulator x of lane t: D's column
     8 (x >> 2) + 2t + (x & 1)."""
     return 8 * (x >> 2) + 2 * t + (x & 1)
+
 
 _describe = inline_device_function(wgmma_descriptor_128)
 _describe_n = inline_device_function(wgmma_descriptor_128_n)
@@ -93,14 +94,6 @@ else:
         return libdevice.fast_fdividef(ONE, x)
 
 
-@inline_device_function
-def _tiles_word(smem):
-    """The first word of smem at a 1,024-byte boundary of the shared window (the 128-byte
-    swizzle's period, which wgmma applies to absolute addresses)."""
-    base = _window(smem)
-    return (((base + 1023) & ~1023) - base) >> 2
-
-
 def build_kernel(cfg: Bf16TileConfig):
     """The warpgroup block kernel for one configuration (bf16.py's kernel's arguments)."""
     cfg.validate()
@@ -126,6 +119,7 @@ def build_kernel(cfg: Bf16TileConfig):
     STAGES = cfg.stages
     CAUSAL = cfg.causal
     stage_keys, zero_padding, stage_queries = staging(cfg, _swizzled_word, _swizzled_word)
+    ring_start, ring_wait, ring_prefetch, ring_advance = key_ring(cfg, stage_keys)
     scores = wgmma_bf16(N)
     values = wgmma_bf16_rs(VN, True)
     softmax = softmax_step(NS, NO, 128, _fragment_key)
@@ -145,16 +139,6 @@ def build_kernel(cfg: Bf16TileConfig):
                 dst[col] = acc[4 * j + 2 * h] * scale
                 dst[col + 1] = acc[4 * j + 2 * h + 1] * scale
 
-    @inline_device_function
-    def prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src):
-        """Three stages: tile t0 + 2N into the buffer tile t0 - N left (the ring's previous),
-        a commit group each time, even empty (the waits count groups)."""
-        if t0 + 2 * N < kend:
-            ahead = stage + 2 if stage == 0 else stage - 1
-            stage_keys(smem, kv0 + ahead * TILE_WORDS, ckv, kpe, b, t0 + 2 * N, kend, tid,
-                       lat_src, rope_src)
-        cp_async_commit()
-
     @kernel
     def mla_attention_wgmma(q_abs, q_pe, ckv, kpe, prefix_len, visible, tau, n, heads, chunk,
                             direct, out, part_o, part_ml):
@@ -172,22 +156,17 @@ def build_kernel(cfg: Bf16TileConfig):
         if kbeg >= kend:  # a split past the request's keys: the merge skips it
             return
 
-        w0 = _tiles_word(smem)
+        window = _window(smem)
+        q_bytes = (window + 1023) & ~1023        # the tiles at the 128-byte swizzle's period,
+        w0 = (q_bytes - window) >> 2             # which wgmma applies to absolute addresses
         kv0 = w0 + Q_WORDS
+        kv_bytes = q_bytes + 4 * Q_WORDS
         xch_mine = kv0 + STAGES * TILE_WORDS + kh * (NS * 128) + wt
         xch_other = kv0 + STAGES * TILE_WORDS + (1 - kh) * (NS * 128) + wt
         stage_queries(smem, w0, q_abs, q_pe, b, row0, n_rows, tid)
         if CH > CD:
             zero_padding(smem, kv0, tid)
-        lat_src = chunk_source(ckv, b, 8 * (tid % (R // 8)))
-        rope_src = chunk_source(kpe, b, 8 * (tid % (CD - R // 8)))
-        stage_keys(smem, kv0, ckv, kpe, b, kbeg, kend, tid, lat_src, rope_src)
-        cp_async_commit()
-        if STAGES == 3:     # the ring starts two tiles ahead; a group a tile, even empty
-            if kbeg + N < kend:
-                stage_keys(smem, kv0 + TILE_WORDS, ckv, kpe, b, kbeg + N, kend, tid, lat_src,
-                           rope_src)
-            cp_async_commit()
+        lat_src, rope_src = ring_start(smem, kv0, ckv, kpe, b, kbeg, kend, tid)
 
         row_a = row0 + 16 * (warp & 3) + g      # the thread's fragment rows g and g + 8
         row_b = row_a + 8
@@ -195,8 +174,6 @@ def build_kernel(cfg: Bf16TileConfig):
         query_a, query_b = divmod_u32(row_a, heads)[0], divmod_u32(row_b, heads)[0]
         unmasked_end = min(prefix + seen_new_keys(visible, b, row0, min(row0 + M, n_rows) - 1,
                                                   heads, tid, T), kend)
-        q_bytes = _window(smem) + 4 * w0         # shared addresses of the tiles
-        kv_bytes = q_bytes + 4 * Q_WORDS
 
         acc = cuda.local.array(NO, float32)
         for x in range(NO):
@@ -207,19 +184,10 @@ def build_kernel(cfg: Bf16TileConfig):
         l_a = l_b = ZERO     # and in both warpgroups); l: this thread's keys only
         stage = 0
         for t0 in range(kbeg, kend, N):
-            if STAGES == 2:
-                cp_async_wait_all()
-            else:
-                cp_async_wait_1()   # all but the newest group: tile t0's
+            ring_wait()
             fence_proxy_async()     # this thread's copies (and queries) -> wgmma's reads
             cuda.syncthreads()      # tile t0 landed; tile t0 - N's products are done
-            if STAGES == 2:
-                if t0 + N < kend:   # prefetch the next tile into the other buffer
-                    stage_keys(smem, kv0 + (1 - stage) * TILE_WORDS, ckv, kpe, b, t0 + N,
-                               kend, tid, lat_src, rope_src)
-                    cp_async_commit()
-            else:   # tile t0 + 2N into the buffer tile t0 - N left (the ring's previous)
-                prefetch_third(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
+            ring_prefetch(smem, kv0, stage, ckv, kpe, b, t0, kend, tid, lat_src, rope_src)
             k_bytes = kv_bytes + stage * (4 * TILE_WORDS)
 
             # this warpgroup's half of the scores, then the other half's from shared memory
@@ -250,10 +218,7 @@ def build_kernel(cfg: Bf16TileConfig):
             # until their wait, the prefetch after it) spilled 160 bytes at the register
             # ceiling and ran 1.5x slower (run 205)
             wgmma_wait_all()
-            if STAGES == 2:
-                stage = 1 - stage
-            else:
-                stage = 0 if stage == 2 else stage + 1
+            stage = ring_advance(stage)
         cp_async_wait_all()  # nothing may be in flight when the block exits
 
         l_a, l_b = quad_sum(l_a), quad_sum(l_b)
