@@ -287,8 +287,9 @@ class Bf16TileConfig:
 def wgmma_attention_fits(r: int, dr: int, rows: int = 64, keys: int = 32) -> bool:
     """Whether attention/wgmma.py's kernel takes these widths and tile: one warpgroup's 64
     rows (the wgmma's M), each warpgroup's r / 2 value columns whole 64-column panels of at
-    most 256 (one m64n{r / 2} product a k16 step), keys a multiple of 16."""
-    return rows == 64 and keys in (16, 32, 64) and r % 128 == 0 and r <= 512 and dr % 8 == 0
+    most 256 (one m64n{r / 2} product a k16 step), 16- or 32-key tiles (the tiles' limit in
+    :meth:`Bf16TileConfig.validate`)."""
+    return rows == 64 and keys in (16, 32) and r % 128 == 0 and r <= 512 and dr % 8 == 0
 
 
 BF16_VARIANT = "bf16"     # what a plan over a bf16 cache reports as its variant
