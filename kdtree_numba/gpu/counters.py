@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from kdtree_numba import compat
-from kdtree_numba.compat import SIMULATOR, cuda, device_function, kernel
-from kdtree_numba.gpu.tma import group_sync_or
+from kdtree_numba.compat import cuda, device_function, kernel
+from kdtree_numba.gpu.tma import context_key, group_sync_or
 
 __all__ = ["arrival_counters", "last_to_arrive", "group_last_to_arrive", "made"]
 
@@ -37,7 +37,7 @@ def _zero(counters):
 def arrival_counters(name: str, n: int, stream=0):
     """At least ``n`` zeroed int32 counters for the kernels of kind ``name`` in this CUDA
     context (module docstring)."""
-    key = (0 if SIMULATOR else id(cuda.current_context()), name)
+    key = (context_key(), name)
     kept = _KEPT.setdefault(key, [])
     if kept and kept[-1].shape[0] >= n:
         return kept[-1]

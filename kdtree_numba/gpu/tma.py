@@ -48,7 +48,7 @@ from kdtree_numba.gpu.llvm import inline_device_function
 
 __all__ = ["PANEL_ELEMS", "mbarrier_init", "mbarrier_init_fence", "mbarrier_expect_tx",
            "mbarrier_arrive", "mbarrier_wait", "tma_load_panel", "tensor_map_acquire",
-           "group_sync_or", "tensor_map", "TensorMapError"]
+           "group_sync_or", "tensor_map", "TensorMapError", "context_key"]
 
 PANEL_ELEMS = 32        # bf16 per box row: 64 bytes, the width of the 64-byte swizzle
 _MAP_WORDS = 16         # a CUtensorMap: 128 opaque bytes, 64-byte aligned
@@ -410,11 +410,18 @@ def _encode(address: int, rows: int, k: int, box_rows: int, swizzle: int) -> lis
     return [int(w) for w in tmap.opaque]
 
 
-def tensor_map(array, box_rows: int, stream=0, swizzle: int = 64):
+def context_key() -> int:
+    """The current CUDA context's key in the process's kept device arrays (0: the
+    simulator)."""
+    return 0 if SIMULATOR else id(cuda.current_context())
+
+
+def tensor_map(array, box_rows: int, stream=0, swizzle: int = 64, context=None):
     """(maps, slot): the device pool array holding, at row ``slot``, the tensor map of the
     C-contiguous 2-D uint16 (bf16 bits) device ``array`` for boxes of ``box_rows`` rows x
     ``swizzle`` bytes (64: :data:`PANEL_ELEMS` bf16; or 128), in that swizzle (the module
-    docstring).  Under the simulator a zeroed placeholder (its copies read ``array``)."""
+    docstring).  Under the simulator a zeroed placeholder (its copies read ``array``).
+    ``context``: :func:`context_key`, where the caller has looked it up."""
     rows, k = (int(v) for v in array.shape)
     if np.dtype(array.dtype) != np.uint16 or not 1 <= box_rows <= 256 or swizzle not in (64,
                                                                                          128):
@@ -427,8 +434,7 @@ def tensor_map(array, box_rows: int, stream=0, swizzle: int = 64):
     from kdtree_numba.gpu.memory import device_address
     address = device_address(array)
     key = (address, rows, k, box_rows, swizzle)
-    context = 0 if SIMULATOR else id(cuda.current_context())
-    pool = _POOLS.setdefault(context, _MapPool())
+    pool = _POOLS.setdefault(context_key() if context is None else context, _MapPool())
     if SIMULATOR:
         return pool.get(key, lambda: [0] * _MAP_WORDS, stream)
     return pool.get(key, lambda: _encode(address, rows, k, box_rows, swizzle), stream)

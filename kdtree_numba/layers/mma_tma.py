@@ -55,8 +55,8 @@ from kdtree_numba.gpu.llvm import inline_device_function
 from kdtree_numba.gpu.memory import allow_large_shared_memory, load_l2_f32, store_nowrap_2d
 from kdtree_numba.gpu.tensorcore import (wgmma_bf16, wgmma_commit, wgmma_descriptor_128,
                                          wgmma_fence, wgmma_wait_1, wgmma_wait_all)
-from kdtree_numba.gpu.tma import (mbarrier_arrive, mbarrier_expect_tx, mbarrier_init,
-                                  mbarrier_init_fence, mbarrier_wait, tensor_map,
+from kdtree_numba.gpu.tma import (context_key, mbarrier_arrive, mbarrier_expect_tx,
+                                  mbarrier_init, mbarrier_init_fence, mbarrier_wait, tensor_map,
                                   tensor_map_acquire, tma_load_panel)
 from kdtree_numba.layers.common import add_splits
 from kdtree_numba.layers.mma import (WGMMA_TILE, accumulator_origin, fragment_position,
@@ -440,15 +440,10 @@ _X_ROWS: dict = {}      # (context, K) -> the bf16 rows buffer, grown by powers 
 _X_OUTGROWN: list = []  # the buffers they replaced, kept for the graphs that still use them
 
 
-def _context() -> int:
-    """The key of the current CUDA context in this module's kept arrays (0: the simulator)."""
-    return 0 if SIMULATOR else id(cuda.current_context())
-
-
 def _x_rows(m: int, k: int, stream, context=None):
     """The kept [rows >= m, k] uint16 buffer x is rounded into (module docstring)."""
     from kdtree_numba import compat
-    key = (_context() if context is None else context, k)
+    key = (context_key() if context is None else context, k)
     buf = _X_ROWS.get(key)
     if buf is None or buf.shape[0] < m:
         if buf is not None:
@@ -518,12 +513,12 @@ def tma_linear(xd, wd, y, cfg: MmaConfig, stream=0, workspace=None):
         in_block = in_memory = False
     if (in_block, stream_k) != (cfg.slices_in_block, cfg.stream_k):
         cfg = dataclasses.replace(cfg, slices_in_block=in_block, stream_k=stream_k)
-    context = _context()
+    context = context_key()
     buf = _x_rows(m, k, stream, context)
     round_into(xd, buf, stream)
     x_box, w_box = (cfg.bn, cfg.bm) if cfg.swap_ab else (cfg.bm, cfg.bn)   # rows a box
-    x_maps, x_slot = tensor_map(buf, x_box, stream, cfg.swizzle)
-    w_maps, w_slot = tensor_map(wd, w_box, stream, cfg.swizzle)
+    x_maps, x_slot = tensor_map(buf, x_box, stream, cfg.swizzle, context)
+    w_maps, w_slot = tensor_map(wd, w_box, stream, cfg.swizzle, context)
     target = partial_sums(y, splits, in_memory, workspace, stream)
     a_tiles, b_tiles = ((-(-n // cfg.bm), -(-m // cfg.bn)) if cfg.swap_ab else
                         (-(-m // cfg.bm), -(-n // cfg.bn)))
