@@ -422,11 +422,12 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
             plans.append(("wgmma 256 x 128 folded, 128 registers",
                           dataclasses.replace(wide, slices_in_block=True, max_registers=128)))
     from kdtree_numba.layers.mma_plan import wgmma_available
+    from kdtree_numba.layers.mma_tma import (TMA_TILE, WIDE_FOLDING, WIDE_TILES, planned,
+                                             swapped_tile)
     if wgmma_available() and m <= 256:
         # the weights as wgmma's A operand, x's rows as its B (n = M rounded up to 8), TMA
         # staging: what cuBLAS does at a verify's rows (run 202: 64 x 72 tiles at M = 65);
         # at one row a tensor-core GEMV whose weights stream through an 8-stage ring
-        from kdtree_numba.layers.mma_tma import swapped_tile
         for wgs in (1, 2):
             swapped = swapped_tile(m, wgs, default.splits)
             plans.append((f"tma swapped {64 * wgs} x {swapped.bn}", swapped))
@@ -436,7 +437,6 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
         # TMA staging from a producer warp, a persistent grid (issue 38, KDTREE_MMA_TMA; at
         # 65 rows two warpgroups of 64 where mma.sync's tile is 80 rows): the launcher's
         # fold, and (past 80 rows) the slices forced into the block
-        from kdtree_numba.layers.mma_tma import TMA_TILE
         tma = dataclasses.replace(TMA_TILE, splits=default.splits)
         plans.append(("tma 128 x 128", tma))
         # 32-wide panels in the 64-byte swizzle (the cp.async kernel's): 1.4-1.5x slower at
@@ -450,13 +450,11 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
                                                                       slices_in_block=True)))
     if wgmma_available() and m > 80:
         # wider tiles, fewer bytes staged from L2 a FLOP (unfolded: slices through memory)
-        from kdtree_numba.layers.mma_tma import WIDE_TILES
         plans += [(name, dataclasses.replace(wide, splits=default.splits))
                   for name, wide in WIDE_TILES.items()]
     if wgmma_available() and default.splits > 1:
         # stream-K (KDTREE_MMA_STREAM_K): the last waves' slices shared out over the grid, on
         # the TMA tile this M takes (the swapped one up to 80 rows)
-        from kdtree_numba.layers.mma_tma import TMA_TILE, swapped_tile
         base = (default if default.tma else
                 swapped_tile(m, 1, default.splits) if m <= 80 else
                 dataclasses.replace(TMA_TILE, splits=default.splits))
@@ -465,7 +463,6 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
                        dataclasses.replace(base, stream_k=waves, slices_in_block=False))
                       for waves in (1, 2)]
         if m > 80:      # cuBLAS's tile height with the slices added in the block
-            from kdtree_numba.layers.mma_tma import WIDE_FOLDING
             wide = dataclasses.replace(WIDE_FOLDING, splits=default.splits)
             plans += [("tma 192 x 128 folded, 152 registers",
                        dataclasses.replace(wide, slices_in_block=True)),
@@ -473,7 +470,6 @@ def mma_row(ctx, results, rng, k, n, m, w16, w_nb, wbytes, deadline):
                        dataclasses.replace(wide, stream_k=1))]
     if m in (1, 65, 512) and k == 7168:
         plans += list(ALTERNATIVES["mma"](layers, m, n, k).items())
-    from kdtree_numba.layers.mma_tma import planned
     for name, cfg in plans:
         if name != "default" and time.perf_counter() > deadline:
             break
